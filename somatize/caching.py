@@ -1,0 +1,175 @@
+"""Running a plan against a store: `.cached()` nodes are looked up before they compute.
+
+A node's key is its declaration (class, constructor arguments, salt, the digest of its state
+when frozen) and the keys of its inputs; the graph's input is keyed by the digest of its bytes.
+A node that is not cached still passes a key on, so a cached node after it keeps working. A
+`.mapped().cached()` node is keyed item by item and handed only the items that are missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import weakref
+from typing import Any, Callable
+
+from somatize import _hooks
+from somatize.codecs import digest, encode
+from somatize.node import Opaque
+from somatize.run import (
+    MANY,
+    ONE,
+    ROOT,
+    Plan,
+    _noted,
+    _result,
+    code_version,
+    declaration_key,
+    warn_code_changed,
+)
+
+__all__ = ["walk_cached", "declarations"]
+
+_declared: weakref.WeakKeyDictionary[Plan, dict[str, tuple[str, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def declarations(plan: Plan) -> dict[str, tuple[str, str]]:
+    """`{id: (declaration key, code version)}`, worked out once per plan."""
+    known = _declared.get(plan)
+    if known is None:
+        g = plan.graph
+        known = {}
+        for nid in plan.ids:
+            s = g.setting(nid)
+            node = g.implementation(nid)
+            state = _hooks.state_digest(node) if s.frozen else None
+            known[nid] = (declaration_key(node, s.salt, state), code_version(node))
+        _declared[plan] = known
+    return known
+
+
+def _mix(*parts: str) -> str:
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+
+def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], Any]]) -> Any:
+    """Run `plan` on `input`, looking `.cached()` nodes up in `store` and keeping what they make."""
+    g = plan.graph
+    decl = declarations(plan)
+    n = len(plan.steps)
+    vals: list[Any] = [None] * n
+    keys: list[str] = [""] * n
+    input_key: str | None = None
+    clock = time.perf_counter_ns
+    start = clock()
+    i = 0
+    try:
+        for i, mode, src, fn, ctx, device in plan.steps:
+            began = clock()
+            nid = ctx.id
+            if mode == ONE:
+                x, in_key = vals[src], keys[src]
+            elif mode == ROOT:
+                if input_key is None:
+                    input_key = digest(encode(input, where="the graph's input"))
+                x, in_key = input, input_key
+            else:
+                x = {p: vals[j] for p, j in src}
+                in_key = _mix(*(f"{p}={keys[j]}" for p, j in src))
+            if device is not None:
+                x = _hooks.move(x, device)
+            mine, code = decl[nid]
+            keys[i] = key = _mix(mine, in_key)
+            s = g.setting(nid)
+            said = None
+            if not s.cached:
+                out = fn(x, ctx)
+            elif s.mapped:
+                out, said = _mapped(nid, fn, x, ctx, mine, code, store)
+            else:
+                out, said = _one(nid, fn, x, ctx, key, code, store)
+            vals[i] = out.value if type(out) is Opaque else out
+            if told:
+                fact = {
+                    "fact": "ran",
+                    "node": nid,
+                    "began_us": (began - start) / 1e3,
+                    "took_us": (clock() - began) / 1e3,
+                }
+                if said is not None:
+                    fact["cache"] = said
+                for w in told:
+                    w(fact)
+    except BaseException as e:
+        _noted(e, plan, i)
+        raise
+    if told:
+        finished = {"fact": "finished", "took_us": (clock() - start) / 1e3}
+        for w in told:
+            w(finished)
+    return _result(plan, vals)
+
+
+def _name(key: str) -> str:
+    return f"cache/{key[:2]}/{key}"
+
+
+def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
+    bound = store.resolve(name)
+    if bound is None:
+        return False, None
+    kept = dict(bound.meta).get("code")
+    if kept is not None and kept != code:
+        warn_code_changed(nid, kept, code)
+    return True, store.recall(name)
+
+
+def _keep(nid: str, name: str, value: Any, code: str, store: Any) -> None:
+    data = encode(value, where=f"node {nid!r}")
+    store.bind(name, store.put(data), meta=[("node", nid), ("code", code)])
+
+
+def _one(nid: str, fn: Callable, x: Any, ctx: Any, key: str, code: str, store: Any) -> Any:
+    name = _name(key)
+    hit, value = _recall(nid, name, code, store)
+    if hit:
+        return value, "hit"
+    out = fn(x, ctx)
+    if type(out) is Opaque:
+        out = out.value
+    _keep(nid, name, out, code, store)
+    return out, "miss"
+
+
+def _mapped(
+    nid: str, fn: Callable, x: Any, ctx: Any, mine: str, code: str, store: Any
+) -> tuple[list, str]:
+    if not isinstance(x, list):
+        raise TypeError(
+            f"node {nid!r} is .mapped() and was handed {type(x).__name__}, not a list: "
+            "a mapped node takes a list and gives back a list as long"
+        )
+    names = [_name(_mix(mine, digest(encode(item, where=f"an item for node {nid!r}")))) for item in x]
+    out: list[Any] = [None] * len(x)
+    missing = []
+    for k, name in enumerate(names):
+        hit, value = _recall(nid, name, code, store)
+        if hit:
+            out[k] = value
+        else:
+            missing.append(k)
+    if missing:
+        made = fn([x[k] for k in missing], ctx)
+        if not isinstance(made, list) or len(made) != len(missing):
+            raise ValueError(
+                f"node {nid!r} is .mapped(): handed {len(missing)} items it gave back "
+                f"{len(made) if isinstance(made, list) else type(made).__name__}; "
+                "it must return a list as long as the list it was handed"
+            )
+        for k, value in zip(missing, made):
+            out[k] = value
+            _keep(nid, names[k], value, code, store)
+    said = "hit" if not missing else ("miss" if len(missing) == len(x) else "partial")
+    return out, said

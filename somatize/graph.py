@@ -1,0 +1,364 @@
+"""Graph: the topology of a network of nodes, how to read it back, and how to run it.
+
+Built from an expression (`Graph.somatize(enc >> (a | b) >> join)`) or by hand
+(`g.node(...)`, `g.edge(a, b)`). Running it (`forward`) compiles it once into a flat plan,
+which is kept until the topology changes (see `somatize.run`).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterator
+
+from somatize import _hooks
+from somatize.node import DEVICE, Expr, Node, Settings
+
+__all__ = ["Graph"]
+
+
+def _torch_hooks() -> None:
+    """Let `somatize.torch` register its hooks if torch is in use, without importing torch."""
+    if "torch" in sys.modules and "somatize.torch" not in sys.modules:
+        import somatize.torch  # noqa: F401
+
+
+class Graph:
+    """A directed acyclic graph of nodes, each with an id and what was declared of it.
+
+    >>> g = Graph.somatize(Encoder() >> (Left() | Right()) >> Join())   # doctest: +SKIP
+    >>> g.forward(x)                                                   # doctest: +SKIP
+
+    Training does not touch the graph: its nodes, edges, plan and placement stay as they are;
+    what changes are the weights inside the nodes.
+    """
+
+    def __init__(self) -> None:
+        self._order: list[str] = []
+        self._impl: dict[str, Node] = {}
+        self._settings: dict[str, Settings] = {}
+        self._succ: dict[str, list[str]] = {}
+        self._pred: dict[str, list[str]] = {}
+        self._edges: list[tuple[str, str]] = []
+        self._counts: dict[str, int] = {}
+        self._plan: Any = None
+
+    # -- building ------------------------------------------------------------------------
+    @classmethod
+    def somatize(cls, expression: Expr) -> Graph:
+        """The graph an expression declares: `>>` chains, `|` opens branches."""
+        if not isinstance(expression, Expr):
+            raise TypeError(
+                f"Graph.somatize takes an expression of Nodes (a >> b, a | b), "
+                f"not {type(expression).__name__}"
+            )
+        g = cls()
+        g._lay(expression, Settings())
+        return g
+
+    def _lay(self, expr: Expr, outer: Settings) -> tuple[list[str], list[str]]:
+        from somatize.node import Branches, Chain, Piece
+
+        if isinstance(expr, (Node, Piece)):
+            ((node, settings),) = list(expr.pieces(outer))
+            nid = self._add(node, settings)
+            return [nid], [nid]
+        mine = expr._settings.under(outer)
+        if isinstance(expr, Chain):
+            entries: list[str] = []
+            exits: list[str] = []
+            for k, part in enumerate(expr.parts):
+                first, last = self._lay(part, mine)
+                if k == 0:
+                    entries = first
+                else:
+                    for a in exits:
+                        for b in first:
+                            self.edge(a, b)
+                exits = last
+            return entries, exits
+        assert isinstance(expr, Branches)
+        entries, exits = [], []
+        for part in expr.parts:
+            first, last = self._lay(part, mine)
+            entries += first
+            exits += last
+        return entries, exits
+
+    def node(self, *args: Any) -> str:
+        """Add a node, `g.node(obj)` or `g.node("id", obj)`, and return its id.
+
+        `obj` is a `Node` or a declared one (`Enc().on("cpu")`). A duplicate id is refused.
+        """
+        if len(args) == 1:
+            name, obj = None, args[0]
+        elif len(args) == 2:
+            name, obj = args
+        else:
+            raise TypeError("g.node takes (obj) or (id, obj)")
+        if not isinstance(obj, Expr):
+            raise TypeError(f"g.node takes a Node, not {type(obj).__name__} {obj!r:.60}")
+        found = list(obj.pieces())
+        if len(found) != 1:
+            raise ValueError(f"g.node adds one node; this expression holds {len(found)}")
+        node, settings = found[0]
+        if name is not None:
+            settings = Settings(**{**settings.__dict__, "name": name})
+        return self._add(node, settings)
+
+    def _add(self, node: Node, settings: Settings) -> str:
+        if not isinstance(node, Node):
+            raise TypeError(f"a graph holds Nodes, not {type(node).__name__}")
+        nid = settings.name
+        if nid is None:
+            base = type(node).__name__.lower()
+            k = self._counts.get(base, 0) + 1
+            nid = base if k == 1 else f"{base}_{k}"
+            while nid in self._impl:
+                k += 1
+                nid = f"{base}_{k}"
+            self._counts[base] = k
+        elif nid in self._impl:
+            raise ValueError(
+                f"duplicate node id {nid!r}: a {type(self._impl[nid]).__name__} already has it; "
+                f"give this {type(node).__name__} another with .named(...)"
+            )
+        self._check(nid, node, settings)
+        self._order.append(nid)
+        self._impl[nid] = node
+        self._settings[nid] = settings
+        self._succ[nid] = []
+        self._pred[nid] = []
+        if settings.device is not None:
+            _hooks.place(node, settings.device)
+        self._plan = None
+        return nid
+
+    def _check(self, nid: str, node: Node, s: Settings) -> None:
+        if s.device is not None and not (isinstance(s.device, str) and DEVICE.match(s.device)):
+            raise ValueError(
+                f"node {nid!r} is placed .on({s.device!r}), which is not a device: use "
+                "'cpu', 'cuda', 'cuda:N', 'mps' or 'meta'"
+            )
+        _torch_hooks()
+        if s.cached and not s.frozen and _hooks.trainable(node):
+            raise ValueError(
+                f"node {nid!r} is .cached() but holds trainable state and is not .frozen(): "
+                "its output would change under the cache. Declare it .frozen().cached(), "
+                "or do not cache it"
+            )
+
+    def edge(self, a: str, b: str) -> None:
+        """Add the edge a → b. An unknown id, or an edge that would close a cycle, is refused."""
+        for end in (a, b):
+            if end not in self._impl:
+                raise ValueError(f"no node {end!r} in this graph; it has {self._order}")
+        if b in self._succ[a]:
+            return
+        if a == b or self._reaches(b, a):
+            raise ValueError(f"the edge {a!r} -> {b!r} would close a cycle")
+        self._succ[a].append(b)
+        self._pred[b].append(a)
+        self._edges.append((a, b))
+        self._plan = None
+
+    def _reaches(self, start: str, goal: str) -> bool:
+        todo, seen = [start], {start}
+        while todo:
+            here = todo.pop()
+            if here == goal:
+                return True
+            for nxt in self._succ[here]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    # -- reading it back ------------------------------------------------------------------
+    def nodes(self) -> list[str]:
+        """Node ids, in declaration order."""
+        return list(self._order)
+
+    def edges(self) -> list[tuple[str, str]]:
+        """Edges as (from, to) pairs, in the order they were added."""
+        return list(self._edges)
+
+    def roots(self) -> list[str]:
+        """Nodes with no predecessor: each receives the graph's input."""
+        return [n for n in self._order if not self._pred[n]]
+
+    def leaves(self) -> list[str]:
+        """Nodes with no successor: what the graph returns."""
+        return [n for n in self._order if not self._succ[n]]
+
+    def predecessors(self, id: str) -> list[str]:
+        """The nodes feeding `id`, in the order their edges were added."""
+        return list(self._pred[self._known(id)])
+
+    def successors(self, id: str) -> list[str]:
+        """The nodes `id` feeds."""
+        return list(self._succ[self._known(id)])
+
+    def topological_sort(self) -> list[str]:
+        """Every node after all of its predecessors; ties kept in declaration order."""
+        waiting = {n: len(self._pred[n]) for n in self._order}
+        rank = {n: i for i, n in enumerate(self._order)}
+        import heapq
+
+        ready = [(rank[n], n) for n in self._order if waiting[n] == 0]
+        heapq.heapify(ready)
+        out: list[str] = []
+        while ready:
+            _, n = heapq.heappop(ready)
+            out.append(n)
+            for m in self._succ[n]:
+                waiting[m] -= 1
+                if waiting[m] == 0:
+                    heapq.heappush(ready, (rank[m], m))
+        return out
+
+    def implementation(self, id: str) -> Node:
+        """The node object behind an id."""
+        return self._impl[self._known(id)]
+
+    def setting(self, id: str) -> Settings:
+        """Everything declared of a node (name, device, host, frozen, cached, salt, mapped)."""
+        return self._settings[self._known(id)]
+
+    def devices(self) -> dict[str, str | None]:
+        """`{id: device}`, `None` for a node placed nowhere in particular."""
+        return {n: self._settings[n].device for n in self._order}
+
+    def hosts(self) -> dict[str, str | None]:
+        """`{id: host}`, `None` for a node that runs in this process."""
+        return {n: self._settings[n].host for n in self._order}
+
+    def frozen(self) -> dict[str, str | None]:
+        """`{id: digest of its state, or None if it holds none}` for every frozen node."""
+        _torch_hooks()
+        return {
+            n: _hooks.state_digest(self._impl[n]) for n in self._order if self._settings[n].frozen
+        }
+
+    def cached(self) -> dict[str, Any]:
+        """`{id: salt}` for every cached node."""
+        return {n: self._settings[n].salt for n in self._order if self._settings[n].cached}
+
+    def mapped_nodes(self) -> list[str]:
+        """The nodes that map over the items of a list."""
+        return [n for n in self._order if self._settings[n].mapped]
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, id: object) -> bool:
+        return id in self._impl
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __repr__(self) -> str:
+        return f"Graph({len(self._order)} nodes, {len(self._edges)} edges)"
+
+    def _known(self, id: str) -> str:
+        if id not in self._impl:
+            raise KeyError(f"no node {id!r} in this graph; it has {self._order}")
+        return id
+
+    # -- the plan ---------------------------------------------------------------------------
+    def plan_json(self) -> dict[str, Any]:
+        """The graph as data: nodes with what was declared of them, edges, roots, leaves, order."""
+        order = self.topological_sort()
+        nodes = []
+        for n in self._order:
+            s = self._settings[n]
+            nodes.append(
+                {
+                    "id": n,
+                    "kind": type(self._impl[n]).__name__,
+                    "device": s.device,
+                    "host": s.host,
+                    "frozen": bool(s.frozen),
+                    "cached": bool(s.cached),
+                    "salt": s.salt if s.salt is None or isinstance(s.salt, (str, int, float))
+                    else repr(s.salt),
+                    "mapped": bool(s.mapped),
+                    "predecessors": list(self._pred[n]),
+                    "step": order.index(n),
+                }
+            )
+        return {
+            "nodes": nodes,
+            "edges": [list(e) for e in self._edges],
+            "roots": self.roots(),
+            "leaves": self.leaves(),
+            "order": order,
+        }
+
+    def plan(self) -> str:
+        """The plan as text for a person: one line per step, in the order it runs."""
+        data = self.plan_json()
+        by_id = {d["id"]: d for d in data["nodes"]}
+        lines = [repr(self)]
+        for k, n in enumerate(data["order"]):
+            d = by_id[n]
+            src = ", ".join(d["predecessors"]) or "input"
+            marks = [
+                f"on {d['device']}" if d["device"] else "",
+                f"at {d['host']}" if d["host"] else "",
+                "frozen" if d["frozen"] else "",
+                "cached" if d["cached"] else "",
+                "mapped" if d["mapped"] else "",
+            ]
+            mark = " ".join(m for m in marks if m)
+            lines.append(f"{k:>3}. {n} ({d['kind']}) <- {src}" + (f"  [{mark}]" if mark else ""))
+        lines.append("returns " + ", ".join(data["leaves"]))
+        return "\n".join(lines)
+
+    # -- running --------------------------------------------------------------------------
+    def forward(
+        self,
+        input: Any = None,
+        *,
+        broker: Any = None,
+        store: Any = None,
+        watching: Any = None,
+    ) -> Any:
+        """Run the whole graph on `input` and return the leaf's value.
+
+        Every root receives `input`; a node with one predecessor receives its value, one with
+        several a dict keyed by predecessor id. With several leaves the answer is a dict keyed
+        by leaf id. Any value crosses an edge untouched (tensors keep their autograd history).
+        A node that raises propagates its own exception, with a note naming the node.
+
+        `store` (a `Store` or a path) keeps what `.cached()` nodes produce; `watching` (a
+        callable, a `Recorder`, or a list of them) is told what happens; `broker` says where
+        the hosts of `.at(host)` nodes are.
+        """
+        from somatize import run
+
+        if self._plan is None:
+            self._plan = run.compile(self)
+        return run.forward(self._plan, input, broker=broker, store=store, watching=watching)
+
+    def __call__(self, input: Any = None, **kw: Any) -> Any:
+        """Same as `forward`."""
+        return self.forward(input, **kw)
+
+    # -- drawing --------------------------------------------------------------------------
+    def figure(self, inside: Any = None, colour: Any = None, **kw: Any) -> Any:
+        """Draw the graph as a live widget; `inside=architecture(g, x)` opens each node."""
+        from somatize.figures import graph_figure
+
+        return graph_figure(self, inside=inside, colour=colour, **kw)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> Any:
+        try:
+            fig = self.figure()
+        except ImportError:
+            return {"text/plain": repr(self)}
+        bundle = fig._repr_mimebundle_(include=include, exclude=exclude)
+        if isinstance(bundle, tuple):
+            data, meta = bundle
+            data = {**data, "text/plain": repr(self)}
+            return data, meta
+        return {**(bundle or {}), "text/plain": repr(self)}

@@ -1,0 +1,261 @@
+"""Nodes, and the expressions that declare a graph of them.
+
+A `Node` is anything with `forward(input, ctx)`. Nodes are put together with `>>` (one after
+the other) and `|` (side by side), and declared with `.named`, `.on`, `.at`, `.frozen`,
+`.cached` and `.mapped`. A declaration returns a new declared piece and leaves the original
+alone; said of a whole sub-expression, it reaches every node inside that did not say its own
+(the innermost wins, each setting independently of the others)::
+
+    src >> (left | right).on("cuda:0") >> join.named("head")
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from abc import ABC, ABCMeta, abstractmethod
+from dataclasses import dataclass, fields, replace
+from typing import Any, Iterator
+
+__all__ = ["Node", "Opaque", "Expr", "Settings", "DEVICE"]
+
+DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|mps|meta)$")
+"""What `.on(device)` accepts: cpu, cuda, cuda:N, mps, meta."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What was said of one node. `None` is "not said", so an outer declaration may say it."""
+
+    name: str | None = None
+    device: str | None = None
+    host: str | None = None
+    frozen: bool | None = None
+    cached: bool | None = None
+    salt: Any = None
+    mapped: bool | None = None
+
+    def under(self, outer: Settings) -> Settings:
+        """These settings, with what they leave unsaid taken from `outer` (the innermost wins)."""
+        said = {}
+        for f in fields(self):
+            if f.name == "name":
+                continue
+            mine = getattr(self, f.name)
+            said[f.name] = getattr(outer, f.name) if mine is None else mine
+        if self.cached is None and outer.cached:
+            said["salt"] = outer.salt
+        return replace(self, **said)
+
+
+class Opaque:
+    """A value wrapped so that it crosses an edge untouched.
+
+    Kept for code written against the published package: any value already crosses an edge
+    untouched here, and an `Opaque` is unwrapped when it arrives.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"Opaque({self.value!r})"
+
+
+def _refuse(other: Any, op: str) -> TypeError:
+    return TypeError(
+        f"cannot use {type(other).__name__} {other!r:.60} with {op!r} in a graph expression: "
+        "only Nodes (and expressions of them) can be chained with >> or put side by side with |"
+    )
+
+
+class Expr:
+    """A declared piece of a graph: a node, a chain, or branches, with what was said of it."""
+
+    _settings: Settings
+
+    # -- composition -----------------------------------------------------------------------
+    def __rshift__(self, other: Any) -> Expr:
+        if not isinstance(other, Expr):
+            raise _refuse(other, ">>")
+        return Chain(_parts(self, Chain) + _parts(other, Chain))
+
+    def __rrshift__(self, other: Any) -> Expr:
+        raise _refuse(other, ">>")
+
+    def __or__(self, other: Any) -> Expr:
+        if not isinstance(other, Expr):
+            raise _refuse(other, "|")
+        return Branches(_parts(self, Branches) + _parts(other, Branches))
+
+    def __ror__(self, other: Any) -> Expr:
+        raise _refuse(other, "|")
+
+    # -- declarations ----------------------------------------------------------------------
+    def _said(self, **change: Any) -> Expr:
+        raise NotImplementedError
+
+    def named(self, id: str) -> Expr:
+        """Give the node its id (otherwise its class name lower-cased, then `_2`, `_3`, ...)."""
+        if not isinstance(id, str) or not id or "/" in id or "." in id:
+            raise ValueError(
+                f"a node id must be a non-empty string without '/' or '.', not {id!r}"
+            )
+        count = sum(1 for _ in self.pieces())
+        if count != 1:
+            raise ValueError(
+                f".named({id!r}) names one node, and this expression holds {count}: "
+                "name the nodes inside it one by one"
+            )
+        return self._said(name=id)
+
+    def on(self, device: str) -> Expr:
+        """Run here: `cpu`, `cuda`, `cuda:N`, `mps` or `meta` (checked when the graph is built)."""
+        return self._said(device=device)
+
+    def at(self, host: str) -> Expr:
+        """Run in another process, named by a host that a `Broker` resolves when it runs."""
+        if not isinstance(host, str) or not host:
+            raise ValueError(f"a host is a non-empty name, not {host!r}")
+        return self._said(host=host)
+
+    def frozen(self) -> Expr:
+        """Declare that the state of these nodes does not change while the graph runs."""
+        return self._said(frozen=True)
+
+    def cached(self, salt: Any = None) -> Expr:
+        """Look what these nodes produce up in the store before computing, and keep it after."""
+        return self._said(cached=True, salt=salt)
+
+    def mapped(self) -> Expr:
+        """The node maps over the items of a list: a list in, a list as long out."""
+        return self._said(mapped=True)
+
+    def pieces(self, outer: Settings | None = None) -> Iterator[tuple[Node, Settings]]:
+        """Every node inside, in declaration order, with what was said of it."""
+        raise NotImplementedError
+
+
+def _parts(expr: Expr, kind: type) -> list[Expr]:
+    if type(expr) is kind and expr._settings == Settings():
+        return list(expr.parts)  # type: ignore[attr-defined]
+    return [expr]
+
+
+class Piece(Expr):
+    """One node with what was said of it. The node itself is shared, never copied."""
+
+    __slots__ = ("node", "_settings")
+
+    def __init__(self, node: Node, settings: Settings) -> None:
+        self.node = node
+        self._settings = settings
+
+    def _said(self, **change: Any) -> Expr:
+        return Piece(self.node, _say(self._settings, change))
+
+    def pieces(self, outer: Settings | None = None) -> Iterator[tuple[Node, Settings]]:
+        yield self.node, self._settings.under(outer or Settings())
+
+    def __repr__(self) -> str:
+        said = {f.name: getattr(self._settings, f.name) for f in fields(Settings)}
+        shown = ", ".join(f"{k}={v!r}" for k, v in said.items() if v is not None)
+        return f"{type(self.node).__name__}({shown})" if shown else repr(self.node)
+
+
+class _Group(Expr):
+    __slots__ = ("parts", "_settings")
+    sign = ""
+
+    def __init__(self, parts: list[Expr], settings: Settings | None = None) -> None:
+        self.parts = tuple(parts)
+        self._settings = settings or Settings()
+
+    def _said(self, **change: Any) -> Expr:
+        return type(self)(list(self.parts), _say(self._settings, change))
+
+    def pieces(self, outer: Settings | None = None) -> Iterator[tuple[Node, Settings]]:
+        mine = self._settings.under(outer or Settings())
+        for part in self.parts:
+            yield from part.pieces(mine)
+
+    def __repr__(self) -> str:
+        return "(" + f" {self.sign} ".join(repr(p) for p in self.parts) + ")"
+
+
+class Chain(_Group):
+    """Parts one after the other: every exit of a part feeds every entry of the next."""
+
+    sign = ">>"
+
+
+class Branches(_Group):
+    """Parts side by side: all of them receive what the branches receive."""
+
+    sign = "|"
+
+
+def _say(settings: Settings, change: dict[str, Any]) -> Settings:
+    # Saying something again of the same piece replaces what was said of it.
+    return replace(settings, **change)
+
+
+class Node(Expr, ABC):
+    """One step of a graph: `forward(input, ctx)` returns what the node produced.
+
+    `ctx.device` is where the node was told to run (`None`: nowhere in particular). A torch
+    layer is a node either by being one (`class Enc(Node, nn.Module)`) or by holding modules
+    as attributes; every tool treats the two the same.
+
+    The constructor's arguments are captured when a node is built, bound to its signature
+    (so `Layer(64, 32)` and `Layer(in_=64, out=32)` are one declaration): they are half of a
+    cached value's key.
+    """
+
+    _settings = Settings()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Node:
+        self = super().__new__(cls)
+        object.__setattr__(self, "_somatize_args", _bind(cls, args, kwargs))
+        return self
+
+    @abstractmethod
+    def forward(self, input: Any, ctx: Any) -> Any:
+        """What this node produces from `input`; `ctx` says where it runs."""
+
+    def _said(self, **change: Any) -> Expr:
+        return Piece(self, _say(Settings(), change))
+
+    def pieces(self, outer: Settings | None = None) -> Iterator[tuple[Node, Settings]]:
+        yield self, Settings().under(outer or Settings())
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+
+# torch.nn.Module defines __call__ through its own metaclass-free machinery; Node's ABCMeta is
+# a subclass of `type`, so `class Enc(Node, nn.Module)` needs nothing more.
+assert issubclass(ABCMeta, type)
+
+
+def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
+    init = cls.__init__
+    if init is object.__init__:
+        return {}
+    try:
+        sig = inspect.signature(init)
+        bound = sig.bind(None, *args, **kwargs)
+    except (TypeError, ValueError):
+        return {"args": args, **kwargs}
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    named.pop(next(iter(sig.parameters)), None)  # self
+    for name, p in sig.parameters.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD and name in named:
+            named.update(named.pop(name))
+    return named

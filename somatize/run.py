@@ -1,0 +1,281 @@
+"""The engine: a graph compiled once into a flat plan, then walked in one loop.
+
+A plan is a tuple of steps, each with the slot its value goes into, where its input comes from
+(the graph's input, one slot, or several slots gathered into a dict), the node's `forward`, its
+`Ctx` and its device. Running is one loop over that tuple. Facts are built only when somebody
+watches, and cache keys only when there is a store and something cached; each of those is a
+separate walk, so the plain one pays for neither.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import time
+import warnings
+from typing import Any, Callable
+
+from somatize import _hooks
+from somatize.node import Opaque
+
+__all__ = ["Ctx", "Plan", "compile", "forward", "watchers", "declaration_key"]
+
+ROOT, ONE, MANY = 0, 1, 2
+
+
+class Ctx:
+    """What a node is handed besides its input: its id, device, host and graph."""
+
+    __slots__ = ("id", "device", "host", "graph")
+
+    def __init__(self, id: str, device: str | None, host: str | None, graph: Any) -> None:
+        self.id = id
+        self.device = device
+        self.host = host
+        self.graph = graph
+
+    def __repr__(self) -> str:
+        return f"Ctx(id={self.id!r}, device={self.device!r}, host={self.host!r})"
+
+
+class Plan:
+    """A graph compiled for running. Rebuilt by the graph whenever its topology changes."""
+
+    __slots__ = ("graph", "ids", "steps", "leaves", "cached", "hosts", "index")
+
+    def __init__(self, graph: Any) -> None:
+        order = graph.topological_sort()
+        index = {n: i for i, n in enumerate(order)}
+        steps = []
+        for i, n in enumerate(order):
+            preds = graph.predecessors(n)
+            s = graph.setting(n)
+            node = graph.implementation(n)
+            if not preds:
+                mode, src = ROOT, None
+            elif len(preds) == 1:
+                mode, src = ONE, index[preds[0]]
+            else:
+                mode, src = MANY, tuple((p, index[p]) for p in preds)
+            fn = _mapping(n, node.forward) if s.mapped else node.forward
+            steps.append((i, mode, src, fn, Ctx(n, s.device, s.host, graph), s.device))
+        self.graph = graph
+        self.ids = tuple(order)
+        self.index = index
+        self.steps = tuple(steps)
+        self.leaves = tuple((n, index[n]) for n in graph.leaves())
+        self.cached = any(graph.setting(n).cached for n in order)
+        self.hosts = {n: graph.setting(n).host for n in order if graph.setting(n).host}
+
+    def __repr__(self) -> str:
+        return f"Plan({len(self.steps)} steps)"
+
+
+def _mapping(nid: str, forward: Callable) -> Callable:
+    def mapped(x: Any, ctx: Ctx) -> list:
+        if not isinstance(x, list):
+            raise TypeError(
+                f"node {nid!r} is .mapped() and was handed {type(x).__name__}, not a list: "
+                "a mapped node takes a list and gives back a list as long"
+            )
+        out = forward(x, ctx)
+        if not isinstance(out, list) or len(out) != len(x):
+            got = len(out) if isinstance(out, list) else type(out).__name__
+            raise ValueError(
+                f"node {nid!r} is .mapped(): handed {len(x)} items it gave back {got}; "
+                "it must return a list as long as the list it was handed"
+            )
+        return out
+
+    return mapped
+
+
+def compile(graph: Any) -> Plan:
+    """Compile a graph into a plan."""
+    return Plan(graph)
+
+
+def watchers(watching: Any) -> list[Callable[[dict], Any]]:
+    """`watching=` as a list of callables; anything that cannot be called is refused."""
+    if watching is None:
+        return []
+    listed = list(watching) if isinstance(watching, (list, tuple)) else [watching]
+    for w in listed:
+        if not callable(w):
+            raise TypeError(
+                f"watching= takes a callable, a Recorder, or a list of them; "
+                f"{type(w).__name__} {w!r:.60} cannot be called with a fact"
+            )
+    return listed
+
+
+def _noted(error: BaseException, plan: Plan, i: int) -> BaseException:
+    nid = plan.ids[i]
+    node = plan.graph.implementation(nid)
+    note = f"while running node {nid!r} ({type(node).__name__})"
+    notes = getattr(error, "__notes__", None)
+    if notes is None or note not in notes:
+        if hasattr(error, "add_note"):
+            error.add_note(note)
+        else:  # Python 3.10
+            error.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
+    return error
+
+
+def _result(plan: Plan, vals: list) -> Any:
+    if len(plan.leaves) == 1:
+        return vals[plan.leaves[0][1]]
+    return {n: vals[i] for n, i in plan.leaves}
+
+
+def forward(
+    plan: Plan,
+    input: Any = None,
+    *,
+    broker: Any = None,
+    store: Any = None,
+    watching: Any = None,
+) -> Any:
+    """Run a plan on `input` (see `Graph.forward`)."""
+    told = watchers(watching)
+    if plan.hosts:
+        if broker is None:
+            nid, host = next(iter(plan.hosts.items()))
+            raise ValueError(
+                f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: pass "
+                "broker=Broker.embedded({" + repr(host) + ": Worker.at('host:port')})"
+            )
+        return broker.forward(plan, input, store=store, watching=told)
+    if type(input) is Opaque:
+        input = input.value
+    if store is not None and plan.cached:
+        from somatize.caching import walk_cached
+
+        return walk_cached(plan, input, _as_store(store), told)
+    if told:
+        return _walk_watched(plan, input, told)
+    return _walk(plan, input)
+
+
+def _as_store(store: Any) -> Any:
+    from somatize.store import Store
+
+    return store if isinstance(store, Store) else Store(store)
+
+
+def _walk(plan: Plan, input: Any) -> Any:
+    vals: list[Any] = [None] * len(plan.steps)
+    move = _hooks.move
+    i = 0
+    try:
+        for i, mode, src, fn, ctx, device in plan.steps:
+            if mode == ONE:
+                x = vals[src]
+            elif mode == ROOT:
+                x = input
+            else:
+                x = {p: vals[j] for p, j in src}
+            if device is not None:
+                x = move(x, device)
+            out = fn(x, ctx)
+            vals[i] = out.value if type(out) is Opaque else out
+    except BaseException as e:
+        _noted(e, plan, i)
+        raise
+    return _result(plan, vals)
+
+
+def _walk_watched(plan: Plan, input: Any, told: list[Callable[[dict], Any]]) -> Any:
+    vals: list[Any] = [None] * len(plan.steps)
+    move = _hooks.move
+    clock = time.perf_counter_ns
+    i = 0
+    start = clock()
+    try:
+        for i, mode, src, fn, ctx, device in plan.steps:
+            began = clock()
+            if mode == ONE:
+                x = vals[src]
+            elif mode == ROOT:
+                x = input
+            else:
+                x = {p: vals[j] for p, j in src}
+            if device is not None:
+                x = move(x, device)
+            out = fn(x, ctx)
+            vals[i] = out.value if type(out) is Opaque else out
+            ended = clock()
+            fact = {
+                "fact": "ran",
+                "node": ctx.id,
+                "began_us": (began - start) / 1e3,
+                "took_us": (ended - began) / 1e3,
+            }
+            for w in told:
+                w(fact)
+    except BaseException as e:
+        _noted(e, plan, i)
+        raise
+    finished = {"fact": "finished", "took_us": (clock() - start) / 1e3}
+    for w in told:
+        w(finished)
+    return _result(plan, vals)
+
+
+# -- keys -----------------------------------------------------------------------------------
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-able stand-in for a constructor argument, stable across runs (no addresses)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [_canonical(v) for v in value]]
+    if isinstance(value, dict):
+        return ["dict", sorted((str(k), _canonical(v)) for k, v in value.items())]
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return ["callable", getattr(value, "__module__", ""), value.__qualname__]
+    try:
+        from somatize.codecs import digest, encode
+
+        return ["value", digest(encode(value))]
+    except Exception:
+        return ["repr", type(value).__qualname__, _strip_address(repr(value))]
+
+
+def _strip_address(text: str) -> str:
+    import re
+
+    return re.sub(r"0x[0-9a-fA-F]+", "0x", text)
+
+
+def declaration_key(node: Any, salt: Any, state: str | None) -> str:
+    """What a node *is*, for a cache: its class, its constructor arguments, salt, frozen state."""
+    cls = type(node)
+    said = {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "args": _canonical(getattr(node, "_somatize_args", {})),
+        "salt": _canonical(salt),
+        "state": state,
+    }
+    return hashlib.sha256(json.dumps(said, sort_keys=True).encode()).hexdigest()
+
+
+def code_version(node: Any) -> str:
+    """A digest of the source of the node's class: noted beside a kept value."""
+    cls = type(node)
+    try:
+        text = inspect.getsource(cls)
+    except (OSError, TypeError):
+        text = f"{cls.__module__}.{cls.__qualname__}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def warn_code_changed(nid: str, kept: str, now: str) -> None:
+    """Say that a cache hit was kept by another version of the node's code."""
+    warnings.warn(
+        f"node {nid!r}: the cached value was kept by another version of its code "
+        f"({kept} != {now}); pass .cached(salt=...) with a new salt to recompute",
+        stacklevel=4,
+    )

@@ -1,0 +1,73 @@
+"""How the core moves values and nodes to a device, and reads a node's state.
+
+Registered with `somatize._hooks` when `somatize.torch` is imported. Both ways of being a torch
+node count: a node that *is* an `nn.Module`, and a plain node holding modules as attributes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from somatize import _hooks
+
+__all__ = ["modules_of", "move", "place", "state_digest", "trainable"]
+
+
+def modules_of(node: Any) -> list[nn.Module]:
+    """The modules a node is made of: itself if it is one, else the modules it holds."""
+    if isinstance(node, nn.Module):
+        return [node]
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    for value in vars(node).values():
+        candidates = value if isinstance(value, (list, tuple)) else [value]
+        for item in candidates:
+            if isinstance(item, nn.Module) and id(item) not in seen:
+                seen.add(id(item))
+                found.append(item)
+    return found
+
+
+def move(value: Any, device: str) -> Any:
+    """`value` with every tensor in it on `device`; containers rebuilt, the rest untouched."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: move(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [move(v, device) for v in value]
+    if isinstance(value, tuple):
+        moved = [move(v, device) for v in value]
+        return type(value)(*moved) if hasattr(value, "_fields") else tuple(moved)
+    return value
+
+
+def place(node: Any, device: str) -> None:
+    """Move every module the node holds to `device`."""
+    for module in modules_of(node):
+        module.to(device)
+
+
+def state_digest(node: Any) -> str | None:
+    """sha256 over the node's state_dict (names, dtypes, shapes, bytes), or None if empty."""
+    h = hashlib.sha256()
+    anything = False
+    for i, module in enumerate(modules_of(node)):
+        for key, tensor in module.state_dict().items():
+            anything = True
+            t = tensor.detach().to("cpu").contiguous()
+            h.update(f"{i}.{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest() if anything else None
+
+
+def trainable(node: Any) -> bool:
+    """Whether any parameter the node holds would get a gradient."""
+    return any(p.requires_grad for m in modules_of(node) for p in m.parameters())
+
+
+_hooks.register(move=move, place=place, state_digest=state_digest, trainable=trainable)

@@ -1,0 +1,85 @@
+"""Graph: building by hand, reading it back, refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import Add, Join, Same
+
+from somatize import Graph
+
+
+def test_building_by_hand():
+    g = Graph()
+    a = g.node(Add())
+    b = g.node("second", Add(2))
+    g.edge(a, b)
+    assert (a, b) == ("add", "second")
+    assert g.forward(1) == 4
+    assert len(g) == 2 and "second" in g and "nope" not in g
+    assert repr(g) == "Graph(2 nodes, 1 edges)"
+
+
+def test_duplicate_id_is_refused_naming_it():
+    g = Graph()
+    g.node("x", Add())
+    with pytest.raises(ValueError, match="'x'"):
+        g.node("x", Same())
+    with pytest.raises(ValueError, match="duplicate node id 'x'"):
+        Graph.somatize(Add().named("x") >> Same().named("x"))
+
+
+def test_an_edge_closing_a_cycle_is_refused_and_the_graph_is_unchanged():
+    g = Graph.somatize(Add() >> Add() >> Add())
+    before = g.edges()
+    with pytest.raises(ValueError, match="cycle"):
+        g.edge("add_3", "add")
+    with pytest.raises(ValueError, match="cycle"):
+        g.edge("add", "add")
+    assert g.edges() == before
+    assert g.forward(0) == 3
+
+
+def test_unknown_device_is_refused_when_built():
+    piece = Add().on("gpu7")  # declaring is fine
+    with pytest.raises(ValueError, match="'gpu7'.*'cuda:N'"):
+        Graph.somatize(piece)
+
+
+def test_readers():
+    g = Graph.somatize(Add() >> (Add().named("l") | Same().named("r")) >> Join())
+    assert g.predecessors("join") == ["l", "r"]
+    assert g.successors("add") == ["l", "r"]
+    assert g.topological_sort() == ["add", "l", "r", "join"]
+    assert isinstance(g.implementation("join"), Join)
+    with pytest.raises(KeyError, match="nope"):
+        g.implementation("nope")
+    assert g.hosts() == dict.fromkeys(g.nodes())
+    assert g.frozen() == {} and g.cached() == {} and g.mapped_nodes() == []
+
+
+def test_default_ids_skip_an_explicit_name_already_taken():
+    g = Graph.somatize(Add().named("add_2") >> Add() >> Add())
+    assert g.nodes() == ["add_2", "add", "add_3"]
+
+
+def test_plan_text_and_json_agree():
+    g = Graph.somatize(Add().cached() >> (Add() | Same().at("far")) >> Join())
+    data = g.plan_json()
+    json.dumps(data)  # plain data
+    assert data["order"] == g.topological_sort()
+    assert [n["id"] for n in data["nodes"]] == g.nodes()
+    far = next(n for n in data["nodes"] if n["id"] == "same")
+    assert far["host"] == "far" and far["kind"] == "Same"
+    text = g.plan()
+    assert "at far" in text and "cached" in text and "join (Join) <- add_2, same" in text
+
+
+def test_topology_change_recompiles_the_plan():
+    g = Graph()
+    g.node(Add())
+    assert g.forward(0) == 1
+    b = g.node(Add(10))
+    g.edge("add", b)
+    assert g.forward(0) == 11

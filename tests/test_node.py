@@ -1,0 +1,87 @@
+"""Nodes and the expression language: >>, |, and the declarations."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import Add, Join, Same
+
+from somatize import Graph, Node
+
+
+def test_chain_and_branches_make_the_expected_topology():
+    g = Graph.somatize(Add(1) >> (Add(2) | Add(3)) >> Join())
+    assert g.nodes() == ["add", "add_2", "add_3", "join"]
+    assert sorted(g.edges()) == [("add", "add_2"), ("add", "add_3"), ("add_2", "join"),
+                                 ("add_3", "join")]
+    assert g.roots() == ["add"] and g.leaves() == ["join"]
+
+
+def test_shift_binds_tighter_than_or():
+    g = Graph.somatize(Add() >> Add() | Same())
+    # (Add >> Add) | Same: two roots, two leaves
+    assert g.roots() == ["add", "same"]
+    assert g.leaves() == ["add_2", "same"]
+
+
+def test_a_non_node_in_an_expression_is_a_type_error_naming_its_type():
+    with pytest.raises(TypeError, match="int"):
+        Add() >> 3
+    with pytest.raises(TypeError, match="str"):
+        "x" >> Add()
+    with pytest.raises(TypeError, match="lambda|function"):
+        Add() | (lambda x: x)
+
+
+def test_constructor_arguments_are_bound_to_the_signature():
+    class Layer(Node):
+        def __init__(self, in_: int, out: int = 3) -> None:
+            pass
+
+        def forward(self, input, ctx):
+            return input
+
+    assert Layer(64, 32)._somatize_args == Layer(in_=64, out=32)._somatize_args
+    assert Layer(64)._somatize_args == {"in_": 64, "out": 3}
+
+
+def test_declarations_return_new_pieces_and_leave_the_node_alone():
+    a = Add()
+    on = a.on("cpu")
+    assert on is not a
+    g1 = Graph.somatize(a)
+    assert g1.devices() == {"add": None}
+    g2 = Graph.somatize(on)
+    assert g2.devices() == {"add": "cpu"}
+
+
+def test_innermost_wins_each_setting_independently():
+    inner = Add().on("meta").named("x")
+    g = Graph.somatize((inner >> Add()).on("cpu").at("h").frozen())
+    assert g.devices() == {"x": "meta", "add": "cpu"}
+    assert g.hosts() == {"x": "h", "add": "h"}
+    assert set(g.frozen()) == {"x", "add"}
+
+
+def test_cached_salt_is_handed_down_and_inner_salt_wins():
+    g = Graph.somatize((Same().cached("inner") >> Same()).cached("outer"))
+    assert g.cached() == {"same": "inner", "same_2": "outer"}
+
+
+def test_named_refuses_a_composite_and_bad_ids():
+    with pytest.raises(ValueError, match="names one node"):
+        (Add() >> Add()).named("x")
+    with pytest.raises(ValueError, match="id"):
+        Add().named("")
+
+
+def test_mapped_declared():
+    g = Graph.somatize(Same() >> Same().mapped())
+    assert g.mapped_nodes() == ["same_2"]
+
+
+def test_a_node_must_implement_forward():
+    class Empty(Node):
+        pass
+
+    with pytest.raises(TypeError):
+        Empty()

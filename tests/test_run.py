@@ -1,0 +1,103 @@
+"""The engine: what crosses edges, fan-in, several leaves, errors, watching, devices."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import Add, Join, Same
+
+from somatize import Graph, Node, Opaque
+
+
+class Boom(Node):
+    def forward(self, input, ctx):
+        raise KeyError("inside")
+
+
+class Echo(Node):
+    def forward(self, input, ctx):
+        return (input, ctx.id, ctx.device)
+
+
+def test_roots_get_the_input_fan_in_gets_a_dict_keyed_by_predecessor():
+    join = Join()
+    g = Graph.somatize(Same() >> (Add(1) >> Add(10).named("left") | Add(2).named("right")) >> join)
+    assert g.forward(0) == 13
+    assert join.seen == [{"left": 11, "right": 2}]
+
+
+def test_several_leaves_give_a_dict_keyed_by_leaf():
+    g = Graph.somatize(Same() >> (Add(1).named("a") | Add(2).named("b")))
+    assert g.forward(1) == {"a": 2, "b": 3}
+
+
+@pytest.mark.parametrize("value", [(1, "x"), True, 7, [1, 2], {"k": (1,)}, None])
+def test_values_cross_untouched(value):
+    out = Graph.somatize(Same() >> Same()).forward(value)
+    assert out == value and type(out) is type(value)
+
+
+def test_ints_stay_ints_and_bools_stay_bools():
+    assert type(Graph.somatize(Add(1)).forward(1)) is int
+    assert Graph.somatize(Same()).forward(False) is False
+
+
+def test_opaque_is_unwrapped_on_arrival():
+    class Wrap(Node):
+        def forward(self, input, ctx):
+            return Opaque([input])
+
+    seen = []
+
+    class Look(Node):
+        def forward(self, input, ctx):
+            seen.append(input)
+            return input
+
+    assert Graph.somatize(Wrap() >> Look()).forward(Opaque(3)) == [3]
+    assert seen == [[3]]
+
+
+def test_original_exception_type_propagates_with_a_note_naming_the_node():
+    g = Graph.somatize(Same() >> Boom().named("bad") >> Same())
+    with pytest.raises(KeyError) as info:
+        g.forward(1)
+    assert any("'bad'" in n and "Boom" in n for n in info.value.__notes__)
+
+
+def test_ctx_says_id_and_device():
+    assert Graph.somatize(Echo().on("cpu").named("e")).forward(5) == (5, "e", "cpu")
+
+
+def test_watching_gets_typed_facts():
+    facts = []
+    g = Graph.somatize(Add() >> Add())
+    assert g.forward(1, watching=facts.append) == 3
+    ran = [f for f in facts if f["fact"] == "ran"]
+    assert [f["node"] for f in ran] == ["add", "add_2"]
+    assert all(isinstance(f["took_us"], float) and f["took_us"] >= 0 for f in ran)
+    assert ran[1]["began_us"] >= ran[0]["began_us"]
+    assert facts[-1]["fact"] == "finished" and facts[-1]["took_us"] >= ran[-1]["took_us"]
+
+
+def test_watching_takes_a_list_and_refuses_what_cannot_be_called():
+    a, b = [], []
+    Graph.somatize(Add()).forward(1, watching=[a.append, b.append])
+    assert len(a) == len(b) == 2
+    with pytest.raises(TypeError, match="watching"):
+        Graph.somatize(Add()).forward(1, watching=42)
+
+
+def test_mapped_without_a_store_checks_lengths():
+    class Bad(Node):
+        def forward(self, input, ctx):
+            return input[:-1]
+
+    with pytest.raises(ValueError, match="'bad'.*as long"):
+        Graph.somatize(Bad().mapped()).forward([1, 2])
+    with pytest.raises(TypeError, match="not a list"):
+        Graph.somatize(Same().mapped()).forward(3)
+
+
+def test_a_remote_node_without_a_broker_is_refused_naming_it():
+    with pytest.raises(ValueError, match="'same'.*'gpu'.*broker"):
+        Graph.somatize(Same().at("gpu")).forward(1)
