@@ -1,0 +1,271 @@
+"""How a value is written down when it leaves the process: to a store, or down a wire.
+
+Plain values need nothing: None, bools, ints of any size, floats (nan and inf too), str, bytes,
+lists, tuples and dicts, nested as deep as you like. They come back with the types they left
+with: a tuple stays a tuple, a bool stays a bool, `2**100` stays an int. Anything else needs a
+codec, registered once::
+
+    somatize.codec("frame", pd.DataFrame, dump=lambda df: df.to_parquet(), load=pd.read_parquet)
+
+The bytes are msgpack, with extension types for what JSON lacks. Nothing is ever pickled, so
+reading bytes from somewhere else cannot run code. Encoding is deterministic: the same value
+gives the same bytes (dicts in the order they were built), which is what lets a digest of the
+bytes be a cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+
+__all__ = ["NoCodec", "codec", "codecs_registered", "decode", "digest", "encode"]
+
+# Extension type codes inside the msgpack stream. Fixed forever: changing one breaks every store.
+_TUPLE = 1
+_BIGINT = 2
+_CODEC = 3
+
+# Kinds whose codec lives in a module that registers it on import; decoding such a value
+# imports that module first, so a tensor can be recalled without `import somatize.torch`.
+_LAZY = {"tensor": "somatize.torch.codec"}
+
+
+class NoCodec(TypeError):
+    """A value has a type that no codec knows how to write down.
+
+    Raised by `encode` (and so by a store or a wire) rather than guessing: register a codec
+    with `somatize.codec(kind, type, dump=..., load=...)`.
+    """
+
+
+@dataclass(frozen=True)
+class _Codec:
+    kind: str
+    type_: type
+    dump: Callable[[Any], bytes]
+    load: Callable[[bytes], Any]
+
+
+_lock = threading.Lock()
+_by_kind: dict[str, _Codec] = {}
+_by_type: dict[type, _Codec] = {}
+
+
+def codec(
+    kind: str,
+    type_: type,
+    *,
+    dump: Callable[[Any], bytes],
+    load: Callable[[bytes], Any],
+) -> None:
+    """Say how values of `type_` (and its subclasses) are written down, under the name `kind`.
+
+    `dump(value) -> bytes` and `load(bytes) -> value` must be inverses. The kind is written
+    beside the bytes, so it must stay the same for as long as stored values are read back.
+    Registering a kind again replaces it. Refuses an empty kind, a `type_` that is not a
+    class, and a `dump` or `load` that is not callable.
+    """
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"a codec's kind is a non-empty str, not {kind!r}")
+    if not isinstance(type_, type):
+        raise TypeError(f"codec {kind!r}: type_ must be a class, not {type_!r}")
+    if not callable(dump) or not callable(load):
+        raise TypeError(f"codec {kind!r}: dump and load must both be callable")
+    entry = _Codec(kind, type_, dump, load)
+    with _lock:
+        old = _by_kind.get(kind)
+        if old is not None and _by_type.get(old.type_) is old:
+            del _by_type[old.type_]
+        _by_kind[kind] = entry
+        _by_type[type_] = entry
+
+
+def codecs_registered() -> list[str]:
+    """The kinds of codec registered so far, in the order they were first registered."""
+    with _lock:
+        return list(_by_kind)
+
+
+def _codec_for(value: Any) -> _Codec | None:
+    for cls in type(value).__mro__:
+        found = _by_type.get(cls)
+        if found is not None:
+            return found
+    if "numpy" in sys.modules:
+        return _numpy_codec(value)
+    return None
+
+
+class _Missing(Exception):
+    """Internal: raised inside msgpack's `default` and turned into a NoCodec by `encode`."""
+
+    def __init__(self, value: Any) -> None:
+        super().__init__(type(value))
+        self.value = value
+
+
+def _default(value: Any) -> msgpack.ExtType:
+    kind = type(value)
+    if kind is tuple:
+        return msgpack.ExtType(_TUPLE, _pack(list(value)))
+    if kind is int:  # only reached when it does not fit in 64 bits
+        size = (value.bit_length() + 8) // 8
+        return msgpack.ExtType(_BIGINT, value.to_bytes(size, "big", signed=True))
+    found = _codec_for(value)
+    if found is None:
+        raise _Missing(value)
+    data = found.dump(value)
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"codec {found.kind!r}: dump returned {type(data).__name__}, not bytes, "
+            f"for a {type(value).__qualname__}"
+        )
+    return msgpack.ExtType(_CODEC, _pack([found.kind, bytes(data)]))
+
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(
+        value,
+        default=_default,
+        strict_types=True,
+        use_bin_type=True,
+        unicode_errors="surrogatepass",
+    )
+
+
+def _path_to(value: Any, bad: Any, path: str = "") -> str | None:
+    """Where inside `value` the object `bad` sits, as `[0]['key']`, or None."""
+    if value is bad:
+        return path
+    if type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            found = _path_to(item, bad, f"{path}[{i}]")
+            if found is not None:
+                return found
+    elif type(value) is dict:
+        for key, item in value.items():
+            found = _path_to(key, bad, f"{path} key {key!r}")
+            if found is not None:
+                return found
+            found = _path_to(item, bad, f"{path}[{key!r}]")
+            if found is not None:
+                return found
+    return None
+
+
+def encode(value: Any, *, where: str | None = None) -> bytes:
+    """The bytes that stand for `value`; `decode` gives it back with the same types.
+
+    `where` names what is being written (say `"node 'enc'"`) so that a `NoCodec` can say
+    which value had the type nobody registered. Refuses (with `NoCodec`) any value, at any
+    depth, whose type is neither plain nor registered.
+    """
+    try:
+        return _pack(value)
+    except _Missing as missing:
+        bad = missing.value
+        kind = type(bad)
+        inside = _path_to(value, bad)
+        said = f" at {inside.strip()}" if inside else ""
+        whose = f" in {where}" if where else ""
+        raise NoCodec(
+            f"no codec for {kind.__module__}.{kind.__qualname__}{whose}{said}; plain values "
+            f"(None, bool, int, float, str, bytes, list, tuple, dict) need none, anything else "
+            f"needs one: register it with somatize.codec(kind, type, dump=..., load=...)"
+        ) from None
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == _TUPLE:
+        return tuple(_unpack(data))
+    if code == _BIGINT:
+        return int.from_bytes(data, "big", signed=True)
+    if code == _CODEC:
+        kind, payload = _unpack(data)
+        found = _by_kind.get(kind)
+        if found is None and kind in _LAZY:
+            importlib.import_module(_LAZY[kind])
+            found = _by_kind.get(kind)
+        if found is None and kind == "numpy":
+            import numpy  # noqa: F401  (registers nothing; the built-in codec needs it loaded)
+
+            return _numpy_load(payload)
+        if found is None:
+            raise NoCodec(
+                f"the bytes hold a value of kind {kind!r} and no codec of that kind is "
+                f"registered (registered: {codecs_registered()}); import the module that "
+                f"registers it, or register one with somatize.codec({kind!r}, type, "
+                f"dump=..., load=...)"
+            )
+        try:
+            return found.load(payload)
+        except Exception as error:
+            raise ValueError(f"codec {kind!r} could not load its bytes: {error!r}") from error
+    raise ValueError(f"unknown msgpack extension type {code} in encoded bytes")
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(
+        data,
+        ext_hook=_ext_hook,
+        raw=False,
+        strict_map_key=False,
+        use_list=True,
+        unicode_errors="surrogatepass",
+    )
+
+
+def decode(data: bytes) -> Any:
+    """The value that `encode` wrote as `data`.
+
+    Refuses bytes that are not a whole encoded value (`ValueError`) and a kind that no codec
+    is registered for (`NoCodec`). Never runs code carried by the bytes.
+    """
+    try:
+        return _unpack(data)
+    except NoCodec:
+        raise
+    except (msgpack.UnpackException, ValueError, TypeError) as error:
+        raise ValueError(f"these {len(data)} bytes are not an encoded value: {error}") from error
+
+
+def digest(data: bytes) -> str:
+    """The content address of `data`: `"sha256:<64 hex digits>"`."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+# numpy is a dependency of the package but not of `import somatize`: its arrays and scalars
+# are written with numpy's own .npy format (allow_pickle=False), and only once numpy is loaded.
+def _numpy_codec(value: Any) -> _Codec | None:
+    import numpy as np
+
+    if isinstance(value, (np.ndarray, np.generic)) and value.dtype != object:
+        return _Codec("numpy", type(value), _numpy_dump, _numpy_load)
+    return None
+
+
+def _numpy_dump(value: Any) -> bytes:
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    scalar = isinstance(value, np.generic)
+    buffer.write(b"s" if scalar else b"a")
+    np.save(buffer, np.asarray(value), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def _numpy_load(data: bytes) -> Any:
+    import io
+
+    import numpy as np
+
+    array = np.load(io.BytesIO(data[1:]), allow_pickle=False)
+    return array[()] if data[:1] == b"s" else array

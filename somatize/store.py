@@ -1,0 +1,453 @@
+"""Where a graph keeps what it produces: bytes by content, and names that point at them.
+
+A `Store` is a directory (created if missing) or any fsspec URL (`memory://scratch`,
+`s3://bucket/prefix`, `file:///tmp/x`). It holds two things:
+
+- blobs, kept by content: `put(bytes)` answers `"sha256:<hex>"` and `get(digest)` gives the
+  bytes back, checked: a blob whose bytes no longer hash to its name raises `CorruptBlob`
+  rather than being returned;
+- bindings, a name pointing at a digest with some meta: `bind` (overwrites), `claim` (binds
+  only if nobody has; of many claimers racing, threads or processes, exactly one wins),
+  `resolve`, `bound`. `keep(name, value)` and `recall(name)` do both in one go, through the
+  codecs of `somatize.codecs`.
+
+Every write is written aside and then renamed into place, so a crash mid-write leaves the old
+value or the new one and never half of one. Layout on disk::
+
+    blobs/sha256/ab/cdef...        the bytes whose sha256 is abcdef...
+    names/run/r1/3/.bind           the binding of the name "run/r1/3"
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, unquote
+
+from somatize.codecs import decode, digest, encode
+
+__all__ = ["Bound", "CorruptBinding", "CorruptBlob", "Store"]
+
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_BIND = ".bind"
+_TMP = ".tmp-"
+
+
+class CorruptBlob(ValueError):
+    """A blob whose bytes do not hash to its name. It is never returned; delete and put again."""
+
+
+class CorruptBinding(ValueError):
+    """A binding file that cannot be read back (torn, truncated, or not written by a Store)."""
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What a name points at: `.name`, `.digest`, `.meta` (a list of (key, value) pairs, in
+    the order given) and `.when` (seconds since the epoch when it was bound)."""
+
+    name: str
+    digest: str
+    meta: list[tuple[str, Any]] = field(default_factory=list)
+    when: float = 0.0
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value of meta `key` (the last one if repeated), or `default`."""
+        found = default
+        for k, v in self.meta:
+            if k == key:
+                found = v
+        return found
+
+
+def _segments(name: str) -> list[str]:
+    if not isinstance(name, str):
+        raise TypeError(f"a store name is a str, not {type(name).__name__}: {name!r}")
+    if not name:
+        raise ValueError("a store name cannot be empty")
+    if name.startswith("/"):
+        raise ValueError(f"store name {name!r} is absolute; names are relative, like 'run/r1/3'")
+    parts = name.split("/")
+    for part in parts:
+        if part == "":
+            raise ValueError(f"store name {name!r} has an empty segment (a '//' or a trailing '/')")
+        if part in (".", ".."):
+            raise ValueError(f"store name {name!r} has a {part!r} segment; names cannot climb")
+    return parts
+
+
+def _escape(part: str) -> str:
+    safe = quote(part, safe="-_.~@+=,")
+    if safe.startswith("."):
+        safe = "%2E" + safe[1:]
+    if len(safe.encode()) > 200:
+        raise ValueError(f"store name segment {part[:40]!r}... is too long for a file name")
+    return safe
+
+
+def _name_path(name: str) -> str:
+    return "names/" + "/".join(_escape(p) for p in _segments(name)) + "/" + _BIND
+
+
+def _tmp_name(path: str) -> str:
+    head, _, tail = path.rpartition("/")
+    tmp = f"{_TMP}{tail}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    return f"{head}/{tmp}" if head else tmp
+
+
+def _meta_pairs(meta: Any, name: str) -> list[tuple[str, Any]]:
+    if meta is None:
+        return []
+    items = meta.items() if isinstance(meta, Mapping) else meta
+    pairs: list[tuple[str, Any]] = []
+    for item in items:
+        try:
+            key, value = item
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"meta of {name!r} is a dict or (key, value) pairs; got the item {item!r}"
+            ) from None
+        if not isinstance(key, str):
+            raise TypeError(f"meta keys of {name!r} are str; got {key!r}")
+        pairs.append((key, value))
+    return pairs
+
+
+class _Local:
+    """A directory on this machine: a temp file beside, then `os.replace`; claims by link."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        os.makedirs(self.root, exist_ok=True)
+
+    def where(self, path: str) -> str:
+        return os.path.join(self.root, *path.split("/"))
+
+    def read(self, path: str) -> bytes | None:
+        try:
+            with open(self.where(path), "rb") as file:
+                return file.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def _aside(self, path: str, data: bytes) -> str:
+        final = self.where(path)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        aside = self.where(_tmp_name(path))
+        try:
+            with open(aside, "wb") as file:
+                file.write(data)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(aside)
+            raise
+        return aside
+
+    def write(self, path: str, data: bytes) -> None:
+        aside = self._aside(path, data)
+        try:
+            os.replace(aside, self.where(path))
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(aside)
+            raise
+
+    def create(self, path: str, data: bytes) -> bool:
+        final = self.where(path)
+        if os.path.lexists(final):
+            return False
+        aside = self._aside(path, data)
+        try:
+            os.link(aside, final)  # atomic, and fails if the name exists: exactly one winner
+            return True
+        except FileExistsError:
+            return False
+        except OSError as error:
+            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            return self._create_exclusive(final, aside)
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(aside)
+
+    @staticmethod
+    def _create_exclusive(final: str, aside: str) -> bool:
+        # No hard links here: an O_EXCL marker decides who wins, then the winner moves its
+        # complete file into place, so nobody ever reads a half-written binding.
+        try:
+            os.close(os.open(final + ".claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            return False
+        if os.path.lexists(final):
+            return False
+        os.replace(aside, final)
+        return True
+
+    def files(self, folder: str) -> Iterator[str]:
+        for dirpath, _dirs, names in os.walk(self.where(folder)):
+            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
+            for name in names:
+                yield f"{rel}/{name}"
+
+
+class _Remote:
+    """Any fsspec filesystem. Object stores (and memory) put a whole object or nothing, so
+    files are written there in one put; other filesystems write aside, then move. `create`
+    opens in exclusive mode (`"xb"`) where the filesystem has one, else looks, then writes
+    (best effort: two processes racing on such a filesystem may both win). Within a process
+    claims and reads are serialised by a lock, so threads on `memory://` claim exactly once."""
+
+    _whole = {"s3", "s3a", "gs", "gcs", "abfs", "az", "adl", "memory"}
+    _locks: dict[str, threading.RLock] = {}
+    _locks_lock = threading.Lock()
+
+    def __init__(self, fs: Any, root: str) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.whole = bool(set(protocols) & self._whole)
+        with self._locks_lock:
+            self.lock = self._locks.setdefault(f"{protocols[0]}://{self.root}", threading.RLock())
+        self.fs.makedirs(self.root, exist_ok=True)
+
+    def where(self, path: str) -> str:
+        return f"{self.root}/{path}"
+
+    def read(self, path: str) -> bytes | None:
+        with self.lock:
+            try:
+                return self.fs.cat_file(self.where(path))
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                return None
+
+    def write(self, path: str, data: bytes) -> None:
+        final = self.where(path)
+        with self.lock:
+            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
+            if self.whole:
+                self.fs.pipe_file(final, data)
+                return
+            aside = self.where(_tmp_name(path))
+            self.fs.pipe_file(aside, data)
+            try:
+                self.fs.mv(aside, final)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(aside)
+                raise
+
+    def create(self, path: str, data: bytes) -> bool:
+        final = self.where(path)
+        with self.lock:
+            if self.fs.exists(final):
+                return False
+            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
+            try:
+                with self.fs.open(final, "xb") as file:
+                    file.write(data)
+                return True
+            except FileExistsError:
+                return False
+            except (ValueError, NotImplementedError):
+                pass  # this filesystem has no exclusive create: look, then write
+            if self.fs.exists(final):
+                return False
+            self.write(path, data)
+            return True
+
+    def files(self, folder: str) -> Iterator[str]:
+        with self.lock:
+            try:
+                found = self.fs.find(self.where(folder))
+            except FileNotFoundError:
+                return
+        prefix = self.fs._strip_protocol(self.root).rstrip("/") + "/"
+        for full in found:
+            full = self.fs._strip_protocol(full)
+            if full.startswith(prefix):
+                yield full[len(prefix) :]
+
+
+class Store:
+    """Bytes kept by content, and names that point at them; see the module docstring.
+
+    `where` is a directory (created if missing) or an fsspec URL. Safe to share between
+    threads; processes sharing a directory (or a bucket) see each other's writes.
+    """
+
+    def __init__(self, where: str | os.PathLike[str]) -> None:
+        self._where = os.fspath(where)
+        text = str(self._where)
+        if "://" not in text:
+            self._place: _Local | _Remote = _Local(text)
+            return
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(text)
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        if "file" in protocols or "local" in protocols:
+            self._place = _Local(root)
+        else:
+            self._place = _Remote(fs, root)
+
+    @property
+    def where(self) -> str:
+        """The directory or URL this store was opened on, as given."""
+        return self._where
+
+    def __repr__(self) -> str:
+        return f"Store({self._where!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Store, (self._where,))
+
+    # -- blobs ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _blob_path(key: str) -> str:
+        if not isinstance(key, str) or not _DIGEST.fullmatch(key):
+            raise ValueError(f"{key!r} is not a digest; digests look like 'sha256:<64 hex>'")
+        hexed = key[len("sha256:") :]
+        return f"blobs/sha256/{hexed[:2]}/{hexed[2:]}"
+
+    def _checked(self, key: str, path: str, data: bytes) -> bytes:
+        actual = "sha256:" + hashlib.sha256(data).hexdigest()
+        if actual != key:
+            raise CorruptBlob(
+                f"blob {key} at {self._place.where(path)} holds {len(data)} bytes that hash to "
+                f"{actual}: it is corrupt and was not returned; delete the file and put the "
+                f"value again"
+            )
+        return data
+
+    def put(self, data: bytes) -> str:
+        """Keep `data`; answer its digest, `"sha256:<hex>"`. Putting the same bytes twice
+        writes them once (a corrupt copy already there is replaced). Refuses non-bytes."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"put takes bytes, not {type(data).__name__}; use keep for values")
+        data = bytes(data)
+        key = digest(data)
+        path = self._blob_path(key)
+        there = self._place.read(path)
+        if there is not None and there == data:
+            return key
+        self._place.write(path, data)
+        return key
+
+    def get(self, key: str) -> bytes | None:
+        """The bytes whose digest is `key`, or None if this store has none. Raises
+        `CorruptBlob` if the bytes kept under that digest no longer hash to it."""
+        path = self._blob_path(key)
+        data = self._place.read(path)
+        return None if data is None else self._checked(key, path, data)
+
+    # -- names ---------------------------------------------------------------------------
+
+    def _binding(self, name: str, key: str, meta: Any) -> bytes:
+        self._blob_path(key)  # refuses a malformed digest before anything is written
+        pairs = _meta_pairs(meta, name)
+        record = {
+            "name": name,
+            "digest": key,
+            "meta": [tuple(pair) for pair in pairs],
+            "when": time.time(),
+        }
+        return encode(record, where=f"the meta of {name!r}")
+
+    def bind(self, name: str, key: str, meta: Any = None) -> None:
+        """Point `name` at the digest `key`, with `meta` (a dict or (key, value) pairs),
+        replacing whatever it pointed at. Refuses a malformed name or digest (`ValueError`)
+        and meta values no codec can write (`NoCodec`); a refused bind changes nothing."""
+        path = _name_path(name)
+        self._place.write(path, self._binding(name, key, meta))
+
+    def claim(self, name: str, key: str, meta: Any = None) -> bool:
+        """Bind `name` to `key` only if nothing is bound to it yet; True if this call did.
+        Of many claimers racing for one name, threads or processes, exactly one gets True
+        (on an fsspec filesystem without exclusive create, see `Store` docs: best effort)."""
+        path = _name_path(name)
+        return self._place.create(path, self._binding(name, key, meta))
+
+    def _read_binding(self, name: str, path: str, data: bytes) -> Bound:
+        try:
+            record = decode(data)
+            bound = Bound(
+                name=record["name"],
+                digest=record["digest"],
+                meta=[(str(k), v) for k, v in record["meta"]],
+                when=float(record["when"]),
+            )
+        except Exception as error:
+            raise CorruptBinding(
+                f"the binding of {name!r} at {self._place.where(path)} cannot be read "
+                f"({len(data)} bytes; {error}); it was torn or not written by a Store: "
+                f"delete it and bind the name again"
+            ) from None
+        return bound
+
+    def resolve(self, name: str) -> Bound | None:
+        """What `name` points at, or None if nothing is bound to it. Raises `CorruptBinding`
+        if its binding file cannot be read back."""
+        path = _name_path(name)
+        data = self._place.read(path)
+        return None if data is None else self._read_binding(name, path, data)
+
+    def bound(self, prefix: str | None = None) -> list[Bound]:
+        """Every binding in the store, by name; with `prefix` (a name such as `"run/r1"`)
+        only that name and the names below it. Raises `CorruptBinding` on an unreadable one."""
+        folder = "names" if prefix is None else _name_path(prefix)[: -len(_BIND) - 1]
+        found: list[Bound] = []
+        for path in self._place.files(folder):
+            parts = path.split("/")
+            if parts[-1] != _BIND or len(parts) < 3:
+                continue
+            name = "/".join(unquote(p) for p in parts[1:-1])
+            data = self._place.read(path)
+            if data is not None:
+                found.append(self._read_binding(name, path, data))
+        found.sort(key=lambda b: b.name)
+        return found
+
+    # -- values --------------------------------------------------------------------------
+
+    def keep(self, name: str, value: Any, meta: Any = None) -> str:
+        """Write `value` down through the codecs, bind `name` to it, and answer its digest.
+        Refuses (with `NoCodec`, before writing anything) a value no codec can write."""
+        _name_path(name)
+        data = encode(value, where=f"the value kept as {name!r}")
+        key = self.put(data)
+        self.bind(name, key, meta)
+        return key
+
+    def recall(self, name: str) -> Any:
+        """The value kept under `name`, or None if nothing is bound to it. Raises
+        `LookupError` if the name points at bytes this store does not hold."""
+        bound = self.resolve(name)
+        if bound is None:
+            return None
+        data = self.get(bound.digest)
+        if data is None:
+            raise LookupError(
+                f"{name!r} is bound to {bound.digest}, which is not in {self!r}; "
+                f"the blob was removed: keep the value again"
+            )
+        return decode(data)
+
+    def names(self, prefix: str | None = None) -> list[str]:
+        """The bound names (optionally under `prefix`), without reading their bindings."""
+        folder = "names" if prefix is None else _name_path(prefix)[: -len(_BIND) - 1]
+        found = []
+        for path in self._place.files(folder):
+            parts = path.split("/")
+            if parts[-1] == _BIND and len(parts) >= 3:
+                found.append("/".join(unquote(p) for p in parts[1:-1]))
+        return sorted(found)

@@ -1,0 +1,50 @@
+"""How a tensor is written down: safetensors, never pickle.
+
+Registered as the codec of kind ``"tensor"`` when `somatize.torch` is imported (and imported
+on its own when a store hands back bytes holding a tensor). What is kept is the dtype, the
+shape and the numbers; what is not kept is where the tensor lived (it comes back on the cpu;
+move it yourself, or let a graph do it), its autograd history (the tensor is detached) and
+whether it was an `nn.Parameter` (it comes back a plain tensor). A 0-dim tensor stays 0-dim,
+a non-contiguous view is packed first, bfloat16 and the float8 types are kept as they are.
+Sparse, quantized and meta tensors are refused: there are no numbers to write down, or no
+plain layout to write them in.
+"""
+
+from __future__ import annotations
+
+import safetensors.torch
+import torch
+
+from somatize.codecs import codec
+
+__all__ = ["dump_tensor", "load_tensor"]
+
+
+def dump_tensor(tensor: torch.Tensor) -> bytes:
+    """The safetensors bytes of `tensor` (detached, packed, on the cpu).
+
+    Refuses sparse, quantized and meta tensors with a `TypeError` that says what to do.
+    """
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"a {tensor.layout} tensor cannot be written down as it is; "
+            f"convert it first (for sparse: .to_dense())"
+        )
+    if tensor.is_quantized:
+        raise TypeError("a quantized tensor cannot be written down; .dequantize() it first")
+    if tensor.is_meta:
+        raise TypeError("a tensor on the meta device has no numbers to write down")
+    plain = tensor.detach().cpu().contiguous()
+    if plain.is_conj():
+        plain = plain.resolve_conj()
+    if plain.is_neg():
+        plain = plain.resolve_neg()
+    return safetensors.torch.save({"tensor": plain})
+
+
+def load_tensor(data: bytes) -> torch.Tensor:
+    """The tensor that `dump_tensor` wrote, on the cpu."""
+    return safetensors.torch.load(bytes(data))["tensor"]
+
+
+codec("tensor", torch.Tensor, dump=dump_tensor, load=load_tensor)
