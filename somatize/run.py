@@ -42,7 +42,7 @@ class Ctx:
 class Plan:
     """A graph compiled for running. Rebuilt by the graph whenever its topology changes."""
 
-    __slots__ = ("graph", "ids", "steps", "leaves", "cached", "hosts", "index")
+    __slots__ = ("graph", "ids", "steps", "leaves", "cached", "hosts", "index", "__weakref__")
 
     def __init__(self, graph: Any) -> None:
         order = graph.topological_sort()

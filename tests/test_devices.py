@@ -1,0 +1,53 @@
+"""Placement: tensors moved to a node's device on arrival, modules moved when built."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import somatize.torch  # noqa: F401
+from somatize import Graph, Node
+
+
+class Where(Node):
+    def forward(self, input, ctx):
+        return input
+
+
+class Lin(Node, nn.Module):
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, input, ctx):
+        return self.lin(input)
+
+
+class Holder(Node):
+    def __init__(self) -> None:
+        self.net = nn.Sequential(nn.Linear(2, 2))
+
+    def forward(self, input, ctx):
+        return self.net(input)
+
+
+def test_tensors_inside_containers_are_moved_to_the_node_device():
+    x = {"a": [torch.ones(2)], "b": (torch.zeros(1), 3)}
+    out = Graph.somatize(Where().on("meta")).forward(x)
+    assert out["a"][0].device.type == "meta" and out["b"][0].device.type == "meta"
+    assert out["b"][1] == 3 and isinstance(out["b"], tuple)
+
+
+def test_module_nodes_are_moved_when_the_graph_is_built_both_ways():
+    a, b = Lin(), Holder()
+    Graph.somatize(a.on("meta") >> b.on("meta"))
+    assert a.lin.weight.device.type == "meta"
+    assert b.net[0].weight.device.type == "meta"
+
+
+def test_autograd_history_crosses_edges():
+    a = Lin()
+    x = torch.randn(3, 2, requires_grad=True)
+    y = Graph.somatize(Where() >> a >> Where()).forward(x)
+    y.sum().backward()
+    assert x.grad is not None and a.lin.weight.grad is not None
