@@ -69,7 +69,7 @@ def fan(k: int) -> tuple[str, int, Any, Any]:
 
     def plain() -> Any:
         x = src.forward(0, None)
-        return join.forward({n: f(x, None) for n, f in zip(names, bf)}, None)
+        return join.forward({n: f(x, None) for n, f in zip(names, bf, strict=True)}, None)
 
     assert g.forward(0) == plain()
     return f"fan-out of {k}", k + 2, lambda: g.forward(0), plain

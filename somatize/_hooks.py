@@ -6,7 +6,8 @@ does, the defaults below answer as if no value were a tensor and no node held st
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["register", "move", "place", "state_digest", "trainable"]
 

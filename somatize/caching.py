@@ -11,13 +11,13 @@ from __future__ import annotations
 import hashlib
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from somatize import _hooks
 from somatize.codecs import digest, encode
 from somatize.node import Opaque
 from somatize.run import (
-    MANY,
     ONE,
     ROOT,
     Plan,
@@ -30,9 +30,7 @@ from somatize.run import (
 
 __all__ = ["walk_cached", "declarations"]
 
-_declared: weakref.WeakKeyDictionary[Plan, dict[str, tuple[str, str]]] = (
-    weakref.WeakKeyDictionary()
-)
+_declared: weakref.WeakKeyDictionary[Plan, dict[str, tuple[str, str]]] = weakref.WeakKeyDictionary()
 
 
 def declarations(plan: Plan) -> dict[str, tuple[str, str]]:
@@ -151,7 +149,9 @@ def _mapped(
             f"node {nid!r} is .mapped() and was handed {type(x).__name__}, not a list: "
             "a mapped node takes a list and gives back a list as long"
         )
-    names = [_name(_mix(mine, digest(encode(item, where=f"an item for node {nid!r}")))) for item in x]
+    names = [
+        _name(_mix(mine, digest(encode(item, where=f"an item for node {nid!r}")))) for item in x
+    ]
     out: list[Any] = [None] * len(x)
     missing = []
     for k, name in enumerate(names):
@@ -168,7 +168,7 @@ def _mapped(
                 f"{len(made) if isinstance(made, list) else type(made).__name__}; "
                 "it must return a list as long as the list it was handed"
             )
-        for k, value in zip(missing, made):
+        for k, value in zip(missing, made, strict=True):
             out[k] = value
             _keep(nid, names[k], value, code, store)
     said = "hit" if not missing else ("miss" if len(missing) == len(x) else "partial")

@@ -8,7 +8,8 @@ which is kept until the topology changes (see `somatize.run`).
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from somatize import _hooks
 from somatize.node import DEVICE, Expr, Node, Settings
@@ -279,7 +280,8 @@ class Graph:
                     "host": s.host,
                     "frozen": bool(s.frozen),
                     "cached": bool(s.cached),
-                    "salt": s.salt if s.salt is None or isinstance(s.salt, (str, int, float))
+                    "salt": s.salt
+                    if s.salt is None or isinstance(s.salt, (str, int, float))
                     else repr(s.salt),
                     "mapped": bool(s.mapped),
                     "predecessors": list(self._pred[n]),

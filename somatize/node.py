@@ -14,8 +14,9 @@ from __future__ import annotations
 import inspect
 import re
 from abc import ABC, ABCMeta, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterator
+from typing import Any
 
 __all__ = ["Node", "Opaque", "Expr", "Settings", "DEVICE"]
 
@@ -100,9 +101,7 @@ class Expr:
     def named(self, id: str) -> Expr:
         """Give the node its id (otherwise its class name lower-cased, then `_2`, `_3`, ...)."""
         if not isinstance(id, str) or not id or "/" in id or "." in id:
-            raise ValueError(
-                f"a node id must be a non-empty string without '/' or '.', not {id!r}"
-            )
+            raise ValueError(f"a node id must be a non-empty string without '/' or '.', not {id!r}")
         count = sum(1 for _ in self.pieces())
         if count != 1:
             raise ValueError(

@@ -14,7 +14,8 @@ import inspect
 import json
 import time
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from somatize import _hooks
 from somatize.node import Opaque

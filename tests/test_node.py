@@ -11,8 +11,12 @@ from somatize import Graph, Node
 def test_chain_and_branches_make_the_expected_topology():
     g = Graph.somatize(Add(1) >> (Add(2) | Add(3)) >> Join())
     assert g.nodes() == ["add", "add_2", "add_3", "join"]
-    assert sorted(g.edges()) == [("add", "add_2"), ("add", "add_3"), ("add_2", "join"),
-                                 ("add_3", "join")]
+    assert sorted(g.edges()) == [
+        ("add", "add_2"),
+        ("add", "add_3"),
+        ("add_2", "join"),
+        ("add_3", "join"),
+    ]
     assert g.roots() == ["add"] and g.leaves() == ["join"]
 
 
