@@ -20,8 +20,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from somatize.store import Store
 

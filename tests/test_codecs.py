@@ -1,0 +1,271 @@
+"""somatize.codecs and somatize.torch.codec: values written down and read back exactly."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from somatize.codecs import NoCodec, codec, codecs_registered, decode, digest, encode
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal with the same types all the way down (nan equals nan)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+plain = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**200), max_value=2**200)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text()
+    | st.binary(),
+    lambda inner: (
+        st.lists(inner, max_size=5)
+        | st.lists(inner, max_size=5).map(tuple)
+        | st.dictionaries(st.text(max_size=8), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(plain)
+def test_plain_values_round_trip_with_their_types(value: Any) -> None:
+    data = encode(value)
+    back = decode(data)
+    assert same(back, value)
+    assert encode(back) == data  # deterministic: the same value gives the same bytes
+
+
+def test_types_that_json_would_lose_are_kept() -> None:
+    value = {
+        "tuple": (1, (2, 3), []),
+        "empty": (),
+        "bool": True,
+        "int": 1,
+        "float_that_is_whole": 1.0,
+        "big": 2**100,
+        "negative_big": -(2**64) - 1,
+        "uint64": 2**64 - 1,
+        "bytes": b"\x00\xff",
+        "nan": float("nan"),
+        "inf": float("-inf"),
+        "surrogate": "x\ud800",
+        "nested": [{"a": (True, None)}],
+    }
+    back = decode(encode(value))
+    assert same(back, value)
+    assert type(back["tuple"]) is tuple and type(back["tuple"][1]) is tuple
+    assert back["bool"] is True and type(back["int"]) is int
+    assert type(back["float_that_is_whole"]) is float
+    assert back["big"] == 2**100 and back["negative_big"] == -(2**64) - 1
+
+
+def test_dict_order_is_kept_and_makes_the_bytes() -> None:
+    assert list(decode(encode({"b": 1, "a": 2}))) == ["b", "a"]
+    assert encode({"a": 1, "b": 2}) == encode({"a": 1, "b": 2})
+    assert encode({"a": 1, "b": 2}) != encode({"b": 2, "a": 1})
+
+
+class Unknown:
+    pass
+
+
+def test_no_codec_names_the_type_the_place_and_what_to_do() -> None:
+    with pytest.raises(NoCodec) as caught:
+        encode({"x": [1, Unknown()]}, where="node 'enc'")
+    message = str(caught.value)
+    assert "Unknown" in message
+    assert "node 'enc'" in message
+    assert "['x'][1]" in message
+    assert "somatize.codec(kind, type, dump=..., load=...)" in message
+    assert isinstance(caught.value, TypeError)
+
+
+def test_subclasses_of_plain_types_are_not_silently_flattened() -> None:
+    class Label(str):
+        pass
+
+    with pytest.raises(NoCodec, match="Label"):
+        encode(Label("x"))
+
+
+class Point:
+    def __init__(self, x: int, y: int) -> None:
+        self.x, self.y = x, y
+
+
+class Point3(Point):
+    pass
+
+
+def test_a_registered_codec_writes_its_type_and_its_subclasses() -> None:
+    codec(
+        "test-point",
+        Point,
+        dump=lambda p: f"{p.x},{p.y}".encode(),
+        load=lambda b: Point(*map(int, b.decode().split(","))),
+    )
+    assert "test-point" in codecs_registered()
+    back = decode(encode({"p": (Point(1, 2), Point3(3, 4))}))
+    assert isinstance(back["p"], tuple)
+    assert [(p.x, p.y) for p in back["p"]] == [(1, 2), (3, 4)]
+
+
+def test_registering_a_kind_again_replaces_it() -> None:
+    class Thing:
+        pass
+
+    codec("test-thing", Thing, dump=lambda t: b"one", load=lambda b: b.decode())
+    codec("test-thing", Thing, dump=lambda t: b"two", load=lambda b: b.decode() + "!")
+    assert decode(encode(Thing())) == "two!"
+    assert codecs_registered().count("test-thing") == 1
+
+
+def test_codec_refuses_bad_registrations_and_bad_dumps() -> None:
+    with pytest.raises(ValueError):
+        codec("", int, dump=bytes, load=bytes)
+    with pytest.raises(TypeError):
+        codec("test-x", "not a type", dump=bytes, load=bytes)  # type: ignore[arg-type]
+
+    class Liar:
+        pass
+
+    codec("test-liar", Liar, dump=lambda v: "not bytes", load=lambda b: b)
+    with pytest.raises(TypeError, match="test-liar"):
+        encode(Liar())
+
+
+def test_decode_refuses_what_is_not_an_encoded_value() -> None:
+    with pytest.raises(ValueError):
+        decode(encode([1, 2, 3])[:-1])
+    with pytest.raises(ValueError):
+        decode(b"\xc1")
+
+
+def test_decode_names_a_kind_nobody_registered() -> None:
+    class Gone:
+        pass
+
+    codec("test-gone", Gone, dump=lambda v: b"", load=lambda b: Gone())
+    data = encode(Gone())
+    codec("test-gone-renamed", Gone, dump=lambda v: b"", load=lambda b: Gone())
+    from somatize import codecs as module
+
+    del module._by_kind["test-gone"]
+    with pytest.raises(NoCodec, match="test-gone"):
+        decode(data)
+
+
+def test_digest_is_sha256_of_the_bytes() -> None:
+    import hashlib
+
+    assert digest(b"abc") == "sha256:" + hashlib.sha256(b"abc").hexdigest()
+
+
+def test_numpy_values_round_trip_with_their_dtype() -> None:
+    np = pytest.importorskip("numpy")
+    value = [np.float32(1.5), np.arange(6, dtype=np.int16).reshape(2, 3), np.bool_(True)]
+    back = decode(encode(value))
+    assert type(back[0]) is np.float32 and back[0] == np.float32(1.5)
+    assert back[1].dtype == np.int16 and back[1].shape == (2, 3)
+    assert (back[1] == value[1]).all()
+    assert type(back[2]) is np.bool_
+
+
+# -- tensors --------------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+import somatize.torch  # noqa: E402,F401  (registers the tensor codec)
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+    ],
+)
+def test_tensors_keep_their_dtype_and_numbers(dtype: Any) -> None:
+    tensor = (torch.arange(12).reshape(3, 4) % 3).to(dtype)
+    back = decode(encode(tensor))
+    assert back.dtype == dtype and back.shape == (3, 4)
+    assert torch.equal(back, tensor)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (0, 3), (1,), (2, 3, 4)])
+def test_tensors_keep_their_shape(shape: tuple[int, ...]) -> None:
+    tensor = torch.randn(shape)
+    back = decode(encode(tensor))
+    assert back.shape == tensor.shape and back.dim() == len(shape)
+    assert torch.equal(back, tensor)
+
+
+def test_views_grad_and_parameters_are_written_as_plain_tensors() -> None:
+    base = torch.randn(4, 5, requires_grad=True)
+    view = (base * 2).t()[1:, ::2]
+    assert not view.is_contiguous()
+    back = decode(encode({"view": view, "param": torch.nn.Parameter(torch.ones(3))}))
+    assert torch.equal(back["view"], view.detach())
+    assert not back["view"].requires_grad and back["view"].device.type == "cpu"
+    assert type(back["param"]) is torch.Tensor and torch.equal(back["param"], torch.ones(3))
+
+
+def test_tensor_bytes_are_deterministic_and_nested_values_keep_types() -> None:
+    value = {"x": (torch.ones(2, dtype=torch.bfloat16), 3), "y": [torch.tensor(7)]}
+    assert encode(value) == encode(
+        {"x": (torch.ones(2, dtype=torch.bfloat16), 3), "y": [torch.tensor(7)]}
+    )
+    back = decode(encode(value))
+    assert type(back["x"]) is tuple and back["x"][1] == 3
+    assert back["y"][0].dim() == 0 and back["y"][0].item() == 7
+    assert "tensor" in codecs_registered()
+
+
+def test_tensors_that_have_no_plain_numbers_are_refused_clearly() -> None:
+    with pytest.raises(TypeError, match="to_dense"):
+        encode(torch.eye(3).to_sparse())
+    with pytest.raises(TypeError, match="meta"):
+        encode(torch.empty(2, device="meta"))
+
+
+def test_tensor_bytes_decode_without_importing_somatize_torch_first() -> None:
+    data = encode(torch.arange(3, dtype=torch.int16))
+    script = textwrap.dedent(
+        """
+        import sys
+        from somatize.codecs import decode
+        assert "somatize.torch" not in sys.modules
+        value = decode(sys.stdin.buffer.read())
+        print(value.dtype, value.tolist())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], input=data, capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().split() == ["torch.int16", "[0,", "1,", "2]"]

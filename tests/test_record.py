@@ -1,0 +1,173 @@
+"""somatize.record: a Recorder writes one record per forward; a run reads back as DataFrames."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from somatize import Graph, Node, Recorder, Store
+from somatize import record as rec
+
+
+class Inc(Node):
+    def forward(self, input: Any, ctx: Any) -> Any:
+        return input + 1
+
+
+class Double(Node):
+    def forward(self, input: Any, ctx: Any) -> Any:
+        return input * 2
+
+
+def step(recorder: Recorder, i: int, *, health: bool = True) -> None:
+    """What a Trainer tells its watchers in one step, in the order it tells them."""
+    recorder({"fact": "ran", "node": "enc", "began_us": 0.0, "took_us": 10.0 + i})
+    recorder({"fact": "ran", "node": "head", "began_us": 10.0, "took_us": 5})
+    recorder({"fact": "finished", "took_us": 20.5})
+    recorder({"fact": "loss", "value": 1.0 / (i + 1), "step": i})
+    recorder({"fact": "updated", "step": i})
+    if health:
+        numbers = {"grad_norm": 0.5 * i, "dead_channels": i, "nan": False}
+        recorder({"fact": "health", "where": "enc.fc", "step": i, "numbers": numbers})
+    recorder.flush()
+
+
+def test_one_record_per_forward_readable_with_recall(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    recorder = Recorder(store, run="r1")
+    for i in range(3):
+        step(recorder, i)
+    facts = store.recall("run/r1/1")
+    assert [f["fact"] for f in facts] == ["ran", "ran", "finished", "loss", "updated", "health"]
+    assert facts[3] == {"fact": "loss", "value": 0.5, "step": 1}
+    assert type(facts[1]["took_us"]) is int and facts[5]["numbers"]["nan"] is False
+    bound = store.resolve("run/r1/2")
+    assert bound.meta == [
+        ("run", "r1"),
+        ("forward", 2),
+        ("state", "ok"),
+        ("nodes", 2),
+        ("took_us", 20.5),
+    ]
+    assert store.recall("run/r1/3") is None
+
+
+def test_a_record_is_written_at_finished_and_completed_later(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    recorder = Recorder(store, run="r")
+    recorder({"fact": "ran", "node": "a", "began_us": 0.0, "took_us": 1.0})
+    assert store.recall("run/r/0") is None
+    recorder({"fact": "finished", "took_us": 2.0})
+    assert [f["fact"] for f in store.recall("run/r/0")] == ["ran", "finished"]
+    recorder({"fact": "loss", "value": 0.25, "step": 0})
+    assert len(store.recall("run/r/0")) == 2  # not yet: written at the next forward or flush
+    recorder({"fact": "ran", "node": "a", "began_us": 0.0, "took_us": 1.0})
+    assert store.recall("run/r/0")[-1] == {"fact": "loss", "value": 0.25, "step": 0}
+    recorder.close()
+    assert store.resolve("run/r/1").get("state") == "unfinished"
+    assert recorder.forwards == 2
+
+
+def test_a_graph_watched_by_a_recorder(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    graph = Graph.somatize(Inc().named("inc") >> Double().named("dbl"))
+    recorder = Recorder(store)
+    assert recorder.run
+    for x in range(4):
+        assert graph.forward(x, watching=recorder) == (x + 1) * 2
+    recorder.close()
+    assert rec.runs(store) == [recorder.run]
+    timings = rec.timings(store, recorder.run)
+    assert list(timings.columns) == ["forward", "node", "began_us", "took_us"]
+    assert timings["forward"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert timings["node"].tolist() == ["inc", "dbl"] * 4
+    assert (timings["took_us"] >= 0).all()
+    assert store.resolve(f"run/{recorder.run}/3").get("nodes") == 2
+
+
+def test_facts_read_back_with_their_types(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    recorder = Recorder(store, run="typed")
+    for i in range(3):
+        step(recorder, i)
+    table = rec.facts(store, "typed")
+    assert list(table.columns[:8]) == [
+        "fact",
+        "forward",
+        "node",
+        "began_us",
+        "took_us",
+        "value",
+        "step",
+        "where",
+    ]
+    assert len(table) == 18
+    assert table["forward"].dtype == "int64"
+    assert table["step"].dtype == "Int64"
+    assert table["grad_norm"].dtype == "float64"
+    assert table["dead_channels"].dtype == "Int64"
+    assert table["nan"].dtype == "boolean"
+    health = table[table["fact"] == "health"]
+    assert health["where"].tolist() == ["enc.fc"] * 3
+    assert health["dead_channels"].tolist() == [0, 1, 2]
+    assert health["nan"].tolist() == [False, False, False]
+
+
+def test_losses_are_the_loss_curve(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    recorder = Recorder(store, run="curve")
+    for i in range(4):
+        step(recorder, i, health=False)
+    losses = rec.losses(store, "curve")
+    assert list(losses.columns) == ["step", "loss"]
+    assert losses["step"].dtype == "int64"
+    assert losses["step"].tolist() == [0, 1, 2, 3]
+    assert losses["loss"].tolist() == pytest.approx([1.0, 0.5, 1 / 3, 0.25])
+
+
+def test_summarising_adds_meta_and_may_not_overwrite(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+
+    def slowest(facts: list[dict[str, Any]]) -> dict[str, Any]:
+        ran = [f for f in facts if f["fact"] == "ran"]
+        return {"slowest": max(ran, key=lambda f: f["took_us"])["node"]}
+
+    recorder = Recorder(store, run="s", summarising=slowest)
+    step(recorder, 0)
+    assert store.resolve("run/s/0").get("slowest") == "enc"
+    bad = Recorder(store, run="bad", summarising=lambda facts: {"state": "mine"})
+    with pytest.raises(ValueError, match="state"):
+        bad({"fact": "finished", "took_us": 1.0})
+
+
+def test_runs_are_listed_oldest_first_and_unknown_runs_refused(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    for run in ("zeta", "alpha"):
+        step(Recorder(store, run=run), 0)
+    store.keep("cache/ab/x", 1)
+    assert rec.runs(store) == ["zeta", "alpha"]
+    with pytest.raises(LookupError, match="zeta"):
+        rec.facts(store, "nope")
+
+
+def test_recorder_refuses_bad_runs_and_bad_facts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        Recorder(tmp_path, run="a/b")
+    recorder = Recorder(str(tmp_path), run="ok")
+    assert isinstance(recorder.store, Store)
+    with pytest.raises(TypeError):
+        recorder("ran")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        recorder({"node": "x"})
+
+
+def test_empty_tables_have_their_columns(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    recorder = Recorder(store, run="quiet")
+    recorder({"fact": "finished", "took_us": 1.0})
+    assert list(rec.losses(store, "quiet").columns) == ["step", "loss"]
+    assert isinstance(rec.timings(store, "quiet"), pd.DataFrame)
+    assert rec.timings(store, "quiet").empty
