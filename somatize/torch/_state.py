@@ -1,0 +1,217 @@
+"""Looking without touching: the modules a node holds, and a net put back as it was found.
+
+Everything that looks inside a network (architecture, probe, proxies) runs it, and a forward
+in training mode moves batch-norm statistics, a dropout draws from the global generator, and
+a proxy may swap weights for their magnitudes. `untouched` puts all of it back, exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["named_modules_of", "untouched", "places_of", "as_graph", "tensors_in"]
+
+
+def named_modules_of(node: Any) -> list[tuple[str, nn.Module]]:
+    """The modules a node is made of, named: `("", node)` when the node is one, else each
+    module it holds as an attribute (`net`, or `blocks.0` for one in a list)."""
+    if isinstance(node, nn.Module):
+        return [("", node)]
+    found: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    for name, value in vars(node).items():
+        items = (
+            [(f"{name}.{i}", v) for i, v in enumerate(value)]
+            if isinstance(value, (list, tuple))
+            else [(name, value)]
+        )
+        for label, item in items:
+            if isinstance(item, nn.Module) and id(item) not in seen:
+                seen.add(id(item))
+                found.append((label, item))
+    return found
+
+
+def join(*parts: str) -> str:
+    """Dotted path from parts, skipping the empty ones."""
+    return ".".join(p for p in parts if p)
+
+
+class _One:
+    """A bare module seen as a graph of one node, so every tool also takes a plain module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.name = type(module).__name__.lower()
+
+    def nodes(self) -> list[str]:
+        return [self.name]
+
+    def implementation(self, node: str) -> Any:
+        return self.module
+
+    def predecessors(self, node: str) -> list[str]:
+        return []
+
+    def topological_sort(self) -> list[str]:
+        return [self.name]
+
+    def forward(self, input: Any = None, **_: Any) -> Any:
+        return self.module(input)
+
+
+def as_graph(graph: Any) -> Any:
+    """A Graph as it is; a bare nn.Module as a graph of one node named by its class."""
+    if isinstance(graph, nn.Module):
+        return _One(graph)
+    if not all(hasattr(graph, a) for a in ("nodes", "implementation", "forward")):
+        raise TypeError(
+            f"expected a somatize Graph or an nn.Module, got {type(graph).__name__}; "
+            "build one with Graph.somatize(...)"
+        )
+    return graph
+
+
+def places_of(graph: Any) -> list[tuple[str, str, nn.Module]]:
+    """Every (node, attribute path, module) a graph holds, nodes in declaration order."""
+    out = []
+    for node in graph.nodes():
+        for name, module in named_modules_of(graph.implementation(node)):
+            out.append((node, name, module))
+    return out
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor inside a value (dicts, lists, tuples), in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
+@contextlib.contextmanager
+def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[None]:
+    """Whatever happens inside, the modules come out exactly as they went in.
+
+    Modes, parameter values and dtypes, gradients (the same tensors), buffers, `inplace` flags,
+    and the global random state. With `seed`, the global generator is seeded inside, so a
+    dropout draws the same masks every call.
+    """
+    every: list[nn.Module] = []
+    seen: set[int] = set()
+    for m in modules:
+        for sub in m.modules():
+            if id(sub) not in seen:
+                seen.add(id(sub))
+                every.append(sub)
+    modes = [(m, m.training) for m in every]
+    inplace = [(m, m.inplace) for m in every if isinstance(getattr(m, "inplace", None), bool)]
+    params: dict[int, tuple[nn.Parameter, torch.Tensor, Any, bool]] = {}
+    buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+    for m in every:
+        for p in m.parameters(recurse=False):
+            if id(p) not in params:
+                params[id(p)] = (p, p.data, p.grad, p.requires_grad)
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None:
+                buffers.append((m, name, b, b.detach().clone()))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            yield
+    finally:
+        with torch.no_grad():
+            for m, mode in modes:
+                m.training = mode
+            for m, flag in inplace:
+                m.inplace = flag
+            for p, data, grad, requires in params.values():
+                p.data = data
+                p.grad = grad
+                p.requires_grad_(requires)
+            for m, name, b, saved in buffers:
+                m._buffers[name] = b
+                if b.shape == saved.shape and b.dtype == saved.dtype:
+                    b.copy_(saved)
+                else:
+                    b.data = saved
+
+
+def _wrap(node: Any, node_id: str, original: Any, on_node: Any) -> Any:
+    def forward(*args: Any, **kw: Any) -> Any:
+        out = original(*args, **kw)
+        on_node(
+            node_id,
+            args[0] if args else kw.get("input"),
+            args[1] if len(args) > 1 else kw.get("ctx"),
+            out,
+        )
+        return out
+
+    return forward
+
+
+class Tap:
+    """Every node's `forward` wrapped so `on_node(node, input, ctx, output)` hears each call.
+
+    The engine calls a node's `forward` directly (not through `nn.Module.__call__`), so module
+    hooks on a node that *is* a module never fire; an instance attribute shadowing `forward`
+    is seen both by a freshly compiled plan and by `__call__`. The graph's compiled plan is
+    set aside while tapped and given back after.
+    """
+
+    def __init__(self, graph: Any, on_node: Any) -> None:
+        self.graph = graph
+        self.on_node = on_node
+        self._undo: list[tuple[Any, bool, Any]] = []
+        self._plan: Any = None
+
+    def on(self) -> Tap:
+        """Wrap every node; the next forward compiles a plan that sees the wrappers."""
+        if isinstance(self.graph, _One):
+            m = self.graph.module
+            self._undo.append((m, "forward" in vars(m), vars(m).get("forward")))
+            m.forward = _wrap(m, self.graph.name, m.forward, self._single)
+            return self
+        for node_id in self.graph.nodes():
+            node = self.graph.implementation(node_id)
+            had = "forward" in vars(node)
+            self._undo.append((node, had, vars(node).get("forward")))
+            object.__setattr__(node, "forward", _wrap(node, node_id, node.forward, self.on_node))
+        self._plan = getattr(self.graph, "_plan", None)
+        if hasattr(self.graph, "_plan"):
+            self.graph._plan = None
+        return self
+
+    def _single(self, node_id: str, input: Any, ctx: Any, out: Any) -> None:
+        self.on_node(node_id, input, ctx, out)
+
+    def off(self) -> None:
+        """Unwrap every node and give the graph its plan back."""
+        for node, had, before in reversed(self._undo):
+            if had:
+                object.__setattr__(node, "forward", before)
+            else:
+                try:
+                    object.__delattr__(node, "forward")
+                except AttributeError:
+                    pass
+        self._undo = []
+        if hasattr(self.graph, "_plan"):
+            self.graph._plan = self._plan
+        self._plan = None
+
+    def __enter__(self) -> Tap:
+        return self.on()
+
+    def __exit__(self, *exc: object) -> None:
+        self.off()

@@ -1,0 +1,182 @@
+"""Repeated blocks folded to one `×N`, and too many layers closed back into their blocks.
+
+Both work on the raw answer of a tracer (`somatize.torch._trace.Traced`) and keep its order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from somatize.torch._trace import Raw, Traced
+
+__all__ = ["fold", "collapse", "Folded"]
+
+
+class Folded:
+    """A raw layer with what folding added: how many it stands for and which paths it hides."""
+
+    __slots__ = ("raw", "times", "repeats", "made_of")
+
+    def __init__(self, raw: Raw) -> None:
+        self.raw = raw
+        self.times = 1
+        self.repeats: list[str] = []
+        self.made_of: list[str] = []
+
+
+def _children(layers: dict[str, Folded]) -> dict[str | None, list[str]]:
+    kids: dict[str | None, list[str]] = {}
+    for path, f in layers.items():
+        kids.setdefault(f.raw.block, []).append(path)
+    return kids
+
+
+def _descendants(path: str, kids: dict[str | None, list[str]]) -> list[str]:
+    out = []
+    for c in kids.get(path, []):
+        out.append(c)
+        out.extend(_descendants(c, kids))
+    return out
+
+
+def _relative(path: str, base: str) -> str:
+    return path[len(base) :]
+
+
+def _signature(path: str, layers: dict[str, Folded], kids: dict, edges: set, memo: dict) -> Any:
+    if path in memo:
+        return memo[path]
+    r = layers[path].raw
+    inner = _descendants(path, kids)
+    within = set(inner)
+    sig = (
+        r.kind,
+        r.label,
+        tuple(r.shape) if r.shape else None,
+        r.params,
+        tuple(
+            (_relative(c, path), _signature(c, layers, kids, edges, memo))
+            for c in kids.get(path, [])
+        ),
+        tuple(
+            sorted(
+                (_relative(a, path), _relative(b, path))
+                for a, b in edges
+                if a in within and b in within
+            )
+        ),
+    )
+    memo[path] = sig
+    return sig
+
+
+def fold(traced: Traced) -> tuple[dict[str, Folded], list[tuple[str, str]]]:
+    """Adjacent sibling blocks that are the same block (kinds, labels, shapes, parameters and
+    inner edges alike) become the first of them, `times` N and the others in `repeats`.
+
+    Edges between copies disappear; edges from outside into a later copy, or out of one, are
+    drawn to the first copy instead.
+    """
+    layers = {p: Folded(r) for p, r in traced.layers.items()}
+    edges = list(traced.edges)
+    queue: list[str | None] = [None]
+    while queue:
+        parent = queue.pop(0)
+        kids = _children(layers)
+        edge_set = set(edges)
+        memo: dict = {}
+        siblings = kids.get(parent, [])
+        i = 0
+        while i < len(siblings):
+            first = siblings[i]
+            j = i + 1
+            if layers[first].raw.kind != "block" and not kids.get(first):
+                i += 1
+                continue
+            sig = _signature(first, layers, kids, edge_set, memo)
+            while (
+                j < len(siblings) and _signature(siblings[j], layers, kids, edge_set, memo) == sig
+            ):
+                j += 1
+            if j - i >= 2:
+                edges = _fold_run(layers, kids, edges, siblings[i:j])
+            i = j
+        kids = _children(layers)
+        queue.extend(c for c in kids.get(parent, []) if kids.get(c))
+    for f in layers.values():
+        f.made_of = []
+    for path, f in layers.items():
+        if f.raw.block is not None:
+            layers[f.raw.block].made_of.append(path)
+    return layers, edges
+
+
+def _fold_run(
+    layers: dict[str, Folded], kids: dict, edges: list[tuple[str, str]], run: list[str]
+) -> list[tuple[str, str]]:
+    keep = run[0]
+    copy_of: dict[str, tuple[int, str]] = {keep: (0, keep)}
+    for d in _descendants(keep, kids):
+        copy_of[d] = (0, d)
+    for k, other in enumerate(run[1:], start=1):
+        for p in [other, *_descendants(other, kids)]:
+            twin = keep + p[len(other) :]
+            copy_of[p] = (k, twin)
+            f = layers.pop(p)
+            layers[twin].repeats.append(p)
+            layers[twin].repeats.extend(f.repeats)
+    n = len(run)
+    for p, (k, _) in copy_of.items():
+        if k == 0:
+            layers[p].times *= n
+    out: dict[tuple[str, str], None] = {}
+    for a, b in edges:
+        ka, a2 = copy_of.get(a, (None, a))
+        kb, b2 = copy_of.get(b, (None, b))
+        if ka is not None and kb is not None and ka != kb:
+            continue
+        if a2 != b2:
+            out[(a2, b2)] = None
+    return list(out)
+
+
+def collapse(
+    layers: dict[str, Folded], edges: list[tuple[str, str]], most: int
+) -> tuple[dict[str, Folded], list[tuple[str, str]], int]:
+    """At most `most` layers: the deepest open blocks are closed first (their layers go, the
+    block stays as one layer and takes their edges); what is still too many is cut off the end,
+    and how many were is the third answer."""
+
+    def level(path: str) -> int:
+        n, b = 0, layers[path].raw.block
+        while b is not None:
+            n, b = n + 1, layers[b].raw.block
+        return n
+
+    while len(layers) > most:
+        opened = [p for p, f in layers.items() if f.made_of]
+        if not opened:
+            break
+        deepest = max(level(p) for p in opened)
+        into: dict[str, str] = {}
+        for p in opened:
+            if level(p) == deepest:
+                for c in layers[p].made_of:
+                    into[c] = p
+                layers[p].made_of = []
+        for c in into:
+            del layers[c]
+        out: dict[tuple[str, str], None] = {}
+        for a, b in edges:
+            a, b = into.get(a, a), into.get(b, b)
+            if a != b:
+                out[(a, b)] = None
+        edges = list(out)
+    hidden = max(0, len(layers) - most)
+    if hidden:
+        kept = list(layers)[:most]
+        layers = {p: layers[p] for p in kept}
+        for f in layers.values():
+            f.made_of = [c for c in f.made_of if c in layers]
+        edges = [(a, b) for a, b in edges if a in layers and b in layers]
+    return layers, edges, hidden

@@ -1,0 +1,206 @@
+"""What kind of thing a layer is, by role, and a short label for drawing it.
+
+A figure shapes and colours a layer by its kind, so the answer has to be right for classes
+nobody told us about: the table below is checked against a class's whole ancestry, and past it
+a name that ends in `Norm` is a normalisation, a name that says `Conv` is a convolution, and a
+leaf that holds weights is learned.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from torch import nn
+
+__all__ = ["KINDS", "kind_of", "label_of", "recognised", "is_container"]
+
+KINDS = (
+    "learned",
+    "conv",
+    "recurrent",
+    "attention",
+    "norm",
+    "activation",
+    "regular",
+    "shaping",
+    "block",
+    "other",
+)
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+# (kind, base classes); checked in this order, so attention wins over "has children".
+_BY_CLASS: tuple[tuple[str, tuple[type, ...]], ...] = (
+    ("attention", (nn.MultiheadAttention,)),
+    ("conv", (nn.modules.conv._ConvNd,)),
+    ("recurrent", (nn.RNNBase, nn.RNNCellBase)),
+    (
+        "norm",
+        (
+            nn.modules.batchnorm._NormBase,
+            nn.LayerNorm,
+            nn.GroupNorm,
+            nn.LocalResponseNorm,
+            getattr(nn, "RMSNorm", nn.LayerNorm),
+        ),
+    ),
+    ("regular", (nn.modules.dropout._DropoutNd, nn.AlphaDropout)),
+    (
+        "shaping",
+        (
+            nn.modules.pooling._MaxPoolNd,
+            nn.modules.pooling._AvgPoolNd,
+            nn.modules.pooling._AdaptiveMaxPoolNd,
+            nn.modules.pooling._AdaptiveAvgPoolNd,
+            nn.modules.pooling._LPPoolNd,
+            nn.modules.padding._ConstantPadNd,
+            nn.modules.padding._ReflectionPadNd,
+            nn.modules.padding._ReplicationPadNd,
+            nn.ZeroPad2d,
+            nn.Flatten,
+            nn.Unflatten,
+            nn.Upsample,
+            nn.PixelShuffle,
+            nn.PixelUnshuffle,
+            nn.ChannelShuffle,
+            nn.Fold,
+            nn.Unfold,
+            nn.Identity,
+        ),
+    ),
+    ("learned", (nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag)),
+    ("block", _CONTAINERS),
+)
+
+# Names, matched on every class of the ancestry, for classes outside torch's own table.
+_BY_NAME: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("attention", re.compile(r"Attention|Attn")),
+    ("norm", re.compile(r"Norm(\d+d)?$")),
+    ("conv", re.compile(r"Conv")),
+    ("recurrent", re.compile(r"LSTM|GRU|RNN")),
+    ("regular", re.compile(r"Dropout|DropPath|StochasticDepth")),
+    ("shaping", re.compile(r"Pool|Pad|Flatten|Upsampl|Reshape|Permute|Shuffle|Squeeze|View")),
+    ("activation", re.compile(r"ReLU|GELU|SiLU|Swish|Mish|Sigmoid|Tanh|Softmax|Softplus|ELU")),
+    ("learned", re.compile(r"Linear|Embedding|Dense")),
+)
+
+# Functions and tensor methods met between modules in a traced forward.
+_FUNCTIONS: dict[str, str] = {
+    **dict.fromkeys(
+        "relu relu6 gelu silu mish elu selu celu sigmoid tanh softmax log_softmax softplus "
+        "leaky_relu hardtanh hardswish hardsigmoid logsigmoid glu".split(),
+        "activation",
+    ),
+    **dict.fromkeys(
+        "flatten reshape view permute transpose squeeze unsqueeze cat concat stack split chunk "
+        "max_pool1d max_pool2d max_pool3d avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d "
+        "adaptive_avg_pool2d adaptive_max_pool2d pad interpolate pixel_shuffle mean t "
+        "contiguous expand repeat narrow".split(),
+        "shaping",
+    ),
+    **dict.fromkeys("dropout dropout1d dropout2d dropout3d alpha_dropout".split(), "regular"),
+    **dict.fromkeys("layer_norm batch_norm group_norm instance_norm rms_norm".split(), "norm"),
+    **dict.fromkeys("conv1d conv2d conv3d conv_transpose1d conv_transpose2d".split(), "conv"),
+    **dict.fromkeys("linear bilinear embedding".split(), "learned"),
+    "scaled_dot_product_attention": "attention",
+    "multi_head_attention_forward": "attention",
+}
+
+
+def _activation_class(cls: type) -> bool:
+    return cls.__module__ == "torch.nn.modules.activation" and not issubclass(
+        cls, nn.MultiheadAttention
+    )
+
+
+def function_name(fn: Any) -> str:
+    """The name a function or tensor method goes by: `operator.add`, `Tensor.__add__` → `add`."""
+    name = fn if isinstance(fn, str) else getattr(fn, "__name__", None) or type(fn).__name__
+    name = name.strip("_")
+    if name.startswith("i") and name[1:] in ("add", "sub", "mul", "truediv"):
+        name = name[1:]
+    return name.rstrip("_") or "op"
+
+
+def kind_of(what: Any) -> str:
+    """What kind of thing this is, by role and never by exact class name.
+
+    `what` is a module, a module class, or a function met in a forward (`torch.relu`,
+    `operator.add`). The answer is one of `KINDS`: learned, conv, recurrent, attention, norm,
+    activation, regular (dropout and the like), shaping (pool, pad, flatten, upsample, ...),
+    block (containers and anything made of other modules), other. A class this table has never
+    heard of that ends in `Norm` is a normalisation; a leaf holding weights is learned.
+    """
+    if isinstance(what, nn.Module) or (isinstance(what, type) and issubclass(what, nn.Module)):
+        cls = what if isinstance(what, type) else type(what)
+        for kind, bases in _BY_CLASS:
+            if issubclass(cls, bases):
+                return kind
+        ancestry = [c for c in cls.__mro__ if issubclass(c, nn.Module) and c is not nn.Module]
+        if any(_activation_class(c) for c in ancestry):
+            return "activation"
+        for c in ancestry:
+            for kind, pattern in _BY_NAME:
+                if pattern.search(c.__name__):
+                    return kind
+        if isinstance(what, nn.Module):
+            if next(what.children(), None) is not None:
+                return "block"
+            if next(what.parameters(recurse=False), None) is not None:
+                return "learned"
+        return "other"
+    if callable(what) or isinstance(what, str):
+        return _FUNCTIONS.get(function_name(what), "other")
+    return "other"
+
+
+def is_container(module: nn.Module) -> bool:
+    """Whether this is a plain container (Sequential, ModuleList, ModuleDict)."""
+    return isinstance(module, _CONTAINERS)
+
+
+def recognised(module: nn.Module) -> bool:
+    """A composite everybody recognises: torch's own, not a plain container, with children.
+
+    These are drawn as one box (a TransformerEncoderLayer, a MultiheadAttention) unless a
+    `depth=` opens them; a user's own composite is always opened.
+    """
+    cls = type(module)
+    return (
+        cls.__module__.startswith("torch.")
+        and not is_container(module)
+        and next(module.children(), None) is not None
+    )
+
+
+def _pair(v: Any) -> str:
+    if isinstance(v, tuple):
+        return "×".join(str(x) for x in v) if len(set(v)) > 1 else str(v[0])
+    return str(v)
+
+
+def label_of(module: nn.Module) -> str:
+    """A short label for a layer: its class and what sizes it, `Conv2d 3→16 3 /2`."""
+    name = type(module).__name__
+    if isinstance(module, nn.modules.conv._ConvNd):
+        text = f"{name} {module.in_channels}→{module.out_channels} {_pair(module.kernel_size)}"
+        stride = module.stride if isinstance(module.stride, tuple) else (module.stride,)
+        if any(s != 1 for s in stride):
+            text += f" /{_pair(module.stride)}"
+        return text
+    if isinstance(module, nn.Linear):
+        return f"{name} {module.in_features}→{module.out_features}"
+    if isinstance(module, nn.Embedding):
+        return f"{name} {module.num_embeddings}×{module.embedding_dim}"
+    if isinstance(module, nn.modules.batchnorm._NormBase):
+        return f"{name} {module.num_features}"
+    if isinstance(module, nn.LayerNorm):
+        return f"{name} {_pair(tuple(module.normalized_shape))}"
+    if isinstance(module, nn.MultiheadAttention):
+        return f"{name} {module.embed_dim}/{module.num_heads}h"
+    if isinstance(module, nn.RNNBase):
+        return f"{name} {module.input_size}→{module.hidden_size}"
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return f"{name} {module.p:g}"
+    return name
