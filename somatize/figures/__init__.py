@@ -1,0 +1,13 @@
+"""Figures: the graph drawn with what each node is made of, a run's health filling in while it
+trains, and candidates compared before anyone trains them. Each is an anywidget (a Python
+half here, an ES module bundled in `static/`), alive in JupyterLab, Notebook 7, VS Code and
+Colab, and saved as a standalone page that draws offline.
+"""
+
+from __future__ import annotations
+
+from somatize.figures.audit import LiveAudit
+from somatize.figures.graph import GraphFigure, graph_figure
+from somatize.figures.table import CompareTable, compare
+
+__all__ = ["CompareTable", "GraphFigure", "LiveAudit", "compare", "graph_figure"]

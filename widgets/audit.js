@@ -1,0 +1,285 @@
+// The live audit: the loss curve above, a heatmap of watched places x steps below, one metric
+// per cell chosen from a menu, flagged cells marked with the health verdict.
+import { el, FONT_FAMILY, inkOn, number, scaleOf, viridis } from "./shapes.js";
+
+const stores = new WeakMap();
+const MAX_COLS = 240;
+
+function storeOf(model) {
+  let s = stores.get(model);
+  if (!s) {
+    s = { places: [], placeIndex: new Map(), steps: [], stepSet: new Set(), cells: new Map(), loss: [], metrics: new Set(), seq: 0, listeners: new Set(), flagged: 0 };
+    stores.set(model, s);
+  }
+  return s;
+}
+
+function clear(s) {
+  s.places = [];
+  s.placeIndex = new Map();
+  s.steps = [];
+  s.stepSet = new Set();
+  s.cells = new Map();
+  s.loss = [];
+  s.metrics = new Set();
+  s.flagged = 0;
+}
+
+function take(s, msg) {
+  for (const [step, value] of msg.loss || []) s.loss.push([step, value]);
+  let unsorted = false;
+  for (const [where, step, numbers, flags] of msg.cells || []) {
+    if (!s.placeIndex.has(where)) {
+      s.placeIndex.set(where, s.places.length);
+      s.places.push(where);
+    }
+    if (!s.stepSet.has(step)) {
+      if (s.steps.length && step < s.steps[s.steps.length - 1]) unsorted = true;
+      s.stepSet.add(step);
+      s.steps.push(step);
+    }
+    const key = `${where}|${step}`;
+    const had = s.cells.get(key);
+    const merged = had ? { numbers: { ...had.numbers, ...numbers }, flags: [...new Set([...had.flags, ...(flags || [])])] } : { numbers: { ...numbers }, flags: [...(flags || [])] };
+    if (merged.flags.length && !(had && had.flags.length)) s.flagged += 1;
+    s.cells.set(key, merged);
+    for (const k of Object.keys(numbers || {})) s.metrics.add(k);
+  }
+  if (unsorted) s.steps.sort((a, b) => a - b);
+}
+
+function receive(model, msg) {
+  if (!msg || typeof msg !== "object") return;
+  const s = storeOf(model);
+  if (msg.kind === "reset") {
+    clear(s);
+    take(s, msg);
+    s.seq = msg.seq ?? 0;
+  } else if (msg.kind === "append") {
+    if (msg.seq !== undefined && msg.seq !== s.seq + 1 && s.seq !== 0) {
+      // a gap: something was missed, ask for everything again
+      model.send({ kind: "hello" });
+    }
+    take(s, msg);
+    s.seq = msg.seq ?? s.seq + 1;
+  } else return;
+  for (const f of s.listeners) f();
+}
+
+function initialize({ model }) {
+  const s = storeOf(model);
+  const onMsg = (msg) => receive(model, msg);
+  model.on("msg:custom", onMsg);
+  s.onMsg = onMsg;
+  // a page opened after facts arrived asks for them
+  model.send({ kind: "hello" });
+  return () => model.off("msg:custom", onMsg);
+}
+
+function bins(steps) {
+  if (steps.length <= MAX_COLS) return steps.map((s) => [s]);
+  const per = Math.ceil(steps.length / MAX_COLS);
+  const out = [];
+  for (let i = 0; i < steps.length; i += per) out.push(steps.slice(i, i + per));
+  return out;
+}
+
+function lossPath(loss, x0, x1, y0, y1, stepLo, stepHi) {
+  if (!loss.length) return { d: "", lo: null, hi: null };
+  const vals = loss.map(([, v]) => v).filter((v) => Number.isFinite(v));
+  const lo = Math.min(...vals);
+  const hi = Math.max(...vals);
+  const sx = (s) => (stepHi === stepLo ? (x0 + x1) / 2 : x0 + ((s - stepLo) / (stepHi - stepLo)) * (x1 - x0));
+  const sy = (v) => (hi === lo ? (y0 + y1) / 2 : y1 - ((v - lo) / (hi - lo)) * (y1 - y0));
+  const stride = Math.max(1, Math.floor(loss.length / 1500));
+  let d = "";
+  for (let i = 0; i < loss.length; i += stride) {
+    const [s, v] = loss[i];
+    if (!Number.isFinite(v)) continue;
+    d += `${d ? "L" : "M"}${sx(s).toFixed(1)},${sy(v).toFixed(1)}`;
+  }
+  return { d, lo, hi };
+}
+
+function render({ model, el: host }) {
+  if (!stores.has(model) || !storeOf(model).onMsg) initialize({ model });
+  const s = storeOf(model);
+  const root = document.createElement("div");
+  root.className = "smz-audit";
+  root.innerHTML = `
+    <div class="smz-audit-head">
+      <span class="smz-audit-title"></span>
+      <label>metric <select class="smz-metric"></select></label>
+      <span class="smz-audit-status"></span>
+    </div>
+    <div class="smz-audit-body"></div>
+    <div class="smz-audit-legend"></div>
+    <div class="smz-tooltip" hidden></div>`;
+  host.appendChild(root);
+  const select = root.querySelector(".smz-metric");
+  const body = root.querySelector(".smz-audit-body");
+  const status = root.querySelector(".smz-audit-status");
+  const legend = root.querySelector(".smz-audit-legend");
+  const tooltip = root.querySelector(".smz-tooltip");
+  let pending = false;
+  let layout = null;
+
+  const chosen = () => {
+    const m = model.get("metric");
+    if (m && s.metrics.has(m)) return m;
+    return [...s.metrics][0] ?? m ?? "";
+  };
+
+  function syncMenu() {
+    const have = [...select.options].map((o) => o.value);
+    const want = [...new Set([...(model.get("metrics") || []), ...s.metrics])];
+    if (want.join("\u0000") !== have.join("\u0000")) {
+      select.replaceChildren(...want.map((m) => Object.assign(document.createElement("option"), { value: m, textContent: m })));
+    }
+    select.value = chosen();
+  }
+
+  function draw() {
+    pending = false;
+    root.querySelector(".smz-audit-title").textContent = model.get("title") || "live audit";
+    syncMenu();
+    const metric = chosen();
+    const W = Math.max(360, root.clientWidth || host.clientWidth || 760);
+    const labelW = Math.min(220, Math.max(60, ...s.places.map((p) => p.length * 6.6 + 12)));
+    const cols = bins(s.steps);
+    const plotW = W - labelW - 12;
+    const cw = cols.length ? Math.max(1, Math.min(18, plotW / cols.length)) : 10;
+    const rh = 16;
+    const lossH = 96;
+    const top = lossH + 18;
+    const H = top + Math.max(1, s.places.length) * rh + 22;
+    const svg = el("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, "font-family": FONT_FAMILY, class: "smz-audit-svg" });
+    // loss curve, on the same step axis as the heatmap
+    const stepLo = s.steps.length ? s.steps[0] : s.loss.length ? s.loss[0][0] : 0;
+    const lastStep = s.loss.length ? s.loss[s.loss.length - 1][0] : stepLo;
+    const stepHi = Math.max(s.steps.length ? s.steps[s.steps.length - 1] : stepLo, lastStep);
+    const x0 = labelW;
+    const x1 = labelW + (cols.length ? cw * cols.length : plotW);
+    el("rect", { x: x0, y: 4, width: Math.max(1, x1 - x0), height: lossH - 8, fill: "none", stroke: "#d7dbe3", "stroke-width": 1 }, svg);
+    el("text", { x: 4, y: 16, "font-size": 11, fill: "#5d6575", "font-weight": 600 }, svg).textContent = "loss";
+    const lp = lossPath(s.loss, x0 + 2, x1 - 2, 8, lossH - 8, stepLo, stepHi);
+    if (lp.d) {
+      el("path", { d: lp.d, fill: "none", stroke: "#3d6fd9", "stroke-width": 1.6, class: "smz-loss" }, svg);
+      el("text", { x: x0 - 4, y: 14, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = number(lp.hi);
+      el("text", { x: x0 - 4, y: lossH - 6, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = number(lp.lo);
+      const last = s.loss[s.loss.length - 1];
+      el("text", { x: x1, y: lossH + 10, "font-size": 10, fill: "#3d6fd9", "text-anchor": "end" }, svg).textContent = `step ${last[0]}: ${number(last[1])}`;
+    }
+    // heatmap
+    const values = [];
+    const grid = s.places.map((where) =>
+      cols.map((steps) => {
+        let v = null;
+        let flags = [];
+        let step = steps[steps.length - 1];
+        for (const st of steps) {
+          const c = s.cells.get(`${where}|${st}`);
+          if (!c) continue;
+          if (c.numbers[metric] !== undefined && c.numbers[metric] !== null) {
+            v = c.numbers[metric];
+            step = st;
+          }
+          if (c.flags.length) flags = [...new Set([...flags, ...c.flags])];
+        }
+        if (typeof v === "number" && Number.isFinite(v)) values.push(v);
+        return { v, flags, step, steps };
+      }),
+    );
+    const sc = scaleOf(values);
+    const g = el("g", { class: "smz-heat" }, svg);
+    s.places.forEach((where, r) => {
+      const y = top + r * rh;
+      el("text", { x: labelW - 6, y: y + rh - 4, "font-size": 11, fill: "#1f2430", "text-anchor": "end", class: "smz-place" }, g).textContent = where;
+      grid[r].forEach((cell, c) => {
+        if (cell.v === null && !cell.flags.length) return;
+        const ok = typeof cell.v === "number" && Number.isFinite(cell.v);
+        const t = ok ? sc.t(cell.v) : 0;
+        el("rect", {
+          x: x0 + c * cw,
+          y,
+          width: Math.max(1, cw - (cw > 4 ? 1 : 0)),
+          height: rh - 1,
+          fill: ok ? viridis(t) : "#d9480f",
+          class: `smz-cell${cell.flags.length ? " smz-flagged" : ""}`,
+          "data-r": r,
+          "data-c": c,
+        }, g);
+        if (cell.flags.length) {
+          el("rect", { x: x0 + c * cw + 0.75, y: y + 0.75, width: Math.max(1, cw - 2.5), height: rh - 2.5, fill: "none", stroke: "#e03131", "stroke-width": 1.5, "pointer-events": "none" }, g);
+          if (cw >= 9) el("text", { x: x0 + c * cw + cw / 2, y: y + rh - 4.5, "font-size": 10, "font-weight": 700, fill: ok ? inkOn(t) : "#fff", "text-anchor": "middle", "pointer-events": "none" }, g).textContent = "!";
+        }
+      });
+    });
+    if (s.steps.length) {
+      const yb = top + s.places.length * rh + 14;
+      el("text", { x: x0, y: yb, "font-size": 10, fill: "#5d6575" }, svg).textContent = `step ${s.steps[0]}`;
+      el("text", { x: x1, y: yb, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = `step ${s.steps[s.steps.length - 1]}`;
+    } else {
+      el("text", { x: x0 + 8, y: top + 12, "font-size": 11, fill: "#8a93a6" }, svg).textContent = "waiting for health facts…";
+    }
+    body.replaceChildren(svg);
+    layout = { grid, x0, top, cw, rh, metric };
+    status.textContent = `${s.places.length} places · ${s.steps.length} steps${s.flagged ? ` · ${s.flagged} flagged` : ""}`;
+    if (values.length) {
+      const stops = Array.from({ length: 10 }, (_, i) => `${viridis(i / 9)} ${(i / 9) * 100}%`).join(",");
+      legend.innerHTML = `<span class="smz-scale-label">${metric}${sc.log ? " (log)" : ""}</span><span>${number(sc.lo)}</span><span class="smz-bar" style="background:linear-gradient(90deg,${stops})"></span><span>${number(sc.hi)}</span><span class="smz-flag-key">flagged</span>`;
+    } else legend.innerHTML = "";
+    root.dataset.cells = String(g.querySelectorAll(".smz-cell").length);
+  }
+
+  const schedule = () => {
+    if (pending) return;
+    pending = true;
+    (window.requestAnimationFrame || ((f) => setTimeout(f, 16)))(draw);
+  };
+  s.listeners.add(schedule);
+  select.addEventListener("change", () => {
+    model.set("metric", select.value);
+    model.save_changes();
+    schedule();
+  });
+  body.addEventListener("mousemove", (ev) => {
+    const cell = ev.target.closest(".smz-cell");
+    if (!cell || !layout) {
+      tooltip.hidden = true;
+      return;
+    }
+    const r = Number(cell.dataset.r);
+    const c = Number(cell.dataset.c);
+    const d = layout.grid[r][c];
+    const where = s.places[r];
+    const numbers = s.cells.get(`${where}|${d.step}`)?.numbers || {};
+    const span = d.steps.length > 1 ? `steps ${d.steps[0]}–${d.steps[d.steps.length - 1]}` : `step ${d.step}`;
+    let h = `<div class="smz-tt-title">${where}</div><div>${span}</div>`;
+    for (const [k, v] of Object.entries(numbers)) h += `<div><span class="smz-k">${k}</span> ${number(v)}</div>`;
+    if (d.flags.length) h += `<div class="smz-flags">${d.flags.join(", ")}</div>`;
+    tooltip.innerHTML = h;
+    tooltip.hidden = false;
+    const box = root.getBoundingClientRect();
+    let x = ev.clientX - box.left + 14;
+    if (x + 240 > box.width) x = Math.max(0, ev.clientX - box.left - 250);
+    tooltip.style.left = `${x}px`;
+    tooltip.style.top = `${ev.clientY - box.top + 14}px`;
+  });
+  body.addEventListener("mouseleave", () => {
+    tooltip.hidden = true;
+  });
+  const onTrait = () => schedule();
+  model.on("change:metric", onTrait);
+  model.on("change:metrics", onTrait);
+  model.on("change:title", onTrait);
+  draw();
+  return () => {
+    s.listeners.delete(schedule);
+    model.off("change:metric", onTrait);
+    model.off("change:metrics", onTrait);
+    model.off("change:title", onTrait);
+  };
+}
+
+export default { initialize, render };
