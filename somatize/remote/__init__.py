@@ -1,0 +1,18 @@
+"""Another process, another machine: `Worker`, `Broker`, and the wire between them.
+
+    from somatize import Broker, Worker
+
+    b = Broker.embedded({"gpu": Worker.at("node3:7000")})   # or Worker.spawn() for a child
+    y = g.forward(x, broker=b)                                # .at("gpu") nodes run there
+
+A worker is started with ``python -m somatize.worker --listen HOST:PORT`` and a shared token
+(``--token`` or ``SOMATIZE_TOKEN``). See ``docs/remote.md``.
+"""
+
+from __future__ import annotations
+
+from somatize.remote.broker import Broker
+from somatize.remote.client import RemoteError, Worker, WorkerLost
+from somatize.remote.wire import Malformed, Refused
+
+__all__ = ["Broker", "Malformed", "Refused", "RemoteError", "Worker", "WorkerLost"]

@@ -1,0 +1,407 @@
+"""The worker: a process that holds nodes sent to it and runs slices of graphs on them.
+
+    python -m somatize.worker --listen 0.0.0.0:7000 --token "$SOMATIZE_TOKEN"
+
+It serves one request at a time on a ZeroMQ ROUTER socket. Every message must be signed with
+the shared token (`somatize.remote.wire`); one that is not, or that does not parse, is dropped
+and logged, and the worker goes on serving. A client that vanishes mid-request costs nothing:
+the answer is dropped by ZeroMQ. Nothing received is unpickled unless the worker was started
+with ``--accept-code``; without it, a node arrives as its class's module and qualified name,
+its constructor arguments and its weights, and the class must be importable here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import logging
+import os
+import secrets
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from somatize.remote import wire
+
+__all__ = ["Server", "main", "rebuild"]
+
+log = logging.getLogger("somatize.worker")
+
+
+class Server:
+    """One worker's state and its loop: the nodes each client session sent, and the stages
+    a remote trainer keeps between its forward and its backward."""
+
+    def __init__(self, token: str, *, accept_code: bool = False) -> None:
+        self.token = token
+        self.accept_code = accept_code
+        self.incarnation = secrets.token_hex(8)
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.stages: dict[tuple[str, str], Any] = {}
+        self.served = 0
+        self.dropped = 0
+
+    # -- the loop ---------------------------------------------------------------------------
+    def serve(self, sock: zmq.Socket, stop: threading.Event | None = None) -> None:
+        """Answer requests on `sock` until `stop` is set (or forever)."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while stop is None or not stop.is_set():
+            if not poller.poll(200):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) < 2:
+                self._drop("a message with no frames after the peer's identity")
+                continue
+            peer, frames = frames[0], frames[1:]
+            reply = self.handle(frames)
+            if reply is not None:
+                try:
+                    sock.send_multipart([peer, *reply], copy=False)
+                except zmq.ZMQError as error:  # the client is gone: nothing to tell
+                    log.info("could not answer a client that went away: %s", error)
+
+    def _drop(self, why: str) -> None:
+        self.dropped += 1
+        log.warning("dropped a message: %s", why)
+
+    def handle(self, frames: list[Any]) -> list[Any] | None:
+        """The frames that answer one message, or None when it is dropped."""
+        try:
+            message = wire.unpack(self.token, frames)
+        except wire.Refused as error:
+            self._drop(f"{error} (nothing in it was read or run)")
+            return [wire.REFUSED]
+        except Exception as error:  # malformed in any way at all
+            self._drop(f"{type(error).__name__}: {error}")
+            return None
+        if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+            self._drop("a signed message that is not a request (no 'op')")
+            return None
+        rid = message.get("rid")
+        try:
+            value = self.answer(message)
+            reply = {"rid": rid, "ok": True, "worker": self.incarnation, "value": value}
+            self.served += 1
+            try:
+                return wire.pack(self.token, reply, where=f"the answer to {message['op']!r}")
+            except Exception as error:
+                raise TypeError(f"the answer could not be written down: {error}") from error
+        except Exception as error:
+            reply = {"rid": rid, "ok": False, "worker": self.incarnation, "error": _said(error)}
+            return wire.pack(self.token, reply)
+
+    # -- what it is asked -------------------------------------------------------------------
+    def answer(self, m: dict[str, Any]) -> Any:
+        """What one request asks for."""
+        op = m["op"]
+        if op == "hello":
+            return self.hello()
+        session = str(m.get("session", ""))
+        nodes = self.sessions.setdefault(session, {})
+        for d in m.get("define", ()):
+            nodes[d["key"]] = self.rebuild(d)
+        if op == "define":
+            return len(nodes)
+        if op == "run":
+            return run_slice(nodes, m["slice"], m.get("given", {}), m.get("input"))
+        if op == "state":
+            return state_of(self.node(nodes, m["key"]))
+        if op == "load":
+            load_state(self.node(nodes, m["key"]), m["modules"])
+            return True
+        if op == "close":
+            self.sessions.pop(session, None)
+            for k in [k for k in self.stages if k[0] == session]:
+                del self.stages[k]
+            return True
+        if op.startswith("stage."):
+            from somatize.remote.stage import serve_stage
+
+            return serve_stage(self, session, nodes, op, m)
+        raise ValueError(f"unknown request {op!r}")
+
+    def hello(self) -> dict[str, Any]:
+        """Who this worker is: its incarnation, pid, and whether it accepts code."""
+        return {
+            "worker": self.incarnation,
+            "pid": os.getpid(),
+            "accept_code": self.accept_code,
+            "python": sys.version.split()[0],
+        }
+
+    def node(self, nodes: dict[str, Any], key: str) -> Any:
+        """The node a session sent under `key`; a worker that lost it says so."""
+        found = nodes.get(key)
+        if found is None:
+            raise Unknown(
+                f"this worker does not hold node {key!r}: it was restarted, or never sent it"
+            )
+        return found
+
+    def rebuild(self, d: dict[str, Any]) -> Any:
+        """A node from its definition: its class, constructor arguments and weights."""
+        if d.get("pickled") is not None:
+            if not self.accept_code:
+                raise PermissionError(
+                    f"node {d.get('id')!r} was sent as code, and this worker was not started "
+                    "with --accept-code: it does not unpickle anything"
+                )
+            import cloudpickle
+
+            cls, args = cloudpickle.loads(d["pickled"])
+        else:
+            cls = importable(d["module"], d["qualname"], d.get("id"))
+            args = d["args"]
+        return rebuild(cls, args, d.get("modules"), d.get("device"))
+
+
+class Unknown(LookupError):
+    """The worker does not hold a node the request names (it was restarted)."""
+
+
+def importable(module: str, qualname: str, nid: Any = None) -> type:
+    """The node class `module.qualname`, imported here; anything but a Node class refused."""
+    from somatize.node import Node
+
+    if "<locals>" in qualname:
+        raise ImportError(
+            f"node {nid!r}: class {qualname} is defined inside a function and cannot be "
+            "imported by a worker; define it at module level, or start the worker with "
+            "--accept-code"
+        )
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as error:
+        raise ImportError(
+            f"node {nid!r}: this worker cannot import {module}.{qualname} ({error}); install "
+            "the module that defines it where the worker runs, or start the worker with "
+            "--accept-code"
+        ) from error
+    if not (isinstance(obj, type) and issubclass(obj, Node)):
+        raise TypeError(f"{module}.{qualname} is not a somatize Node class; refused")
+    return obj
+
+
+def rebuild(cls: type, args: dict[str, Any], modules: Any = None, device: Any = None) -> Any:
+    """`cls` built from its captured constructor arguments, then handed its weights."""
+    node = _construct(cls, args)
+    if modules:
+        load_state(node, modules)
+    if device is not None:
+        from somatize import _hooks
+
+        _hooks.place(node, device)
+    return node
+
+
+def _construct(cls: type, args: dict[str, Any]) -> Any:
+    named = dict(args)
+    if set(named) >= {"args"} and cls.__init__ is not object.__init__:
+        try:
+            inspect.signature(cls.__init__).bind(None, **named)
+        except TypeError:  # captured as {"args": positional, **keywords}
+            return cls(*named.pop("args"), **named)
+    if cls.__init__ is object.__init__:
+        return cls()
+    positional: list[Any] = []
+    keywords: dict[str, Any] = {}
+    for name, p in list(inspect.signature(cls.__init__).parameters.items())[1:]:
+        if name not in named:
+            continue
+        value = named.pop(name)
+        if p.kind is p.POSITIONAL_ONLY:
+            positional.append(value)
+        elif p.kind is p.VAR_POSITIONAL:
+            positional.extend(value)
+        else:
+            keywords[name] = value
+    keywords.update(named)  # what **kwargs gathered
+    if positional:
+        return cls(*positional, **keywords)
+    return cls(**keywords)
+
+
+def state_of(node: Any) -> list[dict[str, Any]]:
+    """The state_dicts of the modules a node is made of, detached copies on the cpu."""
+    from somatize.torch.placement import modules_of
+
+    return [
+        {k: v.detach().cpu().clone() for k, v in m.state_dict().items()} for m in modules_of(node)
+    ]
+
+
+def load_state(node: Any, modules: list[dict[str, Any]]) -> None:
+    """Copy `modules` (as `state_of` gives them) into the node, refusing a mismatch whole."""
+    import torch
+
+    from somatize.torch.placement import modules_of
+
+    mine = modules_of(node)
+    if len(mine) != len(modules):
+        raise ValueError(
+            f"{type(node).__name__} is made of {len(mine)} modules here and the weights sent "
+            f"are for {len(modules)}"
+        )
+    for m, state in zip(mine, modules, strict=False):
+        own = m.state_dict()
+        if set(own) != set(state):
+            raise ValueError(
+                f"{type(node).__name__}: the weights sent have keys {sorted(state)}, the node "
+                f"{sorted(own)}"
+            )
+        for k, v in state.items():
+            if tuple(own[k].shape) != tuple(v.shape):
+                raise ValueError(
+                    f"{type(node).__name__}: {k} is {tuple(own[k].shape)} here and "
+                    f"{tuple(v.shape)} in the weights sent"
+                )
+    with torch.no_grad():
+        for m, state in zip(mine, modules, strict=False):
+            m.load_state_dict(state)
+
+
+def run_slice(nodes: dict[str, Any], steps: list[Any], given: dict, input: Any) -> Any:
+    """Run one slice of a plan: `steps` are `[slot, key, id, mode, src, device, host, mapped,
+    wanted]`; `given` holds the values of the slots it reads from outside. Answers the values
+    wanted outside and, per node, when it began and how long it took (microseconds)."""
+    from somatize import _hooks
+    from somatize.node import Opaque
+    from somatize.run import MANY, ONE, ROOT, Ctx, _mapping
+
+    vals: dict[int, Any] = dict(given)
+    out: dict[int, Any] = {}
+    ran: list[list[Any]] = []
+    clock = time.perf_counter_ns
+    start = clock()
+    for slot, key, nid, mode, src, device, host, mapped, wanted in steps:
+        node = nodes.get(key)
+        if node is None:
+            raise Unknown(
+                f"this worker does not hold node {nid!r}: it was restarted, or never sent it"
+            )
+        began = clock()
+        if mode == ONE:
+            x = vals[src]
+        elif mode == ROOT:
+            x = input
+        elif mode == MANY:
+            x = {p: vals[j] for p, j in src}
+        else:
+            raise ValueError(f"unknown step mode {mode!r}")
+        if device is not None:
+            x = _hooks.move(x, device)
+        fn = _mapping(nid, node.forward) if mapped else node.forward
+        try:
+            y = fn(x, Ctx(nid, device, host, None))
+        except BaseException as error:
+            _note(error, f"while running node {nid!r} ({type(node).__name__})")
+            raise
+        vals[slot] = y = y.value if type(y) is Opaque else y
+        if wanted:
+            out[slot] = y
+        ran.append([nid, (began - start) / 1e3, (clock() - began) / 1e3])
+    return {"out": out, "ran": ran}
+
+
+def _note(error: BaseException, note: str) -> None:
+    notes = getattr(error, "__notes__", None) or []
+    if note not in notes:
+        error.__notes__ = [*notes, note]  # type: ignore[attr-defined]
+
+
+def _said(error: BaseException) -> dict[str, Any]:
+    cls = type(error)
+    return {
+        "module": cls.__module__,
+        "qualname": cls.__qualname__,
+        "message": str(error),
+        "notes": [str(n) for n in getattr(error, "__notes__", None) or []],
+        "traceback": "".join(traceback.format_exception(cls, error, error.__traceback__)),
+        "unknown": isinstance(error, Unknown),
+    }
+
+
+# -- the command line ---------------------------------------------------------------------
+
+
+def _endpoint(listen: str) -> str:
+    if "://" in listen:
+        return listen
+    host, _, port = listen.rpartition(":")
+    if not host or not port:
+        raise SystemExit(f"--listen takes HOST:PORT (say 127.0.0.1:7000), not {listen!r}")
+    return f"tcp://{host}:{'*' if port == '0' else port}"
+
+
+def _watch_parent(parent: int) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                log.warning("the process that spawned this worker is gone; stopping")
+                os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="somatize-parent-watch").start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m somatize.worker --listen HOST:PORT [--token T] [--accept-code]
+    [--curve-secret Z85]`: serve slices until stopped."""
+    p = argparse.ArgumentParser(
+        prog="python -m somatize.worker", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--listen", required=True, help="HOST:PORT to listen on (port 0: any free)")
+    p.add_argument("--token", default=None, help="shared token (default: $SOMATIZE_TOKEN)")
+    p.add_argument(
+        "--accept-code",
+        action="store_true",
+        help="accept node classes as code (cloudpickle); only for clients you trust fully",
+    )
+    p.add_argument(
+        "--curve-secret",
+        default=None,
+        help="this worker's CURVE secret key (z85; default $SOMATIZE_CURVE_SECRET): encrypt",
+    )
+    p.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="somatize.worker %(levelname)s %(message)s"
+    )
+    token = a.token or os.environ.get("SOMATIZE_TOKEN")
+    if not token:
+        token = secrets.token_hex(32)
+        log.warning("no --token or SOMATIZE_TOKEN: clients must use SOMATIZE_TOKEN=%s", token)
+    import somatize.torch  # noqa: F401  (tensors, devices: a worker without torch is no use)
+
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    secret = a.curve_secret or os.environ.get("SOMATIZE_CURVE_SECRET")
+    if secret:
+        sock.curve_server = True
+        sock.curve_secretkey = secret.encode()
+        sock.curve_publickey = zmq.curve_public(secret.encode())
+    sock.bind(_endpoint(a.listen))
+    where = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    if a.parent is not None:
+        _watch_parent(a.parent)
+    server = Server(token, accept_code=a.accept_code)
+    print(f"somatize worker ready {where} pid {os.getpid()}", flush=True)
+    if a.parent is not None:  # the spawner reads one line; later prints go to stderr
+        os.dup2(2, 1)
+    log.info("serving on %s%s", where, " (accepts code)" if a.accept_code else "")
+    try:
+        server.serve(sock)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close(0)
+        context.term()

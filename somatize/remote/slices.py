@@ -1,0 +1,160 @@
+"""A plan cut into slices by host, and the walk that runs them: local ones here, remote ones
+in one round trip each. Built on the plan's data (`plan.steps`, `plan.ids`, `plan.graph`),
+with the engine's own rules: every root gets the input, a node with several predecessors a
+dict keyed by their ids, an `Opaque` unwrapped on arrival, a failure noted with its node."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from somatize import _hooks
+from somatize.node import Opaque
+from somatize.run import MANY, ONE, ROOT, _noted, _result
+
+__all__ = ["Slice", "cut", "run_plan"]
+
+
+@dataclass
+class Slice:
+    """Consecutive steps of a plan on one host (`None`: here)."""
+
+    host: str | None
+    steps: list[tuple] = field(default_factory=list)
+    reads: list[int] = field(default_factory=list)  # slots it reads from outside itself
+    roots: bool = False  # whether it reads the graph's input
+    wanted: set[int] = field(default_factory=set)  # its slots read after it, or leaves
+
+
+def cut(plan: Any) -> list[Slice]:
+    """The plan's steps, in order, cut where the host changes."""
+    slices: list[Slice] = []
+    hosts = plan.hosts
+    where = {}
+    for step in plan.steps:
+        i, mode, src, fn, ctx, device = step
+        host = hosts.get(ctx.id)
+        if not slices or slices[-1].host != host:
+            slices.append(Slice(host))
+        here = slices[-1]
+        here.steps.append(step)
+        where[i] = len(slices) - 1
+        if mode == ROOT:
+            here.roots = True
+        for j in _sources(mode, src):
+            if where[j] != len(slices) - 1:
+                if j not in here.reads:
+                    here.reads.append(j)
+                slices[where[j]].wanted.add(j)
+    for _, i in plan.leaves:
+        slices[where[i]].wanted.add(i)
+    return slices
+
+
+def _sources(mode: int, src: Any) -> list[int]:
+    if mode == ONE:
+        return [src]
+    if mode == MANY:
+        return [j for _, j in src]
+    return []
+
+
+def run_plan(broker: Any, plan: Any, input: Any, told: list[Callable[[dict], Any]]) -> Any:
+    """Run every slice of `plan` in order; tell watchers what ran (remote nodes with the time
+    measured on their worker) and when it finished."""
+    if type(input) is Opaque:
+        input = input.value
+    vals: list[Any] = [None] * len(plan.steps)
+    clock = time.perf_counter_ns
+    start = clock()
+    for piece in broker.slices(plan):
+        if piece.host is None:
+            _run_here(plan, piece, vals, input, told, start)
+        else:
+            _run_there(broker, plan, piece, vals, input, told, start)
+    if told:
+        finished = {"fact": "finished", "took_us": (clock() - start) / 1e3}
+        for w in told:
+            w(finished)
+    return _result(plan, vals)
+
+
+def _run_here(plan: Any, piece: Slice, vals: list, input: Any, told: list, start: int) -> None:
+    move = _hooks.move
+    clock = time.perf_counter_ns
+    i = 0
+    try:
+        for i, mode, src, fn, ctx, device in piece.steps:
+            began = clock()
+            if mode == ONE:
+                x = vals[src]
+            elif mode == ROOT:
+                x = input
+            else:
+                x = {p: vals[j] for p, j in src}
+            if device is not None:
+                x = move(x, device)
+            out = fn(x, ctx)
+            vals[i] = out.value if type(out) is Opaque else out
+            if told:
+                fact = {
+                    "fact": "ran",
+                    "node": ctx.id,
+                    "began_us": (began - start) / 1e3,
+                    "took_us": (clock() - began) / 1e3,
+                }
+                for w in told:
+                    w(fact)
+    except BaseException as e:
+        _noted(e, plan, i)
+        raise
+
+
+def _run_there(
+    broker: Any, plan: Any, piece: Slice, vals: list, input: Any, told: list, start: int
+) -> None:
+    from somatize.remote.server import Unknown
+
+    host = piece.host
+    graph = plan.graph
+    described = []
+    for i, mode, src, _fn, ctx, device in piece.steps:
+        node = graph.implementation(ctx.id)
+        mapped = bool(graph.setting(ctx.id).mapped)
+        described.append(
+            [i, broker.key(node), ctx.id, mode, src, device, host, mapped, i in piece.wanted]
+        )
+    given = {j: vals[j] for j in piece.reads}
+    sent = time.perf_counter_ns()
+    for attempt in (0, 1):
+        defs = []
+        for _i, _mode, _src, _fn, ctx, device in piece.steps:
+            d = broker.definition(host, ctx.id, graph.implementation(ctx.id), device)
+            if d is not None:
+                defs.append(d)
+        message = {
+            "op": "run",
+            "define": defs,
+            "slice": described,
+            "given": given,
+            "input": input if piece.roots else None,
+        }
+        try:
+            got = broker.request(host, message)
+        except Unknown:
+            if attempt:
+                raise
+            broker.forget(host)  # a restarted worker: send the nodes again, once
+            continue
+        broker.defined(host, defs)
+        break
+    for i, value in got["out"].items():
+        vals[i] = value
+    if told:
+        offset = (sent - start) / 1e3
+        for nid, began, took in got["ran"]:
+            fact = {"fact": "ran", "node": nid, "began_us": offset + began, "took_us": took}
+            for w in told:
+                w(fact)

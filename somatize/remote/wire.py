@@ -1,0 +1,242 @@
+"""The wire: how one message between a broker and a worker is cut into ZeroMQ frames.
+
+A message is one Python value (a dict, in practice) with tensors anywhere inside it. It goes as
+
+    [MAGIC, mac, header, data_0, data_1, ...]
+
+- ``MAGIC`` is ``b"SMZ1"``, so a stray connection is told apart from a peer at once;
+- ``mac`` is HMAC-SHA256, keyed by the shared token, over every frame after it (each one
+  prefixed with its length, so frames cannot be re-cut);
+- ``header`` is msgpack, written by `somatize.codecs` (exact types: a tuple stays a tuple,
+  a bool a bool), where each tensor is replaced by a reference holding its safetensors header
+  (dtype, shape, byte range): that header and the data frame beside it are a safetensors file
+  cut in two;
+- each ``data_k`` is the raw bytes of one tensor, sent straight from the tensor's own memory
+  and received into a frame the tensor is then built on, so a large tensor is never copied
+  on its way through (only moved to the cpu first if it lives elsewhere).
+
+Nothing here unpickles, and a message that does not verify is refused before its header is
+even read (`Refused`); bytes that verify but do not parse are `Malformed`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import warnings
+from typing import Any
+
+import msgpack
+
+from somatize import codecs
+
+__all__ = ["MAGIC", "REFUSED", "Malformed", "Refused", "pack", "unpack", "sign", "verify"]
+
+MAGIC = b"SMZ1"
+"""The first frame of every message."""
+
+REFUSED = b"SMZ1-REFUSED"
+"""The one-frame notice a worker answers a message whose signature does not verify."""
+
+_TENSOR = 64  # msgpack extension code for a tensor reference; codecs owns 1..3
+_TUPLE = 1
+_SMALL = 1 << 16  # below this a frame is copied by zmq, which is faster than tracking it
+
+# safetensors' names for dtypes, and back.
+_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "BOOL": "bool",
+    "C64": "complex64",
+}
+
+
+class Refused(Exception):
+    """A message whose signature does not verify under the token: nothing in it is read."""
+
+
+class Malformed(ValueError):
+    """Frames that verify but are not a message (or are not even frames of one)."""
+
+
+def _key(token: str | bytes) -> bytes:
+    return token.encode() if isinstance(token, str) else bytes(token)
+
+
+def sign(token: str | bytes, frames: list[Any]) -> bytes:
+    """The HMAC-SHA256 of `frames` (each prefixed by its length) under `token`."""
+    mac = hmac.new(_key(token), MAGIC, hashlib.sha256)
+    for frame in frames:
+        view = memoryview(frame)
+        mac.update(view.nbytes.to_bytes(8, "little"))
+        mac.update(view)
+    return mac.digest()
+
+
+def verify(token: str | bytes, frames: list[Any]) -> list[memoryview]:
+    """The frames after the signature, if `frames` is a message signed with `token`.
+
+    Raises `Malformed` for frames that are not a message at all and `Refused` for one whose
+    signature does not match (a wrong token, or bytes changed on the way).
+    """
+    views = [memoryview(getattr(f, "buffer", f)) for f in frames]
+    if len(views) < 3 or views[0] != MAGIC:
+        raise Malformed(f"not a somatize message ({len(views)} frames, no {MAGIC!r} first)")
+    if views[1].nbytes != 32:
+        raise Malformed("not a somatize message (the signature frame is not 32 bytes)")
+    body = views[2:]
+    if not hmac.compare_digest(sign(token, body), views[1].tobytes()):
+        raise Refused("the signature does not verify: wrong token, or bytes changed on the way")
+    return body
+
+
+def pack(token: str | bytes, message: Any, *, where: str | None = None) -> list[Any]:
+    """`message` as signed frames ready for `send_multipart(..., copy=False)`.
+
+    Refuses (`somatize.NoCodec`) a value inside whose type no codec knows; `where` says
+    whose value it was.
+    """
+    buffers: list[Any] = []
+    torch = _torch()
+
+    def default(value: Any) -> Any:
+        if type(value) is tuple:
+            return msgpack.ExtType(_TUPLE, packb(list(value)))
+        if torch is not None and isinstance(value, torch.Tensor):
+            return msgpack.ExtType(_TENSOR, _tensor_ref(value, buffers))
+        return codecs._default(value)
+
+    def packb(value: Any) -> bytes:
+        return msgpack.packb(
+            value,
+            default=default,
+            strict_types=True,
+            use_bin_type=True,
+            unicode_errors="surrogatepass",
+        )
+
+    try:
+        header = packb(message)
+    except codecs._Missing:
+        codecs.encode(message, where=where)  # raises the NoCodec that names the value
+        raise
+    body = [header, *buffers]
+    return [MAGIC, sign(token, body), *body]
+
+
+def unpack(token: str | bytes, frames: list[Any]) -> Any:
+    """The message `frames` carry, after checking its signature (see `verify`).
+
+    Tensors are built on the received frames without copying. Raises `Refused` or
+    `Malformed`; never runs code carried by the bytes.
+    """
+    body = verify(token, frames)
+    header, data = body[0], body[1:]
+    owners = frames[3:]
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code == _TUPLE:
+            return tuple(unpackb(payload))
+        if code == _TENSOR:
+            return _tensor_from(payload, data, owners)
+        return codecs._ext_hook(code, payload)
+
+    def unpackb(payload: Any) -> Any:
+        return msgpack.unpackb(
+            payload,
+            ext_hook=ext_hook,
+            raw=False,
+            strict_map_key=False,
+            use_list=True,
+            unicode_errors="surrogatepass",
+        )
+
+    try:
+        return unpackb(header)
+    except codecs.NoCodec:
+        raise
+    except Malformed:
+        raise
+    except Exception as error:
+        raise Malformed(f"the header does not parse: {error!r}") from error
+
+
+def _torch() -> Any:
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
+    torch = _torch()
+    plain = tensor.detach()
+    if plain.layout != torch.strided or plain.is_quantized or plain.is_meta:
+        raise TypeError(
+            f"a {plain.layout} / quantized / meta tensor cannot cross the wire as it is; "
+            "convert it to a dense tensor first"
+        )
+    plain = plain.cpu().contiguous()
+    if plain.is_conj():
+        plain = plain.resolve_conj()
+    if plain.is_neg():
+        plain = plain.resolve_neg()
+    name = str(plain.dtype).removeprefix("torch.")
+    code = next((k for k, v in _DTYPES.items() if v == name), None)
+    if code is None:
+        raise TypeError(f"a {plain.dtype} tensor cannot cross the wire (no safetensors dtype)")
+    raw = (
+        plain.reshape(-1).view(torch.uint8) if plain.numel() else torch.empty(0, dtype=torch.uint8)
+    )
+    size = raw.numel()
+    buffers.append(raw.numpy() if size >= _SMALL else raw.numpy().tobytes())
+    head = {"dtype": code, "shape": list(plain.shape), "data_offsets": [0, size]}
+    return msgpack.packb([len(buffers) - 1, json.dumps(head, separators=(",", ":"))])
+
+
+def _tensor_from(payload: bytes, data: list[memoryview], owners: list[Any]) -> Any:
+    import torch
+
+    try:
+        index, head = msgpack.unpackb(payload)
+        head = json.loads(head)
+        dtype = getattr(torch, _DTYPES[head["dtype"]])
+        shape = [int(s) for s in head["shape"]]
+        start, end = (int(x) for x in head["data_offsets"])
+        frame = data[index]
+    except Exception as error:
+        raise Malformed(f"a tensor reference does not parse: {error!r}") from error
+    count = 1
+    for s in shape:
+        if s < 0:
+            raise Malformed(f"a tensor reference has a negative size in {shape}")
+        count *= s
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if start != 0 or end != frame.nbytes or count * itemsize != end:
+        raise Malformed(
+            f"a tensor of {shape} {head['dtype']} does not fit its frame of {frame.nbytes} bytes"
+        )
+    if end == 0:
+        return torch.empty(shape, dtype=dtype)
+    if end < _SMALL:
+        flat = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    else:
+        buffer = memoryview(getattr(owners[index], "buffer", owners[index]))
+        if buffer.readonly:  # bytes handed in by hand, not a received frame: copy once
+            buffer = memoryview(bytearray(buffer))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a received frame is ours alone to write to
+            flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
