@@ -35,6 +35,10 @@ _CODEC = 3
 # Kinds whose codec lives in a module that registers it on import; decoding such a value
 # imports that module first, so a tensor can be recalled without `import somatize.torch`.
 _LAZY = {"tensor": "somatize.torch.codec"}
+# Kinds that ship with somatize carry their kind in the extension code itself, so their bytes
+# are handed to `load` without being unpacked and copied once more (it matters for big tensors).
+_KNOWN = {"tensor": 16, "numpy": 17}
+_KNOWN_KIND = {code: kind for kind, code in _KNOWN.items()}
 
 
 class NoCodec(TypeError):
@@ -127,6 +131,8 @@ def _default(value: Any) -> msgpack.ExtType:
             f"codec {found.kind!r}: dump returned {type(data).__name__}, not bytes, "
             f"for a {type(value).__qualname__}"
         )
+    if found.kind in _KNOWN:
+        return msgpack.ExtType(_KNOWN[found.kind], bytes(data))
     return msgpack.ExtType(_CODEC, _pack([found.kind, bytes(data)]))
 
 
@@ -187,8 +193,11 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return tuple(_unpack(data))
     if code == _BIGINT:
         return int.from_bytes(data, "big", signed=True)
-    if code == _CODEC:
-        kind, payload = _unpack(data)
+    if code == _CODEC or code in _KNOWN_KIND:
+        if code == _CODEC:
+            kind, payload = _unpack(data)
+        else:
+            kind, payload = _KNOWN_KIND[code], data
         found = _by_kind.get(kind)
         if found is None and kind in _LAZY:
             importlib.import_module(_LAZY[kind])

@@ -140,11 +140,14 @@ class _Local:
             return None
 
     def _aside(self, path: str, data: bytes) -> str:
-        final = self.where(path)
-        os.makedirs(os.path.dirname(final), exist_ok=True)
         aside = self.where(_tmp_name(path))
         try:
-            with open(aside, "wb") as file:
+            file = open(aside, "wb")
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            file = open(aside, "wb")
+        try:
+            with file:
                 file.write(data)
         except BaseException:
             with contextlib.suppress(OSError):
