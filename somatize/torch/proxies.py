@@ -1,0 +1,349 @@
+"""Cheap scores for a candidate before anybody trains it: `proxy`, `proxies`, `EVERY`.
+
+Each is a zero-cost proxy from the literature, taken on the whole graph as it runs:
+
+- synflow: Σ θ·∂R/∂θ with every weight replaced by its magnitude, in float64, batch norm off,
+  R the sum of the output on an all-ones input (Tanaka et al. 2020). Logarithm.
+- zen: log E_i Σ_j |f(x)_ij − f(x + αε)_ij| + Σ_BN ½ log mean_c σ²_c, x and ε standard
+  normal, α = 0.01, σ²_c the batch variance of what reaches each batch norm (Lin et al. 2021).
+- naswot: log |det K| with K_ij = c_i·c_j + (1−c_i)·(1−c_j), c_i the binary code of which
+  activation outputs are positive for sample i (Mellor et al. 2021).
+- jacob_cov: −Σ_k log(λ_k + 1e-5) + 1/(λ_k + 1e-5), λ the eigenvalues of the correlation
+  matrix of the per-sample input gradients of the summed output (Mellor et al. 2020).
+- snip: Σ |θ·∂L/∂θ| (Lee et al. 2019). Logarithm.
+- grasp: −Σ θ·(H ∂L/∂θ), H the Hessian of the loss (Wang et al. 2020). As is: it has a sign.
+- grad_norm: ‖∂L/∂θ‖₂ over every parameter. Logarithm.
+- fisher: Σ_layers Σ_c ½ mean_i (Σ_spatial a·∂L/∂a)², a the output of every conv and
+  learned layer (Theis et al. 2018). Logarithm.
+
+The last four read a loss and need `target` and `objective`. Every proxy runs on its own
+seeded generator with dropout off, and the net is left exactly as it was: weights, gradients,
+modes, buffers and the global random state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from somatize.torch._state import as_graph, places_of, tensors_in, untouched
+from somatize.torch.kinds import kind_of
+
+__all__ = ["EVERY", "proxy", "proxies"]
+
+EVERY: tuple[str, ...] = (
+    "synflow",
+    "zen",
+    "naswot",
+    "jacob_cov",
+    "snip",
+    "grasp",
+    "grad_norm",
+    "fisher",
+)
+"""Every proxy `proxy` knows, in the order `proxies` answers them."""
+
+_LOSS = frozenset({"snip", "grasp", "grad_norm", "fisher"})
+_SEED = 0
+
+
+class _NotHere(ValueError):
+    """This proxy cannot be taken on this graph with this example."""
+
+
+def _log(x: float) -> float:
+    if x > 0:
+        return math.log(x)
+    return -math.inf if x == 0 else math.nan
+
+
+def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(v, fn) for v in value)
+    return value
+
+
+def _floats(example: Any, of: str) -> list[torch.Tensor]:
+    found = [t for t in tensors_in(example) if t.is_floating_point()]
+    if not found:
+        raise _NotHere(f"{of} perturbs the input, and this example holds no floating tensor")
+    return found
+
+
+class _Subject:
+    """The graph, its modules and parameters, made ready for one proxy."""
+
+    def __init__(self, graph: Any) -> None:
+        self.graph = as_graph(graph)
+        self.modules = [m for _, _, m in places_of(self.graph)]
+        seen: set[int] = set()
+        self.params: list[nn.Parameter] = []
+        self.every: list[nn.Module] = []
+        for m in self.modules:
+            for sub in m.modules():
+                if id(sub) not in seen:
+                    seen.add(id(sub))
+                    self.every.append(sub)
+        seen = set()
+        for m in self.modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append(p)
+
+    def quiet(self) -> None:
+        """Dropout off, nothing in place, every parameter differentiable."""
+        for m in self.every:
+            if kind_of(m) == "regular":
+                m.eval()
+            if isinstance(getattr(m, "inplace", None), bool):
+                m.inplace = False
+        for p in self.params:
+            p.requires_grad_(True)
+
+    def run(self, x: Any) -> list[torch.Tensor]:
+        out = tensors_in(self.graph.forward(x))
+        if not out:
+            raise _NotHere("the graph gave back no tensor to score")
+        return out
+
+    def hooked(self, kinds: set[str], fn: Callable) -> list[Any]:
+        return [
+            m.register_forward_hook(fn)
+            for m in self.every
+            if next(m.children(), None) is None and kind_of(m) in kinds
+        ]
+
+
+def _loss(s: _Subject, example: Any, target: Any, objective: Callable) -> torch.Tensor:
+    out = s.graph.forward(example)
+    loss = objective(out, target)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"objective(output, target) gave {loss!r}, not a scalar tensor")
+    return loss
+
+
+def _grads(loss: torch.Tensor, params: list[nn.Parameter], **kw: Any) -> list[torch.Tensor]:
+    got = torch.autograd.grad(loss, params, allow_unused=True, **kw)
+    return [torch.zeros_like(p) if g is None else g for p, g in zip(params, got, strict=True)]
+
+
+def _through(x: Any, *_: Any, **__: Any) -> Any:
+    return x
+
+
+def _synflow(s: _Subject, example: Any, **_: Any) -> float:
+    with torch.no_grad():
+        for p in s.params:
+            p.data = p.data.abs().double()
+    bn = [m for m in s.every if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    for m in bn:
+        object.__setattr__(m, "forward", _through)
+    try:
+        ones = _map(
+            example,
+            lambda t: torch.ones_like(t, dtype=torch.float64) if t.is_floating_point() else t,
+        )
+        r = sum(t.double().sum() for t in s.run(ones))
+        grads = _grads(r, s.params)
+    finally:
+        for m in bn:
+            object.__delattr__(m, "forward")
+    return _log(float(sum((p.detach() * g).sum() for p, g in zip(s.params, grads, strict=True))))
+
+
+def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
+    _floats(example, "zen")
+    for m in s.every:
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.train()
+    x = _map(example, lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype))
+    eps = _map(example, lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype))
+    mixed = _zip(x, eps, lambda a, b: a + 0.01 * b)
+    variances: list[float] = []
+
+    def bn_in(m: nn.Module, i: tuple, o: Any) -> None:
+        t = i[0]
+        dims = [d for d in range(t.dim()) if d != 1]
+        variances.append(float(t.var(dim=dims, unbiased=False).mean()))
+
+    hooks = [
+        m.register_forward_hook(bn_in)
+        for m in s.every
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+    with torch.no_grad():
+        try:
+            f1 = s.run(x)
+        finally:
+            for h in hooks:
+                h.remove()
+        f2 = s.run(mixed)
+    total = sum(
+        (a - b).abs().flatten(1).sum(1) if a.dim() > 1 else (a - b).abs()
+        for a, b in zip(f1, f2, strict=True)
+    )
+    return _log(float(total.mean())) + sum(0.5 * _log(v) for v in variances)
+
+
+def _zip(a: Any, b: Any, fn: Callable) -> Any:
+    if isinstance(a, torch.Tensor):
+        return fn(a, b) if a.is_floating_point() else a
+    if isinstance(a, dict):
+        return {k: _zip(a[k], b[k], fn) for k in a}
+    if isinstance(a, (list, tuple)):
+        return type(a)(_zip(x, y, fn) for x, y in zip(a, b, strict=True))
+    return a
+
+
+def _naswot(s: _Subject, example: Any, **_: Any) -> float:
+    codes: list[torch.Tensor] = []
+
+    def code(m: nn.Module, i: tuple, o: Any) -> None:
+        for t in tensors_in(o)[:1]:
+            codes.append((t.detach().reshape(t.shape[0], -1) > 0).double())
+
+    hooks = s.hooked({"activation"}, code)
+    if not hooks:
+        raise _NotHere("naswot reads activation layers, and this graph has none")
+    try:
+        with torch.no_grad():
+            s.run(example)
+    finally:
+        for h in hooks:
+            h.remove()
+    c = torch.cat(codes, dim=1)
+    k = c @ c.T + (1 - c) @ (1 - c).T
+    return float(torch.linalg.slogdet(k).logabsdet)
+
+
+def _jacob_cov(s: _Subject, example: Any, **_: Any) -> float:
+    xs = _floats(example, "jacob_cov")
+    leaf = {id(t): t.detach().clone().requires_grad_(True) for t in xs}
+    x = _map(example, lambda t: leaf.get(id(t), t))
+    first = leaf[id(xs[0])]
+    if first.dim() < 1 or first.shape[0] < 2:
+        raise _NotHere("jacob_cov compares samples, and this example has fewer than two")
+    y = sum(t.sum() for t in s.run(x))
+    (j,) = torch.autograd.grad(y, [first])
+    j = j.reshape(j.shape[0], -1).double()
+    corr = torch.corrcoef(j)
+    corr = torch.nan_to_num(corr, nan=0.0)
+    v = torch.linalg.eigvalsh(corr)
+    k = 1e-5
+    return float(-(torch.log(v + k) + 1.0 / (v + k)).sum())
+
+
+def _snip(s: _Subject, example: Any, *, target: Any, objective: Callable, **_: Any) -> float:
+    grads = _grads(_loss(s, example, target, objective), s.params)
+    return _log(
+        float(sum((p.detach() * g).abs().sum() for p, g in zip(s.params, grads, strict=True)))
+    )
+
+
+def _grasp(s: _Subject, example: Any, *, target: Any, objective: Callable, **_: Any) -> float:
+    grads = _grads(_loss(s, example, target, objective), s.params, create_graph=True)
+    z = sum((g * g.detach()).sum() for g in grads)
+    hg = _grads(z, s.params)
+    return float(-sum((p.detach() * h).sum() for p, h in zip(s.params, hg, strict=True)))
+
+
+def _grad_norm(s: _Subject, example: Any, *, target: Any, objective: Callable, **_: Any) -> float:
+    grads = _grads(_loss(s, example, target, objective), s.params)
+    return _log(math.sqrt(float(sum((g.double() ** 2).sum() for g in grads))))
+
+
+def _fisher(s: _Subject, example: Any, *, target: Any, objective: Callable, **_: Any) -> float:
+    acts: list[tuple[torch.Tensor, bool]] = []
+
+    def keep(m: nn.Module, i: tuple, o: Any) -> None:
+        for t in tensors_in(o)[:1]:
+            if t.requires_grad:
+                acts.append((t, kind_of(m) == "conv"))
+
+    hooks = s.hooked({"conv", "learned"}, keep)
+    if not hooks:
+        raise _NotHere("fisher reads conv and learned layers, and this graph has none")
+    try:
+        loss = _loss(s, example, target, objective)
+    finally:
+        for h in hooks:
+            h.remove()
+    grads = torch.autograd.grad(loss, [a for a, _ in acts], allow_unused=True)
+    total = 0.0
+    for (a, conv), g in zip(acts, grads, strict=True):
+        if g is None:
+            continue
+        d = (a * g).double()
+        if conv and d.dim() > 2:
+            d = d.sum(dim=list(range(2, d.dim())))
+        elif d.dim() > 2:
+            d = d.sum(dim=list(range(1, d.dim() - 1)))
+        total += float(0.5 * d.pow(2).mean(0).sum())
+    return _log(total)
+
+
+_PROXIES: dict[str, Callable[..., float]] = {
+    "synflow": _synflow,
+    "zen": _zen,
+    "naswot": _naswot,
+    "jacob_cov": _jacob_cov,
+    "snip": _snip,
+    "grasp": _grasp,
+    "grad_norm": _grad_norm,
+    "fisher": _fisher,
+}
+
+
+def _take(s: _Subject, example: Any, of: str, target: Any, objective: Any) -> float:
+    with untouched(s.modules, seed=_SEED):
+        s.quiet()
+        gen = torch.Generator().manual_seed(_SEED)
+        return _PROXIES[of](s, example, gen=gen, target=target, objective=objective)
+
+
+def proxy(graph: Any, example: Any, of: str, *, target: Any = None, objective: Any = None) -> float:
+    """One cheap score for one candidate, higher being better. `of` names which: see EVERY.
+
+    snip, grasp, grad_norm and fisher read a loss and want `target` and `objective`
+    (`objective(output, target)` giving a scalar). The units are nobody's, and comparing two
+    candidates on the same proxy is the only thing it is for, which is why every one that
+    spans decades comes back as a logarithm. Deterministic, and the net is left exactly as it
+    was. Refuses (ValueError) an unknown name, a loss proxy without a loss, and a proxy this
+    graph cannot give (naswot with no activation layer, jacob_cov on a single sample).
+    """
+    if of not in _PROXIES:
+        raise ValueError(f"unknown proxy {of!r}; the proxies are {list(EVERY)}")
+    if of in _LOSS and (target is None or objective is None):
+        raise ValueError(f"{of} reads a loss: pass target= and objective=(output, target) -> loss")
+    return _take(_Subject(graph), example, of, target, objective)
+
+
+def proxies(
+    graph: Any, example: Any, *, target: Any = None, objective: Any = None
+) -> dict[str, float]:
+    """Every proxy that can be taken with what it was given, as {name: score}.
+
+    Without a target and an objective the four that read a loss are not in the answer, rather
+    than being in it as None: a score that is missing and a score that is bad have to look
+    different. A proxy this graph cannot give is missing too.
+    """
+    s = _Subject(graph)
+    loss = target is not None and objective is not None
+    out: dict[str, float] = {}
+    for of in EVERY:
+        if of in _LOSS and not loss:
+            continue
+        try:
+            out[of] = _take(s, example, of, target, objective)
+        except _NotHere:
+            continue
+    return out
