@@ -13,8 +13,9 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -41,28 +42,35 @@ class Linear(Node):
         return self.layer(input)
 
 
+def tensor_rows(
+    store: Store, root: Path, label: str, tensor: torch.Tensor
+) -> list[tuple[str, float, str, float]]:
+    path = root / "plain.pt"
+    counter = iter(range(10**9))
+
+    def keep_fresh() -> None:
+        i = next(counter)
+        tensor[0] = i  # new bytes every time: a real write, not a deduplicated one
+        store.keep(f"t/{i}", tensor)
+
+    keep = median_us(keep_fresh, 30)
+    save = median_us(lambda: torch.save(tensor, path), 30)
+    store.keep("t/x", tensor)
+    recall = median_us(lambda: store.recall("t/x"), 30)
+    load = median_us(lambda: torch.load(path), 30)
+    return [
+        (f"keep {label}", keep, "torch.save", save),
+        (f"recall {label}", recall, "torch.load", load),
+    ]
+
+
 def main() -> None:
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp())
     store = Store(root / "store")
     rows = []
     for label, shape in [("tensor 1 KiB", (256,)), ("tensor 4 MiB", (1024, 1024))]:
-        tensor = torch.randn(shape)
-        path = root / "plain.pt"
-        counter = iter(range(10**9))
-
-        def keep_fresh(tensor: torch.Tensor = tensor) -> None:
-            i = next(counter)
-            tensor[0] = i  # new bytes every time: a real write, not a deduplicated one
-            store.keep(f"t/{i}", tensor)
-
-        keep = median_us(keep_fresh, 30)
-        save = median_us(lambda: torch.save(tensor, path), 30)
-        store.keep("t/x", tensor)
-        recall = median_us(lambda: store.recall("t/x"), 30)
-        load = median_us(lambda: torch.load(path), 30)
-        rows.append((f"keep {label}", keep, "torch.save", save))
-        rows.append((f"recall {label}", recall, "torch.load", load))
+        rows.extend(tensor_rows(store, root, label, torch.randn(shape)))
 
     facts = [
         {"fact": "ran", "node": f"n{i}", "began_us": 1.0 * i, "took_us": 2.5} for i in range(8)
