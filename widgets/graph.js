@@ -267,7 +267,7 @@ function render({ model, el: host }) {
   const fit = () => {
     if (!current) return;
     const avail = viewport.clientWidth || 900;
-    scale = Math.max(0.3, Math.min(1, (avail - 4) / current.W));
+    scale = Math.max(0.6, Math.min(1, (avail - 4) / current.W));
     applyScale();
   };
 

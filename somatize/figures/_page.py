@@ -60,6 +60,7 @@ _PAGE = """<!doctype html>
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
 <title>{title}</title>
 <style>
 body {{ margin: 16px; font-family: system-ui, -apple-system, 'Segoe UI', 'DejaVu Sans', sans-serif; }}

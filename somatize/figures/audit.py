@@ -99,17 +99,17 @@ class LiveAudit(anywidget.AnyWidget):
 
     def sync(self) -> None:
         """Send everything pending now, whatever the interval."""
-        self._send()
+        self._push()
 
     # -- sending --------------------------------------------------------------------------
     def _maybe_send(self) -> None:
         if time.monotonic() - self._last_sent >= self.interval:
-            self._send()
+            self._push()
             return
         with self._lock:
             if self._timer is None and (self._pending_loss or self._pending_cells):
                 wait = max(0.0, self.interval - (time.monotonic() - self._last_sent))
-                self._timer = threading.Timer(wait, self._send)
+                self._timer = threading.Timer(wait, self._push)
                 self._timer.daemon = True
                 self._timer.start()
 
@@ -140,7 +140,7 @@ class LiveAudit(anywidget.AnyWidget):
             return []
         return [str(f) for f in self._verdict(numbers)]
 
-    def _send(self) -> None:
+    def _push(self) -> None:
         with self._lock:
             if self._timer is not None:
                 self._timer.cancel()
