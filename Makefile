@@ -17,10 +17,17 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(BIN)/python -m somatize.demo
+	$(BIN)/python -m somatize.tour --out demo.html
 
 test: setup
 	$(BIN)/ruff check somatize tests bench
 	$(BIN)/python -m pytest -q tests
+
+test-notebooks: setup
+	$(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with notebooks/sanitize.cfg
+
+docs: setup
+	$(BIN)/python docs/build.py
 
 lab: setup
 	$(BIN)/jupyter lab notebooks
