@@ -1,0 +1,401 @@
+"""A graph cut where a value crosses a host or a trainer, and run stage by stage.
+
+Each node gets the pair (host, trained-by-a-Learning). An edge whose ends differ in that pair
+is a cut, and a node's stage is the number of cuts behind it (the most on any path). The nodes
+of one stage with one pair make a `Part`. A forward runs the parts stage by stage; a backward
+is `loss.backward()` in the last one, then, stage by stage in reverse, the gradient owed at
+each cut travels back to the part that produced the value, inside an `Envelope`.
+
+Where a part runs is its `Transport`'s business: `Local` runs it in this process, and a remote
+transport (somatize.remote) runs the same `Part.forward` and `Part.backward` on a worker. That
+is the only difference between a cut in one process and a cut across a wire.
+
+The graph itself is never touched: every part runs a small graph of its own, holding the
+part's nodes (the same objects, with what was declared of them, less `.at(host)`: the part is
+what is at a host), an `Inlet` per value coming from outside when it needs one, and around a
+trained node the two positions of its Learning. This module reaches for torch only when a
+backward is run (it is driven by somatize.torch), so `import somatize` stays free of it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any, Protocol
+
+from somatize.graph import Graph
+from somatize.node import Node, Piece, Settings
+
+__all__ = ["INPUT", "LOSS", "Part", "Stages", "Transport", "Local", "LOCAL", "Inlet", "Outlet"]
+
+INPUT = "<input>"
+"""The source of a value that is the graph's own input (what the roots receive)."""
+
+LOSS = "<loss>"
+"""The destination of a graph leaf: the objective, in the Trainer's process."""
+
+
+class Inlet(Node):
+    """Picks the value of one source out of what a part was handed."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def forward(self, inputs: Any, ctx: Any) -> Any:
+        """The value that came from `source`."""
+        return inputs[self.source]
+
+
+class Outlet(Node):
+    """Hands on the value of a node that also feeds nodes inside its own part."""
+
+    def forward(self, value: Any, ctx: Any) -> Any:
+        """The value, untouched."""
+        return value
+
+
+class Part:
+    """The nodes of one stage with one (host, Learning) pair: what a transport runs.
+
+    What it carries, so that it can be rebuilt on another machine: `ids` (its nodes, in the
+    order they run), `nodes` (`{id: node object}`), `settings` (`{id: Settings}`, host
+    removed), `learning` (the Learning of `trained`, or None), `entering` (the edges
+    `(source, node)` from outside, `source` a node id or `INPUT`) and `leaving` (the edges
+    `(node, destination)` to outside, `destination` a node id or `LOSS`). `sources` are the
+    distinct sources it is handed values from, `exits` the distinct nodes whose values leave.
+    Everything else (`graph`, the small graph it runs) is rebuilt from those.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        ids: list[str],
+        *,
+        stage: int,
+        host: str | None,
+        learning: Any = None,
+        trained: str | None = None,
+        last: bool = False,
+        whole: bool = False,
+    ) -> None:
+        inside = set(ids)
+        self.stage = stage
+        self.host = host
+        self.ids = tuple(ids)
+        self.trained = trained
+        self.learning = learning
+        self.last = last
+        self.whole = whole
+        self.nodes = {n: graph.implementation(n) for n in ids}
+        self.settings = {n: replace(graph.setting(n), host=None) for n in ids}
+        entering: list[tuple[str, str]] = []
+        leaving: list[tuple[str, str]] = []
+        self.preds = {n: graph.predecessors(n) for n in ids}
+        for n in ids:
+            if not self.preds[n]:
+                entering.append((INPUT, n))
+            entering += [(p, n) for p in self.preds[n] if p not in inside]
+            succ = graph.successors(n)
+            leaving += [(n, s) for s in succ if s not in inside]
+            if not succ:
+                leaving.append((n, LOSS))
+        self.entering = tuple(entering)
+        self.leaving = tuple(leaving)
+        self.sources = tuple(dict.fromkeys(s for s, _ in entering))
+        self.exits = tuple(dict.fromkeys(n for n, _ in leaving))
+        self._inputs: dict[str, Any] | None = None
+        self._outputs: dict[str, Any] | None = None
+        self.raw = True  # its graph takes the value of its one source as it is
+        self.leaf_of: dict[str, str] = {}
+        self.ctx: Any = None
+        self.graph = graph if whole else self._small_graph()
+
+    # -- the graph it runs ---------------------------------------------------------------
+    def _small_graph(self) -> Graph:
+        inside = set(self.ids)
+        outside = {n for n in self.ids for p in self.preds[n] if p not in inside}
+        # Handed one value that its nodes take as their only input: no Inlet needed.
+        self.raw = len(self.sources) == 1 and all(len(self.preds[n]) <= 1 for n in outside)
+        sub = Graph()
+        if not self.raw:
+            for s in self.sources:
+                sub.node(s, Inlet(s))
+        first: dict[str, str] = {}
+        last: dict[str, str] = {}
+        for n in self.ids:
+            s = self.settings[n]
+            said = replace(s, name=None)
+            if n == self.trained:
+                enters, learning = self.learning.beside()
+                where = Settings(device=s.device)
+                first[n] = sub.node(f"{n}/enters", Piece(enters, where))
+                sub.node(n, Piece(self.nodes[n], said))
+                last[n] = sub.node(f"{n}/learning", Piece(learning, where))
+            else:
+                first[n] = last[n] = sub.node(n, Piece(self.nodes[n], said))
+        for n in self.ids:
+            preds = self.preds[n]
+            if not preds and not self.raw:
+                sub.edge(INPUT, first[n])
+            for p in preds:
+                if p in inside:
+                    sub.edge(last[p], first[n])
+                elif not self.raw:
+                    sub.edge(p, first[n])
+            if first[n] != n:
+                sub.edge(first[n], n)
+                sub.edge(n, last[n])
+        leaf_of: dict[str, str] = {}
+        for n in self.exits:
+            if sub.successors(last[n]):
+                leaf_of[sub.node(f"{n}/out", Outlet())] = n
+                sub.edge(last[n], f"{n}/out")
+            else:
+                leaf_of[last[n]] = n
+        self.leaf_of = leaf_of
+        if self.trained is not None:
+            from somatize.run import Ctx
+
+            self.ctx = Ctx(
+                f"{self.trained}/learning", self.settings[self.trained].device, None, sub
+            )
+        return sub
+
+    # -- running -------------------------------------------------------------------------
+    def forward(
+        self, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
+    ) -> dict[str, Any]:
+        """Run the part on `{source: value}`; answer `{exit: value}`.
+
+        Values from another part become leaves here (the Learning's `Enters` does it for a
+        trained node), so the gradient owed to each source can be read off them later.
+        """
+        if self.learning is None and not self.whole:
+            from somatize.torch.learning import leafed
+
+            inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
+            self._inputs = inputs
+        x = inputs[self.sources[0]] if self.raw else inputs
+        out = self.graph.forward(x, store=store, watching=watching)
+        if self.whole:
+            leaves = self.exits
+            outs = {leaves[0]: out} if len(leaves) == 1 else dict(out)
+        elif len(self.leaf_of) == 1:
+            outs = {self.exits[0]: out}
+        else:
+            outs = {n: out[leaf] for leaf, n in self.leaf_of.items()}
+        self._outputs = outs
+        return outs
+
+    def backward(self, envelopes: dict[str, Any]) -> dict[str, Any]:
+        """Take `{exit: Envelope}` (dL/d of what left), answer `{source: Envelope}`.
+
+        A trained part hands the envelope to its Learning, which learns and gives back
+        dL/d(input). Any other part carries the chain rule through its own autograd graph
+        (the last one already did, in `loss.backward()`). An envelope with nothing in it and
+        no forward before it is the end of a group, passed on.
+        """
+        import torch
+
+        from somatize.torch.learning import envelope, grad_of, pairs
+
+        closing = any(e.closing for e in envelopes.values())
+        if self.learning is not None:
+            (came,) = envelopes.values()
+            back = self.learning.forward(came, self.ctx).gradient
+            if len(self.sources) == 1:
+                owed = {self.sources[0]: back}
+            else:
+                owed = {s: back.get(s) if isinstance(back, dict) else None for s in self.sources}
+        else:
+            if not self.last and self._outputs is not None:
+                outs: list = []
+                grads: list = []
+                for n, e in envelopes.items():
+                    pairs(self._outputs.get(n), e.gradient, outs, grads)
+                if outs:
+                    torch.autograd.backward(outs, grads)
+            held = self._inputs or {}
+            owed = {s: grad_of(v) for s, v in held.items()}
+        self._inputs = self._outputs = None
+        return {s: envelope(g, closing) for s, g in owed.items() if s != INPUT}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_inputs"] = state["_outputs"] = None
+        return state
+
+    def __repr__(self) -> str:
+        at = f" at {self.host!r}" if self.host else ""
+        by = f" trained by {self.learning!r}" if self.learning is not None else ""
+        return f"Part(stage {self.stage}{at}: {', '.join(self.ids)}{by})"
+
+
+class Transport(Protocol):
+    """How a part is run: here (`Local`) or on the worker of its host (somatize.remote).
+
+    `forward(part, {source: value}, store=, watching=)` answers `{exit: value}`;
+    `backward(part, {exit: Envelope})` answers `{source: Envelope}`. A remote transport runs
+    `part.forward` / `part.backward` on a copy of the part kept on the worker, between them
+    keeping what the part holds; a value that crosses must keep `requires_grad`.
+    """
+
+    def forward(
+        self, part: Part, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
+    ) -> dict[str, Any]:
+        """Run the part on its inputs; answer its exits."""
+        ...
+
+    def backward(self, part: Part, envelopes: dict[str, Any]) -> dict[str, Any]:
+        """Hand the part what it owes; answer what its sources are owed."""
+        ...
+
+
+class Local:
+    """Runs a part in this process."""
+
+    def forward(
+        self, part: Part, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
+    ) -> dict[str, Any]:
+        """`part.forward`, here."""
+        return part.forward(inputs, store=store, watching=watching)
+
+    def backward(self, part: Part, envelopes: dict[str, Any]) -> dict[str, Any]:
+        """`part.backward`, here."""
+        return part.backward(envelopes)
+
+
+LOCAL = Local()
+"""The transport of every part whose host is None."""
+
+_HERE = (None, None)
+
+
+class Stages:
+    """A graph cut into parts, run forward stage by stage and backward in reverse.
+
+    `trains` is `{node id: Learning}`; `transport(host)` answers the transport of a host (the
+    default runs everything here). `watching` is a list of callables: what the parts run is
+    told to it as one forward (one "finished" fact for the whole). With no cut at all there is
+    one part, the graph itself, and a forward is `graph.forward`.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        trains: dict[str, Any] | None = None,
+        *,
+        transport: Callable[[str | None], Transport] | None = None,
+        watching: list[Callable[[dict], Any]] | None = None,
+    ) -> None:
+        trains = trains or {}
+        hosts = graph.hosts()
+        order = graph.topological_sort()
+        pair = {n: (hosts[n], n if n in trains else None) for n in order}
+        stage: dict[str, int] = {}
+        for n in order:
+            stage[n] = max(
+                (stage[p] + (pair[p] != pair[n]) for p in graph.predecessors(n)), default=0
+            )
+        sink = max(stage[n] + (pair[n] != _HERE) for n in graph.leaves())
+        grouped: dict[tuple, list[str]] = {}
+        for n in order:
+            grouped.setdefault((stage[n], pair[n]), []).append(n)
+        whole = len(grouped) == 1 and (sink, _HERE) in grouped
+        self.graph = graph
+        self.parts: list[Part] = []
+        for (s, (host, trained)), ids in sorted(grouped.items(), key=lambda kv: kv[0][0]):
+            self.parts.append(
+                Part(
+                    graph,
+                    ids,
+                    stage=s,
+                    host=host,
+                    learning=trains.get(trained) if trained else None,
+                    trained=trained,
+                    last=(s, (host, trained)) == (sink, _HERE),
+                    whole=whole,
+                )
+            )
+        self.whole = whole
+        where = transport or (lambda host: LOCAL)
+        self.transports = [LOCAL if p.host is None else where(p.host) for p in self.parts]
+        last = next((p for p in self.parts if p.last), None)
+        self.leaves = tuple(graph.leaves())
+        self.sunk = tuple(n for n in self.leaves if last is None or n not in last.ids)
+        self._sunk: dict[str, Any] = {}
+        self.told = list(watching or [])
+        self._relays = [self._relay(p) for p in self.parts] if self.told else None
+
+    def _relay(self, part: Part) -> Callable[[dict], None]:
+        ids = frozenset(part.ids)
+        told = self.told
+
+        def relay(fact: dict) -> None:
+            if fact.get("fact") == "finished" or fact.get("node", "") not in ids:
+                return
+            for w in told:
+                w(fact)
+
+        return relay
+
+    def __repr__(self) -> str:
+        return "Stages(" + "; ".join(repr(p) for p in self.parts) + ")"
+
+    def forward(self, x: Any, *, store: Any = None) -> Any:
+        """Run every part in stage order on the graph's input; answer what the graph returns
+        (a leaf that crossed a cut to get here arrives as a leaf of its own)."""
+        if self.whole:
+            return self.graph.forward(x, store=store, watching=self.told or None)
+        from somatize.torch.learning import leafed
+
+        began = time.perf_counter_ns()
+        values: dict[str, Any] = {INPUT: x}
+        for k, part in enumerate(self.parts):
+            inputs = {s: values[s] for s in part.sources}
+            relay = self._relays[k] if self._relays else None
+            values.update(self.transports[k].forward(part, inputs, store=store, watching=relay))
+        sunk = self._sunk
+        for n in self.sunk:
+            values[n] = sunk[n] = leafed(values[n])
+        if self.told:
+            finished = {"fact": "finished", "took_us": (time.perf_counter_ns() - began) / 1e3}
+            for w in self.told:
+                w(finished)
+        if len(self.leaves) == 1:
+            return values[self.leaves[0]]
+        return {n: values[n] for n in self.leaves}
+
+    def backward(self, loss: Any, closing: bool = False) -> None:
+        """`loss.backward()`, then the gradient at every cut back to where its value came from,
+        part by part in reverse; `closing` rides along to say the group ends here."""
+        loss.backward()
+        if not self.whole:
+            from somatize.torch.learning import envelope, grad_of
+
+            owed: dict[str, list] = {}
+            for n in self.sunk:
+                owed[n] = [envelope(grad_of(self._sunk.pop(n)), closing)]
+            self._back(owed, closing)
+
+    def update(self) -> None:
+        """Tell every part the group is over: an empty, closing envelope, part by part."""
+        if not self.whole:
+            self._back({}, True)
+
+    def _back(self, owed: dict[str, list], closing: bool) -> None:
+        from somatize.torch.learning import envelope, gradient
+
+        for k in range(len(self.parts) - 1, -1, -1):
+            part = self.parts[k]
+            envelopes = {}
+            for n in part.exits:
+                came = owed.pop(n, ())
+                if len(came) == 1:
+                    envelopes[n] = came[0]
+                else:
+                    total = gradient({str(i): e for i, e in enumerate(came)}) if came else None
+                    envelopes[n] = envelope(total, closing)
+            for s, e in self.transports[k].backward(part, envelopes).items():
+                owed.setdefault(s, []).append(e)

@@ -1,0 +1,372 @@
+"""The Learning hole: what trains one node where that node runs, and the messages it reads.
+
+A `Learning` stands on both sides of the node it trains. Before it (`Enters`) the node's input
+becomes a leaf, so that dL/d(input) is a thing that exists; after it (the Learning itself) the
+node's output is kept with its autograd history. When dL/d(output) comes back in an
+`Envelope`, `learn(signal, ctx)` carries on with it under an optimizer of its own and gives
+back dL/d(input). `Split` is split learning; greedy, forward-forward and synthetic gradients
+are other answers to the same `learn`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from somatize.node import Node
+from somatize.torch.placement import modules_of
+
+__all__ = [
+    "Learning",
+    "Split",
+    "Enters",
+    "Envelope",
+    "envelope",
+    "gradient",
+    "OutOfStep",
+    "leafed",
+    "grad_of",
+]
+
+
+class OutOfStep(ValueError):
+    """A gradient arrived for an activation that is not there any more.
+
+    The two halves of a cut are a step apart: a gradient came back for a forward that was
+    already learnt from, or that never ran. Raised, not constructed.
+    """
+
+
+class Envelope:
+    """A gradient on its way back across an edge, and whether it closes a group.
+
+    `gradient` is dL/d(the value that crossed), or None for nobody owing anything;
+    `closing` says this step ends a group of accumulated ones.
+    """
+
+    __slots__ = ("gradient", "closing")
+
+    def __init__(self, gradient: Any, closing: bool = False) -> None:
+        self.gradient = gradient
+        self.closing = closing
+
+    def __repr__(self) -> str:
+        what = "nothing" if self.gradient is None else type(self.gradient).__name__
+        return f"Envelope({what}{', closing' if self.closing else ''})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Envelope, (self.gradient, self.closing))
+
+
+def envelope(gradient: Any, closing: bool = False) -> Envelope:
+    """A gradient in its envelope, which is how one crosses an edge.
+
+    `closing` says this gradient ends a group of accumulated ones, so whoever is accumulating
+    applies what it has: it rides on the envelope because it is the same fact seen from the
+    other end.
+    """
+    return Envelope(gradient, bool(closing))
+
+
+def _to(value: Any, device: Any) -> Any:
+    if device is None or value is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value if value.device == torch.device(device) else value.to(device)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
+def _add(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if isinstance(a, torch.Tensor):
+        return a + (b if b.device == a.device else b.to(a.device))
+    if isinstance(a, dict):
+        return {k: _add(a.get(k), b.get(k)) for k in {**a, **b}}
+    if isinstance(a, (list, tuple)):
+        return type(a)(_add(x, y) for x, y in zip(a, b, strict=False))
+    raise TypeError(f"cannot add gradients of type {type(a).__name__}")
+
+
+def gradient(value: Any, device: str | None = None) -> torch.Tensor | None:
+    """What an envelope carries, as a tensor, or the sum of what a map of them carries.
+
+    None for something that is not a backward message at all, and None too for an envelope
+    carrying nothing. `device` moves the answer there.
+    """
+    if type(value) is Envelope:
+        return _to(value.gradient, device)
+    if isinstance(value, Mapping) and value:
+        total = None
+        for v in value.values():
+            if type(v) is not Envelope:
+                return None
+            total = _add(total, v.gradient)
+        return _to(total, device)
+    return None
+
+
+def leafed(value: Any) -> Any:
+    """`value` with every floating tensor in it cut from its history into a fresh leaf.
+
+    The leaf asks for a gradient exactly when the tensor it came from did, so a gradient is
+    only worked out for what something upstream can use.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            return value.detach().requires_grad_(value.requires_grad)
+        return value
+    if isinstance(value, dict):
+        return {k: leafed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [leafed(v) for v in value]
+    if isinstance(value, tuple):
+        made = [leafed(v) for v in value]
+        return type(value)(*made) if hasattr(value, "_fields") else tuple(made)
+    return value
+
+
+def grad_of(value: Any) -> Any:
+    """The gradients the leaves inside `value` got, in the same shape (None where none)."""
+    if isinstance(value, torch.Tensor):
+        return value.grad if value.requires_grad else None
+    if isinstance(value, dict):
+        grads = {k: grad_of(v) for k, v in value.items()}
+        return grads if any(g is not None for g in grads.values()) else None
+    if isinstance(value, (list, tuple)):
+        grads = [grad_of(v) for v in value]
+        return grads if any(g is not None for g in grads) else None
+    return None
+
+
+def pairs(value: Any, grad: Any, outs: list, grads: list) -> None:
+    """Collect (tensor, its gradient) wherever both exist and the tensor asks for one."""
+    if grad is None:
+        return
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            outs.append(value)
+            grads.append(grad if grad.device == value.device else grad.to(value.device))
+    elif isinstance(value, dict) and isinstance(grad, dict):
+        for k, v in value.items():
+            pairs(v, grad.get(k), outs, grads)
+    elif isinstance(value, (list, tuple)) and isinstance(grad, (list, tuple)):
+        for v, g in zip(value, grad, strict=False):
+            pairs(v, g, outs, grads)
+
+
+class Learning(Node):
+    """What trains one node, on the machine that node runs on.
+
+    A technique writes `learn(signal, ctx)` and nothing else: handed dL/d(what the node
+    produced), it gives back dL/d(what it was given), or None. It reaches the node through
+    `held` (this step's activation) and `given` (the leaf its input became); both are dropped
+    after each learn.
+
+    `optimizer` is a factory such as `torch.optim.SGD`, called with the parameters and `how`
+    the first time it is needed, on whatever machine the node ended up. `every` is how many
+    steps go into one update; left out, the Trainer's. Refused: an optimizer that cannot be
+    called, an `every` that is not a positive int.
+    """
+
+    def __init__(
+        self, optimizer: Callable[..., Any], *, every: int | None = None, **how: Any
+    ) -> None:
+        if not callable(optimizer):
+            raise TypeError(
+                f"{type(self).__name__} takes an optimizer factory such as torch.optim.SGD, "
+                f"not {type(optimizer).__name__} {optimizer!r:.60}"
+            )
+        if every is not None and (type(every) is not int or every < 1):
+            raise ValueError(
+                f"{type(self).__name__}(every={every!r}): every is how many steps go into "
+                "one update, a positive int (or None for the Trainer's)"
+            )
+        self.factory = optimizer
+        self.how = dict(how)
+        self.declared = every
+        self.every = every if every is not None else 1
+        self.node: Any = None
+        self.held: Any = None
+        self.given: Any = None
+        self._optimizer: Any = None
+        self._count = 0
+        self._closing = False
+        self._pieces = 1
+        self._enters: Enters | None = None
+
+    # -- where it stands --------------------------------------------------------------------
+    def of(self, node: Any) -> Learning:
+        """The node it trains. Said when the graph is put together (a Learning trains one)."""
+        if self.node is not None and self.node is not node:
+            raise ValueError(
+                f"this {type(self).__name__} already trains a {type(self.node).__name__}; "
+                "a Learning trains one node: give each node its own"
+            )
+        self.node = node
+        return self
+
+    def accumulating(self, every: int | None) -> Learning:
+        """How many steps go into one update, unless this one already said (it then wins)."""
+        if self.declared is None and every is not None:
+            self.every = every
+        return self
+
+    def beside(self) -> tuple[Enters, Learning]:
+        """Its two positions in a graph: the one that leafs the input, and itself after."""
+        if self._enters is None:
+            self._enters = Enters(self)
+        return self._enters, self
+
+    def training(self) -> list[torch.nn.Parameter]:
+        """Which parameters it updates: the node's, and whatever else a technique brings."""
+        if self.node is None:
+            raise ValueError(
+                f"this {type(self).__name__} trains no node yet: it is given one by "
+                "Trainer(trains={node_id: ...})"
+            )
+        found: list[torch.nn.Parameter] = []
+        seen: set[int] = set()
+        for module in modules_of(self.node):
+            for p in module.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    found.append(p)
+        return found
+
+    @property
+    def optimizer(self) -> Any:
+        """Its optimizer, built the first time it is asked for, over `training()` wherever it
+        ended up. A node with nothing to train is refused here."""
+        if self._optimizer is None:
+            params = self.training()
+            if not params:
+                raise ValueError(
+                    f"{type(self).__name__} trains a {type(self.node).__name__} that holds "
+                    "no parameter asking for a gradient: take it out of trains="
+                )
+            self._optimizer = self.factory(params, **self.how)
+        return self._optimizer
+
+    # -- the group ----------------------------------------------------------------------------
+    def opens(self) -> bool:
+        """Whether this step starts a group, which is where gradients are cleared."""
+        return self._count == 0
+
+    def closes(self) -> bool:
+        """Whether this step ends one, which is where the optimizer moves.
+
+        With the Trainer's `every` the fact arrives on the envelope; with its own, counted.
+        """
+        if self.declared is None:
+            return self._closing
+        if self._closing and self.held is None:
+            return True  # the Trainer's update(): apply what there is
+        return self._count + 1 >= self.every * self._pieces
+
+    # -- the two positions --------------------------------------------------------------------
+    def entering(self, value: Any, ctx: Any) -> Any:
+        """The input as a leaf, remembered, which is what makes dL/d(input) exist."""
+        self.given = leafed(value)
+        return self.given
+
+    def forward(self, value: Any, ctx: Any) -> Any:
+        """After the node: an ordinary value is the activation to keep (and is handed on), an
+        envelope is the gradient to learn from (and an envelope for the input comes back)."""
+        if type(value) is Envelope:
+            self._closing = value.closing
+            back = self.learn(gradient(value, ctx.device if ctx is not None else None), ctx)
+            return envelope(back, value.closing)
+        self.held = value
+        return value
+
+    def waiting(self) -> Any:
+        """The activation this step left, or `OutOfStep` if there is none."""
+        if self.held is None:
+            raise OutOfStep(
+                f"a gradient arrived for the {type(self.node).__name__} that "
+                f"{type(self).__name__} trains, and no activation is waiting for it: the two "
+                "halves of the cut are a step apart (learn once per forward)"
+            )
+        return self.held
+
+    def done(self) -> Any:
+        """Lets go of this step's activation and gives back what the node was given."""
+        given = self.given
+        if self.held is not None or self._closing:
+            self._count = 0 if self.closes() else self._count + 1
+        self.held = None
+        self.given = None
+        self._closing = False
+        return given
+
+    def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
+        """What to do with dL/d(what the node produced), and what to give back.
+
+        The hole: whatever a technique is, it is this method. `signal` None is nobody owing
+        it anything this step.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} is a Learning and must say learn(signal, ctx)"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        name = getattr(self.factory, "__name__", type(self.factory).__name__)
+        how = "".join(f", {k}={v!r}" for k, v in self.how.items())
+        every = f", every={self.declared}" if self.declared is not None else ""
+        return f"{type(self).__name__}({name}{every}{how})"
+
+
+class Enters(Node):
+    """The position before a trained node: its input becomes a leaf there.
+
+    An envelope coming back through it is handed on as it is.
+    """
+
+    def __init__(self, learning: Learning) -> None:
+        self.learning = learning
+
+    def forward(self, value: Any, ctx: Any) -> Any:
+        """Leaf the input (remembered by the Learning), or hand an envelope on."""
+        if type(value) is Envelope:
+            return value
+        return self.learning.entering(value, ctx)
+
+
+class Split(Learning):
+    """Split learning: carry the chain rule on from the gradient of the seam, step, and hand
+    back the gradient of the input.
+
+    With a group of more than one step the same three movements are taken apart: cleared
+    where the group opens, added to in between, stepped where it closes.
+    """
+
+    def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
+        """Backward through the node from `signal`, step when the group closes, and give back
+        dL/d(what the node was given)."""
+        if signal is None and self.held is None and self._count == 0:
+            return self.done()  # nothing accumulated, nothing owed
+        held = self.waiting() if signal is not None else None
+        optimizer = self.optimizer
+        if self.opens():
+            optimizer.zero_grad()
+        if signal is not None:
+            outs: list = []
+            grads: list = []
+            pairs(held, signal, outs, grads)
+            if outs:
+                torch.autograd.backward(outs, grads)
+        if self.closes():
+            optimizer.step()
+        return grad_of(self.done())

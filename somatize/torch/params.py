@@ -1,0 +1,115 @@
+"""Which weights a graph holds, and settling the ones declared `.frozen()`.
+
+Both ways of being a torch node count the same here: a node that *is* an `nn.Module`, and a
+plain node holding modules as attributes (`self.net = nn.Sequential(...)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from somatize.torch.placement import modules_of
+
+__all__ = ["parameters", "freeze", "state_of", "owners"]
+
+
+def _node_params(node: Any) -> list[nn.Parameter]:
+    found: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for module in modules_of(node):
+        for p in module.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                found.append(p)
+    return found
+
+
+def parameters(graph: Any, without: Container[str] = ()) -> list[nn.Parameter]:
+    """The parameters of every node in the graph that has any, for an optimizer to hold.
+
+    In declaration order, each once even when two nodes share a module. `without` names the
+    nodes somebody else updates (pass the `trains` dict itself)::
+
+        trains = {"body": Split(SGD, lr=0.1)}
+        Adam(parameters(g, without=trains), lr=1e-3)
+
+    Left out as well, because no optimizer could move them: the nodes declared `.frozen()`,
+    and parameters whose `requires_grad` is off. A node holding no module is skipped, so a
+    tokenizer does not stop being a node for having nothing to train.
+    """
+    found: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for nid in graph.nodes():
+        if nid in without or graph.setting(nid).frozen:
+            continue
+        for p in _node_params(graph.implementation(nid)):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                found.append(p)
+    return found
+
+
+def owners(graph: Any) -> dict[int, str]:
+    """`{id(parameter): node id}`: which node each parameter of the graph belongs to (first)."""
+    found: dict[int, str] = {}
+    for nid in graph.nodes():
+        for p in _node_params(graph.implementation(nid)):
+            found.setdefault(id(p), nid)
+    return found
+
+
+def freeze(graph: Any, *node_ids: str) -> None:
+    """Settles these nodes, or with no ids whatever was already declared `.frozen()`.
+
+    Settling is what makes `.frozen()` true: every parameter the node holds stops asking for
+    a gradient, and its modules go to eval mode so running statistics stop moving too. With
+    ids it declares them frozen in the graph and then obeys; an unknown id is refused before
+    anything changes. The Trainer calls it with none, so a `.frozen()` in the expression
+    holds from the first step.
+    """
+    for nid in node_ids:
+        if nid not in graph:
+            raise ValueError(f"freeze: no node {nid!r} in this graph; it has {graph.nodes()}")
+    for nid in node_ids:
+        s = graph.setting(nid)
+        if not s.frozen:
+            # Declaring is the graph's business; until Graph grows a way to say it, the
+            # setting is replaced here and the compiled plan dropped (frozen is in cache keys).
+            graph._settings[nid] = replace(s, frozen=True)
+            graph._plan = None
+    for nid in graph.nodes():
+        if graph.setting(nid).frozen:
+            for module in modules_of(graph.implementation(nid)):
+                module.requires_grad_(False)
+                module.eval()
+
+
+def state_of(node: Any) -> dict[str, torch.Tensor]:
+    """The node's state as `{key: tensor}` (parameters and buffers), the tensors themselves.
+
+    A node that is a module answers its own `state_dict` keys; a node holding modules answers
+    them prefixed by the attribute (`net.0.weight`, or `blocks.1.weight` for a list).
+    """
+    if isinstance(node, nn.Module):
+        return dict(node.state_dict(keep_vars=True))
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for attr, value in vars(node).items():
+        if isinstance(value, nn.Module):
+            listed = [(f"{attr}.", value)]
+        elif isinstance(value, (list, tuple)):
+            listed = [(f"{attr}.{i}.", v) for i, v in enumerate(value) if isinstance(v, nn.Module)]
+        else:
+            continue
+        for prefix, module in listed:
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for key, tensor in module.state_dict(keep_vars=True).items():
+                found[prefix + key] = tensor
+    return found

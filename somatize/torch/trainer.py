@@ -1,0 +1,516 @@
+"""Trainer: trains a graph without the graph finding out.
+
+One step is forward, loss, backward and, when the group closes, update. A node trained by a
+`Learning` (`trains=`) or running on another host is a cut: the graph is run stage by stage
+(`somatize.stages`) and the gradient crosses each cut in an envelope. Without a cut a step is
+`graph.forward`, `loss.backward()` and `optimizer.step()`, and costs what those cost.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from somatize.graph import Graph
+from somatize.run import watchers
+from somatize.stages import LOCAL, Stages
+from somatize.torch.learning import Learning
+from somatize.torch.params import freeze, owners, state_of
+
+__all__ = ["Trainer", "Result", "NoGradient"]
+
+Batch = Any
+Weights = dict[str, dict[str, torch.Tensor]]
+
+
+class NoGradient(RuntimeError):
+    """Something the optimizer holds never got a gradient.
+
+    Raised before the optimizer moves. With a cut on purpose (split learning) this is what
+    you expect, and you say so by taking those parameters out of the optimizer:
+    `parameters(g, without=trains)`.
+    """
+
+
+@dataclass
+class Result:
+    """What a training run leaves behind: the loss, step by step."""
+
+    history: list[float] = field(default_factory=list)
+
+    @property
+    def loss(self) -> float | None:
+        """The last loss, or None if not a single step was taken."""
+        return self.history[-1] if self.history else None
+
+
+def _count(value: Any, name: str) -> int:
+    if type(value) is not int or value < 1:
+        raise ValueError(
+            f"Trainer({name}={value!r}): {name} is a positive int "
+            + (
+                "(how many steps go into one update)"
+                if name == "every"
+                else "(how many equal pieces one batch is cut into along its first dimension)"
+            )
+        )
+    return value
+
+
+def _cut(value: Any, k: int, what: str) -> list:
+    if isinstance(value, torch.Tensor):
+        n = value.shape[0] if value.dim() else None
+        if n is None or n % k:
+            raise ValueError(
+                f"micro={k} cuts the {what} into {k} equal pieces along its first dimension, "
+                f"and its shape is {tuple(value.shape)}: use a batch size that {k} divides"
+            )
+        return list(value.split(n // k))
+    if isinstance(value, dict):
+        cut = {key: _cut(v, k, what) for key, v in value.items()}
+        return [{key: cut[key][i] for key in cut} for i in range(k)]
+    if isinstance(value, (list, tuple)):
+        cut = [_cut(v, k, what) for v in value]
+        return [type(value)(c[i] for c in cut) for i in range(k)]
+    raise TypeError(
+        f"micro={k} cuts the {what} along its first dimension; a {type(value).__name__} "
+        "cannot be cut: pass tensors (or dicts, lists, tuples of them), or micro=1"
+    )
+
+
+def _person_watching(stream: Any = None) -> bool:
+    """Whether a person is watching: a notebook kernel, or a terminal on `stream`."""
+    shell = sys.modules.get("IPython")
+    if shell is not None:
+        ip = shell.get_ipython() if hasattr(shell, "get_ipython") else None
+        if ip is not None and type(ip).__name__ == "ZMQInteractiveShell":
+            return True
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+class Trainer:
+    """Trains a graph, without the graph finding out::
+
+        t = Trainer(g, objective=cross_entropy,
+                    optimizer=torch.optim.Adam(parameters(g), lr=1e-3))
+        t.fit(data, epochs=10)
+
+    `objective(output, target)` gives the loss; a batch is `(input, target)`. The optimizer is
+    the caller's. `trains={node: Learning}` puts a trainer beside a node (its weights come out
+    of this optimizer: `parameters(g, without=trains)`). `every` is how many steps go into one
+    update and `micro` how many pieces one batch is cut into; they multiply. `store` (a Store
+    or a directory) makes a settled `.cached()` prefix run once per batch. `broker` says where
+    `.at(host)` nodes run. `watching` is told every fact (the engine's, `loss`, `updated`, and
+    with `auditing=` an Audit or True, `health`); one with a `flush()` is flushed after each
+    step.
+
+    Refused, each saying what to do: `trains` naming no node or holding no Learning; a node
+    both frozen and trained; an optimizer holding parameters of a node in `trains`, or
+    sharing none with the graph; parameters nobody would move; bad `every`, `micro`,
+    `watching`; `.at(host)` nodes without a broker. A refused Trainer changes nothing.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        *,
+        objective: Callable[[Any, Any], Any],
+        optimizer: Any = None,
+        trains: dict[str, Learning] | None = None,
+        every: int = 1,
+        micro: int = 1,
+        store: Any = None,
+        broker: Any = None,
+        watching: Any = None,
+        auditing: Any = None,
+    ) -> None:
+        if not isinstance(graph, Graph):
+            raise TypeError(f"Trainer trains a Graph, not {type(graph).__name__}")
+        if not callable(objective):
+            raise TypeError(
+                f"objective is called as objective(output, target) and gives the loss; "
+                f"{type(objective).__name__} {objective!r:.60} cannot be called"
+            )
+        self.every = _count(every, "every")
+        self.micro = _count(micro, "micro")
+        told = watchers(watching)
+        trains = self._check_trains(graph, trains)
+        held = self._check_optimizer(graph, optimizer, trains)
+        self._check_everything_moves(graph, held, trains)
+        hosts = {n: h for n, h in graph.hosts().items() if h}
+        if hosts and broker is None:
+            nid, host = next(iter(hosts.items()))
+            raise ValueError(
+                f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: pass "
+                "Trainer(..., broker=Broker.embedded({" + repr(host) + ": Worker.at(...)}))"
+            )
+        if hosts and not callable(getattr(broker, "transport", None)):
+            raise TypeError(
+                f"broker= must answer broker.transport(host) for the .at() nodes; "
+                f"{type(broker).__name__} does not"
+            )
+        audit = self._audit_of(auditing)
+        self.store = self._store_of(store)
+
+        # Everything is checked: from here on, things change.
+        freeze(graph)
+        for nid, learning in trains.items():
+            learning.of(graph.implementation(nid)).accumulating(self.every)
+            learning._pieces = self.micro
+        self.graph = graph
+        self.objective = objective
+        self.optimizer = optimizer
+        self.trains = trains
+        self.broker = broker
+        self.watching = told
+        self._held = held
+        self._owner = owners(graph)
+        self._unproven = bool(held)
+        self._flushers = [w.flush for w in told if callable(getattr(w, "flush", None))]
+        self._scale = float(self.every * self.micro)
+        self._count = 0
+        self._steps = 0
+        self._stages = Stages(
+            graph,
+            trains,
+            transport=(lambda host: broker.transport(host)) if hosts else (lambda host: LOCAL),
+            watching=told,
+        )
+        self.audit = audit.watch(graph) if audit is not None else None
+        self._release = (
+            weakref.finalize(self, self.audit.release) if self.audit is not None else None
+        )
+
+    # -- checks ---------------------------------------------------------------------------
+    @staticmethod
+    def _check_trains(graph: Graph, trains: Any) -> dict[str, Learning]:
+        if trains is None:
+            return {}
+        if not isinstance(trains, dict):
+            raise TypeError(f"trains= is a dict {{node id: Learning}}, not {type(trains).__name__}")
+        seen: dict[int, str] = {}
+        for nid, learning in trains.items():
+            if nid not in graph:
+                raise ValueError(
+                    f"trains= names {nid!r}, and no node of this graph has that id; "
+                    f"it has {graph.nodes()}"
+                )
+            if not isinstance(learning, Learning):
+                raise TypeError(
+                    f"trains[{nid!r}] is a {type(learning).__name__}, not a Learning: "
+                    "say how the node is trained, e.g. Split(torch.optim.SGD, lr=0.1)"
+                )
+            if graph.setting(nid).frozen:
+                raise ValueError(
+                    f"node {nid!r} is declared .frozen() and is in trains=: a node cannot be "
+                    "both; drop .frozen() or take it out of trains="
+                )
+            other = learning.node
+            if other is not None and other is not graph.implementation(nid):
+                raise ValueError(
+                    f"trains[{nid!r}] already trains another node: give each node its own Learning"
+                )
+            if id(learning) in seen:
+                raise ValueError(
+                    f"trains= gives the same Learning to {seen[id(learning)]!r} and {nid!r}: "
+                    "a Learning trains one node; give each its own"
+                )
+            seen[id(learning)] = nid
+        return dict(trains)
+
+    @staticmethod
+    def _check_optimizer(
+        graph: Graph, optimizer: Any, trains: dict[str, Learning]
+    ) -> list[torch.Tensor]:
+        if optimizer is None:
+            return []
+        if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+            raise TypeError(
+                f"optimizer= takes a torch optimizer built over the graph's parameters "
+                f"(torch.optim.Adam(parameters(g), lr=1e-3)), not {type(optimizer).__name__}"
+            )
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        owner = owners(graph)
+        mine = [owner[id(p)] for p in held if id(p) in owner]
+        if not mine:
+            raise ValueError(
+                f"the optimizer holds {len(held)} parameter(s) and none of them is a parameter "
+                "of this graph: build it over parameters(g)"
+            )
+        for nid in dict.fromkeys(mine):
+            if nid in trains:
+                raise ValueError(
+                    f"the optimizer holds parameters of node {nid!r}, which trains= also "
+                    f"trains: it would be updated twice. Build the optimizer over "
+                    "parameters(g, without=trains)"
+                )
+            if graph.setting(nid).frozen:
+                raise ValueError(
+                    f"the optimizer holds parameters of node {nid!r}, which is declared "
+                    ".frozen(): a node cannot be both frozen and trained. Build the optimizer "
+                    "over parameters(g), which leaves frozen nodes out"
+                )
+        return held
+
+    @staticmethod
+    def _check_everything_moves(
+        graph: Graph, held: list[torch.Tensor], trains: dict[str, Learning]
+    ) -> None:
+        moved = {id(p) for p in held}
+        idle: list[str] = []
+        from somatize.torch.params import _node_params
+
+        for nid in graph.nodes():
+            if nid in trains or graph.setting(nid).frozen:
+                continue
+            if any(
+                p.requires_grad and id(p) not in moved
+                for p in _node_params(graph.implementation(nid))
+            ):
+                idle.append(nid)
+        if idle:
+            raise ValueError(
+                f"node(s) {idle} hold parameters that nobody would move: neither the optimizer "
+                "nor trains= holds them. Build the optimizer over parameters(g), train them "
+                "with trains=, or declare them .frozen()"
+            )
+
+    @staticmethod
+    def _audit_of(auditing: Any) -> Any:
+        if auditing is None or auditing is False:
+            return None
+        if auditing is True:
+            from somatize.torch.audit import Audit
+
+            return Audit()
+        for method in ("watch", "observed", "release"):
+            if not callable(getattr(auditing, method, None)):
+                raise TypeError(
+                    f"auditing= takes an Audit (or True for the default one), not "
+                    f"{type(auditing).__name__}"
+                )
+        return auditing
+
+    @staticmethod
+    def _store_of(store: Any) -> Any:
+        if store is None:
+            return None
+        from somatize.store import Store
+
+        if isinstance(store, Store):
+            return store
+        if isinstance(store, (str, os.PathLike)):
+            return Store(store)
+        raise TypeError(f"store= is a Store or a directory, not {type(store).__name__}")
+
+    # -- training -------------------------------------------------------------------------
+    def step(self, batch: Batch) -> float:
+        """One step: forward, loss, backward, and update when the group closes.
+
+        Returns the loss of the whole batch (the mean over `micro` pieces); it is divided by
+        `every * micro` for the backward pass only. Raises `NoGradient` before the optimizer
+        moves if something it holds got no gradient.
+        """
+        if type(batch) not in (tuple, list) or len(batch) != 2:
+            raise TypeError(
+                f"a batch is (input, target), not {type(batch).__name__} "
+                f"{batch!r:.60}: yield pairs from your data"
+            )
+        x, y = batch
+        if self._count == 0 and self.optimizer is not None:
+            self.optimizer.zero_grad()
+        closing = self._count + 1 >= self.every
+        stages = self._stages
+        scale = self._scale
+        if self.micro == 1:
+            loss = self._loss(stages.forward(x, store=self.store), y)
+            stages.backward(loss / scale if scale != 1.0 else loss, closing)
+            value = loss.item()
+        else:
+            xs, ys = _cut(x, self.micro, "input"), _cut(y, self.micro, "target")
+            total = 0.0
+            last = self.micro - 1
+            for k in range(self.micro):
+                loss = self._loss(stages.forward(xs[k], store=self.store), ys[k])
+                stages.backward(loss / scale, closing and k == last)
+                total += loss.detach()
+            value = float(total) / self.micro
+        self._count += 1
+        step = self._steps
+        self._steps += 1
+        told = self.watching
+        if told:
+            fact = {"fact": "loss", "value": value, "step": step}
+            for w in told:
+                w(fact)
+        if self.audit is not None:
+            for fact in self.audit.observed(self.graph):
+                for w in told:
+                    w(fact)
+        if closing:
+            self._apply(step)
+        for flush in self._flushers:
+            flush()
+        return value
+
+    def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        loss = self.objective(output, target)
+        if not isinstance(loss, torch.Tensor) or loss.ndim:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(
+                f"the objective gave {shape}, not a tensor with one number: reduce it "
+                "(e.g. reduction='mean') so there is one loss to go backward from"
+            )
+        return loss
+
+    def _apply(self, step: int) -> None:
+        optimizer = self.optimizer
+        if optimizer is not None:
+            if self._unproven:
+                self._prove()
+            optimizer.step()
+        self._count = 0
+        if self.watching:
+            fact = {"fact": "updated", "step": step}
+            for w in self.watching:
+                w(fact)
+
+    def _prove(self) -> None:
+        missing = [p for p in self._held if p.grad is None]
+        if not missing:
+            self._unproven = False
+            return
+        self._count = 0  # the next step opens a new group, and is checked again
+        nodes = list(dict.fromkeys(self._owner.get(id(p), "(not in the graph)") for p in missing))
+        raise NoGradient(
+            f"{len(missing)} parameter(s) the optimizer holds got no gradient this step, of "
+            f"node(s) {nodes}; the optimizer did not move. If a cut is on purpose (a node "
+            "trained by trains=, or after a Learning), take them out: "
+            "parameters(g, without=trains); otherwise check the objective reaches them"
+        )
+
+    def update(self) -> bool:
+        """Applies what has been accumulated and starts a new group, for the group a run ends
+        in the middle of. Does nothing, and answers False, if none is open.
+
+        Across a cut it costs one pass over the parts in reverse, not a step: what travels is
+        the fact that the group is over, in an empty envelope.
+        """
+        if self._count == 0:
+            return False
+        self._stages.update()
+        self._apply(self._steps - 1)
+        for flush in self._flushers:
+            flush()
+        return True
+
+    def fit(self, data: Iterable[Batch], epochs: int = 1) -> Result:
+        """Takes one step per batch, for as many epochs as you say, and applies a group left
+        half open at the end of each epoch.
+
+        `data` is walked once per epoch, so with more than one it has to be re-iterable (a
+        generator is refused). A progress bar shows when a person is watching (a notebook or
+        a terminal), and not otherwise.
+        """
+        if type(epochs) is not int or epochs < 0:
+            raise ValueError(
+                f"epochs is how many times to walk the data, an int >= 0, not {epochs!r}"
+            )
+        if epochs > 1 and iter(data) is data:
+            raise TypeError(
+                f"fit walks the data once per epoch, and a {type(data).__name__} is exhausted "
+                "by the first: pass a list, a DataLoader, or anything iterable again"
+            )
+        history: list[float] = []
+        bar = None
+        if _person_watching():
+            from tqdm.auto import tqdm
+
+            total = epochs * len(data) if hasattr(data, "__len__") else None
+            bar = tqdm(total=total, desc="training", unit="step")
+        try:
+            for _ in range(epochs):
+                for batch in data:
+                    history.append(self.step(batch))
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{history[-1]:.4g}", refresh=False)
+                self.update()
+        finally:
+            if bar is not None:
+                bar.close()
+        return Result(history)
+
+    # -- weights --------------------------------------------------------------------------
+    def export(self) -> Weights:
+        """What this run learnt: `{node id: {state_dict key: tensor}}`, buffers included.
+
+        A detached copy, so the next step does not move it under whoever holds it; the
+        optimizer's state is not in it. Refused for a node trained and running elsewhere: the
+        copy here never learnt anything.
+        """
+        away = [n for n in self.trains if self.graph.setting(n).host]
+        if away:
+            raise ValueError(
+                f"node(s) {away} are trained where they run, on another host: the copy here "
+                "never learnt anything. Export from that worker instead"
+            )
+        out: Weights = {}
+        for nid in self.graph.nodes():
+            state = state_of(self.graph.implementation(nid))
+            if state:
+                out[nid] = {k: t.detach().clone() for k, t in state.items()}
+        return out
+
+    def load(self, weights: Weights) -> None:
+        """The mirror of `export`: every node named has to be here with exactly the keys and
+        shapes given, and nothing is copied in until all of that is true."""
+        if not isinstance(weights, dict):
+            raise TypeError(f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}")
+        plan = []
+        for nid, given in weights.items():
+            if nid not in self.graph:
+                raise ValueError(
+                    f"the weights name node {nid!r}, which this graph does not have; "
+                    f"it has {self.graph.nodes()}"
+                )
+            state = state_of(self.graph.implementation(nid))
+            if not isinstance(given, dict) or set(given) != set(state):
+                got = set(given) if isinstance(given, dict) else type(given).__name__
+                raise ValueError(
+                    f"node {nid!r}: the weights hold keys {sorted(got) if isinstance(got, set) else got}"
+                    f", and the node has {sorted(state)}; nothing was loaded"
+                )
+            for key, tensor in given.items():
+                mine = state[key]
+                if not isinstance(tensor, torch.Tensor) or tensor.shape != mine.shape:
+                    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
+                    raise ValueError(
+                        f"node {nid!r}, {key!r}: the weights hold {shape!r:.60}, the node "
+                        f"{tuple(mine.shape)}; nothing was loaded"
+                    )
+                plan.append((mine, tensor))
+        with torch.no_grad():
+            for mine, tensor in plan:
+                mine.copy_(tensor)
+
+    def close(self) -> None:
+        """Takes the audit's hooks off (done too when the Trainer is garbage)."""
+        if self._release is not None:
+            self._release()
+
+    def __repr__(self) -> str:
+        return (
+            f"Trainer({self.graph!r}, every={self.every}, micro={self.micro}, "
+            f"trains={sorted(self.trains)}, steps={self._steps})"
+        )
