@@ -46,18 +46,23 @@ def _layer(path, kind, label, shape=None, params=0, block=None, times=1, repeats
     }
 
 
+def _r(name):
+    return [f"blocks.1.{name}", f"blocks.2.{name}"]
+
+
 def inside_enc() -> dict:
-    """enc: Conv2d, ReLU, a residual block folded x3, a pool and a flatten."""
+    """enc: Conv2d, ReLU, a residual block folded x3, a pool and a flatten (as architecture()
+    answers for it: the folded block's layers carry its times and their hidden repeats)."""
     s = [4, 8, 8, 8]
     layers = [
         _layer("conv", "conv", "Conv2d 3→8 3", s, 224),
         _layer("act", "activation", "ReLU", s),
         _layer("blocks", "block", "Sequential", s, 3 * 640),
         _layer("blocks.0", "block", "Res", s, 640, "blocks", 3, ["blocks.1", "blocks.2"]),
-        _layer("blocks.0.conv", "conv", "Conv2d 8→8 3", s, 584, "blocks.0"),
-        _layer("blocks.0.bn", "norm", "BatchNorm2d 8", s, 16, "blocks.0"),
-        _layer("blocks.0.add", "other", "add", s, 0, "blocks.0"),
-        _layer("blocks.0.relu", "activation", "relu", s, 0, "blocks.0"),
+        _layer("blocks.0.conv", "conv", "Conv2d 8→8 3", s, 584, "blocks.0", 3, _r("conv")),
+        _layer("blocks.0.bn", "norm", "BatchNorm2d 8", s, 16, "blocks.0", 3, _r("bn")),
+        _layer("blocks.0.add", "other", "add", s, 0, "blocks.0", 3, _r("add")),
+        _layer("blocks.0.relu", "activation", "relu", s, 0, "blocks.0", 3, _r("relu")),
         _layer("pool", "shaping", "AdaptiveAvgPool2d", [4, 8, 1, 1]),
         _layer("flat", "shaping", "Flatten", [4, 8]),
     ]

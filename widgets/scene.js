@@ -74,13 +74,16 @@ export function branchGroups(nodes, edges) {
   return groups;
 }
 
-function layerText(layer) {
+// A layer's label, with ×N when it is folded on its own (not as part of a folded block).
+function layerText(layer, blocks) {
   const text = layer.label ?? layer.kind ?? layer.path;
-  return (layer.times ?? 1) > 1 ? `${text}  ×${layer.times}` : text;
+  const times = layer.times ?? 1;
+  const outer = blocks && layer.block && blocks.has(layer.block) ? blocks.get(layer.block).times : 1;
+  return times > 1 && times > outer ? `${text}  ×${times}` : text;
 }
 
-function layerBox(layer) {
-  const text = layerText(layer);
+function layerBox(layer, blocks) {
+  const text = layerText(layer, blocks);
   const sub = shapeText(layer.shape, layer.kind);
   const w = Math.max(textWidth(text, 12, "600"), sub ? textWidth(sub, 11) : 0) + 36;
   return { width: Math.max(64, Math.ceil(w)), height: sub ? LAYER_H : LAYER_H_BARE, sub };
@@ -203,14 +206,14 @@ function insideScene(nodeId, inside, expanded, meta, container, edgesOut) {
 
   function emitLayer(l, parentElk, from, to) {
     const path = swapPrefix(l.path, from, to);
-    const box = layerBox(l);
+    const box = layerBox(l, blocks);
     const id = lid(path);
     parentElk.children.push({ id, width: box.width, height: box.height });
     meta.set(id, {
       type: "layer",
       node: nodeId,
       path,
-      label: layerText(l),
+      label: layerText(l, blocks),
       kind: l.kind,
       shape: l.shape,
       params: l.params,
@@ -283,7 +286,7 @@ export function totalParams(inside) {
       times *= blocks.get(b).times;
       b = blocks.get(b).parent;
     }
-    total += (l.params || 0) * times;
+    total += (l.params || 0) * Math.max(times, l.times ?? 1);
   }
   return total;
 }

@@ -1,0 +1,238 @@
+"""The Python halves of the figures: what they hold, what they refuse, what they save.
+
+The browser halves are tested in a real Chromium under tests/browser/."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import xml.etree.ElementTree as ET
+
+import figure_data as fd
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from somatize import Graph, Node
+from somatize.figures import CompareTable, GraphFigure, LiveAudit, compare, graph_figure
+from somatize.figures._page import STATIC
+
+
+class Lin(Node, nn.Module):
+    """A linear layer as a node."""
+
+    def __init__(self, i: int = 4, o: int = 4) -> None:
+        nn.Module.__init__(self)
+        self.fc = nn.Linear(i, o)
+
+    def forward(self, input, ctx=None):
+        return self.fc(input)
+
+
+class Sum(Node):
+    """Adds what its predecessors produced."""
+
+    def forward(self, input, ctx):
+        return sum(input.values())
+
+
+def small_graph() -> Graph:
+    return Graph.somatize(
+        Lin().named("enc") >> (Lin().named("left") | Lin().named("right")) >> Sum().named("join")
+    )
+
+
+class FakeInside:
+    """Anything with to_json() is taken as an Inside."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def to_json(self):
+        return self.data
+
+
+# -- graph figure -------------------------------------------------------------------------
+def test_a_graph_draws_from_its_plan():
+    g = small_graph()
+    fig = g.figure()
+    assert isinstance(fig, GraphFigure)
+    assert [n["id"] for n in fig.plan["nodes"]] == ["enc", "left", "right", "join"]
+    assert fig.plan["edges"] == [list(e) for e in g.edges()]
+    assert fig.inside == {} and fig.opened == []
+    data, _ = g._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert data["text/plain"] == repr(g)
+
+
+def test_insides_open_by_default_and_are_taken_as_objects_or_dicts():
+    g = small_graph()
+    fig = g.figure(inside={"enc": FakeInside(fd.inside_linear(True)), "left": fd.inside_linear(0)})
+    assert fig.opened == ["enc", "left"]
+    assert [layer["path"] for layer in fig.inside["enc"]["layers"]] == ["0", "1"]
+    only = graph_figure(g, inside={"enc": fd.inside_linear(True)}, opened=[])
+    assert only.opened == []
+
+
+def test_the_real_architecture_is_drawn():
+    g = small_graph()
+    from somatize.torch import architecture
+
+    fig = g.figure(inside=architecture(g, torch.randn(2, 4)))
+    assert set(fig.inside) >= {"enc", "left", "right"}
+    layer = fig.inside["enc"]["layers"][0]
+    assert layer["kind"] == "learned" and layer["shape"] == [2, 4] and layer["params"] == 20
+
+
+def test_insides_and_colours_for_nodes_it_does_not_have_are_refused():
+    g = small_graph()
+    with pytest.raises(ValueError, match=r"'nope'.*not in this graph.*enc, left, right, join"):
+        g.figure(inside={"nope": fd.inside_linear(True)})
+    with pytest.raises(TypeError, match=r"inside\['enc'\].*'layers'"):
+        g.figure(inside={"enc": {"edges": []}})
+    with pytest.raises(ValueError, match=r"'elsewhere.fc'.*neither a node"):
+        g.figure(colour={"elsewhere.fc": 1.0})
+    with pytest.raises(TypeError, match=r"colour\['enc'\] is 'high'"):
+        g.figure(colour={"enc": "high"})
+    with pytest.raises(ValueError, match=r"opened= names 'join'"):
+        graph_figure(g, inside={"enc": fd.inside_linear(True)}, opened=["join"])
+
+
+def test_colours_keyed_by_node_or_path_and_a_refused_recolour_changes_nothing():
+    g = small_graph()
+    fig = g.figure(colour={"enc": 1, "left.fc": torch.tensor(2.5), "right": float("nan")})
+    assert fig.colour == {"enc": 1.0, "left.fc": 2.5, "right": "nan"}
+    with pytest.raises(ValueError):
+        fig.recolour({"enc": 3.0, "ghost": 1.0})
+    assert fig.colour == {"enc": 1.0, "left.fc": 2.5, "right": "nan"}
+    fig.recolour({"join": 7.0}, label="grad norm")
+    assert fig.colour == {"join": 7.0} and fig.colour_label == "grad norm"
+
+
+def test_saved_html_is_standalone_and_offline(tmp_path):
+    fig = graph_figure(fd.plan(), inside=fd.insides(), colour={"enc.conv": 1.0})
+    text = fig.save_html(tmp_path / "g.html").read_text()
+    assert '"blocks.0.conv"' in text and '"enc.conv": 1.0' in text
+    # nothing loaded from anywhere: no src= or href= to a URL, the bundle inlined
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", text)
+    assert len(text) > (STATIC / "graph.js").stat().st_size
+
+
+def test_svg_without_a_browser_is_a_real_drawing(tmp_path):
+    fig = graph_figure(fd.plan(), inside=fd.insides(), colour={"head": 1.0, "join": 2.0})
+    path = fig.save_svg(tmp_path / "g.svg")
+    root = ET.parse(path).getroot()
+    assert root.tag.endswith("svg")
+    texts = [t.text for t in root.iter() if t.tag.endswith("text")]
+    for n in ("enc", "left", "right", "join", "head"):
+        assert n in texts
+    assert any(t and t.startswith("Res  ×3") for t in texts)
+    assert len([p for p in root.iter() if p.tag.endswith("path")]) >= 5  # the edges
+    # what the browser hands back wins
+    fig._svg = '<svg xmlns="http://www.w3.org/2000/svg"><text>drawn by ELK</text></svg>'
+    assert "drawn by ELK" in fig.save_svg(tmp_path / "b.svg").read_text()
+
+
+# -- live audit ---------------------------------------------------------------------------
+class Relay(LiveAudit):
+    """A LiveAudit whose messages are kept (no kernel in these tests)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.outbox = []
+
+    def send(self, content, buffers=None):
+        self.outbox.append(content)
+
+
+def health(where, step, **numbers):
+    return {"fact": "health", "where": where, "step": step, "numbers": numbers}
+
+
+def test_audit_batches_what_it_sends_and_sends_the_rest_later():
+    audit = Relay(interval=0.2)
+    for step in range(500):
+        audit({"fact": "loss", "value": 1.0 / (step + 1), "step": step})
+        audit(health("enc", step, grad_norm=0.1))
+        audit({"fact": "ran", "node": "enc", "began_us": 0.0, "took_us": 1.0})
+    assert 1 <= len(audit.outbox) <= 3
+    time.sleep(0.5)  # the rest goes out once the interval has passed, without another fact
+    sent = [c for m in audit.outbox for c in m["cells"]]
+    loss = [x for m in audit.outbox for x in m["loss"]]
+    assert len(sent) == 500 and len(loss) == 500
+    assert [m["seq"] for m in audit.outbox] == list(range(1, len(audit.outbox) + 1))
+    assert audit.metrics == ["grad_norm"] and audit.metric == "grad_norm"
+
+
+def test_audit_flags_with_the_health_verdict_and_keeps_nan_as_text():
+    audit = Relay(interval=0.01)
+    audit(health("enc", 0, grad_norm=float("nan"), zero=0.1))
+    audit(health("head", 0, grad_norm=1e-9))
+    audit(health("left", 0, grad_norm=0.1))
+    audit.sync()
+    cells = {c[0]: c for m in audit.outbox for c in m["cells"]}
+    assert cells["enc"][2]["grad_norm"] == "nan" and cells["enc"][3] == ["NAN"]
+    assert cells["head"][3] == ["VANISHING"]
+    assert cells["left"][3] == []
+    frame = audit.frame()
+    assert list(frame["where"]) == ["enc", "head", "left"]
+    assert math.isnan(frame.loc[0, "grad_norm"]) and frame.loc[0, "flags"] == ["NAN"]
+
+
+def test_audit_answers_a_late_page_with_everything():
+    audit = Relay(interval=0.01)
+    for step in range(5):
+        audit(health("enc", step, grad_norm=0.5))
+        audit({"fact": "loss", "value": 2.0, "step": step})
+    audit.sync()
+    before = len(audit.outbox)
+    audit._on_message(audit, {"kind": "hello"}, [])
+    reset = audit.outbox[before]
+    assert reset["kind"] == "reset" and reset["seq"] == audit._seq
+    assert len(reset["cells"]) == 5 and len(reset["loss"]) == 5
+
+
+def test_audit_refuses_a_bad_interval():
+    with pytest.raises(ValueError, match="interval"):
+        LiveAudit(interval=0)
+
+
+# -- comparison ---------------------------------------------------------------------------
+def test_compare_counts_parameters_and_keeps_measured():
+    a = Graph.somatize(Lin(4, 8).named("a") >> Lin(8, 2).named("b"))
+    b = Graph.somatize(Lin(4, 2).named("a"))
+    df = compare({"two": a, "one": b}, torch.randn(3, 4), measured={"two": 0.9, "one": 0.5})
+    assert list(df.index) == ["two", "one"] and df.index.name == "candidate"
+    assert df.loc["two", "params"] == 4 * 8 + 8 + 8 * 2 + 2
+    assert df.loc["one", "params"] == 4 * 2 + 2
+    assert df.loc["one", "measured"] == 0.5
+    with pytest.raises(ValueError, match="'three'"):
+        compare({"two": a}, torch.randn(3, 4), measured={"three": 1.0})
+    with pytest.raises(ValueError, match="at least one"):
+        compare({}, torch.randn(3, 4))
+
+
+def test_table_ranks_and_correlates_with_measured():
+    df = pd.DataFrame(
+        {"params": [10, 20, 30, 40], "proxy:a": [1.0, 2.0, 3.0, 4.0], "proxy:b": [4, 3, 2, 1]},
+        index=["w", "x", "y", "z"],
+    )
+    table = CompareTable(df, measured={"w": 0.1, "x": 0.2, "y": 0.3, "z": 0.4})
+    assert table.measured == "measured" and table.sort_by == "measured"
+    assert table.correlations["proxy:a"] == pytest.approx(1.0)
+    assert table.correlations["proxy:b"] == pytest.approx(-1.0)
+    assert table.higher_better["proxy:a"] is True and table.higher_better["params"] is None
+    assert table.data["values"][0] == [10, 1.0, 4, 0.1]
+    with pytest.raises(ValueError, match="'acc' is not a column"):
+        CompareTable(df, measured="acc")
+    with pytest.raises(TypeError, match="DataFrame"):
+        CompareTable({"a": 1})
+
+
+def test_bundles_are_built_and_shipped():
+    for name in ("graph", "audit", "table"):
+        assert (STATIC / f"{name}.js").stat().st_size > 1000
+        assert (STATIC / f"{name}.css").exists()
+    assert "elk" in (STATIC / "graph.js").read_text()[:2_000_000].lower()
