@@ -496,8 +496,8 @@ class Trainer:
                 if not isinstance(tensor, torch.Tensor) or tensor.shape != mine.shape:
                     shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
                     raise ValueError(
-                        f"node {nid!r}, {key!r}: the weights hold {shape!r:.60}, the node "
-                        f"{tuple(mine.shape)}; nothing was loaded"
+                        f"node {nid!r}, {key!r}: the weights give shape {shape!r:.60}, the "
+                        f"node has {tuple(mine.shape)}; nothing was loaded"
                     )
                 plan.append((mine, tensor))
         with torch.no_grad():

@@ -1,0 +1,460 @@
+"""The Trainer: equivalences in float64, refusals, NoGradient, facts, export/load, caching."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from somatize import Graph, Node, Store
+from somatize.torch import NoGradient, Result, Split, Trainer, parameters
+
+mse = nn.functional.mse_loss
+SGD = torch.optim.SGD
+
+
+class Layer(Node, nn.Module):
+    """A node that is a module."""
+
+    def __init__(self, i: int, o: int, act: bool = True) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(i, o, dtype=torch.float64)
+        self.act = act
+
+    def forward(self, x, ctx):
+        y = self.lin(x)
+        return torch.tanh(y) if self.act else y
+
+
+class Holder(Node):
+    """A node that holds modules as attributes."""
+
+    def __init__(self, i: int, o: int, act: bool = True) -> None:
+        self.net = nn.Sequential(nn.Linear(i, o, dtype=torch.float64))
+        self.norm = nn.BatchNorm1d(o, dtype=torch.float64, affine=False)
+        self.act = act
+
+    def forward(self, x, ctx):
+        y = self.net(x)
+        return torch.tanh(y) if self.act else y
+
+
+def mlp(kind=Layer, seed=0):
+    torch.manual_seed(seed)
+    return Graph.somatize(
+        kind(4, 8).named("a") >> kind(8, 8).named("enc") >> kind(8, 2, False).named("head")
+    )
+
+
+def batches(n=10, size=6, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(size, 4, dtype=torch.float64, generator=gen),
+            torch.randn(size, 2, dtype=torch.float64, generator=gen),
+        )
+        for _ in range(n)
+    ]
+
+
+def weights(g):
+    return Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0)).export()
+
+
+def same(w1, w2, tol=1e-12):
+    assert w1.keys() == w2.keys()
+    for n in w1:
+        assert w1[n].keys() == w2[n].keys()
+        for k in w1[n]:
+            assert torch.allclose(w1[n][k], w2[n][k], atol=tol, rtol=0), (n, k)
+
+
+def plain(g, **kw):
+    return Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), **kw)
+
+
+def split(g, **kw):
+    trains = {"enc": Split(SGD, lr=0.1)}
+    opt = SGD(parameters(g, without=trains), lr=0.1)
+    return Trainer(g, objective=mse, optimizer=opt, trains=trains, **kw)
+
+
+# -- equivalences -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [Layer, Holder])
+@pytest.mark.parametrize("every", [1, 2])
+def test_split_on_enc_equals_plain_sgd_on_everything(kind, every):
+    g1, g2 = mlp(kind), mlp(kind)
+    t1, t2 = plain(g1, every=every), split(g2, every=every)
+    for b in batches(10):
+        assert t1.step(b) == pytest.approx(t2.step(b), abs=1e-12)
+    same(t1.export(), t2.export())
+    trained, fresh = t1.export()["enc"], weights(mlp(kind))["enc"]
+    assert not all(trained[k].equal(fresh[k]) for k in trained)  # it did train
+
+
+def test_every_k_equals_one_step_on_a_k_times_batch():
+    data = batches(6)
+    g1, g2 = mlp(), mlp()
+    t1, t2 = plain(g1, every=3), plain(g2)
+    for k in range(0, 6, 3):
+        for b in data[k : k + 3]:
+            t1.step(b)
+        x = torch.cat([b[0] for b in data[k : k + 3]])
+        y = torch.cat([b[1] for b in data[k : k + 3]])
+        t2.step((x, y))
+    same(t1.export(), t2.export())
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_micro_k_equals_micro_1(trained):
+    make = split if trained else plain
+    t1, t2 = make(mlp()), make(mlp(), micro=3)
+    for b in batches(5):
+        assert t1.step(b) == pytest.approx(t2.step(b), abs=1e-12)
+    same(t1.export(), t2.export())
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_every_and_micro_multiply(trained):
+    make = split if trained else plain
+    t1, t2 = make(mlp(), every=2, micro=2), make(mlp())
+    data = batches(4)
+    for k in range(0, 4, 2):
+        t1.step(data[k])
+        t1.step(data[k + 1])
+        t2.step((torch.cat([data[k][0], data[k + 1][0]]), torch.cat([data[k][1], data[k + 1][1]])))
+    same(t1.export(), t2.export())
+
+
+@pytest.mark.parametrize("trained", [False, True])
+def test_update_mid_group_is_a_step_on_the_partial_sum(trained):
+    g = mlp()
+    t = (split if trained else plain)(g, every=4)
+    data = batches(2)
+    before = t.export()
+    t.step(data[0])
+    t.step(data[1])
+    assert t.export()["enc"]["lin.weight"].equal(before["enc"]["lin.weight"])  # not yet
+    assert t.update() is True
+    assert t.update() is False  # nothing open any more
+
+    # By hand: the sum of the two gradients, each of loss / every, one SGD step.
+    h = mlp()
+    params = parameters(h)
+    for x, y in data:
+        (mse(h.forward(x), y) / 4).backward()
+    with torch.no_grad():
+        for p in params:
+            p -= 0.1 * p.grad
+    same(t.export(), weights(h))
+
+
+def test_training_leaves_the_graph_as_it_was():
+    g = mlp()
+    g2 = Graph.somatize(Layer(4, 8).named("a").on("cpu") >> Layer(8, 2).named("b"))
+    for graph, make in ((g, split), (g2, plain)):
+        seen = (graph.nodes(), graph.edges(), graph.plan_json(), graph.devices(), graph.hosts())
+        impls = [graph.implementation(n) for n in graph.nodes()]
+        make(graph).fit(
+            batches(3, size=6)
+            if graph is g
+            else [(torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64))]
+        )
+        assert (
+            graph.nodes(),
+            graph.edges(),
+            graph.plan_json(),
+            graph.devices(),
+            graph.hosts(),
+        ) == seen
+        assert [graph.implementation(n) for n in graph.nodes()] == impls
+
+
+def test_a_fan_in_graph_trains_the_same_with_a_split_branch():
+    class Cat(Node):
+        def forward(self, x, ctx):
+            return torch.cat([x["l"], x["r"]], dim=1)
+
+    def build():
+        torch.manual_seed(3)
+        return Graph.somatize(
+            Layer(4, 4).named("src")
+            >> (Layer(4, 3).named("l") | Layer(4, 3).named("r"))
+            >> Cat().named("cat")
+            >> Layer(6, 2, False).named("head")
+        )
+
+    g1, g2 = build(), build()
+    t1 = plain(g1)
+    trains = {"l": Split(SGD, lr=0.1), "cat": Split(SGD, lr=0.1)}
+    with pytest.raises(ValueError, match="no parameter"):
+        Split(SGD, lr=0.1).of(Cat()).optimizer  # noqa: B018
+    trains = {"l": Split(SGD, lr=0.1)}
+    t2 = Trainer(
+        g2, objective=mse, optimizer=SGD(parameters(g2, without=trains), lr=0.1), trains=trains
+    )
+    for b in batches(5):
+        assert t1.step(b) == pytest.approx(t2.step(b), abs=1e-12)
+    same(t1.export(), t2.export())
+
+
+# -- what a step says ---------------------------------------------------------------------
+
+
+def test_step_returns_the_whole_loss_and_fit_a_result():
+    g = mlp()
+    t = plain(g, every=2, micro=2)
+    x, y = batches(1)[0]
+    expected = mse(g.forward(x), y).item()
+    assert t.step((x, y)) == pytest.approx(expected, abs=1e-12)
+    result = plain(mlp()).fit(batches(4), epochs=2)
+    assert isinstance(result, Result) and len(result.history) == 8
+    assert result.loss == result.history[-1]
+    assert Result([]).loss is None
+
+
+def test_watchers_hear_loss_updated_and_are_flushed_every_step():
+    heard = []
+
+    class Watcher:
+        flushed = 0
+
+        def __call__(self, fact):
+            heard.append(fact)
+
+        def flush(self):
+            Watcher.flushed += 1
+
+    t = plain(mlp(), every=2, watching=Watcher())
+    data = batches(3)
+    for b in data:
+        t.step(b)
+    assert t.update() is True
+    kinds = [f["fact"] for f in heard if f["fact"] in ("loss", "updated")]
+    assert kinds == ["loss", "loss", "updated", "loss", "updated"]
+    losses = [f for f in heard if f["fact"] == "loss"]
+    assert [f["step"] for f in losses] == [0, 1, 2]
+    assert all(type(f["value"]) is float for f in losses)
+    assert [f["step"] for f in heard if f["fact"] == "updated"] == [1, 2]
+    assert sum(f["fact"] == "finished" for f in heard) == 3
+    assert {f["node"] for f in heard if f["fact"] == "ran"} == {"a", "enc", "head"}
+    assert Watcher.flushed == 4
+
+
+def test_a_staged_forward_is_heard_as_one_forward_of_the_real_nodes():
+    heard = []
+    t = split(mlp(), watching=heard.append)
+    t.step(batches(1)[0])
+    ran = [f["node"] for f in heard if f["fact"] == "ran"]
+    assert ran == ["a", "enc", "head"]
+    assert [f["fact"] for f in heard].count("finished") == 1
+
+
+# -- refusals -----------------------------------------------------------------------------
+
+
+def refused(error, match, **kw):
+    g = kw.pop("graph", None) or mlp()
+    kw.setdefault("optimizer", SGD(parameters(g), lr=0.1))
+    with pytest.raises(error, match=match):
+        Trainer(g, objective=mse, **kw)
+
+
+def test_the_constructor_refuses_with_errors_that_say_what_to_do():
+    g = mlp()
+    refused(ValueError, "no node of this graph", trains={"nope": Split(SGD)})
+    refused(TypeError, "not a Learning", trains={"enc": SGD})
+    refused(
+        ValueError,
+        r"parameters\(g, without=trains\)",
+        graph=g,
+        trains={"enc": Split(SGD)},
+        optimizer=SGD(parameters(g), lr=0.1),
+    )
+    refused(
+        ValueError,
+        "nobody would move",
+        graph=g,
+        optimizer=SGD(g.implementation("a").parameters(), lr=0.1),
+    )
+    refused(ValueError, "none of them", optimizer=SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+    refused(TypeError, "torch optimizer", optimizer="adam")
+    for bad in (0, -1, 1.5, True):
+        refused(ValueError, "every", every=bad)
+        refused(ValueError, "micro", micro=bad)
+    refused(TypeError, "watching", watching=42)
+    refused(TypeError, "callable", watching=[print, "no"])
+    same_learning = Split(SGD)
+    refused(
+        ValueError,
+        "its own",
+        trains={"a": same_learning, "enc": same_learning},
+        graph=g,
+        optimizer=SGD(g.implementation("head").parameters(), lr=0.1),
+    )
+
+
+def test_frozen_and_trained_is_refused_and_a_refusal_changes_nothing():
+    torch.manual_seed(0)
+    g = Graph.somatize(Layer(4, 8).named("a").frozen() >> Layer(8, 2, False).named("b"))
+    learning = Split(SGD, lr=0.1)
+    with pytest.raises(ValueError, match="both"):
+        Trainer(
+            g,
+            objective=mse,
+            optimizer=SGD(
+                parameters(g, without=["a", "b"]) or [torch.zeros(1, requires_grad=True)], lr=0.1
+            ),
+            trains={"a": learning},
+        )
+    assert learning.node is None
+    assert all(p.requires_grad for p in g.implementation("a").parameters())  # not yet settled
+    with pytest.raises(ValueError, match="frozen"):
+        Trainer(
+            g,
+            objective=mse,
+            optimizer=SGD(
+                list(g.implementation("a").parameters()) + list(g.implementation("b").parameters()),
+                lr=0.1,
+            ),
+        )
+    t = Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1))
+    assert not any(p.requires_grad for p in g.implementation("a").parameters())
+    before = g.implementation("a").lin.weight.clone()
+    t.fit([(torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64))])
+    assert g.implementation("a").lin.weight.equal(before)
+
+
+def test_at_host_without_a_broker_is_refused():
+    torch.manual_seed(0)
+    g = Graph.somatize(Layer(4, 2).named("a").at("far"))
+    with pytest.raises(ValueError, match="broker"):
+        Trainer(g, objective=mse, trains={"a": Split(SGD, lr=0.1)})
+
+
+def test_bad_batches_and_uneven_micro_pieces_are_refused():
+    t = plain(mlp(), micro=4)
+    with pytest.raises(TypeError, match=r"\(input, target\)"):
+        t.step(torch.zeros(8, 4))
+    with pytest.raises(ValueError, match="equal pieces"):
+        t.step((torch.zeros(6, 4, dtype=torch.float64), torch.zeros(6, 2, dtype=torch.float64)))
+    g = mlp()
+    t = Trainer(g, objective=lambda o, y: (o - y) ** 2, optimizer=SGD(parameters(g), lr=0.1))
+    with pytest.raises(TypeError, match="one number"):
+        t.step(batches(1)[0])
+    with pytest.raises(TypeError, match="exhausted"):
+        plain(mlp()).fit((b for b in batches(2)), epochs=2)
+
+
+# -- NoGradient ---------------------------------------------------------------------------
+
+
+def test_no_gradient_before_the_optimizer_moves_and_again_when_caught():
+    class Unused(Node, nn.Module):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.used = nn.Linear(4, 2, dtype=torch.float64)
+            self.spare = nn.Linear(4, 2, dtype=torch.float64)
+
+        def forward(self, x, ctx):
+            return self.used(x)
+
+    g = Graph.somatize(Unused().named("u"))
+    t = Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1))
+    before = t.export()
+    b = (torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64))
+    for _ in range(2):
+        with pytest.raises(NoGradient, match="'u'"):
+            t.step(b)
+        same(t.export(), before, tol=0)
+    assert t.update() is False  # the refused group was dropped, not left half open
+    with pytest.raises(NoGradient):
+        t.step(b)
+
+
+def test_no_gradient_stops_being_checked_once_a_step_proved_it():
+    g = mlp()
+    t = plain(g)
+    t.step(batches(1)[0])
+    assert t._unproven is False
+
+
+# -- export / load ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", [Layer, Holder])
+def test_export_is_a_detached_copy_with_buffers(kind):
+    g = mlp(kind)
+    t = plain(g)
+    out = t.export()
+    assert set(out) == {"a", "enc", "head"}
+    if kind is Holder:
+        assert {
+            "net.0.weight",
+            "net.0.bias",
+            "norm.running_mean",
+            "norm.num_batches_tracked",
+        } <= set(out["a"])
+    else:
+        assert set(out["a"]) == {"lin.weight", "lin.bias"}
+    w = out["enc"][next(iter(out["enc"]))]
+    assert not w.requires_grad
+    t.fit(batches(2))
+    assert not torch.equal(t.export()["enc"][next(iter(out["enc"]))], w)  # moved on, copy did not
+
+
+def test_load_checks_everything_before_copying_anything():
+    g = mlp()
+    t = plain(g)
+    good = plain(mlp(seed=5)).export()
+    before = t.export()
+    bad_shape = {**good, "head": {**good["head"], "lin.bias": torch.zeros(3, dtype=torch.float64)}}
+    bad_key = {**good, "head": {"lin.weight": good["head"]["lin.weight"]}}
+    bad_node = {**good, "nope": {}}
+    for bad, match in ((bad_shape, "shape|holds"), (bad_key, "keys"), (bad_node, "nope")):
+        with pytest.raises(ValueError, match=match):
+            t.load(bad)
+        same(t.export(), before, tol=0)
+    t.load(good)
+    same(t.export(), good, tol=0)
+
+
+# -- caching ------------------------------------------------------------------------------
+
+
+def test_a_frozen_cached_encoder_runs_once_per_distinct_batch(tmp_path):
+    class Counting(Layer):
+        calls = 0
+
+        def forward(self, x, ctx):
+            Counting.calls += 1
+            return super().forward(x, ctx)
+
+    torch.manual_seed(0)
+    g = Graph.somatize(
+        Counting(4, 8).named("enc").frozen().cached() >> Layer(8, 2, False).named("head")
+    )
+    t = Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), store=tmp_path / "s")
+    data = batches(3)
+    t.fit(data, epochs=4)
+    assert Counting.calls == 3
+    assert isinstance(t.store, Store)
+
+
+# -- progress -----------------------------------------------------------------------------
+
+
+def test_a_progress_bar_only_when_a_person_watches(tmp_path, capfd):
+    from somatize.torch.trainer import _person_watching
+
+    master, slave = os.openpty()
+    with os.fdopen(slave, "w") as tty, open(tmp_path / "f", "w") as file:
+        assert _person_watching(tty) is True
+        assert _person_watching(file) is False
+    os.close(master)
+    plain(mlp()).fit(batches(2))
+    assert capfd.readouterr().err == ""
