@@ -74,8 +74,12 @@ class Broker:
         conn = self._connections.get(host)
         if conn is None:
             conn = self.worker(host).connect(host)
+            try:
+                conn.hello = conn.request({"op": "hello"}, deadline=conn.worker.connect_within + 5)
+            except BaseException:
+                conn.close()
+                raise
             self._connections[host] = conn
-            conn.hello = conn.request({"op": "hello"}, deadline=conn.worker.connect_within + 5)
         return conn
 
     def request(self, host: str, message: dict[str, Any], **kw: Any) -> Any:

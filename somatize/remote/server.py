@@ -133,6 +133,8 @@ class Server:
             "pid": os.getpid(),
             "accept_code": self.accept_code,
             "python": sys.version.split()[0],
+            "served": self.served,
+            "dropped": self.dropped,
         }
 
     def node(self, nodes: dict[str, Any], key: str) -> Any:

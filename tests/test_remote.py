@@ -1,0 +1,294 @@
+"""Workers in real processes on 127.0.0.1: forward across them, tokens, failures, no orphans."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from somatize import Broker, Graph, Node, Worker
+from somatize.remote import WorkerLost, wire
+
+
+class Lin(Node, nn.Module):
+    """A linear layer that is a node."""
+
+    def __init__(self, i: int = 4, o: int = 4) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(i, o)
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return self.lin(x)
+
+
+class Plus(Node):
+    """Adds a constant; says where it ran."""
+
+    def __init__(self, k: float = 1.0) -> None:
+        self.k = k
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return x + self.k
+
+
+class Sum(Node):
+    """Sums what its predecessors produced."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return sum(x.values())
+
+
+class Pid(Node):
+    """The process it runs in, beside what it was given."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return (os.getpid(), x)
+
+
+class Fails(Node):
+    """Raises a KeyError naming what it was given."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        raise KeyError(f"no such thing as {x!r}")
+
+
+class Sleeps(Node):
+    """Sleeps for as long as it is told."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        time.sleep(x)
+        return x
+
+
+@pytest.fixture(scope="module")
+def two():
+    a, b = Worker.spawn(), Worker.spawn()
+    broker = Broker.embedded({"a": a, "b": b})
+    yield broker
+    broker.close()
+
+
+def local(g: Graph, x: Any) -> Any:
+    """What the graph computes with every node run here, in plan order."""
+    vals: dict[str, Any] = {}
+    for n in g.topological_sort():
+        preds = g.predecessors(n)
+        arg = x if not preds else vals[preds[0]] if len(preds) == 1 else {p: vals[p] for p in preds}
+        vals[n] = g.implementation(n).forward(arg, None)
+    leaves = g.leaves()
+    return vals[leaves[0]] if len(leaves) == 1 else {n: vals[n] for n in leaves}
+
+
+def hello(broker: Broker, host: str) -> dict:
+    return broker.request(host, {"op": "hello"})
+
+
+def test_forward_across_two_workers_equals_running_here(two):
+    g = Graph.somatize(
+        Lin(4, 8).named("enc")
+        >> (Lin(8, 8).named("a1") >> Plus(1.0).named("a2")).at("a")
+        >> (Lin(8, 8).named("left").at("b") | Plus(2.0).named("right"))
+        >> (Sum().named("join") >> Lin(8, 3).named("head")).at("b")
+    )
+    x = torch.randn(5, 4)
+    facts: list[dict] = []
+    with torch.no_grad():
+        y = g.forward(x, broker=two, watching=facts.append)
+        want = local(g, x)
+    assert torch.allclose(y, want, atol=1e-6)
+    ran = [f["node"] for f in facts if f["fact"] == "ran"]
+    assert ran == g.topological_sort()
+    assert facts[-1]["fact"] == "finished" and len(facts) == len(g) + 1
+    assert all(f["took_us"] >= 0 for f in facts)
+
+
+def test_nodes_run_in_the_worker_process_and_a_slice_is_one_round_trip(two):
+    g = Graph.somatize(Plus(1.0) >> (Plus(1.0) >> Plus(1.0) >> Plus(1.0) >> Pid()).at("a"))
+    pid, value = g.forward(1.0, broker=two)
+    assert value == 5.0 and pid == two.workers["a"].pid != os.getpid()
+    before = hello(two, "a")["served"]
+    g.forward(1.0, broker=two)
+    assert hello(two, "a")["served"] - before == 2  # the forward, and this hello
+
+
+def test_a_worker_error_keeps_its_type_and_names_node_and_host(two):
+    g = Graph.somatize(Plus(1) >> Fails().named("boom").at("b"))
+    with pytest.raises(KeyError) as caught:
+        g.forward(1, broker=two)
+    notes = "\n".join(caught.value.__notes__)
+    assert "no such thing as 2" in str(caught.value)
+    assert "'boom'" in notes and "host 'b'" in notes
+
+
+def test_an_unknown_host_is_refused_naming_it(two):
+    g = Graph.somatize(Plus(1).at("elsewhere"))
+    with pytest.raises(ValueError, match="'elsewhere'.*knows \\['a', 'b'\\]"):
+        g.forward(1, broker=two)
+
+
+def test_a_class_the_worker_cannot_import_is_refused_before_sending(two):
+    Local = type("Local", (Plus,), {"__module__": "__main__"})
+    g = Graph.somatize(Local(1.0).named("mine").at("a"))
+    with pytest.raises(TypeError, match="'mine'.*--accept-code"):
+        g.forward(1.0, broker=two)
+
+
+def test_a_wrong_token_is_refused_and_nothing_runs(two):
+    real = two.workers["a"]
+    before = hello(two, "a")
+    wrong = Broker.embedded({"a": Worker.at(real.address, token="not the token")})
+    g = Graph.somatize(Pid().at("a"))
+    with pytest.raises(PermissionError, match="token does not match"):
+        g.forward(1, broker=wrong)
+    wrong.close()
+    after = hello(two, "a")
+    assert after["served"] == before["served"] + 1  # only the hello that asked
+    assert after["dropped"] > before["dropped"]
+
+
+def test_random_bytes_never_stop_a_worker(two):
+    conn = two.connection("a")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(conn.worker.address)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.binary(max_size=100), min_size=1, max_size=4))
+    def send(frames):
+        sock.send_multipart(frames)
+
+    send()
+    real = wire.pack(conn.token, {"op": "hello", "rid": 0, "x": torch.ones(100)})
+    sock.send_multipart([bytes(memoryview(f))[:7] for f in real])  # truncated
+    sock.close()
+    assert hello(two, "a")["pid"] == two.workers["a"].pid
+
+
+def test_encrypted_traffic_and_code_only_for_a_worker_that_accepts_it():
+    class Twice(Node):  # defined here: no worker can import it
+        def forward(self, x: Any, ctx: Any) -> Any:
+            return 2 * x
+
+    worker = Worker.spawn(["--accept-code"], encrypt=True)
+    with Broker.embedded({"gpu": worker}) as b:
+        assert worker.server_key
+        assert Graph.somatize(Plus(2.0).at("gpu")).forward(torch.ones(2), broker=b).tolist() == [
+            3.0,
+            3.0,
+        ]
+        assert Graph.somatize(Twice().at("gpu")).forward(21, broker=b) == 42
+    assert worker.process.poll() is not None  # closing the broker stopped it
+
+
+def test_a_worker_killed_mid_forward_is_an_error_naming_the_host_quickly():
+    for ours in (True, False):
+        spawned = Worker.spawn()
+        # not our child: only the connection can tell that it went away
+        worker = spawned if ours else Worker.at(spawned.address, token=spawned.token)
+        b = Broker.embedded({"gpu": worker})
+        g = Graph.somatize(Sleeps().at("gpu"))
+        g.forward(0.0, broker=b)
+        threading.Timer(0.5, spawned.stop).start()
+        began = time.monotonic()
+        with pytest.raises(WorkerLost, match="host 'gpu'"):
+            g.forward(60.0, broker=b)
+        assert time.monotonic() - began < 10
+        b.close()
+        spawned.stop()
+
+
+def test_a_restarted_worker_is_sent_its_nodes_again():
+    port = _free_port()
+    token = "restart-token"
+    cmd = [sys.executable, "-m", "somatize.worker", "--listen", f"127.0.0.1:{port}"]
+    env = {**os.environ, "SOMATIZE_TOKEN": token, "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        first.stdout.readline()
+        b = Broker.embedded({"gpu": Worker.at(f"127.0.0.1:{port}", token=token)})
+        lin = Lin(4, 4)
+        g = Graph.somatize(lin.at("gpu"))
+        x = torch.randn(2, 4)
+        y1 = g.forward(x, broker=b)
+        first.terminate()
+        first.wait()
+        second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        second.stdout.readline()
+        try:
+            y2 = None
+            for _ in range(20):  # the first requests may find the old connection going down
+                try:
+                    y2 = g.forward(x, broker=b)
+                    break
+                except WorkerLost:
+                    time.sleep(0.1)
+            assert y2 is not None and torch.equal(y1, y2)
+            assert hello(b, "gpu")["pid"] == second.pid
+        finally:
+            b.close()
+            second.terminate()
+            second.wait()
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_a_spawned_worker_does_not_outlive_its_parent(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            from somatize import Worker
+            w = Worker.spawn()
+            print(w.pid, flush=True)
+            if sys.argv[1] == "hang":
+                time.sleep(60)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for how in ("exit", "hang"):
+        parent = subprocess.Popen(
+            [sys.executable, str(script), how], env=env, stdout=subprocess.PIPE, text=True
+        )
+        child = int(parent.stdout.readline())
+        if how == "hang":
+            parent.kill()  # no atexit: the worker notices on its own
+        parent.wait(30)
+        assert _gone(child, within=5), f"worker {child} outlived its parent ({how})"
+
+
+def _gone(pid: int, within: float) -> bool:
+    ends = time.monotonic() + within
+    while time.monotonic() < ends:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # reaped by nobody if its parent is gone: look at its state
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,169 @@
+"""The wire: signed frames, tensors without copies, and what a worker does with bad bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgpack
+import pytest
+import safetensors.torch
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from somatize import NoCodec
+from somatize.remote import wire
+from somatize.remote.server import Server
+
+TOKEN = "t" * 64
+
+
+def as_frames(frames):
+    """What a receiving socket hands over: zmq Frames, not the objects that were sent."""
+    return [zmq.Frame(bytes(memoryview(f))) for f in frames]
+
+
+def test_plain_values_keep_their_types():
+    value = {"a": (1, 2, (3,)), "b": [True, None, 2**100], "c": {1: b"x"}, "d": 1.5}
+    back = wire.unpack(TOKEN, wire.pack(TOKEN, value))
+    assert back == value
+    assert type(back["a"]) is tuple and type(back["a"][2]) is tuple
+    assert type(back["b"][0]) is bool
+
+
+@pytest.mark.parametrize(
+    "t",
+    [
+        torch.randn(3, 4),
+        torch.tensor(2.5),
+        torch.zeros(0, 3),
+        torch.randn(5, 6).t(),  # not contiguous
+        torch.arange(10, dtype=torch.int64),
+        torch.tensor([True, False]),
+        torch.randn(4, 4).to(torch.bfloat16),
+        torch.randn(300, 300),  # above the zero-copy threshold
+    ],
+    ids=["f32", "0-dim", "empty", "transposed", "i64", "bool", "bf16", "large"],
+)
+def test_tensors_come_back_equal(t):
+    back = wire.unpack(TOKEN, as_frames(wire.pack(TOKEN, {"x": [t, (t,)]})))
+    for got in (back["x"][0], back["x"][1][0]):
+        assert got.dtype == t.dtype and got.shape == t.shape
+        assert torch.equal(got, t)
+
+
+def test_a_large_tensor_is_sent_from_its_memory_and_built_on_the_frame():
+    t = torch.randn(512, 512)
+    frames = wire.pack(TOKEN, t)
+    data = frames[3]
+    assert memoryview(data).nbytes == t.numel() * 4
+    import numpy as np
+
+    assert isinstance(data, np.ndarray) and data.ctypes.data == t.data_ptr()  # no copy sent
+    received = as_frames(frames)
+    back = wire.unpack(TOKEN, received)
+    assert back.data_ptr() == _address(received[3])  # no copy received
+    back += 1  # a received tensor is writable
+    assert torch.allclose(back, t + 1)
+
+
+def _address(frame):
+    import ctypes
+
+    view = frame.buffer
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def test_a_tensor_reference_and_its_frame_are_a_safetensors_file():
+    t = torch.randn(7, 3)
+    frames = wire.pack(TOKEN, t)
+    ext = msgpack.unpackb(frames[2], ext_hook=lambda code, data: (code, data))
+    index, head = msgpack.unpackb(ext[1])
+    assert index == 0
+    header = json.dumps({"tensor": json.loads(head)}).encode()
+    file = len(header).to_bytes(8, "little") + header + bytes(memoryview(frames[3]))
+    assert torch.equal(safetensors.torch.load(file)["tensor"], t)
+
+
+def test_a_wrong_token_or_a_changed_byte_is_refused():
+    frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "hello", "x": torch.ones(3)})]
+    with pytest.raises(wire.Refused):
+        wire.unpack("another token", frames)
+    changed = list(frames)
+    last = bytearray(changed[-1])
+    last[0] ^= 1
+    changed[-1] = bytes(last)
+    with pytest.raises(wire.Refused):
+        wire.unpack(TOKEN, changed)
+    recut = frames[:2] + [frames[2] + frames[3][:1], frames[3][1:]]  # frames re-cut
+    with pytest.raises(wire.Refused):
+        wire.unpack(TOKEN, recut)
+
+
+def test_not_a_message_is_malformed():
+    for frames in ([], [b"SMZ1"], [b"XXXX", b"0" * 32, b"h"], [b"SMZ1", b"short", b"h"]):
+        with pytest.raises(wire.Malformed):
+            wire.unpack(TOKEN, frames)
+
+
+def test_signed_nonsense_is_malformed_not_a_crash():
+    header = msgpack.packb(msgpack.ExtType(64, msgpack.packb([0, '{"dtype":"F32","shape":[9]'])))
+    frames = [wire.MAGIC, wire.sign(TOKEN, [header, b"1234"]), header, b"1234"]
+    with pytest.raises(wire.Malformed):
+        wire.unpack(TOKEN, frames)
+    lying = msgpack.packb(
+        msgpack.ExtType(64, msgpack.packb([0, '{"dtype":"F32","shape":[9],"data_offsets":[0,36]}']))
+    )
+    frames = [wire.MAGIC, wire.sign(TOKEN, [lying, b"1234"]), lying, b"1234"]
+    with pytest.raises(wire.Malformed, match="does not fit"):
+        wire.unpack(TOKEN, frames)
+
+
+def test_a_value_without_a_codec_is_refused_naming_where():
+    class Thing:
+        pass
+
+    with pytest.raises(NoCodec, match="Thing.*in node 'enc'"):
+        wire.pack(TOKEN, {"v": [Thing()]}, where="node 'enc'")
+
+
+def test_the_server_drops_unsigned_and_answers_signed():
+    server = Server(TOKEN)
+    assert server.handle([b"junk"]) is None
+    assert server.handle(wire.pack("wrong", {"op": "hello", "rid": 1})) == [wire.REFUSED]
+    assert server.dropped == 2
+    reply = wire.unpack(
+        TOKEN, as_frames(server.handle(wire.pack(TOKEN, {"op": "hello", "rid": 7})))
+    )
+    assert reply["ok"] and reply["rid"] == 7 and reply["value"]["pid"] == os.getpid()
+    bad = wire.unpack(TOKEN, as_frames(server.handle(wire.pack(TOKEN, {"op": "nope", "rid": 8}))))
+    assert not bad["ok"] and "unknown request 'nope'" in bad["error"]["message"]
+
+
+def test_the_server_refuses_to_import_what_is_not_a_node():
+    server = Server(TOKEN)
+    define = {"key": "k", "id": "x", "module": "os", "qualname": "system", "args": {}}
+    request = {"op": "define", "rid": 1, "session": "s", "define": [define]}
+    reply = wire.unpack(TOKEN, as_frames(server.handle(wire.pack(TOKEN, request))))
+    assert not reply["ok"] and "not a somatize Node class" in reply["error"]["message"]
+    pickled = {**define, "pickled": b"\x80\x04."}
+    request = {"op": "define", "rid": 2, "session": "s", "define": [pickled]}
+    reply = wire.unpack(TOKEN, as_frames(server.handle(wire.pack(TOKEN, request))))
+    assert not reply["ok"] and "--accept-code" in reply["error"]["message"]
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=64), max_size=5), st.integers(0, 200))
+def test_random_and_truncated_bytes_never_crash_the_server(frames, cut):
+    server = Server(TOKEN)
+    assert server.handle(frames) in (None, [wire.REFUSED])
+    real = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "hello", "x": torch.ones(4)})]
+    truncated = list(real)
+    truncated[-1] = truncated[-1][: cut % len(truncated[-1])]
+    assert server.handle(truncated) in (None, [wire.REFUSED])
+    assert server.handle(real[: 2 + cut % 2]) in (None, [wire.REFUSED])
+    signed = frames or [b""]  # signed with the right token, and still nonsense
+    answer = server.handle([wire.MAGIC, wire.sign(TOKEN, signed), *signed])
+    assert answer is None or wire.unpack(TOKEN, as_frames(answer))["ok"] is False
