@@ -191,6 +191,7 @@ def _typed(values: list[Any]) -> Any:
     """A pandas Series for one column, keeping Python types: bools as bools, ints as ints."""
     import pandas as pd
 
+    values = [v.item() if type(v).__module__ == "numpy" else v for v in values]
     present = [v for v in values if v is not None]
     missing = len(present) < len(values)
     if present and all(type(v) is bool for v in present):

@@ -220,7 +220,8 @@ class _Remote:
         self.whole = bool(set(protocols) & self._whole)
         with self._locks_lock:
             self.lock = self._locks.setdefault(f"{protocols[0]}://{self.root}", threading.RLock())
-        self.fs.makedirs(self.root, exist_ok=True)
+        with contextlib.suppress(OSError):  # a bucket may exist without our being allowed to ask
+            self.fs.makedirs(self.root, exist_ok=True)
 
     def where(self, path: str) -> str:
         return f"{self.root}/{path}"
@@ -235,10 +236,10 @@ class _Remote:
     def write(self, path: str, data: bytes) -> None:
         final = self.where(path)
         with self.lock:
-            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-            if self.whole:
+            if self.whole:  # object stores have no folders to make
                 self.fs.pipe_file(final, data)
                 return
+            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
             aside = self.where(_tmp_name(path))
             self.fs.pipe_file(aside, data)
             try:
@@ -253,7 +254,8 @@ class _Remote:
         with self.lock:
             if self.fs.exists(final):
                 return False
-            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
+            if not self.whole:
+                self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
             try:
                 with self.fs.open(final, "xb") as file:
                     file.write(data)
@@ -269,6 +271,7 @@ class _Remote:
 
     def files(self, folder: str) -> Iterator[str]:
         with self.lock:
+            self.fs.invalidate_cache(self.where(folder))  # others may have bound names since
             try:
                 found = self.fs.find(self.where(folder))
             except FileNotFoundError:
@@ -283,19 +286,23 @@ class _Remote:
 class Store:
     """Bytes kept by content, and names that point at them; see the module docstring.
 
-    `where` is a directory (created if missing) or an fsspec URL. Safe to share between
+    `where` is a directory (created if missing) or an fsspec URL; `storage_options` go to
+    fsspec (say `endpoint_url=` or `key=` for s3). Safe to share between
     threads; processes sharing a directory (or a bucket) see each other's writes.
     """
 
-    def __init__(self, where: str | os.PathLike[str]) -> None:
+    def __init__(self, where: str | os.PathLike[str], **storage_options: Any) -> None:
         self._where = os.fspath(where)
+        self._options = storage_options
         text = str(self._where)
         if "://" not in text:
+            if storage_options:
+                raise TypeError(f"storage options are for fsspec URLs, not the directory {text!r}")
             self._place: _Local | _Remote = _Local(text)
             return
         import fsspec
 
-        fs, root = fsspec.core.url_to_fs(text)
+        fs, root = fsspec.core.url_to_fs(text, **storage_options)
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         if "file" in protocols or "local" in protocols:
             self._place = _Local(root)
@@ -311,6 +318,8 @@ class Store:
         return f"Store({self._where!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self._options:
+            return (_reopen, (self._where, self._options))
         return (Store, (self._where,))
 
     # -- blobs ---------------------------------------------------------------------------
@@ -454,3 +463,7 @@ class Store:
             if parts[-1] == _BIND and len(parts) >= 3:
                 found.append("/".join(unquote(p) for p in parts[1:-1]))
         return sorted(found)
+
+
+def _reopen(where: str, options: dict[str, Any]) -> Store:
+    return Store(where, **options)

@@ -320,3 +320,59 @@ def test_encoded_bytes_are_what_is_kept(store: Store) -> None:
     key = store.keep("v", {"a": (1,)})
     assert key == digest(encode({"a": (1,)}))
     assert store.get(key) == encode({"a": (1,)})
+
+
+# -- a real S3 API (moto's server on 127.0.0.1) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> str:
+    server_module = pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def s3_store(endpoint: str, bucket: str) -> Store:
+    return Store(
+        f"s3://{bucket}/prefix",
+        key="testing",
+        secret="testing",
+        client_kwargs={"endpoint_url": endpoint},
+        skip_instance_cache=True,
+    )
+
+
+def test_an_s3_store_keeps_binds_and_claims(s3_endpoint: str) -> None:
+    store = s3_store(s3_endpoint, "somatize-test")
+    key = store.put(b"weights")
+    assert store.get(key) == b"weights" and store.get(digest(b"other")) is None
+    store.keep("run/r1/0", {"loss": 0.5, "shape": (2, 3)}, meta={"forward": 0})
+    assert store.recall("run/r1/0") == {"loss": 0.5, "shape": (2, 3)}
+    assert store.resolve("run/r1/0").meta == [("forward", 0)]
+    assert store.claim("fed/round/0", key) is True
+    assert store.claim("fed/round/0", digest(b"late")) is False
+    # a second client (its own filesystem object and cache) sees the bindings and loses claims
+    other = s3_store(s3_endpoint, "somatize-test")
+    assert [b.name for b in other.bound()] == ["fed/round/0", "run/r1/0"]
+    assert other.claim("fed/round/0", digest(b"late")) is False
+    assert other.resolve("fed/round/0").digest == key
+    again = pickle.loads(pickle.dumps(other))
+    assert again.recall("run/r1/0")["shape"] == (2, 3)
+
+
+def test_an_s3_claim_is_decided_by_the_server(
+    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = s3_store(s3_endpoint, "somatize-claims")
+    second = s3_store(s3_endpoint, "somatize-claims")
+    second._place.lock = threading.RLock()  # as if in another process: no shared lock
+    assert first.claim("x", digest(b"first")) is True
+    # the second client looked just before the first claim landed: only the server's
+    # exclusive put (If-None-Match) stands between it and overwriting the winner
+    monkeypatch.setattr(second._place.fs, "exists", lambda path: False)
+    assert second.claim("x", digest(b"second")) is False
+    assert second.resolve("x").digest == digest(b"first")
