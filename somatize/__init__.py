@@ -16,12 +16,13 @@ from somatize.graph import Graph
 from somatize.node import Node, Opaque
 from somatize.record import Recorder
 from somatize.run import Ctx
-from somatize.store import Bound, CorruptBlob, Store
+from somatize.store import Bound, CorruptBinding, CorruptBlob, Store
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Bound",
+    "CorruptBinding",
     "CorruptBlob",
     "Ctx",
     "Graph",

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from somatize import _hooks
-from somatize.codecs import digest, encode
+from somatize.codecs import decode, digest, encode
 from somatize.node import Opaque
 from somatize.run import (
     ONE,
@@ -121,7 +121,10 @@ def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
     kept = dict(bound.meta).get("code")
     if kept is not None and kept != code:
         warn_code_changed(nid, kept, code)
-    return True, store.recall(name)
+    data = store.get(bound.digest)
+    if data is None:
+        raise LookupError(f"node {nid!r}: {name} points at {bound.digest}, which is missing")
+    return True, decode(data)
 
 
 def _keep(nid: str, name: str, value: Any, code: str, store: Any) -> None:
