@@ -1,0 +1,150 @@
+"""fedavg, and gather across threads and across processes sharing a directory store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from somatize import Store
+from somatize.torch import fedavg, gather
+
+
+def export(value: float, count: int = 1, dtype=torch.float32):
+    return {
+        "enc": {
+            "w": torch.full((2, 2), value, dtype=dtype),
+            "n": torch.tensor(count),
+        }
+    }
+
+
+def test_fedavg_weighs_by_size_and_keeps_counts_from_the_first():
+    avg = fedavg([export(1.0, 3), export(4.0, 7)], sizes=[2, 1])
+    assert avg["enc"]["w"].dtype == torch.float32
+    assert torch.equal(avg["enc"]["w"], torch.full((2, 2), 2.0))
+    assert avg["enc"]["n"].item() == 3
+    assert torch.equal(fedavg([export(1.0), export(3.0)])["enc"]["w"], torch.full((2, 2), 2.0))
+
+
+def test_fedavg_averages_in_float64_and_casts_back():
+    # In float16 the running sum of these would round: 2048 + 1 is 2048 there.
+    exports = [export(2048.0, dtype=torch.float16)] + [export(2050.0, dtype=torch.float16)] * 3
+    avg = fedavg(exports)["enc"]["w"]
+    assert avg.dtype == torch.float16
+    wide = (2048.0 + 3 * 2050.0) / 4
+    assert torch.equal(avg, torch.full((2, 2), wide, dtype=torch.float64).to(torch.float16))
+
+
+def test_fedavg_refuses_mismatches_and_bad_sizes():
+    with pytest.raises(ValueError, match="no exports"):
+        fedavg([])
+    with pytest.raises(ValueError, match="nodes"):
+        fedavg([export(1.0), {"other": {}}])
+    with pytest.raises(ValueError, match="keys"):
+        fedavg([export(1.0), {"enc": {"w": torch.zeros(2, 2)}}])
+    with pytest.raises(ValueError, match="float32"):
+        fedavg([export(1.0), {"enc": {"w": torch.zeros(3), "n": torch.tensor(1)}}])
+    with pytest.raises(ValueError, match="one size per export"):
+        fedavg([export(1.0), export(2.0)], sizes=[1])
+    with pytest.raises(ValueError, match=">= 0"):
+        fedavg([export(1.0), export(2.0)], sizes=[1, -1])
+    with pytest.raises(ValueError, match="every size is 0"):
+        fedavg([export(1.0), export(2.0)], sizes=[0, 0])
+
+
+def test_gather_three_threads_one_averager_same_answer(tmp_path):
+    store = Store(tmp_path / "s")
+    answers: dict[int, dict] = {}
+
+    def client(k):
+        answers[k] = gather(
+            store, export(float(k)), run="r", round=0, clients=3, mine=k, size=k + 1, asking=0.02
+        )
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = (0 * 1 + 1 * 2 + 2 * 3) / 6
+    for k in range(3):
+        assert torch.allclose(answers[k]["enc"]["w"], torch.full((2, 2), expected))
+    assert store.resolve("r/round/0/client/2") is not None
+    assert dict(store.resolve("r/round/0/client/2").meta)["size"] == 3
+    assert store.resolve("r/round/0/average") is not None
+
+
+def test_gather_times_out_naming_who_never_came(tmp_path):
+    store = Store(tmp_path / "s")
+    with pytest.raises(TimeoutError, match=r"client\(s\) \[0, 2\] never turned up"):
+        gather(store, export(1.0), run="r", round=4, clients=3, mine=1, within=0.2, asking=0.05)
+    for bad in ({"mine": 3}, {"clients": 0}, {"round": -1}, {"run": "a/b"}, {"size": -1}):
+        kw = {"run": "r", "round": 0, "clients": 2, "mine": 0, **bad}
+        with pytest.raises(ValueError):
+            gather(store, export(1.0), **kw)
+
+
+CLIENT = textwrap.dedent(
+    """
+    import sys, torch
+    from torch import nn
+    from somatize import Graph, Node, Store
+    from somatize.torch import Trainer, gather, parameters
+
+    class Layer(Node, nn.Module):
+        def __init__(self, i, o):
+            nn.Module.__init__(self)
+            self.lin = nn.Linear(i, o)
+        def forward(self, x, ctx):
+            return self.lin(x)
+
+    where, mine = sys.argv[1], int(sys.argv[2])
+    torch.manual_seed(100 + mine)  # every client starts somewhere else
+    g = Graph.somatize(Layer(3, 4).named("a") >> Layer(4, 1).named("b"))
+    t = Trainer(g, objective=nn.functional.mse_loss,
+                optimizer=torch.optim.SGD(parameters(g), lr=0.1))
+    gen = torch.Generator().manual_seed(mine)
+    data = [(torch.randn(8, 3, generator=gen), torch.randn(8, 1, generator=gen))
+            for _ in range(4)]
+    store = Store(where)
+    for r in range(3):
+        t.fit(data)
+        t.load(gather(store, t.export(), run="fed", round=r, clients=3, mine=mine,
+                      size=len(data) * (mine + 1), within=60, asking=0.05))
+    store.keep(f"final/{mine}", t.export())
+    """
+)
+
+
+def test_three_processes_federate_for_three_rounds_and_agree(tmp_path):
+    script = tmp_path / "client.py"
+    script.write_text(CLIENT)
+    where = tmp_path / "shared"
+    root = str(Path(__file__).resolve().parents[1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(where), str(k)],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for k in range(3)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out.decode()
+    store = Store(where)
+    finals = [store.recall(f"final/{k}") for k in range(3)]
+    for k in (1, 2):
+        for n in ("a", "b"):
+            for key, v in finals[0][n].items():
+                assert torch.equal(v, finals[k][n][key]), (k, n, key)
+    averagers = {dict(store.resolve(f"fed/round/{r}/average").meta)["by"] for r in range(3)}
+    assert averagers <= {0, 1, 2}
+    assert len(store.names("fed/round/2/client")) == 3

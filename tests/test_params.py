@@ -1,0 +1,99 @@
+"""parameters and freeze, for both ways of being a torch node."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from somatize import Graph, Node
+from somatize.torch import freeze, parameters
+from somatize.torch.params import state_of
+
+
+class Is(Node, nn.Module):
+    def __init__(self, i: int = 2, o: int = 2) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(i, o)
+        self.norm = nn.BatchNorm1d(o)
+
+    def forward(self, x, ctx):
+        return self.norm(self.lin(x))
+
+
+class Holds(Node):
+    def __init__(self, shared: nn.Module | None = None) -> None:
+        self.net = nn.Linear(2, 2)
+        self.blocks = [nn.Linear(2, 2), shared or nn.Linear(2, 2)]
+
+    def forward(self, x, ctx):
+        return self.blocks[1](self.blocks[0](self.net(x)))
+
+
+class Plain(Node):
+    def forward(self, x, ctx):
+        return x
+
+
+def test_parameters_of_both_kinds_in_declaration_order_once_each():
+    shared = nn.Linear(2, 2)
+    a, b, c = Is(), Holds(shared), Holds(shared)
+    g = Graph.somatize(Plain() >> a.named("a") >> b.named("b") >> c.named("c"))
+    got = parameters(g)
+    expected = list(a.parameters()) + [*b.net.parameters(), *b.blocks[0].parameters()]
+    expected += list(shared.parameters()) + [*c.net.parameters(), *c.blocks[0].parameters()]
+    assert [id(p) for p in got] == [id(p) for p in expected]
+    assert [id(p) for p in parameters(g, without={"a": None, "c": None})] == [
+        id(p) for p in [*b.net.parameters(), *b.blocks[0].parameters(), *shared.parameters()]
+    ]
+
+
+def test_frozen_nodes_and_parameters_that_ask_no_gradient_are_left_out():
+    a, b = Is(), Is()
+    b.lin.bias.requires_grad_(False)
+    g = Graph.somatize(a.named("a").frozen() >> b.named("b"))
+    got = {id(p) for p in parameters(g)}
+    assert got == {id(b.lin.weight), id(b.norm.weight), id(b.norm.bias)}
+
+
+def test_freeze_with_no_ids_obeys_what_was_declared():
+    a, b = Is(), Holds()
+    g = Graph.somatize(a.named("a").frozen() >> b.named("b"))
+    assert a.training and all(p.requires_grad for p in a.parameters())
+    freeze(g)
+    assert not a.training and not any(p.requires_grad for p in a.parameters())
+    assert all(p.requires_grad for p in b.net.parameters())
+
+
+def test_freeze_with_ids_declares_and_obeys_and_refuses_unknown_ids_first():
+    a, b = Is(), Holds()
+    g = Graph.somatize(a.named("a") >> b.named("b"))
+    with pytest.raises(ValueError, match="nope"):
+        freeze(g, "b", "nope")
+    assert g.frozen() == {} and all(p.requires_grad for p in b.net.parameters())
+    freeze(g, "b")
+    assert set(g.frozen()) == {"b"} and g.frozen()["b"].startswith("sha256:")
+    assert not any(p.requires_grad for m in (b.net, *b.blocks) for p in m.parameters())
+    assert parameters(g) == list(a.parameters())
+    g.forward(torch.zeros(3, 2))  # the plan is rebuilt with the new declaration
+
+
+def test_state_of_reads_both_kinds_with_buffers():
+    assert set(state_of(Is())) == {
+        "lin.weight",
+        "lin.bias",
+        "norm.weight",
+        "norm.bias",
+        "norm.running_mean",
+        "norm.running_var",
+        "norm.num_batches_tracked",
+    }
+    assert set(state_of(Holds())) == {
+        "net.weight",
+        "net.bias",
+        "blocks.0.weight",
+        "blocks.0.bias",
+        "blocks.1.weight",
+        "blocks.1.bias",
+    }
+    assert state_of(Plain()) == {}

@@ -1,0 +1,201 @@
+"""Stages: where a graph is cut, and that a part run elsewhere trains the same as here."""
+
+from __future__ import annotations
+
+import cloudpickle
+import pytest
+import torch
+from torch import nn
+
+from somatize import Graph, Node
+from somatize.codecs import decode, encode
+from somatize.stages import INPUT, LOSS, Stages
+from somatize.torch import Split, Trainer, envelope, parameters
+
+mse = nn.functional.mse_loss
+SGD = torch.optim.SGD
+
+
+class Layer(Node, nn.Module):
+    def __init__(self, i: int, o: int, act: bool = True) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(i, o, dtype=torch.float64)
+        self.act = act
+
+    def forward(self, x, ctx):
+        y = self.lin(x)
+        return torch.tanh(y) if self.act else y
+
+
+class Add(Node):
+    def forward(self, x, ctx):
+        return sum(x.values())
+
+
+def data(n=5, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(6, 4, dtype=torch.float64, generator=gen),
+            torch.randn(6, 4, dtype=torch.float64, generator=gen),
+        )
+        for _ in range(n)
+    ]
+
+
+def residual(host=None):
+    torch.manual_seed(0)
+    mid = Layer(4, 4).named("mid")
+    mid = mid.at(host) if host else mid
+    return Graph.somatize(
+        Layer(4, 4).named("src")
+        >> (mid | Layer(4, 4).named("skip"))
+        >> Add().named("join")
+        >> Layer(4, 4, False).named("head")
+    )
+
+
+def test_a_stage_is_the_number_of_cuts_behind_a_node():
+    g = residual()
+    s = Stages(g, {"mid": Split(SGD)})
+    assert [(p.stage, p.ids) for p in s.parts] == [
+        (0, ("src", "skip")),
+        (1, ("mid",)),
+        (2, ("join", "head")),
+    ]
+    first, middle, last = s.parts
+    assert first.entering == ((INPUT, "src"),)
+    assert first.leaving == (("src", "mid"), ("skip", "join"))
+    assert middle.learning is not None and middle.trained == "mid"
+    assert last.last and last.leaving == (("head", LOSS),)
+    assert last.sources == ("mid", "skip")
+    assert Stages(g).whole and len(Stages(g).parts) == 1
+
+
+def test_a_part_graph_holds_the_nodes_themselves_and_the_learning_around_its_node():
+    g = residual()
+    learning = Split(SGD)
+    mid = Stages(g, {"mid": learning}).parts[1]
+    assert mid.graph.nodes() == ["mid/enters", "mid", "mid/learning"]
+    assert mid.graph.implementation("mid") is g.implementation("mid")
+    assert mid.graph.implementation("mid/learning") is learning
+    assert mid.graph.implementation("mid/enters") is learning.beside()[0]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_skip_edge_across_stages_trains_as_without_the_cut(every):
+    g1, g2 = residual(), residual()
+    t1 = Trainer(g1, objective=mse, optimizer=SGD(parameters(g1), lr=0.1), every=every)
+    trains = {"mid": Split(SGD, lr=0.1)}
+    t2 = Trainer(
+        g2,
+        objective=mse,
+        optimizer=SGD(parameters(g2, without=trains), lr=0.1),
+        trains=trains,
+        every=every,
+    )
+    for b in data():
+        assert t1.step(b) == pytest.approx(t2.step(b), abs=1e-12)
+    for n, w in t1.export().items():
+        for k, v in w.items():
+            assert torch.allclose(v, t2.export()[n][k], atol=1e-12), (n, k)
+
+
+def test_a_leaf_before_the_last_stage_gets_its_gradient_from_the_loss():
+    def build():
+        torch.manual_seed(0)
+        return Graph.somatize(
+            Layer(4, 4).named("src")
+            >> (
+                Layer(4, 4).named("mid") >> Layer(4, 2, False).named("far")
+                | Layer(4, 2).named("near")
+            )
+        )
+
+    def loss(out, y):
+        return mse(out["far"], y) + mse(out["near"], y)
+
+    g1, g2 = build(), build()
+    t1 = Trainer(g1, objective=loss, optimizer=SGD(parameters(g1), lr=0.1))
+    trains = {"mid": Split(SGD, lr=0.1)}
+    t2 = Trainer(
+        g2, objective=loss, optimizer=SGD(parameters(g2, without=trains), lr=0.1), trains=trains
+    )
+    assert t2._stages.sunk == ("near",)
+    for x, y in data():
+        y = y[:, :2]
+        assert t1.step((x, y)) == pytest.approx(t2.step((x, y)), abs=1e-12)
+    for n, w in t1.export().items():
+        for k, v in w.items():
+            assert torch.allclose(v, t2.export()[n][k], atol=1e-12), (n, k)
+
+
+class Far:
+    """A transport that runs each part on a copy of it, as a worker would: the part crosses
+    pickled (cloudpickle), and every value and gradient crosses as bytes (the codecs)."""
+
+    def __init__(self) -> None:
+        self.there: dict[int, object] = {}
+        self.crossed = 0
+
+    def _cross(self, value):
+        self.crossed += 1
+        back = decode(encode(value))
+        if isinstance(value, torch.Tensor):
+            back.requires_grad_(value.requires_grad)
+        return back
+
+    def forward(self, part, inputs, *, store=None, watching=None):
+        copy = self.there.get(id(part))
+        if copy is None:
+            copy = self.there[id(part)] = cloudpickle.loads(cloudpickle.dumps(part))
+        out = copy.forward({s: self._cross(v) for s, v in inputs.items()}, store=store)
+        return {n: self._cross(v) for n, v in out.items()}
+
+    def backward(self, part, envelopes):
+        copy = self.there[id(part)]
+        sent = {n: envelope(self._cross(e.gradient), e.closing) for n, e in envelopes.items()}
+        back = copy.backward(sent)
+        return {s: envelope(self._cross(e.gradient), e.closing) for s, e in back.items()}
+
+
+class Broker:
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+        self.far = Far()
+
+    def transport(self, host):
+        self.asked.append(host)
+        return self.far
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_part_rebuilt_elsewhere_trains_as_one_trained_here(every):
+    g1, g2 = residual(), residual(host="far")
+    t1 = Trainer(g1, objective=mse, optimizer=SGD(parameters(g1), lr=0.1), every=every)
+    trains = {"mid": Split(SGD, lr=0.1)}
+    broker = Broker()
+    t2 = Trainer(
+        g2,
+        objective=mse,
+        optimizer=SGD(parameters(g2, without=trains), lr=0.1),
+        trains=trains,
+        every=every,
+        broker=broker,
+    )
+    assert broker.asked == ["far"]
+    here = g2.implementation("mid").lin.weight.clone()
+    for b in data(4):
+        assert t1.step(b) == pytest.approx(t2.step(b), abs=1e-12)
+    t1.update(), t2.update()
+    assert broker.far.crossed > 0
+    (copy,) = broker.far.there.values()
+    assert copy.nodes["mid"] is not g2.implementation("mid")
+    assert torch.allclose(copy.nodes["mid"].lin.weight, g1.implementation("mid").lin.weight)
+    assert g2.implementation("mid").lin.weight.equal(here)  # the copy here never learnt
+    with pytest.raises(ValueError, match="another host"):
+        t2.export()
+    for n in ("src", "skip", "head"):
+        assert torch.allclose(
+            g1.implementation(n).lin.weight, g2.implementation(n).lin.weight, atol=1e-12
+        )
