@@ -340,6 +340,12 @@ class Stages:
 
         return relay
 
+    def recompile(self) -> None:
+        """Drop every part's compiled plan, so the next forward sees the nodes as they are
+        now (an Audit wraps and unwraps their `forward`)."""
+        for part in self.parts:
+            part.graph._plan = None
+
     def __repr__(self) -> str:
         return "Stages(" + "; ".join(repr(p) for p in self.parts) + ")"
 

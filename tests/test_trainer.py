@@ -458,3 +458,35 @@ def test_a_progress_bar_only_when_a_person_watches(tmp_path, capfd):
     os.close(master)
     plain(mlp()).fit(batches(2))
     assert capfd.readouterr().err == ""
+
+
+# -- auditing -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [plain, split])
+def test_an_audit_is_told_after_backward_and_its_facts_reach_the_watchers(make):
+    from somatize.torch import Audit
+
+    heard = []
+    g = mlp()
+    t = make(g, auditing=Audit(every=1), watching=heard.append)
+    for b in batches(2):
+        t.step(b)
+    health = [f for f in heard if f["fact"] == "health"]
+    assert {f["where"] for f in health} == {"a", "enc", "head"}
+    assert [f["step"] for f in health if f["where"] == "enc"] == [0, 1]
+    enc = next(f for f in health if f["where"] == "enc")["numbers"]
+    assert enc["grad_norm"] > 0  # the gradients were there when it looked
+    order = [f["fact"] for f in heard if f["fact"] in ("loss", "health", "updated")]
+    assert order.index("health") < order.index("updated")
+    t.close()
+    assert all("forward" not in vars(g.implementation(n)) for n in g.nodes())
+    t.step(batches(1)[0])  # still trains once the hooks are off
+
+
+def test_auditing_true_builds_the_default_audit_and_junk_is_refused():
+    t = plain(mlp(), auditing=True)
+    assert type(t.audit).__name__ == "Audit"
+    t.close()
+    with pytest.raises(TypeError, match="Audit"):
+        plain(mlp(), auditing="yes")

@@ -98,6 +98,11 @@ def _person_watching(stream: Any = None) -> bool:
         return False
 
 
+def _released(audit: Any, stages: Stages) -> None:
+    audit.release()
+    stages.recompile()
+
+
 class Trainer:
     """Trains a graph, without the graph finding out::
 
@@ -187,9 +192,10 @@ class Trainer:
             watching=told,
         )
         self.audit = audit.watch(graph) if audit is not None else None
-        self._release = (
-            weakref.finalize(self, self.audit.release) if self.audit is not None else None
-        )
+        self._release = None
+        if self.audit is not None:
+            self._stages.recompile()
+            self._release = weakref.finalize(self, _released, self.audit, self._stages)
 
     # -- checks ---------------------------------------------------------------------------
     @staticmethod
@@ -505,9 +511,12 @@ class Trainer:
                 mine.copy_(tensor)
 
     def close(self) -> None:
-        """Takes the audit's hooks off (done too when the Trainer is garbage)."""
+        """Takes the audit's hooks off and stops auditing (done too when the Trainer is
+        garbage); training goes on without it."""
         if self._release is not None:
             self._release()
+            self._release = None
+            self.audit = None
 
     def __repr__(self) -> str:
         return (
