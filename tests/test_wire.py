@@ -80,7 +80,7 @@ def test_a_tensor_reference_and_its_frame_are_a_safetensors_file():
     t = torch.randn(7, 3)
     frames = wire.pack(TOKEN, t)
     ext = msgpack.unpackb(frames[2], ext_hook=lambda code, data: (code, data))
-    index, head = msgpack.unpackb(ext[1])
+    index, head, grad = msgpack.unpackb(ext[1])
     assert index == 0
     header = json.dumps({"tensor": json.loads(head)}).encode()
     file = len(header).to_bytes(8, "little") + header + bytes(memoryview(frames[3]))
@@ -109,12 +109,16 @@ def test_not_a_message_is_malformed():
 
 
 def test_signed_nonsense_is_malformed_not_a_crash():
-    header = msgpack.packb(msgpack.ExtType(64, msgpack.packb([0, '{"dtype":"F32","shape":[9]'])))
+    header = msgpack.packb(
+        msgpack.ExtType(64, msgpack.packb([0, '{"dtype":"F32","shape":[9]', False]))
+    )
     frames = [wire.MAGIC, wire.sign(TOKEN, [header, b"1234"]), header, b"1234"]
     with pytest.raises(wire.Malformed):
         wire.unpack(TOKEN, frames)
     lying = msgpack.packb(
-        msgpack.ExtType(64, msgpack.packb([0, '{"dtype":"F32","shape":[9],"data_offsets":[0,36]}']))
+        msgpack.ExtType(
+            64, msgpack.packb([0, '{"dtype":"F32","shape":[9],"data_offsets":[0,36]}', False])
+        )
     )
     frames = [wire.MAGIC, wire.sign(TOKEN, [lying, b"1234"]), lying, b"1234"]
     with pytest.raises(wire.Malformed, match="does not fit"):
@@ -167,3 +171,21 @@ def test_random_and_truncated_bytes_never_crash_the_server(frames, cut):
     signed = frames or [b""]  # signed with the right token, and still nonsense
     answer = server.handle([wire.MAGIC, wire.sign(TOKEN, signed), *signed])
     assert answer is None or wire.unpack(TOKEN, as_frames(answer))["ok"] is False
+
+
+def test_a_tensor_that_asks_for_a_gradient_still_does_after_crossing():
+    t = torch.randn(3, requires_grad=True) * 2
+    back = wire.unpack(TOKEN, as_frames(wire.pack(TOKEN, [t, t.detach()])))
+    assert back[0].requires_grad and back[0].is_leaf and not back[1].requires_grad
+    assert torch.equal(back[0].detach(), t.detach())
+
+
+def test_torch_classes_cross_by_name_and_nothing_else_does():
+    back = wire.unpack(TOKEN, as_frames(wire.pack(TOKEN, {"opt": torch.optim.SGD})))
+    assert back["opt"] is torch.optim.SGD
+    with pytest.raises(NoCodec):
+        wire.pack(TOKEN, {"f": os.system})
+    forged = msgpack.packb(msgpack.ExtType(65, msgpack.packb(["os", "system"])))
+    frames = [wire.MAGIC, wire.sign(TOKEN, [forged]), forged]
+    with pytest.raises(wire.Malformed, match="outside"):
+        wire.unpack(TOKEN, frames)

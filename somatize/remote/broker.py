@@ -48,6 +48,7 @@ class Broker:
         self._connections: dict[str, Connection] = {}
         self._defined: dict[str, dict[str, str | None]] = {}
         self._held: dict[str, Any] = {}
+        self._transports: dict[str, Any] = {}
         self._slices: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
         self.closed = False
 
@@ -115,20 +116,39 @@ class Broker:
         """Forget which nodes `host`'s worker holds (it lost them): they are sent again."""
         self._defined.pop(host, None)
 
-    def state(self, host: str, nid: str, node: Any, device: str | None = None) -> list[dict]:
-        """The weights of `node` as its worker holds them (one state_dict per module)."""
+    def weights(self, graph: Any, nid: str) -> dict[str, Any]:
+        """The weights of node `nid` as its worker holds them, `{key: tensor}` (the keys of
+        `Trainer.export`): what a node trained where it runs has learnt."""
+        host, node, device = self._where(graph, nid)
         defs = [d for d in [self.definition(host, nid, node, device)] if d]
         got = self.request(host, {"op": "state", "key": self.key(node), "define": defs})
         self.defined(host, defs)
         return got
 
-    def load(self, host: str, nid: str, node: Any, modules: list[dict], device: Any = None) -> None:
-        """Send weights (one state_dict per module) to the copy of `node` on its worker."""
+    def load_weights(self, graph: Any, nid: str, weights: dict[str, Any]) -> None:
+        """Send `{key: tensor}` to the copy of node `nid` on its worker (refused whole there
+        if a key or a shape differs)."""
+        host, node, device = self._where(graph, nid)
         defs = [d for d in [self.definition(host, nid, node, device)] if d]
-        self.request(
-            host, {"op": "load", "key": self.key(node), "modules": modules, "define": defs}
-        )
+        message = {"op": "load", "key": self.key(node), "state": weights, "define": defs}
+        self.request(host, message)
         self.defined(host, defs)
+
+    def _where(self, graph: Any, nid: str) -> tuple[str, Any, Any]:
+        s = graph.setting(nid)
+        if not s.host:
+            raise ValueError(f"node {nid!r} runs here, not on a host: its weights are here")
+        return s.host, graph.implementation(nid), s.device
+
+    def transport(self, host: str) -> Any:
+        """How a trainer's stage runs on `host` (see `somatize.stages.Transport`)."""
+        from somatize.remote.stage import Remote
+
+        self.worker(host)
+        found = self._transports.get(host)
+        if found is None:
+            found = self._transports[host] = Remote(self, host)
+        return found
 
     # -- running ----------------------------------------------------------------------------
     def forward(
@@ -191,7 +211,7 @@ def definition(
     """How `node` travels: class by name (or as code to a worker that accepts it), its
     constructor arguments, and its weights. Refuses, before sending anything, a class the
     worker could not import and may not be sent as code."""
-    from somatize import codecs
+    from somatize.remote import wire
 
     cls = type(node)
     args = getattr(node, "_somatize_args", {})
@@ -202,14 +222,14 @@ def definition(
         "module": cls.__module__,
         "qualname": cls.__qualname__,
         "device": device,
-        "modules": _modules(node),
+        "state": _state(node),
         "pickled": None,
         "args": None,
     }
     local = cls.__module__ == "__main__" or "<locals>" in cls.__qualname__
-    plain = True
     try:
-        codecs.encode(args)
+        wire.pack(b"", args)
+        plain = True
     except Exception:
         plain = False
     if accepts and (local or not plain):
@@ -224,16 +244,26 @@ def definition(
             "can import, or start the worker with --accept-code to send it as code"
         )
     if not plain:
-        codecs.encode(args, where=f"the constructor arguments of node {nid!r}")  # says which
+        try:
+            wire.pack(b"", args, where=f"the constructor arguments of node {nid!r}")
+        except Exception as error:
+            raise type(error)(
+                f"{error}; or start the worker for host {host!r} with --accept-code"
+            ) from None
     d["args"] = args
     return d
 
 
-def _modules(node: Any) -> list[dict[str, Any]]:
+def _state(node: Any) -> dict[str, Any]:
     import sys
 
     if "torch" not in sys.modules:
-        return []
-    from somatize.torch.placement import modules_of
+        return {}
+    from somatize.torch.params import state_of
 
-    return [{k: v.detach() for k, v in m.state_dict().items()} for m in modules_of(node)]
+    state = state_of(node)
+    from somatize.torch.learning import Learning
+
+    if isinstance(node, Learning):  # the node it trains travels on its own
+        state = {k: v for k, v in state.items() if not k.startswith("node.")}
+    return {k: v.detach() for k, v in state.items()}

@@ -113,7 +113,7 @@ class Server:
         if op == "state":
             return state_of(self.node(nodes, m["key"]))
         if op == "load":
-            load_state(self.node(nodes, m["key"]), m["modules"])
+            load_state(self.node(nodes, m["key"]), m["state"])
             return True
         if op == "close":
             self.sessions.pop(session, None)
@@ -160,7 +160,7 @@ class Server:
         else:
             cls = importable(d["module"], d["qualname"], d.get("id"))
             args = d["args"]
-        return rebuild(cls, args, d.get("modules"), d.get("device"))
+        return rebuild(cls, args, d.get("state"), d.get("device"))
 
 
 class Unknown(LookupError):
@@ -192,11 +192,11 @@ def importable(module: str, qualname: str, nid: Any = None) -> type:
     return obj
 
 
-def rebuild(cls: type, args: dict[str, Any], modules: Any = None, device: Any = None) -> Any:
+def rebuild(cls: type, args: dict[str, Any], state: Any = None, device: Any = None) -> Any:
     """`cls` built from its captured constructor arguments, then handed its weights."""
     node = _construct(cls, args)
-    if modules:
-        load_state(node, modules)
+    if state:
+        load_state(node, state)
     if device is not None:
         from somatize import _hooks
 
@@ -231,43 +231,34 @@ def _construct(cls: type, args: dict[str, Any]) -> Any:
     return cls(**keywords)
 
 
-def state_of(node: Any) -> list[dict[str, Any]]:
-    """The state_dicts of the modules a node is made of, detached copies on the cpu."""
-    from somatize.torch.placement import modules_of
+def state_of(node: Any) -> dict[str, Any]:
+    """The node's weights as `{key: tensor}`, the keys `somatize.torch`'s export uses."""
+    from somatize.torch.params import state_of as keyed
 
-    return [
-        {k: v.detach().cpu().clone() for k, v in m.state_dict().items()} for m in modules_of(node)
-    ]
+    return {k: v.detach().cpu().clone() for k, v in keyed(node).items()}
 
 
-def load_state(node: Any, modules: list[dict[str, Any]]) -> None:
-    """Copy `modules` (as `state_of` gives them) into the node, refusing a mismatch whole."""
+def load_state(node: Any, state: dict[str, Any]) -> None:
+    """Copy `state` (as `state_of` gives it) into the node, refusing a mismatch whole."""
     import torch
 
-    from somatize.torch.placement import modules_of
+    from somatize.torch.params import state_of as keyed
 
-    mine = modules_of(node)
-    if len(mine) != len(modules):
+    own = keyed(node)
+    if set(own) != set(state):
         raise ValueError(
-            f"{type(node).__name__} is made of {len(mine)} modules here and the weights sent "
-            f"are for {len(modules)}"
+            f"{type(node).__name__}: the weights sent have keys {sorted(state)}, the node here "
+            f"{sorted(own)}; nothing was loaded"
         )
-    for m, state in zip(mine, modules, strict=False):
-        own = m.state_dict()
-        if set(own) != set(state):
+    for k, v in state.items():
+        if tuple(own[k].shape) != tuple(v.shape):
             raise ValueError(
-                f"{type(node).__name__}: the weights sent have keys {sorted(state)}, the node "
-                f"{sorted(own)}"
+                f"{type(node).__name__}: {k} is {tuple(own[k].shape)} here and "
+                f"{tuple(v.shape)} in the weights sent; nothing was loaded"
             )
-        for k, v in state.items():
-            if tuple(own[k].shape) != tuple(v.shape):
-                raise ValueError(
-                    f"{type(node).__name__}: {k} is {tuple(own[k].shape)} here and "
-                    f"{tuple(v.shape)} in the weights sent"
-                )
     with torch.no_grad():
-        for m, state in zip(mine, modules, strict=False):
-            m.load_state_dict(state)
+        for k, v in state.items():
+            own[k].copy_(v)
 
 
 def run_slice(nodes: dict[str, Any], steps: list[Any], given: dict, input: Any) -> Any:

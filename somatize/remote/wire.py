@@ -9,13 +9,14 @@ A message is one Python value (a dict, in practice) with tensors anywhere inside
   prefixed with its length, so frames cannot be re-cut);
 - ``header`` is msgpack, written by `somatize.codecs` (exact types: a tuple stays a tuple,
   a bool a bool), where each tensor is replaced by a reference holding its safetensors header
-  (dtype, shape, byte range): that header and the data frame beside it are a safetensors file
-  cut in two;
+  (dtype, shape, byte range) and whether it asks for a gradient: that header and the data
+  frame beside it are a safetensors file cut in two;
 - each ``data_k`` is the raw bytes of one tensor, sent straight from the tensor's own memory
   and received into a frame the tensor is then built on, so a large tensor is never copied
   on its way through (only moved to the cpu first if it lives elsewhere).
 
-Nothing here unpickles, and a message that does not verify is refused before its header is
+A class or function of torch or somatize (an optimizer factory, say) crosses by name and is
+imported on the other side. Nothing here unpickles, and a message that does not verify is refused before its header is
 even read (`Refused`); bytes that verify but do not parse are `Malformed`.
 """
 
@@ -40,6 +41,11 @@ REFUSED = b"SMZ1-REFUSED"
 """The one-frame notice a worker answers a message whose signature does not verify."""
 
 _TENSOR = 64  # msgpack extension code for a tensor reference; codecs owns 1..3
+_REF = 65  # an importable class or function, by name, from a package in REFERABLE
+
+REFERABLE = ("torch", "somatize")
+"""Packages whose classes and functions may cross by name (`torch.optim.SGD` as an argument):
+resolved by import on the other side, never unpickled. Anything else needs `--accept-code`."""
 _TUPLE = 1
 _SMALL = 1 << 16  # below this a frame is copied by zmq, which is faster than tracking it
 
@@ -117,6 +123,9 @@ def pack(token: str | bytes, message: Any, *, where: str | None = None) -> list[
             return msgpack.ExtType(_TUPLE, packb(list(value)))
         if torch is not None and isinstance(value, torch.Tensor):
             return msgpack.ExtType(_TENSOR, _tensor_ref(value, buffers))
+        named = _reference(value)
+        if named is not None:
+            return msgpack.ExtType(_REF, msgpack.packb(named))
         return codecs._default(value)
 
     def packb(value: Any) -> bytes:
@@ -152,6 +161,8 @@ def unpack(token: str | bytes, frames: list[Any]) -> Any:
             return tuple(unpackb(payload))
         if code == _TENSOR:
             return _tensor_from(payload, data, owners)
+        if code == _REF:
+            return _resolve(payload)
         return codecs._ext_hook(code, payload)
 
     def unpackb(payload: Any) -> Any:
@@ -172,6 +183,37 @@ def unpack(token: str | bytes, frames: list[Any]) -> Any:
         raise
     except Exception as error:
         raise Malformed(f"the header does not parse: {error!r}") from error
+
+
+def _reference(value: Any) -> list[str] | None:
+    """`[module, qualname]` for a class or function of a package in `REFERABLE`, else None."""
+    import types
+
+    if not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return None
+    module = getattr(value, "__module__", None) or ""
+    qualname = getattr(value, "__qualname__", "")
+    if module.split(".")[0] not in REFERABLE or "<" in qualname:
+        return None
+    return [module, qualname]
+
+
+def _resolve(payload: bytes) -> Any:
+    import importlib
+
+    try:
+        module, qualname = msgpack.unpackb(payload)
+    except Exception as error:
+        raise Malformed(f"a reference does not parse: {error!r}") from error
+    if not isinstance(module, str) or module.split(".")[0] not in REFERABLE or "<" in qualname:
+        raise Malformed(f"a reference to {module!r}, outside {REFERABLE}: refused")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as error:
+        raise Malformed(f"a reference to {module}.{qualname} does not resolve") from error
+    return found
 
 
 def _torch() -> Any:
@@ -203,14 +245,15 @@ def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
     size = raw.numel()
     buffers.append(raw.numpy() if size >= _SMALL else raw.numpy().tobytes())
     head = {"dtype": code, "shape": list(plain.shape), "data_offsets": [0, size]}
-    return msgpack.packb([len(buffers) - 1, json.dumps(head, separators=(",", ":"))])
+    grad = bool(tensor.requires_grad)
+    return msgpack.packb([len(buffers) - 1, json.dumps(head, separators=(",", ":")), grad])
 
 
 def _tensor_from(payload: bytes, data: list[memoryview], owners: list[Any]) -> Any:
     import torch
 
     try:
-        index, head = msgpack.unpackb(payload)
+        index, head, grad = msgpack.unpackb(payload)
         head = json.loads(head)
         dtype = getattr(torch, _DTYPES[head["dtype"]])
         shape = [int(s) for s in head["shape"]]
@@ -228,12 +271,21 @@ def _tensor_from(payload: bytes, data: list[memoryview], owners: list[Any]) -> A
         raise Malformed(
             f"a tensor of {shape} {head['dtype']} does not fit its frame of {frame.nbytes} bytes"
         )
+    made = _built(torch, frame, owners[index], dtype, shape, end)
+    if grad:
+        if not (made.is_floating_point() or made.is_complex()):
+            raise Malformed(f"a {head['dtype']} tensor cannot ask for a gradient")
+        made.requires_grad_(True)
+    return made
+
+
+def _built(torch: Any, frame: memoryview, owner: Any, dtype: Any, shape: list, end: int) -> Any:
     if end == 0:
         return torch.empty(shape, dtype=dtype)
     if end < _SMALL:
         flat = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
     else:
-        buffer = memoryview(getattr(owners[index], "buffer", owners[index]))
+        buffer = memoryview(getattr(owner, "buffer", owner))
         if buffer.readonly:  # bytes handed in by hand, not a received frame: copy once
             buffer = memoryview(bytearray(buffer))
         with warnings.catch_warnings():
