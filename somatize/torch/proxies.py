@@ -287,7 +287,7 @@ def _fisher(s: _Subject, example: Any, *, target: Any, objective: Callable, **_:
             d = d.sum(dim=list(range(2, d.dim())))
         elif d.dim() > 2:
             d = d.sum(dim=list(range(1, d.dim() - 1)))
-        total += float(0.5 * d.pow(2).mean(0).sum())
+        total += float(0.5 * d.detach().pow(2).mean(0).sum())
     return _log(total)
 
 

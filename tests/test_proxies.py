@@ -1,0 +1,238 @@
+"""proxies: each checked against its formula computed by hand on a network of a few weights;
+deterministic; and the network left exactly as it was."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from somatize import Graph, Node
+from somatize.torch.proxies import EVERY, proxies, proxy
+
+
+def _scalar_net(w1=0.7, w2=-1.3):
+    """y = w2 · relu(w1 · x): two weights."""
+    net = nn.Sequential(nn.Linear(1, 1, bias=False), nn.ReLU(), nn.Linear(1, 1, bias=False))
+    with torch.no_grad():
+        net[0].weight.fill_(w1)
+        net[2].weight.fill_(w2)
+    return net
+
+
+X = torch.tensor([[0.5], [1.0], [2.0]])
+T = torch.tensor([[1.0], [0.0], [-1.0]])
+
+
+def mse(out, target):
+    return ((out - target) ** 2).mean()
+
+
+def _hand(w1=0.7, w2=-1.3):
+    """Loss, gradient and Hessian of L = mean((w1 w2 x − t)²) for x > 0, by hand."""
+    x, t = X.double().flatten().numpy(), T.double().flatten().numpy()
+    y = w1 * w2 * x
+    r = y - t
+    g = np.array([np.mean(2 * r * w2 * x), np.mean(2 * r * w1 * x)])
+    h12 = np.mean(2 * x * (2 * w1 * w2 * x - t))
+    h = np.array([[np.mean(2 * w2**2 * x**2), h12], [h12, np.mean(2 * w1**2 * x**2)]])
+    return x, t, y, r, g, h
+
+
+def test_synflow_by_hand():
+    net = nn.Sequential(nn.Linear(2, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([[0.5, -1.0], [2.0, 0.25]]))
+        net[2].weight.copy_(torch.tensor([[-3.0, 0.5]]))
+    a1 = np.abs(net[0].weight.detach().double().numpy())
+    a2 = np.abs(net[2].weight.detach().double().numpy())
+    batch = 3
+    r = batch * (a2 @ a1 @ np.ones(2)).item()  # R = Σ output on ones, all-positive path
+    # Σ θ ∂R/∂θ for a network homogeneous of degree 2 in its weights is 2R (Euler)
+    assert proxy(net, torch.randn(batch, 2), "synflow") == pytest.approx(math.log(2 * r))
+
+
+def test_synflow_turns_batch_norm_off():
+    net = nn.Sequential(nn.Linear(2, 2, bias=False), nn.BatchNorm1d(2), nn.Linear(2, 1, bias=False))
+    bare = nn.Sequential(net[0], nn.Identity(), net[2])
+    x = torch.randn(4, 2)
+    assert proxy(net, x, "synflow") == pytest.approx(proxy(bare, x, "synflow"))
+
+
+def test_snip_grasp_grad_norm_by_hand():
+    net = _scalar_net()
+    w = np.array([0.7, -1.3])
+    _, _, _, _, g, h = _hand()
+    kw = dict(target=T, objective=mse)
+    assert proxy(net, X, "snip", **kw) == pytest.approx(math.log(np.abs(w * g).sum()), rel=1e-5)
+    assert proxy(net, X, "grad_norm", **kw) == pytest.approx(math.log(np.linalg.norm(g)), rel=1e-5)
+    assert proxy(net, X, "grasp", **kw) == pytest.approx(-(w @ (h @ g)), rel=1e-4)
+
+
+def test_fisher_by_hand():
+    net = _scalar_net()
+    x, t, y, r, g, h = _hand()
+    n = len(x)
+    a1, a2 = 0.7 * x, y  # outputs of the two learned layers
+    g2 = 2 * r / n  # ∂L/∂a2
+    g1 = g2 * -1.3  # ∂L/∂a1 through relu (a1 > 0) and w2
+    fisher = 0.5 * np.mean((a1 * g1) ** 2) + 0.5 * np.mean((a2 * g2) ** 2)
+    got = proxy(net, X, "fisher", target=T, objective=mse)
+    assert got == pytest.approx(math.log(fisher), rel=1e-5)
+
+
+def test_naswot_by_hand():
+    w1 = torch.tensor([[1.0, -1.0], [0.5, 2.0], [-1.0, -0.5]])
+    net = nn.Sequential(nn.Linear(2, 3, bias=False), nn.ReLU(), nn.Linear(3, 1, bias=False))
+    with torch.no_grad():
+        net[0].weight.copy_(w1)
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 1.0], [1.0, 1.0]])
+    c = ((x @ w1.T) > 0).double().numpy()
+    k = c @ c.T + (1 - c) @ (1 - c).T
+    assert proxy(net, x, "naswot") == pytest.approx(np.linalg.slogdet(k)[1])
+
+
+def test_jacob_cov_by_hand():
+    w1 = np.array([[1.0, -1.0], [0.5, 2.0], [-1.0, -0.5]])
+    w2 = np.array([0.3, -0.7, 1.1])
+    net = nn.Sequential(nn.Linear(2, 3, bias=False), nn.ReLU(), nn.Linear(3, 1, bias=False))
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor(w1))
+        net[2].weight.copy_(torch.tensor(w2).reshape(1, 3))
+    x = np.array([[1.0, 0.2], [0.1, 1.0], [-1.0, 1.0], [1.0, 1.5]])
+    # d(Σ y)/dx_b = W1ᵀ diag(relu'(W1 x_b)) w2
+    j = np.stack([w1.T @ ((w1 @ xb > 0) * w2) for xb in x])
+    v = np.linalg.eigvalsh(np.corrcoef(j))
+    want = -np.sum(np.log(v + 1e-5) + 1 / (v + 1e-5))
+    got = proxy(net, torch.tensor(x, dtype=torch.float32), "jacob_cov")
+    assert got == pytest.approx(want, rel=1e-3)
+
+
+def test_zen_by_hand():
+    w = torch.tensor([[1.0, -2.0], [0.5, 0.5]])
+    net = nn.Sequential(nn.Linear(2, 2, bias=False))
+    with torch.no_grad():
+        net[0].weight.copy_(w)
+    example = torch.zeros(5, 2)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2, generator=gen)
+    eps = torch.randn(5, 2, generator=gen)
+    # linear: f(x) − f(x + αε) = −α W ε
+    want = math.log(float((0.01 * (eps @ w.T)).abs().sum(1).mean()))
+    assert proxy(net, example, "zen") == pytest.approx(want, rel=1e-4)
+    bn = nn.Sequential(net[0], nn.BatchNorm1d(2))
+    h = x @ w.T
+    var = float(h.var(0, unbiased=False).mean())
+    hb = F.batch_norm(h, None, None, training=True)
+    hm = F.batch_norm((x + 0.01 * eps) @ w.T, None, None, training=True)
+    want = math.log(float((hb - hm).abs().sum(1).mean())) + 0.5 * math.log(var)
+    assert proxy(bn, example, "zen") == pytest.approx(want, rel=1e-3)
+
+
+# -- the contract ------------------------------------------------------------------------
+
+
+class Net(Node, nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(1, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(inplace=True),
+            nn.Dropout(0.3),
+            nn.Flatten(),
+        )
+
+    def forward(self, x, ctx):
+        return self.body(x)
+
+
+class Head(Node, nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x, ctx):
+        return self.fc(x)
+
+
+def _graph():
+    torch.manual_seed(0)
+    return Graph.somatize(Net() >> Head())
+
+
+def _state(g):
+    mods = [g.implementation(n) for n in g.nodes()]
+    return (
+        [(k, v.clone(), v.dtype) for m in mods for k, v in m.state_dict(keep_vars=True).items()],
+        [[(s.training, getattr(s, "inplace", None)) for s in m.modules()] for m in mods],
+        [p.grad for m in mods for p in m.parameters()],
+        [(p.data_ptr(), p.requires_grad) for m in mods for p in m.parameters()],
+        torch.get_rng_state(),
+    )
+
+
+def _same(a, b):
+    assert len(a[0]) == len(b[0])
+    for (k1, v1, d1), (k2, v2, d2) in zip(a[0], b[0], strict=True):
+        assert k1 == k2 and d1 == d2 and torch.equal(v1, v2), k1
+    assert a[1] == b[1]
+    assert all(x is y for x, y in zip(a[2], b[2], strict=True))
+    assert a[3] == b[3]
+    assert torch.equal(a[4], b[4])
+
+
+def test_every_proxy_leaves_the_net_as_it_was_and_answers_the_same_twice():
+    g = _graph()
+    g.implementation("head").fc.weight.grad = torch.ones(3, 144)
+    g.implementation("net").body[0].weight.requires_grad_(False)
+    x = torch.randn(8, 1, 6, 6)
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    before = _state(g)
+    first = proxies(g, x, target=y, objective=F.cross_entropy)
+    _same(before, _state(g))
+    assert list(first) == list(EVERY)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in first.values())
+    assert proxies(g, x, target=y, objective=F.cross_entropy) == first
+    g.implementation("net").eval()
+    before = _state(g)
+    proxies(g, x, target=y, objective=F.cross_entropy)
+    _same(before, _state(g))
+
+
+def test_loss_proxies_are_absent_without_a_loss_and_refused_alone():
+    g = _graph()
+    x = torch.randn(4, 1, 6, 6)
+    got = proxies(g, x)
+    assert set(got) == {"synflow", "zen", "naswot", "jacob_cov"}
+    for name in ("snip", "grasp", "grad_norm", "fisher"):
+        with pytest.raises(ValueError, match=f"{name} reads a loss"):
+            proxy(g, x, name)
+    with pytest.raises(ValueError, match="unknown proxy 'synflo'.*synflow"):
+        proxy(g, x, "synflo")
+
+
+def test_a_graph_and_its_module_score_the_same():
+    net = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+
+    class Whole(Node):
+        def __init__(self):
+            self.net = net
+
+        def forward(self, x, ctx):
+            return self.net(x)
+
+    x = torch.randn(6, 3)
+    assert proxies(Graph.somatize(Whole()), x) == proxies(net, x)
+
+
+def test_a_proxy_the_graph_cannot_give_is_absent():
+    net = nn.Sequential(nn.Linear(3, 2))
+    got = proxies(net, torch.randn(1, 3))
+    assert "naswot" not in got and "jacob_cov" not in got and "synflow" in got
+    with pytest.raises(ValueError, match="activation"):
+        proxy(net, torch.randn(4, 3), "naswot")
