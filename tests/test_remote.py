@@ -292,3 +292,122 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# -- training across a worker ------------------------------------------------------------
+
+
+def _split_run(broker: Broker | None, every: int) -> tuple[list[float], Any, Any]:
+    from somatize.torch import Split, Trainer, parameters
+
+    torch.manual_seed(0)
+    body = Lin(8, 8).named("body")
+    g = Graph.somatize(
+        Lin(4, 8).named("enc") >> (body.at("gpu") if broker else body) >> Lin(8, 2).named("head")
+    )
+    trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+    optimizer = torch.optim.SGD(parameters(g, without=trains), lr=0.1)
+    t = Trainer(
+        g,
+        objective=torch.nn.functional.mse_loss,
+        optimizer=optimizer,
+        trains=trains,
+        broker=broker,
+        every=every,
+    )
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)) for _ in range(10)]
+    losses = [t.step(batch) for batch in data]
+    t.update()
+    here = {n: dict(g.implementation(n).state_dict()) for n in ("body", "head")}
+    learnt = broker.weights(g, "body") if broker else here["body"]
+    return losses, learnt, here["head"]
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_split_training_across_a_worker_equals_training_here(two, every):
+    here = _split_run(None, every)
+    there = _split_run(Broker.embedded({"gpu": two.workers["a"]}), every)
+    assert there[0] == pytest.approx(here[0], abs=1e-6)
+    for a, b in ((here[1], there[1]), (here[2], there[2])):
+        assert set(a) == set(b)
+        for k in a:
+            assert torch.allclose(a[k], b[k], atol=1e-6), k
+    assert not torch.allclose(here[1]["lin.weight"], Lin(8, 8).lin.weight)  # it did learn
+
+
+def test_weights_learnt_on_a_worker_come_back_and_can_be_sent(two):
+    b = Broker.embedded({"a": two.workers["a"]})
+    lin = Lin(3, 3)
+    g = Graph.somatize(lin.at("a"))
+    x = torch.randn(2, 3)
+    before = g.forward(x, broker=b)
+    sent = {k: torch.full_like(v, 0.5) for k, v in lin.state_dict().items()}
+    b.load_weights(g, "lin", sent)
+    got = b.weights(g, "lin")
+    assert all(torch.equal(got[k], sent[k]) for k in sent)
+    after = g.forward(x, broker=b)
+    assert torch.allclose(after, (0.5 * x.sum(1, keepdim=True) + 0.5).expand(2, 3))
+    assert not after.requires_grad  # no history came back: it does not pretend to have one
+    assert not torch.allclose(before, g.forward(x, broker=b))
+    with pytest.raises(ValueError, match="nothing was loaded"):
+        b.load_weights(g, "lin", {"lin.weight": torch.zeros(3, 3)})
+    assert torch.equal(b.weights(g, "lin")["lin.weight"], sent["lin.weight"])  # untouched
+
+
+def test_training_a_remote_node_without_trains_is_no_gradient_naming_it(two):
+    from somatize.torch import NoGradient, Trainer, parameters
+
+    g = Graph.somatize(Lin(4, 4).named("enc") >> Lin(4, 2).named("far").at("a"))
+    t = Trainer(
+        g,
+        objective=torch.nn.functional.mse_loss,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        broker=Broker.embedded({"a": two.workers["a"]}),
+    )
+    with pytest.raises(NoGradient, match="'far'.*trains=\\{'far': Split"):
+        t.step((torch.randn(2, 4), torch.randn(2, 2)))
+
+
+def test_a_restarted_worker_answers_out_of_step_not_garbage():
+    from somatize.torch import OutOfStep, Split, Trainer, parameters
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "somatize.worker", "--listen", f"127.0.0.1:{port}"]
+    env = {**os.environ, "SOMATIZE_TOKEN": "tok", "PYTHONPATH": os.pathsep.join(sys.path)}
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    second = None
+    try:
+        first.stdout.readline()
+        g = Graph.somatize(Lin(4, 4).named("enc") >> Lin(4, 2).named("body").at("gpu"))
+        trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+        t = Trainer(
+            g,
+            objective=torch.nn.functional.mse_loss,
+            optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+            trains=trains,
+            broker=Broker.embedded({"gpu": Worker.at(f"127.0.0.1:{port}", token="tok")}),
+        )
+        batch = (torch.randn(2, 4), torch.randn(2, 2))
+        t.step(batch)
+        out = t._stages.forward(batch[0])  # the activation now waits on the worker
+        first.terminate()
+        first.wait()
+        second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        second.stdout.readline()
+        loss = torch.nn.functional.mse_loss(out, batch[1])
+        for _ in range(20):
+            try:
+                t._stages.backward(loss, True)
+                raise AssertionError("a gradient was accepted for an activation that is gone")
+            except WorkerLost:
+                time.sleep(0.1)
+                loss = torch.nn.functional.mse_loss(out, batch[1])
+            except OutOfStep as e:
+                assert "restarted" in str(e)
+                break
+    finally:
+        for p in (first, second):
+            if p is not None:
+                p.kill()
+                p.wait()

@@ -108,8 +108,11 @@ class Server:
             nodes[d["key"]] = self.rebuild(d)
         if op == "define":
             return len(nodes)
-        if op == "run":
-            return run_slice(nodes, m["slice"], m.get("given", {}), m.get("input"))
+        if op == "run":  # a plain forward: no autograd graph is kept for nobody
+            import torch
+
+            with torch.no_grad():
+                return run_slice(nodes, m["slice"], m.get("given", {}), m.get("input"))
         if op == "state":
             return state_of(self.node(nodes, m["key"]))
         if op == "load":
