@@ -1,0 +1,255 @@
+"""inside: kind_of by role, traced (fx, else a hooked forward), architecture on what really
+reaches each node, ×N folding, depth, most."""
+
+from __future__ import annotations
+
+import json
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+from somatize import Graph, Node
+from somatize.torch.inside import Inside, architecture, kind_of, traced
+
+
+class MyRMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.scale / x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+class Scaler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c1 = nn.Conv2d(c, c, 3, padding=1)
+        self.b1 = nn.BatchNorm2d(c)
+        self.r = nn.ReLU(inplace=True)
+        self.c2 = nn.Conv2d(c, c, 3, padding=1)
+        self.b2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(self.b2(self.c2(self.r(self.b1(self.c1(x))))) + x)
+
+
+class CNN(nn.Module):
+    def __init__(self, c=4, n=3):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)
+        self.blocks = nn.Sequential(*[Block(c) for _ in range(n)])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
+@pytest.mark.parametrize(
+    "what, kind",
+    [
+        (nn.Conv2d(1, 1, 1), "conv"),
+        (nn.ConvTranspose1d(1, 1, 1), "conv"),
+        (nn.Linear(1, 1), "learned"),
+        (nn.Embedding(3, 2), "learned"),
+        (Scaler(), "learned"),
+        (nn.LSTM(2, 2), "recurrent"),
+        (nn.GRUCell(2, 2), "recurrent"),
+        (nn.MultiheadAttention(4, 2), "attention"),
+        (nn.BatchNorm2d(2), "norm"),
+        (nn.LayerNorm(2), "norm"),
+        (MyRMSNorm(2), "norm"),
+        (nn.ReLU(), "activation"),
+        (nn.GELU(), "activation"),
+        (nn.Softmax(-1), "activation"),
+        (nn.Dropout(), "regular"),
+        (nn.MaxPool2d(2), "shaping"),
+        (nn.ZeroPad2d(1), "shaping"),
+        (nn.Flatten(), "shaping"),
+        (nn.Upsample(scale_factor=2), "shaping"),
+        (nn.Sequential(), "block"),
+        (Block(2), "block"),
+        (nn.TransformerEncoderLayer(4, 2), "block"),
+        (nn.Module(), "other"),
+        (torch.relu, "activation"),
+        (torch.flatten, "shaping"),
+        (operator.add, "other"),
+        (nn.BatchNorm1d, "norm"),
+    ],
+)
+def test_kind_of_by_role(what, kind):
+    assert kind_of(what) == kind
+
+
+def test_kind_of_a_subclass_with_a_new_name_keeps_its_role():
+    class Rectifier(nn.ReLU):
+        pass
+
+    class FancyGroupNorm(nn.Module):
+        pass
+
+    assert kind_of(Rectifier()) == "activation"
+    assert kind_of(FancyGroupNorm()) == "norm"
+
+
+def test_traced_residual_cnn_symbolically_folded_with_shapes():
+    inside = traced(CNN(), torch.randn(2, 3, 8, 8))
+    assert isinstance(inside, Inside) and inside.how == "symbolic" and inside.why is None
+    block = inside.layer("blocks.0")
+    assert block.kind == "block" and block.times == 3
+    assert block.repeats == ["blocks.1", "blocks.2"]
+    conv = inside.layer("blocks.0.c1")
+    assert conv.kind == "conv" and conv.shape == [2, 4, 8, 8] and conv.block == "blocks.0"
+    assert conv.times == 3 and conv.params == 4 * 4 * 9 + 4
+    assert "blocks.1.c1" in conv.repeats
+    assert inside.layer("fc").shape == [2, 10]
+    assert inside.layer("flatten").kind == "shaping"
+    # the residual edge, from before the blocks to the add inside the first one
+    assert ("stem", "blocks.0.add") in inside.edges
+    assert ("blocks.0.b2", "blocks.0.add") in inside.edges
+    assert all(not p.startswith("blocks.1") for p in (x.path for x in inside.layers))
+    data = inside.to_json()
+    assert json.loads(json.dumps(data)) == data
+    assert set(data["layers"][0]) >= {"path", "kind", "label", "shape", "params", "block"}
+
+
+def test_traced_without_an_example_is_symbolic_without_shapes():
+    inside = traced(CNN())
+    assert inside.how == "symbolic"
+    assert all(x.shape is None for x in inside.layers)
+    assert inside.layer("blocks.0").times == 3
+
+
+def test_traced_transformer_layer_falls_back_deterministically():
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 8)
+    first = traced(nn.TransformerEncoderLayer(8, 2, 16), x)
+    assert first.how == "traced" and first.why
+    again = traced(nn.TransformerEncoderLayer(8, 2, 16), x)
+    assert first.to_json() == again.to_json()
+    paths = [x.path for x in first.layers]
+    assert paths[:3] == ["self_attn", "dropout1", "add"]
+    assert first.layer("linear1").shape == [5, 2, 16]
+    assert ("norm1", "linear1") in first.edges
+    assert traced(nn.TransformerEncoderLayer(8, 2, 16)) is None
+
+
+def test_a_plain_function_is_not_traced():
+    assert traced(torch.relu, torch.randn(3)) is None
+    assert traced(lambda x: x) is None
+
+
+def test_depth_opens_a_composite_torch_ships():
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 4, enable_nested_tensor=False)
+    x = torch.randn(5, 2, 8)
+    closed = traced(enc, x)
+    layer = closed.layer("layers.0")
+    assert layer.times == 4 and not layer.made_of
+    opened = traced(enc, x, depth=1)
+    assert opened.layer("layers.0").times == 4
+    assert opened.layer("layers.0.self_attn").kind == "attention"
+    assert opened.layer("layers.0.linear1").times == 4
+
+
+def test_traced_leaves_the_module_as_it_was():
+    net = CNN()
+    other = nn.Sequential(nn.Dropout(0.5), nn.TransformerEncoderLayer(8, 2, 16))
+    x, y = torch.randn(2, 3, 8, 8), torch.randn(3, 2, 8)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    rng = torch.get_rng_state()
+    traced(net, x)
+    traced(other, y)
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert net.training and net.blocks[0].r.inplace
+
+
+def test_most_closes_the_deepest_blocks_first_then_cuts():
+    net = nn.Sequential(
+        *[nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)) for _ in range(6)]
+    )
+    for i, part in enumerate(net):  # different blocks: nothing folds
+        part[0] = nn.Linear(4, 4, bias=i % 2 == 0)
+    inside = traced(net, torch.randn(1, 4), most=8)
+    assert len(inside.layers) <= 8
+    assert all(x.path.count(".") == 0 for x in inside.layers)
+    assert inside.hidden == 0 and len(inside.layers) == 6
+    cut = traced(
+        nn.Sequential(*[nn.Linear(4, 4, bias=i % 2 == 0) for i in range(10)]), None, most=4
+    )
+    assert len(cut.layers) == 4 and cut.hidden == 6
+
+
+class Enc(Node, nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 8)
+        self.r = nn.ReLU()
+
+    def forward(self, x, ctx):
+        return self.r(self.l(x))
+
+
+class Branch(Node, nn.Module):
+    def __init__(self, o):
+        super().__init__()
+        self.l = nn.Linear(8, o)
+
+    def forward(self, x, ctx):
+        return self.l(x)
+
+
+class Join(Node):
+    def __init__(self):
+        self.net = nn.Sequential(nn.Linear(5, 6), nn.Tanh())
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x, ctx):
+        return self.head(self.net(torch.cat([x["branch"], x["branch_2"]], 1)))
+
+
+class Tokens(Node):
+    def forward(self, x, ctx):
+        return x * 1.0
+
+
+def _graph():
+    return Graph.somatize(Tokens() >> Enc() >> (Branch(2) | Branch(3)) >> Join())
+
+
+def test_architecture_traces_each_node_on_what_reaches_it():
+    g = _graph()
+    got = architecture(g, torch.randn(7, 4))
+    assert list(got) == ["enc", "branch", "branch_2", "join"]  # tokens holds no module
+    assert got["enc"].layer("l").shape == [7, 8]
+    assert got["branch_2"].layer("l").shape == [7, 3]
+    join = got["join"]
+    assert [x.path for x in join.layers] == ["net", "net.0", "net.1", "head"]
+    assert join.layer("net.0").shape == [7, 6] and join.layer("net.0").block == "net"
+    assert join.layer("head").shape == [7, 2] and join.layer("head").kind == "learned"
+    assert ("net.1", "head") in join.edges
+    assert "forward" not in vars(g.implementation("enc"))
+    assert g.forward(torch.randn(2, 4)).shape == (2, 2)
+
+
+def test_architecture_without_an_example_answers_symbolically():
+    got = architecture(_graph())
+    assert got["enc"].how == "symbolic" and got["enc"].layer("l").shape is None
+    assert [x.path for x in got["join"].layers] == ["net", "net.0", "net.1", "head"]
+
+
+def test_architecture_of_a_bare_module_is_keyed_by_its_class():
+    got = architecture(CNN(), torch.randn(1, 3, 8, 8))
+    assert list(got) == ["cnn"] and got["cnn"].layer("blocks.0").times == 3
