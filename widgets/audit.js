@@ -148,7 +148,8 @@ function render({ model, el: host }) {
     const labelW = Math.min(220, Math.max(60, ...s.places.map((p) => p.length * 6.6 + 12)));
     const cols = bins(s.steps);
     const plotW = W - labelW - 12;
-    const cw = cols.length ? Math.max(1, Math.min(18, plotW / cols.length)) : 10;
+    // room for at least 60 columns: a short run fills in from the left as it goes
+    const cw = Math.max(1, Math.min(18, plotW / Math.max(60, cols.length)));
     const rh = 16;
     const lossH = 96;
     const top = lossH + 18;
@@ -159,16 +160,17 @@ function render({ model, el: host }) {
     const lastStep = s.loss.length ? s.loss[s.loss.length - 1][0] : stepLo;
     const stepHi = Math.max(s.steps.length ? s.steps[s.steps.length - 1] : stepLo, lastStep);
     const x0 = labelW;
-    const x1 = labelW + (cols.length ? cw * cols.length : plotW);
-    el("rect", { x: x0, y: 4, width: Math.max(1, x1 - x0), height: lossH - 8, fill: "none", stroke: "#d7dbe3", "stroke-width": 1 }, svg);
-    el("text", { x: 4, y: 16, "font-size": 11, fill: "#5d6575", "font-weight": 600 }, svg).textContent = "loss";
-    const lp = lossPath(s.loss, x0 + 2, x1 - 2, 8, lossH - 8, stepLo, stepHi);
+    const x1 = labelW + Math.max(1, cols.length) * cw;
+    const frameR = labelW + Math.max(60, cols.length) * cw;
+    el("rect", { x: x0, y: 4, width: Math.max(1, frameR - x0), height: lossH - 8, fill: "none", stroke: "#d7dbe3", "stroke-width": 1 }, svg);
+    el("text", { x: labelW - 8, y: lossH / 2 + 4, "font-size": 11, fill: "#5d6575", "font-weight": 600, "text-anchor": "end" }, svg).textContent = "loss";
+    const lp = lossPath(s.loss, x0 + cw / 2, x1 - cw / 2, 10, lossH - 10, stepLo, stepHi);
     if (lp.d) {
       el("path", { d: lp.d, fill: "none", stroke: "#3d6fd9", "stroke-width": 1.6, class: "smz-loss" }, svg);
-      el("text", { x: x0 - 4, y: 14, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = number(lp.hi);
-      el("text", { x: x0 - 4, y: lossH - 6, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = number(lp.lo);
+      el("text", { x: frameR - 4, y: 16, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = `max ${number(lp.hi)}`;
+      el("text", { x: frameR - 4, y: lossH - 11, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = `min ${number(lp.lo)}`;
       const last = s.loss[s.loss.length - 1];
-      el("text", { x: x1, y: lossH + 10, "font-size": 10, fill: "#3d6fd9", "text-anchor": "end" }, svg).textContent = `step ${last[0]}: ${number(last[1])}`;
+      el("text", { x: x0, y: lossH + 10, "font-size": 10, fill: "#3d6fd9" }, svg).textContent = `step ${last[0]}: loss ${number(last[1])}`;
     }
     // heatmap
     const values = [];
@@ -218,7 +220,7 @@ function render({ model, el: host }) {
     if (s.steps.length) {
       const yb = top + s.places.length * rh + 14;
       el("text", { x: x0, y: yb, "font-size": 10, fill: "#5d6575" }, svg).textContent = `step ${s.steps[0]}`;
-      el("text", { x: x1, y: yb, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = `step ${s.steps[s.steps.length - 1]}`;
+      if (x1 - x0 > 90) el("text", { x: x1, y: yb, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = `step ${s.steps[s.steps.length - 1]}`;
     } else {
       el("text", { x: x0 + 8, y: top + 12, "font-size": 11, fill: "#8a93a6" }, svg).textContent = "waiting for health facts…";
     }

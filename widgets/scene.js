@@ -160,9 +160,11 @@ function insideScene(nodeId, inside, expanded, meta, container, edgesOut) {
   function emitBlock(b, parentElk, prefixFrom, prefixTo) {
     const blk = blocks.get(b);
     const kids = [...blocks.values()].filter((x) => x.parent === b);
-    if (blk.times === 1 && byBlock(b).length === 0 && kids.length === 1) {
-      // a plain container around one block draws as that block
-      emitBlock(kids[0].path, parentElk, prefixFrom, prefixTo);
+    const plain = /^(Sequential|ModuleList|ModuleDict)$/.test(String(blk.label));
+    if (blk.times === 1 && (plain || (byBlock(b).length === 0 && kids.length === 1))) {
+      // a plain container draws as what it holds
+      for (const l of byBlock(b)) emitLayer(l, parentElk, prefixFrom, prefixTo);
+      for (const k of kids) emitBlock(k.path, parentElk, prefixFrom, prefixTo);
       return;
     }
     const open = blk.times > 1 && isOpen(b);
