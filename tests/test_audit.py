@@ -1,0 +1,190 @@
+"""Audit: health facts per place and step, driven by a hand loop and by the Trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from somatize import Graph, Node
+from somatize.health import LEAKAGE, verdict
+from somatize.torch import Trainer, parameters
+from somatize.torch.audit import Audit
+
+
+class Layer(Node, nn.Module):
+    def __init__(self, i, o):
+        super().__init__()
+        self.l = nn.Linear(i, o)
+        self.r = nn.ReLU(inplace=True)
+
+    def forward(self, x, ctx):
+        return self.r(self.l(x))
+
+
+class Head(Node):
+    """A plain node holding a module."""
+
+    def __init__(self, i):
+        self.fc = nn.Linear(i, 3)
+
+    def forward(self, x, ctx):
+        return self.fc(x)
+
+
+def _graph():
+    torch.manual_seed(0)
+    return Graph.somatize(Layer(4, 8) >> Layer(8, 8) >> Head(8))
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g)
+
+
+def _loop(g, audit, steps, lr=0.1):
+    x, y = _data()
+    opt = torch.optim.SGD(parameters(g), lr=lr)
+    facts, params = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        F.cross_entropy(g.forward(x), y).backward()
+        first = g.implementation(g.nodes()[0])
+        params.append([p.detach().clone() for p in first.parameters()])
+        facts.append(audit.observed(g))
+        opt.step()
+    return facts, params
+
+
+def test_one_fact_per_place_with_typed_numbers_and_a_hand_checked_update_ratio():
+    g = _graph()
+    audit = Audit().watch(g)
+    facts, params = _loop(g, audit, 3)
+    audit.release()
+    assert [[f["where"] for f in step] for step in facts] == [["layer", "layer_2", "head"]] * 3
+    step2 = {f["where"]: f for f in facts[2]}
+    n = step2["layer"]["numbers"]
+    assert step2["layer"]["step"] == 2 and step2["layer"]["fact"] == "health"
+    for key in ("grad_norm", "param_norm", "update_ratio", "act_mean", "zero", "saturated"):
+        assert type(n[key]) is float, key
+    assert type(n["nan"]) is bool and type(n["inf"]) is bool
+    before, now = params[1], params[2]
+    diff = torch.cat([(a - b).flatten() for a, b in zip(now, before, strict=True)]).norm()
+    assert n["update_ratio"] == pytest.approx(
+        float(diff / torch.cat([b.flatten() for b in before]).norm()), rel=1e-5
+    )
+    assert n["param_norm"] == pytest.approx(
+        float(torch.cat([p.flatten() for p in now]).norm()), rel=1e-5
+    )
+    assert "update_ratio" not in {f["where"]: f for f in facts[0]}["layer"]["numbers"]
+    assert 0.0 < n["zero"] < 1.0  # in-place ReLU measured without complaint
+    assert "grad_norm" in step2["head"]["numbers"]
+
+
+def test_every_measures_one_step_in_n_and_keeps_the_update_ratio():
+    g = _graph()
+    audit = Audit(every=3).watch(g)
+    facts, _ = _loop(g, audit, 7)
+    audit.release()
+    assert [bool(f) for f in facts] == [True, False, False, True, False, False, True]
+    assert "update_ratio" in facts[3][0]["numbers"]
+    assert audit.step == 7
+
+
+def test_inside_channels_and_snapshot():
+    g = _graph()
+    audit = Audit(inside=True, channels=True, snapshot=2).watch(g)
+    facts, _ = _loop(g, audit, 3)
+    audit.release()
+    where = [f["where"] for f in facts[0]]
+    assert where == [
+        "layer",
+        "layer.l",
+        "layer.r",
+        "layer_2",
+        "layer_2.l",
+        "layer_2.r",
+        "head",
+        "head.fc",
+    ]
+    first = {f["where"]: f["numbers"] for f in facts[0]}
+    assert first["layer.r"]["channels"] == 8 and type(first["layer.r"]["dead_channels"]) is int
+    assert "effective_rank" in first["layer.r"] and first["layer.r"]["rank_room"] == 8
+    assert "effective_rank" not in {f["where"]: f["numbers"] for f in facts[1]}["layer.r"]
+    assert "update_stable_rank" in {f["where"]: f["numbers"] for f in facts[2]}["layer"]
+    assert "grad_norm" not in first["layer.r"]  # no parameters there
+
+
+def test_dead_channels_over_the_window():
+    g = _graph()
+    with torch.no_grad():
+        g.implementation("layer").l.bias[:3] = -100.0
+    audit = Audit(channels=True, inside=["layer.r"]).watch(g)
+    facts, _ = _loop(g, audit, 2, lr=0.0)
+    audit.release()
+    n = {f["where"]: f["numbers"] for f in facts[1]}["layer.r"]
+    assert n["dead_channels"] == 3 and n["channels"] == 8
+    assert "DEAD_CHANNELS(3)" in verdict(n)
+
+
+def test_groups_that_carry_the_same_thing_leak():
+    class Copy(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+
+        def forward(self, x, ctx):
+            h = self.l(x)
+            return torch.cat([h, 2 * h, torch.randn_like(h)], 1)
+
+    torch.manual_seed(0)
+    g = Graph.somatize(Copy() >> Head(12))
+    audit = Audit(groups={"copy": {"a": range(0, 4), "b": range(4, 8)}}).watch(g)
+    facts, _ = _loop(g, audit, 1)
+    audit.release()
+    cka = facts[0][0]["numbers"]["cka"]
+    assert cka == pytest.approx(1.0, abs=1e-6) and LEAKAGE in verdict(facts[0][0]["numbers"])
+    with pytest.raises(ValueError, match="groups.*nowhere"):
+        Audit(groups={"nowhere": {"a": [0], "b": [1]}}).watch(g)
+    with pytest.raises(ValueError, match="two channel groups"):
+        Audit(groups={"copy": {"a": [0]}})
+
+
+def test_release_takes_every_hook_off_and_refusals():
+    g = _graph()
+    audit = Audit(inside=True).watch(g)
+    with pytest.raises(RuntimeError, match="release"):
+        audit.watch(g)
+    audit.release()
+    node = g.implementation("layer")
+    assert "forward" not in vars(node)
+    assert not node.l._forward_hooks and not node.r._forward_hooks
+    with pytest.raises(RuntimeError, match="watch"):
+        audit.observed(g)
+    again = Audit().watch(g)
+    facts, _ = _loop(g, again, 1)
+    again.release()
+    assert len(facts[0]) == 3
+    with pytest.raises(ValueError, match="every"):
+        Audit(every=0)
+    with pytest.raises(ValueError, match="not in this graph"):
+        Audit(inside=["layer.nope"]).watch(g)
+
+
+def test_the_trainer_drives_it():
+    g = _graph()
+    heard = []
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=Audit(every=2),
+        watching=heard.append,
+    )
+    x, y = _data()
+    t.fit([(x, y)] * 4)
+    health = [f for f in heard if f["fact"] == "health"]
+    assert sorted({f["step"] for f in health}) == [0, 2]
+    assert {f["where"] for f in health} == {"layer", "layer_2", "head"}
+    assert "update_ratio" in health[-1]["numbers"]
