@@ -160,10 +160,17 @@ class _Tracer(fx.Tracer):
         return self.opening.closed(qualname)
 
 
-def by_fx(root: nn.Module, depth: int, args: tuple | None, kwargs: dict | None) -> Traced:
+def by_fx(
+    root: nn.Module,
+    depth: int,
+    args: tuple | None,
+    kwargs: dict | None,
+    recorded: dict[str, list[Any]] | None = None,
+) -> Traced:
     """Symbolically, then (with args) once through the traced graph for the shapes.
 
-    Raises whatever fx raises when it cannot follow the forward.
+    `recorded` holds what each submodule gave back when the graph ran, in call order; a layer
+    found there is not run again. Raises whatever fx raises when it cannot follow the forward.
     """
     opening = Opening(root, depth)
     graph = _Tracer(opening).trace(root)
@@ -200,12 +207,14 @@ def by_fx(root: nn.Module, depth: int, args: tuple | None, kwargs: dict | None) 
                     edges[(p, layer.path)] = None
     out.edges = list(edges)
     if args is not None:
-        _shapes(graph, root, made, args, kwargs or {})
+        _shapes(graph, root, made, args, kwargs or {}, recorded or {})
     _order(out, [made[n].path for n in graph.nodes if n in made])
     return out
 
 
-def _shapes(graph: fx.Graph, root: nn.Module, made: dict, args: tuple, kwargs: dict) -> None:
+def _shapes(
+    graph: fx.Graph, root: nn.Module, made: dict, args: tuple, kwargs: dict, recorded: dict
+) -> None:
     env: dict[fx.Node, Any] = {}
     given = iter(args)
     for n in graph.nodes:
@@ -223,7 +232,11 @@ def _shapes(graph: fx.Graph, root: nn.Module, made: dict, args: tuple, kwargs: d
                 for part in str(n.target).split("."):
                     value = getattr(value, part)
             elif n.op == "call_module":
-                value = root.get_submodule(n.target)(*a, **k)
+                known = recorded.get(n.target)
+                if known:
+                    value = known.pop(0)
+                else:
+                    value = root.get_submodule(n.target)(*a, **k)
             elif n.op == "call_function":
                 value = n.target(*a, **k)
             else:

@@ -134,12 +134,14 @@ def _single(module: nn.Module, call: tuple[tuple, dict] | None) -> Traced:
     return out
 
 
-def _raw(module: nn.Module, example: Any, depth: int) -> tuple[Traced, str, str | None] | None:
+def _raw(
+    module: nn.Module, example: Any, depth: int, recorded: dict | None = None
+) -> tuple[Traced, str, str | None] | None:
     call = _args(example)
     if next(module.children(), None) is None:
         return _single(module, call), "symbolic", None
     try:
-        raw = by_fx(module, depth, *(call if call else (None, None)))
+        raw = by_fx(module, depth, *(call if call else (None, None)), recorded)
         return raw, "symbolic", None
     except Exception as e:  # noqa: BLE001  (fx refuses in many ways; each is a reason)
         why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
@@ -229,13 +231,12 @@ def _held(parts: list[Inside], links: list[tuple[int, int]]) -> Inside:
     return Inside(layers, edges, how, why, hidden)
 
 
-def _capture(
-    graph: Any, example: Any, broker: Any
-) -> tuple[dict[tuple[str, str], _Call], dict[tuple[str, str], list[torch.Tensor]]]:
+def _capture(graph: Any, example: Any, broker: Any) -> tuple[dict, dict, dict]:
     """Run the graph once; what reached each module a node holds, as its exact arguments,
     and what each module held by a plain node gave back."""
     seen: dict[tuple[str, str], _Call] = {}
     gave: dict[tuple[str, str], list[torch.Tensor]] = {}
+    outputs: dict[tuple[str, str], dict[str, list[Any]]] = {}
     handles = []
     modules: list[nn.Module] = []
     for node in graph.nodes():
@@ -252,6 +253,15 @@ def _capture(
 
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             handles.append(module.register_forward_hook(done))
+        for name, module in named_modules_of(graph.implementation(node)):
+            mine = outputs.setdefault((node, name), {})
+            for path, sub in module.named_modules():
+                if path:
+
+                    def record(m: nn.Module, args: tuple, out: Any, into=mine, path=path) -> None:
+                        into.setdefault(path, []).append(out)
+
+                    handles.append(sub.register_forward_hook(record))
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
         if isinstance(graph, _One):
@@ -268,7 +278,7 @@ def _capture(
     finally:
         for h in handles:
             h.remove()
-    return seen, gave
+    return seen, gave, outputs
 
 
 def _links(node: str, names: list[str], calls: dict, gave: dict) -> list[tuple[int, int]]:
@@ -300,7 +310,7 @@ def architecture(
     layers a node's deepest blocks are closed. The net is left exactly as it was.
     """
     graph = as_graph(graph)
-    calls, gave = _capture(graph, example, broker) if example is not None else ({}, {})
+    calls, gave, outputs = _capture(graph, example, broker) if example is not None else ({}, {}, {})
     out: dict[str, Inside] = {}
     for node in graph.nodes():
         held = named_modules_of(graph.implementation(node))
@@ -310,7 +320,7 @@ def architecture(
             if example is not None and call is None:
                 continue  # never reached (a branch not taken, or run elsewhere)
             with untouched([module]), torch.no_grad():
-                got = _raw(module, call, depth)
+                got = _raw(module, call, depth, outputs.get((node, name)))
             if got is None:
                 continue
             parts.append(_prefixed(_finish(*got, most), name, module))
