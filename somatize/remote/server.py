@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="this worker's CURVE secret key (z85; default $SOMATIZE_CURVE_SECRET): encrypt",
     )
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     logging.basicConfig(
@@ -375,7 +376,12 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         token = secrets.token_hex(32)
         log.warning("no --token or SOMATIZE_TOKEN: clients must use SOMATIZE_TOKEN=%s", token)
+    import torch
+
     import somatize.torch  # noqa: F401  (tensors, devices: a worker without torch is no use)
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
 
     context = zmq.Context()
     sock = context.socket(zmq.ROUTER)
