@@ -307,6 +307,13 @@ class _Forward:
         self.by: dict[int, str] = {}
         self.keep: list[torch.Tensor] = []
         self.edges: dict[tuple[str, str], None] = {}
+        self.quiet: Any = None
+
+    def hush(self) -> None:
+        """Function mode back on, after a layer turned it off."""
+        if self.quiet is not None:
+            self.quiet.__exit__(None, None, None)
+            self.quiet = None
 
     def link(self, value: Any, path: str) -> None:
         for t in tree_flatten(value)[0]:
@@ -344,7 +351,10 @@ def by_forward(root: nn.Module, depth: int, args: tuple, kwargs: dict | None) ->
         visit("", root)
     try:
         with _Functions(s):
-            root(*args, **(kwargs or {}))
+            try:
+                root(*args, **(kwargs or {}))
+            finally:
+                s.hush()
     finally:
         for h in handles:
             h.remove()
@@ -359,6 +369,8 @@ def _leaf_in(s: _Forward, path: str):  # noqa: ANN202
             s.opening.add_leaf(s.out, path)
             s.order.append(path)
             s.link(args, path)
+            s.quiet = torch._C.DisableTorchFunction()  # nothing inside a layer is a layer
+            s.quiet.__enter__()
         s.inside += 1
 
     return hook
@@ -368,6 +380,7 @@ def _leaf_out(s: _Forward, path: str):  # noqa: ANN202
     def hook(module: nn.Module, args: tuple, output: Any) -> None:
         s.inside -= 1
         if s.inside == 0:
+            s.hush()
             layer = s.out.layers[path]
             if layer.shape is None:
                 layer.shape = _shape(output)
