@@ -74,7 +74,7 @@ class Sleeps(Node):
 
 @pytest.fixture(scope="module")
 def two():
-    a, b = Worker.spawn(), Worker.spawn()
+    a, b = Worker.spawn(["--threads", "1"]), Worker.spawn(["--threads", "1"])
     broker = Broker.embedded({"a": a, "b": b})
     yield broker
     broker.close()
