@@ -104,7 +104,7 @@ def main() -> None:
     print("| MLP | hand loop µs | Trainer.step µs | ratio (≤ 1.05) | Split step µs | Split / plain (≤ 1.3) |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, i, h, o, batch in SIZES:
-        m = measure(i, h, o, batch, loops=50, repeats=21)
+        m = measure(i, h, o, batch, loops=20, repeats=41)
         print(
             f"| {name} | {m['hand']:.0f} | {m['trainer']:.0f} | {m['trainer'] / m['hand']:.3f} "
             f"| {m['split']:.0f} | {m['split'] / m['trainer']:.3f} |"

@@ -36,6 +36,19 @@ LOSS = "<loss>"
 """The destination of a graph leaf: the objective, in the Trainer's process."""
 
 
+_calculus: Any = None
+
+
+def _torch() -> Any:
+    """somatize.torch.learning (leaves, envelopes), imported the first time a part needs it."""
+    global _calculus
+    if _calculus is None:
+        from somatize.torch import learning
+
+        _calculus = learning
+    return _calculus
+
+
 class Inlet(Node):
     """Picks the value of one source out of what a part was handed."""
 
@@ -172,8 +185,7 @@ class Part:
         trained node), so the gradient owed to each source can be read off them later.
         """
         if self.learning is None and not self.whole:
-            from somatize.torch.learning import leafed
-
+            leafed = _torch().leafed
             inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
             self._inputs = inputs
         x = inputs[self.sources[0]] if self.raw else inputs
@@ -196,10 +208,8 @@ class Part:
         (the last one already did, in `loss.backward()`). An envelope with nothing in it and
         no forward before it is the end of a group, passed on.
         """
-        import torch
-
-        from somatize.torch.learning import envelope, grad_of, pairs
-
+        calculus = _torch()
+        envelope, grad_of, pairs = calculus.envelope, calculus.grad_of, calculus.pairs
         closing = any(e.closing for e in envelopes.values())
         if self.learning is not None:
             (came,) = envelopes.values()
@@ -215,7 +225,7 @@ class Part:
                 for n, e in envelopes.items():
                     pairs(self._outputs.get(n), e.gradient, outs, grads)
                 if outs:
-                    torch.autograd.backward(outs, grads)
+                    calculus.torch.autograd.backward(outs, grads)
             held = self._inputs or {}
             owed = {s: grad_of(v) for s, v in held.items()}
         self._inputs = self._outputs = None
@@ -354,7 +364,7 @@ class Stages:
         (a leaf that crossed a cut to get here arrives as a leaf of its own)."""
         if self.whole:
             return self.graph.forward(x, store=store, watching=self.told or None)
-        from somatize.torch.learning import leafed
+        leafed = _torch().leafed
 
         began = time.perf_counter_ns()
         values: dict[str, Any] = {INPUT: x}
@@ -378,8 +388,7 @@ class Stages:
         part by part in reverse; `closing` rides along to say the group ends here."""
         loss.backward()
         if not self.whole:
-            from somatize.torch.learning import envelope, grad_of
-
+            envelope, grad_of = _torch().envelope, _torch().grad_of
             owed: dict[str, list] = {}
             for n in self.sunk:
                 owed[n] = [envelope(grad_of(self._sunk.pop(n)), closing)]
@@ -391,8 +400,7 @@ class Stages:
             self._back({}, True)
 
     def _back(self, owed: dict[str, list], closing: bool) -> None:
-        from somatize.torch.learning import envelope, gradient
-
+        envelope, gradient = _torch().envelope, _torch().gradient
         for k in range(len(self.parts) - 1, -1, -1):
             part = self.parts[k]
             envelopes = {}

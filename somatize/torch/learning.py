@@ -318,9 +318,6 @@ class Learning(Node):
             f"{type(self).__name__} is a Learning and must say learn(signal, ctx)"
         )
 
-    def __getstate__(self) -> dict[str, Any]:
-        return dict(self.__dict__)
-
     def __repr__(self) -> str:
         name = getattr(self.factory, "__name__", type(self.factory).__name__)
         how = "".join(f", {k}={v!r}" for k, v in self.how.items())
