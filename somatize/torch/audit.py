@@ -286,14 +286,18 @@ class Audit:
         t = tensors[0]
         a = t.detach()
         n = place.numbers
-        n["act_mean"] = float(a.mean()) if a.numel() else 0.0
-        n["nan"] = bool(a.isnan().any())
-        n["inf"] = bool(a.isinf().any())
-        place.zero.append(float((a.abs() <= _DEAD_EPS).float().mean()) if a.numel() else 0.0)
+        size = a.numel()
+        magnitude = a.abs()
+        total = float(magnitude.sum())
+        n["act_mean"] = float(a.sum()) / size if size else 0.0
+        n["nan"] = math.isnan(total)
+        n["inf"] = math.isinf(total)
+        zero = int(torch.count_nonzero(magnitude <= _DEAD_EPS)) / size if size else 0.0
+        place.zero.append(zero)
         if place.saturates == "sigmoid":
-            sat = float(((a <= 0.01) | (a >= 0.99)).float().mean())
+            sat = int(torch.count_nonzero((a <= 0.01) | (a >= 0.99))) / size
         elif place.saturates == "tanh":
-            sat = float((a.abs() >= 0.99).float().mean())
+            sat = int(torch.count_nonzero(magnitude >= 0.99)) / size
         else:
             sat = 0.0
         place.saturated.append(sat)
@@ -335,12 +339,13 @@ class Audit:
         for place in self._places.values():
             if keep_next and place.params:
                 with torch.no_grad():
+                    params = [p.detach() for p in place.params]
                     if place.prev is None:
-                        place.prev = [p.detach().clone() for p in place.params]
+                        place.prev = [p.clone() for p in params]
                     else:
-                        torch._foreach_copy_(place.prev, [p.detach() for p in place.params])
-            elif not keep_next and not measured:
-                pass
+                        torch._foreach_copy_(place.prev, params)
+            elif place.prev is not None and measured:
+                place.prev = None  # spent: the next measured step copies afresh
             place.numbers = {}
             place.out_grad = None
             place.features = None
@@ -355,19 +360,20 @@ class Audit:
                 grads = [p.grad for p in place.params if p.grad is not None]
                 params = [p.detach() for p in place.params]
                 if grads:
-                    n["grad_norm"] = _norm(grads)
-                    n["nan"] = bool(any(g.isnan().any() for g in grads))
-                    n["inf"] = bool(any(g.isinf().any() for g in grads))
-                size = _norm(params)
-                n["param_norm"] = size
-                if place.prev is not None:
-                    diff = torch._foreach_sub(params, place.prev)
-                    before = _norm(place.prev)
-                    n["update_ratio"] = _norm(diff) / before if before > 0 else 0.0
+                    norm = _norm(grads)
+                    n["grad_norm"] = norm
+                    n["nan"] = math.isnan(norm)
+                    n["inf"] = math.isinf(norm)
+                n["param_norm"] = _norm(params)
+                prev = place.prev
+                if prev is not None:
+                    before = _norm(prev)
+                    torch._foreach_sub_(prev, params)  # prev is now −Δθ; refilled after
+                    n["update_ratio"] = _norm(prev) / before if before > 0 else 0.0
                     if snapshot:
                         big = max(range(len(params)), key=lambda i: params[i].numel())
-                        if diff[big].dim() >= 2:
-                            n["update_stable_rank"] = _stable_rank(diff[big])
+                        if prev[big].dim() >= 2:
+                            n["update_stable_rank"] = _stable_rank(prev[big])
         seen = place.numbers
         if seen:
             n["act_mean"] = seen["act_mean"]

@@ -1,0 +1,85 @@
+"""What auditing costs: `Trainer.fit` with `Audit(every=1)` and `Audit(every=10)` against a plain
+`fit` of the same net on the same batches, all in the same run.
+
+An MLP of three nodes (64 → 256 → 256 → 10, ReLU) on 64-sample batches, SGD, 60 steps a fit.
+Targets: every=1 at most 1.5× plain, every=10 at most 1.1×. Medians of repeats, one thread.
+
+    python bench/audit.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from somatize import Graph, Node
+from somatize.torch import Trainer, parameters
+from somatize.torch.audit import Audit
+
+
+class Dense(Node, nn.Module):
+    """Linear, then ReLU unless it is the last."""
+
+    def __init__(self, i: int, o: int, last: bool = False) -> None:
+        super().__init__()
+        self.l = nn.Linear(i, o)
+        self.a = nn.Identity() if last else nn.ReLU()
+
+    def forward(self, x, ctx):  # noqa: ANN001, ANN201
+        return self.a(self.l(x))
+
+
+def graph() -> Graph:
+    torch.manual_seed(0)
+    return Graph.somatize(Dense(64, 256) >> Dense(256, 256) >> Dense(256, 10, last=True))
+
+
+def fit_seconds(auditing, batches) -> float:  # noqa: ANN001
+    g = graph()
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.01),
+        auditing=auditing,
+    )
+    t.fit(batches[:5])
+    t0 = time.perf_counter()
+    t.fit(batches)
+    took = time.perf_counter() - t0
+    if t.audit is not None:
+        t.audit.release()
+    return took
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randn(64, 64, generator=gen), torch.randint(0, 10, (64,), generator=gen))
+        for _ in range(60)
+    ]
+    kinds = {
+        "plain fit": lambda: None,
+        "Audit(every=1)": lambda: Audit(every=1),
+        "Audit(every=10)": lambda: Audit(every=10),
+        "Audit(every=1, channels=True, inside=True)": lambda: Audit(channels=True, inside=True),
+    }
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(7):  # interleaved, so a busy moment hits every kind alike
+        for name, make in kinds.items():
+            times[name].append(fit_seconds(make(), batches))
+    plain = statistics.median(times["plain fit"])
+    print("| fit of 60 steps | ms | × plain | target |")
+    print("|---|---:|---:|---:|")
+    targets = {"Audit(every=1)": "≤ 1.5×", "Audit(every=10)": "≤ 1.1×"}
+    for name, ts in times.items():
+        ms = statistics.median(ts)
+        print(f"| {name} | {ms * 1e3:.1f} | {ms / plain:.2f} | {targets.get(name, '')} |")
+
+
+if __name__ == "__main__":
+    main()
