@@ -346,6 +346,9 @@ def test_bad_batches_and_uneven_micro_pieces_are_refused():
     t = Trainer(g, objective=lambda o, y: (o - y) ** 2, optimizer=SGD(parameters(g), lr=0.1))
     with pytest.raises(TypeError, match="one number"):
         t.step(batches(1)[0])
+    t = Trainer(g, objective=lambda o, y: torch.tensor(1.0), optimizer=SGD(parameters(g), lr=0.1))
+    with pytest.raises(ValueError, match="does not depend"):
+        t.step(batches(1)[0])
     with pytest.raises(TypeError, match="exhausted"):
         plain(mlp()).fit((b for b in batches(2)), epochs=2)
 

@@ -377,6 +377,12 @@ class Trainer:
                 f"the objective gave {shape}, not a tensor with one number: reduce it "
                 "(e.g. reduction='mean') so there is one loss to go backward from"
             )
+        if not loss.requires_grad:
+            raise ValueError(
+                "the loss does not depend on anything being trained (it asks for no gradient): "
+                "check that the objective uses the graph's output, and that not every node "
+                "before it is frozen"
+            )
         return loss
 
     def _apply(self, step: int) -> None:
