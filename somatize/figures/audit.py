@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +66,14 @@ class LiveAudit(anywidget.AnyWidget):
         self._verdict = _verdict_function() if verdict == "default" else verdict
         self._lock = threading.RLock()
         self._loss: list[tuple[int, float]] = []
-        self._cells: dict[tuple[str, int], list[Any]] = {}  # (where, step) -> [numbers, flags]
-        self._pending_loss: list[tuple[int, float]] = []
-        self._pending_cells: list[tuple[str, int, dict[str, Any]]] = []
+        self._cells: dict[
+            tuple[str, int], tuple[dict, tuple]
+        ] = {}  # (where, step) -> (numbers, flags)
+        self._inbox: deque[dict[str, Any]] = deque()  # appended here, drained by a sender
         self._out_loss: list[list[Any]] = []
         self._out_cells: list[list[Any]] = []
         self._seen_metrics: list[str] = []
+        self._seen_set: set[str] = set()
         self._last_sent = 0.0
         self._timer: threading.Timer | None = None
         self._seq = 0
@@ -79,18 +82,15 @@ class LiveAudit(anywidget.AnyWidget):
 
     # -- taking facts ---------------------------------------------------------------------
     def __call__(self, fact: dict[str, Any]) -> None:
-        """Take one fact; `loss` and `health` facts are kept, others ignored."""
+        """Take one fact; `loss` and `health` facts are kept, others ignored. Cheap: the fact
+        is queued as it is and read when the batch goes out."""
         kind = fact.get("fact")
-        if kind == "loss":
-            with self._lock:
-                self._pending_loss.append((int(fact.get("step", len(self._loss))), fact["value"]))
-        elif kind == "health":
-            numbers = fact.get("numbers") or {}
-            with self._lock:
-                self._pending_cells.append((str(fact["where"]), int(fact["step"]), dict(numbers)))
-        else:
-            return
-        self._maybe_send()
+        if kind == "health" or kind == "loss":
+            self._inbox.append(fact)
+            if time.monotonic() - self._last_sent >= self.interval:
+                self._push()
+            elif self._timer is None:
+                self._arm()
 
     def flush(self) -> None:
         """What the Trainer calls at the end of a step: send if the interval has passed, else
@@ -105,35 +105,50 @@ class LiveAudit(anywidget.AnyWidget):
     def _maybe_send(self) -> None:
         if time.monotonic() - self._last_sent >= self.interval:
             self._push()
-            return
+        elif self._timer is None:
+            self._arm()
+
+    def _arm(self) -> None:
         with self._lock:
-            if self._timer is None and (self._pending_loss or self._pending_cells):
+            if self._timer is None and self._inbox:
                 wait = max(0.0, self.interval - (time.monotonic() - self._last_sent))
                 self._timer = threading.Timer(wait, self._push)
                 self._timer.daemon = True
                 self._timer.start()
 
-    def _take_pending(self) -> list[str]:
-        """Move what came in into what is kept, and into the outbox; the new metric names."""
-        loss, self._pending_loss = self._pending_loss, []
-        raw, self._pending_cells = self._pending_cells, []
-        new_metrics = []
-        for where, step, numbers in raw:
+    def _take_pending(self) -> None:
+        """Move what came in into what is kept, and into the outbox."""
+        inbox = []
+        while True:
+            try:
+                inbox.append(self._inbox.popleft())
+            except IndexError:
+                break
+        seen = self._seen_set
+        cells, out = self._cells, self._out_cells
+        for fact in inbox:
+            if fact["fact"] == "loss":
+                step = int(fact.get("step", len(self._loss)))
+                value = fact["value"]
+                self._loss.append((step, value))
+                self._out_loss.append([step, _clean(value)])
+                continue
+            numbers = dict(fact.get("numbers") or {})
+            where, step = str(fact["where"]), int(fact["step"])
             for k in numbers:
-                if k not in self._seen_metrics:
+                if k not in seen:
+                    seen.add(k)
                     self._seen_metrics.append(k)
-                    new_metrics.append(k)
-            flags = self._flags(numbers)
-            kept = self._cells.get((where, step))
+            flags = self._flags(numbers) if self._verdict is not None else []
+            kept = cells.get((where, step))
             if kept is None:
-                self._cells[(where, step)] = [numbers, flags]
-            else:
-                kept[0].update(numbers)
-                kept[1] = sorted(set(kept[1]) | set(flags))
-            self._out_cells.append([where, step, jsonable(numbers), flags])
-        self._loss.extend(loss)
-        self._out_loss.extend([s, jsonable(float(v))] for s, v in loss)
-        return new_metrics
+                cells[(where, step)] = (numbers, tuple(flags))
+            else:  # tuples, not lists: the garbage collector stops looking at them
+                cells[(where, step)] = (
+                    {**kept[0], **numbers},
+                    tuple(sorted(set(kept[1]) | set(flags))),
+                )
+            out.append([where, step, {k: _clean(v) for k, v in numbers.items()}, flags])
 
     def _flags(self, numbers: dict[str, Any]) -> list[str]:
         if self._verdict is None:
@@ -171,9 +186,9 @@ class LiveAudit(anywidget.AnyWidget):
             return {
                 "kind": "reset",
                 "seq": self._seq,
-                "loss": [[s, jsonable(float(v))] for s, v in self._loss],
+                "loss": [[s, _clean(v)] for s, v in self._loss],
                 "cells": [
-                    [where, step, jsonable(numbers), flags]
+                    [where, step, {k: _clean(v) for k, v in numbers.items()}, list(flags)]
                     for (where, step), (numbers, flags) in self._cells.items()
                 ],
             }
@@ -190,7 +205,8 @@ class LiveAudit(anywidget.AnyWidget):
     def loss(self) -> list[tuple[int, float]]:
         """The loss facts seen, as (step, value), including any not yet sent."""
         with self._lock:
-            return list(self._loss) + list(self._pending_loss)
+            self._take_pending()
+            return list(self._loss)
 
     def frame(self) -> Any:
         """The health facts seen as a pandas DataFrame: one row per (where, step), a column
@@ -212,3 +228,13 @@ class LiveAudit(anywidget.AnyWidget):
         text = page("audit", state, title=self.title, replies=[self.snapshot()])
         path.write_text(text, encoding="utf-8")
         return path
+
+
+def _clean(value: Any) -> Any:
+    """A number as JSON can carry it: a finite float or int as is, NaN and infinities as text."""
+    t = type(value)
+    if t is float:
+        return value if value - value == 0.0 else str(value)
+    if t is int or t is bool or value is None:
+        return value
+    return jsonable(value)

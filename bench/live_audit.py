@@ -1,0 +1,152 @@
+"""What the live audit costs a fast training loop.
+
+A hand-written step of a 3-layer MLP (64-128-128-10, batch 64, one thread: zero_grad, forward,
+loss, backward, step, `.item()`), then the same step handing one `loss` fact and three `health`
+facts to a watcher: a watcher that does nothing, and a `LiveAudit`. Measured interleaved in one
+run, medians of repeats. Target: the LiveAudit step at most 1.05 x the do-nothing watcher's
+(the numbers in the facts are the Audit's cost, not the figure's).
+
+The figure's messages only cost what they cost inside a kernel (serialised, sent on iopub), so
+by default this script starts a real kernel with jupyter_client and runs itself there:
+
+    python bench/live_audit.py           # prints a markdown table
+    python bench/live_audit.py --here    # in this process (no kernel: sends cost nothing)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def measure(loops: int = 400, repeats: int = 7) -> dict[str, Any]:
+    import torch
+    from torch import nn
+
+    from somatize.figures import LiveAudit
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    a, b, c = nn.Linear(64, 128), nn.Linear(128, 128), nn.Linear(128, 10)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters(), *c.parameters()], lr=0.01)
+    x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    loss = nn.functional.cross_entropy
+    numbers = {"grad_norm": 0.02, "update_ratio": 1e-3, "zero": 0.4, "mean": 0.1, "std": 0.9}
+    places = ("mlp.0", "mlp.1", "mlp.2")
+    step = [0]
+
+    def hand() -> float:
+        opt.zero_grad()
+        value = loss(c(torch.relu(b(torch.relu(a(x))))), y)
+        value.backward()
+        opt.step()
+        return value.item()
+
+    def with_watcher(watch: Any) -> Any:
+        flush = getattr(watch, "flush", None)
+
+        def run() -> None:
+            v = hand()
+            s = step[0]
+            step[0] += 1
+            watch({"fact": "loss", "value": v, "step": s})
+            for where in places:
+                watch({"fact": "health", "where": where, "step": s, "numbers": dict(numbers)})
+            if flush is not None:
+                flush()
+
+        return run
+
+    audit = LiveAudit(verdict=None)
+    judged = LiveAudit()  # with somatize.health.verdict on every health fact
+    fns = {
+        "hand step": hand,
+        "+ facts to a no-op watcher": with_watcher(lambda fact: None),
+        "+ facts to LiveAudit": with_watcher(audit),
+        "+ facts to LiveAudit with verdicts": with_watcher(judged),
+    }
+    for fn in fns.values():  # warm up
+        for _ in range(50):
+            fn()
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter_ns(), time.process_time_ns()
+            for _ in range(loops):
+                fn()
+            wall[name].append((time.perf_counter_ns() - t0) / loops / 1e3)
+            cpu[name].append((time.process_time_ns() - c0) / loops / 1e3)
+    audit.sync()
+    judged.sync()
+    return {
+        "us": {k: statistics.median(v) for k, v in wall.items()},
+        "cpu": {k: statistics.median(v) for k, v in cpu.items()},
+        "sends": audit.sends,
+        "steps": step[0],
+        "kernel": _in_kernel(),
+    }
+
+
+def _in_kernel() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def table(result: dict[str, Any]) -> str:
+    us, cpu = result["us"], result["cpu"]
+    base, cbase = us["+ facts to a no-op watcher"], cpu["+ facts to a no-op watcher"]
+    lines = [
+        f"where: {'a kernel (messages serialised and sent)' if result['kernel'] else 'no kernel'}; "
+        f"{result['steps']} steps, {result['sends']} messages sent by one LiveAudit",
+        "",
+        "| step | wall µs | × no-op watcher | CPU µs (all threads) | × no-op watcher |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, t in us.items():
+        c = cpu[name]
+        lines.append(f"| {name} | {t:.1f} | {t / base:.3f} | {c:.1f} | {c / cbase:.3f} |")
+    return "\n".join(lines)
+
+
+def in_kernel() -> dict[str, Any]:
+    """Run `measure` in a fresh kernel and hand its answer back."""
+    import json
+
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        here = Path(__file__).resolve()
+        code = (
+            f"import sys, json; sys.path.insert(0, {str(here.parent.parent)!r}); "
+            f"sys.path.insert(0, {str(here.parent)!r}); import live_audit; "
+            "print('RESULT' + json.dumps(live_audit.measure()))"
+        )
+        out: list[str] = []
+
+        def take(msg: dict) -> None:
+            if msg["msg_type"] == "stream":
+                out.append(msg["content"]["text"])
+            elif msg["msg_type"] == "error":
+                out.append("\n".join(msg["content"]["traceback"]))
+
+        kc.execute_interactive(code, timeout=600, output_hook=take)
+        text = "".join(out)
+        if "RESULT" not in text:
+            raise RuntimeError(text)
+        return json.loads(text.split("RESULT", 1)[1].strip().splitlines()[0])
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+if __name__ == "__main__":
+    print(table(measure() if "--here" in sys.argv else in_kernel()))
