@@ -22,6 +22,7 @@ demo: setup
 test: setup
 	$(BIN)/ruff check somatize tests bench
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) --no-print-directory test-notebooks
 
 test-notebooks: setup
 	$(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with notebooks/sanitize.cfg
