@@ -37,10 +37,12 @@ def _scale(colour: dict[str, Any]):
     f = math.log10 if log else (lambda v: v)
     a, b = f(lo), f(hi)
 
-    def fill(v: Any) -> str | None:
+    def fill(v: Any) -> tuple[str, str] | None:
+        """(fill, ink) for a value, or None."""
         if not isinstance(v, (int, float)) or not math.isfinite(v):
             return None
-        return _viridis(0.5 if a == b else (f(v) - a) / (b - a))
+        t = 0.5 if a == b else (f(v) - a) / (b - a)
+        return _viridis(t), ("#111" if t > 0.55 else "#fff")
 
     return fill
 
@@ -49,6 +51,7 @@ def _rows(inside: dict[str, Any]) -> list[tuple[int, str, str]]:
     """(indent, text, path) per row: leaf layers, and a folded block's header."""
     layers = inside.get("layers", [])
     blocks = {layer.get("block") for layer in layers if layer.get("block")}
+    times = {layer["path"]: layer.get("times", 1) for layer in layers}
     rows = []
     for layer in layers:
         depth, b = 0, layer.get("block")
@@ -57,7 +60,7 @@ def _rows(inside: dict[str, Any]) -> list[tuple[int, str, str]]:
             parent = next((x for x in layers if x["path"] == b), None)
             b = parent.get("block") if parent else None
         text = str(layer.get("label") or layer.get("kind") or layer["path"])
-        if layer.get("times", 1) > 1:
+        if layer.get("times", 1) > max(1, times.get(layer.get("block"), 1)):
             text += f"  ×{layer['times']}"
         shape = layer.get("shape")
         if layer["path"] not in blocks and isinstance(shape, list) and shape:
@@ -117,24 +120,24 @@ def fallback_svg(plan: dict[str, Any], insides: dict[str, Any], colour: dict[str
         )
     for n in nodes:
         (x0, y0), (w, h) = pos[n], size[n]
-        f = fill(colour.get(n))
+        bg, ink = fill(colour.get(n)) or ("#f6f7fa", "#1f2430")
         out.append(
             f'<g class="node"><rect x="{x0:.1f}" y="{y0:.1f}" width="{w:.1f}" height="{h:.1f}" '
-            f'rx="8" fill="{f or "#f6f7fa"}" stroke="#9aa3b5"/>'
+            f'rx="8" fill="{bg}" stroke="#9aa3b5"/>'
             f'<text x="{x0 + 12:.1f}" y="{y0 + 19:.1f}" font-size="13" font-weight="700" '
-            f'fill="#1f2430">{escape(n)}</text>'
-            f'<text x="{x0 + 12:.1f}" y="{y0 + 34:.1f}" font-size="11" fill="#5d6575">'
-            f"{escape(kinds[n])}</text>"
+            f'fill="{ink}">{escape(n)}</text>'
+            f'<text x="{x0 + 12:.1f}" y="{y0 + 34:.1f}" font-size="11" fill="{ink}" '
+            f'fill-opacity="0.75">{escape(kinds[n])}</text>'
         )
         if n in insides:
             for i, (depth, text, path) in enumerate(_rows(insides[n])):
                 ry = y0 + 46 + 20 * i
-                lf = fill(colour.get(f"{n}.{path}"))
+                lf, link = fill(colour.get(f"{n}.{path}")) or ("#ffffff", "#1f2430")
                 rx = x0 + 10 + 14 * depth
                 out.append(
                     f'<rect x="{rx:.1f}" y="{ry:.1f}" width="{x0 + w - 10 - rx:.1f}" height="17" '
-                    f'rx="3" fill="{lf or "#ffffff"}" stroke="#b9c0cd"/>'
-                    f'<text x="{rx + 6:.1f}" y="{ry + 12.5:.1f}" font-size="11" fill="#1f2430">'
+                    f'rx="3" fill="{lf}" stroke="#b9c0cd"/>'
+                    f'<text x="{rx + 6:.1f}" y="{ry + 12.5:.1f}" font-size="11" fill="{link}">'
                     f"{escape(text)}</text>"
                 )
         out.append("</g>")
