@@ -88,11 +88,11 @@ class _Place:
         self.groups: dict[str, list[int]] | None = None
 
 
-def _norm(tensors: list[torch.Tensor]) -> float:
+def _group(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of several tensors as one vector, left as a tensor (no sync)."""
     if not tensors:
-        return 0.0
-    norms = torch._foreach_norm(tensors)
-    return float(torch.linalg.vector_norm(torch.stack(norms)))
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))).float()
 
 
 def _channel_view(t: torch.Tensor, conv: bool) -> torch.Tensor:
@@ -117,8 +117,11 @@ def _cka(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def _effective_rank(f: torch.Tensor) -> tuple[float, int]:
+    """exp of the entropy of the normalised singular values (Roy & Vetterli), from the
+    eigenvalues of the smaller Gram matrix."""
     f = f - f.mean(0, keepdim=True)
-    s = torch.linalg.svdvals(f)
+    gram = f @ f.T if f.shape[0] <= f.shape[1] else f.T @ f
+    s = torch.linalg.eigvalsh(gram).clamp(min=0).sqrt()
     total = float(s.sum())
     room = min(f.shape)
     if total <= 0:
@@ -128,10 +131,24 @@ def _effective_rank(f: torch.Tensor) -> tuple[float, int]:
     return float(torch.exp(-(p * p.log()).sum())), room
 
 
-def _stable_rank(d: torch.Tensor) -> float:
+def _stable_rank(d: torch.Tensor, iters: int = 32) -> float:
+    """‖D‖_F² / ‖D‖_2², the top singular value by power iteration from a fixed start."""
     d = d.reshape(d.shape[0], -1).double()
-    top = float(torch.linalg.matrix_norm(d, ord=2))
-    return float(d.pow(2).sum()) / (top * top) if top > 0 else 0.0
+    frob = float(d.pow(2).sum())
+    if frob == 0:
+        return 0.0
+    v = torch.ones(d.shape[1], dtype=d.dtype)
+    top = 0.0
+    for _ in range(iters):
+        u = d @ v
+        v = d.T @ u
+        top = float(v.norm())
+        if top == 0:
+            return 0.0
+        v = v / top
+    # after the loop, ‖Dv‖ with v the top right singular vector is σ_max
+    sigma = float((d @ v).norm())
+    return frob / (sigma * sigma)
 
 
 class Audit:
@@ -286,20 +303,20 @@ class Audit:
         t = tensors[0]
         a = t.detach()
         n = place.numbers
-        size = a.numel()
+        size = a.numel() or 1
         magnitude = a.abs()
-        total = float(magnitude.sum())
-        n["act_mean"] = float(a.sum()) / size if size else 0.0
+        parts = [magnitude.sum(), a.sum(), (magnitude <= _DEAD_EPS).sum()]
+        if place.saturates == "sigmoid":
+            parts.append(((a <= 0.01) | (a >= 0.99)).sum())
+        elif place.saturates == "tanh":
+            parts.append((magnitude >= 0.99).sum())
+        values = torch.stack([p.double() for p in parts]).tolist()
+        total = values[0]
+        n["act_mean"] = values[1] / size
         n["nan"] = math.isnan(total)
         n["inf"] = math.isinf(total)
-        zero = int(torch.count_nonzero(magnitude <= _DEAD_EPS)) / size if size else 0.0
-        place.zero.append(zero)
-        if place.saturates == "sigmoid":
-            sat = int(torch.count_nonzero((a <= 0.01) | (a >= 0.99))) / size
-        elif place.saturates == "tanh":
-            sat = int(torch.count_nonzero(magnitude >= 0.99)) / size
-        else:
-            sat = 0.0
+        place.zero.append(values[2] / size)
+        sat = values[3] / size if len(values) > 3 else 0.0
         place.saturated.append(sat)
         if t.requires_grad:
             place.out_grad = None
@@ -359,17 +376,21 @@ class Audit:
             with torch.no_grad():
                 grads = [p.grad for p in place.params if p.grad is not None]
                 params = [p.detach() for p in place.params]
-                if grads:
-                    norm = _norm(grads)
-                    n["grad_norm"] = norm
-                    n["nan"] = math.isnan(norm)
-                    n["inf"] = math.isinf(norm)
-                n["param_norm"] = _norm(params)
                 prev = place.prev
+                groups = [_group(params), _group(grads)]
                 if prev is not None:
-                    before = _norm(prev)
+                    groups.append(_group(prev))
                     torch._foreach_sub_(prev, params)  # prev is now −Δθ; refilled after
-                    n["update_ratio"] = _norm(prev) / before if before > 0 else 0.0
+                    groups.append(_group(prev))
+                values = torch.stack(groups).tolist()
+                n["param_norm"] = values[0]
+                if grads:
+                    n["grad_norm"] = values[1]
+                    n["nan"] = math.isnan(values[1])
+                    n["inf"] = math.isinf(values[1])
+                if prev is not None:
+                    before = values[2]
+                    n["update_ratio"] = values[3] / before if before > 0 else 0.0
                     if snapshot:
                         big = max(range(len(params)), key=lambda i: params[i].numel())
                         if prev[big].dim() >= 2:
