@@ -64,7 +64,9 @@ def main() -> None:
     probe_x, probe_y = xtr[:64], ytr[:64]
     rows = []
     took = []
-    for width, depth, act, norm in itertools.product((16, 64), (1, 2, 3), ACTIVATIONS, (False, True)):
+    for width, depth, act, norm in itertools.product(
+        (16, 64), (1, 2, 3), ACTIVATIONS, (False, True)
+    ):
         torch.manual_seed(0)
         g = Graph.somatize(MLP(width, depth, act, norm))
         t0 = time.perf_counter()
@@ -80,7 +82,9 @@ def main() -> None:
             accuracy = float((g.forward(xte).argmax(1) == yte).float().mean())
         count = sum(p.numel() for p in parameters(g))
         rows.append({"accuracy": accuracy, "params": count, **scores})
-        print(f"{width:>3} {depth} {act:<7} {'bn' if norm else '  '} acc {accuracy:.3f}", flush=True)
+        print(
+            f"{width:>3} {depth} {act:<7} {'bn' if norm else '  '} acc {accuracy:.3f}", flush=True
+        )
     accuracy = [r["accuracy"] for r in rows]
     print(f"\n{len(rows)} candidates, test accuracy {min(accuracy):.3f}–{max(accuracy):.3f}\n")
     print("| score | Spearman ρ with test accuracy |")
