@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["register", "move", "place", "state_digest", "trainable"]
+__all__ = ["register", "move", "place", "state_digest", "trainable", "entry"]
 
 
 def _move(value: Any, device: str) -> Any:
@@ -28,11 +28,16 @@ def _trainable(node: Any) -> bool:
     return False
 
 
+def _entry(node: Any) -> Callable[[Any, Any], Any]:
+    return node.forward
+
+
 _table: dict[str, Callable[..., Any]] = {
     "move": _move,
     "place": _place,
     "state_digest": _state_digest,
     "trainable": _trainable,
+    "entry": _entry,
 }
 
 
@@ -62,3 +67,9 @@ def state_digest(node: Any) -> str | None:
 def trainable(node: Any) -> bool:
     """Whether the node holds parameters that an optimizer could move."""
     return bool(_table["trainable"](node))
+
+
+def entry(node: Any) -> Callable[[Any, Any], Any]:
+    """What the engine calls to run a node: `node.forward`, or the module's `__call__` so that
+    hooks registered on a node that is an `nn.Module` fire."""
+    return _table["entry"](node)

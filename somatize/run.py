@@ -59,7 +59,8 @@ class Plan:
                 mode, src = ONE, index[preds[0]]
             else:
                 mode, src = MANY, tuple((p, index[p]) for p in preds)
-            fn = _mapping(n, node.forward) if s.mapped else node.forward
+            call = _hooks.entry(node)
+            fn = _mapping(n, call) if s.mapped else call
             steps.append((i, mode, src, fn, Ctx(n, s.device, s.host, graph), s.device))
         self.graph = graph
         self.ids = tuple(order)

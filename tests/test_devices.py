@@ -51,3 +51,11 @@ def test_autograd_history_crosses_edges():
     y = Graph.somatize(Where() >> a >> Where()).forward(x)
     y.sum().backward()
     assert x.grad is not None and a.lin.weight.grad is not None
+
+
+def test_hooks_on_a_node_that_is_a_module_fire():
+    a = Lin()
+    seen = []
+    a.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    Graph.somatize(Where() >> a).forward(torch.ones(4, 2))
+    assert seen == [torch.Size([4, 2])]

@@ -14,7 +14,7 @@ from torch import nn
 
 from somatize import _hooks
 
-__all__ = ["modules_of", "move", "place", "state_digest", "trainable"]
+__all__ = ["entry", "modules_of", "move", "place", "state_digest", "trainable"]
 
 
 def modules_of(node: Any) -> list[nn.Module]:
@@ -70,4 +70,9 @@ def trainable(node: Any) -> bool:
     return any(p.requires_grad for m in modules_of(node) for p in m.parameters())
 
 
-_hooks.register(move=move, place=place, state_digest=state_digest, trainable=trainable)
+def entry(node: Any) -> Any:
+    """A node that is an `nn.Module` is called through `__call__`, so its hooks fire."""
+    return node if isinstance(node, nn.Module) else node.forward
+
+
+_hooks.register(move=move, place=place, state_digest=state_digest, trainable=trainable, entry=entry)
