@@ -30,6 +30,12 @@ test-notebooks: setup
 docs: setup
 	$(BIN)/python docs/build.py
 
+test-browser: setup
+	$(BIN)/python -m pytest -q tests/browser
+
+widgets:
+	sh widgets/build.sh
+
 lab: setup
 	$(BIN)/jupyter lab notebooks
 
