@@ -238,3 +238,17 @@ def test_bundles_are_built_and_shipped():
         assert (STATIC / f"{name}.js").stat().st_size > 1000
         assert (STATIC / f"{name}.css").exists()
     assert "elk" in (STATIC / "graph.js").read_text()[:2_000_000].lower()
+
+
+def test_compare_holds_probe_summaries_and_proxies_and_loss_proxies_with_a_target():
+    torch.manual_seed(0)
+    a = Graph.somatize(Lin(4, 8).named("a") >> Lin(8, 3).named("b"))
+    b = Graph.somatize(Lin(4, 3).named("a"))
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    bare = compare({"two": a, "one": b}, x)
+    assert any(c.startswith("probe:") for c in bare.columns)
+    assert "proxy:synflow" in bare.columns and "proxy:snip" not in bare.columns
+    full = compare({"two": a, "one": b}, x, target=y, objective=nn.functional.cross_entropy)
+    assert "proxy:snip" in full.columns
+    assert full.loc["two", "proxy:synflow"] == pytest.approx(bare.loc["two", "proxy:synflow"])
+    assert full[[c for c in full.columns if c.startswith("proxy:")]].notna().all().all()
