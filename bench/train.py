@@ -101,7 +101,10 @@ def measure(i: int, h: int, o: int, batch: int, loops: int, repeats: int) -> dic
 
 def main() -> None:
     torch.set_num_threads(1)
-    print("| MLP | hand loop µs | Trainer.step µs | ratio (≤ 1.05) | Split step µs | Split / plain (≤ 1.3) |")
+    print(
+        "| MLP | hand loop µs | Trainer.step µs | ratio (≤ 1.05) "
+        "| Split step µs | Split / plain (≤ 1.3) |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for name, i, h, o, batch in SIZES:
         m = measure(i, h, o, batch, loops=20, repeats=41)
