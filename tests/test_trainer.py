@@ -493,3 +493,11 @@ def test_auditing_true_builds_the_default_audit_and_junk_is_refused():
     t.close()
     with pytest.raises(TypeError, match="Audit"):
         plain(mlp(), auditing="yes")
+
+
+def test_fit_applies_a_half_open_group_at_the_end_of_each_epoch():
+    heard = []
+    t = plain(mlp(), every=3, watching=heard.append)
+    t.fit(batches(4), epochs=2)
+    assert [f["step"] for f in heard if f["fact"] == "updated"] == [2, 3, 6, 7]
+    assert t.update() is False
