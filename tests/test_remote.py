@@ -321,6 +321,9 @@ def _split_run(broker: Broker | None, every: int) -> tuple[list[float], Any, Any
     t.update()
     here = {n: dict(g.implementation(n).state_dict()) for n in ("body", "head")}
     learnt = broker.weights(g, "body") if broker else here["body"]
+    exported = t.export()
+    assert set(exported) == {"enc", "body", "head"}
+    assert all(torch.equal(exported["body"][k], learnt[k]) for k in learnt)
     return losses, learnt, here["head"]
 
 
@@ -353,6 +356,29 @@ def test_weights_learnt_on_a_worker_come_back_and_can_be_sent(two):
     with pytest.raises(ValueError, match="nothing was loaded"):
         b.load_weights(g, "lin", {"lin.weight": torch.zeros(3, 3)})
     assert torch.equal(b.weights(g, "lin")["lin.weight"], sent["lin.weight"])  # untouched
+
+
+def test_trainer_export_and_load_reach_a_node_on_its_worker(two):
+    from somatize.torch import Split, Trainer, parameters
+
+    b = Broker.embedded({"gpu": two.workers["a"]})
+    g = Graph.somatize(Lin(4, 4).named("enc") >> Lin(4, 2).named("body").at("gpu"))
+    trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+    t = Trainer(
+        g,
+        objective=torch.nn.functional.mse_loss,
+        optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+        trains=trains,
+        broker=b,
+    )
+    t.step((torch.randn(3, 4), torch.randn(3, 2)))
+    sent = {n: {k: torch.full_like(v, 0.25) for k, v in w.items()} for n, w in t.export().items()}
+    t.load(sent)
+    back = t.export()
+    assert all(torch.equal(back[n][k], sent[n][k]) for n in sent for k in sent[n])
+    with pytest.raises(ValueError, match="nothing was loaded"):
+        t.load({"body": {"lin.weight": torch.zeros(9, 9), "lin.bias": torch.zeros(2)}})
+    assert torch.equal(t.export()["body"]["lin.weight"], sent["body"]["lin.weight"])
 
 
 def test_training_a_remote_node_without_trains_is_no_gradient_naming_it(two):

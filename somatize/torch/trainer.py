@@ -468,25 +468,23 @@ class Trainer:
         """What this run learnt: `{node id: {state_dict key: tensor}}`, buffers included.
 
         A detached copy, so the next step does not move it under whoever holds it; the
-        optimizer's state is not in it. Refused for a node trained and running elsewhere: the
-        copy here never learnt anything.
+        optimizer's state is not in it. A node that runs on another host is asked of its
+        worker (through the broker), which holds the weights it learnt there.
         """
-        away = [n for n in self.trains if self.graph.setting(n).host]
-        if away:
-            raise ValueError(
-                f"node(s) {away} are trained where they run, on another host: the copy here "
-                "never learnt anything. Export from that worker instead"
-            )
         out: Weights = {}
         for nid in self.graph.nodes():
-            state = state_of(self.graph.implementation(nid))
+            if self.graph.setting(nid).host:
+                state = self.broker.weights(self.graph, nid)
+            else:
+                state = state_of(self.graph.implementation(nid))
             if state:
                 out[nid] = {k: t.detach().clone() for k, t in state.items()}
         return out
 
     def load(self, weights: Weights) -> None:
         """The mirror of `export`: every node named has to be here with exactly the keys and
-        shapes given, and nothing is copied in until all of that is true."""
+        shapes given, and nothing is copied in until all of that is true. A node on another
+        host gets its weights sent to its worker too."""
         if not isinstance(weights, dict):
             raise TypeError(f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}")
         plan = []
@@ -515,6 +513,9 @@ class Trainer:
         with torch.no_grad():
             for mine, tensor in plan:
                 mine.copy_(tensor)
+        for nid, given in weights.items():
+            if self.graph.setting(nid).host:
+                self.broker.load_weights(self.graph, nid, given)
 
     def close(self) -> None:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is
