@@ -174,6 +174,31 @@ class Graph:
                     todo.append(nxt)
         return False
 
+    def declare(self, id: str, **said: Any) -> None:
+        """Say something more of a node already in the graph (`frozen=True`, `salt=...`).
+
+        Checked as when the graph is built; a refusal leaves the node as it was.
+        """
+        s = self.setting(id)
+        unknown = set(said) - set(s.__dict__) - {"name"}
+        if unknown or "name" in said:
+            raise ValueError(
+                f"declare() takes {sorted(set(s.__dict__) - {'name'})}, not {sorted(said)}"
+            )
+        from dataclasses import replace
+
+        new = replace(s, **said)
+        self._check(id, self._impl[id], new)
+        if new.device is not None and new.device != s.device:
+            _hooks.place(self._impl[id], new.device)
+        self._settings[id] = new
+        self._plan = None
+
+    def invalidate(self) -> None:
+        """Drop the compiled plan, so the next forward compiles it again (after a node's
+        `forward` was wrapped or unwrapped in place, for example)."""
+        self._plan = None
+
     # -- reading it back ------------------------------------------------------------------
     def nodes(self) -> list[str]:
         """Node ids, in declaration order."""

@@ -354,7 +354,7 @@ class Stages:
         """Drop every part's compiled plan, so the next forward sees the nodes as they are
         now (an Audit wraps and unwraps their `forward`)."""
         for part in self.parts:
-            part.graph._plan = None
+            part.graph.invalidate()
 
     def __repr__(self) -> str:
         return "Stages(" + "; ".join(repr(p) for p in self.parts) + ")"

@@ -83,3 +83,18 @@ def test_topology_change_recompiles_the_plan():
     b = g.node(Add(10))
     g.edge("add", b)
     assert g.forward(0) == 11
+
+
+def test_declare_says_more_of_a_node_and_a_refusal_changes_nothing():
+    g = Graph.somatize(Add() >> Same())
+    g.declare("same", cached=True, salt="s")
+    assert g.cached() == {"same": "s"}
+    with pytest.raises(ValueError, match="'gpu7'"):
+        g.declare("add", device="gpu7")
+    assert g.devices() == {"add": None, "same": None}
+    with pytest.raises(ValueError, match="declare"):
+        g.declare("add", name="other")
+    with pytest.raises(KeyError):
+        g.declare("nope", frozen=True)
+    g.invalidate()
+    assert g.forward(1) == 2

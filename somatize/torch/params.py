@@ -7,7 +7,6 @@ plain node holding modules as attributes (`self.net = nn.Sequential(...)`).
 from __future__ import annotations
 
 from collections.abc import Container
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -78,10 +77,7 @@ def freeze(graph: Any, *node_ids: str) -> None:
     for nid in node_ids:
         s = graph.setting(nid)
         if not s.frozen:
-            # Declaring is the graph's business; until Graph grows a way to say it, the
-            # setting is replaced here and the compiled plan dropped (frozen is in cache keys).
-            graph._settings[nid] = replace(s, frozen=True)
-            graph._plan = None
+            graph.declare(nid, frozen=True)
     for nid in graph.nodes():
         if graph.setting(nid).frozen:
             for module in modules_of(graph.implementation(nid)):
