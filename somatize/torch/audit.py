@@ -59,10 +59,10 @@ class _Place:
         "zero",
         "saturated",
         "alive",
-        "numbers",
         "out_grad",
         "features",
-        "prev",
+        "index",
+        "sums",
         "groups",
     )
 
@@ -81,18 +81,27 @@ class _Place:
         self.zero: deque[float] = deque(maxlen=window)
         self.saturated: deque[float] = deque(maxlen=window)
         self.alive: deque[torch.Tensor] = deque(maxlen=window)
-        self.numbers: dict[str, Any] = {}
         self.out_grad: torch.Tensor | None = None
         self.features: torch.Tensor | None = None
-        self.prev: list[torch.Tensor] | None = None
+        self.index: list[int] = []  # where its parameters sit in the audit's flat list
+        self.sums: tuple[int, int, bool] | None = None  # this step's slots in the audit's sums
         self.groups: dict[str, list[int]] | None = None
 
 
-def _group(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of several tensors as one vector, left as a tensor (no sync)."""
+def _read(tensors: list[torch.Tensor]) -> list[float]:
+    """Many one-number tensors as Python floats, with one device sync per dtype at most."""
     if not tensors:
-        return torch.zeros((), dtype=torch.float32)
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(tensors))).float()
+        return []
+    if tensors[0].device.type == "cpu":
+        return [float(t) for t in tensors]  # a CPU read is a copy, cheaper than a stack
+    by: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by.setdefault(t.dtype, []).append(i)
+    out = [0.0] * len(tensors)
+    for idx in by.values():
+        for i, v in zip(idx, torch.stack([tensors[i] for i in idx]).tolist(), strict=True):
+            out[i] = float(v)
+    return out
 
 
 def _channel_view(t: torch.Tensor, conv: bool) -> torch.Tensor:
@@ -131,24 +140,45 @@ def _effective_rank(f: torch.Tensor) -> tuple[float, int]:
     return float(torch.exp(-(p * p.log()).sum())), room
 
 
-def _stable_rank(d: torch.Tensor, iters: int = 32) -> float:
-    """‖D‖_F² / ‖D‖_2², the top singular value by power iteration from a fixed start."""
+def _top_square(d: torch.Tensor, steps: int = 16) -> float:
+    """σ_max² of a 2-D float64 matrix: exactly from the smaller Gram matrix when one side is
+    short, else by Lanczos on DᵀD (fully reorthogonalised, from a fixed start)."""
+    rows, cols = d.shape
+    if min(rows, cols) <= 128:
+        gram = d @ d.T if rows <= cols else d.T @ d
+        return float(torch.linalg.eigvalsh(gram)[-1])
+    m = min(cols, steps)
+    basis = torch.zeros(m, cols, dtype=d.dtype)
+    q = torch.full((cols,), cols**-0.5, dtype=d.dtype)
+    alphas: list[torch.Tensor] = []
+    betas: list[float] = []
+    for j in range(m):
+        basis[j] = q
+        w = d.T @ (d @ q)
+        alphas.append(w @ q)
+        seen = basis[: j + 1]
+        w = w - seen.T @ (seen @ w)
+        b = float(w.norm())
+        if j == m - 1 or b <= 1e-12 * max(1.0, abs(float(alphas[0]))):
+            break
+        betas.append(b)
+        q = w / b
+    k = len(alphas)
+    t = torch.diag(torch.stack(alphas))
+    if k > 1:
+        off = torch.tensor(betas[: k - 1], dtype=d.dtype)
+        t = t + torch.diag(off, 1) + torch.diag(off, -1)
+    return float(torch.linalg.eigvalsh(t)[-1])
+
+
+def _stable_rank(d: torch.Tensor) -> float:
+    """‖D‖_F² / ‖D‖_2² of a weight update (flattened past its first dimension)."""
     d = d.reshape(d.shape[0], -1).double()
     frob = float(d.pow(2).sum())
     if frob == 0:
         return 0.0
-    v = torch.ones(d.shape[1], dtype=d.dtype)
-    top = 0.0
-    for _ in range(iters):
-        u = d @ v
-        v = d.T @ u
-        top = float(v.norm())
-        if top == 0:
-            return 0.0
-        v = v / top
-    # after the loop, ‖Dv‖ with v the top right singular vector is σ_max
-    sigma = float((d @ v).norm())
-    return frob / (sigma * sigma)
+    top = _top_square(d)
+    return frob / top if top > 0 else 0.0
 
 
 class Audit:
@@ -201,8 +231,14 @@ class Audit:
         self._graph: Any = None
         self._places: dict[str, _Place] = {}
         self._handles: list[Any] = []
+        self._inner_hooks: list[tuple[nn.Module, Any]] = []
         self._tap: Tap | None = None
         self._measuring = False
+        self._flat: list[nn.Parameter] = []
+        self._prev: list[torch.Tensor] | None = None
+        self._prev_ok = False
+        self._prev_sq: list[float] = []
+        self._sums: list[torch.Tensor] = []
 
     def __repr__(self) -> str:
         watching = f", watching {len(self._places)} places" if self._graph is not None else ""
@@ -240,32 +276,53 @@ class Audit:
             raise RuntimeError("this Audit already watches a graph: release() it first")
         g = as_graph(graph)
         places: dict[str, _Place] = {}
-        handles: list[Any] = []
+        inner: list[tuple[nn.Module, Any]] = []
         for node in g.nodes():
             held = named_modules_of(g.implementation(node))
             places[node] = _Place(node, [m for _, m in held], self.window)
             for where, m in self._inner(node, held):
                 places[where] = _Place(where, [m], self.window)
-                handles.append(m.register_forward_hook(self._hook(where)))
+                inner.append((m, self._hook(where)))
         if not isinstance(self.inside, (type(None), bool, int)):
             missing = sorted(set(self.inside) - set(places))
             if missing:
-                self._drop(handles)
                 raise ValueError(f"Audit(inside=...) names {missing}, which are not in this graph")
         missing = sorted(set(self.groups) - set(places))
         if missing:
-            self._drop(handles)
             raise ValueError(
                 f"Audit(groups=...) names {missing}; the places are {sorted(places)[:12]}"
             )
         for where, parts in self.groups.items():
             places[where].groups = parts
+        # every place's parameters in one flat list (a parameter of `layer.l` is also one of
+        # `layer`'s), so a measured step takes all the norms in one `_foreach_norm`
+        flat: list[nn.Parameter] = []
+        slot: dict[int, int] = {}
+        for place in places.values():
+            for q in place.params:
+                if id(q) not in slot:
+                    slot[id(q)] = len(flat)
+                    flat.append(q)
+            place.index = [slot[id(q)] for q in place.params]
+        self._flat = flat
+        self._prev = None
+        self._prev_ok = False
         self._places = places
-        self._handles = handles
+        self._inner_hooks = inner
         self._graph = g
         self._tap = Tap(g, self._node).on()
-        self._measuring = self.step % self.every == 0
+        self._arm(self.step % self.every == 0)
         return self
+
+    def _arm(self, measuring: bool) -> None:
+        """Forward hooks inside nodes are there only for a step that is measured: a module
+        with no hooks takes torch's fast path, so unmeasured steps pay nothing for them."""
+        self._measuring = measuring
+        if measuring and not self._handles:
+            self._handles = [m.register_forward_hook(h) for m, h in self._inner_hooks]
+        elif not measuring and self._handles:
+            self._drop(self._handles)
+            self._handles = []
 
     @staticmethod
     def _drop(handles: list[Any]) -> None:
@@ -277,10 +334,14 @@ class Audit:
         and a second watch would double every count."""
         self._drop(self._handles)
         self._handles = []
+        self._inner_hooks = []
         if self._tap is not None:
             self._tap.off()
             self._tap = None
         self._graph = None
+        self._prev = None
+        self._prev_ok = False
+        self._sums = []
 
     # -- forward: what came out -----------------------------------------------------------
     def _node(self, node: str, input: Any, ctx: Any, out: Any) -> None:
@@ -297,27 +358,23 @@ class Audit:
         return hook
 
     def _saw(self, place: _Place, out: Any) -> None:
+        """Sums of what came out, left as tensors: `observed` reads them all at once."""
         tensors = [t for t in tensors_in(out) if t.is_floating_point()]
         if not tensors:
             return
         t = tensors[0]
         a = t.detach()
-        n = place.numbers
-        size = a.numel() or 1
         magnitude = a.abs()
-        parts = [magnitude.sum(), a.sum(), (magnitude <= _DEAD_EPS).sum()]
+        sums = self._sums
+        at = len(sums)
+        sums.append(magnitude.sum())
+        sums.append(a.sum())
+        sums.append((magnitude <= _DEAD_EPS).sum())
         if place.saturates == "sigmoid":
-            parts.append(((a <= 0.01) | (a >= 0.99)).sum())
+            sums.append(((a <= 0.01) | (a >= 0.99)).sum())
         elif place.saturates == "tanh":
-            parts.append((magnitude >= 0.99).sum())
-        values = torch.stack([p.double() for p in parts]).tolist()
-        total = values[0]
-        n["act_mean"] = values[1] / size
-        n["nan"] = math.isnan(total)
-        n["inf"] = math.isinf(total)
-        place.zero.append(values[2] / size)
-        sat = values[3] / size if len(values) > 3 else 0.0
-        place.saturated.append(sat)
+            sums.append((magnitude >= 0.99).sum())
+        place.sums = (at, a.numel() or 1, place.saturates is not None)
         if t.requires_grad:
             place.out_grad = None
 
@@ -344,79 +401,116 @@ class Audit:
         step = self.step
         facts: list[dict[str, Any]] = []
         measured = step % self.every == 0
+        squares: list[float] = []
         if measured:
             snapshot = self._snapshot_now()
-            for place in self._places.values():
-                numbers = self._numbers(place, snapshot)
+            found, squares = self._measure(snapshot)
+            for place, numbers in found:
                 if numbers:
                     facts.append(
                         {"fact": "health", "where": place.where, "step": step, "numbers": numbers}
                     )
-        keep_next = (step + 1) % self.every == 0
-        for place in self._places.values():
-            if keep_next and place.params:
-                with torch.no_grad():
-                    params = [p.detach() for p in place.params]
-                    if place.prev is None:
-                        place.prev = [p.clone() for p in params]
-                    else:
-                        torch._foreach_copy_(place.prev, params)
-            elif place.prev is not None and measured:
-                place.prev = None  # spent: the next measured step copies afresh
-            place.numbers = {}
-            place.out_grad = None
-            place.features = None
+            for place in self._places.values():
+                place.sums = None
+                place.out_grad = None
+                place.features = None
+            self._sums = []
+        if (step + 1) % self.every == 0 and self._flat:
+            # θ before the optimizer moves it, for the next measured step's update ratio, and
+            # its norms (this step's, when this step was measured: the same numbers)
+            with torch.no_grad():
+                params = [q.detach() for q in self._flat]
+                if self._prev is None:
+                    self._prev = [q.clone() for q in params]
+                else:
+                    torch._foreach_copy_(self._prev, params)
+                if not measured:
+                    squares = [v * v for v in _read(list(torch._foreach_norm(params)))]
+            self._prev_sq = squares
+            self._prev_ok = True
+        elif measured:
+            self._prev_ok = False  # spent: the next measured step copies afresh
         self.step = step + 1
-        self._measuring = self.step % self.every == 0
+        self._arm(self.step % self.every == 0)
         return facts
 
-    def _numbers(self, place: _Place, snapshot: bool) -> dict[str, Any]:
-        n: dict[str, Any] = {}
-        if place.params:
-            with torch.no_grad():
-                grads = [p.grad for p in place.params if p.grad is not None]
-                params = [p.detach() for p in place.params]
-                prev = place.prev
-                groups = [_group(params), _group(grads)]
+    def _measure(self, snapshot: bool) -> tuple[list[tuple[_Place, dict[str, Any]]], list[float]]:
+        """Every place's numbers for this step, from one pass of norms and one read; and the
+        squared norm of each parameter (kept as ‖θ_{t−1}‖ for the next update ratio)."""
+        flat = self._flat
+        places = list(self._places.values())
+        with torch.no_grad():
+            params = [q.detach() for q in flat]
+            grad_at: dict[int, int] = {}
+            grads: list[torch.Tensor] = []
+            for i, q in enumerate(flat):
+                if q.grad is not None:
+                    grad_at[i] = len(grads)
+                    grads.append(q.grad)
+            prev = self._prev if self._prev_ok else None
+            outs = [p.out_grad for p in places if p.out_grad is not None]
+            first = params + grads + outs
+            norms = list(torch._foreach_norm(first)) if first else []
+            if prev is not None:
+                torch._foreach_sub_(prev, params)  # prev is now −Δθ; refilled after
+                norms += torch._foreach_norm(prev)
+            norms += self._sums
+            values = _read(norms)
+        square = [v * v for v in values]
+        at_grad = len(params)
+        at_out = at_grad + len(grads)
+        at_delta = at_out + len(outs)
+        before_sq = self._prev_sq
+        at_sums = at_delta + (len(prev) if prev is not None else 0)
+        out_k = 0
+        found = []
+        for place in places:
+            n: dict[str, Any] = {}
+            if place.index:
+                index = place.index
+                n["param_norm"] = math.sqrt(sum(square[i] for i in index))
+                mine = [at_grad + grad_at[i] for i in index if i in grad_at]
+                if mine:
+                    g = math.sqrt(sum(square[k] for k in mine))
+                    n["grad_norm"] = g
+                    n["nan"] = math.isnan(g)
+                    n["inf"] = math.isinf(g)
                 if prev is not None:
-                    groups.append(_group(prev))
-                    torch._foreach_sub_(prev, params)  # prev is now −Δθ; refilled after
-                    groups.append(_group(prev))
-                values = torch.stack(groups).tolist()
-                n["param_norm"] = values[0]
-                if grads:
-                    n["grad_norm"] = values[1]
-                    n["nan"] = math.isnan(values[1])
-                    n["inf"] = math.isinf(values[1])
-                if prev is not None:
-                    before = values[2]
-                    n["update_ratio"] = values[3] / before if before > 0 else 0.0
+                    before = math.sqrt(sum(before_sq[i] for i in index))
+                    delta = math.sqrt(sum(square[at_delta + i] for i in index))
+                    n["update_ratio"] = delta / before if before > 0 else 0.0
                     if snapshot:
-                        big = max(range(len(params)), key=lambda i: params[i].numel())
+                        big = max(index, key=lambda i: flat[i].numel())
                         if prev[big].dim() >= 2:
                             n["update_stable_rank"] = _stable_rank(prev[big])
-        seen = place.numbers
-        if seen:
-            n["act_mean"] = seen["act_mean"]
-            n["zero"] = max(place.zero)
-            n["saturated"] = max(place.saturated)
-            n["nan"] = bool(n.get("nan", False) or seen["nan"])
-            n["inf"] = bool(n.get("inf", False) or seen["inf"])
+            if place.sums is not None:
+                k, size, saturates = place.sums
+                total = values[at_sums + k]
+                n["act_mean"] = values[at_sums + k + 1] / size
+                place.zero.append(values[at_sums + k + 2] / size)
+                place.saturated.append(values[at_sums + k + 3] / size if saturates else 0.0)
+                n["zero"] = max(place.zero)
+                n["saturated"] = max(place.saturated)
+                n["nan"] = bool(n.get("nan", False) or math.isnan(total))
+                n["inf"] = bool(n.get("inf", False) or math.isinf(total))
+                if place.out_grad is not None:
+                    n["out_grad_norm"] = values[at_out + out_k]
+                f = place.features
+                if f is not None:
+                    with torch.no_grad():
+                        if snapshot and f.shape[0] > 1:
+                            rows = f if f.dim() == 2 else f.reshape(f.shape[0], -1)
+                            rank, room = _effective_rank(rows[:_ROWS].double())
+                            n["effective_rank"] = rank
+                            n["rank_room"] = room
+                        if self.channels:
+                            self._channels(place, f, n)
+                        if place.groups:
+                            n["cka"] = self._groups(place, f)
             if place.out_grad is not None:
-                n["out_grad_norm"] = float(torch.linalg.vector_norm(place.out_grad))
-            f = place.features
-            if f is not None:
-                with torch.no_grad():
-                    if snapshot and f.shape[0] > 1:
-                        rows = f if f.dim() == 2 else f.reshape(f.shape[0], -1)
-                        rank, room = _effective_rank(rows[:_ROWS].double())
-                        n["effective_rank"] = rank
-                        n["rank_room"] = room
-                    if self.channels:
-                        self._channels(place, f, n)
-                    if place.groups:
-                        n["cka"] = self._groups(place, f)
-        return n
+                out_k += 1
+            found.append((place, n))
+        return found, square[:at_grad]
 
     def _channels(self, place: _Place, f: torch.Tensor, n: dict[str, Any]) -> None:
         activity = f.abs().mean(0)
