@@ -260,6 +260,9 @@ class Connection:
         )
         sock.connect(worker.address)
         self.sock = sock
+        self.poller = zmq.Poller()  # the answer, or news of the line, whichever comes first
+        self.poller.register(sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.up = False
         self.down_since = time.monotonic()
         self.incarnation: str | None = None
@@ -289,13 +292,11 @@ class Connection:
             rid = next(_rids)
             message = {**message, "rid": rid}
             frames = wire.pack(self.token, message, where=f"a request to {self._where()}")
-            self.sock.send_multipart(frames, copy=False)
+            wire.send(self.sock, frames)
             return self._wait(rid, deadline if deadline is not None else self.worker.deadline)
 
     def _wait(self, rid: int, deadline: float) -> Any:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
+        poller = self.poller
         started = time.monotonic()
         while True:
             now = time.monotonic()

@@ -62,7 +62,8 @@ class Server:
             reply = self.handle(frames)
             if reply is not None:
                 try:
-                    sock.send_multipart([peer, *reply], copy=False)
+                    sock.send(peer.bytes, zmq.SNDMORE)
+                    wire.send(sock, reply)
                 except zmq.ZMQError as error:  # the client is gone: nothing to tell
                     log.info("could not answer a client that went away: %s", error)
 

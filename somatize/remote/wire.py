@@ -2,11 +2,15 @@
 
 A message is one Python value (a dict, in practice) with tensors anywhere inside it. It goes as
 
-    [MAGIC, mac, header, data_0, data_1, ...]
+    [MAGIC, seal, header, data_0, data_1, ...]
 
-- ``MAGIC`` is ``b"SMZ1"``, so a stray connection is told apart from a peer at once;
-- ``mac`` is HMAC-SHA256, keyed by the shared token, over every frame after it (each one
-  prefixed with its length, so frames cannot be re-cut);
+- ``MAGIC`` is ``b"SMZ2"``, so a stray connection (or a peer of another version) is told apart
+  from a peer at once;
+- ``seal`` is 32 bytes: a fresh random 16-byte nonce, then the Poly1305 tag of every frame
+  after it (all their lengths first, so frames cannot be re-cut) under a one-time key
+  derived from the shared token and that nonce by HMAC-SHA256 (`sign`). HMAC touches 16
+  bytes per message; the bytes of the message go once through Poly1305, which runs at
+  several GB/s where HMAC-SHA256 runs at about one (docs/remote.md, "Why Poly1305");
 - ``header`` is msgpack, written by `somatize.codecs` (exact types: a tuple stays a tuple,
   a bool a bool), where each tensor is replaced by a reference holding its safetensors header
   (dtype, shape, byte range) and whether it asks for a gradient: that header and the data
@@ -16,8 +20,9 @@ A message is one Python value (a dict, in practice) with tensors anywhere inside
   on its way through (only moved to the cpu first if it lives elsewhere).
 
 A class or function of torch or somatize (an optimizer factory, say) crosses by name and is
-imported on the other side. Nothing here unpickles, and a message that does not verify is refused before its header is
-even read (`Refused`); bytes that verify but do not parse are `Malformed`.
+imported on the other side. Nothing here unpickles, and a message that does not verify is
+refused before its header
+is even read (`Refused`); bytes that verify but do not parse are `Malformed`.
 """
 
 from __future__ import annotations
@@ -25,19 +30,32 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import warnings
 from typing import Any
 
 import msgpack
+import zmq
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from somatize import codecs
 
-__all__ = ["MAGIC", "REFUSED", "Malformed", "Refused", "pack", "unpack", "sign", "verify"]
+__all__ = [
+    "MAGIC",
+    "REFUSED",
+    "Malformed",
+    "Refused",
+    "pack",
+    "unpack",
+    "send",
+    "sign",
+    "verify",
+]
 
-MAGIC = b"SMZ1"
+MAGIC = b"SMZ2"
 """The first frame of every message."""
 
-REFUSED = b"SMZ1-REFUSED"
+REFUSED = b"SMZ2-REFUSED"
 """The one-frame notice a worker answers a message whose signature does not verify."""
 
 _TENSOR = 64  # msgpack extension code for a tensor reference; codecs owns 1..3
@@ -47,6 +65,8 @@ REFERABLE = ("torch", "somatize")
 """Packages whose classes and functions may cross by name (`torch.optim.SGD` as an argument):
 resolved by import on the other side, never unpickled. Anything else needs `--accept-code`."""
 _TUPLE = 1
+_KDF = b"somatize wire: poly1305 one-time key\x00"  # domain of the key derivation
+_NONCE = 16
 _SMALL = 1 << 16  # below this a frame is copied by zmq, which is faster than tracking it
 
 # safetensors' names for dtypes, and back.
@@ -68,6 +88,7 @@ _DTYPES = {
     "BOOL": "bool",
     "C64": "complex64",
 }
+_CODES = {v: k for k, v in _DTYPES.items()}
 
 
 class Refused(Exception):
@@ -82,30 +103,50 @@ def _key(token: str | bytes) -> bytes:
     return token.encode() if isinstance(token, str) else bytes(token)
 
 
+def _bytes(frame: Any) -> memoryview:
+    """A frame (bytes, zmq.Frame, numpy array) as a flat byte view, without copying."""
+    view = memoryview(getattr(frame, "buffer", frame))
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _tag(token: str | bytes, nonce: bytes, views: list[memoryview]) -> bytes:
+    key = hmac.new(_key(token), _KDF + nonce, hashlib.sha256).digest()
+    mac = Poly1305(key)
+    lengths = [MAGIC, len(views).to_bytes(8, "little")]
+    lengths += [v.nbytes.to_bytes(8, "little") for v in views]
+    mac.update(b"".join(lengths))
+    for view in views:
+        if view.nbytes:
+            mac.update(view)
+    return mac.finalize()
+
+
 def sign(token: str | bytes, frames: list[Any]) -> bytes:
-    """The HMAC-SHA256 of `frames` (each prefixed by its length) under `token`."""
-    mac = hmac.new(_key(token), MAGIC, hashlib.sha256)
-    for frame in frames:
-        view = memoryview(frame)
-        mac.update(view.nbytes.to_bytes(8, "little"))
-        mac.update(view)
-    return mac.digest()
+    """The 32-byte seal of `frames` under `token`: a fresh nonce and the Poly1305 tag of the
+    frames (their count and lengths first) under a key made for this one message.
+
+    The key is HMAC-SHA256(token, domain + nonce): never used twice (a random 128-bit nonce),
+    unknown without the token, and one HMAC of 16 bytes per message, whatever its size.
+    """
+    nonce = os.urandom(_NONCE)
+    return nonce + _tag(token, nonce, [_bytes(f) for f in frames])
 
 
 def verify(token: str | bytes, frames: list[Any]) -> list[memoryview]:
-    """The frames after the signature, if `frames` is a message signed with `token`.
+    """The frames after the seal, if `frames` is a message sealed with `token`.
 
     Raises `Malformed` for frames that are not a message at all and `Refused` for one whose
-    signature does not match (a wrong token, or bytes changed on the way).
+    tag does not match (a wrong token, or bytes changed, added, dropped or re-cut on the way).
     """
-    views = [memoryview(getattr(f, "buffer", f)) for f in frames]
+    views = [_bytes(f) for f in frames]
     if len(views) < 3 or views[0] != MAGIC:
         raise Malformed(f"not a somatize message ({len(views)} frames, no {MAGIC!r} first)")
-    if views[1].nbytes != 32:
-        raise Malformed("not a somatize message (the signature frame is not 32 bytes)")
+    if views[1].nbytes != _NONCE + 16:
+        raise Malformed("not a somatize message (the seal frame is not 32 bytes)")
+    seal = views[1].tobytes()
     body = views[2:]
-    if not hmac.compare_digest(sign(token, body), views[1].tobytes()):
-        raise Refused("the signature does not verify: wrong token, or bytes changed on the way")
+    if not hmac.compare_digest(_tag(token, seal[:_NONCE], body), seal[_NONCE:]):
+        raise Refused("the seal does not verify: wrong token, or bytes changed on the way")
     return body
 
 
@@ -144,6 +185,23 @@ def pack(token: str | bytes, message: Any, *, where: str | None = None) -> list[
         raise
     body = [header, *buffers]
     return [MAGIC, sign(token, body), *body]
+
+
+def send(sock: Any, frames: list[Any], *, more: bool = False) -> None:
+    """Send `frames` (from `pack`) on the ZeroMQ socket `sock` as one message.
+
+    A tensor's frame goes from its own memory (zero-copy); a small frame (the magic, the seal,
+    the header, a small tensor's bytes) is copied by libzmq, which costs far less than the
+    bookkeeping of a zero-copy send (tens of microseconds per frame in pyzmq). `more=True`
+    leaves the message open (the caller sends its last frames itself).
+    """
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        flags = zmq.SNDMORE if more or i < last else 0
+        if isinstance(frame, bytes):
+            sock.send(frame, flags, copy=True)
+        else:
+            sock.send(frame, flags, copy=False)
 
 
 def unpack(token: str | bytes, frames: list[Any]) -> Any:
@@ -235,8 +293,7 @@ def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
         plain = plain.resolve_conj()
     if plain.is_neg():
         plain = plain.resolve_neg()
-    name = str(plain.dtype).removeprefix("torch.")
-    code = next((k for k, v in _DTYPES.items() if v == name), None)
+    code = _CODES.get(str(plain.dtype).removeprefix("torch."))
     if code is None:
         raise TypeError(f"a {plain.dtype} tensor cannot cross the wire (no safetensors dtype)")
     raw = (
@@ -244,9 +301,9 @@ def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
     )
     size = raw.numel()
     buffers.append(raw.numpy() if size >= _SMALL else raw.numpy().tobytes())
-    head = {"dtype": code, "shape": list(plain.shape), "data_offsets": [0, size]}
-    grad = bool(tensor.requires_grad)
-    return msgpack.packb([len(buffers) - 1, json.dumps(head, separators=(",", ":")), grad])
+    shape = ",".join(str(s) for s in plain.shape)
+    head = f'{{"dtype":"{code}","shape":[{shape}],"data_offsets":[0,{size}]}}'
+    return msgpack.packb([len(buffers) - 1, head, bool(tensor.requires_grad)])
 
 
 def _tensor_from(payload: bytes, data: list[memoryview], owners: list[Any]) -> Any:
@@ -254,7 +311,7 @@ def _tensor_from(payload: bytes, data: list[memoryview], owners: list[Any]) -> A
 
     try:
         index, head, grad = msgpack.unpackb(payload)
-        head = json.loads(head)
+        head = json.loads(head)  # the safetensors header of this one tensor
         dtype = getattr(torch, _DTYPES[head["dtype"]])
         shape = [int(s) for s in head["shape"]]
         start, end = (int(x) for x in head["data_offsets"])
@@ -266,7 +323,7 @@ def _tensor_from(payload: bytes, data: list[memoryview], owners: list[Any]) -> A
         if s < 0:
             raise Malformed(f"a tensor reference has a negative size in {shape}")
         count *= s
-    itemsize = torch.empty(0, dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if start != 0 or end != frame.nbytes or count * itemsize != end:
         raise Malformed(
             f"a tensor of {shape} {head['dtype']} does not fit its frame of {frame.nbytes} bytes"
