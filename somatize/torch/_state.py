@@ -123,12 +123,17 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Non
         for name, b in m.named_buffers(recurse=False):
             if b is not None:
                 buffers.append((m, name, b, b.detach().clone()))
+    rng = torch.get_rng_state()
     try:
-        with torch.random.fork_rng(devices=[]):
-            if seed is not None:
-                torch.manual_seed(seed)
-            yield
+        if seed is not None:
+            # the CPU generator only (what is put back); an accelerator already in use is
+            # seeded too, as torch.manual_seed would, without paying for every backend
+            torch.default_generator.manual_seed(seed)
+            if torch.cuda.is_initialized():
+                torch.cuda.manual_seed_all(seed)
+        yield
     finally:
+        torch.set_rng_state(rng)
         with torch.no_grad():
             for m, mode in modes:
                 m.training = mode

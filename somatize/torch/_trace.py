@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from somatize.torch.kinds import function_name, kind_of, label_of, recognised
 
-__all__ = ["Raw", "Traced", "by_fx", "by_forward", "Opening"]
+__all__ = ["Raw", "Traced", "by_fx", "by_forward", "fx_trace", "Opening", "Reading"]
 
 # Calls that carry a value along without being a layer anybody would draw.
 _PASS = {
@@ -89,6 +89,14 @@ class Opening:
         self.depth = depth
         self.named = dict(root.named_modules(remove_duplicate=False))
         self._closed: dict[str, bool] = {}
+        self._params: dict[str, int] = {}
+
+    def params(self, path: str) -> int:
+        """Parameters under the module at `path` (each counted once), remembered."""
+        n = self._params.get(path)
+        if n is None:
+            n = self._params[path] = _params(self.named[path] if path else self.root)
+        return n
 
     def closed(self, path: str) -> bool:
         """Whether the module at `path` is one layer rather than opened."""
@@ -123,7 +131,7 @@ class Opening:
                     kind_of(m),
                     type(m).__name__,
                     None,
-                    _params(m),
+                    self.params(p),
                     ".".join(parts[: i - 1]) or None,
                 )
 
@@ -135,7 +143,7 @@ class Opening:
             if parent:
                 self.add_block(out, parent)
             m = self.named[path] if path else self.root
-            layer = Raw(path, kind_of(m), label_of(m), None, _params(m), parent or None)
+            layer = Raw(path, kind_of(m), label_of(m), None, self.params(path), parent or None)
             out.layers[path] = layer
         return layer
 
@@ -160,20 +168,28 @@ class _Tracer(fx.Tracer):
         return self.opening.closed(qualname)
 
 
+def fx_trace(root: nn.Module, depth: int) -> tuple[fx.Graph, Opening]:
+    """The fx graph of `root` at this depth; raises whatever fx raises when it cannot follow
+    the forward."""
+    opening = Opening(root, depth)
+    return _Tracer(opening).trace(root), opening
+
+
 def by_fx(
     root: nn.Module,
     depth: int,
     args: tuple | None,
     kwargs: dict | None,
     recorded: dict[str, list[Any]] | None = None,
+    trace: tuple[fx.Graph, Opening] | None = None,
 ) -> Traced:
     """Symbolically, then (with args) once through the traced graph for the shapes.
 
     `recorded` holds what each submodule gave back when the graph ran, in call order; a layer
-    found there is not run again. Raises whatever fx raises when it cannot follow the forward.
+    found there is not run again. `trace` is what `fx_trace` already answered. Raises whatever
+    fx raises when it cannot follow the forward.
     """
-    opening = Opening(root, depth)
-    graph = _Tracer(opening).trace(root)
+    graph, opening = trace if trace is not None else fx_trace(root, depth)
     out = Traced()
     made: dict[fx.Node, Raw] = {}
     counts: dict[str, int] = {}
@@ -328,39 +344,84 @@ class _Forward:
             self.keep.append(t)
 
 
+_DONE = 1 << 40
+
+
+class Reading:
+    """A read by a real forward that rides along a forward somebody else runs (the graph's
+    own): `arm()` hooks what is drawn and turns the function mode on for the root's call
+    only, `disarm()` takes it all off, `result()` answers what was seen."""
+
+    def __init__(self, root: nn.Module, depth: int) -> None:
+        self.root = root
+        self.s = _Forward(root, depth)
+        self.handles: list[Any] = []
+        self.mode: _Functions | None = None
+        self.calls = 0
+
+    def arm(self) -> Reading:
+        """Hooks on; the root's next call is read."""
+        s, handles = self.s, self.handles
+        handles.append(self.root.register_forward_pre_hook(self._enter))
+
+        def visit(path: str, module: nn.Module) -> None:
+            for name, child in module.named_children():
+                p = f"{path}.{name}" if path else name
+                if s.opening.closed(p):
+                    handles.append(child.register_forward_pre_hook(_leaf_in(s, p)))
+                    handles.append(child.register_forward_hook(_leaf_out(s, p)))
+                else:
+                    handles.append(child.register_forward_pre_hook(_block_in(s, p)))
+                    handles.append(child.register_forward_hook(_block_out(s, p)))
+                    visit(p, child)
+
+        if next(self.root.children(), None) is None:
+            handles.append(self.root.register_forward_pre_hook(_leaf_in(s, "")))
+            handles.append(self.root.register_forward_hook(_leaf_out(s, "")))
+        else:
+            visit("", self.root)
+        handles.append(self.root.register_forward_hook(self._leave))
+        return self
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.mode = _Functions(self.s)
+            self.mode.__enter__()
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._off()
+        self.s.inside += _DONE  # only the first call is read: every hook is quiet after it
+
+    def _off(self) -> None:
+        self.s.hush()
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+
+    def disarm(self) -> None:
+        """Every hook off, and the function mode too if the root's call never came back."""
+        self._off()
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def result(self) -> Traced:
+        """What the root's first call was seen to be made of."""
+        s = self.s
+        s.out.edges = list(s.edges)
+        _order(s.out, s.order)
+        return s.out
+
+
 def by_forward(root: nn.Module, depth: int, args: tuple, kwargs: dict | None) -> Traced:
     """A real forward with hooks on what is drawn and a function mode for what is between."""
-    s = _Forward(root, depth)
-    handles = []
-
-    def visit(path: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            p = f"{path}.{name}" if path else name
-            if s.opening.closed(p):
-                handles.append(child.register_forward_pre_hook(_leaf_in(s, p)))
-                handles.append(child.register_forward_hook(_leaf_out(s, p)))
-            else:
-                handles.append(child.register_forward_pre_hook(_block_in(s, p)))
-                handles.append(child.register_forward_hook(_block_out(s, p)))
-                visit(p, child)
-
-    if next(root.children(), None) is None:
-        handles.append(root.register_forward_pre_hook(_leaf_in(s, "")))
-        handles.append(root.register_forward_hook(_leaf_out(s, "")))
-    else:
-        visit("", root)
+    reading = Reading(root, depth).arm()
     try:
-        with _Functions(s):
-            try:
-                root(*args, **(kwargs or {}))
-            finally:
-                s.hush()
+        root(*args, **(kwargs or {}))
     finally:
-        for h in handles:
-            h.remove()
-    s.out.edges = list(s.edges)
-    _order(s.out, s.order)
-    return s.out
+        reading.disarm()
+    return reading.result()
 
 
 def _leaf_in(s: _Forward, path: str):  # noqa: ANN202

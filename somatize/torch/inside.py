@@ -22,7 +22,7 @@ from somatize.torch._state import (
     tensors_in,
     untouched,
 )
-from somatize.torch._trace import Raw, Traced, _shape, by_forward, by_fx
+from somatize.torch._trace import Raw, Reading, Traced, _shape, by_forward, by_fx, fx_trace
 from somatize.torch.fold import collapse, fold
 from somatize.torch.kinds import kind_of, label_of
 
@@ -134,21 +134,59 @@ def _single(module: nn.Module, call: tuple[tuple, dict] | None) -> Traced:
     return out
 
 
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+
+
 def _raw(
-    module: nn.Module, example: Any, depth: int, recorded: dict | None = None
+    module: nn.Module,
+    example: Any,
+    depth: int,
+    recorded: dict | None = None,
+    plan: Any = None,
 ) -> tuple[Traced, str, str | None] | None:
+    """`plan` is what `_plan` found before the graph ran: an fx trace, or why fx refused and
+    the `Reading` that rode along the graph's run instead."""
     call = _args(example)
     if next(module.children(), None) is None:
         return _single(module, call), "symbolic", None
+    if isinstance(plan, _Read):
+        if plan.reading.calls:
+            return plan.reading.result(), "traced", plan.why
+        return None
     try:
-        raw = by_fx(module, depth, *(call if call else (None, None)), recorded)
+        trace = plan if isinstance(plan, tuple) else None
+        raw = by_fx(module, depth, *(call if call else (None, None)), recorded, trace)
         return raw, "symbolic", None
     except Exception as e:  # noqa: BLE001  (fx refuses in many ways; each is a reason)
-        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+        why = _why(e)
     if call is None:
         return None
     raw = by_forward(module, depth, *call)
     return raw, "traced", why
+
+
+class _Read:
+    """fx refused this module: why, and the reading that rides along the graph's run."""
+
+    def __init__(self, module: nn.Module, depth: int, why: str) -> None:
+        self.reading = Reading(module, depth)
+        self.why = why
+
+
+def _plan(graph: Any, depth: int) -> dict[tuple[str, str], Any]:
+    """Before the graph runs: each held module with children traced by fx, or — where fx
+    refuses — a `_Read` to be armed for the run, so no module is run a second time."""
+    plans: dict[tuple[str, str], Any] = {}
+    for node in graph.nodes():
+        for name, module in named_modules_of(graph.implementation(node)):
+            if next(module.children(), None) is None:
+                continue
+            try:
+                plans[(node, name)] = fx_trace(module, depth)
+            except Exception as e:  # noqa: BLE001
+                plans[(node, name)] = _Read(module, depth, _why(e))
+    return plans
 
 
 def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) -> Inside | None:
@@ -231,9 +269,13 @@ def _held(parts: list[Inside], links: list[tuple[int, int]]) -> Inside:
     return Inside(layers, edges, how, why, hidden)
 
 
-def _capture(graph: Any, example: Any, broker: Any) -> tuple[dict, dict, dict]:
+def _capture(
+    graph: Any, example: Any, broker: Any, plans: dict[tuple[str, str], Any]
+) -> tuple[dict, dict, dict]:
     """Run the graph once; what reached each module a node holds, as its exact arguments,
-    and what each module held by a plain node gave back."""
+    and what each module held by a plain node gave back. Modules fx can follow have what
+    their submodules gave back recorded (for the shapes); those it cannot are read by their
+    `Reading`, armed for this run."""
     seen: dict[tuple[str, str], _Call] = {}
     gave: dict[tuple[str, str], list[torch.Tensor]] = {}
     outputs: dict[tuple[str, str], dict[str, list[Any]]] = {}
@@ -254,6 +296,8 @@ def _capture(graph: Any, example: Any, broker: Any) -> tuple[dict, dict, dict]:
             handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
             handles.append(module.register_forward_hook(done))
         for name, module in named_modules_of(graph.implementation(node)):
+            if not isinstance(plans.get((node, name)), tuple):
+                continue  # childless, or read by its Reading: nothing to record
             mine = outputs.setdefault((node, name), {})
             for path, sub in module.named_modules():
                 if path:
@@ -269,13 +313,18 @@ def _capture(graph: Any, example: Any, broker: Any) -> tuple[dict, dict, dict]:
         elif isinstance(graph.implementation(node), nn.Module):
             seen.setdefault((node, ""), _Call((input, ctx), {}))
 
+    readings = [p.reading for p in plans.values() if isinstance(p, _Read)]
     try:
         with untouched(modules), torch.no_grad(), Tap(graph, heard):
+            for reading in readings:
+                reading.arm()
             if broker is not None:
                 graph.forward(example, broker=broker)
             else:
                 graph.forward(example)
     finally:
+        for reading in readings:
+            reading.disarm()
         for h in handles:
             h.remove()
     return seen, gave, outputs
@@ -310,7 +359,11 @@ def architecture(
     layers a node's deepest blocks are closed. The net is left exactly as it was.
     """
     graph = as_graph(graph)
-    calls, gave, outputs = _capture(graph, example, broker) if example is not None else ({}, {}, {})
+    plans = _plan(graph, depth)
+    if example is not None:
+        calls, gave, outputs = _capture(graph, example, broker, plans)
+    else:
+        calls, gave, outputs = {}, {}, {}
     out: dict[str, Inside] = {}
     for node in graph.nodes():
         held = named_modules_of(graph.implementation(node))
@@ -319,8 +372,12 @@ def architecture(
             call = calls.get((node, name))
             if example is not None and call is None:
                 continue  # never reached (a branch not taken, or run elsewhere)
-            with untouched([module]), torch.no_grad():
-                got = _raw(module, call, depth, outputs.get((node, name)))
+            plan = plans.get((node, name))
+            if isinstance(plan, _Read):
+                got = _raw(module, call, depth, None, plan)  # read in the run: nothing runs
+            else:
+                with untouched([module]), torch.no_grad():
+                    got = _raw(module, call, depth, outputs.get((node, name)), plan)
             if got is None:
                 continue
             parts.append(_prefixed(_finish(*got, most), name, module))
