@@ -9,7 +9,7 @@
 2. One `Trainer.step` with the middle node trained by `Split` on a worker against the same
    step with everything in this process.
 
-Medians of repeats, one torch thread on both sides; throughput is payload bytes / round-trip time.
+Medians of repeats (worker and bare timed in turns), one torch thread on both sides; throughput is payload bytes / round-trip time.
 """
 
 from __future__ import annotations
@@ -53,6 +53,18 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def paired_medians(a, b, repeats: int) -> tuple[float, float]:
+    """Medians of `a` and `b` timed in turns, so a load that comes and goes hits both alike."""
+    a(), b()
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, times in ((a, ta), (b, tb)):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(ta), statistics.median(tb)
+
+
 def wire_rows() -> list[tuple]:
     echo = subprocess.Popen([sys.executable, "-c", ECHO], stdout=subprocess.PIPE, text=True)
     address = echo.stdout.readline().strip()
@@ -65,7 +77,7 @@ def wire_rows() -> list[tuple]:
         for label, size in (("1 KB", 1 << 10), ("1 MB", 1 << 20), ("64 MB", 64 << 20)):
             t = torch.randn(size // 4)
             raw = t.numpy()
-            repeats = 200 if size < 1 << 21 else 9
+            repeats = 400 if size < 1 << 21 else 15
 
             def bare(raw=raw, small=size < 1 << 16):
                 sock.send_multipart([b"x", raw], copy=small)
@@ -75,7 +87,7 @@ def wire_rows() -> list[tuple]:
                 g.forward(t, broker=broker)
 
             assert torch.equal(g.forward(t, broker=broker), t)
-            b, o = median_s(bare, repeats), median_s(ours, repeats)
+            b, o = paired_medians(bare, ours, repeats)
             rows.append((label, b * 1e3, o * 1e3, o / b, size / o / 1e9))
     finally:
         broker.close()

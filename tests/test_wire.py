@@ -189,3 +189,41 @@ def test_torch_classes_cross_by_name_and_nothing_else_does():
     frames = [wire.MAGIC, wire.sign(TOKEN, [forged]), forged]
     with pytest.raises(wire.Malformed, match="outside"):
         wire.unpack(TOKEN, frames)
+
+
+def test_a_seal_is_fresh_per_message_and_binds_every_frame_of_a_large_message():
+    t = torch.randn(256, 256)  # above the zero-copy threshold: its frame is the tensor's memory
+    frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "run", "x": t})]
+    again = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "run", "x": t})]
+    assert frames[1] != again[1] and frames[2:] == again[2:]  # a new nonce, so a new key
+    assert torch.equal(wire.unpack(TOKEN, frames)["x"], t)
+    tampered = bytearray(frames[3])
+    tampered[len(tampered) // 2] ^= 0x80  # one bit in the middle of the tensor's bytes
+    cases = {
+        "a flipped bit in the data": frames[:3] + [bytes(tampered)],
+        "the seal of another message": frames[:1] + again[1:2] + frames[2:3] + [bytes(tampered)],
+        "a nonce moved to another tag": frames[:1] + [again[1][:16] + frames[1][16:]] + frames[2:],
+        "a frame dropped": frames[:3],
+        "a frame added": [*frames, b""],
+        "the tag of the bytes, under another token": [
+            wire.MAGIC,
+            wire.sign("another token", frames[2:]),
+            *frames[2:],
+        ],
+    }
+    for why, changed in cases.items():
+        with pytest.raises((wire.Refused, wire.Malformed)):
+            wire.unpack(TOKEN, changed)
+            pytest.fail(f"accepted {why}")
+
+
+def test_the_server_drops_a_tampered_data_frame_runs_nothing_and_goes_on():
+    server = Server(TOKEN)
+    request = {"op": "define", "rid": 1, "session": "s", "define": [], "x": torch.randn(300, 300)}
+    frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, request)]
+    tampered = bytearray(frames[3])
+    tampered[-1] ^= 1
+    assert server.handle(frames[:3] + [bytes(tampered)]) == [wire.REFUSED]
+    assert server.dropped == 1 and server.served == 0 and "s" not in server.sessions
+    reply = wire.unpack(TOKEN, as_frames(server.handle(as_frames(frames))))
+    assert reply["ok"] and reply["rid"] == 1 and server.served == 1
