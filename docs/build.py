@@ -51,6 +51,22 @@ def _output(out: dict) -> str:
     return ""
 
 
+def _coalesced(outputs: list[dict]) -> list[dict]:
+    """Consecutive stream outputs of one stream as one (a kernel may split a print in two)."""
+    merged: list[dict] = []
+    for out in outputs:
+        last = merged[-1] if merged else None
+        if (
+            last is not None
+            and out.get("output_type") == "stream" == last.get("output_type")
+            and out.get("name") == last.get("name")
+        ):
+            merged[-1] = {**last, "text": _text(last["text"]) + _text(out["text"])}
+        else:
+            merged.append(out)
+    return merged
+
+
 def _fence(text: str, lang: str = "text") -> str:
     text = text.rstrip("\n")
     return f"```{lang}\n{text}\n```\n" if text else ""
@@ -70,7 +86,7 @@ def guide(notebook: Path) -> str:
         elif cell["cell_type"] == "code" and source.strip():
             lines = [ln for ln in source.splitlines() if not ln.startswith("# NBVAL_")]
             parts.append(_fence("\n".join(lines), "python"))
-            parts.extend(filter(None, (_output(o) for o in cell.get("outputs", []))))
+            parts.extend(filter(None, (_output(o) for o in _coalesced(cell.get("outputs", [])))))
     return "\n".join(parts)
 
 
