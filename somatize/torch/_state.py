@@ -136,9 +136,11 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Non
         torch.set_rng_state(rng)
         with torch.no_grad():
             for m, mode in modes:
-                m.training = mode
+                if m.training is not mode:  # nn.Module.__setattr__ is slow: only if moved
+                    m.training = mode
             for m, flag in inplace:
-                m.inplace = flag
+                if m.inplace is not flag:
+                    m.inplace = flag
             for p, data, grad, requires in params.values():
                 p.data = data
                 p.grad = grad

@@ -81,6 +81,24 @@ def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _counts(root: nn.Module) -> dict[str, int] | None:
+    """Parameters under every path of `root`, in one pass; None when a parameter is shared
+    (then each module counts its own, once each)."""
+    counts: dict[str, int] = {"": 0}
+    seen: set[int] = set()
+    for name, p in root.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            return None
+        seen.add(id(p))
+        n = p.numel()
+        counts[""] += n
+        path = ""
+        for part in name.split(".")[:-1]:
+            path = f"{path}.{part}" if path else part
+            counts[path] = counts.get(path, 0) + n
+    return counts
+
+
 class Opening:
     """Which modules of a root are opened and which are drawn as one layer."""
 
@@ -92,9 +110,13 @@ class Opening:
         self._params: dict[str, int] = {}
 
     def params(self, path: str) -> int:
-        """Parameters under the module at `path` (each counted once), remembered."""
+        """Parameters under the module at `path` (each counted once)."""
+        if not self._params:
+            self._params = _counts(self.root) or {"\0": 0}
         n = self._params.get(path)
         if n is None:
+            if "\0" not in self._params:
+                return 0  # counted in one pass: nothing under this path has parameters
             n = self._params[path] = _params(self.named[path] if path else self.root)
         return n
 
@@ -362,6 +384,7 @@ class Reading:
     def arm(self) -> Reading:
         """Hooks on; the root's next call is read."""
         s, handles = self.s, self.handles
+        s.opening.params("")  # counted now, not under the function mode
         handles.append(self.root.register_forward_pre_hook(self._enter))
 
         def visit(path: str, module: nn.Module) -> None:

@@ -7,6 +7,7 @@ repeated blocks folded to one `×N`.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -182,11 +183,23 @@ def _plan(graph: Any, depth: int) -> dict[tuple[str, str], Any]:
         for name, module in named_modules_of(graph.implementation(node)):
             if next(module.children(), None) is None:
                 continue
+            refused = _REFUSED.get(module, {}).get(depth)
+            if refused is not None:
+                plans[(node, name)] = _Read(module, depth, refused)
+                continue
             try:
                 plans[(node, name)] = fx_trace(module, depth)
             except Exception as e:  # noqa: BLE001
-                plans[(node, name)] = _Read(module, depth, _why(e))
+                why = _why(e)
+                _REFUSED.setdefault(module, {})[depth] = why
+                plans[(node, name)] = _Read(module, depth, why)
     return plans
+
+
+# Modules fx refused, by depth, and why: asking again costs a millisecond and a failed trace.
+# Only refusals are remembered: reading by a real forward is right for any module, so a
+# module that has since become traceable is at worst read the slower way.
+_REFUSED: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
 def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) -> Inside | None:
