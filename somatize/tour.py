@@ -15,21 +15,27 @@ from the network: no require.js, no widget manager from a CDN, no MathJax.
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TOUR = ROOT / "notebooks" / "01_tour.ipynb"
+_STATE = "application/vnd.jupyter.widget-state+json"
 
 # Renders every widget-view output of the page from the saved widget state; anywidget models
 # only (their ES module travels in the state), anything else says it needs a kernel.
 _RENDERER = r"""
 const stateEl = document.querySelector('script[type="application/vnd.jupyter.widget-state+json"]');
 const saved = stateEl ? JSON.parse(stateEl.textContent).state || {} : {};
+const shared = JSON.parse(document.getElementById("smz-tour-modules").textContent);
 const models = new Map();
 const styled = new Set();
+const unshared = (v) => (typeof v === "string" && v.startsWith("smz-shared:") ? shared[Number(v.slice(11))] : v);
 
 function put(obj, path, value) {
   let at = obj;
@@ -49,6 +55,7 @@ function model(id) {
   const entry = saved[id];
   if (!entry) return null;
   const data = structuredClone(entry.state || {});
+  for (const key of ["_esm", "_css"]) data[key] = unshared(data[key]);
   for (const b of entry.buffers || []) put(data, b.path, dataView(b.data));
   const listeners = new Map();
   const fire = (name, ...args) => (listeners.get(name) || []).slice().forEach((f) => f(...args));
@@ -133,6 +140,7 @@ _TEMPLATE = """{%- extends 'lab/index.html.j2' -%}
 {%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
 {% block jupyter_widgets %}
 <style>.smz-tour-note { color: #777; font-style: italic; }</style>
+<script type="application/json" id="smz-tour-modules">{{ resources.somatize_modules }}</script>
 <script type="module">{{ resources.somatize_renderer }}</script>
 {% endblock jupyter_widgets %}
 """
@@ -173,8 +181,34 @@ def page(nb: dict) -> str:
         extra_loaders=[DictLoader({"somatize_tour.html.j2": _TEMPLATE})],
     )
     exporter.template_file = "somatize_tour.html.j2"
-    body, _ = exporter.from_notebook_node(nb, resources={"somatize_renderer": _RENDERER})
+    nb, shared = _shared_modules(nb)
+    body, _ = exporter.from_notebook_node(
+        nb,
+        resources={
+            "somatize_renderer": _RENDERER,
+            "somatize_modules": json.dumps(shared).replace("</", "<\\/"),
+        },
+    )
     return body
+
+
+def _shared_modules(nb: Any) -> tuple[Any, list[str]]:
+    """The notebook with each widget's `_esm` and `_css` written once: two figures of one kind
+    carry the same bundle, so the page holds it once and each model points at it."""
+    nb = copy.deepcopy(nb)
+    state = nb.metadata.get("widgets", {}).get(_STATE, {}).get("state", {})
+    shared: list[str] = []
+    index: dict[str, int] = {}
+    for entry in state.values():
+        traits = entry.get("state", {})
+        for key in ("_esm", "_css"):
+            text = traits.get(key)
+            if isinstance(text, str) and len(text) > 200:
+                if text not in index:
+                    index[text] = len(shared)
+                    shared.append(text)
+                traits[key] = f"smz-shared:{index[text]}"
+    return nb, shared
 
 
 def main(argv: list[str] | None = None) -> int:
