@@ -65,8 +65,8 @@ def __getattr__(name: str) -> Any:
 
 # A module named like the function it holds (probe.probe, proxies.proxies) would shadow that
 # function as an attribute of this package once imported; importing them here settles it.
-from somatize.torch.probe import probe  # noqa: E402
-from somatize.torch.proxies import proxies, proxy  # noqa: E402
+from somatize.torch.probe import probe  # noqa: E402, F401
+from somatize.torch.proxies import proxies, proxy  # noqa: E402, F401
 
 
 def __dir__() -> list[str]:
