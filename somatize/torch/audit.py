@@ -140,7 +140,7 @@ def _effective_rank(f: torch.Tensor) -> tuple[float, int]:
     return float(torch.exp(-(p * p.log()).sum())), room
 
 
-def _top_square(d: torch.Tensor, steps: int = 16) -> float:
+def _top_square(d: torch.Tensor, steps: int = 12) -> float:
     """σ_max² of a 2-D float64 matrix: exactly from the smaller Gram matrix when one side is
     short, else by Lanczos on DᵀD (fully reorthogonalised, from a fixed start)."""
     rows, cols = d.shape
