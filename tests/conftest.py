@@ -1,42 +1,8 @@
-"""Shared pieces for the tests: small nodes that every test file can build graphs from."""
+"""Shared fixtures for the tests."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-
-from somatize import Node
-
-
-class Add(Node):
-    """Adds a constant; counts its calls."""
-
-    def __init__(self, k: int = 1) -> None:
-        self.k = k
-        self.calls = 0
-
-    def forward(self, input: Any, ctx: Any) -> Any:
-        self.calls += 1
-        return input + self.k
-
-
-class Join(Node):
-    """Sums what its predecessors produced."""
-
-    def __init__(self) -> None:
-        self.seen: list[Any] = []
-
-    def forward(self, input: Any, ctx: Any) -> Any:
-        self.seen.append(input)
-        return sum(input.values())
-
-
-class Same(Node):
-    """Hands its input on untouched."""
-
-    def forward(self, input: Any, ctx: Any) -> Any:
-        return input
 
 
 @pytest.fixture

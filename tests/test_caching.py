@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Add, Same
+from _nodes import Add, Same
 from torch import nn
 
 import somatize.torch  # noqa: F401  (tensor codec)

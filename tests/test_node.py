@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Add, Join, Same
+from _nodes import Add, Join, Same
 
 from somatize import Graph, Node
 
