@@ -20,7 +20,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.node import Opaque
 
-__all__ = ["Ctx", "Plan", "compile", "forward", "watchers", "declaration_key"]
+__all__ = ["Ctx", "Plan", "compile", "declaration_key", "forward", "walk", "watchers"]
 
 ROOT, ONE, MANY = 0, 1, 2
 
@@ -168,34 +168,52 @@ def _as_store(store: Any) -> Any:
 
 def _walk(plan: Plan, input: Any) -> Any:
     vals: list[Any] = [None] * len(plan.steps)
-    move = _hooks.move
-    i = 0
-    try:
-        for i, mode, src, fn, ctx, device in plan.steps:
-            if mode == ONE:
-                x = vals[src]
-            elif mode == ROOT:
-                x = input
-            else:
-                x = {p: vals[j] for p, j in src}
-            if device is not None:
-                x = move(x, device)
-            out = fn(x, ctx)
-            vals[i] = out.value if type(out) is Opaque else out
-    except BaseException as e:
-        _noted(e, plan, i)
-        raise
+    walk(plan, plan.steps, vals, input)
     return _result(plan, vals)
 
 
 def _walk_watched(plan: Plan, input: Any, told: list[Callable[[dict], Any]]) -> Any:
     vals: list[Any] = [None] * len(plan.steps)
+    start = time.perf_counter_ns()
+    walk(plan, plan.steps, vals, input, told, start)
+    finished = {"fact": "finished", "took_us": (time.perf_counter_ns() - start) / 1e3}
+    for w in told:
+        w(finished)
+    return _result(plan, vals)
+
+
+def walk(
+    plan: Plan,
+    steps: tuple,
+    vals: list[Any],
+    input: Any,
+    told: list[Callable[[dict], Any]] | None = None,
+    start: int = 0,
+) -> None:
+    """Run `steps` (all of `plan.steps`, or a run of them) writing each value into `vals`.
+
+    With watchers, each is told one `ran` fact per node, its times counted from `start`
+    (a `perf_counter_ns` reading). Unwatched, no clock is read and no fact is built: the two
+    loops are kept apart so that the plain one pays for neither.
+    """
     move = _hooks.move
-    clock = time.perf_counter_ns
     i = 0
-    start = clock()
     try:
-        for i, mode, src, fn, ctx, device in plan.steps:
+        if not told:
+            for i, mode, src, fn, ctx, device in steps:
+                if mode == ONE:
+                    x = vals[src]
+                elif mode == ROOT:
+                    x = input
+                else:
+                    x = {p: vals[j] for p, j in src}
+                if device is not None:
+                    x = move(x, device)
+                out = fn(x, ctx)
+                vals[i] = out.value if type(out) is Opaque else out
+            return
+        clock = time.perf_counter_ns
+        for i, mode, src, fn, ctx, device in steps:
             began = clock()
             if mode == ONE:
                 x = vals[src]
@@ -207,22 +225,17 @@ def _walk_watched(plan: Plan, input: Any, told: list[Callable[[dict], Any]]) -> 
                 x = move(x, device)
             out = fn(x, ctx)
             vals[i] = out.value if type(out) is Opaque else out
-            ended = clock()
             fact = {
                 "fact": "ran",
                 "node": ctx.id,
                 "began_us": (began - start) / 1e3,
-                "took_us": (ended - began) / 1e3,
+                "took_us": (clock() - began) / 1e3,
             }
             for w in told:
                 w(fact)
     except BaseException as e:
         _noted(e, plan, i)
         raise
-    finished = {"fact": "finished", "took_us": (clock() - start) / 1e3}
-    for w in told:
-        w(finished)
-    return _result(plan, vals)
 
 
 # -- keys -----------------------------------------------------------------------------------
