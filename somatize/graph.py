@@ -7,8 +7,10 @@ which is kept until the topology changes (see `somatize.run`).
 
 from __future__ import annotations
 
+import heapq
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from somatize import _hooks
@@ -185,7 +187,6 @@ class Graph:
             raise ValueError(
                 f"declare() takes {sorted(set(s.__dict__) - {'name'})}, not {sorted(said)}"
             )
-        from dataclasses import replace
 
         new = replace(s, **said)
         self._check(id, self._impl[id], new)
@@ -228,8 +229,6 @@ class Graph:
         """Every node after all of its predecessors; ties kept in declaration order."""
         waiting = {n: len(self._pred[n]) for n in self._order}
         rank = {n: i for i, n in enumerate(self._order)}
-        import heapq
-
         ready = [(rank[n], n) for n in self._order if waiting[n] == 0]
         heapq.heapify(ready)
         out: list[str] = []
@@ -294,6 +293,7 @@ class Graph:
     def plan_json(self) -> dict[str, Any]:
         """The graph as data: nodes with what was declared of them, edges, roots, leaves, order."""
         order = self.topological_sort()
+        step = {n: k for k, n in enumerate(order)}
         nodes = []
         for n in self._order:
             s = self._settings[n]
@@ -310,7 +310,7 @@ class Graph:
                     else repr(s.salt),
                     "mapped": bool(s.mapped),
                     "predecessors": list(self._pred[n]),
-                    "step": order.index(n),
+                    "step": step[n],
                 }
             )
         return {
