@@ -151,6 +151,22 @@ def health(where, step, **numbers):
     return {"fact": "health", "where": where, "step": step, "numbers": numbers}
 
 
+def cells_of(messages):
+    """(where, step, numbers, flags) per cell from columnar messages, as the page reads them."""
+    out = []
+    for m in messages:
+        for where, steps, columns, flagged in m["places"]:
+            flags = dict((i, f) for i, f in flagged)
+            for i, step in enumerate(steps):
+                numbers = {k: v[i] for k, v in columns.items() if v[i] is not None}
+                out.append((where, step, numbers, flags.get(i, [])))
+    return out
+
+
+def losses_of(messages):
+    return [(s, v) for m in messages for s, v in zip(*m["loss"], strict=True)]
+
+
 def test_audit_batches_what_it_sends_and_sends_the_rest_later():
     audit = Relay(interval=0.2)
     began = time.monotonic()
@@ -159,13 +175,21 @@ def test_audit_batches_what_it_sends_and_sends_the_rest_later():
         audit(health("enc", step, grad_norm=0.1))
         audit({"fact": "ran", "node": "enc", "began_us": 0.0, "took_us": 1.0})
     took = time.monotonic() - began
-    assert 1 <= len(audit.outbox) <= 2 + took / 0.2  # one message per interval at most
-    time.sleep(0.5)  # the rest goes out once the interval has passed, without another fact
-    sent = [c for m in audit.outbox for c in m["cells"]]
-    loss = [x for m in audit.outbox for x in m["loss"]]
-    assert len(sent) == 500 and len(loss) == 500
-    assert [m["seq"] for m in audit.outbox] == list(range(1, len(audit.outbox) + 1))
+    # what it has seen is there at once, before anything was sent
     assert audit.metrics == ["grad_norm"] and audit.metric == "grad_norm"
+    assert len(audit.frame()) == 500 and len(audit.loss) == 500
+    time.sleep(0.6)  # the rest goes out once the interval has passed, without another fact
+    assert 1 <= len(audit.outbox) <= 3 + took / 0.2  # one message per interval at most
+    assert len(cells_of(audit.outbox)) == 500 and len(losses_of(audit.outbox)) == 500
+    assert [m["seq"] for m in audit.outbox] == list(range(1, len(audit.outbox) + 1))
+    assert audit._thread is None  # the sender stops when the facts do
+    # and the picture a page without a kernel draws has caught up
+    picture = audit.picture
+    assert picture["kind"] == "reset" and len(picture["places"][0][1]) <= 240
+    assert picture["places"][0][1][-1] == 499 and picture["loss"][0][-1] == 499
+    audit(health("enc", 500, grad_norm=0.2))  # a new fact wakes the sender again
+    time.sleep(0.5)
+    assert cells_of(audit.outbox[-1:]) == [("enc", 500, {"grad_norm": 0.2}, [])]
 
 
 def test_audit_flags_with_the_health_verdict_and_keeps_nan_as_text():
@@ -173,14 +197,75 @@ def test_audit_flags_with_the_health_verdict_and_keeps_nan_as_text():
     audit(health("enc", 0, grad_norm=float("nan"), zero=0.1))
     audit(health("head", 0, grad_norm=1e-9))
     audit(health("left", 0, grad_norm=0.1))
+    audit(health("left", 1, zero=0.99))  # another metric set: a hole in grad_norm
     audit.sync()
-    cells = {c[0]: c for m in audit.outbox for c in m["cells"]}
-    assert cells["enc"][2]["grad_norm"] == "nan" and cells["enc"][3] == ["NAN"]
-    assert cells["head"][3] == ["VANISHING"]
-    assert cells["left"][3] == []
+    cells = {(c[0], c[1]): c for c in cells_of(audit.outbox)}
+    assert cells["enc", 0][2]["grad_norm"] == "nan" and cells["enc", 0][3] == ["NAN"]
+    assert cells["head", 0][3] == ["VANISHING"]
+    assert cells["left", 0][3] == [] and cells["left", 0][2] == {"grad_norm": 0.1}
+    assert cells["left", 1][2] == {"zero": 0.99} and cells["left", 1][3] == ["DEAD"]
     frame = audit.frame()
-    assert list(frame["where"]) == ["enc", "head", "left"]
+    assert list(frame["where"]) == ["enc", "head", "left", "left"]
     assert math.isnan(frame.loc[0, "grad_norm"]) and frame.loc[0, "flags"] == ["NAN"]
+    assert math.isnan(frame.loc[3, "grad_norm"]) and frame.loc[3, "zero"] == 0.99
+    assert audit.metrics == ["grad_norm", "zero"]
+    # the picture carries the flags too
+    picture = {p[0]: p for p in audit.picture["places"]}
+    assert picture["head"][3] == [[0, ["VANISHING"]]]
+
+
+def test_audit_merges_two_facts_of_one_place_and_step():
+    audit = Relay(interval=0.01, verdict=None)
+    audit(health("enc", 3, grad_norm=0.5))
+    audit(health("enc", 3, zero=0.2))
+    frame = audit.frame()
+    assert len(frame) == 1 and frame.loc[0, "grad_norm"] == 0.5 and frame.loc[0, "zero"] == 0.2
+
+
+def test_audit_refuses_a_malformed_fact_and_keeps_nothing_of_it():
+    audit = Relay(interval=0.01)
+    with pytest.raises(ValueError, match="step"):
+        audit(health("enc", 1.5, grad_norm=0.1))
+    with pytest.raises(ValueError, match="where"):
+        audit({"fact": "health", "step": 1, "numbers": {"grad_norm": 0.1}})
+    assert audit.frame().empty and audit.metrics == []
+    audit(health("enc", 2, grad_norm=1))  # an int is a number; numpy and torch scalars too
+    audit(health("enc", 3, grad_norm=torch.tensor(0.5)))
+    assert audit.frame()["grad_norm"].tolist() == [1.0, 0.5]
+
+
+def test_the_verdict_screen_keeps_every_row_the_verdict_would_flag():
+    import numpy as np
+
+    from somatize.figures._screen import screen_of
+    from somatize.health import verdict
+
+    screen = screen_of(verdict)
+    edges = {
+        "grad_norm": [0.0, 1e-8, 1e-7, 0.1, 1e3, 1e3 + 1e-9, 2e3, float("inf")],
+        "zero": [0.0, 0.94, 0.95, 1.0],
+        "saturated": [0.0, 0.49, 0.5],
+        "update_ratio": [0.0, 9e-5, 1e-4, 1e-3, 1e-2, 0.02],
+        "dead_channels": [0.0, 1.0, 3.0],
+        "dormant_channels": [0.0, 2.0, 8.0],
+        "channels": [4.0, 16.0],
+        "cka": [0.0, 0.94, 0.95, 1.0],
+        "effective_rank": [0.1, 0.4, 0.6, 5.0],
+        "rank_room": [1.0, 2.0, 10.0],
+        "mean": [0.0, float("nan"), -float("inf")],
+    }
+    rng = np.random.default_rng(0)
+    rows = [
+        {k: float(rng.choice(v)) for k, v in edges.items() if rng.random() < 0.7}
+        for _ in range(4000)
+    ]
+    names = sorted(edges)
+    missing = np.frombuffer(np.uint64(0x7FF8_534D_5A00_0001).tobytes(), dtype=np.float64)[0]
+    columns = {n: np.array([r.get(n, missing) for r in rows]) for n in names}
+    kept = set(screen(columns, len(rows)).tolist())
+    flagged = {i for i, r in enumerate(rows) if verdict(r)}
+    assert flagged and flagged <= kept
+    assert len(kept) < len(rows)  # it does screen
 
 
 def test_audit_answers_a_late_page_with_everything():
@@ -193,7 +278,19 @@ def test_audit_answers_a_late_page_with_everything():
     audit._on_message(audit, {"kind": "hello"}, [])
     reset = audit.outbox[before]
     assert reset["kind"] == "reset" and reset["seq"] == audit._seq
-    assert len(reset["cells"]) == 5 and len(reset["loss"]) == 5
+    assert len(cells_of([reset])) == 5 and len(losses_of([reset])) == 5
+
+
+def test_audit_picture_is_binned_to_240_steps_with_flags_kept():
+    audit = Relay(interval=0.01)
+    for step in range(1000):
+        audit(health("enc", step, grad_norm=1e-9 if step == 501 else 0.5))
+        audit({"fact": "loss", "value": 1.0, "step": step})
+    audit.sync()
+    where, steps, columns, flagged = audit.picture["places"][0]
+    assert len(steps) <= 240 and steps[-1] == 999 and len(columns["grad_norm"]) == len(steps)
+    assert len(flagged) == 1 and flagged[0][1] == ["VANISHING"]  # one bin holds step 501
+    assert len(audit.picture["loss"][0]) <= 1001
 
 
 def test_audit_refuses_a_bad_interval():

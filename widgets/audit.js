@@ -25,27 +25,50 @@ function clear(s) {
   s.flagged = 0;
 }
 
+// Messages are columnar: loss = [steps, values]; places = [[where, steps, {metric: values},
+// [[i, flags], ...]], ...], a value null where a fact did not carry that metric.
 function take(s, msg) {
-  for (const [step, value] of msg.loss || []) s.loss.push([step, value]);
+  const [lossSteps, lossValues] = msg.loss || [[], []];
+  for (let i = 0; i < lossSteps.length; i++) s.loss.push([lossSteps[i], num(lossValues[i])]);
   let unsorted = false;
-  for (const [where, step, numbers, flags] of msg.cells || []) {
+  for (const [where, steps, columns, flagged] of msg.places || []) {
     if (!s.placeIndex.has(where)) {
       s.placeIndex.set(where, s.places.length);
       s.places.push(where);
     }
-    if (!s.stepSet.has(step)) {
-      if (s.steps.length && step < s.steps[s.steps.length - 1]) unsorted = true;
-      s.stepSet.add(step);
-      s.steps.push(step);
+    const flagsAt = new Map((flagged || []).map(([i, f]) => [i, f]));
+    const names = Object.keys(columns || {});
+    for (const k of names) s.metrics.add(k);
+    for (let i = 0; i < steps.length; i++) {
+      const step = steps[i];
+      if (!s.stepSet.has(step)) {
+        if (s.steps.length && step < s.steps[s.steps.length - 1]) unsorted = true;
+        s.stepSet.add(step);
+        s.steps.push(step);
+      }
+      const numbers = {};
+      for (const k of names) {
+        const v = columns[k][i];
+        if (v !== null && v !== undefined) numbers[k] = num(v);
+      }
+      const flags = flagsAt.get(i) || [];
+      const key = `${where}|${step}`;
+      const had = s.cells.get(key);
+      const merged = had ? { numbers: { ...had.numbers, ...numbers }, flags: [...new Set([...had.flags, ...flags])] } : { numbers, flags: [...flags] };
+      if (merged.flags.length && !(had && had.flags.length)) s.flagged += 1;
+      s.cells.set(key, merged);
     }
-    const key = `${where}|${step}`;
-    const had = s.cells.get(key);
-    const merged = had ? { numbers: { ...had.numbers, ...numbers }, flags: [...new Set([...had.flags, ...(flags || [])])] } : { numbers: { ...numbers }, flags: [...(flags || [])] };
-    if (merged.flags.length && !(had && had.flags.length)) s.flagged += 1;
-    s.cells.set(key, merged);
-    for (const k of Object.keys(numbers || {})) s.metrics.add(k);
   }
   if (unsorted) s.steps.sort((a, b) => a - b);
+}
+
+// JSON has no NaN or infinity: they come as text
+function num(v) {
+  if (typeof v !== "string") return v;
+  if (v === "nan") return NaN;
+  if (v === "inf") return Infinity;
+  if (v === "-inf") return -Infinity;
+  return v;
 }
 
 function receive(model, msg) {
@@ -63,17 +86,36 @@ function receive(model, msg) {
     take(s, msg);
     s.seq = msg.seq ?? s.seq + 1;
   } else return;
+  s.live = true;
+  for (const f of s.listeners) f();
+}
+
+// The `picture` trait: a compact copy of what the kernel saw, drawn when no kernel talks to
+// this page (a saved notebook, a static page); once messages come, they win.
+function fromPicture(model) {
+  const s = storeOf(model);
+  const p = model.get("picture");
+  if (s.live || !p || !p.kind) return;
+  clear(s);
+  take(s, p);
+  s.seq = 0;
   for (const f of s.listeners) f();
 }
 
 function initialize({ model }) {
   const s = storeOf(model);
   const onMsg = (msg) => receive(model, msg);
+  const onPicture = () => fromPicture(model);
   model.on("msg:custom", onMsg);
+  model.on("change:picture", onPicture);
   s.onMsg = onMsg;
+  fromPicture(model);
   // a page opened after facts arrived asks for them
   model.send({ kind: "hello" });
-  return () => model.off("msg:custom", onMsg);
+  return () => {
+    model.off("msg:custom", onMsg);
+    model.off("change:picture", onPicture);
+  };
 }
 
 function bins(steps) {

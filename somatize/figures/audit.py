@@ -5,25 +5,37 @@
     trainer = Trainer(g, objective=..., watching=audit)
     trainer.fit(...)           # the heatmap fills in while this cell runs
 
-It takes `loss` and `health` facts (docs/internals.md, "Facts"), keeps them, and sends what is
-new to the browser in batches, at most `1 / interval` times a second, so a fast loop is not
-slowed by its own picture.
+It takes `loss` and `health` facts (docs/internals.md, "Facts") and keeps their numbers in
+columns (per watched place: an array of steps and an array of values per metric), so a fact
+costs a few appends and nothing the garbage collector has to walk. A sender thread reads what
+is new at most `1 / interval` times a second, judges it with the health verdict, and sends it
+to the browser; about once a second it also refreshes `picture`, a compact copy of the whole
+heatmap kept as a synced trait, so a saved notebook or a static page shows what was seen.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 import time
-from collections import deque
+from array import array
 from pathlib import Path
 from typing import Any
 
 import anywidget
+import numpy as np
 import traitlets
 
 from somatize.figures._page import STATIC, jsonable, page
+from somatize.figures._screen import MISSING_BITS as _MISSING_BITS
+from somatize.figures._screen import screen_of
 
 __all__ = ["LiveAudit"]
+
+# "absent" in a column (a place whose facts do not all carry the same metrics has holes)
+_MISSING: float = struct.unpack("<d", struct.pack("<Q", _MISSING_BITS))[0]
+_PICTURE_COLUMNS = 240  # the page bins past this many steps anyway
+_PICTURE_LOSS = 1000
 
 
 def _verdict_function() -> Any:
@@ -34,14 +46,46 @@ def _verdict_function() -> Any:
     return verdict
 
 
+class _Place:
+    """What one watched place has seen: row i is one health fact (its step, its numbers)."""
+
+    __slots__ = ("cols", "flags", "judged", "keys", "odd", "order", "sent", "steps", "where")
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.steps = array("q")
+        self.cols: dict[str, array] = {}  # metric -> one value per row (_MISSING where absent)
+        self.keys: tuple | None = ()  # the metrics of a fact that takes the quick path
+        self.order: list[array] = []  # their columns, in that order
+        self.odd: dict[tuple[int, str], Any] = {}  # (row, metric) -> a value that is no number
+        self.flags: dict[int, list[str]] = {}  # row -> the verdict's flags, where it raised any
+        self.judged = 0  # rows the verdict has read
+        self.sent = 0  # rows sent to the browser
+
+    def complete(self) -> tuple[int, list[tuple[str, array]]]:
+        """How many rows are whole (the training thread may be half-way through one), and the
+        columns. Safe without a lock: columns only grow, and a row is whole once every column
+        holds it."""
+        cols = list(self.cols.items())
+        n = len(self.steps)
+        for _, col in cols:
+            n = min(n, len(col))
+        return n, cols
+
+
 class LiveAudit(anywidget.AnyWidget):
     """A live heatmap of a run's health: rows are the watched places, columns the steps, one
     metric per cell (chosen from a menu); cells the health verdict flags are marked; the loss
     curve runs above on the same steps.
 
     Call it with facts (pass it as `watching=`); it keeps `loss` and `health` facts and ignores
-    the rest. What is new goes to the browser at most every `interval` seconds (and once more
-    after the last fact); `sync()` sends now. `frame()` gives what it has seen as a DataFrame.
+    the rest. What is new goes to the browser at most every `interval` seconds, from a sender
+    thread (and once more after the last fact); `sync()` sends now. `frame()` and `loss` give
+    what it has seen, `metrics` the metrics the facts carried, all current as soon as a fact is
+    taken. `picture` is a compact copy of the heatmap (at most 240 step columns), refreshed
+    about once a second and when the facts stop: what a page without a kernel draws. A fact
+    without `where` or with a step that is not an integer is refused (ValueError) and nothing
+    of it is kept.
     """
 
     _esm = STATIC / "audit.js"
@@ -50,6 +94,7 @@ class LiveAudit(anywidget.AnyWidget):
     metric = traitlets.Unicode("").tag(sync=True)
     metrics = traitlets.List(traitlets.Unicode()).tag(sync=True)
     title = traitlets.Unicode("live audit").tag(sync=True)
+    picture = traitlets.Dict().tag(sync=True)
 
     def __init__(
         self,
@@ -58,168 +103,303 @@ class LiveAudit(anywidget.AnyWidget):
         title: str = "live audit",
         interval: float = 0.1,
         verdict: Any = "default",
+        picture_every: float = 1.0,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval= is seconds between sends and must be > 0, not {interval}")
+        if not picture_every > 0:
+            raise ValueError(f"picture_every= is seconds and must be > 0, not {picture_every}")
         super().__init__(metric=metric, title=title)
         self.interval = float(interval)
+        self.picture_every = float(picture_every)
         self._verdict = _verdict_function() if verdict == "default" else verdict
+        self._screen = screen_of(self._verdict)
         self._lock = threading.RLock()
-        self._loss: list[tuple[int, float]] = []
-        self._cells: dict[
-            tuple[str, int], tuple[dict, tuple]
-        ] = {}  # (where, step) -> (numbers, flags)
-        self._inbox: deque[dict[str, Any]] = deque()  # appended here, drained by a sender
-        self._out_loss: list[list[Any]] = []
-        self._out_cells: list[list[Any]] = []
-        self._seen_metrics: list[str] = []
-        self._seen_set: set[str] = set()
-        self._last_sent = 0.0
-        self._timer: threading.Timer | None = None
+        self._places: dict[str, _Place] = {}
+        self._loss_steps = array("q")
+        self._loss_values = array("d")
+        self._loss_sent = 0
+        self._seen: list[str] = []  # metrics, in the order first seen
+        self._n = 0  # facts taken (by the training thread)
+        self._taken = 0  # facts the sender had seen at its last round
+        self._pictured = -1  # facts in the last picture
+        self._pictured_at = 0.0
+        self._idle = True
+        self._thread: threading.Thread | None = None
         self._seq = 0
         self.sends = 0
         self.on_msg(self._on_message)
 
     # -- taking facts ---------------------------------------------------------------------
     def __call__(self, fact: dict[str, Any]) -> None:
-        """Take one fact; `loss` and `health` facts are kept, others ignored. Cheap: the fact
-        is queued as it is and read when the batch goes out."""
+        """Take one fact: `loss` and `health` facts are kept (a few appends to arrays), others
+        ignored. Sending is the sender thread's."""
         kind = fact.get("fact")
-        if kind == "health" or kind == "loss":
-            self._inbox.append(fact)
-            if time.monotonic() - self._last_sent >= self.interval:
-                self._push()
-            elif self._timer is None:
-                self._arm()
+        if kind == "health":
+            where, step, numbers = fact.get("where"), fact.get("step"), fact.get("numbers")
+            if type(where) is not str or type(step) is not int or type(numbers) is not dict:
+                where, step, numbers = _checked(fact)
+            place = self._places.get(where)
+            if place is None:
+                place = self._place(where)
+            if tuple(numbers) == place.keys:  # the usual case: the same metrics as before
+                place.steps.append(step)
+                for col, v in zip(place.order, numbers.values(), strict=True):
+                    col.append(v if type(v) is float else self._odd(place, col, v))
+            else:
+                self._row(place, step, numbers)
+        elif kind == "loss":
+            value, step = fact.get("value"), fact.get("step")
+            if type(step) is not int:
+                step = len(self._loss_steps) if step is None else _integer(step, fact)
+            if type(value) is not float:
+                value = _number(value)
+            self._loss_steps.append(step)
+            self._loss_values.append(value)
+        else:
+            return
+        self._n += 1
+        if self._idle:
+            self._wake()
+
+    def _place(self, where: str) -> _Place:
+        with self._lock:
+            place = self._places.get(where)
+            if place is None:
+                place = self._places[where] = _Place(where)
+            return place
+
+    def _odd(self, place: _Place, col: array, value: Any) -> float:
+        """A value that is not a float: an int or a numeric scalar as a float, anything else
+        (a bool, a string, None) kept aside, the column holding 'absent'."""
+        if not isinstance(value, bool):
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                pass
+        name = next((k for k, c in place.cols.items() if c is col), None)
+        if name is not None:
+            place.odd[(len(col), name)] = value
+        return _MISSING
+
+    def _row(self, place: _Place, step: int, numbers: dict) -> None:
+        """A fact whose metrics differ from its place's last: new columns, holes filled."""
+        new = []
+        with self._lock:
+            row = len(place.steps)
+            names = [str(k) for k in numbers]
+            for name in names:
+                if name not in place.cols:
+                    place.cols[name] = array("d", [_MISSING]) * row
+                    if name not in self._seen:
+                        self._seen.append(name)
+                        new.append(name)
+            order = [place.cols[name] for name in names]
+            place.steps.append(step)
+            for col, v in zip(order, numbers.values(), strict=True):
+                col.append(v if type(v) is float else self._odd(place, col, v))
+            given = set(names)
+            for name, col in place.cols.items():
+                if name not in given:
+                    col.append(_MISSING)
+            # the quick path only for facts that fill every column
+            whole = len(given) == len(place.cols) and len(names) == len(numbers)
+            place.keys = tuple(numbers) if whole else None
+            place.order = order
+        if new:
+            with self._lock:
+                self.metrics = list(self._seen)
+                if not self.metric:
+                    self.metric = self._seen[0]
 
     def flush(self) -> None:
-        """What the Trainer calls at the end of a step: send if the interval has passed, else
-        make sure what is pending goes out once it has."""
-        self._maybe_send()
+        """What the Trainer calls at the end of a step. Nothing to do: the sender thread sends
+        at most every `interval` seconds, and once more when the facts stop."""
 
     def sync(self) -> None:
-        """Send everything pending now, whatever the interval."""
-        self._push()
+        """Send everything pending now, and refresh `picture`, whatever the interval."""
+        with self._lock:
+            self._push()
+            self._paint()
 
     # -- sending --------------------------------------------------------------------------
-    def _maybe_send(self) -> None:
-        if time.monotonic() - self._last_sent >= self.interval:
-            self._push()
-        elif self._timer is None:
-            self._arm()
-
-    def _arm(self) -> None:
+    def _wake(self) -> None:
         with self._lock:
-            if self._timer is None and self._inbox:
-                wait = max(0.0, self.interval - (time.monotonic() - self._last_sent))
-                self._timer = threading.Timer(wait, self._push)
-                self._timer.daemon = True
-                self._timer.start()
-
-    def _take_pending(self) -> None:
-        """Move what came in into what is kept, and into the outbox."""
-        inbox = []
-        while True:
-            try:
-                inbox.append(self._inbox.popleft())
-            except IndexError:
-                break
-        seen = self._seen_set
-        cells, out = self._cells, self._out_cells
-        for fact in inbox:
-            if fact["fact"] == "loss":
-                step = int(fact.get("step", len(self._loss)))
-                value = fact["value"]
-                self._loss.append((step, value))
-                self._out_loss.append([step, _clean(value)])
-                continue
-            numbers = dict(fact.get("numbers") or {})
-            where, step = str(fact["where"]), int(fact["step"])
-            for k in numbers:
-                if k not in seen:
-                    seen.add(k)
-                    self._seen_metrics.append(k)
-            flags = self._flags(numbers) if self._verdict is not None else []
-            kept = cells.get((where, step))
-            if kept is None:
-                cells[(where, step)] = (numbers, tuple(flags))
-            else:  # tuples, not lists: the garbage collector stops looking at them
-                cells[(where, step)] = (
-                    {**kept[0], **numbers},
-                    tuple(sorted(set(kept[1]) | set(flags))),
+            if self._idle:
+                self._idle = False
+                self._thread = threading.Thread(
+                    target=self._run, name="somatize-live-audit", daemon=True
                 )
-            out.append([where, step, {k: _clean(v) for k, v in numbers.items()}, flags])
+                self._thread.start()
 
-    def _flags(self, numbers: dict[str, Any]) -> list[str]:
-        if self._verdict is None:
-            return []
-        return [str(f) for f in self._verdict(numbers)]
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            with self._lock:
+                fresh = self._push()
+                stale = self._pictured != self._n
+                quiet = not fresh
+                if stale and (quiet or time.monotonic() - self._pictured_at >= self.picture_every):
+                    self._paint()
+                if quiet and self._pictured == self._n:
+                    self._idle = True
+                    if self._n == self._taken:
+                        self._thread = None
+                        return
+                    self._idle = False  # a fact came in meanwhile: go on
 
-    def _push(self) -> None:
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-            self._last_sent = time.monotonic()
-            self._take_pending()
-            if not (self._out_loss or self._out_cells):
-                return
-            self._seq += 1
-            message = {
-                "kind": "append",
-                "seq": self._seq,
-                "loss": self._out_loss,
-                "cells": self._out_cells,
+    def _judge(self, place: _Place, n: int, cols: list[tuple[str, array]]) -> None:
+        """Run the verdict over rows not yet judged (only those the screen cannot clear)."""
+        lo = place.judged
+        if self._verdict is None or n <= lo:
+            place.judged = max(lo, n)
+            return
+        views = {name: np.frombuffer(col[lo:n], dtype=np.float64) for name, col in cols}
+        rows = self._screen(views, n - lo)
+        if place.odd:
+            extra = {r - lo for r, _ in place.odd if lo <= r < n}
+            rows = sorted(set(rows.tolist()) | extra) if extra else rows.tolist()
+        else:
+            rows = rows.tolist()
+        for i in rows:
+            numbers = {}
+            for name, view in views.items():
+                v = float(view[i])
+                if v != v and struct.pack("<d", v) == _MISSING_PACKED:
+                    odd = place.odd.get((lo + i, name), _ABSENT)
+                    if odd is not _ABSENT:
+                        numbers[name] = odd
+                    continue
+                numbers[name] = v
+            flags = [str(f) for f in self._verdict(numbers)]
+            if flags:
+                place.flags[lo + i] = flags
+        place.judged = n
+
+    def _take(self, everything: bool) -> dict[str, Any]:
+        """What is new (or everything) in the columnar shape the page reads."""
+        self._taken = self._n
+        nl = min(len(self._loss_steps), len(self._loss_values))
+        l0 = 0 if everything else self._loss_sent
+        loss = [self._loss_steps[l0:nl].tolist(), _json_column(self._loss_values, l0, nl)]
+        self._loss_sent = nl
+        places = []
+        for where, place in list(self._places.items()):
+            n, cols = place.complete()
+            self._judge(place, n, cols)
+            lo = 0 if everything else place.sent
+            place.sent = n
+            if n <= lo:
+                continue
+            values = {name: _json_column(col, lo, n, place.odd, name) for name, col in cols}
+            flags = [[r - lo, f] for r, f in place.flags.items() if lo <= r < n]
+            places.append([where, place.steps[lo:n].tolist(), values, flags])
+        return {"loss": loss, "places": places}
+
+    def _push(self) -> bool:
+        """Send what is new as one `append` message; whether there was anything."""
+        taken = self._take(everything=False)
+        if not (taken["loss"][0] or taken["places"]):
+            return False
+        self._seq += 1
+        self.send({"kind": "append", "seq": self._seq, **taken})
+        self.sends += 1
+        return True
+
+    def _paint(self) -> None:
+        """Refresh `picture`: everything seen, binned to at most 240 steps per place."""
+        seen = self._n
+        self._take_judged()
+        loss_n = min(len(self._loss_steps), len(self._loss_values))
+        stride = max(1, -(-loss_n // _PICTURE_LOSS))
+        keep = list(range(0, loss_n, stride))
+        if loss_n and keep[-1] != loss_n - 1:
+            keep.append(loss_n - 1)
+        loss = [
+            [self._loss_steps[i] for i in keep],
+            [_json_value(self._loss_values[i]) for i in keep],
+        ]
+        places = []
+        for where, place in list(self._places.items()):
+            n = place.judged
+            cols = list(place.cols.items())
+            per = max(1, -(-n // _PICTURE_COLUMNS))
+            bins = [(i, min(i + per, n) - 1) for i in range(0, n, per)]
+            last = [b for _, b in bins]
+            values = {
+                name: _json_column(array("d", (col[i] for i in last)), 0, len(last))
+                for name, col in cols
             }
-            self._out_loss, self._out_cells = [], []
-            if list(self.metrics) != self._seen_metrics:
-                self.metrics = list(self._seen_metrics)
-                if not self.metric:
-                    self.metric = self._seen_metrics[0]
-            self.send(message)
-            self.sends += 1
+            flags = []
+            for b, (lo, hi) in enumerate(bins):
+                got = sorted({f for r in range(lo, hi + 1) for f in place.flags.get(r, ())})
+                if got:
+                    flags.append([b, got])
+            places.append([where, [place.steps[i] for i in last], values, flags])
+        self.picture = {"kind": "reset", "seq": self._seq, "loss": loss, "places": places}
+        self._pictured = seen
+        self._pictured_at = time.monotonic()
+
+    def _take_judged(self) -> None:
+        for place in list(self._places.values()):
+            n, cols = place.complete()
+            self._judge(place, n, cols)
 
     def snapshot(self) -> dict[str, Any]:
         """Everything seen so far as one `reset` message: what a page opened late is sent."""
         with self._lock:
-            self._take_pending()
-            return {
-                "kind": "reset",
-                "seq": self._seq,
-                "loss": [[s, _clean(v)] for s, v in self._loss],
-                "cells": [
-                    [where, step, {k: _clean(v) for k, v in numbers.items()}, list(flags)]
-                    for (where, step), (numbers, flags) in self._cells.items()
-                ],
-            }
+            loss_sent = self._loss_sent
+            sent = {w: p.sent for w, p in self._places.items()}
+            message = {"kind": "reset", "seq": self._seq, **self._take(everything=True)}
+            self._loss_sent = loss_sent  # what was not sent yet still goes in the next append
+            for w, p in self._places.items():
+                p.sent = sent.get(w, 0)
+            return message
 
     def _on_message(self, _widget: Any, content: Any, _buffers: Any) -> None:
         if isinstance(content, dict) and content.get("kind") == "hello":
             with self._lock:
-                message = self.snapshot()
-                self._out_loss, self._out_cells = [], []
-            self.send(message)
+                message = {"kind": "reset", "seq": self._seq, **self._take(everything=True)}
+                self.send(message)
 
     # -- reading back ---------------------------------------------------------------------
     @property
     def loss(self) -> list[tuple[int, float]]:
         """The loss facts seen, as (step, value), including any not yet sent."""
-        with self._lock:
-            self._take_pending()
-            return list(self._loss)
+        n = min(len(self._loss_steps), len(self._loss_values))
+        return list(zip(self._loss_steps[:n].tolist(), self._loss_values[:n].tolist(), strict=True))
 
     def frame(self) -> Any:
         """The health facts seen as a pandas DataFrame: one row per (where, step), a column
-        per metric, and `flags` (the verdict's, as strings)."""
+        per metric (NaN where a fact did not carry it), and `flags` (the verdict's, as
+        strings). Two facts for one place and step are merged, the later's numbers winning."""
         import pandas as pd
 
         with self._lock:
-            self._take_pending()
-            rows = [
-                {"where": where, "step": step, **numbers, "flags": list(flags)}
-                for (where, step), (numbers, flags) in self._cells.items()
-            ]
-        return pd.DataFrame(rows)
+            self._take_judged()
+            parts = []
+            for where, place in list(self._places.items()):
+                n = place.judged
+                data: dict[str, Any] = {"where": [where] * n, "step": place.steps[:n].tolist()}
+                for name, col in list(place.cols.items()):
+                    a = np.frombuffer(col[:n], dtype=np.float64).copy()
+                    if place.odd:
+                        column: Any = a.tolist()
+                        for (r, m), v in place.odd.items():
+                            if m == name and r < n:
+                                column[r] = v
+                        data[name] = column
+                    else:
+                        data[name] = a
+                data["flags"] = [list(place.flags.get(r, ())) for r in range(n)]
+                part = pd.DataFrame(data)
+                if part["step"].duplicated().any():
+                    part = _merged(part)
+                parts.append(part)
+        if not parts:
+            return pd.DataFrame(columns=["where", "step", "flags"])
+        frame = pd.concat(parts, ignore_index=True)
+        return frame[[c for c in frame.columns if c != "flags"] + ["flags"]]
 
     def save_html(self, path: str | Path) -> Path:
         """Write a standalone HTML page with the audit as it stands, drawn offline."""
@@ -230,11 +410,83 @@ class LiveAudit(anywidget.AnyWidget):
         return path
 
 
-def _clean(value: Any) -> Any:
-    """A number as JSON can carry it: a finite float or int as is, NaN and infinities as text."""
-    t = type(value)
-    if t is float:
-        return value if value - value == 0.0 else str(value)
-    if t is int or t is bool or value is None:
-        return value
-    return jsonable(value)
+_ABSENT = object()
+_MISSING_PACKED = struct.pack("<d", _MISSING)
+
+
+def _checked(fact: dict[str, Any]) -> tuple[str, int, dict]:
+    where, numbers = fact.get("where"), fact.get("numbers")
+    if where is None:
+        raise ValueError(f"a health fact names its place in 'where'; this one does not: {fact!r}")
+    if numbers is None:
+        numbers = {}
+    if not isinstance(numbers, dict):
+        try:
+            numbers = dict(numbers)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"a health fact's 'numbers' is a dict of metric -> number, not {numbers!r}"
+            ) from None
+    return str(where), _integer(fact.get("step"), fact), numbers
+
+
+def _integer(step: Any, fact: dict[str, Any]) -> int:
+    try:
+        if isinstance(step, bool) or float(step) != int(step):
+            raise ValueError
+        return int(step)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"a fact's 'step' is an integer, not {step!r} (in {fact!r})") from None
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _json_value(v: float) -> Any:
+    if v - v == 0.0:
+        return v
+    if struct.pack("<d", v) == _MISSING_PACKED:
+        return None
+    return str(v)
+
+
+def _json_column(
+    col: array, lo: int, hi: int, odd: dict | None = None, name: str | None = None
+) -> list[Any]:
+    """Values lo:hi as JSON can carry them: numbers, "nan"/"inf"/"-inf", None where absent
+    (or the odd value kept aside, made plain)."""
+    a = np.frombuffer(col[lo:hi], dtype=np.float64)
+    out = a.tolist()
+    bad = np.flatnonzero(~np.isfinite(a))
+    if bad.size:
+        bits = a.view(np.uint64)
+        for i in bad.tolist():
+            if int(bits[i]) == _MISSING_BITS:
+                v = odd.get((lo + i, name), _ABSENT) if odd else _ABSENT
+                out[i] = None if v is _ABSENT else jsonable(v)
+            else:
+                out[i] = str(out[i])
+    return out
+
+
+def _merged(part: Any) -> Any:
+    """Rows of one place with the same step folded into one: later numbers win where given,
+    flags joined."""
+    rows: dict[int, dict[str, Any]] = {}
+    for record in part.to_dict("records"):
+        had = rows.get(record["step"])
+        if had is None:
+            rows[record["step"]] = record
+            continue
+        for k, v in record.items():
+            if k == "flags":
+                had[k] = sorted(set(had[k]) | set(v))
+            elif not (isinstance(v, float) and v != v) or k not in had:
+                had[k] = v
+    import pandas as pd
+
+    return pd.DataFrame(list(rows.values()))

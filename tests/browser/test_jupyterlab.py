@@ -87,9 +87,8 @@ for step in range(60):
         grad = w.grad.norm().item()
         audit({"fact": "health", "where": f"mlp.{name}", "step": step,
                "numbers": {"grad_norm": grad, "update_ratio": 0.05 * grad / w.norm().item()}})
-    audit.flush()
     time.sleep(0.08)
-print("fit done")
+print("fit done", audit.metrics, len(audit.frame()))
 """,
     # 4: candidates compared
     """
@@ -216,7 +215,10 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
         assert "[*]" in running, running  # the fit cell has not finished
         assert early < 3 * 60
         audit.screenshot(path=str(artifacts / "lab-audit-running.png"))
-        fit.locator(".jp-OutputArea-output:has-text('fit done')").wait_for(timeout=60_000)
+        done = fit.locator(".jp-OutputArea-output:has-text('fit done')")
+        done.wait_for(timeout=60_000)
+        # read right after the fit: everything is there, whatever was sent
+        assert "['grad_norm', 'update_ratio'] 180" in done.inner_text()
         page.wait_for_function(
             "() => document.querySelectorAll('.smz-audit .smz-cell').length === 180",
             timeout=10_000,

@@ -190,6 +190,28 @@ def test_audit_page_opened_late_gets_everything(page, served):
     page.wait_for_function("() => document.querySelectorAll('.smz-cell').length === 40")
 
 
+def test_audit_without_a_kernel_draws_its_picture(page, served, artifacts):
+    from somatize.figures._page import page as standalone
+
+    audit = Relay(interval=0.05)
+    for step in range(30):
+        for fact in _facts(step):
+            audit(fact)
+    audit.sync()
+    # a saved notebook: the traits as they were, and nobody answers the page's hello
+    state = {"metric": "grad_norm", "metrics": audit.metrics, "title": "saved"}
+    state["picture"] = audit.picture
+    root, base = served
+    (root / "still.html").write_text(standalone("audit", state, title="saved", replies=[]))
+    page.goto(f"{base}/still.html")
+    page.wait_for_selector("body[data-rendered='yes']", timeout=20_000)
+    page.wait_for_function("() => document.querySelectorAll('.smz-cell').length === 4 * 30")
+    assert "waiting" not in page.locator(".smz-audit").inner_text()
+    assert page.locator(".smz-flagged").count() == 18  # left, NaN from step 12
+    assert page.locator(".smz-loss").count() == 1
+    page.screenshot(path=str(artifacts / "audit-picture.png"), full_page=True)
+
+
 def _table():
     df = pd.DataFrame(
         {
