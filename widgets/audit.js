@@ -118,6 +118,13 @@ function initialize({ model }) {
   };
 }
 
+// a place name that would not fit the gutter keeps its end (the layer) behind an ellipsis;
+// the tooltip has it whole
+function fitted(name, width) {
+  const most = Math.floor(width / 6.6);
+  return name.length <= most ? name : `…${name.slice(name.length - most + 1)}`;
+}
+
 function bins(steps) {
   if (steps.length <= MAX_COLS) return steps.map((s) => [s]);
   const per = Math.ceil(steps.length / MAX_COLS);
@@ -209,8 +216,9 @@ function render({ model, el: host }) {
     const lp = lossPath(s.loss, x0 + cw / 2, x1 - cw / 2, 10, lossH - 10, stepLo, stepHi);
     if (lp.d) {
       el("path", { d: lp.d, fill: "none", stroke: "#3d6fd9", "stroke-width": 1.6, class: "smz-loss" }, svg);
-      el("text", { x: frameR - 4, y: 16, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = `max ${number(lp.hi)}`;
-      el("text", { x: frameR - 4, y: lossH - 11, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = `min ${number(lp.lo)}`;
+      // the range in the gutter beside the frame, where the curve never runs
+      el("text", { x: labelW - 8, y: 16, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = number(lp.hi);
+      el("text", { x: labelW - 8, y: lossH - 10, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = number(lp.lo);
       const last = s.loss[s.loss.length - 1];
       el("text", { x: x0, y: lossH + 10, "font-size": 10, fill: "#3d6fd9" }, svg).textContent = `step ${last[0]}: loss ${number(last[1])}`;
     }
@@ -238,7 +246,7 @@ function render({ model, el: host }) {
     const g = el("g", { class: "smz-heat" }, svg);
     s.places.forEach((where, r) => {
       const y = top + r * rh;
-      el("text", { x: labelW - 6, y: y + rh - 4, "font-size": 11, fill: "#1f2430", "text-anchor": "end", class: "smz-place" }, g).textContent = where;
+      el("text", { x: labelW - 6, y: y + rh - 4, "font-size": 11, fill: "#1f2430", "text-anchor": "end", class: "smz-place" }, g).textContent = fitted(where, labelW - 10);
       grid[r].forEach((cell, c) => {
         if (cell.v === null && !cell.flags.length) return;
         const ok = typeof cell.v === "number" && Number.isFinite(cell.v);

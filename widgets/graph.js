@@ -324,6 +324,7 @@ function render({ model, el: host }) {
   viewport.addEventListener("click", (ev) => {
     const block = ev.target.closest("[data-block]");
     if (block && block.classList.contains("smz-foldable")) {
+      tooltip.hidden = true;
       toggle("expanded", block.dataset.block);
       return;
     }
@@ -331,6 +332,7 @@ function render({ model, el: host }) {
     if (node && current && current.meta.get(node.dataset.id)?.hasInside) {
       // a click inside an open node's layers is not a click on its title
       if (ev.target.closest(".smz-layer")) return;
+      tooltip.hidden = true;
       toggle("opened", node.dataset.node);
     }
   });
@@ -379,7 +381,11 @@ function render({ model, el: host }) {
   };
   viewport.style.maxHeight = `${model.get("height") || 640}px`;
 
-  const redraw = () => draw();
+  // a drawing replaces what the tooltip was about: hide it until the pointer moves again
+  const redraw = () => {
+    tooltip.hidden = true;
+    draw();
+  };
   const traits = ["plan", "inside", "opened", "expanded", "colour", "colour_label"];
   for (const t of traits) model.on(`change:${t}`, redraw);
   const onHeight = () => {

@@ -127,7 +127,8 @@ class LiveAudit(anywidget.AnyWidget):
         self._idle = True
         self._thread: threading.Thread | None = None
         self._seq = 0
-        self.sends = 0
+        self.sends = 0  # messages sent
+        self.pictures = 0  # times `picture` was refreshed
         self.on_msg(self._on_message)
 
     # -- taking facts ---------------------------------------------------------------------
@@ -307,38 +308,36 @@ class LiveAudit(anywidget.AnyWidget):
         return True
 
     def _paint(self) -> None:
-        """Refresh `picture`: everything seen, binned to at most 240 steps per place."""
+        """Refresh `picture`: everything seen, binned to at most 240 steps per place (a bin
+        shows its last row and every flag in it), the loss to at most 1000 points."""
         seen = self._n
         self._take_judged()
         loss_n = min(len(self._loss_steps), len(self._loss_values))
-        stride = max(1, -(-loss_n // _PICTURE_LOSS))
-        keep = list(range(0, loss_n, stride))
-        if loss_n and keep[-1] != loss_n - 1:
-            keep.append(loss_n - 1)
+        keep = _thinned(loss_n, _PICTURE_LOSS)
         loss = [
-            [self._loss_steps[i] for i in keep],
-            [_json_value(self._loss_values[i]) for i in keep],
+            np.frombuffer(self._loss_steps[:loss_n], dtype=np.int64)[keep].tolist(),
+            _json_column(array("d", np.frombuffer(self._loss_values[:loss_n])[keep]), 0, len(keep)),
         ]
         places = []
         for where, place in list(self._places.items()):
             n = place.judged
-            cols = list(place.cols.items())
             per = max(1, -(-n // _PICTURE_COLUMNS))
-            bins = [(i, min(i + per, n) - 1) for i in range(0, n, per)]
-            last = [b for _, b in bins]
+            last = np.minimum(np.arange(per - 1, n + per - 1, per), n - 1)
             values = {
-                name: _json_column(array("d", (col[i] for i in last)), 0, len(last))
-                for name, col in cols
+                name: _json_column(array("d", np.frombuffer(col[:n])[last]), 0, len(last))
+                for name, col in list(place.cols.items())
             }
-            flags = []
-            for b, (lo, hi) in enumerate(bins):
-                got = sorted({f for r in range(lo, hi + 1) for f in place.flags.get(r, ())})
-                if got:
-                    flags.append([b, got])
-            places.append([where, [place.steps[i] for i in last], values, flags])
+            binned: dict[int, set[str]] = {}
+            for r, f in list(place.flags.items()):
+                if r < n:
+                    binned.setdefault(r // per, set()).update(f)
+            flags = [[b, sorted(f)] for b, f in sorted(binned.items())]
+            steps = np.frombuffer(place.steps[:n], dtype=np.int64)[last].tolist()
+            places.append([where, steps, values, flags])
         self.picture = {"kind": "reset", "seq": self._seq, "loss": loss, "places": places}
         self._pictured = seen
         self._pictured_at = time.monotonic()
+        self.pictures += 1
 
     def _take_judged(self) -> None:
         for place in list(self._places.values()):
@@ -437,6 +436,14 @@ def _integer(step: Any, fact: dict[str, Any]) -> int:
         return int(step)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"a fact's 'step' is an integer, not {step!r} (in {fact!r})") from None
+
+
+def _thinned(n: int, most: int) -> np.ndarray:
+    """At most about `most` evenly spaced indices of range(n), the last one always in."""
+    keep = np.arange(0, n, max(1, -(-n // most)))
+    if n and keep[-1] != n - 1:
+        keep = np.append(keep, n - 1)
+    return keep
 
 
 def _number(value: Any) -> float:
