@@ -9,7 +9,10 @@
 2. One `Trainer.step` with the middle node trained by `Split` on a worker against the same
    step with everything in this process.
 
-Medians of repeats (worker and bare timed in turns), one torch thread on both sides; throughput is payload bytes / round-trip time.
+Medians of repeats (worker and bare timed in turns), one torch thread on both sides;
+throughput is payload bytes / round-trip time. Every process here (this one, the bare echo, the
+worker) keeps large buffers for reuse (`somatize.remote.memory`); run with
+``SOMATIZE_KEEP_BUFFERS=0`` to time all of them with glibc's default malloc instead.
 """
 
 from __future__ import annotations
@@ -26,9 +29,13 @@ import zmq
 sys.path.insert(0, ".")
 
 from somatize import Broker, Graph, Node, Worker  # noqa: E402
+from somatize.remote.client import _zmq  # noqa: E402
+from somatize.remote.memory import keep_buffers  # noqa: E402
 
 ECHO = """
 import sys, zmq
+from somatize.remote.memory import keep_buffers
+keep_buffers()  # the same C heap settings as a worker, so the comparison stays fair
 s = zmq.Context().socket(zmq.ROUTER); s.bind("tcp://127.0.0.1:*")
 print(s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
 while True:
@@ -68,7 +75,8 @@ def paired_medians(a, b, repeats: int) -> tuple[float, float]:
 def wire_rows() -> list[tuple]:
     echo = subprocess.Popen([sys.executable, "-c", ECHO], stdout=subprocess.PIPE, text=True)
     address = echo.stdout.readline().strip()
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    # The same ZeroMQ context (and so the same I/O thread and C heap) as the broker's sockets.
+    sock = _zmq().socket(zmq.DEALER)
     sock.connect(address)
     broker = Broker.embedded({"w": Worker.spawn(["--accept-code", "--threads", "1"])})
     g = Graph.somatize(Echo().at("w"))
@@ -127,6 +135,7 @@ def split_step(broker: Broker | None, width: int, batch: int) -> float:
 
 
 def main() -> None:
+    keep_buffers()  # before the first ZeroMQ context, as a client does
     torch.set_num_threads(1)
     print("| tensor | bare ZeroMQ (ms) | through a worker (ms) | ratio | GB/s |")
     print("| --- | --- | --- | --- | --- |")

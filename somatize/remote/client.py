@@ -29,6 +29,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from somatize.remote import wire
+from somatize.remote.memory import keep_buffers
 
 __all__ = ["Worker", "WorkerLost", "RemoteError", "Connection"]
 
@@ -94,10 +95,13 @@ class Worker:
         env: dict[str, str] | None = None,
         ready_within: float = 60.0,
         deadline: float = 300.0,
+        quiet: bool = True,
     ) -> Worker:
         """Start a worker as a child process on 127.0.0.1 and wait until it is ready.
 
-        `argv` is extra arguments for `python -m somatize.worker` (say `["--accept-code"]`).
+        `argv` is extra arguments for `python -m somatize.worker` (say `["--accept-code"]`);
+        `quiet=True` (the default) passes `--quiet`: the child logs warnings only, so a
+        notebook does not show its "serving on" line.
         A token is made up unless given; `encrypt=True` makes up CURVE keys too. The child has
         this interpreter and its import path, runs in its own process group, and is stopped
         by `stop()`, by closing a broker that holds it, or when this interpreter exits (and
@@ -123,6 +127,8 @@ class Worker:
             str(os.getpid()),
             *argv,
         ]
+        if quiet and "--quiet" not in argv:
+            command.append("--quiet")
         process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
@@ -232,6 +238,7 @@ _rids = itertools.count(1)
 def _zmq() -> zmq.Context:
     global _context
     if _context is None:
+        keep_buffers()  # before ZeroMQ's I/O thread makes its first allocation
         _context = zmq.Context()
     return _context
 
@@ -297,33 +304,12 @@ class Connection:
 
     def _wait(self, rid: int, deadline: float) -> Any:
         poller = self.poller
+        sock = self.sock
         started = time.monotonic()
         while True:
-            now = time.monotonic()
-            waited = now - started
-            unreachable = now - max(started, self.down_since)
-            if not self.up and unreachable > self.worker.connect_within:
-                raise WorkerLost(
-                    f"nothing answers for {self._where()} after {unreachable:.0f} s: is the "
-                    "worker running (python -m somatize.worker --listen HOST:PORT)?"
-                )
-            if waited > deadline:
-                raise TimeoutError(
-                    f"{self._where()} did not answer within the deadline of {deadline:.0f} s"
-                )
-            process = self.worker.process
-            if process is not None and process.poll() is not None:
-                raise WorkerLost(
-                    f"{self._where()} died (exit code {process.returncode}) during a request"
-                )
-            ready = dict(poller.poll(250))
-            if self.monitor in ready:
-                try:
-                    self._events()
-                except WorkerLost as lost:
-                    raise WorkerLost(f"{lost} during a request") from None
-            if self.sock in ready:
-                frames = self.sock.recv_multipart(copy=False)
+            ready = dict(poller.poll(250))  # the answer first; the checks while none comes
+            if sock in ready:
+                frames = sock.recv_multipart(copy=False)
                 if len(frames) == 1 and frames[0].bytes == wire.REFUSED:
                     raise PermissionError(
                         f"{self._where()} refused the request: the token does not match "
@@ -336,6 +322,27 @@ class Connection:
                 if reply["ok"]:
                     return reply["value"]
                 raise _rebuilt(reply["error"], self._where())
+            if self.monitor in ready:
+                try:
+                    self._events()
+                except WorkerLost as lost:
+                    raise WorkerLost(f"{lost} during a request") from None
+            now = time.monotonic()
+            unreachable = now - max(started, self.down_since)
+            if not self.up and unreachable > self.worker.connect_within:
+                raise WorkerLost(
+                    f"nothing answers for {self._where()} after {unreachable:.0f} s: is the "
+                    "worker running (python -m somatize.worker --listen HOST:PORT)?"
+                )
+            if now - started > deadline:
+                raise TimeoutError(
+                    f"{self._where()} did not answer within the deadline of {deadline:.0f} s"
+                )
+            process = self.worker.process
+            if process is not None and process.poll() is not None:
+                raise WorkerLost(
+                    f"{self._where()} died (exit code {process.returncode}) during a request"
+                )
 
     def close(self) -> None:
         """Close the socket (nothing is sent)."""

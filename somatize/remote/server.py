@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from somatize.remote import wire
+from somatize.remote.memory import keep_buffers
 
 __all__ = ["Server", "main", "rebuild"]
 
@@ -351,7 +352,10 @@ def _watch_parent(parent: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m somatize.worker --listen HOST:PORT [--token T] [--accept-code]
-    [--curve-secret Z85]`: serve slices until stopped."""
+    [--curve-secret Z85] [--threads N] [--quiet]`: serve slices until stopped.
+
+    `--quiet` logs warnings only (dropped messages, a parent gone), not the "serving on" line.
+    """
     p = argparse.ArgumentParser(
         prog="python -m somatize.worker", description=__doc__.split("\n")[0]
     )
@@ -368,10 +372,14 @@ def main(argv: list[str] | None = None) -> None:
         help="this worker's CURVE secret key (z85; default $SOMATIZE_CURVE_SECRET): encrypt",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--quiet", action="store_true", help="log warnings only (no 'serving on' line)")
     p.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    keep_buffers()  # before any thread (torch's, ZeroMQ's) has a heap of its own
     logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="somatize.worker %(levelname)s %(message)s"
+        level=logging.WARNING if a.quiet else logging.INFO,
+        stream=sys.stderr,
+        format="somatize.worker %(levelname)s %(message)s",
     )
     token = a.token or os.environ.get("SOMATIZE_TOKEN")
     if not token:
