@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from somatize.graph import Graph
-from somatize.node import Node, Piece, Settings
+from somatize.node import Node, Opaque, Piece
 
 __all__ = ["INPUT", "LOSS", "Part", "Stages", "Transport", "Local", "LOCAL", "Inlet", "Outlet"]
 
@@ -122,6 +122,9 @@ class Part:
         self.raw = True  # its graph takes the value of its one source as it is
         self.leaf_of: dict[str, str] = {}
         self.ctx: Any = None
+        self._crossing = any(s != INPUT for s in self.sources)  # values to leaf on the way in
+        self._single = len(self.sources) == 1
+        self._plan: tuple | None = None
         self.graph = graph if whole else self._small_graph()
 
     # -- the graph it runs ---------------------------------------------------------------
@@ -134,38 +137,22 @@ class Part:
         if not self.raw:
             for s in self.sources:
                 sub.node(s, Inlet(s))
-        first: dict[str, str] = {}
-        last: dict[str, str] = {}
         for n in self.ids:
-            s = self.settings[n]
-            said = replace(s, name=None)
-            if n == self.trained:
-                enters, learning = self.learning.beside()
-                where = Settings(device=s.device)
-                first[n] = sub.node(f"{n}/enters", Piece(enters, where))
-                sub.node(n, Piece(self.nodes[n], said))
-                last[n] = sub.node(f"{n}/learning", Piece(learning, where))
-            else:
-                first[n] = last[n] = sub.node(n, Piece(self.nodes[n], said))
+            sub.node(n, Piece(self.nodes[n], replace(self.settings[n], name=None)))
         for n in self.ids:
             preds = self.preds[n]
             if not preds and not self.raw:
-                sub.edge(INPUT, first[n])
+                sub.edge(INPUT, n)
             for p in preds:
-                if p in inside:
-                    sub.edge(last[p], first[n])
-                elif not self.raw:
-                    sub.edge(p, first[n])
-            if first[n] != n:
-                sub.edge(first[n], n)
-                sub.edge(n, last[n])
+                if p in inside or not self.raw:
+                    sub.edge(p, n)
         leaf_of: dict[str, str] = {}
         for n in self.exits:
-            if sub.successors(last[n]):
+            if sub.successors(n):
                 leaf_of[sub.node(f"{n}/out", Outlet())] = n
-                sub.edge(last[n], f"{n}/out")
+                sub.edge(n, f"{n}/out")
             else:
-                leaf_of[last[n]] = n
+                leaf_of[n] = n
         self.leaf_of = leaf_of
         if self.trained is not None:
             from somatize.run import Ctx
@@ -175,28 +162,60 @@ class Part:
             )
         return sub
 
+    def _compiled(self) -> Any:
+        """The part graph's plan, compiled once (until `Stages.recompile`), and where in it
+        the value of each exit lands."""
+        from somatize import run
+
+        plan = run.compile(self.graph)
+        slots = tuple((self.leaf_of[leaf], i) for leaf, i in plan.leaves)
+        self._plan = (plan, plan.steps, len(plan.steps), slots, plan.cached, run.walk)
+        return self._plan
+
     # -- running -------------------------------------------------------------------------
     def forward(
         self, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
     ) -> dict[str, Any]:
         """Run the part on `{source: value}`; answer `{exit: value}`.
 
-        Values from another part become leaves here (the Learning's `Enters` does it for a
-        trained node), so the gradient owed to each source can be read off them later.
+        Values from another part become leaves here, so the gradient owed to each source can
+        be read off them later. Around a trained node its Learning's two positions run: the
+        one before leafs what the node is given, the one after keeps what it produced.
         """
-        if self.learning is None and not self.whole:
-            leafed = _torch().leafed
-            inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
-            self._inputs = inputs
-        x = inputs[self.sources[0]] if self.raw else inputs
-        out = self.graph.forward(x, store=store, watching=watching)
         if self.whole:
+            out = self.graph.forward(inputs[INPUT], store=store, watching=watching)
             leaves = self.exits
             outs = {leaves[0]: out} if len(leaves) == 1 else dict(out)
-        elif len(self.leaf_of) == 1:
-            outs = {self.exits[0]: out}
+            self._outputs = outs
+            return outs
+        learning = self.learning
+        if learning is None:
+            if self._crossing:
+                leafed = (_calculus or _torch()).leafed
+                inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
+            self._inputs = inputs
+            x = inputs[self.sources[0]] if self.raw else inputs
         else:
-            outs = {n: out[leaf] for leaf, n in self.leaf_of.items()}
+            x = inputs[self.sources[0]] if self.raw else inputs
+            device = self.settings[self.trained].device
+            if device is not None:
+                from somatize._hooks import move
+
+                x = move(x, device)
+            x = learning.beside()[0].forward(x, self.ctx)
+        plan, steps, size, slots, cached, walk = self._plan or self._compiled()
+        if watching is None and (store is None or not cached) and type(x) is not Opaque:
+            vals: list[Any] = [None] * size
+            walk(plan, steps, vals, x)  # the engine's own loop over a plan compiled once
+            outs = {n: vals[i] for n, i in slots}
+        else:
+            out = self.graph.forward(x, store=store, watching=watching)
+            if len(slots) == 1:
+                outs = {slots[0][0]: out}
+            else:
+                outs = {n: out[leaf] for leaf, n in self.leaf_of.items()}
+        if learning is not None:
+            learning.forward(outs[self.trained], self.ctx)
         self._outputs = outs
         return outs
 
@@ -208,32 +227,39 @@ class Part:
         (the last one already did, in `loss.backward()`). An envelope with nothing in it and
         no forward before it is the end of a group, passed on.
         """
-        calculus = _torch()
-        envelope, grad_of, pairs = calculus.envelope, calculus.grad_of, calculus.pairs
-        closing = any(e.closing for e in envelopes.values())
+        calculus = _calculus or _torch()
+        envelope = calculus.envelope
+        closing = False
+        for e in envelopes.values():
+            if e.closing:
+                closing = True
+                break
         if self.learning is not None:
             (came,) = envelopes.values()
             back = self.learning.forward(came, self.ctx).gradient
-            if len(self.sources) == 1:
-                owed = {self.sources[0]: back}
-            else:
-                owed = {s: back.get(s) if isinstance(back, dict) else None for s in self.sources}
+            self._outputs = None
+            if self._single:
+                source = self.sources[0]
+                return {} if source == INPUT else {source: envelope(back, closing)}
+            owed = {s: back.get(s) if isinstance(back, dict) else None for s in self.sources}
         else:
-            if not self.last and self._outputs is not None:
+            outputs = self._outputs
+            if not self.last and outputs is not None:
+                pairs = calculus.pairs
                 outs: list = []
                 grads: list = []
                 for n, e in envelopes.items():
-                    pairs(self._outputs.get(n), e.gradient, outs, grads)
+                    pairs(outputs.get(n), e.gradient, outs, grads)
                 if outs:
-                    calculus.torch.autograd.backward(outs, grads)
-            held = self._inputs or {}
-            owed = {s: grad_of(v) for s, v in held.items()}
-        self._inputs = self._outputs = None
+                    calculus.backward(outs, grads)
+            grad_of = calculus.grad_of
+            owed = {s: grad_of(v) for s, v in (self._inputs or {}).items()}
+            self._inputs = self._outputs = None
         return {s: envelope(g, closing) for s, g in owed.items() if s != INPUT}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_inputs"] = state["_outputs"] = None
+        state["_inputs"] = state["_outputs"] = state["_plan"] = None
         return state
 
     def __repr__(self) -> str:
@@ -336,7 +362,8 @@ class Stages:
         self.sunk = tuple(n for n in self.leaves if last is None or n not in last.ids)
         self._sunk: dict[str, Any] = {}
         self.told = list(watching or [])
-        self._relays = [self._relay(p) for p in self.parts] if self.told else None
+        relays = [self._relay(p) if self.told else None for p in self.parts]
+        self._route = tuple(zip(self.parts, self.transports, relays, strict=True))
 
     def _relay(self, part: Part) -> Callable[[dict], None]:
         ids = frozenset(part.ids)
@@ -354,6 +381,7 @@ class Stages:
         """Drop every part's compiled plan, so the next forward sees the nodes as they are
         now (an Audit wraps and unwraps their `forward`)."""
         for part in self.parts:
+            part._plan = None
             part.graph.invalidate()
 
     def __repr__(self) -> str:
@@ -362,22 +390,21 @@ class Stages:
     def forward(self, x: Any, *, store: Any = None) -> Any:
         """Run every part in stage order on the graph's input; answer what the graph returns
         (a leaf that crossed a cut to get here arrives as a leaf of its own)."""
+        told = self.told
         if self.whole:
-            return self.graph.forward(x, store=store, watching=self.told or None)
-        leafed = _torch().leafed
-
-        began = time.perf_counter_ns()
+            return self.graph.forward(x, store=store, watching=told or None)
+        began = time.perf_counter_ns() if told else 0
         values: dict[str, Any] = {INPUT: x}
-        for k, part in enumerate(self.parts):
+        for part, transport, relay in self._route:
             inputs = {s: values[s] for s in part.sources}
-            relay = self._relays[k] if self._relays else None
-            values.update(self.transports[k].forward(part, inputs, store=store, watching=relay))
-        sunk = self._sunk
-        for n in self.sunk:
-            values[n] = sunk[n] = leafed(values[n])
-        if self.told:
+            values.update(transport.forward(part, inputs, store=store, watching=relay))
+        if self.sunk:
+            leafed, sunk = _torch().leafed, self._sunk
+            for n in self.sunk:
+                values[n] = sunk[n] = leafed(values[n])
+        if told:
             finished = {"fact": "finished", "took_us": (time.perf_counter_ns() - began) / 1e3}
-            for w in self.told:
+            for w in told:
                 w(finished)
         if len(self.leaves) == 1:
             return values[self.leaves[0]]
@@ -388,10 +415,11 @@ class Stages:
         part by part in reverse; `closing` rides along to say the group ends here."""
         loss.backward()
         if not self.whole:
-            envelope, grad_of = _torch().envelope, _torch().grad_of
             owed: dict[str, list] = {}
-            for n in self.sunk:
-                owed[n] = [envelope(grad_of(self._sunk.pop(n)), closing)]
+            if self.sunk:
+                envelope, grad_of = _torch().envelope, _torch().grad_of
+                for n in self.sunk:
+                    owed[n] = [envelope(grad_of(self._sunk.pop(n)), closing)]
             self._back(owed, closing)
 
     def update(self) -> None:
@@ -400,16 +428,21 @@ class Stages:
             self._back({}, True)
 
     def _back(self, owed: dict[str, list], closing: bool) -> None:
-        envelope, gradient = _torch().envelope, _torch().gradient
-        for k in range(len(self.parts) - 1, -1, -1):
-            part = self.parts[k]
+        calculus = _torch()
+        envelope = calculus.envelope
+        for part, transport, _ in reversed(self._route):
             envelopes = {}
             for n in part.exits:
                 came = owed.pop(n, ())
                 if len(came) == 1:
                     envelopes[n] = came[0]
                 else:
-                    total = gradient({str(i): e for i, e in enumerate(came)}) if came else None
+                    total = (
+                        calculus.gradient({str(i): e for i, e in enumerate(came)}) if came else None
+                    )
                     envelopes[n] = envelope(total, closing)
-            for s, e in self.transports[k].backward(part, envelopes).items():
-                owed.setdefault(s, []).append(e)
+            for s, e in transport.backward(part, envelopes).items():
+                if s in owed:
+                    owed[s].append(e)
+                else:
+                    owed[s] = [e]

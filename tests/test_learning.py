@@ -169,3 +169,21 @@ def test_a_technique_that_gives_nothing_back_starves_upstream_and_says_so():
     before = g.implementation("head").lin.weight.clone()
     t.step(batch())
     assert not g.implementation("head").lin.weight.equal(before)
+
+
+def test_the_backward_across_a_cut_is_autograds_with_its_refusals():
+    from somatize.torch.learning import backward
+
+    torch.manual_seed(0)
+    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    g = torch.randn(5, 3, dtype=torch.float64)
+    torch.autograd.backward([torch.tanh(x @ w)], [g])
+    expected, w.grad = w.grad.clone(), None
+    backward([torch.tanh(x @ w)], [g])
+    assert torch.equal(w.grad, expected)  # the same numbers, bit for bit
+    with pytest.raises(RuntimeError, match="shape"):
+        backward([torch.tanh(x @ w)], [torch.ones(4, 3, dtype=torch.float64)])
+    w.grad = None  # a gradient of another dtype takes the public call, which converts it
+    backward([torch.tanh(x @ w)], [g.float()])
+    assert torch.allclose(w.grad, expected, atol=1e-6)

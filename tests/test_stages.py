@@ -72,14 +72,22 @@ def test_a_stage_is_the_number_of_cuts_behind_a_node():
     assert Stages(g).whole and len(Stages(g).parts) == 1
 
 
-def test_a_part_graph_holds_the_nodes_themselves_and_the_learning_around_its_node():
+def test_a_part_graph_holds_the_nodes_themselves_and_the_learning_stands_around_its_node():
     g = residual()
     learning = Split(SGD)
     mid = Stages(g, {"mid": learning}).parts[1]
-    assert mid.graph.nodes() == ["mid/enters", "mid", "mid/learning"]
+    assert mid.graph.nodes() == ["mid"]
     assert mid.graph.implementation("mid") is g.implementation("mid")
-    assert mid.graph.implementation("mid/learning") is learning
-    assert mid.graph.implementation("mid/enters") is learning.beside()[0]
+    assert mid.learning is learning and mid.ctx.id == "mid/learning"
+    learning.of(g.implementation("mid"))  # what the Trainer says
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    (out,) = mid.forward({"src": x}).values()
+    # the position before leafed what the node was given; the one after kept what it made
+    assert learning.given is not x and learning.given.is_leaf and learning.given.requires_grad
+    assert torch.equal(learning.given, x) and learning.held is out and out.grad_fn is not None
+    back = mid.backward({"mid": envelope(torch.ones_like(out), True)})
+    assert set(back) == {"src"} and back["src"].closing
+    assert back["src"].gradient.shape == x.shape and learning.held is None
 
 
 @pytest.mark.parametrize("every", [1, 2])

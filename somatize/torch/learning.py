@@ -28,7 +28,13 @@ __all__ = [
     "OutOfStep",
     "leafed",
     "grad_of",
+    "backward",
 ]
+
+try:  # what torch.autograd.backward ends in, once its arguments are checked
+    from torch.autograd.graph import _engine_run_backward as _engine
+except ImportError:  # pragma: no cover - a torch without it takes the public call
+    _engine = None
 
 
 class OutOfStep(ValueError):
@@ -161,6 +167,42 @@ def pairs(value: Any, grad: Any, outs: list, grads: list) -> None:
     elif isinstance(value, (list, tuple)) and isinstance(grad, (list, tuple)):
         for v, g in zip(value, grad, strict=False):
             pairs(v, g, outs, grads)
+
+
+def backward(outs: list, grads: list) -> None:
+    """`torch.autograd.backward(outs, grads)`, for the gradients that cross a cut.
+
+    When every pair is a plain tensor and a gradient of its exact shape, dtype and device, the
+    pairs go straight to autograd's engine: that is where the public call ends up, less the
+    10 µs or so of Python it spends first on argument forms, tensor-subclass dispatch and a
+    shape check the engine makes again. Anything else (subclasses, a functorch transform, a
+    gradient that would need converting) takes the public call, and its errors.
+    """
+    plain = _engine is not None and not torch._C._are_functorch_transforms_active()
+    if plain:
+        tensor = torch.Tensor
+        for o, g in zip(outs, grads, strict=True):
+            if (
+                type(o) is not tensor
+                or type(g) is not tensor
+                or o.shape != g.shape
+                or o.dtype != g.dtype
+                or o.device != g.device
+            ):
+                plain = False
+                break
+    if plain:
+        _engine(
+            tuple(outs),
+            tuple(grads),
+            False,
+            False,
+            (),
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )
+    else:
+        torch.autograd.backward(outs, grads)
 
 
 class Learning(Node):
@@ -367,7 +409,7 @@ class Split(Learning):
             grads: list = []
             pairs(held, signal, outs, grads)
             if outs:
-                torch.autograd.backward(outs, grads)
+                backward(outs, grads)
         if self.closes():
             optimizer.step()
         return grad_of(self.done())
