@@ -437,3 +437,35 @@ def test_a_restarted_worker_answers_out_of_step_not_garbage():
             if p is not None:
                 p.kill()
                 p.wait()
+
+
+def test_a_spawned_worker_is_quiet_and_a_worker_by_hand_says_where_it_serves():
+    def said(argv: list[str]) -> str:
+        p = subprocess.Popen(
+            [sys.executable, "-m", "somatize.worker", "--listen", "127.0.0.1:0", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "SOMATIZE_TOKEN": "t"},
+            text=True,
+        )
+        try:
+            assert p.stdout.readline().startswith("somatize worker ready ")
+            time.sleep(0.3)
+        finally:
+            p.terminate()
+        return p.communicate(timeout=10)[1]
+
+    assert "serving on" in said([])
+    assert "serving on" not in said(["--quiet"])
+    worker = Worker.spawn()
+    try:
+        with open(f"/proc/{worker.pid}/cmdline", "rb") as f:
+            assert b"--quiet" in f.read().split(b"\0")
+    finally:
+        worker.stop()
+    loud = Worker.spawn(quiet=False)
+    try:
+        with open(f"/proc/{loud.pid}/cmdline", "rb") as f:
+            assert b"--quiet" not in f.read().split(b"\0")
+    finally:
+        loud.stop()

@@ -227,3 +227,48 @@ def test_the_server_drops_a_tampered_data_frame_runs_nothing_and_goes_on():
     assert server.dropped == 1 and server.served == 0 and "s" not in server.sessions
     reply = wire.unpack(TOKEN, as_frames(server.handle(as_frames(frames))))
     assert reply["ok"] and reply["rid"] == 1 and server.served == 1
+
+
+KEPT = """
+import resource, sys, zmq
+from somatize.remote.memory import keep_buffers
+print(keep_buffers())
+ctx = zmq.Context()
+a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+port = a.bind_to_random_port("tcp://127.0.0.1")
+b.connect(f"tcp://127.0.0.1:{port}")
+data = bytearray(64 << 20)
+faults = []
+for _ in range(4):
+    a.send(data, copy=False)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    b.recv(copy=False)  # dropped at once: its buffer is free for the next message
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(faults)
+"""
+
+
+def _kept(env_value):
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("SOMATIZE_KEEP_BUFFERS", None)
+    if env_value is not None:
+        env["SOMATIZE_KEEP_BUFFERS"] = env_value
+    out = subprocess.run(
+        [sys.executable, "-c", KEPT], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    took, faults = out.stdout.split("\n")[:2]
+    return took == "True", json.loads(faults)
+
+
+@pytest.mark.skipif(not os.uname().sysname == "Linux", reason="glibc's malloc only")
+def test_a_large_message_lands_in_memory_already_mapped():
+    took, faults = _kept(None)
+    assert took
+    assert max(faults[2:]) < 1000, faults  # 64 MB fresh would be 16,384 page faults
+    took, faults = _kept("0")  # left alone: every receive is a fresh mapping
+    assert not took
+    assert min(faults[2:]) > 8000, faults

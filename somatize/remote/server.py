@@ -111,9 +111,7 @@ class Server:
         if op == "define":
             return len(nodes)
         if op == "run":  # a plain forward: no autograd graph is kept for nobody
-            import torch
-
-            with torch.no_grad():
+            with _no_grad():
                 return run_slice(nodes, m["slice"], m.get("given", {}), m.get("input"))
         if op == "state":
             return state_of(self.node(nodes, m["key"]))
@@ -307,6 +305,19 @@ def run_slice(nodes: dict[str, Any], steps: list[Any], given: dict, input: Any) 
             out[slot] = y
         ran.append([nid, (began - start) / 1e3, (clock() - began) / 1e3])
     return {"out": out, "ran": ran}
+
+
+_grad_off: Any = None
+
+
+def _no_grad() -> Any:
+    """`torch.no_grad()`, with torch looked up once."""
+    global _grad_off
+    if _grad_off is None:
+        import torch
+
+        _grad_off = torch.no_grad
+    return _grad_off()
 
 
 def _note(error: BaseException, note: str) -> None:

@@ -26,6 +26,7 @@ class Slice:
     reads: list[int] = field(default_factory=list)  # slots it reads from outside itself
     roots: bool = False  # whether it reads the graph's input
     wanted: set[int] = field(default_factory=set)  # its slots read after it, or leaves
+    described: list | None = None  # its steps as a worker reads them (worked out once)
 
 
 def cut(plan: Any) -> list[Slice]:
@@ -119,13 +120,16 @@ def _run_there(
 
     host = piece.host
     graph = plan.graph
-    described = []
-    for i, mode, src, _fn, ctx, device in piece.steps:
-        node = graph.implementation(ctx.id)
-        mapped = bool(graph.setting(ctx.id).mapped)
-        described.append(
-            [i, broker.key(node), ctx.id, mode, src, device, host, mapped, i in piece.wanted]
-        )
+    described = piece.described
+    if described is None:
+        described = []
+        for i, mode, src, _fn, ctx, device in piece.steps:
+            node = graph.implementation(ctx.id)
+            mapped = bool(graph.setting(ctx.id).mapped)
+            described.append(
+                [i, broker.key(node), ctx.id, mode, src, device, host, mapped, i in piece.wanted]
+            )
+        piece.described = described
     given = {j: vals[j] for j in piece.reads}
     sent = time.perf_counter_ns()
     for attempt in (0, 1):
