@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(loops: int = 400, repeats: int = 11) -> dict[str, Any]:
+def measure(loops: int = 2000, repeats: int = 5) -> dict[str, Any]:
     import torch
     from torch import nn
 
