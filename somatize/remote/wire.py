@@ -38,6 +38,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from somatize import codecs
@@ -70,6 +71,7 @@ _TUPLE = 1
 _KDF = b"smz poly1305 key"  # domain of the per-message key derivation (BLAKE2b person)
 _SESSION = b"smz session key"  # domain of the token's session key
 _NONCE = 16
+_PIECE = 1 << 30  # AES-GCM takes at most 2**31 - 1 bytes at once
 _SMALL = 1 << 16  # below this a frame is copied by zmq, which is faster than tracking it
 
 # safetensors' names for dtypes, and back.
@@ -123,17 +125,26 @@ def _bytes(frame: Any) -> memoryview:
 
 
 def _tag(token: str | bytes, nonce: bytes, views: list[memoryview]) -> bytes:
-    # The key for this one message: keyed BLAKE2b (a PRF) of the nonce under the session key.
-    key = hashlib.blake2b(nonce, key=_session(token), digest_size=32, person=_KDF).digest()
+    # Two keys for this one message: keyed BLAKE2b (a PRF) of the nonce under the session key.
+    keys = hashlib.blake2b(nonce, key=_session(token), digest_size=64, person=_KDF).digest()
     sizes = [v.nbytes for v in views]
     lengths = struct.pack(f"<4s{len(sizes) + 1}Q", MAGIC, len(sizes), *sizes)
     if sum(sizes) < _SMALL:  # one call into OpenSSL for a small message
-        return Poly1305.generate_tag(key, b"".join([lengths, *views]))
-    mac = Poly1305(key)
+        return Poly1305.generate_tag(keys[:32], b"".join([lengths, *views]))
+    mac = Poly1305(keys[:32])
     mac.update(lengths)
-    for view in views:
-        if view.nbytes:
+    gmac = None
+    for i, view in enumerate(views):
+        if view.nbytes < _SMALL:
             mac.update(view)
+            continue
+        # A large frame goes through GMAC (AES-GCM with nothing to encrypt, ~3x Poly1305's
+        # speed here), under the message's second key and a nonce per frame and piece;
+        # Poly1305 then covers its tag in the frame's place.
+        gmac = gmac or AESGCM(keys[32:])
+        for j, at in enumerate(range(0, view.nbytes, _PIECE)):
+            piece = view[at : at + _PIECE]
+            mac.update(gmac.encrypt(struct.pack("<IQ", i, j), b"", piece))
     return mac.finalize()
 
 
