@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from somatize.torch._measures import channel_view, cka, effective_rank, stable_rank
 from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors_in
 from somatize.torch.kinds import kind_of
 
@@ -62,8 +63,10 @@ class _Place:
         "out_grad",
         "features",
         "index",
-        "sums",
+        "at",
+        "size",
         "groups",
+        "hear",
     )
 
     def __init__(self, where: str, modules: list[nn.Module], window: int) -> None:
@@ -84,101 +87,31 @@ class _Place:
         self.out_grad: torch.Tensor | None = None
         self.features: torch.Tensor | None = None
         self.index: list[int] = []  # where its parameters sit in the audit's flat list
-        self.sums: tuple[int, int, bool] | None = None  # this step's slots in the audit's sums
+        self.at = -1  # where this step's sums start in the audit's list (-1: none this step)
+        self.size = 1
         self.groups: dict[str, list[int]] | None = None
+
+        def hear(g: torch.Tensor) -> None:
+            self.out_grad = g.detach()
+
+        self.hear = hear  # the tensor hook that keeps ‖∂L/∂output‖'s gradient
 
 
 def _read(tensors: list[torch.Tensor]) -> list[float]:
-    """Many one-number tensors as Python floats, with one device sync per dtype at most."""
+    """Many one-number tensors as Python floats: one stack and one `.tolist()` per device."""
     if not tensors:
         return []
-    if tensors[0].device.type == "cpu":
-        return [float(t) for t in tensors]  # a CPU read is a copy, cheaper than a stack
-    by: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by.setdefault(t.dtype, []).append(i)
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        return torch.stack(tensors).tolist()
     out = [0.0] * len(tensors)
+    by: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by.setdefault(t.device, []).append(i)
     for idx in by.values():
         for i, v in zip(idx, torch.stack([tensors[i] for i in idx]).tolist(), strict=True):
-            out[i] = float(v)
+            out[i] = v
     return out
-
-
-def _channel_view(t: torch.Tensor, conv: bool) -> torch.Tensor:
-    """(samples, channels): channels on dim 1 for images, the last dim otherwise."""
-    if t.dim() <= 1:
-        return t.reshape(1, -1)
-    if t.dim() == 2:
-        return t
-    if conv or t.dim() >= 4:
-        return t.transpose(1, -1).reshape(-1, t.shape[1])
-    return t.reshape(-1, t.shape[-1])
-
-
-def _cka(x: torch.Tensor, y: torch.Tensor) -> float:
-    x = x - x.mean(0, keepdim=True)
-    y = y - y.mean(0, keepdim=True)
-    xy = (y.T @ x).pow(2).sum()
-    xx = (x.T @ x).pow(2).sum().sqrt()
-    yy = (y.T @ y).pow(2).sum().sqrt()
-    den = float(xx * yy)
-    return float(xy) / den if den > 0 else 0.0
-
-
-def _effective_rank(f: torch.Tensor) -> tuple[float, int]:
-    """exp of the entropy of the normalised singular values (Roy & Vetterli), from the
-    eigenvalues of the smaller Gram matrix."""
-    f = f - f.mean(0, keepdim=True)
-    gram = f @ f.T if f.shape[0] <= f.shape[1] else f.T @ f
-    s = torch.linalg.eigvalsh(gram).clamp(min=0).sqrt()
-    total = float(s.sum())
-    room = min(f.shape)
-    if total <= 0:
-        return 0.0, room
-    p = s / total
-    p = p[p > 0]
-    return float(torch.exp(-(p * p.log()).sum())), room
-
-
-def _top_square(d: torch.Tensor, steps: int = 12) -> float:
-    """σ_max² of a 2-D float64 matrix: exactly from the smaller Gram matrix when one side is
-    short, else by Lanczos on DᵀD (fully reorthogonalised, from a fixed start)."""
-    rows, cols = d.shape
-    if min(rows, cols) <= 128:
-        gram = d @ d.T if rows <= cols else d.T @ d
-        return float(torch.linalg.eigvalsh(gram)[-1])
-    m = min(cols, steps)
-    basis = torch.zeros(m, cols, dtype=d.dtype)
-    q = torch.full((cols,), cols**-0.5, dtype=d.dtype)
-    alphas: list[torch.Tensor] = []
-    betas: list[float] = []
-    for j in range(m):
-        basis[j] = q
-        w = d.T @ (d @ q)
-        alphas.append(w @ q)
-        seen = basis[: j + 1]
-        w = w - seen.T @ (seen @ w)
-        b = float(w.norm())
-        if j == m - 1 or b <= 1e-12 * max(1.0, abs(float(alphas[0]))):
-            break
-        betas.append(b)
-        q = w / b
-    k = len(alphas)
-    t = torch.diag(torch.stack(alphas))
-    if k > 1:
-        off = torch.tensor(betas[: k - 1], dtype=d.dtype)
-        t = t + torch.diag(off, 1) + torch.diag(off, -1)
-    return float(torch.linalg.eigvalsh(t)[-1])
-
-
-def _stable_rank(d: torch.Tensor) -> float:
-    """‖D‖_F² / ‖D‖_2² of a weight update (flattened past its first dimension)."""
-    d = d.reshape(d.shape[0], -1).double()
-    frob = float(d.pow(2).sum())
-    if frob == 0:
-        return 0.0
-    top = _top_square(d)
-    return frob / top if top > 0 else 0.0
 
 
 class Audit:
@@ -234,10 +167,11 @@ class Audit:
         self._inner_hooks: list[tuple[nn.Module, Any]] = []
         self._tap: Tap | None = None
         self._measuring = False
+        self._features = False
         self._flat: list[nn.Parameter] = []
         self._prev: list[torch.Tensor] | None = None
         self._prev_ok = False
-        self._prev_sq: list[float] = []
+        self._prev_sq: list[float] | None = None
         self._sums: list[torch.Tensor] = []
 
     def __repr__(self) -> str:
@@ -318,6 +252,7 @@ class Audit:
         """Forward hooks inside nodes are there only for a step that is measured: a module
         with no hooks takes torch's fast path, so unmeasured steps pay nothing for them."""
         self._measuring = measuring
+        self._features = measuring and (self.channels or self.step % self.snapshot == 0)
         if measuring and not self._handles:
             self._handles = [m.register_forward_hook(h) for m, h in self._inner_hooks]
         elif not measuring and self._handles:
@@ -359,31 +294,34 @@ class Audit:
 
     def _saw(self, place: _Place, out: Any) -> None:
         """Sums of what came out, left as tensors: `observed` reads them all at once."""
-        tensors = [t for t in tensors_in(out) if t.is_floating_point()]
-        if not tensors:
+        if type(out) is torch.Tensor:
+            t = out
+        else:
+            t = next((x for x in tensors_in(out) if x.is_floating_point()), None)
+            if t is None:
+                return
+        if not t.is_floating_point():
             return
-        t = tensors[0]
         a = t.detach()
-        magnitude = a.abs()
+        if a.dtype is not torch.float32 and a.dtype is not torch.float64:
+            a = a.float()  # a count summed in half precision is not a count
         sums = self._sums
-        at = len(sums)
-        sums.append(magnitude.sum())
+        place.at = len(sums)
+        place.size = a.numel() or 1
+        magnitude = a.abs()
+        sums.append(magnitude.sum())  # nan, inf
         sums.append(a.sum())
-        sums.append((magnitude <= _DEAD_EPS).sum())
         if place.saturates == "sigmoid":
             sums.append(((a <= 0.01) | (a >= 0.99)).sum())
         elif place.saturates == "tanh":
             sums.append((magnitude >= 0.99).sum())
-        place.sums = (at, a.numel() or 1, place.saturates is not None)
+        # |a| ≤ ε as 1.0 / 0.0 in the buffer just made (a float sum is cheaper than a bool one)
+        sums.append(magnitude.le_(_DEAD_EPS).sum())
         if t.requires_grad:
             place.out_grad = None
-
-            def grad_hook(g: torch.Tensor) -> None:
-                place.out_grad = g.detach()
-
-            t.register_hook(grad_hook)
-        if self.channels or place.groups or self._snapshot_now():
-            place.features = _channel_view(a, place.conv)
+            t.register_hook(place.hear)
+        if self._features or place.groups is not None:
+            place.features = channel_view(a, place.conv)
 
     def _snapshot_now(self) -> bool:
         return self.step % self.snapshot == 0
@@ -401,31 +339,22 @@ class Audit:
         step = self.step
         facts: list[dict[str, Any]] = []
         measured = step % self.every == 0
-        squares: list[float] = []
+        squares: list[float] | None = None
         if measured:
-            snapshot = self._snapshot_now()
-            found, squares = self._measure(snapshot)
-            for place, numbers in found:
-                if numbers:
-                    facts.append(
-                        {"fact": "health", "where": place.where, "step": step, "numbers": numbers}
-                    )
+            facts, squares = self._measure(step, self._snapshot_now())
             for place in self._places.values():
-                place.sums = None
+                place.at = -1
                 place.out_grad = None
                 place.features = None
             self._sums = []
         if (step + 1) % self.every == 0 and self._flat:
-            # θ before the optimizer moves it, for the next measured step's update ratio, and
-            # its norms (this step's, when this step was measured: the same numbers)
+            # θ before the optimizer moves it, for the next measured step's update ratio; its
+            # norms are this step's when it was measured, else taken at that next step
             with torch.no_grad():
-                params = [q.detach() for q in self._flat]
                 if self._prev is None:
-                    self._prev = [q.clone() for q in params]
+                    self._prev = [q.detach().clone() for q in self._flat]
                 else:
-                    torch._foreach_copy_(self._prev, params)
-                if not measured:
-                    squares = [v * v for v in _read(list(torch._foreach_norm(params)))]
+                    torch._foreach_copy_(self._prev, self._flat)
             self._prev_sq = squares
             self._prev_ok = True
         elif measured:
@@ -434,42 +363,56 @@ class Audit:
         self._arm(self.step % self.every == 0)
         return facts
 
-    def _measure(self, snapshot: bool) -> tuple[list[tuple[_Place, dict[str, Any]]], list[float]]:
+    def _measure(self, step: int, snapshot: bool) -> tuple[list[dict[str, Any]], list[float]]:
         """Every place's numbers for this step, from one pass of norms and one read; and the
         squared norm of each parameter (kept as ‖θ_{t−1}‖ for the next update ratio)."""
         flat = self._flat
-        places = list(self._places.values())
-        with torch.no_grad():
-            params = [q.detach() for q in flat]
-            grad_at: dict[int, int] = {}
-            grads: list[torch.Tensor] = []
-            for i, q in enumerate(flat):
-                if q.grad is not None:
-                    grad_at[i] = len(grads)
-                    grads.append(q.grad)
-            prev = self._prev if self._prev_ok else None
-            outs = [p.out_grad for p in places if p.out_grad is not None]
-            first = params + grads + outs
-            norms = list(torch._foreach_norm(first)) if first else []
-            if prev is not None:
-                torch._foreach_sub_(prev, params)  # prev is now −Δθ; refilled after
-                norms += torch._foreach_norm(prev)
-            norms += self._sums
-            values = _read(norms)
-        square = [v * v for v in values]
-        at_grad = len(params)
-        at_out = at_grad + len(grads)
-        at_delta = at_out + len(outs)
+        places = self._places.values()
+        prev = self._prev if self._prev_ok else None
         before_sq = self._prev_sq
-        at_sums = at_delta + (len(prev) if prev is not None else 0)
+        with torch.no_grad():
+            grads = [q.grad for q in flat]
+            whole = all(g is not None for g in grads)
+            if not whole:
+                grad_at = {
+                    i: k for k, i in enumerate(i for i, g in enumerate(grads) if g is not None)
+                }
+                grads = [g for g in grads if g is not None]
+            outs = [p.out_grad for p in places if p.out_grad is not None]
+            first: list[torch.Tensor] = [*flat, *grads, *outs]
+            old = prev is not None and before_sq is None
+            if old:
+                first += prev  # ‖θ_{t−1}‖, not taken when it was copied
+            numbers = list(torch._foreach_norm(first)) if first else []
+            if prev is not None:
+                torch._foreach_sub_(prev, flat)  # prev is now −Δθ; refilled after
+                numbers += torch._foreach_norm(prev)
+            at_sums = len(numbers)
+            numbers += self._sums
+            extra: dict[int, dict[str, Any]] = {}
+            if snapshot:
+                for i, place in enumerate(places):
+                    extra[i] = self._snapshot(place, prev, numbers)
+            values = _read(numbers)
+        square = [v * v for v in values[:at_sums]]
+        at_grad = len(flat)
+        at_out = at_grad + len(grads)
+        at_old = at_out + len(outs)
+        at_delta = at_old + (len(flat) if old else 0)
+        if old:
+            before_sq = square[at_old:at_delta]
+        facts = []
         out_k = 0
-        found = []
-        for place in places:
+        for pi, place in enumerate(places):
             n: dict[str, Any] = {}
-            if place.index:
-                index = place.index
+            index = place.index
+            if index:
                 n["param_norm"] = math.sqrt(sum(square[i] for i in index))
-                mine = [at_grad + grad_at[i] for i in index if i in grad_at]
+                mine = (
+                    [at_grad + i for i in index]
+                    if whole
+                    else [at_grad + grad_at[i] for i in index if i in grad_at]
+                )
                 if mine:
                     g = math.sqrt(sum(square[k] for k in mine))
                     n["grad_norm"] = g
@@ -479,38 +422,57 @@ class Audit:
                     before = math.sqrt(sum(before_sq[i] for i in index))
                     delta = math.sqrt(sum(square[at_delta + i] for i in index))
                     n["update_ratio"] = delta / before if before > 0 else 0.0
-                    if snapshot:
-                        big = max(index, key=lambda i: flat[i].numel())
-                        if prev[big].dim() >= 2:
-                            n["update_stable_rank"] = _stable_rank(prev[big])
-            if place.sums is not None:
-                k, size, saturates = place.sums
-                total = values[at_sums + k]
-                n["act_mean"] = values[at_sums + k + 1] / size
-                place.zero.append(values[at_sums + k + 2] / size)
-                place.saturated.append(values[at_sums + k + 3] / size if saturates else 0.0)
+            k = place.at
+            if k >= 0:
+                k += at_sums
+                size = place.size
+                total = values[k]
+                n["act_mean"] = values[k + 1] / size
+                if place.saturates is not None:
+                    place.saturated.append(values[k + 2] / size)
+                    k += 1
+                else:
+                    place.saturated.append(0.0)
+                place.zero.append(values[k + 2] / size)
                 n["zero"] = max(place.zero)
                 n["saturated"] = max(place.saturated)
                 n["nan"] = bool(n.get("nan", False) or math.isnan(total))
                 n["inf"] = bool(n.get("inf", False) or math.isinf(total))
                 if place.out_grad is not None:
                     n["out_grad_norm"] = values[at_out + out_k]
-                f = place.features
-                if f is not None:
-                    with torch.no_grad():
-                        if snapshot and f.shape[0] > 1:
-                            rows = f if f.dim() == 2 else f.reshape(f.shape[0], -1)
-                            rank, room = _effective_rank(rows[:_ROWS].double())
-                            n["effective_rank"] = rank
-                            n["rank_room"] = room
-                        if self.channels:
-                            self._channels(place, f, n)
-                        if place.groups:
-                            n["cka"] = self._groups(place, f)
+            for key, slot in extra.get(pi, {}).items():
+                n[key] = values[slot] if key != "rank_room" else slot
+            if k >= 0 and place.features is not None:
+                with torch.no_grad():
+                    if self.channels:
+                        self._channels(place, place.features, n)
+                    if place.groups:
+                        n["cka"] = self._groups(place, place.features)
             if place.out_grad is not None:
                 out_k += 1
-            found.append((place, n))
-        return found, square[:at_grad]
+            if n:
+                facts.append({"fact": "health", "where": place.where, "step": step, "numbers": n})
+        return facts, square[:at_grad]
+
+    def _snapshot(
+        self, place: _Place, prev: list[torch.Tensor] | None, numbers: list[torch.Tensor]
+    ) -> dict[str, int]:
+        """The costlier numbers of a snapshot step, as tensors put on `numbers` to be read
+        with the rest; answers where each sits (rank_room, a plain int, as itself)."""
+        slots: dict[str, int] = {}
+        if prev is not None and place.index:
+            big = max(place.index, key=lambda i: prev[i].numel())
+            if prev[big].dim() >= 2:
+                slots["update_stable_rank"] = len(numbers)
+                numbers.append(stable_rank(prev[big]))
+        f = place.features
+        if place.at >= 0 and f is not None and f.shape[0] > 1:
+            rows = f if f.dim() == 2 else f.reshape(f.shape[0], -1)
+            rows = rows[:_ROWS]
+            slots["effective_rank"] = len(numbers)
+            numbers.append(effective_rank(rows))
+            slots["rank_room"] = min(rows.shape)
+        return slots
 
     def _channels(self, place: _Place, f: torch.Tensor, n: dict[str, Any]) -> None:
         activity = f.abs().mean(0)
@@ -534,5 +496,5 @@ class Audit:
                         f"groups[{place.where!r}] names channel {max(a + b)}, and that place "
                         f"has {width} channels"
                     )
-                best = max(best, _cka(rows[:, a], rows[:, b]))
+                best = max(best, cka(rows[:, a], rows[:, b]))
         return best if math.isfinite(best) else 0.0

@@ -1,0 +1,102 @@
+"""The numbers an `Audit` takes on a snapshot step, and the channel views it takes them on.
+
+Everything here answers tensors, not Python numbers, so the audit reads every number of a step
+in one go.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["channel_view", "cka", "effective_rank", "stable_rank"]
+
+# the smaller side up to which σ_max is taken exactly, from the eigenvalues of the Gram matrix;
+# past it, by this many Lanczos steps
+_EXACT = 96
+_STEPS = 12
+
+
+def channel_view(t: torch.Tensor, conv: bool) -> torch.Tensor:
+    """(samples, channels): channels on dim 1 for images, the last dim otherwise."""
+    if t.dim() <= 1:
+        return t.reshape(1, -1)
+    if t.dim() == 2:
+        return t
+    if conv or t.dim() >= 4:
+        return t.transpose(1, -1).reshape(-1, t.shape[1])
+    return t.reshape(-1, t.shape[-1])
+
+
+def cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA of two (samples, features) matrices; 0 when either does not vary."""
+    x = x - x.mean(0, keepdim=True)
+    y = y - y.mean(0, keepdim=True)
+    xy = (y.T @ x).pow(2).sum()
+    xx = (x.T @ x).pow(2).sum().sqrt()
+    yy = (y.T @ y).pow(2).sum().sqrt()
+    den = float(xx * yy)
+    return float(xy) / den if den > 0 else 0.0
+
+
+def effective_rank(f: torch.Tensor) -> torch.Tensor:
+    """exp of the entropy of the normalised singular values of the centred rows (Roy &
+    Vetterli), from the eigenvalues of the smaller Gram matrix, in float64; a one-number
+    tensor, 0 for rows that do not vary."""
+    f = f.double()
+    f = f - f.mean(0, keepdim=True)
+    gram = f @ f.T if f.shape[0] <= f.shape[1] else f.T @ f
+    s = torch.linalg.eigvalsh(gram).clamp_(min=0).sqrt_()
+    total = s.sum()
+    p = s / torch.where(total > 0, total, 1.0)
+    return torch.where(total > 0, torch.special.entr(p).sum().exp(), 0.0)
+
+
+def _top_square(d: torch.Tensor, steps: int = _STEPS) -> torch.Tensor:
+    """σ_max² of a 2-D matrix as a one-number tensor: exactly from the smaller Gram matrix
+    when a side is at most `_EXACT`, else by Lanczos on the smaller side's Gram matrix (from a
+    fixed start, every vector reorthogonalised against the ones before, σ_max² the top Ritz
+    value of the projected matrix)."""
+    rows, cols = d.shape
+    if min(rows, cols) <= _EXACT:
+        gram = d @ d.T if rows <= cols else d.T @ d
+        return torch.linalg.eigvalsh(gram)[-1]
+    if rows < cols:
+        d = d.T  # the vectors live on the smaller side
+    n = d.shape[1]
+    m = min(n, steps)
+    dt = d.T
+    basis = d.new_zeros(m, n)
+    projected = d.new_zeros(m, m)  # row j: <D^T D q_j, q_i> for i <= j (the lower triangle)
+    vectors = basis.unbind(0)
+    rows = projected.unbind(0)
+    vectors[0].fill_(n**-0.5)
+    k = m
+    floor = 0.0
+    for j in range(m):
+        w = torch.mv(dt, torch.mv(d, vectors[j]))
+        seen = basis[: j + 1]
+        h = torch.mv(seen, w, out=rows[j][: j + 1])
+        if j == m - 1:
+            break
+        w = torch.addmv(w, seen.T, h, alpha=-1)
+        b = float(torch.linalg.vector_norm(w))
+        if j == 0:
+            floor = 1e-6 * float(h[0])
+        if b <= floor:
+            k = j + 1  # the Krylov space is whole: what is projected is exact
+            break
+        torch.div(w, b, out=vectors[j + 1])
+    return torch.linalg.eigvalsh(projected[:k, :k])[-1]
+
+
+def stable_rank(d: torch.Tensor) -> torch.Tensor:
+    """‖D‖_F² / ‖D‖_2² of a weight update (flattened past its first dimension), as a
+    one-number tensor; 0 for no update."""
+    d = d.detach().reshape(d.shape[0], -1)
+    if d.dtype not in (torch.float32, torch.float64):
+        d = d.float()
+    frob = torch.linalg.vector_norm(d, dtype=torch.float64).square()
+    if not bool(frob > 0):
+        return frob
+    top = _top_square(d).double()
+    return torch.where(top > 0, frob / top, 0.0)
