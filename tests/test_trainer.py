@@ -501,3 +501,63 @@ def test_fit_applies_a_half_open_group_at_the_end_of_each_epoch():
     t.fit(batches(4), epochs=2)
     assert [f["step"] for f in heard if f["fact"] == "updated"] == [2, 3, 6, 7]
     assert t.update() is False
+
+
+# -- the optimizer moves as torch's own call moves it -----------------------------------------
+
+
+def test_step_and_clear_give_torchs_numbers_and_keep_its_hooks_schedulers_and_profiler():
+    from somatize.torch.params import clear, step
+
+    def pair():
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(5, dtype=torch.float64))
+        return w, torch.optim.Adam([w], lr=0.1)
+
+    (w1, o1), (w2, o2) = pair(), pair()
+    for k in range(3):
+        for w in (w1, w2):
+            w.grad = torch.full_like(w, float(k + 1))
+        o1.step()
+        step(o2)
+    assert torch.equal(w1, w2)
+    clear(o2)
+    assert w2.grad is None
+
+    heard: list[str] = []
+    o2.register_step_pre_hook(lambda *a: heard.append("pre"))
+    o2.register_step_post_hook(lambda *a: heard.append("post"))
+    w2.grad = torch.ones_like(w2)
+    step(o2)
+    assert heard == ["pre", "post"]
+
+    g = mlp()
+    t = plain(g)
+    scheduler = torch.optim.lr_scheduler.StepLR(t.optimizer, step_size=1, gamma=0.5)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()"
+        t.step(batches(1)[0])
+        scheduler.step()
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        split(mlp()).step(batches(1)[0])
+    names = {e.name for e in prof.events()}
+    assert "Optimizer.step#SGD.step" in names and "Optimizer.zero_grad#SGD.zero_grad" in names
+
+
+def test_an_optimizer_with_its_own_zero_grad_is_asked_to_zero():
+    calls: list[bool] = []
+
+    class Counting(torch.optim.SGD):
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            calls.append(set_to_none)
+            super().zero_grad(set_to_none)
+
+    g = mlp()
+    t = Trainer(g, objective=mse, optimizer=Counting(parameters(g), lr=0.1))
+    t.step(batches(1)[0])
+    t.step(batches(1)[0])
+    assert calls == [True, True]

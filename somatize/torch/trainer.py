@@ -21,7 +21,8 @@ from somatize.graph import Graph
 from somatize.run import watchers
 from somatize.stages import LOCAL, Stages
 from somatize.torch.learning import Learning
-from somatize.torch.params import freeze, owners, state_of
+from somatize.torch.params import clear, freeze, owners, state_of
+from somatize.torch.params import step as step_of
 
 __all__ = ["Trainer", "Result", "NoGradient"]
 
@@ -334,7 +335,7 @@ class Trainer:
             )
         x, y = batch
         if self._count == 0 and self.optimizer is not None:
-            self.optimizer.zero_grad()
+            clear(self.optimizer)
         closing = self._count + 1 >= self.every
         stages = self._stages
         scale = self._scale
@@ -390,7 +391,7 @@ class Trainer:
         if optimizer is not None:
             if self._unproven:
                 self._prove()
-            optimizer.step()
+            step_of(optimizer)
         self._count = 0
         if self.watching:
             fact = {"fact": "updated", "step": step}
