@@ -8,7 +8,6 @@ One step is forward, loss, backward and, when the group closes, update. A node t
 
 from __future__ import annotations
 
-import os
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -20,6 +19,7 @@ import torch
 from somatize.graph import Graph
 from somatize.run import watchers
 from somatize.stages import LOCAL, Stages
+from somatize.torch import _checks
 from somatize.torch.learning import Learning
 from somatize.torch.params import clear, freeze, owners, state_of
 from somatize.torch.params import step as step_of
@@ -49,19 +49,6 @@ class Result:
     def loss(self) -> float | None:
         """The last loss, or None if not a single step was taken."""
         return self.history[-1] if self.history else None
-
-
-def _count(value: Any, name: str) -> int:
-    if type(value) is not int or value < 1:
-        raise ValueError(
-            f"Trainer({name}={value!r}): {name} is a positive int "
-            + (
-                "(how many steps go into one update)"
-                if name == "every"
-                else "(how many equal pieces one batch is cut into along its first dimension)"
-            )
-        )
-    return value
 
 
 def _cut(value: Any, k: int, what: str) -> list:
@@ -147,26 +134,15 @@ class Trainer:
                 f"objective is called as objective(output, target) and gives the loss; "
                 f"{type(objective).__name__} {objective!r:.60} cannot be called"
             )
-        self.every = _count(every, "every")
-        self.micro = _count(micro, "micro")
+        self.every = _checks.count(every, "every")
+        self.micro = _checks.count(micro, "micro")
         told = watchers(watching)
-        trains = self._check_trains(graph, trains)
-        held = self._check_optimizer(graph, optimizer, trains)
-        self._check_everything_moves(graph, held, trains)
-        hosts = {n: h for n, h in graph.hosts().items() if h}
-        if hosts and broker is None:
-            nid, host = next(iter(hosts.items()))
-            raise ValueError(
-                f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: pass "
-                "Trainer(..., broker=Broker.embedded({" + repr(host) + ": Worker.at(...)}))"
-            )
-        if hosts and not callable(getattr(broker, "transport", None)):
-            raise TypeError(
-                f"broker= must answer broker.transport(host) for the .at() nodes; "
-                f"{type(broker).__name__} does not"
-            )
-        audit = self._audit_of(auditing)
-        self.store = self._store_of(store)
+        trains = _checks.trains_of(graph, trains)
+        held = _checks.held_by(graph, optimizer, trains)
+        _checks.everything_moves(graph, held, trains)
+        hosts = _checks.hosts_of(graph, broker)
+        audit = _checks.audit_of(auditing)
+        self.store = _checks.store_of(store)
 
         # Everything is checked: from here on, things change.
         freeze(graph)
@@ -197,128 +173,6 @@ class Trainer:
         if self.audit is not None:
             self._stages.recompile()
             self._release = weakref.finalize(self, _released, self.audit, self._stages)
-
-    # -- checks ---------------------------------------------------------------------------
-    @staticmethod
-    def _check_trains(graph: Graph, trains: Any) -> dict[str, Learning]:
-        if trains is None:
-            return {}
-        if not isinstance(trains, dict):
-            raise TypeError(f"trains= is a dict {{node id: Learning}}, not {type(trains).__name__}")
-        seen: dict[int, str] = {}
-        for nid, learning in trains.items():
-            if nid not in graph:
-                raise ValueError(
-                    f"trains= names {nid!r}, and no node of this graph has that id; "
-                    f"it has {graph.nodes()}"
-                )
-            if not isinstance(learning, Learning):
-                raise TypeError(
-                    f"trains[{nid!r}] is a {type(learning).__name__}, not a Learning: "
-                    "say how the node is trained, e.g. Split(torch.optim.SGD, lr=0.1)"
-                )
-            if graph.setting(nid).frozen:
-                raise ValueError(
-                    f"node {nid!r} is declared .frozen() and is in trains=: a node cannot be "
-                    "both; drop .frozen() or take it out of trains="
-                )
-            other = learning.node
-            if other is not None and other is not graph.implementation(nid):
-                raise ValueError(
-                    f"trains[{nid!r}] already trains another node: give each node its own Learning"
-                )
-            if id(learning) in seen:
-                raise ValueError(
-                    f"trains= gives the same Learning to {seen[id(learning)]!r} and {nid!r}: "
-                    "a Learning trains one node; give each its own"
-                )
-            seen[id(learning)] = nid
-        return dict(trains)
-
-    @staticmethod
-    def _check_optimizer(
-        graph: Graph, optimizer: Any, trains: dict[str, Learning]
-    ) -> list[torch.Tensor]:
-        if optimizer is None:
-            return []
-        if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
-            raise TypeError(
-                f"optimizer= takes a torch optimizer built over the graph's parameters "
-                f"(torch.optim.Adam(parameters(g), lr=1e-3)), not {type(optimizer).__name__}"
-            )
-        held = [p for group in optimizer.param_groups for p in group["params"]]
-        owner = owners(graph)
-        mine = [owner[id(p)] for p in held if id(p) in owner]
-        if not mine:
-            raise ValueError(
-                f"the optimizer holds {len(held)} parameter(s) and none of them is a parameter "
-                "of this graph: build it over parameters(g)"
-            )
-        for nid in dict.fromkeys(mine):
-            if nid in trains:
-                raise ValueError(
-                    f"the optimizer holds parameters of node {nid!r}, which trains= also "
-                    f"trains: it would be updated twice. Build the optimizer over "
-                    "parameters(g, without=trains)"
-                )
-            if graph.setting(nid).frozen:
-                raise ValueError(
-                    f"the optimizer holds parameters of node {nid!r}, which is declared "
-                    ".frozen(): a node cannot be both frozen and trained. Build the optimizer "
-                    "over parameters(g), which leaves frozen nodes out"
-                )
-        return held
-
-    @staticmethod
-    def _check_everything_moves(
-        graph: Graph, held: list[torch.Tensor], trains: dict[str, Learning]
-    ) -> None:
-        moved = {id(p) for p in held}
-        idle: list[str] = []
-        from somatize.torch.params import _node_params
-
-        for nid in graph.nodes():
-            if nid in trains or graph.setting(nid).frozen:
-                continue
-            if any(
-                p.requires_grad and id(p) not in moved
-                for p in _node_params(graph.implementation(nid))
-            ):
-                idle.append(nid)
-        if idle:
-            raise ValueError(
-                f"node(s) {idle} hold parameters that nobody would move: neither the optimizer "
-                "nor trains= holds them. Build the optimizer over parameters(g), train them "
-                "with trains=, or declare them .frozen()"
-            )
-
-    @staticmethod
-    def _audit_of(auditing: Any) -> Any:
-        if auditing is None or auditing is False:
-            return None
-        if auditing is True:
-            from somatize.torch.audit import Audit
-
-            return Audit()
-        for method in ("watch", "observed", "release"):
-            if not callable(getattr(auditing, method, None)):
-                raise TypeError(
-                    f"auditing= takes an Audit (or True for the default one), not "
-                    f"{type(auditing).__name__}"
-                )
-        return auditing
-
-    @staticmethod
-    def _store_of(store: Any) -> Any:
-        if store is None:
-            return None
-        from somatize.store import Store
-
-        if isinstance(store, Store):
-            return store
-        if isinstance(store, (str, os.PathLike)):
-            return Store(store)
-        raise TypeError(f"store= is a Store or a directory, not {type(store).__name__}")
 
     # -- training -------------------------------------------------------------------------
     def step(self, batch: Batch) -> float:
