@@ -6,7 +6,9 @@ of repeats:
 - `Trainer.step` against a hand-written loop (zero_grad, forward, loss, backward, step, and
   `.item()` for the loss, which `step` returns); target: at most 1.05;
 - a step with the middle node trained by `Split` against a plain `Trainer.step`; target: at
-  most 1.3.
+  most 1.3. Beside it, the same cut written by hand in plain torch (the middle layer's input
+  and output made leaves, three `backward` calls, two optimizers) against the hand loop: what
+  the cut itself costs, whoever makes it.
 
     python bench/train.py            # prints a markdown table
 """
@@ -74,6 +76,26 @@ def measure(i: int, h: int, o: int, batch: int, loops: int, repeats: int) -> dic
         hand_opt.step()
         return value.item()
 
+    torch.manual_seed(0)
+    a2, b2, c2 = nn.Linear(i, h), nn.Linear(h, h), nn.Linear(h, o)
+    outer = torch.optim.SGD([*a2.parameters(), *c2.parameters()], lr=0.01)
+    inner = torch.optim.SGD(b2.parameters(), lr=0.01)
+
+    def hand_cut() -> float:
+        outer.zero_grad()
+        inner.zero_grad()
+        h1 = torch.relu(a2(x))
+        l1 = h1.detach().requires_grad_()
+        h2 = torch.relu(b2(l1))
+        l2 = h2.detach().requires_grad_()
+        value = loss(c2(l2), y)
+        value.backward()
+        torch.autograd.backward([h2], [l2.grad])
+        inner.step()
+        torch.autograd.backward([h1], [l1.grad])
+        outer.step()
+        return value.item()
+
     g = graph(i, h, o)
     plain = Trainer(g, objective=loss, optimizer=torch.optim.SGD(parameters(g), lr=0.01))
     g2 = graph(i, h, o)
@@ -87,6 +109,7 @@ def measure(i: int, h: int, o: int, batch: int, loops: int, repeats: int) -> dic
     batch_ = (x, y)
     runs = {
         "hand": hand,
+        "hand_cut": hand_cut,
         "trainer": lambda: plain.step(batch_),
         "split": lambda: split.step(batch_),
     }
@@ -103,14 +126,15 @@ def main() -> None:
     torch.set_num_threads(1)
     print(
         "| MLP | hand loop µs | Trainer.step µs | ratio (≤ 1.05) "
-        "| Split step µs | Split / plain (≤ 1.3) |"
+        "| Split step µs | Split / plain (≤ 1.3) | cut by hand / hand loop |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, i, h, o, batch in SIZES:
         m = measure(i, h, o, batch, loops=20, repeats=41)
         print(
             f"| {name} | {m['hand']:.0f} | {m['trainer']:.0f} | {m['trainer'] / m['hand']:.3f} "
-            f"| {m['split']:.0f} | {m['split'] / m['trainer']:.3f} |"
+            f"| {m['split']:.0f} | {m['split'] / m['trainer']:.3f} "
+            f"| {m['hand_cut'] / m['hand']:.3f} |"
         )
 
 
