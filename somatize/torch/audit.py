@@ -67,6 +67,7 @@ class _Place:
         "size",
         "groups",
         "hear",
+        "kept",
     )
 
     def __init__(self, where: str, modules: list[nn.Module], window: int) -> None:
@@ -94,6 +95,7 @@ class _Place:
         def hear(g: torch.Tensor) -> None:
             self.out_grad = g.detach()
 
+        self.kept: torch.Tensor | None = None
         self.hear = hear  # the tensor hook that keeps ‖∂L/∂output‖'s gradient
 
 
@@ -171,7 +173,7 @@ class Audit:
         self._flat: list[nn.Parameter] = []
         self._prev: list[torch.Tensor] | None = None
         self._prev_ok = False
-        self._prev_sq: list[float] | None = None
+        self._prev_norms: list[torch.Tensor] = []
         self._sums: list[torch.Tensor] = []
 
     def __repr__(self) -> str:
@@ -308,9 +310,9 @@ class Audit:
         sums = self._sums
         place.at = len(sums)
         place.size = a.numel() or 1
-        magnitude = a.abs()
-        sums.append(magnitude.sum())  # nan, inf
+        place.kept = a  # read again only if its sum is not finite (which nan, which inf)
         sums.append(a.sum())
+        magnitude = a.abs()
         if place.saturates == "sigmoid":
             sums.append(((a <= 0.01) | (a >= 0.99)).sum())
         elif place.saturates == "tanh":
@@ -339,23 +341,22 @@ class Audit:
         step = self.step
         facts: list[dict[str, Any]] = []
         measured = step % self.every == 0
-        squares: list[float] | None = None
         if measured:
-            facts, squares = self._measure(step, self._snapshot_now())
+            facts = self._measure(step, self._snapshot_now())
             for place in self._places.values():
                 place.at = -1
-                place.out_grad = None
-                place.features = None
+                place.out_grad = place.features = place.kept = None
             self._sums = []
         if (step + 1) % self.every == 0 and self._flat:
-            # θ before the optimizer moves it, for the next measured step's update ratio; its
-            # norms are this step's when it was measured, else taken at that next step
+            # θ before the optimizer moves it, for the next measured step's update ratio; and
+            # ‖θ‖, left as tensors (this step's, already read, when it was measured)
             with torch.no_grad():
                 if self._prev is None:
                     self._prev = [q.detach().clone() for q in self._flat]
                 else:
                     torch._foreach_copy_(self._prev, self._flat)
-            self._prev_sq = squares
+                if not measured:
+                    self._prev_norms = list(torch._foreach_norm(self._prev))
             self._prev_ok = True
         elif measured:
             self._prev_ok = False  # spent: the next measured step copies afresh
@@ -363,13 +364,11 @@ class Audit:
         self._arm(self.step % self.every == 0)
         return facts
 
-    def _measure(self, step: int, snapshot: bool) -> tuple[list[dict[str, Any]], list[float]]:
-        """Every place's numbers for this step, from one pass of norms and one read; and the
-        squared norm of each parameter (kept as ‖θ_{t−1}‖ for the next update ratio)."""
+    def _measure(self, step: int, snapshot: bool) -> list[dict[str, Any]]:
+        """Every place's numbers for this step, from one pass of norms and one read."""
         flat = self._flat
         places = self._places.values()
         prev = self._prev if self._prev_ok else None
-        before_sq = self._prev_sq
         with torch.no_grad():
             grads = [q.grad for q in flat]
             whole = all(g is not None for g in grads)
@@ -379,65 +378,67 @@ class Audit:
                 }
                 grads = [g for g in grads if g is not None]
             outs = [p.out_grad for p in places if p.out_grad is not None]
-            first: list[torch.Tensor] = [*flat, *grads, *outs]
-            old = prev is not None and before_sq is None
-            if old:
-                first += prev  # ‖θ_{t−1}‖, not taken when it was copied
-            numbers = list(torch._foreach_norm(first)) if first else []
+            tensors: list[torch.Tensor] = [*flat, *grads, *outs]
             if prev is not None:
                 torch._foreach_sub_(prev, flat)  # prev is now −Δθ; refilled after
-                numbers += torch._foreach_norm(prev)
+                tensors += prev
+            numbers = list(torch._foreach_norm(tensors)) if tensors else []
+            at_delta = len(numbers) - (len(prev) if prev is not None else 0)
+            before = self._prev_norms if prev is not None else []
+            at_before = len(numbers)
+            numbers += before
             at_sums = len(numbers)
             numbers += self._sums
-            extra: dict[int, dict[str, Any]] = {}
+            extra: dict[int, dict[str, int]] = {}
             if snapshot:
                 for i, place in enumerate(places):
-                    extra[i] = self._snapshot(place, prev, numbers)
+                    extra[i] = self._snapshot(place, prev, numbers, at_delta)
             values = _read(numbers)
         square = [v * v for v in values[:at_sums]]
         at_grad = len(flat)
         at_out = at_grad + len(grads)
-        at_old = at_out + len(outs)
-        at_delta = at_old + (len(flat) if old else 0)
-        if old:
-            before_sq = square[at_old:at_delta]
+        self._prev_norms = numbers[:at_grad]  # ‖θ_t‖: the next update ratio's ‖θ_{t−1}‖
+        isnan, isinf, sqrt = math.isnan, math.isinf, math.sqrt
         facts = []
         out_k = 0
         for pi, place in enumerate(places):
             n: dict[str, Any] = {}
             index = place.index
             if index:
-                n["param_norm"] = math.sqrt(sum(square[i] for i in index))
-                mine = (
-                    [at_grad + i for i in index]
-                    if whole
-                    else [at_grad + grad_at[i] for i in index if i in grad_at]
-                )
-                if mine:
-                    g = math.sqrt(sum(square[k] for k in mine))
+                n["param_norm"] = sqrt(sum([square[i] for i in index]))
+                if whole:
+                    g = sqrt(sum([square[at_grad + i] for i in index]))
+                else:
+                    mine = [square[at_grad + grad_at[i]] for i in index if i in grad_at]
+                    g = sqrt(sum(mine)) if mine else None
+                if g is not None:
                     n["grad_norm"] = g
-                    n["nan"] = math.isnan(g)
-                    n["inf"] = math.isinf(g)
+                    n["nan"] = isnan(g)
+                    n["inf"] = isinf(g)
                 if prev is not None:
-                    before = math.sqrt(sum(before_sq[i] for i in index))
-                    delta = math.sqrt(sum(square[at_delta + i] for i in index))
-                    n["update_ratio"] = delta / before if before > 0 else 0.0
+                    was = sqrt(sum([square[at_before + i] for i in index]))
+                    delta = sqrt(sum([square[at_delta + i] for i in index]))
+                    n["update_ratio"] = delta / was if was > 0 else 0.0
             k = place.at
             if k >= 0:
                 k += at_sums
                 size = place.size
                 total = values[k]
-                n["act_mean"] = values[k + 1] / size
+                n["act_mean"] = total / size
                 if place.saturates is not None:
-                    place.saturated.append(values[k + 2] / size)
+                    place.saturated.append(values[k + 1] / size)
                     k += 1
                 else:
                     place.saturated.append(0.0)
-                place.zero.append(values[k + 2] / size)
+                place.zero.append(values[k + 1] / size)
                 n["zero"] = max(place.zero)
                 n["saturated"] = max(place.saturated)
-                n["nan"] = bool(n.get("nan", False) or math.isnan(total))
-                n["inf"] = bool(n.get("inf", False) or math.isinf(total))
+                nan = inf = False
+                if not math.isfinite(total):  # which one, as Σ|a| tells it
+                    whole_sum = float(place.kept.abs().sum())
+                    nan, inf = isnan(whole_sum), isinf(whole_sum)
+                n["nan"] = n.get("nan", False) or nan
+                n["inf"] = n.get("inf", False) or inf
                 if place.out_grad is not None:
                     n["out_grad_norm"] = values[at_out + out_k]
             for key, slot in extra.get(pi, {}).items():
@@ -452,10 +453,14 @@ class Audit:
                 out_k += 1
             if n:
                 facts.append({"fact": "health", "where": place.where, "step": step, "numbers": n})
-        return facts, square[:at_grad]
+        return facts
 
     def _snapshot(
-        self, place: _Place, prev: list[torch.Tensor] | None, numbers: list[torch.Tensor]
+        self,
+        place: _Place,
+        prev: list[torch.Tensor] | None,
+        numbers: list[torch.Tensor],
+        at_delta: int,
     ) -> dict[str, int]:
         """The costlier numbers of a snapshot step, as tensors put on `numbers` to be read
         with the rest; answers where each sits (rank_room, a plain int, as itself)."""
@@ -464,7 +469,7 @@ class Audit:
             big = max(place.index, key=lambda i: prev[i].numel())
             if prev[big].dim() >= 2:
                 slots["update_stable_rank"] = len(numbers)
-                numbers.append(stable_rank(prev[big]))
+                numbers.append(stable_rank(prev[big], numbers[at_delta + big]))
         f = place.features
         if place.at >= 0 and f is not None and f.shape[0] > 1:
             rows = f if f.dim() == 2 else f.reshape(f.shape[0], -1)
