@@ -57,14 +57,15 @@ def test_tensors_come_back_equal(t):
 def test_a_large_tensor_is_sent_from_its_memory_and_built_on_the_frame():
     t = torch.randn(512, 512)
     frames = wire.pack(TOKEN, t)
-    data = frames[3]
+    assert len(frames) == 2  # the sealed header, then the tensor's own frame
+    data = frames[1]
     assert memoryview(data).nbytes == t.numel() * 4
     import numpy as np
 
     assert isinstance(data, np.ndarray) and data.ctypes.data == t.data_ptr()  # no copy sent
     received = as_frames(frames)
     back = wire.unpack(TOKEN, received)
-    assert back.data_ptr() == _address(received[3])  # no copy received
+    assert back.data_ptr() == _address(received[1])  # no copy received
     back += 1  # a received tensor is writable
     assert torch.allclose(back, t + 1)
 
@@ -76,14 +77,26 @@ def _address(frame):
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def test_a_tensor_reference_and_its_frame_are_a_safetensors_file():
-    t = torch.randn(7, 3)
+def _reference(frames, at=0):
+    """The `at`-th tensor reference in a message's header: [data or frame, head, grad]."""
+    refs = []
+    msgpack.unpackb(
+        frames[0][wire._SEAL :], ext_hook=lambda code, data: refs.append(msgpack.unpackb(data))
+    )
+    return refs[at]
+
+
+@pytest.mark.parametrize("size", [(7, 3), (300, 300)], ids=["inline", "own frame"])
+def test_a_tensor_reference_and_its_bytes_are_a_safetensors_file(size):
+    t = torch.randn(*size)
     frames = wire.pack(TOKEN, t)
-    ext = msgpack.unpackb(frames[2], ext_hook=lambda code, data: (code, data))
-    index, head, grad = msgpack.unpackb(ext[1])
-    assert index == 0
+    where, head, grad = _reference(frames)
+    data = where if isinstance(where, bytes) else bytes(memoryview(frames[where]))
+    assert isinstance(where, bytes) == (t.nbytes < 1 << 16) and len(frames) == 1 + (
+        t.nbytes >= 1 << 16
+    )
     header = json.dumps({"tensor": json.loads(head)}).encode()
-    file = len(header).to_bytes(8, "little") + header + bytes(memoryview(frames[3]))
+    file = len(header).to_bytes(8, "little") + header + data
     assert torch.equal(safetensors.torch.load(file)["tensor"], t)
 
 
@@ -91,19 +104,19 @@ def test_a_wrong_token_or_a_changed_byte_is_refused():
     frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "hello", "x": torch.ones(3)})]
     with pytest.raises(wire.Refused):
         wire.unpack("another token", frames)
-    changed = list(frames)
-    last = bytearray(changed[-1])
-    last[0] ^= 1
-    changed[-1] = bytes(last)
-    with pytest.raises(wire.Refused):
-        wire.unpack(TOKEN, changed)
-    recut = frames[:2] + [frames[2] + frames[3][:1], frames[3][1:]]  # frames re-cut
+    for at in (-1, wire._SEAL, 5, 21):  # the tensor's bytes, the header, the nonce, the tag
+        changed = bytearray(frames[0])
+        changed[at] ^= 1
+        with pytest.raises(wire.Refused):
+            wire.unpack(TOKEN, [bytes(changed)])
+    big = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"x": torch.ones(300, 300)})]
+    recut = [big[0] + big[1][:1], big[1][1:]]  # frames re-cut
     with pytest.raises(wire.Refused):
         wire.unpack(TOKEN, recut)
 
 
 def test_not_a_message_is_malformed():
-    for frames in ([], [b"SMZ1"], [b"XXXX", b"0" * 32, b"h"], [b"SMZ1", b"short", b"h"]):
+    for frames in ([], [b"SMZ1"], [b"XXXX" + b"0" * 32 + b"h"], [b"SMZ3short", b"h"], [b""]):
         with pytest.raises(wire.Malformed):
             wire.unpack(TOKEN, frames)
 
@@ -112,17 +125,32 @@ def test_signed_nonsense_is_malformed_not_a_crash():
     header = msgpack.packb(
         msgpack.ExtType(64, msgpack.packb([0, '{"dtype":"F32","shape":[9]', False]))
     )
-    frames = [wire.MAGIC, wire.sign(TOKEN, [header, b"1234"]), header, b"1234"]
+    frames = wire.sealed(TOKEN, [header, b"1234"])
     with pytest.raises(wire.Malformed):
         wire.unpack(TOKEN, frames)
     lying = msgpack.packb(
         msgpack.ExtType(
-            64, msgpack.packb([0, '{"dtype":"F32","shape":[9],"data_offsets":[0,36]}', False])
+            64, msgpack.packb([1, '{"dtype":"F32","shape":[9],"data_offsets":[0,36]}', False])
         )
     )
-    frames = [wire.MAGIC, wire.sign(TOKEN, [lying, b"1234"]), lying, b"1234"]
+    frames = wire.sealed(TOKEN, [lying, b"1234"])
     with pytest.raises(wire.Malformed, match="does not fit"):
         wire.unpack(TOKEN, frames)
+    inline = msgpack.packb(
+        msgpack.ExtType(
+            64, msgpack.packb([b"1234", '{"dtype":"F32","shape":[9],"data_offsets":[0,36]}', False])
+        )
+    )
+    with pytest.raises(wire.Malformed, match="does not fit"):
+        wire.unpack(TOKEN, wire.sealed(TOKEN, [inline]))
+    for where in (0, 2, -1, "x"):  # a frame that is not there, or no data at all
+        nowhere = msgpack.packb(
+            msgpack.ExtType(
+                64, msgpack.packb([where, '{"dtype":"U8","shape":[4],"data_offsets":[0,4]}', False])
+            )
+        )
+        with pytest.raises(wire.Malformed):
+            wire.unpack(TOKEN, wire.sealed(TOKEN, [nowhere, b"1234"]))
 
 
 def test_a_value_without_a_codec_is_refused_naming_where():
@@ -167,9 +195,11 @@ def test_random_and_truncated_bytes_never_crash_the_server(frames, cut):
     truncated = list(real)
     truncated[-1] = truncated[-1][: cut % len(truncated[-1])]
     assert server.handle(truncated) in (None, [wire.REFUSED])
-    assert server.handle(real[: 2 + cut % 2]) in (None, [wire.REFUSED])
+    big = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "hello", "x": torch.ones(20000)})]
+    assert server.handle(big[: cut % 2]) in (None, [wire.REFUSED])  # a frame missing
+    assert server.handle([big[0], big[1][: cut % len(big[1])]]) in (None, [wire.REFUSED])
     signed = frames or [b""]  # signed with the right token, and still nonsense
-    answer = server.handle([wire.MAGIC, wire.sign(TOKEN, signed), *signed])
+    answer = server.handle(wire.sealed(TOKEN, signed))
     assert answer is None or wire.unpack(TOKEN, as_frames(answer))["ok"] is False
 
 
@@ -186,7 +216,7 @@ def test_torch_classes_cross_by_name_and_nothing_else_does():
     with pytest.raises(NoCodec):
         wire.pack(TOKEN, {"f": os.system})
     forged = msgpack.packb(msgpack.ExtType(65, msgpack.packb(["os", "system"])))
-    frames = [wire.MAGIC, wire.sign(TOKEN, [forged]), forged]
+    frames = wire.sealed(TOKEN, [forged])
     with pytest.raises(wire.Malformed, match="outside"):
         wire.unpack(TOKEN, frames)
 
@@ -195,21 +225,22 @@ def test_a_seal_is_fresh_per_message_and_binds_every_frame_of_a_large_message():
     t = torch.randn(256, 256)  # above the zero-copy threshold: its frame is the tensor's memory
     frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "run", "x": t})]
     again = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "run", "x": t})]
-    assert frames[1] != again[1] and frames[2:] == again[2:]  # a new nonce, so a new key
+    seal, s = slice(4, wire._SEAL), wire._SEAL
+    assert frames[0][seal] != again[0][seal]  # a new nonce, so a new key
+    assert frames[0][s:] == again[0][s:] and frames[1:] == again[1:]
     assert torch.equal(wire.unpack(TOKEN, frames)["x"], t)
-    tampered = bytearray(frames[3])
+    tampered = bytearray(frames[1])
     tampered[len(tampered) // 2] ^= 0x80  # one bit in the middle of the tensor's bytes
+    header = frames[0][s:]
     cases = {
-        "a flipped bit in the data": frames[:3] + [bytes(tampered)],
-        "the seal of another message": frames[:1] + again[1:2] + frames[2:3] + [bytes(tampered)],
-        "a nonce moved to another tag": frames[:1] + [again[1][:16] + frames[1][16:]] + frames[2:],
-        "a frame dropped": frames[:3],
+        "a flipped bit in the data": frames[:1] + [bytes(tampered)],
+        "the seal of another message": [again[0][:s] + header, bytes(tampered)],
+        "a nonce moved to another tag": [again[0][:20] + frames[0][20:], *frames[1:]],
+        "a frame dropped": frames[:1],
         "a frame added": [*frames, b""],
-        "the tag of the bytes, under another token": [
-            wire.MAGIC,
-            wire.sign("another token", frames[2:]),
-            *frames[2:],
-        ],
+        "the tag of the bytes, under another token": wire.sealed(
+            "another token", [header, *frames[1:]]
+        ),
     }
     for why, changed in cases.items():
         with pytest.raises((wire.Refused, wire.Malformed)):
@@ -221,9 +252,9 @@ def test_the_server_drops_a_tampered_data_frame_runs_nothing_and_goes_on():
     server = Server(TOKEN)
     request = {"op": "define", "rid": 1, "session": "s", "define": [], "x": torch.randn(300, 300)}
     frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, request)]
-    tampered = bytearray(frames[3])
+    tampered = bytearray(frames[1])
     tampered[-1] ^= 1
-    assert server.handle(frames[:3] + [bytes(tampered)]) == [wire.REFUSED]
+    assert server.handle(frames[:1] + [bytes(tampered)]) == [wire.REFUSED]
     assert server.dropped == 1 and server.served == 0 and "s" not in server.sessions
     reply = wire.unpack(TOKEN, as_frames(server.handle(as_frames(frames))))
     assert reply["ok"] and reply["rid"] == 1 and server.served == 1

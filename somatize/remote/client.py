@@ -310,7 +310,7 @@ class Connection:
             ready = dict(poller.poll(250))  # the answer first; the checks while none comes
             if sock in ready:
                 frames = sock.recv_multipart(copy=False)
-                if len(frames) == 1 and frames[0].bytes == wire.REFUSED:
+                if len(frames) == 1 and frames[0].buffer == wire.REFUSED:
                     raise PermissionError(
                         f"{self._where()} refused the request: the token does not match "
                         "(Worker.at(..., token=...) / SOMATIZE_TOKEN must be the worker's)"

@@ -63,8 +63,7 @@ class Server:
             reply = self.handle(frames)
             if reply is not None:
                 try:
-                    sock.send(peer.bytes, zmq.SNDMORE)
-                    wire.send(sock, reply)
+                    wire.send(sock, reply, prefix=[peer.bytes])
                 except zmq.ZMQError as error:  # the client is gone: nothing to tell
                     log.info("could not answer a client that went away: %s", error)
 

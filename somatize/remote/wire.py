@@ -2,23 +2,26 @@
 
 A message is one Python value (a dict, in practice) with tensors anywhere inside it. It goes as
 
-    [MAGIC, seal, header, data_0, data_1, ...]
+    [MAGIC + seal + header, data_0, data_1, ...]
 
-- ``MAGIC`` is ``b"SMZ2"``, so a stray connection (or a peer of another version) is told apart
-  from a peer at once;
-- ``seal`` is 32 bytes: a fresh random 16-byte nonce, then the Poly1305 tag of every frame
-  after it (all their lengths first, so frames cannot be re-cut) under a one-time key
-  derived from the token's session key and that nonce by keyed BLAKE2b (`sign`). The
-  derivation touches 16 bytes per message; the bytes of the message go once through
-  Poly1305, which runs at several GB/s where HMAC-SHA256 runs at about one
-  (docs/remote.md, "Why Poly1305");
+so a message without large tensors is one frame, sent and received in one call each.
+
+- ``MAGIC`` is ``b"SMZ3"`` (4 bytes), so a stray connection (or a peer of another version) is
+  told apart from a peer at once;
+- ``seal`` is 32 bytes: a fresh random 16-byte nonce, then the Poly1305 tag of the header and
+  every data frame (their count and lengths first, so frames cannot be re-cut) under a
+  one-time key derived from the token's session key and that nonce by keyed BLAKE2b
+  (`sign`). The derivation touches 16 bytes per message; the bytes of the message go once
+  through Poly1305 (a data frame through GMAC, whose tag Poly1305 covers), which run at
+  several GB/s where HMAC-SHA256 runs at about one (docs/remote.md, "Why Poly1305");
 - ``header`` is msgpack, written by `somatize.codecs` (exact types: a tuple stays a tuple,
   a bool a bool), where each tensor is replaced by a reference holding its safetensors header
-  (dtype, shape, byte range) and whether it asks for a gradient: that header and the data
-  frame beside it are a safetensors file cut in two;
-- each ``data_k`` is the raw bytes of one tensor, sent straight from the tensor's own memory
-  and received into a frame the tensor is then built on, so a large tensor is never copied
-  on its way through (only moved to the cpu first if it lives elsewhere).
+  (dtype, shape, byte range) and whether it asks for a gradient: that header and the tensor's
+  bytes are a safetensors file cut in two. A tensor under 64 KB carries its bytes in its
+  reference; a larger one names its data frame;
+- each ``data_k`` is the raw bytes of one large tensor, sent straight from the tensor's own
+  memory and received into a frame the tensor is then built on, so a large tensor is never
+  copied on its way through (only moved to the cpu first if it lives elsewhere).
 
 A class or function of torch or somatize (an optimizer factory, say) crosses by name and is
 imported on the other side. Nothing here unpickles, and a message that does not verify is
@@ -37,7 +40,6 @@ import warnings
 from typing import Any
 
 import msgpack
-import zmq
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
@@ -51,14 +53,15 @@ __all__ = [
     "pack",
     "unpack",
     "send",
+    "sealed",
     "sign",
     "verify",
 ]
 
-MAGIC = b"SMZ2"
-"""The first frame of every message."""
+MAGIC = b"SMZ3"
+"""The first bytes of every message (of its first frame)."""
 
-REFUSED = b"SMZ2-REFUSED"
+REFUSED = b"SMZ3-REFUSED"
 """The one-frame notice a worker answers a message whose signature does not verify."""
 
 _TENSOR = 64  # msgpack extension code for a tensor reference; codecs owns 1..3
@@ -71,8 +74,9 @@ _TUPLE = 1
 _KDF = b"smz poly1305 key"  # domain of the per-message key derivation (BLAKE2b person)
 _SESSION = b"smz session key"  # domain of the token's session key
 _NONCE = 16
+_SEAL = len(MAGIC) + _NONCE + 16  # the first frame's bytes before its header
 _PIECE = 1 << 30  # AES-GCM takes at most 2**31 - 1 bytes at once
-_SMALL = 1 << 16  # below this a frame is copied by zmq, which is faster than tracking it
+_SMALL = 1 << 16  # a tensor below this goes inside the header, above it as its own frame
 
 # safetensors' names for dtypes, and back.
 _DTYPES = {
@@ -149,8 +153,9 @@ def _tag(token: str | bytes, nonce: bytes, views: list[memoryview]) -> bytes:
 
 
 def sign(token: str | bytes, frames: list[Any]) -> bytes:
-    """The 32-byte seal of `frames` under `token`: a fresh nonce and the Poly1305 tag of the
-    frames (their count and lengths first) under a key made for this one message.
+    """The 32-byte seal of `frames` (the header, then the data frames) under `token`: a fresh
+    nonce and the Poly1305 tag of the frames (their count and lengths first) under a key made
+    for this one message.
 
     The key is BLAKE2b(nonce, key=session, person=domain), where the session key is
     BLAKE2b(token) worked out once per token: never used twice (a random 128-bit nonce),
@@ -160,22 +165,30 @@ def sign(token: str | bytes, frames: list[Any]) -> bytes:
     return nonce + _tag(token, nonce, [_bytes(f) for f in frames])
 
 
+def sealed(token: str | bytes, frames: list[Any]) -> list[Any]:
+    """`frames` (a header, then data frames) as a message: ``[MAGIC + seal + header, *data]``."""
+    header = frames[0]
+    first = b"".join([MAGIC, sign(token, frames), header])
+    return [first, *frames[1:]]
+
+
 def verify(token: str | bytes, frames: list[Any]) -> list[memoryview]:
-    """The frames after the seal, if `frames` is a message sealed with `token`.
+    """The header and the data frames, if `frames` is a message sealed with `token`.
 
     Raises `Malformed` for frames that are not a message at all and `Refused` for one whose
     tag does not match (a wrong token, or bytes changed, added, dropped or re-cut on the way).
     """
     views = [_bytes(f) for f in frames]
-    if len(views) < 3 or views[0] != MAGIC:
+    if not views or views[0][:4] != MAGIC:
         raise Malformed(f"not a somatize message ({len(views)} frames, no {MAGIC!r} first)")
-    if views[1].nbytes != _NONCE + 16:
-        raise Malformed("not a somatize message (the seal frame is not 32 bytes)")
-    seal = views[1].tobytes()
-    body = views[2:]
-    if not hmac.compare_digest(_tag(token, seal[:_NONCE], body), seal[_NONCE:]):
+    first = views[0]
+    if first.nbytes < _SEAL:
+        raise Malformed("not a somatize message (its first frame is shorter than a seal)")
+    seal = first[4:_SEAL].tobytes()
+    views[0] = first[_SEAL:]
+    if not hmac.compare_digest(_tag(token, seal[:_NONCE], views), seal[_NONCE:]):
         raise Refused("the seal does not verify: wrong token, or bytes changed on the way")
-    return body
+    return views
 
 
 class _Writer:
@@ -224,25 +237,20 @@ def pack(token: str | bytes, message: Any, *, where: str | None = None) -> list[
     except codecs._Missing:
         codecs.encode(message, where=where)  # raises the NoCodec that names the value
         raise
-    body = [header, *writer.buffers]
-    return [MAGIC, sign(token, body), *body]
+    return sealed(token, [header, *writer.buffers])
 
 
-def send(sock: Any, frames: list[Any], *, more: bool = False) -> None:
-    """Send `frames` (from `pack`) on the ZeroMQ socket `sock` as one message.
+def send(sock: Any, frames: list[Any], *, prefix: list[bytes] | None = None) -> None:
+    """Send `frames` (from `pack`) on the ZeroMQ socket `sock` as one message, in one call.
 
-    A tensor's frame goes from its own memory (zero-copy); a small frame (the magic, the seal,
-    the header, a small tensor's bytes) is copied by libzmq, which costs far less than the
-    bookkeeping of a zero-copy send (tens of microseconds per frame in pyzmq). `more=True`
-    leaves the message open (the caller sends its last frames itself).
+    A large tensor's frame goes from its own memory (zero-copy); the first frame (and anything
+    under pyzmq's copy threshold) is copied by libzmq, which costs less than the bookkeeping
+    of a zero-copy send. `prefix` goes first (a ROUTER's peer identity).
     """
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        flags = zmq.SNDMORE if more or i < last else 0
-        if isinstance(frame, bytes):
-            sock.send(frame, flags, copy=True)
-        else:
-            sock.send(frame, flags, copy=False)
+    if len(frames) == 1 and not prefix:
+        sock.send(frames[0], copy=True)
+    else:
+        sock.send_multipart([*prefix, *frames] if prefix else frames, copy=False)
 
 
 class _Reader:
@@ -282,7 +290,7 @@ def unpack(token: str | bytes, frames: list[Any]) -> Any:
     """
     body = verify(token, frames)
     try:
-        return _Reader(body[1:], frames[3:]).unpackb(body[0])
+        return _Reader(body[1:], frames[1:]).unpackb(body[0])
     except codecs.NoCodec:
         raise
     except Malformed:
@@ -351,15 +359,13 @@ def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
     if code is None:
         raise TypeError(f"a {plain.dtype} tensor cannot cross the wire (no safetensors dtype)")
     size = plain.nbytes
-    if size >= _SMALL:
-        buffers.append(plain.reshape(-1).view(torch.uint8).numpy())
-    elif size:
-        buffers.append(plain.reshape(-1).view(torch.uint8).numpy().tobytes())
-    else:
-        buffers.append(b"")
     shape = ",".join([str(s) for s in plain.shape])
     head = f'{{"dtype":"{code}","shape":[{shape}],"data_offsets":[0,{size}]}}'
-    return msgpack.packb([len(buffers) - 1, head, tensor.requires_grad])
+    if size >= _SMALL:  # its own frame, sent from the tensor's memory
+        buffers.append(plain.reshape(-1).view(torch.uint8).numpy())
+        return msgpack.packb([len(buffers), head, tensor.requires_grad])
+    data = plain.reshape(-1).view(torch.uint8).numpy().tobytes() if size else b""
+    return msgpack.packb([data, head, tensor.requires_grad])  # its bytes inside the header
 
 
 def _parsed(head: str) -> tuple[Any, list[int], int]:
@@ -388,9 +394,14 @@ def _parsed(head: str) -> tuple[Any, list[int], int]:
 
 def _tensor_from(payload: bytes, data: list[memoryview], owners: list[Any]) -> Any:
     try:
-        index, head, grad = msgpack.unpackb(payload)
+        where, head, grad = msgpack.unpackb(payload)
         dtype, shape, end = _parsed(head)
-        frame = data[index]
+        if type(where) is bytes:  # small: its bytes are in the reference
+            frame = owner = memoryview(where)
+        elif type(where) is int and 0 < where <= len(data):  # large: frame `where` after the seal
+            frame, owner = data[where - 1], owners[where - 1]
+        else:
+            raise Malformed(f"a tensor reference names no data ({where!r})")
     except Malformed:
         raise
     except Exception as error:
@@ -399,7 +410,7 @@ def _tensor_from(payload: bytes, data: list[memoryview], owners: list[Any]) -> A
         raise Malformed(
             f"a tensor of {shape} {dtype} does not fit its frame of {frame.nbytes} bytes"
         )
-    made = _built(frame, owners[index], dtype, shape, end)
+    made = _built(frame, owner, dtype, shape, end)
     if grad:
         if not (made.is_floating_point() or made.is_complex()):
             raise Malformed(f"a {dtype} tensor cannot ask for a gradient")
@@ -412,7 +423,7 @@ def _built(frame: memoryview, owner: Any, dtype: Any, shape: list, end: int) -> 
 
     if end == 0:
         return torch.empty(shape, dtype=dtype)
-    if end < _SMALL:
+    if end < _SMALL or frame.readonly and owner is frame:
         return torch.frombuffer(bytearray(frame), dtype=dtype).reshape(shape)
     buffer = memoryview(getattr(owner, "buffer", owner))
     if buffer.readonly:  # bytes handed in by hand, not a received frame: copy once
