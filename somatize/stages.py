@@ -12,9 +12,11 @@ is the only difference between a cut in one process and a cut across a wire.
 
 The graph itself is never touched: every part runs a small graph of its own, holding the
 part's nodes (the same objects, with what was declared of them, less `.at(host)`: the part is
-what is at a host), an `Inlet` per value coming from outside when it needs one, and around a
-trained node the two positions of its Learning. This module reaches for torch only when a
-backward is run (it is driven by somatize.torch), so `import somatize` stays free of it.
+what is at a host) and an `Inlet` per value coming from outside when it needs one, walked by
+the engine's own loop over a plan compiled once. Around a trained node the part runs the two
+positions of its Learning itself (the input leafed before, the activation kept after), so
+they cost no engine steps. This module reaches for torch only when a part runs (it is driven
+by somatize.torch), so `import somatize` stays free of it.
 """
 
 from __future__ import annotations
