@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["channel_view", "cka", "effective_rank", "stable_rank"]
+__all__ = ["channel_view", "cka", "effective_rank", "effective_ranks", "stable_rank"]
 
 # the smaller side up to which σ_max is taken exactly, from the eigenvalues of the Gram matrix;
 # past it, by this many Lanczos steps
@@ -39,9 +39,10 @@ def cka(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(xy) / den if den > 0 else 0.0
 
 
-def effective_rank(f: torch.Tensor) -> torch.Tensor:
-    """exp of the entropy of the normalised singular values of the centred rows (Roy &
-    Vetterli), as a one-number tensor (0 for rows that do not vary).
+def effective_ranks(features: list[torch.Tensor]) -> list[torch.Tensor]:
+    """exp of the entropy of the normalised singular values of each (rows, columns) matrix's
+    centred rows (Roy & Vetterli), each a one-number tensor (0 for rows that do not vary).
+    Matrices of one shape are taken together, in one batched eigendecomposition.
 
     From the eigenvalues of the smaller Gram matrix in float32; eigenvalues under what float32
     rounding of that Gram matrix can tell from zero (λ_max · n · 4ε) count as zero, so a
@@ -49,15 +50,33 @@ def effective_rank(f: torch.Tensor) -> torch.Tensor:
     1e-4 of the float64 answer on full-rank features; a spectrum reaching below that floor
     reads up to a few percent lower.
     """
-    if f.dtype is not torch.float32:
-        f = f.float()
-    f = f - f.mean(0, keepdim=True)
-    gram = f @ f.T if f.shape[0] <= f.shape[1] else f.T @ f
-    e = torch.linalg.eigvalsh(gram)
-    e = torch.where(e > e[-1] * (gram.shape[0] * _FLOOR), e, 0.0).sqrt_()
-    total = e.sum()
-    p = e / torch.where(total > 0, total, 1.0)
-    return torch.where(total > 0, torch.special.entr(p).sum().exp(), 0.0)
+    groups: dict[tuple, list[int]] = {}
+    for i, f in enumerate(features):
+        groups.setdefault((tuple(f.shape), f.device), []).append(i)
+    out: list[torch.Tensor] = [torch.zeros(())] * len(features)
+    for (shape, _), idx in groups.items():
+        f = (
+            features[idx[0]].unsqueeze(0)
+            if len(idx) == 1
+            else torch.stack([features[i] for i in idx])
+        )
+        if f.dtype is not torch.float32:
+            f = f.float()
+        f = f - f.mean(1, keepdim=True)
+        gram = f @ f.mT if shape[0] <= shape[1] else f.mT @ f
+        e = torch.linalg.eigvalsh(gram)
+        e = torch.where(e > e[:, -1:] * (gram.shape[-1] * _FLOOR), e, 0.0).sqrt_()
+        total = e.sum(1, keepdim=True)
+        p = e / torch.where(total > 0, total, 1.0)
+        ranks = torch.where(total[:, 0] > 0, torch.special.entr(p).sum(1).exp(), 0.0)
+        for i, r in zip(idx, ranks.unbind(0), strict=True):
+            out[i] = r
+    return out
+
+
+def effective_rank(f: torch.Tensor) -> torch.Tensor:
+    """`effective_ranks` of one matrix."""
+    return effective_ranks([f])[0]
 
 
 def _top_square(d: torch.Tensor, steps: int = _STEPS) -> torch.Tensor:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._measures import channel_view, cka, effective_rank, stable_rank
+from somatize.torch._measures import channel_view, cka, effective_ranks, stable_rank
 from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors_in
 from somatize.torch.kinds import kind_of
 
@@ -391,8 +391,17 @@ class Audit:
             numbers += self._sums
             extra: dict[int, dict[str, int]] = {}
             if snapshot:
+                wanted: list[tuple[dict[str, int], torch.Tensor]] = []
                 for i, place in enumerate(places):
-                    extra[i] = self._snapshot(place, prev, numbers, at_delta)
+                    extra[i] = slots = self._snapshot(place, prev, numbers, at_delta)
+                    rows = self._rows(place)
+                    if rows is not None:
+                        wanted.append((slots, rows))
+                ranks = effective_ranks([rows for _, rows in wanted])
+                for (slots, rows), rank in zip(wanted, ranks, strict=True):
+                    slots["effective_rank"] = len(numbers)
+                    numbers.append(rank)
+                    slots["rank_room"] = min(rows.shape)
             values = _read(numbers)
         square = [v * v for v in values[:at_sums]]
         at_grad = len(flat)
@@ -470,14 +479,16 @@ class Audit:
             if prev[big].dim() >= 2:
                 slots["update_stable_rank"] = len(numbers)
                 numbers.append(stable_rank(prev[big], numbers[at_delta + big]))
-        f = place.features
-        if place.at >= 0 and f is not None and f.shape[0] > 1:
-            rows = f if f.dim() == 2 else f.reshape(f.shape[0], -1)
-            rows = rows[:_ROWS]
-            slots["effective_rank"] = len(numbers)
-            numbers.append(effective_rank(rows))
-            slots["rank_room"] = min(rows.shape)
         return slots
+
+    @staticmethod
+    def _rows(place: _Place) -> torch.Tensor | None:
+        """What the effective rank of a place is taken on: its output's first `_ROWS` rows."""
+        f = place.features
+        if place.at < 0 or f is None or f.shape[0] <= 1:
+            return None
+        rows = f if f.dim() == 2 else f.reshape(f.shape[0], -1)
+        return rows[:_ROWS]
 
     def _channels(self, place: _Place, f: torch.Tensor, n: dict[str, Any]) -> None:
         activity = f.abs().mean(0)
