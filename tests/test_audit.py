@@ -188,3 +188,70 @@ def test_the_trainer_drives_it():
     assert sorted({f["step"] for f in health}) == [0, 2]
     assert {f["where"] for f in health} == {"layer", "layer_2", "head"}
     assert "update_ratio" in health[-1]["numbers"]
+
+
+def test_snapshot_numbers_against_float64_and_a_full_svd():
+    from somatize.torch._measures import effective_ranks, stable_rank
+
+    gen = torch.Generator().manual_seed(0)
+
+    def by_svd_rank(f):
+        f = f.double() - f.double().mean(0, keepdim=True)
+        s = torch.linalg.svdvals(f)
+        p = s / s.sum()
+        p = p[p > 0]
+        return float(torch.exp(-(p * p.log()).sum()))
+
+    def by_svd_stable(d):
+        s = torch.linalg.svdvals(d.reshape(d.shape[0], -1).double())
+        return float((s**2).sum() / s[0] ** 2)
+
+    full = torch.relu(torch.randn(64, 256, generator=gen))
+    thin = torch.randn(64, 10, generator=gen)
+    collapsed = torch.randn(64, 1, generator=gen) @ torch.randn(1, 256, generator=gen)
+    ranks = [float(r) for r in effective_ranks([full, thin, full * 2, collapsed])]
+    assert ranks[0] == pytest.approx(by_svd_rank(full), rel=1e-4)
+    assert ranks[1] == pytest.approx(by_svd_rank(thin), rel=1e-4)
+    assert ranks[2] == pytest.approx(ranks[0], rel=1e-5)  # batched with `full`: same answer
+    assert ranks[3] == pytest.approx(1.0, abs=1e-3)  # collapsed reads collapsed, not noise
+    assert float(effective_ranks([torch.ones(8, 4)])[0]) == 0.0
+    for d in (
+        torch.randn(256, 64, generator=gen) @ torch.randn(64, 256, generator=gen),  # Lanczos
+        torch.randn(256, 64, generator=gen),  # exact, from the 64×64 Gram matrix
+        torch.randn(32, 16, 3, 3, generator=gen),  # a conv kernel, flattened
+    ):
+        assert float(stable_rank(d)) == pytest.approx(by_svd_stable(d), rel=2e-3)
+    assert float(stable_rank(torch.zeros(128, 128))) == 0.0
+
+
+def test_nan_and_inf_in_an_output_are_told_apart():
+    class Poison(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 4)
+            self.what = 0.0
+
+        def forward(self, x, ctx):
+            h = self.l(x)
+            c = torch.full_like(h[:, :1], self.what)
+            return torch.cat([h, c, -c], 1)
+
+    torch.manual_seed(0)
+    poison = Poison()
+    g = Graph.somatize(poison >> Head(6))
+    audit = Audit().watch(g)
+    got = {}
+    for what in (0.0, float("inf"), float("nan")):
+        poison.what = what
+        with torch.no_grad():
+            g.forward(_data()[0])
+        n = {f["where"]: f["numbers"] for f in audit.observed(g)}["poison"]
+        got[what if what == what else "nan"] = (n["nan"], n["inf"])
+        assert type(n["nan"]) is bool and type(n["inf"]) is bool
+    audit.release()
+    # inf and −inf in one output: Σa is nan, Σ|a| is inf — it is an inf, not a nan
+    assert got == {
+        0.0: (False, False),
+        float("inf"): (False, True),
+        "nan": (True, False),
+    }
