@@ -561,3 +561,30 @@ def test_an_optimizer_with_its_own_zero_grad_is_asked_to_zero():
     t.step(batches(1)[0])
     t.step(batches(1)[0])
     assert calls == [True, True]
+
+
+def test_in_a_notebook_an_audited_fit_shows_a_live_audit_that_fills(monkeypatch):
+    import IPython.display
+
+    from somatize.figures import LiveAudit
+    from somatize.torch import trainer as trainer_module
+
+    shown = []
+    monkeypatch.setattr(trainer_module, "_in_notebook", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", shown.append)
+    g = mlp()
+    t = Trainer(
+        g,
+        objective=nn.functional.mse_loss,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=True,
+    )
+    data = batches(3)
+    t.fit(data, epochs=2)
+    assert isinstance(t.live, LiveAudit) and shown == [t.live]
+    assert len(t.live.loss) == 6 and len(t.live.frame()) > 0
+    t.fit(data)  # the same widget goes on filling, shown once
+    assert shown == [t.live] and len(t.live.loss) == 9
+    plain = Trainer(g, objective=nn.functional.mse_loss, optimizer=torch.optim.SGD(parameters(g)))
+    plain.fit(data)
+    assert plain.live is None  # nothing audited, nothing drawn

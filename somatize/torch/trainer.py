@@ -86,6 +86,13 @@ def _person_watching(stream: Any = None) -> bool:
         return False
 
 
+def _in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel, where a widget can be shown."""
+    shell = sys.modules.get("IPython")
+    ip = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
 def _released(audit: Any, stages: Stages) -> None:
     audit.release()
     stages.recompile()
@@ -105,7 +112,8 @@ class Trainer:
     or a directory) makes a settled `.cached()` prefix run once per batch. `broker` says where
     `.at(host)` nodes run. `watching` is told every fact (the engine's, `loss`, `updated`, and
     with `auditing=` an Audit or True, `health`); one with a `flush()` is flushed after each
-    step.
+    step. In a notebook, an audited `fit` draws itself: a `LiveAudit` is shown and kept as
+    `t.live`, unless one is already among the watchers.
 
     Refused, each saying what to do: `trains` naming no node or holding no Learning; a node
     both frozen and trained; an optimizer holding parameters of a node in `trains`, or
@@ -169,6 +177,7 @@ class Trainer:
             watching=told,
         )
         self.audit = audit.watch(graph) if audit is not None else None
+        self.live: Any = None
         self._release = None
         if self.audit is not None:
             self._stages.recompile()
@@ -299,6 +308,7 @@ class Trainer:
                 "by the first: pass a list, a DataLoader, or anything iterable again"
             )
         history: list[float] = []
+        self._show_audit()
         bar = None
         if _person_watching():
             from tqdm.auto import tqdm
@@ -317,6 +327,21 @@ class Trainer:
             if bar is not None:
                 bar.close()
         return Result(history)
+
+    def _show_audit(self) -> None:
+        """In a notebook, an audited run draws itself: a `LiveAudit` is shown (once, kept as
+        `self.live`) and fills in while `fit` runs, unless one is already watching."""
+        if self.audit is None or self.live is not None or not _in_notebook():
+            return
+        from IPython.display import display
+
+        from somatize.figures import LiveAudit
+
+        if any(isinstance(w, LiveAudit) for w in self.watching):
+            return
+        self.live = LiveAudit()
+        display(self.live)
+        self.watching = [*self.watching, self.live]
 
     # -- weights --------------------------------------------------------------------------
     def export(self) -> Weights:
