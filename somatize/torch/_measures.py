@@ -8,13 +8,32 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["channel_view", "cka", "effective_rank", "effective_ranks", "stable_rank"]
+__all__ = ["channel_view", "cka", "effective_rank", "effective_ranks", "read", "stable_rank"]
 
 # the smaller side up to which σ_max is taken exactly, from the eigenvalues of the Gram matrix;
 # past it, by this many Lanczos steps
 _EXACT = 96
 _STEPS = 12
 _FLOOR = 4 * torch.finfo(torch.float32).eps
+
+
+def read(tensors: list[torch.Tensor]) -> list[float]:
+    """Many one-number tensors as Python floats: one stack and one `.tolist()` (one per
+    device when they are spread over several)."""
+    if not tensors:
+        return []
+    try:
+        return torch.stack(tensors).tolist()
+    except RuntimeError:  # on more than one device
+        pass
+    out = [0.0] * len(tensors)
+    by: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by.setdefault(t.device, []).append(i)
+    for idx in by.values():
+        for i, v in zip(idx, torch.stack([tensors[i] for i in idx]).tolist(), strict=True):
+            out[i] = v
+    return out
 
 
 def channel_view(t: torch.Tensor, conv: bool) -> torch.Tensor:

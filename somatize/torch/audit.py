@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._measures import channel_view, cka, effective_ranks, stable_rank
+from somatize.torch._measures import channel_view, cka, effective_ranks, read, stable_rank
 from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors_in
 from somatize.torch.kinds import kind_of
 
@@ -97,23 +97,6 @@ class _Place:
 
         self.kept: torch.Tensor | None = None
         self.hear = hear  # the tensor hook that keeps ‖∂L/∂output‖'s gradient
-
-
-def _read(tensors: list[torch.Tensor]) -> list[float]:
-    """Many one-number tensors as Python floats: one stack and one `.tolist()` per device."""
-    if not tensors:
-        return []
-    device = tensors[0].device
-    if all(t.device == device for t in tensors):
-        return torch.stack(tensors).tolist()
-    out = [0.0] * len(tensors)
-    by: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by.setdefault(t.device, []).append(i)
-    for idx in by.values():
-        for i, v in zip(idx, torch.stack([tensors[i] for i in idx]).tolist(), strict=True):
-            out[i] = v
-    return out
 
 
 class Audit:
@@ -402,7 +385,7 @@ class Audit:
                     slots["effective_rank"] = len(numbers)
                     numbers.append(rank)
                     slots["rank_room"] = min(rows.shape)
-            values = _read(numbers)
+            values = read(numbers)
         square = [v * v for v in values[:at_sums]]
         at_grad = len(flat)
         at_out = at_grad + len(grads)
