@@ -100,8 +100,9 @@ def test_a_tensor_reference_and_its_bytes_are_a_safetensors_file(size):
     assert torch.equal(safetensors.torch.load(file)["tensor"], t)
 
 
-def test_a_wrong_token_or_a_changed_byte_is_refused():
-    frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "hello", "x": torch.ones(3)})]
+@pytest.mark.parametrize("n", [3, 4000], ids=["tiny: BLAKE2b", "small: Poly1305"])
+def test_a_wrong_token_or_a_changed_byte_is_refused(n):
+    frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"op": "hello", "x": torch.ones(n)})]
     with pytest.raises(wire.Refused):
         wire.unpack("another token", frames)
     for at in (-1, wire._SEAL, 5, 21):  # the tensor's bytes, the header, the nonce, the tag

@@ -105,6 +105,11 @@ class Broker:
         self._held[key] = node
         return definition(node, nid, key, device, self.connection(host), host)
 
+    def holds(self, host: str, key: str) -> bool:
+        """Whether `host`'s worker holds `key` (a node, or a slice's compiled steps) as far as
+        this broker knows."""
+        return key in self._defined.get(host, ())
+
     def defined(self, host: str, defs: list[dict]) -> None:
         """Note that `host`'s worker now holds these definitions."""
         conn = self._connections[host]

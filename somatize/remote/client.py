@@ -267,9 +267,7 @@ class Connection:
         )
         sock.connect(worker.address)
         self.sock = sock
-        self.poller = zmq.Poller()  # the answer, or news of the line, whichever comes first
-        self.poller.register(sock, zmq.POLLIN)
-        self.poller.register(self.monitor, zmq.POLLIN)
+        sock.setsockopt(zmq.RCVTIMEO, 250)  # a wait for the answer looks at the line this often
         self.up = False
         self.down_since = time.monotonic()
         self.incarnation: str | None = None
@@ -303,13 +301,14 @@ class Connection:
             return self._wait(rid, deadline if deadline is not None else self.worker.deadline)
 
     def _wait(self, rid: int, deadline: float) -> Any:
-        poller = self.poller
         sock = self.sock
         started = time.monotonic()
         while True:
-            ready = dict(poller.poll(250))  # the answer first; the checks while none comes
-            if sock in ready:
+            try:  # the answer, or every 250 ms a look at the line, the deadline and the child
                 frames = sock.recv_multipart(copy=False)
+            except zmq.Again:
+                frames = None
+            if frames is not None:
                 if len(frames) == 1 and frames[0].buffer == wire.REFUSED:
                     raise PermissionError(
                         f"{self._where()} refused the request: the token does not match "
@@ -322,11 +321,10 @@ class Connection:
                 if reply["ok"]:
                     return reply["value"]
                 raise _rebuilt(reply["error"], self._where())
-            if self.monitor in ready:
-                try:
-                    self._events()
-                except WorkerLost as lost:
-                    raise WorkerLost(f"{lost} during a request") from None
+            try:
+                self._events()
+            except WorkerLost as lost:
+                raise WorkerLost(f"{lost} during a request") from None
             now = time.monotonic()
             unreachable = now - max(started, self.down_since)
             if not self.up and unreachable > self.worker.connect_within:

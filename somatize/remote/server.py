@@ -44,18 +44,19 @@ class Server:
         self.incarnation = secrets.token_hex(8)
         self.sessions: dict[str, dict[str, Any]] = {}
         self.stages: dict[tuple[str, str], Any] = {}
+        self.slices: dict[tuple[str, str], list[tuple]] = {}  # (session, slice id): compiled
         self.served = 0
         self.dropped = 0
 
     # -- the loop ---------------------------------------------------------------------------
     def serve(self, sock: zmq.Socket, stop: threading.Event | None = None) -> None:
         """Answer requests on `sock` until `stop` is set (or forever)."""
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
+        sock.setsockopt(zmq.RCVTIMEO, 200)  # wait in the receive itself, looking up now and then
         while stop is None or not stop.is_set():
-            if not poller.poll(200):
+            try:
+                frames = sock.recv_multipart(copy=False)
+            except zmq.Again:
                 continue
-            frames = sock.recv_multipart(copy=False)
             if len(frames) < 2:
                 self._drop("a message with no frames after the peer's identity")
                 continue
@@ -104,14 +105,17 @@ class Server:
         if op == "hello":
             return self.hello()
         session = str(m.get("session", ""))
-        nodes = self.sessions.setdefault(session, {})
-        for d in m.get("define", ()):
+        nodes = self.sessions.get(session)
+        if nodes is None:
+            nodes = self.sessions[session] = {}
+        for d in m.get("define") or ():
             nodes[d["key"]] = self.rebuild(d)
+        if op == "run":  # a plain forward: no autograd graph is kept for nobody
+            steps = self.compiled(session, m.get("sid"), m.get("slice"))
+            with _no_grad():
+                return run_compiled(nodes, steps, m.get("given"), m.get("input"))
         if op == "define":
             return len(nodes)
-        if op == "run":  # a plain forward: no autograd graph is kept for nobody
-            with _no_grad():
-                return run_slice(nodes, m["slice"], m.get("given", {}), m.get("input"))
         if op == "state":
             return state_of(self.node(nodes, m["key"]))
         if op == "load":
@@ -119,6 +123,8 @@ class Server:
             return True
         if op == "close":
             self.sessions.pop(session, None)
+            for k in [k for k in self.slices if k[0] == session]:
+                del self.slices[k]
             for k in [k for k in self.stages if k[0] == session]:
                 del self.stages[k]
             return True
@@ -127,6 +133,22 @@ class Server:
 
             return serve_stage(self, session, nodes, op, m)
         raise ValueError(f"unknown request {op!r}")
+
+    def compiled(self, session: str, sid: Any, steps: Any) -> list[tuple]:
+        """The slice `sid` of a session, compiled from `steps` when they are sent (and kept
+        under `sid` as long as the session's nodes), else as compiled before: a repeated
+        forward sends only its id and its inputs."""
+        if steps is not None:
+            found = compile_slice(steps)
+            if isinstance(sid, str):
+                self.slices[(session, sid)] = found
+            return found
+        found = self.slices.get((session, sid))
+        if found is None:
+            raise Unknown(
+                f"this worker does not hold slice {sid!r}: it was restarted, or never sent it"
+            )
+        return found
 
     def hello(self) -> dict[str, Any]:
         """Who this worker is: its incarnation, pid, and whether it accepts code."""
@@ -263,20 +285,41 @@ def load_state(node: Any, state: dict[str, Any]) -> None:
             own[k].copy_(v)
 
 
+def compile_slice(steps: list[Any]) -> list[tuple]:
+    """A slice's steps (`[slot, key, id, mode, src, device, host, mapped, wanted]`, as the
+    broker describes them) checked once and made ready for `run_compiled`."""
+    from somatize.run import MANY, ONE, ROOT, Ctx
+
+    compiled = []
+    for slot, key, nid, mode, src, device, host, mapped, wanted in steps:
+        if mode == MANY:
+            src = [(p, j) for p, j in src]
+        elif mode not in (ONE, ROOT):
+            raise ValueError(f"unknown step mode {mode!r}")
+        ctx = Ctx(nid, device, host, None)
+        compiled.append((slot, key, nid, mode, src, device, bool(mapped), ctx, bool(wanted)))
+    return compiled
+
+
 def run_slice(nodes: dict[str, Any], steps: list[Any], given: dict, input: Any) -> Any:
     """Run one slice of a plan: `steps` are `[slot, key, id, mode, src, device, host, mapped,
     wanted]`; `given` holds the values of the slots it reads from outside. Answers the values
     wanted outside and, per node, when it began and how long it took (microseconds)."""
+    return run_compiled(nodes, compile_slice(steps), given, input)
+
+
+def run_compiled(nodes: dict[str, Any], steps: list[tuple], given: Any, input: Any) -> Any:
+    """Run a slice compiled by `compile_slice` on the session's `nodes` (see `run_slice`)."""
     from somatize import _hooks
     from somatize.node import Opaque
-    from somatize.run import MANY, ONE, ROOT, Ctx, _mapping
+    from somatize.run import MANY, ONE, _mapping
 
-    vals: dict[int, Any] = dict(given)
+    vals: dict[int, Any] = dict(given) if given else {}
     out: dict[int, Any] = {}
     ran: list[list[Any]] = []
     clock = time.perf_counter_ns
     start = clock()
-    for slot, key, nid, mode, src, device, host, mapped, wanted in steps:
+    for slot, key, nid, mode, src, device, mapped, ctx, wanted in steps:
         node = nodes.get(key)
         if node is None:
             raise Unknown(
@@ -285,17 +328,14 @@ def run_slice(nodes: dict[str, Any], steps: list[Any], given: dict, input: Any) 
         began = clock()
         if mode == ONE:
             x = vals[src]
-        elif mode == ROOT:
-            x = input
         elif mode == MANY:
             x = {p: vals[j] for p, j in src}
         else:
-            raise ValueError(f"unknown step mode {mode!r}")
+            x = input
         if device is not None:
             x = _hooks.move(x, device)
-        fn = _mapping(nid, node.forward) if mapped else node.forward
         try:
-            y = fn(x, Ctx(nid, device, host, None))
+            y = (_mapping(nid, node.forward) if mapped else node.forward)(x, ctx)
         except BaseException as error:
             _note(error, f"while running node {nid!r} ({type(node).__name__})")
             raise

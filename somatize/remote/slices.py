@@ -27,6 +27,7 @@ class Slice:
     roots: bool = False  # whether it reads the graph's input
     wanted: set[int] = field(default_factory=set)  # its slots read after it, or leaves
     described: list | None = None  # its steps as a worker reads them (worked out once)
+    sid: str = ""  # the id a worker keeps its compiled steps under, once it has them
 
 
 def cut(plan: Any) -> list[Slice]:
@@ -130,18 +131,21 @@ def _run_there(
                 [i, broker.key(node), ctx.id, mode, src, device, host, mapped, i in piece.wanted]
             )
         piece.described = described
+        piece.sid = f"s{id(piece):x}"
     given = {j: vals[j] for j in piece.reads}
-    sent = time.perf_counter_ns()
+    began = time.perf_counter_ns()
     for attempt in (0, 1):
         defs = []
         for _i, _mode, _src, _fn, ctx, device in piece.steps:
             d = broker.definition(host, ctx.id, graph.implementation(ctx.id), device)
             if d is not None:
                 defs.append(d)
+        sent = broker.holds(host, piece.sid)
         message = {
             "op": "run",
             "define": defs,
-            "slice": described,
+            "sid": piece.sid,
+            "slice": None if sent else described,
             "given": given,
             "input": input if piece.roots else None,
         }
@@ -152,12 +156,12 @@ def _run_there(
                 raise
             broker.forget(host)  # a restarted worker: send the nodes again, once
             continue
-        broker.defined(host, defs)
+        broker.defined(host, [*defs, {"key": piece.sid}])
         break
     for i, value in got["out"].items():
         vals[i] = value
     if told:
-        offset = (sent - start) / 1e3
+        offset = (began - start) / 1e3
         for nid, began, took in got["ran"]:
             fact = {"fact": "ran", "node": nid, "began_us": offset + began, "took_us": took}
             for w in told:

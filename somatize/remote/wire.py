@@ -73,6 +73,8 @@ resolved by import on the other side, never unpickled. Anything else needs `--ac
 _TUPLE = 1
 _KDF = b"smz poly1305 key"  # domain of the per-message key derivation (BLAKE2b person)
 _SESSION = b"smz session key"  # domain of the token's session key
+_MAC = b"smz small tag"  # domain of the tag of a message under _TINY bytes
+_TINY = 2048  # below this keyed BLAKE2b is faster than deriving a key and calling Poly1305
 _NONCE = 16
 _SEAL = len(MAGIC) + _NONCE + 16  # the first frame's bytes before its header
 _PIECE = 1 << 30  # AES-GCM takes at most 2**31 - 1 bytes at once
@@ -129,11 +131,20 @@ def _bytes(frame: Any) -> memoryview:
 
 
 def _tag(token: str | bytes, nonce: bytes, views: list[memoryview]) -> bytes:
-    # Two keys for this one message: keyed BLAKE2b (a PRF) of the nonce under the session key.
-    keys = hashlib.blake2b(nonce, key=_session(token), digest_size=64, person=_KDF).digest()
     sizes = [v.nbytes for v in views]
     lengths = struct.pack(f"<4s{len(sizes) + 1}Q", MAGIC, len(sizes), *sizes)
-    if sum(sizes) < _SMALL:  # one call into OpenSSL for a small message
+    total = sum(sizes)
+    if total < _TINY:  # keyed BLAKE2b, a PRF, salted with the nonce: one C call in all
+        return hashlib.blake2b(
+            b"".join([lengths, *views]),
+            key=_session(token),
+            salt=nonce,
+            person=_MAC,
+            digest_size=16,
+        ).digest()
+    # Two keys for this one message: keyed BLAKE2b (a PRF) of the nonce under the session key.
+    keys = hashlib.blake2b(nonce, key=_session(token), digest_size=64, person=_KDF).digest()
+    if total < _SMALL:  # one call into OpenSSL for a small message
         return Poly1305.generate_tag(keys[:32], b"".join([lengths, *views]))
     mac = Poly1305(keys[:32])
     mac.update(lengths)
@@ -203,6 +214,8 @@ class _Writer:
     def __init__(self) -> None:
         self.buffers: list[Any] = []
         self.torch = _torch()
+        if self.torch is not None and not _NUMPY:
+            _numpy_dtypes()
 
     def default(self, value: Any) -> Any:
         if type(value) is tuple:
@@ -342,6 +355,20 @@ _HEADS: dict[str, tuple[Any, list[int], int]] = {}  # a tensor's header, parsed 
 def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
     torch = _torch()
     plain = tensor.detach()
+    size = plain.nbytes
+    if size < _SMALL and type(plain) is torch.Tensor and plain.dtype in _NUMPY:
+        # The common case, quickly: a small dense cpu tensor numpy can read.
+        if (
+            plain.device.type == "cpu"
+            and plain.layout == torch.strided
+            and plain.is_contiguous()
+            and not (plain.is_conj() or plain.is_neg() or plain.is_quantized)
+        ):
+            shape = ",".join([str(s) for s in plain.shape])
+            head = (
+                f'{{"dtype":"{_NUMPY[plain.dtype]}","shape":[{shape}],"data_offsets":[0,{size}]}}'
+            )
+            return _pack_ref([plain.numpy().tobytes(), head, tensor.requires_grad])
     if plain.layout != torch.strided or plain.is_quantized or plain.is_meta:
         raise TypeError(
             f"a {plain.layout} / quantized / meta tensor cannot cross the wire as it is; "
@@ -366,6 +393,18 @@ def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
         return msgpack.packb([len(buffers), head, tensor.requires_grad])
     data = plain.reshape(-1).view(torch.uint8).numpy().tobytes() if size else b""
     return msgpack.packb([data, head, tensor.requires_grad])  # its bytes inside the header
+
+
+_NUMPY: dict[Any, str] = {}  # torch dtype: safetensors name, for dtypes numpy reads
+_pack_ref = msgpack.Packer(use_bin_type=True).pack  # flat lists of bytes, str and bool only
+
+
+def _numpy_dtypes() -> None:
+    import torch
+
+    for code, name in _DTYPES.items():
+        if name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"):
+            _NUMPY[getattr(torch, name)] = code
 
 
 def _parsed(head: str) -> tuple[Any, list[int], int]:
