@@ -191,7 +191,7 @@ def test_the_trainer_drives_it():
 
 
 def test_snapshot_numbers_against_float64_and_a_full_svd():
-    from somatize.torch._measures import effective_ranks, stable_rank
+    from somatize.torch._measures import effective_ranks, snapshot, stable_rank
 
     gen = torch.Generator().manual_seed(0)
 
@@ -222,6 +222,14 @@ def test_snapshot_numbers_against_float64_and_a_full_svd():
     ):
         assert float(stable_rank(d)) == pytest.approx(by_svd_stable(d), rel=2e-3)
     assert float(stable_rank(torch.zeros(128, 128))) == 0.0
+    # taken together (Gram matrices of one size share an eigendecomposition): the same numbers
+    updates = [torch.randn(256, 64, generator=gen), torch.randn(10, 256, generator=gen)]
+    updates.append(torch.randn(128, 64, generator=gen) @ torch.randn(64, 128, generator=gen))
+    both, stable = snapshot([full, thin], [(d, d.norm()) for d in updates])
+    assert [float(r) for r in both] == pytest.approx(ranks[:2], rel=1e-5)
+    assert [float(s) for s in stable] == pytest.approx(
+        [by_svd_stable(d) for d in updates], rel=2e-3
+    )
 
 
 def test_nan_and_inf_in_an_output_are_told_apart():

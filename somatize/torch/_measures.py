@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["channel_view", "cka", "effective_rank", "effective_ranks", "read", "stable_rank"]
+__all__ = [
+    "channel_view",
+    "cka",
+    "effective_rank",
+    "effective_ranks",
+    "read",
+    "snapshot",
+    "stable_rank",
+]
 
 # the smaller side up to which σ_max is taken exactly, from the eigenvalues of the Gram matrix;
 # past it, by this many Lanczos steps
@@ -83,11 +91,7 @@ def effective_ranks(features: list[torch.Tensor]) -> list[torch.Tensor]:
             f = f.float()
         f = f - f.mean(1, keepdim=True)
         gram = f @ f.mT if shape[0] <= shape[1] else f.mT @ f
-        e = torch.linalg.eigvalsh(gram)
-        e = torch.where(e > e[:, -1:] * (gram.shape[-1] * _FLOOR), e, 0.0).sqrt_()
-        total = e.sum(1, keepdim=True)
-        p = e / torch.where(total > 0, total, 1.0)
-        ranks = torch.where(total[:, 0] > 0, torch.special.entr(p).sum(1).exp(), 0.0)
+        ranks = _entropy_ranks(torch.linalg.eigvalsh(gram))
         for i, r in zip(idx, ranks.unbind(0), strict=True):
             out[i] = r
     return out
@@ -146,3 +150,55 @@ def stable_rank(d: torch.Tensor, frob: torch.Tensor | None = None) -> torch.Tens
         frob = torch.linalg.vector_norm(d)
     top = _top_square(d)
     return torch.where(top > 0, frob.to(top.dtype).square() / top, 0.0)
+
+
+def _entropy_ranks(e: torch.Tensor) -> torch.Tensor:
+    """Effective ranks from rows of Gram eigenvalues (ascending), floored as said above."""
+    e = torch.where(e > e[:, -1:] * (e.shape[-1] * _FLOOR), e, 0.0).sqrt_()
+    total = e.sum(1, keepdim=True)
+    p = e / torch.where(total > 0, total, 1.0)
+    return torch.where(total[:, 0] > 0, torch.special.entr(p).sum(1).exp(), 0.0)
+
+
+def snapshot(
+    features: list[torch.Tensor], updates: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`effective_ranks(features)` and `stable_rank(d, frob)` of each update, together: every
+    Gram matrix of one size, whichever asked for it, goes through one batched
+    eigendecomposition (a snapshot step pays per size, not per number)."""
+    pool: dict[tuple[int, torch.device], list[tuple[bool, int, torch.Tensor]]] = {}
+    ranks: list[torch.Tensor] = [torch.zeros(())] * len(features)
+    stable: list[torch.Tensor] = [torch.zeros(())] * len(updates)
+    for i, f in enumerate(features):
+        if f.dtype is not torch.float32:
+            f = f.float()
+        f = f - f.mean(0, keepdim=True)
+        gram = f @ f.T if f.shape[0] <= f.shape[1] else f.T @ f
+        pool.setdefault((gram.shape[0], gram.device), []).append((True, i, gram))
+    frobs: dict[int, torch.Tensor] = {}
+    for j, (d, frob) in enumerate(updates):
+        d = d.detach().reshape(d.shape[0], -1)
+        if d.dtype is not torch.float32 and d.dtype is not torch.float64:
+            d = d.float()
+        if min(d.shape) > _EXACT:
+            stable[j] = stable_rank(d, frob)
+            continue
+        gram = (d @ d.T if d.shape[0] <= d.shape[1] else d.T @ d).float()
+        frobs[j] = frob
+        pool.setdefault((gram.shape[0], gram.device), []).append((False, j, gram))
+    for entries in pool.values():
+        grams = [g for _, _, g in entries]
+        e = torch.linalg.eigvalsh(grams[0].unsqueeze(0) if len(grams) == 1 else torch.stack(grams))
+        rows = [k for k, (rank, _, _) in enumerate(entries) if rank]
+        if rows:
+            took = _entropy_ranks(e if len(rows) == len(entries) else e[rows])
+            for k, r in zip(rows, took.unbind(0), strict=True):
+                ranks[entries[k][1]] = r
+        tops = [k for k, (rank, _, _) in enumerate(entries) if not rank]
+        if tops:
+            top = e[tops, -1].double()
+            frob = torch.stack([frobs[entries[k][1]] for k in tops]).double()
+            sr = torch.where(top > 0, frob.square() / top, 0.0)
+            for k, s in zip(tops, sr.unbind(0), strict=True):
+                stable[entries[k][1]] = s
+    return ranks, stable

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._measures import channel_view, cka, effective_ranks, read, stable_rank
+from somatize.torch._measures import channel_view, cka, read, snapshot
 from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors_in
 from somatize.torch.kinds import kind_of
 
@@ -374,17 +374,7 @@ class Audit:
             numbers += self._sums
             extra: dict[int, dict[str, int]] = {}
             if snapshot:
-                wanted: list[tuple[dict[str, int], torch.Tensor]] = []
-                for i, place in enumerate(places):
-                    extra[i] = slots = self._snapshot(place, prev, numbers, at_delta)
-                    rows = self._rows(place)
-                    if rows is not None:
-                        wanted.append((slots, rows))
-                ranks = effective_ranks([rows for _, rows in wanted])
-                for (slots, rows), rank in zip(wanted, ranks, strict=True):
-                    slots["effective_rank"] = len(numbers)
-                    numbers.append(rank)
-                    slots["rank_room"] = min(rows.shape)
+                self._snapshot(places, prev, numbers, at_delta, extra)
             values = read(numbers)
         square = [v * v for v in values[:at_sums]]
         at_grad = len(flat)
@@ -449,20 +439,37 @@ class Audit:
 
     def _snapshot(
         self,
-        place: _Place,
+        places: Iterable[_Place],
         prev: list[torch.Tensor] | None,
         numbers: list[torch.Tensor],
         at_delta: int,
-    ) -> dict[str, int]:
+        extra: dict[int, dict[str, int]],
+    ) -> None:
         """The costlier numbers of a snapshot step, as tensors put on `numbers` to be read
-        with the rest; answers where each sits (rank_room, a plain int, as itself)."""
-        slots: dict[str, int] = {}
-        if prev is not None and place.index:
-            big = max(place.index, key=lambda i: prev[i].numel())
-            if prev[big].dim() >= 2:
-                slots["update_stable_rank"] = len(numbers)
-                numbers.append(stable_rank(prev[big], numbers[at_delta + big]))
-        return slots
+        with the rest; `extra[place]` says where each sits (rank_room, a plain int, as
+        itself). The update whose stable rank is taken is a place's largest weight's."""
+        features: list[tuple[dict[str, int], torch.Tensor]] = []
+        updates: list[tuple[dict[str, int], int]] = []
+        for i, place in enumerate(places):
+            extra[i] = slots = {}
+            if prev is not None and place.index:
+                big = max(place.index, key=lambda k: prev[k].numel())
+                if prev[big].dim() >= 2:
+                    updates.append((slots, big))
+            rows = self._rows(place)
+            if rows is not None:
+                features.append((slots, rows))
+        ranks, stable = snapshot(
+            [rows for _, rows in features],
+            [(prev[big], numbers[at_delta + big]) for _, big in updates],  # type: ignore[index]
+        )
+        for (slots, rows), rank in zip(features, ranks, strict=True):
+            slots["effective_rank"] = len(numbers)
+            numbers.append(rank)
+            slots["rank_room"] = min(rows.shape)
+        for (slots, _), value in zip(updates, stable, strict=True):
+            slots["update_stable_rank"] = len(numbers)
+            numbers.append(value)
 
     @staticmethod
     def _rows(place: _Place) -> torch.Tensor | None:
