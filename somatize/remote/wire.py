@@ -36,7 +36,6 @@ import hmac
 import json
 import os
 import struct
-import warnings
 from typing import Any
 
 import msgpack
@@ -467,7 +466,5 @@ def _built(frame: memoryview, owner: Any, dtype: Any, shape: list, end: int) -> 
     buffer = memoryview(getattr(owner, "buffer", owner))
     if buffer.readonly:  # bytes handed in by hand, not a received frame: copy once
         buffer = memoryview(bytearray(buffer))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a received frame is ours alone to write to
-        flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    return flat.view(dtype).reshape(shape)
+    # A received frame is writable and ours alone, so torch has nothing to warn about.
+    return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
