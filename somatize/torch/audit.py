@@ -326,9 +326,6 @@ class Audit:
         measured = step % self.every == 0
         if measured:
             facts = self._measure(step, self._snapshot_now())
-            for place in self._places.values():
-                place.at = -1
-                place.out_grad = place.features = place.kept = None
             self._sums = []
         if (step + 1) % self.every == 0 and self._flat:
             # θ before the optimizer moves it, for the next measured step's update ratio; and
@@ -380,11 +377,12 @@ class Audit:
         at_grad = len(flat)
         at_out = at_grad + len(grads)
         self._prev_norms = numbers[:at_grad]  # ‖θ_t‖: the next update ratio's ‖θ_{t−1}‖
-        isnan, isinf, sqrt = math.isnan, math.isinf, math.sqrt
+        isnan, isinf, isfinite, sqrt = math.isnan, math.isinf, math.isfinite, math.sqrt
         facts = []
-        out_k = 0
+        out_k = at_out
         for pi, place in enumerate(places):
             n: dict[str, Any] = {}
+            nan = inf = False
             index = place.index
             if index:
                 n["param_norm"] = sqrt(sum([square[i] for i in index]))
@@ -395,8 +393,8 @@ class Audit:
                     g = sqrt(sum(mine)) if mine else None
                 if g is not None:
                     n["grad_norm"] = g
-                    n["nan"] = isnan(g)
-                    n["inf"] = isinf(g)
+                    n["nan"] = nan = isnan(g)
+                    n["inf"] = inf = isinf(g)
                 if prev is not None:
                     was = sqrt(sum([square[at_before + i] for i in index]))
                     delta = sqrt(sum([square[at_delta + i] for i in index]))
@@ -415,24 +413,25 @@ class Audit:
                 place.zero.append(values[k + 1] / size)
                 n["zero"] = max(place.zero)
                 n["saturated"] = max(place.saturated)
-                nan = inf = False
-                if not math.isfinite(total):  # which one, as Σ|a| tells it
+                if not isfinite(total):  # which one, as Σ|a| tells it
                     whole_sum = float(place.kept.abs().sum())
-                    nan, inf = isnan(whole_sum), isinf(whole_sum)
-                n["nan"] = n.get("nan", False) or nan
-                n["inf"] = n.get("inf", False) or inf
+                    nan, inf = nan or isnan(whole_sum), inf or isinf(whole_sum)
+                n["nan"] = nan
+                n["inf"] = inf
                 if place.out_grad is not None:
-                    n["out_grad_norm"] = values[at_out + out_k]
-            for key, slot in extra.get(pi, {}).items():
-                n[key] = values[slot] if key != "rank_room" else slot
+                    n["out_grad_norm"] = values[out_k]
+                    out_k += 1
+            if snapshot:
+                for key, slot in extra[pi].items():
+                    n[key] = values[slot] if key != "rank_room" else slot
             if k >= 0 and place.features is not None:
                 with torch.no_grad():
                     if self.channels:
                         self._channels(place, place.features, n)
                     if place.groups:
                         n["cka"] = self._groups(place, place.features)
-            if place.out_grad is not None:
-                out_k += 1
+            place.at = -1
+            place.out_grad = place.features = place.kept = None
             if n:
                 facts.append({"fact": "health", "where": place.where, "step": step, "numbers": n})
         return facts
