@@ -36,6 +36,7 @@ import hmac
 import json
 import os
 import struct
+import sys
 from typing import Any
 
 import msgpack
@@ -73,6 +74,8 @@ _TUPLE = 1
 _KDF = b"smz poly1305 key"  # domain of the per-message key derivation (BLAKE2b person)
 _SESSION = b"smz session key"  # domain of the token's session key
 _MAC = b"smz small tag"  # domain of the tag of a message under _TINY bytes
+_ONE = struct.Struct("<4s2Q")  # the count and lengths of a one-frame message
+_blake2b = hashlib.blake2b
 _TINY = 2048  # below this keyed BLAKE2b is faster than deriving a key and calling Poly1305
 _NONCE = 16
 _SEAL = len(MAGIC) + _NONCE + 16  # the first frame's bytes before its header
@@ -110,6 +113,7 @@ class Malformed(ValueError):
 
 
 _sessions: dict[bytes, bytes] = {}
+_modules = sys.modules
 
 
 def _session(token: str | bytes) -> bytes:
@@ -130,11 +134,15 @@ def _bytes(frame: Any) -> memoryview:
 
 
 def _tag(token: str | bytes, nonce: bytes, views: list[memoryview]) -> bytes:
-    sizes = [v.nbytes for v in views]
-    lengths = struct.pack(f"<4s{len(sizes) + 1}Q", MAGIC, len(sizes), *sizes)
-    total = sum(sizes)
+    if len(views) == 1:  # the usual small message: its header alone
+        total = views[0].nbytes
+        lengths = _ONE.pack(MAGIC, 1, total)
+    else:
+        sizes = [v.nbytes for v in views]
+        lengths = struct.pack(f"<4s{len(sizes) + 1}Q", MAGIC, len(sizes), *sizes)
+        total = sum(sizes)
     if total < _TINY:  # keyed BLAKE2b, a PRF, salted with the nonce: one C call in all
-        return hashlib.blake2b(
+        return _blake2b(
             b"".join([lengths, *views]),
             key=_session(token),
             salt=nonce,
@@ -343,9 +351,7 @@ def _resolve(payload: bytes) -> Any:
 
 
 def _torch() -> Any:
-    import sys
-
-    return sys.modules.get("torch")
+    return _modules.get("torch")
 
 
 _HEADS: dict[str, tuple[Any, list[int], int]] = {}  # a tensor's header, parsed once
