@@ -123,6 +123,26 @@ def test_nodes_run_in_the_worker_process_and_a_slice_is_one_round_trip(two):
     assert hello(two, "a")["served"] - before == 2  # the forward, and this hello
 
 
+def test_a_repeated_forward_sends_its_slice_once_then_only_its_id(two, monkeypatch):
+    g = Graph.somatize(Plus(1.0) >> (Plus(2.0) >> Plus(3.0)).at("a") >> Plus(4.0))
+    sent: list[dict] = []
+    pack = wire.pack
+
+    def watched(token, message, **kw):
+        if isinstance(message, dict) and message.get("op") == "run":
+            sent.append(message)
+        return pack(token, message, **kw)
+
+    monkeypatch.setattr(wire, "pack", watched)
+    assert [g.forward(float(i), broker=two) for i in range(3)] == [10.0, 11.0, 12.0]
+    assert [m["slice"] is None for m in sent] == [False, True, True]
+    assert len({m["sid"] for m in sent}) == 1 and all(not m["define"] for m in sent[1:])
+    other = Graph.somatize((Plus(5.0) >> Plus(6.0)).at("a"))  # another slice, its own id
+    assert other.forward(0.0, broker=two) == 11.0 and sent[-1]["slice"] is not None
+    assert sent[-1]["sid"] != sent[0]["sid"]
+    assert g.forward(0.0, broker=two) == 10.0 and sent[-1]["slice"] is None
+
+
 def test_a_worker_error_keeps_its_type_and_names_node_and_host(two):
     g = Graph.somatize(Plus(1) >> Fails().named("boom").at("b"))
     with pytest.raises(KeyError) as caught:

@@ -5,6 +5,7 @@ dict keyed by their ids, an `Opaque` unwrapped on arrival, a failure noted with 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from somatize.node import Opaque
 from somatize.run import MANY, ONE, ROOT, _noted, _result
 
 __all__ = ["Slice", "cut", "run_plan"]
+
+_sids = itertools.count(1)
 
 
 @dataclass
@@ -131,7 +134,7 @@ def _run_there(
                 [i, broker.key(node), ctx.id, mode, src, device, host, mapped, i in piece.wanted]
             )
         piece.described = described
-        piece.sid = f"s{id(piece):x}"
+        piece.sid = f"s{next(_sids)}"  # never reused in this process (an id() could be)
     given = {j: vals[j] for j in piece.reads}
     began = time.perf_counter_ns()
     for attempt in (0, 1):
