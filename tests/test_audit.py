@@ -263,3 +263,35 @@ def test_nan_and_inf_in_an_output_are_told_apart():
         float("inf"): (False, True),
         "nan": (True, False),
     }
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_out_grad_norm_is_the_outputs_gradient_even_when_the_next_node_writes_over_it(inplace):
+    class Grab(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 8)
+            self.grads = []
+
+        def forward(self, x, ctx):
+            h = self.l(x)
+            h.register_hook(lambda g: self.grads.append(float(g.norm())))
+            return h
+
+    class Bump(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x, ctx):
+            return self.fc(x.relu_() if inplace else torch.relu(x))
+
+    torch.manual_seed(0)
+    grab = Grab()
+    g = Graph.somatize(grab >> Bump())
+    audit = Audit().watch(g)
+    facts, _ = _loop(g, audit, 4)
+    audit.release()
+    heard = [{f["where"]: f["numbers"] for f in step}["grab"]["out_grad_norm"] for step in facts]
+    assert heard == pytest.approx(grab.grads, rel=1e-6)
+    assert grab.grads[0] != pytest.approx(grab.grads[1])  # the steps differ: a real check

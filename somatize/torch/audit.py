@@ -7,7 +7,7 @@ measured where:
 - every place with parameters: grad_norm, param_norm, update_ratio (‖θ_t − θ_{t−1}‖/‖θ_{t−1}‖
   between consecutive observed steps);
 - every place's output: act_mean, zero and saturated fractions (the max over the last `window`
-  measured steps), out_grad_norm (‖∂L/∂output‖, from a tensor hook), nan and inf;
+  measured steps), out_grad_norm (‖∂L/∂output‖, retained or from a tensor hook), nan and inf;
 - on snapshot steps: effective_rank of the output (and rank_room, the most it could be), and
   update_stable_rank of the place's largest weight;
 - with `channels`: channels, dead_channels (never active over the window), dormant_channels
@@ -68,6 +68,9 @@ class _Place:
         "groups",
         "hear",
         "kept",
+        "held",
+        "version",
+        "retain",
     )
 
     def __init__(self, where: str, modules: list[nn.Module], window: int) -> None:
@@ -96,6 +99,12 @@ class _Place:
             self.out_grad = g.detach()
 
         self.kept: torch.Tensor | None = None
+        # ∂L/∂output by `retain_grad` (no Python call in backward) where the output is not
+        # modified in place afterwards; None: not yet known (the first measured step hooks and
+        # retains both, and looks), False: a tensor hook, always
+        self.retain: bool | None = None
+        self.held: torch.Tensor | None = None
+        self.version = 0
         self.hear = hear  # the tensor hook that keeps ‖∂L/∂output‖'s gradient
 
 
@@ -304,9 +313,32 @@ class Audit:
         sums.append(magnitude.le_(_DEAD_EPS).sum())
         if t.requires_grad:
             place.out_grad = None
-            t.register_hook(place.hear)
+            retain = place.retain
+            if retain is not False and t.grad_fn is not None and not t.retains_grad:
+                t.retain_grad()
+                place.held = t
+                place.version = t._version
+            else:
+                retain = False
+            if not retain:
+                t.register_hook(place.hear)
         if self._features or place.groups is not None:
             place.features = channel_view(a, place.conv)
+
+    @staticmethod
+    def _retained(place: _Place) -> None:
+        """∂L/∂output from the output's retained grad, if that is still the output's: an
+        output modified in place after the place saw it has the grad of what it became."""
+        t = place.held
+        place.held = None
+        untouched = t._version == place.version
+        if place.retain is None:  # hooked too this time: keep the hook's, and learn
+            place.retain = untouched
+        elif untouched:
+            place.out_grad = t.grad
+        else:  # cannot be told this step; hooked from now on
+            place.retain = False
+        t.grad = None
 
     def _snapshot_now(self) -> bool:
         return self.step % self.snapshot == 0
@@ -357,6 +389,9 @@ class Audit:
                     i: k for k, i in enumerate(i for i, g in enumerate(grads) if g is not None)
                 }
                 grads = [g for g in grads if g is not None]
+            for p in places:
+                if p.held is not None:
+                    self._retained(p)
             outs = [p.out_grad for p in places if p.out_grad is not None]
             tensors: list[torch.Tensor] = [*flat, *grads, *outs]
             if prev is not None:
@@ -431,7 +466,7 @@ class Audit:
                     if place.groups:
                         n["cka"] = self._groups(place, place.features)
             place.at = -1
-            place.out_grad = place.features = place.kept = None
+            place.out_grad = place.features = place.kept = place.held = None
             if n:
                 facts.append({"fact": "health", "where": place.where, "step": step, "numbers": n})
         return facts
