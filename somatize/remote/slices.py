@@ -159,7 +159,8 @@ def _run_there(
                 raise
             broker.forget(host)  # a restarted worker: send the nodes again, once
             continue
-        broker.defined(host, [*defs, {"key": piece.sid}])
+        if defs or not sent:
+            broker.defined(host, [*defs, {"key": piece.sid}])
         break
     for i, value in got["out"].items():
         vals[i] = value
