@@ -11,6 +11,8 @@ activation, with its autograd graph), which is why a worker restarted in between
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import fields
 from typing import Any
 
@@ -18,6 +20,8 @@ from somatize import _hooks
 from somatize.remote.server import Unknown
 
 __all__ = ["Remote", "serve_stage"]
+
+_pkeys = itertools.count(1)
 
 
 class Remote:
@@ -27,9 +31,15 @@ class Remote:
         self.broker = broker
         self.host = host
         self._sent: set[str] = set()
+        self._keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
     def _key(self, part: Any) -> str:
-        return f"p{id(part):x}"
+        # From a counter, never id(): a later part may get the id of one that is gone, and
+        # the worker would run the old one in its place.
+        key = self._keys.get(part)
+        if key is None:
+            key = self._keys[part] = f"p{next(_pkeys)}"
+        return key
 
     def forward(
         self, part: Any, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
