@@ -11,9 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from somatize import _hooks
 from somatize.node import Opaque
-from somatize.run import MANY, ONE, ROOT, _noted, _result
+from somatize.run import MANY, ONE, ROOT, _result, walk
 
 __all__ = ["Slice", "cut", "run_plan"]
 
@@ -76,7 +75,7 @@ def run_plan(broker: Any, plan: Any, input: Any, told: list[Callable[[dict], Any
     start = clock()
     for piece in broker.slices(plan):
         if piece.host is None:
-            _run_here(plan, piece, vals, input, told, start)
+            walk(plan, piece.steps, vals, input, told, start)
         else:
             _run_there(broker, plan, piece, vals, input, told, start)
     if told:
@@ -84,37 +83,6 @@ def run_plan(broker: Any, plan: Any, input: Any, told: list[Callable[[dict], Any
         for w in told:
             w(finished)
     return _result(plan, vals)
-
-
-def _run_here(plan: Any, piece: Slice, vals: list, input: Any, told: list, start: int) -> None:
-    move = _hooks.move
-    clock = time.perf_counter_ns
-    i = 0
-    try:
-        for i, mode, src, fn, ctx, device in piece.steps:
-            began = clock()
-            if mode == ONE:
-                x = vals[src]
-            elif mode == ROOT:
-                x = input
-            else:
-                x = {p: vals[j] for p, j in src}
-            if device is not None:
-                x = move(x, device)
-            out = fn(x, ctx)
-            vals[i] = out.value if type(out) is Opaque else out
-            if told:
-                fact = {
-                    "fact": "ran",
-                    "node": ctx.id,
-                    "began_us": (began - start) / 1e3,
-                    "took_us": (clock() - began) / 1e3,
-                }
-                for w in told:
-                    w(fact)
-    except BaseException as e:
-        _noted(e, plan, i)
-        raise
 
 
 def _run_there(
