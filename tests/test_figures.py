@@ -203,7 +203,16 @@ def test_audit_flags_with_the_health_verdict_and_keeps_nan_as_text():
     assert cells["enc", 0][2]["grad_norm"] == "nan" and cells["enc", 0][3] == ["NAN"]
     assert cells["head", 0][3] == ["VANISHING"]
     assert cells["left", 0][3] == [] and cells["left", 0][2] == {"grad_norm": 0.1}
-    assert cells["left", 1][2] == {"zero": 0.99} and cells["left", 1][3] == ["DEAD"]
+    assert cells["left", 1][2] == {} and cells["left", 1][3] == ["DEAD"]  # a hole, flagged
+    assert all(set(c[2]) <= {"grad_norm"} for c in cells.values())  # the chosen metric's only
+    # choosing another metric sends its values (everything seen, as a reset) and repaints
+    before = len(audit.outbox)
+    audit.metric = "zero"
+    assert [m["kind"] for m in audit.outbox[before:]] == ["reset"]
+    cells = {(c[0], c[1]): c for c in cells_of(audit.outbox[before:])}
+    assert cells["left", 1][2] == {"zero": 0.99} and cells["enc", 0][2] == {"zero": 0.1}
+    assert cells["head", 0][2] == {} and cells["head", 0][3] == ["VANISHING"]
+    assert set(audit.picture["places"][0][2]) == {"zero"}
     frame = audit.frame()
     assert list(frame["where"]) == ["enc", "head", "left", "left"]
     assert math.isnan(frame.loc[0, "grad_norm"]) and frame.loc[0, "flags"] == ["NAN"]

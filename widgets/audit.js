@@ -26,8 +26,10 @@ function clear(s) {
 }
 
 // Messages are columnar: loss = [steps, values]; places = [[where, steps, {metric: values},
-// [[i, flags], ...]], ...], a value null where a fact did not carry that metric.
+// [[i, flags], ...]], ...], a value null where a fact did not carry that metric; the kernel
+// sends the chosen metric's values only, and names every metric seen in `metrics`.
 function take(s, msg) {
+  for (const k of msg.metrics || []) s.metrics.add(k);
   const [lossSteps, lossValues] = msg.loss || [[], []];
   for (let i = 0; i < lossSteps.length; i++) s.loss.push([lossSteps[i], num(lossValues[i])]);
   let unsorted = false;
@@ -175,7 +177,9 @@ function render({ model, el: host }) {
 
   const chosen = () => {
     const m = model.get("metric");
-    if (m && s.metrics.has(m)) return m;
+    // the kernel sends the chosen metric's values only: one chosen whose values are on their
+    // way stays chosen
+    if (m && (s.metrics.has(m) || (model.get("metrics") || []).includes(m))) return m;
     return [...s.metrics][0] ?? m ?? "";
   };
 
@@ -280,6 +284,9 @@ function render({ model, el: host }) {
     if (values.length) {
       const stops = Array.from({ length: 10 }, (_, i) => `${viridis(i / 9)} ${(i / 9) * 100}%`).join(",");
       legend.innerHTML = `<span class="smz-scale-label">${metric}${sc.log ? " (log)" : ""}</span><span>${number(sc.lo)}</span><span class="smz-bar" style="background:linear-gradient(90deg,${stops})"></span><span>${number(sc.hi)}</span><span class="smz-flag-key">flagged</span>`;
+    } else if (metric && s.places.length) {
+      const label = Object.assign(document.createElement("span"), { className: "smz-scale-label", textContent: metric });
+      legend.replaceChildren(label);
     } else legend.innerHTML = "";
     root.dataset.cells = String(g.querySelectorAll(".smz-cell").length);
   }

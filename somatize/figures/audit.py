@@ -8,8 +8,9 @@
 It takes `loss` and `health` facts (docs/internals.md, "Facts") and keeps their numbers in
 columns (per watched place: an array of steps and an array of values per metric), so a fact
 costs a few appends and nothing the garbage collector has to walk. A sender thread reads what
-is new at most `1 / interval` times a second, judges it with the health verdict, and sends it
-to the browser; about once a second it also refreshes `picture`, a compact copy of the whole
+is new at most `1 / interval` times a second, judges it with the health verdict, and sends
+the chosen metric's values (the page draws one metric; choosing another in the menu sends that
+one's as a reset); every few seconds it also refreshes `picture`, a compact copy of the
 heatmap kept as a synced trait, so a saved notebook or a static page shows what was seen.
 """
 
@@ -82,8 +83,10 @@ class LiveAudit(anywidget.AnyWidget):
     the rest. What is new goes to the browser at most every `interval` seconds, from a sender
     thread (and once more after the last fact); `sync()` sends now. `frame()` and `loss` give
     what it has seen, `metrics` the metrics the facts carried, all current as soon as a fact is
-    taken. `picture` is a compact copy of the heatmap (at most 240 step columns), refreshed
-    about once a second and when the facts stop: what a page without a kernel draws. A fact
+    taken. The page is sent the chosen `metric`'s values (and every flag); choosing another
+    sends that one's. `picture` is a compact copy of the heatmap for the chosen metric (at most
+    240 step columns), refreshed every `picture_every` seconds and when the facts stop: what a
+    page without a kernel draws. A fact
     without `where` or with a step that is not an integer is refused (ValueError) and nothing
     of it is kept.
     """
@@ -103,7 +106,7 @@ class LiveAudit(anywidget.AnyWidget):
         title: str = "live audit",
         interval: float = 0.1,
         verdict: Any = "default",
-        picture_every: float = 1.0,
+        picture_every: float = 3.0,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval= is seconds between sends and must be > 0, not {interval}")
@@ -277,8 +280,9 @@ class LiveAudit(anywidget.AnyWidget):
                 place.flags[lo + i] = flags
         place.judged = n
 
-    def _take(self, everything: bool) -> dict[str, Any]:
-        """What is new (or everything) in the columnar shape the page reads."""
+    def _take(self, everything: bool, only: str | None = None) -> dict[str, Any]:
+        """What is new (or everything) in the columnar shape the page reads; with `only`, the
+        values of that metric alone (what the page draws), flags and steps all the same."""
         self._taken = self._n
         nl = min(len(self._loss_steps), len(self._loss_values))
         l0 = 0 if everything else self._loss_sent
@@ -292,14 +296,18 @@ class LiveAudit(anywidget.AnyWidget):
             place.sent = n
             if n <= lo:
                 continue
-            values = {name: _json_column(col, lo, n, place.odd, name) for name, col in cols}
+            values = {
+                name: _json_column(col, lo, n, place.odd, name)
+                for name, col in cols
+                if only is None or name == only
+            }
             flags = [[r - lo, f] for r, f in place.flags.items() if lo <= r < n]
             places.append([where, place.steps[lo:n].tolist(), values, flags])
-        return {"loss": loss, "places": places}
+        return {"loss": loss, "places": places, "metrics": list(self._seen)}
 
     def _push(self) -> bool:
         """Send what is new as one `append` message; whether there was anything."""
-        taken = self._take(everything=False)
+        taken = self._take(everything=False, only=self.metric)
         if not (taken["loss"][0] or taken["places"]):
             return False
         self._seq += 1
@@ -308,8 +316,9 @@ class LiveAudit(anywidget.AnyWidget):
         return True
 
     def _paint(self) -> None:
-        """Refresh `picture`: everything seen, binned to at most 240 steps per place (a bin
-        shows its last row and every flag in it), the loss to at most 1000 points."""
+        """Refresh `picture`: everything seen of the chosen metric, binned to at most 240 steps
+        per place (a bin shows its last row and every flag in it), the loss to at most 1000
+        points."""
         seen = self._n
         self._take_judged()
         loss_n = min(len(self._loss_steps), len(self._loss_values))
@@ -326,6 +335,7 @@ class LiveAudit(anywidget.AnyWidget):
             values = {
                 name: _json_column(array("d", np.frombuffer(col[:n])[last]), 0, len(last))
                 for name, col in list(place.cols.items())
+                if name == self.metric
             }
             binned: dict[int, set[str]] = {}
             for r, f in list(place.flags.items()):
@@ -334,7 +344,13 @@ class LiveAudit(anywidget.AnyWidget):
             flags = [[b, sorted(f)] for b, f in sorted(binned.items())]
             steps = np.frombuffer(place.steps[:n], dtype=np.int64)[last].tolist()
             places.append([where, steps, values, flags])
-        self.picture = {"kind": "reset", "seq": self._seq, "loss": loss, "places": places}
+        self.picture = {
+            "kind": "reset",
+            "seq": self._seq,
+            "loss": loss,
+            "places": places,
+            "metrics": list(self._seen),
+        }
         self._pictured = seen
         self._pictured_at = time.monotonic()
         self.pictures += 1
@@ -357,9 +373,25 @@ class LiveAudit(anywidget.AnyWidget):
 
     def _on_message(self, _widget: Any, content: Any, _buffers: Any) -> None:
         if isinstance(content, dict) and content.get("kind") == "hello":
-            with self._lock:
-                message = {"kind": "reset", "seq": self._seq, **self._take(everything=True)}
-                self.send(message)
+            self._reset()
+
+    def _reset(self) -> None:
+        """Send the page everything seen of the chosen metric, as one `reset` message."""
+        with self._lock:
+            taken = self._take(everything=True, only=self.metric)
+            self.send({"kind": "reset", "seq": self._seq, **taken})
+
+    @traitlets.observe("metric")
+    def _metric_changed(self, _change: Any) -> None:
+        # the page holds the chosen metric's values only: another metric's come as a reset
+        # (and the picture is redrawn with them); nothing to do before anything was sent
+        if getattr(self, "_lock", None) is None:
+            return
+        with self._lock:
+            if self._seq or self._loss_sent or any(p.sent for p in self._places.values()):
+                self._reset()
+            if self._pictured >= 0:
+                self._paint()
 
     # -- reading back ---------------------------------------------------------------------
     @property
