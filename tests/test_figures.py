@@ -241,6 +241,8 @@ def test_audit_refuses_a_malformed_fact_and_keeps_nothing_of_it():
     audit(health("enc", 2, grad_norm=1))  # an int is a number; numpy and torch scalars too
     audit(health("enc", 3, grad_norm=torch.tensor(0.5)))
     assert audit.frame()["grad_norm"].tolist() == [1.0, 0.5]
+    audit(health("enc", 4, grad_norm=True))  # no number: kept as it is, drawn as a hole
+    assert audit.frame()["grad_norm"].tolist() == [1.0, 0.5, True]
 
 
 def test_the_verdict_screen_keeps_every_row_the_verdict_would_flag():

@@ -50,7 +50,18 @@ def _verdict_function() -> Any:
 class _Place:
     """What one watched place has seen: row i is one health fact (its step, its numbers)."""
 
-    __slots__ = ("cols", "flags", "judged", "keys", "odd", "order", "sent", "steps", "where")
+    __slots__ = (
+        "appends",
+        "cols",
+        "flags",
+        "judged",
+        "keys",
+        "odd",
+        "order",
+        "sent",
+        "steps",
+        "where",
+    )
 
     def __init__(self, where: str) -> None:
         self.where = where
@@ -58,6 +69,7 @@ class _Place:
         self.cols: dict[str, array] = {}  # metric -> one value per row (_MISSING where absent)
         self.keys: tuple | None = ()  # the metrics of a fact that takes the quick path
         self.order: list[array] = []  # their columns, in that order
+        self.appends: list[Any] = []  # and those columns' `append`, for the quick path
         self.odd: dict[tuple[int, str], Any] = {}  # (row, metric) -> a value that is no number
         self.flags: dict[int, list[str]] = {}  # row -> the verdict's flags, where it raised any
         self.judged = 0  # rows the verdict has read
@@ -148,8 +160,12 @@ class LiveAudit(anywidget.AnyWidget):
                 place = self._place(where)
             if tuple(numbers) == place.keys:  # the usual case: the same metrics as before
                 place.steps.append(step)
-                for col, v in zip(place.order, numbers.values(), strict=True):
-                    col.append(v if type(v) is float else self._odd(place, col, v))
+                # as long: the same keys (strict= would only cost time)
+                for append, v in zip(place.appends, numbers.values(), strict=False):
+                    if type(v) is float:
+                        append(v)
+                    else:
+                        append(self._odd(place, append.__self__, v))
             else:
                 self._row(place, step, numbers)
         elif kind == "loss":
@@ -210,6 +226,7 @@ class LiveAudit(anywidget.AnyWidget):
             whole = len(given) == len(place.cols) and len(names) == len(numbers)
             place.keys = tuple(numbers) if whole else None
             place.order = order
+            place.appends = [col.append for col in order]
         if new:
             with self._lock:
                 self.metrics = list(self._seen)
