@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import nn
+
 from somatize import Node
 
 
@@ -35,3 +38,16 @@ class Same(Node):
 
     def forward(self, input: Any, ctx: Any) -> Any:
         return input
+
+
+class Layer(Node, nn.Module):
+    """A float64 linear layer, then tanh unless `act=False`: a node that is a module."""
+
+    def __init__(self, i: int, o: int, act: bool = True) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(i, o, dtype=torch.float64)
+        self.act = act
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        y = self.lin(x)
+        return torch.tanh(y) if self.act else y

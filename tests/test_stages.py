@@ -5,6 +5,7 @@ from __future__ import annotations
 import cloudpickle
 import pytest
 import torch
+from _nodes import Layer
 from torch import nn
 
 from somatize import Graph, Node
@@ -14,17 +15,6 @@ from somatize.torch import Split, Trainer, envelope, parameters
 
 mse = nn.functional.mse_loss
 SGD = torch.optim.SGD
-
-
-class Layer(Node, nn.Module):
-    def __init__(self, i: int, o: int, act: bool = True) -> None:
-        nn.Module.__init__(self)
-        self.lin = nn.Linear(i, o, dtype=torch.float64)
-        self.act = act
-
-    def forward(self, x, ctx):
-        y = self.lin(x)
-        return torch.tanh(y) if self.act else y
 
 
 class Add(Node):

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from _nodes import Layer
 from torch import nn
 
 from somatize import Graph, Node, Store
@@ -13,19 +14,6 @@ from somatize.torch import NoGradient, Result, Split, Trainer, parameters
 
 mse = nn.functional.mse_loss
 SGD = torch.optim.SGD
-
-
-class Layer(Node, nn.Module):
-    """A node that is a module."""
-
-    def __init__(self, i: int, o: int, act: bool = True) -> None:
-        nn.Module.__init__(self)
-        self.lin = nn.Linear(i, o, dtype=torch.float64)
-        self.act = act
-
-    def forward(self, x, ctx):
-        y = self.lin(x)
-        return torch.tanh(y) if self.act else y
 
 
 class Holder(Node):
