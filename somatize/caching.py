@@ -25,6 +25,7 @@ from somatize.run import (
     _result,
     code_version,
     declaration_key,
+    not_a_list,
     warn_code_changed,
 )
 
@@ -148,10 +149,7 @@ def _mapped(
     nid: str, fn: Callable, x: Any, ctx: Any, mine: str, code: str, store: Any
 ) -> tuple[list, str]:
     if not isinstance(x, list):
-        raise TypeError(
-            f"node {nid!r} is .mapped() and was handed {type(x).__name__}, not a list: "
-            "a mapped node takes a list and gives back a list as long"
-        )
+        raise not_a_list(nid, x)
     names = [
         _name(_mix(mine, digest(encode(item, where=f"an item for node {nid!r}")))) for item in x
     ]
@@ -164,13 +162,7 @@ def _mapped(
         else:
             missing.append(k)
     if missing:
-        made = fn([x[k] for k in missing], ctx)
-        if not isinstance(made, list) or len(made) != len(missing):
-            raise ValueError(
-                f"node {nid!r} is .mapped(): handed {len(missing)} items it gave back "
-                f"{len(made) if isinstance(made, list) else type(made).__name__}; "
-                "it must return a list as long as the list it was handed"
-            )
+        made = fn([x[k] for k in missing], ctx)  # the plan's step: lengths checked there
         for k, value in zip(missing, made, strict=True):
             out[k] = value
             _keep(nid, names[k], value, code, store)

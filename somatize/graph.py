@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from somatize import _hooks
-from somatize.node import DEVICE, Expr, Node, Settings
+from somatize.node import DEVICE, Branches, Chain, Expr, Node, Piece, Settings
 
 __all__ = ["Graph"]
 
@@ -59,8 +59,6 @@ class Graph:
         return g
 
     def _lay(self, expr: Expr, outer: Settings) -> tuple[list[str], list[str]]:
-        from somatize.node import Branches, Chain, Piece
-
         if isinstance(expr, (Node, Piece)):
             ((node, settings),) = list(expr.pieces(outer))
             nid = self._add(node, settings)
@@ -105,7 +103,7 @@ class Graph:
             raise ValueError(f"g.node adds one node; this expression holds {len(found)}")
         node, settings = found[0]
         if name is not None:
-            settings = Settings(**{**settings.__dict__, "name": name})
+            settings = replace(settings, name=name)
         return self._add(node, settings)
 
     def _add(self, node: Node, settings: Settings) -> str:

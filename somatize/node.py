@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from abc import ABC, ABCMeta, abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -235,11 +235,6 @@ class Node(Expr, ABC):
 
     def __eq__(self, other: object) -> bool:
         return self is other
-
-
-# torch.nn.Module defines __call__ through its own metaclass-free machinery; Node's ABCMeta is
-# a subclass of `type`, so `class Enc(Node, nn.Module)` needs nothing more.
-assert issubclass(ABCMeta, type)
 
 
 def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -74,13 +74,20 @@ class Plan:
         return f"Plan({len(self.steps)} steps)"
 
 
+def not_a_list(nid: str, x: Any) -> TypeError:
+    """The error for a `.mapped()` node handed something that is not a list."""
+    return TypeError(
+        f"node {nid!r} is .mapped() and was handed {type(x).__name__}, not a list: "
+        "a mapped node takes a list and gives back a list as long"
+    )
+
+
 def _mapping(nid: str, forward: Callable) -> Callable:
+    """A mapped node's forward, checked: a list in, a list as long out."""
+
     def mapped(x: Any, ctx: Ctx) -> list:
         if not isinstance(x, list):
-            raise TypeError(
-                f"node {nid!r} is .mapped() and was handed {type(x).__name__}, not a list: "
-                "a mapped node takes a list and gives back a list as long"
-            )
+            raise not_a_list(nid, x)
         out = forward(x, ctx)
         if not isinstance(out, list) or len(out) != len(x):
             got = len(out) if isinstance(out, list) else type(out).__name__

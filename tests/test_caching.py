@@ -135,3 +135,16 @@ def test_store_may_be_given_as_a_path(tmp_path):
     g.forward(2, store=str(tmp_path / "s"))
     g.forward(2, store=Store(tmp_path / "s"))
     assert c.handed == [2]
+
+
+def test_a_cached_mapped_node_is_checked_as_an_uncached_one_and_keeps_nothing_bad(store):
+    class Short(Node):
+        def forward(self, input, ctx):
+            return input[:-1]
+
+    g = Graph.somatize(Short().mapped().cached())
+    with pytest.raises(ValueError, match="'short'.*handed 2 items.*as long"):
+        g.forward([1, 2], store=store)
+    with pytest.raises(TypeError, match="'short'.*not a list"):
+        g.forward(3, store=store)
+    assert not [b for b in store.bound() if b.name.startswith("cache/")]
