@@ -44,8 +44,6 @@ class Settings:
                 continue
             mine = getattr(self, f.name)
             said[f.name] = getattr(outer, f.name) if mine is None else mine
-        if self.cached is None and outer.cached:
-            said["salt"] = outer.salt
         return replace(self, **said)
 
 
