@@ -151,7 +151,7 @@ class Piece(Expr):
         self._settings = settings
 
     def _said(self, **change: Any) -> Expr:
-        return Piece(self.node, _say(self._settings, change))
+        return Piece(self.node, replace(self._settings, **change))
 
     def pieces(self, outer: Settings | None = None) -> Iterator[tuple[Node, Settings]]:
         yield self.node, self._settings.under(outer or Settings())
@@ -171,7 +171,7 @@ class _Group(Expr):
         self._settings = settings or Settings()
 
     def _said(self, **change: Any) -> Expr:
-        return type(self)(list(self.parts), _say(self._settings, change))
+        return type(self)(list(self.parts), replace(self._settings, **change))
 
     def pieces(self, outer: Settings | None = None) -> Iterator[tuple[Node, Settings]]:
         mine = self._settings.under(outer or Settings())
@@ -192,11 +192,6 @@ class Branches(_Group):
     """Parts side by side: all of them receive what the branches receive."""
 
     sign = "|"
-
-
-def _say(settings: Settings, change: dict[str, Any]) -> Settings:
-    # Saying something again of the same piece replaces what was said of it.
-    return replace(settings, **change)
 
 
 class Node(Expr, ABC):
@@ -223,7 +218,7 @@ class Node(Expr, ABC):
         """What this node produces from `input`; `ctx` says where it runs."""
 
     def _said(self, **change: Any) -> Expr:
-        return Piece(self, _say(Settings(), change))
+        return Piece(self, Settings(**change))
 
     def pieces(self, outer: Settings | None = None) -> Iterator[tuple[Node, Settings]]:
         yield self, Settings().under(outer or Settings())
