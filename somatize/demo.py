@@ -85,10 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     where = args.store or tempfile.mkdtemp(prefix="somatize-demo-")
     store = Store(where)
     g = build()
-    import somatize.torch  # noqa: F401  (the tensor codec)
+    from somatize.torch import freeze
 
-    for p in g.implementation("features").parameters():
-        p.requires_grad_(False)
+    freeze(g)  # the .frozen() features stop asking for gradients
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
     print(g.plan())
     print()
