@@ -5,24 +5,25 @@
 from __future__ import annotations
 
 
+def _node(name: str, kind: str) -> dict:
+    """One node of a plan_json(), unplaced and unmarked."""
+    return {
+        "id": name,
+        "kind": kind,
+        "device": None,
+        "host": None,
+        "frozen": False,
+        "cached": False,
+        "salt": None,
+        "mapped": False,
+    }
+
+
 def plan(**marks: dict) -> dict:
     """The plan_json() of enc >> (left | right) >> join >> head; `marks` add settings."""
     ids = ["enc", "left", "right", "join", "head"]
     kinds = {"enc": "Holds", "left": "Holds", "right": "Holds", "join": "Join", "head": "Holds"}
-    nodes = []
-    for n in ids:
-        node = {
-            "id": n,
-            "kind": kinds[n],
-            "device": None,
-            "host": None,
-            "frozen": False,
-            "cached": False,
-            "salt": None,
-            "mapped": False,
-        }
-        node.update(marks.get(n, {}))
-        nodes.append(node)
+    nodes = [{**_node(n, kinds[n]), **marks.get(n, {})} for n in ids]
     edges = [
         ["enc", "left"],
         ["enc", "right"],
@@ -110,17 +111,5 @@ def chain_plan(n: int) -> dict:
             edges.append([prev, node])
         ids.append(node)
         prev = node
-    nodes = [
-        {
-            "id": i,
-            "kind": "Layer",
-            "device": None,
-            "host": None,
-            "frozen": False,
-            "cached": False,
-            "salt": None,
-            "mapped": False,
-        }
-        for i in ids
-    ]
+    nodes = [_node(i, "Layer") for i in ids]
     return {"nodes": nodes, "edges": edges, "roots": [ids[0]], "leaves": [ids[-1]], "order": ids}
