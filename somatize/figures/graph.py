@@ -51,14 +51,17 @@ def _inside_json(node: str, value: Any) -> dict[str, Any]:
     return out
 
 
-def _insides(plan: dict[str, Any], inside: Any) -> dict[str, Any]:
-    if inside is None:
+def _keyed(given: Any, takes: str) -> Mapping:
+    """`given` (a `colour=` or `inside=`) as a mapping, None as empty; refused otherwise."""
+    if given is None:
         return {}
-    if not isinstance(inside, Mapping):
-        raise TypeError(
-            f"inside= takes {{node: Inside}} (what architecture(g, x) returns), "
-            f"not {type(inside).__name__}"
-        )
+    if not isinstance(given, Mapping):
+        raise TypeError(f"{takes}, not {type(given).__name__}")
+    return given
+
+
+def _insides(plan: dict[str, Any], inside: Any) -> dict[str, Any]:
+    inside = _keyed(inside, "inside= takes {node: Inside} (what architecture(g, x) returns)")
     ids = [str(n["id"]) for n in plan["nodes"]]
     out = {}
     for node, value in inside.items():
@@ -73,13 +76,7 @@ def _insides(plan: dict[str, Any], inside: Any) -> dict[str, Any]:
 
 
 def _colours(plan: dict[str, Any], colour: Any) -> dict[str, Any]:
-    if colour is None:
-        return {}
-    if not isinstance(colour, Mapping):
-        raise TypeError(
-            f"colour= takes {{where: number}} keyed by node or node.path.to.layer, "
-            f"not {type(colour).__name__}"
-        )
+    colour = _keyed(colour, "colour= takes {where: number} keyed by node or node.path.to.layer")
     ids = {str(n["id"]) for n in plan["nodes"]}
     out: dict[str, Any] = {}
     for where, value in colour.items():
