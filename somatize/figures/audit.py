@@ -50,26 +50,13 @@ def _verdict_function() -> Any:
 class _Place:
     """What one watched place has seen: row i is one health fact (its step, its numbers)."""
 
-    __slots__ = (
-        "appends",
-        "cols",
-        "flags",
-        "judged",
-        "keys",
-        "odd",
-        "order",
-        "sent",
-        "steps",
-        "where",
-    )
+    __slots__ = ("appends", "cols", "flags", "judged", "keys", "odd", "sent", "steps")
 
-    def __init__(self, where: str) -> None:
-        self.where = where
+    def __init__(self) -> None:
         self.steps = array("q")
         self.cols: dict[str, array] = {}  # metric -> one value per row (_MISSING where absent)
         self.keys: tuple | None = ()  # the metrics of a fact that takes the quick path
-        self.order: list[array] = []  # their columns, in that order
-        self.appends: list[Any] = []  # and those columns' `append`, for the quick path
+        self.appends: list[Any] = []  # their columns' `append`, in that order
         self.odd: dict[tuple[int, str], Any] = {}  # (row, metric) -> a value that is no number
         self.flags: dict[int, list[str]] = {}  # row -> the verdict's flags, where it raised any
         self.judged = 0  # rows the verdict has read
@@ -186,7 +173,7 @@ class LiveAudit(anywidget.AnyWidget):
         with self._lock:
             place = self._places.get(where)
             if place is None:
-                place = self._places[where] = _Place(where)
+                place = self._places[where] = _Place()
             return place
 
     def _odd(self, place: _Place, col: array, value: Any) -> float:
@@ -225,7 +212,6 @@ class LiveAudit(anywidget.AnyWidget):
             # the quick path only for facts that fill every column
             whole = len(given) == len(place.cols) and len(names) == len(numbers)
             place.keys = tuple(numbers) if whole else None
-            place.order = order
             place.appends = [col.append for col in order]
         if new:
             with self._lock:
@@ -500,14 +486,6 @@ def _number(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return float("nan")
-
-
-def _json_value(v: float) -> Any:
-    if v - v == 0.0:
-        return v
-    if struct.pack("<d", v) == _MISSING_PACKED:
-        return None
-    return str(v)
 
 
 def _json_column(
