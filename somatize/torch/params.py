@@ -14,6 +14,7 @@ from torch import nn
 from torch.autograd import profiler as _profiler
 from torch.optim import optimizer as _optim
 
+from somatize.torch._state import join, named_modules_of
 from somatize.torch.placement import modules_of
 
 __all__ = ["parameters", "freeze", "state_of", "owners"]
@@ -93,24 +94,11 @@ def state_of(node: Any) -> dict[str, torch.Tensor]:
     A node that is a module answers its own `state_dict` keys; a node holding modules answers
     them prefixed by the attribute (`net.0.weight`, or `blocks.1.weight` for a list).
     """
-    if isinstance(node, nn.Module):
-        return dict(node.state_dict(keep_vars=True))
-    found: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for attr, value in vars(node).items():
-        if isinstance(value, nn.Module):
-            listed = [(f"{attr}.", value)]
-        elif isinstance(value, (list, tuple)):
-            listed = [(f"{attr}.{i}.", v) for i, v in enumerate(value) if isinstance(v, nn.Module)]
-        else:
-            continue
-        for prefix, module in listed:
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            for key, tensor in module.state_dict(keep_vars=True).items():
-                found[prefix + key] = tensor
-    return found
+    return {
+        join(name, key): tensor
+        for name, module in named_modules_of(node)
+        for key, tensor in module.state_dict(keep_vars=True).items()
+    }
 
 
 # -- moving an optimizer ----------------------------------------------------------------------
