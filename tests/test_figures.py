@@ -297,11 +297,14 @@ def test_audit_picture_is_binned_to_240_steps_with_flags_kept():
     for step in range(1000):
         audit(health("enc", step, grad_norm=1e-9 if step == 501 else 0.5))
         audit({"fact": "loss", "value": 1.0, "step": step})
+    for step in range(1000, 2500):  # more loss points than the picture keeps
+        audit({"fact": "loss", "value": 1.0, "step": step})
     audit.sync()
     where, steps, columns, flagged = audit.picture["places"][0]
     assert len(steps) <= 240 and steps[-1] == 999 and len(columns["grad_norm"]) == len(steps)
     assert len(flagged) == 1 and flagged[0][1] == ["VANISHING"]  # one bin holds step 501
-    assert len(audit.picture["loss"][0]) <= 1001
+    loss_steps = audit.picture["loss"][0]
+    assert len(loss_steps) <= 1001 and loss_steps[-1] == 2499
 
 
 def test_audit_refuses_a_bad_interval():
