@@ -232,6 +232,11 @@ def test_table_sorts_on_header_click_and_shows_rank_correlation(page, served, ar
     )
     assert rows() == ["wide", "deep", "tiny", "flat"]  # by measured, best first
     page.locator("thead th[data-col='params']").click()
+    # the same order as by measured, by chance: the sort itself says which column it is
+    assert page.evaluate("[window.smzModel.get('sort_by'), window.smzModel.get('ascending')]") == [
+        "params",
+        False,
+    ]
     assert rows() == ["wide", "deep", "tiny", "flat"]
     page.locator("thead th[data-col='params']").click()
     assert rows() == ["flat", "tiny", "deep", "wide"]
