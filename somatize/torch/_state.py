@@ -153,7 +153,7 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Non
                     b.data = saved
 
 
-def _wrap(node: Any, node_id: str, original: Any, on_node: Any) -> Any:
+def _wrap(node_id: str, original: Any, on_node: Any) -> Any:
     def forward(*args: Any, **kw: Any) -> Any:
         out = original(*args, **kw)
         on_node(
@@ -184,23 +184,15 @@ class Tap:
 
     def on(self) -> Tap:
         """Wrap every node; the next forward compiles a plan that sees the wrappers."""
-        if isinstance(self.graph, _One):
-            m = self.graph.module
-            self._undo.append((m, "forward" in vars(m), vars(m).get("forward")))
-            m.forward = _wrap(m, self.graph.name, m.forward, self._single)
-            return self
         for node_id in self.graph.nodes():
             node = self.graph.implementation(node_id)
             had = "forward" in vars(node)
             self._undo.append((node, had, vars(node).get("forward")))
-            object.__setattr__(node, "forward", _wrap(node, node_id, node.forward, self.on_node))
+            object.__setattr__(node, "forward", _wrap(node_id, node.forward, self.on_node))
         self._plan = getattr(self.graph, "_plan", None)
         if hasattr(self.graph, "_plan"):
             self.graph._plan = None
         return self
-
-    def _single(self, node_id: str, input: Any, ctx: Any, out: Any) -> None:
-        self.on_node(node_id, input, ctx, out)
 
     def off(self) -> None:
         """Unwrap every node and give the graph its plan back."""
