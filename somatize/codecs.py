@@ -136,10 +136,12 @@ def _default(value: Any) -> msgpack.ExtType:
     return msgpack.ExtType(_CODEC, _pack([found.kind, bytes(data)]))
 
 
-def _pack(value: Any) -> bytes:
+def _pack(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
+    """msgpack of `value` with this module's options; `default` (the wire's) may stand in for
+    `_default` to write some types its own way before handing the rest to `_default`."""
     return msgpack.packb(
         value,
-        default=_default,
+        default=default or _default,
         strict_types=True,
         use_bin_type=True,
         unicode_errors="surrogatepass",
@@ -220,10 +222,11 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise ValueError(f"unknown msgpack extension type {code} in encoded bytes")
 
 
-def _unpack(data: bytes) -> Any:
+def _unpack(data: Any, ext_hook: Callable[[int, bytes], Any] | None = None) -> Any:
+    """The value `_pack` wrote; `ext_hook` may stand in for `_ext_hook`, as `default` there."""
     return msgpack.unpackb(
         data,
-        ext_hook=_ext_hook,
+        ext_hook=ext_hook or _ext_hook,
         raw=False,
         strict_map_key=False,
         use_list=True,

@@ -70,7 +70,6 @@ _REF = 65  # an importable class or function, by name, from a package in REFERAB
 REFERABLE = ("torch", "somatize")
 """Packages whose classes and functions may cross by name (`torch.optim.SGD` as an argument):
 resolved by import on the other side, never unpickled. Anything else needs `--accept-code`."""
-_TUPLE = 1
 _KDF = b"smz poly1305 key"  # domain of the per-message key derivation (BLAKE2b person)
 _SESSION = b"smz session key"  # domain of the token's session key
 _MAC = b"smz small tag"  # domain of the tag of a message under _TINY bytes
@@ -226,7 +225,7 @@ class _Writer:
 
     def default(self, value: Any) -> Any:
         if type(value) is tuple:
-            return msgpack.ExtType(_TUPLE, self.packb(list(value)))
+            return msgpack.ExtType(codecs._TUPLE, self.packb(list(value)))
         torch = self.torch
         if torch is not None and isinstance(value, torch.Tensor):
             return msgpack.ExtType(_TENSOR, _tensor_ref(value, self.buffers))
@@ -236,13 +235,7 @@ class _Writer:
         return codecs._default(value)
 
     def packb(self, value: Any) -> bytes:
-        return msgpack.packb(
-            value,
-            default=self.default,
-            strict_types=True,
-            use_bin_type=True,
-            unicode_errors="surrogatepass",
-        )
+        return codecs._pack(value, self.default)
 
 
 def pack(token: str | bytes, message: Any, *, where: str | None = None) -> list[Any]:
@@ -285,21 +278,14 @@ class _Reader:
     def hook(self, code: int, payload: bytes) -> Any:
         if code == _TENSOR:
             return _tensor_from(payload, self.data, self.owners)
-        if code == _TUPLE:
+        if code == codecs._TUPLE:
             return tuple(self.unpackb(payload))
         if code == _REF:
             return _resolve(payload)
         return codecs._ext_hook(code, payload)
 
     def unpackb(self, payload: Any) -> Any:
-        return msgpack.unpackb(
-            payload,
-            ext_hook=self.hook,
-            raw=False,
-            strict_map_key=False,
-            use_list=True,
-            unicode_errors="surrogatepass",
-        )
+        return codecs._unpack(payload, self.hook)
 
 
 def unpack(token: str | bytes, frames: list[Any]) -> Any:
