@@ -378,19 +378,23 @@ def test_weights_learnt_on_a_worker_come_back_and_can_be_sent(two):
     assert torch.equal(b.weights(g, "lin")["lin.weight"], sent["lin.weight"])  # untouched
 
 
-def test_trainer_export_and_load_reach_a_node_on_its_worker(two):
+def _split_trainer(broker: Broker) -> Any:
+    """A Trainer of enc >> body, with "body" on the broker's host "gpu", trained by a Split."""
     from somatize.torch import Split, Trainer, parameters
 
-    b = Broker.embedded({"gpu": two.workers["a"]})
     g = Graph.somatize(Lin(4, 4).named("enc") >> Lin(4, 2).named("body").at("gpu"))
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
-    t = Trainer(
+    return Trainer(
         g,
         objective=torch.nn.functional.mse_loss,
         optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
         trains=trains,
-        broker=b,
+        broker=broker,
     )
+
+
+def test_trainer_export_and_load_reach_a_node_on_its_worker(two):
+    t = _split_trainer(Broker.embedded({"gpu": two.workers["a"]}))
     t.step((torch.randn(3, 4), torch.randn(3, 2)))
     sent = {n: {k: torch.full_like(v, 0.25) for k, v in w.items()} for n, w in t.export().items()}
     t.load(sent)
@@ -416,7 +420,7 @@ def test_training_a_remote_node_without_trains_is_no_gradient_naming_it(two):
 
 
 def test_a_restarted_worker_answers_out_of_step_not_garbage():
-    from somatize.torch import OutOfStep, Split, Trainer, parameters
+    from somatize.torch import OutOfStep
 
     port = _free_port()
     cmd = [sys.executable, "-m", "somatize.worker", "--listen", f"127.0.0.1:{port}"]
@@ -425,15 +429,7 @@ def test_a_restarted_worker_answers_out_of_step_not_garbage():
     second = None
     try:
         first.stdout.readline()
-        g = Graph.somatize(Lin(4, 4).named("enc") >> Lin(4, 2).named("body").at("gpu"))
-        trains = {"body": Split(torch.optim.SGD, lr=0.1)}
-        t = Trainer(
-            g,
-            objective=torch.nn.functional.mse_loss,
-            optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
-            trains=trains,
-            broker=Broker.embedded({"gpu": Worker.at(f"127.0.0.1:{port}", token="tok")}),
-        )
+        t = _split_trainer(Broker.embedded({"gpu": Worker.at(f"127.0.0.1:{port}", token="tok")}))
         batch = (torch.randn(2, 4), torch.randn(2, 2))
         t.step(batch)
         out = t._stages.forward(batch[0])  # the activation now waits on the worker
