@@ -107,6 +107,7 @@ class Audit:
         inside = self.inside
         if inside is None or inside is False:
             return []
+        named = inside if isinstance(inside, (bool, int)) else set(inside)
         found: list[tuple[str, nn.Module]] = []
         for name, module in held:
             for path, m in module.named_modules():
@@ -118,7 +119,7 @@ class Audit:
                 elif isinstance(inside, int):
                     keep = full.count(".") < inside
                 else:
-                    keep = f"{node}.{full}" in set(inside)
+                    keep = f"{node}.{full}" in named
                 if keep:
                     found.append((f"{node}.{full}", m))
         return found[: self.most]
@@ -176,7 +177,7 @@ class Audit:
         """Forward hooks inside nodes are there only for a step that is measured: a module
         with no hooks takes torch's fast path, so unmeasured steps pay nothing for them."""
         self._measuring = measuring
-        self._features = measuring and (self.channels or self.step % self.snapshot == 0)
+        self._features = measuring and (self.channels or self._snapshot_now())
         if measuring and not self._handles:
             self._handles = [m.register_forward_hook(h) for m, h in self._inner_hooks]
         elif not measuring and self._handles:
