@@ -14,27 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from somatize.torch.placement import named_modules_of
+
 __all__ = ["named_modules_of", "untouched", "places_of", "as_graph", "tensors_in"]
-
-
-def named_modules_of(node: Any) -> list[tuple[str, nn.Module]]:
-    """The modules a node is made of, named: `("", node)` when the node is one, else each
-    module it holds as an attribute (`net`, or `blocks.0` for one in a list)."""
-    if isinstance(node, nn.Module):
-        return [("", node)]
-    found: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
-    for name, value in vars(node).items():
-        items = (
-            [(f"{name}.{i}", v) for i, v in enumerate(value)]
-            if isinstance(value, (list, tuple))
-            else [(name, value)]
-        )
-        for label, item in items:
-            if isinstance(item, nn.Module) and id(item) not in seen:
-                seen.add(id(item))
-                found.append((label, item))
-    return found
 
 
 def join(*parts: str) -> str:

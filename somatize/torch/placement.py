@@ -14,22 +14,32 @@ from torch import nn
 
 from somatize import _hooks
 
-__all__ = ["entry", "modules_of", "move", "place", "state_digest", "trainable"]
+__all__ = ["entry", "modules_of", "named_modules_of", "move", "place", "state_digest", "trainable"]
+
+
+def named_modules_of(node: Any) -> list[tuple[str, nn.Module]]:
+    """The modules a node is made of, named: `("", node)` when the node is one, else each
+    module it holds as an attribute (`net`, or `blocks.0` for one in a list), each once."""
+    if isinstance(node, nn.Module):
+        return [("", node)]
+    found: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    for name, value in vars(node).items():
+        items = (
+            [(f"{name}.{i}", v) for i, v in enumerate(value)]
+            if isinstance(value, (list, tuple))
+            else [(name, value)]
+        )
+        for label, item in items:
+            if isinstance(item, nn.Module) and id(item) not in seen:
+                seen.add(id(item))
+                found.append((label, item))
+    return found
 
 
 def modules_of(node: Any) -> list[nn.Module]:
     """The modules a node is made of: itself if it is one, else the modules it holds."""
-    if isinstance(node, nn.Module):
-        return [node]
-    found: list[nn.Module] = []
-    seen: set[int] = set()
-    for value in vars(node).values():
-        candidates = value if isinstance(value, (list, tuple)) else [value]
-        for item in candidates:
-            if isinstance(item, nn.Module) and id(item) not in seen:
-                seen.add(id(item))
-                found.append(item)
-    return found
+    return [module for _, module in named_modules_of(node)]
 
 
 def move(value: Any, device: str) -> Any:
