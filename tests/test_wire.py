@@ -211,6 +211,18 @@ def test_a_tensor_that_asks_for_a_gradient_still_does_after_crossing():
     assert torch.equal(back[0].detach(), t.detach())
 
 
+def test_views_are_sent_as_their_numbers_and_tensors_without_plain_numbers_are_refused():
+    c = torch.randn(4, 3, dtype=torch.complex64)
+    large = torch.randn(300, 200)
+    for t in (c.conj(), c._neg_view(), large.t(), large[:, ::2]):
+        back = wire.unpack(TOKEN, as_frames(wire.pack(TOKEN, {"x": t})))["x"]
+        assert back.is_contiguous() and not back.is_conj() and not back.is_neg()
+        assert torch.equal(back, t.resolve_conj().resolve_neg())
+    for t, said in ((torch.eye(3).to_sparse(), "sparse"), (torch.empty(2, device="meta"), "meta")):
+        with pytest.raises(TypeError, match=said):
+            wire.pack(TOKEN, {"x": t})
+
+
 def test_torch_classes_cross_by_name_and_nothing_else_does():
     back = wire.unpack(TOKEN, as_frames(wire.pack(TOKEN, {"opt": torch.optim.SGD})))
     assert back["opt"] is torch.optim.SGD

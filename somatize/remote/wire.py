@@ -346,12 +346,12 @@ _HEADS: dict[str, tuple[Any, list[int], int]] = {}  # a tensor's header, parsed 
 def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
     torch = _torch()
     plain = tensor.detach()
-    size = plain.nbytes
-    if size < _SMALL and type(plain) is torch.Tensor and plain.dtype in _NUMPY:
+    if type(plain) is torch.Tensor and plain.dtype in _NUMPY and plain.layout == torch.strided:
         # The common case, quickly: a small dense cpu tensor numpy can read.
+        size = plain.nbytes  # (a sparse tensor has none: it is refused below)
         if (
-            plain.device.type == "cpu"
-            and plain.layout == torch.strided
+            size < _SMALL
+            and plain.device.type == "cpu"
             and plain.is_contiguous()
             and not (plain.is_conj() or plain.is_neg() or plain.is_quantized)
         ):
@@ -360,19 +360,9 @@ def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
                 f'{{"dtype":"{_NUMPY[plain.dtype]}","shape":[{shape}],"data_offsets":[0,{size}]}}'
             )
             return _pack_ref([plain.numpy().tobytes(), head, tensor.requires_grad])
-    if plain.layout != torch.strided or plain.is_quantized or plain.is_meta:
-        raise TypeError(
-            f"a {plain.layout} / quantized / meta tensor cannot cross the wire as it is; "
-            "convert it to a dense tensor first"
-        )
-    if plain.device.type != "cpu":
-        plain = plain.cpu()
-    if not plain.is_contiguous():
-        plain = plain.contiguous()
-    if plain.is_conj():
-        plain = plain.resolve_conj()
-    if plain.is_neg():
-        plain = plain.resolve_neg()
+    from somatize.torch.codec import _plain  # the tensor codec's checks and packing
+
+    plain = _plain(plain)
     code = _CODES.get(str(plain.dtype)[6:])
     if code is None:
         raise TypeError(f"a {plain.dtype} tensor cannot cross the wire (no safetensors dtype)")

@@ -25,6 +25,12 @@ def dump_tensor(tensor: torch.Tensor) -> bytes:
 
     Refuses sparse, quantized and meta tensors with a `TypeError` that says what to do.
     """
+    return safetensors.torch.save({"tensor": _plain(tensor)})
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s numbers as they are written down (here, and down the wire): detached, on the
+    cpu, contiguous, conj and neg resolved. Refuses sparse, quantized and meta tensors."""
     if tensor.layout != torch.strided:
         raise TypeError(
             f"a {tensor.layout} tensor cannot be written down as it is; "
@@ -39,7 +45,7 @@ def dump_tensor(tensor: torch.Tensor) -> bytes:
         plain = plain.resolve_conj()
     if plain.is_neg():
         plain = plain.resolve_neg()
-    return safetensors.torch.save({"tensor": plain})
+    return plain
 
 
 def load_tensor(data: bytes) -> torch.Tensor:
