@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 import re
 import threading
@@ -332,7 +331,7 @@ class Store:
         return f"blobs/sha256/{hexed[:2]}/{hexed[2:]}"
 
     def _checked(self, key: str, path: str, data: bytes) -> bytes:
-        actual = "sha256:" + hashlib.sha256(data).hexdigest()
+        actual = digest(data)
         if actual != key:
             raise CorruptBlob(
                 f"blob {key} at {self._place.where(path)} holds {len(data)} bytes that hash to "
