@@ -301,15 +301,10 @@ def compile_slice(steps: list[Any]) -> list[tuple]:
     return compiled
 
 
-def run_slice(nodes: dict[str, Any], steps: list[Any], given: dict, input: Any) -> Any:
-    """Run one slice of a plan: `steps` are `[slot, key, id, mode, src, device, host, mapped,
-    wanted]`; `given` holds the values of the slots it reads from outside. Answers the values
-    wanted outside and, per node, when it began and how long it took (microseconds)."""
-    return run_compiled(nodes, compile_slice(steps), given, input)
-
-
 def run_compiled(nodes: dict[str, Any], steps: list[tuple], given: Any, input: Any) -> Any:
-    """Run a slice compiled by `compile_slice` on the session's `nodes` (see `run_slice`)."""
+    """Run one slice of a plan, compiled by `compile_slice`, on the session's `nodes`; `given`
+    holds the values of the slots it reads from outside. Answers the values wanted outside
+    and, per node, when it began and how long it took (microseconds)."""
     from somatize import _hooks
     from somatize.node import Opaque
     from somatize.run import MANY, ONE, _mapping
