@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from somatize.store import Store
+from somatize.store import Store, store_of
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -31,14 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["Recorder", "facts", "losses", "records", "runs", "timings"]
 
 _BASE = ("run", "forward", "state", "nodes", "took_us")
-
-
-def _store_of(store: Store | str | os.PathLike[str]) -> Store:
-    if isinstance(store, Store):
-        return store
-    if isinstance(store, (str, os.PathLike)):
-        return Store(store)
-    raise TypeError(f"a store is a Store, a directory or a URL, not {type(store).__name__}")
 
 
 def _fresh_run() -> str:
@@ -71,7 +63,7 @@ class Recorder:
     ) -> None:
         if summarising is not None and not callable(summarising):
             raise TypeError(f"summarising is a callable, not {type(summarising).__name__}")
-        self.store = _store_of(store)
+        self.store = store_of(store)
         self.run = _check_run(run) if run is not None else _fresh_run()
         self.summarising = summarising
         self._lock = threading.Lock()
@@ -160,7 +152,7 @@ def _indexed(store: Store, run: str) -> list[tuple[int, str]]:
 
 def runs(store: Store | str | os.PathLike[str]) -> list[str]:
     """The runs recorded in `store`, oldest first (by when their first record was written)."""
-    store = _store_of(store)
+    store = store_of(store)
     first: dict[str, tuple[int, str]] = {}
     for name in store.names("run"):
         parts = name.split("/")
@@ -180,7 +172,7 @@ def records(
 ) -> list[tuple[int, list[dict[str, Any]]]]:
     """`(forward, facts)` for every recorded forward of `run`, in order. Refuses (with
     `LookupError`) a run the store has not got."""
-    store = _store_of(store)
+    store = store_of(store)
     indexed = _indexed(store, _check_run(run))
     if not indexed:
         raise LookupError(f"no run {run!r} in {store!r}; runs there: {runs(store)}")

@@ -466,3 +466,13 @@ class Store:
 
 def _reopen(where: str, options: dict[str, Any]) -> Store:
     return Store(where, **options)
+
+
+def store_of(store: Store | str | os.PathLike[str]) -> Store:
+    """What a `store=` argument names: `store` itself if it is a `Store`, else the store at
+    that directory or URL. Refuses anything else with a `TypeError`."""
+    if isinstance(store, Store):
+        return store
+    if isinstance(store, (str, os.PathLike)):
+        return Store(store)
+    raise TypeError(f"a store is a Store, a directory or a URL, not {type(store).__name__}")
