@@ -168,9 +168,9 @@ def forward(
 
 
 def _as_store(store: Any) -> Any:
-    from somatize.store import Store
+    from somatize.store import store_of
 
-    return store if isinstance(store, Store) else Store(store)
+    return store_of(store)
 
 
 def _walk(plan: Plan, input: Any) -> Any:

@@ -6,7 +6,6 @@ telling each Learning its node) only when all of them have passed.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -140,15 +139,9 @@ def audit_of(auditing: Any) -> Any:
 
 def store_of(store: Any) -> Any:
     """`store=` as a Store, or None."""
-    if store is None:
-        return None
-    from somatize.store import Store
+    from somatize.store import store_of as named
 
-    if isinstance(store, Store):
-        return store
-    if isinstance(store, (str, os.PathLike)):
-        return Store(store)
-    raise TypeError(f"store= is a Store or a directory, not {type(store).__name__}")
+    return None if store is None else named(store)
 
 
 def hosts_of(graph: Graph, broker: Any) -> dict[str, str]:

@@ -115,10 +115,9 @@ def gather(
     all of them return the same average. Raises `TimeoutError` after `within` seconds,
     naming the clients that never turned up; `asking` is how often to look, in seconds.
     """
-    from somatize.store import Store
+    from somatize.store import store_of
 
-    if not isinstance(store, Store):
-        store = Store(store)
+    store = store_of(store)
     if not isinstance(run, str) or not run or "/" in run:
         raise ValueError(f"gather: run is a name without '/', not {run!r}")
     for name, value, low in (("round", round, 0), ("clients", clients, 1)):
