@@ -202,6 +202,9 @@ def walk(
     With watchers, each is told one `ran` fact per node, its times counted from `start`
     (a `perf_counter_ns` reading). Unwatched, no clock is read and no fact is built: the two
     loops are kept apart so that the plain one pays for neither.
+
+    `plan` is read only to name a failing node: anything with `ids` (slot → node id) and
+    `graph.implementation(id)` will do (a worker's compiled slice, `vals` then a dict).
     """
     move = _hooks.move
     i = 0

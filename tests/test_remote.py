@@ -72,6 +72,24 @@ class Sleeps(Node):
         return x
 
 
+def _tenfold(module: nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: counts its calls and hands back the output ten times over."""
+    module.fired += 1
+    return output * 10
+
+
+class Hooked(Node, nn.Module):
+    """A module node that registers a forward hook on itself wherever it is built."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.fired = 0
+        self.register_forward_hook(_tenfold)
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return x + 1
+
+
 @pytest.fixture(scope="module")
 def two():
     a, b = Worker.spawn(["--threads", "1"]), Worker.spawn(["--threads", "1"])
@@ -141,6 +159,16 @@ def test_a_repeated_forward_sends_its_slice_once_then_only_its_id(two, monkeypat
     assert other.forward(0.0, broker=two) == 11.0 and sent[-1]["slice"] is not None
     assert sent[-1]["sid"] != sent[0]["sid"]
     assert g.forward(0.0, broker=two) == 10.0 and sent[-1]["slice"] is None
+
+
+def test_a_forward_hook_on_a_module_node_fires_on_its_worker(two):
+    g = Graph.somatize(Plus(1.0) >> (Hooked().named("hooked") >> Pid()).at("a"))
+    pid, y = g.forward(torch.tensor(1.0), broker=two)
+    assert pid == two.workers["a"].pid != os.getpid()
+    assert y.item() == 30.0  # ((1 + 1) + 1) * 10: the hook ran on the worker's copy
+    pid, y = g.forward(torch.tensor(2.0), broker=two)  # the slice as compiled there, by id
+    assert y.item() == 40.0
+    assert g.implementation("hooked").fired == 0  # the copy here never ran
 
 
 def test_a_worker_error_keeps_its_type_and_names_node_and_host(two):

@@ -28,8 +28,9 @@ import zmq
 
 from somatize.remote import wire
 from somatize.remote.memory import keep_buffers
+from somatize.run import walk
 
-__all__ = ["Server", "main", "rebuild"]
+__all__ = ["Compiled", "Server", "main", "rebuild"]
 
 log = logging.getLogger("somatize.worker")
 
@@ -44,7 +45,7 @@ class Server:
         self.incarnation = secrets.token_hex(8)
         self.sessions: dict[str, dict[str, Any]] = {}
         self.stages: dict[tuple[str, str], Any] = {}
-        self.slices: dict[tuple[str, str], list[tuple]] = {}  # (session, slice id): compiled
+        self.slices: dict[tuple[str, str], Compiled] = {}  # (session, slice id): compiled
         self.served = 0
         self.dropped = 0
 
@@ -109,11 +110,14 @@ class Server:
         if nodes is None:
             nodes = self.sessions[session] = {}
         for d in m.get("define") or ():
-            nodes[d["key"]] = self.rebuild(d)
+            key = d["key"]
+            if key in nodes:  # a node replaced: slices compiled on the old one are stale
+                self._forget_slices(session)
+            nodes[key] = self.rebuild(d)
         if op == "run":  # a plain forward: no autograd graph is kept for nobody
-            steps = self.compiled(session, m.get("sid"), m.get("slice"))
+            compiled = self.compiled(session, nodes, m.get("sid"), m.get("slice"))
             with _no_grad():
-                return run_compiled(nodes, steps, m.get("given"), m.get("input"))
+                return run_compiled(compiled, m.get("given"), m.get("input"))
         if op == "define":
             return len(nodes)
         if op == "state":
@@ -123,8 +127,7 @@ class Server:
             return True
         if op == "close":
             self.sessions.pop(session, None)
-            for k in [k for k in self.slices if k[0] == session]:
-                del self.slices[k]
+            self._forget_slices(session)
             for k in [k for k in self.stages if k[0] == session]:
                 del self.stages[k]
             return True
@@ -134,12 +137,16 @@ class Server:
             return serve_stage(self, session, nodes, op, m)
         raise ValueError(f"unknown request {op!r}")
 
-    def compiled(self, session: str, sid: Any, steps: Any) -> list[tuple]:
+    def _forget_slices(self, session: str) -> None:
+        for k in [k for k in self.slices if k[0] == session]:
+            del self.slices[k]
+
+    def compiled(self, session: str, nodes: dict[str, Any], sid: Any, steps: Any) -> Compiled:
         """The slice `sid` of a session, compiled from `steps` when they are sent (and kept
         under `sid` as long as the session's nodes), else as compiled before: a repeated
         forward sends only its id and its inputs."""
         if steps is not None:
-            found = compile_slice(steps)
+            found = compile_slice(steps, nodes)
             if isinstance(sid, str):
                 self.slices[(session, sid)] = found
             return found
@@ -285,60 +292,71 @@ def load_state(node: Any, state: dict[str, Any]) -> None:
             own[k].copy_(v)
 
 
-def compile_slice(steps: list[Any]) -> list[tuple]:
+class Compiled:
+    """A slice compiled on a worker, once: the engine's steps (`somatize.run.walk` runs them)
+    bound to the session's nodes, and the slots whose values go back.
+
+    It stands in for a `Plan` where `walk` names a failing node: `ids` (slot → node id) and
+    `graph.implementation(id)` (itself).
+    """
+
+    __slots__ = ("steps", "ids", "wanted", "held", "graph")
+
+    def __init__(self, described: list[Any], nodes: dict[str, Any]) -> None:
+        from somatize import _hooks
+        from somatize.run import MANY, ONE, ROOT, Ctx, _mapping
+
+        steps = []
+        self.ids: dict[int, str] = {}
+        self.held: dict[str, Any] = {}
+        wanted = []
+        for slot, key, nid, mode, src, device, host, mapped, want in described:
+            if mode == MANY:
+                src = tuple((p, j) for p, j in src)
+            elif mode not in (ONE, ROOT):
+                raise ValueError(f"unknown step mode {mode!r}")
+            node = nodes.get(key)
+            if node is None:
+                raise Unknown(
+                    f"this worker does not hold node {nid!r}: it was restarted, or never sent it"
+                )
+            call = _hooks.entry(node)  # a module's __call__, so that its hooks fire
+            fn = _mapping(nid, call) if mapped else call
+            steps.append((slot, mode, src, fn, Ctx(nid, device, host, None), device))
+            self.ids[slot] = nid
+            self.held[nid] = node
+            if want:
+                wanted.append(slot)
+        self.steps = tuple(steps)
+        self.wanted = tuple(wanted)
+        self.graph = self
+
+    def implementation(self, nid: str) -> Any:
+        """The node that runs as `nid` (for `walk`'s note on a failure)."""
+        return self.held[nid]
+
+
+def compile_slice(steps: list[Any], nodes: dict[str, Any]) -> Compiled:
     """A slice's steps (`[slot, key, id, mode, src, device, host, mapped, wanted]`, as the
-    broker describes them) checked once and made ready for `run_compiled`."""
-    from somatize.run import MANY, ONE, ROOT, Ctx
-
-    compiled = []
-    for slot, key, nid, mode, src, device, host, mapped, wanted in steps:
-        if mode == MANY:
-            src = [(p, j) for p, j in src]
-        elif mode not in (ONE, ROOT):
-            raise ValueError(f"unknown step mode {mode!r}")
-        ctx = Ctx(nid, device, host, None)
-        compiled.append((slot, key, nid, mode, src, device, bool(mapped), ctx, bool(wanted)))
-    return compiled
+    broker describes them), checked once and bound to the session's `nodes` for
+    `run_compiled`; a node the worker does not hold is `Unknown`."""
+    return Compiled(steps, nodes)
 
 
-def run_compiled(nodes: dict[str, Any], steps: list[tuple], given: Any, input: Any) -> Any:
-    """Run one slice of a plan, compiled by `compile_slice`, on the session's `nodes`; `given`
-    holds the values of the slots it reads from outside. Answers the values wanted outside
-    and, per node, when it began and how long it took (microseconds)."""
-    from somatize import _hooks
-    from somatize.node import Opaque
-    from somatize.run import MANY, ONE, _mapping
-
+def run_compiled(compiled: Compiled, given: Any, input: Any) -> dict[str, Any]:
+    """Run one slice of a plan, compiled by `compile_slice`, through the engine's own loop
+    (`somatize.run.walk`: hooks fire, failures are noted with their node); `given` holds the
+    values of the slots it reads from outside. Answers the values wanted outside and, per node,
+    when it began and how long it took (microseconds)."""
     vals: dict[int, Any] = dict(given) if given else {}
-    out: dict[int, Any] = {}
     ran: list[list[Any]] = []
-    clock = time.perf_counter_ns
-    start = clock()
-    for slot, key, nid, mode, src, device, mapped, ctx, wanted in steps:
-        node = nodes.get(key)
-        if node is None:
-            raise Unknown(
-                f"this worker does not hold node {nid!r}: it was restarted, or never sent it"
-            )
-        began = clock()
-        if mode == ONE:
-            x = vals[src]
-        elif mode == MANY:
-            x = {p: vals[j] for p, j in src}
-        else:
-            x = input
-        if device is not None:
-            x = _hooks.move(x, device)
-        try:
-            y = (_mapping(nid, node.forward) if mapped else node.forward)(x, ctx)
-        except BaseException as error:
-            _note(error, f"while running node {nid!r} ({type(node).__name__})")
-            raise
-        vals[slot] = y = y.value if type(y) is Opaque else y
-        if wanted:
-            out[slot] = y
-        ran.append([nid, (began - start) / 1e3, (clock() - began) / 1e3])
-    return {"out": out, "ran": ran}
+    add = ran.append
+
+    def told(fact: dict[str, Any]) -> None:
+        add([fact["node"], fact["began_us"], fact["took_us"]])
+
+    walk(compiled, compiled.steps, vals, input, [told], time.perf_counter_ns())
+    return {"out": {slot: vals[slot] for slot in compiled.wanted}, "ran": ran}
 
 
 _grad_off: Any = None
@@ -352,12 +370,6 @@ def _no_grad() -> Any:
 
         _grad_off = torch.no_grad
     return _grad_off()
-
-
-def _note(error: BaseException, note: str) -> None:
-    notes = getattr(error, "__notes__", None) or []
-    if note not in notes:
-        error.__notes__ = [*notes, note]  # type: ignore[attr-defined]
 
 
 def _said(error: BaseException) -> dict[str, Any]:
