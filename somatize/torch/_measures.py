@@ -19,9 +19,12 @@ __all__ = [
 ]
 
 # the smaller side up to which σ_max is taken exactly, from the eigenvalues of the Gram matrix;
-# past it, by this many Lanczos steps
+# past it, by at most this many Lanczos steps, stopping early (checked after the steps in
+# `_CHECKS`) once the top Ritz pair's residual is under `_TOL` of its value
 _EXACT = 96
 _STEPS = 12
+_CHECKS = (4, 8)
+_TOL = 1e-3
 _FLOOR = 4 * torch.finfo(torch.float32).eps
 
 
@@ -104,9 +107,15 @@ def effective_rank(f: torch.Tensor) -> torch.Tensor:
 
 def _top_square(d: torch.Tensor, steps: int = _STEPS) -> torch.Tensor:
     """σ_max² of a 2-D matrix as a one-number tensor: exactly from the smaller Gram matrix
-    when a side is at most `_EXACT`, else by Lanczos on the smaller side's Gram matrix (from a
+    when a side is at most `_EXACT`, else by Lanczos on the smaller side's Gram matrix A (from a
     fixed start, every vector reorthogonalised against the ones before, σ_max² the top Ritz
-    value of the projected matrix)."""
+    value θ of the projected matrix H = QᵀAQ).
+
+    After the steps in `_CHECKS` it stops early when β·|s_last| ≤ `_TOL`·θ (s the unit
+    eigenvector of H for θ, β the norm of the next residual): that is ‖Ay − θy‖ for the Ritz
+    vector y = Qs, so some eigenvalue of A lies within `_TOL`·θ of θ (and θ ≤ λ_max always).
+    A weight update usually has one dominant direction and stops at the first check; a flat
+    spectrum (a Gaussian matrix) runs all `steps`."""
     rows, cols = d.shape
     if min(rows, cols) <= _EXACT:
         gram = d @ d.T if rows <= cols else d.T @ d
@@ -136,6 +145,11 @@ def _top_square(d: torch.Tensor, steps: int = _STEPS) -> torch.Tensor:
         if b <= floor:
             k = j + 1  # the Krylov space is whole: what is projected is exact
             break
+        if j + 1 in _CHECKS:
+            values, vecs = torch.linalg.eigh(projected[: j + 1, : j + 1])
+            top, last = torch.stack((values[-1], vecs[-1, -1])).tolist()
+            if b * abs(last) <= _TOL * top:
+                return values[-1]
         torch.div(w, b, out=vectors[j + 1])
     return torch.linalg.eigvalsh(projected[:k, :k])[-1]
 
