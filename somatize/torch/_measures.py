@@ -1,10 +1,14 @@
 """The numbers an `Audit` takes on a snapshot step, and the channel views it takes them on.
 
-Everything here answers tensors, not Python numbers, so the audit reads every number of a step
-in one go.
+A snapshot step's eigenvalues are read once (one `.tolist()` per Gram size) and what is made
+of them — an effective rank's entropy, a stable rank's ratio — is a few dozen float64
+operations in Python: on a step that comes once in fifty, each small tensor operation costs
+several microseconds cold, more than the arithmetic it would do.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -69,10 +73,10 @@ def cka(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(xy) / den if den > 0 else 0.0
 
 
-def effective_ranks(features: list[torch.Tensor]) -> list[torch.Tensor]:
+def effective_ranks(features: list[torch.Tensor]) -> list[float]:
     """exp of the entropy of the normalised singular values of each (rows, columns) matrix's
-    centred rows (Roy & Vetterli), each a one-number tensor (0 for rows that do not vary).
-    Matrices of one shape are taken together, in one batched eigendecomposition.
+    centred rows (Roy & Vetterli), 0 for rows that do not vary. Matrices of one shape are
+    taken together, in one batched eigendecomposition.
 
     From the eigenvalues of the smaller Gram matrix in float32; eigenvalues under what float32
     rounding of that Gram matrix can tell from zero (λ_max · n · 4ε) count as zero, so a
@@ -80,33 +84,30 @@ def effective_ranks(features: list[torch.Tensor]) -> list[torch.Tensor]:
     1e-4 of the float64 answer on full-rank features; a spectrum reaching below that floor
     reads up to a few percent lower.
     """
-    groups: dict[tuple, list[int]] = {}
-    for i, f in enumerate(features):
-        groups.setdefault((tuple(f.shape), f.device), []).append(i)
-    out: list[torch.Tensor] = [torch.zeros(())] * len(features)
-    for (shape, _), idx in groups.items():
-        f = (
-            features[idx[0]].unsqueeze(0)
-            if len(idx) == 1
-            else torch.stack([features[i] for i in idx])
-        )
-        if f.dtype is not torch.float32:
-            f = f.float()
-        f = f - f.mean(1, keepdim=True)
-        gram = f @ f.mT if shape[0] <= shape[1] else f.mT @ f
-        ranks = _entropy_ranks(torch.linalg.eigvalsh(gram))
-        for i, r in zip(idx, ranks.unbind(0), strict=True):
-            out[i] = r
-    return out
+    return _spectra(features, [])[0]
 
 
-def effective_rank(f: torch.Tensor) -> torch.Tensor:
+def effective_rank(f: torch.Tensor) -> float:
     """`effective_ranks` of one matrix."""
     return effective_ranks([f])[0]
 
 
-def _top_square(d: torch.Tensor, steps: int = _STEPS) -> torch.Tensor:
-    """σ_max² of a 2-D matrix as a one-number tensor: exactly from the smaller Gram matrix
+def _entropy_rank(e: list[float]) -> float:
+    """An effective rank from one Gram matrix's eigenvalues (ascending), floored as said in
+    `effective_ranks`."""
+    if not e or not 0 < e[-1] < math.inf:  # nothing varies (or not a number)
+        return 0.0
+    cut = e[-1] * (len(e) * _FLOOR)
+    s = [math.sqrt(x) for x in e if x > cut]
+    total = sum(s)
+    if not total > 0:
+        return 0.0
+    log = math.log
+    return math.exp(-sum([p * log(p) for p in [x / total for x in s] if p > 0]))
+
+
+def _top_square(d: torch.Tensor, steps: int = _STEPS) -> float:
+    """σ_max² of a 2-D matrix: exactly from the smaller Gram matrix
     when a side is at most `_EXACT`, else by Lanczos on the smaller side's Gram matrix A (from a
     fixed start, every vector reorthogonalised against the ones before, σ_max² the top Ritz
     value θ of the projected matrix H = QᵀAQ).
@@ -119,7 +120,7 @@ def _top_square(d: torch.Tensor, steps: int = _STEPS) -> torch.Tensor:
     rows, cols = d.shape
     if min(rows, cols) <= _EXACT:
         gram = d @ d.T if rows <= cols else d.T @ d
-        return torch.linalg.eigvalsh(gram)[-1]
+        return float(torch.linalg.eigvalsh(gram)[-1])
     if rows < cols:
         d = d.T  # the vectors live on the smaller side
     n = d.shape[1]
@@ -149,70 +150,78 @@ def _top_square(d: torch.Tensor, steps: int = _STEPS) -> torch.Tensor:
             values, vecs = torch.linalg.eigh(projected[: j + 1, : j + 1])
             top, last = torch.stack((values[-1], vecs[-1, -1])).tolist()
             if b * abs(last) <= _TOL * top:
-                return values[-1]
+                return top
         torch.div(w, b, out=vectors[j + 1])
-    return torch.linalg.eigvalsh(projected[:k, :k])[-1]
+    return float(torch.linalg.eigvalsh(projected[:k, :k])[-1])
 
 
-def stable_rank(d: torch.Tensor, frob: torch.Tensor | None = None) -> torch.Tensor:
-    """‖D‖_F² / ‖D‖_2² of a weight update (flattened past its first dimension), as a
-    one-number tensor; 0 for no update. `frob`, ‖D‖_F when it is already known."""
-    d = d.detach().reshape(d.shape[0], -1)
-    if d.dtype is not torch.float32 and d.dtype is not torch.float64:
-        d = d.float()
+def stable_rank(d: torch.Tensor, frob: torch.Tensor | float | None = None) -> float:
+    """‖D‖_F² / ‖D‖_2² of a weight update (flattened past its first dimension); 0 for no
+    update. `frob`, ‖D‖_F when it is already known."""
+    top = _spectra([], [d])[1][0]
     if frob is None:
-        frob = torch.linalg.vector_norm(d)
-    top = _top_square(d)
-    return torch.where(top > 0, frob.to(top.dtype).square() / top, 0.0)
+        frob = torch.linalg.vector_norm(d.detach().float())
+    return _stable(float(frob), top)
 
 
-def _entropy_ranks(e: torch.Tensor) -> torch.Tensor:
-    """Effective ranks from rows of Gram eigenvalues (ascending), floored as said above."""
-    e = torch.where(e > e[:, -1:] * (e.shape[-1] * _FLOOR), e, 0.0).sqrt_()
-    total = e.sum(1, keepdim=True)
-    p = e / torch.where(total > 0, total, 1.0)
-    return torch.where(total[:, 0] > 0, torch.special.entr(p).sum(1).exp(), 0.0)
+def _stable(frob: float, top: float) -> float:
+    """‖D‖_F² / σ_max², 0 when there is no update (or its σ_max² is not a number)."""
+    return frob * frob / top if top > 0 else 0.0
 
 
-def snapshot(
-    features: list[torch.Tensor], updates: list[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`effective_ranks(features)` and `stable_rank(d, frob)` of each update, together: every
-    Gram matrix of one size, whichever asked for it, goes through one batched
-    eigendecomposition (a snapshot step pays per size, not per number)."""
-    pool: dict[tuple[int, torch.device], list[tuple[bool, int, torch.Tensor]]] = {}
-    ranks: list[torch.Tensor] = [torch.zeros(())] * len(features)
-    stable: list[torch.Tensor] = [torch.zeros(())] * len(updates)
+def _spectra(
+    features: list[torch.Tensor], updates: list[torch.Tensor]
+) -> tuple[list[float], list[float]]:
+    """The effective rank of each (rows, columns) feature matrix and σ_max² of each update.
+
+    Every Gram matrix of one size, an effective rank's or an exact σ_max²'s, goes through one
+    batched `eigvalsh`, and feature matrices of one shape are centred and multiplied together;
+    an update whose smaller side passes `_EXACT` goes to Lanczos (`_top_square`)."""
+    pool: dict[tuple[int, torch.device], list[tuple[list[tuple[bool, int]], torch.Tensor]]] = {}
+    ranks = [0.0] * len(features)
+    tops = [0.0] * len(updates)
+    shapes: dict[tuple, list[int]] = {}
     for i, f in enumerate(features):
+        shapes.setdefault((tuple(f.shape), f.device), []).append(i)
+    for (shape, device), idx in shapes.items():
+        f = (
+            features[idx[0]].unsqueeze(0)
+            if len(idx) == 1
+            else torch.stack([features[i] for i in idx])
+        )
         if f.dtype is not torch.float32:
             f = f.float()
-        f = f - f.mean(0, keepdim=True)
-        gram = f @ f.T if f.shape[0] <= f.shape[1] else f.T @ f
-        pool.setdefault((gram.shape[0], gram.device), []).append((True, i, gram))
-    frobs: dict[int, torch.Tensor] = {}
-    for j, (d, frob) in enumerate(updates):
+        f = f - f.mean(1, keepdim=True)
+        gram = f @ f.mT if shape[0] <= shape[1] else f.mT @ f
+        pool.setdefault((gram.shape[-1], device), []).append(([(True, i) for i in idx], gram))
+    for j, d in enumerate(updates):
         d = d.detach().reshape(d.shape[0], -1)
         if d.dtype is not torch.float32 and d.dtype is not torch.float64:
             d = d.float()
         if min(d.shape) > _EXACT:
-            stable[j] = stable_rank(d, frob)
+            tops[j] = _top_square(d)
             continue
         gram = (d @ d.T if d.shape[0] <= d.shape[1] else d.T @ d).float()
-        frobs[j] = frob
-        pool.setdefault((gram.shape[0], gram.device), []).append((False, j, gram))
+        pool.setdefault((gram.shape[0], d.device), []).append(([(False, j)], gram.unsqueeze(0)))
     for entries in pool.values():
-        grams = [g for _, _, g in entries]
-        e = torch.linalg.eigvalsh(grams[0].unsqueeze(0) if len(grams) == 1 else torch.stack(grams))
-        rows = [k for k, (rank, _, _) in enumerate(entries) if rank]
-        if rows:
-            took = _entropy_ranks(e if len(rows) == len(entries) else e[rows])
-            for k, r in zip(rows, took.unbind(0), strict=True):
-                ranks[entries[k][1]] = r
-        tops = [k for k, (rank, _, _) in enumerate(entries) if not rank]
-        if tops:
-            top = e[tops, -1].double()
-            frob = torch.stack([frobs[entries[k][1]] for k in tops]).double()
-            sr = torch.where(top > 0, frob.square() / top, 0.0)
-            for k, s in zip(tops, sr.unbind(0), strict=True):
-                stable[entries[k][1]] = s
-    return ranks, stable
+        grams = [g for _, g in entries]
+        e = torch.linalg.eigvalsh(grams[0] if len(grams) == 1 else torch.cat(grams))
+        rows = iter(e.tolist())
+        for who, _ in entries:
+            for rank, i in who:
+                row = next(rows)
+                if rank:
+                    ranks[i] = _entropy_rank(row)
+                else:
+                    tops[i] = row[-1]
+    return ranks, tops
+
+
+def snapshot(
+    features: list[torch.Tensor], updates: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[list[float], list[float]]:
+    """`effective_ranks(features)` and `stable_rank(d, frob)` of each update, together: every
+    Gram matrix of one size, whichever asked for it, goes through one batched
+    eigendecomposition (a snapshot step pays per size, not per number)."""
+    ranks, tops = _spectra(features, [d for d, _ in updates])
+    return ranks, [_stable(float(frob), top) for (_, frob), top in zip(updates, tops, strict=True)]

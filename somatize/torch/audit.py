@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._measures import channel_view, cka, read, snapshot
+from somatize.torch._measures import _spectra, _stable, channel_view, cka, read
 from somatize.torch._place import _Place
 from somatize.torch._place import _saturation as _saturation  # probe.py reads it from here
 from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors_in
@@ -96,6 +96,8 @@ class Audit:
         self._prev: list[torch.Tensor] | None = None
         self._prev_ok = False
         self._prev_norms: list[torch.Tensor] = []
+        self._prev_values: list[float] | None = None
+        self._order: list[_Place] = []
         self._sums: list[torch.Tensor] = []
 
     def __repr__(self) -> str:
@@ -167,6 +169,7 @@ class Audit:
         self._prev = None
         self._prev_ok = False
         self._places = places
+        self._order = list(places.values())
         self._inner_hooks = inner
         self._graph = g
         self._tap = Tap(g, self._node).on()
@@ -201,6 +204,7 @@ class Audit:
         self._graph = None
         self._prev = None
         self._prev_ok = False
+        self._prev_values = None
         self._sums = []
 
     # -- forward: what came out -----------------------------------------------------------
@@ -285,14 +289,19 @@ class Audit:
         if self._graph is None:
             raise RuntimeError("observed() before watch(graph): nothing is being watched")
         step = self.step
+        every = self.every
+        phase = step % every
+        if 0 < phase < every - 1:  # neither measured nor the step before one: nothing to do
+            self.step = step + 1
+            return []
         facts: list[dict[str, Any]] = []
-        measured = step % self.every == 0
+        measured = phase == 0
         if measured:
             facts = self._measure(step, self._snapshot_now())
             self._sums = []
-        if (step + 1) % self.every == 0 and self._flat:
+        if phase == every - 1 and self._flat:
             # θ before the optimizer moves it, for the next measured step's update ratio; and
-            # ‖θ‖, left as tensors (this step's, already read, when it was measured)
+            # ‖θ‖, left as tensors (this step's, already read as numbers, when it was measured)
             with torch.no_grad():
                 if self._prev is None:
                     self._prev = [q.detach().clone() for q in self._flat]
@@ -300,17 +309,18 @@ class Audit:
                     torch._foreach_copy_(self._prev, self._flat)
                 if not measured:
                     self._prev_norms = list(torch._foreach_norm(self._prev))
+                    self._prev_values = None
             self._prev_ok = True
         elif measured:
             self._prev_ok = False  # spent: the next measured step copies afresh
         self.step = step + 1
-        self._arm(self.step % self.every == 0)
+        self._arm(self.step % every == 0)
         return facts
 
     def _measure(self, step: int, snapshot: bool) -> list[dict[str, Any]]:
         """Every place's numbers for this step, from one pass of norms and one read."""
         flat = self._flat
-        places = self._places.values()
+        places = self._order
         prev = self._prev if self._prev_ok else None
         with torch.no_grad():
             grads = [q.grad for q in flat]
@@ -330,19 +340,26 @@ class Audit:
                 tensors += prev
             numbers = list(torch._foreach_norm(tensors)) if tensors else []
             at_delta = len(numbers) - (len(prev) if prev is not None else 0)
-            before = self._prev_norms if prev is not None else []
+            # ‖θ_{t−1}‖: numbers already read when the copy was taken on a measured step
+            # (every=1), else tensors left unread on the step before, read now with the rest
+            known = self._prev_values if prev is not None else None
             at_before = len(numbers)
-            numbers += before
+            if prev is not None and known is None:
+                numbers += self._prev_norms
             at_sums = len(numbers)
             numbers += self._sums
-            extra: dict[int, dict[str, int]] = {}
+            extra: dict[int, dict[str, Any]] = {}
+            stable: dict[int, tuple[int, float]] = {}
             if snapshot:
-                self._snapshot(places, prev, numbers, at_delta, extra)
+                self._snapshot(places, prev, at_delta, extra, stable)
             values = read(numbers)
         square = [v * v for v in values[:at_sums]]
+        if known is not None:
+            square[at_before:] = [v * v for v in known]
         at_grad = len(flat)
         at_out = at_grad + len(grads)
-        self._prev_norms = numbers[:at_grad]  # ‖θ_t‖: the next update ratio's ‖θ_{t−1}‖
+        self._prev_values = values[:at_grad]  # ‖θ_t‖: the next update ratio's ‖θ_{t−1}‖
+        self._prev_norms = []
         isnan, isinf, isfinite, sqrt = math.isnan, math.isinf, math.isfinite, math.sqrt
         facts = []
         out_k = at_out
@@ -388,16 +405,19 @@ class Audit:
                     n["out_grad_norm"] = values[out_k]
                     out_k += 1
             if snapshot:
-                for key, slot in extra[pi].items():
-                    n[key] = values[slot] if key != "rank_room" else slot
-            if k >= 0 and place.features is not None:
-                with torch.no_grad():
-                    if self.channels:
-                        self._channels(place, place.features, n)
-                    if place.groups:
-                        n["cka"] = self._groups(place, place.features)
-            place.at = -1
-            place.out_grad = place.features = place.kept = place.held = None
+                n.update(extra[pi])
+                if pi in stable:
+                    slot, top = stable[pi]
+                    n["update_stable_rank"] = _stable(values[slot], top)
+            if k >= 0:
+                if place.features is not None:
+                    with torch.no_grad():
+                        if self.channels:
+                            self._channels(place, place.features, n)
+                        if place.groups:
+                            n["cka"] = self._groups(place, place.features)
+                place.at = -1
+                place.out_grad = place.features = place.kept = None
             if n:
                 facts.append({"fact": "health", "where": place.where, "step": step, "numbers": n})
         return facts
@@ -406,35 +426,34 @@ class Audit:
         self,
         places: Iterable[_Place],
         prev: list[torch.Tensor] | None,
-        numbers: list[torch.Tensor],
         at_delta: int,
-        extra: dict[int, dict[str, int]],
+        extra: dict[int, dict[str, Any]],
+        stable: dict[int, tuple[int, float]],
     ) -> None:
-        """The costlier numbers of a snapshot step, as tensors put on `numbers` to be read
-        with the rest; `extra[place]` says where each sits (rank_room, a plain int, as
-        itself). The update whose stable rank is taken is a place's largest weight's."""
-        features: list[tuple[dict[str, int], torch.Tensor]] = []
-        updates: list[tuple[dict[str, int], int]] = []
+        """The costlier numbers of a snapshot step: `extra[place]` gets its effective rank and
+        rank room, `stable[place]` where its update's ‖Δ‖_F will sit among the step's numbers
+        and σ_max², for the stable rank once they are read. The update whose stable rank is
+        taken is a place's largest weight's."""
+        features: list[tuple[int, torch.Tensor]] = []
+        updates: list[tuple[int, int]] = []
         for i, place in enumerate(places):
-            extra[i] = slots = {}
+            extra[i] = {}
             if prev is not None and place.index:
                 big = max(place.index, key=lambda k: prev[k].numel())
                 if prev[big].dim() >= 2:
-                    updates.append((slots, big))
+                    updates.append((i, big))
             rows = self._rows(place)
             if rows is not None:
-                features.append((slots, rows))
-        ranks, stable = snapshot(
+                features.append((i, rows))
+        ranks, tops = _spectra(
             [rows for _, rows in features],
-            [(prev[big], numbers[at_delta + big]) for _, big in updates],  # type: ignore[index]
+            [prev[big] for _, big in updates],  # type: ignore[index]
         )
-        for (slots, rows), rank in zip(features, ranks, strict=True):
-            slots["effective_rank"] = len(numbers)
-            numbers.append(rank)
-            slots["rank_room"] = min(rows.shape)
-        for (slots, _), value in zip(updates, stable, strict=True):
-            slots["update_stable_rank"] = len(numbers)
-            numbers.append(value)
+        for (i, rows), rank in zip(features, ranks, strict=True):
+            extra[i]["effective_rank"] = rank
+            extra[i]["rank_room"] = min(rows.shape)
+        for (i, big), top in zip(updates, tops, strict=True):
+            stable[i] = (at_delta + big, top)
 
     @staticmethod
     def _rows(place: _Place) -> torch.Tensor | None:
