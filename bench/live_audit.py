@@ -11,6 +11,10 @@ by default this script starts a real kernel with jupyter_client and runs itself 
 
     python bench/live_audit.py           # prints a markdown table
     python bench/live_audit.py --here    # in this process (no kernel: sends cost nothing)
+    python bench/live_audit.py --against /tmp/base   # also another checkout's LiveAudit, A/B
+
+(`git worktree add /tmp/base HEAD~3` makes such a checkout; its `somatize/figures/audit.py` is
+loaded beside this one, so both are measured in the same run, interleaved.)
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 
-def measure(loops: int = 1500, repeats: int = 7) -> dict[str, Any]:
+def measure(loops: int = 1500, repeats: int = 7, against: str | None = None) -> dict[str, Any]:
     import torch
     from torch import nn
 
@@ -59,7 +63,7 @@ def measure(loops: int = 1500, repeats: int = 7) -> dict[str, Any]:
             if flush is not None:
                 flush()
 
-        run.audit = watch if isinstance(watch, LiveAudit) else None  # type: ignore[attr-defined]
+        run.audit = watch if hasattr(watch, "_thread") else None  # type: ignore[attr-defined]
         return run
 
     audit = LiveAudit(verdict=None)
@@ -70,6 +74,10 @@ def measure(loops: int = 1500, repeats: int = 7) -> dict[str, Any]:
         "+ facts to LiveAudit": with_watcher(audit),
         "+ facts to LiveAudit with verdicts": with_watcher(judged),
     }
+    if against:
+        other = _audit_class(against)
+        fns["+ facts to LiveAudit (against)"] = with_watcher(other(verdict=None))
+        fns["+ facts to LiveAudit with verdicts (against)"] = with_watcher(other())
     for fn in fns.values():  # warm up
         for _ in range(50):
             fn()
@@ -101,6 +109,19 @@ def measure(loops: int = 1500, repeats: int = 7) -> dict[str, Any]:
         "steps": step[0],
         "kernel": _in_kernel(),
     }
+
+
+def _audit_class(root: str) -> Any:
+    """The LiveAudit of another checkout (its audit.py, loaded under another module name)."""
+    import importlib.util
+
+    path = Path(root) / "somatize" / "figures" / "audit.py"
+    spec = importlib.util.spec_from_file_location("live_audit_against", path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"--against names a checkout; no {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LiveAudit
 
 
 def _settle(fn: Any) -> None:
@@ -139,7 +160,7 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def in_kernel() -> dict[str, Any]:
+def in_kernel(against: str | None = None) -> dict[str, Any]:
     """Run `measure` in a fresh kernel and hand its answer back."""
     import json
 
@@ -151,7 +172,7 @@ def in_kernel() -> dict[str, Any]:
         code = (
             f"import sys, json; sys.path.insert(0, {str(here.parent.parent)!r}); "
             f"sys.path.insert(0, {str(here.parent)!r}); import live_audit; "
-            "print('RESULT' + json.dumps(live_audit.measure()))"
+            f"print('RESULT' + json.dumps(live_audit.measure(against={against!r})))"
         )
         out: list[str] = []
 
@@ -172,4 +193,6 @@ def in_kernel() -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(table(measure() if "--here" in sys.argv else in_kernel()))
+    args = sys.argv[1:]
+    against = args[args.index("--against") + 1] if "--against" in args else None
+    print(table(measure(against=against) if "--here" in args else in_kernel(against)))

@@ -10,6 +10,7 @@ import time
 import xml.etree.ElementTree as ET
 
 import figure_data as fd
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -137,14 +138,50 @@ def test_svg_without_a_browser_is_a_real_drawing(tmp_path):
 
 # -- live audit ---------------------------------------------------------------------------
 class Relay(LiveAudit):
-    """A LiveAudit whose messages are kept (no kernel in these tests)."""
+    """A LiveAudit whose messages are kept (no kernel in these tests), read as the page reads
+    them (binary columns and runs of steps made plain); `raw` keeps them as sent."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.outbox = []
+        self.raw = []
 
     def send(self, content, buffers=None):
-        self.outbox.append(content)
+        self.raw.append((content, [bytes(b) for b in buffers or []]))
+        self.outbox.append(plain(content, buffers or []))
+
+
+HOLE = 0x7FF8_534D_5A00_0001
+
+
+def column(c, buffers):
+    """A column as sent, as plain values: a hole None, a measured NaN a float NaN."""
+    if isinstance(c, list):
+        return c
+    raw = bytes(buffers[c["buffer"]])
+    values = np.frombuffer(raw, dtype="<f8")
+    bits = np.frombuffer(raw, dtype="<u8")
+    out = [None if b == HOLE else float(v) for v, b in zip(values, bits, strict=True)]
+    for i, v in c.get("odd", []):
+        out[i] = v
+    return out
+
+
+def steps_of(steps):
+    if isinstance(steps, list):
+        return steps
+    first, count = steps["run"]
+    return list(range(first, first + count))
+
+
+def plain(message, buffers):
+    out = dict(message)
+    out["loss"] = [steps_of(message["loss"][0]), column(message["loss"][1], buffers)]
+    out["places"] = [
+        [where, steps_of(steps), {k: column(c, buffers) for k, c in columns.items()}, flags]
+        for where, steps, columns, flags in message["places"]
+    ]
+    return out
 
 
 def health(where, step, **numbers):
@@ -192,7 +229,7 @@ def test_audit_batches_what_it_sends_and_sends_the_rest_later():
     assert cells_of(audit.outbox[-1:]) == [("enc", 500, {"grad_norm": 0.2}, [])]
 
 
-def test_audit_flags_with_the_health_verdict_and_keeps_nan_as_text():
+def test_audit_flags_with_the_health_verdict_and_keeps_nan_apart_from_holes():
     audit = Relay(interval=0.01)
     audit(health("enc", 0, grad_norm=float("nan"), zero=0.1))
     audit(health("head", 0, grad_norm=1e-9))
@@ -200,7 +237,7 @@ def test_audit_flags_with_the_health_verdict_and_keeps_nan_as_text():
     audit(health("left", 1, zero=0.99))  # another metric set: a hole in grad_norm
     audit.sync()
     cells = {(c[0], c[1]): c for c in cells_of(audit.outbox)}
-    assert cells["enc", 0][2]["grad_norm"] == "nan" and cells["enc", 0][3] == ["NAN"]
+    assert math.isnan(cells["enc", 0][2]["grad_norm"]) and cells["enc", 0][3] == ["NAN"]
     assert cells["head", 0][3] == ["VANISHING"]
     assert cells["left", 0][3] == [] and cells["left", 0][2] == {"grad_norm": 0.1}
     assert cells["left", 1][2] == {} and cells["left", 1][3] == ["DEAD"]  # a hole, flagged
@@ -243,6 +280,77 @@ def test_audit_refuses_a_malformed_fact_and_keeps_nothing_of_it():
     assert audit.frame()["grad_norm"].tolist() == [1.0, 0.5]
     audit(health("enc", 4, grad_norm=True))  # no number: kept as it is, drawn as a hole
     assert audit.frame()["grad_norm"].tolist() == [1.0, 0.5, True]
+
+
+def test_audit_sends_values_as_binary_and_steps_as_runs():
+    audit = Relay(interval=0.01, verdict=None)
+    for step in range(4):
+        audit({"fact": "loss", "value": 1.5, "step": step})
+        audit(health("enc", step, grad_norm=[0.5, float("nan"), float("inf"), 2.0][step]))
+    audit(health("enc", 9, zero=0.3))  # a gap in the steps; a hole in grad_norm
+    audit(health("enc", 10, grad_norm="big"))  # no number: kept aside, sent as it is
+    audit.sync()
+    (content, buffers), *_ = audit.raw
+    assert content["loss"][0] == {"run": [0, 4]} and content["loss"][1] == {"buffer": 0}
+    where, steps, columns, _ = content["places"][0]
+    assert where == "enc" and steps == [0, 1, 2, 3, 9, 10]  # not a run: a list
+    assert columns["grad_norm"] == {"buffer": 1, "odd": [[5, "big"]]}
+    bits = np.frombuffer(buffers[1], dtype="<u8")
+    assert bits[4] == HOLE and bits[1] != HOLE  # a hole is not a measured NaN
+    values = plain(content, buffers)["places"][0][2]["grad_norm"]
+    assert values[0] == 0.5 and math.isnan(values[1]) and values[2] == math.inf
+    assert values[3:] == [2.0, None, "big"]
+
+
+def test_a_saved_page_gets_json_with_nan_as_text_and_holes_as_null():
+    audit = Relay(interval=0.01, verdict=None)
+    audit(health("enc", 0, grad_norm=float("nan")))
+    audit(health("enc", 1, zero=0.5))
+    snap = audit.snapshot()
+    assert snap["kind"] == "reset"
+    assert snap["places"][0][1] == [0, 1]
+    assert snap["places"][0][2] == {"grad_norm": ["nan", None], "zero": [None, 0.5]}
+
+
+def test_audit_keeps_a_fact_as_it_was_when_handed():
+    audit = Relay(interval=0.01, verdict=None)
+    numbers = {"grad_norm": 0.5}
+    audit({"fact": "health", "where": "enc", "step": 0, "numbers": numbers})
+    numbers["grad_norm"] = 9.0  # the caller reuses its dict: what was handed is kept
+    audit({"fact": "health", "where": "enc", "step": 1, "numbers": numbers})
+    assert audit.frame()["grad_norm"].tolist() == [0.5, 9.0]
+
+
+def test_audit_columns_are_what_the_facts_said_whatever_the_batching():
+    import random
+
+    rnd = random.Random(0)
+    facts, expected = [], {}
+    for step in range(300):
+        for where in ("a", "b", "c"):
+            if rnd.random() < 0.2:
+                continue
+            names = ["m1", "m2", "m3"] if rnd.random() < 0.8 else rnd.sample(["m1", "m3", "m4"], 2)
+            numbers = {
+                n: rnd.choice([rnd.random(), 1, np.float32(0.25), float("inf")]) for n in names
+            }
+            facts.append(health(where, step, **numbers))
+            expected[(where, step)] = {n: float(v) for n, v in numbers.items()}
+    for interval in (0.001, 10.0):  # batches of one or two facts, and one batch of all
+        audit = Relay(interval=interval, verdict=None)
+        for k, fact in enumerate(facts):
+            audit(fact)
+            if interval > 1 and k == len(facts) // 2:
+                audit.sync()  # half by the reader's own hand
+            elif interval < 1 and k % 97 == 0:
+                time.sleep(0.005)
+        frame = audit.frame()
+        assert len(frame) == len(expected)
+        for row in frame.to_dict("records"):
+            want = expected[(row["where"], row["step"])]
+            for name in ("m1", "m2", "m3", "m4"):
+                got = row.get(name, float("nan"))
+                assert (got == want[name]) if name in want else math.isnan(got)
 
 
 def test_the_verdict_screen_keeps_every_row_the_verdict_would_flag():

@@ -27,7 +27,8 @@ function clear(s) {
 
 // Messages are columnar: loss = [steps, values]; places = [[where, steps, {metric: values},
 // [[i, flags], ...]], ...], a value null where a fact did not carry that metric; the kernel
-// sends the chosen metric's values only, and names every metric seen in `metrics`.
+// sends the chosen metric's values only, and names every metric seen in `metrics`. From a
+// kernel, values come as binary (see `plain`); the picture and a saved page's replies as JSON.
 function take(s, msg) {
   for (const k of msg.metrics || []) s.metrics.add(k);
   const [lossSteps, lossValues] = msg.loss || [[], []];
@@ -64,6 +65,60 @@ function take(s, msg) {
   if (unsorted) s.steps.sort((a, b) => a - b);
 }
 
+// "absent" in a binary column: a NaN with a payload of its own (somatize/figures/_screen.py
+// MISSING_BITS), told apart from a measured NaN by its bits; little-endian words
+const HOLE_LO = 0x5a000001;
+const HOLE_HI = 0x7ff8534d;
+
+function bytesOf(b) {
+  if (b instanceof ArrayBuffer) return b;
+  // a DataView or typed array over part of a larger buffer, perhaps unaligned: copy it out
+  return b.buffer.slice(b.byteOffset, b.byteOffset + b.byteLength);
+}
+
+// A column as the kernel sends it, as plain values: a list as it is; {buffer: i, odd} reads
+// buffers[i] as float64 (a hole as null, a measured NaN or infinity as itself), then puts the
+// values kept aside (no numbers) at their rows
+function column(c, buffers) {
+  if (Array.isArray(c)) return c;
+  if (!c || typeof c !== "object" || c.buffer === undefined) return [];
+  const raw = buffers && buffers[c.buffer];
+  if (!raw) return [];
+  const bytes = bytesOf(raw);
+  const f = new Float64Array(bytes);
+  const w = new Uint32Array(bytes);
+  const out = new Array(f.length);
+  for (let i = 0; i < f.length; i++) {
+    const v = f[i];
+    out[i] = v === v || w[2 * i] !== HOLE_LO || w[2 * i + 1] !== HOLE_HI ? v : null;
+  }
+  for (const [i, v] of c.odd || []) out[i] = v;
+  return out;
+}
+
+// steps as a list, or a run of consecutive steps {run: [first, count]}
+function stepsOf(st) {
+  if (Array.isArray(st)) return st;
+  if (!st || !Array.isArray(st.run)) return [];
+  const [first, count] = st.run;
+  return Array.from({ length: count }, (_, i) => first + i);
+}
+
+// a message with binary columns and runs of steps, as the JSON shape `take` reads
+function plain(msg, buffers) {
+  const [lossSteps, lossValues] = msg.loss || [[], []];
+  return {
+    ...msg,
+    loss: [stepsOf(lossSteps), column(lossValues, buffers)],
+    places: (msg.places || []).map(([where, steps, columns, flagged]) => [
+      where,
+      stepsOf(steps),
+      Object.fromEntries(Object.entries(columns || {}).map(([k, c]) => [k, column(c, buffers)])),
+      flagged,
+    ]),
+  };
+}
+
 // JSON has no NaN or infinity: they come as text
 function num(v) {
   if (typeof v !== "string") return v;
@@ -73,8 +128,9 @@ function num(v) {
   return v;
 }
 
-function receive(model, msg) {
+function receive(model, msg, buffers) {
   if (!msg || typeof msg !== "object") return;
+  msg = plain(msg, buffers);
   const s = storeOf(model);
   if (msg.kind === "reset") {
     clear(s);
@@ -106,7 +162,7 @@ function fromPicture(model) {
 
 function initialize({ model }) {
   const s = storeOf(model);
-  const onMsg = (msg) => receive(model, msg);
+  const onMsg = (msg, buffers) => receive(model, msg, buffers);
   const onPicture = () => fromPicture(model);
   model.on("msg:custom", onMsg);
   model.on("change:picture", onPicture);

@@ -5,21 +5,27 @@
     trainer = Trainer(g, objective=..., watching=audit)
     trainer.fit(...)           # the heatmap fills in while this cell runs
 
-It takes `loss` and `health` facts (docs/internals.md, "Facts") and keeps their numbers in
-columns (per watched place: an array of steps and an array of values per metric), so a fact
-costs a few appends and nothing the garbage collector has to walk. A sender thread reads what
-is new at most `1 / interval` times a second, judges it with the health verdict, and sends
-the chosen metric's values (the page draws one metric; choosing another in the menu sends that
-one's as a reset); every few seconds it also refreshes `picture`, a compact copy of the
-heatmap kept as a synced trait, so a saved notebook or a static page shows what was seen.
+It takes `loss` and `health` facts (docs/internals.md, "Facts"). The training thread does as
+little as it can per fact: a health fact is checked (its `where` and `step`), its numbers
+copied and put in its place's box; a loss fact goes straight to two arrays. The sender thread, at most
+`1 / interval` times a second, turns the boxed facts into columns (per watched place: an array
+of steps and an array of values per metric, a whole batch at a time), judges what is new with
+the health verdict, and sends the chosen metric's values as binary buffers (the page draws one
+metric; choosing another in the menu sends that one's as a reset); every few seconds it also
+refreshes `picture`, a compact copy of the heatmap kept as a synced trait, so a saved notebook
+or a static page shows what was seen. Whoever reads (`frame()`, `sync()`, a late page's
+`hello`) first empties the boxes itself, so what it reads is complete.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 import time
 from array import array
+from bisect import bisect_left
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +56,7 @@ def _verdict_function() -> Any:
 class _Place:
     """What one watched place has seen: row i is one health fact (its step, its numbers)."""
 
-    __slots__ = ("appends", "cols", "flags", "judged", "keys", "odd", "sent", "steps")
+    __slots__ = ("appends", "cols", "flag_rows", "flags", "judged", "keys", "odd", "sent", "steps")
 
     def __init__(self) -> None:
         self.steps = array("q")
@@ -59,18 +65,15 @@ class _Place:
         self.appends: list[Any] = []  # their columns' `append`, in that order
         self.odd: dict[tuple[int, str], Any] = {}  # (row, metric) -> a value that is no number
         self.flags: dict[int, list[str]] = {}  # row -> the verdict's flags, where it raised any
+        self.flag_rows: list[int] = []  # the rows in `flags`, ascending (judged in order)
         self.judged = 0  # rows the verdict has read
         self.sent = 0  # rows sent to the browser
 
     def complete(self) -> tuple[int, list[tuple[str, array]]]:
-        """How many rows are whole (the training thread may be half-way through one), and the
-        columns. Safe without a lock: columns only grow, and a row is whole once every column
-        holds it."""
-        cols = list(self.cols.items())
-        n = len(self.steps)
-        for _, col in cols:
-            n = min(n, len(col))
-        return n, cols
+        """How many rows there are, and the columns. Rows are filled by whoever holds the
+        audit's lock (the sender, or a reader emptying the queue), so under it every row is
+        whole."""
+        return len(self.steps), list(self.cols.items())
 
 
 class LiveAudit(anywidget.AnyWidget):
@@ -79,8 +82,9 @@ class LiveAudit(anywidget.AnyWidget):
     curve runs above on the same steps.
 
     Call it with facts (pass it as `watching=`); it keeps `loss` and `health` facts and ignores
-    the rest. What is new goes to the browser at most every `interval` seconds, from a sender
-    thread (and once more after the last fact); `sync()` sends now. `frame()` and `loss` give
+    the rest. What is new goes to the browser at most every `interval` seconds (0.25 by
+    default), from a sender thread (and once more after the last fact); `sync()` sends now. A
+    fact is handed over as it is when taken (its numbers are copied). `frame()` and `loss` give
     what it has seen, `metrics` the metrics the facts carried, all current as soon as a fact is
     taken. The page is sent the chosen `metric`'s values (and every flag); choosing another
     sends that one's. `picture` is a compact copy of the heatmap for the chosen metric (at most
@@ -103,7 +107,7 @@ class LiveAudit(anywidget.AnyWidget):
         *,
         metric: str = "",
         title: str = "live audit",
-        interval: float = 0.1,
+        interval: float = 0.25,
         verdict: Any = "default",
         picture_every: float = 3.0,
     ) -> None:
@@ -118,13 +122,17 @@ class LiveAudit(anywidget.AnyWidget):
         self._screen = screen_of(self._verdict)
         self._lock = threading.RLock()
         self._places: dict[str, _Place] = {}
+        # health facts taken but not yet in columns, per place: the `append`s of a list of
+        # numbers and of a list of steps. The training thread appends (numbers first); whoever
+        # holds the lock takes what is there (list slices and appends are atomic)
+        self._boxes: dict[str, tuple[Any, Any]] = {}
+        self._keys: set[Any] = set()  # every metric key seen (as given): the quick check
         self._loss_steps = array("q")
         self._loss_values = array("d")
         self._loss_sent = 0
         self._seen: list[str] = []  # metrics, in the order first seen
-        self._n = 0  # facts taken (by the training thread)
-        self._taken = 0  # facts the sender had seen at its last round
-        self._pictured = -1  # facts in the last picture
+        self._rows = 0  # health facts turned into columns
+        self._pictured: tuple[int, int] = (-1, -1)  # (rows, losses) in the last picture
         self._pictured_at = 0.0
         self._idle = True
         self._thread: threading.Thread | None = None
@@ -135,26 +143,21 @@ class LiveAudit(anywidget.AnyWidget):
 
     # -- taking facts ---------------------------------------------------------------------
     def __call__(self, fact: dict[str, Any]) -> None:
-        """Take one fact: `loss` and `health` facts are kept (a few appends to arrays), others
-        ignored. Sending is the sender thread's."""
+        """Take one fact: `loss` and `health` facts are kept, others ignored. A health fact is
+        checked here (a bad one raises ValueError, nothing of it kept) and queued, its numbers
+        copied; the sender thread turns the queue into columns and sends."""
         kind = fact.get("fact")
         if kind == "health":
             where, step, numbers = fact.get("where"), fact.get("step"), fact.get("numbers")
             if type(where) is not str or type(step) is not int or type(numbers) is not dict:
                 where, step, numbers = _checked(fact)
-            place = self._places.get(where)
-            if place is None:
-                place = self._place(where)
-            if tuple(numbers) == place.keys:  # the usual case: the same metrics as before
-                place.steps.append(step)
-                # as long: the same keys (strict= would only cost time)
-                for append, v in zip(place.appends, numbers.values(), strict=False):
-                    if type(v) is float:
-                        append(v)
-                    else:
-                        append(self._odd(place, append.__self__, v))
-            else:
-                self._row(place, step, numbers)
+            box = self._boxes.get(where)
+            if box is None:
+                box = self._box(where)
+            if not numbers.keys() <= self._keys:
+                self._new_metrics(numbers)
+            box[0](numbers.copy())
+            box[1](step)
         elif kind == "loss":
             value, step = fact.get("value"), fact.get("step")
             if type(step) is not int:
@@ -165,16 +168,83 @@ class LiveAudit(anywidget.AnyWidget):
             self._loss_values.append(value)
         else:
             return
-        self._n += 1
         if self._idle:
             self._wake()
 
-    def _place(self, where: str) -> _Place:
+    def _waiting(self) -> bool:
+        """Whether a health fact waits in a box."""
+        return any(len(box[1].__self__) for box in list(self._boxes.values()))
+
+    def _box(self, where: str) -> tuple[Any, Any]:
         with self._lock:
+            box = self._boxes.get(where)
+            if box is None:
+                box = self._boxes[where] = ([].append, [].append)
+            return box
+
+    def _new_metrics(self, numbers: dict) -> None:
+        """A fact with a metric not seen before: `metrics` (and `metric`, if none was chosen)
+        are brought up to date now, in the caller's thread."""
+        with self._lock:
+            new = False
+            for k in numbers:
+                name = str(k)
+                if name not in self._seen:
+                    self._seen.append(name)
+                    new = True
+                self._keys.add(k)
+            if new:
+                self.metrics = list(self._seen)
+                if not self.metric:
+                    self.metric = self._seen[0]
+
+    def _drain(self) -> None:
+        """Turn the facts waiting in the boxes into columns, a place's facts at a time (call
+        with the lock held)."""
+        for where, (put_numbers, put_step) in list(self._boxes.items()):
+            steps, dicts = put_step.__self__, put_numbers.__self__
+            n = len(steps)  # the numbers of each of these are in (appended first)
+            if not n:
+                continue
+            taken_steps, taken = steps[:n], dicts[:n]
+            del steps[:n], dicts[:n]
             place = self._places.get(where)
             if place is None:
                 place = self._places[where] = _Place()
-            return place
+            self._fill(place, taken_steps, taken)
+            self._rows += n
+
+    def _fill(self, place: _Place, steps: list[int], dicts: list[dict]) -> None:
+        """Append one place's facts: when they all carry the place's metrics, in its order, and
+        every value is a float, column by column (no Python per number); else fact by fact."""
+        if tuple(dicts[0]) != place.keys:
+            self._one(place, steps[0], dicts[0])
+            steps, dicts = steps[1:], dicts[1:]
+        keys = place.keys
+        if dicts and keys is not None and all(map(keys.__eq__, map(tuple, dicts))):
+            values = list(chain.from_iterable(map(dict.values, dicts)))
+            if set(map(type, values)) <= _FLOATS:
+                flat = array("d", values)
+                k = len(keys)
+                for j, append in enumerate(place.appends):
+                    append.__self__.extend(flat[j::k])
+                place.steps.extend(steps)
+                return
+        for step, numbers in zip(steps, dicts, strict=True):
+            self._one(place, step, numbers)
+
+    def _one(self, place: _Place, step: int, numbers: dict) -> None:
+        """Append one fact to its place's columns."""
+        if tuple(numbers) == place.keys:  # the same metrics as before, in the same order
+            place.steps.append(step)
+            # as long: the same keys (strict= would only cost time)
+            for append, v in zip(place.appends, numbers.values(), strict=False):
+                if type(v) is float:
+                    append(v)
+                else:
+                    append(self._odd(place, append.__self__, v))
+        else:
+            self._row(place, step, numbers)
 
     def _odd(self, place: _Place, col: array, value: Any) -> float:
         """A value that is not a float: an int or a numeric scalar as a float, anything else
@@ -191,33 +261,23 @@ class LiveAudit(anywidget.AnyWidget):
 
     def _row(self, place: _Place, step: int, numbers: dict) -> None:
         """A fact whose metrics differ from its place's last: new columns, holes filled."""
-        new = []
-        with self._lock:
-            row = len(place.steps)
-            names = [str(k) for k in numbers]
-            for name in names:
-                if name not in place.cols:
-                    place.cols[name] = array("d", [_MISSING]) * row
-                    if name not in self._seen:
-                        self._seen.append(name)
-                        new.append(name)
-            order = [place.cols[name] for name in names]
-            place.steps.append(step)
-            for col, v in zip(order, numbers.values(), strict=True):
-                col.append(v if type(v) is float else self._odd(place, col, v))
-            given = set(names)
-            for name, col in place.cols.items():
-                if name not in given:
-                    col.append(_MISSING)
-            # the quick path only for facts that fill every column
-            whole = len(given) == len(place.cols) and len(names) == len(numbers)
-            place.keys = tuple(numbers) if whole else None
-            place.appends = [col.append for col in order]
-        if new:
-            with self._lock:
-                self.metrics = list(self._seen)
-                if not self.metric:
-                    self.metric = self._seen[0]
+        row = len(place.steps)
+        names = [str(k) for k in numbers]
+        for name in names:
+            if name not in place.cols:
+                place.cols[name] = array("d", [_MISSING]) * row
+        order = [place.cols[name] for name in names]
+        place.steps.append(step)
+        for col, v in zip(order, numbers.values(), strict=True):
+            col.append(v if type(v) is float else self._odd(place, col, v))
+        given = set(names)
+        for name, col in place.cols.items():
+            if name not in given:
+                col.append(_MISSING)
+        # the quick path only for facts that fill every column
+        whole = len(given) == len(place.cols) and len(names) == len(numbers)
+        place.keys = tuple(numbers) if whole else None
+        place.appends = [col.append for col in order]
 
     def flush(self) -> None:
         """What the Trainer calls at the end of a step. Nothing to do: the sender thread sends
@@ -244,13 +304,16 @@ class LiveAudit(anywidget.AnyWidget):
             time.sleep(self.interval)
             with self._lock:
                 fresh = self._push()
-                stale = self._pictured != self._n
+                now = (self._rows, len(self._loss_steps))
                 quiet = not fresh
-                if stale and (quiet or time.monotonic() - self._pictured_at >= self.picture_every):
+                if self._pictured != now and (
+                    quiet or time.monotonic() - self._pictured_at >= self.picture_every
+                ):
                     self._paint()
-                if quiet and self._pictured == self._n:
+                if quiet and self._pictured == now:
                     self._idle = True
-                    if self._n == self._taken:
+                    # a fact taken from here on sees `_idle` and starts a sender of its own
+                    if not self._waiting() and len(self._loss_steps) == now[1]:
                         self._thread = None
                         return
                     self._idle = False  # a fact came in meanwhile: go on
@@ -281,15 +344,22 @@ class LiveAudit(anywidget.AnyWidget):
             flags = [str(f) for f in self._verdict(numbers)]
             if flags:
                 place.flags[lo + i] = flags
+                place.flag_rows.append(lo + i)
         place.judged = n
 
-    def _take(self, everything: bool, only: str | None = None) -> dict[str, Any]:
+    def _take(
+        self, everything: bool, only: str | None = None, buffers: list | None = None
+    ) -> dict[str, Any]:
         """What is new (or everything) in the columnar shape the page reads; with `only`, the
-        values of that metric alone (what the page draws), flags and steps all the same."""
-        self._taken = self._n
+        values of that metric alone (what the page draws), flags and steps all the same. With
+        `buffers` (a list), values go there as binary and steps in a row as a run."""
+        self._drain()
         nl = min(len(self._loss_steps), len(self._loss_values))
         l0 = 0 if everything else self._loss_sent
-        loss = [self._loss_steps[l0:nl].tolist(), _json_column(self._loss_values, l0, nl)]
+        loss = [
+            _steps(self._loss_steps, l0, nl, buffers is not None),
+            _column(self._loss_values, l0, nl, buffers),
+        ]
         self._loss_sent = nl
         places = []
         for where, place in list(self._places.items()):
@@ -300,21 +370,24 @@ class LiveAudit(anywidget.AnyWidget):
             if n <= lo:
                 continue
             values = {
-                name: _json_column(col, lo, n, place.odd, name)
+                name: _column(col, lo, n, buffers, place.odd, name)
                 for name, col in cols
                 if only is None or name == only
             }
-            flags = [[r - lo, f] for r, f in place.flags.items() if lo <= r < n]
-            places.append([where, place.steps[lo:n].tolist(), values, flags])
+            rows = place.flag_rows
+            flags = [[r - lo, place.flags[r]] for r in rows[bisect_left(rows, lo) :] if r < n]
+            places.append([where, _steps(place.steps, lo, n, buffers is not None), values, flags])
         return {"loss": loss, "places": places, "metrics": list(self._seen)}
 
     def _push(self) -> bool:
         """Send what is new as one `append` message; whether there was anything."""
-        taken = self._take(everything=False, only=self.metric)
-        if not (taken["loss"][0] or taken["places"]):
+        buffers: list[memoryview] = []
+        l0 = self._loss_sent
+        taken = self._take(everything=False, only=self.metric, buffers=buffers)
+        if not (self._loss_sent > l0 or taken["places"]):
             return False
         self._seq += 1
-        self.send({"kind": "append", "seq": self._seq, **taken})
+        self.send({"kind": "append", "seq": self._seq, **taken}, buffers)
         self.sends += 1
         return True
 
@@ -322,7 +395,6 @@ class LiveAudit(anywidget.AnyWidget):
         """Refresh `picture`: everything seen of the chosen metric, binned to at most 240 steps
         per place (a bin shows its last row and every flag in it), the loss to at most 1000
         points."""
-        seen = self._n
         self._take_judged()
         loss_n = min(len(self._loss_steps), len(self._loss_values))
         keep = _thinned(loss_n, _PICTURE_LOSS)
@@ -354,11 +426,12 @@ class LiveAudit(anywidget.AnyWidget):
             "places": places,
             "metrics": list(self._seen),
         }
-        self._pictured = seen
+        self._pictured = (self._rows, loss_n)
         self._pictured_at = time.monotonic()
         self.pictures += 1
 
     def _take_judged(self) -> None:
+        self._drain()
         for place in list(self._places.values()):
             n, cols = place.complete()
             self._judge(place, n, cols)
@@ -381,8 +454,9 @@ class LiveAudit(anywidget.AnyWidget):
     def _reset(self) -> None:
         """Send the page everything seen of the chosen metric, as one `reset` message."""
         with self._lock:
-            taken = self._take(everything=True, only=self.metric)
-            self.send({"kind": "reset", "seq": self._seq, **taken})
+            buffers: list[memoryview] = []
+            taken = self._take(everything=True, only=self.metric, buffers=buffers)
+            self.send({"kind": "reset", "seq": self._seq, **taken}, buffers)
 
     @traitlets.observe("metric")
     def _metric_changed(self, _change: Any) -> None:
@@ -393,7 +467,7 @@ class LiveAudit(anywidget.AnyWidget):
         with self._lock:
             if self._seq or self._loss_sent or any(p.sent for p in self._places.values()):
                 self._reset()
-            if self._pictured >= 0:
+            if self._pictured[0] >= 0:
                 self._paint()
 
     # -- reading back ---------------------------------------------------------------------
@@ -446,6 +520,7 @@ class LiveAudit(anywidget.AnyWidget):
 
 _ABSENT = object()
 _MISSING_PACKED = struct.pack("<d", _MISSING)
+_FLOATS = {float}
 
 
 def _checked(fact: dict[str, Any]) -> tuple[str, int, dict]:
@@ -486,6 +561,46 @@ def _number(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return float("nan")
+
+
+def _steps(steps: array, lo: int, hi: int, compact: bool) -> Any:
+    """Steps lo:hi as a list, or (`compact`) as `{"run": [first, count]}` when each is one more
+    than the last (the usual case: one fact per place per step)."""
+    part = steps[lo:hi]
+    if compact and len(part) > 1:
+        a = np.frombuffer(part, dtype=np.int64)
+        if a[-1] - a[0] == len(a) - 1 and bool((np.diff(a) == 1).all()):
+            return {"run": [int(a[0]), len(a)]}
+    return part.tolist()
+
+
+def _column(
+    col: array,
+    lo: int,
+    hi: int,
+    buffers: list | None,
+    odd: dict | None = None,
+    name: str | None = None,
+) -> Any:
+    """Values lo:hi: as JSON (`_json_column`) without `buffers`; else appended to `buffers` as
+    little-endian float64 (a hole keeps its NaN payload, a measured NaN or infinity is itself)
+    and named by index: `{"buffer": i}`, with `"odd": [[row, value]...]` for values kept
+    aside."""
+    if buffers is None:
+        return _json_column(col, lo, hi, odd, name)
+    part = col[lo:hi]
+    if _BIG_ENDIAN:
+        part.byteswap()
+    out: dict[str, Any] = {"buffer": len(buffers)}
+    buffers.append(memoryview(part).cast("B"))
+    if odd:
+        kept = [[r - lo, jsonable(v)] for (r, m), v in odd.items() if m == name and lo <= r < hi]
+        if kept:
+            out["odd"] = kept
+    return out
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def _json_column(

@@ -4,6 +4,7 @@ the standalone page's small model (get/set/on/off/send/save_changes) standing in
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import sys
@@ -18,10 +19,24 @@ import figure_data as fd  # noqa: E402
 
 from somatize.figures import CompareTable, LiveAudit, graph_figure  # noqa: E402
 
+# the standalone page delivers messages without buffers; the audit's tests hand the page
+# binary buffers as a kernel does: DataViews, one byte off alignment inside a larger buffer
+_DELIVER = 'window.smzDeliver = (msg) => fire("msg:custom", msg, []);'
+_DELIVER_BINARY = (
+    "window.smzDeliver = (msg, b64s) => fire('msg:custom', msg, (b64s || []).map((b) => {"
+    " const raw = Uint8Array.from(atob(b), (c) => c.charCodeAt(0));"
+    " const whole = new Uint8Array(raw.length + 1); whole.set(raw, 1);"
+    " return new DataView(whole.buffer, 1, raw.length); }));"
+)
+
 
 def _open(page, served, name, widget):
     root, base = served
-    widget.save_html(root / f"{name}.html")
+    path = widget.save_html(root / f"{name}.html")
+    if isinstance(widget, LiveAudit):
+        text = path.read_text(encoding="utf-8")
+        assert _DELIVER in text
+        path.write_text(text.replace(_DELIVER, _DELIVER_BINARY), encoding="utf-8")
     page.goto(f"{base}/{name}.html")
     page.wait_for_selector("body[data-rendered='yes']", timeout=20_000)
     return page
@@ -117,7 +132,9 @@ class Relay(LiveAudit):
         self.outbox = []
 
     def send(self, content, buffers=None):
-        self.outbox.append(json.loads(json.dumps(content)))
+        # as a kernel sends it: JSON content, the buffers beside it (here as base64)
+        b64 = [base64.b64encode(bytes(b)).decode("ascii") for b in buffers or []]
+        self.outbox.append([json.loads(json.dumps(content)), b64])
 
 
 def _facts(step, places=("enc", "enc.blocks.0.conv", "left", "head")):
@@ -151,7 +168,7 @@ def test_audit_cells_appear_as_facts_arrive(page, served, artifacts):
         time.sleep(0.01)
         new = audit.outbox[delivered:]  # the sender thread may add more meanwhile
         for msg in new:
-            page.evaluate("m => window.smzDeliver(m)", msg)
+            page.evaluate("([m, b]) => window.smzDeliver(m, b)", msg)
         delivered += len(new)
         if step == 5:
             page.wait_for_function("() => document.querySelectorAll('.smz-cell').length > 0")
@@ -160,9 +177,10 @@ def test_audit_cells_appear_as_facts_arrive(page, served, artifacts):
     took = time.monotonic() - began
     audit.sync()
     for msg in audit.outbox[delivered:]:
-        page.evaluate("m => window.smzDeliver(m)", msg)
+        page.evaluate("([m, b]) => window.smzDeliver(m, b)", msg)
     # batched: 120 facts, at most one message per interval (and the last one, forced)
     assert len(audit.outbox) <= took / 0.05 + 2
+    assert all(b64 for _, b64 in audit.outbox)  # every one carried its values as binary
     page.wait_for_function("() => document.querySelectorAll('.smz-cell').length === 4 * 24")
     assert page.locator(".smz-flagged").count() == 12  # left, NaN from step 12: flagged NAN
     assert page.locator(".smz-loss").count() == 1
