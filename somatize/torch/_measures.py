@@ -195,7 +195,10 @@ def _spectra(
         gram = f @ f.mT if shape[0] <= shape[1] else f.mT @ f
         pool.setdefault((gram.shape[-1], device), []).append(([(True, i) for i in idx], gram))
     for j, d in enumerate(updates):
-        d = d.detach().reshape(d.shape[0], -1)
+        if d.requires_grad:
+            d = d.detach()
+        if d.dim() != 2:
+            d = d.reshape(d.shape[0], -1)
         if d.dtype is not torch.float32 and d.dtype is not torch.float64:
             d = d.float()
         if min(d.shape) > _EXACT:

@@ -462,7 +462,7 @@ class Audit:
         if place.at < 0 or f is None or f.shape[0] <= 1:
             return None
         rows = f if f.dim() == 2 else f.reshape(f.shape[0], -1)
-        return rows[:_ROWS]
+        return rows[:_ROWS] if rows.shape[0] > _ROWS else rows
 
     def _channels(self, place: _Place, f: torch.Tensor, n: dict[str, Any]) -> None:
         activity = f.abs().mean(0)
