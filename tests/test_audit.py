@@ -295,3 +295,25 @@ def test_out_grad_norm_is_the_outputs_gradient_even_when_the_next_node_writes_ov
     heard = [{f["where"]: f["numbers"] for f in step}["grab"]["out_grad_norm"] for step in facts]
     assert heard == pytest.approx(grab.grads, rel=1e-6)
     assert grab.grads[0] != pytest.approx(grab.grads[1])  # the steps differ: a real check
+
+
+def test_a_place_and_its_last_layer_share_one_output_but_not_one_written_over():
+    g = _graph()
+    audit = Audit(inside=True, channels=True, snapshot=1).watch(g)
+    facts, _ = _loop(g, audit, 2)
+    audit.release()
+    x, y = _data()
+    logits = _graph().forward(x)  # the same start: step 0's output by hand
+    by_hand = (torch.softmax(logits, 1) - F.one_hot(y, 3)).div(len(y)).norm()
+    for step in facts:
+        n = {f["where"]: f["numbers"] for f in step}
+        # the node's output is its last layer's: the same numbers, each place its own fact
+        for key in ("act_mean", "zero", "out_grad_norm", "channels", "effective_rank"):
+            assert n["head"][key] == n["head.fc"][key], key
+        assert n["head"].get("update_stable_rank") == n["head.fc"].get("update_stable_rank")
+        # layer.r wrote over layer.l's output in place: layer.l keeps what it saw before that
+        assert n["layer.l"]["zero"] == 0.0 < n["layer.r"]["zero"] == n["layer"]["zero"]
+        assert n["layer.l"]["act_mean"] != n["layer"]["act_mean"]
+    first = {f["where"]: f["numbers"] for f in facts[0]}
+    assert first["head"]["out_grad_norm"] == pytest.approx(float(by_hand), rel=1e-5)
+    assert "update_stable_rank" in {f["where"]: f["numbers"] for f in facts[1]}["head"]

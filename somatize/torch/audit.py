@@ -98,6 +98,10 @@ class Audit:
         self._prev_norms: list[torch.Tensor] = []
         self._prev_values: list[float] | None = None
         self._order: list[_Place] = []
+        # this measured step's outputs so far, by id (the tensor kept, so the id stays its own),
+        # and the places that saw one of them again
+        self._seen: dict[int, tuple[torch.Tensor, _Place, int]] = {}
+        self._twins: list[tuple[_Place, _Place]] = []
         self._sums: list[torch.Tensor] = []
 
     def __repr__(self) -> str:
@@ -206,6 +210,8 @@ class Audit:
         self._prev_ok = False
         self._prev_values = None
         self._sums = []
+        self._seen.clear()
+        self._twins = []
 
     # -- forward: what came out -----------------------------------------------------------
     def _node(self, node: str, input: Any, ctx: Any, out: Any) -> None:
@@ -231,6 +237,19 @@ class Audit:
                 return
         if not t.is_floating_point():
             return
+        # the same output seen again, unchanged (a node's output is often its last layer's, and
+        # `inside=` watches both): its sums, ∂L/∂output and channel view are the first place's
+        seen = self._seen.get(id(t))
+        if seen is not None:
+            same, first, version = seen
+            if same is t and version == t._version and first.saturates == place.saturates:
+                place.at, place.size, place.kept = first.at, first.size, first.kept
+                place.out_grad = None
+                self._twins.append((place, first))
+                if self._features or place.groups is not None:
+                    place.features = channel_view(first.kept, place.conv)
+                return
+        self._seen[id(t)] = (t, place, t._version)
         a = t.detach()
         if a.dtype is not torch.float32 and a.dtype is not torch.float64:
             a = a.float()  # a count summed in half precision is not a count
@@ -333,6 +352,10 @@ class Audit:
             for p in places:
                 if p.held is not None:
                     self._retained(p)
+            for p, first in self._twins:
+                p.out_grad = first.out_grad
+            self._twins = []
+            self._seen.clear()
             outs = [p.out_grad for p in places if p.out_grad is not None]
             tensors: list[torch.Tensor] = [*flat, *grads, *outs]
             if prev is not None:
@@ -361,6 +384,7 @@ class Audit:
         self._prev_values = values[:at_grad]  # ‖θ_t‖: the next update ratio's ‖θ_{t−1}‖
         self._prev_norms = []
         isnan, isinf, isfinite, sqrt = math.isnan, math.isinf, math.isfinite, math.sqrt
+        shared: dict[tuple, Any] = {}  # channel activity, once per output
         facts = []
         out_k = at_out
         for pi, place in enumerate(places):
@@ -413,7 +437,7 @@ class Audit:
                 if place.features is not None:
                     with torch.no_grad():
                         if self.channels:
-                            self._channels(place, place.features, n)
+                            self._channels(place, place.features, n, shared)
                         if place.groups:
                             n["cka"] = self._groups(place, place.features)
                 place.at = -1
@@ -434,26 +458,37 @@ class Audit:
         rank room, `stable[place]` where its update's ‖Δ‖_F will sit among the step's numbers
         and σ_max², for the stable rank once they are read. The update whose stable rank is
         taken is a place's largest weight's."""
-        features: list[tuple[int, torch.Tensor]] = []
-        updates: list[tuple[int, int]] = []
+        # a place and what is inside it often share an output (`layer`, `layer.r`) or a weight
+        # (`layer`, `layer.l`): each is taken once
+        features: list[torch.Tensor] = []
+        updates: list[int] = []
+        feature_of: dict[tuple[int, bool], int] = {}
+        update_of: dict[int, int] = {}
+        ranked: list[tuple[int, int]] = []
+        stabled: list[tuple[int, int]] = []
         for i, place in enumerate(places):
             extra[i] = {}
             if prev is not None and place.index:
                 big = max(place.index, key=lambda k: prev[k].numel())
                 if prev[big].dim() >= 2:
-                    updates.append((i, big))
+                    if big not in update_of:
+                        update_of[big] = len(updates)
+                        updates.append(big)
+                    stabled.append((i, big))
             rows = self._rows(place)
             if rows is not None:
-                features.append((i, rows))
-        ranks, tops = _spectra(
-            [rows for _, rows in features],
-            [prev[big] for _, big in updates],  # type: ignore[index]
-        )
-        for (i, rows), rank in zip(features, ranks, strict=True):
-            extra[i]["effective_rank"] = rank
-            extra[i]["rank_room"] = min(rows.shape)
-        for (i, big), top in zip(updates, tops, strict=True):
-            stable[i] = (at_delta + big, top)
+                key = (id(place.kept), place.conv)
+                k = feature_of.get(key)
+                if k is None:
+                    feature_of[key] = k = len(features)
+                    features.append(rows)
+                ranked.append((i, k))
+        ranks, tops = _spectra(features, [prev[big] for big in updates])  # type: ignore[index]
+        for i, k in ranked:
+            extra[i]["effective_rank"] = ranks[k]
+            extra[i]["rank_room"] = min(features[k].shape)
+        for i, big in stabled:
+            stable[i] = (at_delta + big, tops[update_of[big]])
 
     @staticmethod
     def _rows(place: _Place) -> torch.Tensor | None:
@@ -464,8 +499,13 @@ class Audit:
         rows = f if f.dim() == 2 else f.reshape(f.shape[0], -1)
         return rows[:_ROWS] if rows.shape[0] > _ROWS else rows
 
-    def _channels(self, place: _Place, f: torch.Tensor, n: dict[str, Any]) -> None:
-        activity = f.abs().mean(0)
+    def _channels(
+        self, place: _Place, f: torch.Tensor, n: dict[str, Any], shared: dict[tuple, Any]
+    ) -> None:
+        key = (id(place.kept), place.conv)
+        activity = shared.get(key)
+        if activity is None:
+            activity = shared[key] = f.abs().mean(0)
         place.alive.append(activity > _DEAD_EPS)
         alive = torch.stack(list(place.alive)).any(0)
         n["channels"] = int(activity.numel())
