@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from somatize.remote.client import Connection, Worker
+from somatize.remote.slices import cut, run_plan
 
 __all__ = ["Broker"]
 
@@ -165,8 +166,6 @@ class Broker:
         watching: list[Callable[[dict], Any]] | None = None,
     ) -> Any:
         """Run `plan` on `input`: local slices here, each remote slice in one round trip."""
-        from somatize.remote.slices import run_plan
-
         if store is not None and plan.cached:
             raise ValueError(
                 "caching (.cached() with store=) is not supported yet in a graph with "
@@ -176,8 +175,6 @@ class Broker:
 
     def slices(self, plan: Any) -> list:
         """The plan cut into slices (worked out once per plan)."""
-        from somatize.remote.slices import cut
-
         known = self._slices.get(plan)
         if known is None:
             known = self._slices[plan] = cut(plan)

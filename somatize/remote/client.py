@@ -296,7 +296,7 @@ class Connection:
                 pass  # lost between requests: it may be back; this request will tell
             rid = next(_rids)
             message = {**message, "rid": rid}
-            frames = wire.pack(self.token, message, where=f"a request to {self._where()}")
+            frames = wire.pack(self.token, message, where=lambda: f"a request to {self._where()}")
             wire.send(self.sock, frames)
             return self._wait(rid, deadline if deadline is not None else self.worker.deadline)
 

@@ -92,7 +92,9 @@ class Server:
             reply = {"rid": rid, "ok": True, "worker": self.incarnation, "value": value}
             self.served += 1
             try:
-                return wire.pack(self.token, reply, where=f"the answer to {message['op']!r}")
+                return wire.pack(
+                    self.token, reply, where=lambda: f"the answer to {message['op']!r}"
+                )
             except Exception as error:
                 raise TypeError(f"the answer could not be written down: {error}") from error
         except Exception as error:
@@ -116,8 +118,13 @@ class Server:
             nodes[key] = self.rebuild(d)
         if op == "run":  # a plain forward: no autograd graph is kept for nobody
             compiled = self.compiled(session, nodes, m.get("sid"), m.get("slice"))
-            with _no_grad():
+            grad = _grad()
+            was = grad.is_grad_enabled()
+            grad._set_grad_enabled(False)
+            try:
                 return run_compiled(compiled, m.get("given"), m.get("input"))
+            finally:
+                grad._set_grad_enabled(was)
         if op == "define":
             return len(nodes)
         if op == "state":
@@ -359,17 +366,18 @@ def run_compiled(compiled: Compiled, given: Any, input: Any) -> dict[str, Any]:
     return {"out": {slot: vals[slot] for slot in compiled.wanted}, "ran": ran}
 
 
-_grad_off: Any = None
+_grad_c: Any = None
 
 
-def _no_grad() -> Any:
-    """`torch.no_grad()`, with torch looked up once."""
-    global _grad_off
-    if _grad_off is None:
+def _grad() -> Any:
+    """torch's C switch for autograd (what `torch.no_grad()` turns, without its Python
+    context manager around it), looked up once."""
+    global _grad_c
+    if _grad_c is None:
         import torch
 
-        _grad_off = torch.no_grad
-    return _grad_off()
+        _grad_c = torch._C
+    return _grad_c
 
 
 def _said(error: BaseException) -> dict[str, Any]:

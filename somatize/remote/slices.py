@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from somatize.node import Opaque
+from somatize.remote.server import Unknown
 from somatize.run import MANY, ONE, ROOT, _result, walk
 
 __all__ = ["Slice", "cut", "run_plan"]
@@ -88,8 +89,6 @@ def run_plan(broker: Any, plan: Any, input: Any, told: list[Callable[[dict], Any
 def _run_there(
     broker: Any, plan: Any, piece: Slice, vals: list, input: Any, told: list, start: int
 ) -> None:
-    from somatize.remote.server import Unknown
-
     host = piece.host
     graph = plan.graph
     described = piece.described

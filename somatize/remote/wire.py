@@ -6,14 +6,17 @@ A message is one Python value (a dict, in practice) with tensors anywhere inside
 
 so a message without large tensors is one frame, sent and received in one call each.
 
-- ``MAGIC`` is ``b"SMZ3"`` (4 bytes), so a stray connection (or a peer of another version) is
+- ``MAGIC`` is ``b"SMZ4"`` (4 bytes), so a stray connection (or a peer of another version) is
   told apart from a peer at once;
-- ``seal`` is 32 bytes: a fresh random 16-byte nonce, then the Poly1305 tag of the header and
-  every data frame (their count and lengths first, so frames cannot be re-cut) under a
-  one-time key derived from the token's session key and that nonce by keyed BLAKE2b
-  (`sign`). The derivation touches 16 bytes per message; the bytes of the message go once
-  through Poly1305 (a data frame through GMAC, whose tag Poly1305 covers), which run at
-  several GB/s where HMAC-SHA256 runs at about one (docs/remote.md, "Why Poly1305");
+- ``seal`` is 32 bytes: a fresh random 16-byte nonce, then the tag of the nonce, the number
+  of parts and every part's length (so frames cannot be re-cut, added or dropped), and every
+  byte of the header and of every data frame: keyed BLAKE2b (a PRF) under the token's session
+  key, one C call per part. A data frame of 64 KB or more goes through GMAC first (AES-GCM
+  with nothing to encrypt, many GB/s) under a key derived for this one message from its
+  nonce, in pieces of 8 MB each under its own GCM nonce, hashed on several threads at once
+  (OpenSSL runs without the GIL); its tags stand in its place. A header of 2 KB or more
+  (many small tensors inline) goes through Poly1305 under a one-time key instead of BLAKE2b
+  (docs/remote.md, "Why BLAKE2b, Poly1305 and GMAC");
 - ``header`` is msgpack, written by `somatize.codecs` (exact types: a tuple stays a tuple,
   a bool a bool), where each tensor is replaced by a reference holding its safetensors header
   (dtype, shape, byte range) and whether it asks for a gradient: that header and the tensor's
@@ -37,6 +40,7 @@ import json
 import os
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -58,10 +62,10 @@ __all__ = [
     "verify",
 ]
 
-MAGIC = b"SMZ3"
+MAGIC = b"SMZ4"
 """The first bytes of every message (of its first frame)."""
 
-REFUSED = b"SMZ3-REFUSED"
+REFUSED = b"SMZ4-REFUSED"
 """The one-frame notice a worker answers a message whose signature does not verify."""
 
 _TENSOR = 64  # msgpack extension code for a tensor reference; codecs owns 1..3
@@ -74,11 +78,12 @@ _KDF = b"smz poly1305 key"  # domain of the per-message key derivation (BLAKE2b 
 _SESSION = b"smz session key"  # domain of the token's session key
 _MAC = b"smz small tag"  # domain of the tag of a message under _TINY bytes
 _ONE = struct.Struct("<4s2Q")  # the count and lengths of a one-frame message
+_AT = struct.Struct("<IQ")  # a GMAC nonce: which frame, which piece of it
 _blake2b = hashlib.blake2b
 _TINY = 2048  # below this keyed BLAKE2b is faster than deriving a key and calling Poly1305
 _NONCE = 16
 _SEAL = len(MAGIC) + _NONCE + 16  # the first frame's bytes before its header
-_PIECE = 1 << 30  # AES-GCM takes at most 2**31 - 1 bytes at once
+_PIECE = 8 << 20  # a large frame is GMACed in pieces of this size (on several threads)
 _SMALL = 1 << 16  # a tensor below this goes inside the header, above it as its own frame
 
 # safetensors' names for dtypes, and back.
@@ -111,18 +116,24 @@ class Malformed(ValueError):
     """Frames that verify but are not a message (or are not even frames of one)."""
 
 
-_sessions: dict[bytes, bytes] = {}
+_keyed: dict[Any, tuple[Any, Any]] = {}
 _modules = sys.modules
 
 
-def _session(token: str | bytes) -> bytes:
-    """The token's 64-byte session key, BLAKE2b(token), worked out once per token."""
-    raw = token.encode() if isinstance(token, str) else bytes(token)
-    found = _sessions.get(raw)
+def _states(token: str | bytes) -> tuple[Any, Any]:
+    """The token's two keyed BLAKE2b states (tags of small messages; the key derivation),
+    under the session key BLAKE2b(token), worked out once per token: a message copies one
+    instead of keying BLAKE2b afresh."""
+    found = _keyed.get(token)
     if found is None:
-        if len(_sessions) > 64:
-            _sessions.clear()
-        found = _sessions[raw] = hashlib.blake2b(raw, digest_size=64, person=_SESSION).digest()
+        raw = token.encode() if isinstance(token, str) else bytes(token)
+        session = _blake2b(raw, digest_size=64, person=_SESSION).digest()
+        if len(_keyed) > 64:
+            _keyed.clear()
+        found = _keyed[token] = (
+            _blake2b(key=session, digest_size=16, person=_MAC),
+            _blake2b(key=session, digest_size=32, person=_KDF),
+        )
     return found
 
 
@@ -133,50 +144,72 @@ def _bytes(frame: Any) -> memoryview:
 
 
 def _tag(token: str | bytes, nonce: bytes, views: list[memoryview]) -> bytes:
+    mac, kdf = _states(token)
     if len(views) == 1:  # the usual small message: its header alone
-        total = views[0].nbytes
+        total = small = views[0].nbytes
         lengths = _ONE.pack(MAGIC, 1, total)
     else:
         sizes = [v.nbytes for v in views]
         lengths = struct.pack(f"<4s{len(sizes) + 1}Q", MAGIC, len(sizes), *sizes)
-        total = sum(sizes)
-    if total < _TINY:  # keyed BLAKE2b, a PRF, salted with the nonce: one C call in all
-        return _blake2b(
-            b"".join([lengths, *views]),
-            key=_session(token),
-            salt=nonce,
-            person=_MAC,
-            digest_size=16,
-        ).digest()
-    # Two keys for this one message: keyed BLAKE2b (a PRF) of the nonce under the session key.
-    keys = hashlib.blake2b(nonce, key=_session(token), digest_size=64, person=_KDF).digest()
-    if total < _SMALL:  # one call into OpenSSL for a small message
-        return Poly1305.generate_tag(keys[:32], b"".join([lengths, *views]))
-    mac = Poly1305(keys[:32])
-    mac.update(lengths)
-    gmac = None
+        small = sum([n for n in sizes if n < _SMALL])
+    # Keyed BLAKE2b (a PRF) over the nonce, the count and lengths, and every byte: one C
+    # call per part. A large frame goes through GMAC first (AES-GCM with nothing to encrypt,
+    # ~20x BLAKE2b's speed here) under a key made for this one message, and its tag stands in
+    # its place; the lengths, hashed first, say which parts are frames and which tags.
+    h = mac.copy() if small < _TINY else None
+    if h is None:  # a header of many small tensors: Poly1305 runs 4x faster than BLAKE2b
+        keys = kdf.copy()
+        keys.update(nonce)
+        h = Poly1305(keys.digest())
+    h.update(nonce)
+    h.update(lengths)
+    keys = gmac = None
     for i, view in enumerate(views):
         if view.nbytes < _SMALL:
-            mac.update(view)
+            h.update(view)
             continue
-        # A large frame goes through GMAC (AES-GCM with nothing to encrypt, ~3x Poly1305's
-        # speed here), under the message's second key and a nonce per frame and piece;
-        # Poly1305 then covers its tag in the frame's place.
-        gmac = gmac or AESGCM(keys[32:])
-        for j, at in enumerate(range(0, view.nbytes, _PIECE)):
-            piece = view[at : at + _PIECE]
-            mac.update(gmac.encrypt(struct.pack("<IQ", i, j), b"", piece))
-    return mac.finalize()
+        if gmac is None:  # the message's own GMAC key: BLAKE2b(nonce) under the session key
+            keys = kdf.copy()
+            keys.update(nonce + b"gmac")
+            gmac = AESGCM(keys.digest())
+        for tag in _gmac(gmac, i, view):
+            h.update(tag)
+    return h.digest() if type(h) is not Poly1305 else h.finalize()
+
+
+def _gmac(gmac: Any, i: int, view: memoryview) -> list[bytes]:
+    """The GMAC tags of frame `i`'s pieces, each under its own nonce (frame, piece). A frame
+    of several pieces is hashed on several threads at once (OpenSSL runs without the GIL):
+    in a round trip the other side waits meanwhile, so there is a core to run on."""
+    n = view.nbytes
+    if n <= _PIECE:
+        return [gmac.encrypt(_AT.pack(i, 0), b"", view)]
+    pieces = [(_AT.pack(i, j), view[at : at + _PIECE]) for j, at in enumerate(range(0, n, _PIECE))]
+    return list(_pool().map(lambda piece: gmac.encrypt(piece[0], b"", piece[1]), pieces))
+
+
+_threads: Any = None
+
+
+def _pool() -> Any:
+    global _threads
+    if _threads is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _threads = ThreadPoolExecutor(
+            max_workers=max(2, min(4, os.cpu_count() or 2)), thread_name_prefix="somatize-gmac"
+        )
+    return _threads
 
 
 def sign(token: str | bytes, frames: list[Any]) -> bytes:
     """The 32-byte seal of `frames` (the header, then the data frames) under `token`: a fresh
-    nonce and the Poly1305 tag of the frames (their count and lengths first) under a key made
-    for this one message.
+    random nonce and the tag of the nonce, the frames' count and lengths and every byte.
 
-    The key is BLAKE2b(nonce, key=session, person=domain), where the session key is
-    BLAKE2b(token) worked out once per token: never used twice (a random 128-bit nonce),
-    unknown without the token, and one BLAKE2b call on 16 bytes per message, whatever its size.
+    The keys come from the session key BLAKE2b(token), worked out once per token: the tag
+    is keyed BLAKE2b under it; a large frame's GMAC key (and a long header's Poly1305 key) is
+    BLAKE2b of the nonce under it, never used for another message and unknown without the
+    token.
     """
     nonce = os.urandom(_NONCE)
     return nonce + _tag(token, nonce, [_bytes(f) for f in frames])
@@ -238,16 +271,20 @@ class _Writer:
         return codecs._pack(value, self.default)
 
 
-def pack(token: str | bytes, message: Any, *, where: str | None = None) -> list[Any]:
+def pack(
+    token: str | bytes, message: Any, *, where: str | Callable[[], str] | None = None
+) -> list[Any]:
     """`message` as signed frames ready for `send_multipart(..., copy=False)`.
 
     Refuses (`somatize.NoCodec`) a value inside whose type no codec knows; `where` says
-    whose value it was.
+    whose value it was (or is a function that says it, called only then).
     """
     writer = _Writer()
     try:
         header = writer.packb(message)
     except codecs._Missing:
+        if callable(where):
+            where = where()
         codecs.encode(message, where=where)  # raises the NoCodec that names the value
         raise
     return sealed(token, [header, *writer.buffers])
@@ -439,14 +476,16 @@ def _tensor_from(payload: bytes, data: list[memoryview], owners: list[Any]) -> A
 
 
 def _built(frame: memoryview, owner: Any, dtype: Any, shape: list, end: int) -> Any:
-    import torch
+    torch = _modules["torch"]  # imported by `_parsed`, which has seen this header
 
     if end == 0:
         return torch.empty(shape, dtype=dtype)
     if end < _SMALL or frame.readonly and owner is frame:
-        return torch.frombuffer(bytearray(frame), dtype=dtype).reshape(shape)
-    buffer = memoryview(getattr(owner, "buffer", owner))
-    if buffer.readonly:  # bytes handed in by hand, not a received frame: copy once
-        buffer = memoryview(bytearray(buffer))
-    # A received frame is writable and ours alone, so torch has nothing to warn about.
-    return torch.frombuffer(buffer, dtype=dtype).reshape(shape)
+        made = torch.frombuffer(bytearray(frame), dtype=dtype)
+    else:
+        buffer = memoryview(getattr(owner, "buffer", owner))
+        if buffer.readonly:  # bytes handed in by hand, not a received frame: copy once
+            buffer = memoryview(bytearray(buffer))
+        # A received frame is writable and ours alone, so torch has nothing to warn about.
+        made = torch.frombuffer(buffer, dtype=dtype)
+    return made if len(shape) == 1 else made.reshape(shape)  # frombuffer's is 1-d already
