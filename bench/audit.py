@@ -5,12 +5,18 @@ An MLP of three nodes (64 → 256 → 256 → 10, ReLU) on 64-sample batches, SG
 Targets: every=1 at most 1.5× plain, every=10 at most 1.1×. Medians of repeats, one thread,
 CPU time of this process (steadier on a shared machine) and wall time beside it.
 
-    python bench/audit.py
+    python bench/audit.py            # the fits
+    python bench/audit.py --phases   # and, at every=10, what each kind of step adds
+
+`--phases` times every step of a fit on its own (CPU time) and groups them by where they
+fall in the cadence: a measured step, the snapshot step (50), the step before a measured one
+(where θ is copied), the step after one, and the rest.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -56,6 +62,52 @@ def fit_seconds(auditing, batches) -> tuple[float, float]:  # noqa: ANN001
     return took, wall
 
 
+def step_seconds(auditing, batches) -> list[float]:  # noqa: ANN001
+    """CPU seconds of each step of a fit of `batches` (after the same five warm-up steps)."""
+    g = graph()
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.01),
+        auditing=auditing,
+    )
+    t.fit(batches[:5])
+    took = []
+    for b in batches:
+        t0 = time.process_time()
+        t.step(b)
+        took.append(time.process_time() - t0)
+    if t.audit is not None:
+        t.audit.release()
+    return took
+
+
+def phases(batches, repeats: int = 15) -> None:  # noqa: ANN001
+    """What each kind of step adds at every=10, medians over interleaved repeats."""
+    plain: list[list[float]] = []
+    audited: list[list[float]] = []
+    for _ in range(repeats):
+        plain.append(step_seconds(None, batches))
+        audited.append(step_seconds(Audit(every=10), batches))
+    # step k of the timed fit is the trainer's step 5 + k
+    kinds = {
+        "measured (10, 20, 30, 40, 60)": [5, 15, 25, 35, 55],
+        "snapshot (50)": [45],
+        "before a measured one (θ copied)": [4, 14, 24, 34, 44, 54],
+        "after a measured one": [6, 16, 26, 36, 46, 56],
+    }
+    kinds["the rest"] = [k for k in range(len(batches)) if not any(k in v for v in kinds.values())]
+
+    def median(rows: list[list[float]], ks: list[int]) -> float:
+        return statistics.median(sum(r[k] for k in ks) / len(ks) for r in rows) * 1e6
+
+    print("| step at every=10 | plain µs | audited µs | added µs |")
+    print("|---|---:|---:|---:|")
+    for name, ks in kinds.items():
+        p, a = median(plain, ks), median(audited, ks)
+        print(f"| {name} | {p:.0f} | {a:.0f} | {a - p:+.0f} |")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
@@ -86,6 +138,9 @@ def main() -> None:
             f"| {name} | {ms * 1e3:.1f} | {ms / plain:.2f} | {wms * 1e3:.1f} | "
             f"{wms / plain_wall:.2f} | {targets.get(name, '')} |"
         )
+    if "--phases" in sys.argv[1:]:
+        print()
+        phases(batches)
 
 
 if __name__ == "__main__":
