@@ -221,7 +221,9 @@ class LiveAudit(anywidget.AnyWidget):
             self._one(place, steps[0], dicts[0])
             steps, dicts = steps[1:], dicts[1:]
         keys = place.keys
-        if dicts and keys is not None and all(map(keys.__eq__, map(tuple, dicts))):
+        # every fact's keys are the place's, in order: the keys one after another are the
+        # place's keys n times over (no dict holds a key twice, so none is shorter or longer)
+        if dicts and keys is not None and list(chain.from_iterable(dicts)) == [*keys] * len(dicts):
             values = list(chain.from_iterable(map(dict.values, dicts)))
             if set(map(type, values)) <= _FLOATS:
                 flat = array("d", values)
