@@ -133,13 +133,15 @@ def _top_square(d: torch.Tensor, steps: int = _STEPS) -> float:
     vectors[0].fill_(n**-0.5)
     k = m
     floor = 0.0
+    basis_t = basis.T
     for j in range(m):
         w = torch.mv(dt, torch.mv(d, vectors[j]))
-        seen = basis[: j + 1]
-        h = torch.mv(seen, w, out=rows[j][: j + 1])
+        # against the whole basis: the rows past j are still zero, so h is zero past j and
+        # row j of `projected` is its lower-triangle part (no slices to make each step)
+        h = torch.mv(basis, w, out=rows[j])
         if j == m - 1:
             break
-        w = torch.addmv(w, seen.T, h, alpha=-1)
+        w = torch.addmv(w, basis_t, h, alpha=-1)
         b = float(torch.linalg.vector_norm(w))
         if j == 0:
             floor = 1e-6 * float(h[0])
