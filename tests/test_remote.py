@@ -154,6 +154,7 @@ def test_a_repeated_forward_sends_its_slice_once_then_only_its_id(two, monkeypat
     monkeypatch.setattr(wire, "pack", watched)
     assert [g.forward(float(i), broker=two) for i in range(3)] == [10.0, 11.0, 12.0]
     assert [m["slice"] is None for m in sent] == [False, True, True]
+    assert not any(m["timed"] for m in sent)  # nobody watches: no per-node times asked for
     assert len({m["sid"] for m in sent}) == 1 and all(not m["define"] for m in sent[1:])
     other = Graph.somatize((Plus(5.0) >> Plus(6.0)).at("a"))  # another slice, its own id
     assert other.forward(0.0, broker=two) == 11.0 and sent[-1]["slice"] is not None

@@ -261,6 +261,21 @@ def test_a_seal_is_fresh_per_message_and_binds_every_frame_of_a_large_message():
             pytest.fail(f"accepted {why}")
 
 
+def test_a_frame_of_several_pieces_is_bound_piece_by_piece_and_in_order():
+    t = torch.randn(5 * wire._PIECE // 8)  # 2.5 pieces: GMACed on threads, each its own nonce
+    frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, {"x": t})]
+    assert torch.equal(wire.unpack(TOKEN, frames)["x"], t)
+    data = frames[1]
+    swapped = data[wire._PIECE : 2 * wire._PIECE] + data[: wire._PIECE] + data[2 * wire._PIECE :]
+    for at in (0, wire._PIECE + 7, len(data) - 1):  # a bit in each piece
+        changed = bytearray(data)
+        changed[at] ^= 1
+        with pytest.raises(wire.Refused):
+            wire.unpack(TOKEN, [frames[0], bytes(changed)])
+    with pytest.raises(wire.Refused):
+        wire.unpack(TOKEN, [frames[0], swapped])
+
+
 def test_the_server_drops_a_tampered_data_frame_runs_nothing_and_goes_on():
     server = Server(TOKEN)
     request = {"op": "define", "rid": 1, "session": "s", "define": [], "x": torch.randn(300, 300)}

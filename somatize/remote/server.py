@@ -122,7 +122,7 @@ class Server:
             was = grad.is_grad_enabled()
             grad._set_grad_enabled(False)
             try:
-                return run_compiled(compiled, m.get("given"), m.get("input"))
+                return run_compiled(compiled, m.get("given"), m.get("input"), m.get("timed", True))
             finally:
                 grad._set_grad_enabled(was)
         if op == "define":
@@ -350,19 +350,22 @@ def compile_slice(steps: list[Any], nodes: dict[str, Any]) -> Compiled:
     return Compiled(steps, nodes)
 
 
-def run_compiled(compiled: Compiled, given: Any, input: Any) -> dict[str, Any]:
+def run_compiled(compiled: Compiled, given: Any, input: Any, timed: bool = True) -> dict[str, Any]:
     """Run one slice of a plan, compiled by `compile_slice`, through the engine's own loop
     (`somatize.run.walk`: hooks fire, failures are noted with their node); `given` holds the
-    values of the slots it reads from outside. Answers the values wanted outside and, per node,
-    when it began and how long it took (microseconds)."""
+    values of the slots it reads from outside. Answers the values wanted outside and, when
+    `timed` (somebody watches), per node when it began and how long it took (microseconds)."""
     vals: dict[int, Any] = dict(given) if given else {}
     ran: list[list[Any]] = []
-    add = ran.append
+    if timed:
+        add = ran.append
 
-    def told(fact: dict[str, Any]) -> None:
-        add([fact["node"], fact["began_us"], fact["took_us"]])
+        def told(fact: dict[str, Any]) -> None:
+            add([fact["node"], fact["began_us"], fact["took_us"]])
 
-    walk(compiled, compiled.steps, vals, input, [told], time.perf_counter_ns())
+        walk(compiled, compiled.steps, vals, input, [told], time.perf_counter_ns())
+    else:  # nobody watches: the engine's plain loop, no clock read
+        walk(compiled, compiled.steps, vals, input)
     return {"out": {slot: vals[slot] for slot in compiled.wanted}, "ran": ran}
 
 

@@ -118,6 +118,7 @@ def _run_there(
             "slice": None if sent else described,
             "given": given,
             "input": input if piece.roots else None,
+            "timed": bool(told),  # per-node times only for somebody who watches
         }
         try:
             got = broker.request(host, message)

@@ -378,25 +378,32 @@ def _torch() -> Any:
 
 
 _HEADS: dict[str, tuple[Any, list[int], int]] = {}  # a tensor's header, parsed once
+_SMALL_HEADS: dict[tuple, str] = {}  # a small tensor's header, by dtype and shape
 
 
 def _tensor_ref(tensor: Any, buffers: list[Any]) -> bytes:
     torch = _torch()
     plain = tensor.detach()
-    if type(plain) is torch.Tensor and plain.dtype in _NUMPY and plain.layout == torch.strided:
-        # The common case, quickly: a small dense cpu tensor numpy can read.
-        size = plain.nbytes  # (a sparse tensor has none: it is refused below)
-        if (
-            size < _SMALL
-            and plain.device.type == "cpu"
-            and plain.is_contiguous()
-            and not (plain.is_conj() or plain.is_neg() or plain.is_quantized)
-        ):
-            shape = ",".join([str(s) for s in plain.shape])
-            head = (
-                f'{{"dtype":"{_NUMPY[plain.dtype]}","shape":[{shape}],"data_offsets":[0,{size}]}}'
-            )
-            return _pack_ref([plain.numpy().tobytes(), head, tensor.requires_grad])
+    if type(plain) is torch.Tensor and plain.dtype in _NUMPY:
+        # The common case, quickly: a small cpu tensor numpy can read as it is. numpy refuses
+        # what it cannot (another device, sparse, meta, a conj or neg view): the slow path
+        # below then resolves it or says why not.
+        try:
+            array = plain.numpy()
+        except (TypeError, RuntimeError):
+            array = None
+        if array is not None and array.nbytes < _SMALL:
+            key = (plain.dtype, array.shape)
+            head = _SMALL_HEADS.get(key)
+            if head is None:
+                shape = ",".join([str(s) for s in array.shape])
+                code, size = _NUMPY[plain.dtype], array.nbytes
+                head = f'{{"dtype":"{code}","shape":[{shape}],"data_offsets":[0,{size}]}}'
+                if len(_SMALL_HEADS) > 1024:
+                    _SMALL_HEADS.clear()
+                _SMALL_HEADS[key] = head
+            # tobytes: the numbers in C order, whatever the strides (a view is sent as values)
+            return _pack_ref([array.tobytes(), head, tensor.requires_grad])
     from somatize.torch.codec import _plain  # the tensor codec's checks and packing
 
     plain = _plain(plain)
