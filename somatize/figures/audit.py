@@ -144,8 +144,8 @@ class LiveAudit(anywidget.AnyWidget):
     # -- taking facts ---------------------------------------------------------------------
     def __call__(self, fact: dict[str, Any]) -> None:
         """Take one fact: `loss` and `health` facts are kept, others ignored. A health fact is
-        checked here (a bad one raises ValueError, nothing of it kept) and queued, its numbers
-        copied; the sender thread turns the queue into columns and sends."""
+        checked here (a bad one raises ValueError, nothing of it kept) and boxed, its numbers
+        copied; the sender thread turns the boxes into columns and sends."""
         kind = fact.get("fact")
         if kind == "health":
             where, step, numbers = fact.get("where"), fact.get("step"), fact.get("numbers")
@@ -302,6 +302,14 @@ class LiveAudit(anywidget.AnyWidget):
                 self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._rounds()
+        except BaseException:
+            with self._lock:  # a later fact starts another sender instead of none
+                self._idle, self._thread = True, None
+            raise
+
+    def _rounds(self) -> None:
         while True:
             time.sleep(self.interval)
             with self._lock:
