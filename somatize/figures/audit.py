@@ -6,8 +6,9 @@
     trainer.fit(...)           # the heatmap fills in while this cell runs
 
 It takes `loss` and `health` facts (docs/internals.md, "Facts"). The training thread does as
-little as it can per fact: a health fact is checked (its `where` and `step`), its numbers
-copied and put in its place's box; a loss fact goes straight to two arrays. The sender thread, at most
+little as it can per fact: a health fact is checked (its `where` and `step`) and, when it
+carries the metrics of its place's last fact, its values are put in its place's box (a list
+`extend`); a loss fact goes straight to two arrays. The sender thread, at most
 `1 / interval` times a second, turns the boxed facts into columns (per watched place: an array
 of steps and an array of values per metric, a whole batch at a time), judges what is new with
 the health verdict, and sends the chosen metric's values as binary buffers (the page draws one
@@ -25,7 +26,6 @@ import threading
 import time
 from array import array
 from bisect import bisect_left
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +56,11 @@ def _verdict_function() -> Any:
 class _Place:
     """What one watched place has seen: row i is one health fact (its step, its numbers)."""
 
-    __slots__ = ("appends", "cols", "flag_rows", "flags", "judged", "keys", "odd", "sent", "steps")
+    __slots__ = ("cols", "flag_rows", "flags", "judged", "odd", "sent", "steps")
 
     def __init__(self) -> None:
         self.steps = array("q")
         self.cols: dict[str, array] = {}  # metric -> one value per row (_MISSING where absent)
-        self.keys: tuple | None = ()  # the metrics of a fact that takes the quick path
-        self.appends: list[Any] = []  # their columns' `append`, in that order
         self.odd: dict[tuple[int, str], Any] = {}  # (row, metric) -> a value that is no number
         self.flags: dict[int, list[str]] = {}  # row -> the verdict's flags, where it raised any
         self.flag_rows: list[int] = []  # the rows in `flags`, ascending (judged in order)
@@ -74,6 +72,23 @@ class _Place:
         audit's lock (the sender, or a reader emptying the queue), so under it every row is
         whole."""
         return len(self.steps), list(self.cols.items())
+
+
+class _Box:
+    """One place's health facts taken but not yet in columns, all with the metrics `keys` (in
+    that order): their values one fact after another, and their steps. The training thread
+    puts a fact's values, then marks its step; whoever holds the audit's lock takes the first
+    len(steps) facts (list appends, slices and deletions are atomic). `keys` changes only in
+    the caller's thread, under the lock, once the box is empty."""
+
+    __slots__ = ("keys", "mark", "put", "steps", "values")
+
+    def __init__(self) -> None:
+        self.keys: tuple = ()
+        self.values: list[Any] = []
+        self.steps: list[int] = []
+        self.put = self.values.extend
+        self.mark = self.steps.append
 
 
 class LiveAudit(anywidget.AnyWidget):
@@ -122,11 +137,8 @@ class LiveAudit(anywidget.AnyWidget):
         self._screen = screen_of(self._verdict)
         self._lock = threading.RLock()
         self._places: dict[str, _Place] = {}
-        # health facts taken but not yet in columns, per place: the `append`s of a list of
-        # numbers and of a list of steps. The training thread appends (numbers first); whoever
-        # holds the lock takes what is there (list slices and appends are atomic)
-        self._boxes: dict[str, tuple[Any, Any]] = {}
-        self._keys: set[Any] = set()  # every metric key seen (as given): the quick check
+        # health facts taken but not yet in columns, per place (see _Box)
+        self._boxes: dict[str, _Box] = {}
         self._loss_steps = array("q")
         self._loss_values = array("d")
         self._loss_sent = 0
@@ -144,20 +156,21 @@ class LiveAudit(anywidget.AnyWidget):
     # -- taking facts ---------------------------------------------------------------------
     def __call__(self, fact: dict[str, Any]) -> None:
         """Take one fact: `loss` and `health` facts are kept, others ignored. A health fact is
-        checked here (a bad one raises ValueError, nothing of it kept) and boxed, its numbers
-        copied; the sender thread turns the boxes into columns and sends."""
+        checked here (a bad one raises ValueError, nothing of it kept) and its values boxed
+        (read now: the caller may reuse its dict); the sender thread turns the boxes into
+        columns and sends."""
         kind = fact.get("fact")
         if kind == "health":
             where, step, numbers = fact.get("where"), fact.get("step"), fact.get("numbers")
             if type(where) is not str or type(step) is not int or type(numbers) is not dict:
                 where, step, numbers = _checked(fact)
             box = self._boxes.get(where)
-            if box is None:
-                box = self._box(where)
-            if not numbers.keys() <= self._keys:
-                self._new_metrics(numbers)
-            box[0](numbers.copy())
-            box[1](step)
+            # the usual case: the metrics of this place's last fact, in the same order
+            if box is not None and tuple(numbers) == box.keys:
+                box.put(numbers.values())
+                box.mark(step)
+            else:
+                self._other(where, step, numbers)
         elif kind == "loss":
             value, step = fact.get("value"), fact.get("step")
             if type(step) is not int:
@@ -173,80 +186,68 @@ class LiveAudit(anywidget.AnyWidget):
 
     def _waiting(self) -> bool:
         """Whether a health fact waits in a box."""
-        return any(len(box[1].__self__) for box in list(self._boxes.values()))
+        return any(box.steps for box in list(self._boxes.values()))
 
-    def _box(self, where: str) -> tuple[Any, Any]:
+    def _other(self, where: str, step: int, numbers: dict) -> None:
+        """A health fact whose metrics are not its place's last (or its place's first): what
+        is boxed goes into columns first, then this fact, in the caller's thread; its metrics
+        become the box's. A metric never seen before updates `metrics` here."""
         with self._lock:
+            new = [name for name in map(str, numbers) if name not in self._seen]
             box = self._boxes.get(where)
             if box is None:
-                box = self._boxes[where] = ([].append, [].append)
-            return box
-
-    def _new_metrics(self, numbers: dict) -> None:
-        """A fact with a metric not seen before: `metrics` (and `metric`, if none was chosen)
-        are brought up to date now, in the caller's thread."""
-        with self._lock:
-            new = False
-            for k in numbers:
-                name = str(k)
-                if name not in self._seen:
-                    self._seen.append(name)
-                    new = True
-                self._keys.add(k)
+                box = self._boxes[where] = _Box()
+                self._places[where] = _Place()
+            self._empty(self._places[where], box)
+            self._row(self._places[where], step, numbers)
+            self._rows += 1
+            box.keys = tuple(numbers)
             if new:
+                self._seen.extend(new)
                 self.metrics = list(self._seen)
                 if not self.metric:
                     self.metric = self._seen[0]
 
     def _drain(self) -> None:
-        """Turn the facts waiting in the boxes into columns, a place's facts at a time (call
-        with the lock held)."""
-        for where, (put_numbers, put_step) in list(self._boxes.items()):
-            steps, dicts = put_step.__self__, put_numbers.__self__
-            n = len(steps)  # the numbers of each of these are in (appended first)
-            if not n:
-                continue
-            taken_steps, taken = steps[:n], dicts[:n]
-            del steps[:n], dicts[:n]
-            place = self._places.get(where)
-            if place is None:
-                place = self._places[where] = _Place()
-            self._fill(place, taken_steps, taken)
-            self._rows += n
+        """Turn the facts waiting in the boxes into columns (call with the lock held)."""
+        for where, box in list(self._boxes.items()):
+            if box.steps:
+                self._empty(self._places[where], box)
 
-    def _fill(self, place: _Place, steps: list[int], dicts: list[dict]) -> None:
-        """Append one place's facts: when they all carry the place's metrics, in its order, and
-        every value is a float, column by column (no Python per number); else fact by fact."""
-        if tuple(dicts[0]) != place.keys:
-            self._one(place, steps[0], dicts[0])
-            steps, dicts = steps[1:], dicts[1:]
-        keys = place.keys
-        # every fact's keys are the place's, in order: the keys one after another are the
-        # place's keys n times over (no dict holds a key twice, so none is shorter or longer)
-        if dicts and keys is not None and list(chain.from_iterable(dicts)) == [*keys] * len(dicts):
-            values = list(chain.from_iterable(map(dict.values, dicts)))
-            if set(map(type, values)) <= _FLOATS:
-                flat = array("d", values)
-                k = len(keys)
-                for j, append in enumerate(place.appends):
-                    append.__self__.extend(flat[j::k])
-                place.steps.extend(steps)
-                return
-        for step, numbers in zip(steps, dicts, strict=True):
-            self._one(place, step, numbers)
-
-    def _one(self, place: _Place, step: int, numbers: dict) -> None:
-        """Append one fact to its place's columns."""
-        if tuple(numbers) == place.keys:  # the same metrics as before, in the same order
+    def _empty(self, place: _Place, box: _Box) -> None:
+        """Append a box's facts to its place's columns, a batch at a time: when every value is
+        a float (the usual case) by a few C-level passes (one `array('d')` of all values, a
+        strided `extend` per column, holes for the columns the box's metrics leave out); else
+        fact by fact."""
+        steps = box.steps
+        n = len(steps)  # the values of each of these are in (they are put first)
+        if not n:
+            return
+        keys = box.keys
+        k = len(keys)
+        taken_steps, values = steps[:n], box.values[: n * k]
+        del steps[:n], box.values[: n * k]
+        self._rows += n
+        names = [str(key) for key in keys]
+        cols = [place.cols[name] for name in names]
+        given = set(names)
+        others = [col for name, col in place.cols.items() if name not in given]
+        if set(map(type, values)) <= _FLOATS:
+            flat = array("d", values)
+            for j, col in enumerate(cols):
+                col.extend(flat[j::k])
+            if others:
+                holes = _HOLE * n
+                for col in others:
+                    col.extend(holes)
+            place.steps.extend(taken_steps)
+            return
+        for i, step in enumerate(taken_steps):
+            for col, v in zip(cols, values[i * k : i * k + k], strict=True):
+                col.append(v if type(v) is float else self._odd(place, col, v))
+            for col in others:
+                col.append(_MISSING)
             place.steps.append(step)
-            # as long: the same keys (strict= would only cost time)
-            for append, v in zip(place.appends, numbers.values(), strict=False):
-                if type(v) is float:
-                    append(v)
-                else:
-                    append(self._odd(place, append.__self__, v))
-        else:
-            self._row(place, step, numbers)
 
     def _odd(self, place: _Place, col: array, value: Any) -> float:
         """A value that is not a float: an int or a numeric scalar as a float, anything else
@@ -276,10 +277,6 @@ class LiveAudit(anywidget.AnyWidget):
         for name, col in place.cols.items():
             if name not in given:
                 col.append(_MISSING)
-        # the quick path only for facts that fill every column
-        whole = len(given) == len(place.cols) and len(names) == len(numbers)
-        place.keys = tuple(numbers) if whole else None
-        place.appends = [col.append for col in order]
 
     def flush(self) -> None:
         """What the Trainer calls at the end of a step. Nothing to do: the sender thread sends
@@ -531,6 +528,7 @@ class LiveAudit(anywidget.AnyWidget):
 _ABSENT = object()
 _MISSING_PACKED = struct.pack("<d", _MISSING)
 _FLOATS = {float}
+_HOLE = array("d", [_MISSING])
 
 
 def _checked(fact: dict[str, Any]) -> tuple[str, int, dict]:
