@@ -172,6 +172,43 @@ def test_a_forward_hook_on_a_module_node_fires_on_its_worker(two):
     assert g.implementation("hooked").fired == 0  # the copy here never ran
 
 
+def test_a_node_sent_again_is_the_one_a_slice_runs_not_the_copy_compiled_before():
+    from somatize.remote.server import Server, Unknown
+
+    server = Server("token")
+
+    def plus(k: float) -> dict:
+        cls = Plus
+        return {
+            "key": "k",
+            "id": "p",
+            "module": cls.__module__,
+            "qualname": cls.__qualname__,
+            "args": {"k": k},
+            "state": None,
+            "device": None,
+            "pickled": None,
+        }
+
+    described = [[0, "k", "p", 0, None, None, "a", False, True]]
+    run = {"op": "run", "session": "s", "sid": "x", "given": {}, "input": 1.0, "timed": True}
+    got = server.answer({**run, "define": [plus(1.0)], "slice": described})
+    assert got["out"] == {0: 2.0} and [r[0] for r in got["ran"]] == ["p"]
+    assert server.answer({**run, "define": [], "slice": None})["out"] == {0: 2.0}  # by id
+    with pytest.raises(Unknown):  # the node was replaced: the slice compiled on it is gone
+        server.answer({**run, "define": [plus(5.0)], "slice": None})
+    assert server.answer({**run, "define": [], "slice": described})["out"] == {0: 6.0}
+    with pytest.raises(Unknown, match="node 'q'"):  # a slice naming a node never sent
+        server.answer(
+            {
+                **run,
+                "sid": "y",
+                "define": [],
+                "slice": [[0, "nope", "q", 0, None, None, "a", False, True]],
+            }
+        )
+
+
 def test_a_worker_error_keeps_its_type_and_names_node_and_host(two):
     g = Graph.somatize(Plus(1) >> Fails().named("boom").at("b"))
     with pytest.raises(KeyError) as caught:
