@@ -4,6 +4,7 @@ The browser halves are tested in a real Chromium under tests/browser/."""
 
 from __future__ import annotations
 
+import base64
 import math
 import re
 import time
@@ -158,7 +159,7 @@ def column(c, buffers):
     """A column as sent, as plain values: a hole None, a measured NaN a float NaN."""
     if isinstance(c, list):
         return c
-    raw = bytes(buffers[c["buffer"]])
+    raw = base64.b64decode(c["b64"]) if "b64" in c else bytes(buffers[c["buffer"]])
     values = np.frombuffer(raw, dtype="<f8")
     bits = np.frombuffer(raw, dtype="<u8")
     out = [None if b == HOLE else float(v) for v, b in zip(values, bits, strict=True)]
@@ -170,6 +171,8 @@ def column(c, buffers):
 def steps_of(steps):
     if isinstance(steps, list):
         return steps
+    if "b64" in steps:
+        return [int(v) for v in np.frombuffer(base64.b64decode(steps["b64"]), dtype="<f8")]
     first, count = steps["run"]
     return list(range(first, first + count))
 
@@ -221,7 +224,7 @@ def test_audit_batches_what_it_sends_and_sends_the_rest_later():
     assert [m["seq"] for m in audit.outbox] == list(range(1, len(audit.outbox) + 1))
     assert audit._thread is None  # the sender stops when the facts do
     # and the picture a page without a kernel draws has caught up
-    picture = audit.picture
+    picture = plain(audit.picture, [])
     assert picture["kind"] == "reset" and len(picture["places"][0][1]) <= 240
     assert picture["places"][0][1][-1] == 499 and picture["loss"][0][-1] == 499
     audit(health("enc", 500, grad_norm=0.2))  # a new fact wakes the sender again
@@ -256,7 +259,7 @@ def test_audit_flags_with_the_health_verdict_and_keeps_nan_apart_from_holes():
     assert math.isnan(frame.loc[3, "grad_norm"]) and frame.loc[3, "zero"] == 0.99
     assert audit.metrics == ["grad_norm", "zero"]
     # the picture carries the flags too
-    picture = {p[0]: p for p in audit.picture["places"]}
+    picture = {p[0]: p for p in plain(audit.picture, [])["places"]}
     assert picture["head"][3] == [[0, ["VANISHING"]]]
 
 
@@ -408,10 +411,11 @@ def test_audit_picture_is_binned_to_240_steps_with_flags_kept():
     for step in range(1000, 2500):  # more loss points than the picture keeps
         audit({"fact": "loss", "value": 1.0, "step": step})
     audit.sync()
-    where, steps, columns, flagged = audit.picture["places"][0]
+    assert all("b64" in c for c in audit.picture["places"][0][2].values())  # a string each
+    where, steps, columns, flagged = plain(audit.picture, [])["places"][0]
     assert len(steps) <= 240 and steps[-1] == 999 and len(columns["grad_norm"]) == len(steps)
     assert len(flagged) == 1 and flagged[0][1] == ["VANISHING"]  # one bin holds step 501
-    loss_steps = audit.picture["loss"][0]
+    loss_steps = plain(audit.picture, [])["loss"][0]
     assert len(loss_steps) <= 1001 and loss_steps[-1] == 2499
 
 

@@ -76,15 +76,29 @@ function bytesOf(b) {
   return b.buffer.slice(b.byteOffset, b.byteOffset + b.byteLength);
 }
 
-// A column as the kernel sends it, as plain values: a list as it is; {buffer: i, odd} reads
-// buffers[i] as float64 (a hole as null, a measured NaN or infinity as itself), then puts the
-// values kept aside (no numbers) at their rows
+function fromBase64(text) {
+  const raw = atob(text);
+  const bytes = new Uint8Array(raw.length);
+  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+  return bytes.buffer;
+}
+
+// the bytes a binary column names: buffers[i] ({buffer: i}, from a kernel's message) or
+// base64 text ({b64}, in the picture); null for a plain list
+function bytesFor(c, buffers) {
+  if (!c || typeof c !== "object" || Array.isArray(c)) return null;
+  if (typeof c.b64 === "string") return fromBase64(c.b64);
+  const raw = c.buffer !== undefined && buffers ? buffers[c.buffer] : null;
+  return raw ? bytesOf(raw) : null;
+}
+
+// A column as the kernel sends it, as plain values: a list as it is; a binary one read as
+// float64 (a hole as null, a measured NaN or infinity as itself), then the values kept aside
+// (no numbers) put at their rows
 function column(c, buffers) {
   if (Array.isArray(c)) return c;
-  if (!c || typeof c !== "object" || c.buffer === undefined) return [];
-  const raw = buffers && buffers[c.buffer];
-  if (!raw) return [];
-  const bytes = bytesOf(raw);
+  const bytes = bytesFor(c, buffers);
+  if (!bytes) return [];
   const f = new Float64Array(bytes);
   const w = new Uint32Array(bytes);
   const out = new Array(f.length);
@@ -96,12 +110,15 @@ function column(c, buffers) {
   return out;
 }
 
-// steps as a list, or a run of consecutive steps {run: [first, count]}
+// steps as a list, a run of consecutive steps {run: [first, count]}, or float64 ({b64})
 function stepsOf(st) {
   if (Array.isArray(st)) return st;
-  if (!st || !Array.isArray(st.run)) return [];
-  const [first, count] = st.run;
-  return Array.from({ length: count }, (_, i) => first + i);
+  if (st && Array.isArray(st.run)) {
+    const [first, count] = st.run;
+    return Array.from({ length: count }, (_, i) => first + i);
+  }
+  const bytes = bytesFor(st, null);
+  return bytes ? Array.from(new Float64Array(bytes)) : [];
 }
 
 // a message with binary columns and runs of steps, as the JSON shape `take` reads
@@ -155,7 +172,7 @@ function fromPicture(model) {
   const p = model.get("picture");
   if (s.live || !p || !p.kind) return;
   clear(s);
-  take(s, p);
+  take(s, plain(p, []));
   s.seq = 0;
   for (const f of s.listeners) f();
 }

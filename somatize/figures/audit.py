@@ -20,6 +20,7 @@ or a static page shows what was seen. Whoever reads (`frame()`, `sync()`, a late
 
 from __future__ import annotations
 
+import base64
 import struct
 import sys
 import threading
@@ -406,8 +407,8 @@ class LiveAudit(anywidget.AnyWidget):
         loss_n = min(len(self._loss_steps), len(self._loss_values))
         keep = _thinned(loss_n, _PICTURE_LOSS)
         loss = [
-            np.frombuffer(self._loss_steps[:loss_n], dtype=np.int64)[keep].tolist(),
-            _json_column(array("d", np.frombuffer(self._loss_values[:loss_n])[keep]), 0, len(keep)),
+            _b64(np.frombuffer(self._loss_steps[:loss_n], dtype=np.int64)[keep]),
+            _b64(np.frombuffer(self._loss_values[:loss_n])[keep]),
         ]
         places = []
         for where, place in list(self._places.items()):
@@ -415,7 +416,7 @@ class LiveAudit(anywidget.AnyWidget):
             per = max(1, -(-n // _PICTURE_COLUMNS))
             last = np.minimum(np.arange(per - 1, n + per - 1, per), n - 1)
             values = {
-                name: _json_column(array("d", np.frombuffer(col[:n])[last]), 0, len(last))
+                name: _b64(np.frombuffer(col[:n])[last])
                 for name, col in list(place.cols.items())
                 if name == self.metric
             }
@@ -424,7 +425,7 @@ class LiveAudit(anywidget.AnyWidget):
                 if r < n:
                     binned.setdefault(r // per, set()).update(f)
             flags = [[b, sorted(f)] for b, f in sorted(binned.items())]
-            steps = np.frombuffer(place.steps[:n], dtype=np.int64)[last].tolist()
+            steps = _b64(np.frombuffer(place.steps[:n], dtype=np.int64)[last])
             places.append([where, steps, values, flags])
         self.picture = {
             "kind": "reset",
@@ -569,6 +570,12 @@ def _number(value: Any) -> float:
         return float(value)
     except (TypeError, ValueError):
         return float("nan")
+
+
+def _b64(a: np.ndarray) -> dict[str, str]:
+    """Numbers as little-endian float64, base64 text: `{"b64": ...}`. What `picture` holds:
+    a synced trait is walked element by element and serialised as JSON, one string is not."""
+    return {"b64": base64.b64encode(a.astype("<f8").tobytes()).decode("ascii")}
 
 
 def _steps(steps: array, lo: int, hi: int, compact: bool) -> Any:
