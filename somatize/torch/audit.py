@@ -20,6 +20,7 @@ Forward hooks and tensor hooks only, never full backward hooks (those break on i
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -98,9 +99,10 @@ class Audit:
         self._prev_norms: list[torch.Tensor] = []
         self._prev_values: list[float] | None = None
         self._order: list[_Place] = []
-        # this measured step's outputs so far, by id (the tensor kept, so the id stays its own),
-        # and the places that saw one of them again
-        self._seen: dict[int, tuple[torch.Tensor, _Place, int]] = {}
+        # this measured step's outputs so far, by id (with a weak reference, so that an id
+        # reused by another tensor is told apart, and nothing is kept alive by it: with
+        # micro-batches a step has several forwards), and the places that saw one again
+        self._seen: dict[int, tuple[weakref.ref, _Place, int]] = {}
         self._twins: list[tuple[_Place, _Place]] = []
         self._sums: list[torch.Tensor] = []
 
@@ -242,14 +244,14 @@ class Audit:
         seen = self._seen.get(id(t))
         if seen is not None:
             same, first, version = seen
-            if same is t and version == t._version and first.saturates == place.saturates:
+            if same() is t and version == t._version and first.saturates == place.saturates:
                 place.at, place.size, place.kept = first.at, first.size, first.kept
                 place.out_grad = None
                 self._twins.append((place, first))
                 if self._features or place.groups is not None:
                     place.features = channel_view(first.kept, place.conv)
                 return
-        self._seen[id(t)] = (t, place, t._version)
+        self._seen[id(t)] = (weakref.ref(t), place, t._version)
         a = t.detach()
         if a.dtype is not torch.float32 and a.dtype is not torch.float64:
             a = a.float()  # a count summed in half precision is not a count
