@@ -276,6 +276,30 @@ def test_a_frame_of_several_pieces_is_bound_piece_by_piece_and_in_order():
         wire.unpack(TOKEN, [frames[0], swapped])
 
 
+FORKED = """
+import os, torch
+torch.set_num_threads(1)  # (torch's own OpenMP threads do not survive a fork either)
+from somatize.remote import wire
+t = torch.randn(5 << 20)  # several GMAC pieces: hashed on the pool's threads
+frames = [bytes(memoryview(f)) for f in wire.pack("k", {"x": t})]
+assert torch.equal(wire.unpack("k", frames)["x"], t)
+pid = os.fork()
+if pid == 0:  # the parent's pool threads do not exist here: a new pool is made
+    os._exit(0 if torch.equal(wire.unpack("k", frames)["x"], t) else 1)
+print(os.waitpid(pid, 0)[1])
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork only")
+def test_a_forked_child_checks_large_frames_on_threads_of_its_own():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
+
+
 def test_the_server_drops_a_tampered_data_frame_runs_nothing_and_goes_on():
     server = Server(TOKEN)
     request = {"op": "define", "rid": 1, "session": "s", "define": [], "x": torch.randn(300, 300)}

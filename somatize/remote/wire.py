@@ -80,7 +80,7 @@ _MAC = b"smz small tag"  # domain of the tag of a message under _TINY bytes
 _ONE = struct.Struct("<4s2Q")  # the count and lengths of a one-frame message
 _AT = struct.Struct("<IQ")  # a GMAC nonce: which frame, which piece of it
 _blake2b = hashlib.blake2b
-_TINY = 2048  # below this keyed BLAKE2b is faster than deriving a key and calling Poly1305
+_TINY = 2048  # bytes outside large frames up to which BLAKE2b tags (above: Poly1305, faster)
 _NONCE = 16
 _SEAL = len(MAGIC) + _NONCE + 16  # the first frame's bytes before its header
 _PIECE = 8 << 20  # a large frame is GMACed in pieces of this size (on several threads)
@@ -189,16 +189,20 @@ def _gmac(gmac: Any, i: int, view: memoryview) -> list[bytes]:
 
 
 _threads: Any = None
+_threads_pid = 0
 
 
 def _pool() -> Any:
-    global _threads
-    if _threads is None:
+    """The threads large frames are GMACed on, made on first use (and made again in a forked
+    child, where the parent's threads do not exist)."""
+    global _threads, _threads_pid
+    if _threads is None or _threads_pid != os.getpid():
         from concurrent.futures import ThreadPoolExecutor
 
         _threads = ThreadPoolExecutor(
             max_workers=max(2, min(4, os.cpu_count() or 2)), thread_name_prefix="somatize-gmac"
         )
+        _threads_pid = os.getpid()
     return _threads
 
 
