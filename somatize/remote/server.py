@@ -307,7 +307,7 @@ class Compiled:
     `graph.implementation(id)` (itself).
     """
 
-    __slots__ = ("steps", "ids", "wanted", "held", "graph")
+    __slots__ = ("steps", "ids", "wanted", "held")
 
     def __init__(self, described: list[Any], nodes: dict[str, Any]) -> None:
         from somatize import _hooks
@@ -336,7 +336,11 @@ class Compiled:
                 wanted.append(slot)
         self.steps = tuple(steps)
         self.wanted = tuple(wanted)
-        self.graph = self
+
+    @property
+    def graph(self) -> Compiled:
+        """Itself (a property, not an attribute: no cycle keeps its nodes alive)."""
+        return self
 
     def implementation(self, nid: str) -> Any:
         """The node that runs as `nid` (for `walk`'s note on a failure)."""
