@@ -356,6 +356,27 @@ def test_audit_columns_are_what_the_facts_said_whatever_the_batching():
                 assert (got == want[name]) if name in want else math.isnan(got)
 
 
+def test_audit_keeps_bools_aside_and_judges_them_as_an_audit_sends_them():
+    # what somatize.torch.Audit sends: NaN and infinity as bools, channel counts as ints
+    audit = Relay(interval=10.0)
+    for step in range(300):
+        numbers = {"grad_norm": 0.1, "nan": step == 123, "inf": False, "dead_channels": 0}
+        audit(health("enc", step, **numbers))
+    audit(health("enc", 300, grad_norm=0.1, nan=False, inf=True, dead_channels=2))
+    audit.sync()  # one batch: the sender thread has not run
+    frame = audit.frame()
+    flagged = {s: f for s, f in zip(frame["step"], frame["flags"], strict=True) if f}
+    assert flagged == {123: ["NAN"], 300: ["INF", "DEAD_CHANNELS(2)"]}
+    assert frame["nan"].tolist()[122:124] == [False, True]  # kept as they were
+    assert frame["dead_channels"].tolist()[-2:] == [0.0, 2.0]  # an int is a number
+    cells = {c[1]: c for c in cells_of(audit.outbox)}
+    assert cells[123][3] == ["NAN"] and cells[5][3] == []
+    audit.metric = "nan"  # a metric of bools: sent as they are, beside the holes
+    (content, buffers) = audit.raw[-1]
+    assert content["places"][0][2]["nan"]["odd"][123] == [123, True]
+    assert cells_of(audit.outbox[-1:])[123][2] == {"nan": True}
+
+
 def test_the_verdict_screen_keeps_every_row_the_verdict_would_flag():
     import numpy as np
 

@@ -27,6 +27,7 @@ import threading
 import time
 from array import array
 from bisect import bisect_left
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +36,8 @@ import numpy as np
 import traitlets
 
 from somatize.figures._page import STATIC, jsonable, page
+from somatize.figures._screen import ALARMS, screen_of
 from somatize.figures._screen import MISSING_BITS as _MISSING_BITS
-from somatize.figures._screen import screen_of
 
 __all__ = ["LiveAudit"]
 
@@ -57,12 +58,13 @@ def _verdict_function() -> Any:
 class _Place:
     """What one watched place has seen: row i is one health fact (its step, its numbers)."""
 
-    __slots__ = ("cols", "flag_rows", "flags", "judged", "odd", "sent", "steps")
+    __slots__ = ("alarms", "cols", "flag_rows", "flags", "judged", "odd", "sent", "steps")
 
     def __init__(self) -> None:
         self.steps = array("q")
         self.cols: dict[str, array] = {}  # metric -> one value per row (_MISSING where absent)
         self.odd: dict[tuple[int, str], Any] = {}  # (row, metric) -> a value that is no number
+        self.alarms: list[int] = []  # rows (ascending) whose values kept aside can raise a flag
         self.flags: dict[int, list[str]] = {}  # row -> the verdict's flags, where it raised any
         self.flag_rows: list[int] = []  # the rows in `flags`, ascending (judged in order)
         self.judged = 0  # rows the verdict has read
@@ -100,7 +102,7 @@ class LiveAudit(anywidget.AnyWidget):
     Call it with facts (pass it as `watching=`); it keeps `loss` and `health` facts and ignores
     the rest. What is new goes to the browser at most every `interval` seconds (0.25 by
     default), from a sender thread (and once more after the last fact); `sync()` sends now. A
-    fact is handed over as it is when taken (its numbers are copied). `frame()` and `loss` give
+    fact is kept as it is when taken (its values are read then). `frame()` and `loss` give
     what it has seen, `metrics` the metrics the facts carried, all current as soon as a fact is
     taken. The page is sent the chosen `metric`'s values (and every flag); choosing another
     sends that one's. `picture` is a compact copy of the heatmap for the chosen metric (at most
@@ -217,9 +219,10 @@ class LiveAudit(anywidget.AnyWidget):
 
     def _empty(self, place: _Place, box: _Box) -> None:
         """Append a box's facts to its place's columns, a batch at a time: when every value is
-        a float (the usual case) by a few C-level passes (one `array('d')` of all values, a
-        strided `extend` per column, holes for the columns the box's metrics leave out); else
-        fact by fact."""
+        a float by a few C-level passes (one `array('d')` of all values, a strided `extend`
+        per column, holes for the columns the box's metrics leave out); else column by column
+        (floats and ints at once, a column of bools kept aside at once, anything else value by
+        value)."""
         steps = box.steps
         n = len(steps)  # the values of each of these are in (they are put first)
         if not n:
@@ -233,38 +236,54 @@ class LiveAudit(anywidget.AnyWidget):
         cols = [place.cols[name] for name in names]
         given = set(names)
         others = [col for name, col in place.cols.items() if name not in given]
+        alarms = len(place.alarms)
         if set(map(type, values)) <= _FLOATS:
             flat = array("d", values)
             for j, col in enumerate(cols):
                 col.extend(flat[j::k])
-            if others:
-                holes = _HOLE * n
-                for col in others:
-                    col.extend(holes)
-            place.steps.extend(taken_steps)
-            return
-        for i, step in enumerate(taken_steps):
-            for col, v in zip(cols, values[i * k : i * k + k], strict=True):
-                col.append(v if type(v) is float else self._odd(place, col, v))
+        else:  # column by column: floats and ints at once, anything else value by value
+            types = list(map(type, values))
+            for j, col in enumerate(cols):
+                column = values[j::k]
+                kinds = set(types[j::k])
+                if kinds <= _NUMBERS:
+                    col.extend(array("d", column))
+                elif kinds == _BOOLS:  # kept aside, the column holding holes
+                    name, row = names[j], len(col)
+                    at = zip(range(row, row + n), repeat(name), strict=False)  # repeat: endless
+                    place.odd.update(zip(at, column, strict=True))
+                    if name in ALARMS and True in column:
+                        place.alarms += [row + i for i, v in enumerate(column) if v is True]
+                    col.extend(_HOLE * n)
+                else:
+                    for v in column:
+                        col.append(v if type(v) is float else self._odd(place, col, v, names[j]))
+        if others:
+            holes = _HOLE * n
             for col in others:
-                col.append(_MISSING)
-            place.steps.append(step)
+                col.extend(holes)
+        place.steps.extend(taken_steps)
+        if len(place.alarms) > alarms:
+            _ordered(place.alarms, alarms)
 
-    def _odd(self, place: _Place, col: array, value: Any) -> float:
-        """A value that is not a float: an int or a numeric scalar as a float, anything else
-        (a bool, a string, None) kept aside, the column holding 'absent'."""
+    def _odd(self, place: _Place, col: array, value: Any, name: str) -> float:
+        """A value that is not a float for `col` (metric `name`): an int or a numeric scalar
+        as a float, anything else (a bool, a string, None) kept aside, the column holding
+        'absent'."""
         if not isinstance(value, bool):
             try:
                 return float(value)
             except (TypeError, ValueError):
                 pass
-        name = next((k for k, c in place.cols.items() if c is col), None)
-        if name is not None:
-            place.odd[(len(col), name)] = value
+        row = len(col)
+        place.odd[(row, name)] = value
+        if value is True and name in ALARMS:
+            place.alarms.append(row)  # put in order by _ordered
         return _MISSING
 
     def _row(self, place: _Place, step: int, numbers: dict) -> None:
         """A fact whose metrics differ from its place's last: new columns, holes filled."""
+        alarms = len(place.alarms)
         row = len(place.steps)
         names = [str(k) for k in numbers]
         for name in names:
@@ -272,12 +291,14 @@ class LiveAudit(anywidget.AnyWidget):
                 place.cols[name] = array("d", [_MISSING]) * row
         order = [place.cols[name] for name in names]
         place.steps.append(step)
-        for col, v in zip(order, numbers.values(), strict=True):
-            col.append(v if type(v) is float else self._odd(place, col, v))
+        for col, name, v in zip(order, names, numbers.values(), strict=True):
+            col.append(v if type(v) is float else self._odd(place, col, v, name))
         given = set(names)
         for name, col in place.cols.items():
             if name not in given:
                 col.append(_MISSING)
+        if len(place.alarms) > alarms:
+            _ordered(place.alarms, alarms)
 
     def flush(self) -> None:
         """What the Trainer calls at the end of a step. Nothing to do: the sender thread sends
@@ -333,12 +354,14 @@ class LiveAudit(anywidget.AnyWidget):
             place.judged = max(lo, n)
             return
         views = {name: np.frombuffer(col[lo:n], dtype=np.float64) for name, col in cols}
-        rows = self._screen(views, n - lo)
+        rows = self._screen(views, n - lo).tolist()
         if place.odd:
-            extra = {r - lo for r, _ in place.odd if lo <= r < n}
-            rows = sorted(set(rows.tolist()) | extra) if extra else rows.tolist()
-        else:
-            rows = rows.tolist()
+            # the values kept aside the screen cannot see: for the default verdict only a True
+            # under ALARMS can raise a flag; any other verdict reads every row anyway
+            alarms = place.alarms
+            extra = {r - lo for r in alarms[bisect_left(alarms, lo) :] if r < n}
+            if extra:
+                rows = sorted(set(rows) | extra)
         for i in rows:
             numbers = {}
             for name, view in views.items():
@@ -497,13 +520,16 @@ class LiveAudit(anywidget.AnyWidget):
             for where, place in list(self._places.items()):
                 n = place.judged
                 data: dict[str, Any] = {"where": [where] * n, "step": place.steps[:n].tolist()}
+                aside: dict[str, list[tuple[int, Any]]] = {}
+                for (r, m), v in place.odd.items():
+                    if r < n:
+                        aside.setdefault(m, []).append((r, v))
                 for name, col in list(place.cols.items()):
                     a = np.frombuffer(col[:n], dtype=np.float64).copy()
-                    if place.odd:
+                    if name in aside:
                         column: Any = a.tolist()
-                        for (r, m), v in place.odd.items():
-                            if m == name and r < n:
-                                column[r] = v
+                        for r, v in aside[name]:
+                            column[r] = v
                         data[name] = column
                     else:
                         data[name] = a
@@ -529,6 +555,8 @@ class LiveAudit(anywidget.AnyWidget):
 _ABSENT = object()
 _MISSING_PACKED = struct.pack("<d", _MISSING)
 _FLOATS = {float}
+_NUMBERS = {float, int}
+_BOOLS = {bool}
 _HOLE = array("d", [_MISSING])
 
 
@@ -572,6 +600,12 @@ def _number(value: Any) -> float:
         return float("nan")
 
 
+def _ordered(rows: list[int], start: int) -> None:
+    """Rows added from `start` on (all past the earlier ones, added column by column), sorted
+    and each once, so the list stays ascending."""
+    rows[start:] = sorted(set(rows[start:]))
+
+
 def _b64(a: np.ndarray) -> dict[str, str]:
     """Numbers as little-endian float64, base64 text: `{"b64": ...}`. What `picture` holds:
     a synced trait is walked element by element and serialised as JSON, one string is not."""
@@ -609,7 +643,12 @@ def _column(
     out: dict[str, Any] = {"buffer": len(buffers)}
     buffers.append(memoryview(part).cast("B"))
     if odd:
-        kept = [[r - lo, jsonable(v)] for (r, m), v in odd.items() if m == name and lo <= r < hi]
+        a = np.frombuffer(part, dtype="<u8")
+        kept = []
+        for i in np.flatnonzero(a == _MISSING_BITS).tolist():
+            v = odd.get((lo + i, name), _ABSENT)
+            if v is not _ABSENT:
+                kept.append([i, jsonable(v)])
         if kept:
             out["odd"] = kept
     return out
