@@ -375,6 +375,36 @@ def test_audit_keeps_bools_aside_and_judges_them_as_an_audit_sends_them():
     (content, buffers) = audit.raw[-1]
     assert content["places"][0][2]["nan"]["odd"][123] == [123, True]
     assert cells_of(audit.outbox[-1:])[123][2] == {"nan": True}
+    # a bool costs its column's 8 bytes, not an entry kept aside: a long run stays small
+    assert audit._places["enc"].odd == {}
+    assert audit.snapshot()["places"][0][2]["nan"][122:124] == [False, True]
+
+
+def test_the_screen_reads_a_bool_in_a_column_as_no_number():
+    from somatize.figures._screen import FALSE_BITS, MISSING_BITS, TRUE_BITS, screen_of
+    from somatize.health import verdict
+
+    words = np.array([FALSE_BITS, TRUE_BITS, MISSING_BITS, FALSE_BITS], dtype=np.uint64)
+    nan = words.view(np.float64).copy()
+    nan[3] = float("nan")  # a measured NaN is a NaN, whatever the metric
+    kept = screen_of(verdict)({"nan": nan, "grad_norm": np.full(4, 0.1)}, 4)
+    assert kept.tolist() == [3]  # a True under nan reaches the verdict through the alarms
+
+
+def test_audit_refuses_a_step_past_64_bits_in_the_callers_thread_and_loses_nothing():
+    audit = Relay(interval=0.01, verdict=None)
+    audit(health("enc", 0, grad_norm=0.5))
+    with pytest.raises(ValueError, match="64 bits"):
+        audit(health("enc", 1 << 70, grad_norm=0.5))
+    with pytest.raises(ValueError, match="64 bits"):
+        audit({"fact": "loss", "value": 1.0, "step": -(1 << 63) - 1})
+    audit(health("enc", 1, grad_norm=10**400))  # past a float's range: kept as it is
+    audit(health("enc", 2, grad_norm=0.25))
+    time.sleep(0.05)  # the sender has turned the batch into columns meanwhile
+    frame = audit.frame()
+    assert frame["step"].tolist() == [0, 1, 2]
+    assert frame["grad_norm"].tolist() == [0.5, 10**400, 0.25]
+    assert audit.loss == []
 
 
 def test_the_verdict_screen_keeps_every_row_the_verdict_would_flag():

@@ -18,11 +18,18 @@ import numpy as np
 # "absent" in a column: a NaN with a payload of its own, told apart from a measured NaN by its
 # bits (a place whose facts do not all carry the same metrics has holes)
 MISSING_BITS = 0x7FF8_534D_5A00_0001
+# a bool in a column (the live audit keeps nan/inf flags this way, 8 bytes a value): NaNs with
+# payloads of their own next to MISSING_BITS, absent to the screen like a hole
+FALSE_BITS = MISSING_BITS + 1
+TRUE_BITS = MISSING_BITS + 2
 
-# a value that is not a number (kept aside by the live audit, a hole in its column) raises a
+# a value that is not a number (a bool, or something kept aside by the live audit) raises a
 # flag under the default verdict only as True under one of these (the verdict reads a bool
 # nowhere else): so only those rows need the verdict besides the ones the screen keeps
 ALARMS = frozenset({"nan", "inf"})
+
+_MISSING = np.uint64(MISSING_BITS)
+_SPECIALS = np.uint64(TRUE_BITS - MISSING_BITS)
 
 Screen = Callable[[Mapping[str, np.ndarray], int], np.ndarray]
 
@@ -67,7 +74,9 @@ def screen_of(verdict: Callable | None) -> Screen:
                 # a NaN that is not 'absent' is NAN; an infinity is INF
                 odd = ~np.isfinite(a)
                 if odd.any():
-                    present = a.view(np.uint64) != MISSING_BITS
+                    # neither a hole nor a bool (MISSING_BITS .. TRUE_BITS; the subtraction
+                    # wraps for anything below, so that is "present" too)
+                    present = a.view(np.uint64) - _MISSING > _SPECIALS
                     hit |= odd & present
                     a = np.where(present, a, np.nan)  # canonical NaN: false in every test
                 if name not in _READ:

@@ -27,7 +27,6 @@ import threading
 import time
 from array import array
 from bisect import bisect_left
-from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +35,17 @@ import numpy as np
 import traitlets
 
 from somatize.figures._page import STATIC, jsonable, page
-from somatize.figures._screen import ALARMS, screen_of
+from somatize.figures._screen import ALARMS, FALSE_BITS, TRUE_BITS, screen_of
 from somatize.figures._screen import MISSING_BITS as _MISSING_BITS
 
 __all__ = ["LiveAudit"]
 
 # "absent" in a column (a place whose facts do not all carry the same metrics has holes)
 _MISSING: float = struct.unpack("<d", struct.pack("<Q", _MISSING_BITS))[0]
+# a bool in a column: NaNs with payloads of their own (8 bytes a value, nothing kept aside),
+# indexed by the bool
+_BOOL_FLOATS = tuple(struct.unpack("<d", struct.pack("<Q", b))[0] for b in (FALSE_BITS, TRUE_BITS))
+_STEP_RANGE = range(-(1 << 63), 1 << 63)  # what an array("q") of steps holds
 _PICTURE_COLUMNS = 240  # the page bins past this many steps anyway
 _PICTURE_LOSS = 1000
 
@@ -63,8 +66,9 @@ class _Place:
     def __init__(self) -> None:
         self.steps = array("q")
         self.cols: dict[str, array] = {}  # metric -> one value per row (_MISSING where absent)
-        self.odd: dict[tuple[int, str], Any] = {}  # (row, metric) -> a value that is no number
-        self.alarms: list[int] = []  # rows (ascending) whose values kept aside can raise a flag
+        # (row, metric) -> a value that is neither a number nor a bool (bools are in the columns)
+        self.odd: dict[tuple[int, str], Any] = {}
+        self.alarms: list[int] = []  # rows (ascending) with a True under ALARMS (nan, inf)
         self.flags: dict[int, list[str]] = {}  # row -> the verdict's flags, where it raised any
         self.flag_rows: list[int] = []  # the rows in `flags`, ascending (judged in order)
         self.judged = 0  # rows the verdict has read
@@ -165,7 +169,12 @@ class LiveAudit(anywidget.AnyWidget):
         kind = fact.get("fact")
         if kind == "health":
             where, step, numbers = fact.get("where"), fact.get("step"), fact.get("numbers")
-            if type(where) is not str or type(step) is not int or type(numbers) is not dict:
+            if (
+                type(where) is not str
+                or type(step) is not int
+                or type(numbers) is not dict
+                or step not in _STEP_RANGE
+            ):
                 where, step, numbers = _checked(fact)
             box = self._boxes.get(where)
             # the usual case: the metrics of this place's last fact, in the same order
@@ -176,7 +185,7 @@ class LiveAudit(anywidget.AnyWidget):
                 self._other(where, step, numbers)
         elif kind == "loss":
             value, step = fact.get("value"), fact.get("step")
-            if type(step) is not int:
+            if type(step) is not int or step not in _STEP_RANGE:
                 step = len(self._loss_steps) if step is None else _integer(step, fact)
             if type(value) is not float:
                 value = _number(value)
@@ -221,8 +230,8 @@ class LiveAudit(anywidget.AnyWidget):
         """Append a box's facts to its place's columns, a batch at a time: when every value is
         a float by a few C-level passes (one `array('d')` of all values, a strided `extend`
         per column, holes for the columns the box's metrics leave out); else column by column
-        (floats and ints at once, a column of bools kept aside at once, anything else value by
-        value)."""
+        (floats and ints at once, a column of bools at once as NaNs with payloads, anything
+        else value by value)."""
         steps = box.steps
         n = len(steps)  # the values of each of these are in (they are put first)
         if not n:
@@ -247,17 +256,19 @@ class LiveAudit(anywidget.AnyWidget):
                 column = values[j::k]
                 kinds = set(types[j::k])
                 if kinds <= _NUMBERS:
-                    col.extend(array("d", column))
-                elif kinds == _BOOLS:  # kept aside, the column holding holes
+                    try:
+                        col.extend(array("d", column))
+                        continue
+                    except OverflowError:  # an int past float's range: value by value
+                        pass
+                elif kinds == _BOOLS:  # as NaNs with a payload for each bool
                     name, row = names[j], len(col)
-                    at = zip(range(row, row + n), repeat(name), strict=False)  # repeat: endless
-                    place.odd.update(zip(at, column, strict=True))
                     if name in ALARMS and True in column:
                         place.alarms += [row + i for i, v in enumerate(column) if v is True]
-                    col.extend(_HOLE * n)
-                else:
-                    for v in column:
-                        col.append(v if type(v) is float else self._odd(place, col, v, names[j]))
+                    col.extend(array("d", map(_BOOL_FLOATS.__getitem__, column)))
+                    continue
+                for v in column:
+                    col.append(v if type(v) is float else self._odd(place, col, v, names[j]))
         if others:
             holes = _HOLE * n
             for col in others:
@@ -268,17 +279,18 @@ class LiveAudit(anywidget.AnyWidget):
 
     def _odd(self, place: _Place, col: array, value: Any, name: str) -> float:
         """A value that is not a float for `col` (metric `name`): an int or a numeric scalar
-        as a float, anything else (a bool, a string, None) kept aside, the column holding
-        'absent'."""
-        if not isinstance(value, bool):
-            try:
-                return float(value)
-            except (TypeError, ValueError):
-                pass
+        as a float, a bool as its own NaN, anything else (a string, None, an int past float's
+        range) kept aside, the column holding 'absent'."""
         row = len(col)
+        if isinstance(value, bool):
+            if value and name in ALARMS:
+                place.alarms.append(row)  # put in order by _ordered
+            return _BOOL_FLOATS[value]
+        try:
+            return float(value)
+        except (TypeError, ValueError, OverflowError):
+            pass
         place.odd[(row, name)] = value
-        if value is True and name in ALARMS:
-            place.alarms.append(row)  # put in order by _ordered
         return _MISSING
 
     def _row(self, place: _Place, step: int, numbers: dict) -> None:
@@ -355,9 +367,9 @@ class LiveAudit(anywidget.AnyWidget):
             return
         views = {name: np.frombuffer(col[lo:n], dtype=np.float64) for name, col in cols}
         rows = self._screen(views, n - lo).tolist()
-        if place.odd:
-            # the values kept aside the screen cannot see: for the default verdict only a True
-            # under ALARMS can raise a flag; any other verdict reads every row anyway
+        if place.alarms:
+            # the bools the screen cannot see: for the default verdict only a True under
+            # ALARMS can raise a flag; any other verdict reads every row anyway
             alarms = place.alarms
             extra = {r - lo for r in alarms[bisect_left(alarms, lo) :] if r < n}
             if extra:
@@ -366,11 +378,12 @@ class LiveAudit(anywidget.AnyWidget):
             numbers = {}
             for name, view in views.items():
                 v = float(view[i])
-                if v != v and struct.pack("<d", v) == _MISSING_PACKED:
-                    odd = place.odd.get((lo + i, name), _ABSENT)
-                    if odd is not _ABSENT:
-                        numbers[name] = odd
-                    continue
+                if v != v:
+                    special = _special(v, place.odd, lo + i, name)
+                    if special is not _NUMBER:
+                        if special is not _ABSENT:
+                            numbers[name] = special
+                        continue
                 numbers[name] = v
             flags = [str(f) for f in self._verdict(numbers)]
             if flags:
@@ -439,7 +452,7 @@ class LiveAudit(anywidget.AnyWidget):
             per = max(1, -(-n // _PICTURE_COLUMNS))
             last = np.minimum(np.arange(per - 1, n + per - 1, per), n - 1)
             values = {
-                name: _b64(np.frombuffer(col[:n])[last])
+                name: _b64(_holes_for_bools(np.frombuffer(col[:n])[last]))
                 for name, col in list(place.cols.items())
                 if name == self.metric
             }
@@ -526,10 +539,13 @@ class LiveAudit(anywidget.AnyWidget):
                         aside.setdefault(m, []).append((r, v))
                 for name, col in list(place.cols.items()):
                     a = np.frombuffer(col[:n], dtype=np.float64).copy()
-                    if name in aside:
+                    bools = _bools_in(a)
+                    if name in aside or bools.size:
                         column: Any = a.tolist()
-                        for r, v in aside[name]:
+                        for r, v in aside.get(name, ()):
                             column[r] = v
+                        for r in bools.tolist():
+                            column[r] = _special(column[r], None, r, name)
                         data[name] = column
                     else:
                         data[name] = a
@@ -553,7 +569,9 @@ class LiveAudit(anywidget.AnyWidget):
 
 
 _ABSENT = object()
-_MISSING_PACKED = struct.pack("<d", _MISSING)
+_NUMBER = object()
+_UNPACK_BITS = struct.Struct("<Q").unpack
+_PACK_FLOAT = struct.Struct("<d").pack
 _FLOATS = {float}
 _NUMBERS = {float, int}
 _BOOLS = {bool}
@@ -578,11 +596,46 @@ def _checked(fact: dict[str, Any]) -> tuple[str, int, dict]:
 
 def _integer(step: Any, fact: dict[str, Any]) -> int:
     try:
-        if isinstance(step, bool) or float(step) != int(step):
+        if isinstance(step, bool) or (not isinstance(step, int) and float(step) != int(step)):
             raise ValueError
-        return int(step)
+        step = int(step)
     except (TypeError, ValueError, OverflowError):
         raise ValueError(f"a fact's 'step' is an integer, not {step!r} (in {fact!r})") from None
+    if step not in _STEP_RANGE:
+        raise ValueError(
+            f"a fact's 'step' must fit in 64 bits (-2**63 to 2**63 - 1), not {step!r} "
+            f"(in {fact!r}); count steps from 0"
+        )
+    return step
+
+
+def _special(v: float, odd: dict | None, row: int, name: str | None) -> Any:
+    """What a NaN in a column stands for: a bool (its payload says which), something kept
+    aside in `odd` at (row, name), `_ABSENT` for a hole with nothing kept, `_NUMBER` for a
+    measured NaN."""
+    bits = _UNPACK_BITS(_PACK_FLOAT(v))[0]
+    if bits == _MISSING_BITS:
+        return odd.get((row, name), _ABSENT) if odd else _ABSENT
+    if bits == TRUE_BITS:
+        return True
+    if bits == FALSE_BITS:
+        return False
+    return _NUMBER
+
+
+def _bools_in(a: np.ndarray) -> np.ndarray:
+    """Indices of the bools (NaNs with FALSE_BITS or TRUE_BITS) in a float64 column."""
+    d = a.view(np.uint64) - np.uint64(FALSE_BITS)  # wraps below FALSE_BITS: not a bool
+    return np.flatnonzero(d <= np.uint64(TRUE_BITS - FALSE_BITS))
+
+
+def _holes_for_bools(a: np.ndarray) -> np.ndarray:
+    """`a` with its bools as holes (what a page shows where a column holds no number)."""
+    at = _bools_in(a)
+    if at.size:
+        a = a.copy()
+        a.view(np.uint64)[at] = _MISSING_BITS
+    return a
 
 
 def _thinned(n: int, most: int) -> np.ndarray:
@@ -642,15 +695,19 @@ def _column(
         part.byteswap()
     out: dict[str, Any] = {"buffer": len(buffers)}
     buffers.append(memoryview(part).cast("B"))
+    a = np.frombuffer(part, dtype="<u8")
+    kept = []
     if odd:
-        a = np.frombuffer(part, dtype="<u8")
-        kept = []
         for i in np.flatnonzero(a == _MISSING_BITS).tolist():
             v = odd.get((lo + i, name), _ABSENT)
             if v is not _ABSENT:
                 kept.append([i, jsonable(v)])
-        if kept:
-            out["odd"] = kept
+    bools = _bools_in(a.view("<f8"))
+    if bools.size:  # sent as holes, each with its bool beside
+        kept += [[i, bool(a[i] == TRUE_BITS)] for i in bools.tolist()]
+        a[bools] = _MISSING_BITS
+    if kept:
+        out["odd"] = kept
     return out
 
 
@@ -665,14 +722,12 @@ def _json_column(
     a = np.frombuffer(col[lo:hi], dtype=np.float64)
     out = a.tolist()
     bad = np.flatnonzero(~np.isfinite(a))
-    if bad.size:
-        bits = a.view(np.uint64)
-        for i in bad.tolist():
-            if int(bits[i]) == _MISSING_BITS:
-                v = odd.get((lo + i, name), _ABSENT) if odd else _ABSENT
-                out[i] = None if v is _ABSENT else jsonable(v)
-            else:
-                out[i] = str(out[i])
+    for i in bad.tolist():
+        v = _special(out[i], odd, lo + i, name) if out[i] != out[i] else _NUMBER
+        if v is _NUMBER:
+            out[i] = str(out[i])  # a measured NaN or infinity
+        else:
+            out[i] = None if v is _ABSENT else jsonable(v)
     return out
 
 
