@@ -45,7 +45,8 @@ def graph() -> Graph:
     return Graph.somatize(Dense(64, 256) >> Dense(256, 256) >> Dense(256, 10, last=True))
 
 
-def fit_seconds(auditing, batches) -> tuple[float, float]:  # noqa: ANN001
+def warm_trainer(auditing, batches) -> Trainer:  # noqa: ANN001
+    """A Trainer of a fresh `graph()`, after five warm-up steps on `batches`."""
     g = graph()
     t = Trainer(
         g,
@@ -54,6 +55,11 @@ def fit_seconds(auditing, batches) -> tuple[float, float]:  # noqa: ANN001
         auditing=auditing,
     )
     t.fit(batches[:5])
+    return t
+
+
+def fit_seconds(auditing, batches) -> tuple[float, float]:  # noqa: ANN001
+    t = warm_trainer(auditing, batches)
     t0, w0 = time.process_time(), time.perf_counter()
     t.fit(batches)
     took, wall = time.process_time() - t0, time.perf_counter() - w0
@@ -64,14 +70,7 @@ def fit_seconds(auditing, batches) -> tuple[float, float]:  # noqa: ANN001
 
 def step_seconds(auditing, batches) -> list[float]:  # noqa: ANN001
     """CPU seconds of each step of a fit of `batches` (after the same five warm-up steps)."""
-    g = graph()
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.01),
-        auditing=auditing,
-    )
-    t.fit(batches[:5])
+    t = warm_trainer(auditing, batches)
     took = []
     for b in batches:
         t0 = time.process_time()
