@@ -191,7 +191,7 @@ def test_the_trainer_drives_it():
 
 
 def test_snapshot_numbers_against_float64_and_a_full_svd():
-    from somatize.torch._measures import effective_ranks, snapshot, stable_rank
+    from somatize.torch._measures import effective_ranks, spectra, stable_of, stable_rank
 
     gen = torch.Generator().manual_seed(0)
 
@@ -230,7 +230,8 @@ def test_snapshot_numbers_against_float64_and_a_full_svd():
     # taken together (Gram matrices of one size share an eigendecomposition): the same numbers
     updates = [torch.randn(256, 64, generator=gen), torch.randn(10, 256, generator=gen)]
     updates.append(torch.randn(128, 64, generator=gen) @ torch.randn(64, 128, generator=gen))
-    both, stable = snapshot([full, thin], [(d, d.norm()) for d in updates])
+    both, tops = spectra([full, thin], updates)
+    stable = [stable_of(float(d.norm()), top) for d, top in zip(updates, tops, strict=True)]
     assert [float(r) for r in both] == pytest.approx(ranks[:2], rel=1e-5)
     assert [float(s) for s in stable] == pytest.approx(
         [by_svd_stable(d) for d in updates], rel=2e-3

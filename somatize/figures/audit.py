@@ -312,10 +312,6 @@ class LiveAudit(anywidget.AnyWidget):
         if len(place.alarms) > alarms:
             _ordered(place.alarms, alarms)
 
-    def flush(self) -> None:
-        """What the Trainer calls at the end of a step. Nothing to do: the sender thread sends
-        at most every `interval` seconds, and once more when the facts stop."""
-
     def sync(self) -> None:
         """Send everything pending now, and refresh `picture`, whatever the interval."""
         with self._lock:

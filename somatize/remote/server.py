@@ -153,7 +153,7 @@ class Server:
         under `sid` as long as the session's nodes), else as compiled before: a repeated
         forward sends only its id and its inputs."""
         if steps is not None:
-            found = compile_slice(steps, nodes)
+            found = Compiled(steps, nodes)
             if isinstance(sid, str):
                 self.slices[(session, sid)] = found
             return found
@@ -300,8 +300,10 @@ def load_state(node: Any, state: dict[str, Any]) -> None:
 
 
 class Compiled:
-    """A slice compiled on a worker, once: the engine's steps (`somatize.run.walk` runs them)
-    bound to the session's nodes, and the slots whose values go back.
+    """A slice compiled on a worker, once: its steps (`[slot, key, id, mode, src, device,
+    host, mapped, wanted]`, as the broker describes them) checked and bound to the session's
+    `nodes` as the engine's steps (`somatize.run.walk` runs them), and the slots whose values
+    go back. A node the worker does not hold is `Unknown`.
 
     It stands in for a `Plan` where `walk` names a failing node: `ids` (slot → node id) and
     `graph.implementation(id)` (itself).
@@ -347,15 +349,8 @@ class Compiled:
         return self.held[nid]
 
 
-def compile_slice(steps: list[Any], nodes: dict[str, Any]) -> Compiled:
-    """A slice's steps (`[slot, key, id, mode, src, device, host, mapped, wanted]`, as the
-    broker describes them), checked once and bound to the session's `nodes` for
-    `run_compiled`; a node the worker does not hold is `Unknown`."""
-    return Compiled(steps, nodes)
-
-
 def run_compiled(compiled: Compiled, given: Any, input: Any, timed: bool = True) -> dict[str, Any]:
-    """Run one slice of a plan, compiled by `compile_slice`, through the engine's own loop
+    """Run one slice of a plan, `Compiled` once, through the engine's own loop
     (`somatize.run.walk`: hooks fire, failures are noted with their node); `given` holds the
     values of the slots it reads from outside. Answers the values wanted outside and, when
     `timed` (somebody watches), per node when it began and how long it took (microseconds)."""

@@ -18,7 +18,8 @@ __all__ = [
     "effective_rank",
     "effective_ranks",
     "read",
-    "snapshot",
+    "spectra",
+    "stable_of",
     "stable_rank",
 ]
 
@@ -88,7 +89,7 @@ def effective_ranks(features: list[torch.Tensor]) -> list[float]:
     (2e-8 on a ReLU 64×256 output); a spectrum reaching below that floor reads up to a few
     percent lower.
     """
-    return _spectra(features, [])[0]
+    return spectra(features, [])[0]
 
 
 def effective_rank(f: torch.Tensor) -> float:
@@ -164,21 +165,21 @@ def _top_square(d: torch.Tensor, steps: int = _STEPS) -> float:
 def stable_rank(d: torch.Tensor, frob: torch.Tensor | float | None = None) -> float:
     """‖D‖_F² / ‖D‖_2² of a weight update (flattened past its first dimension); 0 for no
     update. `frob`, ‖D‖_F when it is already known."""
-    top = _spectra([], [d])[1][0]
+    top = spectra([], [d])[1][0]
     if frob is None:
         d = d.detach()
         frob = torch.linalg.vector_norm(
             d if d.is_floating_point() and d.itemsize >= 4 else d.float()
         )
-    return _stable(float(frob), top)
+    return stable_of(float(frob), top)
 
 
-def _stable(frob: float, top: float) -> float:
+def stable_of(frob: float, top: float) -> float:
     """‖D‖_F² / σ_max², 0 when there is no update (or its σ_max² is not a number)."""
     return frob * frob / top if top > 0 else 0.0
 
 
-def _spectra(
+def spectra(
     features: list[torch.Tensor], updates: list[torch.Tensor]
 ) -> tuple[list[float], list[float]]:
     """The effective rank of each (rows, columns) feature matrix and σ_max² of each update.
@@ -227,13 +228,3 @@ def _spectra(
                 else:
                     tops[i] = row[-1]
     return ranks, tops
-
-
-def snapshot(
-    features: list[torch.Tensor], updates: list[tuple[torch.Tensor, torch.Tensor]]
-) -> tuple[list[float], list[float]]:
-    """`effective_ranks(features)` and `stable_rank(d, frob)` of each update, together: every
-    Gram matrix of one size, whichever asked for it, goes through one batched
-    eigendecomposition (a snapshot step pays per size, not per number)."""
-    ranks, tops = _spectra(features, [d for d, _ in updates])
-    return ranks, [_stable(float(frob), top) for (_, frob), top in zip(updates, tops, strict=True)]

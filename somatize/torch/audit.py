@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._measures import _spectra, _stable, channel_view, cka, read
+from somatize.torch._measures import channel_view, cka, read, spectra, stable_of
 from somatize.torch._place import _Place
 from somatize.torch._place import _saturation as _saturation  # probe.py reads it from here
 from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors_in
@@ -442,7 +442,7 @@ class Audit:
                 n.update(extra[pi])
                 if pi in stable:
                     slot, top = stable[pi]
-                    n["update_stable_rank"] = _stable(values[slot], top)
+                    n["update_stable_rank"] = stable_of(values[slot], top)
             if k >= 0:
                 if place.features is not None:
                     with torch.no_grad():
@@ -493,7 +493,7 @@ class Audit:
                     feature_of[key] = k = len(features)
                     features.append(rows)
                 ranked.append((i, k))
-        ranks, tops = _spectra(features, [prev[big] for big in updates])  # type: ignore[index]
+        ranks, tops = spectra(features, [prev[big] for big in updates])  # type: ignore[index]
         for i, k in ranked:
             extra[i]["effective_rank"] = ranks[k]
             extra[i]["rank_room"] = min(features[k].shape)
