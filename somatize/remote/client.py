@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from somatize.remote import wire
 from somatize.remote.memory import keep_buffers
+from somatize.remote.wire import receive
 
 __all__ = ["Worker", "WorkerLost", "RemoteError", "Connection"]
 
@@ -305,16 +306,19 @@ class Connection:
         started = time.monotonic()
         while True:
             try:  # the answer, or every 250 ms a look at the line, the deadline and the child
-                frames = sock.recv_multipart(copy=False)
+                frames = receive(sock)
             except zmq.Again:
                 frames = None
             if frames is not None:
-                if len(frames) == 1 and frames[0].buffer == wire.REFUSED:
-                    raise PermissionError(
-                        f"{self._where()} refused the request: the token does not match "
-                        "(Worker.at(..., token=...) / SOMATIZE_TOKEN must be the worker's)"
-                    )
-                reply = wire.unpack(self.token, frames)
+                try:
+                    reply = wire.unpack(self.token, frames)
+                except wire.Malformed:  # the worker's refusal is not a sealed message
+                    if len(frames) == 1 and frames[0].buffer == wire.REFUSED:
+                        raise PermissionError(
+                            f"{self._where()} refused the request: the token does not match "
+                            "(Worker.at(..., token=...) / SOMATIZE_TOKEN must be the worker's)"
+                        ) from None
+                    raise
                 if not isinstance(reply, dict) or reply.get("rid") != rid:
                     continue  # the late answer to a request that was given up on
                 self.incarnation = reply.get("worker")

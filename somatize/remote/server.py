@@ -28,6 +28,7 @@ import zmq
 
 from somatize.remote import wire
 from somatize.remote.memory import keep_buffers
+from somatize.remote.wire import receive
 from somatize.run import walk
 
 __all__ = ["Compiled", "Server", "main", "rebuild"]
@@ -55,17 +56,16 @@ class Server:
         sock.setsockopt(zmq.RCVTIMEO, 200)  # wait in the receive itself, looking up now and then
         while stop is None or not stop.is_set():
             try:
-                frames = sock.recv_multipart(copy=False)
+                frames = receive(sock)
             except zmq.Again:
                 continue
             if len(frames) < 2:
                 self._drop("a message with no frames after the peer's identity")
                 continue
-            peer, frames = frames[0], frames[1:]
-            reply = self.handle(frames)
+            reply = self.handle(frames[1:])
             if reply is not None:
                 try:
-                    wire.send(sock, reply, prefix=[peer.bytes])
+                    wire.send(sock, reply, prefix=[frames[0].bytes])
                 except zmq.ZMQError as error:  # the client is gone: nothing to tell
                     log.info("could not answer a client that went away: %s", error)
 
