@@ -51,6 +51,7 @@ class Broker:
         self._held: dict[str, Any] = {}
         self._transports: dict[str, Any] = {}
         self._slices: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
+        self._last: tuple[Any, list] | None = None  # (weak plan, its slices), the last run
         self.closed = False
 
     @classmethod
@@ -88,9 +89,11 @@ class Broker:
         """Send one request (signed, under this broker's session) to `host`'s worker."""
         conn = self.connection(host)
         answer = conn.request({**message, "session": self.session}, **kw)
-        known = self._defined.setdefault(host, {})
+        known = self._defined.get(host)
         if known and next(iter(known.values())) != conn.incarnation:
-            known.clear()  # a restarted worker holds none of them any more
+            # A restarted worker holds none of them any more: a new dict, so that a slice
+            # that noted the old one (`held`) knows to look again.
+            self._defined[host] = {}
         return answer
 
     # -- nodes ------------------------------------------------------------------------------
@@ -117,6 +120,12 @@ class Broker:
         known = self._defined.setdefault(host, {})
         for d in defs:
             known[d["key"]] = conn.incarnation
+
+    def held(self, host: str) -> Any:
+        """What `host`'s worker holds as far as this broker knows, as one object that is
+        replaced (never emptied) when the worker lost it: a slice that found all it needs
+        there keeps it, and while it is still the one here sends only its id."""
+        return self._defined.get(host)
 
     def forget(self, host: str) -> None:
         """Forget which nodes `host`'s worker holds (it lost them): they are sent again."""
@@ -175,9 +184,13 @@ class Broker:
 
     def slices(self, plan: Any) -> list:
         """The plan cut into slices (worked out once per plan)."""
+        last = self._last
+        if last is not None and last[0]() is plan:  # the plan run last time, again
+            return last[1]
         known = self._slices.get(plan)
         if known is None:
             known = self._slices[plan] = cut(plan)
+        self._last = (weakref.ref(plan), known)
         return known
 
     # -- the end ----------------------------------------------------------------------------

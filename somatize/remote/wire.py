@@ -229,7 +229,7 @@ def sealed(token: str | bytes, frames: list[Any]) -> list[Any]:
         # The usual small message, as `_tag` tags it, in one go: fewer calls for a process
         # that has just woken up to send it.
         nonce = _urandom(_NONCE)
-        h = _states(token)[0].copy()
+        h = (_keyed.get(token) or _states(token))[0].copy()
         h.update(nonce)
         h.update(_ONE.pack(MAGIC, 1, len(header)))
         h.update(header)
@@ -248,7 +248,7 @@ def verify(token: str | bytes, frames: list[Any]) -> list[memoryview]:
         first = _bytes(frames[0])
         n = first.nbytes - _SEAL
         if 0 <= n < _TINY and first[:4] == MAGIC:
-            h = _states(token)[0].copy()
+            h = (_keyed.get(token) or _states(token))[0].copy()
             h.update(first[4:20])
             h.update(_ONE.pack(MAGIC, 1, n))
             header = first[_SEAL:]
@@ -569,8 +569,6 @@ _RECORD = 0xC1  # a header that starts with this byte is a record (msgpack never
 _RUN, _ANSWER = 1, 2  # the record's kinds
 _REC = struct.Struct("<BBHQ")  # marker, kind, number of tensors, rid
 _ENTRY = struct.Struct("<qBHH")  # slot (-1: the graph's input), grad, data frame (0: inline), head
-_RUN_KEYS = frozenset(("op", "rid", "session", "sid", "define", "slice", "given", "input", "timed"))
-_ANSWER_KEYS = frozenset(("rid", "ok", "worker", "value"))
 _RECORD_HEADS: dict[tuple, bytes] = {}  # a tensor's safetensors header, by dtype and shape
 
 
@@ -579,30 +577,36 @@ def _record(m: dict) -> list[Any] | None:
     (nothing defined, no steps, no per-node times) or its plain answer, and every value in it
     is a cpu tensor numpy can read; otherwise None (msgpack writes it)."""
     n = len(m)
-    if n == 9:
-        if m.get("op") != "run" or m.keys() != _RUN_KEYS or m["slice"] is not None:
+    try:  # nine keys (four), each of them read: exactly the keys of a run (an answer)
+        if n == 9 and m["op"] == "run":
+            given = m["given"]
+            if m["slice"] is not None or m["define"] or m["timed"] is not False:
+                return None
+            if type(given) is not dict:
+                return None
+            session, sid, rid = m["session"], m["sid"], m["rid"]
+            texts = (_TEXTS.get(session) or _text(session)) + (_TEXTS.get(sid) or _text(sid))
+            values = list(given.items())
+            if m["input"] is not None:
+                values.append((None, m["input"]))  # slot -1 in the record
+            kind = _RUN
+        elif n == 4 and m["ok"] is True:
+            value, worker, rid = m["value"], m["worker"], m["rid"]
+            if type(value) is not dict or len(value) != 2:
+                return None
+            ran = value["ran"]
+            if type(ran) is not list or ran:
+                return None
+            out = value["out"]
+            if type(out) is not dict:
+                return None
+            texts = _TEXTS.get(worker) or _text(worker)
+            values = list(out.items())
+            kind = _ANSWER
+        else:
             return None
-        given = m["given"]
-        if m["define"] or m["timed"] is not False or type(given) is not dict:
-            return None
-        texts = _text(m["session"]) + _text(m["sid"])
-        values = list(given.items())
-        if m["input"] is not None:
-            values.append((None, m["input"]))  # slot -1 in the record
-        kind = _RUN
-    elif n == 4:
-        value = m.get("value")
-        if m.get("ok") is not True or type(value) is not dict or m.keys() != _ANSWER_KEYS:
-            return None
-        out = value.get("out")
-        if len(value) != 2 or type(out) is not dict or value.get("ran") != []:
-            return None
-        texts = _text(m["worker"])
-        values = list(out.items())
-        kind = _ANSWER
-    else:
+    except (KeyError, TypeError):  # not those keys (or an unhashable name)
         return None
-    rid = m["rid"]
     torch = _torch()
     if (
         not texts
@@ -650,12 +654,12 @@ _TEXTS: dict[Any, bytes] = {}  # a name as the record writes it: its length, the
 
 def _text(text: Any) -> bytes:
     """`text` as a record writes it, or b"" when it cannot (not a short ascii str)."""
-    found = _TEXTS.get(text) if type(text) is str else b""
-    if found is None:
-        found = bytes((len(text),)) + text.encode() if text.isascii() and len(text) < 256 else b""
-        if len(_TEXTS) > 1024:
-            _TEXTS.clear()
-        _TEXTS[text] = found
+    if type(text) is not str:
+        return b""
+    found = bytes((len(text),)) + text.encode() if text.isascii() and len(text) < 256 else b""
+    if len(_TEXTS) > 1024:
+        _TEXTS.clear()
+    _TEXTS[text] = found
     return found
 
 
@@ -696,7 +700,7 @@ def _read_record(view: memoryview, data: list[memoryview], owners: list[Any]) ->
             at += _ENTRY.size
             head = view[at : at + length].tobytes()
             at += length
-            dtype, shape, end = _parsed(head)
+            dtype, shape, end = _HEADS.get(head) or _parsed(head)
             if frame == 0:  # inline
                 found = owner = view[at : at + end]
                 at += end
@@ -708,7 +712,12 @@ def _read_record(view: memoryview, data: list[memoryview], owners: list[Any]) ->
                 raise Malformed(
                     f"a tensor of {shape} {dtype} does not fit its {found.nbytes} bytes"
                 )
-            made = _built(found, owner, dtype, shape, end)
+            if 0 < end < _SMALL:  # its own copy of the numbers (the frame is freed)
+                made = _modules["torch"].frombuffer(bytearray(found), dtype=dtype)
+                if len(shape) != 1:
+                    made = made.reshape(shape)
+            else:
+                made = _built(found, owner, dtype, shape, end)
             if grad:
                 if grad != 1 or not (made.is_floating_point() or made.is_complex()):
                     raise Malformed(f"a {dtype} tensor cannot ask for a gradient")
