@@ -107,18 +107,26 @@ class Server:
         op = m["op"]
         if op == "hello":
             return self.hello()
-        session = str(m.get("session", ""))
+        session = m.get("session", "")
+        if type(session) is not str:
+            session = str(session)
         nodes = self.sessions.get(session)
         if nodes is None:
             nodes = self.sessions[session] = {}
-        for d in m.get("define") or ():
+        for d in m.get("define") or ():  # a repeated run defines nothing
             key = d["key"]
             if key in nodes:  # a node replaced: slices compiled on the old one are stale
                 self._forget_slices(session)
             nodes[key] = self.rebuild(d)
         if op == "run":  # a plain forward: no autograd graph is kept for nobody
-            compiled = self.compiled(session, nodes, m.get("sid"), m.get("slice"))
-            grad = _grad()
+            steps = m.get("slice")
+            if steps is None:  # a slice compiled before: found by its id
+                compiled = self.slices.get((session, m.get("sid")))
+                if compiled is None:
+                    compiled = self.compiled(session, nodes, m.get("sid"), None)  # Unknown
+            else:
+                compiled = self.compiled(session, nodes, m.get("sid"), steps)
+            grad = _grad_c or _grad()
             was = grad.is_grad_enabled()
             grad._set_grad_enabled(False)
             try:
@@ -365,7 +373,10 @@ def run_compiled(compiled: Compiled, given: Any, input: Any, timed: bool = True)
         walk(compiled, compiled.steps, vals, input, [told], time.perf_counter_ns())
     else:  # nobody watches: the engine's plain loop, no clock read
         walk(compiled, compiled.steps, vals, input)
-    return {"out": {slot: vals[slot] for slot in compiled.wanted}, "ran": ran}
+    out = {}
+    for slot in compiled.wanted:
+        out[slot] = vals[slot]
+    return {"out": out, "ran": ran}
 
 
 _grad_c: Any = None
