@@ -87,7 +87,7 @@ class Broker:
 
     def request(self, host: str, message: dict[str, Any], **kw: Any) -> Any:
         """Send one request (signed, under this broker's session) to `host`'s worker."""
-        conn = self.connection(host)
+        conn = self._connections.get(host) or self.connection(host)  # none once closed
         answer = conn.request({**message, "session": self.session}, **kw)
         known = self._defined.get(host)
         if known and next(iter(known.values())) != conn.incarnation:

@@ -294,14 +294,18 @@ class Connection:
     def request(self, message: dict[str, Any], *, deadline: float | None = None) -> Any:
         """Send `message`, wait for its answer, and give back its value (or raise its error)."""
         with self.lock:
-            try:
-                self._events()
-            except WorkerLost:
-                pass  # lost between requests: it may be back; this request will tell
+            if self.monitor.getsockopt(_EVENTS) & _POLLIN:  # what `_events` looks at first
+                try:
+                    self._events()
+                except WorkerLost:
+                    pass  # lost between requests: it may be back; this request will tell
             rid = next(_rids)
             message = {**message, "rid": rid}
             frames = wire.pack(self.token, message, where=lambda: f"a request to {self._where()}")
-            wire.send(self.sock, frames)
+            if len(frames) == 1:  # as `wire.send` sends it
+                self.sock.send(frames[0], copy=True)
+            else:
+                wire.send(self.sock, frames)
             return self._wait(rid, deadline if deadline is not None else self.worker.deadline)
 
     def _wait(self, rid: int, deadline: float) -> Any:
@@ -309,7 +313,8 @@ class Connection:
         started = time.monotonic()
         while True:
             try:  # the answer, or every 250 ms a look at the line, the deadline and the child
-                frames = receive(sock)
+                frame = sock.recv(copy=False)
+                frames = receive(sock, frame) if frame.more else [frame]
             except zmq.Again:
                 frames = None
             if frames is not None:

@@ -56,7 +56,8 @@ class Server:
         sock.setsockopt(zmq.RCVTIMEO, 200)  # wait in the receive itself, looking up now and then
         while stop is None or not stop.is_set():
             try:
-                frames = receive(sock)
+                frame = sock.recv(copy=False)  # the peer's identity, then the message
+                frames = receive(sock, frame) if frame.more else [frame]
             except zmq.Again:
                 continue
             if len(frames) < 2:
@@ -130,7 +131,16 @@ class Server:
             was = grad.is_grad_enabled()
             grad._set_grad_enabled(False)
             try:
-                return run_compiled(compiled, m.get("given"), m.get("input"), m.get("timed", True))
+                if m.get("timed", True):
+                    return run_compiled(compiled, m.get("given"), m.get("input"))
+                # nobody watches: as `run_compiled` runs it, without the clock
+                given = m.get("given")
+                vals = dict(given) if given else {}
+                walk(compiled, compiled.steps, vals, m.get("input"))
+                out = {}
+                for slot in compiled.wanted:
+                    out[slot] = vals[slot]
+                return {"out": out, "ran": []}
             finally:
                 grad._set_grad_enabled(was)
         if op == "define":

@@ -245,7 +245,9 @@ def verify(token: str | bytes, frames: list[Any]) -> list[memoryview]:
     tag does not match (a wrong token, or bytes changed, added, dropped or re-cut on the way).
     """
     if len(frames) == 1:  # the usual small message, as `_tag` tags it, in one go
-        first = _bytes(frames[0])
+        first = memoryview(getattr(frames[0], "buffer", frames[0]))
+        if first.format != "B" or first.ndim != 1:  # as `_bytes` makes it
+            first = first.cast("B")
         n = first.nbytes - _SEAL
         if 0 <= n < _TINY and first[:4] == MAGIC:
             h = (_keyed.get(token) or _states(token))[0].copy()
@@ -342,12 +344,13 @@ def send(sock: Any, frames: list[Any], *, prefix: list[bytes] | None = None) -> 
         sock.send(frame, _MORE if i < last else 0, copy=False)
 
 
-def receive(sock: Any) -> list[Any]:
+def receive(sock: Any, first: Any = None) -> list[Any]:
     """The frames of one message from the ZeroMQ socket `sock` (a ROUTER's peer identity
     first), zero-copy: each part read by itself, its `more` flag saying whether another
-    follows, rather than `recv_multipart`'s extra socket option read per part. Raises
-    `zmq.Again` when the socket's receive timeout passes first."""
-    frame = sock.recv(copy=False)
+    follows, rather than `recv_multipart`'s extra socket option read per part; `first` is
+    its first part when that was received already. Raises `zmq.Again` when the socket's
+    receive timeout passes first."""
+    frame = sock.recv(copy=False) if first is None else first
     if not frame.more:
         return [frame]
     frames = [frame]
@@ -607,7 +610,7 @@ def _record(m: dict) -> list[Any] | None:
             return None
     except (KeyError, TypeError):  # not those keys (or an unhashable name)
         return None
-    torch = _torch()
+    torch = _modules.get("torch")
     if (
         not texts
         or type(rid) is not int
