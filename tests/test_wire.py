@@ -355,3 +355,228 @@ def test_a_large_message_lands_in_memory_already_mapped():
     took, faults = _kept("0")  # left alone: every receive is a fresh mapping
     assert not took
     assert min(faults[2:]) > 8000, faults
+
+
+# -- the fixed record: a repeated run and its plain answer ---------------------------------
+
+
+def _run(given=None, input=None, **changed):
+    """A run request as the broker sends it for a slice the worker holds already."""
+    message = {
+        "op": "run",
+        "define": [],
+        "sid": "s12",
+        "slice": None,
+        "given": given or {},
+        "input": input,
+        "timed": False,
+        "session": "0123abcd",
+        "rid": 77,
+    }
+    return {**message, **changed}
+
+
+def _answer(out, **changed):
+    message = {"rid": 78, "ok": True, "worker": "feed", "value": {"out": out, "ran": []}}
+    return {**message, **changed}
+
+
+def _is_record(frames):
+    return bytes(memoryview(frames[0]))[wire._SEAL] == wire._RECORD
+
+
+def _same(a, b):
+    """Equal messages, tensors compared by value, dtype, shape and whether they ask for a
+    gradient."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.requires_grad == b.requires_grad
+            and torch.equal(a.detach(), b.detach())
+        )
+    if isinstance(a, dict):
+        return type(b) is dict and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return type(b) is list and len(a) == len(b) and all(map(_same, a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_a_repeated_run_and_its_answer_go_as_a_record_and_come_back_the_same():
+    big = torch.randn(300, 300)  # its own frame, sent from its memory
+    cases = [
+        _run(input=torch.randn(256)),
+        _run(given={3: torch.randn(2, 3, 4), 0: torch.arange(5)}, input=None),
+        _run(given={1: torch.randn(4, requires_grad=True) * 2}, input=big),
+        _run(given={2: torch.tensor(True), 4: torch.zeros(0, 3)}, input=torch.tensor(2.5)),
+        _run(input=torch.randn(3, 8).t()),  # a view: its numbers in C order
+        _answer({5: torch.randn(16, dtype=torch.float64)}),
+        _answer({0: big, 9: torch.ones(3, dtype=torch.int8)}),
+        _answer({}),
+    ]
+    for message in cases:
+        frames = wire.pack(TOKEN, message)
+        assert _is_record(frames), message
+        back = wire.unpack(TOKEN, as_frames(frames))
+        assert _same(message, back), (message, back)
+    frames = wire.pack(TOKEN, _run(input=big))
+    assert len(frames) == 2 and frames[1].ctypes.data == big.data_ptr()  # no copy sent
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        _run(input=torch.randn(3), timed=True),  # per-node times: msgpack
+        _run(input=torch.randn(3), define=[{"key": "k"}]),
+        _run(input=torch.randn(3), slice=[[0, "k", "a", 0, None, None, "h", False, True]]),
+        _run(input=1.5),  # not a tensor
+        _run(given={0: [torch.randn(2)]}),
+        _run(input=torch.randn(3, dtype=torch.bfloat16)),  # numpy has no bfloat16
+        _run(input=torch.randn(300, 300).t()),  # large and not contiguous
+        _run(input=torch.nn.Parameter(torch.randn(3))),  # a subclass
+        _run(input=torch.randn(3), session="é"),  # not ascii
+        _run(input=torch.randn(3), extra=1),  # another key
+        _answer({0: torch.randn(2)}, ok=False),
+        _answer({0: "text"}),
+        {**_answer({0: torch.randn(2)}), "value": {"out": {}, "ran": [["n", 0.0, 1.0]]}},
+    ],
+    ids=lambda m: "",
+)
+def test_anything_else_goes_as_msgpack_and_still_comes_back(message):
+    frames = wire.pack(TOKEN, message)
+    assert not _is_record(frames)
+    back = wire.unpack(TOKEN, as_frames(frames))
+    assert back.keys() == message.keys() and back.get("rid") == message.get("rid")
+
+
+def test_a_record_tensor_and_its_bytes_are_a_safetensors_file():
+    t = torch.randn(7, 3)
+    header = bytes(memoryview(wire.pack(TOKEN, _run(input=t))[0]))[wire._SEAL :]
+    at = wire._REC.size + 1 + len("0123abcd") + 1 + len("s12")
+    slot, grad, frame, length = wire._ENTRY.unpack_from(header, at)
+    at += wire._ENTRY.size
+    head = header[at : at + length]
+    data = header[at + length :]
+    assert (slot, grad, frame) == (-1, 0, 0) and len(data) == t.nbytes
+    file_header = json.dumps({"tensor": json.loads(head)}).encode()
+    file = len(file_header).to_bytes(8, "little") + file_header + data
+    assert torch.equal(safetensors.torch.load(file)["tensor"], t)
+
+
+def test_a_changed_cut_or_resealed_record_is_refused_or_malformed():
+    frames = [bytes(memoryview(f)) for f in wire.pack(TOKEN, _run(input=torch.randn(256)))]
+    assert _is_record(frames)
+    with pytest.raises(wire.Refused):
+        wire.unpack("another token", frames)
+    for at in (wire._SEAL, wire._SEAL + 5, -1, 5, 21):  # marker, rid, a number, nonce, tag
+        changed = bytearray(frames[0])
+        changed[at] ^= 1
+        with pytest.raises(wire.Refused):
+            wire.unpack(TOKEN, [bytes(changed)])
+    with pytest.raises((wire.Refused, wire.Malformed)):
+        wire.unpack(TOKEN, [frames[0][:-1]])
+    header = frames[0][wire._SEAL :]
+    for bad in (header[:-1], header + b"\0", header[:12], header[:1]):  # signed, and wrong
+        with pytest.raises(wire.Malformed):
+            wire.unpack(TOKEN, wire.sealed(TOKEN, [bad]))
+    big = [bytes(memoryview(f)) for f in wire.pack(TOKEN, _run(input=torch.randn(300, 300)))]
+    with pytest.raises(wire.Malformed, match="names data frame"):  # its frame dropped
+        wire.unpack(TOKEN, wire.sealed(TOKEN, [big[0][wire._SEAL :]]))
+    with pytest.raises(wire.Malformed, match="does not fit"):  # another frame in its place
+        wire.unpack(TOKEN, wire.sealed(TOKEN, [big[0][wire._SEAL :], b"1234"]))
+
+
+def test_one_frame_seals_check_the_same_as_the_general_path():
+    header = bytes(memoryview(wire.pack(TOKEN, _run(input=torch.randn(4)))[0]))[wire._SEAL :]
+    by_parts = [wire.MAGIC + wire.sign(TOKEN, [header]) + header]  # `_tag`, one view
+    in_one_go = wire.sealed(TOKEN, [header])  # the one-frame path
+    assert by_parts[0][wire._SEAL :] == in_one_go[0][wire._SEAL :]
+    for frames in (by_parts, in_one_go):
+        assert wire.verify(TOKEN, frames)[0].tobytes() == header
+        assert wire.verify(TOKEN, [frames[0], b""][:1])[0].tobytes() == header
+    # and a one-frame message checked the general way (as part of a list it is not)
+    assert bytes(wire.verify(TOKEN, [bytearray(in_one_go[0])])[0]) == header
+
+
+def test_the_server_answers_a_record_with_a_record():
+    from somatize.remote.server import Compiled
+
+    server = Server(TOKEN)
+
+    class Twice:
+        def forward(self, x, ctx):
+            return x * 2
+
+    nodes = server.sessions["0123abcd"] = {"k": Twice()}
+    server.slices[("0123abcd", "s12")] = Compiled(
+        [[0, "k", "t", 0, None, None, "h", False, True]], nodes
+    )
+    x = torch.randn(5)
+    answer = server.handle(as_frames(wire.pack(TOKEN, _run(input=x))))
+    assert _is_record(answer)
+    reply = wire.unpack(TOKEN, as_frames(answer))
+    assert reply["ok"] and reply["rid"] == 77 and torch.equal(reply["value"]["out"][0], x * 2)
+    lost = server.handle(as_frames(wire.pack(TOKEN, _run(input=x, sid="s13"))))
+    assert not _is_record(lost)  # an error goes as msgpack
+    assert wire.unpack(TOKEN, as_frames(lost))["error"]["unknown"]
+
+
+def _entry(slot, grad, frame, head, data=b""):
+    return wire._ENTRY.pack(slot, grad, frame, len(head)) + head + data
+
+
+HEAD = b'{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.integers(0, 4),
+    st.integers(0, 3),
+    st.binary(max_size=12),
+    st.lists(
+        st.tuples(
+            st.integers(-3, 3),
+            st.integers(0, 3),
+            st.integers(0, 3),
+            st.sampled_from([HEAD, HEAD[:-3], b"[]", b'{"dtype":"X"}', b"\xff"]),
+            st.binary(max_size=12),
+        ),
+        max_size=3,
+    ),
+    st.integers(0, 400),
+    st.lists(st.binary(max_size=16), max_size=2),
+)
+def test_signed_random_records_are_a_message_or_malformed_and_never_crash_the_server(
+    kind, n, names, entries, cut, data
+):
+    header = wire._REC.pack(wire._RECORD, kind, n, 5) + names
+    header += b"".join(_entry(*e) for e in entries)
+    for head in (header, header[: cut % (len(header) + 1)]):
+        frames = wire.sealed(TOKEN, [head, *data])
+        try:
+            back = wire.unpack(TOKEN, as_frames(frames))
+        except wire.Malformed:
+            pass
+        else:  # it added up: a message of the one shape or the other
+            assert set(back) in (
+                {"op", "rid", "session", "sid", "define", "slice", "given", "input", "timed"},
+                {"rid", "ok", "worker", "value"},
+            )
+        server = Server(TOKEN)
+        answer = server.handle(as_frames(frames))
+        assert answer is None or wire.unpack(TOKEN, as_frames(answer))["ok"] is False
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10_000), st.integers(0, 255), st.integers(0, 10_000))
+def test_a_valid_record_with_any_byte_changed_and_resealed_is_malformed_or_parses(at, value, cut):
+    message = _run(given={1: torch.randn(2, 3)}, input=torch.arange(4))
+    header = bytearray(bytes(memoryview(wire.pack(TOKEN, message)[0]))[wire._SEAL :])
+    header[at % len(header)] = value
+    for head in (bytes(header), bytes(header[: cut % (len(header) + 1)])):
+        try:
+            back = wire.unpack(TOKEN, as_frames(wire.sealed(TOKEN, [head])))
+        except wire.Malformed:
+            continue
+        assert isinstance(back, dict) and "rid" in back

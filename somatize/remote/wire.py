@@ -588,7 +588,10 @@ def _record(m: dict) -> list[Any] | None:
             if type(given) is not dict:
                 return None
             session, sid, rid = m["session"], m["sid"], m["rid"]
-            texts = (_TEXTS.get(session) or _text(session)) + (_TEXTS.get(sid) or _text(sid))
+            session, sid = _TEXTS.get(session) or _text(session), _TEXTS.get(sid) or _text(sid)
+            if not session or not sid:  # not short ascii str: msgpack
+                return None
+            texts = session + sid
             values = list(given.items())
             if m["input"] is not None:
                 values.append((None, m["input"]))  # slot -1 in the record
@@ -603,7 +606,7 @@ def _record(m: dict) -> list[Any] | None:
             out = value["out"]
             if type(out) is not dict:
                 return None
-            texts = _TEXTS.get(worker) or _text(worker)
+            texts = _TEXTS.get(worker) or _text(worker)  # b"" when it cannot: msgpack
             values = list(out.items())
             kind = _ANSWER
         else:
