@@ -9,8 +9,8 @@ CPU time of this process (steadier on a shared machine) and wall time beside it.
     python bench/audit.py --phases   # and, at every=10, what each kind of step adds
 
 `--phases` times every step of a fit on its own (CPU time) and groups them by where they
-fall in the cadence: a measured step, the snapshot step (50), the step before a measured one
-(where θ is copied), the step after one, and the rest.
+fall in the cadence: a measured step (θ copied in its forward, the update taken after its
+optimizer step), the snapshot step (50), the step after a measured one, and the rest.
 """
 
 from __future__ import annotations
@@ -92,7 +92,6 @@ def phases(batches, repeats: int = 15) -> None:  # noqa: ANN001
     kinds = {
         "measured (10, 20, 30, 40, 60)": [5, 15, 25, 35, 55],
         "snapshot (50)": [45],
-        "before a measured one (θ copied)": [4, 14, 24, 34, 44, 54],
         "after a measured one": [6, 16, 26, 36, 46, 56],
     }
     kinds["the rest"] = [k for k in range(len(batches)) if not any(k in v for v in kinds.values())]

@@ -43,18 +43,29 @@ def _data():
     return torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g)
 
 
-def _loop(g, audit, steps, lr=0.1):
+def _loop(g, audit, steps, lr=0.1, tell=True):
+    """`steps` hand-made steps; `params[k]`: the first node's weights as step k found them
+    (and, last, as the loop left them). `tell`: say `moved()` after each optimizer step."""
     x, y = _data()
     opt = torch.optim.SGD(parameters(g), lr=lr)
     facts, params = [], []
+    first = g.implementation(g.nodes()[0])
     for _ in range(steps):
         opt.zero_grad()
-        F.cross_entropy(g.forward(x), y).backward()
-        first = g.implementation(g.nodes()[0])
         params.append([p.detach().clone() for p in first.parameters()])
+        F.cross_entropy(g.forward(x), y).backward()
         facts.append(audit.observed(g))
         opt.step()
+        if tell:
+            audit.moved()
+    params.append([p.detach().clone() for p in first.parameters()])
     return facts, params
+
+
+def _ratio(before, after):
+    """‖after − before‖ / ‖before‖ over a node's weights, by hand."""
+    diff = torch.cat([(a - b).flatten() for a, b in zip(after, before, strict=True)]).norm()
+    return float(diff / torch.cat([b.flatten() for b in before]).norm())
 
 
 def test_one_fact_per_place_with_typed_numbers_and_a_hand_checked_update_ratio():
@@ -69,17 +80,29 @@ def test_one_fact_per_place_with_typed_numbers_and_a_hand_checked_update_ratio()
     for key in ("grad_norm", "param_norm", "update_ratio", "act_mean", "zero", "saturated"):
         assert type(n[key]) is float, key
     assert type(n["nan"]) is bool and type(n["inf"]) is bool
-    before, now = params[1], params[2]
-    diff = torch.cat([(a - b).flatten() for a, b in zip(now, before, strict=True)]).norm()
-    assert n["update_ratio"] == pytest.approx(
-        float(diff / torch.cat([b.flatten() for b in before]).norm()), rel=1e-5
-    )
+    # the update this step's gradient made, over the weights the step ran with
+    assert n["update_ratio"] == pytest.approx(_ratio(params[2], params[3]), rel=1e-5)
     assert n["param_norm"] == pytest.approx(
-        float(torch.cat([p.flatten() for p in now]).norm()), rel=1e-5
+        float(torch.cat([p.flatten() for p in params[2]]).norm()), rel=1e-5
     )
-    assert "update_ratio" not in {f["where"]: f for f in facts[0]}["layer"]["numbers"]
+    first = {f["where"]: f for f in facts[0]}["layer"]["numbers"]
+    assert first["update_ratio"] == pytest.approx(_ratio(params[0], params[1]), rel=1e-5)
     assert 0.0 < n["zero"] < 1.0  # in-place ReLU measured without complaint
     assert "grad_norm" in step2["head"]["numbers"]
+
+
+def test_without_moved_the_update_is_taken_when_the_next_measured_step_begins():
+    g = _graph()
+    audit = Audit(every=2).watch(g)
+    facts, params = _loop(g, audit, 5, tell=False)
+    audit.release()
+    # step 0's facts waited: the weights had moved (twice) when step 2 began, and that was
+    # taken as step 0's update; the last measured step never saw its update
+    layer = [{f["where"]: f["numbers"] for f in step}.get("layer") for step in facts]
+    assert layer[0]["update_ratio"] == pytest.approx(_ratio(params[0], params[2]), rel=1e-5)
+    assert layer[2]["update_ratio"] == pytest.approx(_ratio(params[2], params[4]), rel=1e-5)
+    assert "update_ratio" not in layer[4]
+    assert layer[1] is None and layer[3] is None
 
 
 def test_every_measures_one_step_in_n_and_keeps_the_update_ratio():
@@ -324,3 +347,57 @@ def test_a_place_and_its_last_layer_share_one_output_but_not_one_written_over():
     first = {f["where"]: f["numbers"] for f in facts[0]}
     assert first["head"]["out_grad_norm"] == pytest.approx(float(by_hand), rel=1e-5)
     assert "update_stable_rank" in {f["where"]: f["numbers"] for f in facts[1]}["head"]
+
+
+def test_under_accumulation_each_measured_step_gets_its_groups_update_told_at_the_close():
+    g = _graph()
+    heard = []
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=Audit(every=1),
+        watching=heard.append,
+        every=3,
+    )
+    first = g.implementation("layer")
+    x, y = _data()
+    before = [p.detach().clone() for p in first.parameters()]
+    for _ in range(3):
+        t.step((x, y))
+    after = [p.detach().clone() for p in first.parameters()]
+    heard = [f for f in heard if f["fact"] in ("loss", "health", "updated")]
+    kinds = [(f["fact"], f.get("step")) for f in heard if f["fact"] != "health"]
+    assert kinds == [("loss", 0), ("loss", 1), ("loss", 2), ("updated", 2)]
+    # the three steps' facts are told together, after the third loss and before `updated`
+    order = [f["fact"] for f in heard]
+    assert order[:3] == ["loss"] * 3 and order[-1] == "updated"
+    assert sorted({f["step"] for f in heard if f["fact"] == "health"}) == [0, 1, 2]
+    ratios = [f["numbers"]["update_ratio"] for f in heard if f.get("where") == "layer"]
+    assert len(ratios) == 3 and ratios[0] > 0  # not the 0 of a step where nothing moved
+    assert ratios == pytest.approx([_ratio(before, after)] * 3, rel=1e-5)
+    t.close()
+
+
+def test_weights_given_new_memory_between_steps_are_copied_afresh():
+    g = _graph()
+    audit = Audit().watch(g)
+    first = g.implementation("layer")
+    x, y = _data()
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    ratios = []
+    for k in range(3):
+        if k == 1:  # as `.to(device)` or a load that swaps tensors would
+            with torch.no_grad():
+                first.l.weight.data = first.l.weight.data.clone()
+        opt.zero_grad()
+        before = [p.detach().clone() for p in first.parameters()]
+        F.cross_entropy(g.forward(x), y).backward()
+        n = {f["where"]: f["numbers"] for f in audit.observed(g)}["layer"]
+        opt.step()
+        audit.moved()
+        after = [p.detach().clone() for p in first.parameters()]
+        assert n["update_ratio"] == pytest.approx(_ratio(before, after), rel=1e-5)
+        ratios.append(n["update_ratio"])
+    audit.release()
+    assert len(set(ratios)) == 3

@@ -128,7 +128,7 @@ def audit_of(auditing: Any) -> Any:
         from somatize.torch.audit import Audit
 
         return Audit()
-    for method in ("watch", "observed", "release"):
+    for method in ("watch", "observed", "moved", "release"):
         if not callable(getattr(auditing, method, None)):
             raise TypeError(
                 f"auditing= takes an Audit (or True for the default one), not "

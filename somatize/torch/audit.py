@@ -4,12 +4,14 @@ One `health` fact per watched place and measured step, keyed by `node` or
 `node.path.to.submodule`; `somatize.health` turns what was recorded into verdicts. What is
 measured where:
 
-- every place with parameters: grad_norm, param_norm, update_ratio (‖θ_t − θ_{t−1}‖/‖θ_{t−1}‖
-  between consecutive observed steps);
+- every place with parameters: grad_norm, param_norm, update_ratio (‖θ' − θ‖/‖θ‖: θ the
+  weights the measured step ran with, θ' the weights after the update its gradient went into;
+  filled into the step's facts by `Audit.moved`, which the Trainer calls after each update and
+  tells the facts only then);
 - every place's output: act_mean, zero and saturated fractions (the max over the last `window`
   measured steps), out_grad_norm (‖∂L/∂output‖, retained or from a tensor hook), nan and inf;
 - on snapshot steps: effective_rank of the output (and rank_room, the most it could be), and
-  update_stable_rank of the place's largest weight;
+  update_stable_rank of that update to the place's largest weight (with the update ratio);
 - with `channels`: channels, dead_channels (never active over the window), dormant_channels
   (activity under a tenth of the layer's mean this step);
 - with `groups`: cka, the largest linear CKA between two declared channel groups.
@@ -24,10 +26,19 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
-from somatize.torch._measures import channel_view, cka, read, spectra, stable_of
+from somatize.torch._measures import (
+    channel_view,
+    cka,
+    numpy_views,
+    read,
+    spectra,
+    square_of,
+    stable_of,
+)
 from somatize.torch._place import _Place
 from somatize.torch._place import _saturation as _saturation  # probe.py reads it from here
 from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors_in
@@ -94,10 +105,21 @@ class Audit:
         self._measuring = False
         self._features = False
         self._flat: list[nn.Parameter] = []
+        # θ as a measured step found it, for the update the optimizer then makes from it
+        # (`moved`); `_copied` while that copy waits for the update, and the numbers of the
+        # measured steps waiting with it (several under gradient accumulation)
         self._prev: list[torch.Tensor] | None = None
-        self._prev_ok = False
-        self._prev_norms: list[torch.Tensor] = []
-        self._prev_values: list[float] | None = None
+        self._copied = False
+        self._waiting: list[tuple[bool, list[tuple[_Place, dict[str, Any]]]]] = []
+        self._moving: list[tuple[_Place, dict[str, Any]]] = []  # this step's, as measured
+        self._versions: list[int] = []  # the parameters' version counters at the copy
+        self._prev_for: list[int] = []  # the parameters' data pointers the buffers were made for
+        self._began = False  # this measured step has taken (or kept) its copy
+        # numpy views of the parameters and of the copy of θ_{t−1} (CPU float tensors only),
+        # and the parameters' data pointers they were made for
+        self._views: list[np.ndarray] | None = None
+        self._prev_views: list[np.ndarray] | None = None
+        self._ptrs: list[int] = []
         self._order: list[_Place] = []
         # this measured step's outputs so far, by id (with a weak reference, so that an id
         # reused by another tensor is told apart, and nothing is kept alive by it: with
@@ -173,7 +195,10 @@ class Audit:
             place.index = [slot[id(q)] for q in place.params]
         self._flat = flat
         self._prev = None
-        self._prev_ok = False
+        self._copied = False
+        self._waiting = []
+        self._views = self._prev_views = None
+        self._ptrs = []
         self._places = places
         self._order = list(places.values())
         self._inner_hooks = inner
@@ -186,6 +211,7 @@ class Audit:
         """Forward hooks inside nodes are there only for a step that is measured: a module
         with no hooks takes torch's fast path, so unmeasured steps pay nothing for them."""
         self._measuring = measuring
+        self._began = False
         self._features = measuring and (self.channels or self._snapshot_now())
         if measuring and not self._handles:
             self._handles = [m.register_forward_hook(h) for m, h in self._inner_hooks]
@@ -209,8 +235,10 @@ class Audit:
             self._tap = None
         self._graph = None
         self._prev = None
-        self._prev_ok = False
-        self._prev_values = None
+        self._copied = False
+        self._waiting = []
+        self._views = self._prev_views = None
+        self._ptrs = []
         self._sums = []
         self._seen.clear()
         self._twins = []
@@ -231,6 +259,8 @@ class Audit:
 
     def _saw(self, place: _Place, out: Any) -> None:
         """Sums of what came out, left as tensors: `observed` reads them all at once."""
+        if not self._began:
+            self._begin()
         if type(out) is torch.Tensor:
             t = out
         else:
@@ -312,41 +342,126 @@ class Audit:
         step = self.step
         every = self.every
         phase = step % every
-        if 0 < phase < every - 1:  # neither measured nor the step before one: nothing to do
+        if phase:  # not measured
             self.step = step + 1
+            if phase == every - 1:
+                self._arm(True)
             return []
-        facts: list[dict[str, Any]] = []
-        measured = phase == 0
-        if measured:
-            facts = self._measure(step, self._snapshot_now())
-            self._sums = []
-        if phase == every - 1 and self._flat:
-            # θ before the optimizer moves it, for the next measured step's update ratio; and
-            # ‖θ‖, left as tensors (this step's, already read as numbers, when it was measured)
-            enabled = torch.is_grad_enabled()
-            torch._C._set_grad_enabled(False)
-            try:
-                if self._prev is None:
-                    self._prev = [q.detach().clone() for q in self._flat]
-                else:
-                    torch._foreach_copy_(self._prev, self._flat)
-                if not measured:
-                    self._prev_norms = list(torch._foreach_norm(self._prev))
-                    self._prev_values = None
-            finally:
-                torch._C._set_grad_enabled(enabled)
-            self._prev_ok = True
-        elif measured:
-            self._prev_ok = False  # spent: the next measured step copies afresh
+        snapshot = self._snapshot_now()
+        facts = self._measure(step, snapshot)
+        self._sums = []
+        if not self._began:  # nothing was heard in the forward (no local node ran)
+            self._begin()
+        if self._copied:
+            self._waiting.append((snapshot, self._moving))
+        self._moving = []
         self.step = step + 1
         self._arm(self.step % every == 0)
         return facts
+
+    def _begin(self) -> None:
+        """The first thing a measured step does, at the first output heard: θ as the step
+        finds it is copied (before backward, so that a node trained inside backward by its own
+        `Learning` is seen to move too), kept until `moved`. A copy still waiting is kept while
+        the parameters have not moved (gradient accumulation: the group's steps share one
+        update); if they moved and nobody said so (`moved` is only called by the Trainer),
+        the update is taken now, for the facts that waited for it."""
+        self._began = True
+        flat = self._flat
+        if not flat:
+            return
+        if self._copied:
+            if [q._version for q in flat] == self._versions:
+                return
+            self.moved()
+        self._copy()
+
+    def _copy(self) -> None:
+        """θ into buffers made once (made again if a parameter's memory moved: another
+        device, a `p.data = ...`)."""
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            ptrs = [q.data_ptr() for q in self._flat]
+            if self._prev is None or ptrs != self._prev_for:
+                self._prev = [q.detach().clone() for q in self._flat]
+                self._prev_views = None
+                self._prev_for = ptrs
+            else:
+                torch._foreach_copy_(self._prev, self._flat)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+        self._copied = True
+        self._versions = [q._version for q in self._flat]
+
+    def moved(self) -> None:
+        """Tells the audit the optimizer has stepped: the last measured step's facts get
+        `update_ratio` (‖θ_after − θ‖/‖θ‖, θ the weights that step ran with) and, on a
+        snapshot step, `update_stable_rank` of that update, filled into the facts `observed`
+        gave back. The Trainer calls it after each update (and holds a measured step's facts
+        until then); by hand, call it after `optimizer.step()`. Under gradient accumulation
+        every measured step of the group gets the group's update. Nothing to do, and nothing
+        done, when no measured step waits for an update."""
+        if not self._copied:
+            return
+        self._copied = False
+        waiting, self._waiting = self._waiting, []
+        if not waiting:
+            return
+        flat, prev = self._flat, self._prev
+        assert prev is not None
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            views = self._views_now()
+            if views is not None and self._prev_views is None:
+                self._prev_views = numpy_views(prev)
+            pviews = self._prev_views if views is not None else None
+            if pviews is not None:  # on the CPU: one subtraction and one BLAS dot each
+                square = []
+                dot = np.dot
+                with np.errstate(all="ignore"):
+                    for d, v in zip(pviews, views, strict=True):  # type: ignore[arg-type]
+                        np.subtract(d, v, out=d)
+                        square.append(float(dot(d, d)))
+            else:
+                torch._foreach_sub_(prev, flat)
+                square = [v * v for v in read(list(torch._foreach_norm(prev)))]
+            # prev is now −Δθ; a snapshot step's update stable rank is taken on it
+            tops: dict[int, float] = {}
+            if any(snap for snap, _ in waiting):
+                bigs = sorted({b for snap, got in waiting if snap for b in self._bigs(got)})
+                if bigs:
+                    found = spectra([], [prev[b] for b in bigs])[1]
+                    tops = dict(zip(bigs, found, strict=True))
+        finally:
+            torch._C._set_grad_enabled(enabled)
+        sqrt = math.sqrt
+        for snap, got in waiting:
+            for place, n in got:
+                index = place.index
+                delta = sqrt(sum([square[i] for i in index]))
+                was = n.get("param_norm", 0.0)
+                n["update_ratio"] = delta / was if was > 0 else 0.0
+                if snap:
+                    big = self._big(place)
+                    if big is not None:
+                        n["update_stable_rank"] = stable_of(sqrt(square[big]), tops[big])
+
+    def _big(self, place: _Place) -> int | None:
+        """The place's largest weight (by where it sits among the flat parameters), if it is a
+        matrix or more: what its update stable rank is taken on."""
+        flat = self._flat
+        big = max(place.index, key=lambda k: flat[k].numel())
+        return big if flat[big].dim() >= 2 else None
+
+    def _bigs(self, got: list[tuple[_Place, dict[str, Any]]]) -> list[int]:
+        return [b for b in (self._big(p) for p, _ in got) if b is not None]
 
     def _measure(self, step: int, snapshot: bool) -> list[dict[str, Any]]:
         """Every place's numbers for this step, from one pass of norms and one read."""
         flat = self._flat
         places = self._order
-        prev = self._prev if self._prev_ok else None
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # torch.no_grad() costs µs a step here
         try:
@@ -365,34 +480,19 @@ class Audit:
             self._twins = []
             self._seen.clear()
             outs = [p.out_grad for p in places if p.out_grad is not None]
-            tensors: list[torch.Tensor] = [*flat, *grads, *outs]
-            if prev is not None:
-                torch._foreach_sub_(prev, flat)  # prev is now −Δθ; refilled after
-                tensors += prev
-            numbers = list(torch._foreach_norm(tensors)) if tensors else []
-            at_delta = len(numbers) - (len(prev) if prev is not None else 0)
-            # ‖θ_{t−1}‖: numbers already read when the copy was taken on a measured step
-            # (every=1), else tensors left unread on the step before, read now with the rest
-            known = self._prev_values if prev is not None else None
-            at_before = len(numbers)
-            if prev is not None and known is None:
-                numbers += self._prev_norms
-            at_sums = len(numbers)
-            numbers += self._sums
+            views = self._views_now()
+            if views is not None:
+                square, sums = self._squares_numpy(views, grads, outs)
+            else:
+                square, sums = self._squares_torch(flat, grads, outs)
             extra: dict[int, dict[str, Any]] = {}
-            stable: dict[int, tuple[int, float]] = {}
             if snapshot:
-                self._snapshot(places, prev, at_delta, extra, stable)
-            values = read(numbers)
+                self._snapshot(places, extra)
         finally:
             torch._C._set_grad_enabled(enabled)
-        square = [v * v for v in values[:at_sums]]
-        if known is not None:
-            square[at_before:] = [v * v for v in known]
         at_grad = len(flat)
         at_out = at_grad + len(grads)
-        self._prev_values = values[:at_grad]  # ‖θ_t‖: the next update ratio's ‖θ_{t−1}‖
-        self._prev_norms = []
+        moving = self._moving
         isnan, isinf, isfinite, sqrt = math.isnan, math.isinf, math.isfinite, math.sqrt
         shared: dict[tuple, Any] = {}  # channel activity, once per output
         facts = []
@@ -412,22 +512,18 @@ class Audit:
                     n["grad_norm"] = g
                     n["nan"] = nan = isnan(g)
                     n["inf"] = inf = isinf(g)
-                if prev is not None:
-                    was = sqrt(sum([square[at_before + i] for i in index]))
-                    delta = sqrt(sum([square[at_delta + i] for i in index]))
-                    n["update_ratio"] = delta / was if was > 0 else 0.0
+                moving.append((place, n))  # update_ratio: when the optimizer has moved
             k = place.at
             if k >= 0:
-                k += at_sums
                 size = place.size
-                total = values[k]
+                total = sums[k]
                 n["act_mean"] = total / size
                 if place.saturates is not None:
-                    place.saturated.append(values[k + 1] / size)
+                    place.saturated.append(sums[k + 1] / size)
                     k += 1
                 else:
                     place.saturated.append(0.0)
-                place.zero.append(values[k + 1] / size)
+                place.zero.append(sums[k + 1] / size)
                 n["zero"] = max(place.zero)
                 n["saturated"] = max(place.saturated)
                 if not isfinite(total):  # which one, as Σ|a| tells it
@@ -436,13 +532,10 @@ class Audit:
                 n["nan"] = nan
                 n["inf"] = inf
                 if place.out_grad is not None:
-                    n["out_grad_norm"] = values[out_k]
+                    n["out_grad_norm"] = sqrt(square[out_k])
                     out_k += 1
             if snapshot:
                 n.update(extra[pi])
-                if pi in stable:
-                    slot, top = stable[pi]
-                    n["update_stable_rank"] = stable_of(values[slot], top)
             if k >= 0:
                 if place.features is not None:
                     with torch.no_grad():
@@ -456,35 +549,51 @@ class Audit:
                 facts.append({"fact": "health", "where": place.where, "step": step, "numbers": n})
         return facts
 
-    def _snapshot(
-        self,
-        places: Iterable[_Place],
-        prev: list[torch.Tensor] | None,
-        at_delta: int,
-        extra: dict[int, dict[str, Any]],
-        stable: dict[int, tuple[int, float]],
-    ) -> None:
-        """The costlier numbers of a snapshot step: `extra[place]` gets its effective rank and
-        rank room, `stable[place]` where its update's ‖Δ‖_F will sit among the step's numbers
-        and σ_max², for the stable rank once they are read. The update whose stable rank is
-        taken is a place's largest weight's."""
-        # a place and what is inside it often share an output (`layer`, `layer.r`) or a weight
-        # (`layer`, `layer.l`): each is taken once
+    def _views_now(self) -> list[np.ndarray] | None:
+        """numpy views of the watched parameters, when all are dense float32/float64 CPU
+        tensors (None otherwise): made once, and again only when a parameter's memory moved
+        (a `.to(device)`, a `p.data = ...`); `q.data_ptr()` is what tells."""
+        ptrs = [q.data_ptr() for q in self._flat]
+        if ptrs != self._ptrs:
+            self._ptrs = ptrs
+            self._views = numpy_views([q.detach() for q in self._flat])
+            self._prev_views = (
+                None if self._views is None or self._prev is None else (numpy_views(self._prev))
+            )
+        return self._views
+
+    def _squares_numpy(
+        self, views: list[np.ndarray], grads: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> tuple[list[float], list[float]]:
+        """`_squares_torch`'s numbers on the CPU: one BLAS dot per tensor through numpy (a
+        third of a torch call's cost at these sizes, and no tensor to read back)."""
+        dot = np.dot
+        with np.errstate(all="ignore"):  # an overflow is an inf to report, not a warning
+            square = [float(dot(v, v)) for v in views]
+            square += [square_of(t) for t in grads]
+            square += [square_of(t) for t in outs]
+        return square, read(self._sums)
+
+    def _squares_torch(
+        self, flat: list[torch.Tensor], grads: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> tuple[list[float], list[float]]:
+        """‖·‖² of the parameters, their grads and the outputs' grads, in that order; and the
+        outputs' sums. One `_foreach_norm` and one read (one synchronisation on a GPU)."""
+        tensors: list[torch.Tensor] = [*flat, *grads, *outs]
+        numbers = list(torch._foreach_norm(tensors)) if tensors else []
+        at_sums = len(numbers)
+        values = read(numbers + self._sums)
+        return [v * v for v in values[:at_sums]], values[at_sums:]
+
+    def _snapshot(self, places: Iterable[_Place], extra: dict[int, dict[str, Any]]) -> None:
+        """The effective rank and rank room of each place's output, into `extra[place]` (the
+        update stable rank comes with the update, in `moved`). A place and what is inside it
+        often share an output (`layer`, `layer.r`): it is taken once."""
         features: list[torch.Tensor] = []
-        updates: list[int] = []
         feature_of: dict[tuple[int, bool], int] = {}
-        update_of: dict[int, int] = {}
         ranked: list[tuple[int, int]] = []
-        stabled: list[tuple[int, int]] = []
         for i, place in enumerate(places):
             extra[i] = {}
-            if prev is not None and place.index:
-                big = max(place.index, key=lambda k: prev[k].numel())
-                if prev[big].dim() >= 2:
-                    if big not in update_of:
-                        update_of[big] = len(updates)
-                        updates.append(big)
-                    stabled.append((i, big))
             rows = self._rows(place)
             if rows is not None:
                 key = (id(place.kept), place.conv)
@@ -493,12 +602,10 @@ class Audit:
                     feature_of[key] = k = len(features)
                     features.append(rows)
                 ranked.append((i, k))
-        ranks, tops = spectra(features, [prev[big] for big in updates])  # type: ignore[index]
+        ranks = spectra(features, [])[0]
         for i, k in ranked:
             extra[i]["effective_rank"] = ranks[k]
             extra[i]["rank_room"] = min(features[k].shape)
-        for i, big in stabled:
-            stable[i] = (at_delta + big, tops[update_of[big]])
 
     @staticmethod
     def _rows(place: _Place) -> torch.Tensor | None:

@@ -177,6 +177,7 @@ class Trainer:
             watching=told,
         )
         self.audit = audit.watch(graph) if audit is not None else None
+        self._health: list[dict] = []  # the audit's facts, until the update they wait for
         self.live: Any = None
         self._release = None
         if self.audit is not None:
@@ -224,9 +225,11 @@ class Trainer:
             for w in told:
                 w(fact)
         if self.audit is not None:
-            for fact in self.audit.observed(self.graph):
-                for w in told:
-                    w(fact)
+            # a measured step's facts wait for the update its gradient goes into (the audit
+            # fills in update_ratio then, in `moved`): they are told at the closing step
+            facts = self.audit.observed(self.graph)
+            if told and facts:
+                self._health += facts
         if closing:
             self._apply(step)
         for flush in self._flushers:
@@ -256,8 +259,18 @@ class Trainer:
                 self._prove()
             step_of(optimizer)
         self._count = 0
+        if self.audit is not None:
+            self.audit.moved()
+        if self._health:
+            self._tell_health()
         if self.watching:
             fact = {"fact": "updated", "step": step}
+            for w in self.watching:
+                w(fact)
+
+    def _tell_health(self) -> None:
+        health, self._health = self._health, []
+        for fact in health:
             for w in self.watching:
                 w(fact)
 
@@ -400,6 +413,8 @@ class Trainer:
     def close(self) -> None:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is
         garbage); training goes on without it."""
+        if self._health:  # facts still waiting for an update that did not come
+            self._tell_health()
         if self._release is not None:
             self._release()
             self._release = None
