@@ -88,7 +88,7 @@ class Broker:
     def request(self, host: str, message: dict[str, Any], **kw: Any) -> Any:
         """Send one request (signed, under this broker's session) to `host`'s worker."""
         conn = self._connections.get(host) or self.connection(host)  # none once closed
-        answer = conn.request({**message, "session": self.session}, **kw)
+        answer = conn.request(message, session=self.session, **kw)
         known = self._defined.get(host)
         if known and next(iter(known.values())) != conn.incarnation:
             # A restarted worker holds none of them any more: a new dict, so that a slice

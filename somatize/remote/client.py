@@ -291,8 +291,11 @@ class Connection:
                     self.down_since = time.monotonic()
                     raise WorkerLost(f"{self._where()} went away")
 
-    def request(self, message: dict[str, Any], *, deadline: float | None = None) -> Any:
-        """Send `message`, wait for its answer, and give back its value (or raise its error)."""
+    def request(
+        self, message: dict[str, Any], *, deadline: float | None = None, session: Any = None
+    ) -> Any:
+        """Send `message` (with `session` added when given), wait for its answer, and give
+        back its value (or raise its error)."""
         with self.lock:
             if self.monitor.getsockopt(_EVENTS) & _POLLIN:  # what `_events` looks at first
                 try:
@@ -300,7 +303,9 @@ class Connection:
                 except WorkerLost:
                     pass  # lost between requests: it may be back; this request will tell
             rid = next(_rids)
-            message = {**message, "rid": rid}
+            message = {**message, "rid": rid}  # one copy, the caller's dict left alone
+            if session is not None:
+                message["session"] = session
             frames = wire.pack(self.token, message, where=lambda: f"a request to {self._where()}")
             if len(frames) == 1:  # as `wire.send` sends it
                 self.sock.send(frames[0], copy=True)
