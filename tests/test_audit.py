@@ -401,3 +401,32 @@ def test_weights_given_new_memory_between_steps_are_copied_afresh():
         ratios.append(n["update_ratio"])
     audit.release()
     assert len(set(ratios)) == 3
+
+
+def test_weights_numpy_cannot_view_take_torchs_way():
+    # bfloat16 has no numpy view: the norms and the update go through torch, as on a GPU
+    g = _graph()
+    for node in g.nodes():
+        impl = g.implementation(node)
+        (impl if isinstance(impl, nn.Module) else impl.fc).to(torch.bfloat16)
+    first = g.implementation("layer")
+    audit = Audit(snapshot=1).watch(g)
+    x, y = _data()
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        before = [p.detach().double() for p in first.parameters()]
+        F.cross_entropy(g.forward(x.to(torch.bfloat16)).float(), y).backward()
+        grads = [p.grad.double() for p in first.parameters()]
+        n = {f["where"]: f["numbers"] for f in audit.observed(g)}["layer"]
+        opt.step()
+        audit.moved()
+        after = [p.detach().double() for p in first.parameters()]
+        flat = torch.cat([b.flatten() for b in before])
+        assert n["param_norm"] == pytest.approx(float(flat.norm()), rel=1e-2)
+        assert n["grad_norm"] == pytest.approx(
+            float(torch.cat([q.flatten() for q in grads]).norm()), rel=1e-2
+        )
+        assert n["update_ratio"] == pytest.approx(_ratio(before, after), rel=1e-2)
+        assert n["update_ratio"] > 0 and type(n["update_stable_rank"]) is float
+    audit.release()
