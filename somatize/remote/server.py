@@ -34,6 +34,7 @@ from somatize.run import walk
 __all__ = ["Compiled", "Server", "main", "rebuild"]
 
 log = logging.getLogger("somatize.worker")
+_MORE = int(zmq.SNDMORE)
 
 
 class Server:
@@ -66,6 +67,10 @@ class Server:
             reply = self.handle(frames[1:])
             if reply is not None:
                 try:
+                    if len(reply) == 1:  # as `wire.send` sends it, the peer's frame first
+                        sock.send(frames[0], _MORE)
+                        sock.send(reply[0], copy=True)
+                        continue
                     wire.send(sock, reply, prefix=[frames[0].bytes])
                 except zmq.ZMQError as error:  # the client is gone: nothing to tell
                     log.info("could not answer a client that went away: %s", error)

@@ -84,6 +84,7 @@ _blake2b = hashlib.blake2b
 _TINY = 2048  # bytes outside large frames up to which BLAKE2b tags (above: Poly1305, faster)
 _NONCE = 16
 _SEAL = len(MAGIC) + _NONCE + 16  # the first frame's bytes before its header
+_AT_TAG = len(MAGIC) + _NONCE  # where the tag begins
 _PIECE = 8 << 20  # a large frame is GMACed in pieces of this size (on several threads)
 _SMALL = 1 << 16  # a tensor below this goes inside the header, above it as its own frame
 
@@ -245,19 +246,22 @@ def verify(token: str | bytes, frames: list[Any]) -> list[memoryview]:
     tag does not match (a wrong token, or bytes changed, added, dropped or re-cut on the way).
     """
     if len(frames) == 1:  # the usual small message, as `_tag` tags it, in one go
-        first = memoryview(getattr(frames[0], "buffer", frames[0]))
-        if first.format != "B" or first.ndim != 1:  # as `_bytes` makes it
-            first = first.cast("B")
-        n = first.nbytes - _SEAL
+        first = frames[0]
+        if type(first) is not bytes:
+            # A small received frame is read as bytes (a copy of under 2 KB): a memoryview
+            # of the frame and its slices cost more to a process that has just woken up.
+            small = hasattr(first, "bytes") and len(first) < _SEAL + _TINY
+            first = first.bytes if small else _bytes(first)
+        n = len(first) - _SEAL if type(first) is bytes else first.nbytes - _SEAL
         if 0 <= n < _TINY and first[:4] == MAGIC:
             h = (_keyed.get(token) or _states(token))[0].copy()
-            h.update(first[4:20])
+            h.update(first[4:_AT_TAG])
             h.update(_ONE.pack(MAGIC, 1, n))
             header = first[_SEAL:]
             h.update(header)
-            if not hmac.compare_digest(h.digest(), first[20:_SEAL]):
+            if not hmac.compare_digest(h.digest(), first[_AT_TAG:_SEAL]):
                 raise Refused("the seal does not verify: wrong token, or bytes changed on the way")
-            return [header]
+            return [memoryview(header)]
     views = [_bytes(f) for f in frames]
     if not views or views[0][:4] != MAGIC:
         raise Malformed(f"not a somatize message ({len(views)} frames, no {MAGIC!r} first)")
