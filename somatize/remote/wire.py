@@ -636,11 +636,17 @@ def _record(m: dict) -> list[Any] | None:
             return None
         if type(value) is not tensor:
             return None
-        grad = value.requires_grad
         try:  # numpy refuses another device, sparse, meta, a conj or neg view: msgpack then
-            array = (value.detach() if grad else value).numpy()
+            array = value.numpy()  # (and a tensor that asks for a gradient, for now)
+            grad = False
         except (TypeError, RuntimeError):
-            return None
+            if not value.requires_grad:
+                return None
+            try:
+                array = value.detach().numpy()
+            except (TypeError, RuntimeError):
+                return None
+            grad = True
         key = (value.dtype, array.shape)
         head = _RECORD_HEADS.get(key)
         if head is None:
