@@ -579,4 +579,31 @@ def test_a_valid_record_with_any_byte_changed_and_resealed_is_malformed_or_parse
             back = wire.unpack(TOKEN, as_frames(wire.sealed(TOKEN, [head])))
         except wire.Malformed:
             continue
-        assert isinstance(back, dict) and "rid" in back
+        if head[:1] == bytes([wire._RECORD]):  # still a record: one that adds up
+            assert isinstance(back, dict) and "rid" in back
+        # else its first byte is no longer the record's: msgpack read it, as any header
+
+
+def test_a_repeated_run_whose_answer_is_no_record_or_fails_is_answered_as_msgpack():
+    from somatize.remote.server import Compiled
+
+    server = Server(TOKEN)
+
+    class Listed:
+        def forward(self, x, ctx):
+            if x.numel() == 0:
+                raise KeyError("nothing to list")
+            return x.tolist()
+
+    nodes = server.sessions["0123abcd"] = {"k": Listed()}
+    steps = [[0, "k", "lister", 0, None, None, "h", False, True]]
+    server.slices[("0123abcd", "s12")] = Compiled(steps, nodes)
+    answer = server.handle(as_frames(wire.pack(TOKEN, _run(input=torch.arange(3.0)))))
+    assert not _is_record(answer)
+    reply = wire.unpack(TOKEN, as_frames(answer))
+    assert reply["ok"] and reply["value"] == {"out": {0: [0.0, 1.0, 2.0]}, "ran": []}
+    failed = server.handle(as_frames(wire.pack(TOKEN, _run(input=torch.zeros(0)))))
+    said = wire.unpack(TOKEN, as_frames(failed))
+    assert not said["ok"] and said["error"]["qualname"] == "KeyError"
+    assert any("lister" in note for note in said["error"]["notes"])  # the node is named
+    assert server.served == 1

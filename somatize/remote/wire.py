@@ -59,6 +59,7 @@ __all__ = [
     "send",
     "receive",
     "sealed",
+    "answer_record",
     "sign",
     "verify",
 ]
@@ -617,6 +618,23 @@ def _record(m: dict) -> list[Any] | None:
             return None
     except (KeyError, TypeError):  # not those keys (or an unhashable name)
         return None
+    return _written(kind, rid, texts, values)
+
+
+def answer_record(token: str | bytes, rid: Any, worker: Any, out: Any) -> list[Any] | None:
+    """The sealed frames of the plain answer `{"rid": rid, "ok": True, "worker": worker,
+    "value": {"out": out, "ran": []}}` as a record (what `pack` makes of it), written without
+    the dicts; None when it cannot be a record (then `pack` writes it as msgpack)."""
+    if type(out) is not dict or type(worker) is not str:
+        return None
+    frames = _written(_ANSWER, rid, _TEXTS.get(worker) or _text(worker), list(out.items()))
+    return None if frames is None else sealed(token, frames)
+
+
+def _written(kind: int, rid: Any, texts: bytes, values: list) -> list[Any] | None:
+    """A record of `kind` and its data frames: `texts` (its names, as `_text` writes them),
+    then each `(slot, tensor)` of `values` (slot None: the graph's input); None when it
+    cannot be one."""
     torch = _modules.get("torch")
     if (
         not texts
