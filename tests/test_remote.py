@@ -152,6 +152,18 @@ def test_a_repeated_forward_sends_its_slice_once_then_only_its_id(two, monkeypat
         return pack(token, message, **kw)
 
     monkeypatch.setattr(wire, "pack", watched)
+    run_record = wire.run_record
+
+    def watched_record(token, rid, session, sid, given, input):
+        frames = run_record(token, rid, session, sid, given, input)
+        if frames is not None:  # else it goes through wire.pack, watched there
+            sent.append(
+                {"op": "run", "define": [], "sid": sid, "slice": None, "given": given}
+                | {"input": input, "timed": False, "session": session, "rid": rid}
+            )
+        return frames
+
+    monkeypatch.setattr(wire, "run_record", watched_record)
     assert [g.forward(float(i), broker=two) for i in range(3)] == [10.0, 11.0, 12.0]
     assert [m["slice"] is None for m in sent] == [False, True, True]
     assert not any(m["timed"] for m in sent)  # nobody watches: no per-node times asked for
@@ -551,3 +563,24 @@ def test_a_spawned_worker_is_quiet_and_a_worker_by_hand_says_where_it_serves():
             assert b"--quiet" not in f.read().split(b"\0")
     finally:
         loud.stop()
+
+
+def test_a_repeated_forward_of_tensors_goes_as_a_record_with_only_its_id(two, monkeypatch):
+    g = Graph.somatize(Plus(1.0) >> (Plus(2.0) >> Plus(3.0)).at("a") >> Plus(4.0))
+    records: list[tuple] = []
+    real = wire.run_record
+
+    def watched(token, rid, session, sid, given, input):
+        frames = real(token, rid, session, sid, given, input)
+        records.append((sid, frames is not None and bytes(memoryview(frames[0]))[wire._SEAL]))
+        return frames
+
+    monkeypatch.setattr(wire, "run_record", watched)
+    xs = [torch.randn(3) for _ in range(3)]
+    outs = [g.forward(x, broker=two) for x in xs]
+    assert all(torch.allclose(o, x + 10) for o, x in zip(outs, xs, strict=True))
+    # the first forward sends its slice (msgpack); the next two only its id, as records
+    assert [r[1] for r in records] == [wire._RECORD, wire._RECORD]
+    assert len({r[0] for r in records}) == 1
+    assert torch.allclose(g.forward(xs[0], broker=two, watching=[lambda f: None]), xs[0] + 10)
+    assert len(records) == 2  # a watched forward asks for times: the generic request

@@ -607,3 +607,18 @@ def test_a_repeated_run_whose_answer_is_no_record_or_fails_is_answered_as_msgpac
     assert not said["ok"] and said["error"]["qualname"] == "KeyError"
     assert any("lister" in note for note in said["error"]["notes"])  # the node is named
     assert server.served == 1
+
+
+def test_run_record_and_answer_record_write_what_pack_writes():
+    x, g = torch.randn(5), {2: torch.randn(2, 2)}
+    by_pack = wire.unpack(TOKEN, as_frames(wire.pack(TOKEN, _run(given=g, input=x))))
+    direct = wire.unpack(TOKEN, as_frames(wire.run_record(TOKEN, 77, "0123abcd", "s12", g, x)))
+    assert _same(by_pack, direct)
+    out = {0: torch.randn(3)}
+    by_pack = wire.unpack(TOKEN, as_frames(wire.pack(TOKEN, _answer(out))))
+    direct = wire.unpack(TOKEN, as_frames(wire.answer_record(TOKEN, 78, "feed", out)))
+    assert _same(by_pack, direct)
+    assert wire.run_record(TOKEN, 1, "s", "i", {0: 1.5}, None) is None  # not a tensor
+    assert wire.run_record(TOKEN, 1, "é", "i", {}, x) is None  # not ascii
+    assert wire.answer_record(TOKEN, 1, "w", {0: [x]}) is None
+    assert wire.answer_record(TOKEN, -1, "w", out) is None  # not a rid a record holds

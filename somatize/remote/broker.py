@@ -96,6 +96,17 @@ class Broker:
             self._defined[host] = {}
         return answer
 
+    def run(self, host: str, sid: str, given: dict, input: Any) -> Any:
+        """A repeated forward of slice `sid`, which `host`'s worker holds, nobody watching:
+        what `request` gives back for its run request, written straight away as a record
+        (`Connection.run`)."""
+        conn = self._connections.get(host) or self.connection(host)
+        answer = conn.run(self.session, sid, given, input)
+        known = self._defined.get(host)
+        if known and next(iter(known.values())) != conn.incarnation:
+            self._defined[host] = {}  # as `request` does
+        return answer
+
     # -- nodes ------------------------------------------------------------------------------
     def key(self, node: Any) -> str:
         """The name a node goes by on a worker, for this broker."""

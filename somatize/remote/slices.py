@@ -112,17 +112,20 @@ def _run_there(
     if piece.held is not None and piece.held is broker._defined.get(host):  # broker.held
         # The worker holds the slice and its nodes (nothing was lost since): only the id and
         # the inputs go.
-        message = {
-            "op": "run",
-            "define": [],
-            "sid": piece.sid,
-            "slice": None,
-            "given": given,
-            "input": input if piece.roots else None,
-            "timed": bool(told),
-        }
         try:
-            got = broker.request(host, message)
+            if told:
+                message = {
+                    "op": "run",
+                    "define": [],
+                    "sid": piece.sid,
+                    "slice": None,
+                    "given": given,
+                    "input": input if piece.roots else None,
+                    "timed": True,
+                }
+                got = broker.request(host, message)
+            else:  # the same request, written without its dict
+                got = broker.run(host, piece.sid, given, input if piece.roots else None)
         except Unknown:
             broker.forget(host)  # a restarted worker: send the nodes again, once
             attempts = (1,)

@@ -59,6 +59,7 @@ __all__ = [
     "send",
     "receive",
     "sealed",
+    "run_record",
     "answer_record",
     "sign",
     "verify",
@@ -619,6 +620,25 @@ def _record(m: dict) -> list[Any] | None:
     except (KeyError, TypeError):  # not those keys (or an unhashable name)
         return None
     return _written(kind, rid, texts, values)
+
+
+def run_record(
+    token: str | bytes, rid: Any, session: Any, sid: Any, given: Any, input: Any
+) -> list[Any] | None:
+    """The sealed frames of the run request `{"op": "run", "rid": rid, "session": session,
+    "sid": sid, "define": [], "slice": None, "given": given, "input": input, "timed": False}`
+    as a record (what `pack` makes of it), written without the dict; None when it cannot be
+    a record (then `pack` writes it as msgpack)."""
+    if type(session) is not str or type(sid) is not str or type(given) is not dict:
+        return None
+    session, sid = _TEXTS.get(session) or _text(session), _TEXTS.get(sid) or _text(sid)
+    if not session or not sid:
+        return None
+    values = list(given.items())
+    if input is not None:
+        values.append((None, input))  # slot -1 in the record
+    frames = _written(_RUN, rid, session + sid, values)
+    return None if frames is None else sealed(token, frames)
 
 
 def answer_record(token: str | bytes, rid: Any, worker: Any, out: Any) -> list[Any] | None:
