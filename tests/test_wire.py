@@ -117,7 +117,13 @@ def test_a_wrong_token_or_a_changed_byte_is_refused(n):
 
 
 def test_not_a_message_is_malformed():
-    for frames in ([], [b"SMZ1"], [b"XXXX" + b"0" * 32 + b"h"], [b"SMZ4short", b"h"], [b""]):
+    for frames in (
+        [],
+        [b"SMZ1"],
+        [b"XXXX" + b"0" * 32 + b"h"],
+        [wire.MAGIC + b"short", b"h"],
+        [b""],
+    ):
         with pytest.raises(wire.Malformed):
             wire.unpack(TOKEN, frames)
 

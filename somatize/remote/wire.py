@@ -6,7 +6,7 @@ A message is one Python value (a dict, in practice) with tensors anywhere inside
 
 so a message without large tensors is one frame, sent and received in one call each.
 
-- ``MAGIC`` is ``b"SMZ4"`` (4 bytes), so a stray connection (or a peer of another version) is
+- ``MAGIC`` is ``b"SMZ5"`` (4 bytes), so a stray connection (or a peer of another version) is
   told apart from a peer at once;
 - ``seal`` is 32 bytes: a fresh random 16-byte nonce, then the tag of the nonce, the number
   of parts and every part's length (so frames cannot be re-cut, added or dropped), and every
@@ -21,15 +21,19 @@ so a message without large tensors is one frame, sent and received in one call e
   a bool a bool), where each tensor is replaced by a reference holding its safetensors header
   (dtype, shape, byte range) and whether it asks for a gradient: that header and the tensor's
   bytes are a safetensors file cut in two. A tensor under 64 KB carries its bytes in its
-  reference; a larger one names its data frame;
+  reference; a larger one names its data frame. The message sent most, a repeated run of a
+  slice the worker holds (only its id and its tensors) and its plain answer, goes as a fixed
+  record instead (a header whose first byte is 0xC1, which msgpack never writes): the
+  request's id and names, then each tensor's slot, safetensors header and bytes (or data
+  frame), so that neither side walks msgpack's hooks for it;
 - each ``data_k`` is the raw bytes of one large tensor, sent straight from the tensor's own
   memory and received into a frame the tensor is then built on, so a large tensor is never
   copied on its way through (only moved to the cpu first if it lives elsewhere).
 
 A class or function of torch or somatize (an optimizer factory, say) crosses by name and is
 imported on the other side. Nothing here unpickles, and a message that does not verify is
-refused before its header
-is even read (`Refused`); bytes that verify but do not parse are `Malformed`.
+refused before its header is even read (`Refused`); bytes that verify but do not parse are
+`Malformed`.
 """
 
 from __future__ import annotations
@@ -65,10 +69,10 @@ __all__ = [
     "verify",
 ]
 
-MAGIC = b"SMZ4"
+MAGIC = b"SMZ5"
 """The first bytes of every message (of its first frame)."""
 
-REFUSED = b"SMZ4-REFUSED"
+REFUSED = b"SMZ5-REFUSED"
 """The one-frame notice a worker answers a message whose signature does not verify."""
 
 _TENSOR = 64  # msgpack extension code for a tensor reference; codecs owns 1..3
