@@ -195,16 +195,22 @@ def test_release_takes_every_hook_off_and_refusals():
         Audit(inside=["layer.nope"]).watch(g)
 
 
-def test_the_trainer_drives_it():
-    g = _graph()
-    heard = []
-    t = Trainer(
+def _trainer(g, audit, heard, every=1):
+    """A Trainer of `g` by SGD, audited by `audit`, telling `heard` everything."""
+    return Trainer(
         g,
         objective=F.cross_entropy,
         optimizer=torch.optim.SGD(parameters(g), lr=0.1),
-        auditing=Audit(every=2),
+        auditing=audit,
         watching=heard.append,
+        every=every,
     )
+
+
+def test_the_trainer_drives_it():
+    g = _graph()
+    heard = []
+    t = _trainer(g, Audit(every=2), heard)
     x, y = _data()
     t.fit([(x, y)] * 4)
     health = [f for f in heard if f["fact"] == "health"]
@@ -259,6 +265,13 @@ def test_snapshot_numbers_against_float64_and_a_full_svd():
     assert [float(s) for s in stable] == pytest.approx(
         [by_svd_stable(d) for d in updates], rel=2e-3
     )
+    # the Lanczos other devices take, in torch, run here on the CPU: the numpy one's answer
+    from somatize.torch._measures import _lanczos_numpy, _lanczos_torch
+
+    for d in (dominant, updates[2]):
+        assert _lanczos_torch(d, 12) == pytest.approx(_lanczos_numpy(d.numpy(), 12), rel=1e-4)
+        top = float(torch.linalg.svdvals(d.double())[0] ** 2)
+        assert _lanczos_torch(d, 12) == pytest.approx(top, rel=1e-3)
 
 
 def test_nan_and_inf_in_an_output_are_told_apart():
@@ -352,14 +365,7 @@ def test_a_place_and_its_last_layer_share_one_output_but_not_one_written_over():
 def test_under_accumulation_each_measured_step_gets_its_groups_update_told_at_the_close():
     g = _graph()
     heard = []
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
-        auditing=Audit(every=1),
-        watching=heard.append,
-        every=3,
-    )
+    t = _trainer(g, Audit(every=1), heard, every=3)
     first = g.implementation("layer")
     x, y = _data()
     before = [p.detach().clone() for p in first.parameters()]

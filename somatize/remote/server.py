@@ -104,17 +104,9 @@ class Server:
                 return found
         try:
             value = self.answer(message)
-            reply = {"rid": rid, "ok": True, "worker": self.incarnation, "value": value}
-            self.served += 1
-            try:
-                return wire.pack(
-                    self.token, reply, where=lambda: f"the answer to {message['op']!r}"
-                )
-            except Exception as error:
-                raise TypeError(f"the answer could not be written down: {error}") from error
         except Exception as error:
-            reply = {"rid": rid, "ok": False, "worker": self.incarnation, "error": _said(error)}
-            return wire.pack(self.token, reply)
+            return self._failed(rid, error)
+        return self._written(rid, value, message["op"])
 
     def _rerun(self, m: dict[str, Any], rid: Any) -> list[Any] | None:
         """A repeated forward of a slice this worker holds, nobody watching (what the broker
@@ -131,36 +123,33 @@ class Server:
         was = grad.is_grad_enabled()
         grad._set_grad_enabled(False)  # a plain forward: no autograd graph is kept
         try:
-            given = m.get("given")
-            vals = dict(given) if given else {}
-            walk(compiled, compiled.steps, vals, m.get("input"))
-            out = {}
-            for slot in compiled.wanted:
-                out[slot] = vals[slot]
+            out = _run_quiet(compiled, m.get("given"), m.get("input"))
         except Exception as error:
-            reply = {"rid": rid, "ok": False, "worker": self.incarnation, "error": _said(error)}
-            return wire.pack(self.token, reply)
+            return self._failed(rid, error)
         finally:
             grad._set_grad_enabled(was)
         frames = wire.answer_record(self.token, rid, self.incarnation, out)
         if frames is None:  # not all plain tensors: msgpack, as `handle` writes an answer
-            return self._written(rid, {"out": out, "ran": []})
+            return self._written(rid, {"out": out, "ran": []}, "run")
         self.served += 1
         return frames
 
-    def _written(self, rid: Any, value: Any) -> list[Any]:
-        """The answer carrying `value` as msgpack, as `handle` writes it (or the error that
-        it cannot be written down)."""
+    def _written(self, rid: Any, value: Any, op: Any) -> list[Any]:
+        """The answer to `op` carrying `value`, as msgpack (or the error that it cannot be
+        written down)."""
         reply = {"rid": rid, "ok": True, "worker": self.incarnation, "value": value}
         self.served += 1
         try:
-            try:
-                return wire.pack(self.token, reply, where="the answer to 'run'")
-            except Exception as error:
-                raise TypeError(f"the answer could not be written down: {error}") from error
+            return wire.pack(self.token, reply, where=lambda: f"the answer to {op!r}")
         except Exception as error:
-            reply = {"rid": rid, "ok": False, "worker": self.incarnation, "error": _said(error)}
-            return wire.pack(self.token, reply)
+            problem = TypeError(f"the answer could not be written down: {error}")
+            problem.__cause__ = error
+            return self._failed(rid, problem)
+
+    def _failed(self, rid: Any, error: BaseException) -> list[Any]:
+        """The answer saying the request failed, and how."""
+        reply = {"rid": rid, "ok": False, "worker": self.incarnation, "error": _said(error)}
+        return wire.pack(self.token, reply)
 
     # -- what it is asked -------------------------------------------------------------------
     def answer(self, m: dict[str, Any]) -> Any:
@@ -191,16 +180,7 @@ class Server:
             was = grad.is_grad_enabled()
             grad._set_grad_enabled(False)
             try:
-                if m.get("timed", True):
-                    return run_compiled(compiled, m.get("given"), m.get("input"))
-                # nobody watches: as `run_compiled` runs it, without the clock
-                given = m.get("given")
-                vals = dict(given) if given else {}
-                walk(compiled, compiled.steps, vals, m.get("input"))
-                out = {}
-                for slot in compiled.wanted:
-                    out[slot] = vals[slot]
-                return {"out": out, "ran": []}
+                return run_compiled(compiled, m.get("given"), m.get("input"), m.get("timed", True))
             finally:
                 grad._set_grad_enabled(was)
         if op == "define":
@@ -432,21 +412,30 @@ def run_compiled(compiled: Compiled, given: Any, input: Any, timed: bool = True)
     (`somatize.run.walk`: hooks fire, failures are noted with their node); `given` holds the
     values of the slots it reads from outside. Answers the values wanted outside and, when
     `timed` (somebody watches), per node when it began and how long it took (microseconds)."""
+    if not timed:  # nobody watches: the engine's plain loop, no clock read
+        return {"out": _run_quiet(compiled, given, input), "ran": []}
     vals: dict[int, Any] = dict(given) if given else {}
     ran: list[list[Any]] = []
-    if timed:
-        add = ran.append
+    add = ran.append
 
-        def told(fact: dict[str, Any]) -> None:
-            add([fact["node"], fact["began_us"], fact["took_us"]])
+    def told(fact: dict[str, Any]) -> None:
+        add([fact["node"], fact["began_us"], fact["took_us"]])
 
-        walk(compiled, compiled.steps, vals, input, [told], time.perf_counter_ns())
-    else:  # nobody watches: the engine's plain loop, no clock read
-        walk(compiled, compiled.steps, vals, input)
+    walk(compiled, compiled.steps, vals, input, [told], time.perf_counter_ns())
     out = {}
     for slot in compiled.wanted:
         out[slot] = vals[slot]
     return {"out": out, "ran": ran}
+
+
+def _run_quiet(compiled: Compiled, given: Any, input: Any) -> dict[int, Any]:
+    """`run_compiled`'s answer when nobody watches: the values wanted outside, by slot."""
+    vals: dict[int, Any] = dict(given) if given else {}
+    walk(compiled, compiled.steps, vals, input)
+    out = {}
+    for slot in compiled.wanted:
+        out[slot] = vals[slot]
+    return out
 
 
 _grad_c: Any = None
