@@ -436,3 +436,30 @@ def test_weights_numpy_cannot_view_take_torchs_way():
         assert n["update_ratio"] == pytest.approx(_ratio(before, after), rel=1e-2)
         assert n["update_ratio"] > 0 and type(n["update_stable_rank"]) is float
     audit.release()
+
+
+def test_a_node_trained_inside_backward_by_its_own_split_is_seen_to_move():
+    from somatize.torch import Split
+
+    g = _graph()
+    heard = []
+    trains = {"layer_2": Split(torch.optim.SGD, lr=0.1)}
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+        trains=trains,
+        auditing=Audit(every=1),
+        watching=heard.append,
+    )
+    body = g.implementation("layer_2")
+    x, y = _data()
+    for _ in range(2):
+        before = [p.detach().clone() for p in body.parameters()]
+        t.step((x, y))
+        after = [p.detach().clone() for p in body.parameters()]
+    t.close()
+    last = [f["numbers"] for f in heard if f.get("where") == "layer_2"][-1]
+    # its weights move inside backward, before `observed`: the copy is taken in the forward
+    assert last["update_ratio"] > 0
+    assert last["update_ratio"] == pytest.approx(_ratio(before, after), rel=1e-5)

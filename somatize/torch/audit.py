@@ -114,6 +114,9 @@ class Audit:
         self._moving: list[tuple[_Place, dict[str, Any]]] = []  # this step's, as measured
         self._versions: list[int] = []  # the parameters' version counters at the copy
         self._prev_for: list[int] = []  # the parameters' data pointers the buffers were made for
+        # ‖θ‖² as the last measured step took it, and which weights had moved since the copy
+        self._was: list[float] | None = None
+        self._stale: set[int] = set()
         self._began = False  # this measured step has taken (or kept) its copy
         # numpy views of the parameters and of the copy of θ_{t−1} (CPU float tensors only),
         # and the parameters' data pointers they were made for
@@ -417,15 +420,28 @@ class Audit:
             if views is not None and self._prev_views is None:
                 self._prev_views = numpy_views(prev)
             pviews = self._prev_views if views is not None else None
-            if pviews is not None:  # on the CPU: one subtraction and one BLAS dot each
-                square = []
+            # ‖θ‖²: as the step measured it, unless the weight had moved by then (a node
+            # trained inside backward), or it was not measured after the copy: then from the
+            # copy; and ‖θ' − θ‖²
+            known, stale = self._was, self._stale
+            self._was = None
+            if pviews is not None:  # on the CPU: a subtraction and a BLAS dot each
+                was, square = [], []
                 dot = np.dot
                 with np.errstate(all="ignore"):
-                    for d, v in zip(pviews, views, strict=True):  # type: ignore[arg-type]
+                    for i, (d, v) in enumerate(zip(pviews, views, strict=True)):  # type: ignore[arg-type]
+                        was.append(float(dot(d, d)) if known is None or i in stale else known[i])
                         np.subtract(d, v, out=d)
                         square.append(float(dot(d, d)))
+            elif known is None or stale:
+                before = list(torch._foreach_norm(prev))
+                torch._foreach_sub_(prev, flat)
+                got = read(before + list(torch._foreach_norm(prev)))
+                was = [v * v for v in got[: len(prev)]]
+                square = [v * v for v in got[len(prev) :]]
             else:
                 torch._foreach_sub_(prev, flat)
+                was = known
                 square = [v * v for v in read(list(torch._foreach_norm(prev)))]
             # prev is now −Δθ; a snapshot step's update stable rank is taken on it
             tops: dict[int, float] = {}
@@ -441,8 +457,8 @@ class Audit:
             for place, n in got:
                 index = place.index
                 delta = sqrt(sum([square[i] for i in index]))
-                was = n.get("param_norm", 0.0)
-                n["update_ratio"] = delta / was if was > 0 else 0.0
+                norm = sqrt(sum([was[i] for i in index]))
+                n["update_ratio"] = delta / norm if norm > 0 else 0.0
                 if snap:
                     big = self._big(place)
                     if big is not None:
@@ -492,6 +508,10 @@ class Audit:
             torch._C._set_grad_enabled(enabled)
         at_grad = len(flat)
         at_out = at_grad + len(grads)
+        if self._copied:  # ‖θ‖² for the update ratio, where the weights are still the copy's
+            versions = self._versions
+            self._was = square[:at_grad]
+            self._stale = {i for i, q in enumerate(flat) if q._version != versions[i]}
         moving = self._moving
         isnan, isinf, isfinite, sqrt = math.isnan, math.isinf, math.isfinite, math.sqrt
         shared: dict[tuple, Any] = {}  # channel activity, once per output
