@@ -577,9 +577,7 @@ class Audit:
         if ptrs != self._ptrs:
             self._ptrs = ptrs
             self._views = numpy_views([q.detach() for q in self._flat])
-            self._prev_views = (
-                None if self._views is None or self._prev is None else (numpy_views(self._prev))
-            )
+            self._prev_views = None  # made again by `moved` when it needs them
         return self._views
 
     def _squares_numpy(

@@ -111,7 +111,8 @@ class Trainer:
     update and `micro` how many pieces one batch is cut into; they multiply. `store` (a Store
     or a directory) makes a settled `.cached()` prefix run once per batch. `broker` says where
     `.at(host)` nodes run. `watching` is told every fact (the engine's, `loss`, `updated`, and
-    with `auditing=` an Audit or True, `health`); one with a `flush()` is flushed after each
+    with `auditing=` an Audit or True, `health`, told when the update the measured step's
+    gradient went into is made, before `updated`); one with a `flush()` is flushed after each
     step. In a notebook, an audited `fit` draws itself: a `LiveAudit` is shown and kept as
     `t.live`, unless one is already among the watchers.
 
