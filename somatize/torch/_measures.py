@@ -9,6 +9,7 @@ several microseconds cold, more than the arithmetic it would do.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -166,77 +167,44 @@ def _top_square(d: torch.Tensor, steps: int = _STEPS) -> float:
     if rows < cols:
         d = d.T  # the vectors live on the smaller side
     if d.device.type == "cpu":
-        return _lanczos_numpy(d.numpy(), steps)
-    return _lanczos_torch(d, steps)
+        x = d.numpy()
+        return _lanczos(x, lambda *shape: np.zeros(shape, x.dtype), np.linalg, steps)
+    return _lanczos(d, d.new_zeros, torch.linalg, steps)
 
 
-def _lanczos_numpy(d: np.ndarray, steps: int) -> float:
-    """`_top_square`'s Lanczos, on a (rows ≥ cols) numpy matrix."""
+def _lanczos(d: Any, zeros: Any, linalg: Any, steps: int = _STEPS) -> float:
+    """`_top_square`'s Lanczos on a (rows ≥ cols) matrix, a numpy array or a torch tensor
+    alike: it uses only what both have (`@`, indexing, `linalg.eigh`). `zeros(rows, cols)`
+    makes an array of `d`'s kind, dtype and device."""
     n = d.shape[1]
     m = min(n, steps)
     dt = d.T
-    dot = np.dot
-    basis = np.zeros((m, n), dtype=d.dtype)
-    projected = np.zeros((m, m), dtype=d.dtype)  # row j: <DᵀD q_j, q_i>, i ≤ j (lower triangle)
+    basis = zeros(m, n)
+    projected = zeros(m, m)  # row j: <DᵀD q_j, q_i>, i ≤ j (the lower triangle)
     basis[0] = n**-0.5
     k = m
     floor = 0.0
     for j in range(m):
-        w = dot(dt, dot(d, basis[j]))
+        w = dt @ (d @ basis[j])
         # against the whole basis: the rows past j are still zero, so h is zero past j
-        h = projected[j] = dot(basis, w)
+        h = basis @ w
+        projected[j] = h
         if j == m - 1:
             break
-        w -= dot(h, basis)
-        b = math.sqrt(float(dot(w, w)))
+        w -= h @ basis
+        b = math.sqrt(float(w @ w))
         if j == 0:
             floor = 1e-6 * float(h[0])
         if b <= floor:
             k = j + 1  # the Krylov space is whole: what is projected is exact
             break
         if j + 1 in _CHECKS:
-            values, vecs = np.linalg.eigh(projected[: j + 1, : j + 1])
+            values, vecs = linalg.eigh(projected[: j + 1, : j + 1])
             top = float(values[-1])
             if b * abs(float(vecs[-1, -1])) <= _TOL * top:
                 return top
-        np.divide(w, b, out=basis[j + 1])
-    return float(np.linalg.eigvalsh(projected[:k, :k])[-1])
-
-
-def _lanczos_torch(d: torch.Tensor, steps: int) -> float:
-    """`_top_square`'s Lanczos in torch, on a (rows ≥ cols) matrix on any device."""
-    n = d.shape[1]
-    m = min(n, steps)
-    dt = d.T
-    basis = d.new_zeros(m, n)
-    projected = d.new_zeros(m, m)  # row j: <D^T D q_j, q_i> for i <= j (the lower triangle)
-    vectors = basis.unbind(0)
-    rows = projected.unbind(0)
-    vectors[0].fill_(n**-0.5)
-    k = m
-    floor = 0.0
-    basis_t = basis.T
-    for j in range(m):
-        w = torch.mv(dt, torch.mv(d, vectors[j]))
-        # against the whole basis: the rows past j are still zero, so h is zero past j and
-        # row j of `projected` is its lower-triangle part (no slices to make each step)
-        h = torch.mv(basis, w, out=rows[j])
-        if j == m - 1:
-            break
-        w = torch.addmv(w, basis_t, h, alpha=-1)
-        b = float(torch.linalg.vector_norm(w))
-        if j == 0:
-            floor = 1e-6 * float(h[0])
-        if b <= floor:
-            k = j + 1  # the Krylov space is whole: what is projected is exact
-            break
-        if j + 1 in _CHECKS:
-            values, vecs = torch.linalg.eigh(projected[: j + 1, : j + 1])
-            top, last = torch.stack((values[-1], vecs[-1, -1])).tolist()
-            if b * abs(last) <= _TOL * top:
-                return top
-        torch.div(w, b, out=vectors[j + 1])
-    return float(torch.linalg.eigvalsh(projected[:k, :k])[-1])
+        basis[j + 1] = w / b
+    return float(linalg.eigvalsh(projected[:k, :k])[-1])
 
 
 def stable_rank(d: torch.Tensor, frob: torch.Tensor | float | None = None) -> float:

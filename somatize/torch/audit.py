@@ -113,7 +113,6 @@ class Audit:
         self._waiting: list[tuple[bool, list[tuple[_Place, dict[str, Any]]]]] = []
         self._moving: list[tuple[_Place, dict[str, Any]]] = []  # this step's, as measured
         self._versions: list[int] = []  # the parameters' version counters at the copy
-        self._prev_for: list[int] = []  # the parameters' data pointers the buffers were made for
         # ‖θ‖² as the last measured step took it, and which weights had moved since the copy
         self._was: list[float] | None = None
         self._stale: set[int] = set()
@@ -380,16 +379,15 @@ class Audit:
         self._copy()
 
     def _copy(self) -> None:
-        """θ into buffers made once (made again if a parameter's memory moved: another
-        device, a `p.data = ...`)."""
+        """θ into buffers made once (made again if a parameter's memory moved: `_views_now`
+        tells)."""
+        self._views_now()
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            ptrs = [q.data_ptr() for q in self._flat]
-            if self._prev is None or ptrs != self._prev_for:
+            if self._prev is None:
                 self._prev = [q.detach().clone() for q in self._flat]
                 self._prev_views = None
-                self._prev_for = ptrs
             else:
                 torch._foreach_copy_(self._prev, self._flat)
         finally:
@@ -572,12 +570,16 @@ class Audit:
     def _views_now(self) -> list[np.ndarray] | None:
         """numpy views of the watched parameters, when all are dense float32/float64 CPU
         tensors (None otherwise): made once, and again only when a parameter's memory moved
-        (a `.to(device)`, a `p.data = ...`); `q.data_ptr()` is what tells."""
+        (a `.to(device)`, a `p.data = ...`); `q.data_ptr()` is what tells. Then the buffers
+        θ is copied into are made again too, at the next copy (not while a copy waits for its
+        update: its values are still θ's)."""
         ptrs = [q.data_ptr() for q in self._flat]
         if ptrs != self._ptrs:
             self._ptrs = ptrs
             self._views = numpy_views([q.detach() for q in self._flat])
             self._prev_views = None  # made again by `moved` when it needs them
+            if not self._copied:
+                self._prev = None
         return self._views
 
     def _squares_numpy(
