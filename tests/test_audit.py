@@ -115,6 +115,42 @@ def test_every_measures_one_step_in_n_and_keeps_the_update_ratio():
     assert audit.step == 7
 
 
+def test_a_tap_that_is_not_live_keeps_its_wrappers_and_tells_nothing():
+    from somatize.torch._state import Tap
+
+    g = _graph()
+    x, _ = _data()
+    heard = []
+    tap = Tap(g, lambda node, input, ctx, out: heard.append((node, out.shape))).on()
+    try:
+        out = g.forward(x)
+        told = list(heard)
+        assert [n for n, _ in told] == g.nodes() and told[-1][1] == (32, 3)
+        tap.live = False
+        heard.clear()
+        assert torch.equal(g.forward(x), out)  # the wrapped nodes still run
+        assert heard == []
+        tap.live = True
+        g.forward(x)
+        assert heard == told
+    finally:
+        tap.off()
+    g.forward(x)
+    assert heard == told  # unwrapped: nothing more
+
+
+def test_an_audit_hears_the_nodes_only_on_measured_steps():
+    g = _graph()
+    audit = Audit(every=3).watch(g)
+    seen = []
+    saw = audit._saw
+    audit._saw = lambda place, out: (seen.append((audit.step, place.where)), saw(place, out))
+    _loop(g, audit, 4)
+    audit.release()
+    assert sorted({s for s, _ in seen}) == [0, 3]
+    assert [w for s, w in seen if s == 3] == g.nodes()
+
+
 def test_inside_channels_and_snapshot():
     g = _graph()
     audit = Audit(inside=True, channels=True, snapshot=2).watch(g)

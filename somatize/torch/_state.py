@@ -135,15 +135,16 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Non
                     b.data = saved
 
 
-def _wrap(node_id: str, original: Any, on_node: Any) -> Any:
+def _wrap(node_id: str, original: Any, tap: Tap) -> Any:
     def forward(*args: Any, **kw: Any) -> Any:
         out = original(*args, **kw)
-        on_node(
-            node_id,
-            args[0] if args else kw.get("input"),
-            args[1] if len(args) > 1 else kw.get("ctx"),
-            out,
-        )
+        if tap.live:
+            tap.on_node(
+                node_id,
+                args[0] if args else kw.get("input"),
+                args[1] if len(args) > 1 else kw.get("ctx"),
+                out,
+            )
         return out
 
     return forward
@@ -155,12 +156,14 @@ class Tap:
     The engine calls a node's `forward` directly (not through `nn.Module.__call__`), so module
     hooks on a node that *is* a module never fire; an instance attribute shadowing `forward`
     is seen both by a freshly compiled plan and by `__call__`. The graph's compiled plan is
-    set aside while tapped and given back after.
+    set aside while tapped and given back after. `live` False: the wrappers stay, and tell
+    nothing (an Audit's unmeasured steps pay one attribute read per node).
     """
 
     def __init__(self, graph: Any, on_node: Any) -> None:
         self.graph = graph
         self.on_node = on_node
+        self.live = True
         self._undo: list[tuple[Any, bool, Any]] = []
         self._plan: Any = None
 
@@ -170,7 +173,7 @@ class Tap:
             node = self.graph.implementation(node_id)
             had = "forward" in vars(node)
             self._undo.append((node, had, vars(node).get("forward")))
-            object.__setattr__(node, "forward", _wrap(node_id, node.forward, self.on_node))
+            object.__setattr__(node, "forward", _wrap(node_id, node.forward, self))
         self._plan = getattr(self.graph, "_plan", None)
         if hasattr(self.graph, "_plan"):
             self.graph._plan = None

@@ -213,6 +213,8 @@ class Audit:
         """Forward hooks inside nodes are there only for a step that is measured: a module
         with no hooks takes torch's fast path, so unmeasured steps pay nothing for them."""
         self._measuring = measuring
+        if self._tap is not None:
+            self._tap.live = measuring
         self._began = False
         self._features = measuring and (self.channels or self._snapshot_now())
         if measuring and not self._handles:
