@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -348,6 +351,100 @@ def test_nan_and_inf_in_an_output_are_told_apart():
     }
 
 
+class Kept(Node, nn.Module):
+    """Linear, then an activation; keeps a copy of what it gave. `poke`: a value written into
+    its output's first row after it is given."""
+
+    def __init__(self, i, o, act):
+        super().__init__()
+        self.l = nn.Linear(i, o)
+        self.act = act
+        self.gave = None
+
+    def forward(self, x, ctx):
+        out = self.act(self.l(x) * 4)
+        self.gave = out.detach().clone()
+        return out
+
+
+def _by_hand(out, saturates=None):
+    """act_mean, zero and saturated of one output, as the forward's torch ops take them."""
+    a = out.double()
+    zero = float((a.abs() <= 1e-7).double().mean())
+    if saturates == "sigmoid":
+        sat = float(((a <= 0.01) | (a >= 0.99)).double().mean())
+    elif saturates == "tanh":
+        sat = float((a.abs() >= 0.99).double().mean())
+    else:
+        sat = 0.0
+    return float(a.mean()), zero, sat
+
+
+def test_sums_taken_when_observed_are_those_the_forward_would_take():
+    torch.manual_seed(0)
+    nodes = [Kept(4, 8, nn.ReLU()), Kept(8, 8, nn.Sigmoid()), Kept(8, 8, nn.Tanh())]
+    names = ["relu", "sigmoid", "tanh"]
+    g = Graph.somatize(
+        nodes[0].named("relu") >> nodes[1].named("sigmoid") >> nodes[2].named("tanh") >> Head(8)
+    )
+    audit = Audit(window=1).watch(g)
+    x, y = _data()
+    opt = torch.optim.SGD(parameters(g), lr=0.5)
+    for step in range(4):
+        opt.zero_grad()
+        F.cross_entropy(g.forward(x * (step + 1)), y).backward()
+        n = {f["where"]: f["numbers"] for f in audit.observed(g)}
+        opt.step()
+        audit.moved()
+        for node, name, sat in zip(nodes, names, (None, "sigmoid", "tanh"), strict=True):
+            mean, zero, saturated = _by_hand(node.gave, sat)
+            got = n[name]
+            assert got["act_mean"] == pytest.approx(mean, rel=1e-5, abs=1e-7), (step, name)
+            assert got["zero"] == pytest.approx(zero, abs=1e-9), (step, name)
+            assert got["saturated"] == pytest.approx(saturated, abs=1e-9), (step, name)
+            assert type(got["zero"]) is float and got["nan"] is False and got["inf"] is False
+        # after the first step, every one of them is known to stay as given: taken when observed
+        assert [audit._places[k].later for k in names] == [True, True, True]
+    assert 0 < n["relu"]["zero"] < 1 and 0 < n["sigmoid"]["saturated"] < 1
+    audit.release()
+
+
+def test_an_output_written_over_only_later_loses_that_steps_sums_then_is_taken_at_once():
+    class Poke(Node):
+        """Adds one to what it is given, in place when `inplace`."""
+
+        def __init__(self):
+            self.inplace = False
+
+        def forward(self, x, ctx):
+            return x.add_(1.0) if self.inplace else x + 1.0
+
+    torch.manual_seed(0)
+    first, poke = Kept(4, 8, nn.Identity()), Poke()
+    g = Graph.somatize(first.named("first") >> poke.named("poke") >> Head(8))
+    audit = Audit(window=1).watch(g)
+    x, y = _data()
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    told = []
+    for step in range(4):
+        poke.inplace = step >= 2
+        opt.zero_grad()
+        F.cross_entropy(g.forward(x), y).backward()
+        told.append({f["where"]: f["numbers"] for f in audit.observed(g)}["first"])
+        opt.step()
+        audit.moved()
+        if step != 2:
+            mean, zero, _ = _by_hand(first.gave)
+            assert told[-1]["act_mean"] == pytest.approx(mean, rel=1e-5), step
+    # step 2: its output was written over after the audit saw it, where the audit had learnt
+    # it would not be: that step's sums are gone (not wrong); from then on taken at once
+    assert "act_mean" not in told[2] and "zero" not in told[2]
+    assert "grad_norm" in told[2] and "param_norm" in told[2]
+    assert audit._places["first"].later is False
+    assert "act_mean" in told[3]
+    audit.release()
+
+
 @pytest.mark.parametrize("inplace", [False, True])
 def test_out_grad_norm_is_the_outputs_gradient_even_when_the_next_node_writes_over_it(inplace):
     class Grab(Node, nn.Module):
@@ -504,3 +601,33 @@ def test_a_node_trained_inside_backward_by_its_own_split_is_seen_to_move():
     # its weights move inside backward, before `observed`: the copy is taken in the forward
     assert last["update_ratio"] > 0
     assert last["update_ratio"] == pytest.approx(_ratio(before, after), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("saturates", [None, "sigmoid", "tanh"])
+def test_later_sums_in_pieces_and_either_precision(dtype, saturates):
+    from somatize.torch import _measures
+
+    rng = np.random.default_rng(0)
+    n = 2 * _measures._CHUNK + 12345  # three pieces against the ones vector
+    v = rng.standard_normal(n).astype(dtype)
+    v[::7] = 0.0
+    v[1::11] = 5e-8  # under ε: zero too
+    v[2::13] = 0.995
+    v[3::17] = np.nan
+    into = [None] * 4
+    _measures.later_sums(v, saturates, into, 1)
+    finite = np.nan_to_num(v.astype(np.float64), nan=0.0)
+    assert into[0] is None
+    assert math.isnan(into[1])  # a NaN in the output makes Σa NaN (the caller then looks)
+    if saturates is None:
+        zero_at = 2
+    else:
+        zero_at = 3
+        sat = (v <= 0.01) | (v >= 0.99) if saturates == "sigmoid" else np.abs(v) >= 0.99
+        assert into[2] == float(np.count_nonzero(sat))
+    assert into[zero_at] == float(np.count_nonzero(np.abs(v) <= 1e-7))
+    v[3::17] = 0.0
+    _measures.later_sums(v, saturates, into, 1)
+    # a float32 BLAS dot in three pieces: within a few ulps of Σ|a| of the exact sum
+    assert into[1] == pytest.approx(float(finite.sum()), abs=1e-6 * float(np.abs(finite).sum()))

@@ -21,6 +21,7 @@ __all__ = [
     "cka",
     "effective_rank",
     "effective_ranks",
+    "later_sums",
     "read",
     "spectra",
     "stable_of",
@@ -36,6 +37,7 @@ _CHECKS = (4, 8)
 _TOL = 1e-3
 _FLOOR = 4 * torch.finfo(torch.float32).eps
 _NUMPY = (torch.float32, torch.float64)
+_DEAD_EPS = 1e-7  # |a| at most this is zero (the health thresholds' dead_eps)
 
 
 def read(tensors: list[torch.Tensor]) -> list[float]:
@@ -88,6 +90,39 @@ def square_of(t: torch.Tensor) -> float:
             return float(np.dot(x, x))
     n = float(torch.linalg.vector_norm(t.detach() if t.is_floating_point() else t.float()))
     return n * n
+
+
+_CHUNK = 1 << 20  # the longest ones vector a sum is taken against (4 MB in float32)
+_ONES: dict[Any, np.ndarray] = {}
+
+
+def later_sums(v: np.ndarray, saturates: str | None, into: list[Any], at: int) -> None:
+    """An output's sums, as an `Audit` takes them in the forward, from a flat numpy view of
+    it: Σa (a BLAS dot against ones, in pieces of at most `_CHUNK`), then — for a place that
+    saturates — how many values are saturated, then how many are zero (|a| ≤ 1e-7), written
+    into `into` from `at`. Call under `np.errstate(all="ignore")`: an overflow is an inf to
+    report. NaN is neither zero nor saturated, as in the forward's comparisons."""
+    n = v.size
+    ones = _ONES.get(v.dtype)
+    want = min(n, _CHUNK)
+    if ones is None or ones.size < want:
+        ones = _ONES[v.dtype] = np.ones(max(want, 1 << 12), v.dtype)
+    dot = np.dot
+    if n <= ones.size:
+        total = float(dot(v, ones[:n]))
+    else:
+        pieces = range(0, n, _CHUNK)
+        total = sum(float(dot(v[i : i + _CHUNK], ones[: min(_CHUNK, n - i)])) for i in pieces)
+    count = np.count_nonzero
+    magnitude = np.abs(v)
+    into[at] = total
+    if saturates == "sigmoid":
+        at += 1
+        into[at] = float(count((v <= 0.01) | (v >= 0.99)))
+    elif saturates == "tanh":
+        at += 1
+        into[at] = float(count(magnitude >= 0.99))
+    into[at + 1] = float(count(magnitude <= _DEAD_EPS))
 
 
 def channel_view(t: torch.Tensor, conv: bool) -> torch.Tensor:

@@ -46,6 +46,8 @@ class _Place:
         "held",
         "version",
         "retain",
+        "later",
+        "seen",
     )
 
     def __init__(self, where: str, modules: list[nn.Module], window: int) -> None:
@@ -81,3 +83,9 @@ class _Place:
         self.held: torch.Tensor | None = None
         self.version = 0
         self.hear = hear  # the tensor hook that keeps ‖∂L/∂output‖'s gradient
+        # whether the output stays as the place saw it until `observed` (nothing writes over
+        # it in place), so its sums can wait for `observed` and be taken there with the norms;
+        # None: not yet known (the first measured step takes them at once, and looks).
+        # `seen`: the output's version when the place saw it
+        self.later: bool | None = None
+        self.seen = 0

@@ -31,8 +31,10 @@ import torch
 from torch import nn
 
 from somatize.torch._measures import (
+    _DEAD_EPS,
     channel_view,
     cka,
+    later_sums,
     numpy_views,
     read,
     spectra,
@@ -45,7 +47,6 @@ from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors
 
 __all__ = ["Audit"]
 
-_DEAD_EPS = 1e-7
 _DORMANT_TAU = 0.1
 _ROWS = 1024
 
@@ -128,7 +129,8 @@ class Audit:
         # micro-batches a step has several forwards), and the places that saw one again
         self._seen: dict[int, tuple[weakref.ref, _Place, int]] = {}
         self._twins: list[tuple[_Place, _Place]] = []
-        self._sums: list[torch.Tensor] = []
+        self._sums: list[torch.Tensor | None] = []  # None: one of `_later`'s, not yet taken
+        self._later: list[_Place] = []  # places whose sums wait for `observed`
 
     def __repr__(self) -> str:
         watching = f", watching {len(self._places)} places" if self._graph is not None else ""
@@ -244,6 +246,7 @@ class Audit:
         self._views = self._prev_views = None
         self._ptrs = []
         self._sums = []
+        self._later = []
         self._seen.clear()
         self._twins = []
 
@@ -293,14 +296,21 @@ class Audit:
         place.at = len(sums)
         place.size = a.numel() or 1
         place.kept = a  # read again only if its sum is not finite (which nan, which inf)
-        sums.append(a.sum())
-        magnitude = a.abs()
-        if place.saturates == "sigmoid":
-            sums.append(((a <= 0.01) | (a >= 0.99)).sum())
-        elif place.saturates == "tanh":
-            sums.append((magnitude >= 0.99).sum())
-        # |a| ≤ ε as 1.0 / 0.0 in the buffer just made (a float sum is cheaper than a bool one)
-        sums.append(magnitude.le_(_DEAD_EPS).sum())
+        place.seen = a._version
+        if place.later and a.device.type == "cpu" and a.is_contiguous():
+            # nothing writes over it before `observed`: its sums are taken there, in numpy with
+            # the norms (`_later_sums`); these are their places in the list
+            self._later.append(place)
+            sums += (None, None, None) if place.saturates is not None else (None, None)
+        else:
+            sums.append(a.sum())
+            magnitude = a.abs()
+            if place.saturates == "sigmoid":
+                sums.append(((a <= 0.01) | (a >= 0.99)).sum())
+            elif place.saturates == "tanh":
+                sums.append((magnitude >= 0.99).sum())
+            # |a| ≤ ε as 1.0 / 0.0 in the buffer just made (a float sum is cheaper than a bool)
+            sums.append(magnitude.le_(_DEAD_EPS).sum())
         if t.requires_grad:
             place.out_grad = None
             retain = place.retain
@@ -491,16 +501,19 @@ class Audit:
             for p in places:
                 if p.held is not None:
                     self._retained(p)
+            later, lost = self._written_over()
             for p, first in self._twins:
                 p.out_grad = first.out_grad
+                if lost and first.at in lost:
+                    p.features = None
             self._twins = []
             self._seen.clear()
             outs = [p.out_grad for p in places if p.out_grad is not None]
             views = self._views_now()
             if views is not None:
-                square, sums = self._squares_numpy(views, grads, outs)
+                square, sums = self._squares_numpy(views, grads, outs, later)
             else:
-                square, sums = self._squares_torch(flat, grads, outs)
+                square, sums = self._squares_torch(flat, grads, outs, later)
             extra: dict[int, dict[str, Any]] = {}
             if snapshot:
                 self._snapshot(places, extra)
@@ -534,7 +547,7 @@ class Audit:
                     n["inf"] = inf = isinf(g)
                 moving.append((place, n))  # update_ratio: when the optimizer has moved
             k = place.at
-            if k >= 0:
+            if k >= 0 and not (lost and k in lost):
                 size = place.size
                 total = sums[k]
                 n["act_mean"] = total / size
@@ -557,6 +570,8 @@ class Audit:
             if snapshot:
                 n.update(extra[pi])
             if k >= 0:
+                if place.later is None:  # the first measured step: was it written over?
+                    place.later = place.kept is not None and place.kept._version == place.seen
                 if place.features is not None:
                     with torch.no_grad():
                         if self.channels:
@@ -584,9 +599,31 @@ class Audit:
                 self._prev = None
         return self._views
 
+    def _written_over(self) -> tuple[list[_Place], set[int]]:
+        """The places whose sums wait for `observed`, less those whose output was written over
+        in place after all (its numbers for this step are lost: where its sums start, in
+        `lost`); those take their sums at once from now on."""
+        later, self._later = self._later, []
+        lost: set[int] = set()
+        if later:
+            kept = []
+            for p in later:
+                if p.kept._version == p.seen:  # type: ignore[union-attr]
+                    kept.append(p)
+                else:
+                    lost.add(p.at)
+                    p.later = False
+                    p.features = None
+            later = kept
+        return later, lost
+
     def _squares_numpy(
-        self, views: list[np.ndarray], grads: list[torch.Tensor], outs: list[torch.Tensor]
-    ) -> tuple[list[float], list[float]]:
+        self,
+        views: list[np.ndarray],
+        grads: list[torch.Tensor],
+        outs: list[torch.Tensor],
+        later: list[_Place],
+    ) -> tuple[list[float], list[Any]]:
         """`_squares_torch`'s numbers on the CPU: one BLAS dot per tensor through numpy (a
         third of a torch call's cost at these sizes, and no tensor to read back)."""
         dot = np.dot
@@ -594,18 +631,42 @@ class Audit:
             square = [float(dot(v, v)) for v in views]
             square += [square_of(t) for t in grads]
             square += [square_of(t) for t in outs]
-        return square, read(self._sums)
+            return square, self._read_sums(later)
 
     def _squares_torch(
-        self, flat: list[torch.Tensor], grads: list[torch.Tensor], outs: list[torch.Tensor]
-    ) -> tuple[list[float], list[float]]:
+        self,
+        flat: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        outs: list[torch.Tensor],
+        later: list[_Place],
+    ) -> tuple[list[float], list[Any]]:
         """‖·‖² of the parameters, their grads and the outputs' grads, in that order; and the
         outputs' sums. One `_foreach_norm` and one read (one synchronisation on a GPU)."""
         tensors: list[torch.Tensor] = [*flat, *grads, *outs]
         numbers = list(torch._foreach_norm(tensors)) if tensors else []
-        at_sums = len(numbers)
-        values = read(numbers + self._sums)
-        return [v * v for v in values[:at_sums]], values[at_sums:]
+        if not later:
+            at_sums = len(numbers)
+            values = read(numbers + self._sums)  # type: ignore[operator]
+            return [v * v for v in values[:at_sums]], values[at_sums:]
+        with np.errstate(all="ignore"):
+            return [v * v for v in read(numbers)], self._read_sums(later)
+
+    def _read_sums(self, later: list[_Place]) -> list[Any]:
+        """The outputs' sums as numbers: those left as tensors in the forward read at once,
+        and those of `later` taken now (`later_sums`; call under `np.errstate`)."""
+        sums = self._sums
+        if not later:
+            return read(sums)  # type: ignore[arg-type]
+        values: list[Any] = list(sums)
+        for k, v in zip(
+            [k for k, t in enumerate(sums) if t is not None],
+            read([t for t in sums if t is not None]),  # type: ignore[misc]
+            strict=True,
+        ):
+            values[k] = v
+        for p in later:
+            later_sums(p.kept.numpy().reshape(-1), p.saturates, values, p.at)  # type: ignore[union-attr]
+        return values
 
     def _snapshot(self, places: Iterable[_Place], extra: dict[int, dict[str, Any]]) -> None:
         """The effective rank and rank room of each place's output, into `extra[place]` (the
