@@ -592,7 +592,7 @@ def test_a_node_trained_inside_backward_by_its_own_split_is_seen_to_move():
     )
     body = g.implementation("layer_2")
     x, y = _data()
-    for _ in range(2):
+    for _ in range(3):
         before = [p.detach().clone() for p in body.parameters()]
         t.step((x, y))
         after = [p.detach().clone() for p in body.parameters()]
