@@ -221,6 +221,30 @@ def test_a_node_sent_again_is_the_one_a_slice_runs_not_the_copy_compiled_before(
         )
 
 
+def test_a_connection_opens_while_a_stale_monitor_holds_pyzmqs_default_name(two):
+    # pyzmq names a socket's monitor after the socket's file descriptor; a new socket reuses
+    # the number of one just closed, whose monitor endpoint may not be released yet (what
+    # made CI fail once with "Address already in use"). A stand-in for that stale endpoint:
+    from somatize.remote.client import Connection, _zmq
+
+    context = _zmq()
+    probe = context.socket(zmq.DEALER)
+    fd = probe.FD
+    probe.close(0)  # the next socket takes this descriptor number
+    stale = context.socket(zmq.PAIR)
+    stale.bind(f"inproc://monitor.s-{fd}")
+    try:
+        worker = two.workers["a"]
+        connection = Connection(worker, "a", worker.token)
+        try:
+            assert connection.sock.FD == fd  # the collision was really set up
+            assert connection.request({"op": "hello"})["pid"] == worker.process.pid
+        finally:
+            connection.close()
+    finally:
+        stale.close(0)
+
+
 def test_a_worker_error_keeps_its_type_and_names_node_and_host(two):
     g = Graph.somatize(Plus(1) >> Fails().named("boom").at("b"))
     with pytest.raises(KeyError) as caught:

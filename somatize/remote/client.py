@@ -237,6 +237,7 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _context: zmq.Context | None = None
 _rids = itertools.count(1)
+_monitors = itertools.count(1)  # each connection's monitor has an inproc address of its own
 
 
 def _zmq() -> zmq.Context:
@@ -266,8 +267,11 @@ class Connection:
             sock.curve_serverkey = worker.server_key.encode()
             sock.curve_publickey = public
             sock.curve_secretkey = secret
+        # an address of its own: pyzmq's default is named after the socket's file descriptor,
+        # which a new socket reuses while a closed one's monitor may not be reaped yet
         self.monitor = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED,
+            addr=f"inproc://somatize-monitor-{os.getpid()}-{next(_monitors)}",
         )
         sock.connect(worker.address)
         self.sock = sock
