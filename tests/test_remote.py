@@ -228,21 +228,23 @@ def test_a_connection_opens_while_a_stale_monitor_holds_pyzmqs_default_name(two)
     from somatize.remote.client import Connection, _zmq
 
     context = _zmq()
+    stale = [context.socket(zmq.PAIR) for _ in range(8)]  # each takes a descriptor now
     probe = context.socket(zmq.DEALER)
     fd = probe.FD
-    probe.close(0)  # the next socket takes this descriptor number
-    stale = context.socket(zmq.PAIR)
-    stale.bind(f"inproc://monitor.s-{fd}")
+    probe.close(0)  # the next socket takes this number (or one just after)
+    for k, pair in enumerate(stale):
+        pair.bind(f"inproc://monitor.s-{fd + k}")
     try:
         worker = two.workers["a"]
         connection = Connection(worker, "a", worker.token)
         try:
-            assert connection.sock.FD == fd  # the collision was really set up
+            assert fd <= connection.sock.FD < fd + len(stale)  # the collision was set up
             assert connection.request({"op": "hello"})["pid"] == worker.process.pid
         finally:
             connection.close()
     finally:
-        stale.close(0)
+        for pair in stale:
+            pair.close(0)
 
 
 def test_a_worker_error_keeps_its_type_and_names_node_and_host(two):
