@@ -299,7 +299,7 @@ class Audit:
         place.seen = a._version
         if place.later and a.device.type == "cpu" and a.is_contiguous():
             # nothing writes over it before `observed`: its sums are taken there, in numpy with
-            # the norms (`_later_sums`); these are their places in the list
+            # the norms (`_read_sums`); these are their places in the list
             self._later.append(place)
             sums += (None, None, None) if place.saturates is not None else (None, None)
         else:
