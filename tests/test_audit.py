@@ -603,6 +603,44 @@ def test_a_node_trained_inside_backward_by_its_own_split_is_seen_to_move():
     assert last["update_ratio"] == pytest.approx(_ratio(before, after), rel=1e-5)
 
 
+def test_a_node_updated_every_other_step_by_its_own_split_is_not_stalled_between():
+    from somatize.health import STALLED, seen_in, verdict
+    from somatize.torch import Split
+
+    g = _graph()
+    heard = []
+    trains = {"layer_2": Split(torch.optim.SGD, every=2, lr=0.1)}  # its own, not the Trainer's
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+        trains=trains,
+        auditing=Audit(every=1),
+        watching=heard.append,
+    )
+    body = g.implementation("layer_2")
+    x, y = _data()
+    moved = []
+    for _ in range(7):
+        before = [p.detach().clone() for p in body.parameters()]
+        t.step((x, y))
+        moved.append(_ratio(before, [p.detach().clone() for p in body.parameters()]))
+    t.close()
+    told = [f["numbers"] for f in heard if f.get("where") == "layer_2"]
+    assert [m > 0 for m in moved] == [False, True, False, True, False, True, False]
+    # the first step: nothing has moved it yet, and it reads 0 (a node nobody trains would
+    # stay there, and be STALLED); after that a step that leaves it for its own update says
+    # nothing, and one that updates it says by how much
+    assert told[0]["update_ratio"] == 0.0
+    for k in (1, 3, 5):
+        assert told[k]["update_ratio"] == pytest.approx(moved[k], rel=1e-5)
+    for k in (2, 4, 6):
+        assert "update_ratio" not in told[k] and "grad_norm" in told[k]
+    assert STALLED not in verdict(seen_in(heard)["layer_2"])
+    # the rest of the graph, moved by the Trainer's optimizer every step, has a ratio each step
+    assert all("update_ratio" in f["numbers"] for f in heard if f.get("where") == "layer")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("saturates", [None, "sigmoid", "tanh"])
 def test_later_sums_in_pieces_and_either_precision(dtype, saturates):

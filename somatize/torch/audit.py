@@ -114,6 +114,9 @@ class Audit:
         self._waiting: list[tuple[bool, list[tuple[_Place, dict[str, Any]]]]] = []
         self._moving: list[tuple[_Place, dict[str, Any]]] = []  # this step's, as measured
         self._versions: list[int] = []  # the parameters' version counters at the copy
+        # the parameters something has moved at some update: one of them untouched by an update
+        # is waiting for its own (a node trained by a Learning with its own `every`)
+        self._movers: set[int] = set()
         # ‖θ‖² as the last measured step took it, and which weights had moved since the copy
         self._was: list[float] | None = None
         self._stale: set[int] = set()
@@ -200,6 +203,7 @@ class Audit:
         self._flat = flat
         self._prev = None
         self._copied = False
+        self._movers = set()
         self._waiting = []
         self._views = self._prev_views = None
         self._ptrs = []
@@ -413,8 +417,10 @@ class Audit:
         snapshot step, `update_stable_rank` of that update, filled into the facts `observed`
         gave back. The Trainer calls it after each update (and holds a measured step's facts
         until then); by hand, call it after `optimizer.step()`. Under gradient accumulation
-        every measured step of the group gets the group's update. Nothing to do, and nothing
-        done, when no measured step waits for an update."""
+        every measured step of the group gets the group's update; a place whose weights this
+        update left untouched, where something has moved them before (a node trained by its
+        own `Split(every=k)`), gets no ratio that step rather than a 0 that reads as STALLED.
+        Nothing to do, and nothing done, when no measured step waits for an update."""
         if not self._copied:
             return
         self._copied = False
@@ -462,10 +468,20 @@ class Audit:
                     tops = dict(zip(bigs, found, strict=True))
         finally:
             torch._C._set_grad_enabled(enabled)
+        # a place whose weights this update left untouched (their version counters say so), and
+        # that something has moved before, is waiting for an update of its own: no ratio yet
+        # (a 0 would read as STALLED); one never moved at all reads 0, and is STALLED
+        versions = self._versions
+        now = [q._version for q in flat]
+        untouched = {i for i, v in enumerate(now) if v == versions[i]}
+        waits = untouched & self._movers
+        self._movers.update(i for i in range(len(now)) if i not in untouched)
         sqrt = math.sqrt
         for snap, got in waiting:
             for place, n in got:
                 index = place.index
+                if waits and waits.issuperset(index):
+                    continue
                 delta = sqrt(sum([square[i] for i in index]))
                 norm = sqrt(sum([was[i] for i in index]))
                 n["update_ratio"] = delta / norm if norm > 0 else 0.0
