@@ -154,6 +154,20 @@ def test_an_audit_hears_the_nodes_only_on_measured_steps():
     assert [w for s, w in seen if s == 3] == g.nodes()
 
 
+def test_snapshots_come_every_snapshot_steps_whatever_every_is():
+    g = _graph()
+    audit = Audit(every=7, snapshot=20).watch(g)
+    facts, _ = _loop(g, audit, 50)
+    audit.release()
+    ranked = [k for k, f in enumerate(facts) if f and "effective_rank" in f[0]["numbers"]]
+    # the first measured step of each 20: 0, then 21 (not 140, the first both divide), 42
+    assert ranked == [0, 21, 42]
+    assert all("update_stable_rank" in facts[k][0]["numbers"] for k in ranked)
+    measured = [k for k, f in enumerate(facts) if f]
+    assert measured == list(range(0, 50, 7))
+    assert not any("effective_rank" in facts[k][0]["numbers"] for k in measured if k not in ranked)
+
+
 def test_inside_channels_and_snapshot():
     g = _graph()
     audit = Audit(inside=True, channels=True, snapshot=2).watch(g)

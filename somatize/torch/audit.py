@@ -98,6 +98,7 @@ class Audit:
                 )
             self.groups[where] = {k: [int(i) for i in v] for k, v in parts.items()}
         self.step = 0
+        self._bucket = -1  # the last `snapshot` steps a snapshot was taken in
         self._graph: Any = None
         self._places: dict[str, _Place] = {}
         self._handles: list[Any] = []
@@ -345,7 +346,10 @@ class Audit:
         t.grad = None
 
     def _snapshot_now(self) -> bool:
-        return self.step % self.snapshot == 0
+        """Whether this step is the first measured one of its `snapshot` steps (0–49, 50–99,
+        …): every `snapshot` steps whatever `every` is (at every=7, steps 0, 56, 105, …;
+        a step count that had to divide both would make them 350 apart)."""
+        return self.step // self.snapshot != self._bucket
 
     # -- after backward: the step's numbers ------------------------------------------------
     def observed(self, graph: Any = None) -> list[dict[str, Any]]:
@@ -366,6 +370,8 @@ class Audit:
                 self._arm(True)
             return []
         snapshot = self._snapshot_now()
+        if snapshot:
+            self._bucket = step // self.snapshot
         facts = self._measure(step, snapshot)
         self._sums = []
         if not self._began:  # nothing was heard in the forward (no local node ran)
