@@ -248,12 +248,14 @@ def test_release_takes_every_hook_off_and_refusals():
         Audit(inside=["layer.nope"]).watch(g)
 
 
-def _trainer(g, audit, heard, every=1):
-    """A Trainer of `g` by SGD, audited by `audit`, telling `heard` everything."""
+def _trainer(g, audit, heard, every=1, trains=None):
+    """A Trainer of `g` by SGD, audited by `audit`, telling `heard` everything; the nodes in
+    `trains` trained by their own Learning instead."""
     return Trainer(
         g,
         objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        optimizer=torch.optim.SGD(parameters(g, without=trains or ()), lr=0.1),
+        trains=trains,
         auditing=audit,
         watching=heard.append,
         every=every,
@@ -596,14 +598,7 @@ def test_a_node_trained_inside_backward_by_its_own_split_is_seen_to_move():
     g = _graph()
     heard = []
     trains = {"layer_2": Split(torch.optim.SGD, lr=0.1)}
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
-        trains=trains,
-        auditing=Audit(every=1),
-        watching=heard.append,
-    )
+    t = _trainer(g, Audit(every=1), heard, trains=trains)
     body = g.implementation("layer_2")
     x, y = _data()
     for _ in range(3):
@@ -624,14 +619,7 @@ def test_a_node_updated_every_other_step_by_its_own_split_is_not_stalled_between
     g = _graph()
     heard = []
     trains = {"layer_2": Split(torch.optim.SGD, every=2, lr=0.1)}  # its own, not the Trainer's
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
-        trains=trains,
-        auditing=Audit(every=1),
-        watching=heard.append,
-    )
+    t = _trainer(g, Audit(every=1), heard, trains=trains)
     body = g.implementation("layer_2")
     x, y = _data()
     moved = []

@@ -38,6 +38,8 @@ _TOL = 1e-3
 _FLOOR = 4 * torch.finfo(torch.float32).eps
 _NUMPY = (torch.float32, torch.float64)
 _DEAD_EPS = 1e-7  # |a| at most this is zero (the health thresholds' dead_eps)
+# a sigmoid output at most _LOW or at least _HIGH is saturated; a tanh one at |a| ≥ _HIGH
+_LOW, _HIGH = 0.01, 0.99
 
 
 def read(tensors: list[torch.Tensor]) -> list[float]:
@@ -118,10 +120,10 @@ def later_sums(v: np.ndarray, saturates: str | None, into: list[Any], at: int) -
     into[at] = total
     if saturates == "sigmoid":
         at += 1
-        into[at] = float(count((v <= 0.01) | (v >= 0.99)))
+        into[at] = float(count((v <= _LOW) | (v >= _HIGH)))
     elif saturates == "tanh":
         at += 1
-        into[at] = float(count(magnitude >= 0.99))
+        into[at] = float(count(magnitude >= _HIGH))
     into[at + 1] = float(count(magnitude <= _DEAD_EPS))
 
 

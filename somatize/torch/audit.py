@@ -32,6 +32,8 @@ from torch import nn
 
 from somatize.torch._measures import (
     _DEAD_EPS,
+    _HIGH,
+    _LOW,
     channel_view,
     cka,
     later_sums,
@@ -42,7 +44,6 @@ from somatize.torch._measures import (
     stable_of,
 )
 from somatize.torch._place import _Place
-from somatize.torch._place import _saturation as _saturation  # probe.py reads it from here
 from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors_in
 
 __all__ = ["Audit"]
@@ -311,9 +312,9 @@ class Audit:
             sums.append(a.sum())
             magnitude = a.abs()
             if place.saturates == "sigmoid":
-                sums.append(((a <= 0.01) | (a >= 0.99)).sum())
+                sums.append(((a <= _LOW) | (a >= _HIGH)).sum())
             elif place.saturates == "tanh":
-                sums.append((magnitude >= 0.99).sum())
+                sums.append((magnitude >= _HIGH).sum())
             # |a| ≤ ε as 1.0 / 0.0 in the buffer just made (a float sum is cheaper than a bool)
             sums.append(magnitude.le_(_DEAD_EPS).sum())
         if t.requires_grad:
@@ -679,13 +680,8 @@ class Audit:
         sums = self._sums
         if not later:
             return read(sums)  # type: ignore[arg-type]
-        values: list[Any] = list(sums)
-        for k, v in zip(
-            [k for k, t in enumerate(sums) if t is not None],
-            read([t for t in sums if t is not None]),  # type: ignore[misc]
-            strict=True,
-        ):
-            values[k] = v
+        numbers = iter(read([t for t in sums if t is not None]))  # type: ignore[misc]
+        values: list[Any] = [None if t is None else next(numbers) for t in sums]
         for p in later:
             later_sums(p.kept.numpy().reshape(-1), p.saturates, values, p.at)  # type: ignore[union-attr]
         return values

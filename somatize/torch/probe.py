@@ -17,13 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from somatize.torch._measures import _DEAD_EPS, _HIGH, _LOW
+from somatize.torch._place import _saturation
 from somatize.torch._state import Tap, _One, as_graph, join, named_modules_of, tensors_in, untouched
 from somatize.torch._trace import Opening
-from somatize.torch.audit import _saturation
 
 __all__ = ["probe"]
-
-_EPS = 1e-7
 
 
 def _layers(module: nn.Module, depth: int) -> list[tuple[str, nn.Module]]:
@@ -126,11 +125,11 @@ def _numbers(s: _Seen, grads: dict[int, torch.Tensor], memo: dict[int, float]) -
                 spread = float(ratio.std(unbiased=False)) / mean if mean > 0 else 0.0
                 n["jacobian_spread"] = spread
     size = a.numel()
-    n["zero"] = int((a.abs() <= _EPS).sum()) / size if size else 0.0
+    n["zero"] = int((a.abs() <= _DEAD_EPS).sum()) / size if size else 0.0
     if s.saturates == "sigmoid":
-        n["saturated"] = int(((a <= 0.01) | (a >= 0.99)).sum()) / size
+        n["saturated"] = int(((a <= _LOW) | (a >= _HIGH)).sum()) / size
     elif s.saturates == "tanh":
-        n["saturated"] = int((a.abs() >= 0.99).sum()) / size
+        n["saturated"] = int((a.abs() >= _HIGH).sum()) / size
     else:
         n["saturated"] = 0.0
     finite = bool(torch.isfinite(a).all())
