@@ -463,6 +463,42 @@ def test_split_training_across_a_worker_equals_training_here(two, every):
     assert not torch.allclose(here[1]["lin.weight"], Lin(8, 8).lin.weight)  # it did learn
 
 
+def test_a_stage_on_a_worker_runs_watched_only_when_someone_watches(two):
+    from somatize.torch import Split, Trainer, parameters
+
+    asked, answered = [], []
+    request = Broker.request
+
+    def spy(self, host, message, **kw):
+        got = request(self, host, message, **kw)
+        if message["op"] == "stage.forward":
+            asked.append(message["watching"])
+            answered.append([f["node"] for f in got["facts"] if "node" in f])
+        return got
+
+    heard: list[dict] = []
+    for watching in (None, heard.append):
+        g = Graph.somatize(Lin(4, 4).named("enc") >> Lin(4, 2).named("body").at("gpu"))
+        trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+        t = Trainer(
+            g,
+            objective=torch.nn.functional.mse_loss,
+            optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+            trains=trains,
+            broker=Broker.embedded({"gpu": two.workers["a"]}),
+            watching=watching,
+        )
+        Broker.request = spy
+        try:
+            t.step((torch.randn(3, 4), torch.randn(3, 2)))
+        finally:
+            Broker.request = request
+    # unwatched, the worker builds no facts nobody reads; watched, the node's own fact comes
+    # back and reaches the Trainer's watcher
+    assert asked == [False, True] and answered == [[], ["body"]]
+    assert any(f.get("fact") == "ran" and f.get("node") == "body" for f in heard)
+
+
 def test_weights_learnt_on_a_worker_come_back_and_can_be_sent(two):
     b = Broker.embedded({"a": two.workers["a"]})
     lin = Lin(3, 3)

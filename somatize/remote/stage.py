@@ -57,6 +57,7 @@ class Remote:
             "part": described,
             "define": defs,
             "inputs": inputs,
+            "watching": watching is not None,  # else the worker runs it unwatched: no facts
         }
         got = self._ask(part, message)
         self.broker.defined(self.host, defs)
@@ -178,7 +179,8 @@ def serve_stage(server: Any, session: str, nodes: dict[str, Any], op: str, m: di
         if part is None:
             raise Unknown(f"this worker does not hold the stage {m['pkey']!r}: it was restarted")
         facts: list[dict] = []
-        outs = part.forward(m["inputs"], watching=facts.append)
+        watching = facts.append if m.get("watching", True) else None
+        outs = part.forward(m["inputs"], watching=watching)
         return {"outs": outs, "facts": facts}
     if op == "stage.backward":
         from somatize.torch.learning import envelope
