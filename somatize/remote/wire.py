@@ -678,17 +678,13 @@ def _written(kind: int, rid: Any, texts: bytes, values: list) -> list[Any] | Non
             return None
         if type(value) is not tensor:
             return None
+        # asked first: numpy() refuses a tensor that asks for a gradient, and a refusal costs
+        # 8.5 µs against detach().numpy()'s 1.2
+        grad = value.requires_grad
         try:  # numpy refuses another device, sparse, meta, a conj or neg view: msgpack then
-            array = value.numpy()  # (and a tensor that asks for a gradient, for now)
-            grad = False
+            array = value.detach().numpy() if grad else value.numpy()
         except (TypeError, RuntimeError):
-            if not value.requires_grad:
-                return None
-            try:
-                array = value.detach().numpy()
-            except (TypeError, RuntimeError):
-                return None
-            grad = True
+            return None
         key = (value.dtype, array.shape)
         head = _RECORD_HEADS.get(key)
         if head is None:
