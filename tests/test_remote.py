@@ -463,9 +463,7 @@ def test_split_training_across_a_worker_equals_training_here(two, every):
     assert not torch.allclose(here[1]["lin.weight"], Lin(8, 8).lin.weight)  # it did learn
 
 
-def test_a_stage_on_a_worker_runs_watched_only_when_someone_watches(two):
-    from somatize.torch import Split, Trainer, parameters
-
+def test_a_stage_on_a_worker_runs_watched_only_when_someone_watches(two, monkeypatch):
     asked, answered = [], []
     request = Broker.request
 
@@ -476,23 +474,11 @@ def test_a_stage_on_a_worker_runs_watched_only_when_someone_watches(two):
             answered.append([f["node"] for f in got["facts"] if "node" in f])
         return got
 
+    monkeypatch.setattr(Broker, "request", spy)
     heard: list[dict] = []
     for watching in (None, heard.append):
-        g = Graph.somatize(Lin(4, 4).named("enc") >> Lin(4, 2).named("body").at("gpu"))
-        trains = {"body": Split(torch.optim.SGD, lr=0.1)}
-        t = Trainer(
-            g,
-            objective=torch.nn.functional.mse_loss,
-            optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
-            trains=trains,
-            broker=Broker.embedded({"gpu": two.workers["a"]}),
-            watching=watching,
-        )
-        Broker.request = spy
-        try:
-            t.step((torch.randn(3, 4), torch.randn(3, 2)))
-        finally:
-            Broker.request = request
+        t = _split_trainer(Broker.embedded({"gpu": two.workers["a"]}), watching=watching)
+        t.step((torch.randn(3, 4), torch.randn(3, 2)))
     # unwatched, the worker builds no facts nobody reads; watched, the node's own fact comes
     # back and reaches the Trainer's watcher
     assert asked == [False, True] and answered == [[], ["body"]]
@@ -518,8 +504,9 @@ def test_weights_learnt_on_a_worker_come_back_and_can_be_sent(two):
     assert torch.equal(b.weights(g, "lin")["lin.weight"], sent["lin.weight"])  # untouched
 
 
-def _split_trainer(broker: Broker) -> Any:
-    """A Trainer of enc >> body, with "body" on the broker's host "gpu", trained by a Split."""
+def _split_trainer(broker: Broker, watching: Any = None) -> Any:
+    """A Trainer of enc >> body, with "body" on the broker's host "gpu", trained by a Split
+    (told every fact when `watching` is given)."""
     from somatize.torch import Split, Trainer, parameters
 
     g = Graph.somatize(Lin(4, 4).named("enc") >> Lin(4, 2).named("body").at("gpu"))
@@ -530,6 +517,7 @@ def _split_trainer(broker: Broker) -> Any:
         optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
         trains=trains,
         broker=broker,
+        watching=watching,
     )
 
 
