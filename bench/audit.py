@@ -15,7 +15,7 @@ optimizer step), the snapshot step (50), the step after a measured one, and the 
 
 `--cnn` fits a five-node CNN (four conv–batch-norm–ReLU blocks, 16 to 64 channels, on 32×32
 RGB batches of 32, then a pooled linear head), with freed blocks kept for reuse: a step there
-takes about 20 ms, so what an audit costs per measured step weighs less. It is context, not
+takes about 18 ms, so what an audit costs per measured step weighs less. It is context, not
 the target: the targets are read on the MLP, whose 0.6 ms steps are close to the worst case.
 """
 
@@ -168,8 +168,9 @@ def main() -> None:
         ]
         del kinds["Audit(every=1, channels=True, inside=True)"]
         # Its activations are megabytes: glibc hands such blocks back to the system when they
-        # are freed and faults them in again, 10⁵ page faults a fit in amounts that swing
-        # fits by ±20 %. Blocks kept for reuse (what a worker does) leave the audit's cost.
+        # are freed and faults them in again, 10⁵ page faults a fit in amounts that swung the
+        # same fit between 1.12 and 1.58 s. Blocks kept for reuse (what a worker does) leave
+        # the audit's cost.
         from somatize.remote.memory import keep_buffers
 
         keep_buffers()
