@@ -8,6 +8,7 @@ CPU time of this process (steadier on a shared machine) and wall time beside it.
     python bench/audit.py            # the fits
     python bench/audit.py --phases   # and, at every=10, what each kind of step adds
     python bench/audit.py --cnn      # and the same kinds on a small CNN, for context (~30 s)
+    python bench/audit.py --floor    # and every=10's numbers written by hand, as a floor
 
 `--phases` times every step of a fit on its own (CPU time) and groups them by where they
 fall in the cadence: a measured step (θ copied in its forward, the update taken after its
@@ -17,14 +18,23 @@ optimizer step), the snapshot step (50), the step after a measured one, and the 
 RGB batches of 32, then a pooled linear head), with freed blocks kept for reuse: a step there
 takes about 18 ms, so what an audit costs per measured step weighs less. It is context, not
 the target: the targets are read on the MLP, whose 0.6 ms steps are close to the worst case.
+
+`--floor` writes every=10's numbers by hand, the way a user without the library would, as
+cheaply as I know how (numpy dots on views of the weights, one batched `eigvalsh` per Gram
+size, a few power steps for the 256×256 update), inside a plain loop over the same net and
+batches, and times that loop with and without them, interleaved with the plain and audited
+`fit`s. What it prints is what the audit adds against what the numbers themselves cost.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
+from collections import deque
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -143,6 +153,130 @@ def phases(batches, repeats: int = 15) -> None:  # noqa: ANN001
         print(f"| {name} | {p:.0f} | {a:.0f} | {a - p:+.0f} |")
 
 
+def by_hand_seconds(measure: bool, batches) -> float:  # noqa: ANN001
+    """CPU seconds of a plain loop of `batches` over `graph()`'s net (after the same five
+    warm-up steps), and with `measure` every=10's numbers taken by hand on steps 10, 20, …
+    (the snapshot's on 50): per node ‖θ‖, ‖∇θ‖, ‖θ' − θ‖/‖θ‖, the output's mean, zero
+    fraction (max over a window of 20) and nan/inf; effective ranks and update stable ranks."""
+    torch.manual_seed(0)
+    nodes = [Dense(64, 256), Dense(256, 256), Dense(256, 10, last=True)]
+    owned = [list(m.parameters()) for m in nodes]
+    flat = [q for qs in owned for q in qs]
+    optimizer = torch.optim.SGD(flat, lr=0.01)
+    views = [q.detach().numpy().reshape(-1) for q in flat]
+    prev = [q.detach().clone() for q in flat]
+    was = [v.numpy().reshape(-1) for v in prev]
+    zero = [deque(maxlen=20) for _ in nodes]
+    ones = np.ones(64 * 256, np.float32)
+    dot = np.dot
+
+    def step(k: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        on = measure and k % 10 == 0
+        if on:
+            for a, b in zip(was, views, strict=True):
+                np.copyto(a, b)
+        outs = []
+        h = x
+        for m in nodes:
+            h = m(h, None)
+            outs.append(h)
+        loss = F.cross_entropy(h, y)
+        optimizer.zero_grad()
+        loss.backward()
+        loss.item()
+        if on:
+            squares = [float(dot(v, v)) for v in views]
+            grads = [q.grad.numpy().reshape(-1) for q in flat]
+            gsquares = [float(dot(v, v)) for v in grads]
+            facts = []
+            at = 0
+            for i, o in enumerate(outs):
+                a = o.detach().numpy().reshape(-1)
+                total = float(dot(a, ones[: a.size]))
+                zero[i].append(np.count_nonzero(np.abs(a) <= 1e-7) / a.size)
+                n = len(owned[i])
+                g = math.sqrt(sum(gsquares[at : at + n]))
+                facts.append(
+                    {
+                        "param_norm": math.sqrt(sum(squares[at : at + n])),
+                        "grad_norm": g,
+                        "act_mean": total / a.size,
+                        "zero": max(zero[i]),
+                        "nan": math.isnan(total) or math.isnan(g),
+                        "inf": math.isinf(total) or math.isinf(g),
+                    }
+                )
+                at += n
+        optimizer.step()
+        if on:
+            moved = []
+            for a, b in zip(was, views, strict=True):
+                np.subtract(a, b, out=a)  # −Δθ
+                moved.append(float(dot(a, a)))
+            at = 0
+            for i, f in enumerate(facts):
+                n = len(owned[i])
+                f["update_ratio"] = math.sqrt(sum(moved[at : at + n])) / f["param_norm"]
+                at += n
+            if k % 50 == 0:
+                snapshot(outs, prev, moved, facts)
+
+    for k in range(5):
+        step(k, *batches[k])
+    t0 = time.process_time()
+    for k, (x, y) in enumerate(batches, start=5):
+        step(k, x, y)
+    return time.process_time() - t0
+
+
+def snapshot(outs, prev, moved, facts) -> None:  # noqa: ANN001
+    """`by_hand_seconds`'s snapshot: effective ranks of the outputs (Roy & Vetterli, from the
+    eigenvalues of the centred Gram matrix) and the stable rank ‖Δ‖²_F/σ_max² of each weight's
+    update Δ (`prev` holds −Δ): Gram matrices of one size through one batched `eigvalsh`, the
+    256×256 update's σ_max² by eight power steps in numpy."""
+    with torch.no_grad():
+        wide = torch.stack([outs[0], outs[1]])
+        wide = wide - wide.mean(1, keepdim=True)
+        w1, w3 = prev[0], prev[4]
+        big = torch.cat([wide @ wide.mT, (w1.T @ w1).unsqueeze(0)])
+        narrow = outs[2] - outs[2].mean(0, keepdim=True)
+        small = torch.stack([narrow.T @ narrow, w3 @ w3.T])
+        e64, e10 = torch.linalg.eigvalsh(big).tolist(), torch.linalg.eigvalsh(small).tolist()
+    d = prev[2].numpy()
+    v = np.full(d.shape[1], d.shape[1] ** -0.5, d.dtype)
+    for _ in range(8):
+        v = d.T @ (d @ v)
+        v /= np.linalg.norm(v)
+    top2 = float(np.linalg.norm(d @ v)) ** 2
+    for f, e in zip(facts, (e64[0], e64[1], e10[0]), strict=True):
+        s = [math.sqrt(x) for x in e if x > e[-1] * 1e-6]
+        total = sum(s)
+        f["effective_rank"] = math.exp(-sum(p * math.log(p) for p in (x / total for x in s)))
+    for f, i, top in zip(facts, (0, 2, 4), (e64[2][-1], top2, e10[1][-1]), strict=True):
+        f["update_stable_rank"] = moved[i] / top
+
+
+def floor(batches, repeats: int = 11) -> None:  # noqa: ANN001
+    """The plain and every=10 `fit`s against the plain loop with and without every=10's
+    numbers by hand, interleaved; medians of CPU time."""
+    kinds = {
+        "plain fit": lambda: fit_seconds(None, batches)[0],
+        "Audit(every=10)": lambda: fit_seconds(Audit(every=10), batches)[0],
+        "plain loop": lambda: by_hand_seconds(False, batches),
+        "loop + the numbers by hand": lambda: by_hand_seconds(True, batches),
+    }
+    took: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(repeats):
+        for name, run in kinds.items():
+            took[name].append(run())
+    ms = {k: statistics.median(v) * 1e3 for k, v in took.items()}
+    print("| every=10's numbers | CPU ms | added ms | × its plain |")
+    print("|---|---:|---:|---:|")
+    for name, base in (("Audit(every=10)", "plain fit"), ("loop + the numbers by hand", "plain loop")):
+        print(f"| {base} | {ms[base]:.1f} | | |")
+        print(f"| {name} | {ms[name]:.1f} | {ms[name] - ms[base]:+.1f} | {ms[name] / ms[base]:.2f} |")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
@@ -160,6 +294,9 @@ def main() -> None:
     if "--phases" in sys.argv[1:]:
         print()
         phases(batches)
+    if "--floor" in sys.argv[1:]:
+        print()
+        floor(batches)
     if "--cnn" in sys.argv[1:]:
         print()
         images = [
