@@ -485,12 +485,28 @@ def test_out_grad_norm_is_the_outputs_gradient_even_when_the_next_node_writes_ov
     torch.manual_seed(0)
     grab = Grab()
     g = Graph.somatize(grab >> Bump())
-    audit = Audit().watch(g)
+    audit = Audit(snapshot=1).watch(g)  # ∂L/∂output is a snapshot step's number
     facts, _ = _loop(g, audit, 4)
     audit.release()
     heard = [{f["where"]: f["numbers"] for f in step}["grab"]["out_grad_norm"] for step in facts]
     assert heard == pytest.approx(grab.grads, rel=1e-6)
     assert grab.grads[0] != pytest.approx(grab.grads[1])  # the steps differ: a real check
+
+
+def test_out_grad_norm_comes_with_the_snapshot_and_other_steps_keep_no_output_gradient():
+    g = _graph()
+    audit = Audit(every=2, snapshot=4).watch(g)
+    facts, _ = _loop(g, audit, 9)  # measured 0, 2, 4, 6, 8; snapshots 0, 4, 8
+    audit.release()
+    for i, step in enumerate(facts):
+        n = {f["where"]: f["numbers"] for f in step}
+        if i % 2:
+            assert n == {}
+            continue
+        assert "grad_norm" in n["head"] and "act_mean" in n["head"]
+        has = ["out_grad_norm" in v for v in n.values()]
+        assert all(has) if i % 4 == 0 else not any(has), i
+        assert ("effective_rank" in n["head"]) == (i % 4 == 0)
 
 
 def test_a_place_and_its_last_layer_share_one_output_but_not_one_written_over():

@@ -9,8 +9,10 @@ measured where:
   filled into the step's facts by `Audit.moved`, which the Trainer calls after each update and
   tells the facts only then);
 - every place's output: act_mean, zero and saturated fractions (the max over the last `window`
-  measured steps), out_grad_norm (‖∂L/∂output‖, retained or from a tensor hook), nan and inf;
-- on snapshot steps: effective_rank of the output (and rank_room, the most it could be), and
+  measured steps), nan and inf;
+- on snapshot steps: effective_rank of the output (and rank_room, the most it could be),
+  out_grad_norm (‖∂L/∂output‖, retained or from a tensor hook: keeping that gradient costs
+  about 6 % of a small net's step, more than every other per-step number together), and
   update_stable_rank of that update to the place's largest weight (with the update ratio);
 - with `channels`: channels, dead_channels (never active over the window), dormant_channels
   (activity under a tenth of the layer's mean this step);
@@ -61,7 +63,7 @@ class Audit:
         Audit(groups={"encoder": {"audio": range(0, 64), "text": range(64, 128)}})
 
     `every`: measure one step in this many. `snapshot`: the costlier numbers (effective rank,
-    update stable rank) every this many steps. `window`: the steps zero and saturated fractions
+    update stable rank, ‖∂L/∂output‖) every this many steps. `window`: the steps zero and saturated fractions
     and dead channels are taken over. `inside`: also watch what is in each node — True for
     every leaf module, an int for modules down to that depth, or a list of places
     (`"node.path"`); at most `most` per node. Refuses a cadence under 1 and groups that are not
@@ -107,6 +109,7 @@ class Audit:
         self._tap: Tap | None = None
         self._measuring = False
         self._features = False
+        self._outward = False  # this step keeps ∂L/∂output (a snapshot step)
         self._flat: list[nn.Parameter] = []
         # θ as a measured step found it, for the update the optimizer then makes from it
         # (`moved`); `_copied` while that copy waits for the update, and the numbers of the
@@ -224,7 +227,9 @@ class Audit:
         if self._tap is not None:
             self._tap.live = measuring
         self._began = False
-        self._features = measuring and (self.channels or self._snapshot_now())
+        snapshot = measuring and self._snapshot_now()
+        self._outward = snapshot
+        self._features = snapshot or (measuring and self.channels)
         if measuring and not self._handles:
             self._handles = [m.register_forward_hook(h) for m, h in self._inner_hooks]
         elif not measuring and self._handles:
@@ -317,7 +322,7 @@ class Audit:
                 sums.append((magnitude >= _HIGH).sum())
             # |a| ≤ ε as 1.0 / 0.0 in the buffer just made (a float sum is cheaper than a bool)
             sums.append(magnitude.le_(_DEAD_EPS).sum())
-        if t.requires_grad:
+        if t.requires_grad and self._outward:
             place.out_grad = None
             retain = place.retain
             if retain is not False and t.grad_fn is not None and not t.retains_grad:
