@@ -1,6 +1,7 @@
 """The wire against a bare ZeroMQ socket pair, and a Split step across a worker against one here.
 
-    .venv/bin/python bench/wire.py
+    .venv/bin/python bench/wire.py           # sections 1 and 2
+    .venv/bin/python bench/wire.py --floor   # and 3
 
 1. Round trip of a 1 KB, 1 MB and 64 MB float32 tensor through a spawned worker (a graph of one
    node `.at("w")` that hands its input back: signed both ways, safetensors frames, rebuilt
@@ -8,6 +9,12 @@
    process over a DEALER (no signature, no tensor).
 2. One `Trainer.step` with the middle node trained by `Split` on a worker against the same
    step with everything in this process.
+3. With ``--floor``: what authenticating every byte costs by itself, with no somatize code on
+   the way. The bare pair against the same pair where each side also takes one MAC pass over
+   what it sends and one over what it receives (keyed BLAKE2b for 1 KB, AES-GCM's GMAC for
+   1 MB: the cheapest the wire uses at each size), each echo in its own process, timed in
+   blocks of round trips that take turns (a MAC pass slows the bare round trip right after
+   it). A ratio here is the least any authenticated wire can show on this machine.
 
 Medians of repeats (worker and bare timed in turns), one torch thread on both sides;
 throughput is payload bytes / round-trip time. Every process here (this one, the bare echo, the
@@ -41,6 +48,94 @@ print(s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
 while True:
     s.send_multipart(s.recv_multipart(copy=False), copy=False)
 """
+
+
+SIGNED = """
+import hashlib, hmac, os, zmq
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from somatize.remote.memory import keep_buffers
+keep_buffers()
+KEY = bytes(range(16))
+gmac = AESGCM(KEY)
+s = zmq.Context().socket(zmq.ROUTER); s.bind("tcp://127.0.0.1:*")
+print(s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+
+def tag(nonce, data):
+    if len(data) < 65536:
+        return hashlib.blake2b(nonce + data, key=KEY, digest_size=16).digest()
+    return gmac.encrypt(nonce, b"", data)
+
+while True:
+    who, nonce, data, got = s.recv_multipart(copy=False)
+    data = data.buffer if len(data) >= 65536 else data.bytes
+    if not hmac.compare_digest(tag(nonce.bytes, data), got.bytes):
+        raise SystemExit("a tag did not verify")
+    n = os.urandom(12)
+    s.send_multipart([who, n, data, tag(n, data)], copy=False)
+"""
+
+
+def floor_rows(blocks: int = 40, block: int = 20) -> list[tuple]:
+    """Section 3: the bare pair against the pair with one MAC pass a side each way."""
+    import hashlib
+    import hmac
+    import os
+
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    key = bytes(range(16))
+    gmac = AESGCM(key)
+
+    def tag(nonce: bytes, data: Any) -> bytes:
+        if len(data) < 65536:
+            return hashlib.blake2b(nonce + data, key=key, digest_size=16).digest()
+        return gmac.encrypt(nonce, b"", data)
+
+    echoes = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        for code in (ECHO, SIGNED)
+    ]
+    socks = []
+    for echo in echoes:
+        sock = _zmq().socket(zmq.DEALER)
+        sock.connect(echo.stdout.readline().strip())
+        socks.append(sock)
+    bare_sock, signed_sock = socks
+    rows = []
+    try:
+        for label, size in (("1 KB", 1 << 10), ("1 MB", 1 << 20)):
+            raw = torch.randn(size // 4).numpy()
+            small = size < 1 << 16
+            data = raw.tobytes() if small else memoryview(raw).cast("B")
+
+            def bare(raw=raw, small=small):
+                bare_sock.send_multipart([b"x", raw], copy=small)
+                bare_sock.recv_multipart(copy=False)
+
+            def signed(data=data, small=small):
+                n = os.urandom(12)
+                signed_sock.send_multipart([n, data, tag(n, data)], copy=small)
+                back, got, t = signed_sock.recv_multipart(copy=False)
+                got = got.bytes if small else got.buffer
+                if not hmac.compare_digest(tag(back.bytes, got), t.bytes):
+                    raise RuntimeError("a tag did not verify")
+
+            times: dict[Any, list[float]] = {bare: [], signed: []}
+            for _ in range(blocks):
+                for fn, kept in times.items():
+                    for k in range(block):
+                        t0 = time.perf_counter()
+                        fn()
+                        if k >= block // 4:  # the first of a block still feels the other
+                            kept.append(time.perf_counter() - t0)
+            b, o = statistics.median(times[bare]), statistics.median(times[signed])
+            rows.append((label, b * 1e3, o * 1e3, o / b))
+    finally:
+        for sock in socks:
+            sock.close(0)
+        for echo in echoes:
+            echo.kill()
+    return rows
 
 
 class Echo(Node):
@@ -154,6 +249,12 @@ def main() -> None:
             )
     finally:
         broker.close()
+    if "--floor" in sys.argv[1:]:
+        print()
+        print("| tensor | bare ZeroMQ (ms) | bare + one MAC pass a side, each way (ms) | ratio |")
+        print("| --- | --- | --- | --- |")
+        for label, b, o, r in floor_rows():
+            print(f"| {label} | {b:.3f} | {o:.3f} | {r:.2f}x |")
 
 
 if __name__ == "__main__":
