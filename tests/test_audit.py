@@ -494,19 +494,45 @@ def test_out_grad_norm_is_the_outputs_gradient_even_when_the_next_node_writes_ov
 
 
 def test_out_grad_norm_comes_with_the_snapshot_and_other_steps_keep_no_output_gradient():
-    g = _graph()
+    class Keep(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 8)
+
+        def forward(self, x, ctx):
+            self.last = self.l(x)
+            return self.last
+
+    class Out(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x, ctx):
+            return self.fc(torch.relu(x))
+
+    torch.manual_seed(0)
+    keep = Keep()
+    g = Graph.somatize(keep >> Out())
     audit = Audit(every=2, snapshot=4).watch(g)
-    facts, _ = _loop(g, audit, 9)  # measured 0, 2, 4, 6, 8; snapshots 0, 4, 8
-    audit.release()
-    for i, step in enumerate(facts):
-        n = {f["where"]: f["numbers"] for f in step}
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    x, y = _data()
+    for i in range(9):  # measured 0, 2, 4, 6, 8; snapshots 0, 4, 8
+        opt.zero_grad()
+        F.cross_entropy(g.forward(x), y).backward()
+        # only a snapshot step keeps ∂L/∂output past backward
+        assert keep.last.retains_grad == (i % 4 == 0), i
+        n = {f["where"]: f["numbers"] for f in audit.observed(g)}
+        opt.step()
+        audit.moved()
         if i % 2:
             assert n == {}
             continue
-        assert "grad_norm" in n["head"] and "act_mean" in n["head"]
+        assert "grad_norm" in n["keep"] and "act_mean" in n["keep"]
         has = ["out_grad_norm" in v for v in n.values()]
         assert all(has) if i % 4 == 0 else not any(has), i
-        assert ("effective_rank" in n["head"]) == (i % 4 == 0)
+        assert ("effective_rank" in n["keep"]) == (i % 4 == 0)
+    audit.release()
 
 
 def test_a_place_and_its_last_layer_share_one_output_but_not_one_written_over():
