@@ -158,8 +158,8 @@ def by_hand_seconds(measure: bool, batches) -> float:  # noqa: ANN001
     warm-up steps), and with `measure` every=10's numbers taken by hand on steps 10, 20, …
     (the snapshot's on 50): per node ‖θ‖, ‖∇θ‖, ‖θ' − θ‖/‖θ‖, the output's mean, zero
     fraction (max over a window of 20) and nan/inf; effective ranks and update stable ranks."""
-    torch.manual_seed(0)
-    nodes = [Dense(64, 256), Dense(256, 256), Dense(256, 10, last=True)]
+    g = graph()  # the same net, with the same first weights, as the fits'
+    nodes = [g.implementation(n) for n in g.nodes()]
     owned = [list(m.parameters()) for m in nodes]
     flat = [q for qs in owned for q in qs]
     optimizer = torch.optim.SGD(flat, lr=0.01)

@@ -24,6 +24,9 @@ worker) keeps large buffers for reuse (`somatize.remote.memory`); run with
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import statistics
 import subprocess
 import sys
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 import zmq
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 sys.path.insert(0, ".")
 
@@ -50,21 +54,26 @@ while True:
 """
 
 
+_FLOOR_KEY = bytes(range(16))
+_FLOOR_GMAC = AESGCM(_FLOOR_KEY)
+
+
+def floor_tag(nonce: bytes, data: Any) -> bytes:
+    """Section 3's tag, the same in both processes: keyed BLAKE2b under 64 KB, GMAC (AES-GCM
+    with nothing to encrypt) from there, where the wire makes the same choice."""
+    if len(data) < 65536:
+        return hashlib.blake2b(nonce + data, key=_FLOOR_KEY, digest_size=16).digest()
+    return _FLOOR_GMAC.encrypt(nonce, b"", data)
+
+
 SIGNED = """
-import hashlib, hmac, os, zmq
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+import hmac, os, sys, zmq
+sys.path.insert(0, sys.argv[1])
+from wire import floor_tag as tag  # this file's, so both sides sign alike
 from somatize.remote.memory import keep_buffers
 keep_buffers()
-KEY = bytes(range(16))
-gmac = AESGCM(KEY)
 s = zmq.Context().socket(zmq.ROUTER); s.bind("tcp://127.0.0.1:*")
 print(s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
-
-def tag(nonce, data):
-    if len(data) < 65536:
-        return hashlib.blake2b(nonce + data, key=KEY, digest_size=16).digest()
-    return gmac.encrypt(nonce, b"", data)
-
 while True:
     who, nonce, data, got = s.recv_multipart(copy=False)
     data = data.buffer if len(data) >= 65536 else data.bytes
@@ -77,27 +86,15 @@ while True:
 
 def floor_rows(blocks: int = 40, block: int = 20) -> list[tuple]:
     """Section 3: the bare pair against the pair with one MAC pass a side each way."""
-    import hashlib
-    import hmac
-    import os
-
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-    key = bytes(range(16))
-    gmac = AESGCM(key)
-
-    def tag(nonce: bytes, data: Any) -> bytes:
-        if len(data) < 65536:
-            return hashlib.blake2b(nonce + data, key=key, digest_size=16).digest()
-        return gmac.encrypt(nonce, b"", data)
-
+    here = os.path.dirname(os.path.abspath(__file__))
     echoes = [
-        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, "-c", code, here], stdout=subprocess.PIPE, text=True)
         for code in (ECHO, SIGNED)
     ]
     socks = []
     for echo in echoes:
         sock = _zmq().socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)  # an echo that stopped is an error, not a hang
         sock.connect(echo.stdout.readline().strip())
         socks.append(sock)
     bare_sock, signed_sock = socks
@@ -114,10 +111,10 @@ def floor_rows(blocks: int = 40, block: int = 20) -> list[tuple]:
 
             def signed(data=data, small=small):
                 n = os.urandom(12)
-                signed_sock.send_multipart([n, data, tag(n, data)], copy=small)
+                signed_sock.send_multipart([n, data, floor_tag(n, data)], copy=small)
                 back, got, t = signed_sock.recv_multipart(copy=False)
                 got = got.bytes if small else got.buffer
-                if not hmac.compare_digest(tag(back.bytes, got), t.bytes):
+                if not hmac.compare_digest(floor_tag(back.bytes, got), t.bytes):
                     raise RuntimeError("a tag did not verify")
 
             times: dict[Any, list[float]] = {bare: [], signed: []}
