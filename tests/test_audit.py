@@ -275,6 +275,8 @@ def test_the_trainer_drives_it():
 
 
 def test_snapshot_numbers_against_float64_and_a_full_svd():
+    import numpy as np
+
     from somatize.torch._measures import effective_ranks, spectra, stable_of, stable_rank
 
     gen = torch.Generator().manual_seed(0)
@@ -306,11 +308,18 @@ def test_snapshot_numbers_against_float64_and_a_full_svd():
     ):
         assert float(stable_rank(d)) == pytest.approx(by_svd_stable(d), rel=2e-3)
     assert float(stable_rank(torch.zeros(128, 128))) == 0.0
-    # an update with one dominant direction (as real ones have) stops Lanczos at its first
-    # check, within the 1e-3 its residual bound promises
+    # an update with one dominant direction (as real ones have) is settled by power steps,
+    # within the 1e-3 their residual bound promises; a flat spectrum is not, and goes to Lanczos
+    from somatize.torch._measures import _power
+
     u, v = torch.randn(256, 1, generator=gen), torch.randn(1, 256, generator=gen)
     dominant = u @ v + torch.randn(256, 256, generator=gen)  # stable rank ≈ 2
     assert float(stable_rank(dominant)) == pytest.approx(by_svd_stable(dominant), rel=1e-3)
+    x = dominant.numpy()
+    top = float(torch.linalg.svdvals(dominant.double())[0] ** 2)
+    assert _power(x, lambda *shape: np.zeros(shape, np.float32)) == pytest.approx(top, rel=1e-3)
+    flat = torch.randn(256, 256, generator=gen).numpy()
+    assert _power(flat, lambda *shape: np.zeros(shape, np.float32)) is None
     # taken together (Gram matrices of one size share an eigendecomposition): the same numbers
     updates = [torch.randn(256, 64, generator=gen), torch.randn(10, 256, generator=gen)]
     updates.append(torch.randn(128, 64, generator=gen) @ torch.randn(64, 128, generator=gen))
@@ -321,8 +330,6 @@ def test_snapshot_numbers_against_float64_and_a_full_svd():
         [by_svd_stable(d) for d in updates], rel=2e-3
     )
     # the Lanczos other devices take, in torch, run here on the CPU: the numpy one's answer
-    import numpy as np
-
     from somatize.torch._measures import _lanczos
 
     for d in (dominant, updates[2]):
