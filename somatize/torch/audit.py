@@ -453,14 +453,17 @@ class Audit:
             # copy; and ‖θ' − θ‖²
             known, stale = self._was, self._stale
             self._was = None
-            if pviews is not None:  # on the CPU: a subtraction and a BLAS dot each
-                was, square = [], []
-                dot = np.dot
-                with np.errstate(all="ignore"):
-                    for i, (d, v) in enumerate(zip(pviews, views, strict=True)):  # type: ignore[arg-type]
-                        was.append(float(dot(d, d)) if known is None or i in stale else known[i])
-                        np.subtract(d, v, out=d)
-                        square.append(float(dot(d, d)))
+            if pviews is not None:  # on the CPU: one subtraction, and a BLAS dot a tensor
+                dot = np.vdot  # (numpy's `dot` warns on an overflow since 2.4; `vdot` does not)
+                if known is None or stale:
+                    was = [
+                        float(dot(d, d)) if known is None or i in stale else known[i]
+                        for i, d in enumerate(pviews)  # type: ignore[arg-type]
+                    ]
+                else:
+                    was = known
+                torch._foreach_sub_(prev, flat)  # an inf − inf is a nan to report, not a warning
+                square = [float(dot(d, d)) for d in pviews]  # type: ignore[union-attr]
             elif known is None or stale:
                 before = list(torch._foreach_norm(prev))
                 torch._foreach_sub_(prev, flat)
@@ -485,9 +488,14 @@ class Audit:
         # (a 0 would read as STALLED); one never moved at all reads 0, and is STALLED
         versions = self._versions
         now = [q._version for q in flat]
-        untouched = {i for i, v in enumerate(now) if v == versions[i]}
-        waits = untouched & self._movers
-        self._movers.update(i for i in range(len(now)) if i not in untouched)
+        movers = self._movers
+        if now == versions:  # nothing moved
+            waits = set(movers)
+        else:
+            untouched = {i for i, v in enumerate(now) if v == versions[i]}
+            waits = untouched & movers
+            if len(movers) < len(now):
+                movers.update(i for i in range(len(now)) if i not in untouched)
         sqrt = math.sqrt
         for snap, got in waiting:
             for place, n in got:
@@ -552,7 +560,10 @@ class Audit:
         if self._copied:  # ‖θ‖² for the update ratio, where the weights are still the copy's
             versions = self._versions
             self._was = square[:at_grad]
-            self._stale = {i for i, q in enumerate(flat) if q._version != versions[i]}
+            now = [q._version for q in flat]
+            self._stale = (
+                set() if now == versions else {i for i, v in enumerate(now) if v != versions[i]}
+            )
         moving = self._moving
         isnan, isinf, isfinite, sqrt = math.isnan, math.isinf, math.isfinite, math.sqrt
         shared: dict[tuple, Any] = {}  # channel activity, once per output
@@ -654,12 +665,11 @@ class Audit:
     ) -> tuple[list[float], list[Any]]:
         """`_squares_torch`'s numbers on the CPU: one BLAS dot per tensor through numpy (a
         third of a torch call's cost at these sizes, and no tensor to read back)."""
-        dot = np.dot
-        with np.errstate(all="ignore"):  # an overflow is an inf to report, not a warning
-            square = [float(dot(v, v)) for v in views]
-            square += [square_of(t) for t in grads]
-            square += [square_of(t) for t in outs]
-            return square, self._read_sums(later)
+        dot = np.vdot  # an overflow is an inf to report: numpy's `dot` would warn, `vdot` not
+        square = [float(dot(v, v)) for v in views]
+        square += [square_of(t) for t in grads]
+        square += [square_of(t) for t in outs]
+        return square, self._read_sums(later)
 
     def _squares_torch(
         self,
@@ -676,12 +686,11 @@ class Audit:
             at_sums = len(numbers)
             values = read(numbers + self._sums)  # type: ignore[operator]
             return [v * v for v in values[:at_sums]], values[at_sums:]
-        with np.errstate(all="ignore"):
-            return [v * v for v in read(numbers)], self._read_sums(later)
+        return [v * v for v in read(numbers)], self._read_sums(later)
 
     def _read_sums(self, later: list[_Place]) -> list[Any]:
         """The outputs' sums as numbers: those left as tensors in the forward read at once,
-        and those of `later` taken now (`later_sums`; call under `np.errstate`)."""
+        and those of `later` taken now (`later_sums`)."""
         sums = self._sums
         if not later:
             return read(sums)  # type: ignore[arg-type]
