@@ -198,6 +198,11 @@ class Graph:
         `forward` was wrapped or unwrapped in place, for example)."""
         self._plan = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # the compiled plan is this process's (it points back at the graph weakly): the copy
+        # compiles its own at its first forward
+        return {**self.__dict__, "_plan": None}
+
     # -- reading it back ------------------------------------------------------------------
     def nodes(self) -> list[str]:
         """Node ids, in declaration order."""

@@ -14,6 +14,7 @@ import inspect
 import json
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,16 +26,36 @@ __all__ = ["Ctx", "Plan", "compile", "declaration_key", "forward", "walk", "watc
 ROOT, ONE, MANY = 0, 1, 2
 
 
-class Ctx:
-    """What a node is handed besides its input: its id, device, host and graph."""
+def _weakly(graph: Any) -> Callable[[], Any]:
+    """A reference to `graph` that does not keep it alive, for what the graph's own compiled
+    plan holds: a graph whose plan pointed back at it would be a cycle, and a dropped graph
+    (its weights, on whatever device) would wait for the garbage collector instead of going
+    at once. Something that cannot be weakly referenced is held as it is."""
+    try:
+        return weakref.ref(graph)
+    except TypeError:
+        return lambda: graph
 
-    __slots__ = ("id", "device", "host", "graph")
+
+class Ctx:
+    """What a node is handed besides its input: its id, device, host and graph (`None` once
+    nobody else holds the graph: a plan does not keep it alive)."""
+
+    __slots__ = ("id", "device", "host", "_graph")
 
     def __init__(self, id: str, device: str | None, host: str | None, graph: Any) -> None:
         self.id = id
         self.device = device
         self.host = host
-        self.graph = graph
+        self._graph = _weakly(graph)
+
+    @property
+    def graph(self) -> Any:
+        """The graph this node runs in."""
+        return self._graph()
+
+    def __reduce__(self) -> tuple:
+        return (Ctx, (self.id, self.device, self.host, self.graph))
 
     def __repr__(self) -> str:
         return f"Ctx(id={self.id!r}, device={self.device!r}, host={self.host!r})"
@@ -43,7 +64,7 @@ class Ctx:
 class Plan:
     """A graph compiled for running. Rebuilt by the graph whenever its topology changes."""
 
-    __slots__ = ("graph", "ids", "steps", "leaves", "cached", "hosts", "index", "__weakref__")
+    __slots__ = ("_graph", "ids", "steps", "leaves", "cached", "hosts", "index", "__weakref__")
 
     def __init__(self, graph: Any) -> None:
         order = graph.topological_sort()
@@ -62,13 +83,18 @@ class Plan:
             call = _hooks.entry(node)
             fn = _mapping(n, call) if s.mapped else call
             steps.append((i, mode, src, fn, Ctx(n, s.device, s.host, graph), s.device))
-        self.graph = graph
+        self._graph = _weakly(graph)
         self.ids = tuple(order)
         self.index = index
         self.steps = tuple(steps)
         self.leaves = tuple((n, index[n]) for n in graph.leaves())
         self.cached = any(graph.setting(n).cached for n in order)
         self.hosts = {n: graph.setting(n).host for n in order if graph.setting(n).host}
+
+    @property
+    def graph(self) -> Any:
+        """The graph this plan was compiled from (held weakly: the graph keeps its plan)."""
+        return self._graph()
 
     def __repr__(self) -> str:
         return f"Plan({len(self.steps)} steps)"

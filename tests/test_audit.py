@@ -720,3 +720,31 @@ def test_later_sums_in_pieces_and_either_precision(dtype, saturates):
     _measures.later_sums(v, saturates, into, 1)
     # a float32 BLAS dot in three pieces: within a few ulps of Σ|a| of the exact sum
     assert into[1] == pytest.approx(float(finite.sum()), abs=1e-6 * float(np.abs(finite).sum()))
+
+
+def test_a_dropped_audited_trainer_frees_the_weights_at_once_without_the_collector():
+    import gc
+    import weakref
+
+    def trainer():
+        g = _graph()
+        t = Trainer(
+            g,
+            objective=F.cross_entropy,
+            optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+            auditing=Audit(every=1, snapshot=1),
+        )
+        x, y = torch.randn(16, 4), torch.randint(0, 3, (16,))
+        t.fit([(x, y)] * 3)
+        return t, weakref.ref(parameters(g)[0])
+
+    t, weight = trainer()
+    assert weight() is not None
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del t  # the Trainer's finalizer releases the audit's hooks; nothing else is a cycle
+        assert weight() is None
+    finally:
+        if was:
+            gc.enable()

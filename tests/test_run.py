@@ -101,3 +101,37 @@ def test_mapped_without_a_store_checks_lengths():
 def test_a_remote_node_without_a_broker_is_refused_naming_it():
     with pytest.raises(ValueError, match="'same'.*'gpu'.*broker"):
         Graph.somatize(Same().at("gpu")).forward(1)
+
+
+class Keep(Node):
+    """Keeps the ctx it was handed."""
+
+    def forward(self, input, ctx):
+        self.ctx = ctx
+        return input
+
+
+def test_a_graph_that_ran_goes_as_soon_as_it_is_dropped_without_waiting_for_the_collector():
+    import gc
+    import pickle
+    import weakref
+
+    keep = Keep()
+    g = Graph.somatize(Same() >> keep)
+    g.forward(1)
+    assert keep.ctx.graph is g and keep.ctx.id == g.nodes()[-1]
+    # a Ctx travels with its graph (as a part of a split net does, beside the graph it holds)
+    copy, again = pickle.loads(pickle.dumps((g, keep.ctx)))
+    assert again.id == keep.ctx.id and again.graph is copy and copy.nodes() == g.nodes()
+    assert copy.forward(2) == 2  # the copy compiles a plan of its own
+    gone = weakref.ref(g)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del g, again, copy
+        # the compiled plan (and each step's Ctx) points back at the graph only weakly
+        assert gone() is None
+        assert keep.ctx.graph is None
+    finally:
+        if was:
+            gc.enable()

@@ -3,6 +3,7 @@ it between a forward and the read after backward."""
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 
 import torch
@@ -48,6 +49,7 @@ class _Place:
         "retain",
         "later",
         "seen",
+        "__weakref__",
     )
 
     def __init__(self, where: str, modules: list[nn.Module], window: int) -> None:
@@ -72,8 +74,13 @@ class _Place:
         self.size = 1
         self.groups: dict[str, list[int]] | None = None
 
+        me = weakref.ref(self)  # not `self`: a place and its hook would be a cycle, and the
+        # parameters it lists would wait for the garbage collector after the audit is dropped
+
         def hear(g: torch.Tensor) -> None:
-            self.out_grad = g.detach()
+            place = me()
+            if place is not None:
+                place.out_grad = g.detach()
 
         self.kept: torch.Tensor | None = None
         # ∂L/∂output by `retain_grad` (no Python call in backward) where the output is not
