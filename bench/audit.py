@@ -2,8 +2,10 @@
 `fit` of the same net on the same batches, all in the same run.
 
 An MLP of three nodes (64 → 256 → 256 → 10, ReLU) on 64-sample batches, SGD, 60 steps a fit.
-Targets: every=1 at most 1.5× plain, every=10 at most 1.1×. Medians of repeats, one thread,
-CPU time of this process (steadier on a shared machine) and wall time beside it.
+Targets: every=1 at most 1.5× plain, every=10 at most 1.1×. One thread; CPU time of this
+process (steadier on a shared machine), wall time beside it. 31 repeats, the kinds taking
+turns; each ratio is the median over repeats of a fit against the plain fit of its own repeat,
+printed with its quartiles (how far apart two runs of this bench land on this machine).
 
     python bench/audit.py            # the fits
     python bench/audit.py --phases   # and, at every=10, what each kind of step adds
@@ -28,6 +30,7 @@ batches, and times that loop with and without them, interleaved with the plain a
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import sys
@@ -290,7 +293,7 @@ def main() -> None:
         "Audit(every=10)": lambda: Audit(every=10),
         "Audit(every=1, channels=True, inside=True)": lambda: Audit(channels=True, inside=True),
     }
-    table(kinds, batches, graph, 11, "fit of 60 steps")
+    table(kinds, batches, graph, 31, "fit of 60 steps")
     if "--phases" in sys.argv[1:]:
         print()
         phases(batches)
@@ -311,30 +314,38 @@ def main() -> None:
         from somatize.remote.memory import keep_buffers
 
         keep_buffers()
-        table(kinds, images, cnn, 7, "CNN, fit of 60 steps (context)", targets=False)
+        table(kinds, images, cnn, 9, "CNN, fit of 60 steps (context)", targets=False)
 
 
 def table(kinds, batches, make, repeats, what, targets=True) -> None:  # noqa: ANN001
     """Fit `make()` on `batches` under each kind of audit, `repeats` times interleaved (so a
-    busy moment hits every kind alike), and print the medians against the plain fit."""
+    busy moment hits every kind alike), and print, for each kind, the median over repeats of
+    its CPU time against the plain fit of the same repeat (a ratio of two fits taken a few
+    tenths of a second apart, so a machine that drifts over the run moves both), with the
+    quartiles of those ratios: how far one run of this bench can land from another."""
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(repeats):
         for name, audit in kinds.items():
+            gc.collect()  # the kind before leaves nothing for this one to trip over
             c, w = fit_seconds(audit(), batches, make)
             cpu[name].append(c)
             wall[name].append(w)
-    plain, plain_wall = statistics.median(cpu["plain fit"]), statistics.median(wall["plain fit"])
-    print(f"| {what} | CPU ms | × plain (CPU) | wall ms | × plain (wall) | target |")
-    print("|---|---:|---:|---:|---:|---:|")
+    base, base_wall = cpu["plain fit"], wall["plain fit"]
+    print(
+        f"| {what} | CPU ms | × plain (CPU) | quartiles | wall ms | × plain (wall) | target |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     goals = {"Audit(every=1)": "≤ 1.5×", "Audit(every=10)": "≤ 1.1×"} if targets else {}
     for name in kinds:
-        ms, wms = statistics.median(cpu[name]), statistics.median(wall[name])
+        ratios = sorted(c / p for c, p in zip(cpu[name], base, strict=True))
+        low, mid, high = statistics.quantiles(ratios, n=4)
+        walls = statistics.median(w / p for w, p in zip(wall[name], base_wall, strict=True))
         print(
-            f"| {name} | {ms * 1e3:.1f} | {ms / plain:.2f} | {wms * 1e3:.1f} | "
-            f"{wms / plain_wall:.2f} | {goals.get(name, '')} |"
+            f"| {name} | {statistics.median(cpu[name]) * 1e3:.1f} | {mid:.3f} | "
+            f"{low:.3f}–{high:.3f} | {statistics.median(wall[name]) * 1e3:.1f} | {walls:.3f} | "
+            f"{goals.get(name, '')} |"
         )
-
 
 if __name__ == "__main__":
     main()
