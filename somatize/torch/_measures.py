@@ -87,11 +87,11 @@ def square_of(t: torch.Tensor) -> float:
     flags."""
     if t.dtype in _NUMPY:
         try:
-            x = t.numpy().reshape(-1)
+            x = t.numpy()
         except (RuntimeError, TypeError):
             pass
         else:
-            return float(np.vdot(x, x))
+            return float(np.vdot(x, x))  # (vdot flattens what it is given)
     n = float(torch.linalg.vector_norm(t.detach() if t.is_floating_point() else t.float()))
     return n * n
 
