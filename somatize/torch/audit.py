@@ -285,30 +285,36 @@ class Audit:
             t = next((x for x in tensors_in(out) if x.is_floating_point()), None)
             if t is None:
                 return
-        if not t.is_floating_point():
-            return
+        dtype = t.dtype
+        if dtype is not torch.float32 and dtype is not torch.float64:
+            if not dtype.is_floating_point:
+                return
+            t_float = True  # a count summed in half precision is not a count
+        else:
+            t_float = False
+        version = t._version
         # the same output seen again, unchanged (a node's output is often its last layer's, and
         # `inside=` watches both): its sums, ∂L/∂output and channel view are the first place's
         seen = self._seen.get(id(t))
         if seen is not None:
-            same, first, version = seen
-            if same() is t and version == t._version and first.saturates == place.saturates:
+            same, first, then = seen
+            if same() is t and then == version and first.saturates == place.saturates:
                 place.at, place.size, place.kept = first.at, first.size, first.kept
                 place.out_grad = None
                 self._twins.append((place, first))
                 if self._features or place.groups is not None:
                     place.features = channel_view(first.kept, place.conv)
                 return
-        self._seen[id(t)] = (weakref.ref(t), place, t._version)
+        self._seen[id(t)] = (weakref.ref(t), place, version)
         a = t.detach()
-        if a.dtype is not torch.float32 and a.dtype is not torch.float64:
-            a = a.float()  # a count summed in half precision is not a count
+        if t_float:
+            a = a.float()
         sums = self._sums
         place.at = len(sums)
         place.size = a.numel() or 1
         place.kept = a  # read again only if its sum is not finite (which nan, which inf)
         place.seen = a._version
-        if place.later and a.device.type == "cpu" and a.is_contiguous():
+        if place.later and a.is_cpu and a.is_contiguous():
             # nothing writes over it before `observed`: its sums are taken there, in numpy with
             # the norms (`_read_sums`); these are their places in the list
             self._later.append(place)
@@ -322,7 +328,7 @@ class Audit:
                 sums.append((magnitude >= _HIGH).sum())
             # |a| ≤ ε as 1.0 / 0.0 in the buffer just made (a float sum is cheaper than a bool)
             sums.append(magnitude.le_(_DEAD_EPS).sum())
-        if t.requires_grad and self._outward:
+        if self._outward and t.requires_grad:
             place.out_grad = None
             retain = place.retain
             if retain is not False and t.grad_fn is not None and not t.retains_grad:
