@@ -605,13 +605,14 @@ class Audit:
                 total = sums[k]
                 n["act_mean"] = total / size
                 if place.saturates is not None:
-                    place.saturated.append(sums[k + 1] / size)
+                    saturated = place.saturated
+                    saturated.append(sums[k + 1] / size)
                     k += 1
-                else:
-                    place.saturated.append(0.0)
-                place.zero.append(sums[k + 1] / size)
-                n["zero"] = max(place.zero)
-                n["saturated"] = max(place.saturated)
+                zero = place.zero
+                zero.append(sums[k + 1] / size)
+                n["zero"] = max(zero)
+                # a place that does not saturate (nothing sigmoid- or tanh-like last) reads 0
+                n["saturated"] = max(saturated) if place.saturates is not None else 0.0
                 if not isfinite(total):  # which one, as Σ|a| tells it
                     whole_sum = float(place.kept.abs().sum())
                     nan, inf = nan or isnan(whole_sum), inf or isinf(whole_sum)
