@@ -286,12 +286,9 @@ class Audit:
             if t is None:
                 return
         dtype = t.dtype
-        if dtype is not torch.float32 and dtype is not torch.float64:
-            if not dtype.is_floating_point:
-                return
-            t_float = True  # a count summed in half precision is not a count
-        else:
-            t_float = False
+        widen = dtype is not torch.float32 and dtype is not torch.float64
+        if widen and not dtype.is_floating_point:
+            return
         version = t._version
         # the same output seen again, unchanged (a node's output is often its last layer's, and
         # `inside=` watches both): its sums, ∂L/∂output and channel view are the first place's
@@ -307,8 +304,8 @@ class Audit:
                 return
         self._seen[id(t)] = (weakref.ref(t), place, version)
         a = t.detach()
-        if t_float:
-            a = a.float()
+        if widen:
+            a = a.float()  # a count summed in half precision is not a count
         sums = self._sums
         place.at = len(sums)
         place.size = a.numel() or 1
