@@ -748,3 +748,21 @@ def test_a_dropped_audited_trainer_frees_the_weights_at_once_without_the_collect
     finally:
         if was:
             gc.enable()
+
+
+def test_snapshot_numbers_of_something_that_blew_up_are_no_number_and_stop_nothing():
+    import warnings
+
+    from somatize.torch._measures import effective_ranks, stable_rank
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for bad in (float("inf"), float("nan")):
+            for shape in ((256, 256), (256, 64)):  # power steps and Lanczos; the exact Gram
+                d = torch.randn(*shape)
+                d[3, 5] = bad
+                assert stable_rank(d) == 0.0  # σ_max² is NaN: read as no update, as documented
+            f = torch.relu(torch.randn(64, 256))
+            f[0, 0] = bad
+            blew, fine = effective_ranks([f, torch.relu(torch.randn(64, 256))])
+            assert blew == 0.0 and fine > 30  # the other one of the batch is still taken

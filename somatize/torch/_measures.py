@@ -162,7 +162,8 @@ def effective_ranks(features: list[torch.Tensor]) -> list[float]:
     (λ_max · n · 4ε) count as zero, so a collapsed representation reads as collapsed rather
     than lifted by rounding noise. Within 1e-6 of the float64 answer on full-rank features
     (2e-8 on a ReLU 64×256 output); a spectrum reaching below that floor reads up to a few
-    percent lower.
+    percent lower. A matrix with an inf or a NaN in it reads 0 (its eigenvalues are NaN), and
+    the others of its batch are taken as usual.
     """
     return spectra(features, [])[0]
 
@@ -204,16 +205,22 @@ def _top_square(d: torch.Tensor, steps: int = _STEPS) -> float:
     rows, cols = d.shape
     if min(rows, cols) <= _EXACT:
         gram = d @ d.T if rows <= cols else d.T @ d
-        return float(torch.linalg.eigvalsh(gram)[-1])
+        return _eigenvalues(gram.unsqueeze(0))[0][-1]
     if rows < cols:
         d = d.T  # the vectors live on the smaller side
-    if d.device.type == "cpu":
-        x = d.numpy()
-        zeros: Any = lambda *shape: np.zeros(shape, x.dtype)  # noqa: E731
-        top = _power(x, zeros)
-        return top if top is not None else _lanczos(x, zeros, np.linalg, steps)
-    top = _power(d, d.new_zeros)
-    return top if top is not None else _lanczos(d, d.new_zeros, torch.linalg, steps)
+    try:
+        if d.device.type == "cpu":
+            x = d.numpy()
+            zeros: Any = lambda *shape: np.zeros(shape, x.dtype)  # noqa: E731
+            # an update that blew up (inf, NaN, or values whose products overflow) is a NaN
+            # to report: no warning from numpy's matmul, and no failure to converge
+            with np.errstate(all="ignore"):
+                top = _power(x, zeros)
+                return top if top is not None else _lanczos(x, zeros, np.linalg, steps)
+        top = _power(d, d.new_zeros)
+        return top if top is not None else _lanczos(d, d.new_zeros, torch.linalg, steps)
+    except (np.linalg.LinAlgError, RuntimeError):  # torch's LinAlgError is a RuntimeError
+        return math.nan
 
 
 def _power(d: Any, zeros: Any) -> float | None:
@@ -284,7 +291,8 @@ def _lanczos(d: Any, zeros: Any, linalg: Any, steps: int = _STEPS) -> float:
 
 def stable_rank(d: torch.Tensor, frob: torch.Tensor | float | None = None) -> float:
     """‖D‖_F² / ‖D‖_2² of a weight update (flattened past its first dimension); 0 for no
-    update. `frob`, ‖D‖_F when it is already known."""
+    update, and for one that blew up (an inf or a NaN in it: its σ_max² is NaN). `frob`,
+    ‖D‖_F when it is already known."""
     top = spectra([], [d])[1][0]
     if frob is None:
         d = d.detach()
@@ -297,6 +305,20 @@ def stable_rank(d: torch.Tensor, frob: torch.Tensor | float | None = None) -> fl
 def stable_of(frob: float, top: float) -> float:
     """‖D‖_F² / σ_max², 0 when there is no update (or its σ_max² is not a number)."""
     return frob * frob / top if top > 0 else 0.0
+
+
+def _eigenvalues(grams: torch.Tensor) -> list[list[float]]:
+    """The eigenvalues (ascending) of each of a batch of Gram matrices. A matrix with an inf
+    or a NaN in it (an output or an update that blew up) gets NaNs, which read as no rank,
+    rather than LAPACK's failure to converge stopping the step it is audited in."""
+    try:
+        return torch.linalg.eigvalsh(grams).tolist()
+    except RuntimeError:  # torch's LinAlgError is one
+        nan = [math.nan] * grams.shape[-1]
+        return [
+            torch.linalg.eigvalsh(g).tolist() if bool(torch.isfinite(g).all()) else nan
+            for g in grams
+        ]
 
 
 def spectra(
@@ -338,8 +360,7 @@ def spectra(
         pool.setdefault((gram.shape[0], d.device), []).append(([(False, j)], gram.unsqueeze(0)))
     for entries in pool.values():
         grams = [g for _, g in entries]
-        e = torch.linalg.eigvalsh(grams[0] if len(grams) == 1 else torch.cat(grams))
-        rows = iter(e.tolist())
+        rows = iter(_eigenvalues(grams[0] if len(grams) == 1 else torch.cat(grams)))
         for who, _ in entries:
             for rank, i in who:
                 row = next(rows)
