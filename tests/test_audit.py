@@ -750,6 +750,30 @@ def test_a_dropped_audited_trainer_frees_the_weights_at_once_without_the_collect
             gc.enable()
 
 
+def test_weights_or_an_update_that_are_not_finite_give_a_ratio_to_report_and_no_warning():
+    import warnings
+
+    for poisoned, lr in ((True, 0.1), (False, 1e38)):
+        g = _graph()
+        first = g.implementation(g.nodes()[0]).l
+        with torch.no_grad():
+            first.weight.mul_(1e18)  # grads of ≈ 1e36: an lr of 1e38 overflows the update
+            if poisoned:
+                first.weight[0, 0] = float("inf")
+        audit = Audit(every=1).watch(g)
+        optimizer = torch.optim.SGD(parameters(g), lr=lr)
+        x, y = _data()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            F.cross_entropy(g.forward(x), y).backward()
+            facts = audit.observed(g)
+            optimizer.step()
+            audit.moved()
+        audit.release()
+        ratio = {f["where"]: f["numbers"] for f in facts}[g.nodes()[0]]["update_ratio"]
+        assert not math.isfinite(ratio), (poisoned, ratio)
+
+
 def test_snapshot_numbers_of_something_that_blew_up_are_no_number_and_stop_nothing():
     import warnings
 
