@@ -219,7 +219,7 @@ def _top_square(d: torch.Tensor, steps: int = _STEPS) -> float:
                 return top if top is not None else _lanczos(x, zeros, np.linalg, steps)
         top = _power(d, d.new_zeros)
         return top if top is not None else _lanczos(d, d.new_zeros, torch.linalg, steps)
-    except (np.linalg.LinAlgError, RuntimeError):  # torch's LinAlgError is a RuntimeError
+    except (np.linalg.LinAlgError, torch.linalg.LinAlgError):
         return math.nan
 
 
@@ -313,7 +313,7 @@ def _eigenvalues(grams: torch.Tensor) -> list[list[float]]:
     rather than LAPACK's failure to converge stopping the step it is audited in."""
     try:
         return torch.linalg.eigvalsh(grams).tolist()
-    except RuntimeError:  # torch's LinAlgError is one
+    except torch.linalg.LinAlgError:
         nan = [math.nan] * grams.shape[-1]
         return [
             torch.linalg.eigvalsh(g).tolist() if bool(torch.isfinite(g).all()) else nan

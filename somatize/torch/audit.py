@@ -23,6 +23,7 @@ Forward hooks and tensor hooks only, never full backward hooks (those break on i
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Iterable, Mapping
@@ -52,6 +53,7 @@ __all__ = ["Audit"]
 
 _DORMANT_TAU = 0.1
 _ROWS = 1024
+_AS_IS = contextlib.nullcontext()  # no errstate where no flag can be set
 
 
 class Audit:
@@ -476,13 +478,10 @@ class Audit:
                 # float, so no finite difference rounds to inf. Only a copy that is not finite
                 # needs np.errstate (≈ 10 µs cold), for its inf − inf
                 subtract = np.subtract
-                if math.isfinite(math.fsum(was)):
+                quiet = _AS_IS if math.isfinite(math.fsum(was)) else np.errstate(all="ignore")
+                with quiet:  # (for a copy that is not finite: a nan to report, and no warning)
                     for d, v in zip(pviews, views, strict=True):  # type: ignore[arg-type]
                         subtract(d, v, out=d)
-                else:
-                    with np.errstate(all="ignore"):  # a nan to report, and no warning
-                        for d, v in zip(pviews, views, strict=True):  # type: ignore[arg-type]
-                            subtract(d, v, out=d)
                 square = [float(dot(d, d)) for d in pviews]  # type: ignore[union-attr]
             elif known is None or stale:
                 before = list(torch._foreach_norm(prev))
@@ -610,15 +609,16 @@ class Audit:
                 size = place.size
                 total = sums[k]
                 n["act_mean"] = total / size
+                peak = 0.0  # a place that does not saturate (nothing sigmoid- or tanh-like last)
                 if place.saturates is not None:
                     saturated = place.saturated
                     saturated.append(sums[k + 1] / size)
+                    peak = max(saturated)
                     k += 1
                 zero = place.zero
                 zero.append(sums[k + 1] / size)
                 n["zero"] = max(zero)
-                # a place that does not saturate (nothing sigmoid- or tanh-like last) reads 0
-                n["saturated"] = max(saturated) if place.saturates is not None else 0.0
+                n["saturated"] = peak
                 if not isfinite(total):  # which one, as Σ|a| tells it
                     whole_sum = float(place.kept.abs().sum())
                     nan, inf = nan or isnan(whole_sum), inf or isinf(whole_sum)
