@@ -654,6 +654,7 @@ def test_a_node_trained_inside_backward_by_its_own_split_is_seen_to_move():
         before = [p.detach().clone() for p in body.parameters()]
         t.step((x, y))
         after = [p.detach().clone() for p in body.parameters()]
+    assert t.audit._prev is not None  # weights the Trainer's SGD does not hold: θ is copied
     t.close()
     last = [f["numbers"] for f in heard if f.get("where") == "layer_2"][-1]
     # its weights move inside backward, before `observed`: the copy is taken in the forward
@@ -790,3 +791,110 @@ def test_snapshot_numbers_of_something_that_blew_up_are_no_number_and_stop_nothi
             f[0, 0] = bad
             blew, fine = effective_ranks([f, torch.relu(torch.randn(64, 256))])
             assert blew == 0.0 and fine > 30  # the other one of the batch is still taken
+
+
+def _sgd_run(make_optimizer, steps=12, hook=False, scheduler=False):
+    """A Trainer of `_graph()` by `make_optimizer(params)`, audited every step with a snapshot
+    every fourth; its health numbers by (place, step), and whether the audit held a copy of θ
+    after each update. `hook`: a step hook that does nothing (the audit then copies θ).
+    `scheduler`: a StepLR stepped after each update."""
+    g = _graph()
+    heard, copied, held = [], [], []
+    opt = make_optimizer(parameters(g))
+    if hook:
+        opt.register_step_post_hook(lambda *a: None)
+    watching = [
+        heard.append,
+        lambda f: copied.append(held[0]._prev is not None) if f["fact"] == "updated" else None,
+    ]
+    if scheduler:
+        lr = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        watching.append(lambda f: lr.step() if f["fact"] == "updated" else None)
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=opt,
+        auditing=Audit(every=1, snapshot=4),
+        watching=watching,
+    )
+    held.append(t.audit)
+    x, y = _data()
+    t.fit([(x, y)] * steps)
+    numbers = {(f["where"], f["step"]): f["numbers"] for f in heard if f["fact"] == "health"}
+    return numbers, copied
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        lambda p: torch.optim.SGD(p, lr=0.1, foreach=False, maximize=True),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3, dampening=0.1),
+    ],
+    ids=["plain", "single-tensor, maximize", "momentum, weight decay, dampening"],
+)
+@pytest.mark.parametrize("scheduler", [False, True], ids=["", "StepLR"])
+def test_an_sgd_steps_update_is_read_from_the_step_as_a_copy_would_measure_it(make, scheduler):
+    read, held = _sgd_run(make, scheduler=scheduler)
+    assert held == [False] * 12  # no copy of θ was ever made
+    copied, held = _sgd_run(make, hook=True, scheduler=scheduler)
+    assert held == [True] * 12  # with a step hook, θ is copied
+    assert read.keys() == copied.keys() and len(read) == 36
+    for key, n in read.items():
+        assert n["update_ratio"] == pytest.approx(copied[key]["update_ratio"], rel=1e-4), key
+        assert n["update_ratio"] > 0
+        assert ("update_stable_rank" in n) == (key[1] % 4 == 0)
+        if "update_stable_rank" in n:
+            assert n["update_stable_rank"] == pytest.approx(
+                copied[key]["update_stable_rank"], rel=1e-4
+            )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.Adam(p, lr=0.01),
+        lambda p: torch.optim.SGD(p, lr=0.1, fused=True),  # leaves the version counters be
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=1e-3),  # decay outside any buffer
+    ],
+    ids=["Adam", "fused", "Nesterov", "decay without momentum"],
+)
+def test_any_other_step_has_its_update_measured_on_a_copy_of_the_weights(make):
+    numbers, held = _sgd_run(make, steps=3)
+    assert held == [True] * 3
+    assert all(n["update_ratio"] >= 0 for n in numbers.values())
+
+
+def test_weights_moved_by_more_than_the_sgd_step_give_no_ratio_that_step_then_a_copy():
+    g = _graph()
+    heard = []
+    first = g.implementation("layer")
+    meddle = {"step": 1}
+
+    def objective(out, y):
+        loss = F.cross_entropy(out, y)
+        if meddle["step"] == 0:
+            with torch.no_grad():  # moved between the forward and the SGD step
+                first.l.weight.mul_(1.01)
+        meddle["step"] -= 1
+        return loss
+
+    t = Trainer(
+        g,
+        objective=objective,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=Audit(every=1),
+        watching=heard.append,
+    )
+    x, y = _data()
+    befores, afters = [], []
+    for _ in range(4):
+        befores.append([p.detach().clone() for p in first.parameters()])
+        t.step((x, y))
+        afters.append([p.detach().clone() for p in first.parameters()])
+    layer = {f["step"]: f["numbers"] for f in heard if f.get("where") == "layer"}
+    assert "update_ratio" in layer[0] and t.audit._prev is not None  # read at 0; copied after 1
+    assert "update_ratio" not in layer[1] and "grad_norm" in layer[1]
+    for k in (0, 2, 3):
+        assert layer[k]["update_ratio"] == pytest.approx(_ratio(befores[k], afters[k]), rel=1e-4)

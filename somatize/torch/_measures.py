@@ -18,6 +18,7 @@ __all__ = [
     "channel_view",
     "numpy_views",
     "square_of",
+    "squares_of",
     "cka",
     "effective_rank",
     "effective_ranks",
@@ -94,6 +95,14 @@ def square_of(t: torch.Tensor) -> float:
             return float(np.vdot(x, x))  # (vdot flattens what it is given)
     n = float(torch.linalg.vector_norm(t.detach() if t.is_floating_point() else t.float()))
     return n * n
+
+
+def squares_of(tensors: list[torch.Tensor]) -> list[float]:
+    """‖t‖² of each: `square_of` each on the CPU; elsewhere one `_foreach_norm` and one read
+    (one synchronisation on a GPU)."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return [square_of(t) for t in tensors]
+    return [v * v for v in read(list(torch._foreach_norm([t.detach() for t in tensors])))]
 
 
 _CHUNK = 1 << 20  # the longest ones vector a sum is taken against (4 MB in float32)

@@ -7,7 +7,9 @@ measured where:
 - every place with parameters: grad_norm, param_norm, update_ratio (‖θ' − θ‖/‖θ‖: θ the
   weights the measured step ran with, θ' the weights after the update its gradient went into;
   filled into the step's facts by `Audit.moved`, which the Trainer calls after each update and
-  tells the facts only then);
+  tells the facts only then; θ' − θ is taken on a copy of θ, or — when the Trainer's torch
+  SGD step is what moves the weights, and their version counters say it moved each once — read
+  from that step: lr·‖g‖, or lr·‖momentum buffer‖);
 - every place's output: act_mean, zero and saturated fractions (the max over the last `window`
   measured steps), nan and inf;
 - on snapshot steps: effective_rank of the output (and rank_room, the most it could be),
@@ -32,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.optim import optimizer as _optim
 
 from somatize.torch._measures import (
     _DEAD_EPS,
@@ -44,6 +47,7 @@ from somatize.torch._measures import (
     read,
     spectra,
     square_of,
+    squares_of,
     stable_of,
 )
 from somatize.torch._place import _Place
@@ -54,6 +58,40 @@ __all__ = ["Audit"]
 _DORMANT_TAU = 0.1
 _ROWS = 1024
 _AS_IS = contextlib.nullcontext()  # no errstate where no flag can be set
+
+
+def _sgd_groups(optimizer: Any, flat: list[nn.Parameter]) -> list[dict[str, Any]] | None:
+    """The param group of each of `flat`, when `optimizer` is torch's own `SGD` and its step
+    moves each of them by −lr·g, or by −lr·buf with momentum (buf its momentum buffer): no
+    step hooks (its own or global ones) and no `step` replaced on the instance (but an LR
+    scheduler's counting wrapper), none of them fused (the fused kernel leaves the version
+    counters as they were), Nesterov or differentiable, weight decay only with momentum (where
+    it is in the buffer), and every one of `flat` in a group. None otherwise: θ is copied."""
+    if type(optimizer) is not torch.optim.SGD:
+        return None
+    if (
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or _optim._global_optimizer_pre_hooks
+        or _optim._global_optimizer_post_hooks
+    ):
+        return None
+    step = vars(optimizer).get("step")
+    if step is not None and not getattr(step, "_wrapped_by_lr_sched", False):
+        return None
+    group_of: dict[int, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        if (
+            group.get("fused")
+            or group.get("nesterov")
+            or group.get("differentiable")
+            or (not group["momentum"] and group["weight_decay"])
+        ):
+            return None
+        for p in group["params"]:
+            group_of[id(p)] = group
+    groups = [group_of.get(id(q)) for q in flat]
+    return None if None in groups else groups  # type: ignore[return-value]
 
 
 class Audit:
@@ -120,6 +158,15 @@ class Audit:
         self._copied = False
         self._waiting: list[tuple[bool, list[tuple[_Place, dict[str, Any]]]]] = []
         self._moving: list[tuple[_Place, dict[str, Any]]] = []  # this step's, as measured
+        # the optimizer whose step `moved` will hear of (the Trainer sets it each step; None by
+        # hand): when it is torch's SGD, the update is read from that step (`_read_step`;
+        # `_terms`, the SGD param group of each parameter, while it waits), not from a copy of
+        # θ; `_readable` until a step moved the weights otherwise; `_heard`: each gradient as
+        # the measured step found it, with its version and ‖g‖²
+        self._optimizer: Any = None
+        self._terms: list[dict[str, Any]] | None = None
+        self._readable = True
+        self._heard: dict[int, tuple[torch.Tensor, int, float]] = {}
         self._versions: list[int] = []  # the parameters' version counters at the copy
         # the parameters something has moved at some update: one of them untouched by an update
         # is waiting for its own (a node trained by a Learning with its own `every`)
@@ -209,9 +256,12 @@ class Audit:
             place.index = [slot[id(q)] for q in place.params]
         self._flat = flat
         self._prev = None
+        self._readable = True
         self._copied = False
         self._movers = set()
         self._waiting = []
+        self._terms = None
+        self._heard = {}
         self._views = self._prev_views = None
         self._ptrs = []
         self._places = places
@@ -253,9 +303,12 @@ class Audit:
             self._tap.off()
             self._tap = None
         self._graph = None
+        self._optimizer = None
         self._prev = None
         self._copied = False
         self._waiting = []
+        self._terms = None
+        self._heard = {}
         self._views = self._prev_views = None
         self._ptrs = []
         self._sums = []
@@ -413,7 +466,15 @@ class Audit:
 
     def _copy(self) -> None:
         """θ into buffers made once (made again if a parameter's memory moved: `_views_now`
-        tells)."""
+        tells); or nothing, when the update will be read from the Trainer's SGD step itself
+        (`_read_step`): then only the version counters are kept, to tell that step was the
+        only thing that moved the weights."""
+        if self._optimizer is not None and self._readable:
+            self._terms = _sgd_groups(self._optimizer, self._flat)
+            if self._terms is not None:
+                self._copied = True
+                self._versions = [q._version for q in self._flat]
+                return
         self._views_now()
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
@@ -442,63 +503,40 @@ class Audit:
         every measured step of the group gets the group's update; a place whose weights this
         update left untouched, where something has moved them before (a node trained by its
         own `Split(every=k)`), gets no ratio that step rather than a 0 that reads as STALLED.
-        Nothing to do, and nothing done, when no measured step waits for an update."""
+        Nothing to do, and nothing done, when no measured step waits for an update. Under the
+        Trainer's torch SGD the update is read from that step (`_read_step`) instead of a
+        copy of θ; a step in which the weights moved otherwise gives no ratio, and θ is copied
+        from then on."""
         if not self._copied:
             return
         self._copied = False
         waiting, self._waiting = self._waiting, []
         if not waiting:
             return
-        flat, prev = self._flat, self._prev
-        assert prev is not None
+        flat = self._flat
+        known, stale = self._was, self._stale
+        self._was = None
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            views = self._views_now()
-            if views is not None and self._prev_views is None:
-                self._prev_views = numpy_views(prev)
-            pviews = self._prev_views if views is not None else None
-            # ‖θ‖²: as the step measured it, unless the weight had moved by then (a node
-            # trained inside backward), or it was not measured after the copy: then from the
-            # copy; and ‖θ' − θ‖²
-            known, stale = self._was, self._stale
-            self._was = None
-            if pviews is not None:  # on the CPU: a subtraction and a BLAS dot a tensor
-                dot = np.vdot  # (numpy's `dot` warns on an overflow since 2.4; `vdot` does not)
-                if known is None or stale:
-                    was = [
-                        float(dot(d, d)) if known is None or i in stale else known[i]
-                        for i, d in enumerate(pviews)  # type: ignore[arg-type]
-                    ]
-                else:
-                    was = known
-                # (a third of what one torch _foreach_sub_ costs). With every weight of the copy
-                # finite (‖θ‖² says so), θ − θ' sets no floating-point flag: inf and NaN in θ'
-                # go through quietly, and |θ| < 2e19 is far under half an ulp of the largest
-                # float, so no finite difference rounds to inf. Only a copy that is not finite
-                # needs np.errstate (≈ 10 µs cold), for its inf − inf
-                subtract = np.subtract
-                quiet = _AS_IS if math.isfinite(math.fsum(was)) else np.errstate(all="ignore")
-                with quiet:  # (for a copy that is not finite: a nan to report, and no warning)
-                    for d, v in zip(pviews, views, strict=True):  # type: ignore[arg-type]
-                        subtract(d, v, out=d)
-                square = [float(dot(d, d)) for d in pviews]  # type: ignore[union-attr]
-            elif known is None or stale:
-                before = list(torch._foreach_norm(prev))
-                torch._foreach_sub_(prev, flat)
-                got = read(before + list(torch._foreach_norm(prev)))
-                was = [v * v for v in got[: len(prev)]]
-                square = [v * v for v in got[len(prev) :]]
+            if self._terms is not None:
+                # the update read from the SGD step itself: ‖Δθ‖² and what Δθ is a multiple of
+                read_off = self._read_step(known, stale)
+                self._terms = None
+                if read_off is None:  # moved otherwise than by that one step: no ratio, this
+                    self._readable = False  # once, and θ is copied from the next measured step
+                    return
+                was, square, of, frob = read_off
             else:
-                torch._foreach_sub_(prev, flat)
-                was = known
-                square = [v * v for v in read(list(torch._foreach_norm(prev)))]
-            # prev is now −Δθ; a snapshot step's update stable rank is taken on it
+                was, square = self._subtracted(known, stale)
+                of, frob = self._prev, square  # prev is now −Δθ
+            # a snapshot step's update stable rank is taken on Δθ (or on what it is a multiple
+            # of: the ratio does not see the scale)
             tops: dict[int, float] = {}
             if any(snap for snap, _ in waiting):
                 bigs = sorted({b for snap, got in waiting if snap for b in self._bigs(got)})
                 if bigs:
-                    found = spectra([], [prev[b] for b in bigs])[1]
+                    found = spectra([], [of[b] for b in bigs])[1]  # type: ignore[index,misc]
                     tops = dict(zip(bigs, found, strict=True))
         finally:
             torch._C._set_grad_enabled(enabled)
@@ -527,7 +565,92 @@ class Audit:
                 if snap:
                     big = self._big(place)
                     if big is not None:
-                        n["update_stable_rank"] = stable_of(sqrt(square[big]), tops[big])
+                        n["update_stable_rank"] = stable_of(sqrt(frob[big]), tops[big])
+
+    def _subtracted(
+        self, known: list[float] | None, stale: set[int]
+    ) -> tuple[list[float], list[float]]:
+        """‖θ‖² and ‖θ' − θ‖² of each parameter from the copy of θ, which is left holding
+        θ − θ' = −Δθ. ‖θ‖² as the step measured it (`known`), unless the weight had moved by
+        then (`stale`: a node trained inside backward), or it was not measured after the copy:
+        then from the copy."""
+        flat, prev = self._flat, self._prev
+        assert prev is not None
+        views = self._views_now()
+        if views is not None and self._prev_views is None:
+            self._prev_views = numpy_views(prev)
+        pviews = self._prev_views if views is not None else None
+        if pviews is not None:  # on the CPU: a subtraction and a BLAS dot a tensor
+            dot = np.vdot  # (numpy's `dot` warns on an overflow since 2.4; `vdot` does not)
+            if known is None or stale:
+                was = [
+                    float(dot(d, d)) if known is None or i in stale else known[i]
+                    for i, d in enumerate(pviews)
+                ]
+            else:
+                was = known
+            # (a third of what one torch _foreach_sub_ costs). With every weight of the copy
+            # finite (‖θ‖² says so), θ − θ' sets no floating-point flag: inf and NaN in θ'
+            # go through quietly, and |θ| < 2e19 is far under half an ulp of the largest
+            # float, so no finite difference rounds to inf. Only a copy that is not finite
+            # needs np.errstate (≈ 10 µs cold), for its inf − inf
+            subtract = np.subtract
+            quiet = _AS_IS if math.isfinite(math.fsum(was)) else np.errstate(all="ignore")
+            with quiet:  # (for a copy that is not finite: a nan to report, and no warning)
+                for d, v in zip(pviews, views, strict=True):  # type: ignore[arg-type]
+                    subtract(d, v, out=d)
+            return was, [float(dot(d, d)) for d in pviews]
+        if known is None or stale:
+            before = list(torch._foreach_norm(prev))
+            torch._foreach_sub_(prev, flat)
+            got = read(before + list(torch._foreach_norm(prev)))
+            return [v * v for v in got[: len(prev)]], [v * v for v in got[len(prev) :]]
+        torch._foreach_sub_(prev, flat)
+        return known, [v * v for v in read(list(torch._foreach_norm(prev)))]
+
+    def _read_step(
+        self, known: list[float] | None, stale: set[int]
+    ) -> tuple[list[float], list[float], list[Any], list[float]] | None:
+        """The update the Trainer's SGD step just made, read from its own terms instead of a
+        copy of θ: torch's SGD moves each weight by −lr·g without momentum (and without weight
+        decay), and by −lr·buf with it (buf its momentum buffer after the step, weight decay
+        and dampening already in it), so ‖Δθ‖ is lr·‖g‖ or lr·‖buf‖, up to the float
+        rounding of θ − lr·g (≈ 10⁻⁷ of each weight). Answers ‖θ‖², ‖Δθ‖², the tensor each
+        Δθ is a multiple of and its ‖·‖²; None when a weight moved otherwise than by exactly
+        that one step (its version counter says so: before the step, or more than once), or
+        ‖θ‖² was not measured after the step began."""
+        heard, self._heard = self._heard, {}
+        if known is None or stale:
+            return None
+        flat, groups = self._flat, self._terms
+        assert groups is not None
+        state = self._optimizer.state  # type: ignore[union-attr]
+        of: list[Any] = [None] * len(flat)
+        frob = [0.0] * len(flat)
+        unknown: list[int] = []  # whose ‖·‖² is still to take
+        for i, (q, group, then) in enumerate(zip(flat, groups, self._versions, strict=True)):
+            grad = q.grad
+            if q._version - then != (grad is not None):  # one step moves it once, or not at all
+                return None
+            if grad is None:
+                continue
+            if group["momentum"]:
+                of[i] = state.get(q, {}).get("momentum_buffer")
+                if of[i] is None:
+                    return None
+                unknown.append(i)
+                continue
+            of[i] = grad
+            was_heard = heard.get(i)  # ‖g‖² as the step measured it, if g is still that
+            if was_heard is not None and was_heard[0] is grad and was_heard[1] == grad._version:
+                frob[i] = was_heard[2]
+            else:
+                unknown.append(i)
+        if unknown:
+            for i, size in zip(unknown, squares_of([of[i] for i in unknown]), strict=True):
+                frob[i] = size
+        lrs = [float(group["lr"]) for group in groups]
+        return known, [lr * lr * size for lr, size in zip(lrs, frob, strict=True)], of, frob
 
     def _big(self, place: _Place) -> int | None:
         """The place's largest weight (by where it sits among the flat parameters), if it is a
@@ -579,6 +702,15 @@ class Audit:
         if self._copied:  # ‖θ‖² for the update ratio, where the weights are still the copy's
             versions = self._versions
             self._was = square[:at_grad]
+            if self._terms is not None:  # and ‖g‖², which a plain SGD step's update is lr times
+                self._heard = (
+                    {i: (g, g._version, square[at_grad + i]) for i, g in enumerate(grads)}
+                    if whole
+                    else {
+                        i: (grads[k], grads[k]._version, square[at_grad + k])
+                        for i, k in grad_at.items()
+                    }
+                )
             now = [q._version for q in flat]
             self._stale = (
                 set() if now == versions else {i for i, v in enumerate(now) if v != versions[i]}
