@@ -164,25 +164,21 @@ def phases(batches, repeats: int = 15) -> None:  # noqa: ANN001
 def by_hand_seconds(measure: bool, batches) -> float:  # noqa: ANN001
     """CPU seconds of a plain loop of `batches` over `graph()`'s net (after the same five
     warm-up steps), and with `measure` every=10's numbers taken by hand on steps 10, 20, …
-    (the snapshot's on 50): per node ‖θ‖, ‖∇θ‖, ‖θ' − θ‖/‖θ‖, the output's mean, zero
-    fraction (max over a window of 20) and nan/inf; effective ranks and update stable ranks."""
+    (the snapshot's on 50): per node ‖θ‖, ‖∇θ‖, ‖θ' − θ‖/‖θ‖ (read as lr·‖∇θ‖/‖θ‖, what plain
+    SGD's update is, as the audit reads it), the output's mean, zero fraction (max over a
+    window of 20) and nan/inf; effective ranks and update stable ranks."""
     g = graph()  # the same net, with the same first weights, as the fits'
     nodes = [g.implementation(n) for n in g.nodes()]
     owned = [list(m.parameters()) for m in nodes]
     flat = [q for qs in owned for q in qs]
     optimizer = torch.optim.SGD(flat, lr=0.01)
     views = [q.detach().numpy().reshape(-1) for q in flat]
-    prev = [q.detach().clone() for q in flat]
-    was = [v.numpy().reshape(-1) for v in prev]
     zero = [deque(maxlen=20) for _ in nodes]
     ones = np.ones(64 * 256, np.float32)
     dot = np.dot
 
     def step(k: int, x: torch.Tensor, y: torch.Tensor) -> None:
         on = measure and k % 10 == 0
-        if on:
-            for a, b in zip(was, views, strict=True):
-                np.copyto(a, b)
         outs = []
         h = x
         for m in nodes:
@@ -217,17 +213,14 @@ def by_hand_seconds(measure: bool, batches) -> float:  # noqa: ANN001
                 at += n
         optimizer.step()
         if on:
-            moved = []
-            for a, b in zip(was, views, strict=True):
-                np.subtract(a, b, out=a)  # −Δθ
-                moved.append(float(dot(a, a)))
+            lr = optimizer.param_groups[0]["lr"]
             at = 0
             for i, f in enumerate(facts):
                 n = len(owned[i])
-                f["update_ratio"] = math.sqrt(sum(moved[at : at + n])) / f["param_norm"]
+                f["update_ratio"] = lr * math.sqrt(sum(gsquares[at : at + n])) / f["param_norm"]
                 at += n
             if k % 50 == 0:
-                snapshot(outs, prev, moved, facts)
+                snapshot(outs, [q.grad for q in flat], gsquares, facts)
 
     for k in range(5):
         step(k, *batches[k])
@@ -240,7 +233,7 @@ def by_hand_seconds(measure: bool, batches) -> float:  # noqa: ANN001
 def snapshot(outs, prev, moved, facts) -> None:  # noqa: ANN001
     """`by_hand_seconds`'s snapshot: effective ranks of the outputs (Roy & Vetterli, from the
     eigenvalues of the centred Gram matrix) and the stable rank ‖Δ‖²_F/σ_max² of each weight's
-    update Δ (`prev` holds −Δ): Gram matrices of one size through one batched `eigvalsh`, the
+    update Δ (`prev` holds what Δ is a multiple of, the gradient; `moved` its ‖·‖²): Gram matrices of one size through one batched `eigvalsh`, the
     256×256 update's σ_max² by eight power steps in numpy."""
     with torch.no_grad():
         wide = torch.stack([outs[0], outs[1]])
