@@ -898,3 +898,46 @@ def test_weights_moved_by_more_than_the_sgd_step_give_no_ratio_that_step_then_a_
     assert "update_ratio" not in layer[1] and "grad_norm" in layer[1]
     for k in (0, 2, 3):
         assert layer[k]["update_ratio"] == pytest.approx(_ratio(befores[k], afters[k]), rel=1e-4)
+
+
+class Embed(Node, nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e = nn.Embedding(50, 8, sparse=True)
+
+    def forward(self, x, ctx):
+        return self.e(x).mean(1)
+
+
+@pytest.mark.parametrize("hook", [False, True], ids=["read from the step", "copied"])
+def test_a_sparse_gradient_is_audited_by_its_values(hook):
+    torch.manual_seed(0)
+    g = Graph.somatize(Embed() >> Head(8))
+    table = g.implementation("embed").e.weight
+    opt = torch.optim.SGD(parameters(g), lr=0.5)
+    if hook:
+        opt.register_step_post_hook(lambda *a: None)
+    heard = []
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=opt,
+        auditing=Audit(every=1, snapshot=2),
+        watching=heard.append,
+    )
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 50, (16, 4), generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    for step in range(3):
+        before = table.detach().clone()
+        t.step((x, y))
+        grad = table.grad
+        assert grad.layout is torch.sparse_coo  # what the embedding gave, untouched by the audit
+        n = [f["numbers"] for f in heard if f.get("where") == "embed" and f["step"] == step][0]
+        assert n["grad_norm"] == pytest.approx(float(grad.to_dense().norm()), rel=1e-5)
+        delta = table.detach() - before
+        assert n["update_ratio"] == pytest.approx(float(delta.norm() / before.norm()), rel=1e-4)
+        if step % 2 == 0:
+            s = torch.linalg.svdvals(delta.double())
+            assert n["update_stable_rank"] == pytest.approx(
+                float((s**2).sum() / s[0] ** 2), rel=1e-3
+            )

@@ -20,6 +20,7 @@ __all__ = [
     "square_of",
     "squares_of",
     "cka",
+    "dense",
     "effective_rank",
     "effective_ranks",
     "later_sums",
@@ -81,11 +82,21 @@ def numpy_views(tensors: list[torch.Tensor]) -> list[np.ndarray] | None:
     return views
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """What a norm of `t` is taken on: `t`, or for a sparse tensor (the gradient of an
+    `nn.Embedding(sparse=True)`) the values it holds, duplicates summed."""
+    if t.layout is torch.strided:
+        return t
+    return t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
+
+
 def square_of(t: torch.Tensor) -> float:
     """‖t‖² as a Python number: one BLAS dot through numpy for a CPU float tensor, torch's
     norm for anything numpy cannot view. An overflow is an inf to report, and no warning:
     numpy's `vdot`, unlike its `dot` since numpy 2.4, does not check the floating-point
-    flags."""
+    flags. A sparse tensor's is its values' (`dense`)."""
+    if t.layout is not torch.strided:
+        t = dense(t)
     if t.dtype in _NUMPY:
         try:
             x = t.numpy()
@@ -102,7 +113,7 @@ def squares_of(tensors: list[torch.Tensor]) -> list[float]:
     (one synchronisation on a GPU)."""
     if all(t.device.type == "cpu" for t in tensors):
         return [square_of(t) for t in tensors]
-    return [v * v for v in read(list(torch._foreach_norm([t.detach() for t in tensors])))]
+    return [v * v for v in read(list(torch._foreach_norm([dense(t.detach()) for t in tensors])))]
 
 
 _CHUNK = 1 << 20  # the longest ones vector a sum is taken against (4 MB in float32)
@@ -358,6 +369,8 @@ def spectra(
     for j, d in enumerate(updates):
         if d.requires_grad:
             d = d.detach()
+        if d.layout is not torch.strided:  # a sparse gradient, which an SGD update is lr times
+            d = d.to_dense()
         if d.dim() != 2:
             d = d.reshape(d.shape[0], -1)
         if d.dtype is not torch.float32 and d.dtype is not torch.float64:

@@ -42,6 +42,7 @@ from somatize.torch._measures import (
     _LOW,
     channel_view,
     cka,
+    dense,
     later_sums,
     numpy_views,
     read,
@@ -833,7 +834,7 @@ class Audit:
     ) -> tuple[list[float], list[Any]]:
         """‖·‖² of the parameters, their grads and the outputs' grads, in that order; and the
         outputs' sums. One `_foreach_norm` and one read (one synchronisation on a GPU)."""
-        tensors: list[torch.Tensor] = [*flat, *grads, *outs]
+        tensors: list[torch.Tensor] = [*flat, *map(dense, grads), *outs]
         numbers = list(torch._foreach_norm(tensors)) if tensors else []
         if not later:
             at_sums = len(numbers)
