@@ -941,3 +941,21 @@ def test_a_sparse_gradient_is_audited_by_its_values(hook):
             assert n["update_stable_rank"] == pytest.approx(
                 float((s**2).sum() / s[0] ** 2), rel=1e-3
             )
+
+
+def test_past_a_frozen_node_the_sgd_steps_update_is_still_read_from_the_step():
+    torch.manual_seed(0)
+    g = Graph.somatize(Layer(4, 8).frozen() >> Layer(8, 8) >> Head(8))
+    heard = []
+    t = _trainer(g, Audit(every=1), heard)
+    body = g.implementation("layer_2")
+    x, y = _data()
+    for step in range(3):
+        before = [p.detach().clone() for p in body.parameters()]
+        t.step((x, y))
+        assert t.audit._prev is None  # the frozen weights are not watched: nothing to copy
+        n = [f["numbers"] for f in heard if f.get("where") == "layer_2" and f["step"] == step]
+        after = [p.detach() for p in body.parameters()]
+        assert n[0]["update_ratio"] == pytest.approx(_ratio(before, after), rel=1e-4)
+    frozen = [f["numbers"] for f in heard if f.get("where") == "layer"]
+    assert frozen and not any("update_ratio" in n for n in frozen)
