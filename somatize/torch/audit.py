@@ -527,7 +527,8 @@ class Audit:
                 if read_off is None:  # moved otherwise than by that one step: no ratio, this
                     self._readable = False  # once, and θ is copied from the next measured step
                     return
-                was, square, of, frob = read_off
+                was = known
+                square, of, frob = read_off
             else:
                 was, square = self._subtracted(known, stale)
                 of, frob = self._prev, square  # prev is now −Δθ
@@ -611,13 +612,13 @@ class Audit:
 
     def _read_step(
         self, known: list[float] | None, stale: set[int]
-    ) -> tuple[list[float], list[float], list[Any], list[float]] | None:
+    ) -> tuple[list[float], list[Any], list[float]] | None:
         """The update the Trainer's SGD step just made, read from its own terms instead of a
         copy of θ: torch's SGD moves each weight by −lr·g without momentum (and without weight
         decay), and by −lr·buf with it (buf its momentum buffer after the step, weight decay
         and dampening already in it), so ‖Δθ‖ is lr·‖g‖ or lr·‖buf‖, up to the float
-        rounding of θ − lr·g (≈ 10⁻⁷ of each weight). Answers ‖θ‖², ‖Δθ‖², the tensor each
-        Δθ is a multiple of and its ‖·‖²; None when a weight moved otherwise than by exactly
+        rounding of θ − lr·g (≈ 10⁻⁷ of each weight). Answers ‖Δθ‖², the tensor each Δθ is a
+        multiple of and its ‖·‖²; None when a weight moved otherwise than by exactly
         that one step (its version counter says so: before the step, or more than once), or
         ‖θ‖² was not measured after the step began."""
         heard, self._heard = self._heard, {}
@@ -651,7 +652,7 @@ class Audit:
             for i, size in zip(unknown, squares_of([of[i] for i in unknown]), strict=True):
                 frob[i] = size
         lrs = [float(group["lr"]) for group in groups]
-        return known, [lr * lr * size for lr, size in zip(lrs, frob, strict=True)], of, frob
+        return [lr * lr * size for lr, size in zip(lrs, frob, strict=True)], of, frob
 
     def _big(self, place: _Place) -> int | None:
         """The place's largest weight (by where it sits among the flat parameters), if it is a
