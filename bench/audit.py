@@ -44,7 +44,7 @@ from torch import nn
 
 from somatize import Graph, Node
 from somatize.torch import Trainer, parameters
-from somatize.torch.audit import Audit
+from somatize.torch.audit.audit import Audit
 
 
 class Dense(Node, nn.Module):

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from somatize import Graph, Node
-from somatize.torch.inside import architecture
-from somatize.torch.probe import probe
+from somatize.torch.inside.architecture import architecture
+from somatize.torch.inside.probe import probe
 
 
 class Block(nn.Module):

@@ -23,7 +23,7 @@ from torch import nn
 
 from somatize import Graph, Node
 from somatize.torch import Trainer, parameters
-from somatize.torch.proxies import EVERY, proxies
+from somatize.torch.inside.proxies import EVERY, proxies
 
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}
 

@@ -1,15 +1,30 @@
-"""Where the core asks for what only torch knows.
+"""Where the core and the worker ask for what only torch knows.
 
-The core never imports torch. `somatize.torch` registers these functions on import; until it
-does, the defaults below answer as if no value were a tensor and no node held state.
+The core and `somatize.remote` never import `somatize.torch`. It registers these functions
+on import; until it does, the defaults below answer as if no value were a tensor and no node
+held state. `ready()` is the one place that imports it: once torch is loaded (or when a
+tensor has to be read back), so that its answers are here before they are asked for.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["register", "move", "place", "state_digest", "trainable", "entry"]
+__all__ = [
+    "register",
+    "ready",
+    "move",
+    "place",
+    "state_digest",
+    "trainable",
+    "entry",
+    "state_of",
+    "load_state",
+    "serve",
+]
 
 
 def _move(value: Any, device: str) -> Any:
@@ -32,13 +47,38 @@ def _entry(node: Any) -> Callable[[Any, Any], Any]:
     return node.forward
 
 
+def _state_of(node: Any) -> dict[str, Any]:
+    return {}
+
+
+def _load_state(node: Any, state: dict[str, Any]) -> None:
+    if state:
+        raise ValueError(f"{type(node).__name__} holds no weights to load (torch is not loaded)")
+
+
+def _serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
+    raise ValueError(f"unknown request {op!r}")
+
+
 _table: dict[str, Callable[..., Any]] = {
     "move": _move,
     "place": _place,
     "state_digest": _state_digest,
     "trainable": _trainable,
     "entry": _entry,
+    "state_of": _state_of,
+    "load_state": _load_state,
+    "serve": _serve,
 }
+
+
+def ready(torch_needed: bool = False) -> None:
+    """Let `somatize.torch` register its answers: when torch is already loaded, or when
+    `torch_needed` (a tensor is about to be read back). Cheap after the first time."""
+    if "somatize.torch" in sys.modules:
+        return
+    if torch_needed or "torch" in sys.modules:
+        importlib.import_module("somatize.torch")
 
 
 def register(**functions: Callable[..., Any]) -> None:
@@ -73,3 +113,18 @@ def entry(node: Any) -> Callable[[Any, Any], Any]:
     """What the engine calls to run a node: `node.forward`, or the module's `__call__` so that
     hooks registered on a node that is an `nn.Module` fire."""
     return _table["entry"](node)
+
+
+def state_of(node: Any) -> dict[str, Any]:
+    """The node's weights as `{key: tensor}` (detached), keyed as `Trainer.export` keys them."""
+    return _table["state_of"](node)
+
+
+def load_state(node: Any, state: dict[str, Any]) -> None:
+    """Copy `state` (as `state_of` gives it) into the node, refusing a mismatch whole."""
+    _table["load_state"](node, state)
+
+
+def serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
+    """Answer a worker request that only the torch half knows (a trainer's stage)."""
+    return _table["serve"](server, session, nodes, op, message)

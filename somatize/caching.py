@@ -9,7 +9,11 @@ A node that is not cached still passes a key on, so a cached node after it keeps
 from __future__ import annotations
 
 import hashlib
+import inspect
+import json
+import re
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -17,19 +21,9 @@ from typing import Any
 from somatize import _hooks
 from somatize.codecs import decode, digest, encode
 from somatize.node import Opaque
-from somatize.run import (
-    ONE,
-    ROOT,
-    Plan,
-    _noted,
-    _result,
-    code_version,
-    declaration_key,
-    not_a_list,
-    warn_code_changed,
-)
+from somatize.run import ONE, ROOT, Plan, _noted, _result, not_a_list
 
-__all__ = ["walk_cached", "declarations"]
+__all__ = ["walk_cached", "declarations", "declaration_key", "code_version"]
 
 _declared: weakref.WeakKeyDictionary[Plan, dict[str, tuple[str, str]]] = weakref.WeakKeyDictionary()
 
@@ -168,3 +162,57 @@ def _mapped(
             _keep(nid, names[k], value, code, store)
     said = "hit" if not missing else ("miss" if len(missing) == len(x) else "partial")
     return out, said
+
+
+# -- keys -----------------------------------------------------------------------------------
+
+
+def _canonical(value: Any) -> Any:
+    """A JSON-able stand-in for a constructor argument, stable across runs (no addresses)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [type(value).__name__, [_canonical(v) for v in value]]
+    if isinstance(value, dict):
+        return ["dict", sorted((str(k), _canonical(v)) for k, v in value.items())]
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return ["callable", getattr(value, "__module__", ""), value.__qualname__]
+    try:
+        return ["value", digest(encode(value))]
+    except Exception:
+        return ["repr", type(value).__qualname__, _strip_address(repr(value))]
+
+
+def _strip_address(text: str) -> str:
+    return re.sub(r"0x[0-9a-fA-F]+", "0x", text)
+
+
+def declaration_key(node: Any, salt: Any, state: str | None) -> str:
+    """What a node *is*, for a cache: its class, its constructor arguments, salt, frozen state."""
+    cls = type(node)
+    said = {
+        "class": f"{cls.__module__}.{cls.__qualname__}",
+        "args": _canonical(getattr(node, "_somatize_args", {})),
+        "salt": _canonical(salt),
+        "state": state,
+    }
+    return hashlib.sha256(json.dumps(said, sort_keys=True).encode()).hexdigest()
+
+
+def code_version(node: Any) -> str:
+    """A digest of the source of the node's class: noted beside a kept value."""
+    cls = type(node)
+    try:
+        text = inspect.getsource(cls)
+    except (OSError, TypeError):
+        text = f"{cls.__module__}.{cls.__qualname__}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def warn_code_changed(nid: str, kept: str, now: str) -> None:
+    """Say that a cache hit was kept by another version of the node's code."""
+    warnings.warn(
+        f"node {nid!r}: the cached value was kept by another version of its code "
+        f"({kept} != {now}); pass .cached(salt=...) with a new salt to recompute",
+        stacklevel=4,
+    )

@@ -16,7 +16,6 @@ bytes be a cache key.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import sys
 import threading
 from collections.abc import Callable
@@ -25,6 +24,8 @@ from typing import Any
 
 import msgpack
 
+from somatize import _hooks
+
 __all__ = ["NoCodec", "codec", "codecs_registered", "decode", "digest", "encode"]
 
 # Extension type codes inside the msgpack stream. Fixed forever: changing one breaks every store.
@@ -32,9 +33,9 @@ _TUPLE = 1
 _BIGINT = 2
 _CODEC = 3
 
-# Kinds whose codec lives in a module that registers it on import; decoding such a value
-# imports that module first, so a tensor can be recalled without `import somatize.torch`.
-_LAZY = {"tensor": "somatize.torch.codec"}
+# Kinds whose codec `somatize.torch` registers: decoding one lets it (`_hooks.ready`), so a
+# tensor can be recalled without `import somatize.torch`.
+_TORCH_KINDS = frozenset({"tensor"})
 # Kinds that ship with somatize carry their kind in the extension code itself, so their bytes
 # are handed to `load` without being unpacked and copied once more (it matters for big tensors).
 _KNOWN = {"tensor": 16, "numpy": 17}
@@ -201,8 +202,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
         else:
             kind, payload = _KNOWN_KIND[code], data
         found = _by_kind.get(kind)
-        if found is None and kind in _LAZY:
-            importlib.import_module(_LAZY[kind])
+        if found is None and kind in _TORCH_KINDS:
+            _hooks.ready(torch_needed=True)
             found = _by_kind.get(kind)
         if found is None and kind == "numpy":
             import numpy  # noqa: F401  (registers nothing; the built-in codec needs it loaded)

@@ -8,21 +8,15 @@ which is kept until the topology changes (see `somatize.run`).
 from __future__ import annotations
 
 import heapq
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from somatize import _hooks
-from somatize.node import DEVICE, Branches, Chain, Expr, Node, Piece, Settings
+from somatize import _hooks, caching, run
+from somatize.node import DEVICE, Branches, Chain, Expr, Node, Opaque, Piece, Settings
+from somatize.store import store_of
 
 __all__ = ["Graph"]
-
-
-def _torch_hooks() -> None:
-    """Let `somatize.torch` register its hooks if torch is in use, without importing torch."""
-    if "torch" in sys.modules and "somatize.torch" not in sys.modules:
-        import somatize.torch  # noqa: F401
 
 
 class Graph:
@@ -140,7 +134,7 @@ class Graph:
                 f"node {nid!r} is placed .on({s.device!r}), which is not a device: use "
                 "'cpu', 'cuda', 'cuda:N', 'mps' or 'meta'"
             )
-        _torch_hooks()
+        _hooks.ready()
         if s.cached and not s.frozen and _hooks.trainable(node):
             raise ValueError(
                 f"node {nid!r} is .cached() but holds trainable state and is not .frozen(): "
@@ -262,7 +256,7 @@ class Graph:
 
     def frozen(self) -> dict[str, str | None]:
         """`{id: digest of its state, or None if it holds none}` for every frozen node."""
-        _torch_hooks()
+        _hooks.ready()
         return {
             n: _hooks.state_digest(self._impl[n]) for n in self._order if self._settings[n].frozen
         }
@@ -364,11 +358,25 @@ class Graph:
         callable, a `Recorder`, or a list of them) is told what happens; `broker` says where
         the hosts of `.at(host)` nodes are.
         """
-        from somatize import run
-
         if self._plan is None:
             self._plan = run.compile(self)
-        return run.forward(self._plan, input, broker=broker, store=store, watching=watching)
+        plan = self._plan
+        told = run.watchers(watching)
+        if plan.hosts:
+            if broker is None:
+                nid, host = next(iter(plan.hosts.items()))
+                raise ValueError(
+                    f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: "
+                    "pass broker=Broker.embedded({" + repr(host) + ": Worker.at('host:port')})"
+                )
+            return broker.forward(plan, input, store=store, watching=told)
+        if type(input) is Opaque:
+            input = input.value
+        if store is not None and plan.cached:
+            return caching.walk_cached(plan, input, store_of(store), told)
+        if told:
+            return run.run_watched(plan, input, told)
+        return run.run_plain(plan, input)
 
     def __call__(self, input: Any = None, **kw: Any) -> Any:
         """Same as `forward`."""

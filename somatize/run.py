@@ -9,11 +9,7 @@ separate walk, so the plain one pays for neither.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import json
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +17,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.node import Opaque
 
-__all__ = ["Ctx", "Plan", "compile", "declaration_key", "forward", "walk", "watchers"]
+__all__ = ["Ctx", "Plan", "compile", "run_plain", "run_watched", "walk", "watchers"]
 
 ROOT, ONE, MANY = 0, 1, 2
 
@@ -164,48 +160,15 @@ def _result(plan: Plan, vals: list) -> Any:
     return {n: vals[i] for n, i in plan.leaves}
 
 
-def forward(
-    plan: Plan,
-    input: Any = None,
-    *,
-    broker: Any = None,
-    store: Any = None,
-    watching: Any = None,
-) -> Any:
-    """Run a plan on `input` (see `Graph.forward`)."""
-    told = watchers(watching)
-    if plan.hosts:
-        if broker is None:
-            nid, host = next(iter(plan.hosts.items()))
-            raise ValueError(
-                f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: pass "
-                "broker=Broker.embedded({" + repr(host) + ": Worker.at('host:port')})"
-            )
-        return broker.forward(plan, input, store=store, watching=told)
-    if type(input) is Opaque:
-        input = input.value
-    if store is not None and plan.cached:
-        from somatize.caching import walk_cached
-
-        return walk_cached(plan, input, _as_store(store), told)
-    if told:
-        return _walk_watched(plan, input, told)
-    return _walk(plan, input)
-
-
-def _as_store(store: Any) -> Any:
-    from somatize.store import store_of
-
-    return store_of(store)
-
-
-def _walk(plan: Plan, input: Any) -> Any:
+def run_plain(plan: Plan, input: Any) -> Any:
+    """Run a plan on `input` with nobody watching; answer what the graph returns."""
     vals: list[Any] = [None] * len(plan.steps)
     walk(plan, plan.steps, vals, input)
     return _result(plan, vals)
 
 
-def _walk_watched(plan: Plan, input: Any, told: list[Callable[[dict], Any]]) -> Any:
+def run_watched(plan: Plan, input: Any, told: list[Callable[[dict], Any]]) -> Any:
+    """Run a plan on `input`, telling `told` a `ran` fact per node and a `finished` one."""
     vals: list[Any] = [None] * len(plan.steps)
     start = time.perf_counter_ns()
     walk(plan, plan.steps, vals, input, told, start)
@@ -272,61 +235,3 @@ def walk(
     except BaseException as e:
         _noted(e, plan, i)
         raise
-
-
-# -- keys -----------------------------------------------------------------------------------
-
-
-def _canonical(value: Any) -> Any:
-    """A JSON-able stand-in for a constructor argument, stable across runs (no addresses)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [type(value).__name__, [_canonical(v) for v in value]]
-    if isinstance(value, dict):
-        return ["dict", sorted((str(k), _canonical(v)) for k, v in value.items())]
-    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
-        return ["callable", getattr(value, "__module__", ""), value.__qualname__]
-    try:
-        from somatize.codecs import digest, encode
-
-        return ["value", digest(encode(value))]
-    except Exception:
-        return ["repr", type(value).__qualname__, _strip_address(repr(value))]
-
-
-def _strip_address(text: str) -> str:
-    import re
-
-    return re.sub(r"0x[0-9a-fA-F]+", "0x", text)
-
-
-def declaration_key(node: Any, salt: Any, state: str | None) -> str:
-    """What a node *is*, for a cache: its class, its constructor arguments, salt, frozen state."""
-    cls = type(node)
-    said = {
-        "class": f"{cls.__module__}.{cls.__qualname__}",
-        "args": _canonical(getattr(node, "_somatize_args", {})),
-        "salt": _canonical(salt),
-        "state": state,
-    }
-    return hashlib.sha256(json.dumps(said, sort_keys=True).encode()).hexdigest()
-
-
-def code_version(node: Any) -> str:
-    """A digest of the source of the node's class: noted beside a kept value."""
-    cls = type(node)
-    try:
-        text = inspect.getsource(cls)
-    except (OSError, TypeError):
-        text = f"{cls.__module__}.{cls.__qualname__}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def warn_code_changed(nid: str, kept: str, now: str) -> None:
-    """Say that a cache hit was kept by another version of the node's code."""
-    warnings.warn(
-        f"node {nid!r}: the cached value was kept by another version of its code "
-        f"({kept} != {now}); pass .cached(salt=...) with a new salt to recompute",
-        stacklevel=4,
-    )

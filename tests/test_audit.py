@@ -13,7 +13,7 @@ from torch import nn
 from somatize import Graph, Node
 from somatize.health import LEAKAGE, verdict
 from somatize.torch import Trainer, parameters
-from somatize.torch.audit import Audit
+from somatize.torch.audit.audit import Audit
 
 
 class Layer(Node, nn.Module):
@@ -119,7 +119,7 @@ def test_every_measures_one_step_in_n_and_keeps_the_update_ratio():
 
 
 def test_a_tap_that_is_not_live_keeps_its_wrappers_and_tells_nothing():
-    from somatize.torch._state import Tap
+    from somatize.torch._modules import Tap
 
     g = _graph()
     x, _ = _data()
@@ -277,7 +277,7 @@ def test_the_trainer_drives_it():
 def test_snapshot_numbers_against_float64_and_a_full_svd():
     import numpy as np
 
-    from somatize.torch._measures import effective_ranks, spectra, stable_of, stable_rank
+    from somatize.torch.audit._measures import effective_ranks, spectra, stable_of, stable_rank
 
     gen = torch.Generator().manual_seed(0)
 
@@ -310,7 +310,7 @@ def test_snapshot_numbers_against_float64_and_a_full_svd():
     assert float(stable_rank(torch.zeros(128, 128))) == 0.0
     # an update with one dominant direction (as real ones have) is settled by power steps,
     # within the 1e-3 their residual bound promises; a flat spectrum is not, and goes to Lanczos
-    from somatize.torch._measures import _power
+    from somatize.torch.audit._measures import _power
 
     u, v = torch.randn(256, 1, generator=gen), torch.randn(1, 256, generator=gen)
     dominant = u @ v + torch.randn(256, 256, generator=gen)  # stable rank ≈ 2
@@ -330,7 +330,7 @@ def test_snapshot_numbers_against_float64_and_a_full_svd():
         [by_svd_stable(d) for d in updates], rel=2e-3
     )
     # the Lanczos other devices take, in torch, run here on the CPU: the numpy one's answer
-    from somatize.torch._measures import _lanczos
+    from somatize.torch.audit._measures import _lanczos
 
     for d in (dominant, updates[2]):
         in_torch = _lanczos(d, d.new_zeros, torch.linalg, 12)
@@ -696,7 +696,7 @@ def test_a_node_updated_every_other_step_by_its_own_split_is_not_stalled_between
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("saturates", [None, "sigmoid", "tanh"])
 def test_later_sums_in_pieces_and_either_precision(dtype, saturates):
-    from somatize.torch import _measures
+    from somatize.torch.audit import _measures
 
     rng = np.random.default_rng(0)
     n = 2 * _measures._CHUNK + 12345  # three pieces against the ones vector
@@ -778,7 +778,7 @@ def test_weights_or_an_update_that_are_not_finite_give_a_ratio_to_report_and_no_
 def test_snapshot_numbers_of_something_that_blew_up_are_no_number_and_stop_nothing():
     import warnings
 
-    from somatize.torch._measures import effective_ranks, stable_rank
+    from somatize.torch.audit._measures import effective_ranks, stable_rank
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -16,7 +16,7 @@ MODULES = [
     "somatize.codecs",
     "somatize.record",
     "somatize.caching",
-    "somatize.stages",
+    "somatize.torch.training.stages",
     "somatize.remote",
     "somatize.health",
     "somatize.figures",

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from somatize import Graph, Node
-from somatize.torch.inside import Inside, architecture, kind_of, traced
+from somatize.torch.inside.architecture import Inside, architecture, kind_of, traced
 
 
 class MyRMSNorm(nn.Module):

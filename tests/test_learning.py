@@ -172,7 +172,7 @@ def test_a_technique_that_gives_nothing_back_starves_upstream_and_says_so():
 
 
 def test_the_backward_across_a_cut_is_autograds_with_its_refusals():
-    from somatize.torch.learning import backward
+    from somatize.torch.training.learning import backward
 
     torch.manual_seed(0)
     w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)

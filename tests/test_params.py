@@ -8,7 +8,7 @@ from torch import nn
 
 from somatize import Graph, Node
 from somatize.torch import freeze, parameters
-from somatize.torch.params import state_of
+from somatize.torch.training.params import state_of
 
 
 class Is(Node, nn.Module):

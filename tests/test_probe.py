@@ -11,7 +11,7 @@ from somatize import Graph, Node
 from somatize.health import SATURATED, seen, verdict
 from somatize.record import Recorder
 from somatize.store import Store
-from somatize.torch.probe import probe
+from somatize.torch.inside.probe import probe
 
 
 class Double(Node, nn.Module):

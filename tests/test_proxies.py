@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from somatize import Graph, Node
-from somatize.torch.proxies import EVERY, proxies, proxy
+from somatize.torch.inside.proxies import EVERY, proxies, proxy
 
 
 def _scalar_net(w1=0.7, w2=-1.3):

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import cloudpickle
 import pytest
 import torch
 from _nodes import Layer
 from torch import nn
 
-from somatize import Graph, Node
-from somatize.codecs import decode, encode
-from somatize.stages import INPUT, LOSS, Stages
+from somatize import Broker, Graph, Node, Worker
 from somatize.torch import Split, Trainer, envelope, parameters
+from somatize.torch.training.stages import INPUT, LOSS, Stages
 
 mse = nn.functional.mse_loss
 SGD = torch.optim.SGD
@@ -128,76 +126,31 @@ def test_a_leaf_before_the_last_stage_gets_its_gradient_from_the_loss():
             assert torch.allclose(v, t2.export()[n][k], atol=1e-12), (n, k)
 
 
-class Far:
-    """A transport that runs each part on a copy of it, as a worker would: the part crosses
-    pickled (cloudpickle), and every value and gradient crosses as bytes (the codecs)."""
-
-    def __init__(self) -> None:
-        self.there: dict[int, object] = {}
-        self.crossed = 0
-
-    def _cross(self, value):
-        self.crossed += 1
-        back = decode(encode(value))
-        if isinstance(value, torch.Tensor):
-            back.requires_grad_(value.requires_grad)
-        return back
-
-    def forward(self, part, inputs, *, store=None, watching=None):
-        copy = self.there.get(id(part))
-        if copy is None:
-            copy = self.there[id(part)] = cloudpickle.loads(cloudpickle.dumps(part))
-        out = copy.forward({s: self._cross(v) for s, v in inputs.items()}, store=store)
-        return {n: self._cross(v) for n, v in out.items()}
-
-    def backward(self, part, envelopes):
-        copy = self.there[id(part)]
-        sent = {n: envelope(self._cross(e.gradient), e.closing) for n, e in envelopes.items()}
-        back = copy.backward(sent)
-        return {s: envelope(self._cross(e.gradient), e.closing) for s, e in back.items()}
-
-
-class Broker:
-    def __init__(self) -> None:
-        self.asked: list[str] = []
-        self.far = Far()
-
-    def transport(self, host):
-        self.asked.append(host)
-        return self.far
-
-    def weights(self, graph, nid):
-        (copy,) = self.far.there.values()
-        return dict(copy.nodes[nid].state_dict())
-
-
 @pytest.mark.parametrize("every", [1, 3])
-def test_a_part_rebuilt_elsewhere_trains_as_one_trained_here(every):
+def test_a_part_on_a_worker_trains_as_one_trained_here(every):
     g1, g2 = residual(), residual(host="far")
     t1 = Trainer(g1, objective=mse, optimizer=SGD(parameters(g1), lr=0.1), every=every)
     trains = {"mid": Split(SGD, lr=0.1)}
-    broker = Broker()
-    t2 = Trainer(
-        g2,
-        objective=mse,
-        optimizer=SGD(parameters(g2, without=trains), lr=0.1),
-        trains=trains,
-        every=every,
-        broker=broker,
-    )
-    assert broker.asked == ["far"]
-    here = g2.implementation("mid").lin.weight.clone()
-    for b in data(4):
-        assert t1.step(b) == pytest.approx(t2.step(b), abs=1e-12)
-    t1.update(), t2.update()
-    assert broker.far.crossed > 0
-    (copy,) = broker.far.there.values()
-    assert copy.nodes["mid"] is not g2.implementation("mid")
-    assert torch.allclose(copy.nodes["mid"].lin.weight, g1.implementation("mid").lin.weight)
-    assert g2.implementation("mid").lin.weight.equal(here)  # the copy here never learnt
-    exported = t2.export()["mid"]["lin.weight"]  # asked of where it learnt
-    assert torch.allclose(exported, g1.implementation("mid").lin.weight)
-    for n in ("src", "skip", "head"):
-        assert torch.allclose(
-            g1.implementation(n).lin.weight, g2.implementation(n).lin.weight, atol=1e-12
+    broker = Broker.embedded({"far": Worker.spawn(["--threads", "1"])})
+    try:
+        t2 = Trainer(
+            g2,
+            objective=mse,
+            optimizer=SGD(parameters(g2, without=trains), lr=0.1),
+            trains=trains,
+            every=every,
+            broker=broker,
         )
+        here = g2.implementation("mid").lin.weight.clone()
+        for b in data(4):
+            assert t1.step(b) == pytest.approx(t2.step(b), abs=1e-12)
+        t1.update(), t2.update()
+        assert g2.implementation("mid").lin.weight.equal(here)  # the copy here never learnt
+        exported = t2.export()["mid"]["lin.weight"]  # asked of where it learnt
+        assert torch.allclose(exported, g1.implementation("mid").lin.weight, atol=1e-12)
+        for n in ("src", "skip", "head"):
+            assert torch.allclose(
+                g1.implementation(n).lin.weight, g2.implementation(n).lin.weight, atol=1e-12
+            )
+    finally:
+        broker.close()

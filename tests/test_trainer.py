@@ -440,7 +440,7 @@ def test_a_frozen_cached_encoder_runs_once_per_distinct_batch(tmp_path):
 
 
 def test_a_progress_bar_only_when_a_person_watches(tmp_path, capfd):
-    from somatize.torch.trainer import _person_watching
+    from somatize.torch.training.trainer import _person_watching
 
     master, slave = os.openpty()
     with os.fdopen(slave, "w") as tty, open(tmp_path / "f", "w") as file:
@@ -495,7 +495,7 @@ def test_fit_applies_a_half_open_group_at_the_end_of_each_epoch():
 
 
 def test_step_and_clear_give_torchs_numbers_and_keep_its_hooks_schedulers_and_profiler():
-    from somatize.torch.params import clear, step
+    from somatize.torch.training.params import clear, step
 
     def pair():
         torch.manual_seed(0)
@@ -555,7 +555,7 @@ def test_in_a_notebook_an_audited_fit_shows_a_live_audit_that_fills(monkeypatch)
     import IPython.display
 
     from somatize.figures import LiveAudit
-    from somatize.torch import trainer as trainer_module
+    from somatize.torch.training import trainer as trainer_module
 
     shown = []
     monkeypatch.setattr(trainer_module, "_in_notebook", lambda: True)

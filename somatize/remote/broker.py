@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from somatize import _hooks
 from somatize.remote.client import Connection, Worker
 from somatize.remote.slices import cut, run_plan
 
@@ -49,7 +50,6 @@ class Broker:
         self._connections: dict[str, Connection] = {}
         self._defined: dict[str, dict[str, str | None]] = {}
         self._held: dict[str, Any] = {}
-        self._transports: dict[str, Any] = {}
         self._slices: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
         self._last: tuple[Any, list] | None = None  # (weak plan, its slices), the last run
         self.closed = False
@@ -166,16 +166,6 @@ class Broker:
             raise ValueError(f"node {nid!r} runs here, not on a host: its weights are here")
         return s.host, graph.implementation(nid), s.device
 
-    def transport(self, host: str) -> Any:
-        """How a trainer's stage runs on `host` (see `somatize.stages.Transport`)."""
-        from somatize.remote.stage import Remote
-
-        self.worker(host)
-        found = self._transports.get(host)
-        if found is None:
-            found = self._transports[host] = Remote(self, host)
-        return found
-
     # -- running ----------------------------------------------------------------------------
     def forward(
         self,
@@ -281,15 +271,4 @@ def definition(
 
 
 def _state(node: Any) -> dict[str, Any]:
-    import sys
-
-    if "torch" not in sys.modules:
-        return {}
-    from somatize.torch.params import state_of
-
-    state = state_of(node)
-    from somatize.torch.learning import Learning
-
-    if isinstance(node, Learning):  # the node it trains travels on its own
-        state = {k: v for k, v in state.items() if not k.startswith("node.")}
-    return {k: v.detach() for k, v in state.items()}
+    return _hooks.state_of(node)

@@ -26,6 +26,7 @@ from typing import Any
 
 import zmq
 
+from somatize import _hooks
 from somatize.remote import wire
 from somatize.remote.memory import keep_buffers
 from somatize.remote.wire import receive
@@ -186,9 +187,9 @@ class Server:
         if op == "define":
             return len(nodes)
         if op == "state":
-            return state_of(self.node(nodes, m["key"]))
+            return _hooks.state_of(self.node(nodes, m["key"]))
         if op == "load":
-            load_state(self.node(nodes, m["key"]), m["state"])
+            _hooks.load_state(self.node(nodes, m["key"]), m["state"])
             return True
         if op == "close":
             self.sessions.pop(session, None)
@@ -196,11 +197,7 @@ class Server:
             for k in [k for k in self.stages if k[0] == session]:
                 del self.stages[k]
             return True
-        if op.startswith("stage."):
-            from somatize.remote.stage import serve_stage
-
-            return serve_stage(self, session, nodes, op, m)
-        raise ValueError(f"unknown request {op!r}")
+        return _hooks.serve(self, session, nodes, op, m)
 
     def _forget_slices(self, session: str) -> None:
         for k in [k for k in self.slices if k[0] == session]:
@@ -292,10 +289,8 @@ def rebuild(cls: type, args: dict[str, Any], state: Any = None, device: Any = No
     """`cls` built from its captured constructor arguments, then handed its weights."""
     node = _construct(cls, args)
     if state:
-        load_state(node, state)
+        _hooks.load_state(node, state)
     if device is not None:
-        from somatize import _hooks
-
         _hooks.place(node, device)
     return node
 
@@ -327,36 +322,6 @@ def _construct(cls: type, args: dict[str, Any]) -> Any:
     return cls(**keywords)
 
 
-def state_of(node: Any) -> dict[str, Any]:
-    """The node's weights as `{key: tensor}`, the keys `somatize.torch`'s export uses."""
-    from somatize.torch.params import state_of as keyed
-
-    return {k: v.detach().cpu().clone() for k, v in keyed(node).items()}
-
-
-def load_state(node: Any, state: dict[str, Any]) -> None:
-    """Copy `state` (as `state_of` gives it) into the node, refusing a mismatch whole."""
-    import torch
-
-    from somatize.torch.params import state_of as keyed
-
-    own = keyed(node)
-    if set(own) != set(state):
-        raise ValueError(
-            f"{type(node).__name__}: the weights sent have keys {sorted(state)}, the node here "
-            f"{sorted(own)}; nothing was loaded"
-        )
-    for k, v in state.items():
-        if tuple(own[k].shape) != tuple(v.shape):
-            raise ValueError(
-                f"{type(node).__name__}: {k} is {tuple(own[k].shape)} here and "
-                f"{tuple(v.shape)} in the weights sent; nothing was loaded"
-            )
-    with torch.no_grad():
-        for k, v in state.items():
-            own[k].copy_(v)
-
-
 class Compiled:
     """A slice compiled on a worker, once: its steps (`[slot, key, id, mode, src, device,
     host, mapped, wanted]`, as the broker describes them) checked and bound to the session's
@@ -370,7 +335,6 @@ class Compiled:
     __slots__ = ("steps", "ids", "wanted", "held")
 
     def __init__(self, described: list[Any], nodes: dict[str, Any]) -> None:
-        from somatize import _hooks
         from somatize.run import MANY, ONE, ROOT, Ctx, _mapping
 
         steps = []
@@ -524,7 +488,7 @@ def main(argv: list[str] | None = None) -> None:
         log.warning("no --token or SOMATIZE_TOKEN: clients must use SOMATIZE_TOKEN=%s", token)
     import torch
 
-    import somatize.torch  # noqa: F401  (tensors, devices: a worker without torch is no use)
+    _hooks.ready()  # tensors, devices, stages: a worker without torch is no use
 
     if a.threads:
         torch.set_num_threads(a.threads)

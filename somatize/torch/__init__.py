@@ -22,33 +22,34 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from somatize.torch import _served  # noqa: F401  (registers what a worker asks of torch)
 from somatize.torch import codec as _codec  # noqa: F401  (registers the tensor codec)
 from somatize.torch import placement as _placement  # noqa: F401  (registers device hooks)
 
 _where = {
-    "Trainer": "trainer",
-    "Result": "trainer",
-    "NoGradient": "trainer",
-    "Learning": "learning",
-    "Split": "learning",
-    "Enters": "learning",
-    "Envelope": "learning",
-    "OutOfStep": "learning",
-    "envelope": "learning",
-    "gradient": "learning",
-    "fedavg": "federated",
-    "gather": "federated",
-    "parameters": "params",
-    "freeze": "params",
-    "Audit": "audit",
-    "architecture": "inside",
-    "traced": "inside",
-    "kind_of": "inside",
-    "Inside": "inside",
-    "probe": "probe",
-    "proxies": "proxies",
-    "proxy": "proxies",
-    "EVERY": "proxies",
+    "Trainer": "training.trainer",
+    "Result": "training.trainer",
+    "NoGradient": "training.trainer",
+    "Learning": "training.learning",
+    "Split": "training.learning",
+    "Enters": "training.learning",
+    "Envelope": "training.learning",
+    "OutOfStep": "training.learning",
+    "envelope": "training.learning",
+    "gradient": "training.learning",
+    "fedavg": "training.federated",
+    "gather": "training.federated",
+    "parameters": "training.params",
+    "freeze": "training.params",
+    "Audit": "audit.audit",
+    "architecture": "inside.architecture",
+    "traced": "inside.architecture",
+    "kind_of": "inside.architecture",
+    "Inside": "inside.architecture",
+    "probe": "inside.probe",
+    "proxies": "inside.proxies",
+    "proxy": "inside.proxies",
+    "EVERY": "inside.proxies",
 }
 
 __all__ = sorted(_where)
@@ -61,12 +62,6 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(f"somatize.torch.{module}"), name)
     globals()[name] = value
     return value
-
-
-# A module named like the function it holds (probe.probe, proxies.proxies) would shadow that
-# function as an attribute of this package once imported; importing them here settles it.
-from somatize.torch.probe import probe  # noqa: E402, F401
-from somatize.torch.proxies import proxies, proxy  # noqa: E402, F401
 
 
 def __dir__() -> list[str]:

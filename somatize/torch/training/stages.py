@@ -42,10 +42,10 @@ _calculus: Any = None
 
 
 def _torch() -> Any:
-    """somatize.torch.learning (leaves, envelopes), imported the first time a part needs it."""
+    """somatize.torch.training.learning (leaves, envelopes), imported the first time a part needs it."""
     global _calculus
     if _calculus is None:
-        from somatize.torch import learning
+        from somatize.torch.training import learning
 
         _calculus = learning
     return _calculus

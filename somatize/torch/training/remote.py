@@ -1,4 +1,4 @@
-"""A trainer's stage on a worker: the remote `Transport` of `somatize.stages`.
+"""A trainer's stage on a worker: the remote `Transport` of `somatize.torch.training.stages`.
 
 `Remote(broker, host)` answers the same two calls as `somatize.stages.Local`: `forward(part,
 inputs)` and `backward(part, envelopes)`. The first forward sends the part (its nodes, their
@@ -28,6 +28,7 @@ class Remote:
     """Runs a trainer's part on the worker of `host`, through `broker`."""
 
     def __init__(self, broker: Any, host: str) -> None:
+        broker.worker(host)  # a host nobody knows is refused here, naming it
         self.broker = broker
         self.host = host
         self._sent: set[str] = set()
@@ -69,7 +70,7 @@ class Remote:
 
     def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
         """Hand the part on its worker what it owes; answer `{source: Envelope}`."""
-        from somatize.torch.learning import envelope
+        from somatize.torch.training.learning import envelope
 
         sent = {n: [e.gradient, bool(e.closing)] for n, e in envelopes.items()}
         message = {"op": "stage.backward", "pkey": self._key(part), "envelopes": sent}
@@ -77,7 +78,7 @@ class Remote:
         return {s: envelope(g, closing) for s, (g, closing) in got.items()}
 
     def _ask(self, part: Any, message: dict[str, Any]) -> Any:
-        from somatize.torch.learning import OutOfStep
+        from somatize.torch.training.learning import OutOfStep
 
         try:
             return self.broker.request(self.host, message)
@@ -91,7 +92,7 @@ class Remote:
             ) from lost
 
     def _refuse_untrained(self, part: Any) -> None:
-        from somatize.torch.trainer import NoGradient
+        from somatize.torch.training.trainer import NoGradient
 
         idle = [
             n
@@ -142,7 +143,7 @@ class Remote:
 
 
 def _successors(part: Any, n: str) -> list[str]:
-    from somatize.stages import LOSS
+    from somatize.torch.training.stages import LOSS
 
     inside = [m for m in part.ids if n in part.preds[m]]
     outside = [d for s, d in part.leaving if s == n and d != LOSS]
@@ -183,7 +184,7 @@ def serve_stage(server: Any, session: str, nodes: dict[str, Any], op: str, m: di
         outs = part.forward(m["inputs"], watching=watching)
         return {"outs": outs, "facts": facts}
     if op == "stage.backward":
-        from somatize.torch.learning import envelope
+        from somatize.torch.training.learning import envelope
 
         part = server.stages.get(key)
         if part is None:
@@ -196,7 +197,7 @@ def serve_stage(server: Any, session: str, nodes: dict[str, Any], op: str, m: di
 
 def _rebuilt(server: Any, nodes: dict[str, Any], d: dict[str, Any]) -> Any:
     from somatize.node import Settings
-    from somatize.stages import Part
+    from somatize.torch.training.stages import Part
 
     mine = {n: server.node(nodes, k) for n, k in d["keys"].items()}
     settings = {n: Settings(**s) for n, s in d["settings"].items()}

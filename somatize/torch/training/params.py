@@ -14,7 +14,7 @@ from torch import nn
 from torch.autograd import profiler as _profiler
 from torch.optim import optimizer as _optim
 
-from somatize.torch._state import join, named_modules_of
+from somatize.torch._modules import join, named_modules_of
 from somatize.torch.placement import modules_of
 
 __all__ = ["parameters", "freeze", "state_of", "owners"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from somatize.torch._trace import Raw, Traced
+from somatize.torch.inside._trace import Raw, Traced
 
 __all__ = ["fold", "collapse", "Folded"]
 

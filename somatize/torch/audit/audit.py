@@ -36,7 +36,8 @@ import torch
 from torch import nn
 from torch.optim import optimizer as _optim
 
-from somatize.torch._measures import (
+from somatize.torch._modules import Tap, as_graph, join, named_modules_of, tensors_in
+from somatize.torch.audit._measures import (
     _DEAD_EPS,
     _HIGH,
     _LOW,
@@ -51,8 +52,7 @@ from somatize.torch._measures import (
     squares_of,
     stable_of,
 )
-from somatize.torch._place import _Place
-from somatize.torch._state import Tap, as_graph, join, named_modules_of, tensors_in
+from somatize.torch.audit._place import _Place
 
 __all__ = ["Audit"]
 

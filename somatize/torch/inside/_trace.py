@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from somatize.torch.kinds import function_name, kind_of, label_of, recognised
+from somatize.torch.inside.kinds import function_name, kind_of, label_of, recognised
 
 __all__ = ["Raw", "Traced", "by_fx", "by_forward", "fx_trace", "Opening", "Reading"]
 

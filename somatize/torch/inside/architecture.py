@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._state import (
+from somatize.torch._modules import (
     Tap,
     _One,
     as_graph,
@@ -23,9 +23,9 @@ from somatize.torch._state import (
     tensors_in,
     untouched,
 )
-from somatize.torch._trace import Raw, Reading, Traced, _shape, by_forward, by_fx, fx_trace
-from somatize.torch.fold import collapse, fold
-from somatize.torch.kinds import kind_of, label_of
+from somatize.torch.inside._trace import Raw, Reading, Traced, _shape, by_forward, by_fx, fx_trace
+from somatize.torch.inside.fold import collapse, fold
+from somatize.torch.inside.kinds import kind_of, label_of
 
 __all__ = ["Inside", "Layer", "architecture", "traced", "kind_of"]
 

@@ -9,7 +9,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from somatize.torch.kinds import kind_of
+from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["_Place", "_saturation"]
 

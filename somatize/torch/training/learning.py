@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from somatize.node import Node
-from somatize.torch.params import clear, step
 from somatize.torch.placement import modules_of
+from somatize.torch.training.params import clear, step
 
 __all__ = [
     "Learning",

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._state import as_graph, places_of, tensors_in, untouched
-from somatize.torch.kinds import kind_of
+from somatize.torch._modules import as_graph, places_of, tensors_in, untouched
+from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["EVERY", "proxy", "proxies"]
 

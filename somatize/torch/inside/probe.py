@@ -17,10 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._measures import _DEAD_EPS, _HIGH, _LOW
-from somatize.torch._place import _saturation
-from somatize.torch._state import Tap, _One, as_graph, join, named_modules_of, tensors_in, untouched
-from somatize.torch._trace import Opening
+from somatize.torch._modules import (
+    Tap,
+    _One,
+    as_graph,
+    join,
+    named_modules_of,
+    tensors_in,
+    untouched,
+)
+from somatize.torch.audit._measures import _DEAD_EPS, _HIGH, _LOW
+from somatize.torch.audit._place import _saturation
+from somatize.torch.inside._trace import Opening
 
 __all__ = ["probe"]
 

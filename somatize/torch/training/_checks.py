@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from somatize.graph import Graph
-from somatize.torch.learning import Learning
-from somatize.torch.params import _node_params, owners
+from somatize.torch.training.learning import Learning
+from somatize.torch.training.params import _node_params, owners
 
 __all__ = ["count", "trains_of", "held_by", "everything_moves", "hosts_of", "audit_of", "store_of"]
 
@@ -125,7 +125,7 @@ def audit_of(auditing: Any) -> Any:
     if auditing is None or auditing is False:
         return None
     if auditing is True:
-        from somatize.torch.audit import Audit
+        from somatize.torch.audit.audit import Audit
 
         return Audit()
     for method in ("watch", "observed", "moved", "release"):
@@ -153,9 +153,9 @@ def hosts_of(graph: Graph, broker: Any) -> dict[str, str]:
             f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: pass "
             "Trainer(..., broker=Broker.embedded({" + repr(host) + ": Worker.at(...)}))"
         )
-    if hosts and not callable(getattr(broker, "transport", None)):
+    if hosts and not callable(getattr(broker, "request", None)):
         raise TypeError(
-            f"broker= must answer broker.transport(host) for the .at() nodes; "
-            f"{type(broker).__name__} does not"
+            f"broker= must be a somatize Broker (it answers broker.request(host, message)) for "
+            f"the .at() nodes; {type(broker).__name__} is not"
         )
     return hosts

@@ -2,7 +2,7 @@
 
 One step is forward, loss, backward and, when the group closes, update. A node trained by a
 `Learning` (`trains=`) or running on another host is a cut: the graph is run stage by stage
-(`somatize.stages`) and the gradient crosses each cut in an envelope. Without a cut a step is
+(`somatize.torch.training.stages`) and the gradient crosses each cut in an envelope. Without a cut a step is
 `graph.forward`, `loss.backward()` and `optimizer.step()`, and costs what those cost.
 """
 
@@ -18,11 +18,12 @@ import torch
 
 from somatize.graph import Graph
 from somatize.run import watchers
-from somatize.stages import LOCAL, Stages
-from somatize.torch import _checks
-from somatize.torch.learning import Learning
-from somatize.torch.params import clear, freeze, owners, state_of
-from somatize.torch.params import step as step_of
+from somatize.torch.training import _checks
+from somatize.torch.training.learning import Learning
+from somatize.torch.training.params import clear, freeze, owners, state_of
+from somatize.torch.training.params import step as step_of
+from somatize.torch.training.remote import Remote
+from somatize.torch.training.stages import LOCAL, Stages
 
 __all__ = ["Trainer", "Result", "NoGradient"]
 
@@ -174,7 +175,7 @@ class Trainer:
         self._stages = Stages(
             graph,
             trains,
-            transport=(lambda host: broker.transport(host)) if hosts else (lambda host: LOCAL),
+            transport=_transports(broker, hosts),
             watching=told,
         )
         self.audit = audit.watch(graph) if audit is not None else None
@@ -428,3 +429,9 @@ class Trainer:
             f"Trainer({self.graph!r}, every={self.every}, micro={self.micro}, "
             f"trains={sorted(self.trains)}, steps={self._steps})"
         )
+
+
+def _transports(broker: Any, hosts: dict[str, str]) -> Callable[[str | None], Any]:
+    """Where each part runs: here, or on the worker of its host (one `Remote` a host)."""
+    remotes = {host: Remote(broker, host) for host in sorted(set(hosts.values()))}
+    return lambda host: LOCAL if host is None else remotes[host]

@@ -1,0 +1,1 @@
+"""Watching a network while it trains: `Audit`, and the measures it takes."""
