@@ -40,7 +40,7 @@ lab: setup
 	$(BIN)/jupyter lab notebooks
 
 bench: setup
-	$(BIN)/python bench/forward.py
+	$(BIN)/python bench/all.py
 
 lint: setup
 	$(BIN)/ruff check somatize tests bench
