@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["Node", "Opaque", "Expr", "Settings", "DEVICE"]
+__all__ = ["Node", "Opaque", "Expr", "Settings", "DEVICE", "unwrap"]
 
 DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|mps|meta)$")
 """What `.on(device)` accepts: cpu, cuda, cuda:N, mps, meta."""
@@ -61,6 +61,28 @@ class Opaque:
 
     def __repr__(self) -> str:
         return f"Opaque({self.value!r})"
+
+
+def unwrap(value: Any) -> Any:
+    """`value` with every `Opaque` in it replaced by what it wraps, inside tuples, lists and
+    dicts too: what every entry point that takes an input, an example, a batch or a value to
+    keep does first, so code written for the published package gives the same answer as with
+    the bare value. Anything else is returned as it is (the same object when nothing changed).
+    """
+    kind = type(value)
+    if kind is Opaque:
+        return unwrap(value.value)
+    if kind is tuple or kind is list:
+        items = [unwrap(v) for v in value]
+        if all(a is b for a, b in zip(items, value, strict=True)):
+            return value
+        return kind(items)
+    if kind is dict:
+        pairs = {k: unwrap(v) for k, v in value.items()}
+        if all(pairs[k] is v for k, v in value.items()):
+            return value
+        return pairs
+    return value
 
 
 def _refuse(other: Any, op: str) -> TypeError:
