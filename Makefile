@@ -1,37 +1,75 @@
-# The README's commands. Each target sets up .venv itself (torch first, as a CPU build).
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
+# The README's commands. Each target sets up .venv itself (torch first, pinned, so that pip
+# keeps the build it finds first instead of resolving `torch>=2.2` to another one).
+PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3.10 || command -v python3)
+TORCH  ?= torch==2.13.0
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-py test-notebooks test-browser lab bench docs lint widgets clean
+# What a float owes to this CPU shows up under other BLAS kernels and thread counts: the suite
+# and the notebooks run once under each of these (OpenBLAS's kernel for numpy and scipy,
+# torch's vector kernels and its thread count).
+PORTABLE := "OPENBLAS_CORETYPE=Haswell ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1" \
+            "OPENBLAS_CORETYPE=Sandybridge ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=2"
+
+.PHONY: setup chromium demo test test-py test-notebooks test-browser test-portable lab bench \
+        docs lint widgets clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || { \
+	  echo "somatize needs Python 3.10 or later; '$(PYTHON)' is not: run make $(MAKECMDGOALS) PYTHON=python3.11" >&2; \
+	  exit 1; }
+	@$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { \
+	  echo "'$(PYTHON)' cannot make a virtual environment: run apt-get install -y python3-venv (or pass PYTHON=)" >&2; \
+	  exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet $(TORCH)
 	$(BIN)/pip install --quiet -e ".[dev,docs]"
 	touch $(STAMP)
+
+# The browser tests drive Debian's chromium (never a browser that playwright downloads). As
+# root with apt it is installed here; otherwise one line says what to run.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium for the browser tests (apt-get install chromium)"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || { \
+	      echo "apt-get could not install chromium: install it yourself, then make $(MAKECMDGOALS) again" >&2; exit 1; }; \
+	  else \
+	    echo "the browser tests need chromium: run 'sudo apt-get install -y chromium', then make $(MAKECMDGOALS) again" >&2; \
+	    exit 1; \
+	  fi; }
 
 demo: setup
 	$(BIN)/python -m somatize.demo
 	$(BIN)/python -m somatize.tour --out demo.html
 
-test: setup
+test: chromium setup
 	$(BIN)/ruff check somatize tests bench
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) --no-print-directory test-notebooks
 
+test-py: setup
+	$(BIN)/python -m pytest -q tests --ignore=tests/browser
+
 test-notebooks: setup
 	$(BIN)/python -m pytest -q --nbval notebooks --nbval-sanitize-with notebooks/sanitize.cfg
 
+test-browser: chromium setup
+	$(BIN)/python -m pytest -q tests/browser
+
+test-portable: chromium setup
+	@for said in $(PORTABLE); do \
+	  echo "== $$said"; \
+	  env $$said $(BIN)/python -m pytest -q tests || exit 1; \
+	  env $$said $(MAKE) --no-print-directory test-notebooks || exit 1; \
+	done
+
 docs: setup
 	$(BIN)/python docs/build.py
-
-test-browser: setup
-	$(BIN)/python -m pytest -q tests/browser
 
 widgets:
 	sh widgets/build.sh
@@ -46,4 +84,4 @@ lint: setup
 	$(BIN)/ruff check somatize tests bench
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache test-artifacts demo.html
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache test-artifacts demo.html site

@@ -57,7 +57,7 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
     input_key: str | None = None
     clock = time.perf_counter_ns
     start = clock()
-    i = 0
+    i, device = 0, None
     try:
         for i, mode, src, fn, ctx, device in plan.steps:
             began = clock()
@@ -96,7 +96,7 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
                 for w in told:
                     w(fact)
     except BaseException as e:
-        _noted(e, plan, i)
+        _noted(e, plan, i, device)
         raise
     if told:
         finished = {"fact": "finished", "took_us": (clock() - start) / 1e3}

@@ -19,6 +19,20 @@ from somatize.store import store_of
 __all__ = ["Graph"]
 
 
+def _place(nid: str, node: Node, device: str) -> None:
+    """Move what a node holds to its device; a failure (no such device on this machine) keeps
+    its type and gains a note naming the node, the device and what to do."""
+    try:
+        _hooks.place(node, device)
+    except Exception as e:
+        run.note(
+            e,
+            f"while placing node {nid!r} ({type(node).__name__}) .on({device!r}): this machine "
+            "may not have that device; declare another with .on(...), or leave .on() out",
+        )
+        raise
+
+
 class Graph:
     """A directed acyclic graph of nodes, each with an id and what was declared of it.
 
@@ -118,13 +132,13 @@ class Graph:
                 f"give this {type(node).__name__} another with .named(...)"
             )
         self._check(nid, node, settings)
+        if settings.device is not None:
+            _place(nid, node, settings.device)
         self._order.append(nid)
         self._impl[nid] = node
         self._settings[nid] = settings
         self._succ[nid] = []
         self._pred[nid] = []
-        if settings.device is not None:
-            _hooks.place(node, settings.device)
         self._plan = None
         return nid
 
@@ -183,7 +197,7 @@ class Graph:
         new = replace(s, **said)
         self._check(id, self._impl[id], new)
         if new.device is not None and new.device != s.device:
-            _hooks.place(self._impl[id], new.device)
+            _place(id, self._impl[id], new.device)
         self._settings[id] = new
         self._plan = None
 
@@ -246,20 +260,29 @@ class Graph:
         """Everything declared of a node (name, device, host, frozen, cached, salt, mapped)."""
         return self._settings[self._known(id)]
 
-    def devices(self) -> dict[str, str | None]:
-        """`{id: device}`, `None` for a node placed nowhere in particular."""
-        return {n: self._settings[n].device for n in self._order}
+    def devices(self) -> dict[str, str]:
+        """`{id: device}` for the nodes placed `.on(device)`; a node placed nowhere in
+        particular is not listed."""
+        said = {n: self._settings[n].device for n in self._order}
+        return {n: d for n, d in said.items() if d is not None}
 
-    def hosts(self) -> dict[str, str | None]:
-        """`{id: host}`, `None` for a node that runs in this process."""
-        return {n: self._settings[n].host for n in self._order}
+    def hosts(self) -> dict[str, str]:
+        """`{id: host}` for the nodes that run `.at(host)`; a node that runs in this process is
+        not listed."""
+        said = {n: self._settings[n].host for n in self._order}
+        return {n: h for n, h in said.items() if h is not None}
 
     def frozen(self) -> dict[str, str | None]:
-        """`{id: digest of its state, or None if it holds none}` for every frozen node."""
+        """`{id: digest}` for every node declared `.frozen()`: the digest of its state once it
+        is settled (`somatize.torch.freeze`, or a Trainer, has stopped every parameter it holds
+        asking for a gradient), `None` until then and for a node that holds no state."""
         _hooks.ready()
-        return {
-            n: _hooks.state_digest(self._impl[n]) for n in self._order if self._settings[n].frozen
-        }
+        found: dict[str, str | None] = {}
+        for n in self._order:
+            if self._settings[n].frozen:
+                node = self._impl[n]
+                found[n] = None if _hooks.trainable(node) else _hooks.state_digest(node)
+        return found
 
     def cached(self) -> dict[str, Any]:
         """`{id: salt}` for every cached node."""

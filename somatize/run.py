@@ -141,17 +141,25 @@ def watchers(watching: Any) -> list[Callable[[dict], Any]]:
     return listed
 
 
-def _noted(error: BaseException, plan: Plan, i: int) -> BaseException:
+def note(error: BaseException, text: str) -> BaseException:
+    """Add `text` to `error` as a PEP 678 note, once (on Python 3.10, which has no `add_note`,
+    the same `__notes__` list that later versions print under the traceback)."""
+    notes = getattr(error, "__notes__", None)
+    if notes is None or text not in notes:
+        if hasattr(error, "add_note"):
+            error.add_note(text)
+        else:  # Python 3.10
+            error.__notes__ = [*(notes or []), text]  # type: ignore[attr-defined]
+    return error
+
+
+def _noted(error: BaseException, plan: Plan, i: int, device: str | None) -> BaseException:
     nid = plan.ids[i]
     node = plan.graph.implementation(nid)
-    note = f"while running node {nid!r} ({type(node).__name__})"
-    notes = getattr(error, "__notes__", None)
-    if notes is None or note not in notes:
-        if hasattr(error, "add_note"):
-            error.add_note(note)
-        else:  # Python 3.10
-            error.__notes__ = [*(notes or []), note]  # type: ignore[attr-defined]
-    return error
+    said = f"while running node {nid!r} ({type(node).__name__})"
+    if device is not None:
+        said += f", placed .on({device!r})"
+    return note(error, said)
 
 
 def _result(plan: Plan, vals: list) -> Any:
@@ -196,7 +204,7 @@ def walk(
     `graph.implementation(id)` will do (a worker's compiled slice, `vals` then a dict).
     """
     move = _hooks.move
-    i = 0
+    i, device = 0, None
     try:
         if not told:
             for i, mode, src, fn, ctx, device in steps:
@@ -233,5 +241,5 @@ def walk(
             for w in told:
                 w(fact)
     except BaseException as e:
-        _noted(e, plan, i)
+        _noted(e, plan, i, device)
         raise

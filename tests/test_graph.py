@@ -55,8 +55,17 @@ def test_readers():
     assert isinstance(g.implementation("join"), Join)
     with pytest.raises(KeyError, match="nope"):
         g.implementation("nope")
-    assert g.hosts() == dict.fromkeys(g.nodes())
+    assert g.devices() == {} and g.hosts() == {}  # nothing was placed
     assert g.frozen() == {} and g.cached() == {} and g.mapped_nodes() == []
+
+
+def test_devices_and_hosts_list_only_the_nodes_that_were_placed():
+    g = Graph.somatize(Add().on("cpu") >> (Add().named("l").at("far") | Same().named("r")) >> Join())
+    assert g.devices() == {"add": "cpu"}
+    assert g.hosts() == {"l": "far"}
+    g.declare("r", device="meta", host="near")
+    assert g.devices() == {"add": "cpu", "r": "meta"}
+    assert g.hosts() == {"l": "far", "r": "near"}
 
 
 def test_default_ids_skip_an_explicit_name_already_taken():
@@ -91,7 +100,7 @@ def test_declare_says_more_of_a_node_and_a_refusal_changes_nothing():
     assert g.cached() == {"same": "s"}
     with pytest.raises(ValueError, match="'gpu7'"):
         g.declare("add", device="gpu7")
-    assert g.devices() == {"add": None, "same": None}
+    assert g.devices() == {}
     with pytest.raises(ValueError, match="declare"):
         g.declare("add", name="other")
     with pytest.raises(KeyError):

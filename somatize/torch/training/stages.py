@@ -330,7 +330,7 @@ class Stages:
         trains = trains or {}
         hosts = graph.hosts()
         order = graph.topological_sort()
-        pair = {n: (hosts[n], n if n in trains else None) for n in order}
+        pair = {n: (hosts.get(n), n if n in trains else None) for n in order}
         stage: dict[str, int] = {}
         for n in order:
             stage[n] = max(
