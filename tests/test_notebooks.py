@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-EXPECTED = [
+TOUR = [
     "01_tour",
     "02_training",
     "03_split_learning",
@@ -28,8 +28,10 @@ def _build():
     return module
 
 
-def test_the_six_notebooks_are_there():
-    assert [p.stem for p in NOTEBOOKS] == EXPECTED
+def test_the_tour_is_there_and_every_notebook_has_its_number():
+    stems = [p.stem for p in NOTEBOOKS]
+    assert stems[: len(TOUR)] == TOUR
+    assert [s[:3] for s in stems] == [f"{k:02d}_" for k in range(1, len(stems) + 1)]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
