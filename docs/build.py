@@ -7,8 +7,10 @@ the docstrings.
 The guides are the notebooks written down as markdown (their code, and the outputs they were
 committed with), so a guide never says something its notebook does not do: `make test` runs the
 notebooks, and `--check` says when a guide has fallen behind one. They are committed, so they
-read on the forge too. `site/` (not committed) gets every guide as HTML and the API reference,
-a page per module, built by pdoc from the docstrings. Nothing here reaches the network.
+read on the forge too, and so are the lists in docs/index.md (a guide per notebook, a link per
+page), which are made here too. `site/` (not committed) gets the pages and guides as HTML, the
+benches' current numbers, and the API reference, a page per module, built by pdoc from the
+docstrings. Nothing here reaches the network.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import html
 import importlib
 import json
+import re
 import shutil
 import sys
 import warnings
@@ -25,6 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 GUIDES = ROOT / "docs" / "guides"
+INDEX = ROOT / "docs" / "index.md"
+RESULTS = ROOT / "bench" / "RESULTS.md"
 SITE = ROOT / "site"
 
 WIDGET = "application/vnd.jupyter.widget-view+json"
@@ -90,14 +95,53 @@ def guide(notebook: Path) -> str:
     return "\n".join(parts)
 
 
+def _heading(text: str) -> str:
+    """The first `# ` heading of a markdown text, without a leading `NN · `."""
+    for line in text.splitlines():
+        if line.startswith("# "):
+            return re.sub(r"^\d+\s*·\s*", "", line[2:].strip())
+    return ""
+
+
+def contents() -> dict[str, str]:
+    """What docs/index.md lists, as markdown: `guides`, a numbered link per notebook, and
+    `pages`, a link per page of docs/ (each by its own heading), so a new notebook or page is
+    listed by building, not by remembering to."""
+    listed = []
+    for nb in sorted(NOTEBOOKS.glob("*.ipynb")):
+        cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+        first = next((_text(c["source"]) for c in cells if c["cell_type"] == "markdown"), "")
+        listed.append(f"1. [{_heading(first) or nb.stem}](guides/{nb.stem}.md)")
+    pages = [
+        f"- [{_heading(md.read_text(encoding='utf-8')) or md.stem}]({md.name})"
+        for md in sorted((ROOT / "docs").glob("*.md"))
+        if md.name != "index.md"
+    ]
+    return {"guides": "\n".join(listed), "pages": "\n".join(pages)}
+
+
+def index_text() -> str:
+    """docs/index.md with its listed parts (between `<!-- NAME -->` and `<!-- /NAME -->`) as
+    `contents()` makes them."""
+    text = INDEX.read_text(encoding="utf-8")
+    for name, body in contents().items():
+        text = re.sub(
+            rf"(<!-- {name} -->\n).*?(<!-- /{name} -->)",
+            lambda m, body=body: m.group(1) + body + "\n" + m.group(2),
+            text,
+            flags=re.S,
+        )
+    return text
+
+
 def guides(*, check: bool = False) -> list[Path]:
-    """Writes docs/guides/<notebook>.md for every notebook; with check, writes nothing and
-    returns the guides that differ from what would be written."""
+    """Writes docs/guides/<notebook>.md for every notebook, and the lists in docs/index.md;
+    with check, writes nothing and returns the files that differ from what would be written."""
     stale = []
     GUIDES.mkdir(parents=True, exist_ok=True)
-    for nb in sorted(NOTEBOOKS.glob("*.ipynb")):
-        target = GUIDES / (nb.stem + ".md")
-        text = guide(nb)
+    wanted = {GUIDES / (nb.stem + ".md"): guide(nb) for nb in sorted(NOTEBOOKS.glob("*.ipynb"))}
+    wanted[INDEX] = index_text()
+    for target, text in wanted.items():
         if target.exists() and target.read_text(encoding="utf-8") == text:
             continue
         stale.append(target)
@@ -128,53 +172,64 @@ def _page(markdown_text: str, title: str, up: str) -> str:
 
     body = mistune.html(markdown_text)
     body = body.replace('.md"', '.html"')
+    body = body.replace('href="../bench/RESULTS.html"', f'href="{up}results.html"')
     return PAGE.format(title=html.escape(title), up=up, body=body)
 
 
-def modules() -> list[str]:
-    """Every public module of the package, by walking its folders: a page each. (pdoc alone
-    would stop at a package's `__all__`, which names classes, not submodules.)"""
+def module_names() -> list[str]:
+    """Every public module of the package, by walking its folders (a module or folder whose
+    name starts with `_` is private): a reference page each. (pdoc alone would stop at a
+    package's `__all__`, which names classes, not submodules.)"""
     found = []
     for path in sorted((ROOT / "somatize").rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
         if parts[-1] == "__init__":
             parts = parts[:-1]
-        if any(p.startswith("_") for p in parts):
-            continue
-        name = ".".join(parts)
+        if not any(p.startswith("_") for p in parts):
+            found.append(".".join(parts))
+    return found
+
+
+def modules() -> list[str]:
+    """The public modules that import; for one that does not, a warning says why (its page
+    would be empty) and the rest are built."""
+    found = []
+    for name in module_names():
         try:
             importlib.import_module(name)
-        except Exception as e:  # a page for it would be empty: say so, build the rest
+        except Exception as e:
             print(f"warning: no reference page for {name}: it does not import ({e!r})")
             continue
         found.append(name)
     return found
 
 
-def site() -> Path:
-    """Builds site/: the index and the guides as HTML, and the API reference, a page per
-    module."""
+def site(where: Path = SITE) -> Path:
+    """Builds the site into `where` (site/ unless told): the index, the pages and the guides
+    as HTML, the benches' current numbers, and the API reference, a page per module."""
     import pdoc
     import pdoc.render
 
-    if SITE.exists():
-        shutil.rmtree(SITE)
-    (SITE / "guides").mkdir(parents=True)
-    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
-    (SITE / "index.html").write_text(_page(index, "somatize", ""), encoding="utf-8")
+    if where.exists():
+        shutil.rmtree(where)
+    (where / "guides").mkdir(parents=True)
+    (where / "index.html").write_text(_page(index_text(), "somatize", ""), encoding="utf-8")
     for md in sorted(GUIDES.glob("*.md")):
         page = _page(md.read_text(encoding="utf-8"), md.stem, "../")
-        (SITE / "guides" / (md.stem + ".html")).write_text(page, encoding="utf-8")
+        (where / "guides" / (md.stem + ".html")).write_text(page, encoding="utf-8")
     for md in sorted((ROOT / "docs").glob("*.md")):
         if md.name != "index.md":
             page = _page(md.read_text(encoding="utf-8"), md.stem, "")
-            (SITE / (md.stem + ".html")).write_text(page, encoding="utf-8")
+            (where / (md.stem + ".html")).write_text(page, encoding="utf-8")
+    if RESULTS.exists():
+        page = _page(RESULTS.read_text(encoding="utf-8"), "benchmarks", "")
+        (where / "results.html").write_text(page, encoding="utf-8")
     pdoc.render.configure(docformat="markdown", show_source=False, search=True)
     with warnings.catch_warnings():
         # A package's submodules are both listed and walked by pdoc; one page each is made.
         warnings.filterwarnings("ignore", message="The module specification .* adds a module")
-        pdoc.pdoc(*modules(), output_directory=SITE / "api")
-    return SITE
+        pdoc.pdoc(*modules(), output_directory=where / "api")
+    return where
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path.relative_to(ROOT)}")
     where = site()
     pages = sorted(p.relative_to(where) for p in where.rglob("*.html"))
-    print(f"site: {len(pages)} pages in {where.relative_to(ROOT)}/ (open site/index.html)")
+    print(f"site: {len(pages)} pages in {where}/ (open index.html there)")
     return 0
 
 
