@@ -118,7 +118,10 @@ def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
         warn_code_changed(nid, kept, code)
     data = store.get(bound.digest)
     if data is None:
-        raise LookupError(f"node {nid!r}: {name} points at {bound.digest}, which is missing")
+        raise LookupError(
+            f"node {nid!r}: its cached value {name} points at {bound.digest}, which the store "
+            "no longer holds: give the node a new salt, .cached(salt=...), to compute it again"
+        )
     return True, decode(data)
 
 

@@ -148,3 +148,14 @@ def test_a_cached_mapped_node_is_checked_as_an_uncached_one_and_keeps_nothing_ba
     with pytest.raises(TypeError, match="'short'.*not a list"):
         g.forward(3, store=store)
     assert not [b for b in store.bound() if b.name.startswith("cache/")]
+
+
+def test_a_cached_value_the_store_lost_is_reported_naming_the_node_and_the_fix(store):
+    g = Graph.somatize(Add(1) >> Count().cached())
+    assert g.forward(1, store=store) == 4
+    (kept,) = [b for b in store.bound() if b.name.startswith("cache/")]
+    store.bind(kept.name, "sha256:" + "0" * 64)  # the name now points at bytes nobody put
+    with pytest.raises(LookupError, match=r"node 'count'.*salt=") as info:
+        g.forward(1, store=store)
+    assert any("'count'" in note for note in info.value.__notes__)
+    assert Graph.somatize(Add(1) >> Count().cached(salt="again")).forward(1, store=store) == 4

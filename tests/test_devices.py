@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -59,3 +60,23 @@ def test_hooks_on_a_node_that_is_a_module_fire():
     a.register_forward_hook(lambda m, args, out: seen.append(out.shape))
     Graph.somatize(Where() >> a).forward(torch.ones(4, 2))
     assert seen == [torch.Size([4, 2])]
+
+
+def test_a_device_this_machine_lacks_is_refused_naming_the_node_and_leaving_the_graph_as_it_was():
+    g = Graph()
+    g.node(Where())
+    with pytest.raises(Exception) as info:  # torch's own error, kept: AssertionError or RuntimeError
+        g.node("far", Lin().on("cuda:63"))
+    notes = " ".join(getattr(info.value, "__notes__", []))
+    assert "'far'" in notes and "'cuda:63'" in notes and ".on(...)" in notes
+    assert g.nodes() == ["where"] and g.devices() == {}
+
+
+def test_a_node_that_fails_on_its_device_is_named_with_the_device():
+    class Strict(Node):
+        def forward(self, input, ctx):
+            raise ValueError(f"no kernel for {input.device}")
+
+    with pytest.raises(ValueError, match="meta") as info:
+        Graph.somatize(Where() >> Strict().on("meta")).forward(torch.ones(2))
+    assert "while running node 'strict' (Strict), placed .on('meta')" in info.value.__notes__
