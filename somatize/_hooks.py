@@ -1,9 +1,10 @@
 """Where the core and the worker ask for what only torch knows.
 
-The core and `somatize.remote` never import `somatize.torch`. It registers these functions
-on import; until it does, the defaults below answer as if no value were a tensor and no node
-held state. `ready()` is the one place that imports it: once torch is loaded (or when a
-tensor has to be read back), so that its answers are here before they are asked for.
+The core and `somatize.remote` never import `somatize.torch`: they call the functions here,
+always as `_hooks.name(...)`. Until `somatize.torch` registers its own (it does on import), each
+answers as if no value were a tensor and no node held state. `ready()` is the one place that
+imports it: once torch is loaded (or when a tensor has to be read back), so that its answers
+are here before they are asked for.
 """
 
 from __future__ import annotations
@@ -26,50 +27,49 @@ __all__ = [
     "serve",
 ]
 
+HOOKS = ("move", "place", "state_digest", "trainable", "entry", "state_of", "load_state", "serve")
+"""The questions a backend answers; `register` replaces the function of that name here."""
 
-def _move(value: Any, device: str) -> Any:
+
+def move(value: Any, device: str) -> Any:
+    """`value` with every tensor inside it (dicts, lists, tuples too) on `device`."""
     return value
 
 
-def _place(node: Any, device: str) -> None:
+def place(node: Any, device: str) -> None:
+    """Move what a node holds (its modules) to `device`, in place."""
+
+
+def state_digest(node: Any) -> str | None:
+    """A digest of the node's state (its weights), or None for a stateless node."""
     return None
 
 
-def _state_digest(node: Any) -> str | None:
-    return None
-
-
-def _trainable(node: Any) -> bool:
+def trainable(node: Any) -> bool:
+    """Whether the node holds parameters that an optimizer could move."""
     return False
 
 
-def _entry(node: Any) -> Callable[[Any, Any], Any]:
+def entry(node: Any) -> Callable[[Any, Any], Any]:
+    """What the engine calls to run a node: `node.forward`, or the module's `__call__` so that
+    hooks registered on a node that is an `nn.Module` fire."""
     return node.forward
 
 
-def _state_of(node: Any) -> dict[str, Any]:
+def state_of(node: Any) -> dict[str, Any]:
+    """The node's weights as `{key: tensor}` (detached), keyed as `Trainer.export` keys them."""
     return {}
 
 
-def _load_state(node: Any, state: dict[str, Any]) -> None:
+def load_state(node: Any, state: dict[str, Any]) -> None:
+    """Copy `state` (as `state_of` gives it) into the node, refusing a mismatch whole."""
     if state:
         raise ValueError(f"{type(node).__name__} holds no weights to load (torch is not loaded)")
 
 
-def _serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
+def serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
+    """Answer a worker request that only the torch half knows (a trainer's stage)."""
     raise ValueError(f"unknown request {op!r}")
-
-
-_table: dict[str, Callable[..., Any]] = {
-    "move": _move,
-    "place": _place,
-    "state_digest": _state_digest,
-    "trainable": _trainable,
-    "entry": _entry,
-    "state_of": _state_of,
-    "load_state": _load_state,
-    "serve": _serve,
-}
 
 
 def ready(torch_needed: bool = False) -> None:
@@ -82,49 +82,9 @@ def ready(torch_needed: bool = False) -> None:
 
 
 def register(**functions: Callable[..., Any]) -> None:
-    """Replace the default answer to one or more questions (`move`, `place`, ...)."""
-    unknown = set(functions) - set(_table)
+    """Answer one or more of the questions (`move=`, `place=`, ...) with these functions from
+    now on; an unknown name is refused and nothing is replaced."""
+    unknown = set(functions) - set(HOOKS)
     if unknown:
-        raise ValueError(f"unknown hook(s) {sorted(unknown)}; known: {sorted(_table)}")
-    _table.update(functions)
-
-
-def move(value: Any, device: str) -> Any:
-    """`value` with every tensor inside it (dicts, lists, tuples too) on `device`."""
-    return _table["move"](value, device)
-
-
-def place(node: Any, device: str) -> None:
-    """Move what a node holds (its modules) to `device`, in place."""
-    _table["place"](node, device)
-
-
-def state_digest(node: Any) -> str | None:
-    """A digest of the node's state (its weights), or None for a stateless node."""
-    return _table["state_digest"](node)
-
-
-def trainable(node: Any) -> bool:
-    """Whether the node holds parameters that an optimizer could move."""
-    return bool(_table["trainable"](node))
-
-
-def entry(node: Any) -> Callable[[Any, Any], Any]:
-    """What the engine calls to run a node: `node.forward`, or the module's `__call__` so that
-    hooks registered on a node that is an `nn.Module` fire."""
-    return _table["entry"](node)
-
-
-def state_of(node: Any) -> dict[str, Any]:
-    """The node's weights as `{key: tensor}` (detached), keyed as `Trainer.export` keys them."""
-    return _table["state_of"](node)
-
-
-def load_state(node: Any, state: dict[str, Any]) -> None:
-    """Copy `state` (as `state_of` gives it) into the node, refusing a mismatch whole."""
-    _table["load_state"](node, state)
-
-
-def serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
-    """Answer a worker request that only the torch half knows (a trainer's stage)."""
-    return _table["serve"](server, session, nodes, op, message)
+        raise ValueError(f"unknown hook(s) {sorted(unknown)}; known: {sorted(HOOKS)}")
+    globals().update(functions)
