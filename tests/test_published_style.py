@@ -709,21 +709,6 @@ def test_the_store_and_codecs(tmp_path):
     assert store.recall("point").x == 3
 
 
-def test_trainer_with_a_store_runs_a_frozen_cached_prefix_once_per_batch(tmp_path):
-    class Counted(Encoder):
-        calls = 0
-
-        def forward(self, input, ctx):
-            Counted.calls += 1
-            return super().forward(input, ctx)
-
-    torch.manual_seed(0)
-    g = Graph.somatize(Counted().frozen().cached() >> Head())
-    t = Trainer(g, objective=cross_entropy, optimizer=Adam(parameters(g), lr=1e-2), store=tmp_path)
-    t.fit(data[:3], epochs=3)
-    assert Counted.calls == 3
-
-
 def test_watching_hears_the_engine_and_the_trainer():
     torch.manual_seed(0)
     g = Graph.somatize(Encoder() >> Head())
