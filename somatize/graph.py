@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any
 
 from somatize import _hooks, caching, run
-from somatize.node import DEVICE, Branches, Chain, Expr, Node, Opaque, Piece, Settings
+from somatize.node import DEVICE, Branches, Chain, Expr, Node, Piece, Settings, unwrap
 from somatize.store import store_of
 
 __all__ = ["Graph"]
@@ -385,6 +385,7 @@ class Graph:
             self._plan = run.compile(self)
         plan = self._plan
         told = run.watchers(watching)
+        input = unwrap(input)
         if plan.hosts:
             if broker is None:
                 nid, host = next(iter(plan.hosts.items()))
@@ -393,8 +394,6 @@ class Graph:
                     "pass broker=Broker.embedded({" + repr(host) + ": Worker.at('host:port')})"
                 )
             return broker.forward(plan, input, store=store, watching=told)
-        if type(input) is Opaque:
-            input = input.value
         if store is not None and plan.cached:
             return caching.walk_cached(plan, input, store_of(store), told)
         if told:

@@ -135,3 +135,16 @@ def test_a_graph_that_ran_goes_as_soon_as_it_is_dropped_without_waiting_for_the_
     finally:
         if was:
             gc.enable()
+
+
+def test_an_opaque_input_is_unwrapped_inside_containers_too():
+    seen = []
+
+    class Look(Node):
+        def forward(self, input, ctx):
+            seen.append(input)
+            return input
+
+    g = Graph.somatize(Look())
+    assert g.forward({"x": Opaque(1), "y": (Opaque(2), 3)}) == {"x": 1, "y": (2, 3)}
+    assert seen == [{"x": 1, "y": (2, 3)}]
