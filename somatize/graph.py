@@ -393,6 +393,11 @@ class Graph:
                     f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: "
                     "pass broker=Broker.embedded({" + repr(host) + ": Worker.at('host:port')})"
                 )
+            if not callable(getattr(broker, "forward", None)):
+                raise TypeError(
+                    f"broker= takes a somatize Broker (Broker.embedded({{host: Worker}})), not "
+                    f"{type(broker).__name__} {broker!r:.60}"
+                )
             return broker.forward(plan, input, store=store, watching=told)
         if store is not None and plan.cached:
             return caching.walk_cached(plan, input, store_of(store), told)

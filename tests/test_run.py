@@ -101,6 +101,8 @@ def test_mapped_without_a_store_checks_lengths():
 def test_a_remote_node_without_a_broker_is_refused_naming_it():
     with pytest.raises(ValueError, match="'same'.*'gpu'.*broker"):
         Graph.somatize(Same().at("gpu")).forward(1)
+    with pytest.raises(TypeError, match="Broker.embedded.*dict"):
+        Graph.somatize(Same().at("gpu")).forward(1, broker={"gpu": "127.0.0.1:7000"})
 
 
 class Keep(Node):
