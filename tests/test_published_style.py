@@ -180,13 +180,15 @@ def test_the_opening_example_trains_and_training_does_not_touch_the_graph():
     assert not torch.equal(weights, g.implementation("head").lin.weight)
 
 
-def test_split_with_a_broker_as_written_and_the_body_trained_where_it_runs(standing_worker):
+def test_split_with_a_broker_as_written_and_the_body_trained_where_it_runs(
+    standing_worker, monkeypatch
+):
     address, token = standing_worker
-    os.environ["SOMATIZE_TOKEN"] = token  # as a user exports it for Worker.at
+    monkeypatch.setenv("SOMATIZE_TOKEN", token)  # as a user exports it for Worker.at
+    torch.manual_seed(0)
+    g = Graph.somatize(Encoder() >> Body().at("gpu") >> Head())
+    broker = Broker.embedded({"gpu": Worker.at(address)})
     try:
-        torch.manual_seed(0)
-        g = Graph.somatize(Encoder() >> Body().at("gpu") >> Head())
-        broker = Broker.embedded({"gpu": Worker.at(address)})
         # As written on the page (the optimizer over parameters(g)), the body would be held by
         # this optimizer and trained by Split too: "holding both is refused".
         with pytest.raises(ValueError, match=r"'body'.*parameters\(g, without=trains\)"):
@@ -207,9 +209,8 @@ def test_split_with_a_broker_as_written_and_the_body_trained_where_it_runs(stand
             broker=broker,
         )
         there = t.fit(data, epochs=3).history
-        broker.close()
     finally:
-        os.environ.pop("SOMATIZE_TOKEN", None)
+        broker.close()
     # "Training a graph with a slice on another machine is not training that slice": the copy
     # here is as it was built.
     assert torch.equal(here_before, g.implementation("body").net[0].weight)
