@@ -62,11 +62,12 @@ test-browser: chromium setup
 	$(BIN)/python -m pytest -q tests/browser
 
 test-portable: chromium setup
-	@for said in $(PORTABLE); do \
+	@failed=""; for said in $(PORTABLE); do \
 	  echo "== $$said"; \
-	  env $$said $(BIN)/python -m pytest tests || exit 1; \
-	  env $$said $(MAKE) --no-print-directory test-notebooks || exit 1; \
-	done
+	  env $$said $(BIN)/python -m pytest tests || failed="$$failed\n  tests under $$said"; \
+	  env $$said $(MAKE) --no-print-directory test-notebooks || failed="$$failed\n  notebooks under $$said"; \
+	done; \
+	if [ -n "$$failed" ]; then printf "test-portable failed:$$failed\n" >&2; exit 1; fi
 
 docs: setup
 	$(BIN)/python docs/build.py
