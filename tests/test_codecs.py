@@ -243,7 +243,7 @@ def test_tensor_bytes_are_deterministic_and_nested_values_keep_types() -> None:
     back = decode(encode(value))
     assert type(back["x"]) is tuple and back["x"][1] == 3
     assert back["y"][0].dim() == 0 and back["y"][0].item() == 7
-    assert "tensor" in codecs_registered()
+    assert "torch.Tensor" in codecs_registered()
 
 
 def test_tensors_that_have_no_plain_numbers_are_refused_clearly() -> None:
