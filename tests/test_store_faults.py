@@ -53,6 +53,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def test_clean_removes_what_killed_writers_left_and_keeps_the_value(tmp_path: Path) -> None:
     store = Store(tmp_path)
+    store.keep("big", {"i": 0, "payload": b"\x00" * 4_000_000})
     for attempt in range(12):  # kill writers at odd moments until some left a temp file
         proc = writer(tmp_path)
         time.sleep(0.15 + 0.037 * attempt)
@@ -65,7 +66,7 @@ def test_clean_removes_what_killed_writers_left_and_keeps_the_value(tmp_path: Pa
     size = sum(p.stat().st_size for p in left)
     value = store.recall("big")
     removed = store.clean()
-    assert removed == {"files": len(left), "bytes": size}
+    assert removed == {"files": len(left), "bytes": size}, (left, removed)
     assert temp_files(tmp_path) == []
     assert (
         store.recall("big") == value and value["payload"] == bytes([value["i"] % 256]) * 4_000_000
