@@ -1,26 +1,33 @@
 """What keeping a value costs, against plain torch doing the same job in the same run.
 
-    python bench/store.py
+    python bench/store.py             # the costs
+    python bench/store.py --faults    # the fault trials of docs/store.md (a few minutes)
 
 Rows: a tensor kept and recalled (Store.keep / recall, safetensors inside, every blob checked
 against its digest) against torch.save / torch.load of the same tensor to a file; a small
-record of facts; and a Recorder watching a graph, against the same graph unwatched. Medians
-of repeats, torch.set_num_threads(1). Ratios are ours / plain torch.
+record of facts; decoding many small tuples through the bounded decoder against msgpack with
+an unbounded hook; and a Recorder watching a graph, against the same graph unwatched. Medians
+of repeats, torch.set_num_threads(1). Ratios are ours / theirs. `--faults` runs the trials
+of bench/_store_faults.py instead and reports them as a table of their own.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch
+from _results import report
 
 import somatize.torch  # noqa: F401  (the tensor codec)
 from somatize import Graph, Node, Recorder, Store
+from somatize.codecs import decode, encode
 
 
 def median_us(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
@@ -42,9 +49,7 @@ class Linear(Node):
         return self.layer(input)
 
 
-def tensor_rows(
-    store: Store, root: Path, label: str, tensor: torch.Tensor
-) -> list[tuple[str, float, str, float]]:
+def tensor_rows(store: Store, root: Path, label: str, tensor: torch.Tensor) -> list[list[Any]]:
     path = root / "plain.pt"
     counter = iter(range(10**9))
 
@@ -59,12 +64,16 @@ def tensor_rows(
     recall = median_us(lambda: store.recall("t/x"), 30)
     load = median_us(lambda: torch.load(path), 30)
     return [
-        (f"keep {label}", keep, "torch.save", save),
-        (f"recall {label}", recall, "torch.load", load),
+        [f"keep {label}", keep, "torch.save", save, keep / save],
+        [f"recall {label}", recall, "torch.load", load, recall / load],
     ]
 
 
-def main() -> None:
+def _tuples(code: int, data: bytes) -> Any:
+    return tuple(msgpack.unpackb(data, ext_hook=_tuples, raw=False, strict_map_key=False))
+
+
+def costs() -> None:
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp())
     store = Store(root / "store")
@@ -79,7 +88,12 @@ def main() -> None:
     counter = iter(range(10**9))
     keep = median_us(lambda: store.keep(f"r/{next(counter)}", facts), 30, 10)
     save = median_us(lambda: torch.save(facts, root / "facts.pt"), 30, 10)
-    rows.append(("keep a record of 9 facts", keep, "torch.save", save))
+    rows.append(["keep a record of 9 facts", keep, "torch.save", save, keep / save])
+
+    data = encode([(i, float(i)) for i in range(1000)])
+    ours = median_us(lambda: decode(data), 30, 5)
+    bare = median_us(lambda: msgpack.unpackb(data, ext_hook=_tuples, raw=False), 30, 5)
+    rows.append(["decode 1000 small tuples", ours, "msgpack, unbounded", bare, ours / bare])
 
     graph = Graph.somatize(Linear(64) >> Linear(64) >> Linear(64) >> Linear(64))
     x = torch.randn(32, 64)
@@ -87,12 +101,31 @@ def main() -> None:
     with torch.no_grad():
         watched = median_us(lambda: graph.forward(x, watching=recorder), 30, 10)
         plain = median_us(lambda: graph.forward(x), 30, 10)
-    rows.append(("forward of 4 nodes, recorded", watched, "unwatched forward", plain))
-
-    print(f"{'what':<32} {'ours µs':>10} {'against':<20} {'theirs µs':>10} {'ratio':>7}")
-    for what, ours, against, theirs in rows:
-        print(f"{what:<32} {ours:>10.1f} {against:<20} {theirs:>10.1f} {ours / theirs:>7.2f}")
+    rows.append(
+        ["forward of 4 nodes, recorded", watched, "unwatched forward", plain, watched / plain]
+    )
+    report(
+        "store",
+        "keeping and recalling values, against torch.save / torch.load in the same run",
+        ["what", "ours µs", "against", "theirs µs", "ratio"],
+        rows,
+        notes=(
+            "Big tensors pay for what the store promises: a sha256 of every blob on put and "
+            "on get, and the copies safetensors and msgpack make. A Recorder writes two small "
+            "files atomically per forward."
+        ),
+    )
 
 
 if __name__ == "__main__":
-    main()
+    if "--faults" in sys.argv:
+        from _store_faults import trials
+
+        report(
+            "store-faults",
+            "attacks and faults tried on a store (python bench/store.py --faults)",
+            ["attack or fault", "trials", "result"],
+            trials(),
+        )
+    else:
+        costs()

@@ -64,7 +64,12 @@ _KNOWN_KIND = {code: kind for kind, code in _KNOWN.items()}
 DEPTH = 32
 """How deep tuples and registered values may nest inside one another, in `encode` and `decode`."""
 
-_nesting = threading.local()  # how many extension levels the current thread is inside
+
+class _Nesting(threading.local):
+    depth = 0  # how many extension levels the current thread is inside
+
+
+_nesting = _Nesting()
 
 
 class Malformed(ValueError):
@@ -174,24 +179,22 @@ def _default(value: Any) -> msgpack.ExtType:
     )
 
 
-def _enter(reading: bool) -> int:
-    """One more level of nesting through an extension on this thread; refuses past `DEPTH`."""
-    depth = getattr(_nesting, "depth", 0)
-    if depth > DEPTH:
-        doing = "read back" if reading else "written down"
-        raise (Malformed if reading else ValueError)(
-            f"tuples (or registered values) nested more than {DEPTH} deep cannot be {doing} "
-            f"(somatize.codecs.DEPTH); flatten the value, or use lists, which nest without it"
-        )
-    _nesting.depth = depth + 1
-    return depth
+def _too_deep(reading: bool) -> Exception:
+    doing = "read back" if reading else "written down"
+    return (Malformed if reading else ValueError)(
+        f"tuples (or registered values) nested more than {DEPTH} deep cannot be {doing} "
+        f"(somatize.codecs.DEPTH); flatten the value, or use lists, which nest without it"
+    )
 
 
 def _pack(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
     """msgpack of `value` with this module's options; `default` (the wire's) may stand in for
     `_default` to write some types its own way before handing the rest to `_default`.
     Refuses tuples nested past `DEPTH` (what `decode` would refuse to read back)."""
-    depth = _enter(reading=False)
+    depth = _nesting.depth
+    if depth > DEPTH:
+        raise _too_deep(reading=False)
+    _nesting.depth = depth + 1
     try:
         return msgpack.packb(
             value,
@@ -293,14 +296,16 @@ def _unpack(data: Any, ext_hook: Callable[[int, bytes], Any] | None = None) -> A
     """The value `_pack` wrote; `ext_hook` may stand in for `_ext_hook`, as `default` there.
     Every call counts as one level of nesting on this thread, refused past `DEPTH`, so a
     hook that reads its own extensions through here is bounded as this module's are."""
-    depth = _enter(reading=True)
+    depth = _nesting.depth
+    if depth > DEPTH:
+        raise _too_deep(reading=True)
+    _nesting.depth = depth + 1
     try:
         return msgpack.unpackb(
             data,
             ext_hook=ext_hook or _ext_hook,
             raw=False,
             strict_map_key=False,
-            use_list=True,
             unicode_errors="surrogatepass",
         )
     finally:
