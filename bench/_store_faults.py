@@ -8,6 +8,7 @@ only; every process it starts is stopped by pid.
 from __future__ import annotations
 
 import errno
+import logging
 import multiprocessing
 import os
 import random
@@ -154,6 +155,7 @@ def s3_races(procs: int, races: int) -> list[Any]:
     from _s3race import RacingS3
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
