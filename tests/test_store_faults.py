@@ -231,3 +231,23 @@ def test_a_binding_that_is_not_a_stores_is_corrupt_whatever_it_holds(tmp_path: P
             store.resolve("x")
         with pytest.raises(CorruptBinding):
             store.recall("x")
+
+
+@pytest.mark.parametrize("kind", ["directory", "fsspec dir://"])
+def test_temp_files_of_writers_elsewhere_go_once_silent_past_older_than(
+    tmp_path: Path, kind: str
+) -> None:
+    if kind == "directory":
+        store = Store(tmp_path)
+    else:  # an fsspec filesystem that is not an object store: writes go aside there too
+        store = Store("dir::file:///store", dir={"path": str(tmp_path)})
+    store.keep("x", 1)
+    (folder,) = [p.parent for p in tmp_path.rglob(".bind")]
+    old, fresh = folder / ".tmp-from-elsewhere", folder / ".tmp-from-elsewhere-too"
+    old.write_bytes(b"a" * 10)
+    fresh.write_bytes(b"b" * 5)
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert store.clean(older_than=3600) == {"files": 1, "bytes": 10}
+    assert not old.exists() and fresh.exists()
+    assert store.clean(older_than=0) == {"files": 1, "bytes": 5}
+    assert store.recall("x") == 1
