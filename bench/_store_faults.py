@@ -17,7 +17,6 @@ import struct
 import subprocess
 import sys
 import tempfile
-import textwrap
 import threading
 import time
 import warnings
@@ -30,26 +29,14 @@ from somatize import Store
 from somatize.codecs import encode
 from somatize.store import CorruptBlob
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-WRITER = textwrap.dedent(
-    """
-    import sys
-    from somatize.store import Store
-    store = Store(sys.argv[1])
-    print("ready", flush=True)
-    i = 0
-    while True:
-        i += 1
-        store.keep("big", {"i": i, "payload": bytes([i % 256]) * 1_000_000})
-    """
-)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _children import DECODER, STUCK_CLAIMER, WRITER, tuples  # noqa: E402
 
 
 def _writer(where: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, where], stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, where, "1000000"], stdout=subprocess.PIPE
+    )
     proc.stdout.readline()
     return proc
 
@@ -180,23 +167,6 @@ def s3_races(procs: int, races: int) -> list[Any]:
     ]
 
 
-STUCK = textwrap.dedent(
-    """
-    import errno, os, sys, time
-    from somatize.store import Store
-    store = Store(sys.argv[1])
-    key = store.put(b"stuck")
-    def no_links(*a, **k):
-        raise OSError(errno.EPERM, "no hard links")
-    def stuck(*a, **k):
-        print("claiming", flush=True)
-        time.sleep(600)
-    os.link, os.replace = no_links, stuck
-    store.claim(sys.argv[2], key)
-    """
-)
-
-
 def killed_claimers(n: int) -> list[Any]:
     where = tempfile.mkdtemp()
     store = Store(where)
@@ -210,7 +180,7 @@ def killed_claimers(n: int) -> list[Any]:
     try:
         for i in range(n):
             proc = subprocess.Popen(
-                [sys.executable, "-c", STUCK, where, f"name/{i}"], stdout=subprocess.PIPE
+                [sys.executable, "-c", STUCK_CLAIMER, where, f"name/{i}"], stdout=subprocess.PIPE
             )
             proc.stdout.readline()
             proc.send_signal(signal.SIGKILL)
@@ -273,25 +243,6 @@ def hostile_names(n: int) -> list[Any]:
     ]
 
 
-DECODER = textwrap.dedent(
-    """
-    import struct, sys
-    from somatize.codecs import Malformed, NoCodec, decode
-    while True:
-        head = sys.stdin.buffer.read(4)
-        if len(head) < 4:
-            break
-        data = sys.stdin.buffer.read(struct.unpack(">I", head)[0])
-        try:
-            decode(data)
-            sys.stdout.write("ok\\n")
-        except (Malformed, NoCodec):
-            sys.stdout.write("refused\\n")
-        sys.stdout.flush()
-    """
-)
-
-
 def _made_up() -> bytes:
     how = random.choice(["random", "mangled", "nested"])
     if how == "random":
@@ -324,7 +275,7 @@ def hostile_bytes(n: int) -> list[Any]:
             line = proc.stdout.readline().decode().strip()
             if not line:
                 break
-            answers[line] += 1
+            answers[line.split()[0]] += 1
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
@@ -341,9 +292,7 @@ def bad_records(rounds: int) -> list[Any]:
 
     from somatize.torch import gather
 
-    deep = msgpack.packb(None)
-    for _ in range(195):
-        deep = msgpack.packb(msgpack.ExtType(1, b"\x91" + deep))
+    deep = tuples(195)
     bad: list[Any] = ["words", {"other": {"w": torch.zeros(2)}}, {"e": {"w": torch.zeros(3)}}]
     bad.append({"e": {"w": torch.full((2,), float("nan"))}})
     store = Store(tempfile.mkdtemp())

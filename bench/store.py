@@ -7,7 +7,8 @@ Rows: a tensor kept and recalled (Store.keep / recall, safetensors inside, every
 against its digest) against torch.save / torch.load of the same tensor to a file; a small
 record of facts; decoding many small tuples through the bounded decoder against msgpack with
 an unbounded hook; and a Recorder watching a graph, against the same graph unwatched. Medians
-of repeats, torch.set_num_threads(1). Ratios are ours / theirs. `--faults` runs the trials
+of repeats, ours and theirs timed in turns, torch.set_num_threads(1). Ratios are ours /
+theirs. `--faults` runs the trials
 of bench/_store_faults.py instead and reports them as a table of their own.
 """
 
@@ -30,15 +31,25 @@ from somatize import Graph, Node, Recorder, Store
 from somatize.codecs import decode, encode
 
 
-def median_us(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
-    fn()
-    times = []
+def paired_us(
+    ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int = 30, inner: int = 1
+) -> tuple[float, float]:
+    """Medians of `ours` and `theirs` in µs, timed in turns so that a busy machine slows
+    both alike."""
+    ours(), theirs()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner * 1e6)
-    return statistics.median(times)
+        for fn, into in ((ours, times[0]), (theirs, times[1])):
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            into.append((time.perf_counter() - start) / inner * 1e6)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def row(what: str, against: str, ours: Callable[[], Any], theirs: Callable[[], Any], inner=1):
+    mine, other = paired_us(ours, theirs, 30, inner)
+    return [what, mine, against, other, mine / other]
 
 
 class Linear(Node):
@@ -58,14 +69,10 @@ def tensor_rows(store: Store, root: Path, label: str, tensor: torch.Tensor) -> l
         tensor[0] = i  # new bytes every time: a real write, not a deduplicated one
         store.keep(f"t/{i}", tensor)
 
-    keep = median_us(keep_fresh, 30)
-    save = median_us(lambda: torch.save(tensor, path), 30)
     store.keep("t/x", tensor)
-    recall = median_us(lambda: store.recall("t/x"), 30)
-    load = median_us(lambda: torch.load(path), 30)
     return [
-        [f"keep {label}", keep, "torch.save", save, keep / save],
-        [f"recall {label}", recall, "torch.load", load, recall / load],
+        row(f"keep {label}", "torch.save", keep_fresh, lambda: torch.save(tensor, path)),
+        row(f"recall {label}", "torch.load", lambda: store.recall("t/x"), lambda: torch.load(path)),
     ]
 
 
@@ -86,24 +93,38 @@ def costs() -> None:
     ]
     facts.append({"fact": "finished", "took_us": 30.0})
     counter = iter(range(10**9))
-    keep = median_us(lambda: store.keep(f"r/{next(counter)}", facts), 30, 10)
-    save = median_us(lambda: torch.save(facts, root / "facts.pt"), 30, 10)
-    rows.append(["keep a record of 9 facts", keep, "torch.save", save, keep / save])
-
+    rows.append(
+        row(
+            "keep a record of 9 facts",
+            "torch.save",
+            lambda: store.keep(f"r/{next(counter)}", facts),
+            lambda: torch.save(facts, root / "facts.pt"),
+            inner=10,
+        )
+    )
     data = encode([(i, float(i)) for i in range(1000)])
-    ours = median_us(lambda: decode(data), 30, 5)
-    bare = median_us(lambda: msgpack.unpackb(data, ext_hook=_tuples, raw=False), 30, 5)
-    rows.append(["decode 1000 small tuples", ours, "msgpack, unbounded", bare, ours / bare])
-
+    rows.append(
+        row(
+            "decode 1000 small tuples",
+            "msgpack, unbounded",
+            lambda: decode(data),
+            lambda: msgpack.unpackb(data, ext_hook=_tuples, raw=False),
+            inner=5,
+        )
+    )
     graph = Graph.somatize(Linear(64) >> Linear(64) >> Linear(64) >> Linear(64))
     x = torch.randn(32, 64)
     recorder = Recorder(store, run="bench")
     with torch.no_grad():
-        watched = median_us(lambda: graph.forward(x, watching=recorder), 30, 10)
-        plain = median_us(lambda: graph.forward(x), 30, 10)
-    rows.append(
-        ["forward of 4 nodes, recorded", watched, "unwatched forward", plain, watched / plain]
-    )
+        rows.append(
+            row(
+                "forward of 4 nodes, recorded",
+                "unwatched forward",
+                lambda: graph.forward(x, watching=recorder),
+                lambda: graph.forward(x),
+                inner=10,
+            )
+        )
     report(
         "store",
         "keeping and recalling values, against torch.save / torch.load in the same run",

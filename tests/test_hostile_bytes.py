@@ -16,32 +16,11 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from _children import DECODER, tuples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from somatize.codecs import DEPTH, encode
-
-# Reads length-prefixed byte strings on stdin; answers one line each: "ok <type>", or
-# "refused <exception class> <message>". Anything else escaping (or a crash) ends it.
-DECODER = textwrap.dedent(
-    """
-    import struct, sys
-    from somatize.codecs import Malformed, NoCodec, decode
-    out = sys.stdout
-    while True:
-        head = sys.stdin.buffer.read(4)
-        if len(head) < 4:
-            break
-        data = sys.stdin.buffer.read(struct.unpack(">I", head)[0])
-        try:
-            value = decode(data)
-            answer = "ok " + type(value).__name__
-        except (Malformed, NoCodec) as error:
-            answer = "refused " + type(error).__name__ + " " + str(error).replace("\\n", " ")
-        out.write(answer + "\\n")
-        out.flush()
-    """
-)
 
 
 class Decoder:
@@ -87,14 +66,6 @@ def decoder() -> Iterator[Decoder]:
     child = Decoder()
     yield child
     child.close()
-
-
-def tuples(depth: int) -> bytes:
-    """The bytes of `()` nested `depth` deep, built directly (encode refuses past DEPTH)."""
-    data = msgpack.packb(None)
-    for _ in range(depth):
-        data = msgpack.packb(msgpack.ExtType(1, b"\x91" + data))
-    return data
 
 
 def test_the_900_byte_value_that_killed_decode_is_refused(decoder: Decoder) -> None:

@@ -8,13 +8,13 @@ import pickle
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from _children import WRITER
 
 from somatize.codecs import NoCodec, digest, encode
 from somatize.store import Bound, CorruptBinding, CorruptBlob, Store
@@ -193,26 +193,12 @@ def test_a_failed_write_keeps_the_old_value_and_leaves_no_debris(
         assert leftovers == []
 
 
-_WRITER = textwrap.dedent(
-    """
-    import sys
-    from somatize.store import Store
-    store = Store(sys.argv[1])
-    i = 0
-    print("ready", flush=True)
-    while True:
-        i += 1
-        store.keep("big", {"i": i, "payload": bytes([i % 256]) * 4_000_000})
-    """
-)
-
-
 @pytest.mark.parametrize("pause", [0.0, 0.013, 0.037])
 def test_a_writer_killed_mid_write_leaves_a_whole_value(tmp_path: Path, pause: float) -> None:
     store = Store(tmp_path)
     store.keep("big", {"i": 0, "payload": b"\x00" * 4_000_000})
     writer = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", WRITER, str(tmp_path), "4000000"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert writer.stdout.readline().strip() == "ready"

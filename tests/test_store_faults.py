@@ -8,34 +8,21 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from _children import STUCK_CLAIMER, WRITER
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from somatize import Store
 from somatize.store import CorruptBinding, CorruptBlob
 
-WRITER = textwrap.dedent(
-    """
-    import sys
-    from somatize.store import Store
-    store = Store(sys.argv[1])
-    print("ready", flush=True)
-    i = 0
-    while True:
-        i += 1
-        store.keep("big", {"i": i, "payload": bytes([i % 256]) * 4_000_000})
-    """
-)
-
 
 def writer(where: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(where)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", WRITER, str(where), "4000000"], stdout=subprocess.PIPE, text=True
     )
     assert proc.stdout.readline().strip() == "ready"
     return proc
@@ -102,28 +89,6 @@ def test_clean_never_touches_a_live_writers_file(tmp_path: Path) -> None:
     assert temp_files(tmp_path) == []
 
 
-# A claimer on a filesystem without hard links, stopped between deciding that it won and
-# moving its binding into place (its rename blocks until it is killed).
-STUCK_CLAIMER = textwrap.dedent(
-    """
-    import errno, os, sys, time
-    from somatize.store import Store
-    store = Store(sys.argv[1])
-    key = store.put(b"stuck")
-
-    def no_links(*args, **kwargs):
-        raise OSError(errno.EPERM, "this filesystem has no hard links")
-
-    def stuck(*args, **kwargs):
-        print("claiming", flush=True)
-        time.sleep(600)
-
-    os.link, os.replace = no_links, stuck
-    store.claim("fed/round/0/averager", key)
-    """
-)
-
-
 def test_without_hard_links_a_claimer_killed_mid_claim_leaves_the_name_claimable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -134,7 +99,9 @@ def test_without_hard_links_a_claimer_killed_mid_claim_leaves_the_name_claimable
     store = Store(tmp_path)
     mine = store.put(b"mine")
     proc = subprocess.Popen(
-        [sys.executable, "-c", STUCK_CLAIMER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", STUCK_CLAIMER, str(tmp_path), "fed/round/0/averager"],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline().strip() == "claiming"

@@ -5,25 +5,20 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
-import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
+from _s3race import RacingS3
+from moto.server import ThreadedMotoServer
 
 from somatize import Store
 from somatize.codecs import digest
 
-moto_server = pytest.importorskip("moto.server")
-pytest.importorskip("s3fs")
-sys.path.insert(0, str(Path(__file__).parent))
-from _s3race import RacingS3  # noqa: E402
-
 
 @pytest.fixture(scope="module")
 def moto() -> Iterator[str]:
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
