@@ -41,6 +41,7 @@ _where = {
     "gather": "training.federated",
     "parameters": "training.params",
     "freeze": "training.params",
+    "shard": "training.shard",
     "Audit": "audit.audit",
     "architecture": "inside.architecture",
     "traced": "inside.architecture",
