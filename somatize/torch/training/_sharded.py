@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -33,20 +34,22 @@ def _shardable(node: Any) -> list[nn.Module]:
     return found
 
 
-def shard(graph: Any, run: Callable, optimizer: Any) -> Any:
-    """The graph's modules sharded (each node's, then the root around them all, whose
-    forward is `run`); the optimizer now holds the sharded parameters. Answers the root."""
+def shard(graph: Any, run: Callable, optimizer: Any, *, cuda: bool, world: int) -> Any:
+    """The graph's modules sharded over `world` ranks of the GPUs (`cuda`) or the CPUs (each
+    node's, then the root around them all, whose forward is `run`); the optimizer now holds
+    the sharded parameters. Answers the root."""
     from somatize.torch.training.parallel import _Replica
 
     modules = [m for nid in graph.nodes() for m in modules_of(graph.implementation(nid))]
     root = _Replica(modules, [], run)
     before = dict(root.named_parameters())
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
     for nid in graph.nodes():
         if not graph.setting(nid).frozen:
             for module in _shardable(graph.implementation(nid)):
-                fully_shard(module)
+                fully_shard(module, mesh=mesh)
     frozen = {p for p in root.parameters() if not p.requires_grad}
-    fully_shard(root, ignored_params=frozen or None)
+    fully_shard(root, mesh=mesh, ignored_params=frozen or None)
     after = dict(root.named_parameters())
     moved = {id(before[name]): after[name] for name in before if name in after}
     if optimizer is not None:

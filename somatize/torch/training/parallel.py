@@ -263,7 +263,9 @@ class Parallel:
             if self.mode == "fsdp":
                 from somatize.torch.training import _sharded
 
-                self._whole = _sharded.shard(graph, stages.forward, optimizer)
+                self._whole = _sharded.shard(
+                    graph, stages.forward, optimizer, cuda=self.cuda, world=self.world
+                )
                 self._replicas.append(self._whole)
             elif stages.whole:
                 modules = [
