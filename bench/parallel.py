@@ -90,7 +90,9 @@ def rank_main(out: str) -> None:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    if not cuda:
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # "cuda" is this rank's GPU
+    else:
         torch.set_num_threads(1)
     loss = nn.functional.mse_loss
     gen = torch.Generator().manual_seed(int(os.environ["RANK"]))

@@ -123,6 +123,7 @@ FITS = {  # name: (graph, Trainer's keywords), each to end as one process on who
     "micro2": (mlp, {"micro": 2}),
     "split1": (mlp, {"split": True}),  # a node trained beside, with the Trainer's every
     "split2": (mlp, {"split": True, "every": 2}),
+    "split3": (mlp, {"split": True, "every": 3}),  # and its group of 1 closed by update()
     "split_own2": (mlp, {"split": 2}),  # with an every of its own
     "fsdp1": (mixed, {"parallel": "fsdp"}),
     "fsdp2": (mixed, {"parallel": "fsdp", "every": 2}),
@@ -218,6 +219,9 @@ def weights(out):
         refused = str(error)
     keep(out, "weights", loaded, refused=refused)
     keep(out, "weights_after", t.export())
+    sharded = trainer(mixed(), parallel="fsdp")
+    sharded.load(trainer(mixed(seed=7 + rank)).export())  # cut into each rank's shards
+    keep(out, "weights_fsdp", sharded.export())
 
 
 @scenario
@@ -398,10 +402,12 @@ def test_a_branch_one_rank_never_takes_does_not_hang_and_is_averaged(ranks):
 
 def test_load_puts_rank_0s_weights_on_every_rank_and_a_refusal_is_everyones(ranks):
     expected = flat(trainer(mlp(seed=7)).export())
+    sharded = flat(trainer(mixed(seed=7)).export())
     for rank in (0, 1):
         close(got(ranks, "weights", rank), expected, tol=0)
         close(got(ranks, "weights_after", rank), expected, tol=0)  # the refused load: nothing
         assert "'nowhere'" in told(ranks, "weights", rank)["refused"]
+        close(got(ranks, "weights_fsdp", rank), sharded, tol=0)
 
 
 def test_rank_0_tells_the_facts_and_the_gradient_numbers_are_averaged(ranks):
