@@ -460,10 +460,9 @@ def test_refused_before_any_group_is_joined(monkeypatch, tmp_path):
         trainer(mlp(), parallel="ddp")
     at = Graph.somatize(Layer(4, 8).named("a") >> Layer(8, 2).named("body").at("gpu"))
     broker = Broker.embedded({"gpu": Worker.at("127.0.0.1:9")})  # never reached
-    with pytest.raises(ValueError, match="node 'body' runs .at"):
-        Trainer(
-            at, objective=mse, optimizer=SGD(parameters(at), lr=LR), broker=broker, parallel="ddp"
-        )
+    for where in (None, broker):  # refused for being parallel, before a broker is asked for
+        with pytest.raises(ValueError, match="node 'body' runs .at.*every rank holds"):
+            trainer(at, broker=where, parallel="ddp")
     with pytest.raises(ValueError, match="node 'enc' is .cached"):
         trainer(cached(), parallel="ddp")
     with pytest.raises(ValueError, match="fsdp.*trains="):

@@ -314,9 +314,10 @@ class Stages:
     """A graph cut into parts, run forward stage by stage and backward in reverse.
 
     `trains` is `{node id: Learning}`; `transport(host)` answers the transport of a host, and
-    of None for the parts that run in this process (the default runs everything here). `watching` is a list of callables: what the parts run is
-    told to it as one forward (one "finished" fact for the whole). With no cut at all there is
-    one part, the graph itself, and a forward is `graph.forward`.
+    of None for the parts that run in this process (the default runs everything here).
+    `watching` is a list of callables: what the parts run is told to it as one forward (one
+    "finished" fact for the whole). With no cut at all there is one part, the graph itself,
+    and a forward is `graph.forward`.
     """
 
     def __init__(

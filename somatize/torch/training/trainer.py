@@ -156,7 +156,6 @@ class Trainer:
         trains = _checks.trains_of(graph, trains)
         held = _checks.held_by(graph, optimizer, trains)
         _checks.everything_moves(graph, held, trains)
-        hosts = _checks.hosts_of(graph, broker)
         audit = _checks.audit_of(auditing)
         self.store = _checks.store_of(store)
         self._parallel = parallel_of(
@@ -171,6 +170,7 @@ class Trainer:
         )
         if self._parallel is not None and self._parallel.rank != 0:
             told, audit = [], None  # rank 0 tells the facts
+        hosts = _checks.hosts_of(graph, broker)
 
         # Everything is checked: from here on, things change.
         freeze(graph)
