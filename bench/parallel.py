@@ -40,22 +40,14 @@ LOOPS, REPEATS = 20, 15
 
 
 def _graph(device: str) -> Any:
-    from somatize import Graph, Node
+    from train import Dense  # bench/train.py's layer node
 
-    class Dense(Node, nn.Module):
-        def __init__(self, relu: bool = True) -> None:
-            nn.Module.__init__(self)
-            self.lin = nn.Linear(WIDTH, WIDTH)
-            self.relu = relu
-
-        def forward(self, x: Any, ctx: Any) -> Any:
-            y = self.lin(x)
-            return torch.relu(y) if self.relu else y
+    from somatize import Graph
 
     torch.manual_seed(0)
-    expr = Dense().named("d0").on(device)
+    expr = Dense(WIDTH, WIDTH).named("d0").on(device)
     for k in range(1, DEPTH):
-        expr = expr >> Dense(relu=k < DEPTH - 1).named(f"d{k}").on(device)
+        expr = expr >> Dense(WIDTH, WIDTH, relu=k < DEPTH - 1).named(f"d{k}").on(device)
     return Graph.somatize(expr)
 
 

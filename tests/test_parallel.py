@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from somatize import Graph, Node, Store
 from somatize.remote import Broker, Worker
-from somatize.torch import Split, Trainer, parameters, shard
+from somatize.torch import RankLost, Split, Trainer, parameters, shard
 
 mse = nn.functional.mse_loss
 SGD = torch.optim.SGD
@@ -270,7 +270,7 @@ def loses(out):
     try:
         t.fit(mine())
         keep(out, how, error="")
-    except RuntimeError as error:
+    except RankLost as error:
         keep(out, how, error=f"{type(error).__name__}: {error}", took=time.monotonic() - began)
         sys.stdout.flush()
         os._exit(3)
@@ -433,19 +433,17 @@ def test_ranks_that_differ_or_do_not_share_a_store_refuse_together(ranks):
 
 def test_a_rank_lost_makes_the_other_fail_clearly_within_the_timeout(tmp_path):
     def lose(how):  # rank 1 exits, or stalls past the 5 s timeout its script set
-        began = time.monotonic()
-        return launch(tmp_path, ["loses"], grace=2, HOW=how), time.monotonic() - began
+        return launch(tmp_path, ["loses"], grace=2, HOW=how)
 
     with ThreadPoolExecutor(2) as pool:  # the two launches at once: they mostly wait
         lost = dict(zip(["exits", "stalls"], pool.map(lose, ["exits", "stalls"]), strict=True))
-    for how, (((zero, text), _), took) in lost.items():
-        assert took < 60
+    for how, ((zero, text), _) in lost.items():
         said = told(tmp_path, how, 0)
-        assert zero == 3, text[-3000:]
+        assert zero == 3, text[-3000:]  # rank 0 stopped by itself, not by the launch's limit
         assert said["error"].startswith("RankLost: rank 0 of 2"), said
         assert "another rank stopped answering" in said["error"]
         assert said["took"] < (1 if how == "exits" else 5) + 10  # and a margin for a busy host
-    assert lost["exits"][0][1][0] == 17  # rank 1 did exit, with its own code
+    assert lost["exits"][1][0] == 17  # rank 1 did exit, with its own code
 
 
 # -- in this process ----------------------------------------------------------------------

@@ -39,6 +39,7 @@ _where = {
     "gradient": "training.learning",
     "fedavg": "training.federated",
     "gather": "training.federated",
+    "RankLost": "training.parallel",
     "parameters": "training.params",
     "freeze": "training.params",
     "shard": "training.shard",

@@ -33,9 +33,10 @@ from torch import nn
 
 from somatize.torch.placement import modules_of
 from somatize.torch.training import _ranks, _weights
+from somatize.torch.training._ranks import RankLost
 from somatize.torch.training.params import state_of
 
-__all__ = ["MODES", "Parallel", "parallel_of"]
+__all__ = ["MODES", "Parallel", "RankLost", "parallel_of"]
 
 MODES = ("ddp", "fsdp")
 """What `Trainer(parallel=)` takes (besides None)."""
