@@ -307,11 +307,7 @@ class Parallel:
         replica = _Replica(modules, extra, run)
         if not any(p.requires_grad for p in replica.parameters()):
             return None  # nothing to average: the nodes run as they are
-        ddp = nn.parallel.DistributedDataParallel(
-            replica,
-            find_unused_parameters=find_unused,
-            init_sync=False,  # rank 0's weights are already everywhere, and checked alike
-        )
+        ddp = nn.parallel.DistributedDataParallel(replica, find_unused_parameters=find_unused)
         self._replicas.append(ddp)
         return ddp
 
