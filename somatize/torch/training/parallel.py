@@ -225,8 +225,9 @@ class Parallel:
     """A Trainer's stages, data-parallel: what the Trainer runs in their place.
 
     `forward`, `backward`, `update` and `recompile` are the stages' own, through DDP (or FSDP)
-    and with a failed collective turned into a `RankLost`; `window(sync)` says whether the
-    pieces run inside it close a group (outside one, they do). `incoming` and `whole` are
+    and with a failed collective turned into a `RankLost`, and anything else asked of it is
+    asked of the stages; `window(sync)` says whether the pieces run inside it close a group
+    (outside one, they do). `incoming` and `whole` are
     what `load` and `export` ask: rank 0's weights on every rank, and whole tensors out of
     sharded ones.
     """
@@ -334,12 +335,13 @@ class Parallel:
         with replica.no_sync():
             return replica(*args, **kw)
 
-    def forward(self, x: Any, *, store: Any = None) -> Any:
-        """The stages' forward, through DDP (FSDP)."""
+    def forward(self, x: Any, **how: Any) -> Any:
+        """The stages' forward (`how` is what it takes besides the input: `store=`, ...),
+        through DDP (FSDP)."""
         with _ranks.answering("in a forward"):
             if self._whole is not None:
-                return self._run(self._whole, self._sync, x, store=store)
-            return self._stages.forward(x, store=store)
+                return self._run(self._whole, self._sync, x, **how)
+            return self._stages.forward(x, **how)
 
     def backward(self, loss: Any, closing: bool = False) -> None:
         """The stages' backward; where a group closes, DDP all-reduces on the way."""
@@ -368,6 +370,13 @@ class Parallel:
     def recompile(self) -> None:
         """The stages', so the next forward sees the nodes as they are now."""
         self._stages.recompile()
+
+    def __getattr__(self, name: str) -> Any:
+        """Whatever else the stages answer (`whole`, `parts`, ...) is theirs."""
+        stages = self.__dict__.get("_stages")
+        if stages is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(stages, name)
 
     # -- weights --------------------------------------------------------------------------
     def incoming(self, graph: Any, weights: Any) -> Any:
