@@ -81,7 +81,8 @@ class CNN(nn.Module):
         (nn.Upsample(scale_factor=2), "shaping"),
         (nn.Sequential(), "block"),
         (Block(2), "block"),
-        (nn.TransformerEncoderLayer(4, 2), "block"),
+        (nn.TransformerEncoderLayer(4, 2), "attention"),
+        (nn.TransformerDecoderLayer(4, 2), "attention"),
         (nn.Module(), "other"),
         (torch.relu, "activation"),
         (torch.flatten, "shaping"),
@@ -112,7 +113,8 @@ def test_traced_residual_cnn_symbolically_folded_with_shapes():
     assert block.repeats == ["blocks.1", "blocks.2"]
     conv = inside.layer("blocks.0.c1")
     assert conv.kind == "conv" and conv.shape == [2, 4, 8, 8] and conv.block == "blocks.0"
-    assert conv.times == 3 and conv.params == 4 * 4 * 9 + 4
+    # ×3 is said once, by the block: the conv inside it is one conv of each copy
+    assert conv.times == 1 and conv.params == 4 * 4 * 9 + 4
     assert "blocks.1.c1" in conv.repeats
     assert inside.layer("fc").shape == [2, 10]
     assert inside.layer("flatten").kind == "shaping"
@@ -160,7 +162,8 @@ def test_depth_opens_a_composite_torch_ships():
     opened = traced(enc, x, depth=1)
     assert opened.layer("layers.0").times == 4
     assert opened.layer("layers.0.self_attn").kind == "attention"
-    assert opened.layer("layers.0.linear1").times == 4
+    assert opened.layer("layers.0.linear1").times == 1
+    assert "layers.3.linear1" in opened.layer("layers.0.linear1").repeats
 
 
 def test_traced_leaves_the_module_as_it_was():
@@ -236,7 +239,9 @@ def test_architecture_traces_each_node_on_what_reaches_it():
     assert got["enc"].layer("l").shape == [7, 8]
     assert got["branch_2"].layer("l").shape == [7, 3]
     join = got["join"]
-    assert [x.path for x in join.layers] == ["net", "net.0", "net.1", "head"]
+    # a plain node is read as one module made of what it holds, its own torch.cat included
+    assert [x.path for x in join.layers] == ["cat", "net", "net.0", "net.1", "head"]
+    assert ("cat", "net.0") in join.edges
     assert join.layer("net.0").shape == [7, 6] and join.layer("net.0").block == "net"
     assert join.layer("head").shape == [7, 2] and join.layer("head").kind == "learned"
     assert ("net.1", "head") in join.edges
@@ -247,7 +252,7 @@ def test_architecture_traces_each_node_on_what_reaches_it():
 def test_architecture_without_an_example_answers_symbolically():
     got = architecture(_graph())
     assert got["enc"].how == "symbolic" and got["enc"].layer("l").shape is None
-    assert [x.path for x in got["join"].layers] == ["net", "net.0", "net.1", "head"]
+    assert [x.path for x in got["join"].layers] == ["cat", "net", "net.0", "net.1", "head"]
 
 
 def test_architecture_of_a_bare_module_is_keyed_by_its_class():

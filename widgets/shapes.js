@@ -139,7 +139,7 @@ export function shapeText(shape, kind) {
   if (n === 1) names = ["dim"];
   else if (n === 2) names = ["batch", "dim"];
   else if (n === 3) names = spatial ? ["batch", "ch", "len"] : ["batch", "len", "dim"];
-  else if (n === 4) names = ["batch", "ch", "h", "w"];
+  else if (n === 4) names = /attention/i.test(String(kind || "")) ? ["batch", "heads", "seq", "dim"] : ["batch", "ch", "h", "w"];
   else if (n === 5) names = ["batch", "ch", "d", "h", "w"];
   else names = shape.map((_, i) => (i === 0 ? "batch" : `d${i}`));
   return shape.map((v, i) => `${v} ${names[i]}`).join(" · ");
