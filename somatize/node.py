@@ -269,11 +269,27 @@ class Node(Expr, ABC):
         return self is other
 
 
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
+def _signature(fn: Any) -> inspect.Signature:
+    """`inspect.signature(fn)`, read once per function (a bound method by its function)."""
+    key = getattr(fn, "__func__", fn)
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        sig = inspect.signature(key)
+        if len(_SIGNATURES) < 4096:
+            _SIGNATURES[key] = sig
+    if key is not fn and sig.parameters:  # bound: without its first parameter
+        sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return sig
+
+
 def _keywords(fn: Any) -> frozenset[str]:
     """The parameters `fn` (a module's `forward`, or a function) takes by name."""
     forward = getattr(fn, "forward", None)
     try:
-        sig = inspect.signature(forward if callable(forward) else fn)
+        sig = _signature(forward if callable(forward) else fn)
     except (TypeError, ValueError):
         return frozenset()
     by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -343,7 +359,7 @@ def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
     if init is object.__init__:
         return {}
     try:
-        sig = inspect.signature(init)
+        sig = _signature(init)
         bound = sig.bind(None, *args, **kwargs)
     except (TypeError, ValueError):
         return {"args": args, **kwargs}

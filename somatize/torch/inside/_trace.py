@@ -94,6 +94,7 @@ class Raw:
     block: str | None = None
     config: str = ""
     composite: bool = False
+    function: bool = False
 
 
 @dataclass
@@ -221,9 +222,24 @@ def _function_layer(out: Traced, block: str | None, fn: Any, counts: dict[str, i
     n = counts.get(key, 0)
     counts[key] = n + 1
     path = key if n == 0 else f"{key}_{n}"
-    layer = Raw(path, kind_of(name), name, None, 0, block)
+    layer = Raw(path, kind_of(name), name, None, 0, block, function=True)
     out.layers[path] = layer
     return layer
+
+
+def prune(out: Traced, ends: set[str]) -> None:
+    """Take off the functions whose result reaches nothing drawn and is not what the module
+    gave back: a number read for a decision (`x.mean() > 0`) is not a layer of the net."""
+    while True:
+        feeding = {a for a, _ in out.edges}
+        dead = {
+            p for p, x in out.layers.items() if x.function and p not in feeding and p not in ends
+        }
+        if not dead:
+            return
+        for p in dead:
+            del out.layers[p]
+        out.edges = [(a, b) for a, b in out.edges if a not in dead and b not in dead]
 
 
 class _Tracer(fx.Tracer):
@@ -306,7 +322,9 @@ def by_fx(
                 if p != layer.path:
                     edges[(p, layer.path)] = None
     out.edges = list(edges)
+    ends = {p for n in graph.nodes if n.op == "output" for p in produced_by(n)}
     _order(out, [made[n].path for n in graph.nodes if n in made])
+    prune(out, ends)
     return out
 
 
@@ -542,6 +560,7 @@ class Reading:
         self.on = False  # the mode is on the stack
         self.calls = 0
         self.passing: frozenset[str] | None = None  # what an Identity being run hands on
+        self.ends: set[str] = set()  # the layers that made what the root gave back
 
     def arm(self) -> Reading:
         """Hooks on; the root's next call is read."""
@@ -593,6 +612,7 @@ class Reading:
         if self.hooks.live:
             self._mode(False)
             self.hooks.live = False  # only the first call is read
+            self.ends = set(self.s.producers(output)[1])
 
     def disarm(self) -> None:
         """Every hook off, and the function mode too if the root's call never came back."""
@@ -608,6 +628,7 @@ class Reading:
         s = self.s
         s.out.edges = list(s.edges)
         _order(s.out, s.order)
+        prune(s.out, self.ends)
         s.keep = []
         s.by = {}
         return s.out

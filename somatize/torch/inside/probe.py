@@ -17,7 +17,9 @@ net is left exactly as it was: no gradient lands in `.grad`, batch-norm statisti
 
 from __future__ import annotations
 
+import math
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -52,16 +54,51 @@ def _first(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _rms(t: torch.Tensor) -> float:
-    n = t.numel()
-    return float(torch.linalg.vector_norm(t.detach())) / n**0.5 if n else 0.0
-
-
-def _per_sample(g: torch.Tensor, rows: int) -> torch.Tensor:
+def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
+    """‖g‖ of each sample (a row of the first dimension), or of the whole when `rows` is 0."""
     g = g.detach()
     if rows:
-        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1).double()
-    return torch.linalg.vector_norm(g).reshape(1).double()
+        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1, dtype=torch.float64).tolist()
+    return [float(torch.linalg.vector_norm(g, dtype=torch.float64))]
+
+
+class _Tensors:
+    """What is known of each tensor a place reads or makes, one entry per tensor however many
+    places share it (the output of one layer is the input of the next): its RMS, and the
+    per-sample norms of its gradient, heard by one hook as the backward passes. Held by
+    weak reference: nothing is kept alive that the forward would have let go."""
+
+    def __init__(self) -> None:
+        self.by: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+        self.sources: list[torch.Tensor] = []  # where a gradient has to be asked for
+
+    def of(self, t: torch.Tensor) -> dict[str, Any]:
+        entry = self.by.get(id(t))
+        if entry is None or entry[0]() is not t:
+            entry = (weakref.ref(t), {"rms": None, "rows": {}})
+            self.by[id(t)] = entry
+        return entry[1]
+
+    def rms(self, t: torch.Tensor) -> float:
+        known = self.of(t)
+        if known["rms"] is None:
+            n = t.numel()
+            known["rms"] = float(torch.linalg.vector_norm(t.detach())) / n**0.5 if n else 0.0
+        return known["rms"]
+
+    def grads(self, t: torch.Tensor, rows: int) -> dict[int, Any]:
+        """Where the per-sample norms of `t`'s gradient will be, keyed by `rows`."""
+        known = self.of(t)
+        norms = known["rows"]
+        if not norms:
+
+            def heard(g: torch.Tensor, norms: dict[int, Any] = norms) -> None:
+                for r in norms:
+                    norms[r] = _per_sample(g, r)
+
+            t.register_hook(heard)
+        norms.setdefault(rows, None)
+        return norms
 
 
 class _Place:
@@ -77,60 +114,58 @@ class _Place:
         self.saturates = _saturation([s for m in modules for s in m.modules()])
         self.numbers: dict[str, Any] | None = None
         self.rows = 0
-        self.g_in: torch.Tensor | None = None
-        self.g_out: torch.Tensor | None = None
+        self.g_in: dict[int, Any] | None = None
+        self.g_out: dict[int, Any] | None = None
 
-    def saw(self, given: Any, made: Any, sources: list[torch.Tensor]) -> None:
+    def saw(self, given: Any, made: Any, known: _Tensors) -> None:
         if self.numbers is not None:
             return  # the first call is the place's
         inp, out = _first(given), _first(made)
         if out is None:
             return
-        self.numbers = _numbers(inp, out, self.saturates)
+        self.numbers = _numbers(inp, out, self.saturates, known)
         if inp is not None and inp.dim() and out.dim() and inp.shape[0] == out.shape[0]:
             self.rows = out.shape[0]
         if out.requires_grad:
-            out.register_hook(self._heard_out)
+            self.g_out = known.grads(out, self.rows)
             if inp is not None and inp.requires_grad:
-                inp.register_hook(self._heard_in)
+                self.g_in = known.grads(inp, self.rows)
             else:
-                sources.append(out)  # the gradient starts nowhere before it: ask for it here
-
-    def _heard_in(self, g: torch.Tensor) -> None:
-        self.g_in = _per_sample(g, self.rows)
-
-    def _heard_out(self, g: torch.Tensor) -> None:
-        self.g_out = _per_sample(g, self.rows)
+                known.sources.append(out)  # the gradient starts nowhere before: ask for it here
 
     def answer(self) -> dict[str, Any]:
         n = dict(self.numbers or {})
-        if self.g_in is not None and self.g_out is not None:
-            ok = self.g_out > 0
-            if bool(ok.any()):
-                ratio = self.g_in[ok] / self.g_out[ok]
-                mean = float(ratio.mean())
+        g_in = self.g_in.get(self.rows) if self.g_in is not None else None
+        g_out = self.g_out.get(self.rows) if self.g_out is not None else None
+        if g_in is not None and g_out is not None:
+            ratio = [a / b for a, b in zip(g_in, g_out, strict=True) if b > 0]
+            if ratio:
+                mean = math.fsum(ratio) / len(ratio)
                 n["jacobian_gain"] = mean
-                if ratio.numel() > 1:
-                    spread = float(ratio.std(unbiased=False)) / mean if mean > 0 else 0.0
-                    n["jacobian_spread"] = spread
+                if len(ratio) > 1:
+                    var = math.fsum((r - mean) ** 2 for r in ratio) / len(ratio)
+                    n["jacobian_spread"] = math.sqrt(var) / mean if mean > 0 else 0.0
         return n
 
 
-def _numbers(inp: torch.Tensor | None, out: torch.Tensor, saturates: str | None) -> dict:
+def _numbers(
+    inp: torch.Tensor | None, out: torch.Tensor, saturates: str | None, known: _Tensors
+) -> dict:
     a = out.detach()
     n: dict[str, Any] = {}
     if inp is not None:
-        before = _rms(inp)
-        n["signal_gain"] = _rms(a) / before if before > 0 else float("inf")
+        before = known.rms(inp)
+        n["signal_gain"] = known.rms(out) / before if before > 0 else float("inf")
     size = a.numel()
-    n["zero_frac_max"] = int((a.abs() <= _DEAD_EPS).sum()) / size if size else 0.0
+    magnitude = a.abs()
+    n["zero_frac_max"] = int(torch.count_nonzero(magnitude <= _DEAD_EPS)) / size if size else 0.0
     if saturates == "sigmoid":
-        n["sat_frac_max"] = int(((a <= _LOW) | (a >= _HIGH)).sum()) / size
+        n["sat_frac_max"] = int(torch.count_nonzero((a <= _LOW) | (a >= _HIGH))) / size
     elif saturates == "tanh":
-        n["sat_frac_max"] = int((a.abs() >= _HIGH).sum()) / size
+        n["sat_frac_max"] = int(torch.count_nonzero(magnitude >= _HIGH)) / size
     else:
         n["sat_frac_max"] = 0.0
-    finite = bool(torch.isfinite(a).all())
+    finite = not size or math.isfinite(float(magnitude.amax()))  # NaN and inf both show
     n["nan"] = False if finite else bool(a.isnan().any())
     n["inf"] = False if finite else bool(a.isinf().any())
     return n
@@ -185,7 +220,7 @@ def probe(
     nodes = {n: _Place(n, None, [r] if r is not None else []) for n, r in roots.items()}
     inner: dict[str, dict[str, _Place]] = {}
     hooks: list[Calls] = []
-    sources: list[torch.Tensor] = []
+    known = _Tensors()
     for node, root in roots.items():
         if root is None or next(root.children(), None) is None:
             continue
@@ -200,12 +235,12 @@ def probe(
         def leave(path: str, call: int, output: Any, given=given, places=places) -> None:
             place = places.get(path)
             if call == 1 and place is not None:
-                place.saw(given.pop(path, None), output, sources)
+                place.saw(given.pop(path, None), output, known)
 
         hooks.append(Calls(opening, enter, leave))
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
-        nodes[node].saw(input, out, sources)
+        nodes[node].saw(input, out, known)
 
     modules = [r for r in roots.values() if r is not None]
     with untouched(modules, seed=0), torch.enable_grad():
@@ -229,13 +264,13 @@ def probe(
                 h.disarm()
         outs = [t for t in tensors_in(result) if t.is_floating_point() and t.requires_grad]
         leaves = [t for t in tensors_in(x) if t.requires_grad]
-        ends = list({id(t): t for t in leaves + sources}.values())
+        ends = list({id(t): t for t in leaves + known.sources}.values())
         if outs and ends:
             gen = torch.Generator().manual_seed(0)
             cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
             torch.autograd.grad(outs, ends, grad_outputs=cot, allow_unused=True)
         del outs, ends, leaves, result, x
-        sources.clear()
+        known.sources.clear()
     answer: dict[str, dict[str, Any]] = {}
     one = False
     for node, place in nodes.items():
