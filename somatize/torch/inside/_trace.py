@@ -15,6 +15,7 @@ loops.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,10 +133,14 @@ class Opening:
 
     def params(self, path: str) -> int:
         """Parameters under the module at `path`, each counted once."""
-        n = self._params.get(path)
-        if n is None:
-            n = self._params[path] = sum(p.numel() for p in self.named[path].parameters())
-        return n
+        if not self._params:
+            under: dict[str, dict[int, int]] = {"": {}}
+            for name, p in self.root.named_parameters(remove_duplicate=False):
+                parts = name.split(".")[:-1]
+                for i in range(len(parts) + 1):
+                    under.setdefault(".".join(parts[:i]), {})[id(p)] = p.numel()
+            self._params = {k: sum(v.values()) for k, v in under.items()}
+        return self._params.get(path, 0)
 
     def closed(self, path: str) -> bool:
         """Whether the module at `path` is one layer rather than opened."""
@@ -415,8 +420,9 @@ class _Forward:
         self.stack: list[str] = []
         self.counts: dict[str, int] = {}
         self.order: list[str] = []
-        self.by: dict[int, frozenset[str]] = {}
-        self.keep: list[torch.Tensor] = []  # every tensor known, alive so no id is reused
+        # every tensor known, by id with a weak reference (an id is only that tensor's while
+        # it lives): nothing is kept alive that the forward would have let go
+        self.by: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
         self.edges: dict[tuple[str, str], None] = {}
 
     def producers(self, value: Any) -> tuple[bool, frozenset[str]]:
@@ -424,16 +430,15 @@ class _Forward:
         found: set[str] = set()
         tracked = False
         for t in tensors_in(value):
-            p = self.by.get(id(t))
-            if p is not None:
+            known = self.by.get(id(t))
+            if known is not None and known[0]() is t:
                 tracked = True
-                found |= p
+                found |= known[1]
         return tracked, frozenset(found)
 
     def mark(self, value: Any, made: frozenset[str]) -> None:
         for t in tensors_in(value):
-            self.by[id(t)] = made
-            self.keep.append(t)
+            self.by[id(t)] = (weakref.ref(t), made)
 
     def link(self, made: frozenset[str], path: str) -> None:
         for p in made:
@@ -466,12 +471,15 @@ class Calls:
     A module tied in two places is one object at two paths: a call is put at the path inside
     the block that is running. `enter(path, call, args, kwargs)` hears a layer's call begin
     and `leave(path, call, output)` hear it end; nothing inside a layer is heard. While
-    `live` is False nothing is heard and nothing is counted."""
+    `live` is False nothing is heard and nothing is counted. With `blocks` False the blocks
+    are hooked only when a module is tied (their hooks are what says which path it is
+    called under), for who needs the layers alone."""
 
-    def __init__(self, opening: Opening, enter: Any, leave: Any) -> None:
+    def __init__(self, opening: Opening, enter: Any, leave: Any, blocks: bool = True) -> None:
         self.opening = opening
         self.enter = enter
         self.leave = leave
+        self.blocks = blocks
         self.live = True
         self.stack: list[str] = []
         self.calls: dict[str, int] = {}
@@ -489,8 +497,11 @@ class Calls:
         for path, module, shut in self.opening.drawn():
             aliases.setdefault(id(module), []).append((path, shut))
             modules[id(module)] = module
+        tied = any(len(paths) > 1 for paths in aliases.values())
         for key, module in modules.items():
             paths = aliases[key]
+            if not (self.blocks or tied or any(shut for _, shut in paths)):
+                continue
             self.handles.append(
                 module.register_forward_pre_hook(self._pre(paths), with_kwargs=True)
             )
@@ -629,7 +640,6 @@ class Reading:
         s.out.edges = list(s.edges)
         _order(s.out, s.order)
         prune(s.out, self.ends)
-        s.keep = []
         s.by = {}
         return s.out
 
