@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from somatize.graph import as_graph
+from somatize.node import Opaque
 from somatize.torch.placement import named_modules_of
 
 __all__ = [
@@ -75,9 +76,11 @@ def places_of(graph: Any) -> list[tuple[str, str, nn.Module]]:
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    """Every tensor inside a value (dicts, lists, tuples), in order."""
+    """Every tensor inside a value (dicts, lists, tuples, an `Opaque`), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, Opaque):
+        return tensors_in(value.value)
     if isinstance(value, dict):
         return [t for v in value.values() for t in tensors_in(v)]
     if isinstance(value, (list, tuple)):

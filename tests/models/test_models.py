@@ -206,10 +206,12 @@ def test_a_model_as_it_is_through_every_tool(name, tmp_path):
         assert any(p in str(w.message) for w in said), f"{p} is absent and nothing says why"
     assert all(isinstance(v, float) for v in scores.values())
     synflow = scores["synflow"]
-    assert math.isfinite(synflow)
+    assert math.isfinite(synflow) and synflow >= 0
     was = model.training
     model.train(not was)
-    flipped = proxies(model, case.example)["synflow"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what is absent was said above
+        flipped = proxies(model, case.example)["synflow"]
     model.train(was)
     assert flipped == synflow
 
