@@ -45,7 +45,7 @@ class Holder(nn.Module):
         for name, module in named_modules_of(node):
             head, _, index = name.partition(".")
             if index:
-                if head not in self._modules:
+                if head not in dict(self.named_children()):
                     self.add_module(head, nn.ModuleDict())
                 self.get_submodule(head)[index] = module
             else:
@@ -137,7 +137,8 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Non
                 p.grad = grad
                 p.requires_grad_(requires)
             for m, name, b, saved in buffers:
-                m._buffers[name] = b
+                if getattr(m, name, None) is not b:  # the buffer itself, if it was replaced
+                    setattr(m, name, b)
                 if b.shape == saved.shape and b.dtype == saved.dtype:
                     b.copy_(saved)
                 else:
