@@ -336,7 +336,13 @@ def test_graph_counts_a_tied_weight_once_and_labels_attention_axes(page, served)
         "how": "traced",
         "why": None,
     }
+    attn["layers"].append(
+        {"path": "c_attn", "kind": "learned", "label": "Conv1D", "shape": [2, 8, 48],
+         "params": 0, "block": None, "times": 1, "repeats": []}
+    )  # fmt: skip
     _open(page, served, "axes", graph_figure(plan, inside={"enc": attn}))
     _drawn(page, 1)
+    # drawn by its kind (a linear layer), not by the word in its name
+    assert "smz-kind-linear" in page.locator("[data-id='l:enc:c_attn']").get_attribute("class")
     assert "2 heads · 8 seq" in page.locator("[data-id='l:enc:attn.sdpa']").text_content()
     assert "3 ch · 8 h · 8 w" in page.locator("[data-id='l:enc:conv']").text_content()
