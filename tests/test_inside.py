@@ -525,3 +525,8 @@ def test_a_bare_module_holding_a_plain_module_and_the_graph_agree():
     assert architecture(g, torch.randn(2, 5, 4))["pooled"].to_json() == (
         architecture(net, torch.randn(2, 5, 4))["pooled"].to_json()
     )
+
+
+def test_traced_reads_a_node_that_is_a_module_as_the_graph_calls_it():
+    inside = traced(Enc(), torch.randn(3, 4))
+    assert [x.path for x in inside.layers] == ["l", "r"] and inside.layer("r").shape == [3, 8]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from somatize.graph import as_graph
-from somatize.node import Wrapped, unwrap
+from somatize.node import Node, Wrapped, unwrap
 from somatize.torch._modules import Holder, Tap, root_of, untouched
 from somatize.torch.inside._trace import Raw, Reading, Traced, _shape, by_forward, by_fx, fx_trace
 from somatize.torch.inside.fold import collapse, fold
@@ -121,6 +121,8 @@ def _args(module: nn.Module, example: Any) -> tuple[tuple, dict] | None:
         return None
     if isinstance(example, _Call):
         return example.args, example.kwargs
+    if isinstance(module, Node):
+        return (example, None), {}  # a node that is a module takes (input, ctx)
     wrapped = Wrapped(module)
     if isinstance(example, dict) and example and wrapped.keywords.issuperset(example):
         return (), dict(example)
