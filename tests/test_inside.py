@@ -8,6 +8,7 @@ import operator
 
 import pytest
 import torch
+from _nodes import Tied, loops
 from torch import nn
 
 from somatize import Graph, Node, Opaque
@@ -310,47 +311,16 @@ class Twice(nn.Module):
         return self.relu(out + x)
 
 
-def _loops(edges):
-    succ = {}
-    for a, b in edges:
-        succ.setdefault(a, []).append(b)
-    state = {}
-
-    def visit(n):
-        state[n] = 1
-        for m in succ.get(n, []):
-            if state.get(m) == 1 or (m not in state and visit(m)):
-                return True
-        state[n] = 2
-        return False
-
-    return any(n not in state and visit(n) for n in list(succ))
-
-
 @pytest.mark.parametrize("branchy", [False, True])
-def test_a_module_called_twice_is_a_box_per_call_and_nothing_loops(branchy):
+def test_a_module_called_twice_is_a_box_per_call_and_nothingloops(branchy):
     inside = traced(Twice(branchy), torch.randn(1, 2, 4, 4))
     assert inside.how == ("traced" if branchy else "symbolic")
     paths = [x.path for x in inside.layers]
     assert "relu" in paths and "relu#2" in paths
     assert inside.layer("relu#2").label == "ReLU" and inside.layer("relu#2").params == 0
     assert ("conv", "relu") in inside.edges and ("add", "relu#2") in inside.edges
-    assert not _loops(inside.edges)
+    assert not loops(inside.edges)
     assert "mean" not in paths  # a number read for a decision is not a layer of the net
-
-
-class Tied(nn.Module):
-    """An embedding and an output layer sharing one weight (GPT-2's wte and lm_head)."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte = nn.Embedding(11, 4)
-        self.body = nn.Linear(4, 4)
-        self.lm_head = nn.Linear(4, 11, bias=False)
-        self.lm_head.weight = self.wte.weight
-
-    def forward(self, ids):
-        return self.lm_head(self.body(self.wte(ids)))
 
 
 def test_a_tied_weight_is_counted_once():

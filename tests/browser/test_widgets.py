@@ -271,21 +271,10 @@ def test_graph_counts_a_tied_weight_once_and_labels_attention_axes(page, served)
     """The node's count is the model's (an embedding and its output layer share one weight),
     and a 4-D tensor inside attention is heads and sequence, not an image's channels."""
     import torch
-    from torch import nn
+    from _nodes import Tied
 
     from somatize import Graph
     from somatize.torch import architecture
-
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.Embedding(11, 4)
-            self.body = nn.Linear(4, 4)
-            self.lm_head = nn.Linear(4, 11, bias=False)
-            self.lm_head.weight = self.wte.weight
-
-        def forward(self, ids):
-            return self.lm_head(self.body(self.wte(ids)))
 
     net = Tied()
     inside = architecture(net, torch.tensor([[1, 2, 3]]))

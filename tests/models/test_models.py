@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 import zoo
+from _nodes import loops
 from torch import nn
 
 from somatize import Graph, Node, Opaque
@@ -59,23 +60,6 @@ def _looks(model: nn.Module, look: str, fn):  # noqa: ANN001, ANN202
     got = fn()
     _same(before, _snapshot(model), look)
     return got
-
-
-def _loops(edges: list[tuple[str, str]]) -> bool:
-    succ: dict[str, list[str]] = {}
-    for a, b in edges:
-        succ.setdefault(a, []).append(b)
-    state: dict[str, int] = {}
-
-    def visit(n: str) -> bool:
-        state[n] = 1
-        for m in succ.get(n, []):
-            if state.get(m) == 1 or (m not in state and visit(m)):
-                return True
-        state[n] = 2
-        return False
-
-    return any(n not in state and visit(n) for n in list(succ))
 
 
 def _counted(inside) -> int:  # noqa: ANN001
@@ -131,7 +115,7 @@ def _drawn(case: zoo.Case, g: Graph, node: str, depth: int):  # noqa: ANN202
             list(case.model.named_parameters(remove_duplicate=False))
         )
         assert (_counted(inside) >= params) if tied else (_counted(inside) == params)
-    assert not _loops(inside.edges), f"depth {depth}: the edges loop"
+    assert not loops(inside.edges), f"depth {depth}: the edges loop"
     paths = {x.path for x in inside.layers}
     assert all(a in paths and b in paths for a, b in inside.edges)
     head = HEADS.get(case.name)
