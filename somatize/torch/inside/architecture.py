@@ -17,7 +17,9 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import Node, Wrapped, unwrap
 from somatize.torch._modules import Holder, Tap, root_of, untouched
-from somatize.torch.inside._trace import Raw, Reading, Traced, _shape, by_forward, by_fx, fx_trace
+from somatize.torch.inside._forward import Reading, by_forward
+from somatize.torch.inside._fx import by_fx, fx_trace
+from somatize.torch.inside._trace import Raw, Traced, shape_of
 from somatize.torch.inside.fold import collapse, fold
 from somatize.torch.inside.kinds import kind_of, label_of
 
@@ -141,7 +143,7 @@ def _single(module: nn.Module, call: tuple[tuple, dict] | None) -> Traced:
     out = Traced()
     layer = Raw("", kind_of(module), label_of(module), None, _unique([module]))
     if call is not None:
-        layer.shape = _shape(module(*call[0], **call[1]))
+        layer.shape = shape_of(module(*call[0], **call[1]))
     out.layers[""] = layer
     return out
 

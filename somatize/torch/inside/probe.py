@@ -31,7 +31,8 @@ from somatize.run import watchers
 from somatize.torch._modules import Tap, root_of, tensors_in, untouched
 from somatize.torch.audit._measures import _DEAD_EPS, _HIGH, _LOW
 from somatize.torch.audit._place import _saturation
-from somatize.torch.inside._trace import Calls, Opening
+from somatize.torch.inside._forward import Calls
+from somatize.torch.inside._trace import Opening
 
 __all__ = ["probe"]
 
