@@ -120,6 +120,10 @@ def test_inside_better_a_model_as_it_is_in_every_tool():
     assert set(probe(model, x)) == {"sequential", "sequential.0", "sequential.1", "sequential.2"}
     assert "synflow" in proxies(model, x)
     assert list(compare({"mlp": model}, x).index) == ["mlp"]
+    from somatize.figures import graph_figure
+
+    fig = graph_figure(model, inside=architecture(model, x))
+    assert [n["id"] for n in fig.plan["nodes"]] == ["sequential"] and fig.inside["sequential"]
     t = Trainer(
         model, objective=F.cross_entropy, optimizer=torch.optim.SGD(model.parameters(), 0.1)
     )
