@@ -89,12 +89,13 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[None]:
+def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[list[nn.Module]]:
     """Whatever happens inside, the modules come out exactly as they went in.
 
-    Modes, parameter values and dtypes, gradients (the same tensors), buffers, `inplace` flags,
-    and the global random state. With `seed`, the global generator is seeded inside, so a
-    dropout draws the same masks every call.
+    Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
+    buffers, `inplace` flags, and the global random state. With `seed`, the global generator
+    is seeded inside, so a dropout draws the same masks every call. It gives every module
+    inside them, each once, for whoever wants to change them in the meantime.
     """
     every: list[nn.Module] = []
     seen: set[int] = set()
@@ -122,7 +123,7 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Non
             torch.default_generator.manual_seed(seed)
             if torch.cuda.is_initialized():
                 torch.cuda.manual_seed_all(seed)
-        yield
+        yield every
     finally:
         torch.set_rng_state(rng)
         with torch.no_grad():

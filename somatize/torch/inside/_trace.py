@@ -130,6 +130,7 @@ class Opening:
         self.named = dict(root.named_modules(remove_duplicate=False))
         self._closed: dict[str, bool] = {}
         self._params: dict[str, int] = {}
+        self._drawn: list[tuple[str, nn.Module, bool]] | None = None
 
     def params(self, path: str) -> int:
         """Parameters under the module at `path`, each counted once."""
@@ -166,6 +167,8 @@ class Opening:
     def drawn(self) -> list[tuple[str, nn.Module, bool]]:
         """Every (path, module, closed) that is a layer or a block, in declaration order,
         every path a module is reachable under (a tied module is at each of its paths)."""
+        if self._drawn is not None:
+            return self._drawn
         found: list[tuple[str, nn.Module, bool]] = []
 
         def visit(path: str, module: nn.Module) -> None:
@@ -177,6 +180,7 @@ class Opening:
                     visit(p, child)
 
         visit("", self.root)
+        self._drawn = found
         return found
 
     def _raw(self, path: str, block: str | None, label: str | None = None) -> Raw:

@@ -245,13 +245,12 @@ def probe(
         nodes[node].saw(input, out, known)
 
     modules = [r for r in roots.values() if r is not None]
-    with untouched(modules, seed=0), torch.enable_grad():
+    with untouched(modules, seed=0) as every, torch.enable_grad():
         try:
-            for m in modules:
-                for sub in m.modules():
-                    if isinstance(getattr(sub, "inplace", None), bool):
-                        sub.inplace = False
-                for p in m.parameters():
+            for sub in every:
+                if isinstance(getattr(sub, "inplace", None), bool):
+                    sub.inplace = False
+                for p in sub.parameters(recurse=False):
                     p.requires_grad_(True)
             for h in hooks:
                 h.arm()
