@@ -18,6 +18,7 @@ TOUR = [
     "04_federated",
     "05_health",
     "06_choosing_an_architecture",
+    "07_your_own_model",
 ]
 
 
