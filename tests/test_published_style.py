@@ -706,7 +706,7 @@ def test_the_store_and_codecs(tmp_path):
         def __init__(self, x: int) -> None:
             self.x = x
 
-    codec("test.Point", Point, dump=lambda p: {"x": p.x}, load=lambda d: Point(d["x"]))
+    codec("test.Point", Point, dump=lambda p: str(p.x).encode(), load=lambda b: Point(int(b)))
     store.keep("point", Point(3))
     assert store.recall("point").x == 3
 
@@ -880,7 +880,7 @@ def test_the_tensor_codec_is_torch_tensor_and_stores_kept_before_read_back(tmp_p
 def test_a_recorder_summarising_the_loss_and_the_run_read_back(tmp_path):
     store = Store(tmp_path / "runs")
     torch.manual_seed(0)
-    g = Graph.somatize(OpaqueEncoder() >> OpaqueHead())
+    g = Graph.somatize(OpaqueEncoder().named("encoder") >> OpaqueHead().named("head"))
     recorder = Recorder(store, run="tuesday", summarising=["loss"])
     t = Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1), watching=recorder)
     t.fit(opaque_batches(), epochs=2)
@@ -908,7 +908,7 @@ def test_fedavg_and_gather_as_written(tmp_path):
     torch.manual_seed(0)
     clients = []
     for k in range(2):
-        g = Graph.somatize(OpaqueEncoder() >> OpaqueHead())
+        g = Graph.somatize(OpaqueEncoder().named("encoder") >> OpaqueHead().named("head"))
         t = Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1))
         t.fit(opaque_batches(seed=k))
         clients.append(t)
