@@ -18,6 +18,7 @@ EXPECTED = [
     "04_federated",
     "05_health",
     "06_choosing_an_architecture",
+    "08_four_ways",
 ]
 
 

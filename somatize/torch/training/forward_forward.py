@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.nn import functional
 
+from somatize.node import unwrap
 from somatize.torch.training.learning import Learning
 
 __all__ = ["ForwardForward", "negatives", "partners", "goodness"]
@@ -114,7 +115,7 @@ class ForwardForward(Learning):
                     + f" for {given.shape[0]} rows: give a tensor with one target per row"
                 )
             node = self.node
-            negative = type(node).forward(node, negatives(given.detach(), target), ctx)
+            negative = unwrap(type(node).forward(node, negatives(given.detach(), target), ctx))
             theta = self.threshold
             loss = functional.softplus(
                 torch.cat([theta - goodness(self.held), goodness(negative) - theta])

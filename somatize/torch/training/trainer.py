@@ -20,6 +20,7 @@ import torch
 from somatize.graph import Graph
 from somatize.node import unwrap
 from somatize.torch.training import _checks, brought
+from somatize.torch.training._micro import pieces
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.params import freeze, named, owners, state_of
 from somatize.torch.training.remote import Remote
@@ -63,40 +64,6 @@ class Result:
             return "Result(0 steps)"
         steps = "1 step" if n == 1 else f"{n} steps"
         return f"Result({steps}, loss {self.history[0]:.3g} → {self.history[-1]:.3g})"
-
-
-def _first(value: Any) -> int | None:
-    """The first dimension of the first tensor inside `value`, or None."""
-    if isinstance(value, torch.Tensor):
-        return value.shape[0] if value.dim() else None
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(value, (dict, list, tuple)):
-        for v in items:
-            n = _first(v)
-            if n is not None:
-                return n
-    return None
-
-
-def _cut(value: Any, k: int, what: str) -> list:
-    if isinstance(value, torch.Tensor):
-        n = value.shape[0] if value.dim() else None
-        if n is None or n % k:
-            raise ValueError(
-                f"micro={k} cuts the {what} into {k} equal pieces along its first dimension, "
-                f"and its shape is {tuple(value.shape)}: use a batch size that {k} divides"
-            )
-        return list(value.split(n // k))
-    if isinstance(value, dict):
-        cut = {key: _cut(v, k, what) for key, v in value.items()}
-        return [{key: cut[key][i] for key in cut} for i in range(k)]
-    if isinstance(value, (list, tuple)):
-        cut = [_cut(v, k, what) for v in value]
-        return [type(value)(c[i] for c in cut) for i in range(k)]
-    raise TypeError(
-        f"micro={k} cuts the {what} along its first dimension; a {type(value).__name__} "
-        "cannot be cut: pass tensors (or dicts, lists, tuples of them), or micro=1"
-    )
 
 
 def _person_watching(stream: Any = None) -> bool:
@@ -236,14 +203,7 @@ class Trainer:
             )
         x, y = batch
         if self.micro > 1:
-            nx, ny = _first(x), _first(y)
-            if nx != ny:
-                raise ValueError(
-                    f"micro={self.micro} cuts the input and the target into pieces along their "
-                    f"first dimension, and they differ: the input's is {nx}, the target's {ny}; "
-                    "give one target per input"
-                )
-            xs, ys = _cut(x, self.micro, "input"), _cut(y, self.micro, "target")
+            xs, ys = pieces(x, y, self.micro)
         if self._count == 0 and self.optimizer is not None:
             self.optimizer.zero_grad()
         if self.audit is not None:  # what will make this step's update (read from it, for SGD)
