@@ -554,16 +554,37 @@ def test_a_frozen_cached_encoder_runs_once_per_distinct_batch(tmp_path):
 # -- progress -----------------------------------------------------------------------------
 
 
-def test_a_progress_bar_only_when_a_person_watches(tmp_path, capfd):
-    from somatize.torch.training.trainer import _person_watching
+def test_a_progress_bar_only_when_a_person_watches(monkeypatch, capfd):
+    import sys
+
+    plain(mlp()).fit(batches(2))
+    assert capfd.readouterr().err == ""  # stderr is not a terminal here: no bar
+    import fcntl
+    import struct
+    import termios
 
     master, slave = os.openpty()
-    with os.fdopen(slave, "w") as tty, open(tmp_path / "f", "w") as file:
-        assert _person_watching(tty) is True
-        assert _person_watching(file) is False
-    os.close(master)
-    plain(mlp()).fit(batches(2))
-    assert capfd.readouterr().err == ""
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
+    try:
+        with os.fdopen(slave, "w") as tty:
+            monkeypatch.setattr(sys, "stderr", tty)
+            plain(mlp()).fit(batches(2))
+            tty.flush()
+            monkeypatch.undo()
+        os.set_blocking(master, False)
+        read = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except (BlockingIOError, OSError):
+                break
+            if not chunk:
+                break
+            read += chunk
+        shown = read.decode(errors="replace")
+    finally:
+        os.close(master)
+    assert "training" in shown and "2/2" in shown  # a terminal on stderr: a bar
 
 
 # -- auditing -----------------------------------------------------------------------------
