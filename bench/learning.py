@@ -15,14 +15,13 @@ a plain step.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 from _results import report
 from torch import nn
+from train import graph, time_us
 
-from somatize import Graph, Node
 from somatize.torch import ForwardForward, Greedy, Split, Synthetic, Trainer, parameters
 
 SIZES = [
@@ -31,26 +30,6 @@ SIZES = [
     ("256-512-512-10, batch 128", 256, 512, 10, 128),
 ]
 BUDGET = 2.0
-
-
-class Dense(Node, nn.Module):
-    """One layer of the MLP, as a node."""
-
-    def __init__(self, i: int, o: int, relu: bool = True) -> None:
-        nn.Module.__init__(self)
-        self.lin = nn.Linear(i, o)
-        self.relu = relu
-
-    def forward(self, x: Any, ctx: Any) -> Any:
-        y = self.lin(x)
-        return torch.relu(y) if self.relu else y
-
-
-def graph(i: int, h: int, o: int) -> Graph:
-    torch.manual_seed(0)
-    return Graph.somatize(
-        Dense(i, h).named("first") >> Dense(h, h).named("mid") >> Dense(h, o, False).named("last")
-    )
 
 
 def techniques(h: int, o: int) -> dict[str, dict[str, Any]]:
@@ -63,13 +42,6 @@ def techniques(h: int, o: int) -> dict[str, dict[str, Any]]:
         "Greedy (first)": {"first": Greedy(SGD, head=nn.Linear(h, o), lr=0.01)},
         "ForwardForward (first)": {"first": ForwardForward(SGD, lr=0.01)},
     }
-
-
-def time_us(fn: Any, loops: int) -> float:
-    t0 = time.perf_counter_ns()
-    for _ in range(loops):
-        fn()
-    return (time.perf_counter_ns() - t0) / loops / 1e3
 
 
 def measure(i: int, h: int, o: int, batch: int, loops: int, repeats: int) -> dict[str, float]:

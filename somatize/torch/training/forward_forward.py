@@ -89,39 +89,36 @@ class ForwardForward(Learning):
         gives back nothing. `signal` is not read: what the node produced went on detached."""
         if self.idle(signal):
             return self.done()
-        optimizer = self.optimizer
-        if self.opens():
-            optimizer.zero_grad()
-        if self.held is not None:
-            given = self.given
-            if not isinstance(given, torch.Tensor) or not given.is_floating_point() or (
-                given.dim() < 1 or given.shape[0] < 2
-            ):
-                where = ctx.id.split("/")[0] if ctx is not None else "the node"
-                shape = tuple(given.shape) if isinstance(given, torch.Tensor) else None
-                raise TypeError(
-                    f"ForwardForward makes its negatives from the batch node {where!r} is "
-                    f"given, one floating tensor of at least two rows; it was given "
-                    f"{type(given).__name__}{'' if shape is None else f' {shape}'}"
-                )
-            target = self.target
-            if not isinstance(target, torch.Tensor) or target.dim() < 1 or (
-                target.shape[0] != given.shape[0]
-            ):
-                raise TypeError(
-                    f"ForwardForward pairs each row of the batch with a row of another target, "
-                    f"and the target is {type(target).__name__}"
-                    + (f" {tuple(target.shape)}" if isinstance(target, torch.Tensor) else "")
-                    + f" for {given.shape[0]} rows: give a tensor with one target per row"
-                )
-            node = self.node
-            negative = unwrap(type(node).forward(node, negatives(given.detach(), target), ctx))
-            theta = self.threshold
-            loss = functional.softplus(
-                torch.cat([theta - goodness(self.held), goodness(negative) - theta])
-            ).mean()
-            (loss / self.group).backward()
-        if self.closes():
-            optimizer.step()
-        self.done()
+        self.minimising(lambda: self._loss(ctx))
         return None
+
+    def _loss(self, ctx: Any) -> torch.Tensor:
+        given, target = self.given, self.target
+        where = ctx.id.split("/")[0] if ctx is not None else "the node"
+        if not isinstance(given, torch.Tensor) or not given.is_floating_point() or (
+            given.dim() < 1 or given.shape[0] < 2
+        ):
+            shape = tuple(given.shape) if isinstance(given, torch.Tensor) else None
+            raise TypeError(
+                f"ForwardForward makes its negatives from the batch node {where!r} is given, "
+                f"one floating tensor of at least two rows; it was given "
+                f"{type(given).__name__}{'' if shape is None else f' {shape}'}"
+            )
+        if not isinstance(target, torch.Tensor) or target.dim() < 1 or (
+            target.shape[0] != given.shape[0]
+        ):
+            raise TypeError(
+                f"ForwardForward pairs each row of the batch node {where!r} is given with a row "
+                f"of another target, and the target is {type(target).__name__}"
+                + (f" {tuple(target.shape)}" if isinstance(target, torch.Tensor) else "")
+                + f" for {given.shape[0]} rows: give a tensor with one target per row"
+            )
+        node = self.node
+        negative = unwrap(type(node).forward(node, negatives(given.detach(), target), ctx))
+        rows = given.shape[0]
+        # softplus(threshold − goodness) for the positive rows, softplus(goodness − threshold)
+        # for the negative ones, averaged over both
+        sign = torch.ones(2 * rows, dtype=negative.dtype, device=negative.device)
+        sign[:rows] = -1.0
+        both = goodness(torch.cat([self.held, negative]))
+        return functional.softplus(sign * (both - self.threshold)).mean()

@@ -26,6 +26,9 @@ class Greedy(Learning):
     by `every * micro` as the Trainer divides its own, and the node and the head step together
     under one optimizer (`training()` holds both). The head goes to the node's device, is
     exported with the node it trains under `learning/head.…`, and is loaded back from there.
+    On a worker the objective travels with it by name, so it has to be one the wire can name
+    (a function of torch, such as `torch.nn.functional.cross_entropy`); the head is a module,
+    and travels as code, to a worker started with `--accept-code`.
 
     What the node produces is handed on detached, so a node after it learns from it without
     sending a gradient back; a node before it gets none (`NoGradient` for one held by the
@@ -60,18 +63,10 @@ class Greedy(Learning):
         the node produced went on detached."""
         if self.idle(signal):
             return self.done()
-        optimizer = self.optimizer
-        if self.opens():
-            optimizer.zero_grad()
-        if self.held is not None:
-            if self.objective is None:
-                raise ValueError(
-                    "Greedy learns from the run's objective, and has not been told one: use it "
-                    "through Trainer(trains={node: Greedy(...)}), or tell(objective=...) first"
-                )
-            loss = self.objective(self.head(self.held), self.target)
-            (loss / self.group).backward()
-        if self.closes():
-            optimizer.step()
-        self.done()
+        if self.objective is None:
+            raise ValueError(
+                "Greedy learns from the run's objective, and has not been told one: use it "
+                "through Trainer(trains={node: Greedy(...)}), or tell(objective=...) first"
+            )
+        self.minimising(lambda: self.objective(self.head(self.held), self.target))
         return None

@@ -350,6 +350,19 @@ class Learning(Node):
             return self._closing
         return self.due()
 
+    def minimising(self, loss: Callable[[], torch.Tensor]) -> None:
+        """One step of the group on a loss of the technique's own (`loss()`, called only when
+        an activation is held): gradients cleared where the group opens, `loss() / group`
+        backward, the optimizer stepped where the group closes, and `done()`."""
+        optimizer = self.optimizer
+        if self.opens():
+            optimizer.zero_grad()
+        if self.held is not None:
+            (loss() / self.group).backward()
+        if self.closes():
+            optimizer.step()
+        self.done()
+
     def idle(self, signal: Any) -> bool:
         """Whether this learn has nothing to do: nothing arrived, nothing is held, nothing has
         accumulated (the Trainer's `update()` reaching a group that is already applied)."""
