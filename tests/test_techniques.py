@@ -430,8 +430,8 @@ def test_a_technique_on_a_worker_trains_to_the_weights_it_trains_to_here(kind, f
         a = Layer(3, 4).named("a")
         return Graph.somatize((a.at(host) if host else a) >> Layer(4, 2, False).named("head"))
 
-    here = trainer(kind, build(), objective=objective, every=2)
-    there = trainer(kind, build("far"), objective=objective, every=2, broker=far)
+    here = trainer(kind, build(), objective=objective, every=2, micro=2)
+    there = trainer(kind, build("far"), objective=objective, every=2, micro=2, broker=far)
     batches = batches_of(kind, 10)
     for b in batches:
         assert here.step(b) == pytest.approx(there.step(b), abs=1e-6)
