@@ -358,7 +358,8 @@ class Learning(Node):
         if self.opens():
             optimizer.zero_grad()
         if self.held is not None:
-            (loss() / self.group).backward()
+            group = self.group
+            (loss() / group if group != 1 else loss()).backward()
         if self.closes():
             optimizer.step()
         self.done()
