@@ -11,7 +11,7 @@ from _nodes import Layer
 from torch import nn
 from torch.nn.functional import mse_loss, softplus
 
-from somatize import Broker, Graph, Node, Worker
+from somatize import Broker, Graph, NoCodec, Node, Worker
 from somatize.torch import (
     Audit,
     ForwardForward,
@@ -407,14 +407,21 @@ def test_an_audit_sees_the_node_a_technique_trains_like_any_other(kind):
 
 
 @pytest.fixture(scope="module")
-def far():
-    broker = Broker.embedded({"far": Worker.spawn(["--accept-code", "--threads", "1"])})
-    yield broker
-    broker.close()
+def workers():
+    """A worker that imports what it runs, and one started to accept code as well: Greedy's
+    head is a module, which travels as code; the others travel by name, as Split does."""
+    brokers = {
+        "project": Broker.embedded({"far": Worker.spawn(["--threads", "1"])}),
+        "code": Broker.embedded({"far": Worker.spawn(["--accept-code", "--threads", "1"])}),
+    }
+    yield brokers
+    for broker in brokers.values():
+        broker.close()
 
 
 @pytest.mark.parametrize("kind", ["greedy", "synthetic", "ff"])
-def test_a_technique_on_a_worker_trains_to_the_weights_it_trains_to_here(kind, far):
+def test_a_technique_on_a_worker_trains_to_the_weights_it_trains_to_here(kind, workers):
+    far = workers["code" if kind == "greedy" else "project"]
     objective = objective_of(kind)
     nid = "mid" if kind == "synthetic" else "a"
 
@@ -430,6 +437,10 @@ def test_a_technique_on_a_worker_trains_to_the_weights_it_trains_to_here(kind, f
         a = Layer(3, 4).named("a")
         return Graph.somatize((a.at(host) if host else a) >> Layer(4, 2, False).named("head"))
 
+    if kind == "greedy":  # its head is code: a worker that does not take code is not sent it
+        refused = trainer(kind, build("far"), objective=objective, broker=workers["project"])
+        with pytest.raises(NoCodec, match="a/learning.*--accept-code"):
+            refused.step(batches_of(kind, 1)[0])
     here = trainer(kind, build(), objective=objective, every=2, micro=2)
     there = trainer(kind, build("far"), objective=objective, every=2, micro=2, broker=far)
     batches = batches_of(kind, 10)
