@@ -35,12 +35,12 @@ def negatives(given: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     Hinton's unsupervised negatives are hybrids of two images, made the same way at any depth:
     it needs no pixels and no room in the input for a label. Deterministic: the same batch gives
     the same negatives in every process."""
-    return 0.5 * (given + given[partners(target)])
+    return torch.lerp(given, given[partners(target)], 0.5)
 
 
 def goodness(output: torch.Tensor) -> torch.Tensor:
     """The goodness of each row: the mean of the squares of its activities."""
-    return output.pow(2).reshape(output.shape[0], -1).mean(dim=1)
+    return output.flatten(1).square().mean(dim=1)
 
 
 class ForwardForward(Learning):
