@@ -366,7 +366,8 @@ class Trainer:
 
         A detached copy, so the next step does not move it under whoever holds it; the
         optimizer's state is not in it. A node that runs on another host is asked of its
-        worker (through the broker), which holds the weights it learnt there.
+        worker (through the broker), which holds the weights it learnt there; a worker that
+        lost them (it was restarted) is `StateLost`, never weights older than what it learnt.
         """
         out: Weights = {}
         for nid in self.graph.nodes():
@@ -379,40 +380,39 @@ class Trainer:
         return out
 
     def load(self, weights: Weights) -> None:
-        """The mirror of `export`: every node named has to be here with exactly the keys and
-        shapes given, and nothing is copied in until all of that is true. A node on another
-        host gets its weights sent to its worker too."""
+        """The mirror of `export`, all or nothing: every node named has to be here and hold
+        weights, and every key given has to be one of its keys with the same shape (a subset
+        of them is fine, as `load_state_dict(strict=False)` takes; they are cast to the node's
+        dtype). Everything is checked and copied aside first, on every worker of a node that
+        runs elsewhere too, and only then copied in everywhere; a refusal, or a worker that
+        dies on the way, leaves every weight as it was."""
         if not isinstance(weights, dict):
             raise TypeError(f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}")
-        plan = []
+        staged = []
+        remote: dict[str, dict[str, torch.Tensor]] = {}
         for nid, given in weights.items():
-            if nid not in self.graph:
+            state = state_of(self.graph.implementation(nid)) if nid in self.graph else {}
+            if not state:
+                has = [n for n in self.graph.nodes() if state_of(self.graph.implementation(n))]
                 raise ValueError(
-                    f"the weights name node {nid!r}, which this graph does not have; "
-                    f"it has {self.graph.nodes()}"
+                    f"the weights name node {nid!r}, which this graph "
+                    f"{'does not have' if nid not in self.graph else 'holds no weights in'}; "
+                    f"the nodes with weights are {has}; nothing was loaded"
                 )
-            state = state_of(self.graph.implementation(nid))
-            if not isinstance(given, dict) or set(given) != set(state):
-                got = set(given) if isinstance(given, dict) else type(given).__name__
-                raise ValueError(
-                    f"node {nid!r}: the weights hold keys {sorted(got) if isinstance(got, set) else got}"
-                    f", and the node has {sorted(state)}; nothing was loaded"
-                )
-            for key, tensor in given.items():
-                mine = state[key]
-                if not isinstance(tensor, torch.Tensor) or tensor.shape != mine.shape:
-                    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
-                    raise ValueError(
-                        f"node {nid!r}, {key!r}: the weights give shape {shape!r:.60}, the "
-                        f"node has {tuple(mine.shape)}; nothing was loaded"
-                    )
-                plan.append((mine, tensor))
-        with torch.no_grad():
-            for mine, tensor in plan:
-                mine.copy_(tensor)
-        for nid, given in weights.items():
+            copies = _staged(nid, given, state)
+            staged += [(state[key], copy) for key, copy in copies.items()]
             if self.graph.setting(nid).host:
-                self.broker.load_weights(self.graph, nid, given)
+                remote[nid] = copies
+
+        def commit() -> None:
+            with torch.no_grad():
+                for mine, copy in staged:
+                    mine.copy_(copy)
+
+        if remote:
+            self.broker.load_weights(self.graph, remote, then=commit)
+        else:
+            commit()
 
     def close(self) -> None:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is
@@ -429,6 +429,41 @@ class Trainer:
             f"Trainer({self.graph!r}, every={self.every}, micro={self.micro}, "
             f"trains={sorted(self.trains)}, steps={self._steps})"
         )
+
+
+def _staged(nid: str, given: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`given` checked against the node's `state` and copied aside, cast to its dtypes."""
+    if not isinstance(given, dict) or not given:
+        raise ValueError(
+            f"node {nid!r}: weights are a non-empty {{key: tensor}}, not {given!r:.60}; "
+            "nothing was loaded"
+        )
+    unknown = sorted(set(given) - set(state))
+    if unknown:
+        raise ValueError(
+            f"node {nid!r}: the weights hold keys {unknown}, which the node does not have; "
+            f"it has {sorted(state)}; nothing was loaded"
+        )
+    copies = {}
+    for key, tensor in given.items():
+        mine = state[key]
+        if not isinstance(tensor, torch.Tensor) or tensor.shape != mine.shape:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
+            raise ValueError(
+                f"node {nid!r}, {key!r}: the weights give shape {shape!r:.60}, the node has "
+                f"{tuple(mine.shape)}; nothing was loaded"
+            )
+        if tensor.layout != torch.strided or tensor.is_meta or tensor.is_quantized:
+            what = "on the meta device" if tensor.is_meta else f"{tensor.layout}, quantized or not"
+            raise ValueError(
+                f"node {nid!r}, {key!r}: a tensor {what} has no plain numbers to load (give it "
+                "dense, on a real device); nothing was loaded"
+            )
+        try:
+            copies[key] = tensor.detach().to(device=mine.device, dtype=mine.dtype, copy=True)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"node {nid!r}, {key!r}: {error}; nothing was loaded") from error
+    return copies
 
 
 def _transports(broker: Any, hosts: dict[str, str]) -> Callable[[str | None], Any]:

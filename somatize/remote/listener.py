@@ -1,0 +1,213 @@
+"""The worker's socket: limits applied before a message is read, a guard on its connections,
+and the loop that hands each message to the `Server`.
+
+Before a byte is read: ZeroMQ refuses a message larger than `max_message` (the connection
+is dropped when its size is announced, nothing allocated for it), and holds at most
+`QUEUED` messages per connection while the worker is busy. The guard (a thread on ZeroMQ's
+socket monitor) cuts a connection that has not sent a message that verifies: when more than
+`most_pending` such connections are open at once, after `pending_within` seconds, and a
+second after one sent a message that does not verify. So what an unauthenticated peer can
+make the worker hold is at most `most_pending × (QUEUED + 1) × max_message` bytes, for at most
+`pending_within` seconds. The process's limit of open files is raised to its hard limit, and
+running out of descriptors is logged (at most every ten seconds), never spun on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import threading
+import time
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["QUEUED", "Guard", "bind", "serve"]
+
+log = logging.getLogger("somatize.worker")
+
+QUEUED = 2
+"""Messages a connection may have waiting while the worker is busy with another."""
+
+_EVENTS = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CLOSED
+    | zmq.EVENT_ACCEPT_FAILED
+    | zmq.EVENT_MONITOR_STOPPED
+)
+
+
+def bind(context: zmq.Context, endpoint: str, *, max_message: int, curve_secret: str | None):
+    """The worker's ROUTER socket, bound to `endpoint`, with its limits set first."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_message))
+    sock.setsockopt(zmq.RCVHWM, QUEUED)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an answer to a client that left is an error
+    if curve_secret:
+        sock.curve_server = True
+        sock.curve_secretkey = curve_secret.encode()
+        sock.curve_publickey = zmq.curve_public(curve_secret.encode())
+    sock.bind(endpoint)
+    return sock
+
+
+def _cut(fd: int) -> None:
+    """End the TCP connection on descriptor `fd` (libzmq's: it sees the end and closes it).
+    No new descriptor is needed for it, which matters when they have run out."""
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.detach()  # the descriptor stays libzmq's
+
+
+class Guard:
+    """Watches the connections of `sock` on a thread of its own (see the module's doc)."""
+
+    def __init__(
+        self, sock: zmq.Socket, *, most_pending: int = 16, pending_within: float = 10.0
+    ) -> None:
+        self.most_pending = int(most_pending)
+        self.pending_within = float(pending_within)
+        self.lock = threading.Lock()
+        self.pending: dict[int, float] = {}  # descriptor: when it was accepted
+        self.trusted: set[int] = set()
+        self.closed: list[int] = []  # descriptors gone since the loop last asked
+        self.cuts = 0
+        self._told = -float("inf")
+        self.monitor = sock.get_monitor_socket(_EVENTS)
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="somatize-guard")
+        self.thread.start()
+
+    def trust(self, fd: int | None) -> None:
+        """A message from `fd` verified: it is a client's, never cut."""
+        if fd is not None:
+            with self.lock:
+                self.pending.pop(fd, None)
+                self.trusted.add(fd)
+
+    def distrust(self, fd: int | None) -> None:
+        """A message from `fd` did not verify: cut it a second from now (time for the
+        refusal to reach it), unless it is a client's."""
+        if fd is not None:
+            with self.lock:
+                if fd in self.pending:
+                    self.pending[fd] = min(
+                        self.pending[fd], time.monotonic() - self.pending_within + 1.0
+                    )
+
+    def gone(self) -> list[int]:
+        """The descriptors of the connections closed since the last call."""
+        with self.lock:
+            found, self.closed = self.closed, []
+        return found
+
+    def _watch(self) -> None:
+        monitor = self.monitor
+        while True:
+            if monitor.poll(250):
+                event = recv_monitor_message(monitor)
+                kind, value = event["event"], event["value"]
+                if kind == zmq.EVENT_MONITOR_STOPPED:
+                    break
+                self._event(kind, value)
+            self._sweep()
+        monitor.close(0)
+
+    def _event(self, kind: int, fd: int) -> None:
+        with self.lock:
+            if kind == zmq.EVENT_ACCEPTED:
+                if len(self.pending) >= self.most_pending:
+                    self.cuts += 1
+                    cut = True
+                else:
+                    self.pending[fd] = time.monotonic()
+                    cut = False
+            elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                self.pending.pop(fd, None)
+                self.trusted.discard(fd)
+                self.closed.append(fd)
+                return
+            elif kind == zmq.EVENT_ACCEPT_FAILED:
+                now = time.monotonic()
+                if now - self._told > 10.0:
+                    self._told = now
+                    log.warning(
+                        "could not accept a connection (%s): %d connection(s) waiting to say "
+                        "anything that verifies",
+                        os.strerror(fd),
+                        len(self.pending),
+                    )
+                return
+            else:
+                return
+        if cut:
+            _cut(fd)
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            old = [fd for fd, at in self.pending.items() if now - at > self.pending_within]
+            for fd in old:
+                del self.pending[fd]
+            self.cuts += len(old)
+        for fd in old:
+            _cut(fd)
+
+
+def serve(sock: zmq.Socket, server: Any, guard: Guard | None, stop: threading.Event) -> None:
+    """Answer every message on `sock` with `server.handle` until `stop` is set; between
+    messages, forget expired sessions and those whose client's connection closed."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    swept = time.monotonic()
+    while not stop.is_set():
+        if poller.poll(200):
+            try:
+                frames = sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                continue
+            if len(frames) < 2:
+                continue
+            peer = frames[0]
+            fd = _source(peer)
+            reply, verified = server.handle(frames[1:], fd)
+            if guard is not None:
+                (guard.trust if verified else guard.distrust)(fd)
+            if reply is not None:
+                try:
+                    sock.send_multipart([peer, *reply], copy=False)
+                except zmq.ZMQError as error:  # the client left: nothing to tell it
+                    log.info("could not answer a client that went away: %s", error)
+        now = time.monotonic()
+        if now - swept > 1.0:
+            swept = now
+            for fd in guard.gone() if guard is not None else ():
+                server.gone(fd)
+            server.expire()
+
+
+def _source(frame: Any) -> int | None:
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
