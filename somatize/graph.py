@@ -113,7 +113,9 @@ class Graph:
                 nid = f"{base}_{k}"
             self._counts[base] = k
         elif str(nid).startswith("<") and str(nid).endswith(">"):  # the cut's "<input>", "<loss>"
-            raise ValueError(f"{nid!r} names a graph's own input or loss, not a node: .named() it otherwise")
+            raise ValueError(
+                f"{nid!r} names a graph's own input or loss, not a node: .named() it otherwise"
+            )
         elif nid in self._impl:
             raise ValueError(
                 f"duplicate node id {nid!r}: a {type(self._impl[nid]).__name__} already has it; "

@@ -56,18 +56,16 @@ def _watch_parent(parent: int) -> None:
 
 
 def _secret(value: str | None, path: str | None, env: str, flag: str) -> str | None:
+    from somatize.remote.seal import read_secret
+
     if value:
         log.warning(
             "%s on the command line is visible to every local user: use %s-file", flag, flag
         )
-        return value
-    if path:
-        with open(path, encoding="utf-8") as f:
-            found = f.readline().strip()
-        if not found:
-            raise SystemExit(f"{flag}-file {path} is empty")
-        return found
-    return os.environ.get(env) or None
+    try:
+        return read_secret(value, path, env)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"{flag}-file: {error}") from None
 
 
 def parser() -> argparse.ArgumentParser:

@@ -240,9 +240,9 @@ def test_the_token_is_read_from_a_file_or_the_environment(tmp_path, monkeypatch)
     monkeypatch.setenv("SOMATIZE_TOKEN", "from-env")
     path = tmp_path / "token"
     path.write_text("from-file\nignored\n")
-    assert seal.read_token(token_file=str(path)) == "from-file"
-    assert seal.read_token() == "from-env"
-    assert seal.read_token("given") == "given"
+    assert seal.read_secret(path=str(path)) == "from-file"
+    assert seal.read_secret() == "from-env"
+    assert seal.read_secret("given") == "given"
     path.write_text("\n")
-    with pytest.raises(ValueError, match="holds no token"):
-        seal.read_token(token_file=str(path))
+    with pytest.raises(ValueError, match="holds no secret"):
+        seal.read_secret(path=str(path))

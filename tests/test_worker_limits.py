@@ -18,9 +18,18 @@ import pytest
 import torch
 
 from somatize import Broker, Graph, Worker
-from somatize.remote import seal
 
 NODES = "_remote_nodes"
+
+
+def _by_hand(*args: str, token: str | None = None, **popen) -> subprocess.Popen:
+    """`python -m somatize.worker --listen 127.0.0.1:0 *args` as a person starts it."""
+    env = {k: v for k, v in os.environ.items() if k != "SOMATIZE_TOKEN"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    if token:
+        env["SOMATIZE_TOKEN"] = token
+    command = [sys.executable, "-m", "somatize.worker", "--listen", "127.0.0.1:0", *args]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, **popen)
 
 
 def _rss(pid: int) -> int:
@@ -85,22 +94,8 @@ def test_a_worker_out_of_descriptors_stays_responsive_and_does_not_spin():
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
 
     token = "fd-token"
-    env = {**os.environ, "SOMATIZE_TOKEN": token, "PYTHONPATH": os.pathsep.join(sys.path)}
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "somatize.worker",
-            "--listen",
-            "127.0.0.1:0",
-            "--quiet",
-            "--max-pending",
-            "8",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=limited,
+    process = _by_hand(
+        "--quiet", "--max-pending", "8", token=token, stderr=subprocess.DEVNULL, preexec_fn=limited
     )
     try:
         address = process.stdout.readline().split()[3].decode()
@@ -162,24 +157,8 @@ def test_an_idle_session_and_a_vanished_client_are_forgotten():
 def test_the_worker_says_its_session_timeout_and_reads_its_token_from_a_file(tmp_path):
     path = tmp_path / "token"
     path.write_text("from-a-file\n")
-    env = {k: v for k, v in os.environ.items() if k != "SOMATIZE_TOKEN"}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path)
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "somatize.worker",
-            "--listen",
-            "127.0.0.1:0",
-            "--token-file",
-            str(path),
-            "--session-timeout",
-            "90",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    process = _by_hand(
+        "--token-file", str(path), "--session-timeout", "90", stderr=subprocess.PIPE, text=True
     )
     try:
         ready = process.stdout.readline().split()
@@ -240,7 +219,6 @@ def test_a_spawned_worker_is_quiet_unless_asked_and_one_by_hand_says_where_it_se
     finally:
         loud.stop()
         quiet.stop()
-    assert seal.read_token("t") == "t"
 
 
 def test_a_frame_over_the_workers_limit_is_refused_before_it_is_sent():

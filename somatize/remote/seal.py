@@ -39,7 +39,7 @@ __all__ = [
     "Refused",
     "Seal",
     "derive",
-    "read_token",
+    "read_secret",
     "refusal",
     "salt_answer",
     "is_frame",
@@ -82,18 +82,21 @@ class Refused(Exception):
         self.reason = reason
 
 
-def read_token(token: str | None = None, token_file: str | None = None) -> str | None:
-    """The token given, or read from `token_file` (its first line), or `$SOMATIZE_TOKEN`;
-    None when there is none. An empty token file is refused."""
-    if token:
-        return token
-    if token_file:
-        with open(token_file, encoding="utf-8") as f:
+def read_secret(
+    given: str | None = None, path: str | None = None, env: str = "SOMATIZE_TOKEN"
+) -> str | None:
+    """A secret (the token, a CURVE key): the one given, or the first line of the file at
+    `path`, or the environment variable `env`; None when there is none. An empty file is
+    refused."""
+    if given:
+        return given
+    if path:
+        with open(path, encoding="utf-8") as f:
             found = f.readline().strip()
         if not found:
-            raise ValueError(f"the token file {token_file} holds no token")
+            raise ValueError(f"the file {path} holds no secret on its first line")
         return found
-    return os.environ.get("SOMATIZE_TOKEN") or None
+    return os.environ.get(env) or None
 
 
 _derived: dict[tuple[str, bytes], bytes] = {}

@@ -52,16 +52,18 @@ def state_of(node: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
-def stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, torch.Tensor]]:
+def stage_state(
+    node: Any, state: dict[str, Any], name: str | None = None
+) -> Callable[[], dict[str, torch.Tensor]]:
     """Check `state` (some or all of the node's keys) and cast copies of it to the node's
     dtypes and devices, as `load_state_dict(strict=False)` would load it; nothing is changed
     until the function given back is called, which copies them in and answers the values they
     replaced. An unknown key, a shape that differs or a tensor without plain numbers (meta,
-    sparse) is refused whole."""
+    sparse) is refused whole, naming the node (`name`, else its class)."""
     from somatize.torch.training.learning import Learning
     from somatize.torch.training.params import state_of as keyed
 
-    name = type(node).__name__
+    name = name or type(node).__name__
     own = keyed(node)
     if isinstance(node, Learning):
         own = {k: v for k, v in own.items() if not k.startswith("node.")}
@@ -70,7 +72,7 @@ def stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, torc
     unknown = sorted(set(state) - set(own))
     if unknown:
         raise ValueError(
-            f"{name}: the weights name {unknown}, which the node does not have; it has "
+            f"{name}: the weights hold keys {unknown}, which the node does not have; it has "
             f"{sorted(own)}; nothing was loaded"
         )
     staged = {}
@@ -92,7 +94,10 @@ def stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, torc
                 f"{name}, {key!r}: a tensor {what} has no plain numbers to load (give it dense, "
                 "on a real device); nothing was loaded"
             )
-        staged[key] = value.detach().to(device=mine.device, dtype=mine.dtype, copy=True)
+        try:
+            staged[key] = value.detach().to(device=mine.device, dtype=mine.dtype, copy=True)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"{name}, {key!r}: {error}; nothing was loaded") from error
 
     def commit() -> dict[str, torch.Tensor]:
         previous = {k: own[k].detach().clone() for k in staged}

@@ -18,6 +18,7 @@ import torch
 
 from somatize.graph import Graph
 from somatize.run import watchers
+from somatize.torch._served import stage_state
 from somatize.torch.training import _checks
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.params import clear, freeze, owners, state_of
@@ -388,26 +389,26 @@ class Trainer:
         dies on the way, leaves every weight as it was."""
         if not isinstance(weights, dict):
             raise TypeError(f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}")
-        staged = []
+        commits = []
         remote: dict[str, dict[str, torch.Tensor]] = {}
         for nid, given in weights.items():
-            state = state_of(self.graph.implementation(nid)) if nid in self.graph else {}
-            if not state:
+            node = self.graph.implementation(nid) if nid in self.graph else None
+            if node is None or not state_of(node):
                 has = [n for n in self.graph.nodes() if state_of(self.graph.implementation(n))]
                 raise ValueError(
                     f"the weights name node {nid!r}, which this graph "
-                    f"{'does not have' if nid not in self.graph else 'holds no weights in'}; "
+                    f"{'does not have' if node is None else 'holds no weights in'}; "
                     f"the nodes with weights are {has}; nothing was loaded"
                 )
-            copies = _staged(nid, given, state)
-            staged += [(state[key], copy) for key, copy in copies.items()]
+            if not isinstance(given, dict):
+                raise ValueError(f"node {nid!r}: weights are {{key: tensor}}, not {given!r:.60}")
+            commits.append(stage_state(node, given, name=f"node {nid!r}"))
             if self.graph.setting(nid).host:
-                remote[nid] = copies
+                remote[nid] = given
 
         def commit() -> None:
-            with torch.no_grad():
-                for mine, copy in staged:
-                    mine.copy_(copy)
+            for done in commits:
+                done()
 
         if remote:
             self.broker.load_weights(self.graph, remote, then=commit)
@@ -429,41 +430,6 @@ class Trainer:
             f"Trainer({self.graph!r}, every={self.every}, micro={self.micro}, "
             f"trains={sorted(self.trains)}, steps={self._steps})"
         )
-
-
-def _staged(nid: str, given: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`given` checked against the node's `state` and copied aside, cast to its dtypes."""
-    if not isinstance(given, dict) or not given:
-        raise ValueError(
-            f"node {nid!r}: weights are a non-empty {{key: tensor}}, not {given!r:.60}; "
-            "nothing was loaded"
-        )
-    unknown = sorted(set(given) - set(state))
-    if unknown:
-        raise ValueError(
-            f"node {nid!r}: the weights hold keys {unknown}, which the node does not have; "
-            f"it has {sorted(state)}; nothing was loaded"
-        )
-    copies = {}
-    for key, tensor in given.items():
-        mine = state[key]
-        if not isinstance(tensor, torch.Tensor) or tensor.shape != mine.shape:
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
-            raise ValueError(
-                f"node {nid!r}, {key!r}: the weights give shape {shape!r:.60}, the node has "
-                f"{tuple(mine.shape)}; nothing was loaded"
-            )
-        if tensor.layout != torch.strided or tensor.is_meta or tensor.is_quantized:
-            what = "on the meta device" if tensor.is_meta else f"{tensor.layout}, quantized or not"
-            raise ValueError(
-                f"node {nid!r}, {key!r}: a tensor {what} has no plain numbers to load (give it "
-                "dense, on a real device); nothing was loaded"
-            )
-        try:
-            copies[key] = tensor.detach().to(device=mine.device, dtype=mine.dtype, copy=True)
-        except (RuntimeError, TypeError) as error:
-            raise ValueError(f"node {nid!r}, {key!r}: {error}; nothing was loaded") from error
-    return copies
 
 
 def _transports(broker: Any, hosts: dict[str, str]) -> Callable[[str | None], Any]:
