@@ -116,9 +116,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-pending",
         type=int,
-        default=16,
+        default=64,
         metavar="N",
-        help="connections that have not yet sent a message that verifies (default 16)",
+        help="connections that have not yet sent a message that verifies (default 64)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="log warnings only")

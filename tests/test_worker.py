@@ -193,3 +193,21 @@ def test_a_session_unused_for_its_timeout_or_whose_client_left_is_forgotten():
     server.gone(7)
     time.sleep(0.3)
     assert server.expire() == ["s"]
+
+
+def test_dropped_messages_are_logged_at_most_once_in_a_while(caplog):
+    from somatize.remote.server import Drops
+
+    drops = Drops(every=60.0)
+    with caplog.at_level("WARNING", logger="somatize.worker"):
+        for i in range(1000):
+            drops.drop(f"junk {i}")
+    assert drops.count == 1000
+    assert [r.getMessage() for r in caplog.records] == ["dropped a message: junk 0"]
+    drops.every = 0.0
+    with caplog.at_level("WARNING", logger="somatize.worker"):
+        drops.drop("junk again")
+    assert (
+        caplog.records[-1].getMessage()
+        == "dropped a message: junk again (999 more since the last said)"
+    )

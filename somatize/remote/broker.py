@@ -27,7 +27,7 @@ from somatize.remote import wire
 from somatize.remote.allowed import version_of
 from somatize.remote.client import Worker
 from somatize.remote.connection import Connection
-from somatize.remote.errors import StateLost, Unknown
+from somatize.remote.errors import StateLost, Unknown, WorkerLost
 from somatize.remote.slices import cut, run_plan
 
 __all__ = ["Broker"]
@@ -90,13 +90,19 @@ class Broker:
         conn = self._connections.get(host)
         if conn is None:
             worker = self.worker(host)
-            conn = worker.connect(host)
-            try:
-                conn.hello = conn.request({"op": "hello"}, deadline=worker.connect_within + 5)
-                self._modes[host] = worker.travels(conn.hello, conn.where())
-            except BaseException:
-                conn.close()
-                raise
+            for attempt in (0, 1):  # a connection cut while it was being made: once more
+                conn = worker.connect(host)
+                try:
+                    conn.hello = conn.request({"op": "hello"}, deadline=worker.connect_within + 5)
+                    self._modes[host] = worker.travels(conn.hello, conn.where())
+                    break
+                except WorkerLost:
+                    conn.close()
+                    if attempt:
+                        raise
+                except BaseException:
+                    conn.close()
+                    raise
             self._connections[host] = conn
         return conn
 

@@ -4,9 +4,10 @@ and the loop that hands each message to the `Server`.
 Before a byte is read: ZeroMQ refuses a message larger than `max_message` (the connection
 is dropped when its size is announced, nothing allocated for it), and holds at most
 `QUEUED` messages per connection while the worker is busy. The guard (a thread on ZeroMQ's
-socket monitor) cuts a connection that has not sent a message that verifies: when more than
-`most_pending` such connections are open at once, after `pending_within` seconds, and a
-second after one sent a message that does not verify. So what an unauthenticated peer can
+socket monitor) cuts a connection that has not sent a message that verifies: the one waiting
+longest when more than `most_pending` such connections are open at once (so that a client
+that has just connected gets in), any after `pending_within` seconds, and one a second after
+it sent a message that does not verify. So what an unauthenticated peer can
 make the worker hold is at most `most_pending × (QUEUED + 1) × max_message` bytes, for at most
 `pending_within` seconds. The process's limit of open files is raised to its hard limit, and
 running out of descriptors is logged (at most every ten seconds), never spun on.
@@ -84,7 +85,7 @@ class Guard:
     """Watches the connections of `sock` on a thread of its own (see the module's doc)."""
 
     def __init__(
-        self, sock: zmq.Socket, *, most_pending: int = 16, pending_within: float = 10.0
+        self, sock: zmq.Socket, *, most_pending: int = 64, pending_within: float = 10.0
     ) -> None:
         self.most_pending = int(most_pending)
         self.pending_within = float(pending_within)
@@ -136,12 +137,12 @@ class Guard:
     def _event(self, kind: int, fd: int) -> None:
         with self.lock:
             if kind == zmq.EVENT_ACCEPTED:
-                if len(self.pending) >= self.most_pending:
+                cut = None
+                if len(self.pending) >= self.most_pending:  # the one waiting longest goes
+                    cut = min(self.pending, key=self.pending.__getitem__)
+                    del self.pending[cut]
                     self.cuts += 1
-                    cut = True
-                else:
-                    self.pending[fd] = time.monotonic()
-                    cut = False
+                self.pending[fd] = time.monotonic()
             elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 self.pending.pop(fd, None)
                 self.trusted.discard(fd)
@@ -160,8 +161,8 @@ class Guard:
                 return
             else:
                 return
-        if cut:
-            _cut(fd)
+        if cut is not None:
+            _cut(cut)
 
     def _sweep(self) -> None:
         now = time.monotonic()
