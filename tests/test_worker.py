@@ -35,7 +35,8 @@ class Client:
 
     def __init__(self, server: Server, token: str = TOKEN) -> None:
         self.server = server
-        answer, _ = server.handle([seal.SALT_ASK])
+        answer, verified = server.handle([seal.SALT_ASK])
+        assert verified is None  # the one question asked unsealed
         self.seal = seal.Seal(seal.derive(token, answer[1]))
         self.rid = 0
 
@@ -71,9 +72,9 @@ def test_a_sealed_request_is_answered_and_anything_else_refused_unread(server):
     }
     wrong = Client(server, token="another token")
     reply, verified = server.handle(wrong.seal.seal(wire.encode({"op": "hello", "rid": 1})))
-    assert not verified and seal.is_frame(reply[0], seal.REFUSED) and bytes(reply[2]) == b"seal"
+    assert verified is False and seal.is_frame(reply[0], seal.REFUSED) and bytes(reply[2]) == b"seal"
     reply, verified = server.handle([b"junk", b"more"])
-    assert not verified and bytes(reply[2]) == b"seal"
+    assert verified is False and bytes(reply[2]) == b"seal"
     bad = Client(server).ask({"op": "nope"})
     assert not bad["ok"] and "unknown request 'nope'" in bad["error"]["message"]
 
@@ -106,7 +107,7 @@ def test_a_replayed_request_is_refused_and_not_run_again(server):
     )
     assert server.handle(load)[1]
     reply, verified = server.handle(load)  # the same bytes again
-    assert not verified and bytes(reply[2]) == b"replay"
+    assert verified is False and bytes(reply[2]) == b"replay"
     assert client.ask({"op": "load", "phase": "commit", "load": "l"})["ok"]
     assert torch.equal(node.lin.bias.detach(), torch.ones(3))
 

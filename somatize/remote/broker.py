@@ -181,7 +181,11 @@ class Broker:
     def weights(self, graph: Any, nid: str) -> dict[str, Any]:
         """The weights of node `nid` as its worker holds them, `{key: tensor}` (the keys of
         `Trainer.export`); the copy here is brought up to them too."""
-        host, node, device = self._where(graph, nid)
+        return self.read(*self._where(graph, nid))
+
+    def read(self, host: str, nid: str, node: Any, device: Any = None) -> dict[str, Any]:
+        """The weights of `node` (a node, or a Learning) as `host`'s worker holds them, sent
+        there first if it does not; the copy here is brought up to them."""
         key = self.key(node)
         for attempt in (0, 1):
             defs = [d for d in [self.definition(host, nid, node, device)] if d]
@@ -200,19 +204,21 @@ class Broker:
     def load_weights(
         self, graph: Any, weights: dict[str, dict[str, Any]], *, then: Callable[[], Any] = None
     ) -> None:
-        """Send `{node id: {key: tensor}}` to the workers of those nodes, all or nothing: staged
-        on every worker first (each checks them against its node), committed when all are;
-        `then` (what changes here) runs after; if anything fails, what was committed is put
-        back and nothing has changed. The copies here are brought up to them too."""
+        """Send `{node id: {key: tensor}}` to the workers of those nodes, all or nothing (see
+        `write`); `then` (what changes here) runs once every worker has committed."""
+        self.write([(*self._where(graph, nid), state) for nid, state in weights.items()], then=then)
+
+    def write(self, entries: list[tuple], *, then: Callable[[], Any] = None) -> None:
+        """Load `(host, nid, node, device, state)` entries on their workers, all or nothing:
+        staged on every worker first (each checks them against its copy), committed when all
+        are; `then` runs after; if anything fails, what was committed is put back and nothing
+        has changed. Without `then`, the copies here are brought up to them too."""
         lid = secrets.token_hex(6)
         hosts: list[str] = []
-        keys = []
         lost = dict(self._lost)
         try:
-            for nid, state in weights.items():
-                host, node, device = self._where(graph, nid)
+            for host, nid, node, device, state in entries:
                 key = self.key(node)
-                keys.append((host, key, node, state))
                 self._lost.pop(key, None)  # the caller says where to resume from
                 defs = [d for d in [self.definition(host, nid, node, device)] if d]
                 message = {"op": "load", "phase": "stage", "load": lid, "key": key}
@@ -237,21 +243,21 @@ class Broker:
             self._each([h for h in hosts if h not in committed], lid, "drop")
             raise
         self._each(hosts, lid, "drop")
-        for host, key, node, state in keys:
+        for host, _nid, node, _device, state in entries:
             if then is None:
                 _hooks.load_state(node, state)
-            self._learnt.discard((host, key))
+            self._learnt.discard((host, self.key(node)))
 
     def _each(self, hosts: list[str], lid: str, phase: str) -> None:
         for host in hosts:
             with contextlib.suppress(Exception):  # a worker that is gone holds nothing
                 self.request(host, {"op": "load", "phase": phase, "load": lid}, deadline=10.0)
 
-    def _where(self, graph: Any, nid: str) -> tuple[str, Any, Any]:
+    def _where(self, graph: Any, nid: str) -> tuple[str, str, Any, Any]:
         s = graph.setting(nid)
         if not s.host:
             raise ValueError(f"node {nid!r} runs here, not on a host: its weights are here")
-        return s.host, graph.implementation(nid), s.device
+        return s.host, nid, graph.implementation(nid), s.device
 
     # -- running ------------------------------------------------------------------------------
     def forward(

@@ -9,12 +9,14 @@ longest when more than `most_pending` such connections are open at once (so that
 that has just connected gets in), any after `pending_within` seconds, and one a second after
 it sent a message that does not verify. So what an unauthenticated peer can
 make the worker hold is at most `most_pending × (QUEUED + 1) × max_message` bytes, for at most
-`pending_within` seconds. The process's limit of open files is raised to its hard limit, and
-running out of descriptors is logged (at most every ten seconds), never spun on.
+`pending_within` seconds. The process's limit of open files is raised to its hard limit, at
+most half of what is left may be pending, and running out of descriptors cuts the stranger
+waiting longest and is logged (at most every ten seconds), never spun on.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import resource
@@ -66,6 +68,16 @@ def bind(context: zmq.Context, endpoint: str, *, max_message: int, curve_secret:
     return sock
 
 
+def _spare_descriptors() -> int:
+    """How many more files this process may open."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        used = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64
+    except (OSError, ValueError):
+        return 1 << 10
+    return max(0, soft - used) if soft != resource.RLIM_INFINITY else 1 << 16
+
+
 def _cut(fd: int) -> None:
     """End the TCP connection on descriptor `fd` (libzmq's: it sees the end and closes it).
     No new descriptor is needed for it, which matters when they have run out."""
@@ -87,7 +99,7 @@ class Guard:
     def __init__(
         self, sock: zmq.Socket, *, most_pending: int = 64, pending_within: float = 10.0
     ) -> None:
-        self.most_pending = int(most_pending)
+        self.most_pending = max(1, min(int(most_pending), _spare_descriptors() // 2))
         self.pending_within = float(pending_within)
         self.lock = threading.Lock()
         self.pending: dict[int, float] = {}  # descriptor: when it was accepted
@@ -137,18 +149,15 @@ class Guard:
     def _event(self, kind: int, fd: int) -> None:
         with self.lock:
             if kind == zmq.EVENT_ACCEPTED:
-                cut = None
-                if len(self.pending) >= self.most_pending:  # the one waiting longest goes
-                    cut = min(self.pending, key=self.pending.__getitem__)
-                    del self.pending[cut]
-                    self.cuts += 1
+                full = len(self.pending) >= self.most_pending
+                cut = self._longest() if full else None  # a client just connected gets in
                 self.pending[fd] = time.monotonic()
             elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 self.pending.pop(fd, None)
                 self.trusted.discard(fd)
                 self.closed.append(fd)
                 return
-            elif kind == zmq.EVENT_ACCEPT_FAILED:
+            elif kind == zmq.EVENT_ACCEPT_FAILED:  # `fd` is the errno here
                 now = time.monotonic()
                 if now - self._told > 10.0:
                     self._told = now
@@ -158,11 +167,20 @@ class Guard:
                         os.strerror(fd),
                         len(self.pending),
                     )
-                return
+                cut = self._longest() if fd in (errno.EMFILE, errno.ENFILE) else None
             else:
                 return
         if cut is not None:
             _cut(cut)
+
+    def _longest(self) -> int | None:
+        """The stranger waiting longest, taken off the pending (to be cut), if there is one."""
+        if not self.pending:
+            return None
+        fd = min(self.pending, key=self.pending.__getitem__)
+        del self.pending[fd]
+        self.cuts += 1
+        return fd
 
     def _sweep(self) -> None:
         now = time.monotonic()
@@ -192,7 +210,7 @@ def serve(sock: zmq.Socket, server: Any, guard: Guard | None, stop: threading.Ev
             peer = frames[0]
             fd = _source(peer)
             reply, verified = server.handle(frames[1:], fd)
-            if guard is not None:
+            if guard is not None and verified is not None:
                 (guard.trust if verified else guard.distrust)(fd)
             if reply is not None:
                 try:

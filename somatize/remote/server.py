@@ -102,12 +102,15 @@ class Server:
         self.drops = Drops()
 
     # -- one message --------------------------------------------------------------------------
-    def handle(self, frames: list[Any], connection: int | None = None) -> tuple[list | None, bool]:
-        """The frames that answer one message (the peer's identity taken off), or None, and
-        whether the message verified (whoever watches connections cuts those that never do).
-        `connection` says which connection it came over (a session follows its client's)."""
+    def handle(
+        self, frames: list[Any], connection: int | None = None
+    ) -> tuple[list | None, bool | None]:
+        """The frames that answer one message (the peer's identity taken off), and whether it
+        verified: True, False (refused), None for the one unsealed question (the salt).
+        Whoever watches connections cuts those that never verify. `connection` says which
+        connection it came over (a session follows its client's)."""
         if len(frames) == 1 and seal.is_frame(frames[0], seal.SALT_ASK):
-            return seal.salt_answer(self.salt), False
+            return seal.salt_answer(self.salt), None
         try:
             body = self.seal.open(frames)
         except seal.Refused as refused:
