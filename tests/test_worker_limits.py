@@ -66,8 +66,8 @@ def _hello(worker: Worker) -> dict:
         b.close()
 
 
-def test_unauthenticated_connections_cannot_make_a_worker_hold_memory():
-    worker = Worker.spawn(["--max-message", "16MiB", "--max-pending", "4"])
+def test_strangers_cannot_make_a_worker_hold_memory_and_a_client_is_told_its_limit():
+    worker = Worker.spawn(["--max-message", "16MiB", "--max-pending", "4"], send=[NODES])
     try:
         before = _rss(worker.pid)
         held = []
@@ -82,7 +82,14 @@ def test_unauthenticated_connections_cannot_make_a_worker_hold_memory():
         time.sleep(1.0)
         grown = _rss(worker.pid) - before
         assert grown < 64 << 20, f"the worker grew by {grown >> 20} MiB for strangers"
-        assert _hello(worker)["pid"] == worker.pid  # and a client is still served
+        from _remote_nodes import Plus
+
+        b = Broker.embedded({"w": Worker.at(worker.address, token=worker.token)})
+        g = Graph.somatize(Plus().at("w"))
+        assert g.forward(torch.ones(1000), broker=b).shape == (1000,)  # a client is served
+        with pytest.raises(ValueError, match="at most 16777216.*--max-message"):
+            g.forward(torch.ones(5 << 20), broker=b)  # 20 MiB: refused before it is sent
+        b.close()
         for s in held:
             s.close()
     finally:
@@ -187,8 +194,11 @@ def test_a_worker_given_the_whole_command_line_and_the_published_keywords():
         assert _hello(worker)["accept_code"] is True
     finally:
         worker.stop()
-    generic = Worker.generic(mode="project", send=[NODES], python=sys.executable)
+    generic = Worker.generic(mode="project", send=[NODES], python=sys.executable, quiet=False)
     try:
+        with open(f"/proc/{generic.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert b"--quiet" not in argv and b"--accept-code" not in argv
         assert _hello(generic)["imports"].keys() == {NODES}
         b = Broker.embedded({"w": generic})
         from _remote_nodes import Plus
@@ -207,30 +217,3 @@ def test_a_worker_that_exits_at_once_is_reported_at_once_with_what_it_said():
     assert "a size in bytes" in str(failed.value)
     with pytest.raises(RuntimeError, match="(?s)exited with code 1.*--import: No module named"):
         Worker.spawn(send=["somatize_no_such_module"])
-
-
-def test_a_spawned_worker_is_quiet_unless_asked_and_one_by_hand_says_where_it_serves():
-    loud = Worker.spawn(quiet=False)
-    quiet = Worker.spawn()
-    try:
-        for worker, flag in ((loud, False), (quiet, True)):
-            with open(f"/proc/{worker.pid}/cmdline", "rb") as f:
-                assert (b"--quiet" in f.read().split(b"\0")) is flag
-    finally:
-        loud.stop()
-        quiet.stop()
-
-
-def test_a_frame_over_the_workers_limit_is_refused_before_it_is_sent():
-    worker = Worker.spawn(["--max-message", "1MiB"], send=[NODES])
-    try:
-        from _remote_nodes import Plus
-
-        b = Broker.embedded({"w": worker})
-        g = Graph.somatize(Plus().at("w"))
-        assert g.forward(torch.ones(1000), broker=b).shape == (1000,)
-        with pytest.raises(ValueError, match="at most 1048576.*--max-message"):
-            g.forward(torch.ones(1 << 19), broker=b)  # 2 MiB
-        b.close()
-    finally:
-        worker.stop()
