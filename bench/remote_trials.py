@@ -27,23 +27,15 @@ sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "tests"), os.path.dirn
 
 from _remote_nodes import Lin  # noqa: E402
 from _results import report  # noqa: E402
+from test_worker_limits import _cpu as cpu  # noqa: E402
+from test_worker_limits import _rss as rss  # noqa: E402
+from test_worker_limits import _zmtp as zmtp  # noqa: E402
 
 from somatize import Broker, Graph, Worker  # noqa: E402
 from somatize.remote import StateLost, WorkerLost, seal, wire  # noqa: E402
 from somatize.torch import OutOfStep, Split, Trainer, parameters  # noqa: E402
 
 NODES = "_remote_nodes"
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmRSS:"))
-
-
-def cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def hello(worker: Worker) -> dict:
@@ -179,15 +171,6 @@ def not_allowed(worker: Worker, n: int, tmp: str) -> str:
         )
         said.add(raw.answer())
     return f"{' / '.join(sorted(said))}; nothing imported or written: {not os.path.exists(tmp)}"
-
-
-def zmtp(address: str) -> socket.socket:
-    host, port = address.removeprefix("tcp://").rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=5)
-    s.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32))
-    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    s.sendall(b"\x04" + bytes([len(body)]) + body)
-    return s
 
 
 def unfinished(n: int) -> str:

@@ -9,25 +9,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from _remote_nodes import Lin
 
-from somatize import Node
 from somatize.remote import seal, wire
 from somatize.remote.allowed import Allowed
 from somatize.remote.server import Server
 
 TOKEN = "t" * 64
-
-
-class Lin(Node, nn.Module):
-    """A linear layer that is a node."""
-
-    def __init__(self, i: int = 3, o: int = 3) -> None:
-        nn.Module.__init__(self)
-        self.lin = nn.Linear(i, o)
-
-    def forward(self, x: Any, ctx: Any) -> Any:
-        return self.lin(x)
 
 
 class Client:
@@ -62,17 +50,17 @@ def definition(cls: type, nid: str = "x", key: str = "k", **args: Any) -> dict:
 
 @pytest.fixture
 def server():
-    return Server(TOKEN, allowed=Allowed([__name__]))
+    return Server(TOKEN, allowed=Allowed(["_remote_nodes"]))
 
 
 def test_a_sealed_request_is_answered_and_anything_else_refused_unread(server):
     hello = Client(server).ask({"op": "hello"})
-    assert hello["ok"] and hello["value"]["imports"] == {
-        __name__: hello["value"]["imports"][__name__]
-    }
+    assert hello["ok"] and list(hello["value"]["imports"]) == ["_remote_nodes"]
     wrong = Client(server, token="another token")
     reply, verified = server.handle(wrong.seal.seal(wire.encode({"op": "hello", "rid": 1})))
-    assert verified is False and seal.is_frame(reply[0], seal.REFUSED) and bytes(reply[2]) == b"seal"
+    assert (
+        verified is False and seal.is_frame(reply[0], seal.REFUSED) and bytes(reply[2]) == b"seal"
+    )
     reply, verified = server.handle([b"junk", b"more"])
     assert verified is False and bytes(reply[2]) == b"seal"
     bad = Client(server).ask({"op": "nope"})
@@ -89,7 +77,7 @@ def test_a_sealed_message_that_is_not_a_request_is_answered_with_what_is_wrong(s
 
 def test_a_replayed_request_is_refused_and_not_run_again(server):
     client = Client(server)
-    define = {"op": "define", "define": [definition(Lin, nid="lin")]}
+    define = {"op": "define", "define": [definition(Lin, nid="lin", i=3, o=3)]}
     assert client.ask(define)["ok"]
     node = server.sessions["s"].nodes["k"]
     load = client.seal.seal(
@@ -167,7 +155,7 @@ def test_a_module_at_another_version_is_refused(server):
 
 def test_weights_are_staged_then_committed_and_undone_on_demand(server):
     client = Client(server)
-    client.ask({"op": "define", "define": [definition(Lin, nid="lin")]})
+    client.ask({"op": "define", "define": [definition(Lin, nid="lin", i=3, o=3)]})
     node = server.sessions["s"].nodes["k"]
     before = node.lin.weight.detach().clone()
     stage = {"op": "load", "phase": "stage", "load": "l", "key": "k"}
@@ -184,7 +172,7 @@ def test_weights_are_staged_then_committed_and_undone_on_demand(server):
 
 
 def test_a_session_unused_for_its_timeout_or_whose_client_left_is_forgotten():
-    server = Server(TOKEN, allowed=Allowed([__name__]), session_timeout=0.2)
+    server = Server(TOKEN, allowed=Allowed(["_remote_nodes"]), session_timeout=0.2)
     client = Client(server)
     client.ask({"op": "define", "define": [definition(Lin)]}, connection=7)
     assert server.expire() == []
