@@ -78,7 +78,7 @@ def _frame_tensor(head: list, buffer: Any) -> Any:
     raise ValueError("a tensor arrived, and torch is not loaded to build it")
 
 
-def _constructible(modules: list[Any]) -> list[type]:
+def _constructible(modules: list[Any]) -> list[Any]:
     return []
 
 
@@ -183,10 +183,11 @@ def frame_tensor(head: list, buffer: Any) -> Any:
     return _table["frame_tensor"](head, buffer)
 
 
-def constructible(modules: list[Any]) -> list[type]:
-    """What a worker may build by name without `--accept-code`, beside the node classes of the
-    modules it was told to import: torch's optimizers, the Learning classes somatize ships,
-    and optimizer classes defined in those `modules`."""
+def constructible(modules: list[Any]) -> list[Any]:
+    """What a worker may build or call by name without `--accept-code`, beside what the
+    modules it was told to import define: torch's optimizers, `torch.nn.functional`'s
+    functions, the Learning classes somatize ships, and optimizer classes defined in those
+    `modules`."""
     return _table["constructible"](modules)
 
 

@@ -77,3 +77,18 @@ class Hooked(Node, nn.Module):
 
     def forward(self, x: Any, ctx: Any) -> Any:
         return x + 1
+
+
+class Applies(Node):
+    """Applies the function it was built with."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return self.fn(x)
+
+
+def negated(x: Any) -> Any:
+    """A function of this module, which a worker that imports it may be handed by name."""
+    return -x

@@ -200,3 +200,25 @@ def test_dropped_messages_are_logged_at_most_once_in_a_while(caplog):
         caplog.records[-1].getMessage()
         == "dropped a message: junk again (999 more since the last said)"
     )
+
+
+def test_a_function_by_name_is_one_of_torch_nn_functional_or_of_an_imported_module(server):
+    import os
+
+    from _remote_nodes import Applies, negated
+
+    client = Client(server)
+    for fn, want in ((torch.nn.functional.relu, [0.0, 2.0]), (negated, [1.0, -2.0])):
+        d = definition(Applies, nid="f", fn=fn)
+        run = {
+            "op": "run",
+            "sid": "s1",
+            "given": {},
+            "input": torch.tensor([-1.0, 2.0]),
+            "slice": [[0, "k", "f", 0, None, None, "w", False, True]],
+            "timed": False,
+        }
+        reply = client.ask({**run, "define": [d]})
+        assert reply["ok"] and reply["value"]["out"][0].tolist() == want
+    refused = client.ask({"op": "define", "define": [definition(Applies, nid="f", fn=os.system)]})
+    assert not refused["ok"] and "names posix.system" in refused["error"]["message"]

@@ -1,9 +1,10 @@
 """What a worker may build when a client sends a node by name (a worker without `--accept-code`).
 
 An explicit list, made when the worker starts and never from what a client names: the node
-classes defined in the modules the worker was told to import (`--import MODULE`), the
-optimizers of `torch.optim` (and ones defined in those modules), and the Learning classes
-somatize ships (`somatize._hooks.constructible`). A definition names a class by module and
+classes and functions defined in the modules the worker was told to import (`--import
+MODULE`), the optimizers of `torch.optim` (and ones defined in those modules), the functions
+of `torch.nn.functional` (an objective) and the Learning classes somatize ships
+(`somatize._hooks.constructible`). A definition names a class by module and
 qualified name; it is looked up in that list, and nothing is imported, no attribute path is
 followed, nothing is called before it is found there. A `Named` among the constructor
 arguments (an optimizer factory, say) is looked up the same way.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import types
 from typing import Any
 
 from somatize import _hooks
@@ -52,22 +54,23 @@ class Allowed:
             module = importlib.import_module(name)
             modules.append(module)
             self.versions[name] = version_of(module)
-            for value in list(vars(module).values()):
-                if isinstance(value, type) and issubclass(value, Node):
+            for value in list(vars(module).values()):  # its node classes and functions
+                node = isinstance(value, type) and issubclass(value, Node)
+                if node or isinstance(value, types.FunctionType):
                     if value.__module__ == module.__name__:
                         self._add(value)
         _hooks.ready()  # torch loaded: somatize.torch answers what it adds
         for value in _hooks.constructible(modules):
             self._add(value)
 
-    def _add(self, cls: type) -> None:
-        self.classes[(cls.__module__, cls.__qualname__)] = cls
+    def _add(self, found: Any) -> None:
+        self.classes[(found.__module__, found.__qualname__)] = found
 
     def node_class(self, module: Any, qualname: Any, nid: Any, version: Any = None) -> type:
         """The Node class a definition names, if this worker may build it: refused otherwise,
         saying how to start the worker so that it may (and before anything is imported)."""
         found = self.classes.get((module, qualname)) if isinstance(module, str) else None
-        if found is None or not issubclass(found, Node):
+        if not (isinstance(found, type) and issubclass(found, Node)):
             raise PermissionError(
                 f"node {nid!r}: this worker may not build {module}.{qualname}: it builds the "
                 f"node classes of the modules it was started to import ({sorted(self.versions)}"

@@ -106,6 +106,11 @@ class Broker:
             self._connections[host] = conn
         return conn
 
+    def mode(self, host: str) -> str:
+        """How nodes travel to `host`'s worker: `"project"` or `"network"` (`Worker`)."""
+        self.connection(host)
+        return self._modes[host]
+
     def request(self, host: str, message: dict[str, Any], **kw: Any) -> Any:
         """Send one request (sealed, under this broker's session) to `host`'s worker."""
         conn = self.connection(host)
@@ -149,7 +154,7 @@ class Broker:
         conn = self.connection(host)
         self._held[key] = node
         self._ids[key] = nid
-        d = describe(node, nid, key, device, self._modes[host], conn, host)
+        d = describe(node, nid, key, device, self.mode(host), conn, host)
         if d["state"]:
             self._stateful.add(key)
         return d

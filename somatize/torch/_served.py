@@ -169,14 +169,26 @@ def frame_tensor(head: list, buffer: Any) -> torch.Tensor:
     return made.requires_grad_(True) if grad else made
 
 
-def constructible(modules: list[Any]) -> list[type]:
-    """torch's optimizers (`torch.optim.SGD`, ...), the Learning classes somatize ships, and
-    the optimizer classes defined in `modules` (the ones a worker was told to import)."""
+def constructible(modules: list[Any]) -> list[Any]:
+    """torch's optimizers (`torch.optim.SGD`, ...) and the functions of
+    `torch.nn.functional` (a Learning's objective: they compute, and touch nothing else), the
+    Learning classes somatize ships, and the optimizer classes defined in `modules` (the ones
+    a worker was told to import)."""
+    import types
+
     import somatize.torch as ours
     from somatize.torch.training.learning import Learning
 
     optimizer = torch.optim.Optimizer
     found = [v for v in vars(torch.optim).values() if _subclass(v, optimizer)]
+    functional = torch.nn.functional
+    found += [
+        v
+        for k, v in vars(functional).items()
+        if not k.startswith("_")
+        and isinstance(v, types.FunctionType)
+        and v.__module__ == functional.__name__
+    ]
     for name in ours.__all__:
         value = getattr(ours, name)
         if _subclass(value, Learning) and value.__module__.startswith("somatize."):

@@ -141,11 +141,8 @@ class Remote:
             d = broker.definition(host, f"{part.trained}/learning", part.learning, None)
             if d is not None:
                 defs.append(d)
-            learning = {
-                "key": broker.key(part.learning),
-                "every": part.learning.every,
-                "pieces": part.learning._pieces,
-            }
+            told = {"every": part.learning.every, "pieces": part.learning._pieces}
+            learning = {"key": broker.key(part.learning), "told": _portable(told, broker, host)}
         return {
             "ids": list(part.ids),
             "keys": keys,
@@ -197,7 +194,7 @@ def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: di
     if op == "stage.forward":
         part = parts.get(key)
         if m.get("part") is not None:
-            part = parts[key] = _rebuilt(session, m["part"])
+            part = parts[key] = _rebuilt(server, session, m["part"])
         if part is None:
             raise Unknown(f"this worker does not hold the stage part {key!r}: it was restarted")
         facts: list[dict] = []
@@ -216,7 +213,31 @@ def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: di
     raise ValueError(f"unknown request {op!r}")
 
 
-def _rebuilt(session: Any, d: dict[str, Any]) -> Any:
+def _portable(value: Any, broker: Any, host: str) -> Any:
+    """`value` as it travels to `host`'s worker: as code (cloudpickle) to a worker that takes
+    code, so that a function defined anywhere goes; as it is otherwise, where a class or
+    function goes by name and the worker looks it up in what it may build."""
+    if broker.mode(host) != "network":
+        return value
+    import cloudpickle
+
+    return {"code": cloudpickle.dumps(value)}
+
+
+def _arrived(server: Any, value: Any, nid: str) -> Any:
+    """The worker's side of `_portable`: code only for a worker started to accept it."""
+    if type(value) is dict and set(value) == {"code"}:
+        if not server.accept_code:
+            raise PermissionError(
+                f"{nid!r} was sent as code, and this worker was not started with --accept-code"
+            )
+        import cloudpickle
+
+        return cloudpickle.loads(value["code"])
+    return server.allowed.resolved(value, nid)
+
+
+def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Any:
     from somatize.node import Settings
     from somatize.torch.training.stages import Part
 
@@ -227,9 +248,10 @@ def _rebuilt(session: Any, d: dict[str, Any]) -> Any:
     if d["learning"] is not None:
         said = d["learning"]
         learning = session.node(said["key"])
+        told = _arrived(server, said["told"], f"{d['trained']}/learning")
         learning.of(mine[d["trained"]])
-        learning.every = said["every"]
-        learning._pieces = said["pieces"]
+        learning.every = told["every"]
+        learning._pieces = told["pieces"]
     return Part(
         view,
         d["ids"],
