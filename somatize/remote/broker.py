@@ -137,10 +137,10 @@ class Broker:
             return None
         if key in self._lost:
             lost = sorted(self._ids.get(k, k) for k, h in self._lost.items() if h == host)
-            exported = {
+            exported = {  # the nodes' own, keyed as Trainer.export keys them
                 n: _hooks.state_of(self._held[k])
                 for k, n in self._ids.items()
-                if n in lost and k in self._held
+                if n in lost and "/" not in n and k in self._held
             }
             raise StateLost(
                 f"the worker for host {host!r} was restarted (or forgot this client's session) "
@@ -174,6 +174,11 @@ class Broker:
         """Note that these nodes may have learnt on `host`'s worker (a trainer's step ran
         there), so that losing them is `StateLost`, not a silent restart from older weights."""
         self._learnt.update((host, k) for k in keys if k in self._stateful)
+
+    def resume(self, node: Any) -> None:
+        """Go on from the copy here of `node` (what was last read back or sent) on a worker
+        that lost what it learnt: it is no longer `StateLost`."""
+        self._lost.pop(self.key(node), None)
 
     def forget(self, host: str) -> None:
         """`host`'s worker holds nothing of this broker's any more (it was restarted, or the

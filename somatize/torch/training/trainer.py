@@ -441,6 +441,9 @@ class Trainer:
                 done()
 
         if remote:
+            for nid in remote:  # what trains it there goes on from its copy here
+                if nid in self.trains:
+                    self.broker.resume(self.trains[nid])
             self.broker.load_weights(self.graph, remote, then=commit)
         else:
             commit()
