@@ -132,8 +132,16 @@ def tensor_frame(value: Any) -> tuple[list, Any] | None:
     name = str(value.dtype).removeprefix("torch.")
     if name not in _DTYPES:
         raise TypeError(f"a {value.dtype} tensor cannot cross the wire")
-    plain = value.detach().cpu().resolve_conj().resolve_neg().contiguous()
-    buffer = plain.reshape(-1).view(torch.uint8).numpy()
+    plain = value.detach()
+    if plain.device.type != "cpu":
+        plain = plain.cpu()
+    if plain.is_conj():
+        plain = plain.resolve_conj()
+    if plain.is_neg():
+        plain = plain.resolve_neg()
+    if not plain.is_contiguous():
+        plain = plain.contiguous()
+    buffer = plain.view(-1).view(torch.uint8).numpy()
     return [name, list(plain.shape), bool(value.requires_grad)], buffer
 
 
@@ -165,7 +173,9 @@ def frame_tensor(head: list, buffer: Any) -> torch.Tensor:
     else:
         if view.readonly:
             view = memoryview(bytearray(view))
-        made = torch.frombuffer(view, dtype=torch.uint8).view(dtype).reshape(shape)
+        made = torch.frombuffer(view, dtype=dtype)
+        if len(shape) != 1:
+            made = made.reshape(shape)
     return made.requires_grad_(True) if grad else made
 
 
