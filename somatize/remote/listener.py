@@ -1,17 +1,17 @@
 """The worker's socket: limits applied before a message is read, a guard on its connections,
 and the loop that hands each message to the `Server`.
 
-Before a byte is read: ZeroMQ refuses a message larger than `max_message` (the connection
-is dropped when its size is announced, nothing allocated for it), and holds at most
+Before a byte is read: ZeroMQ refuses a frame larger than `max_message` (the connection is
+dropped when the frame's size is announced, nothing allocated for it), and holds at most
 `QUEUED` messages per connection while the worker is busy. The guard (a thread on ZeroMQ's
 socket monitor) cuts a connection that has not sent a message that verifies: the one waiting
 longest when more than `most_pending` such connections are open at once (so that a client
 that has just connected gets in), any after `pending_within` seconds, and one a second after
-it sent a message that does not verify. So what an unauthenticated peer can
-make the worker hold is at most `most_pending × (QUEUED + 1) × max_message` bytes, for at most
-`pending_within` seconds. The process's limit of open files is raised to its hard limit, at
-most half of what is left may be pending, and running out of descriptors cuts the stranger
-waiting longest and is logged (at most every ten seconds), never spun on.
+it sent a message that does not verify. So a stranger holds at most `most_pending`
+connections, each for at most `pending_within` seconds, each frame at most `max_message`
+bytes. The process's limit of open files is raised to its hard limit, at most half of what is
+left may be pending, and running out of descriptors cuts the stranger waiting longest and is
+logged (at most every ten seconds), never spun on.
 """
 
 from __future__ import annotations
