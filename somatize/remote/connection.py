@@ -23,7 +23,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from somatize.remote import seal, wire
-from somatize.remote.errors import RemoteError, Unknown, WorkerLost
+from somatize.remote.errors import RemoteError, WorkerLost
 
 __all__ = ["Connection", "rebuilt"]
 
@@ -250,8 +250,6 @@ def rebuilt(said: dict[str, Any], where: str) -> BaseException:
                 error = found(message)
             except Exception:
                 error = None
-    if error is None and module == "somatize.remote.errors" and qualname == "Unknown":
-        error = Unknown(message)
     if error is None:
         error = RemoteError(f"{module}.{qualname}: {message}")
     notes = [str(n) for n in said.get("notes") or []]
