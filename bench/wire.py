@@ -1,6 +1,6 @@
 """The wire against a bare ZeroMQ pair, and a Split step across a worker against one here.
 
-    python bench/wire.py [--floor] [--results]
+    python bench/wire.py [--results]
 
 - Round trips of a 1 KB, 1 MB and 64 MB float32 tensor through a spawned worker (a graph of
   one node `.at("w")` that hands its input back: sealed both ways, a msgpack header and the
@@ -8,7 +8,7 @@
   bare ZeroMQ ROUTER in another process (no seal, no tensor).
 - One `Trainer.step` with the middle node trained by `Split` on a worker, against the same
   step with everything in this process.
-- With `--floor`: what sealing every byte costs by itself: the bare pair against the same
+- The floor: what sealing every byte costs by itself: the bare pair against the same
   pair where each side also takes one Poly1305 pass over what it sends and one over what it
   receives (what the seal does), at 1 MB.
 
@@ -176,8 +176,7 @@ def main() -> None:
         rows = round_trips(broker) + split_rows(broker)
     finally:
         broker.close()
-    if "--floor" in sys.argv[1:]:
-        rows.append(floor_row())
+    rows.append(floor_row())
     report(
         "wire",
         "the wire against a bare ZeroMQ pair, and a Split step across a worker against one here",
