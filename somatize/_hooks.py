@@ -23,7 +23,12 @@ __all__ = [
     "entry",
     "state_of",
     "load_state",
+    "stage_state",
     "serve",
+    "tensor_frame",
+    "frame_tensor",
+    "constructible",
+    "no_grad",
 ]
 
 
@@ -56,8 +61,31 @@ def _load_state(node: Any, state: dict[str, Any]) -> None:
         raise ValueError(f"{type(node).__name__} holds no weights to load (torch is not loaded)")
 
 
+def _stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    _load_state(node, state)
+    return dict
+
+
 def _serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
     raise ValueError(f"unknown request {op!r}")
+
+
+def _tensor_frame(value: Any) -> tuple[list, Any] | None:
+    return None
+
+
+def _frame_tensor(head: list, buffer: Any) -> Any:
+    raise ValueError("a tensor arrived, and torch is not loaded to build it")
+
+
+def _constructible(modules: list[Any]) -> list[Any]:
+    return []
+
+
+def _no_grad() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 _table: dict[str, Callable[..., Any]] = {
@@ -68,7 +96,12 @@ _table: dict[str, Callable[..., Any]] = {
     "entry": _entry,
     "state_of": _state_of,
     "load_state": _load_state,
+    "stage_state": _stage_state,
     "serve": _serve,
+    "tensor_frame": _tensor_frame,
+    "frame_tensor": _frame_tensor,
+    "constructible": _constructible,
+    "no_grad": _no_grad,
 }
 
 
@@ -128,3 +161,37 @@ def load_state(node: Any, state: dict[str, Any]) -> None:
 def serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
     """Answer a worker request that only the torch half knows (a trainer's stage)."""
     return _table["serve"](server, session, nodes, op, message)
+
+
+def stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    """Check `state` against the node and make the copies it would load (cast to the node's
+    dtypes), changing nothing; the function given back copies them in and answers the values
+    it replaced (so a caller can put them back). A mismatch is refused before anything."""
+    return _table["stage_state"](node, state)
+
+
+def tensor_frame(value: Any) -> tuple[list, Any] | None:
+    """`([dtype, shape, requires_grad], buffer)` for a tensor (its numbers in C order, as one
+    flat byte buffer that is the tensor's own memory when it can be), or None for a value that
+    is not one. Refuses a tensor that has no plain numbers (sparse, quantized, meta)."""
+    return _table["tensor_frame"](value)
+
+
+def frame_tensor(head: list, buffer: Any) -> Any:
+    """The tensor `tensor_frame` described, built on `buffer` without copying it; a head that
+    does not add up to the buffer's length is refused (`ValueError`)."""
+    return _table["frame_tensor"](head, buffer)
+
+
+def constructible(modules: list[Any]) -> list[Any]:
+    """What a worker may build or call by name without `--accept-code`, beside what the
+    modules it was told to import define: torch's optimizers, `torch.nn.functional`'s
+    functions, the Learning classes somatize ships, and optimizer classes defined in those
+    `modules`."""
+    return _table["constructible"](modules)
+
+
+def no_grad() -> Any:
+    """A context in which nothing records a gradient (`torch.no_grad()`): how a worker runs
+    a plain forward, so that no autograd graph is kept for nobody."""
+    return _table["no_grad"]()

@@ -130,6 +130,10 @@ class Graph:
                 k += 1
                 nid = f"{base}_{k}"
             self._counts[base] = k
+        elif str(nid).startswith("<") and str(nid).endswith(">"):  # the cut's "<input>", "<loss>"
+            raise ValueError(
+                f"{nid!r} names a graph's own input or loss, not a node: .named() it otherwise"
+            )
         elif nid in self._impl:
             raise ValueError(
                 f"duplicate node id {nid!r}: a {type(self._impl[nid]).__name__} already has it; "
@@ -144,13 +148,16 @@ class Graph:
                 f"to {cls}.forward, or put a plain module in the graph as it is with "
                 f"Node.of(module)"
             )
+        if settings.device is not None and settings.host is None:  # else placed on its worker
+            try:
+                _hooks.place(node, settings.device)
+            except ValueError as error:
+                raise ValueError(f"node {nid!r}: {error}") from None
         self._order.append(nid)
         self._impl[nid] = node
         self._settings[nid] = settings
         self._succ[nid] = []
         self._pred[nid] = []
-        if settings.device is not None:
-            _hooks.place(node, settings.device)
         self._plan = None
         return nid
 
@@ -208,7 +215,7 @@ class Graph:
 
         new = replace(s, **said)
         self._check(id, self._impl[id], new)
-        if new.device is not None and new.device != s.device:
+        if new.device is not None and new.device != s.device and new.host is None:
             _hooks.place(self._impl[id], new.device)
         self._settings[id] = new
         self._plan = None

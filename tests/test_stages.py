@@ -130,7 +130,7 @@ def test_a_part_on_a_worker_trains_as_one_trained_here(every):
     g1, g2 = residual(), residual(host="far")
     t1 = Trainer(g1, objective=mse, optimizer=SGD(parameters(g1), lr=0.1), every=every)
     trains = {"mid": Split(SGD, lr=0.1)}
-    broker = Broker.embedded({"far": Worker.spawn(["--threads", "1"])})
+    broker = Broker.embedded({"far": Worker.spawn(["--threads", "1"], send=["_nodes"])})
     try:
         t2 = Trainer(
             g2,

@@ -519,7 +519,7 @@ def test_load_checks_everything_before_copying_anything():
     good = plain(mlp(seed=5)).export()
     before = t.export()
     bad_shape = {**good, "head": {**good["head"], "lin.bias": torch.zeros(3, dtype=torch.float64)}}
-    bad_key = {**good, "head": {"lin.weight": good["head"]["lin.weight"]}}
+    bad_key = {**good, "head": {**good["head"], "lin.nope": good["head"]["lin.bias"]}}
     bad_node = {**good, "nope": {}}
     for bad, match in ((bad_shape, "shape|holds"), (bad_key, "keys"), (bad_node, "nope")):
         with pytest.raises(ValueError, match=match):

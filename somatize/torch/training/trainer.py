@@ -20,6 +20,7 @@ import torch
 
 from somatize.graph import Graph, as_graph
 from somatize.node import unwrap
+from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
 from somatize.torch.training.learning import Learning
@@ -411,7 +412,8 @@ class Trainer:
 
         A detached copy, so the next step does not move it under whoever holds it; the
         optimizer's state is not in it. A node that runs on another host is asked of its
-        worker (through the broker), which holds the weights it learnt there.
+        worker (through the broker), which holds the weights it learnt there; a worker that
+        lost them (it was restarted) is `StateLost`, never weights older than what it learnt.
         """
         out: Weights = {}
         for nid in self.graph.nodes():
@@ -427,47 +429,51 @@ class Trainer:
         return out
 
     def load(self, weights: Weights) -> None:
-        """The mirror of `export`: every node named has to be here with exactly the keys and
-        shapes given, and nothing is copied in until all of that is true. A node on another
-        host gets its weights sent to its worker too."""
+        """The mirror of `export`, all or nothing: every node named has to be here and hold
+        weights, and every key given has to be one of its keys with the same shape (a subset
+        of them is fine, as `load_state_dict(strict=False)` takes; they are cast to the node's
+        dtype). Everything is checked and copied aside first, on every worker of a node that
+        runs elsewhere too, and only then copied in everywhere; a refusal, or a worker that
+        dies on the way, leaves every weight as it was."""
         if self._parallel is not None:  # rank 0's weights, on every rank
             weights = self._parallel.incoming(self.graph, weights)
         if not isinstance(weights, dict):
             raise TypeError(f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}")
-        plan = []
-        owns = {}
+        commits = []
+        entries: list[tuple] = []  # (host, id, node or Learning, device, state), for workers
         for nid, given in weights.items():
-            if nid not in self.graph:
+            node = self.graph.implementation(nid) if nid in self.graph else None
+            if node is None or not state_of(node):
+                has = [n for n in self.graph.nodes() if state_of(self.graph.implementation(n))]
                 raise ValueError(
-                    f"the weights name node {nid!r}, which this graph does not have; "
-                    f"it has {self.graph.nodes()}"
+                    f"the weights name node {nid!r}, which this graph "
+                    f"{'does not have' if node is None else 'holds no weights in'}; "
+                    f"the nodes with weights are {has}; nothing was loaded"
                 )
-            given, learnt = brought.parted(self, nid, given)
-            plan += learnt
-            owns[nid] = given
-            state = state_of(self.graph.implementation(nid))
-            if not isinstance(given, dict) or set(given) != set(state):
-                got = set(given) if isinstance(given, dict) else type(given).__name__
-                raise ValueError(
-                    f"node {nid!r}: the weights hold keys {sorted(got) if isinstance(got, set) else got}"
-                    f", and the node has {sorted(state)}; nothing was loaded"
-                )
-            for key, tensor in given.items():
-                mine = state[key]
-                if not isinstance(tensor, torch.Tensor) or tensor.shape != mine.shape:
-                    shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else tensor
-                    raise ValueError(
-                        f"node {nid!r}, {key!r}: the weights give shape {shape!r:.60}, the "
-                        f"node has {tuple(mine.shape)}; nothing was loaded"
-                    )
-                plan.append((mine, tensor))
-        with torch.no_grad():
-            for mine, tensor in plan:
-                mine.copy_(tensor)
-        for nid, given in owns.items():
+            if not isinstance(given, dict):
+                raise ValueError(f"node {nid!r}: weights are {{key: tensor}}, not {given!r:.60}")
+            given, theirs = brought.parted(self, nid, given)
+            commits.append(stage_state(node, given, name=f"node {nid!r}"))
             if self.graph.setting(nid).host:
-                self.broker.load_weights(self.graph, nid, given)
-            brought.sent(self, nid, weights[nid])
+                entries.append((*self.broker.placement(self.graph, nid), given))
+            if theirs:
+                learning, host = brought.there(self, nid)
+                name = f"node {nid!r}'s {type(learning).__name__}"
+                commits.append(stage_state(learning, theirs, name=name))
+                if host is not None:
+                    entries.append((host, f"{nid}/learning", learning, None, theirs))
+
+        def commit() -> None:
+            for done in commits:
+                done()
+
+        if entries:
+            for nid in weights:  # what trains it there goes on from its copy here
+                if nid in self.trains and self.graph.setting(nid).host:
+                    self.broker.resume(self.trains[nid])
+            self.broker.write(entries, then=commit)
+        else:
+            commit()
 
     def close(self) -> None:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is
