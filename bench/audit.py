@@ -319,13 +319,8 @@ def main() -> None:
             (torch.randn(32, 3, 32, 32, generator=gen), torch.randint(0, 10, (32,), generator=gen))
             for _ in range(60)
         ]
-        # Its activations are megabytes: glibc hands such blocks back to the system when they
-        # are freed and faults them in again, 10⁵ page faults a fit in amounts that swung the
-        # same fit between 1.12 and 1.58 s. Blocks kept for reuse (what a worker does) leave
-        # the audit's cost.
-        from somatize.remote.memory import keep_buffers
-
-        keep_buffers()
+        # Its activations are megabytes, which glibc hands back and faults in again: set
+        # GLIBC_TUNABLES=glibc.malloc.mmap_threshold=268435456 to keep them for reuse.
         table(kinds, images, cnn, 9, "CNN, fit of 60 steps (context)", targets=False)
 
 

@@ -1,31 +1,24 @@
-"""The wire against a bare ZeroMQ socket pair, and a Split step across a worker against one here.
+"""The wire against a bare ZeroMQ pair, and a Split step across a worker against one here.
 
-    .venv/bin/python bench/wire.py           # sections 1 and 2
-    .venv/bin/python bench/wire.py --floor   # and 3
+    python bench/wire.py [--results]
 
-1. Round trip of a 1 KB, 1 MB and 64 MB float32 tensor through a spawned worker (a graph of one
-   node `.at("w")` that hands its input back: signed both ways, safetensors frames, rebuilt
-   as tensors on both sides) against the same bytes echoed by a bare ZeroMQ ROUTER in another
-   process over a DEALER (no signature, no tensor).
-2. One `Trainer.step` with the middle node trained by `Split` on a worker against the same
-   step with everything in this process.
-3. With ``--floor``: what authenticating every byte costs by itself, with no somatize code on
-   the way. The bare pair against the same pair where each side also takes one MAC pass over
-   what it sends and one over what it receives (keyed BLAKE2b for 1 KB, AES-GCM's GMAC for
-   1 MB: the cheapest the wire uses at each size), each echo in its own process, timed in
-   blocks of round trips that take turns (a MAC pass slows the bare round trip right after
-   it). A ratio here is the least any authenticated wire can show on this machine.
+- Round trips of a 1 KB, 1 MB and 64 MB float32 tensor through a spawned worker (a graph of
+  one node `.at("w")` that hands its input back: sealed both ways, a msgpack header and the
+  tensor's own frame, rebuilt as a tensor on both sides) against the same bytes echoed by a
+  bare ZeroMQ ROUTER in another process (no seal, no tensor).
+- One `Trainer.step` with the middle node trained by `Split` on a worker, against the same
+  step with everything in this process.
+- The floor: what sealing every byte costs by itself: the bare pair against the same
+  pair where each side also takes one Poly1305 pass over what it sends and one over what it
+  receives (what the seal does), at 1 MB.
 
-Medians of repeats (worker and bare timed in turns), one torch thread on both sides;
-throughput is payload bytes / round-trip time. Every process here (this one, the bare echo, the
-worker) keeps large buffers for reuse (`somatize.remote.memory`); run with
-``SOMATIZE_KEEP_BUFFERS=0`` to time all of them with glibc's default malloc instead.
+Medians of round trips timed in turns (so a load that comes and goes hits both alike), one
+torch thread on both sides; GB/s is the tensor's bytes over the round trip's time.
+Budget (a ceiling): within 3x the bare pair at 1 MB, at least 1 GB/s at 64 MB.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import statistics
 import subprocess
@@ -35,104 +28,29 @@ from typing import Any
 
 import torch
 import zmq
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-sys.path.insert(0, ".")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _results import report  # noqa: E402
 
 from somatize import Broker, Graph, Node, Worker  # noqa: E402
-from somatize.remote.client import _zmq  # noqa: E402
-from somatize.remote.memory import keep_buffers  # noqa: E402
 
 ECHO = """
 import sys, zmq
-from somatize.remote.memory import keep_buffers
-keep_buffers()  # the same C heap settings as a worker, so the comparison stays fair
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+mac = sys.argv[1] == "mac"
 s = zmq.Context().socket(zmq.ROUTER); s.bind("tcp://127.0.0.1:*")
 print(s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+key = bytes(32)
 while True:
-    s.send_multipart(s.recv_multipart(copy=False), copy=False)
+    who, data = s.recv_multipart(copy=False)
+    if mac:
+        Poly1305.generate_tag(key, data.buffer)
+        Poly1305.generate_tag(key, data.buffer)
+    s.send_multipart([who, data], copy=False)
 """
-
-
-_FLOOR_KEY = bytes(range(16))
-_FLOOR_GMAC = AESGCM(_FLOOR_KEY)
-
-
-def floor_tag(nonce: bytes, data: Any) -> bytes:
-    """Section 3's tag, the same in both processes: keyed BLAKE2b under 64 KB, GMAC (AES-GCM
-    with nothing to encrypt) from there, where the wire makes the same choice."""
-    if len(data) < 65536:
-        return hashlib.blake2b(nonce + data, key=_FLOOR_KEY, digest_size=16).digest()
-    return _FLOOR_GMAC.encrypt(nonce, b"", data)
-
-
-SIGNED = """
-import hmac, os, sys, zmq
-sys.path.insert(0, sys.argv[1])
-from wire import floor_tag as tag  # this file's, so both sides sign alike
-from somatize.remote.memory import keep_buffers
-keep_buffers()
-s = zmq.Context().socket(zmq.ROUTER); s.bind("tcp://127.0.0.1:*")
-print(s.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
-while True:
-    who, nonce, data, got = s.recv_multipart(copy=False)
-    data = data.buffer if len(data) >= 65536 else data.bytes
-    if not hmac.compare_digest(tag(nonce.bytes, data), got.bytes):
-        raise SystemExit("a tag did not verify")
-    n = os.urandom(12)
-    s.send_multipart([who, n, data, tag(n, data)], copy=False)
-"""
-
-
-def floor_rows(blocks: int = 40, block: int = 20) -> list[tuple]:
-    """Section 3: the bare pair against the pair with one MAC pass a side each way."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    echoes = [
-        subprocess.Popen([sys.executable, "-c", code, here], stdout=subprocess.PIPE, text=True)
-        for code in (ECHO, SIGNED)
-    ]
-    socks = []
-    for echo in echoes:
-        sock = _zmq().socket(zmq.DEALER)
-        sock.setsockopt(zmq.RCVTIMEO, 10_000)  # an echo that stopped is an error, not a hang
-        sock.connect(echo.stdout.readline().strip())
-        socks.append(sock)
-    bare_sock, signed_sock = socks
-    rows = []
-    try:
-        for label, size in (("1 KB", 1 << 10), ("1 MB", 1 << 20)):
-            raw = torch.randn(size // 4).numpy()
-            small = size < 1 << 16
-            data = raw.tobytes() if small else memoryview(raw).cast("B")
-
-            def bare(raw=raw, small=small):
-                bare_sock.send_multipart([b"x", raw], copy=small)
-                bare_sock.recv_multipart(copy=False)
-
-            def signed(data=data, small=small):
-                n = os.urandom(12)
-                signed_sock.send_multipart([n, data, floor_tag(n, data)], copy=small)
-                back, got, t = signed_sock.recv_multipart(copy=False)
-                got = got.bytes if small else got.buffer
-                if not hmac.compare_digest(floor_tag(back.bytes, got), t.bytes):
-                    raise RuntimeError("a tag did not verify")
-
-            times: dict[Any, list[float]] = {bare: [], signed: []}
-            for _ in range(blocks):
-                for fn, kept in times.items():
-                    for k in range(block):
-                        t0 = time.perf_counter()
-                        fn()
-                        if k >= block // 4:  # the first of a block still feels the other
-                            kept.append(time.perf_counter() - t0)
-            b, o = statistics.median(times[bare]), statistics.median(times[signed])
-            rows.append((label, b * 1e3, o * 1e3, o / b))
-    finally:
-        for sock in socks:
-            sock.close(0)
-        for echo in echoes:
-            echo.kill()
-    return rows
 
 
 class Echo(Node):
@@ -142,18 +60,19 @@ class Echo(Node):
         return x
 
 
-def median_s(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+class Lin(Node, torch.nn.Module):
+    """A linear layer and a ReLU, as a node."""
+
+    def __init__(self, i: int, o: int) -> None:
+        torch.nn.Module.__init__(self)
+        self.lin = torch.nn.Linear(i, o)
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return torch.relu(self.lin(x))
 
 
-def paired_medians(a, b, repeats: int) -> tuple[float, float]:
-    """Medians of `a` and `b` timed in turns, so a load that comes and goes hits both alike."""
+def paired(a, b, repeats: int) -> tuple[float, float]:
+    """Medians of `a` and `b` timed in turns."""
     a(), b()
     ta, tb = [], []
     for _ in range(repeats):
@@ -164,50 +83,42 @@ def paired_medians(a, b, repeats: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
-def wire_rows() -> list[tuple]:
-    echo = subprocess.Popen([sys.executable, "-c", ECHO], stdout=subprocess.PIPE, text=True)
-    address = echo.stdout.readline().strip()
-    # The same ZeroMQ context (and so the same I/O thread and C heap) as the broker's sockets.
-    sock = _zmq().socket(zmq.DEALER)
-    sock.connect(address)
-    broker = Broker.embedded({"w": Worker.spawn(["--accept-code", "--threads", "1"])})
+def echo(mac: bool = False) -> tuple[subprocess.Popen, zmq.Socket]:
+    process = subprocess.Popen(
+        [sys.executable, "-c", ECHO, "mac" if mac else "bare"], stdout=subprocess.PIPE, text=True
+    )
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.RCVTIMEO, 30_000)  # an echo that stopped is an error, not a hang
+    sock.connect(process.stdout.readline().strip())
+    return process, sock
+
+
+def round_trips(broker: Broker) -> list[tuple]:
+    process, sock = echo()
     g = Graph.somatize(Echo().at("w"))
     rows = []
     try:
         for label, size in (("1 KB", 1 << 10), ("1 MB", 1 << 20), ("64 MB", 64 << 20)):
             t = torch.randn(size // 4)
             raw = t.numpy()
-            repeats = 400 if size < 1 << 21 else 15
 
-            def bare(raw=raw, small=size < 1 << 16):
-                sock.send_multipart([b"x", raw], copy=small)
-                sock.recv_multipart(copy=False)
+            def bare(raw=raw):
+                sock.send(raw, copy=False)
+                sock.recv(copy=False)
 
             def ours(t=t):
                 g.forward(t, broker=broker)
 
             assert torch.equal(g.forward(t, broker=broker), t)
-            b, o = paired_medians(bare, ours, repeats)
-            rows.append((label, b * 1e3, o * 1e3, o / b, size / o / 1e9))
+            b, o = paired(bare, ours, 300 if size < 1 << 21 else 15)
+            rows.append((f"round trip, {label}", b * 1e3, o * 1e3, o / b, size / o / 1e9))
     finally:
-        broker.close()
         sock.close(0)
-        echo.kill()
+        process.kill()
     return rows
 
 
-class Lin(Node, torch.nn.Module):
-    """A linear layer that is a node."""
-
-    def __init__(self, i: int, o: int) -> None:
-        torch.nn.Module.__init__(self)
-        self.lin = torch.nn.Linear(i, o)
-
-    def forward(self, x: Any, ctx: Any) -> Any:
-        return torch.relu(self.lin(x))
-
-
-def split_step(broker: Broker | None, width: int, batch: int) -> float:
+def split_step(broker: Broker | None, width: int, batch: int) -> Any:
     from somatize.torch import Split, Trainer, parameters
 
     body = Lin(width, width).named("body")
@@ -223,35 +134,57 @@ def split_step(broker: Broker | None, width: int, batch: int) -> float:
         broker=broker,
     )
     x, y = torch.randn(batch, 64), torch.randint(0, 10, (batch,))
-    return median_s(lambda: t.step((x, y)), 30)
+    return lambda: t.step((x, y))
+
+
+def split_rows(broker: Broker) -> list[tuple]:
+    rows = []
+    for batch, width in ((32, 128), (256, 1024)):
+        here, there = paired(split_step(None, width, batch), split_step(broker, width, batch), 40)
+        rows.append((f"Split step, {batch}x{width}", here * 1e3, there * 1e3, there / here, ""))
+    return rows
+
+
+def floor_row() -> tuple:
+    """The bare pair against the pair that takes one Poly1305 pass a side each way, 1 MB."""
+    (bp, bare_sock), (mp, mac_sock) = echo(), echo(mac=True)
+    key = bytes(32)
+    raw = torch.randn(1 << 18).numpy()
+    try:
+
+        def bare():
+            bare_sock.send(raw, copy=False)
+            bare_sock.recv(copy=False)
+
+        def macs():
+            Poly1305.generate_tag(key, memoryview(raw).cast("B"))
+            mac_sock.send(raw, copy=False)
+            Poly1305.generate_tag(key, mac_sock.recv(copy=False).buffer)
+
+        b, o = paired(bare, macs, 300)
+    finally:
+        for sock, process in ((bare_sock, bp), (mac_sock, mp)):
+            sock.close(0)
+            process.kill()
+    return ("floor: bare + a MAC pass a side, 1 MB", b * 1e3, o * 1e3, o / b, (1 << 20) / o / 1e9)
 
 
 def main() -> None:
-    keep_buffers()  # before the first ZeroMQ context, as a client does
     torch.set_num_threads(1)
-    print("| tensor | bare ZeroMQ (ms) | through a worker (ms) | ratio | GB/s |")
-    print("| --- | --- | --- | --- | --- |")
-    for label, b, o, r, gbs in wire_rows():
-        print(f"| {label} | {b:.3f} | {o:.3f} | {r:.2f}x | {gbs:.2f} |")
-    print()
-    broker = Broker.embedded({"w": Worker.spawn(["--accept-code", "--threads", "1"])})
+    broker = Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")})
     try:
-        print("| Split step (batch, width) | in-process (ms) | across a worker (ms) | ratio |")
-        print("| --- | --- | --- | --- |")
-        for batch, width in ((32, 128), (256, 1024)):
-            here = split_step(None, width, batch)
-            there = split_step(broker, width, batch)
-            print(
-                f"| {batch}, {width} | {here * 1e3:.3f} | {there * 1e3:.3f} | {there / here:.2f}x |"
-            )
+        rows = round_trips(broker) + split_rows(broker)
     finally:
         broker.close()
-    if "--floor" in sys.argv[1:]:
-        print()
-        print("| tensor | bare ZeroMQ (ms) | bare + one MAC pass a side, each way (ms) | ratio |")
-        print("| --- | --- | --- | --- |")
-        for label, b, o, r in floor_rows():
-            print(f"| {label} | {b:.3f} | {o:.3f} | {r:.2f}x |")
+    rows.append(floor_row())
+    report(
+        "wire",
+        "the wire against a bare ZeroMQ pair, and a Split step across a worker against one here",
+        ["what", "plain (ms)", "somatize (ms)", "ratio", "GB/s"],
+        rows,
+        notes="Budget (a ceiling): round trip within 3x the bare pair at 1 MB; at least 1 GB/s "
+        "at 64 MB.",
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ are here before they are asked for.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from collections.abc import Callable
@@ -24,10 +25,29 @@ __all__ = [
     "entry",
     "state_of",
     "load_state",
+    "stage_state",
     "serve",
+    "tensor_frame",
+    "frame_tensor",
+    "constructible",
+    "no_grad",
 ]
 
-HOOKS = ("move", "place", "state_digest", "trainable", "entry", "state_of", "load_state", "serve")
+HOOKS = (
+    "move",
+    "place",
+    "state_digest",
+    "trainable",
+    "entry",
+    "state_of",
+    "load_state",
+    "stage_state",
+    "serve",
+    "tensor_frame",
+    "frame_tensor",
+    "constructible",
+    "no_grad",
+)
 """The questions a backend answers; `register` replaces the function of that name here."""
 
 
@@ -67,9 +87,44 @@ def load_state(node: Any, state: dict[str, Any]) -> None:
         raise ValueError(f"{type(node).__name__} holds no weights to load (torch is not loaded)")
 
 
+def stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    """Check `state` against the node and make the copies it would load (cast to the node's
+    dtypes), changing nothing; the function given back copies them in and answers the values
+    it replaced (so a caller can put them back). A mismatch is refused before anything."""
+    load_state(node, state)
+    return dict
+
+
 def serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
     """Answer a worker request that only the torch half knows (a trainer's stage)."""
     raise ValueError(f"unknown request {op!r}")
+
+
+def tensor_frame(value: Any) -> tuple[list, Any] | None:
+    """`([dtype, shape, requires_grad], buffer)` for a tensor (its numbers in C order, as one
+    flat byte buffer that is the tensor's own memory when it can be), or None for a value that
+    is not one. Refuses a tensor that has no plain numbers (sparse, quantized, meta)."""
+    return None
+
+
+def frame_tensor(head: list, buffer: Any) -> Any:
+    """The tensor `tensor_frame` described, built on `buffer` without copying it; a head that
+    does not add up to the buffer's length is refused (`ValueError`)."""
+    raise ValueError("a tensor arrived, and torch is not loaded to build it")
+
+
+def constructible(modules: list[Any]) -> list[Any]:
+    """What a worker may build or call by name without `--accept-code`, beside what the
+    modules it was told to import define: torch's optimizers, `torch.nn.functional`'s
+    functions, the Learning classes somatize ships, and optimizer classes defined in those
+    `modules`."""
+    return []
+
+
+def no_grad() -> Any:
+    """A context in which nothing records a gradient (`torch.no_grad()`): how a worker runs
+    a plain forward, so that no autograd graph is kept for nobody."""
+    return contextlib.nullcontext()
 
 
 def ready(torch_needed: bool = False) -> None:

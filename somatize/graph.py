@@ -31,10 +31,13 @@ __all__ = ["Graph", "as_graph"]
 
 
 def _place(nid: str, node: Node, device: str) -> None:
-    """Move what a node holds to its device; a failure (no such device on this machine) keeps
-    its type and gains a note naming the node, the device and what to do."""
+    """Move what a node holds to its device. A device this machine does not have is refused
+    naming the node (the hook's `ValueError`); any other failure keeps its type and gains a
+    note naming the node, the device and what to do."""
     try:
         _hooks.place(node, device)
+    except ValueError as error:
+        raise ValueError(f"node {nid!r}: {error}") from None
     except Exception as e:
         run.note(
             e,
@@ -144,6 +147,10 @@ class Graph:
                 k += 1
                 nid = f"{base}_{k}"
             self._counts[base] = k
+        elif str(nid).startswith("<") and str(nid).endswith(">"):  # the cut's "<input>", "<loss>"
+            raise ValueError(
+                f"{nid!r} names a graph's own input or loss, not a node: .named() it otherwise"
+            )
         elif nid in self._impl:
             raise ValueError(
                 f"duplicate node id {nid!r}: a {type(self._impl[nid]).__name__} already has it; "
@@ -158,7 +165,7 @@ class Graph:
                 f"to {cls}.forward, or put a plain module in the graph as it is with "
                 f"Node.of(module)"
             )
-        if settings.device is not None:
+        if settings.device is not None and settings.host is None:  # else placed on its worker
             _place(nid, node, settings.device)
         self._order.append(nid)
         self._impl[nid] = node
@@ -222,7 +229,7 @@ class Graph:
 
         new = replace(s, **said)
         self._check(id, self._impl[id], new)
-        if new.device is not None and new.device != s.device:
+        if new.device is not None and new.device != s.device and new.host is None:
             _place(id, self._impl[id], new.device)
         self._settings[id] = new
         self._plan = None

@@ -1,24 +1,34 @@
-"""The broker: which worker each host name lives on, and running a plan across them.
+"""The broker: which worker each host name lives on, what it holds, and running a plan there.
 
-`g.forward(x, broker=b)` hands the plan here. The plan's steps are cut, in the order they run,
-into slices of consecutive nodes on the same host: a local slice is run here as the engine
-would, a remote one goes to its worker as one request (one round trip, whatever its length),
-carrying the values it reads from outside and bringing back only those that are read after it.
-A node reaches a worker the first time it is needed: its class (module and qualified name;
-as code only to a worker started with ``--accept-code``), its constructor arguments and its
-weights. From then on the worker's copy is the one that runs (and, under a trainer's
-``trains=``, the one that learns); `state` and `load` read and write it.
+`g.forward(x, broker=b)` hands the plan here: it is cut into forward slices by host
+(`somatize.remote.slices`), a remote one runs on its worker in one round trip. A node reaches
+a worker the first time it is needed (`Worker`'s mode says how: by name, or as code), with its
+weights. From then on the worker's copy is the one that runs and, under a trainer's
+`trains=`, the one that learns; `weights` reads what it learnt (and keeps it as the copy
+here), `load_weights` sends weights to several workers at once, all or none.
+
+A worker that was restarted, or that forgot this broker's session, holds none of it any more.
+A node that had learnt nothing there since its weights were last read back or sent is sent
+again from the copy here, which is what it held; one that had is `StateLost`: training never
+goes on silently from weights older than what was learnt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from somatize import _hooks
-from somatize.remote.client import Connection, Worker
+from somatize.codecs import NoCodec
+from somatize.remote import wire
+from somatize.remote.allowed import version_of
+from somatize.remote.client import Worker
+from somatize.remote.connection import Connection
+from somatize.remote.errors import StateLost, Unknown, WorkerLost
 from somatize.remote.slices import cut, run_plan
 
 __all__ = ["Broker"]
@@ -48,10 +58,14 @@ class Broker:
         self.workers = dict(workers)
         self.session = secrets.token_hex(8)
         self._connections: dict[str, Connection] = {}
-        self._defined: dict[str, dict[str, str | None]] = {}
-        self._held: dict[str, Any] = {}
+        self._modes: dict[str, str] = {}
+        self._defined: dict[str, dict[str, str | None]] = {}  # host: {key: incarnation}
+        self._held: dict[str, Any] = {}  # key: node (kept alive, so no id is reused)
+        self._ids: dict[str, str] = {}  # key: node id
+        self._stateful: set[str] = set()
+        self._learnt: set[tuple[str, str]] = set()  # (host, key) learnt since last read
+        self._lost: dict[str, str] = {}  # key: host, for what a worker lost after learning
         self._slices: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
-        self._last: tuple[Any, list] | None = None  # (weak plan, its slices), the last run
         self.closed = False
 
     @classmethod
@@ -59,7 +73,7 @@ class Broker:
         """A broker that knows these hosts: `{host_name: Worker}`."""
         return cls(workers)
 
-    # -- connections ------------------------------------------------------------------------
+    # -- connections --------------------------------------------------------------------------
     def worker(self, host: str) -> Worker:
         """The worker a host name lives on; an unknown host is refused, naming the known."""
         found = self.workers.get(host)
@@ -76,53 +90,78 @@ class Broker:
             raise RuntimeError("this broker is closed")
         conn = self._connections.get(host)
         if conn is None:
-            conn = self.worker(host).connect(host)
-            try:
-                conn.hello = conn.request({"op": "hello"}, deadline=conn.worker.connect_within + 5)
-            except BaseException:
-                conn.close()
-                raise
+            worker = self.worker(host)
+            for attempt in (0, 1):  # a connection cut while it was being made: once more
+                conn = worker.connect(host)
+                try:
+                    conn.hello = conn.request({"op": "hello"}, deadline=worker.connect_within + 5)
+                    self._modes[host] = worker.travels(conn.hello, conn.where())
+                    break
+                except WorkerLost:
+                    conn.close()
+                    if attempt:
+                        raise
+                except BaseException:
+                    conn.close()
+                    raise
             self._connections[host] = conn
         return conn
 
+    def mode(self, host: str) -> str:
+        """How nodes travel to `host`'s worker: `"project"` or `"network"` (`Worker`)."""
+        self.connection(host)
+        return self._modes[host]
+
     def request(self, host: str, message: dict[str, Any], **kw: Any) -> Any:
-        """Send one request (signed, under this broker's session) to `host`'s worker."""
-        conn = self._connections.get(host) or self.connection(host)  # none once closed
-        answer = conn.request(message, session=self.session, **kw)
-        known = self._defined.get(host)
-        if known and next(iter(known.values())) != conn.incarnation:
-            # A restarted worker holds none of them any more: a new dict, so that a slice
-            # that noted the old one (`held`) knows to look again.
-            self._defined[host] = {}
-        return answer
+        """Send one request (sealed, under this broker's session) to `host`'s worker."""
+        conn = self.connection(host)
+        try:
+            return conn.request(message, session=self.session, **kw)
+        except Unknown:
+            self.forget(host)
+            raise
+        finally:
+            known = self._defined.get(host)
+            if known and next(iter(known.values())) != conn.incarnation:
+                self.forget(host)  # a restarted worker holds none of it any more
 
-    def run(self, host: str, sid: str, given: dict, input: Any) -> Any:
-        """A repeated forward of slice `sid`, which `host`'s worker holds, nobody watching:
-        what `request` gives back for its run request, written straight away as a record
-        (`Connection.run`)."""
-        conn = self._connections.get(host) or self.connection(host)
-        answer = conn.run(self.session, sid, given, input)
-        known = self._defined.get(host)
-        if known and next(iter(known.values())) != conn.incarnation:
-            self._defined[host] = {}  # as `request` does
-        return answer
-
-    # -- nodes ------------------------------------------------------------------------------
+    # -- nodes --------------------------------------------------------------------------------
     def key(self, node: Any) -> str:
         """The name a node goes by on a worker, for this broker."""
         return f"n{id(node):x}"
 
     def definition(self, host: str, nid: str, node: Any, device: str | None) -> dict | None:
-        """What a worker needs to rebuild `node`, or None if it already holds it."""
+        """What a worker needs to build `node`, or None if it holds it already. A node whose
+        learnt weights that worker lost is `StateLost` (see the module's doc)."""
         key = self.key(node)
         if key in self._defined.get(host, {}):
             return None
+        if key in self._lost:
+            lost = sorted(self._ids.get(k, k) for k, h in self._lost.items() if h == host)
+            exported = {  # the nodes' own, keyed as Trainer.export keys them
+                n: _hooks.state_of(self._held[k])
+                for k, n in self._ids.items()
+                if n in lost and "/" not in n and k in self._held
+            }
+            raise StateLost(
+                f"the worker for host {host!r} was restarted (or forgot this client's session) "
+                f"after node(s) {lost} had learnt there, and what they learnt since their "
+                "weights were last read back (Trainer.export) is lost; nothing was trained from "
+                "older weights. Resume with Trainer.load(weights) from weights you kept, or "
+                "Trainer.load(error.exported) from the last ones this client read back",
+                lost,
+                exported,
+            )
+        conn = self.connection(host)
         self._held[key] = node
-        return definition(node, nid, key, device, self.connection(host), host)
+        self._ids[key] = nid
+        d = describe(node, nid, key, device, self.mode(host), conn, host)
+        if d["state"]:
+            self._stateful.add(key)
+        return d
 
     def holds(self, host: str, key: str) -> bool:
-        """Whether `host`'s worker holds `key` (a node, or a slice's compiled steps) as far as
-        this broker knows."""
+        """Whether `host`'s worker holds `key` (a node, or a slice) as far as this broker knows."""
         return key in self._defined.get(host, ())
 
     def defined(self, host: str, defs: list[dict]) -> None:
@@ -132,41 +171,108 @@ class Broker:
         for d in defs:
             known[d["key"]] = conn.incarnation
 
-    def held(self, host: str) -> Any:
-        """What `host`'s worker holds as far as this broker knows, as one object that is
-        replaced (never emptied) when the worker lost it: a slice that found all it needs
-        there keeps it, and while it is still the one here sends only its id."""
-        return self._defined.get(host)
+    def learnt(self, host: str, keys: list[str]) -> None:
+        """Note that these nodes may have learnt on `host`'s worker (a trainer's step ran
+        there), so that losing them is `StateLost`, not a silent restart from older weights."""
+        self._learnt.update((host, k) for k in keys if k in self._stateful)
+
+    def resume(self, node: Any) -> None:
+        """Go on from the copy here of `node` (what was last read back or sent) on a worker
+        that lost what it learnt: it is no longer `StateLost`."""
+        self._lost.pop(self.key(node), None)
 
     def forget(self, host: str) -> None:
-        """Forget which nodes `host`'s worker holds (it lost them): they are sent again."""
-        self._defined.pop(host, None)
+        """`host`'s worker holds nothing of this broker's any more (it was restarted, or the
+        session expired): what had learnt there is lost, the rest is sent again."""
+        for key in self._defined.pop(host, {}):
+            if (host, key) in self._learnt:
+                self._learnt.discard((host, key))
+                self._lost[key] = host
 
     def weights(self, graph: Any, nid: str) -> dict[str, Any]:
         """The weights of node `nid` as its worker holds them, `{key: tensor}` (the keys of
-        `Trainer.export`): what a node trained where it runs has learnt."""
-        host, node, device = self._where(graph, nid)
-        defs = [d for d in [self.definition(host, nid, node, device)] if d]
-        got = self.request(host, {"op": "state", "key": self.key(node), "define": defs})
-        self.defined(host, defs)
+        `Trainer.export`); the copy here is brought up to them too."""
+        return self.read(*self.placement(graph, nid))
+
+    def read(self, host: str, nid: str, node: Any, device: Any = None) -> dict[str, Any]:
+        """The weights of `node` (a node, or a Learning) as `host`'s worker holds them, sent
+        there first if it does not; the copy here is brought up to them."""
+        key = self.key(node)
+        for attempt in (0, 1):
+            defs = [d for d in [self.definition(host, nid, node, device)] if d]
+            try:
+                got = self.request(host, {"op": "state", "key": key, "define": defs})
+            except Unknown:
+                if attempt:
+                    raise
+                continue
+            self.defined(host, defs)
+            break
+        _hooks.load_state(node, got)
+        self._learnt.discard((host, key))
         return got
 
-    def load_weights(self, graph: Any, nid: str, weights: dict[str, Any]) -> None:
-        """Send `{key: tensor}` to the copy of node `nid` on its worker (refused whole there
-        if a key or a shape differs)."""
-        host, node, device = self._where(graph, nid)
-        defs = [d for d in [self.definition(host, nid, node, device)] if d]
-        message = {"op": "load", "key": self.key(node), "state": weights, "define": defs}
-        self.request(host, message)
-        self.defined(host, defs)
+    def load_weights(
+        self, graph: Any, weights: dict[str, dict[str, Any]], *, then: Callable[[], Any] = None
+    ) -> None:
+        """Send `{node id: {key: tensor}}` to the workers of those nodes, all or nothing (see
+        `write`); `then` (what changes here) runs once every worker has committed."""
+        self.write([(*self.placement(graph, nid), state) for nid, state in weights.items()], then=then)
 
-    def _where(self, graph: Any, nid: str) -> tuple[str, Any, Any]:
+    def write(self, entries: list[tuple], *, then: Callable[[], Any] = None) -> None:
+        """Load `(host, nid, node, device, state)` entries on their workers, all or nothing:
+        staged on every worker first (each checks them against its copy), committed when all
+        are; `then` runs after; if anything fails, what was committed is put back and nothing
+        has changed. Without `then`, the copies here are brought up to them too."""
+        lid = secrets.token_hex(6)
+        hosts: list[str] = []
+        lost = dict(self._lost)
+        try:
+            for host, nid, node, device, state in entries:
+                key = self.key(node)
+                self._lost.pop(key, None)  # the caller says where to resume from
+                defs = [d for d in [self.definition(host, nid, node, device)] if d]
+                message = {"op": "load", "phase": "stage", "load": lid, "key": key}
+                self.request(host, {**message, "state": state, "define": defs})
+                self.defined(host, defs)
+                if host not in hosts:
+                    hosts.append(host)
+        except BaseException:
+            self._lost = lost
+            self._each(hosts, lid, "drop")
+            raise
+        committed = []
+        try:
+            for host in hosts:
+                self.request(host, {"op": "load", "phase": "commit", "load": lid})
+                committed.append(host)
+            if then is not None:
+                then()
+        except BaseException:
+            self._lost = lost
+            self._each(committed, lid, "undo")
+            self._each([h for h in hosts if h not in committed], lid, "drop")
+            raise
+        self._each(hosts, lid, "drop")
+        for host, _nid, node, _device, state in entries:
+            if then is None:
+                _hooks.load_state(node, state)
+            self._learnt.discard((host, self.key(node)))
+
+    def _each(self, hosts: list[str], lid: str, phase: str) -> None:
+        for host in hosts:
+            with contextlib.suppress(Exception):  # a worker that is gone holds nothing
+                self.request(host, {"op": "load", "phase": phase, "load": lid}, deadline=10.0)
+
+    def placement(self, graph: Any, nid: str) -> tuple[str, str, Any, Any]:
+        """`(host, nid, node, device)` of a node that runs on a host: the head of an entry of
+        `write`. A node that runs here is refused (its weights are here)."""
         s = graph.setting(nid)
         if not s.host:
             raise ValueError(f"node {nid!r} runs here, not on a host: its weights are here")
-        return s.host, graph.implementation(nid), s.device
+        return s.host, nid, graph.implementation(nid), s.device
 
-    # -- running ----------------------------------------------------------------------------
+    # -- running ------------------------------------------------------------------------------
     def forward(
         self,
         plan: Any,
@@ -184,26 +290,20 @@ class Broker:
         return run_plan(self, plan, input, list(watching or ()))
 
     def slices(self, plan: Any) -> list:
-        """The plan cut into slices (worked out once per plan)."""
-        last = self._last
-        if last is not None and last[0]() is plan:  # the plan run last time, again
-            return last[1]
+        """The plan cut into forward slices (worked out once per plan)."""
         known = self._slices.get(plan)
         if known is None:
             known = self._slices[plan] = cut(plan)
-        self._last = (weakref.ref(plan), known)
         return known
 
-    # -- the end ----------------------------------------------------------------------------
+    # -- the end ------------------------------------------------------------------------------
     def close(self) -> None:
         """Tell each worker to forget this broker's nodes, close, and stop spawned workers."""
         if self.closed:
             return
-        for _host, conn in self._connections.items():
-            try:
+        for conn in self._connections.values():
+            with contextlib.suppress(Exception):  # a worker that is gone has nothing to forget
                 conn.request({"op": "close", "session": self.session}, deadline=2.0)
-            except Exception:
-                pass  # a worker that is gone has nothing left to forget
             conn.close()
         self._connections.clear()
         self._held.clear()
@@ -221,54 +321,67 @@ class Broker:
         return "Broker(" + ", ".join(f"{h!r}: {w!r}" for h, w in self.workers.items()) + ")"
 
 
-def definition(
-    node: Any, nid: str, key: str, device: str | None, conn: Connection, host: str
+def describe(
+    node: Any, nid: str, key: str, device: Any, mode: str, conn: Connection, host: str
 ) -> dict[str, Any]:
-    """How `node` travels: class by name (or as code to a worker that accepts it), its
-    constructor arguments, and its weights. Refuses, before sending anything, a class the
-    worker could not import and may not be sent as code."""
-    from somatize.remote import wire
-
+    """How `node` travels in `mode`: its class by name (from a module the worker imports) or
+    as code, its constructor arguments and its weights. Refused before anything is sent: a
+    class the worker could not build, arguments that cannot be written down."""
     cls = type(node)
     args = getattr(node, "_somatize_args", {})
-    accepts = bool((conn.hello or {}).get("accept_code"))
-    d: dict[str, Any] = {
-        "key": key,
-        "id": nid,
-        "module": cls.__module__,
-        "qualname": cls.__qualname__,
-        "device": device,
-        "state": _state(node),
-        "pickled": None,
-        "args": None,
-    }
-    local = cls.__module__ == "__main__" or "<locals>" in cls.__qualname__
-    try:
-        wire.pack(b"", args)
-        plain = True
-    except Exception:
-        plain = False
-    if accepts and (local or not plain):
+    d = {"key": key, "id": nid, "device": device, "state": _hooks.state_of(node)}
+    if mode == "network":
         import cloudpickle
 
-        d["pickled"] = cloudpickle.dumps((cls, args))
+        with _by_value(conn.worker.send):
+            d["code"] = cloudpickle.dumps((cls, args))
         return d
-    if local:
+    module = cls.__module__
+    if module == "__main__" or "<locals>" in cls.__qualname__:
         raise TypeError(
-            f"node {nid!r} is a {cls.__qualname__} defined in {cls.__module__}, which the "
-            f"worker for host {host!r} cannot import: define the class in a module the worker "
-            "can import, or start the worker with --accept-code to send it as code"
+            f"node {nid!r} is a {cls.__qualname__} defined in {module}, which no worker can "
+            f"import: define it in a module the worker for host {host!r} imports, or send it "
+            "as code (mode='network', to a worker started with --accept-code)"
         )
-    if not plain:
-        try:
-            wire.pack(b"", args, where=f"the constructor arguments of node {nid!r}")
-        except Exception as error:
-            raise type(error)(
-                f"{error}; or start the worker for host {host!r} with --accept-code"
-            ) from None
-    d["args"] = args
+    imports = (conn.hello or {}).get("imports") or {}
+    if module not in imports and not module.startswith("somatize."):
+        raise PermissionError(
+            f"node {nid!r} is a {cls.__qualname__} from {module}, which the worker for host "
+            f"{host!r} was not started to import: start it with --import {module} "
+            f"(Worker.spawn(..., send=[{module!r}])), or send it as code (mode='network', to "
+            "a worker started with --accept-code)"
+        )
+    try:
+        wire.encode(args, where=f"the constructor arguments of node {nid!r}")
+    except NoCodec as error:
+        raise NoCodec(
+            f"{error}; or send it as code (mode='network', to a worker for host {host!r} "
+            "started with --accept-code)"
+        ) from None
+    found = sys.modules.get(module)
+    d.update(
+        module=module,
+        qualname=cls.__qualname__,
+        args=args,
+        version=version_of(found) if found is not None else None,
+    )
     return d
 
 
-def _state(node: Any) -> dict[str, Any]:
-    return _hooks.state_of(node)
+@contextlib.contextmanager
+def _by_value(names: list[str]):
+    """cloudpickle writes these modules' code by value while inside (`send=` in network mode)."""
+    import cloudpickle
+
+    added = []
+    try:
+        for name in names:
+            module = sys.modules.get(name)
+            if module is not None:
+                with contextlib.suppress(ValueError):  # already registered
+                    cloudpickle.register_pickle_by_value(module)
+                    added.append(module)
+        yield
+    finally:
+        for module in added:
+            cloudpickle.unregister_pickle_by_value(module)

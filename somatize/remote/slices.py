@@ -1,7 +1,13 @@
-"""A plan cut into slices by host, and the walk that runs them: local ones here, remote ones
-in one round trip each. Built on the plan's data (`plan.steps`, `plan.ids`, `plan.graph`),
-with the engine's own rules: every root gets the input, a node with several predecessors a
-dict keyed by their ids, an `Opaque` unwrapped on arrival, a failure noted with its node."""
+"""Forward slices: consecutive steps of a plan that run on one host, on both sides of the wire.
+
+On the client, `cut` cuts a plan where the host changes into `Slice`s, and `run_plan` runs
+them in order: a local slice here as the engine would, a remote one on its worker in one
+round trip, carrying the values it reads from outside and bringing back only those read after
+it. On the worker, a slice arrives once as its steps and is kept as a `ServedSlice` (the
+engine's steps bound to the session's nodes) under its id, so a repeated forward sends only
+the id and the values. (A trainer's stage is another thing: a `Part`, in
+`somatize.torch.training.stages`.)
+"""
 
 from __future__ import annotations
 
@@ -11,18 +17,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from somatize.node import Opaque
-from somatize.remote.server import Unknown
-from somatize.run import MANY, ONE, ROOT, _result, walk
+from somatize import _hooks
+from somatize.node import unwrap
+from somatize.remote.errors import Unknown
+from somatize.run import MANY, ONE, ROOT, Ctx, _mapping, _result, walk
 
-__all__ = ["Slice", "cut", "run_plan"]
+__all__ = ["Slice", "cut", "run_plan", "ServedSlice", "run_served"]
 
 _sids = itertools.count(1)
 
 
 @dataclass
 class Slice:
-    """Consecutive steps of a plan on one host (`None`: here)."""
+    """Consecutive steps of a plan on one host (`None`: here), as the client cuts them."""
 
     host: str | None
     steps: list[tuple] = field(default_factory=list)
@@ -30,8 +37,7 @@ class Slice:
     roots: bool = False  # whether it reads the graph's input
     wanted: set[int] = field(default_factory=set)  # its slots read after it, or leaves
     described: list | None = None  # its steps as a worker reads them (worked out once)
-    sid: str = ""  # the id a worker keeps its compiled steps under, once it has them
-    held: Any = None  # `broker.held(host)` when the worker was known to hold all it needs
+    sid: str = ""  # the id a worker keeps it under
 
 
 def cut(plan: Any) -> list[Slice]:
@@ -40,7 +46,7 @@ def cut(plan: Any) -> list[Slice]:
     hosts = plan.hosts
     where = {}
     for step in plan.steps:
-        i, mode, src, fn, ctx, device = step
+        i, mode, src, _fn, ctx, _device = step
         host = hosts.get(ctx.id)
         if not slices or slices[-1].host != host:
             slices.append(Slice(host))
@@ -68,19 +74,17 @@ def _sources(mode: int, src: Any) -> list[int]:
 
 
 def run_plan(broker: Any, plan: Any, input: Any, told: list[Callable[[dict], Any]]) -> Any:
-    """Run every slice of `plan` in order; tell watchers what ran (remote nodes with the time
-    measured on their worker) and when it finished."""
-    if type(input) is Opaque:
-        input = input.value
+    """Run every slice of `plan` in order; tell watchers what ran (a remote node with the
+    time measured on its worker) and when it finished."""
+    input = unwrap(input)
     vals: list[Any] = [None] * len(plan.steps)
     clock = time.perf_counter_ns
-    start = clock() if told else 0  # times are only for somebody who watches
-    last = broker._last  # the plan run last time, again: its slices without a lookup
-    for piece in last[1] if last is not None and last[0]() is plan else broker.slices(plan):
-        if piece.host is None:
-            walk(plan, piece.steps, vals, input, told, start)
+    start = clock() if told else 0
+    for one in broker.slices(plan):
+        if one.host is None:
+            walk(plan, one.steps, vals, input, told, start)
         else:
-            _run_there(broker, plan, piece, vals, input, told, start)
+            _run_there(broker, plan, one, vals, input, told, start)
     if told:
         finished = {"fact": "finished", "took_us": (clock() - start) / 1e3}
         for w in told:
@@ -88,92 +92,127 @@ def run_plan(broker: Any, plan: Any, input: Any, told: list[Callable[[dict], Any
     return _result(plan, vals)
 
 
-def _run_there(
-    broker: Any, plan: Any, piece: Slice, vals: list, input: Any, told: list, start: int
-) -> None:
-    host = piece.host
+def _described(broker: Any, plan: Any, one: Slice) -> list:
+    """The slice's steps as a worker reads them: `[slot, key, id, mode, src, device, host,
+    mapped, wanted]` each."""
     graph = plan.graph
-    described = piece.described
-    if described is None:
-        described = []
-        for i, mode, src, _fn, ctx, device in piece.steps:
-            node = graph.implementation(ctx.id)
-            mapped = bool(graph.setting(ctx.id).mapped)
-            described.append(
-                [i, broker.key(node), ctx.id, mode, src, device, host, mapped, i in piece.wanted]
-            )
-        piece.described = described
-        piece.sid = f"s{next(_sids)}"  # never reused in this process (an id() could be)
-    given = {}
-    for j in piece.reads:
-        given[j] = vals[j]
+    described = []
+    for i, mode, src, _fn, ctx, device in one.steps:
+        node = graph.implementation(ctx.id)
+        mapped = bool(graph.setting(ctx.id).mapped)
+        described.append(
+            [i, broker.key(node), ctx.id, mode, src, device, one.host, mapped, i in one.wanted]
+        )
+    return described
+
+
+def _run_there(
+    broker: Any, plan: Any, one: Slice, vals: list, input: Any, told: list, start: int
+) -> None:
+    host = one.host
+    if one.described is None:
+        one.described = _described(broker, plan, one)
+        one.sid = f"s{next(_sids)}"  # never reused in this process (an id() could be)
+    message = {
+        "op": "run",
+        "sid": one.sid,
+        "given": {j: vals[j] for j in one.reads},
+        "input": input if one.roots else None,
+        "timed": bool(told),  # per-node times only for somebody who watches
+    }
     began = time.perf_counter_ns() if told else 0
-    attempts = (0, 1)
-    if piece.held is not None and piece.held is broker._defined.get(host):  # broker.held
-        # The worker holds the slice and its nodes (nothing was lost since): only the id and
-        # the inputs go.
-        try:
-            if told:
-                message = {
-                    "op": "run",
-                    "define": [],
-                    "sid": piece.sid,
-                    "slice": None,
-                    "given": given,
-                    "input": input if piece.roots else None,
-                    "timed": True,
-                }
-                got = broker.request(host, message)
-            else:  # the same request, written without its dict
-                got = broker.run(host, piece.sid, given, input if piece.roots else None)
-        except Unknown:
-            broker.forget(host)  # a restarted worker: send the nodes again, once
-            attempts = (1,)
-            got = None
-        if got is not None:
-            if told:
-                _took(got, vals, told, began, start)
-            else:
-                for i, value in got["out"].items():
-                    vals[i] = value
-            return
-    for attempt in attempts:
-        defs = []
-        for _i, _mode, _src, _fn, ctx, device in piece.steps:
-            d = broker.definition(host, ctx.id, graph.implementation(ctx.id), device)
-            if d is not None:
-                defs.append(d)
-        sent = broker.holds(host, piece.sid)
-        message = {
-            "op": "run",
-            "define": defs,
-            "sid": piece.sid,
-            "slice": None if sent else described,
-            "given": given,
-            "input": input if piece.roots else None,
-            "timed": bool(told),  # per-node times only for somebody who watches
-        }
+    graph = plan.graph
+    for attempt in (0, 1):
+        defs = [
+            d
+            for _i, _mode, _src, _fn, ctx, device in one.steps
+            if (d := broker.definition(host, ctx.id, graph.implementation(ctx.id), device))
+        ]
+        sent = broker.holds(host, one.sid)
+        message["define"] = defs
+        message["slice"] = None if sent else one.described
         try:
             got = broker.request(host, message)
         except Unknown:
             if attempt:
                 raise
-            broker.forget(host)  # a restarted worker: send the nodes again, once
+            broker.forget(host)  # restarted, or the session expired: send all again, once
             continue
-        if defs or not sent:
-            broker.defined(host, [*defs, {"key": piece.sid}])
-        piece.held = broker.held(host)
+        broker.defined(host, [*defs, {"key": one.sid}])
         break
-    _took(got, vals, told, began, start)
-
-
-def _took(got: dict, vals: list, told: list, began: int, start: int) -> None:
-    """Write what a remote slice answered into `vals`; tell watchers what ran there."""
     for i, value in got["out"].items():
         vals[i] = value
     if told:
         offset = (began - start) / 1e3
-        for nid, began, took in got["ran"]:
-            fact = {"fact": "ran", "node": nid, "began_us": offset + began, "took_us": took}
+        for nid, at, took in got["ran"]:
+            fact = {"fact": "ran", "node": nid, "began_us": offset + at, "took_us": took}
             for w in told:
                 w(fact)
+
+
+class ServedSlice:
+    """A slice as a worker keeps it: its described steps checked once and bound to the
+    session's `nodes` as the engine's steps (`somatize.run.walk` runs them), and the slots
+    whose values go back. A node the worker does not hold is `Unknown`.
+
+    It stands in for a `Plan` where `walk` names a failing node: `ids` (slot → node id) and
+    `graph.implementation(id)`.
+    """
+
+    __slots__ = ("steps", "ids", "wanted", "held")
+
+    def __init__(self, described: Any, nodes: dict[str, Any]) -> None:
+        if type(described) is not list:
+            raise ValueError(f"a slice is a list of steps, not {type(described).__name__}")
+        steps = []
+        self.ids: dict[int, str] = {}
+        self.held: dict[str, Any] = {}
+        wanted = []
+        for step in described:
+            if type(step) is not list or len(step) != 9:
+                raise ValueError(f"a slice's step has nine fields, not {step!r:.80}")
+            slot, key, nid, mode, src, device, host, mapped, want = step
+            if mode == MANY:
+                src = tuple((p, j) for p, j in src)
+            elif mode not in (ONE, ROOT):
+                raise ValueError(f"unknown step mode {mode!r}")
+            node = nodes.get(key)
+            if node is None:
+                raise Unknown(
+                    f"this worker does not hold node {nid!r}: it was restarted, the session "
+                    "expired, or it was never sent"
+                )
+            call = _hooks.entry(node)  # a module's __call__, so that its hooks fire
+            fn = _mapping(nid, call) if mapped else call
+            steps.append((slot, mode, src, fn, Ctx(nid, device, host, None), device))
+            self.ids[slot] = nid
+            self.held[nid] = node
+            if want:
+                wanted.append(slot)
+        self.steps = tuple(steps)
+        self.wanted = tuple(wanted)
+
+    @property
+    def graph(self) -> ServedSlice:
+        """Itself (a property, not an attribute: no cycle keeps its nodes alive)."""
+        return self
+
+    def implementation(self, nid: str) -> Any:
+        """The node that runs as `nid` (for `walk`'s note on a failure)."""
+        return self.held[nid]
+
+
+def run_served(served: ServedSlice, given: Any, input: Any, timed: bool = True) -> dict[str, Any]:
+    """Run a slice through the engine's own loop without autograd (hooks fire, failures are
+    noted with their node); `given` holds the values of the slots it reads from outside.
+    Answers the values wanted outside and, when `timed`, per node when it began and how long
+    it took (µs)."""
+    vals: dict[int, Any] = dict(given) if type(given) is dict else {}
+    ran: list[list[Any]] = []
+    told = [lambda f: ran.append([f["node"], f["began_us"], f["took_us"]])] if timed else None
+    with _hooks.no_grad():
+        if told:
+            walk(served, served.steps, vals, input, told, time.perf_counter_ns())
+        else:
+            walk(served, served.steps, vals, input)
+    return {"out": {slot: vals[slot] for slot in served.wanted}, "ran": ran}

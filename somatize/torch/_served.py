@@ -1,13 +1,43 @@
-"""What a worker asks of torch through `somatize._hooks`: a node's weights, loading them, and
-the requests of a trainer's stage (`stage.forward`, `stage.backward`)."""
+"""What the core and a worker ask of torch through `somatize._hooks`: a node's weights and
+loading them (checked whole, then copied), a tensor as a wire frame and back, what a worker may
+build by name, and the requests of a trainer's stage (`stage.forward`, `stage.backward`)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from somatize import _hooks
+
+_DTYPES = {
+    name: getattr(torch, name)
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "complex128",
+        "complex64",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint64",
+        "uint32",
+        "uint16",
+        "uint8",
+        "bool",
+    )
+    if hasattr(torch, name)
+}
+"""The dtypes that cross a wire, by the name `str(dtype)` gives them without `torch.`."""
+
+_MOST_DIMS = 64
 
 
 def state_of(node: Any) -> dict[str, torch.Tensor]:
@@ -22,28 +52,173 @@ def state_of(node: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
-def load_state(node: Any, state: dict[str, Any]) -> None:
-    """Copy `state` (as `state_of` gives it) into the node, refusing a mismatch whole."""
+def stage_state(
+    node: Any, state: dict[str, Any], name: str | None = None
+) -> Callable[[], dict[str, torch.Tensor]]:
+    """Check `state` (some or all of the node's keys) and cast copies of it to the node's
+    dtypes and devices, as `load_state_dict(strict=False)` would load it; nothing is changed
+    until the function given back is called, which copies them in and answers the values they
+    replaced. An unknown key, a shape that differs or a tensor without plain numbers (meta,
+    sparse) is refused whole, naming the node (`name`, else its class)."""
+    from somatize.torch.training.learning import Learning
     from somatize.torch.training.params import state_of as keyed
 
+    name = name or type(node).__name__
+    if not isinstance(state, dict):
+        raise TypeError(f"{name}: weights are {{key: tensor}}, not {type(state).__name__}")
+    if isinstance(node, Learning):
+        node.receiving(state)  # what it builds lazily (a guesser) is built at the shapes sent
     own = keyed(node)
-    if set(own) != set(state):
+    if isinstance(node, Learning):
+        own = {k: v for k, v in own.items() if not k.startswith("node.")}
+    unknown = sorted(set(state) - set(own))
+    if unknown:
         raise ValueError(
-            f"{type(node).__name__}: the weights sent have keys {sorted(state)}, the node here "
+            f"{name}: the weights hold keys {unknown}, which the node does not have; it has "
             f"{sorted(own)}; nothing was loaded"
         )
-    for k, v in state.items():
-        if tuple(own[k].shape) != tuple(v.shape):
-            raise ValueError(
-                f"{type(node).__name__}: {k} is {tuple(own[k].shape)} here and "
-                f"{tuple(v.shape)} in the weights sent; nothing was loaded"
+    staged = {}
+    for key, value in state.items():
+        mine = own[key]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"{name}, {key!r}: weights are tensors, not {type(value).__name__}; "
+                "nothing was loaded"
             )
-    with torch.no_grad():
-        for k, v in state.items():
-            own[k].copy_(v)
+        if tuple(value.shape) != tuple(mine.shape):
+            raise ValueError(
+                f"{name}, {key!r}: the weights give shape {tuple(value.shape)}, the node has "
+                f"{tuple(mine.shape)}; nothing was loaded"
+            )
+        if value.layout != torch.strided or value.is_meta or value.is_quantized:
+            what = "on the meta device" if value.is_meta else f"{value.layout}, quantized or not"
+            raise ValueError(
+                f"{name}, {key!r}: a tensor {what} has no plain numbers to load (give it dense, "
+                "on a real device); nothing was loaded"
+            )
+        try:
+            staged[key] = value.detach().to(device=mine.device, dtype=mine.dtype, copy=True)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"{name}, {key!r}: {error}; nothing was loaded") from error
+
+    def commit() -> dict[str, torch.Tensor]:
+        previous = {k: own[k].detach().clone() for k in staged}
+        with torch.no_grad():
+            for k, v in staged.items():
+                own[k].copy_(v)
+        return previous
+
+    return commit
 
 
-def serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
+def load_state(node: Any, state: dict[str, Any]) -> None:
+    """Copy `state` (some or all of the node's keys) into the node, refusing a mismatch whole."""
+    stage_state(node, state)()
+
+
+def tensor_frame(value: Any) -> tuple[list, Any] | None:
+    """`([dtype, shape, requires_grad], buffer)` for a tensor, else None: its numbers in C
+    order, on the CPU, as a flat byte view of its own memory when it is already so (otherwise
+    of a packed copy). Sparse, quantized and meta tensors are refused."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    if value.layout != torch.strided:
+        raise TypeError(
+            f"a {value.layout} tensor cannot cross the wire as it is; convert it first "
+            "(for sparse: .to_dense())"
+        )
+    if value.is_quantized:
+        raise TypeError("a quantized tensor cannot cross the wire; .dequantize() it first")
+    if value.is_meta:
+        raise TypeError("a tensor on the meta device has no numbers to send")
+    name = str(value.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"a {value.dtype} tensor cannot cross the wire")
+    plain = value.detach()
+    if plain.device.type != "cpu":
+        plain = plain.cpu()
+    if plain.is_conj():
+        plain = plain.resolve_conj()
+    if plain.is_neg():
+        plain = plain.resolve_neg()
+    if not plain.is_contiguous():
+        plain = plain.contiguous()
+    buffer = plain.view(-1).view(torch.uint8).numpy()
+    return [name, list(plain.shape), bool(value.requires_grad)], buffer
+
+
+def frame_tensor(head: list, buffer: Any) -> torch.Tensor:
+    """The tensor `tensor_frame` described, built on `buffer` (copied only when the buffer is
+    read-only). A head that is not `[dtype, shape, requires_grad]` or does not add up to the
+    buffer's length is refused with a `ValueError` naming what is wrong."""
+    if type(head) is not list or len(head) != 3:
+        raise ValueError(f"a tensor's head is [dtype, shape, requires_grad], not {head!r:.80}")
+    name, shape, grad = head
+    dtype = _DTYPES.get(name) if type(name) is str else None
+    if dtype is None:
+        raise ValueError(f"a tensor of dtype {name!r:.40}, which does not cross the wire")
+    if (
+        type(shape) is not list
+        or len(shape) > _MOST_DIMS
+        or any(type(s) is not int or s < 0 for s in shape)
+    ):
+        raise ValueError(f"a tensor's shape is a list of sizes >= 0, not {shape!r:.80}")
+    if type(grad) is not bool or (grad and not (dtype.is_floating_point or dtype.is_complex)):
+        raise ValueError(f"a {name} tensor cannot ask for a gradient ({grad!r:.20})")
+    view = memoryview(buffer)
+    size = view.nbytes
+    want = math.prod(shape) * dtype.itemsize
+    if want != size:
+        raise ValueError(f"a {name} tensor of shape {shape} holds {want} bytes, not {size}")
+    if size == 0:
+        made = torch.empty(shape, dtype=dtype)
+    else:
+        if view.readonly:
+            view = memoryview(bytearray(view))
+        made = torch.frombuffer(view, dtype=dtype)
+        if len(shape) != 1:
+            made = made.reshape(shape)
+    return made.requires_grad_(True) if grad else made
+
+
+def constructible(modules: list[Any]) -> list[Any]:
+    """torch's optimizers (`torch.optim.SGD`, ...) and the functions of
+    `torch.nn.functional` (a Learning's objective: they compute, and touch nothing else), the
+    Learning classes somatize ships, and the optimizer classes defined in `modules` (the ones
+    a worker was told to import)."""
+    import types
+
+    import somatize.torch as ours
+    from somatize.torch.training.learning import Learning
+
+    optimizer = torch.optim.Optimizer
+    found = [v for v in vars(torch.optim).values() if _subclass(v, optimizer)]
+    functional = torch.nn.functional
+    found += [
+        v
+        for k, v in vars(functional).items()
+        if not k.startswith("_")
+        and isinstance(v, types.FunctionType)
+        and v.__module__ == functional.__name__
+    ]
+    for name in ours.__all__:
+        value = getattr(ours, name)
+        if _subclass(value, Learning) and value.__module__.startswith("somatize."):
+            found.append(value)
+    for module in modules:
+        found += [
+            v
+            for v in vars(module).values()
+            if _subclass(v, optimizer) and v.__module__ == module.__name__
+        ]
+    return found
+
+
+def _subclass(value: Any, base: type) -> bool:
+    return isinstance(value, type) and issubclass(value, base)
+
+
+def serve(server: Any, session: Any, nodes: dict[str, Any], op: str, message: dict) -> Any:
     """A trainer's stage on this worker (`somatize.torch.training.remote`)."""
     if not op.startswith("stage."):
         raise ValueError(f"unknown request {op!r}")
@@ -52,4 +227,13 @@ def serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: di
     return serve_stage(server, session, nodes, op, message)
 
 
-_hooks.register(state_of=state_of, load_state=load_state, serve=serve)
+_hooks.register(
+    state_of=state_of,
+    load_state=load_state,
+    stage_state=stage_state,
+    serve=serve,
+    tensor_frame=tensor_frame,
+    frame_tensor=frame_tensor,
+    constructible=constructible,
+    no_grad=torch.no_grad,
+)

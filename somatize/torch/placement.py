@@ -61,7 +61,20 @@ def move(value: Any, device: str) -> Any:
 
 
 def place(node: Any, device: str) -> None:
-    """Move every module the node holds to `device`."""
+    """Move every module the node holds to `device`. A device this machine does not have
+    (`cuda` without CUDA, `mps` without MPS) is refused with a `ValueError` naming it."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"a {type(node).__name__} is placed .on({device!r}), and this machine has no CUDA "
+            "(torch.cuda.is_available() is False): place it .on('cpu'), or run it on a worker "
+            "that has a GPU (.at(host))"
+        )
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(
+            f"a {type(node).__name__} is placed .on({device!r}), and this machine has no MPS "
+            "(torch.backends.mps.is_available() is False): place it .on('cpu')"
+        )
     for module in modules_of(node):
         module.to(device)
 

@@ -1,12 +1,17 @@
 """A trainer's stage on a worker: the remote `Transport` of `somatize.torch.training.stages`.
 
-`Remote(broker, host)` answers the same two calls as `somatize.stages.Local`: `forward(part,
-inputs)` and `backward(part, envelopes)`. The first forward sends the part (its nodes, their
-settings, its edges to outside and, around a trained node, its `Learning`) and the worker
-rebuilds it as a `Part` of its own; from then on a forward sends values and a backward sends
-envelopes, one round trip each. Between the two the worker keeps what the part holds (the
-activation, with its autograd graph), which is why a worker restarted in between answers
-`OutOfStep` and not a gradient for something it never computed.
+`Remote(broker, host)` answers the same two calls as `stages.Local`: `forward(part, inputs)`
+and `backward(part, envelopes)`. The first forward sends the part (its nodes, their settings,
+its edges to outside and, around a trained node, its `Learning`) and the worker rebuilds it
+as a `Part` of its own; from then on a forward sends values and a backward sends envelopes,
+one round trip each. (A forward slice of a plain `Graph.forward` is another thing: a `Slice`,
+in `somatize.remote.slices`.)
+
+Between the two the worker keeps what the part holds (the activation, with its autograd
+graph), which is why a worker restarted in between answers `OutOfStep` and not a gradient for
+something it never computed. Every step marks the part's nodes as having learnt there, so
+that a worker that loses them is `StateLost` (naming them and how to resume) rather than a
+part sent again from the weights here, which are older than what it learnt.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import fields
 from typing import Any
 
 from somatize import _hooks
-from somatize.remote.server import Unknown
+from somatize.remote.errors import Unknown
 
 __all__ = ["Remote", "serve_stage"]
 
@@ -45,23 +50,35 @@ class Remote:
     def forward(
         self, part: Any, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
     ) -> dict[str, Any]:
-        """Run `part` on its worker; answer `{exit: value}` (tensors keep `requires_grad`)."""
+        """Run `part` on its worker; answer `{exit: value}` (tensors keep `requires_grad`).
+        A worker that no longer holds the part (restarted, or its session expired) is sent it
+        again, once: from the weights here when nothing had learnt there since they were last
+        read back, else `StateLost`."""
         key = self._key(part)
-        defs: list[dict] = []
-        described = None
-        if key not in self._sent:
-            self._refuse_untrained(part)
-            described = self._describe(part, defs)
-        message = {
-            "op": "stage.forward",
-            "pkey": key,
-            "part": described,
-            "define": defs,
-            "inputs": inputs,
-            "watching": watching is not None,  # else the worker runs it unwatched: no facts
-        }
-        got = self._ask(part, message)
+        for attempt in (0, 1):
+            defs: list[dict] = []
+            described = None
+            if key not in self._sent:
+                self._refuse_untrained(part)
+                described = self._describe(part, defs)
+            message = {
+                "op": "stage.forward",
+                "pkey": key,
+                "part": described,
+                "define": defs,
+                "inputs": inputs,
+                "watching": watching is not None,  # else the worker runs it unwatched
+            }
+            try:
+                got = self.broker.request(self.host, message)
+            except Unknown:
+                self._sent.clear()
+                if attempt:
+                    raise
+                continue
+            break
         self.broker.defined(self.host, defs)
+        self.broker.learnt(self.host, self._keys_of(part))
         self._sent.add(key)
         if watching is not None:
             for fact in got["facts"]:
@@ -70,26 +87,28 @@ class Remote:
 
     def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
         """Hand the part on its worker what it owes; answer `{source: Envelope}`."""
-        from somatize.torch.training.learning import envelope
+        from somatize.torch.training.learning import OutOfStep, envelope
 
         sent = {n: [e.gradient, bool(e.closing)] for n, e in envelopes.items()}
         message = {"op": "stage.backward", "pkey": self._key(part), "envelopes": sent}
-        got = self._ask(part, message)
-        return {s: envelope(g, closing) for s, (g, closing) in got.items()}
-
-    def _ask(self, part: Any, message: dict[str, Any]) -> Any:
-        from somatize.torch.training.learning import OutOfStep
-
         try:
-            return self.broker.request(self.host, message)
+            got = self.broker.request(self.host, message)
         except Unknown as lost:
             self._sent.clear()
-            self.broker.forget(self.host)
             raise OutOfStep(
                 f"the worker for host {self.host!r} no longer holds {part!r}: it was restarted "
-                "and lost what the stage kept (the activation, and the weights it learnt there). "
-                "Load the weights again (Trainer.load) and take the step again"
+                "(or forgot this client's session) and lost the activation this step left "
+                "there. Take the step again; what its nodes had learnt there since their "
+                "weights were last read back is lost too (StateLost says so at the next step)"
             ) from lost
+        self.broker.learnt(self.host, self._keys_of(part))
+        return {s: envelope(g, closing) for s, (g, closing) in got.items()}
+
+    def _keys_of(self, part: Any) -> list[str]:
+        keys = [self.broker.key(part.nodes[n]) for n in part.ids]
+        if part.learning is not None:
+            keys.append(self.broker.key(part.learning))
+        return keys
 
     def _refuse_untrained(self, part: Any) -> None:
         from somatize.torch.training.trainer import NoGradient
@@ -122,11 +141,8 @@ class Remote:
             d = broker.definition(host, f"{part.trained}/learning", part.learning, None)
             if d is not None:
                 defs.append(d)
-            learning = {
-                "key": broker.key(part.learning),
-                "every": part.learning.every,
-                "pieces": part.learning._pieces,
-            }
+            told = _portable(part.learning.told(), broker, host)
+            learning = {"key": broker.key(part.learning), "told": told}
         return {
             "ids": list(part.ids),
             "keys": keys,
@@ -169,16 +185,18 @@ class _View:
         return list(self._succ.get(n, ()))
 
 
-def serve_stage(server: Any, session: str, nodes: dict[str, Any], op: str, m: dict) -> Any:
+def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: dict) -> Any:
     """The worker's side: `stage.forward` (rebuilding the part the first time) and
-    `stage.backward`. A part the worker does not hold is `Unknown` (it was restarted)."""
-    key = (session, m["pkey"])
+    `stage.backward`. A part the worker does not hold is `Unknown` (it was restarted, or the
+    session expired)."""
+    key = m.get("pkey")
+    parts = session.parts
     if op == "stage.forward":
-        part = server.stages.get(key)
+        part = parts.get(key)
         if m.get("part") is not None:
-            part = server.stages[key] = _rebuilt(server, nodes, m["part"])
+            part = parts[key] = _rebuilt(server, session, m["part"])
         if part is None:
-            raise Unknown(f"this worker does not hold the stage {m['pkey']!r}: it was restarted")
+            raise Unknown(f"this worker does not hold the stage part {key!r}: it was restarted")
         facts: list[dict] = []
         watching = facts.append if m.get("watching", True) else None
         outs = part.forward(m["inputs"], watching=watching)
@@ -186,29 +204,52 @@ def serve_stage(server: Any, session: str, nodes: dict[str, Any], op: str, m: di
     if op == "stage.backward":
         from somatize.torch.training.learning import envelope
 
-        part = server.stages.get(key)
+        part = parts.get(key)
         if part is None:
-            raise Unknown(f"this worker does not hold the stage {m['pkey']!r}: it was restarted")
+            raise Unknown(f"this worker does not hold the stage part {key!r}: it was restarted")
         envelopes = {n: envelope(g, closing) for n, (g, closing) in m["envelopes"].items()}
         back = part.backward(envelopes)
         return {s: [e.gradient, bool(e.closing)] for s, e in back.items()}
     raise ValueError(f"unknown request {op!r}")
 
 
-def _rebuilt(server: Any, nodes: dict[str, Any], d: dict[str, Any]) -> Any:
+def _portable(value: Any, broker: Any, host: str) -> Any:
+    """`value` as it travels to `host`'s worker: as code (cloudpickle) to a worker that takes
+    code, so that a function defined anywhere goes; as it is otherwise, where a class or
+    function goes by name and the worker looks it up in what it may build."""
+    if broker.mode(host) != "network":
+        return value
+    import cloudpickle
+
+    return {"code": cloudpickle.dumps(value)}
+
+
+def _arrived(server: Any, value: Any, nid: str) -> Any:
+    """The worker's side of `_portable`: code only for a worker started to accept it."""
+    if type(value) is dict and set(value) == {"code"}:
+        if not server.accept_code:
+            raise PermissionError(
+                f"{nid!r} was sent as code, and this worker was not started with --accept-code"
+            )
+        import cloudpickle
+
+        return cloudpickle.loads(value["code"])
+    return server.allowed.resolved(value, nid)
+
+
+def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Any:
     from somatize.node import Settings
     from somatize.torch.training.stages import Part
 
-    mine = {n: server.node(nodes, k) for n, k in d["keys"].items()}
+    mine = {n: session.node(k) for n, k in d["keys"].items()}
     settings = {n: Settings(**s) for n, s in d["settings"].items()}
     view = _View(mine, settings, d["preds"], d["succ"])
     learning = None
     if d["learning"] is not None:
         said = d["learning"]
-        learning = server.node(nodes, said["key"])
-        learning.of(mine[d["trained"]])
-        learning.every = said["every"]
-        learning._pieces = said["pieces"]
+        learning = session.node(said["key"])
+        told = _arrived(server, said["told"], f"{d['trained']}/learning")
+        learning.of(mine[d["trained"]]).tell(**told)
     return Part(
         view,
         d["ids"],

@@ -1,0 +1,232 @@
+"""The worker's socket: limits applied before a message is read, a guard on its connections,
+and the loop that hands each message to the `Server`.
+
+Before a byte is read: ZeroMQ refuses a frame larger than `max_message` (the connection is
+dropped when the frame's size is announced, nothing allocated for it), and holds at most
+`QUEUED` messages per connection while the worker is busy. The guard (a thread on ZeroMQ's
+socket monitor) cuts a connection that has not sent a message that verifies: the one waiting
+longest when more than `most_pending` such connections are open at once (so that a client
+that has just connected gets in), any after `pending_within` seconds, and one a second after
+it sent a message that does not verify. So a stranger holds at most `most_pending`
+connections, each for at most `pending_within` seconds, each frame at most `max_message`
+bytes. The process's limit of open files is raised to its hard limit, at most half of what is
+left may be pending, and running out of descriptors cuts the stranger waiting longest and is
+logged (at most every ten seconds), never spun on.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import resource
+import socket
+import threading
+import time
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["QUEUED", "Guard", "bind", "serve"]
+
+log = logging.getLogger("somatize.worker")
+
+QUEUED = 2
+"""Messages a connection may have waiting while the worker is busy with another."""
+
+_EVENTS = (
+    zmq.EVENT_ACCEPTED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CLOSED
+    | zmq.EVENT_ACCEPT_FAILED
+    | zmq.EVENT_MONITOR_STOPPED
+)
+
+
+def bind(context: zmq.Context, endpoint: str, *, max_message: int, curve_secret: str | None):
+    """The worker's ROUTER socket, bound to `endpoint`, with its limits set first."""
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_message))
+    sock.setsockopt(zmq.RCVHWM, QUEUED)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an answer to a client that left is an error
+    if curve_secret:
+        sock.curve_server = True
+        sock.curve_secretkey = curve_secret.encode()
+        sock.curve_publickey = zmq.curve_public(curve_secret.encode())
+    sock.bind(endpoint)
+    return sock
+
+
+def _spare_descriptors() -> int:
+    """How many more files this process may open."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        used = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 64
+    except (OSError, ValueError):
+        return 1 << 10
+    return max(0, soft - used) if soft != resource.RLIM_INFINITY else 1 << 16
+
+
+def _cut(fd: int) -> None:
+    """End the TCP connection on descriptor `fd` (libzmq's: it sees the end and closes it).
+    No new descriptor is needed for it, which matters when they have run out."""
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return
+    try:
+        s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        s.detach()  # the descriptor stays libzmq's
+
+
+class Guard:
+    """Watches the connections of `sock` on a thread of its own (see the module's doc)."""
+
+    def __init__(
+        self, sock: zmq.Socket, *, most_pending: int = 64, pending_within: float = 10.0
+    ) -> None:
+        self.most_pending = max(1, min(int(most_pending), _spare_descriptors() // 2))
+        self.pending_within = float(pending_within)
+        self.lock = threading.Lock()
+        self.pending: dict[int, float] = {}  # descriptor: when it was accepted
+        self.trusted: set[int] = set()
+        self.closed: list[int] = []  # descriptors gone since the loop last asked
+        self.cuts = 0
+        self._told = -float("inf")
+        self.monitor = sock.get_monitor_socket(_EVENTS)
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="somatize-guard")
+        self.thread.start()
+
+    def trust(self, fd: int | None) -> None:
+        """A message from `fd` verified: it is a client's, never cut."""
+        if fd is not None:
+            with self.lock:
+                self.pending.pop(fd, None)
+                self.trusted.add(fd)
+
+    def distrust(self, fd: int | None) -> None:
+        """A message from `fd` did not verify: cut it a second from now (time for the
+        refusal to reach it), unless it is a client's."""
+        if fd is not None:
+            with self.lock:
+                if fd in self.pending:
+                    self.pending[fd] = min(
+                        self.pending[fd], time.monotonic() - self.pending_within + 1.0
+                    )
+
+    def gone(self) -> list[int]:
+        """The descriptors of the connections closed since the last call."""
+        with self.lock:
+            found, self.closed = self.closed, []
+        return found
+
+    def _watch(self) -> None:
+        monitor = self.monitor
+        while True:
+            if monitor.poll(250):
+                event = recv_monitor_message(monitor)
+                kind, value = event["event"], event["value"]
+                if kind == zmq.EVENT_MONITOR_STOPPED:
+                    break
+                self._event(kind, value)
+            self._sweep()
+        monitor.close(0)
+
+    def _event(self, kind: int, fd: int) -> None:
+        with self.lock:
+            if kind == zmq.EVENT_ACCEPTED:
+                full = len(self.pending) >= self.most_pending
+                cut = self._longest() if full else None  # a client just connected gets in
+                self.pending[fd] = time.monotonic()
+            elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
+                self.pending.pop(fd, None)
+                self.trusted.discard(fd)
+                self.closed.append(fd)
+                return
+            elif kind == zmq.EVENT_ACCEPT_FAILED:  # `fd` is the errno here
+                now = time.monotonic()
+                if now - self._told > 10.0:
+                    self._told = now
+                    log.warning(
+                        "could not accept a connection (%s): %d connection(s) waiting to say "
+                        "anything that verifies",
+                        os.strerror(fd),
+                        len(self.pending),
+                    )
+                cut = self._longest() if fd in (errno.EMFILE, errno.ENFILE) else None
+            else:
+                return
+        if cut is not None:
+            _cut(cut)
+
+    def _longest(self) -> int | None:
+        """The stranger waiting longest, taken off the pending (to be cut), if there is one."""
+        if not self.pending:
+            return None
+        fd = min(self.pending, key=self.pending.__getitem__)
+        del self.pending[fd]
+        self.cuts += 1
+        return fd
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            old = [fd for fd, at in self.pending.items() if now - at > self.pending_within]
+            for fd in old:
+                del self.pending[fd]
+            self.cuts += len(old)
+        for fd in old:
+            _cut(fd)
+
+
+def serve(sock: zmq.Socket, server: Any, guard: Guard | None, stop: threading.Event) -> None:
+    """Answer every message on `sock` with `server.handle` until `stop` is set; between
+    messages, forget expired sessions and those whose client's connection closed."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    swept = time.monotonic()
+    while not stop.is_set():
+        if poller.poll(200):
+            try:
+                frames = sock.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                continue
+            if len(frames) < 2:
+                continue
+            peer = frames[0]
+            fd = _source(peer)
+            reply, verified = server.handle(frames[1:], fd)
+            if guard is not None and verified is not None:
+                (guard.trust if verified else guard.distrust)(fd)
+            if reply is not None:
+                try:
+                    sock.send_multipart([peer, *reply], copy=False)
+                except zmq.ZMQError as error:  # the client left: nothing to tell it
+                    log.info("could not answer a client that went away: %s", error)
+        now = time.monotonic()
+        if now - swept > 1.0:
+            swept = now
+            for fd in guard.gone() if guard is not None else ():
+                server.gone(fd)
+            server.expire()
+
+
+def _source(frame: Any) -> int | None:
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None

@@ -1,0 +1,209 @@
+"""Who may talk to a worker: every message sealed with a key only the token's holders have.
+
+The token is a shared secret: read from a file (`--token-file`) or `$SOMATIZE_TOKEN`, never
+needed on a command line. It is not used as a key as it is: each worker process draws a
+random salt when it starts, and the key is scrypt(token, salt) (a salted, slow KDF), so one
+captured message does not let a typed token be guessed offline at the speed of a hash, and a
+worker restarted with the same token has a new key (what was captured before is worthless).
+A client asks for the salt (`SALT_ASK`, unsealed, answered with the salt and the worker's
+clock) before its first message.
+
+A sealed message is `[seal, header, data_1, ...]`, `seal` being `MAGIC`, a random 16-byte
+nonce, the sender's clock (8 bytes) and a 16-byte tag: Poly1305 under a one-time key
+(BLAKE2b of the nonce and clock, keyed with the session key), over the nonce, the clock, the
+number of frames, every frame's length and every byte of every frame. What does not verify is
+`Refused` before a byte of it is read. Replay is refused too: a receiver remembers the nonces
+it accepted for `WINDOW` seconds and refuses a message sealed longer ago than that, or one it
+has seen (as jupyter_client's Session keeps a history of digests, with a clock bound so the
+history can be cut without forgetting what it must remember).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+__all__ = [
+    "MAGIC",
+    "SALT_ASK",
+    "SALT",
+    "REFUSED",
+    "WINDOW",
+    "Refused",
+    "Seal",
+    "derive",
+    "read_secret",
+    "refusal",
+    "salt_answer",
+    "is_frame",
+]
+
+MAGIC = b"SMZ6"
+"""The first bytes of every sealed message."""
+
+SALT_ASK = b"SMZ6 salt?"
+"""The one unsealed request: "which salt, and what is your clock?"."""
+
+SALT = b"SMZ6 salt"
+"""The first frame of the answer to `SALT_ASK`: `[SALT, salt, clock]`."""
+
+REFUSED = b"SMZ6 refused"
+"""The first frame of a refusal: `[REFUSED, salt, reason]`; reasons are `seal` (it does not
+verify: another token, or a key from before a restart), `stale` and `replay`."""
+
+WINDOW = 300.0
+"""Seconds a sealed message stays acceptable, and its nonce remembered."""
+
+REMEMBERED = 1 << 16
+"""The most nonces remembered; past it the oldest half is forgotten and nothing sealed before
+the newest of them is accepted any more."""
+
+_SCRYPT = {"n": 1 << 14, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}
+_NONCE = 16
+_CLOCK = struct.Struct("<d")
+_LENGTHS = struct.Struct("<Q")
+_SEAL = len(MAGIC) + _NONCE + _CLOCK.size + 16
+_PERSON = b"smz6 one-time"
+
+
+class Refused(Exception):
+    """A message that is not to be read: it does not verify, or it was sealed too long ago,
+    or it was seen before (a replay). `reason` is `"seal"`, `"stale"` or `"replay"`."""
+
+    def __init__(self, message: str, reason: str = "seal") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def read_secret(
+    given: str | None = None, path: str | None = None, env: str = "SOMATIZE_TOKEN"
+) -> str | None:
+    """A secret (the token, a CURVE key): the one given, or the first line of the file at
+    `path`, or the environment variable `env`; None when there is none. An empty file is
+    refused."""
+    if given:
+        return given
+    if path:
+        with open(path, encoding="utf-8") as f:
+            found = f.readline().strip()
+        if not found:
+            raise ValueError(f"the file {path} holds no secret on its first line")
+        return found
+    return os.environ.get(env) or None
+
+
+_derived: dict[tuple[str, bytes], bytes] = {}
+
+
+def derive(token: str | bytes, salt: bytes) -> bytes:
+    """The 32-byte session key of `token` under a worker's `salt`: scrypt (n=2**14, r=8),
+    about 50 ms, worked out once per token and salt in a process."""
+    raw = token.encode() if isinstance(token, str) else bytes(token)
+    found = _derived.get((raw, salt))
+    if found is None:
+        if len(_derived) > 64:
+            _derived.clear()
+        found = _derived[(raw, salt)] = hashlib.scrypt(raw, salt=salt, **_SCRYPT)
+    return found
+
+
+def salt_answer(salt: bytes, clock: Callable[[], float] = time.time) -> list[bytes]:
+    """What a worker answers `SALT_ASK` with: its salt and its clock."""
+    return [SALT, salt, _CLOCK.pack(clock())]
+
+
+def refusal(salt: bytes, reason: str) -> list[bytes]:
+    """What a worker answers a message it refused with (unsealed: it says why, and nothing
+    more than a listener already knows)."""
+    return [REFUSED, salt, reason.encode()]
+
+
+def is_frame(frame: Any, word: bytes) -> bool:
+    """Whether `frame` is exactly `word` (`SALT_ASK`, `SALT`, `REFUSED`)."""
+    view = memoryview(getattr(frame, "buffer", frame))
+    return view.nbytes == len(word) and view.tobytes() == word
+
+
+def _bytes(frame: Any) -> memoryview:
+    view = memoryview(getattr(frame, "buffer", frame))
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+class Seal:
+    """Seals and opens messages under one session key, and remembers what it opened.
+
+    `offset` is added to this process's clock when sealing and checking (a client sets it to
+    the worker's clock minus its own, so that the two agree whatever the machines' clocks).
+    """
+
+    def __init__(self, key: bytes, *, offset: float = 0.0, window: float = WINDOW) -> None:
+        if len(key) != 32:
+            raise ValueError("a session key is 32 bytes")
+        self.key = key
+        self.offset = offset
+        self.window = window
+        self.seen: dict[bytes, float] = {}
+        self.floor = float("-inf")
+
+    def now(self) -> float:
+        """This side's clock, as the other side keeps it."""
+        return time.time() + self.offset
+
+    def _tag(self, nonce: bytes, clock: bytes, frames: list[memoryview]) -> bytes:
+        one_time = hashlib.blake2b(
+            nonce + clock, key=self.key, digest_size=32, person=_PERSON
+        ).digest()
+        mac = Poly1305(one_time)
+        mac.update(MAGIC + nonce + clock + _LENGTHS.pack(len(frames)))
+        mac.update(b"".join([_LENGTHS.pack(f.nbytes) for f in frames]))
+        for frame in frames:
+            mac.update(frame)
+        return mac.finalize()
+
+    def seal(self, frames: list[Any]) -> list[Any]:
+        """`[seal, *frames]`: `frames` (a header and data frames) as a sealed message."""
+        nonce = os.urandom(_NONCE)
+        clock = _CLOCK.pack(self.now())
+        tag = self._tag(nonce, clock, [_bytes(f) for f in frames])
+        return [MAGIC + nonce + clock + tag, *frames]
+
+    def open(self, frames: list[Any]) -> list[Any]:
+        """The frames under the seal of a message sealed with this key, sealed less than
+        `window` seconds ago and never opened before; else `Refused`, nothing in it read."""
+        if not frames:
+            raise Refused("a message of no frames")
+        first = _bytes(frames[0])
+        if first.nbytes != _SEAL or first[:4] != MAGIC:
+            raise Refused("not a sealed message")
+        seal = first.tobytes()
+        nonce, clock, tag = seal[4:20], seal[20:28], seal[28:]
+        body = frames[1:]
+        if not hmac.compare_digest(self._tag(nonce, clock, [_bytes(f) for f in body]), tag):
+            raise Refused("the seal does not verify: another token, or a key from before a restart")
+        (sent,) = _CLOCK.unpack(clock)
+        now = self.now()
+        if not abs(now - sent) <= self.window or sent <= self.floor:
+            raise Refused(f"sealed {now - sent:.0f} s from now: too long ago to accept", "stale")
+        if nonce in self.seen:
+            raise Refused("a message seen before (a replay)", "replay")
+        self.seen[nonce] = sent
+        if len(self.seen) > REMEMBERED:
+            self._forget(now)
+        return body
+
+    def _forget(self, now: float) -> None:
+        """Forget what is too old to be accepted anyway; if that is not enough, the oldest
+        half too, and from then on accept nothing sealed before the newest of those."""
+        self.seen = {n: t for n, t in self.seen.items() if now - t <= self.window}
+        if len(self.seen) > REMEMBERED // 2:
+            ordered = sorted(self.seen.items(), key=lambda item: item[1])
+            half = len(ordered) // 2
+            self.floor = max(self.floor, ordered[half - 1][1])
+            self.seen = dict(ordered[half:])

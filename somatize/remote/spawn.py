@@ -1,0 +1,168 @@
+"""A worker as a child process: started, waited for until it says it is ready, and stopped.
+
+The child runs in its own process group, with this interpreter's import path and the token in
+its environment (never on its command line), and stops itself when this process dies. What it
+prints on stderr is passed on to this process's stderr and its last lines kept, so that a
+child that exits before it is ready is reported at once with its exit code and what it said.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+__all__ = ["Child", "command_line"]
+
+_children: set[Child] = set()
+_READY = "somatize worker ready "
+
+
+def command_line(
+    argv: Sequence[str], *, python: str | None, quiet: bool, accept_code: bool, imports: list[str]
+) -> list[str]:
+    """The whole command line: `argv` itself when it starts with a program (not with `-`),
+    else `python -m somatize.worker` with `argv` as extra arguments; then what is missing of
+    `--listen 127.0.0.1:0`, `--parent`, `--quiet`, `--accept-code` and `--import MODULE`."""
+    argv = [str(a) for a in argv]
+    if argv and not argv[0].startswith("-"):
+        command = argv
+    else:
+        command = [python or sys.executable, "-m", "somatize.worker", *argv]
+    if "--listen" not in command:
+        command += ["--listen", "127.0.0.1:0"]
+    if "--parent" not in command:
+        command += ["--parent", str(os.getpid())]
+    if quiet and "--quiet" not in command:
+        command.append("--quiet")
+    if accept_code and "--accept-code" not in command:
+        command.append("--accept-code")
+    said = {command[i + 1] for i, a in enumerate(command[:-1]) if a == "--import"}
+    for name in imports:
+        if name not in said:
+            command += ["--import", name]
+    return command
+
+
+class Child:
+    """A spawned worker process: `address` once it is ready, stopped by `stop()`."""
+
+    def __init__(self, command: list[str], env: dict[str, str], ready_within: float) -> None:
+        self.command = command
+        self.said: collections.deque[str] = collections.deque(maxlen=40)
+        self.process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        self._passing = threading.Thread(target=self._pass_on, daemon=True, name="somatize-child")
+        self._passing.start()
+        _children.add(self)
+        line = self._ready_line(ready_within)
+        if not line.startswith(_READY):
+            code = self.process.poll()
+            self.stop()
+            self._passing.join(1.0)
+            told = "\n".join([line, *self.said]).strip() or "nothing"
+            shown = " ".join(command)
+            if code is not None:
+                raise RuntimeError(
+                    f"the worker ({shown}) exited with code {code} before it was ready; "
+                    f"it said:\n{told}"
+                )
+            raise RuntimeError(
+                f"the worker ({shown}) was not ready within {ready_within:.0f} s; it said:\n{told}"
+            )
+        self.address = line.split()[3]
+
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self.process.pid
+
+    def _pass_on(self) -> None:
+        """Its stderr, line by line, to this process's stderr; the last lines kept."""
+        stream = self.process.stderr
+        assert stream is not None
+        for raw in iter(stream.readline, b""):
+            self.said.append(raw.decode(errors="replace").rstrip())
+            try:
+                os.write(2, raw)
+            except OSError:
+                pass
+        stream.close()
+
+    def _ready_line(self, within: float) -> str:
+        stdout = self.process.stdout
+        assert stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(stdout, selectors.EVENT_READ)
+        ends = time.monotonic() + within
+        got = b""
+        try:
+            while b"\n" not in got:
+                left = ends - time.monotonic()
+                if left <= 0:
+                    break
+                if not sel.select(min(left, 0.1)):
+                    if self.process.poll() is not None:  # exited: no line is coming
+                        break
+                    continue
+                chunk = os.read(stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                got += chunk
+        finally:
+            sel.close()
+            stdout.close()
+        if b"\n" not in got:  # its stdout closed: it is on its way out
+            try:
+                self.process.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.process.poll() is not None:
+            self._passing.join(2.0)  # what it printed on its way out
+        return got.decode(errors="replace").strip()
+
+    def stop(self) -> None:
+        """Stop the child and everything in its process group (SIGTERM, then SIGKILL)."""
+        _children.discard(self)
+        process = self.process
+        if process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            process.terminate()
+        try:
+            process.wait(3)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait(3)
+
+    def exited(self) -> int | None:
+        """Its exit code once it has exited, else None."""
+        return self.process.poll()
+
+    def last_words(self) -> str:
+        """What it printed last on stderr."""
+        return "\n".join(self.said)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for child in list(_children):
+        child.stop()

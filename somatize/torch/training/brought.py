@@ -1,0 +1,59 @@
+"""What a Learning brought (a head, a guesser), exported and loaded with the node it trains.
+
+`Trainer.export` puts it beside the node's own weights under keys of its own, prefixed
+`learning/` (`{"mid": {"lin.weight": ..., "learning/head.weight": ...}}`), and `Trainer.load`
+takes them back, checked with the rest before anything is copied. A node on a worker whose
+Learning is there already is asked there, and loaded there too; until the Learning has gone,
+the copy here is the one that travels with it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from somatize.torch.training.learning import BROUGHT
+from somatize.torch.training.params import state_of
+
+__all__ = ["learnt", "parted", "there"]
+
+
+def there(trainer: Any, nid: str) -> tuple[Any, str | None]:
+    """The Learning of `nid` (None: nothing trains it), and the host whose worker holds it
+    (None: it is here, or has not gone there yet and travels from the copy here)."""
+    learning = trainer.trains.get(nid)
+    host = trainer.graph.setting(nid).host
+    broker = trainer.broker
+    if learning is None or not host or not broker.holds(host, broker.key(learning)):
+        return learning, None
+    return learning, host
+
+
+def learnt(trainer: Any, nid: str) -> dict[str, torch.Tensor]:
+    """What the Learning of `nid` brought, as `{"learning/<key>": tensor}` ({} without one),
+    read from the worker that holds it (the copy here is brought up to it)."""
+    learning, host = there(trainer, nid)
+    if learning is None:
+        return {}
+    if host is None:
+        state = state_of(learning)
+    else:
+        state = trainer.broker.read(host, f"{nid}/learning", learning)
+    return {BROUGHT + k: v for k, v in state.items()}
+
+
+def parted(trainer: Any, nid: str, given: dict[str, Any]) -> tuple[dict, dict]:
+    """`given` (the weights for node `nid`) as `(the node's own, its Learning's)`, the second
+    with the `learning/` prefix taken off. Weights for a Learning the node does not have are
+    refused, naming the keys; the Learning's keys and shapes are checked where they are loaded
+    (`stage_state`). Nothing is copied here."""
+    own = {k: v for k, v in given.items() if not str(k).startswith(BROUGHT)}
+    theirs = {k[len(BROUGHT) :]: v for k, v in given.items() if str(k).startswith(BROUGHT)}
+    if theirs and trainer.trains.get(nid) is None:
+        raise ValueError(
+            f"node {nid!r}: the weights hold {sorted(BROUGHT + k for k in theirs)}, what a "
+            f"Learning brought, and nothing trains {nid!r} in this Trainer: leave those keys "
+            "out, or train the node with trains= as when they were exported; nothing was loaded"
+        )
+    return own, theirs

@@ -1,0 +1,94 @@
+"""Nodes that the remote tests send to workers (which import this module: `--import`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from torch import nn
+
+from somatize import Node
+
+
+class Lin(Node, nn.Module):
+    """A linear layer that is a node."""
+
+    def __init__(self, i: int = 4, o: int = 4) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(i, o)
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return self.lin(x)
+
+
+class Plus(Node):
+    """Adds a constant."""
+
+    def __init__(self, k: float = 1.0) -> None:
+        self.k = k
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return x + self.k
+
+
+class Sum(Node):
+    """Sums what its predecessors produced."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return sum(x.values())
+
+
+class Pid(Node):
+    """The process it runs in, beside what it was given."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return (os.getpid(), x)
+
+
+class Fails(Node):
+    """Raises a KeyError naming what it was given."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        raise KeyError(f"no such thing as {x!r}")
+
+
+class Sleeps(Node):
+    """Sleeps for as long as it is told."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        time.sleep(x)
+        return x
+
+
+def _tenfold(module: nn.Module, args: Any, output: Any) -> Any:
+    """A forward hook: counts its calls and hands back the output ten times over."""
+    module.fired += 1
+    return output * 10
+
+
+class Hooked(Node, nn.Module):
+    """A module node that registers a forward hook on itself wherever it is built."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.fired = 0
+        self.register_forward_hook(_tenfold)
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return x + 1
+
+
+class Applies(Node):
+    """Applies the function it was built with."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return self.fn(x)
+
+
+def negated(x: Any) -> Any:
+    """A function of this module, which a worker that imports it may be handed by name."""
+    return -x

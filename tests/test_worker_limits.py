@@ -1,0 +1,219 @@
+"""A worker as a stranger finds it, and as a careless client leaves it: what it holds before a
+message verifies, when it runs out of descriptors, how long a session lives, how it is
+started and what it says when it cannot start. Real processes, 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from somatize import Broker, Graph, Worker
+
+NODES = "_remote_nodes"
+
+
+def _by_hand(*args: str, token: str | None = None, **popen) -> subprocess.Popen:
+    """`python -m somatize.worker --listen 127.0.0.1:0 *args` as a person starts it."""
+    env = {k: v for k, v in os.environ.items() if k != "SOMATIZE_TOKEN"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    if token:
+        env["SOMATIZE_TOKEN"] = token
+    command = [sys.executable, "-m", "somatize.worker", "--listen", "127.0.0.1:0", *args]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, **popen)
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmRSS")
+
+
+def _cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _zmtp(address: str) -> socket.socket:
+    """A TCP connection that has said ZMTP 3.0's greeting and READY as a DEALER, by hand."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
+    s.sendall(greeting)
+    prop = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    body = b"\x05READY" + prop
+    s.sendall(b"\x04" + bytes([len(body)]) + body)
+    return s
+
+
+def _hello(worker: Worker) -> dict:
+    b = Broker.embedded({"w": Worker.at(worker.address, token=worker.token)})
+    try:
+        return b.request("w", {"op": "hello"}, deadline=20)
+    finally:
+        b.close()
+
+
+def test_strangers_cannot_make_a_worker_hold_memory_and_a_client_is_told_its_limit():
+    worker = Worker.spawn(["--max-message", "16MiB", "--max-pending", "4"], send=[NODES])
+    try:
+        before = _rss(worker.pid)
+        held = []
+        for announced in [256 << 20] * 8 + [15 << 20] * 8:  # over the limit, then just under
+            try:
+                s = _zmtp(worker.address)
+                s.sendall(b"\x02" + struct.pack(">Q", announced))  # a frame that never ends
+                s.sendall(bytes(8 << 20))
+                held.append(s)
+            except OSError:  # cut before it finished sending: what should happen
+                pass
+        time.sleep(1.0)
+        grown = _rss(worker.pid) - before
+        assert grown < 64 << 20, f"the worker grew by {grown >> 20} MiB for strangers"
+        from _remote_nodes import Plus
+
+        b = Broker.embedded({"w": Worker.at(worker.address, token=worker.token)})
+        g = Graph.somatize(Plus().at("w"))
+        assert g.forward(torch.ones(1000), broker=b).shape == (1000,)  # a client is served
+        with pytest.raises(ValueError, match="at most 16777216.*--max-message"):
+            g.forward(torch.ones(5 << 20), broker=b)  # 20 MiB: refused before it is sent
+        b.close()
+        for s in held:
+            s.close()
+    finally:
+        worker.stop()
+
+
+def test_a_worker_out_of_descriptors_stays_responsive_and_does_not_spin():
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    token = "fd-token"
+    process = _by_hand(
+        "--quiet", "--max-pending", "8", token=token, stderr=subprocess.DEVNULL, preexec_fn=limited
+    )
+    try:
+        address = process.stdout.readline().split()[3].decode()
+        worker = Worker.at(address, token=token)
+        b = Broker.embedded({"w": worker})
+        b.request("w", {"op": "hello"})  # a client connected before the flood
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        flood = []
+        for _ in range(200):
+            try:
+                flood.append(socket.create_connection((host, int(port)), timeout=2))
+            except OSError:
+                break
+        time.sleep(1.5)
+        began = _cpu(process.pid)
+        time.sleep(2.0)
+        assert _cpu(process.pid) - began < 0.2, "the worker spins on a full descriptor table"
+        assert len(os.listdir(f"/proc/{process.pid}/fd")) <= 64
+        assert b.request("w", {"op": "hello"}, deadline=10)["pid"] == process.pid
+        for s in flood:
+            s.close()
+        b.close()
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_an_idle_session_and_a_vanished_client_are_forgotten():
+    worker = Worker.spawn(["--session-timeout", "2"], send=[NODES])
+    try:
+        with open(f"/proc/{worker.pid}/cmdline", "rb") as f:
+            assert worker.token.encode() not in f.read()  # the token never on a command line
+        client = textwrap.dedent(
+            f"""
+            import sys, time
+            from _remote_nodes import Lin
+            from somatize import Broker, Graph, Worker
+            import torch
+            b = Broker.embedded({{"w": Worker.at({worker.address!r}, token={worker.token!r})}})
+            Graph.somatize(Lin().at("w")).forward(torch.ones(4), broker=b)
+            print("defined", flush=True)
+            time.sleep(60)
+            """
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        child = subprocess.Popen([sys.executable, "-c", client], env=env, stdout=subprocess.PIPE)
+        assert child.stdout.readline().strip() == b"defined"
+        assert _hello(worker)["sessions"] >= 1
+        child.send_signal(signal.SIGKILL)  # no close: its session is left behind
+        child.wait()
+        ends = time.monotonic() + 20
+        while _hello(worker)["sessions"] > 0 and time.monotonic() < ends:
+            time.sleep(0.5)
+        assert _hello(worker)["sessions"] == 0  # the killed client's, and each hello's own
+    finally:
+        worker.stop()
+
+
+def test_the_worker_says_its_session_timeout_and_reads_its_token_from_a_file(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("from-a-file\n")
+    process = _by_hand(
+        "--token-file", str(path), "--session-timeout", "90", stderr=subprocess.PIPE, text=True
+    )
+    try:
+        ready = process.stdout.readline().split()
+        assert ready[:3] == ["somatize", "worker", "ready"] and ready[-2:] == [
+            "session-timeout",
+            "90",
+        ]
+        worker = Worker.at(ready[3], token="from-a-file")
+        assert _hello(worker)["session_timeout"] == 90
+        with pytest.raises(PermissionError, match="token does not match"):
+            _hello(Worker.at(ready[3], token="from-the-command-line"))
+    finally:
+        process.terminate()
+        said = process.communicate(timeout=10)[1]
+    assert "sessions expire after 90 s" in said
+
+
+def test_a_worker_given_the_whole_command_line_and_the_published_keywords():
+    worker = Worker.spawn(
+        [sys.executable, "-m", "somatize.worker", "--threads", "1"], mode="network", send=[NODES]
+    )
+    try:
+        with open(f"/proc/{worker.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert b"--accept-code" in argv and b"--quiet" in argv
+        assert _hello(worker)["accept_code"] is True
+    finally:
+        worker.stop()
+    generic = Worker.generic(mode="project", send=[NODES], python=sys.executable, quiet=False)
+    try:
+        with open(f"/proc/{generic.pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        assert b"--quiet" not in argv and b"--accept-code" not in argv
+        assert _hello(generic)["imports"].keys() == {NODES}
+        b = Broker.embedded({"w": generic})
+        from _remote_nodes import Plus
+
+        assert Graph.somatize(Plus(2.0).at("w")).forward(torch.ones(2), broker=b).tolist() == [3, 3]
+        b.close()
+    finally:
+        generic.stop()
+
+
+def test_a_worker_that_exits_at_once_is_reported_at_once_with_what_it_said():
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 .*--max-message") as failed:
+        Worker.spawn(["--max-message", "lots"])
+    assert time.monotonic() - began < 30  # not the minute a worker is given to get ready
+    assert "a size in bytes" in str(failed.value)
+    with pytest.raises(RuntimeError, match="(?s)exited with code 1.*--import: No module named"):
+        Worker.spawn(send=["somatize_no_such_module"])
