@@ -359,23 +359,38 @@ def test_fit_walks_the_data_once_per_epoch():
     assert len(t.fit(data[:3], epochs=4).history) == 12
 
 
-def test_a_net_whose_optimizer_holds_what_gets_no_gradient_is_told_so():
-    class Unused(Node, nn.Module):
+def test_a_node_the_loss_never_reaches_is_told_so_and_a_spare_layer_is_skipped_as_in_torch():
+    class Spare(Node, nn.Module):
         """Holds a layer its forward never uses."""
 
         def __init__(self) -> None:
             nn.Module.__init__(self)
-            self.lin, self.spare = nn.Linear(8, 3), nn.Linear(8, 3)
+            self.lin, self.spare = nn.Linear(8, 16), nn.Linear(8, 16)
 
         def forward(self, input, ctx):
             return self.lin(input)
 
-    g = Graph.somatize(Unused())
+    class Cut(Node):
+        """Lets go of the autograd history: the loss no longer reaches what came before."""
+
+        def forward(self, input, ctx):
+            return input.detach()
+
+    torch.manual_seed(0)
+    g = Graph.somatize(Spare() >> Head())
     t = Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1))
-    before = g.implementation("unused").lin.weight.detach().clone()
-    with pytest.raises(NoGradient, match="unused"):
+    spare = g.implementation("spare")
+    before = spare.spare.weight.detach().clone(), spare.lin.weight.detach().clone()
+    t.step(data[0])  # the spare layer got no gradient: skipped, as torch's optimizers do
+    assert torch.equal(before[0], spare.spare.weight)
+    assert not torch.equal(before[1], spare.lin.weight)
+
+    g = Graph.somatize(Encoder() >> Cut() >> Head())
+    t = Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1))
+    encoder = g.implementation("encoder").net[0].weight.detach().clone()
+    with pytest.raises(NoGradient, match="encoder"):
         t.step(data[0])
-    assert torch.equal(before, g.implementation("unused").lin.weight)  # did not move
+    assert torch.equal(encoder, g.implementation("encoder").net[0].weight)  # nothing moved
 
 
 def test_out_of_step_keeps_its_type_through_a_graph():
