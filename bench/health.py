@@ -233,14 +233,26 @@ def _deep(act: str, scale: float, depth: int) -> Callable[[], Graph]:
 CASES = [
     # healthy
     Case("MLP, Adam 1e-3 (notebook 05)", lambda: mlp(), adam(1e-3), digits),
-    Case("MLP, Adam 1e-2 (notebook 02)", lambda: mlp(widths=(32,), acts=("relu",)), adam(1e-2), digits),
+    Case(
+        "MLP, Adam 1e-2 (notebook 02)",
+        lambda: mlp(widths=(32,), acts=("relu",)),
+        adam(1e-2),
+        digits,
+    ),
     Case("MLP, SGD 0.1 momentum 0.9", lambda: mlp(), sgd(0.1, 0.9), digits, epochs=5),
-    Case("MLP, tanh, SGD 0.05", lambda: mlp(("tanh", "tanh")), sgd(0.05), digits, epochs=5),
+    Case("MLP, tanh, SGD 0.2", lambda: mlp(("tanh", "tanh")), sgd(0.2), digits, epochs=10),
     Case("MLP, sigmoid, Adam 1e-2", lambda: mlp(("sigmoid", "sigmoid")), adam(1e-2), digits),
     Case("layer-normed MLP, SGD 0.1, decay 5e-4", normed, sgd(0.1, 0.9, 5e-4), digits, epochs=5),
-    Case("deep MLP ×6, Adam 1e-3", _deep("relu", 1.0, 6), adam(1e-3), digits),
-    Case("CNN, Adam 1e-3, channels", cnn, adam(1e-3), images, audit={"channels": True}),
-    Case("CNN, SGD 0.05 momentum 0.9, inside", cnn, sgd(0.05, 0.9), images, audit={"inside": True}),
+    Case("deep MLP ×6, Adam 1e-3", _deep("relu", 1.0, 6), adam(1e-3), digits, epochs=10),
+    Case("CNN, Adam 3e-3, channels", cnn, adam(3e-3), images, epochs=10, audit={"channels": True}),
+    Case(
+        "CNN, SGD 0.1 momentum 0.9, inside",
+        cnn,
+        sgd(0.1, 0.9),
+        images,
+        epochs=10,
+        audit={"inside": True},
+    ),
     Case(
         "two halves, groups",
         lambda: chain(Halves(), Dense(32, 10, "none")),
@@ -257,12 +269,29 @@ CASES = [
         audit={"inside": True},
     ),
     # broken
-    Case("dead ReLUs (bias −20)", lambda: mlp(bias=-20.0, at=1), adam(1e-3), digits,
-         cause={"n1": "DEAD"}),
-    Case("dead channels", lambda: cnn(dead=8), adam(1e-3), images, audit={"channels": True},
-         cause={"n1": "DEAD_CHANNELS"}),
-    Case("ignored input channels", lambda: cnn(keep=4), adam(1e-3), images,
-         audit={"channels": True}, cause={"n1": "IGNORED_CHANNELS"}),
+    Case(
+        "dead ReLUs (bias −20)",
+        lambda: mlp(bias=-20.0, at=1),
+        adam(1e-3),
+        digits,
+        cause={"n1": "DEAD"},
+    ),
+    Case(
+        "dead channels",
+        lambda: cnn(dead=12),
+        adam(1e-3),
+        images,
+        audit={"channels": True},
+        cause={"n1": "DEAD_CHANNELS"},
+    ),
+    Case(
+        "ignored input channels",
+        lambda: cnn(keep=4),
+        adam(1e-3),
+        images,
+        audit={"channels": True},
+        cause={"n1": "IGNORED_CHANNELS"},
+    ),
     Case(
         "groups that leak",
         lambda: chain(Halves(copy=True), Dense(32, 10, "none")),
@@ -271,18 +300,56 @@ CASES = [
         audit={"groups": {"n0": {"left": range(16), "right": range(16, 32)}}},
         cause={"n0": "LEAKAGE"},
     ),
-    Case("exploding init (×10, 6 layers)", _deep("relu", 10.0, 6), adam(1e-3), digits,
-         epochs=1, cause={"n0": "EXPLODING"}, also=tuple(f"n{k}" for k in range(1, 7))),
-    Case("vanishing sigmoid stack (12)", _deep("sigmoid", 1.0, 12), sgd(0.1), digits, epochs=1,
-         cause={"n0": "VANISHING"}, also=tuple(f"n{k}" for k in range(1, 8))),
-    Case("overstepping lr (the same, SGD 3, decay 0.05)", normed, sgd(3.0, 0.0, 0.05), digits,
-         epochs=5, cause={"n0": "OVERSTEPPING", "n1": "OVERSTEPPING", "n2": "OVERSTEPPING"}),
-    Case("saturated tanh stack (×20)", _deep("tanh", 20.0, 4), sgd(0.01), digits, epochs=1,
-         cause={f"n{k}": "SATURATED" for k in range(4)}),
-    Case("NaN from a log", lambda: chain(Dense(64, 32), Log(), Dense(32, 10, "none")), adam(1e-3),
-         digits, epochs=1, cause={"n1": "NAN"}),
-    Case("stalled (SGD 1e-7)", lambda: mlp(), sgd(1e-7), digits, epochs=1,
-         cause={"n0": "STALLED", "n1": "STALLED", "n2": "STALLED"}),
+    Case(
+        "exploding init (×10, 6 layers)",
+        _deep("relu", 10.0, 6),
+        adam(1e-3),
+        digits,
+        epochs=1,
+        cause={"n0": "EXPLODING"},
+        also=tuple(f"n{k}" for k in range(1, 7)),
+    ),
+    Case(
+        "vanishing sigmoid stack (12)",
+        _deep("sigmoid", 1.0, 12),
+        sgd(0.1),
+        digits,
+        epochs=1,
+        cause={"n0": "VANISHING"},
+        also=tuple(f"n{k}" for k in range(1, 8)),
+    ),
+    Case(
+        "overstepping lr (the same, SGD 3, decay 0.05)",
+        normed,
+        sgd(3.0, 0.0, 0.05),
+        digits,
+        epochs=5,
+        cause={"n0": "OVERSTEPPING", "n1": "OVERSTEPPING", "n2": "OVERSTEPPING"},
+    ),
+    Case(
+        "saturated tanh stack (×20)",
+        _deep("tanh", 20.0, 4),
+        sgd(0.01),
+        digits,
+        epochs=1,
+        cause={f"n{k}": "SATURATED" for k in range(4)},
+    ),
+    Case(
+        "NaN from a log",
+        lambda: chain(Dense(64, 32), Log(), Dense(32, 10, "none")),
+        adam(1e-3),
+        digits,
+        epochs=1,
+        cause={"n1": "NAN"},
+    ),
+    Case(
+        "stalled (SGD 1e-7)",
+        lambda: mlp(),
+        sgd(1e-7),
+        digits,
+        epochs=1,
+        cause={"n0": "STALLED", "n1": "STALLED", "n2": "STALLED"},
+    ),
 ]
 
 
@@ -374,12 +441,24 @@ def _listed(pairs: set[tuple[str, str]]) -> str:
     names = [f"{w} {f}" for w, f in sorted(pairs)]
     if not names:
         return "—"
-    return ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])} and {len(names) - 3} more"
+    return (
+        ", ".join(names) if len(names) <= 4 else f"{', '.join(names[:3])} and {len(names) - 3} more"
+    )
 
 
 def _detail(got: dict[str, Any]) -> None:
-    keys = ("grad_norm", "update_ratio", "zero_frac_max", "sat_frac_max", "out_grad_norm",
-            "dead_channels", "ignored_channels", "cka", "effective_rank", "rank_room")
+    keys = (
+        "grad_norm",
+        "update_ratio",
+        "zero_frac_max",
+        "sat_frac_max",
+        "out_grad_norm",
+        "dead_channels",
+        "ignored_channels",
+        "cka",
+        "effective_rank",
+        "rank_room",
+    )
     for where, n in got["numbers"].items():
         shown = {k: round(n[k], 5) if isinstance(n[k], float) else n[k] for k in keys if k in n}
         print(f"    {where}: {shown}", file=sys.stderr)

@@ -464,9 +464,9 @@ def test_an_audit_is_told_after_backward_and_its_facts_reach_the_watchers(make):
     for b in batches(2):
         t.step(b)
     health = [f for f in heard if f["fact"] == "health"]
-    assert {f["where"] for f in health} == {"a", "enc", "head"}
-    assert [f["step"] for f in health if f["where"] == "enc"] == [0, 1]
-    enc = next(f for f in health if f["where"] == "enc")["numbers"]
+    assert {f["node"] for f in health} == {"a", "enc", "head"}
+    assert [f["step"] for f in health if f["node"] == "enc"] == [0, 1]
+    enc = next(f for f in health if f["node"] == "enc")
     assert enc["grad_norm"] > 0  # the gradients were there when it looked
     order = [f["fact"] for f in heard if f["fact"] in ("loss", "health", "updated")]
     assert order.index("health") < order.index("updated")

@@ -66,7 +66,7 @@ class Thresholds:
     step_low: float = 1e-4
     dormant_tau: float = 0.1
     dormant_frac: float = 0.5
-    dead_channel_frac: float = 0.1
+    dead_channel_frac: float = 0.25
     leakage_cka: float = 0.95
     narrow_frac: float = 0.05
 
@@ -134,7 +134,9 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     stall = ratio is not None and ratio < t.update_low
     # a stall with an ordinary step for the gradient it had is the gradient's doing
     step = ratio * weights / grad if stall and weights and grad else None  # ‖Δθ‖ / ‖∇θ‖
-    small = grad is not None and (0.0 < grad < t.grad_low or (step is not None and step >= t.step_low))
+    small = grad is not None and (
+        0.0 < grad < t.grad_low or (step is not None and step >= t.step_low)
+    )
     if grad is not None and grad > t.grad_high:
         flags.append(EXPLODING)
     elif small and not cut_off:

@@ -1,8 +1,9 @@
-"""One place an `Audit` watches: what it holds, and what the audit keeps of it between a
-forward and the read after backward, and from one measured step to the next."""
+"""One place an `Audit` watches: what it holds, what it hears in a measured step's forward and
+backward (left as tensors), and the numbers it makes of them once they are read."""
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import deque
 from typing import Any
@@ -11,7 +12,18 @@ import torch
 from torch import nn
 
 from somatize.node import unwrap
-from somatize.torch.audit._measures import activity, first_float, floats_in, norm, rows_of, sums_of
+from somatize.torch.audit._measures import (
+    _DEAD_EPS,
+    _DORMANT_TAU,
+    activity,
+    cka,
+    effective_rank,
+    first_float,
+    floats_in,
+    norm,
+    rows_of,
+    sums_of,
+)
 from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["Place", "_saturation"]
@@ -35,8 +47,8 @@ def _saturation(modules: list[nn.Module]) -> str | None:
 
 class Place:
     """A node (`inside` None) or a module inside one (`inside` its dotted path under the
-    node). `params`: the weights it trains, each once. Between a forward and `observed` it
-    holds this step's sums, out-gradient norms and channel numbers, all as tensors."""
+    node). `params`: the weights it trains, each once; `index`: where they sit in the audit's
+    flat list of weights."""
 
     def __init__(
         self, node: str, inside: str | None, modules: list[nn.Module], window: int
@@ -54,7 +66,7 @@ class Place:
         every = [s for m in modules for s in m.modules()]
         self.saturates = _saturation(every)
         self.conv = any(kind_of(s) == "conv" for s in every)
-        self.index: list[int] = []  # where its parameters sit in the audit's flat list
+        self.index: list[int] = []
         self.groups: dict[str, list[int]] | None = None
         # across measured steps
         self.zero: deque[float] = deque(maxlen=window)
@@ -63,44 +75,171 @@ class Place:
         self.norms: deque[tuple[int, float]] = deque(maxlen=window)
         self.has_moved = False  # some update has moved its weights
         self.inherited: bool | None = None  # its NaN/inf came from elsewhere (None: finite)
-        self.step = -1  # the measured step its hooks belong to
+        self.step = -1  # the measured step its tensor hooks belong to
         self.clear()
 
     def clear(self) -> None:
-        """Forget this step's numbers (after `observed` read them)."""
+        """Forget this step's tensors (once `numbers` has made numbers of them)."""
         self.sums: list[list[torch.Tensor]] = []
         self.size = 0
-        self.inputs: list[torch.Tensor] = []
+        self.inputs: list[Any] = []
         self.heard: list[torch.Tensor] = []  # ‖∂L/∂output‖ per call, from a tensor hook
         self.activity: list[torch.Tensor] = []  # per-channel mean |a|, per call
         self.in_heard: list[torch.Tensor] = []  # per-channel mean |∂L/∂input|, per call
-        self.in_channels = 0
         self.rows: torch.Tensor | None = None
+        self._at = 0
 
+    # -- in the forward, and the backward ---------------------------------------------------
     def saw(self, input: Any, out: Any, step: int, channels: bool, rows: bool) -> None:
         """What came out of the place on a measured step (and what went in): its sums left as
         tensors, a tensor hook for the gradient that will come back to it, and with `channels`
         its channels' activity and a hook on its input's gradient; with `rows`, a copy of up
-        to `_ROWS` samples for a snapshot or a CKA."""
-        t = first_float(unwrap(out))
-        if t is None:
+        to 256 samples for a snapshot or a CKA."""
+        t = out if type(out) is torch.Tensor else first_float(unwrap(out))
+        if t is None or not t.is_floating_point():
             return
         self.step = step
         a = t.detach()
         self.sums.append(sums_of(a, self.saturates))
         self.size += a.numel()
-        self.inputs += floats_in(unwrap(input))
+        self.inputs.append(input)
         me = weakref.ref(self)  # a hook holding the place would keep it (and its weights) alive
         if t.requires_grad:
             t.register_hook(_hear(me, step, "heard", None))
         if channels:
             self.activity.append(activity(a, self.conv))
-            x = next((x for x in self.inputs if x.requires_grad), None)
+            x = next((x for x in floats_in(unwrap(input)) if x.requires_grad), None)
             if x is not None and x.dim() >= 2:
-                self.in_channels = x.shape[1] if self.conv or x.dim() >= 4 else x.shape[-1]
                 x.register_hook(_hear(me, step, "in_heard", self.conv))
         if rows and self.rows is None:
             self.rows = rows_of(a, self.conv)
+
+    # -- after backward -----------------------------------------------------------------------
+    def queue(self, tensors: list[torch.Tensor]) -> None:
+        """Put this step's one-number tensors at the end of `tensors`, to be read with
+        everyone else's."""
+        self._at = len(tensors)
+        for sums in self.sums:
+            tensors += sums
+        tensors += self.heard
+        if self.activity:
+            act = (
+                self.activity[0] if len(self.activity) == 1 else torch.stack(self.activity).mean(0)
+            )
+            if self.alive and self.alive[0].shape != act.shape:
+                self.alive.clear()  # the place changed width: its window starts again
+            self.alive.append(act > _DEAD_EPS)
+            alive = torch.stack(list(self.alive)).any(0)
+            self._channels = act.numel()
+            tensors += [torch.count_nonzero(~alive), _under(act)]
+        if self.in_heard:
+            g = self.in_heard[0] if len(self.in_heard) == 1 else torch.stack(self.in_heard).mean(0)
+            self._inputs = g.numel()
+            tensors.append(_under(g))
+
+    def numbers(
+        self,
+        values: list[float],
+        weights: list[float],
+        grads: list[float],
+        step: int,
+        snapshot: bool,
+    ) -> dict[str, Any]:
+        """This step's numbers, from what `queue` put in `values` (read), the ‖·‖² of its
+        weights and of their gradients (those that have one)."""
+        n: dict[str, Any] = {}
+        sqrt, isfinite = math.sqrt, math.isfinite
+        k = self._at
+        bad_grad = bad_out = False
+        total = 0.0
+        if weights:
+            n["param_norm"] = was = sqrt(sum(weights))
+            if grads:
+                n["grad_norm"] = g = sqrt(sum(grads))
+                bad_grad = not isfinite(g)
+            self.norms.append((step, was))
+            (s0, v0), (s1, v1) = self.norms[0], self.norms[-1]
+            if s1 > s0:
+                n["param_norm_slope"] = (v1 - v0) / (s1 - s0)
+        if self.sums:
+            width = len(self.sums[0])
+            zeros = saturated = 0.0
+            for _ in self.sums:
+                total += values[k]
+                zeros += values[k + 1]
+                saturated += values[k + 2] if width > 2 else 0.0
+                k += width
+            size = self.size or 1
+            n["act_abs_mean"] = total / size
+            self.zero.append(zeros / size)
+            self.saturated.append(saturated / size)
+            n["zero_frac_max"] = max(self.zero)
+            n["sat_frac_max"] = max(self.saturated)
+            bad_out = not isfinite(total)
+        heard = values[k : k + len(self.heard)]
+        k += len(self.heard)
+        if self.sums or weights:
+            nan = any(math.isnan(v) for v in (total, *n.values()))
+            inf = any(math.isinf(v) for v in (total, *n.values()))
+            n["nan"], n["inf"] = nan, inf
+            if nan or inf:
+                n["inherited"] = self._came_in(bad_out, bad_grad, heard)
+            else:
+                self.inherited = None
+        if heard:
+            n["out_grad_norm"] = sqrt(sum(v * v for v in heard))
+        if self.activity:
+            n["channels"] = self._channels
+            n["dead_channels"], n["dormant_channels"] = int(values[k]), int(values[k + 1])
+            k += 2
+        if self.in_heard:
+            n["input_channels"], n["ignored_channels"] = self._inputs, int(values[k])
+        if self.groups is not None and self.rows is not None:
+            n["cka"] = self._leak()
+        if snapshot and self.rows is not None:
+            n["effective_rank"] = effective_rank(self.rows)
+            n["rank_room"] = min(self.rows.shape)
+        return n
+
+    def _came_in(self, out: bool, grad: bool, heard: list[float]) -> bool:
+        """Whether the NaN or inf seen here came from elsewhere: in its output from an input
+        that had one, or in its gradient from the gradient arriving at its output. Decided
+        when it first appears here and kept while it lasts, so the place where it arose stays
+        the one flagged after it has spread everywhere."""
+        if self.inherited is None:
+            if out:
+                inputs = [x for i in self.inputs for x in floats_in(unwrap(i))]
+                self.inherited = any(not bool(torch.isfinite(x).all()) for x in inputs)
+            elif grad:
+                self.inherited = any(not math.isfinite(v) for v in heard)
+            else:
+                self.inherited = False
+        return self.inherited
+
+    def _leak(self) -> float:
+        """The largest linear CKA between two of the declared channel groups."""
+        rows = self.rows
+        assert rows is not None and self.groups is not None
+        width = rows.shape[1]
+        parts = list(self.groups.values())
+        best = 0.0
+        for i in range(len(parts)):
+            for j in range(i + 1, len(parts)):
+                a, b = parts[i], parts[j]
+                if max(a + b) >= width:
+                    raise ValueError(
+                        f"groups[{self.where!r}] names channel {max(a + b)}, and that place has "
+                        f"{width} channels"
+                    )
+                best = max(best, cka(rows[:, a], rows[:, b]))
+        return best
+
+
+def _under(per_channel: torch.Tensor) -> torch.Tensor:
+    """How many channels sit under dormant_tau of the mean over channels (none when the mean
+    is 0: nothing there to be under)."""
+    mean = per_channel.mean()
+    return torch.count_nonzero(per_channel <= _DORMANT_TAU * mean) * (mean > 0)
 
 
 def _hear(place: weakref.ref, step: int, into: str, conv: bool | None) -> Any:

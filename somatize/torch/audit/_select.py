@@ -62,7 +62,7 @@ def _finest_cut(held: Named, most: int) -> tuple[Named, list[str]]:
         for path, m in cut[most:]:
             left += [path] + _leaves(path, m)
         return cut[:most], left
-    level = cut
+    level = list(cut)
     while level:
         deeper: Named = []
         for path, module in level:

@@ -37,15 +37,7 @@ import torch
 from torch import nn
 
 from somatize.torch._modules import Tap, as_graph, named_modules_of
-from somatize.torch.audit._measures import (
-    _DEAD_EPS,
-    _DORMANT_TAU,
-    cka,
-    effective_rank,
-    norm,
-    read,
-    stable_rank,
-)
+from somatize.torch.audit._measures import norm, read, stable_rank, wide_norm
 from somatize.torch.audit._place import Place
 from somatize.torch.audit._select import choose
 
@@ -282,118 +274,36 @@ class Audit:
         return facts
 
     def _measure(self, step: int, snapshot: bool) -> list[tuple[Place, dict[str, Any]]]:
-        """Every place's numbers for this step, from one read of everything left as tensors."""
-        flat, places = self._flat, self._places
+        """Every place's numbers for this step, from one read of everything left as tensors:
+        ‖θ‖ of each weight (on the copy: the weights the step ran with), ‖∇θ‖ of each that
+        has a gradient, and what each place heard."""
+        flat = self._flat
         base = self._copy if self._copy is not None else [q.detach() for q in flat]
-        tensors: list[torch.Tensor] = [norm(t) for t in base]
-        grad_at: dict[int, int] = {}
+        tensors = [norm(t) for t in base]
+        grad_at = [-1] * len(flat)
         for i, q in enumerate(flat):
             if q.grad is not None:
                 grad_at[i] = len(tensors)
                 tensors.append(norm(q.grad))
-        at: list[dict[str, Any]] = []
-        for place in places:
-            slots: dict[str, Any] = {"sums": [], "heard": []}
-            for sums in place.sums:
-                slots["sums"].append(len(tensors))
-                tensors += sums
-            slots["heard"] = list(range(len(tensors), len(tensors) + len(place.heard)))
-            tensors += place.heard
-            if place.activity:
-                count, numbers = self._channels(place)
-                slots["channels"] = (count, len(tensors))
-                tensors += numbers
-            if place.in_heard:
-                count, numbers = _ignored(place)
-                slots["ignored"] = (count, len(tensors))
-                tensors += numbers
-            at.append(slots)
+        norms = [*base, *(q.grad for q in flat if q.grad is not None)]
+        for place in self._places:
+            place.queue(tensors)
         values = read(tensors)
-        sqrt, isfinite = math.sqrt, math.isfinite
+        squares = [v * v for v in _finite(values[: len(norms)], norms)]
         out = []
-        for place, slots in zip(places, at, strict=True):
-            n: dict[str, Any] = {}
-            bad_out = bad_grad = bad_w = False
-            if place.index:
-                n["param_norm"] = was = sqrt(sum([values[i] ** 2 for i in place.index]))
-                bad_w = not isfinite(was)
-                grads = [values[grad_at[i]] ** 2 for i in place.index if i in grad_at]
-                if grads:
-                    n["grad_norm"] = g = sqrt(sum(grads))
-                    bad_grad = not isfinite(g)
-                place.norms.append((step, was))
-                slope = _slope(place.norms)
-                if slope is not None:
-                    n["param_norm_slope"] = slope
-            total = None
-            if place.sums:
-                width = len(place.sums[0])
-                parts = [values[k : k + width] for k in slots["sums"]]
-                total = sum(p[0] for p in parts)
-                size = place.size or 1
-                n["act_abs_mean"] = total / size
-                place.zero.append(sum(p[1] for p in parts) / size)
-                n["zero_frac_max"] = max(place.zero)
-                place.saturated.append(sum(p[2] for p in parts) / size if width > 2 else 0.0)
-                n["sat_frac_max"] = max(place.saturated)
-                bad_out = not isfinite(total)
-            if place.sums or place.index:
-                nan = any(isinstance(v, float) and math.isnan(v) for v in (total, *n.values()))
-                inf = any(isinstance(v, float) and math.isinf(v) for v in (total, *n.values()))
-                n["nan"], n["inf"] = nan, inf
-                heard = [values[k] for k in slots["heard"]]
-                if nan or inf:
-                    n["inherited"] = self._inherited(place, bad_out, bad_grad, bad_w, heard)
-                else:
-                    place.inherited = None
-            if slots["heard"]:
-                n["out_grad_norm"] = sqrt(sum(values[k] ** 2 for k in slots["heard"]))
-            if "channels" in slots:
-                n["channels"], k = slots["channels"]
-                n["dead_channels"] = int(values[k])
-                n["dormant_channels"] = int(values[k + 1])
-            if "ignored" in slots:
-                n["input_channels"], k = slots["ignored"]
-                n["ignored_channels"] = int(values[k])
-            if place.groups is not None and place.rows is not None:
-                n["cka"] = _leak(place)
-            if snapshot and place.rows is not None:
-                n["effective_rank"] = effective_rank(place.rows)
-                n["rank_room"] = min(place.rows.shape)
+        for place in self._places:
+            index = place.index
+            weights = [squares[i] for i in index]
+            grads = [squares[grad_at[i]] for i in index if grad_at[i] >= 0]
+            n = place.numbers(values, weights, grads, step, snapshot)
             place.clear()
             if n:
-                fact = {"fact": "health", "node": place.node, "inside": place.inside}
+                fact: dict[str, Any] = {"fact": "health", "node": place.node}
+                fact["inside"] = place.inside
                 fact["step"] = step
                 fact.update(n)
                 out.append((place, fact))
         return out
-
-    @staticmethod
-    def _channels(place: Place) -> tuple[int, list[torch.Tensor]]:
-        """How many channels, how many never active over the window, how many dormant now."""
-        act = place.activity[0] if len(place.activity) == 1 else torch.stack(place.activity).mean(0)
-        if place.alive and place.alive[0].shape != act.shape:
-            place.alive.clear()  # the place changed width: the window starts again
-        place.alive.append(act > _DEAD_EPS)
-        alive = torch.stack(list(place.alive)).any(0)
-        mean = act.mean()
-        dormant = torch.count_nonzero(act <= _DORMANT_TAU * mean) * (mean > 0)
-        return act.numel(), [torch.count_nonzero(~alive), dormant]
-
-    @staticmethod
-    def _inherited(place: Place, out: bool, grad: bool, weights: bool, heard: list[float]) -> bool:
-        """Whether the NaN or inf seen at this place came from elsewhere: in its output from an
-        input that had one, or in its gradient from the gradient arriving at its output.
-        Decided when it first appears here and kept while it lasts, so the place where it
-        arose stays the one flagged after it has spread everywhere."""
-        if place.inherited is None:
-            if out:
-                place.inherited = any(not bool(torch.isfinite(x).all()) for x in place.inputs)
-            elif grad:
-                place.inherited = any(not math.isfinite(v) for v in heard)
-            else:
-                place.inherited = False
-        return place.inherited
 
     # -- after the optimizer stepped --------------------------------------------------------
     def moved(self) -> None:
@@ -416,7 +326,7 @@ class Audit:
                 if ok:
                     c.sub_(q.detach())  # now θ − θ' = −Δθ
                 same.append(ok)
-            squares = [v * v for v in read([norm(c) for c in copy])]
+            squares = [v * v for v in _finite(read([norm(c) for c in copy]), copy)]
             moves: dict[int, tuple[float | None, float | None]] = {}
             for snapshot, got in waiting:
                 for place, n in got:
@@ -435,7 +345,11 @@ class Audit:
                 place.has_moved = True
 
     def _moved(
-        self, place: Place, delta: list[torch.Tensor], squares: list[float], same: list[bool],
+        self,
+        place: Place,
+        delta: list[torch.Tensor],
+        squares: list[float],
+        same: list[bool],
         snapshot: bool,
     ) -> tuple[float | None, float | None]:
         """‖Δθ‖ of a place (None: no ratio this time) and, on a snapshot, the stable rank of the
@@ -453,40 +367,7 @@ class Audit:
         return moved, stable
 
 
-def _ignored(place: Place) -> tuple[int, list[torch.Tensor]]:
-    """How many input channels, and how many of them the place ignores: the gradient that
-    reaches them is under `dormant_tau` of the mean (none, when no gradient arrives at all)."""
-    heard = place.in_heard
-    s = heard[0] if len(heard) == 1 else torch.stack(heard).mean(0)
-    mean = s.mean()
-    return s.numel(), [torch.count_nonzero(s <= _DORMANT_TAU * mean) * (mean > 0)]
-
-
-def _leak(place: Place) -> float:
-    """The largest linear CKA between two of the place's declared channel groups."""
-    rows = place.rows
-    assert rows is not None and place.groups is not None
-    width = rows.shape[1]
-    parts = list(place.groups.values())
-    best = 0.0
-    for i in range(len(parts)):
-        for j in range(i + 1, len(parts)):
-            a, b = parts[i], parts[j]
-            if max(a + b) >= width:
-                raise ValueError(
-                    f"groups[{place.where!r}] names channel {max(a + b)}, and that place has "
-                    f"{width} channels"
-                )
-            best = max(best, cka(rows[:, a], rows[:, b]))
-    return best
-
-
-def _slope(points: Iterable[tuple[int, float]]) -> float | None:
-    """The least-squares slope of ‖θ‖ against the step, per step; None under two points."""
-    pts = [(s, v) for s, v in points if math.isfinite(v)]
-    if len(pts) < 2:
-        return None
-    ms = sum(s for s, _ in pts) / len(pts)
-    mv = sum(v for _, v in pts) / len(pts)
-    den = sum((s - ms) ** 2 for s, _ in pts)
-    return sum((s - ms) * (v - mv) for s, v in pts) / den if den > 0 else 0.0
+def _finite(norms: list[float], tensors: list[torch.Tensor]) -> list[float]:
+    """`norms` of `tensors`, those that overflowed to inf taken again in float64: an inf
+    then means an infinity (or a NaN, a NaN), not values too large to square in float32."""
+    return [wide_norm(t) if math.isinf(v) else v for v, t in zip(norms, tensors, strict=True)]
