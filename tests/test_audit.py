@@ -117,7 +117,6 @@ def test_one_flat_fact_per_place_with_published_names_types_and_float64_checked_
         "zero_frac_max",
         "sat_frac_max",
         "param_norm_slope",
-        "out_grad_norm",
     ):
         assert type(n[key]) is float, key
     assert type(n["nan"]) is bool and type(n["inf"]) is bool and n["nan"] is n["inf"] is False
@@ -142,6 +141,41 @@ def test_one_flat_fact_per_place_with_published_names_types_and_float64_checked_
     assert n["param_norm_slope"] == pytest.approx((before[2] - before[0]) / 2, rel=1e-3, abs=1e-9)
     assert 0.0 < n["zero_frac_max"] < 1.0  # in-place ReLU measured without complaint
     assert "grad_norm" in _by(facts[2], "head")
+    # ‖∂L/∂output‖ is a snapshot step's (the first measured step of every 50)
+    assert type(_by(facts[0], "layer")["out_grad_norm"]) is float
+    assert "out_grad_norm" not in n
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_out_grad_norm_is_the_gradient_a_hook_on_the_output_hears(inplace):
+    class Grab(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 8)
+            self.grads = []
+
+        def forward(self, x, ctx):
+            h = self.l(x)
+            h.register_hook(lambda g: self.grads.append(float(g.double().norm())))
+            return h
+
+    class Bump(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x, ctx):
+            return self.fc(x.relu_() if inplace else torch.relu(x))
+
+    torch.manual_seed(0)
+    grab = Grab()
+    g = Graph.somatize(grab >> Bump())
+    audit = Audit(snapshot=1).watch(g)
+    facts, _ = _loop(g, audit, 4)
+    audit.release()
+    heard = [_by(step, "grab")["out_grad_norm"] for step in facts]
+    assert heard == pytest.approx(grab.grads, rel=rtol(32 * 8))
+    assert grab.grads[0] != pytest.approx(grab.grads[1])  # the steps differ: a real check
 
 
 def test_output_numbers_are_the_outputs_against_float64():

@@ -30,7 +30,8 @@ METRICS: dict[str, str] = {
     # ours
     "inherited": "Whether the NaN or infinity seen here came from elsewhere (its input, or the "
     "gradient arriving at its output); the place where it arose reads False.",
-    "out_grad_norm": "‖∂L/∂output‖, the size of the gradient that reached the place's output.",
+    "out_grad_norm": "‖∂L/∂output‖, the size of the gradient that reached the place's output; "
+    "taken on snapshot steps.",
     "effective_rank": "How many directions the place's output really spans over a batch (the "
     "exponential of the entropy of its normalised singular values); taken on snapshot steps.",
     "rank_room": "The most the effective rank could be here: the smaller of the samples and "

@@ -85,39 +85,50 @@ def sums_of(a: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
     return [total, zeros] if saturated is None else [total, zeros, saturated]
 
 
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """What a norm of `t` is taken on: `t`, or a sparse tensor's values (the gradient of an
+    `nn.Embedding(sparse=True)`), duplicates summed."""
+    if t.layout is torch.strided:
+        return t
+    return t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
+
+
 def norm(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖ as a one-number tensor, accumulated in float32 or wider. A sparse tensor's is its
-    values' (the gradient of `nn.Embedding(sparse=True)`). Values so large that their norm
-    overflows read inf: `wide_norm` tells them from an infinity."""
-    if t.layout is not torch.strided:
-        t = t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
+    """‖t‖ as a one-number tensor, accumulated in float32 or wider (called under no_grad).
+    Values so large that their norm overflows read inf: `wide_norm` tells them from an
+    infinity."""
+    if t.dtype is torch.float32 and t.layout is torch.strided:
+        return torch.linalg.vector_norm(t)
+    t = _values(t)
     return torch.linalg.vector_norm(
-        t.detach(), dtype=_wide(t) if t.is_floating_point() else torch.float32
+        t, dtype=torch.float64 if t.dtype is torch.float64 else torch.float32
     )
 
 
 def wide_norm(t: torch.Tensor) -> float:
     """`norm` accumulated in float64: for a tensor whose `norm` read inf, whether it holds an
     infinity or only large values."""
-    if t.layout is not torch.strided:
-        t = t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
-    return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64))
+    return float(torch.linalg.vector_norm(_values(t.detach()), dtype=torch.float64))
 
 
 def read(tensors: list[torch.Tensor]) -> list[float]:
-    """One-number tensors as Python numbers: on the CPU one `.item()` each; elsewhere one
-    stack and one `.tolist()` per device and dtype, so a GPU step waits once (what is read
-    after the first has nothing left to wait for)."""
-    out: list[Any] = [0.0] * len(tensors)
-    by: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.device.type == "cpu":
-            out[i] = t.item()
-        else:
-            by.setdefault((t.device, t.dtype), []).append(i)
+    """One-number tensors as Python floats: one stack and one `.tolist()` (per device, where
+    they are on several), so a GPU step waits once."""
+    if not tensors:
+        return []
+    first = tensors[0].dtype
+    same = all(t.dtype is first for t in tensors)
+    floats = tensors if same else [t.double() for t in tensors]
+    try:
+        return torch.stack(floats).tolist()
+    except RuntimeError:  # on more than one device
+        pass
+    out = [0.0] * len(floats)
+    by: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(floats):
+        by.setdefault(t.device, []).append(i)
     for idx in by.values():
-        values = torch.stack([tensors[i] for i in idx]).tolist()
-        for i, v in zip(idx, values, strict=True):
+        for i, v in zip(idx, torch.stack([floats[i] for i in idx]).tolist(), strict=True):
             out[i] = v
     return out
 

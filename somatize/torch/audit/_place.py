@@ -90,11 +90,13 @@ class Place:
         self._at = 0
 
     # -- in the forward, and the backward ---------------------------------------------------
-    def saw(self, input: Any, out: Any, step: int, channels: bool, rows: bool) -> None:
+    def saw(
+        self, input: Any, out: Any, step: int, channels: bool, rows: bool, snapshot: bool
+    ) -> None:
         """What came out of the place on a measured step (and what went in): its sums left as
-        tensors, a tensor hook for the gradient that will come back to it, and with `channels`
-        its channels' activity and a hook on its input's gradient; with `rows`, a copy of up
-        to 256 samples for a snapshot or a CKA."""
+        tensors; with `channels` its channels' activity and a hook on its input's gradient;
+        with `rows`, a copy of up to 256 samples for a CKA; on a `snapshot` step those rows
+        and a tensor hook for the gradient that will come back to its output."""
         t = out if type(out) is torch.Tensor else first_float(unwrap(out))
         if t is None or not t.is_floating_point():
             return
@@ -104,14 +106,14 @@ class Place:
         self.size += a.numel()
         self.inputs.append(input)
         me = weakref.ref(self)  # a hook holding the place would keep it (and its weights) alive
-        if t.requires_grad:
+        if snapshot and t.requires_grad:
             t.register_hook(_hear(me, step, "heard", None))
         if channels:
             self.activity.append(activity(a, self.conv))
             x = next((x for x in floats_in(unwrap(input)) if x.requires_grad), None)
             if x is not None and x.dim() >= 2:
                 x.register_hook(_hear(me, step, "in_heard", self.conv))
-        if rows and self.rows is None:
+        if (rows or snapshot) and self.rows is None:
             self.rows = rows_of(a, self.conv)
 
     # -- after backward -----------------------------------------------------------------------
@@ -137,6 +139,12 @@ class Place:
             self._inputs = g.numel()
             tensors.append(_under(g))
 
+    def spoilt(self, values: list[float]) -> bool:
+        """Whether an output this step held a NaN or an inf (its Σ|a| is not a finite number),
+        from what `queue` put in `values`."""
+        width = len(self.sums[0]) if self.sums else 0
+        return any(not math.isfinite(values[self._at + k * width]) for k in range(len(self.sums)))
+
     def numbers(
         self,
         values: list[float],
@@ -144,9 +152,11 @@ class Place:
         grads: list[float],
         step: int,
         snapshot: bool,
+        spread: bool,
     ) -> dict[str, Any]:
         """This step's numbers, from what `queue` put in `values` (read), the ‖·‖² of its
-        weights and of their gradients (those that have one)."""
+        weights and of their gradients (those that have one). `spread`: some place's output
+        was not finite this step (a gradient that is not finite then came from there)."""
         n: dict[str, Any] = {}
         sqrt, isfinite = math.sqrt, math.isfinite
         k = self._at
@@ -179,11 +189,14 @@ class Place:
         heard = values[k : k + len(self.heard)]
         k += len(self.heard)
         if self.sums or weights:
-            nan = any(math.isnan(v) for v in (total, *n.values()))
-            inf = any(math.isinf(v) for v in (total, *n.values()))
+            seen = [total, *n.values()]
+            nan = inf = False
+            if not isfinite(sum(map(abs, seen))):  # (the sum of magnitudes: one check)
+                nan = any(map(math.isnan, seen))
+                inf = any(map(math.isinf, seen))
             n["nan"], n["inf"] = nan, inf
             if nan or inf:
-                n["inherited"] = self._came_in(bad_out, bad_grad, heard)
+                n["inherited"] = self._came_in(bad_out, bad_grad, heard, spread)
             else:
                 self.inherited = None
         if heard:
@@ -201,17 +214,18 @@ class Place:
             n["rank_room"] = min(self.rows.shape)
         return n
 
-    def _came_in(self, out: bool, grad: bool, heard: list[float]) -> bool:
+    def _came_in(self, out: bool, grad: bool, heard: list[float], spread: bool) -> bool:
         """Whether the NaN or inf seen here came from elsewhere: in its output from an input
-        that had one, or in its gradient from the gradient arriving at its output. Decided
-        when it first appears here and kept while it lasts, so the place where it arose stays
-        the one flagged after it has spread everywhere."""
+        that had one, or in its gradient from the gradient arriving at its output (known on
+        a snapshot step; otherwise taken to have come from a place whose output was not
+        finite, when there was one). Decided when it first appears here and kept while it
+        lasts, so the place where it arose stays the one flagged after it has spread."""
         if self.inherited is None:
             if out:
                 inputs = [x for i in self.inputs for x in floats_in(unwrap(i))]
                 self.inherited = any(not bool(torch.isfinite(x).all()) for x in inputs)
             elif grad:
-                self.inherited = any(not math.isfinite(v) for v in heard)
+                self.inherited = any(not math.isfinite(v) for v in heard) if heard else spread
             else:
                 self.inherited = False
         return self.inherited

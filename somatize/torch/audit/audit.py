@@ -9,14 +9,14 @@ which of a step's three named moments:
   copied. Every optimizer is measured the same way: the copy is what the update is taken
   against, whatever moves the weights afterwards (the Trainer's optimizer, or a node's own
   `Learning` stepping inside backward).
-- **each output, in the forward**: Σ|a|, the zero and saturated counts, and a tensor hook that
-  will hear ‖∂L/∂output‖ in backward; with `channels`, each channel's activity and a hook on
-  the input's gradient; on snapshot steps (and for grouped places) up to 256 samples copied.
+- **each output, in the forward**: Σ|a|, the zero and saturated counts; with `channels`, each
+  channel's activity and a hook on the input's gradient; on snapshot steps (and for grouped
+  places) up to 256 samples copied, and a tensor hook that will hear ‖∂L/∂output‖.
 - **after backward** (`observed`): ‖θ‖ and ‖∇θ‖, everything above read at once, and the facts
   built: grad_norm, param_norm, param_norm_slope, act_abs_mean, zero_frac_max and
   sat_frac_max (the max over the last `window` measured steps), nan, inf (and `inherited`
-  when one of them is true), out_grad_norm; with `channels` channels, dead_channels,
-  dormant_channels, input_channels, ignored_channels; with `groups` cka; on snapshot steps
+  when one of them is true); with `channels` channels, dead_channels, dormant_channels,
+  input_channels, ignored_channels; with `groups` cka; on snapshot steps out_grad_norm,
   effective_rank and rank_room. `somatize.health.METRICS` says what each one is.
 - **after the optimizer stepped** (`moved`): ‖θ' − θ‖ from the copy, so the facts of the
   measured steps that went into this update get update_ratio, and on a snapshot step
@@ -235,8 +235,7 @@ class Audit:
     def _saw(self, place: Place, input: Any, out: Any) -> None:
         if self._copy is None and self._flat:
             self._begin()
-        rows = self._snap or place.groups is not None
-        place.saw(input, out, self.step, self.channels, rows)
+        place.saw(input, out, self.step, self.channels, place.groups is not None, self._snap)
 
     def _begin(self) -> None:
         """θ as this measured step finds it, copied, kept until `moved` (under gradient
@@ -290,12 +289,13 @@ class Audit:
             place.queue(tensors)
         values = read(tensors)
         squares = [v * v for v in _finite(values[: len(norms)], norms)]
+        spread = any(place.spoilt(values) for place in self._places)
         out = []
         for place in self._places:
             index = place.index
             weights = [squares[i] for i in index]
             grads = [squares[grad_at[i]] for i in index if grad_at[i] >= 0]
-            n = place.numbers(values, weights, grads, step, snapshot)
+            n = place.numbers(values, weights, grads, step, snapshot, spread)
             place.clear()
             if n:
                 fact: dict[str, Any] = {"fact": "health", "node": place.node}
@@ -320,18 +320,16 @@ class Audit:
         if copy is None or not waiting:
             return
         with torch.no_grad():
-            same = []
-            for c, q in zip(copy, self._flat, strict=True):
-                ok = c.shape == q.shape and c.device == q.device
-                if ok:
-                    c.sub_(q.detach())  # now θ − θ' = −Δθ
-                same.append(ok)
-            squares = [v * v for v in _finite(read([norm(c) for c in copy]), copy)]
+            flat = self._flat
+            pairs = list(zip(copy, flat, strict=True))
+            same = [c.shape == q.shape and c.device == q.device for c, q in pairs]
+            deltas = [c.sub_(q) if ok else c for (c, q), ok in zip(pairs, same, strict=True)]
+            squares = [v * v for v in _finite(read([norm(d) for d in deltas]), deltas)]
             moves: dict[int, tuple[float | None, float | None]] = {}
             for snapshot, got in waiting:
                 for place, n in got:
                     if id(place) not in moves:
-                        moves[id(place)] = self._moved(place, copy, squares, same, snapshot)
+                        moves[id(place)] = self._moved(place, deltas, squares, same, snapshot)
                     delta, stable = moves[id(place)]
                     was = n.get("param_norm")
                     if delta is None or not was:
