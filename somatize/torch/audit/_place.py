@@ -67,6 +67,7 @@ class Place:
         self.saturates = _saturation(every)
         self.conv = any(kind_of(s) == "conv" for s in every)
         self.index: list[int] = []
+        self.big = -1  # where its largest weight sits in that list, if it is a matrix or more
         self.groups: dict[str, list[int]] | None = None
         # across measured steps
         self.zero: deque[float] = deque(maxlen=window)

@@ -172,6 +172,8 @@ class Audit:
                     slot[id(q)] = len(flat)
                     flat.append(q)
             place.index = [slot[id(q)] for q in place.params]
+            big = max(place.params, key=lambda q: q.numel(), default=None)
+            place.big = slot[id(big)] if big is not None and big.dim() >= 2 else -1
         self._flat = flat
         self._places = places
         self._nodes = {p.node: p for p in places if p.inside is None}
@@ -319,50 +321,49 @@ class Audit:
         waiting, self._waiting = self._waiting, []
         if copy is None or not waiting:
             return
+        flat = self._flat
         with torch.no_grad():
-            flat = self._flat
-            pairs = list(zip(copy, flat, strict=True))
-            same = [c.shape == q.shape and c.device == q.device for c, q in pairs]
-            deltas = [c.sub_(q) if ok else c for (c, q), ok in zip(pairs, same, strict=True)]
+            deltas, same = [], []
+            for c, q in zip(copy, flat, strict=True):
+                ok = c.shape == q.shape and c.device == q.device
+                deltas.append(c.sub_(q) if ok else c)  # −Δθ, where θ kept its memory
+                same.append(ok)
             squares = [v * v for v in _finite(read([norm(d) for d in deltas]), deltas)]
+            ranked = any(snapshot for snapshot, _ in waiting)
             moves: dict[int, tuple[float | None, float | None]] = {}
             for snapshot, got in waiting:
                 for place, n in got:
-                    if id(place) not in moves:
-                        moves[id(place)] = self._moved(place, deltas, squares, same, snapshot)
-                    delta, stable = moves[id(place)]
+                    key = id(place)
+                    if key not in moves:
+                        moves[key] = _moved(place, deltas, squares, same, ranked)
+                    delta, stable = moves[key]
                     was = n.get("param_norm")
                     if delta is None or not was:
                         continue
                     n["update_ratio"] = delta / was
                     if snapshot and stable is not None:
                         n["update_stable_rank"] = stable
-        for place in {id(p): p for _, got in waiting for p, _ in got}.values():
-            delta = moves[id(place)][0]
-            if delta:
-                place.has_moved = True
+        for _, got in waiting:
+            for place, _ in got:
+                if moves[id(place)][0]:
+                    place.has_moved = True
 
-    def _moved(
-        self,
-        place: Place,
-        delta: list[torch.Tensor],
-        squares: list[float],
-        same: list[bool],
-        snapshot: bool,
-    ) -> tuple[float | None, float | None]:
-        """‖Δθ‖ of a place (None: no ratio this time) and, on a snapshot, the stable rank of the
-        update to its largest weight."""
-        index = place.index
-        if not all(same[i] for i in index):
-            return None, None  # a weight was given other memory between: nothing to compare
-        moved = math.sqrt(sum([squares[i] for i in index]))
-        if moved == 0.0 and place.has_moved:
-            return None, None  # waiting for an update of its own
-        big = max(index, key=lambda i: self._flat[i].numel())
-        stable = None
-        if snapshot and self._flat[big].dim() >= 2:
-            stable = stable_rank(delta[big])
-        return moved, stable
+
+def _moved(
+    place: Place, deltas: list[torch.Tensor], squares: list[float], same: list[bool], snapshot: bool
+) -> tuple[float | None, float | None]:
+    """‖Δθ‖ of a place (None: no ratio this time) and, on a snapshot, the stable rank of the
+    update to its largest weight (None when that is not a matrix)."""
+    index = place.index
+    if not all([same[i] for i in index]):
+        return None, None  # a weight was given other memory between: nothing to compare
+    moved = math.sqrt(sum([squares[i] for i in index]))
+    if moved == 0.0 and place.has_moved:
+        return None, None  # waiting for an update of its own
+    stable = None
+    if snapshot and place.big >= 0:
+        stable = stable_rank(deltas[place.big])
+    return moved, stable
 
 
 def _finite(norms: list[float], tensors: list[torch.Tensor]) -> list[float]:
