@@ -1,7 +1,7 @@
 """The numbers an `Audit` takes, as plain functions of tensors.
 
 Everything here is torch's public API: reductions for what an output holds, `torch.linalg`
-for the snapshot's spectra (`svdvals`, `matrix_norm(ord=2)`, `svd_lowrank` past a size).
+for the snapshot's spectra (`eigvalsh` of float64 Gram matrices, `svd_lowrank` past a size).
 Nothing here keeps state; `_place.py` keeps what a place carries from step to step.
 """
 
@@ -31,8 +31,8 @@ _DEAD_EPS = _DEFAULT.dead_eps  # |a| at most this counts as zero
 _DORMANT_TAU = _DEFAULT.dormant_tau  # a channel under this share of the mean is dormant
 # a sigmoid output at most _LOW or at least _HIGH is saturated; a tanh one at |a| ≥ _HIGH
 _LOW, _HIGH = 0.01, 0.99
-_ROWS = 256  # the most samples an effective rank or a CKA is taken over
-_EXACT = 64  # σ_max exactly (matrix_norm) up to this smaller side; past it, svd_lowrank
+_ROWS = 128  # the most samples an effective rank or a CKA is taken over
+_EXACT = 64  # σ_max exactly up to this smaller side; past it, svd_lowrank
 
 
 def first_float(value: Any) -> torch.Tensor | None:
@@ -163,18 +163,26 @@ def rows_of(t: torch.Tensor, conv: bool) -> torch.Tensor | None:
     return rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows.clone()
 
 
+def _gram(x: torch.Tensor) -> torch.Tensor:
+    """The Gram matrix of a matrix's smaller side, in float64: its eigenvalues are the squared
+    singular values, to float64's precision rather than the data's."""
+    x = x.double()
+    return x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
+
+
 def effective_rank(rows: torch.Tensor) -> float:
     """exp of the entropy of the normalised singular values of the centred rows (Roy &
     Vetterli): 1 for a representation that spans one direction, up to min(rows, columns).
-    Singular values under what rounding can tell from zero (‖rows‖ · max(m, n) · ε, the
-    scale of the rows before centring, as `torch.linalg.matrix_rank` counts) are left out, so
-    a collapsed representation reads as collapsed. 0 for rows that do not vary (every sample
-    the same), and for rows holding an inf or a NaN."""
+    The singular values are the square roots of `torch.linalg.eigvalsh` of the float64 Gram
+    matrix; those under what the data's own rounding can tell from zero (‖rows‖ · max(m, n) ·
+    ε of its dtype, as `torch.linalg.matrix_rank` counts) are left out, so a collapsed
+    representation reads as collapsed. 0 for rows that do not vary (every sample the same),
+    and for rows holding an inf or a NaN."""
     x = rows - rows.mean(0, keepdim=True)
     if not bool(torch.isfinite(x).all()):
         return 0.0
-    floor = float(torch.linalg.vector_norm(rows)) * max(x.shape) * torch.finfo(x.dtype).eps
-    s = torch.linalg.svdvals(x).double()
+    floor = float(torch.linalg.vector_norm(rows)) * max(x.shape) * torch.finfo(rows.dtype).eps
+    s = torch.linalg.eigvalsh(_gram(x)).clamp(min=0).sqrt()
     s = s[s > floor]
     if not s.numel():
         return 0.0
@@ -183,15 +191,17 @@ def effective_rank(rows: torch.Tensor) -> float:
 
 
 def _top(d: torch.Tensor) -> float:
-    """σ_max of a matrix: exactly (`matrix_norm(ord=2)`) when its smaller side is at most
-    `_EXACT`, else the top value of `svd_lowrank` (a few power steps on a random start; the
-    start drawn from a generator of its own, so the caller's random stream is not touched)."""
+    """σ_max of a matrix: exactly (`eigvalsh` of its float64 Gram matrix) when its smaller side
+    is at most `_EXACT`, else the top value of `svd_lowrank` (two power steps on a random start
+    of four directions, the start drawn under a generator of its own, so the caller's random
+    stream is not touched). Randomised, the estimate is never above σ_max and, on an update
+    with a leading direction, within 1e-3 of it."""
     if min(d.shape) <= _EXACT:
-        return float(torch.linalg.matrix_norm(d, ord=2))
+        return math.sqrt(max(float(torch.linalg.eigvalsh(_gram(d))[-1]), 0.0))
     devices = [d.device.index or 0] if d.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(0)
-        return float(torch.svd_lowrank(d, q=6, niter=4)[1][0])
+        return float(torch.svd_lowrank(d, q=4, niter=2)[1][0])
 
 
 def stable_rank(d: torch.Tensor) -> float:

@@ -96,7 +96,7 @@ class Place:
     ) -> None:
         """What came out of the place on a measured step (and what went in): its sums left as
         tensors; with `channels` its channels' activity and a hook on its input's gradient;
-        with `rows`, a copy of up to 256 samples for a CKA; on a `snapshot` step those rows
+        with `rows`, a copy of up to 128 samples for a CKA; on a `snapshot` step those rows
         and a tensor hook for the gradient that will come back to its output."""
         t = out if type(out) is torch.Tensor else first_float(unwrap(out))
         if t is None or not t.is_floating_point():

@@ -11,7 +11,7 @@ which of a step's three named moments:
   `Learning` stepping inside backward).
 - **each output, in the forward**: Σ|a|, the zero and saturated counts; with `channels`, each
   channel's activity and a hook on the input's gradient; on snapshot steps (and for grouped
-  places) up to 256 samples copied, and a tensor hook that will hear ‖∂L/∂output‖.
+  places) up to 128 samples copied, and a tensor hook that will hear ‖∂L/∂output‖.
 - **after backward** (`observed`): ‖θ‖ and ‖∇θ‖, everything above read at once, and the facts
   built: grad_norm, param_norm, param_norm_slope, act_abs_mean, zero_frac_max and
   sat_frac_max (the max over the last `window` measured steps), nan, inf (and `inherited`
