@@ -246,9 +246,9 @@ CASES = [
     Case("deep MLP ×6, Adam 1e-3", _deep("relu", 1.0, 6), adam(1e-3), digits, epochs=10),
     Case("CNN, Adam 3e-3, channels", cnn, adam(3e-3), images, epochs=10, audit={"channels": True}),
     Case(
-        "CNN, SGD 0.1 momentum 0.9, inside",
+        "CNN, SGD 0.3 momentum 0.9, inside",
         cnn,
-        sgd(0.1, 0.9),
+        sgd(0.3, 0.9),
         images,
         epochs=10,
         audit={"inside": True},
