@@ -10,7 +10,6 @@ a count by its latest value — and `verdict` judges the summary.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -50,16 +49,23 @@ def numbers_of(fact: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _summary(values: Iterable[Any]) -> Any:
+    """One metric over several steps, by the type it has: a bool (nan, inf) whether it was ever
+    true, a count its latest value, a measure the median of its finite values (the latest
+    value when none is finite)."""
     values = list(values)
-    if all(isinstance(v, bool) for v in values):
+    last = values[-1]
+    if type(last) is bool:
         return any(values)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        return values[-1]
-    numbers = [float(v) for v in values if isinstance(v, (int, float))]
-    finite = [v for v in numbers if math.isfinite(v)]
-    if finite:
-        return statistics.median(finite)
-    return numbers[-1] if numbers else values[-1]
+    if type(last) is int:
+        return last
+    try:
+        finite = sorted(filter(math.isfinite, values))
+    except TypeError:  # something that is not a number among them
+        finite = sorted(v for v in values if isinstance(v, (int, float)) and math.isfinite(v))
+    if not finite:
+        return last
+    mid = len(finite) // 2
+    return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2
 
 
 class Verdicts:

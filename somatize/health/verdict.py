@@ -82,6 +82,9 @@ class Thresholds:
             object.__setattr__(self, f.name, float(value))
 
 
+_DEFAULT = Thresholds()
+
+
 def _num(numbers: Mapping[str, Any], *keys: str) -> float | None:
     for key in keys:
         v = numbers.get(key)
@@ -114,7 +117,7 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     """
     if not isinstance(numbers, Mapping):
         raise TypeError(f"verdict reads a dict of numbers, not {type(numbers).__name__}")
-    t = thresholds or Thresholds()
+    t = thresholds or _DEFAULT
     values = [v for k, v in numbers.items() if k not in FACT_KEYS and isinstance(v, float)]
     nan = numbers.get("nan") is True or any(math.isnan(v) for v in values)
     inf = numbers.get("inf") is True or any(math.isinf(v) for v in values)
