@@ -85,6 +85,24 @@ def _loop(g, audit, steps, optimizer=None, tell=True):
     return facts, params
 
 
+def _weights(module):
+    """Every weight of a module as it is now, in float64, by identity."""
+    return {id(p): p.detach().double().clone() for p in module.parameters()}
+
+
+def _split(g, heard, learning):
+    """A Trainer of `g` by SGD, its `layer_2` trained by its own `learning`, audited."""
+    trains = {"layer_2": learning}
+    return Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+        trains=trains,
+        auditing=Audit(),
+        watching=heard.append,
+    )
+
+
 def _ratio(module, before, after):
     """‖after − before‖ / ‖before‖ over a module's weights, in float64."""
     ps = list(module.parameters())
@@ -260,9 +278,9 @@ def test_a_step_hook_and_a_scheduler_change_nothing_in_how_the_update_is_taken()
     )
     x, y = _data()
     for _ in range(5):
-        weights.append({id(p): p.detach().double().clone() for p in layer.parameters()})
+        weights.append(_weights(layer))
         t.step((x, y))
-    weights.append({id(p): p.detach().double().clone() for p in layer.parameters()})
+    weights.append(_weights(layer))
     t.close()
     ratios = [
         f["update_ratio"] for f in heard if f.get("fact") == "health" and f["node"] == "layer"
@@ -307,10 +325,10 @@ def test_under_accumulation_each_measured_step_gets_its_groups_update_told_at_th
     )
     layer = g.implementation("layer")
     x, y = _data()
-    before = {id(p): p.detach().double().clone() for p in layer.parameters()}
+    before = _weights(layer)
     for _ in range(3):
         t.step((x, y))
-    after = {id(p): p.detach().double().clone() for p in layer.parameters()}
+    after = _weights(layer)
     t.close()
     kinds = [(f["fact"], f.get("step")) for f in heard if f["fact"] in ("loss", "updated")]
     assert kinds == [("loss", 0), ("loss", 1), ("loss", 2), ("updated", 2)]
@@ -324,21 +342,13 @@ def test_under_accumulation_each_measured_step_gets_its_groups_update_told_at_th
 def test_a_node_trained_inside_backward_by_its_own_split_is_seen_to_move():
     g = _graph()
     heard = []
-    trains = {"layer_2": Split(torch.optim.SGD, lr=0.1)}
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
-        trains=trains,
-        auditing=Audit(),
-        watching=heard.append,
-    )
+    t = _split(g, heard, Split(torch.optim.SGD, lr=0.1))
     body = g.implementation("layer_2")
     x, y = _data()
     for _ in range(3):
-        before = {id(p): p.detach().double().clone() for p in body.parameters()}
+        before = _weights(body)
         t.step((x, y))
-        after = {id(p): p.detach().double().clone() for p in body.parameters()}
+        after = _weights(body)
     t.close()
     last = [f for f in heard if f["fact"] == "health" and f["node"] == "layer_2"][-1]
     # its weights move inside backward, before `observed`: θ was copied in the forward
@@ -351,22 +361,14 @@ def test_a_node_updated_every_other_step_by_its_own_split_is_not_stalled_between
 
     g = _graph()
     heard = []
-    trains = {"layer_2": Split(torch.optim.SGD, every=2, lr=0.1)}
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
-        trains=trains,
-        auditing=Audit(),
-        watching=heard.append,
-    )
+    t = _split(g, heard, Split(torch.optim.SGD, every=2, lr=0.1))  # its own, not the Trainer's
     body = g.implementation("layer_2")
     x, y = _data()
     moved = []
     for _ in range(7):
-        before = {id(p): p.detach().double().clone() for p in body.parameters()}
+        before = _weights(body)
         t.step((x, y))
-        moved.append(_ratio(body, before, {id(p): p.detach().double() for p in body.parameters()}))
+        moved.append(_ratio(body, before, _weights(body)))
     t.close()
     told = [f for f in heard if f["fact"] == "health" and f["node"] == "layer_2"]
     assert [m > 0 for m in moved] == [False, True, False, True, False, True, False]
@@ -416,13 +418,13 @@ def test_weights_given_new_memory_or_another_dtype_between_steps_are_measured_as
             with torch.no_grad():
                 layer.l.weight.data = layer.l.weight.data.clone()
         opt.zero_grad()
-        before = {id(p): p.detach().double().clone() for p in layer.parameters()}
+        before = _weights(layer)
         F.cross_entropy(g.forward(x.to(torch.bfloat16)).float(), y).backward()
         grads = torch.cat([p.grad.double().flatten() for p in layer.parameters()])
         n = _by(audit.observed(g), "layer")
         opt.step()
         audit.moved()
-        after = {id(p): p.detach().double() for p in layer.parameters()}
+        after = _weights(layer)
         # bfloat16 weights: norms accumulated in float32 over bfloat16 values
         tol = rtol(_size(layer), dtype=torch.bfloat16)
         assert n["grad_norm"] == pytest.approx(float(grads.norm()), rel=tol)
@@ -902,7 +904,7 @@ def test_weights_or_an_update_that_are_not_finite_or_only_huge_are_told_apart_an
         optimizer = torch.optim.SGD(parameters(g), lr=lr)
         x, y = _data()
         layer = g.implementation("layer")
-        before = {id(p): p.detach().double().clone() for p in layer.parameters()}
+        before = _weights(layer)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             F.cross_entropy(g.forward(x), y).backward()
@@ -910,7 +912,7 @@ def test_weights_or_an_update_that_are_not_finite_or_only_huge_are_told_apart_an
             optimizer.step()
             audit.moved()
         audit.release()
-        after = {id(p): p.detach().double() for p in layer.parameters()}
+        after = _weights(layer)
         n = _by(facts, "layer")
         if poisoned:  # an inf in the weights: NaN gradients, a NaN update, and no rank
             assert n["inf"] and n["nan"] and math.isnan(n["update_ratio"])
