@@ -193,14 +193,13 @@ def effective_rank(rows: torch.Tensor) -> float:
 def _top(d: torch.Tensor) -> float:
     """σ_max of a matrix: exactly (`eigvalsh` of its float64 Gram matrix) when its smaller side
     is at most `_EXACT`, else the top value of `svd_lowrank` (two power steps on a random start
-    of four directions, the start drawn under a generator of its own, so the caller's random
-    stream is not touched). Randomised, the estimate is never above σ_max and, on an update
-    with a leading direction, within 1e-3 of it."""
+    of four directions, drawn from the generator of `d`'s device, whose state is put back
+    after, so the caller's random stream is not touched). Randomised, the estimate is never
+    above σ_max and, on an update with a leading direction, within 1e-3 of it."""
     if min(d.shape) <= _EXACT:
         return math.sqrt(max(float(torch.linalg.eigvalsh(_gram(d))[-1]), 0.0))
     devices = [d.device.index or 0] if d.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
+    with torch.random.fork_rng(devices=devices):  # its draws are put back after
         return float(torch.svd_lowrank(d, q=4, niter=2)[1][0])
 
 
