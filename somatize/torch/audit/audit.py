@@ -242,7 +242,8 @@ class Audit:
     def _begin(self) -> None:
         """θ as this measured step finds it, copied, kept until `moved` (under gradient
         accumulation the steps of one group share one copy and one update)."""
-        self._copy = [q.detach().clone() for q in self._flat]
+        with torch.no_grad():
+            self._copy = [q.clone() for q in self._flat]
 
     # -- after backward: the step's numbers ------------------------------------------------
     def observed(self, graph: Any = None) -> list[dict[str, Any]]:
