@@ -735,6 +735,36 @@ def test_a_node_that_returns_opaque_gets_the_numbers_a_bare_tensor_gets():
     assert wrapped == bare
 
 
+def test_an_evaluation_between_steps_is_not_heard_and_nothing_of_it_is_kept():
+    def run(evaluate):
+        g = _graph()
+        audit = Audit().watch(g)
+        x, y = _data()
+        opt = torch.optim.SGD(parameters(g), lr=0.1)
+        kept = []
+        facts = []
+        for _ in range(3):
+            opt.zero_grad()
+            F.cross_entropy(g.forward(x), y).backward()
+            facts.append(audit.observed(g))
+            opt.step()
+            audit.moved()
+            if evaluate:
+                with torch.no_grad():
+                    for _ in range(5):
+                        other = torch.randn(256, 4) * 100
+                        kept.append(weakref.ref(other))
+                        g.forward(other)
+                        del other
+        audit.release()
+        return facts, kept
+
+    plain, _ = run(False)
+    evaluated, kept = run(True)
+    assert evaluated == plain  # the same numbers: the evaluations were not heard
+    assert all(ref() is None for ref in kept)  # and nothing of them is held
+
+
 def test_release_takes_every_hook_off_and_a_second_watch_is_refused():
     g = _graph()
     audit = Audit(inside=True).watch(g)
@@ -856,8 +886,7 @@ def test_nan_and_inf_in_an_output_are_told_apart():
     got = {}
     for what in (0.0, float("inf"), float("nan")):
         poison.what = what
-        with torch.no_grad():
-            g.forward(_data()[0])
+        g.forward(_data()[0])  # (a forward under no_grad is an evaluation, and not heard)
         n = _by(audit.observed(g), "poison")
         got["nan" if what != what else what] = (n["nan"], n["inf"], n.get("inherited"))
     audit.release()

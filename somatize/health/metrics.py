@@ -28,8 +28,8 @@ METRICS: dict[str, str] = {
     "inf": "Whether an infinity was seen here this step (in the output, the weights or their "
     "gradient), or values so large their norm overflows.",
     # ours
-    "inherited": "Whether the NaN or infinity seen here came from elsewhere (its input, or the "
-    "gradient arriving at its output); the place where it arose reads False.",
+    "inherited": "Whether the NaN or infinity seen here came from elsewhere (an input another "
+    "place gave it, or the gradient arriving at its output); the place where it arose reads False.",
     "out_grad_norm": "‖∂L/∂output‖, the size of the gradient that reached the place's output; "
     "taken on snapshot steps.",
     "effective_rank": "How many directions the place's output really spans over a batch (the "

@@ -83,7 +83,8 @@ class Place:
         """Forget this step's tensors (once `numbers` has made numbers of them)."""
         self.sums: list[list[torch.Tensor]] = []
         self.size = 0
-        self.inputs: list[Any] = []
+        self.outs: list[int] = []  # the id of each output heard this step, per call
+        self.ins: set[int] = set()  # the ids of the tensors it was given this step
         self.heard: list[torch.Tensor] = []  # ‖∂L/∂output‖ per call, from a tensor hook
         self.activity: list[torch.Tensor] = []  # per-channel mean |a|, per call
         self.in_heard: list[torch.Tensor] = []  # per-channel mean |∂L/∂input|, per call
@@ -105,7 +106,8 @@ class Place:
         a = t.detach()
         self.sums.append(sums_of(a, self.saturates))
         self.size += a.numel()
-        self.inputs.append(input)
+        self.outs.append(id(t))
+        self.ins.update(map(id, floats_in(unwrap(input))))
         me = weakref.ref(self)  # a hook holding the place would keep it (and its weights) alive
         if snapshot and t.requires_grad:
             t.register_hook(_hear(me, step, "heard", None))
@@ -140,11 +142,12 @@ class Place:
             self._inputs = g.numel()
             tensors.append(_under(g))
 
-    def spoilt(self, values: list[float]) -> bool:
-        """Whether an output this step held a NaN or an inf (its Σ|a| is not a finite number),
-        from what `queue` put in `values`."""
+    def spoilt(self, values: list[float]) -> list[int]:
+        """The ids of this step's outputs that held a NaN or an inf (their Σ|a| is not a finite
+        number), from what `queue` put in `values`."""
         width = len(self.sums[0]) if self.sums else 0
-        return any(not math.isfinite(values[self._at + k * width]) for k in range(len(self.sums)))
+        at = self._at
+        return [o for k, o in enumerate(self.outs) if not math.isfinite(values[at + k * width])]
 
     def numbers(
         self,
@@ -153,11 +156,11 @@ class Place:
         grads: list[float],
         step: int,
         snapshot: bool,
-        spread: bool,
+        spoilt: set[int],
     ) -> dict[str, Any]:
         """This step's numbers, from what `queue` put in `values` (read), the ‖·‖² of its
-        weights and of their gradients (those that have one). `spread`: some place's output
-        was not finite this step (a gradient that is not finite then came from there)."""
+        weights and of their gradients (those that have one). `spoilt`: the ids of the
+        outputs, of any place, that were not finite this step."""
         n: dict[str, Any] = {}
         sqrt, isfinite = math.sqrt, math.isfinite
         k = self._at
@@ -197,7 +200,7 @@ class Place:
                 inf = any(map(math.isinf, seen))
             n["nan"], n["inf"] = nan, inf
             if nan or inf:
-                n["inherited"] = self._came_in(bad_out, bad_grad, heard, spread)
+                n["inherited"] = self._came_in(bad_out, bad_grad, heard, spoilt)
             else:
                 self.inherited = None
         if heard:
@@ -215,18 +218,19 @@ class Place:
             n["rank_room"] = min(self.rows.shape)
         return n
 
-    def _came_in(self, out: bool, grad: bool, heard: list[float], spread: bool) -> bool:
+    def _came_in(self, out: bool, grad: bool, heard: list[float], spoilt: set[int]) -> bool:
         """Whether the NaN or inf seen here came from elsewhere: in its output from an input
-        that had one, or in its gradient from the gradient arriving at its output (known on
-        a snapshot step; otherwise taken to have come from a place whose output was not
-        finite, when there was one). Decided when it first appears here and kept while it
-        lasts, so the place where it arose stays the one flagged after it has spread."""
+        that another place gave it spoilt (an input no watched place gave, the data, counts
+        as finite: a NaN in the data reads as arising at the first place given it), or in
+        its gradient from the gradient arriving at its output (known on a snapshot step;
+        otherwise taken to have come from an output that was not finite, when there was
+        one). Decided when it first appears here and kept while it lasts, so the place where
+        it arose stays the one flagged after it has spread."""
         if self.inherited is None:
             if out:
-                inputs = [x for i in self.inputs for x in floats_in(unwrap(i))]
-                self.inherited = any(not bool(torch.isfinite(x).all()) for x in inputs)
+                self.inherited = not self.ins.isdisjoint(spoilt)
             elif grad:
-                self.inherited = any(not math.isfinite(v) for v in heard) if heard else spread
+                self.inherited = any(not math.isfinite(v) for v in heard) if heard else bool(spoilt)
             else:
                 self.inherited = False
         return self.inherited

@@ -23,7 +23,9 @@ which of a step's three named moments:
   update_stable_rank of the update to the place's largest weight.
 
 Forward hooks and tensor hooks only, never full backward hooks (those break on in-place ReLU);
-module hooks are on only during measured steps, so the others run as if nothing watched.
+module hooks are on only during measured steps, so the others run as if nothing watched. A
+forward under `torch.no_grad()` (an evaluation between steps) is not a training step's and is
+not heard; nothing is kept of what a place was given, only which tensors they were.
 """
 
 from __future__ import annotations
@@ -222,14 +224,14 @@ class Audit:
 
     # -- forward: what came out -----------------------------------------------------------
     def _on_node(self, node: str, input: Any, ctx: Any, out: Any) -> None:
-        if self._measuring:
+        if self._measuring and torch.is_grad_enabled():
             place = self._nodes.get(node)
             if place is not None:
                 self._saw(place, input, out)
 
     def _module_hook(self, place: Place) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            if self._measuring:
+            if self._measuring and torch.is_grad_enabled():
                 self._saw(place, (args, kwargs), out)
 
         return hook
@@ -292,13 +294,13 @@ class Audit:
             place.queue(tensors)
         values = read(tensors)
         squares = [v * v for v in _finite(values[: len(norms)], norms)]
-        spread = any(place.spoilt(values) for place in self._places)
+        spoilt = {o for place in self._places for o in place.spoilt(values)}
         out = []
         for place in self._places:
             index = place.index
             weights = [squares[i] for i in index]
             grads = [squares[grad_at[i]] for i in index if grad_at[i] >= 0]
-            n = place.numbers(values, weights, grads, step, snapshot, spread)
+            n = place.numbers(values, weights, grads, step, snapshot, spoilt)
             place.clear()
             if n:
                 fact: dict[str, Any] = {"fact": "health", "node": place.node}
