@@ -1,7 +1,7 @@
 """The numbers an `Audit` takes, as plain functions of tensors.
 
 Everything here is torch's public API: reductions for what an output holds, `torch.linalg`
-for the snapshot's spectra (`eigvalsh` of float64 Gram matrices, `svd_lowrank` past a size).
+for the snapshot's spectra (`eigvalsh` of Gram matrices, `svd_lowrank` past a size).
 Nothing here keeps state; `_place.py` keeps what a place carries from step to step.
 """
 
@@ -165,7 +165,8 @@ def rows_of(t: torch.Tensor, conv: bool) -> torch.Tensor | None:
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
     """The Gram matrix of a matrix's smaller side, in float64: its eigenvalues are the squared
-    singular values, to float64's precision rather than the data's."""
+    singular values to float64's precision (float32's would lose every one under √ε of the
+    largest, and overflow for values past 1e19)."""
     x = x.double()
     return x @ x.T if x.shape[0] <= x.shape[1] else x.T @ x
 
@@ -174,8 +175,8 @@ def effective_rank(rows: torch.Tensor) -> float:
     """exp of the entropy of the normalised singular values of the centred rows (Roy &
     Vetterli): 1 for a representation that spans one direction, up to min(rows, columns).
     The singular values are the square roots of `torch.linalg.eigvalsh` of the float64 Gram
-    matrix; those under what the data's own rounding can tell from zero (‖rows‖ · max(m, n) ·
-    ε of its dtype, as `torch.linalg.matrix_rank` counts) are left out, so a collapsed
+    matrix; those under what the data's own rounding can tell from zero (‖rows‖ · max(m, n)
+    · ε of its dtype, as `torch.linalg.matrix_rank` counts) are left out, so a collapsed
     representation reads as collapsed. 0 for rows that do not vary (every sample the same),
     and for rows holding an inf or a NaN."""
     x = rows - rows.mean(0, keepdim=True)
@@ -192,15 +193,16 @@ def effective_rank(rows: torch.Tensor) -> float:
 
 def _top(d: torch.Tensor) -> float:
     """σ_max of a matrix: exactly (`eigvalsh` of its float64 Gram matrix) when its smaller side
-    is at most `_EXACT`, else the top value of `svd_lowrank` (two power steps on a random start
-    of four directions, drawn from the generator of `d`'s device, whose state is put back
-    after, so the caller's random stream is not touched). Randomised, the estimate is never
-    above σ_max and, on an update with a leading direction, within 1e-3 of it."""
+    is at most `_EXACT`, else the top value of `svd_lowrank` (a power step on a random start of four
+    directions, drawn from the generator of `d`'s device, whose state is put back after, so
+    the caller's random stream is not touched). Randomised, the estimate is never above
+    σ_max: within 1e-3 of it on an update with a leading direction (as momentum's), a tenth
+    under it on a flat spectrum (a Gaussian matrix), whose stable rank then reads high."""
     if min(d.shape) <= _EXACT:
         return math.sqrt(max(float(torch.linalg.eigvalsh(_gram(d))[-1]), 0.0))
     devices = [d.device.index or 0] if d.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # its draws are put back after
-        return float(torch.svd_lowrank(d, q=4, niter=2)[1][0])
+        return float(torch.svd_lowrank(d, q=4, niter=1)[1][0])
 
 
 def stable_rank(d: torch.Tensor) -> float:
