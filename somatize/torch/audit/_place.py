@@ -92,13 +92,11 @@ class Place:
         self._at = 0
 
     # -- in the forward, and the backward ---------------------------------------------------
-    def saw(
-        self, input: Any, out: Any, step: int, channels: bool, rows: bool, snapshot: bool
-    ) -> None:
+    def saw(self, input: Any, out: Any, step: int, channels: bool, snapshot: bool) -> None:
         """What came out of the place on a measured step (and what went in): its sums left as
         tensors; with `channels` its channels' activity and a hook on its input's gradient;
-        with `rows`, a copy of up to 128 samples for a CKA; on a `snapshot` step those rows
-        and a tensor hook for the gradient that will come back to its output."""
+        for declared groups, a copy of up to 128 samples for a CKA; on a `snapshot` step
+        those rows and a tensor hook for the gradient that will come back to its output."""
         t = out if type(out) is torch.Tensor else first_float(unwrap(out))
         if t is None or not t.is_floating_point():
             return
@@ -107,7 +105,10 @@ class Place:
         self.sums.append(sums_of(a, self.saturates))
         self.size += a.numel()
         self.outs.append(id(t))
-        self.ins.update(map(id, floats_in(unwrap(input))))
+        if type(input) is torch.Tensor:
+            self.ins.add(id(input))
+        else:
+            self.ins.update(map(id, floats_in(unwrap(input))))
         me = weakref.ref(self)  # a hook holding the place would keep it (and its weights) alive
         if snapshot and t.requires_grad:
             t.register_hook(_hear(me, step, "heard", None))
@@ -116,7 +117,7 @@ class Place:
             x = next((x for x in floats_in(unwrap(input)) if x.requires_grad), None)
             if x is not None and x.dim() >= 2:
                 x.register_hook(_hear(me, step, "in_heard", self.conv))
-        if (rows or snapshot) and self.rows is None:
+        if (snapshot or self.groups is not None) and self.rows is None:
             self.rows = rows_of(a, self.conv)
 
     # -- after backward -----------------------------------------------------------------------

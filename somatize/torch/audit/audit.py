@@ -227,19 +227,18 @@ class Audit:
         if self._measuring and torch.is_grad_enabled():
             place = self._nodes.get(node)
             if place is not None:
-                self._saw(place, input, out)
+                if self._copy is None and self._flat:
+                    self._begin()
+                place.saw(input, out, self.step, self.channels, self._snap)
 
     def _module_hook(self, place: Place) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
             if self._measuring and torch.is_grad_enabled():
-                self._saw(place, (args, kwargs), out)
+                if self._copy is None and self._flat:
+                    self._begin()
+                place.saw((args, kwargs), out, self.step, self.channels, self._snap)
 
         return hook
-
-    def _saw(self, place: Place, input: Any, out: Any) -> None:
-        if self._copy is None and self._flat:
-            self._begin()
-        place.saw(input, out, self.step, self.channels, place.groups is not None, self._snap)
 
     def _begin(self) -> None:
         """θ as this measured step finds it, copied, kept until `moved` (under gradient
@@ -282,18 +281,18 @@ class Audit:
         ‖θ‖ of each weight (on the copy: the weights the step ran with), ‖∇θ‖ of each that
         has a gradient, and what each place heard."""
         flat = self._flat
-        base = self._copy if self._copy is not None else [q.detach() for q in flat]
-        tensors = [norm(t) for t in base]
+        normed = list(self._copy if self._copy is not None else flat)  # what is normed, in order
         grad_at = [-1] * len(flat)
         for i, q in enumerate(flat):
-            if q.grad is not None:
-                grad_at[i] = len(tensors)
-                tensors.append(norm(q.grad))
-        norms = [*base, *(q.grad for q in flat if q.grad is not None)]
+            g = q.grad
+            if g is not None:
+                grad_at[i] = len(normed)
+                normed.append(g)
+        tensors = [norm(t) for t in normed]
         for place in self._places:
             place.queue(tensors)
         values = read(tensors)
-        squares = [v * v for v in _finite(values[: len(norms)], norms)]
+        squares = [v * v for v in _finite(values[: len(normed)], normed)]
         spoilt = {o for place in self._places for o in place.spoilt(values)}
         out = []
         for place in self._places:
@@ -303,9 +302,7 @@ class Audit:
             n = place.numbers(values, weights, grads, step, snapshot, spoilt)
             place.clear()
             if n:
-                fact: dict[str, Any] = {"fact": "health", "node": place.node}
-                fact["inside"] = place.inside
-                fact["step"] = step
+                fact = {"fact": "health", "node": place.node, "inside": place.inside, "step": step}
                 fact.update(n)
                 out.append((place, fact))
         return out
@@ -324,14 +321,18 @@ class Audit:
         waiting, self._waiting = self._waiting, []
         if copy is None or not waiting:
             return
-        flat = self._flat
         with torch.no_grad():
-            deltas, same = [], []
-            for c, q in zip(copy, flat, strict=True):
-                ok = c.shape == q.shape and c.device == q.device
-                deltas.append(c.sub_(q) if ok else c)  # −Δθ, where θ kept its memory
-                same.append(ok)
-            squares = [v * v for v in _finite(read([norm(d) for d in deltas]), deltas)]
+            same = [True] * len(copy)
+            for i, (c, q) in enumerate(zip(copy, self._flat, strict=True)):
+                if c.shape != q.shape:
+                    same[i] = False  # given memory of another shape between: nothing to compare
+                    continue
+                try:
+                    c.sub_(q)  # −Δθ
+                except RuntimeError:  # moved to another device between
+                    same[i] = False
+            squares = [v * v for v in _finite(read([norm(d) for d in copy]), copy)]
+            deltas = copy
             ranked = any(snapshot for snapshot, _ in waiting)
             moves: dict[int, tuple[float | None, float | None]] = {}
             for snapshot, got in waiting:
