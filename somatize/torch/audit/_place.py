@@ -109,14 +109,14 @@ class Place:
             self.ins.add(id(input))
         else:
             self.ins.update(map(id, floats_in(unwrap(input))))
-        me = weakref.ref(self)  # a hook holding the place would keep it (and its weights) alive
+        # (a hook holds the place by a weak reference: held, it would keep the weights alive)
         if snapshot and t.requires_grad:
-            t.register_hook(_hear(me, step, "heard", None))
+            t.register_hook(_hear(weakref.ref(self), step, "heard", None))
         if channels:
             self.activity.append(activity(a, self.conv))
             x = next((x for x in floats_in(unwrap(input)) if x.requires_grad), None)
             if x is not None and x.dim() >= 2:
-                x.register_hook(_hear(me, step, "in_heard", self.conv))
+                x.register_hook(_hear(weakref.ref(self), step, "in_heard", self.conv))
         if (snapshot or self.groups is not None) and self.rows is None:
             self.rows = rows_of(a, self.conv)
 
