@@ -112,23 +112,17 @@ def wide_norm(t: torch.Tensor) -> float:
 
 
 def read(tensors: list[torch.Tensor]) -> list[float]:
-    """One-number tensors as Python floats: one stack and one `.tolist()` (per device, where
-    they are on several), so a GPU step waits once."""
-    if not tensors:
-        return []
-    first = tensors[0].dtype
-    same = all(t.dtype is first for t in tensors)
-    floats = tensors if same else [t.double() for t in tensors]
-    try:
-        return torch.stack(floats).tolist()
-    except RuntimeError:  # on more than one device
-        pass
-    out = [0.0] * len(floats)
-    by: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(floats):
-        by.setdefault(t.device, []).append(i)
+    """One-number tensors as Python numbers: on the CPU one `.item()` each (cheaper there than
+    a stack); on an accelerator one stack and one `.tolist()` per device, so a step waits for
+    it once."""
+    if not tensors or tensors[0].is_cpu:
+        return [t.item() for t in tensors]  # (correct on any device, if slower)
+    out: list[Any] = [0.0] * len(tensors)
+    by: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        by.setdefault((t.device, t.dtype), []).append(i)
     for idx in by.values():
-        for i, v in zip(idx, torch.stack([floats[i] for i in idx]).tolist(), strict=True):
+        for i, v in zip(idx, torch.stack([tensors[i] for i in idx]).tolist(), strict=True):
             out[i] = v
     return out
 
