@@ -84,7 +84,11 @@ function layerText(layer, blocks) {
 
 function layerBox(layer, blocks) {
   const text = layerText(layer, blocks);
-  const sub = shapeText(layer.shape, layer.kind);
+  let inAttention = false; // inside attention a 4-D tensor is heads · seq, not an image
+  for (let b = layer.block; blocks && b && blocks.has(b); b = blocks.get(b).parent) {
+    if (blocks.get(b).kind === "attention") inAttention = true;
+  }
+  const sub = shapeText(layer.shape, inAttention ? "attention" : layer.kind);
   const w = Math.max(textWidth(text, 12, "600"), sub ? textWidth(sub, 11) : 0) + 36;
   return { width: Math.max(64, Math.ceil(w)), height: sub ? LAYER_H : LAYER_H_BARE, sub };
 }
@@ -275,8 +279,10 @@ function insideScene(nodeId, inside, expanded, meta, container, edgesOut) {
   }
 }
 
-// Parameters of everything an inside holds, a folded block counted as often as it repeats.
+// Parameters of everything an inside holds, a folded block counted as often as it repeats
+// (each once when the inside says how many it holds: a tied weight is one weight).
 export function totalParams(inside) {
+  if (Number.isFinite(inside.params) && inside.params > 0) return inside.params;
   const layers = (inside.layers || []).map((l) => ({ ...l, path: String(l.path) }));
   const blocks = blocksOf(layers);
   let total = 0;

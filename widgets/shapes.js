@@ -52,9 +52,16 @@ const HUES = {
   other: "#6c7a96",
 };
 
+// The kind says what a layer computes with (GPT-2's Conv1D is learned: a linear layer); the
+// label only refines a kind (an embedding, a pool), or stands in where no kind says.
+const BY_KIND = { conv: "conv", attention: "attention", recurrent: "recurrent", norm: "norm", activation: "activation", regular: "dropout", embedding: "embedding", pool: "pool", op: "op", block: "block" };
+
 function familyName(kind, label) {
   const k = String(kind || "").toLowerCase();
   const l = String(label || "");
+  if (k in BY_KIND) return BY_KIND[k];
+  if (k === "learned" || k === "linear") return /embed/i.test(l) ? "embedding" : "linear";
+  if (k === "shaping") return /pool/i.test(l) ? "pool" : "reshape";
   if (k === "conv" || /conv/i.test(l)) return "conv";
   if (k === "attention" || /attn|attention/i.test(l)) return "attention";
   if (k === "recurrent" || /lstm|gru|rnn/i.test(l)) return "recurrent";
@@ -139,7 +146,7 @@ export function shapeText(shape, kind) {
   if (n === 1) names = ["dim"];
   else if (n === 2) names = ["batch", "dim"];
   else if (n === 3) names = spatial ? ["batch", "ch", "len"] : ["batch", "len", "dim"];
-  else if (n === 4) names = ["batch", "ch", "h", "w"];
+  else if (n === 4) names = /attention/i.test(String(kind || "")) ? ["batch", "heads", "seq", "dim"] : ["batch", "ch", "h", "w"];
   else if (n === 5) names = ["batch", "ch", "d", "h", "w"];
   else names = shape.map((_, i) => (i === 0 ? "batch" : `d${i}`));
   return shape.map((v, i) => `${v} ${names[i]}`).join(" · ");

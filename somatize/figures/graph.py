@@ -17,6 +17,7 @@ import traitlets
 
 from somatize.figures._page import STATIC, jsonable, page
 from somatize.figures._svg import fallback_svg
+from somatize.graph import as_graph
 
 __all__ = ["GraphFigure", "graph_figure"]
 
@@ -26,6 +27,8 @@ def _plan_of(graph: Any) -> dict[str, Any]:
         plan = dict(graph)
     elif hasattr(graph, "plan_json"):
         plan = graph.plan_json()
+    elif callable(graph) and not isinstance(graph, type):
+        plan = as_graph(graph).plan_json()  # a bare module: a graph of one node
     else:
         raise TypeError(
             f"a graph figure draws a Graph (or its plan_json() dict), not {type(graph).__name__}"

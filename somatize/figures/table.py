@@ -16,6 +16,7 @@ import anywidget
 import traitlets
 
 from somatize.figures._page import STATIC, jsonable, page
+from somatize.graph import as_graph
 
 __all__ = ["CompareTable", "compare"]
 
@@ -92,6 +93,7 @@ def compare(
     proxies = _optional("somatize.torch", "proxies")
     rows = {}
     for name, graph in candidates.items():
+        graph = as_graph(graph)  # a bare module is a graph of one node
         row: dict[str, Any] = {"params": _parameter_count(graph)}
         if probe is not None:
             row.update(_probe_summary(probe(graph, example)))

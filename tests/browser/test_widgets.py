@@ -265,3 +265,73 @@ def test_table_sorts_on_header_click_and_shows_rank_correlation(page, served, ar
     best = page.locator("tbody tr[data-row='deep'] td[data-col='proxy:naswot']")
     assert "rgba(47,158,68" in best.get_attribute("style")  # best in its column: green
     page.screenshot(path=str(artifacts / "table.png"), full_page=True)
+
+
+def test_graph_counts_a_tied_weight_once_and_labels_attention_axes(page, served):
+    """The node's count is the model's (an embedding and its output layer share one weight),
+    and a 4-D tensor inside attention is heads and sequence, not an image's channels."""
+    import torch
+    from _nodes import Tied
+
+    from somatize import Graph
+    from somatize.torch import architecture
+
+    net = Tied()
+    inside = architecture(net, torch.tensor([[1, 2, 3]]))
+    total = sum(p.numel() for p in net.parameters())
+    assert inside["tied"].params == total == 44 + 20
+    _open(page, served, "tied", graph_figure(Graph.somatize(net), inside=inside))
+    _drawn(page, 1)
+    node = page.locator(".smz-node[data-node='tied']").text_content()
+    assert f"{total} params" in node  # not 108, the tied weight counted twice
+    assert page.errors == []
+
+    plan = {**fd.plan(), "nodes": [n for n in fd.plan()["nodes"] if n["id"] == "enc"]}
+    plan["edges"], plan["roots"], plan["leaves"], plan["order"] = [], ["enc"], ["enc"], ["enc"]
+    attn = {
+        "layers": [
+            {
+                "path": "attn",
+                "kind": "attention",
+                "label": "SelfAttention",
+                "shape": [2, 8, 16],
+                "params": 0,
+                "block": None,
+                "times": 1,
+                "repeats": [],
+            },
+            {
+                "path": "attn.sdpa",
+                "kind": "attention",
+                "label": "sdpa",
+                "shape": [2, 2, 8, 8],
+                "params": 0,
+                "block": "attn",
+                "times": 1,
+                "repeats": [],
+            },
+            {
+                "path": "conv",
+                "kind": "conv",
+                "label": "Conv2d",
+                "shape": [2, 3, 8, 8],
+                "params": 0,
+                "block": None,
+                "times": 1,
+                "repeats": [],
+            },
+        ],
+        "edges": [["attn.sdpa", "conv"]],
+        "how": "traced",
+        "why": None,
+    }
+    attn["layers"].append(
+        {"path": "c_attn", "kind": "learned", "label": "Conv1D", "shape": [2, 8, 48],
+         "params": 0, "block": None, "times": 1, "repeats": []}
+    )  # fmt: skip
+    _open(page, served, "axes", graph_figure(plan, inside={"enc": attn}))
+    _drawn(page, 1)
+    # drawn by its kind (a linear layer), not by the word in its name
+    assert "smz-kind-linear" in page.locator("[data-id='l:enc:c_attn']").get_attribute("class")
+    assert "2 heads · 8 seq" in page.locator("[data-id='l:enc:attn.sdpa']").text_content()
+    assert "3 ch · 8 h · 8 w" in page.locator("[data-id='l:enc:conv']").text_content()
