@@ -607,6 +607,34 @@ def test_inside_watches_modules_and_never_an_identity_that_only_passes_its_input
         assert _by(facts[0], "head")[key] == _by(facts[0], "head.fc")[key]
 
 
+def test_a_bare_module_is_audited_as_a_graph_of_one_node():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Identity(), nn.Linear(8, 3))
+    heard = []
+    t = Trainer(
+        model,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        auditing=Audit(inside=True),
+        watching=heard.append,
+    )
+    x, y = _data()
+    before = _weights(model)
+    t.step((x, y))
+    t.close()
+    health = [f for f in heard if f["fact"] == "health"]
+    assert [(f["node"], f["inside"]) for f in health] == [
+        ("sequential", None),
+        ("sequential", "0"),
+        ("sequential", "1"),
+        ("sequential", "3"),
+    ]
+    whole = _by(health, "sequential")
+    assert whole["update_ratio"] == pytest.approx(
+        _ratio(model, before, _weights(model)), rel=rtol(_size(model))
+    )
+
+
 class Block(nn.Module):
     """A ResNet basic block, its ReLU called twice (as torchvision's is)."""
 

@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._modules import Tap, as_graph, named_modules_of
+from somatize.graph import as_graph
+from somatize.torch._modules import Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, stable_rank, wide_norm
 from somatize.torch.audit._place import Place
 from somatize.torch.audit._select import choose
