@@ -103,6 +103,22 @@ def _split(g, heard, learning):
     )
 
 
+def _fit(g, steps=3):
+    """What an audited Trainer (SGD, lr 0.1) told over `steps` steps on `_data()`."""
+    heard = []
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=Audit(),
+        watching=heard.append,
+    )
+    x, y = _data()
+    t.fit([(x, y)] * steps)
+    t.close()
+    return heard
+
+
 def _ratio(module, before, after):
     """‖after − before‖ / ‖before‖ over a module's weights, in float64."""
     ps = list(module.parameters())
@@ -387,17 +403,7 @@ def test_a_node_updated_every_other_step_by_its_own_split_is_not_stalled_between
 def test_a_frozen_node_is_watched_for_what_it_gives_not_for_weights():
     torch.manual_seed(0)
     g = Graph.somatize(Layer(4, 8).frozen() >> Layer(8, 8) >> Head(8))
-    heard = []
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
-        auditing=Audit(),
-        watching=heard.append,
-    )
-    x, y = _data()
-    t.fit([(x, y)] * 3)
-    t.close()
+    heard = _fit(g)
     health = [f for f in heard if f["fact"] == "health"]
     frozen = [f for f in health if f["node"] == "layer"]
     assert len(frozen) == 3 and all("act_abs_mean" in f for f in frozen)
@@ -933,17 +939,7 @@ def test_a_nan_is_pinned_to_the_place_it_arose_after_it_has_spread_everywhere():
 
     torch.manual_seed(0)
     g = Graph.somatize(Layer(4, 8).named("a") >> Log().named("log") >> Head(8).named("b"))
-    heard = []
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
-        auditing=Audit(),
-        watching=heard.append,
-    )
-    x, y = _data()
-    t.fit([(x, y)] * 3)
-    t.close()
+    heard = _fit(g)
     last = {f["node"]: f for f in heard if f.get("fact") == "health" and f["step"] == 2}
     assert all(f["nan"] for f in last.values())  # everything is NaN by now
     assert {k: f["inherited"] for k, f in last.items()} == {"a": True, "log": False, "b": True}

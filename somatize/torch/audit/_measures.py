@@ -13,12 +13,13 @@ from typing import Any
 import torch
 
 from somatize.health import Thresholds
+from somatize.torch._modules import tensors_in
 
 __all__ = [
     "channel_view",
     "cka",
     "effective_rank",
-    "first_float",
+    "floats_in",
     "norm",
     "read",
     "rows_of",
@@ -35,29 +36,10 @@ _ROWS = 128  # the most samples an effective rank or a CKA is taken over
 _EXACT = 64  # σ_max exactly up to this smaller side; past it, svd_lowrank
 
 
-def first_float(value: Any) -> torch.Tensor | None:
-    """The first floating-point tensor in a value (a tensor, or one inside dicts, lists,
-    tuples and mappings such as a transformers `ModelOutput`), or None."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(value, (dict, list, tuple)):
-        for v in items:
-            t = first_float(v)
-            if t is not None:
-                return t
-    return None
-
-
 def floats_in(value: Any) -> list[torch.Tensor]:
-    """Every floating-point tensor in a value, in order."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in floats_in(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in floats_in(v)]
-    return []
+    """Every floating-point tensor in a value (inside dicts, lists, tuples, an `Opaque`, or a
+    mapping such as a transformers `ModelOutput`), in order."""
+    return [t for t in tensors_in(value) if t.is_floating_point()]
 
 
 def _wide(t: torch.Tensor) -> torch.dtype | None:

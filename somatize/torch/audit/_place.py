@@ -11,14 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.node import unwrap
 from somatize.torch.audit._measures import (
     _DEAD_EPS,
     _DORMANT_TAU,
     activity,
     cka,
     effective_rank,
-    first_float,
     floats_in,
     norm,
     rows_of,
@@ -97,7 +95,7 @@ class Place:
         tensors; with `channels` its channels' activity and a hook on its input's gradient;
         for declared groups, a copy of up to 128 samples for a CKA; on a `snapshot` step
         those rows and a tensor hook for the gradient that will come back to its output."""
-        t = out if type(out) is torch.Tensor else first_float(unwrap(out))
+        t = out if type(out) is torch.Tensor else next(iter(floats_in(out)), None)
         if t is None or not t.is_floating_point():
             return
         self.step = step
@@ -108,13 +106,13 @@ class Place:
         if type(input) is torch.Tensor:
             self.ins.add(id(input))
         else:
-            self.ins.update(map(id, floats_in(unwrap(input))))
+            self.ins.update(map(id, floats_in(input)))
         # (a hook holds the place by a weak reference: held, it would keep the weights alive)
         if snapshot and t.requires_grad:
             t.register_hook(_hear(weakref.ref(self), step, "heard", None))
         if channels:
             self.activity.append(activity(a, self.conv))
-            x = next((x for x in floats_in(unwrap(input)) if x.requires_grad), None)
+            x = next((x for x in floats_in(input) if x.requires_grad), None)
             if x is not None and x.dim() >= 2:
                 x.register_hook(_hear(weakref.ref(self), step, "in_heard", self.conv))
         if (snapshot or self.groups is not None) and self.rows is None:
