@@ -366,7 +366,7 @@ def test_audit_keeps_bools_aside_and_judges_them_as_an_audit_sends_them():
     audit.sync()  # one batch: the sender thread has not run
     frame = audit.frame()
     flagged = {s: f for s, f in zip(frame["step"], frame["flags"], strict=True) if f}
-    assert flagged == {123: ["NAN"], 300: ["INF", "DEAD_CHANNELS(2)"]}
+    assert flagged == {123: ["NAN"], 300: ["INF"]}  # an inf makes the other numbers moot
     assert frame["nan"].tolist()[122:124] == [False, True]  # kept as they were
     assert frame["dead_channels"].tolist()[-2:] == [0.0, 2.0]  # an int is a number
     cells = {c[1]: c for c in cells_of(audit.outbox)}

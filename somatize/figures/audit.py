@@ -168,6 +168,14 @@ class LiveAudit(anywidget.AnyWidget):
         columns and sends."""
         kind = fact.get("fact")
         if kind == "health":
+            if "numbers" not in fact and "node" in fact:  # the flat layout (contract 1)
+                from somatize.health import numbers_of, where_of
+
+                fact = {
+                    "where": where_of(fact),
+                    "step": fact.get("step"),
+                    "numbers": numbers_of(fact),
+                }
             where, step, numbers = fact.get("where"), fact.get("step"), fact.get("numbers")
             if (
                 type(where) is not str
