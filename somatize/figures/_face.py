@@ -1,0 +1,107 @@
+"""The static face every figure carries beside its live view.
+
+A widget's output in a notebook is a bundle of mimetypes: JupyterLab (or VS Code, Colab) with
+a kernel draws the live widget view; nbconvert without widget state, GitHub, and JupyterLab
+on a notebook it does not trust draw the next best mimetype. So each figure's bundle also
+carries `text/html`: its picture as inline SVG, made in Python from the same data the live
+view shows, and a `text/plain` line that says what it is.
+
+A figure shown with `display(fig)` (or as a cell's last line) is displayed with a display id,
+and its face is brought up to date at the end of every cell that changed it (a live audit
+filled by a fit, a graph recoloured), so a notebook saved, converted or reopened shows what
+was last seen. `save_svg` and `save_html` write the same picture.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any
+
+START = '<div class="smz-face" style="max-width:100%;overflow-x:auto">'
+END = "</div><!--/smz-face-->"
+
+
+class Face:
+    """What a figure adds to an anywidget: `face()` (its picture, SVG text) and `plain()`
+    (one line) go into its output bundle; the bundle is kept current where it was shown."""
+
+    def face(self) -> str:
+        """The figure as SVG text (or HTML holding SVG): what a page without a kernel shows."""
+        raise NotImplementedError
+
+    def plain(self) -> str:
+        """One line saying what the figure shows (the bundle's text/plain)."""
+        return type(self).__name__
+
+    def svg(self) -> str:
+        """The picture as SVG text: the same the static face and `save_svg` hold."""
+        return self.face()
+
+    def save_svg(self, path: str | Path) -> Path:
+        """Write the picture as an SVG file (UTF-8)."""
+        path = Path(path)
+        path.write_text(self.svg(), encoding="utf-8")
+        return path
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        bundle = super()._repr_mimebundle_(**kwargs)  # type: ignore[misc]
+        data, meta = bundle if isinstance(bundle, tuple) else (bundle or {}, {})
+        face = self.face()
+        self.__dict__["_face_shown"] = face
+        return {**data, "text/plain": self.plain(), "text/html": START + face + END}, meta
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        data, meta = self._repr_mimebundle_()
+        handle = display(data, metadata=meta, raw=True, display_id=True)
+        if handle is not None:
+            self.__dict__.setdefault("_face_handles", []).append(handle)
+            _refresh_after_cells(self)
+
+    def refresh(self) -> bool:
+        """Bring the face of every place this figure was shown up to date, if it changed;
+        whether it had. Called at the end of each cell; call it to do it now."""
+        handles = self.__dict__.get("_face_handles", [])
+        if not handles:
+            return False
+        self.settle()
+        face = self.face()
+        if face == self.__dict__.get("_face_shown"):
+            return False
+        data, meta = self._repr_mimebundle_()
+        for handle in handles:
+            handle.update(data, metadata=meta, raw=True)
+        return True
+
+    def settle(self) -> None:
+        """Make what the face will show complete (a live audit sends what it holds)."""
+
+
+_watched: weakref.WeakSet = weakref.WeakSet()
+
+
+def _refresh_after_cells(figure: Face) -> None:
+    """Register (once per kernel) an end-of-cell hook that refreshes every figure shown."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    _watched.add(figure)
+    if not getattr(shell, "_somatize_faces", False):
+        shell._somatize_faces = True
+        shell.events.register("post_run_cell", _after_cell)
+
+
+def _after_cell(*_: Any) -> None:
+    for figure in list(_watched):
+        try:
+            figure.refresh()
+        except Exception as err:  # a figure that cannot draw must not break the next cell
+            import warnings
+
+            warnings.warn(f"{type(figure).__name__}'s static face was not refreshed: {err}", stacklevel=1)
