@@ -3,7 +3,7 @@
 // metric per cell, a lane under each cell marking a flagged step), a legend for every colour
 // and mark, a tooltip that explains the metric. It keeps every metric the kernel sends, so a
 // metric chosen from the menu is drawn at once, also while the kernel is busy with a fit.
-import { esc, FONT_FAMILY, number, scaleOf, smoothed, ticks, viridis } from "./common.js";
+import { esc, FONT_FAMILY, number, scaleOf, smoothed, tickLabels, ticks, viridis } from "./common.js";
 
 const FAMILY = { numeric: "#e03131", signal: "#f76707", activation: "#c2255c", step: "#1971c2", capacity: "#7048e8" };
 const NO_NUMBER = "#e03131";
@@ -198,12 +198,12 @@ function render({ model, el: host }) {
     a -= pad;
     b += pad;
     const sy = (v) => 0.5 + h - ((f(v) - a) / (b - a)) * h;
-    for (const t of ticks(log ? 10 ** a : a, log ? 10 ** b : b, 5, log)) {
-      const y = sy(t);
-      if (y < 0 || y > h + 1) continue;
+    const marks = ticks(log ? 10 ** a : a, log ? 10 ** b : b, 5, log).filter((t) => sy(t) >= 0 && sy(t) <= h + 1);
+    tickLabels(marks).forEach((label, i) => {
+      const y = sy(marks[i]);
       svg += `<line x1="${x0}" x2="${x1}" y1="${y.toFixed(1)}" y2="${y.toFixed(1)}" stroke="#d7dbe3" stroke-dasharray="2 3"/>`;
-      svg += `<text x="${x0 - 5}" y="${(y + 3.5).toFixed(1)}" font-size="10" fill="#5d6575" text-anchor="end">${esc(number(t))}</text>`;
-    }
+      svg += `<text x="${x0 - 5}" y="${(y + 3.5).toFixed(1)}" font-size="10" fill="#5d6575" text-anchor="end">${esc(label)}</text>`;
+    });
     const names = [...s.runs.keys()];
     runs.forEach(([name, r], n) => {
       const colour = RUNS[names.indexOf(name) % RUNS.length];
@@ -349,10 +349,13 @@ function render({ model, el: host }) {
     ctx.font = `10px ${FONT_FAMILY}`;
     if (steps.length) {
       ctx.textAlign = "center";
-      for (const t of ticks(steps[0], steps[steps.length - 1], 7)) {
+      let lastX = -1e9;
+      for (const t of ticks(steps[0], steps[steps.length - 1], 7, false, true)) {
         let near = steps[0];
         for (const st of steps) if (Math.abs(st - t) < Math.abs(near - t)) near = st;
+        if (sx(near) - lastX < 36) continue; // labels that would touch are left out
         ctx.fillText(number(t), sx(near), yb + 14);
+        lastX = sx(near);
       }
       ctx.textAlign = "right";
       ctx.fillText("step", x0 - 6, yb + 14);
@@ -362,6 +365,7 @@ function render({ model, el: host }) {
       ctx.fillText("waiting for health facts…", x0 + 8, top + 11);
     }
     grid = { rows, cells, x0, top, cw, nb, per, steps, metric, labelW };
+    root.dataset.grid = `${x0} ${top} ${cw} ${ROW} ${nb}`; // where the cells are, for a test
     // the legend: every colour and mark drawn
     let h = "";
     if (values.length && kind !== "bool") {

@@ -67,8 +67,8 @@ export function scaleOf(values) {
   return { t, lo, hi, log, empty: false };
 }
 
-// round values for an axis from lo to hi (on a log axis, powers of ten)
-export function ticks(lo, hi, most = 6, log = false) {
+// round values for an axis from lo to hi (on a log axis, powers of ten; `whole`: integers)
+export function ticks(lo, hi, most = 6, log = false, whole = false) {
   if (!Number.isFinite(lo) || !Number.isFinite(hi)) return [];
   if (log) {
     const a = Math.floor(Math.log10(lo));
@@ -81,7 +81,8 @@ export function ticks(lo, hi, most = 6, log = false) {
   if (hi === lo) return [lo];
   const raw = (hi - lo) / Math.max(1, most - 1);
   const power = 10 ** Math.floor(Math.log10(raw));
-  const step = [1, 2, 2.5, 5, 10].map((m) => m * power).find((s) => s >= raw);
+  let step = [1, 2, 2.5, 5, 10].map((m) => m * power).find((s) => s >= raw);
+  if (whole) step = Math.max(1, Math.round(step));
   const first = Math.ceil(lo / step - 1e-9) * step;
   const out = [];
   for (let k = 0; first + k * step <= hi + step * 1e-9; k++) out.push(Number((first + k * step).toPrecision(12)));
@@ -102,4 +103,16 @@ export function smoothed(values, weight) {
     } else out[i] = NaN;
   }
   return out;
+}
+
+// ticks written one way (number), with more digits only where two would read alike
+export function tickLabels(values) {
+  let labels = values.map(number);
+  for (let digits = 4; new Set(labels).size < labels.length && digits < 12; digits++) {
+    labels = values.map((v) => {
+      const t = v.toPrecision(digits);
+      return t.includes("e") ? number(v) : t.includes(".") ? t.replace(/0+$/, "").replace(/\.$/, "") : t;
+    });
+  }
+  return labels;
 }

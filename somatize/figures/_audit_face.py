@@ -22,8 +22,10 @@ from somatize.figures._svg import (
     colour_bar,
     esc,
     fits,
+    lines,
     number,
     text_width,
+    tick_labels,
     ticks,
     viridis,
 )
@@ -98,12 +100,16 @@ def picture(
     y = 8.0
     out.append(f'<text x="8" y="{y + 12:.1f}" font-size="13" font-weight="700" fill="{INK}">{esc(title)}</text>')
     about = explain.get("metrics", {}).get(metric, "")
+    at = 8 + text_width(title, 13, True) + 14
     out.append(
-        f'<text x="{8 + text_width(title, 13, True) + 14:.1f}" y="{y + 12:.1f}" font-size="11" fill="{MUTED}">'
-        f"<tspan font-weight='700' fill='{INK}'>{esc(metric or 'no metric yet')}</tspan>"
-        f"{esc('  ' + about) if about else ''}</text>"
+        f'<text x="{at:.1f}" y="{y + 12:.1f}" font-size="11" font-weight="700" fill="{INK}">'
+        f"{esc(metric or 'no metric yet')}</text>"
     )
-    y += 24
+    at += text_width(metric or "no metric yet", 11, True) + 10
+    said = lines(about, width - at - 8) if about else []
+    for k, line in enumerate(said):
+        out.append(f'<text x="{at:.1f}" y="{y + 12 + 14 * k:.1f}" font-size="11" fill="{MUTED}">{esc(line)}</text>')
+    y += 24 + 14 * max(0, len(said) - 1)
     y = _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi)
     values = [
         float(v)
@@ -168,9 +174,12 @@ def picture(
         out.append(f'<text x="{x0 + 8:.1f}" y="{top + 11:.1f}" font-size="11" fill="#8a93a6">waiting for health facts…</text>')
     if bins:
         out.append(f'<line x1="{x0:.1f}" x2="{x0 + len(bins) * cw:.1f}" y1="{y + 2:.1f}" y2="{y + 2:.1f}" stroke="{LINE}"/>')
-        for t in ticks(bins[0][0], bins[-1][-1], 7):
+        last_x = -1e9
+        for t in ticks(bins[0][0], bins[-1][-1], 7, whole=True):
             tx = sx(min(steps, key=lambda s: abs(s - t)))
-            out.append(f'<text x="{tx:.1f}" y="{y + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="middle">{esc(number(t))}</text>')
+            if tx - last_x >= 36:  # labels that would touch are left out
+                out.append(f'<text x="{tx:.1f}" y="{y + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="middle">{esc(number(t))}</text>')
+                last_x = tx
         out.append(f'<text x="{x0 - 6:.1f}" y="{y + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">step</text>')
     y += 26
     y = _legend(out, y, scale, metric, families, runs if many else [], explain, bool(values), width)
@@ -208,12 +217,11 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi) -> floa
     def sy(v: float) -> float:
         return y + h - (f(v) - a) / (b - a) * h
 
-    marks = ticks(10**a if log else a, 10**b if log else b, 5, log)
-    for t in marks:
+    marks = [t for t in ticks(10**a if log else a, 10**b if log else b, 5, log) if y - 0.5 <= sy(t) <= y + h + 0.5]
+    for t, label in zip(marks, tick_labels(marks), strict=True):
         ty = sy(t)
-        if y - 0.5 <= ty <= y + h + 0.5:
-            out.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="{LINE}" stroke-dasharray="2 3"/>')
-            out.append(f'<text x="{x0 - 5:.1f}" y="{ty + 3.5:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">{esc(number(t))}</text>')
+        out.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="{LINE}" stroke-dasharray="2 3"/>')
+        out.append(f'<text x="{x0 - 5:.1f}" y="{ty + 3.5:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">{esc(label)}</text>')
     for n, (run, steps, values) in enumerate(series):
         colour = RUN_COLOURS[runs.index(run) % len(RUN_COLOURS)]
         stride = max(1, len(steps) // 1500)

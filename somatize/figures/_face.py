@@ -3,8 +3,9 @@
 A widget's output in a notebook is a bundle of mimetypes: JupyterLab (or VS Code, Colab) with
 a kernel draws the live widget view; nbconvert without widget state, GitHub, and JupyterLab
 on a notebook it does not trust draw the next best mimetype. So each figure's bundle also
-carries `text/html`: its picture as inline SVG, made in Python from the same data the live
-view shows, and a `text/plain` line that says what it is.
+carries `text/html`: its picture, made in Python from the same data the live view shows, as
+an image (SVG in a data URI, which JupyterLab's sanitizer keeps for an untrusted notebook,
+where it takes inline SVG out), and a `text/plain` line that says what it is.
 
 A figure shown with `display(fig)` (or as a cell's last line) is displayed with a display id,
 and its face is brought up to date at the end of every cell that changed it (a live audit
@@ -14,7 +15,9 @@ was last seen. `save_svg` and `save_html` write the same picture.
 
 from __future__ import annotations
 
+import base64
 import weakref
+from html import escape
 from pathlib import Path
 from typing import Any
 
@@ -23,20 +26,21 @@ END = "</div><!--/smz-face-->"
 
 
 class Face:
-    """What a figure adds to an anywidget: `face()` (its picture, SVG text) and `plain()`
-    (one line) go into its output bundle; the bundle is kept current where it was shown."""
+    """What a figure adds to an anywidget: `svg()` (its picture) as the `face()` its output
+    bundle carries, and `plain()` (one line); the bundle is kept current where it was
+    shown."""
+
+    def svg(self) -> str:
+        """The figure's picture as SVG text: what a page without a kernel shows."""
+        raise NotImplementedError
 
     def face(self) -> str:
-        """The figure as SVG text (or HTML holding SVG): what a page without a kernel shows."""
-        raise NotImplementedError
+        """The picture as HTML for a notebook's output: the SVG as an image."""
+        return image(self.svg(), self.plain())
 
     def plain(self) -> str:
         """One line saying what the figure shows (the bundle's text/plain)."""
         return type(self).__name__
-
-    def svg(self) -> str:
-        """The picture as SVG text: the same the static face and `save_svg` hold."""
-        return self.face()
 
     def save_svg(self, path: str | Path) -> Path:
         """Write the picture as an SVG file (UTF-8)."""
@@ -77,6 +81,12 @@ class Face:
 
     def settle(self) -> None:
         """Make what the face will show complete (a live audit sends what it holds)."""
+
+
+def image(svg: str, alt: str) -> str:
+    """An SVG as an HTML image (a data URI), at its own size or narrower."""
+    data = base64.b64encode(svg.encode("utf-8")).decode("ascii")
+    return f'<img alt="{escape(alt, quote=True)}" style="max-width:100%" src="data:image/svg+xml;base64,{data}">'
 
 
 _watched: weakref.WeakSet = weakref.WeakSet()

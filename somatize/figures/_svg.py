@@ -62,6 +62,27 @@ def fits(text: str, width: float, px: float = 12, bold: bool = False) -> str:
     return "…" + text
 
 
+def lines(text: str, width: float, px: float = 11, most: int = 2) -> list[str]:
+    """`text` broken into lines of at most `width` pixels at word ends, at most `most` lines
+    (the last cut with `…` if there is more)."""
+    out, line = [], ""
+    for word in str(text).split():
+        trial = f"{line} {word}".strip()
+        if line and text_width(trial, px) > width:
+            out.append(line)
+            line = word
+        else:
+            line = trial
+    if line:
+        out.append(line)
+    if len(out) > most:
+        out = out[:most]
+        while text_width(out[-1] + " …", px) > width and " " in out[-1]:
+            out[-1] = out[-1].rsplit(" ", 1)[0]
+        out[-1] += " …"
+    return out
+
+
 def number(value: Any) -> str:
     """The one way a number is written in a figure: three significant digits; k, M, G, T past
     a thousand; `1.2e-5` under a thousandth; `NaN`, `∞`, `−∞`; `–` for nothing."""
@@ -195,9 +216,9 @@ def colour_bar(x: float, y: float, width: float, scale: Scale, label: str) -> li
     return out
 
 
-def ticks(lo: float, hi: float, most: int = 6, log: bool = False) -> list[float]:
+def ticks(lo: float, hi: float, most: int = 6, log: bool = False, whole: bool = False) -> list[float]:
     """Round values for an axis from lo to hi: at most about `most` of them (on a log axis,
-    the powers of ten between, thinned to `most`)."""
+    the powers of ten between, thinned to `most`; with `whole`, integers only)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return []
     if log:
@@ -209,9 +230,21 @@ def ticks(lo: float, hi: float, most: int = 6, log: bool = False) -> list[float]
     raw = (hi - lo) / max(1, most - 1)
     power = 10 ** math.floor(math.log10(raw))
     step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    if whole:
+        step = max(1.0, round(step))
     first = math.ceil(lo / step - 1e-9) * step
     out, k = [], 0
     while first + k * step <= hi + step * 1e-9:
         out.append(round(first + k * step, 12))
         k += 1
     return out
+
+
+def tick_labels(values: list[float]) -> list[str]:
+    """Ticks written one way (`number`), with more digits only where two would read alike."""
+    labels = [number(v) for v in values]
+    digits = 4
+    while len(set(labels)) < len(labels) and digits < 12:
+        labels = [_trim(f"{v:.{digits}g}") if "e" not in f"{v:.{digits}g}" else number(v) for v in values]
+        digits += 1
+    return labels

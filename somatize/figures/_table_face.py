@@ -13,9 +13,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from somatize.figures._face import image
 from somatize.figures._svg import FONT, INK, LINE, MUTED, esc, number, text_width, ticks
 
 WIDEST = 1400.0
+SELECTED = ' selected="selected"'
 
 _BASE = "padding:4px 8px;border-bottom:1px solid #e1e4ea;white-space:nowrap;"
 _STICKY = "position:sticky;left:0;z-index:1;background:#fff;"
@@ -207,7 +209,7 @@ def _scatters(table: dict[str, Any]) -> str:
         return ""
     chosen = table["scatter"] if table["scatter"] in choices else choices[0]
     options = "".join(
-        f'<option value="{esc(c)}"{" selected" if c == chosen else ""}>{esc(c)}</option>' for c in choices
+        f'<option value="{esc(c)}"{SELECTED if c == chosen else ""}>{esc(c)}</option>' for c in choices
     )
     parts = [
         f'<div class="smz-scatter-box"><div style="font-size:11px;color:{MUTED};margin-bottom:2px">'
@@ -221,7 +223,8 @@ def _scatters(table: dict[str, Any]) -> str:
             if _finite(row[j]) and _finite(row[j_m])
         ]
         show = "" if c == chosen else ' style="display:none"'
-        parts.append(f'<div class="smz-scatter" data-col="{esc(c)}"{show}>{scatter(points, c, measured, table["correlations"].get(c))}</div>')
+        drawn = image(scatter(points, c, measured, table["correlations"].get(c)), f"{c} against {measured}")
+        parts.append(f'<div class="smz-scatter" data-col="{esc(c)}"{show}>{drawn}</div>')
     parts.append("</div>")
     return "".join(parts)
 
@@ -255,7 +258,8 @@ def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rh
         out.append(f'<text x="{sx(t):.1f}" y="{h - bottom + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="middle">{esc(number(t))}</text>')
     for t in ticks(y_lo, y_hi, 5):
         out.append(f'<text x="{left - 5:.1f}" y="{sy(t) + 3.5:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">{esc(number(t))}</text>')
-    out.append(f'<text x="{(left + w) / 2:.1f}" y="{h - 4:.1f}" font-size="11" fill="{INK}" text-anchor="middle">{esc(xlabel)}</text>')
+    said = f"{xlabel} · ρ = {number(rho)}" if _finite(rho) else xlabel
+    out.append(f'<text x="{(left + w) / 2:.1f}" y="{h - 4:.1f}" font-size="11" fill="{INK}" text-anchor="middle">{esc(said)}</text>')
     out.append(
         f'<text transform="translate(12,{(h - bottom) / 2:.1f}) rotate(-90)" font-size="11" fill="{INK}" '
         f'text-anchor="middle">{esc(ylabel)}</text>'
@@ -268,8 +272,6 @@ def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rh
             f'<text x="{tx:.1f}" y="{sy(y) + 3.5:.1f}" font-size="10" fill="{INK}" text-anchor="{anchor}">{esc(name)}</text>'
             f"<title>{esc(name)}: {esc(number(x))}, {esc(number(y))}</title></g>"
         )
-    if _finite(rho):
-        out.append(f'<text x="{w - 14:.1f}" y="26" font-size="11" font-weight="700" fill="{INK}" text-anchor="end">ρ = {esc(number(rho))}</text>')
     out.append("</svg>")
     return "".join(out)
 

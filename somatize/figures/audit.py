@@ -183,8 +183,6 @@ class LiveAudit(Face, anywidget.AnyWidget):
 
     def _push(self, everything: bool = False) -> None:
         """Send what is new (or everything) as one message, its numbers as binary."""
-        if self.comm is None:  # nobody to send to: no kernel, no page
-            return
         buffers: list = []
         body = message(self._history, self._sent, buffers, everything)
         if not body["runs"]:
@@ -251,7 +249,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
         return frame[[c for c in frame.columns if c != "flags"] + ["flags"]]
 
     # -- pictures -------------------------------------------------------------------------
-    def face(self) -> str:
+    def svg(self) -> str:
         """The audit as SVG text: what it has seen of the chosen metric."""
         from somatize.figures._audit_face import picture
 
@@ -261,15 +259,14 @@ class LiveAudit(Face, anywidget.AnyWidget):
                            log=self.log_loss, smoothing=self.smoothing)
 
     def plain(self) -> str:
-        """One line: places, steps, flagged steps."""
+        """One line: places, steps, runs (what does not depend on how a CPU rounds)."""
         with self._lock:
-            self._drain(judge=None)
+            self._drain(judge=0)
             places = self._history.places()
             steps = {s for r in self._history.runs.values() for p in r.places.values() for s in p.steps}
-            flagged = sum(1 for r in self._history.runs.values() for p in r.places.values() for f in p.flags if f)
             runs = len(self._history.runs)
         more = f", {runs} runs" if runs > 1 else ""
-        return f"{self.title}: {len(places)} places, {len(steps)} steps, {flagged} flagged{more}"
+        return f"{self.title}: {len(places)} places, {len(steps)} steps{more}"
 
     def state(self) -> dict[str, Any]:
         """The audit's traits, its record complete: what a saved page draws from."""

@@ -150,7 +150,7 @@ class GraphFigure(Face, anywidget.AnyWidget):
             if label is not None:
                 self.colour_label = label
 
-    def face(self) -> str:
+    def svg(self) -> str:
         """The drawing as SVG text."""
         return self.drawing
 

@@ -266,20 +266,18 @@ class CompareTable(Face, anywidget.AnyWidget):
         )
 
     def svg(self) -> str:
-        """The scatter of the chosen score against `measured`, as SVG ('' without one)."""
-        from somatize.figures._table_face import scatter
-
+        """The table (its scatter and legend too) as SVG: the HTML held in a foreignObject,
+        sized for the rows and the legend it has."""
         t = self.table
-        if not t["measured"] or self.scatter not in t["columns"]:
-            return ""
-        j, m = t["columns"].index(self.scatter), t["columns"].index(t["measured"])
-        points = [
-            (float(r[j]), float(r[m]), n)
-            for n, r in zip(t["index"], t["values"], strict=True)
-            if isinstance(r[j], (int, float)) and isinstance(r[m], (int, float))
-            and math.isfinite(r[j]) and math.isfinite(r[m])
-        ]
-        return scatter(points, self.scatter, t["measured"], t["correlations"].get(self.scatter)) if points else ""
+        rows = len(t["index"]) + (1 if t["measured"] else 0)
+        below = max(270 if t["measured"] else 0, 22 + 17 * len(t["explain"]))
+        height = 70 + 26 * rows + 30 + below
+        return (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDEST:.0f}" height="{height}" '
+            f'viewBox="0 0 {WIDEST:.0f} {height}"><foreignObject width="{WIDEST:.0f}" height="{height}">'
+            f'<div xmlns="http://www.w3.org/1999/xhtml" style="background:#fff">{self.drawing}</div>'
+            "</foreignObject></svg>"
+        )
 
     def state(self) -> dict[str, Any]:
         """The table's traits: what a saved page draws from."""
