@@ -168,9 +168,12 @@ def test_a_folded_block_is_drawn_once_and_each_copy_when_expanded():
     drawn = boxes(opened.svg())
     assert {"l:enc:blocks.0.conv", "l:enc:blocks.1.conv", "l:enc:blocks.2.conv"} <= set(drawn)
     assert len(re.findall(r'class="smz-edge smz-skip"', opened.svg())) == 3  # one per copy
-    # the copies run one after the other, top to bottom
-    ys = [drawn[f"l:enc:blocks.{k}.conv"][1] for k in range(3)]
-    assert ys == sorted(ys) and len(set(ys)) == 3
+    # the copies run one after the other: the last layer of each into the first of the next
+    chained = re.findall(r'data-from="([^"]+)" data-to="([^"]+)"', opened.svg())
+    assert ("l:enc:blocks.0.relu", "l:enc:blocks.1.conv") in chained
+    assert ("l:enc:blocks.1.relu", "l:enc:blocks.2.conv") in chained
+    copies = [b for k, b in drawn.items() if k.startswith("l:enc:blocks.")]
+    assert not any(overlap(a, b) for n, a in enumerate(copies) for b in copies[n + 1 :])
 
 
 def test_the_drawing_is_a_real_svg_with_a_legend_and_no_box_overlaps_another(tmp_path):

@@ -71,8 +71,8 @@ function render({ model, el: host }) {
     const big = W * view.scale > vw * 1.15 || H * view.scale > vh * 1.15;
     minimap.hidden = !big;
     if (big) {
-      // the whole drawing, at most 160 px wide and as tall as the view leaves room for
-      const k = Math.min(160 / W, (vh - 16) / H);
+      // the whole drawing, at most 140 px wide and a third of the view tall
+      const k = Math.min(140 / W, (vh * 0.36) / H);
       minimap.style.width = `${Math.max(24, W * k)}px`;
       Object.assign(lens.style, {
         left: `${Math.max(0, view.x * k)}px`,

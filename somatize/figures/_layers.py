@@ -103,7 +103,17 @@ class _Placed:
         return out
 
 
-def place(items: list[Item], edges: list[tuple[str, str]], gaps, room: float, offsets) -> _Placed:
+def place(
+    items: list[Item],
+    edges: list[tuple[str, str]],
+    gaps: tuple[float, float],
+    room: float,
+    offsets: dict,
+    across_room: float | None = None,
+) -> _Placed:
+    """Items in layers along a container, ordered and placed across: `gaps` (between
+    layers, between items), `room` the length along to wrap at, `across_room` the width
+    across the bands may not pass (None: any), `offsets` where the edges meet containers."""
     between, across = gaps
     by_key = {i.key: i for i in items}
     edges = list(dict.fromkeys((a, b) for a, b in edges if a != b))
@@ -136,9 +146,21 @@ def place(items: list[Item], edges: list[tuple[str, str]], gaps, room: float, of
             shifts.append((oa if j == 0 else 0.0, ob if j == len(c) - 2 else 0.0))
     _order(layers, links)
     depth = [max((i.depth for i in layer), default=0.0) for layer in layers]
-    # bands: the layers cut where the length along runs past the room
     lengths = [d + (between if d > 0 else 8.0) for d in depth]
-    bands = _bands(lengths, room)
+    # bands: as few as keep each within the room along, and none when that would make the
+    # whole wider than the room across (then it is long, and scrolls)
+    k = _bands_needed(lengths, room)
+    while True:
+        bands = _bands(lengths, k)
+        placed = _arrange_bands(layers, bands, lengths, depth, links, shifts, across, paths)
+        if k == 1 or across_room is None or placed.extent[0] <= across_room:
+            return placed
+        k -= 1
+
+
+def _arrange_bands(layers, bands, lengths, depth, links, shifts, across, paths) -> _Placed:
+    """The layers placed along, band by band, and across, each band beside the last."""
+    count = len(layers)
     lead = 24.0 if len(bands) > 1 else 0.0  # room for the lanes between bands
     tops, bottoms, end = [0.0] * count, [0.0] * count, 0.0
     for c, (lo, hi) in enumerate(bands):
@@ -318,24 +340,31 @@ def _fit(layer: list[Item], want: list[tuple[float, float]], gap: float) -> None
             n += 1
 
 
-def _bands(lengths: list[float], room: float) -> list[tuple[int, int]]:
-    """Consecutive layers cut into as few bands as keep each within `room`, as even as that
-    allows; not cut at all when there are few layers or one of them alone fills the room."""
+def _bands_needed(lengths: list[float], room: float) -> int:
+    """How many bands keep each within `room`: 1 for few layers, or one layer alone longer
+    than the room (less the lanes between bands, which run past both ends)."""
     total = sum(lengths)
-    if total <= room or len(lengths) < 6 or max(lengths) > room / 2:
-        return [(0, len(lengths))]
-    room -= 48.0  # the lanes between bands run past both ends of each
+    if total <= room or len(lengths) < 4:
+        return 1
+    room -= 48.0
+    longest = max(lengths)
+    room = max(room, longest)
     k = math.ceil(total / room)
-    while True:
-        goal = total / k
-        bands, lo, run = [], 0, 0.0
-        for n, length in enumerate(lengths):
-            if run and run + length > goal * 1.08 and len(bands) < k - 1:
-                bands.append((lo, n))
-                lo, run = n, 0.0
-            run += length
-        bands.append((lo, len(lengths)))
-        widest = max(sum(lengths[a:b]) for a, b in bands)
-        if widest <= room * 1.02 or k >= len(lengths):
-            return bands
+    while k < len(lengths) and max(sum(lengths[a:b]) for a, b in _bands(lengths, k)) > room * 1.02:
         k += 1
+    return k
+
+
+def _bands(lengths: list[float], k: int) -> list[tuple[int, int]]:
+    """Consecutive layers cut into `k` bands (or fewer) about as long as each other."""
+    if k <= 1:
+        return [(0, len(lengths))]
+    goal = sum(lengths) / k
+    bands, lo, run = [], 0, 0.0
+    for n, length in enumerate(lengths):
+        if run and run + length > goal * 1.08 and len(bands) < k - 1:
+            bands.append((lo, n))
+            lo, run = n, 0.0
+        run += length
+    bands.append((lo, len(lengths)))
+    return bands

@@ -93,7 +93,8 @@ class _Layout:
             ob = self.port(ib.box, s, False, box.down) if ib.box is not None else None
             offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
         mean = {k: (sum(o[0] for o in v) / len(v), sum(o[1] for o in v) / len(v)) for k, v in offsets.items()}
-        placed = place(list(items.values()), [(p[0], p[1]) for p in pairs], gaps, room, mean)
+        across_room = self.room[0] - left - right if box.down else None  # a root's rows scroll down
+        placed = place(list(items.values()), [(p[0], p[1]) for p in pairs], gaps, room, mean, across_room)
         extent_u, extent_v = placed.extent
         w, h = (extent_u, extent_v) if box.down else (extent_v, extent_u)
         box.w = max(box.w, w + left + right)

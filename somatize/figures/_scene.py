@@ -74,7 +74,7 @@ def _blocks(layers: list[dict]) -> dict[str, dict]:
             "times": max(1, int(own.get("times") or 1)),
             "repeats": [r for r in own.get("repeats") or [] if r != b],
             "parent": own.get("block"),
-            "params": own.get("params"),
+            "kind": own.get("kind"),
         }
     for b, blk in blocks.items():  # a block that does not say its parent: the longest prefix
         if blk["parent"] not in blocks:
@@ -84,8 +84,11 @@ def _blocks(layers: list[dict]) -> dict[str, dict]:
 
 
 def inside_params(inside: dict) -> int:
-    """Parameters of everything an inside holds, a folded block counted as often as it
-    repeats (and a fold inside a fold, as often as both)."""
+    """Parameters of everything an inside holds: what the inside says it holds (each
+    parameter once, a tied weight one weight), else the sum over its layers, a folded block
+    counted as often as it repeats (a fold inside a fold, as often as both)."""
+    if isinstance(inside.get("params"), int) and inside["params"] > 0:
+        return inside["params"]
     layers = inside.get("layers", [])
     blocks = _blocks(layers)
     total = 0
@@ -140,7 +143,7 @@ class _Inside:
         outer = self.blocks.get(layer.get("block") or "", {}).get("times", 1)
         if times > 1 and times > outer:
             text += f"  ×{times}"
-        sub = shape_text(layer.get("shape"), layer.get("kind"), layer.get("label"))
+        sub = shape_text(layer.get("shape"), layer.get("kind"), layer.get("label"), self._in_attention(layer))
         w = max(text_width(text, 12, True), text_width(sub, 11) if sub else 0) + 36
         box = Box(
             id=f"l:{self.node}:{path}",
@@ -162,11 +165,22 @@ class _Inside:
         self.ids[path] = box.id
         return box
 
+    def _in_attention(self, layer: dict) -> bool:
+        b = layer.get("block")
+        while b in self.blocks:
+            if str(self.blocks[b]["kind"] or "").lower() == "attention":
+                return True
+            b = self.blocks[b]["parent"]
+        return False
+
     def _block(self, b: str, old: str, new: str) -> list[Box]:
         blk = self.blocks[b]
         own = [la for la in self.layers if la.get("block") == b and la["path"] not in self.blocks]
         kids = [k for k, v in self.blocks.items() if v["parent"] == b]
         plain = blk["label"] in ("Sequential", "ModuleList", "ModuleDict")
+        if not own and not kids:  # what it holds is not drawn (past the depth): one box
+            entry = next((la for la in self.layers if la["path"] == b), {"path": b, "kind": "block"})
+            return [self._layer({**entry, "label": blk["label"]}, old, new)]
         if blk["times"] == 1 and (plain or (not own and len(kids) == 1)):
             out = [self._layer(la, old, new) for la in own]  # drawn as what it holds
             for k in kids:

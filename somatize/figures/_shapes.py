@@ -95,28 +95,33 @@ def outline(fam: str, w: float, h: float) -> str:
 
 
 _SEQUENCE = re.compile(r"attn|attention|softmax|matmul|score|embed|linear|lstm|gru|rnn", re.I)
+_CHANNELS = re.compile(r"conv|pool|batchnorm|groupnorm|instancenorm|norm[123]d|upsample", re.I)
 
 
-def shape_text(shape: Any, kind: Any = None, label: Any = None) -> str:
+def shape_text(shape: Any, kind: Any = None, label: Any = None, attention: bool = False) -> str:
     """An output shape named by axis: `4 batch · 8 ch · 8 h · 8 w`; '' when unknown.
 
-    A 3-d output is `batch · len · dim` (a sequence) unless the layer is a conv, pool or
-    norm over channels; a 4-d or 5-d one is `batch · ch · h · w` unless the layer works on
-    sequences (attention, softmax, matmul, embedding, linear, recurrent), where its axes are
-    only numbered: attention scores are not channels."""
+    A 3-d output is `batch · len · dim` (a sequence) unless the layer works over channels (a
+    conv, a pool, a batch or group norm). A 4-d one is `batch · heads · seq · dim` from an
+    attention layer itself; its axes are only numbered inside attention (`attention`: a view
+    or transpose of heads) or from a layer that works on sequences (softmax, matmul, linear,
+    ...): attention scores are not an image's channels; anywhere else it is
+    `batch · ch · h · w`."""
     if not isinstance(shape, (list, tuple)) or not shape:
         return ""
     n = len(shape)
     text = f"{kind or ''} {label or ''}"
-    sequence = bool(_SEQUENCE.search(text)) and not re.search("conv|pool", text, re.I)
-    spatial = not sequence and (n != 3 or bool(re.search("conv|pool|norm", text, re.I)))
+    channels = bool(_CHANNELS.search(text))
+    own = str(kind or "").lower() == "attention" or bool(re.search(r"attn|attention", str(label or ""), re.I))
     if n == 1:
         names = ["dim"]
     elif n == 2:
         names = ["batch", "dim"]
     elif n == 3:
-        names = ["batch", "ch", "len"] if spatial else ["batch", "len", "dim"]
-    elif n in (4, 5) and spatial:
+        names = ["batch", "ch", "len"] if channels else ["batch", "len", "dim"]
+    elif n == 4 and own and not channels:
+        names = ["batch", "heads", "seq", "dim"]
+    elif n in (4, 5) and (channels or not (attention or _SEQUENCE.search(text))):
         names = ["batch", "ch", "h", "w"] if n == 4 else ["batch", "ch", "d", "h", "w"]
     else:
         names = ["batch"] + [f"d{i}" for i in range(1, n)]
