@@ -322,3 +322,22 @@ def test_bundles_are_built_and_shipped():
     for name in ("graph", "audit", "table"):
         assert (STATIC / f"{name}.js").stat().st_size > 1000
         assert (STATIC / f"{name}.css").exists()
+
+
+def test_the_readmes_three_figures_run_and_its_pictures_and_badge_are_there():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("pictures", root / "docs" / "pictures.py")
+    pictures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pictures)
+    readme = (root / "README.md").read_text()
+    assert len(pictures.blocks(readme)[1].strip().splitlines()) <= 10  # ten lines
+    made = pictures.figures(readme)
+    assert set(made) == {"graph", "audit", "table"}
+    assert len(made["audit"].frame()) > 0 and {"n:encoder", "n:head"} <= set(boxes(made["graph"].svg()))
+    for kind in made:
+        assert f"(docs/pictures/{kind}.svg)" in readme and (root / "docs" / "pictures" / f"{kind}.svg").exists()
+    assert pictures.main(["--check"]) == 0  # the badge is the one pyproject.toml sets
+    assert "OWNER" not in readme
