@@ -66,8 +66,8 @@ def measure(loops: int = 1500, repeats: int = 11) -> dict[str, Any]:
         run.audit = watch if isinstance(watch, LiveAudit) else None  # type: ignore[attr-defined]
         return run
 
-    audit = LiveAudit(verdict=None)
-    judged = LiveAudit()  # with somatize.health.verdict on every health fact
+    audit = LiveAudit(flags=False)
+    judged = LiveAudit()  # with the health verdict judging every health fact
     fns: dict[str, Any] = {
         "hand step": hand,
         "+ facts to a no-op watcher": with_watcher(lambda fact: None),

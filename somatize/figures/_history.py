@@ -4,8 +4,11 @@ steps, one column per metric and the flags of each step.
 A health fact is flat (`{"fact": "health", "node", "inside", "step", ...numbers}`; its place
 is `node`, or `node.inside`); its numbers are the keys that hold a number or a bool, kept as
 they were given; anything else in it is not drawn. A column is a list with a value per row
-(None where the fact did not carry that metric). A step's flags are what
-`somatize.health.verdict` says of its numbers, judged behind the columns as time allows.
+(None where the fact did not carry that metric). A step's flags are what the health verdict
+says of its place as of that step, by the one rule over time `diagnose` uses
+(`somatize.health.Verdicts`: a place's numbers over its last measured steps, summarised,
+then judged), so a place's last column says what `diagnose` says of the run. They are judged
+behind the columns, as time allows.
 """
 
 from __future__ import annotations
@@ -114,12 +117,28 @@ class Run:
         self.places: dict[str, Place] = {}
 
 
-class History:
-    """Everything a live audit has seen, by run; `judge` is the verdict applied to each
-    step's numbers (None: no flags)."""
+def _rule() -> Callable[[], Any]:
+    """What makes a run's judge: `somatize.health.Verdicts` (whose `add(fact)` answers the
+    fact's place's flags as of it)."""
+    from somatize import health
 
-    def __init__(self, judge: Callable[[Mapping[str, Any]], list] | None) -> None:
-        self.judge_with = judge
+    if hasattr(health, "Verdicts"):
+        return health.Verdicts
+
+    class _EachStep:  # until the one rule over time is there: each step judged alone
+        def add(self, fact: Mapping[str, Any]) -> list:
+            return health.verdict({k: v for k, v in fact.items() if k not in FACT_KEYS})
+
+    return _EachStep
+
+
+class History:
+    """Everything a live audit has seen, by run; `flags`: whether the health verdict judges
+    each step (else no step has a flag)."""
+
+    def __init__(self, flags: bool = True) -> None:
+        self.judges: dict[str, Any] = {}  # a run's Verdicts, fed its facts in order
+        self.rule = _rule() if flags else None
         self.runs: dict[str, Run] = {}
         self.metrics: dict[str, None] = {}  # in the order first seen
         self.rows = 0
@@ -151,17 +170,22 @@ class History:
         self.version += 1
 
     def judge(self, until: float | None = None) -> bool:
-        """Run the verdict over rows not judged yet, oldest first, until `until` (a
+        """Judge the rows not judged yet, each place's in order, until `until` (a
         `time.perf_counter()` reading; None: all of them); whether any was."""
         judged = False
-        for run in self.runs.values():
-            for place in run.places.values():
-                if self.judge_with is None:
+        for name, run in self.runs.items():
+            if self.rule is None:
+                for place in run.places.values():
                     place.judged = len(place.steps)
-                    continue
+                continue
+            judge = self.judges.get(name)
+            if judge is None:
+                judge = self.judges[name] = self.rule()
+            for where, place in run.places.items():
                 while place.judged < len(place.steps):
                     r = place.judged
-                    place.flags[r] = [str(f) for f in self.judge_with(place.numbers(r))]
+                    fact = {"fact": "health", "node": where, "step": place.steps[r], **place.numbers(r)}
+                    place.flags[r] = [str(f) for f in judge.add(fact)]
                     place.judged = r + 1
                     judged = True
                     if until is not None and (r & 15) == 15 and time.perf_counter() > until:

@@ -7,7 +7,8 @@
 It takes `loss` and flat `health` facts (one per watched place and measured step) and keeps
 them as plain columns (`_history`). The training thread only queues what it is handed; a
 sender thread, at most every `interval` seconds while facts come, puts the queue into the
-columns, has `somatize.health.verdict` judge each step, and sends the page what is new: every
+columns, has the health verdict judge each step (by `somatize.health.Verdicts`' rule, the one
+`diagnose` uses), and sends the page what is new: every
 metric's values as binary float64 arrays beside a JSON message. The page keeps them all, so
 choosing another metric redraws at once, even while the kernel is busy with the fit.
 """
@@ -42,9 +43,10 @@ class LiveAudit(Face, anywidget.AnyWidget):
     """A live picture of a run's health: the loss above (real axes, a log scale and
     smoothing to choose), a heatmap below whose rows are the watched places and columns the
     steps, one metric per cell, chosen from a menu (every metric is explained in the menu and
-    the tooltip); a step that `somatize.health.verdict` flags gets a mark under its cell in
-    the colour of the flag's family, and a place that raised flags says which beside its
-    name. Everything drawn is in the legend.
+    the tooltip); a step at which `somatize.health` flags its place (by the rule `diagnose`
+    uses, so a place's last step says what `diagnose` says of the run) gets a mark under its
+    cell in the colour of the flag's family, and a place that raised flags says which beside
+    its name. Everything drawn is in the legend. `flags=False` marks nothing.
 
     Call it with facts (pass it as `watching=`); it keeps `loss` and `health` facts and
     ignores the rest. `run(name)` is a watcher for a second run drawn beside the first (its
@@ -72,16 +74,14 @@ class LiveAudit(Face, anywidget.AnyWidget):
         metric: str = "",
         title: str = "live audit",
         interval: float = 0.25,
-        verdict: Any = "default",
+        flags: bool = True,
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval= is seconds between sends and must be > 0, not {interval}")
         super().__init__(metric=metric, title=title, explain=explanations())
-        if verdict == "default":
-            verdict = _default_verdict()
         self.interval = float(interval)
         self._chosen = bool(metric)
-        self._history = History(verdict)
+        self._history = History(flags)
         self._queue: list[tuple] = []
         self._intake = threading.Lock()  # the queue: held for an append
         self._lock = threading.RLock()  # the columns and what was sent
@@ -227,7 +227,8 @@ class LiveAudit(Face, anywidget.AnyWidget):
     def frame(self) -> Any:
         """The health facts seen as a pandas DataFrame: one row per (where, step), a column
         per metric (NaN where a fact did not carry it; bools and ints as they were given), and
-        `flags`, the verdict's for that step. With more than one run, a `run` column first."""
+        `flags`, its place's flags as of that step. With more than one run, a `run` column
+        first."""
         import pandas as pd
 
         with self._lock:
@@ -280,15 +281,6 @@ class LiveAudit(Face, anywidget.AnyWidget):
         path = Path(path)
         path.write_text(page([("audit", self.state())], title=self.title), encoding="utf-8")
         return path
-
-
-def _default_verdict() -> Any:
-    """`somatize.health.verdict` under default thresholds, made once."""
-    from functools import partial
-
-    from somatize.health import Thresholds, verdict
-
-    return partial(verdict, thresholds=Thresholds())
 
 
 class _RunWatcher:
