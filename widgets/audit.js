@@ -114,6 +114,13 @@ function initialize({ model }) {
   };
 }
 
+// what to say of a loss that barely moves (spans under 5 % of its mean): its axis, stretched
+// to fill the plot, is not to be read as a curve that learns (as _audit_face.flat_note says)
+function flatNote(lo, hi, mean) {
+  if (mean === 0 || hi - lo >= 0.05 * Math.abs(mean)) return "";
+  return `flat: it spans ${number(hi - lo)}, ${number((100 * (hi - lo)) / Math.abs(mean))}% of its mean`;
+}
+
 // the rows: each place, once per run that has it
 function rowsOf(s) {
   const places = [];
@@ -190,6 +197,8 @@ function render({ model, el: host }) {
     }
     let lo = Math.min(...all);
     let hi = Math.max(...all);
+    const note = flatNote(lo, hi, all.reduce((a, v) => a + v, 0) / all.length);
+    if (note) svg += `<text x="${x0 + 8}" y="14" font-size="10" font-style="italic" fill="#5d6575">${esc(note)}</text>`;
     if (lo === hi) [lo, hi] = log ? [lo * 0.9, hi * 1.1] : [lo - 0.5, hi + 0.5];
     const f = log ? Math.log10 : (v) => v;
     let a = f(lo);

@@ -207,6 +207,9 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi) -> floa
         out.append(f'<text x="{x0 + 8:.1f}" y="{y + 18:.1f}" font-size="11" fill="#8a93a6">no loss yet</text>')
         return y + h + 8
     lo, hi = min(every), max(every)
+    note = flat_note(lo, hi, sum(every) / len(every))
+    if note:
+        out.append(f'<text x="{x0 + 8:.1f}" y="{y + 14:.1f}" font-size="10" font-style="italic" fill="{MUTED}">{esc(note)}</text>')
     if lo == hi:
         lo, hi = (lo * 0.9, hi * 1.1) if log else (lo - 0.5, hi + 0.5)
     f = math.log10 if log else float
@@ -236,6 +239,14 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi) -> floa
         label = f"{run + ': ' if run else ''}step {steps[-1]}: {number(last)}"
         out.append(f'<text x="{x1 + 6:.1f}" y="{y + 12 + 13 * n:.1f}" font-size="10" fill="{colour}">{esc(label)}</text>')
     return y + h + 8
+
+
+def flat_note(lo: float, hi: float, mean: float) -> str:
+    """What to say of a loss that barely moves (spans under 5 % of its mean), so its axis,
+    stretched to fill the plot, is not read as a curve that learns."""
+    if mean == 0 or (hi - lo) >= 0.05 * abs(mean):
+        return ""
+    return f"flat: it spans {number(hi - lo)}, {number(100 * (hi - lo) / abs(mean))}% of its mean"
 
 
 def _polyline(points: list[tuple[float, float]]) -> str:

@@ -25,7 +25,7 @@ import anywidget
 import traitlets
 
 from somatize.figures._explain import explanations
-from somatize.figures._face import Face
+from somatize.figures._face import Face, image
 from somatize.figures._history import History, message, place_of, record, step_of
 from somatize.figures._page import STATIC, jsonable, page
 
@@ -260,14 +260,19 @@ class LiveAudit(Face, anywidget.AnyWidget):
                            log=self.log_loss, smoothing=self.smoothing)
 
     def plain(self) -> str:
-        """One line: places, steps, runs (what does not depend on how a CPU rounds)."""
+        """One line saying what it is; the same from the start to the end of a fit (a saved
+        notebook's text must not depend on when it was last brought up to date)."""
+        return f"{self.title}: a live audit of the watched places' health, step by step"
+
+    def face(self) -> str:
+        """The picture as an image, named by what it holds (places, steps, runs)."""
         with self._lock:
             self._drain(judge=0)
             places = self._history.places()
             steps = {s for r in self._history.runs.values() for p in r.places.values() for s in p.steps}
             runs = len(self._history.runs)
         more = f", {runs} runs" if runs > 1 else ""
-        return f"{self.title}: {len(places)} places, {len(steps)} steps{more}"
+        return image(self.svg(), f"{self.title}: {len(places)} places, {len(steps)} steps{more}")
 
     def state(self) -> dict[str, Any]:
         """The audit's traits, its record complete: what a saved page draws from."""
