@@ -42,7 +42,8 @@ function render({ model, el: host }) {
   const lens = root.querySelector(".smz-lens");
   const tooltip = root.querySelector(".smz-tooltip");
   const status = root.querySelector(".smz-status");
-  if (!views.has(model)) views.set(model, { scale: 1, x: 0, y: 0, fitted: false });
+  // the view: kept while the kernel redraws, fitted anew unless someone zoomed or panned
+  if (!views.has(model)) views.set(model, { scale: 1, x: 0, y: 0, fitted: false, moved: false });
   const view = views.get(model);
   let svg = null;
   let W = 1;
@@ -115,7 +116,7 @@ function render({ model, el: host }) {
     if (minimapUrl) URL.revokeObjectURL(minimapUrl);
     minimapUrl = URL.createObjectURL(new Blob([text], { type: "image/svg+xml" }));
     minimap.querySelector("img").src = minimapUrl;
-    if (!view.fitted) {
+    if (!view.fitted || !view.moved) {
       fitWidth();
       view.fitted = true;
     }
@@ -130,6 +131,7 @@ function render({ model, el: host }) {
   }
 
   const zoom = (factor, cx, cy) => {
+    view.moved = true;
     const vw = room();
     const vh = viewport.clientHeight;
     const before = view.scale;
@@ -144,28 +146,34 @@ function render({ model, el: host }) {
 
   // panning by drag; a press that hardly moves is a click
   let drag = null;
+  let mapDrag = false;
   viewport.addEventListener("pointerdown", (ev) => {
     if (ev.button !== 0 || minimap.contains(ev.target)) return;
     drag = { x: ev.clientX, y: ev.clientY, vx: view.x, vy: view.y, moved: false };
   });
-  window.addEventListener("pointermove", (ev) => {
+  const onMove = (ev) => {
+    if (mapDrag) jump(ev);
     if (!drag) return;
     const dx = ev.clientX - drag.x;
     const dy = ev.clientY - drag.y;
     if (!drag.moved && Math.hypot(dx, dy) < 4) return;
     drag.moved = true;
+    view.moved = true;
     viewport.classList.add("smz-panning");
     view.x = drag.vx - dx / view.scale;
     view.y = drag.vy - dy / view.scale;
     place();
-  });
-  window.addEventListener("pointerup", () => {
+  };
+  const onUp = () => {
+    mapDrag = false;
     if (drag && drag.moved) viewport.dataset.panned = "yes";
     setTimeout(() => {
       drag = null;
       viewport.classList.remove("smz-panning");
     }, 0);
-  });
+  };
+  window.addEventListener("pointermove", onMove);
+  window.addEventListener("pointerup", onUp);
   viewport.addEventListener(
     "wheel",
     (ev) => {
@@ -182,6 +190,7 @@ function render({ model, el: host }) {
       const canX = (ev.deltaX > 0 && view.x < W - vw - 0.5) || (ev.deltaX < 0 && view.x > 0.5);
       if (!canY && !canX) return;
       ev.preventDefault();
+      view.moved = true;
       view.x += ev.deltaX / view.scale;
       view.y += ev.deltaY / view.scale;
       place();
@@ -193,17 +202,13 @@ function render({ model, el: host }) {
     const k = r.width / W; // the minimap is the drawing at this scale
     view.x = (ev.clientX - r.left) / k - room() / view.scale / 2;
     view.y = (ev.clientY - r.top) / k - viewport.clientHeight / view.scale / 2;
+    view.moved = true;
     place();
   };
-  let mapDrag = false;
   minimap.addEventListener("pointerdown", (ev) => {
     mapDrag = true;
     jump(ev);
     ev.stopPropagation();
-  });
-  window.addEventListener("pointermove", (ev) => mapDrag && jump(ev));
-  window.addEventListener("pointerup", () => {
-    mapDrag = false;
   });
 
   const toggle = (trait, key) => {
@@ -249,10 +254,12 @@ function render({ model, el: host }) {
   });
   root.querySelector(".smz-fit").onclick = () => {
     fitAll();
+    view.moved = true;
     place();
   };
   root.querySelector(".smz-width").onclick = () => {
     fitWidth();
+    view.moved = false;
     place();
   };
   root.querySelector(".smz-in").onclick = () => zoom(1.25);
@@ -297,6 +304,8 @@ function render({ model, el: host }) {
   return () => {
     model.off("change:drawing", onDrawing);
     model.off("change:height", onHeight);
+    window.removeEventListener("pointermove", onMove);
+    window.removeEventListener("pointerup", onUp);
     if (watcher) watcher.disconnect();
     if (minimapUrl) URL.revokeObjectURL(minimapUrl);
   };

@@ -87,7 +87,9 @@ for step in range(80):
     time.sleep(0.08)
 print("fit done", audit.metrics, len(audit.frame()))
 """,
-    # 4: candidates compared
+    # 4: the same audit shown again, after the fit: a page opened late gets everything
+    "audit",
+    # 5: candidates compared
     """
 import pandas as pd
 from somatize.figures import CompareTable
@@ -210,9 +212,14 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
         page.wait_for_function("() => document.querySelector('.smz-audit').dataset.cells === '240'", timeout=15_000)
         assert page.evaluate("document.querySelector('.smz-audit').dataset.metric") == "grad_norm"
         audit.screenshot(path=str(artifacts / "lab-audit.png"))
+        late = _run(page, 4)
+        late.locator(".smz-audit").wait_for(timeout=30_000)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.smz-audit')].every(a => a.dataset.cells === '240')", timeout=15_000
+        )
 
         # the table sorts on a header click
-        table = _run(page, 4)
+        table = _run(page, 5)
         table.locator(".smz-table tbody tr").first.wait_for(timeout=30_000)
         rows = lambda: table.locator("tbody tr").evaluate_all("rs => rs.map(r => r.dataset.row)")  # noqa: E731
         assert rows() == ["wide", "deep", "tiny"]
@@ -229,7 +236,7 @@ def test_a_saved_notebook_reopened_with_no_kernel_shows_every_face(chromium, tmp
     from nbclient import NotebookClient
 
     work = tmp_path_factory.mktemp("saved")
-    nb = _notebook([CELLS[0], CELLS[2], CELLS[3].replace("range(80)", "range(12)").replace("time.sleep(0.08)", ""), CELLS[4]])
+    nb = _notebook([CELLS[0], CELLS[2], CELLS[3].replace("range(80)", "range(12)").replace("time.sleep(0.08)", ""), CELLS[5]])
     NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(work)}}).execute()
     nb.metadata.pop("widgets", None)  # as notebooks/execute.py saves them
     proc, base, token, root = _serve(work, "--KernelSpecManager.allowed_kernelspecs=nobody")
