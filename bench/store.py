@@ -1,37 +1,55 @@
 """What keeping a value costs, against plain torch doing the same job in the same run.
 
-    python bench/store.py
+    python bench/store.py             # the costs
+    python bench/store.py --faults    # the fault trials of docs/store.md (a few minutes)
 
 Rows: a tensor kept and recalled (Store.keep / recall, safetensors inside, every blob checked
 against its digest) against torch.save / torch.load of the same tensor to a file; a small
-record of facts; and a Recorder watching a graph, against the same graph unwatched. Medians
-of repeats, torch.set_num_threads(1). Ratios are ours / plain torch.
+record of facts; decoding many small tuples through the bounded decoder against msgpack with
+an unbounded hook; and a Recorder watching a graph, against the same graph unwatched. Medians
+of repeats, ours and theirs timed in turns, torch.set_num_threads(1). Ratios are ours /
+theirs. `--faults` runs the trials
+of bench/_store_faults.py instead and reports them as a table of their own.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch
+from _results import report
 
 import somatize.torch  # noqa: F401  (the tensor codec)
 from somatize import Graph, Node, Recorder, Store
+from somatize.codecs import decode, encode
 
 
-def median_us(fn: Callable[[], Any], repeats: int, inner: int = 1) -> float:
-    fn()
-    times = []
+def paired_us(
+    ours: Callable[[], Any], theirs: Callable[[], Any], repeats: int = 30, inner: int = 1
+) -> tuple[float, float]:
+    """Medians of `ours` and `theirs` in µs, timed in turns so that a busy machine slows
+    both alike."""
+    ours(), theirs()
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - start) / inner * 1e6)
-    return statistics.median(times)
+        for fn, into in ((ours, times[0]), (theirs, times[1])):
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            into.append((time.perf_counter() - start) / inner * 1e6)
+    return statistics.median(times[0]), statistics.median(times[1])
+
+
+def row(what: str, against: str, ours: Callable[[], Any], theirs: Callable[[], Any], inner=1):
+    mine, other = paired_us(ours, theirs, 30, inner)
+    return [what, mine, against, other, mine / other]
 
 
 class Linear(Node):
@@ -42,9 +60,7 @@ class Linear(Node):
         return self.layer(input)
 
 
-def tensor_rows(
-    store: Store, root: Path, label: str, tensor: torch.Tensor
-) -> list[tuple[str, float, str, float]]:
+def tensor_rows(store: Store, root: Path, label: str, tensor: torch.Tensor) -> list[list[Any]]:
     path = root / "plain.pt"
     counter = iter(range(10**9))
 
@@ -53,18 +69,18 @@ def tensor_rows(
         tensor[0] = i  # new bytes every time: a real write, not a deduplicated one
         store.keep(f"t/{i}", tensor)
 
-    keep = median_us(keep_fresh, 30)
-    save = median_us(lambda: torch.save(tensor, path), 30)
     store.keep("t/x", tensor)
-    recall = median_us(lambda: store.recall("t/x"), 30)
-    load = median_us(lambda: torch.load(path), 30)
     return [
-        (f"keep {label}", keep, "torch.save", save),
-        (f"recall {label}", recall, "torch.load", load),
+        row(f"keep {label}", "torch.save", keep_fresh, lambda: torch.save(tensor, path)),
+        row(f"recall {label}", "torch.load", lambda: store.recall("t/x"), lambda: torch.load(path)),
     ]
 
 
-def main() -> None:
+def _tuples(code: int, data: bytes) -> Any:
+    return tuple(msgpack.unpackb(data, ext_hook=_tuples, raw=False, strict_map_key=False))
+
+
+def costs() -> None:
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp())
     store = Store(root / "store")
@@ -77,22 +93,60 @@ def main() -> None:
     ]
     facts.append({"fact": "finished", "took_us": 30.0})
     counter = iter(range(10**9))
-    keep = median_us(lambda: store.keep(f"r/{next(counter)}", facts), 30, 10)
-    save = median_us(lambda: torch.save(facts, root / "facts.pt"), 30, 10)
-    rows.append(("keep a record of 9 facts", keep, "torch.save", save))
-
+    rows.append(
+        row(
+            "keep a record of 9 facts",
+            "torch.save",
+            lambda: store.keep(f"r/{next(counter)}", facts),
+            lambda: torch.save(facts, root / "facts.pt"),
+            inner=10,
+        )
+    )
+    data = encode([(i, float(i)) for i in range(1000)])
+    rows.append(
+        row(
+            "decode 1000 small tuples",
+            "msgpack, unbounded",
+            lambda: decode(data),
+            lambda: msgpack.unpackb(data, ext_hook=_tuples, raw=False),
+            inner=5,
+        )
+    )
     graph = Graph.somatize(Linear(64) >> Linear(64) >> Linear(64) >> Linear(64))
     x = torch.randn(32, 64)
     recorder = Recorder(store, run="bench")
     with torch.no_grad():
-        watched = median_us(lambda: graph.forward(x, watching=recorder), 30, 10)
-        plain = median_us(lambda: graph.forward(x), 30, 10)
-    rows.append(("forward of 4 nodes, recorded", watched, "unwatched forward", plain))
-
-    print(f"{'what':<32} {'ours µs':>10} {'against':<20} {'theirs µs':>10} {'ratio':>7}")
-    for what, ours, against, theirs in rows:
-        print(f"{what:<32} {ours:>10.1f} {against:<20} {theirs:>10.1f} {ours / theirs:>7.2f}")
+        rows.append(
+            row(
+                "forward of 4 nodes, recorded",
+                "unwatched forward",
+                lambda: graph.forward(x, watching=recorder),
+                lambda: graph.forward(x),
+                inner=10,
+            )
+        )
+    report(
+        "store",
+        "keeping and recalling values, against torch.save / torch.load in the same run",
+        ["what", "ours µs", "against", "theirs µs", "ratio"],
+        rows,
+        notes=(
+            "Big tensors pay for what the store promises: a sha256 of every blob on put and "
+            "on get, and the copies safetensors and msgpack make. A Recorder writes two small "
+            "files atomically per forward."
+        ),
+    )
 
 
 if __name__ == "__main__":
-    main()
+    if "--faults" in sys.argv:
+        from _store_faults import trials
+
+        report(
+            "store-faults",
+            "attacks and faults tried on a store (python bench/store.py --faults)",
+            ["attack or fault", "trials", "result"],
+            trials(),
+        )
+    else:
+        costs()

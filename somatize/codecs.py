@@ -1,9 +1,9 @@
 """How a value is written down when it leaves the process: to a store, or down a wire.
 
 Plain values need nothing: None, bools, ints of any size, floats (nan and inf too), str, bytes,
-lists, tuples and dicts, nested as deep as you like. They come back with the types they left
-with: a tuple stays a tuple, a bool stays a bool, `2**100` stays an int. Anything else needs a
-codec, registered once::
+lists, tuples and dicts, nested. They come back with the types they left with: a tuple stays a
+tuple, a bool stays a bool, `2**100` stays an int. Anything else needs a codec, registered
+once::
 
     somatize.codec("frame", pd.DataFrame, dump=lambda df: df.to_parquet(), load=pd.read_parquet)
 
@@ -11,6 +11,14 @@ The bytes are msgpack, with extension types for what JSON lacks. Nothing is ever
 reading bytes from somewhere else cannot run code. Encoding is deterministic: the same value
 gives the same bytes (dicts in the order they were built), which is what lets a digest of the
 bytes be a cache key.
+
+Bytes read back may come from anyone who could write to a store or a socket, so `decode` is
+bounded: tuples and registered values nested more than `DEPTH` deep, lists and dicts nested
+more than msgpack's 1024 deep, lengths longer than the bytes that hold them, a numpy header
+that promises more numbers than follow, and a codec whose `load` fails are all `Malformed` (a
+`ValueError` that says which bound was passed), never a crash. Each level of nesting through
+an extension costs the decoder about 40 KB of C stack, which is why `DEPTH` is small (32:
+1.3 MB, well inside the 8 MB a thread gets on Linux).
 """
 
 from __future__ import annotations
@@ -26,7 +34,16 @@ import msgpack
 
 from somatize import _hooks
 
-__all__ = ["NoCodec", "codec", "codecs_registered", "decode", "digest", "encode"]
+__all__ = [
+    "DEPTH",
+    "Malformed",
+    "NoCodec",
+    "codec",
+    "codecs_registered",
+    "decode",
+    "digest",
+    "encode",
+]
 
 # Extension type codes inside the msgpack stream. Fixed forever: changing one breaks every store.
 _TUPLE = 1
@@ -35,11 +52,33 @@ _CODEC = 3
 
 # Kinds whose codec `somatize.torch` registers: decoding one lets it (`_hooks.ready`), so a
 # tensor can be recalled without `import somatize.torch`.
-_TORCH_KINDS = frozenset({"tensor"})
+_TORCH_KINDS = frozenset({"torch.Tensor"})
 # Kinds that ship with somatize carry their kind in the extension code itself, so their bytes
 # are handed to `load` without being unpacked and copied once more (it matters for big tensors).
-_KNOWN = {"tensor": 16, "numpy": 17}
+# Code 16 is the tensor codec's whatever its kind is called: it was registered as "tensor"
+# before it took the published name "torch.Tensor", and since such bytes carry the code and
+# no kind string, everything kept under the old name reads back unchanged.
+_KNOWN = {"torch.Tensor": 16, "numpy": 17}
 _KNOWN_KIND = {code: kind for kind, code in _KNOWN.items()}
+
+DEPTH = 32
+"""How deep tuples and registered values may nest inside one another, in `encode` and `decode`."""
+
+
+class _Nesting(threading.local):
+    depth = 0  # how many extension levels the current thread is inside
+
+
+_nesting = _Nesting()
+
+
+class Malformed(ValueError):
+    """Bytes that `decode` will not read: not an encoded value, or past one of its bounds.
+
+    The message says which (a truncated value, a length longer than its bytes, nesting
+    deeper than `DEPTH`, a codec that could not load its part). Nothing was run, nothing
+    is half-built: the bytes are refused as a whole.
+    """
 
 
 class NoCodec(TypeError):
@@ -134,19 +173,38 @@ def _default(value: Any) -> msgpack.ExtType:
         )
     if found.kind in _KNOWN:
         return msgpack.ExtType(_KNOWN[found.kind], bytes(data))
-    return msgpack.ExtType(_CODEC, _pack([found.kind, bytes(data)]))
+    envelope = [found.kind, bytes(data)]  # plain: no level of nesting of its own
+    return msgpack.ExtType(
+        _CODEC, msgpack.packb(envelope, use_bin_type=True, unicode_errors="surrogatepass")
+    )
+
+
+def _too_deep(reading: bool) -> Exception:
+    doing = "read back" if reading else "written down"
+    return (Malformed if reading else ValueError)(
+        f"tuples (or registered values) nested more than {DEPTH} deep cannot be {doing} "
+        f"(somatize.codecs.DEPTH); flatten the value, or use lists, which nest without it"
+    )
 
 
 def _pack(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
     """msgpack of `value` with this module's options; `default` (the wire's) may stand in for
-    `_default` to write some types its own way before handing the rest to `_default`."""
-    return msgpack.packb(
-        value,
-        default=default or _default,
-        strict_types=True,
-        use_bin_type=True,
-        unicode_errors="surrogatepass",
-    )
+    `_default` to write some types its own way before handing the rest to `_default`.
+    Refuses tuples nested past `DEPTH` (what `decode` would refuse to read back)."""
+    depth = _nesting.depth
+    if depth > DEPTH:
+        raise _too_deep(reading=False)
+    _nesting.depth = depth + 1
+    try:
+        return msgpack.packb(
+            value,
+            default=default or _default,
+            strict_types=True,
+            use_bin_type=True,
+            unicode_errors="surrogatepass",
+        )
+    finally:
+        _nesting.depth = depth
 
 
 def _path_to(value: Any, bad: Any, path: str = "") -> str | None:
@@ -198,7 +256,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return int.from_bytes(data, "big", signed=True)
     if code == _CODEC or code in _KNOWN_KIND:
         if code == _CODEC:
-            kind, payload = _unpack(data)
+            kind, payload = _envelope(data)
         else:
             kind, payload = _KNOWN_KIND[code], data
         found = _by_kind.get(kind)
@@ -206,47 +264,72 @@ def _ext_hook(code: int, data: bytes) -> Any:
             _hooks.ready(torch_needed=True)
             found = _by_kind.get(kind)
         if found is None and kind == "numpy":
-            import numpy  # noqa: F401  (registers nothing; the built-in codec needs it loaded)
-
-            return _numpy_load(payload)
+            found = _Codec("numpy", object, _numpy_dump, _numpy_load)
         if found is None:
             raise NoCodec(
                 f"the bytes hold a value of kind {kind!r} and no codec of that kind is "
                 f"registered (registered: {codecs_registered()}); import the module that "
-                f"registers it, or register one with somatize.codec({kind!r}, type, "
+                f"registers it, or register one with somatize.codecs.codec({kind!r}, type, "
                 f"dump=..., load=...)"
             )
         try:
             return found.load(payload)
+        except (Malformed, NoCodec):
+            raise
         except Exception as error:
-            raise ValueError(f"codec {kind!r} could not load its bytes: {error!r}") from error
-    raise ValueError(f"unknown msgpack extension type {code} in encoded bytes")
+            raise Malformed(f"codec {kind!r} could not load its bytes: {error!r}") from error
+    raise Malformed(f"unknown msgpack extension type {code} in encoded bytes")
+
+
+def _envelope(data: bytes) -> tuple[str, bytes]:
+    """The kind and the bytes of a registered value, refusing anything else in their place."""
+    try:
+        kind, payload = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as error:
+        raise Malformed(f"a registered value's envelope does not parse: {error!r}") from error
+    if type(kind) is not str or type(payload) is not bytes:
+        raise Malformed("a registered value's envelope is not (kind, bytes)")
+    return kind, payload
 
 
 def _unpack(data: Any, ext_hook: Callable[[int, bytes], Any] | None = None) -> Any:
-    """The value `_pack` wrote; `ext_hook` may stand in for `_ext_hook`, as `default` there."""
-    return msgpack.unpackb(
-        data,
-        ext_hook=ext_hook or _ext_hook,
-        raw=False,
-        strict_map_key=False,
-        use_list=True,
-        unicode_errors="surrogatepass",
-    )
+    """The value `_pack` wrote; `ext_hook` may stand in for `_ext_hook`, as `default` there.
+    Every call counts as one level of nesting on this thread, refused past `DEPTH`, so a
+    hook that reads its own extensions through here is bounded as this module's are."""
+    depth = _nesting.depth
+    if depth > DEPTH:
+        raise _too_deep(reading=True)
+    _nesting.depth = depth + 1
+    try:
+        return msgpack.unpackb(
+            data,
+            ext_hook=ext_hook or _ext_hook,
+            raw=False,
+            strict_map_key=False,
+            unicode_errors="surrogatepass",
+        )
+    finally:
+        _nesting.depth = depth
 
 
 def decode(data: bytes) -> Any:
     """The value that `encode` wrote as `data`.
 
-    Refuses bytes that are not a whole encoded value (`ValueError`) and a kind that no codec
-    is registered for (`NoCodec`). Never runs code carried by the bytes.
+    Refuses (with `Malformed`, a `ValueError`) bytes that are not a whole encoded value or
+    that pass one of the bounds in this module's docstring, and (with `NoCodec`) a kind that
+    no codec is registered for. Never runs code carried by the bytes; never crashes on them.
     """
     try:
         return _unpack(data)
-    except NoCodec:
+    except (NoCodec, Malformed):
         raise
+    except msgpack.StackError:
+        raise Malformed(
+            f"these {len(data)} bytes nest lists or dicts more than 1024 deep, which msgpack "
+            f"refuses to read"
+        ) from None
     except (msgpack.UnpackException, ValueError, TypeError) as error:
-        raise ValueError(f"these {len(data)} bytes are not an encoded value: {error}") from error
+        raise Malformed(f"these {len(data)} bytes are not an encoded value: {error}") from error
 
 
 def digest(data: bytes) -> str:
@@ -281,5 +364,24 @@ def _numpy_load(data: bytes) -> Any:
 
     import numpy as np
 
-    array = np.load(io.BytesIO(data[1:]), allow_pickle=False)
+    stream = io.BytesIO(data[1:])
+    try:  # the header says how many numbers follow: check it before anything is allocated
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
+        else:
+            shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
+    except ValueError as error:
+        raise Malformed(f"a numpy value's header does not parse: {error}") from error
+    count = 1
+    for n in shape:
+        count *= n
+    promised, held = count * dtype.itemsize, len(data) - 1 - stream.tell()
+    if dtype.hasobject or promised != held:
+        raise Malformed(
+            f"a numpy value's header promises {shape} {dtype} ({promised} bytes) and "
+            f"{held} bytes follow"
+        )
+    stream.seek(0)
+    array = np.load(stream, allow_pickle=False)
     return array[()] if data[:1] == b"s" else array

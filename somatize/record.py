@@ -3,15 +3,17 @@
 A `Recorder` is a watcher: pass it as `watching=` to `Graph.forward` or to a Trainer and it
 writes one record per forward under the name `run/<run>/<i>`. The record is the list of facts
 of that forward (see docs/internals.md, "Facts"), values with their own types, and its meta
-says the run, the forward, its state, how many nodes ran and how long it took::
+says the run, the forward, its state, how many nodes ran, how long it took, and the last value
+of each fact it was told to summarise::
 
-    rec = Recorder(store)
+    rec = Recorder(store, run="tuesday", summarising=["loss"])
     trainer = Trainer(g, objective=loss, optimizer=opt, watching=rec)
     trainer.fit(data)
-    somatize.record.losses(store, rec.run)      # a DataFrame: step, loss
+    somatize.record.runs(store)                 # a DataFrame: a row per run
+    somatize.record.curve(store, "tuesday")     # a DataFrame: forward, step, value
 
-The readers here (`runs`, `facts`, `timings`, `losses`) need nothing but the store, so a run
-can be looked at from another process, or a week later.
+The readers here (`runs`, `forwards`, `nodes`, `curve`, `facts`, `timings`, `losses`) need
+nothing but the store, so a run can be looked at from another process, or a week later.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from somatize.store import Store, store_of
@@ -28,7 +30,17 @@ from somatize.store import Store, store_of
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["Recorder", "facts", "losses", "records", "runs", "timings"]
+__all__ = [
+    "Recorder",
+    "curve",
+    "facts",
+    "forwards",
+    "losses",
+    "nodes",
+    "records",
+    "runs",
+    "timings",
+]
 
 _BASE = ("run", "forward", "state", "nodes", "took_us")
 
@@ -43,15 +55,46 @@ def _check_run(run: str) -> str:
     return run
 
 
+def _summariser(
+    summarising: Callable[[list[dict[str, Any]]], Mapping[str, Any]] | Iterable[str] | None,
+) -> Callable[[list[dict[str, Any]]], Mapping[str, Any]] | None:
+    """`summarising` as a function of a forward's facts: a callable as it is; fact names as
+    the function that answers `<name>.value`, the value of the last such fact (or None)."""
+    if summarising is None or callable(summarising):
+        return summarising
+    names = [summarising] if isinstance(summarising, str) else summarising
+    try:
+        names = list(names)
+    except TypeError:
+        names = None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            f"summarising is the names of facts (say ['loss']) or a callable, not {summarising!r}"
+        )
+
+    def last_values(facts: list[dict[str, Any]]) -> dict[str, Any]:
+        last = {f"{name}.value": None for name in names}
+        for fact in facts:
+            key = f"{fact.get('fact')}.value"
+            if key in last:
+                last[key] = fact.get("value")
+        return last
+
+    return last_values
+
+
 class Recorder:
     """Writes what a graph does into a store, one record per forward, as `run/<run>/<i>`.
 
-    `run` names the run (default: a fresh time-based id, readable as `.run`). `summarising`,
-    if given, is called with the facts of each forward and returns a dict of extra meta
-    (refused if it would overwrite run, forward, state, nodes or took_us). A record is
-    written when its forward's "finished" fact arrives; facts that come after it (the
-    Trainer's loss, updated, health) join the same forward and are written at the next
-    forward's first fact, at `flush()`, or at `close()`.
+    `run` names the run (default: a fresh time-based id, readable as `.run`). `summarising`
+    names facts to summarise, `["loss"]`: every record's meta then carries `loss.value`, the
+    value of the last loss fact of that forward (None if it had none). It may instead be a
+    callable, given the facts of each forward, returning a dict of extra meta (refused if it
+    would overwrite run, forward, state, nodes or took_us). A record is written when its
+    forward's "finished" fact arrives; facts that come after it (the Trainer's loss, updated,
+    health) join the same forward and are written at the next forward's first fact, at
+    `flush()`, or at `close()`. A forward whose node raised never finishes: its record says
+    state "broke" once the next forward begins ("unfinished" if nothing came after it).
     """
 
     def __init__(
@@ -59,17 +102,19 @@ class Recorder:
         store: Store | str | os.PathLike[str],
         *,
         run: str | None = None,
-        summarising: Callable[[list[dict[str, Any]]], Mapping[str, Any]] | None = None,
+        summarising: Callable[[list[dict[str, Any]]], Mapping[str, Any]]
+        | Iterable[str]
+        | None = None,
     ) -> None:
-        if summarising is not None and not callable(summarising):
-            raise TypeError(f"summarising is a callable, not {type(summarising).__name__}")
+        self.summarising = _summariser(summarising)
         self.store = store_of(store)
         self.run = _check_run(run) if run is not None else _fresh_run()
-        self.summarising = summarising
         self._lock = threading.Lock()
         self._forward = 0
         self._facts: list[dict[str, Any]] = []
+        self._ran: set[Any] = set()
         self._finished = False
+        self._broke = False
         self._dirty = False
 
     def __repr__(self) -> str:
@@ -88,11 +133,16 @@ class Recorder:
         kind = fact["fact"]
         copied = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in fact.items()}
         with self._lock:
-            if kind in ("ran", "finished") and self._finished:
+            again = kind == "ran" and not self._finished and fact.get("node") in self._ran
+            if again:  # a node ran twice: the forward before never finished, it broke
+                self._broke = True
+            if (kind in ("ran", "finished") and self._finished) or again:
                 self._write()
                 self._forward += 1
-                self._facts = []
-                self._finished = False
+                self._facts, self._ran = [], set()
+                self._finished = self._broke = False
+            if kind == "ran":
+                self._ran.add(fact.get("node"))
             self._facts.append(copied)
             self._dirty = True
             if kind == "finished":
@@ -122,7 +172,7 @@ class Recorder:
         meta: list[tuple[str, Any]] = [
             ("run", self.run),
             ("forward", self._forward),
-            ("state", "ok" if finished else "unfinished"),
+            ("state", "ok" if finished else "broke" if self._broke else "unfinished"),
             ("nodes", sum(1 for f in self._facts if f.get("fact") == "ran")),
             ("took_us", finished[-1].get("took_us") if finished else None),
         ]
@@ -150,9 +200,8 @@ def _indexed(store: Store, run: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def runs(store: Store | str | os.PathLike[str]) -> list[str]:
+def _run_ids(store: Store) -> list[str]:
     """The runs recorded in `store`, oldest first (by when their first record was written)."""
-    store = store_of(store)
     first: dict[str, tuple[int, str]] = {}
     for name in store.names("run"):
         parts = name.split("/")
@@ -167,6 +216,63 @@ def runs(store: Store | str | os.PathLike[str]) -> list[str]:
     return sorted(first, key=lambda r: (when[r], r))
 
 
+def _bindings(store: Store, run: str) -> list[tuple[int, Any]]:
+    """`(forward, Bound)` of every record of `run`, in order."""
+    found = []
+    for bound in store.bound(f"run/{run}"):
+        parts = bound.name.split("/")
+        if len(parts) == 3 and parts[2].isdigit():
+            found.append((int(parts[2]), bound))
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def _when(seconds: list[float]) -> Any:
+    import pandas as pd
+
+    return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s", utc=True)
+
+
+def runs(store: Store | str | os.PathLike[str]) -> pd.DataFrame:
+    """A row per run recorded in `store`, oldest first: run, forwards (how many records),
+    broke (how many forwards did not finish), took_us (their time added up), first and last
+    (when its first and its latest record were written, as UTC timestamps). Read from the
+    records' meta alone. `runs(store)["run"].tolist()` are the run names."""
+    store = store_of(store)
+    rows, first, last = [], [], []
+    for run in _run_ids(store):
+        bound = [b for _, b in _bindings(store, run)]
+        took = [b.get("took_us") for b in bound if isinstance(b.get("took_us"), (int, float))]
+        rows.append(
+            {
+                "run": run,
+                "forwards": len(bound),
+                "broke": sum(1 for b in bound if b.get("state") != "ok"),
+                "took_us": float(sum(took)),
+            }
+        )
+        first.append(min(b.when for b in bound))
+        last.append(max(b.when for b in bound))
+    frame = _frame(rows, ("run", "forwards", "broke", "took_us"))
+    frame["took_us"] = frame["took_us"].astype("float64")
+    frame["first"], frame["last"] = _when(first), _when(last)
+    return frame
+
+
+def forwards(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
+    """A row per recorded forward of `run`: forward, state ("ok", "broke", "unfinished"),
+    nodes, took_us, when (a UTC timestamp), then a column per summarised value (say
+    `loss.value`) and any other meta. Read from the records' meta alone; refuses (with
+    `LookupError`) a run the store has not got."""
+    store = store_of(store)
+    bound = _bindings(store, _check_run(run))
+    if not bound:
+        raise LookupError(f"no run {run!r} in {store!r}; runs there: {_run_ids(store)}")
+    rows = [{k: v for k, v in b.meta if k != "run"} for _, b in bound]
+    frame = _frame(rows, ("forward", "state", "nodes", "took_us"))
+    frame.insert(4, "when", _when([b.when for _, b in bound]))
+    return frame
+
+
 def records(
     store: Store | str | os.PathLike[str], run: str
 ) -> list[tuple[int, list[dict[str, Any]]]]:
@@ -175,7 +281,7 @@ def records(
     store = store_of(store)
     indexed = _indexed(store, _check_run(run))
     if not indexed:
-        raise LookupError(f"no run {run!r} in {store!r}; runs there: {runs(store)}")
+        raise LookupError(f"no run {run!r} in {store!r}; runs there: {_run_ids(store)}")
     return [(index, store.recall(name) or []) for index, name in indexed]
 
 
@@ -209,8 +315,11 @@ _FACT_COLUMNS = ("fact", "forward", "node", "began_us", "took_us", "value", "ste
 
 def facts(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
     """Every fact of `run`, one row each: fact, forward, node, began_us, took_us, value,
-    step, where, then one column per health number (named by the metric; `numbers.<m>` if
-    that name is taken) and any other key a fact carried. Missing cells are NA."""
+    step, where, then a column per other key a fact carried (a health fact's `inside` and its
+    numbers, named by the metric). `where` is filled for a health fact that has none, as
+    `node` or `node.inside`. Records written before health facts were flat, with the
+    numbers under "numbers", read the same (a metric named like a column is `numbers.<m>`).
+    Missing cells are NA."""
     rows = []
     for index, forward in records(store, run):
         for fact in forward:
@@ -220,6 +329,9 @@ def facts(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
                     continue
                 row[key] = value
             row["forward"] = index
+            if fact.get("fact") == "health" and row.get("where") is None:
+                node, inside = fact.get("node"), fact.get("inside")
+                row["where"] = f"{node}.{inside}" if inside else node
             numbers = fact.get("numbers")
             if isinstance(numbers, Mapping):
                 for metric, value in numbers.items():
@@ -254,3 +366,35 @@ def losses(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
         if fact.get("fact") == "loss"
     ]
     return _frame(rows, ("step", "loss"))
+
+
+def nodes(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
+    """A row per node that ran in `run`, in the order they first ran: node, ran (in how
+    many forwards), took_us (all of its time added up) and mean_us (per forward)."""
+    seen: dict[Any, list[float]] = {}
+    for _, forward in records(store, run):
+        for fact in forward:
+            if fact.get("fact") == "ran":
+                took = fact.get("took_us")
+                seen.setdefault(fact.get("node"), []).append(
+                    float(took) if isinstance(took, (int, float)) else float("nan")
+                )
+    rows = [
+        {"node": node, "ran": len(t), "took_us": sum(t), "mean_us": sum(t) / len(t)}
+        for node, t in seen.items()
+    ]
+    return _frame(rows, ("node", "ran", "took_us", "mean_us"))
+
+
+def curve(store: Store | str | os.PathLike[str], run: str, fact: str = "loss") -> pd.DataFrame:
+    """How a value went over `run`: a row per fact of kind `fact` (the Trainer's "loss" by
+    default, or any fact that carries a "value"): forward, step, value."""
+    if not isinstance(fact, str) or not fact:
+        raise TypeError(f"fact is the kind of fact to follow, say 'loss', not {fact!r}")
+    rows = [
+        {"forward": index, "step": f.get("step"), "value": f.get("value")}
+        for index, forward in records(store, run)
+        for f in forward
+        if f.get("fact") == fact
+    ]
+    return _frame(rows, ("forward", "step", "value"))

@@ -12,7 +12,9 @@ A `Store` is a directory (created if missing) or any fsspec URL (`memory://scrat
   codecs of `somatize.codecs`.
 
 Every write is written aside and then renamed into place, so a crash mid-write leaves the old
-value or the new one and never half of one. Layout on disk::
+value or the new one and never half of one; `clean()` removes what killed writers left aside.
+What is read back is not trusted: blobs are checked against their digest, bindings must parse
+as bindings, and values decode through `somatize.codecs`' bounds. Layout on disk::
 
     blobs/sha256/ab/cdef...        the bytes whose sha256 is abcdef...
     names/run/r1/3/.bind           the binding of the name "run/r1/3"
@@ -20,25 +22,22 @@ value or the new one and never half of one. Layout on disk::
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import re
-import threading
 import time
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, unquote
 
+from somatize._places import Local, Remote
 from somatize.codecs import decode, digest, encode
+from somatize.node import unwrap
 
 __all__ = ["Bound", "CorruptBinding", "CorruptBlob", "Store"]
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _BIND = ".bind"
-_TMP = ".tmp-"
 
 
 class CorruptBlob(ValueError):
@@ -94,13 +93,10 @@ def _escape(part: str) -> str:
 
 
 def _name_path(name: str) -> str:
-    return "names/" + "/".join(_escape(p) for p in _segments(name)) + "/" + _BIND
-
-
-def _tmp_name(path: str) -> str:
-    head, _, tail = path.rpartition("/")
-    tmp = f"{_TMP}{tail}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    return f"{head}/{tmp}" if head else tmp
+    path = "names/" + "/".join(_escape(p) for p in _segments(name)) + "/" + _BIND
+    if len(path) > 1000:  # S3 keys stop at 1024 bytes, and many paths at 4096
+        raise ValueError(f"store name {name[:40]!r}... is too long ({len(path)} bytes escaped)")
+    return path
 
 
 def _meta_pairs(meta: Any, name: str) -> list[tuple[str, Any]]:
@@ -121,167 +117,6 @@ def _meta_pairs(meta: Any, name: str) -> list[tuple[str, Any]]:
     return pairs
 
 
-class _Local:
-    """A directory on this machine: a temp file beside, then `os.replace`; claims by link."""
-
-    def __init__(self, root: str) -> None:
-        self.root = os.path.abspath(root)
-        os.makedirs(self.root, exist_ok=True)
-
-    def where(self, path: str) -> str:
-        return os.path.join(self.root, *path.split("/"))
-
-    def read(self, path: str) -> bytes | None:
-        try:
-            with open(self.where(path), "rb") as file:
-                return file.read()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-
-    def _aside(self, path: str, data: bytes) -> str:
-        aside = self.where(_tmp_name(path))
-        try:
-            file = open(aside, "wb")
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(aside), exist_ok=True)
-            file = open(aside, "wb")
-        try:
-            with file:
-                file.write(data)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(aside)
-            raise
-        return aside
-
-    def write(self, path: str, data: bytes) -> None:
-        aside = self._aside(path, data)
-        try:
-            os.replace(aside, self.where(path))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(aside)
-            raise
-
-    def create(self, path: str, data: bytes) -> bool:
-        final = self.where(path)
-        if os.path.lexists(final):
-            return False
-        aside = self._aside(path, data)
-        try:
-            os.link(aside, final)  # atomic, and fails if the name exists: exactly one winner
-            return True
-        except FileExistsError:
-            return False
-        except OSError as error:
-            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                raise
-            return self._create_exclusive(final, aside)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(aside)
-
-    @staticmethod
-    def _create_exclusive(final: str, aside: str) -> bool:
-        # No hard links here: an O_EXCL marker decides who wins, then the winner moves its
-        # complete file into place, so nobody ever reads a half-written binding.
-        try:
-            os.close(os.open(final + ".claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
-        except FileExistsError:
-            return False
-        if os.path.lexists(final):
-            return False
-        os.replace(aside, final)
-        return True
-
-    def files(self, folder: str) -> Iterator[str]:
-        for dirpath, _dirs, names in os.walk(self.where(folder)):
-            rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
-            for name in names:
-                yield f"{rel}/{name}"
-
-
-class _Remote:
-    """Any fsspec filesystem. Object stores (and memory) put a whole object or nothing, so
-    files are written there in one put; other filesystems write aside, then move. `create`
-    opens in exclusive mode (`"xb"`) where the filesystem has one, else looks, then writes
-    (best effort: two processes racing on such a filesystem may both win). Within a process
-    claims and reads are serialised by a lock, so threads on `memory://` claim exactly once."""
-
-    _whole = {"s3", "s3a", "gs", "gcs", "abfs", "az", "adl", "memory"}
-    _locks: dict[str, threading.RLock] = {}
-    _locks_lock = threading.Lock()
-
-    def __init__(self, fs: Any, root: str) -> None:
-        self.fs = fs
-        self.root = root.rstrip("/")
-        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-        self.whole = bool(set(protocols) & self._whole)
-        with self._locks_lock:
-            self.lock = self._locks.setdefault(f"{protocols[0]}://{self.root}", threading.RLock())
-        with contextlib.suppress(OSError):  # a bucket may exist without our being allowed to ask
-            self.fs.makedirs(self.root, exist_ok=True)
-
-    def where(self, path: str) -> str:
-        return f"{self.root}/{path}"
-
-    def read(self, path: str) -> bytes | None:
-        with self.lock:
-            try:
-                return self.fs.cat_file(self.where(path))
-            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-                return None
-
-    def write(self, path: str, data: bytes) -> None:
-        final = self.where(path)
-        with self.lock:
-            if self.whole:  # object stores have no folders to make
-                self.fs.pipe_file(final, data)
-                return
-            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-            aside = self.where(_tmp_name(path))
-            self.fs.pipe_file(aside, data)
-            try:
-                self.fs.mv(aside, final)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    self.fs.rm_file(aside)
-                raise
-
-    def create(self, path: str, data: bytes) -> bool:
-        final = self.where(path)
-        with self.lock:
-            if self.fs.exists(final):
-                return False
-            if not self.whole:
-                self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-            try:
-                with self.fs.open(final, "xb") as file:
-                    file.write(data)
-                return True
-            except FileExistsError:
-                return False
-            except (ValueError, NotImplementedError):
-                pass  # this filesystem has no exclusive create: look, then write
-            if self.fs.exists(final):
-                return False
-            self.write(path, data)
-            return True
-
-    def files(self, folder: str) -> Iterator[str]:
-        with self.lock:
-            self.fs.invalidate_cache(self.where(folder))  # others may have bound names since
-            try:
-                found = self.fs.find(self.where(folder))
-            except FileNotFoundError:
-                return
-        prefix = self.fs._strip_protocol(self.root).rstrip("/") + "/"
-        for full in found:
-            full = self.fs._strip_protocol(full)
-            if full.startswith(prefix):
-                yield full[len(prefix) :]
-
-
 class Store:
     """Bytes kept by content, and names that point at them; see the module docstring.
 
@@ -297,16 +132,16 @@ class Store:
         if "://" not in text:
             if storage_options:
                 raise TypeError(f"storage options are for fsspec URLs, not the directory {text!r}")
-            self._place: _Local | _Remote = _Local(text)
+            self._place: Local | Remote = Local(text)
             return
         import fsspec
 
         fs, root = fsspec.core.url_to_fs(text, **storage_options)
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         if "file" in protocols or "local" in protocols:
-            self._place = _Local(root)
+            self._place = Local(root)
         else:
-            self._place = _Remote(fs, root)
+            self._place = Remote(fs, root)
 
     @property
     def where(self) -> str:
@@ -383,20 +218,26 @@ class Store:
 
     def claim(self, name: str, key: str, meta: Any = None) -> bool:
         """Bind `name` to `key` only if nothing is bound to it yet; True if this call did.
-        Of many claimers racing for one name, threads or processes, exactly one gets True
-        (on an fsspec filesystem without exclusive create, see `Store` docs: best effort)."""
+        Of many claimers racing for one name, threads or processes, exactly one gets True:
+        on a directory by a hard link (or, where there are none, an exclusive marker that a
+        killed claimer does not leave standing in the way), on S3 by a conditional put the
+        server decides (a 409, another write in flight, is asked again; a 412 is False). On
+        an fsspec filesystem without exclusive create it is best effort (see docs/store.md)."""
         path = _name_path(name)
         return self._place.create(path, self._binding(name, key, meta))
 
     def _read_binding(self, name: str, path: str, data: bytes) -> Bound:
         try:
             record = decode(data)
-            bound = Bound(
-                name=record["name"],
-                digest=record["digest"],
-                meta=[(str(k), v) for k, v in record["meta"]],
-                when=float(record["when"]),
-            )
+            meta = [(k, v) for k, v in record["meta"]]
+            if not (
+                type(record["name"]) is str
+                and type(record["digest"]) is str
+                and _DIGEST.fullmatch(record["digest"])
+                and all(type(k) is str for k, _ in meta)
+            ):
+                raise ValueError("its fields are not a name, a digest and str meta keys")
+            bound = Bound(record["name"], record["digest"], meta, float(record["when"]))
         except Exception as error:
             raise CorruptBinding(
                 f"the binding of {name!r} at {self._place.where(path)} cannot be read "
@@ -432,16 +273,19 @@ class Store:
 
     def keep(self, name: str, value: Any, meta: Any = None) -> str:
         """Write `value` down through the codecs, bind `name` to it, and answer its digest.
+        An `Opaque` (anywhere in it) is kept as the value it wraps, as an edge unwraps it.
         Refuses (with `NoCodec`, before writing anything) a value no codec can write."""
         _name_path(name)
-        data = encode(value, where=f"the value kept as {name!r}")
+        data = encode(unwrap(value), where=f"the value kept as {name!r}")
         key = self.put(data)
         self.bind(name, key, meta)
         return key
 
     def recall(self, name: str) -> Any:
         """The value kept under `name`, or None if nothing is bound to it. Raises
-        `LookupError` if the name points at bytes this store does not hold."""
+        `LookupError` if the name points at bytes this store does not hold, `CorruptBlob` or
+        `CorruptBinding` if they were damaged, and `somatize.codecs.Malformed` if the bytes
+        are not a value `decode` will read (say, written by someone hostile)."""
         bound = self.resolve(name)
         if bound is None:
             return None
@@ -462,6 +306,21 @@ class Store:
             if parts[-1] == _BIND and len(parts) >= 3:
                 found.append("/".join(unquote(p) for p in parts[1:-1]))
         return sorted(found)
+
+    def clean(self, *, older_than: float = 3600.0) -> dict[str, int]:
+        """Remove what killed writers left behind, and answer `{"files": n, "bytes": b}`.
+
+        A write goes through a temp file beside its target (`.tmp-...`); a writer killed
+        mid-write leaves it there, unread but taking space. Such a file goes when its writer
+        is seen dead on this machine, or when nobody has written to it for `older_than`
+        seconds (a writer on another machine sharing the directory). A live writer's file is
+        never touched. Claim markers go once the claim they decided stands. On an object
+        store nothing is written aside, so there is nothing to clean (a big object's
+        unfinished multipart upload is the bucket lifecycle's to abort). Refuses a negative
+        `older_than`."""
+        if isinstance(older_than, bool) or not older_than >= 0:
+            raise ValueError(f"older_than is seconds >= 0, not {older_than!r}")
+        return self._place.clean(float(older_than))
 
 
 def _reopen(where: str, options: dict[str, Any]) -> Store:

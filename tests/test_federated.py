@@ -58,6 +58,168 @@ def test_fedavg_refuses_mismatches_and_bad_sizes():
         fedavg([export(1.0), export(2.0)], sizes=[0, 0])
 
 
+def test_fedavg_refuses_nan_and_inf_naming_where():
+    poisoned = export(1.0)
+    poisoned["enc"]["w"][0, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"export 1 .*node 'enc', 'w' holds 1 NaN"):
+        fedavg([export(1.0), poisoned])
+    blown = export(1.0)
+    blown["enc"]["w"][:] = float("inf")
+    with pytest.raises(ValueError, match=r"export 0 .*holds 4 NaN or infinite"):
+        fedavg([blown, export(1.0)])
+    with pytest.raises(ValueError, match="not a tensor"):
+        fedavg([export(1.0), {"enc": {"w": [1.0, 2.0], "n": torch.tensor(1)}}])
+    with pytest.raises(ValueError, match="finite number"):
+        fedavg([export(1.0), export(2.0)], sizes=[1, float("inf")])
+
+
+def test_fedavg_takes_opaque_exports_as_the_exports_they_wrap():
+    from somatize import Opaque
+
+    assert torch.equal(
+        fedavg([Opaque(export(1.0)), export(3.0)])["enc"]["w"], torch.full((2, 2), 2.0)
+    )
+
+
+def test_gather_refuses_what_is_not_an_export_before_keeping_anything(tmp_path):
+    store = Store(tmp_path / "s")
+    poisoned = export(1.0)
+    poisoned["enc"]["w"][1, 1] = float("-inf")
+    for bad, said in (("weights", "is a str"), (poisoned, "infinite"), ({"enc": 1}, "entry")):
+        with pytest.raises(ValueError, match=said):
+            gather(store, bad, run="r", round=0, clients=2, mine=0, within=5, asking=0.01)
+    assert store.names() == []
+
+
+def two_good_clients(store, *, within=30.0):
+    """Clients 0 and 1 gather round 0 of run "r" (of 3), one in a thread, one here: their
+    answers, and the RuntimeWarnings the two of them gave."""
+    import warnings
+
+    answers, errors = {}, {}
+
+    def client(k):
+        try:
+            answers[k] = gather(
+                store,
+                export(float(k) + 1),
+                run="r",
+                round=0,
+                clients=3,
+                mine=k,
+                size=1,
+                within=within,
+                asking=0.02,
+            )
+        except Exception as error:  # noqa: BLE001  (reported by the test)
+            errors[k] = error
+
+    with warnings.catch_warnings(record=True) as caught:  # the whole process's, both clients'
+        warnings.simplefilter("always")
+        other = threading.Thread(target=client, args=(1,))
+        other.start()
+        client(0)
+        other.join(timeout=2 * within)
+    assert errors == {}
+    return answers, [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
+@pytest.mark.parametrize(
+    "bad, said",
+    [
+        ("not an export", "is a str"),
+        ({"other": {"w": torch.zeros(2, 2)}}, "holds nodes ['other']"),
+        ({"enc": {"w": torch.zeros(3), "n": torch.tensor(1)}}, "torch.float32(3,)"),
+        ({"enc": {"w": torch.full((2, 2), float("nan")), "n": torch.tensor(1)}}, "NaN"),
+    ],
+    ids=["str", "other-nodes", "other-shape", "nan"],
+)
+def test_a_bad_record_is_left_out_and_the_round_completes_among_the_good(tmp_path, bad, said):
+    import time
+
+    store = Store(tmp_path / "s")
+    store.keep("r/round/0/client/2", bad, meta=[("size", 1)])  # written by someone else
+    began = time.monotonic()
+    answers, warned = two_good_clients(store)
+    assert time.monotonic() - began < 20  # not `within`: nobody waited for client 2
+    for k in (0, 1):
+        assert torch.equal(answers[k]["enc"]["w"], torch.full((2, 2), 1.5))
+    assert len(warned) == 2  # each client is told
+    assert all("without 1 client" in w and "client 2: " in w and said in w for w in warned)
+    meta = store.resolve("r/round/0/average")
+    assert meta.get("averaged") == [0, 1] and meta.get("left_out")[0][0] == 2
+
+
+def test_a_damaged_binding_or_blob_is_left_out_too(tmp_path):
+    store = Store(tmp_path / "s")
+    key = store.keep("r/round/0/client/2", export(9.0), meta=[("size", 1)])
+    hexed = key.split(":")[1]
+    (tmp_path / "s" / "blobs" / "sha256" / hexed[:2] / hexed[2:]).write_bytes(b"rot")
+    answers, warned = two_good_clients(store)
+    assert torch.equal(answers[0]["enc"]["w"], torch.full((2, 2), 1.5))
+    assert len(warned) == 2 and "cannot be read" in warned[0] and "corrupt" in warned[0]
+    other = Store(tmp_path / "t")
+    other.keep("r/round/0/client/2", export(9.0))
+    (tmp_path / "t" / "names" / "r" / "round" / "0" / "client" / "2" / ".bind").write_bytes(b"x")
+    answers, warned = two_good_clients(other)
+    assert torch.equal(answers[1]["enc"]["w"], torch.full((2, 2), 1.5))
+    assert len(warned) == 2 and all("cannot be read" in w for w in warned)
+
+
+def test_an_average_that_is_not_one_is_refused_at_once_naming_it(tmp_path):
+    store = Store(tmp_path / "s")
+    store.claim("r/round/0/averager", store.put(b"ghost"))
+    store.keep("r/round/0/average", {"enc": {"w": torch.zeros(5)}})
+    for k in range(3):
+        store.keep(f"r/round/0/client/{k}", export(1.0), meta=[("size", 1)])
+    with pytest.raises(ValueError, match=r"average of round 0 .*'r/round/0/average'.* nodes|keys"):
+        gather(store, export(1.0), run="r", round=0, clients=3, mine=0, within=30, asking=0.01)
+
+
+HOSTILE_ROUND = textwrap.dedent(
+    """
+    import sys, threading, warnings
+    import msgpack, torch
+    from somatize import Store
+    from somatize.torch import gather
+
+    store = Store(sys.argv[1])
+    deep = msgpack.packb(None)
+    for _ in range(195):  # the 900 bytes that used to kill the averager
+        deep = msgpack.packb(msgpack.ExtType(1, b"\\x91" + deep))
+    store.bind("r/round/0/client/2", store.put(deep))
+    answers = {}
+
+    def client(k):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            answers[k] = gather(store, {"enc": {"w": torch.full((2,), float(k))}}, run="r",
+                                round=0, clients=3, mine=k, within=60, asking=0.02)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(answers[0]["enc"]["w"].tolist(), answers[1]["enc"]["w"].tolist())
+    print(store.resolve("r/round/0/average").get("left_out"))
+    """
+)
+
+
+def test_hostile_bytes_in_a_record_do_not_kill_the_averager(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", HOSTILE_ROUND, str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, left = done.stdout.splitlines()
+    assert first == "[0.5, 0.5] [0.5, 0.5]"
+    assert left.startswith("[[2, ") and "32 deep" in left
+
+
 def test_gather_three_threads_one_averager_same_answer(tmp_path):
     store = Store(tmp_path / "s")
     answers: dict[int, dict] = {}

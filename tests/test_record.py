@@ -23,7 +23,8 @@ class Double(Node):
 
 
 def step(recorder: Recorder, i: int, *, health: bool = True) -> None:
-    """What a Trainer tells its watchers in one step, in the order it tells them."""
+    """What a Trainer told its watchers in one step, in the order it tells them, with a
+    health fact in the layout records were written in before facts were flat."""
     recorder({"fact": "ran", "node": "enc", "began_us": 0.0, "took_us": 10.0 + i})
     recorder({"fact": "ran", "node": "head", "began_us": 10.0, "took_us": 5})
     recorder({"fact": "finished", "took_us": 20.5})
@@ -79,7 +80,7 @@ def test_a_graph_watched_by_a_recorder(tmp_path: Path) -> None:
     for x in range(4):
         assert graph.forward(x, watching=recorder) == (x + 1) * 2
     recorder.close()
-    assert rec.runs(store) == [recorder.run]
+    assert rec.runs(store)["run"].tolist() == [recorder.run]
     timings = rec.timings(store, recorder.run)
     assert list(timings.columns) == ["forward", "node", "began_us", "took_us"]
     assert timings["forward"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -148,7 +149,7 @@ def test_runs_are_listed_oldest_first_and_unknown_runs_refused(tmp_path: Path) -
     for run in ("zeta", "alpha"):
         step(Recorder(store, run=run), 0)
     store.keep("cache/ab/x", 1)
-    assert rec.runs(store) == ["zeta", "alpha"]
+    assert rec.runs(store)["run"].tolist() == ["zeta", "alpha"]
     with pytest.raises(LookupError, match="zeta"):
         rec.facts(store, "nope")
 
@@ -171,3 +172,130 @@ def test_empty_tables_have_their_columns(tmp_path: Path) -> None:
     assert list(rec.losses(store, "quiet").columns) == ["step", "loss"]
     assert isinstance(rec.timings(store, "quiet"), pd.DataFrame)
     assert rec.timings(store, "quiet").empty
+
+
+def flat_step(recorder: Recorder, i: int) -> None:
+    """A step as the Trainer tells it now: flat health facts, one per watched place."""
+    recorder({"fact": "ran", "node": "enc", "began_us": 0.0, "took_us": 10.0 + i})
+    recorder({"fact": "ran", "node": "head", "began_us": 10.0, "took_us": 5.0})
+    recorder({"fact": "finished", "took_us": 20.5})
+    recorder({"fact": "loss", "value": 1.0 / (i + 1), "step": i})
+    recorder({"fact": "updated", "step": i})
+    for inside in ("fc", None):
+        recorder(
+            {
+                "fact": "health",
+                "node": "enc",
+                "inside": inside,
+                "step": i,
+                "grad_norm": 0.5 * i,
+                "dead_channels": i,
+                "nan": False,
+            }
+        )
+    recorder.flush()
+
+
+def test_flat_health_facts_read_back_by_metric_and_place(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    recorder = Recorder(store, run="flat")
+    for i in range(3):
+        flat_step(recorder, i)
+    table = rec.facts(store, "flat")
+    health = table[table["fact"] == "health"]
+    assert health["where"].tolist() == ["enc.fc", "enc"] * 3
+    assert health["inside"].tolist()[:2] == ["fc", None]
+    assert health["grad_norm"].tolist() == [0.0, 0.0, 0.5, 0.5, 1.0, 1.0]
+    assert table["dead_channels"].dtype == "Int64" and table["nan"].dtype == "boolean"
+
+
+def test_summarising_names_facts_and_every_record_carries_their_last_value(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path)
+    recorder = Recorder(store, run="tuesday", summarising=["loss"])
+    for i in range(3):
+        flat_step(recorder, i)
+    recorder({"fact": "ran", "node": "enc", "began_us": 0.0, "took_us": 1.0})
+    recorder({"fact": "finished", "took_us": 2.0})  # a forward without a loss
+    recorder.close()
+    values = [store.resolve(f"run/tuesday/{i}").get("loss.value") for i in range(4)]
+    assert values == [1.0, 0.5, 1 / 3, None]
+    assert store.resolve("run/tuesday/3").get("state") == "ok"
+    one = Recorder(store, run="one", summarising="loss")  # a single name is a name too
+    flat_step(one, 0)
+    assert store.resolve("run/one/0").get("loss.value") == 1.0
+    with pytest.raises(TypeError, match="names of facts"):
+        Recorder(store, summarising=[1])
+    with pytest.raises(TypeError, match="names of facts"):
+        Recorder(store, summarising=[])
+
+
+class Fragile(Node):
+    def forward(self, input: Any, ctx: Any) -> Any:
+        if input > 10:
+            raise ValueError(f"{input} is too big")
+        return input
+
+
+def test_a_forward_that_broke_is_its_own_record(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    graph = Graph.somatize(Inc().named("inc") >> Fragile().named("fragile"))
+    recorder = Recorder(store, run="b")
+    assert graph.forward(1, watching=recorder) == 2
+    with pytest.raises(ValueError, match="too big"):
+        graph.forward(20, watching=recorder)  # inc ran, fragile raised: no finished fact
+    assert graph.forward(2, watching=recorder) == 3
+    recorder.close()
+    states = [store.resolve(f"run/b/{i}").get("state") for i in range(3)]
+    assert states == ["ok", "broke", "ok"]
+    assert [[f["fact"] for f in facts] for _, facts in rec.records(store, "b")] == [
+        ["ran", "ran", "finished"],
+        ["ran"],
+        ["ran", "ran", "finished"],
+    ]
+    assert rec.runs(store)["broke"].tolist() == [1]
+
+
+def test_runs_forwards_nodes_and_curve_are_dataframes(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    recorder = Recorder(store, run="tuesday", summarising=["loss"])
+    for i in range(4):
+        flat_step(recorder, i)
+    recorder({"fact": "ran", "node": "enc", "began_us": 0.0, "took_us": 1.0})
+    recorder({"fact": "ran", "node": "enc", "began_us": 0.0, "took_us": 1.0})  # it broke
+    recorder({"fact": "finished", "took_us": 3.0})
+    recorder.close()
+    step(Recorder(store, run="wednesday"), 0)
+
+    table = rec.runs(store)
+    assert list(table.columns) == ["run", "forwards", "broke", "took_us", "first", "last"]
+    assert table["run"].tolist() == ["tuesday", "wednesday"]
+    assert table["forwards"].tolist() == [6, 1] and table["broke"].tolist() == [1, 0]
+    assert table["took_us"].tolist() == pytest.approx([4 * 20.5 + 3.0, 20.5])
+    assert (
+        str(table["first"].dtype).startswith("datetime64")
+        and (table["first"] <= table["last"]).all()
+    )
+
+    per = rec.forwards(store, "tuesday")
+    assert list(per.columns[:5]) == ["forward", "state", "nodes", "took_us", "when"]
+    assert per["forward"].tolist() == list(range(6))
+    assert per["state"].tolist() == ["ok"] * 4 + ["broke", "ok"]
+    assert per["nodes"].tolist() == [2, 2, 2, 2, 1, 1]
+    assert per["loss.value"].tolist()[:4] == pytest.approx([1.0, 0.5, 1 / 3, 0.25])
+    assert per["loss.value"].isna().tolist() == [False] * 4 + [True, True]
+
+    who = rec.nodes(store, "tuesday")
+    assert list(who.columns) == ["node", "ran", "took_us", "mean_us"]
+    assert who["node"].tolist() == ["enc", "head"] and who["ran"].tolist() == [6, 4]
+    assert who["took_us"].tolist() == pytest.approx([10 + 11 + 12 + 13 + 1 + 1, 20.0])
+
+    losses = rec.curve(store, "tuesday")
+    assert list(losses.columns) == ["forward", "step", "value"]
+    assert losses["step"].tolist() == [0, 1, 2, 3] and losses["forward"].tolist() == [0, 1, 2, 3]
+    assert losses["value"].tolist() == pytest.approx([1.0, 0.5, 1 / 3, 0.25])
+    assert rec.curve(store, "tuesday", "updated")["step"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(LookupError, match="tuesday"):
+        rec.forwards(store, "thursday")
+    assert rec.runs(Store(tmp_path / "empty"))["run"].tolist() == []

@@ -8,13 +8,13 @@ import pickle
 import signal
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 import uuid
 from pathlib import Path
 
 import pytest
+from _children import WRITER
 
 from somatize.codecs import NoCodec, digest, encode
 from somatize.store import Bound, CorruptBinding, CorruptBlob, Store
@@ -140,10 +140,13 @@ def test_a_blob_that_does_not_hash_to_its_name_is_never_returned(tmp_path: Path)
 
 
 def test_a_corrupt_blob_in_memory_is_reported_too() -> None:
-    store = Store(f"memory://test-{uuid.uuid4().hex}")
+    import fsspec
+
+    where = f"test-{uuid.uuid4().hex}"
+    store = Store(f"memory://{where}")
     key = store.put(b"abc")
     hexed = key.split(":")[1]
-    store._place.fs.pipe_file(store._place.where(f"blobs/sha256/{hexed[:2]}/{hexed[2:]}"), b"abd")
+    fsspec.filesystem("memory").pipe_file(f"/{where}/blobs/sha256/{hexed[:2]}/{hexed[2:]}", b"abd")
     with pytest.raises(CorruptBlob, match=key):
         store.get(key)
 
@@ -162,43 +165,32 @@ def test_a_torn_binding_is_reported_not_ignored(tmp_path: Path) -> None:
         store.recall("run/r/0")
 
 
-def test_a_failed_rename_keeps_the_old_value_and_leaves_no_debris(
-    store: Store, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("where", ["dir", "memory"])
+def test_a_failed_write_keeps_the_old_value_and_leaves_no_debris(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    store = Store(tmp_path / "s") if where == "dir" else Store(f"memory://t-{uuid.uuid4().hex}")
     store.keep("model", {"version": 1})
-    local = not hasattr(store._place, "fs")
 
     def crash(*args: object, **kwargs: object) -> None:
         raise OSError("disk pulled out mid-write")
 
     with monkeypatch.context() as patch:
-        if local:
+        if where == "dir":  # the rename into place fails
             patch.setattr(os, "replace", crash)
         else:  # an object store writes a whole object or nothing: fail the put itself
-            patch.setattr(type(store._place.fs), "pipe_file", crash)
+            patch.setattr(MemoryFileSystem, "pipe_file", crash)
         with pytest.raises(OSError, match="disk pulled"):
             store.keep("model", {"version": 2})
         with pytest.raises(OSError, match="disk pulled"):
             store.bind("model", digest(b"x"))
     assert store.recall("model") == {"version": 1}
     assert [b.name for b in store.bound()] == ["model"]
-    if local:
-        leftovers = [p.name for p in Path(store.where).rglob("*") if p.name.startswith(".tmp-")]
+    if where == "dir":
+        leftovers = [p.name for p in (tmp_path / "s").rglob("*") if p.name.startswith(".tmp-")]
         assert leftovers == []
-
-
-_WRITER = textwrap.dedent(
-    """
-    import sys
-    from somatize.store import Store
-    store = Store(sys.argv[1])
-    i = 0
-    print("ready", flush=True)
-    while True:
-        i += 1
-        store.keep("big", {"i": i, "payload": bytes([i % 256]) * 4_000_000})
-    """
-)
 
 
 @pytest.mark.parametrize("pause", [0.0, 0.013, 0.037])
@@ -206,7 +198,7 @@ def test_a_writer_killed_mid_write_leaves_a_whole_value(tmp_path: Path, pause: f
     store = Store(tmp_path)
     store.keep("big", {"i": 0, "payload": b"\x00" * 4_000_000})
     writer = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", WRITER, str(tmp_path), "4000000"], stdout=subprocess.PIPE, text=True
     )
     try:
         assert writer.stdout.readline().strip() == "ready"
@@ -316,63 +308,25 @@ def test_file_urls_are_local_directories(tmp_path: Path) -> None:
     assert Store(tmp_path).recall("a/b") == 1
 
 
+def test_an_opaque_is_kept_as_the_value_it_wraps(store: Store) -> None:
+    from somatize import Opaque
+
+    value = {"loss": 0.5, "shape": (2, 3)}
+    key = store.keep("bare", value)
+    assert store.keep("wrapped", Opaque(value)) == key
+    assert store.keep("inside", {"loss": Opaque(0.5), "shape": (Opaque(2), 3)}) == key
+    assert store.recall("wrapped") == value and type(store.recall("inside")["shape"]) is tuple
+
+
 def test_encoded_bytes_are_what_is_kept(store: Store) -> None:
     key = store.keep("v", {"a": (1,)})
     assert key == digest(encode({"a": (1,)}))
     assert store.get(key) == encode({"a": (1,)})
 
 
-# -- a real S3 API (moto's server on 127.0.0.1) ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> str:
-    server_module = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-def s3_store(endpoint: str, bucket: str) -> Store:
-    return Store(
-        f"s3://{bucket}/prefix",
-        key="testing",
-        secret="testing",
-        client_kwargs={"endpoint_url": endpoint},
-        skip_instance_cache=True,
-    )
-
-
-def test_an_s3_store_keeps_binds_and_claims(s3_endpoint: str) -> None:
-    store = s3_store(s3_endpoint, "somatize-test")
-    key = store.put(b"weights")
-    assert store.get(key) == b"weights" and store.get(digest(b"other")) is None
-    store.keep("run/r1/0", {"loss": 0.5, "shape": (2, 3)}, meta={"forward": 0})
-    assert store.recall("run/r1/0") == {"loss": 0.5, "shape": (2, 3)}
-    assert store.resolve("run/r1/0").meta == [("forward", 0)]
-    assert store.claim("fed/round/0", key) is True
-    assert store.claim("fed/round/0", digest(b"late")) is False
-    # a second client (its own filesystem object and cache) sees the bindings and loses claims
-    other = s3_store(s3_endpoint, "somatize-test")
-    assert [b.name for b in other.bound()] == ["fed/round/0", "run/r1/0"]
-    assert other.claim("fed/round/0", digest(b"late")) is False
-    assert other.resolve("fed/round/0").digest == key
-    again = pickle.loads(pickle.dumps(other))
-    assert again.recall("run/r1/0")["shape"] == (2, 3)
-
-
-def test_an_s3_claim_is_decided_by_the_server(
-    s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    first = s3_store(s3_endpoint, "somatize-claims")
-    second = s3_store(s3_endpoint, "somatize-claims")
-    second._place.lock = threading.RLock()  # as if in another process: no shared lock
-    assert first.claim("x", digest(b"first")) is True
-    # the second client looked just before the first claim landed: only the server's
-    # exclusive put (If-None-Match) stands between it and overwriting the winner
-    monkeypatch.setattr(second._place.fs, "exists", lambda path: False)
-    assert second.claim("x", digest(b"second")) is False
-    assert second.resolve("x").digest == digest(b"first")
+def test_names_too_long_for_a_file_or_a_key_are_refused(store: Store) -> None:
+    with pytest.raises(ValueError, match="name .* too long"):
+        store.bind("x" * 300, store.put(b"v"))
+    with pytest.raises(ValueError, match="name .* too long"):
+        store.keep("/".join(["segment"] * 200), 1)
+    assert store.names() == []

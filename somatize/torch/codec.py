@@ -1,6 +1,6 @@
 """How a tensor is written down: safetensors, never pickle.
 
-Registered as the codec of kind ``"tensor"`` when `somatize.torch` is imported (and imported
+Registered as the codec of kind ``"torch.Tensor"`` when `somatize.torch` is imported (and imported
 on its own when a store hands back bytes holding a tensor). What is kept is the dtype, the
 shape and the numbers; what is not kept is where the tensor lived (it comes back on the cpu;
 move it yourself, or let a graph do it), its autograd history (the tensor is detached) and
@@ -49,8 +49,13 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def load_tensor(data: bytes) -> torch.Tensor:
-    """The tensor that `dump_tensor` wrote, on the cpu."""
-    return safetensors.torch.load(bytes(data))["tensor"]
+    """The tensor that `dump_tensor` wrote, on the cpu. Refuses (`ValueError`) bytes that
+    are not safetensors holding one tensor named "tensor" (safetensors itself checks that
+    the header's offsets lie inside the bytes, so nothing is allocated beyond them)."""
+    loaded = safetensors.torch.load(bytes(data))
+    if list(loaded) != ["tensor"]:
+        raise ValueError(f"safetensors bytes holding {sorted(loaded)[:4]}, not one 'tensor'")
+    return loaded["tensor"]
 
 
-codec("tensor", torch.Tensor, dump=dump_tensor, load=load_tensor)
+codec("torch.Tensor", torch.Tensor, dump=dump_tensor, load=load_tensor)

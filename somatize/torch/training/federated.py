@@ -11,15 +11,56 @@ Each client trains, exports (`Trainer.export`), puts its round into a shared sto
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from somatize.node import unwrap
+
 __all__ = ["fedavg", "gather"]
 
 Export = dict[str, dict[str, torch.Tensor]]
+
+
+def _not_an_export(value: Any) -> str | None:
+    """Why `value` is not an export (`{node id: {key: tensor}}` of finite numbers), or None."""
+    if type(value) is not dict:
+        return f"it is a {type(value).__name__}, not {{node: {{key: tensor}}}}"
+    for nid, state in value.items():
+        if type(nid) is not str or type(state) is not dict:
+            return f"its entry {nid!r} is not a node id holding {{key: tensor}}"
+        for key, t in state.items():
+            if type(key) is not str or not isinstance(t, torch.Tensor):
+                return f"node {nid!r}, {key!r} is a {type(t).__name__}, not a tensor"
+            if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                return f"node {nid!r}, {key!r} holds {bad} NaN or infinite number(s)"
+    return None
+
+
+def _differs(other: Export, first: Export) -> str | None:
+    """How `other` differs from `first` in nodes, keys, shapes or dtypes, or None."""
+    if set(other) != set(first):
+        return f"it holds nodes {sorted(other)}, not {sorted(first)}"
+    for nid, state in first.items():
+        if set(other[nid]) != set(state):
+            return f"node {nid!r} holds keys {sorted(other[nid])}, not {sorted(state)}"
+        for key, t in state.items():
+            u = other[nid][key]
+            if u.shape != t.shape or u.dtype != t.dtype:
+                return (
+                    f"node {nid!r}, {key!r} is {u.dtype}{tuple(u.shape)}, "
+                    f"not {t.dtype}{tuple(t.shape)}"
+                )
+    return None
+
+
+def _bad_size(s: Any) -> bool:
+    return isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0 or s == math.inf
 
 
 def _check_sizes(sizes: Sequence[float] | None, n: int) -> list[float]:
@@ -29,10 +70,10 @@ def _check_sizes(sizes: Sequence[float] | None, n: int) -> list[float]:
     if len(sizes) != n:
         raise ValueError(f"fedavg: {n} exports and {len(sizes)} sizes; give one size per export")
     for k, s in enumerate(sizes):
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0:
+        if _bad_size(s):
             raise ValueError(
                 f"fedavg: sizes[{k}] is {s!r}; a size is how many samples a client saw, "
-                "a number >= 0"
+                "a finite number >= 0"
             )
     if not sum(sizes) > 0:
         raise ValueError("fedavg: every size is 0, so there is nothing to weigh by")
@@ -44,36 +85,22 @@ def fedavg(exports: Iterable[Export], sizes: Sequence[float] | None = None) -> E
 
     `sizes` is how many samples each one saw, which is what FedAvg weighs by; left out, they
     weigh the same. Floating-point tensors are averaged in float64 and cast back; anything
-    else (a `num_batches_tracked` is a count) is taken from the first export. Refused: no
-    exports, exports that do not hold the same nodes, keys, shapes and dtypes, and sizes of
-    the wrong length or negative.
+    else (a `num_batches_tracked` is a count) is taken from the first export. Refused, with a
+    `ValueError` naming the export, the node and the key: no exports, anything that is not an
+    export, an export holding NaN or infinite numbers (averaging them would spread them into
+    every client's weights silently), exports that do not hold the same nodes, keys, shapes
+    and dtypes, and sizes of the wrong length, negative or not finite.
     """
-    exports = list(exports)
+    exports = [unwrap(e) for e in exports]
     if not exports:
         raise ValueError("fedavg: no exports to average")
     weights = _check_sizes(sizes, len(exports))
     total = sum(weights)
     first = exports[0]
-    for k, other in enumerate(exports[1:], start=1):
-        if set(other) != set(first):
-            raise ValueError(
-                f"fedavg: export {k} holds nodes {sorted(other)}, export 0 holds {sorted(first)}; "
-                "average exports of the same graph"
-            )
-        for nid, state in first.items():
-            theirs = other[nid]
-            if set(theirs) != set(state):
-                raise ValueError(
-                    f"fedavg: node {nid!r} holds keys {sorted(theirs)} in export {k} and "
-                    f"{sorted(state)} in export 0"
-                )
-            for key, t in state.items():
-                u = theirs[key]
-                if u.shape != t.shape or u.dtype != t.dtype:
-                    raise ValueError(
-                        f"fedavg: node {nid!r}, {key!r} is {u.dtype}{tuple(u.shape)} in export "
-                        f"{k} and {t.dtype}{tuple(t.shape)} in export 0"
-                    )
+    for k, other in enumerate(exports):
+        why = _not_an_export(other) or (_differs(other, first) if k else None)
+        if why:
+            raise ValueError(f"fedavg: export {k} cannot be averaged with export 0: {why}")
     out: Export = {}
     with torch.no_grad():
         for nid, state in first.items():
@@ -92,6 +119,45 @@ def fedavg(exports: Iterable[Export], sizes: Sequence[float] | None = None) -> E
 
 def _name(run: str, round: int, *rest: Any) -> str:
     return "/".join([run, "round", str(round), *map(str, rest)])
+
+
+def _turned_up(store: Any, name: str) -> bool:
+    """Whether a client's record is there, readable or not (a damaged one has turned up)."""
+    from somatize.store import CorruptBinding
+
+    try:
+        return store.resolve(name) is not None
+    except CorruptBinding:
+        return True
+
+
+def _read(store: Any, name: str, mine: Export) -> tuple[Export | None, Any, str | None]:
+    """A client's export and size from the store, or why it cannot be averaged with `mine`."""
+    try:
+        bound = store.resolve(name)
+        value = store.recall(name)
+    except (ValueError, TypeError, LookupError) as error:  # damaged, hostile, or unknown kind
+        return None, None, f"its record cannot be read: {error}"
+    why = _not_an_export(value) or _differs(value, mine)
+    size = bound.get("size") if bound is not None else None
+    if why is None and size is not None and _bad_size(size):
+        why = f"its size is {size!r}, not a finite number >= 0"
+    return (None, None, why) if why else (value, size, None)
+
+
+def _said(run: str, round: int, left_out: Any) -> None:
+    if left_out:
+        entries = left_out if isinstance(left_out, list) else [left_out]
+        who = "; ".join(
+            f"client {e[0]}: {e[1]}" if isinstance(e, list) and len(e) == 2 else repr(e)
+            for e in entries
+        )
+        warnings.warn(
+            f"gather: round {round} of run {run!r} was averaged without {len(left_out)} "
+            f"client(s) whose record could not be used ({who}); fix or restart them",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def gather(
@@ -114,6 +180,18 @@ def gather(
     the average can weigh by it. Exactly one client averages (whoever wins `store.claim`);
     all of them return the same average. Raises `TimeoutError` after `within` seconds,
     naming the clients that never turned up; `asking` is how often to look, in seconds.
+
+    `what` is checked before anything is kept: anything but an export of finite numbers is a
+    `ValueError` here, in the client that made the mistake. A record that turns up unusable
+    all the same (its binding or blob damaged, bytes that do not decode, not an export, not
+    the averager's nodes, keys, shapes and dtypes, NaN or inf, a bad size) is left out: the
+    round completes among the good clients, every client gets the same average and a
+    `RuntimeWarning` naming who was left out and why, and the average's meta says so
+    (`averaged`, `left_out`). Completing, rather than failing the round, is deliberate: one
+    record that anyone able to write to the store can damage must not stop every client of
+    every round, nor leave them waiting `within` seconds for an average that never comes;
+    and since leaving a client out changes the average, it is said out loud in every client.
+    An average that is itself unusable is a `ValueError` at once, naming it.
     """
     from somatize.store import store_of
 
@@ -125,14 +203,17 @@ def gather(
             raise ValueError(f"gather: {name} is an int >= {low}, not {value!r}")
     if type(mine) is not int or not 0 <= mine < clients:
         raise ValueError(f"gather: mine is which client this is, 0 to {clients - 1}, not {mine!r}")
-    if size is not None and (isinstance(size, bool) or not size >= 0):
+    if size is not None and _bad_size(size):
         raise ValueError(f"gather: size is how many samples this client saw, >= 0, not {size!r}")
+    what = unwrap(what)
+    why = _not_an_export(what)
+    if why:
+        raise ValueError(f"gather: client {mine} of run {run!r} cannot put in its round: {why}")
     store.keep(_name(run, round, "client", mine), what, meta=[("size", size)])
     deadline = time.monotonic() + within
-    average = _name(run, round, "average")
+    names = [_name(run, round, "client", k) for k in range(clients)]
     while True:
-        bound = [store.resolve(_name(run, round, "client", k)) for k in range(clients)]
-        absent = [k for k, b in enumerate(bound) if b is None]
+        absent = [k for k, name in enumerate(names) if not _turned_up(store, name)]
         if not absent:
             break
         if time.monotonic() >= deadline:
@@ -141,20 +222,37 @@ def gather(
                 f"within {within} s (of {clients}); start them, or gather with fewer clients"
             )
         time.sleep(min(asking, max(0.0, deadline - time.monotonic())))
+    average = _name(run, round, "average")
     if store.claim(_name(run, round, "averager"), store.put(str(mine).encode())):
-        exports = [store.recall(b.name) for b in bound]
-        sizes = [dict(b.meta).get("size") for b in bound]
+        exports, sizes, averaged, left_out = [], [], [], []
+        for k, name in enumerate(names):
+            export, their_size, why = (what, size, None) if k == mine else _read(store, name, what)
+            if why:
+                left_out.append([k, why])
+                continue
+            exports.append(export)
+            sizes.append(their_size)
+            averaged.append(k)
         result = fedavg(exports, None if any(s is None for s in sizes) else sizes)
-        store.keep(average, result, meta=[("by", mine)])
+        store.keep(
+            average, result, meta=[("by", mine), ("averaged", averaged), ("left_out", left_out)]
+        )
+        _said(run, round, left_out)
         return result
-    while True:
-        if store.resolve(average) is not None:
-            return store.recall(average)
+    while store.resolve(average) is None:
         if time.monotonic() >= deadline:
             claimed = store.resolve(_name(run, round, "averager"))
-            who = (store.get(claimed.digest) or b"?").decode() if claimed else "?"
+            who = (store.get(claimed.digest) or b"?").decode(errors="replace") if claimed else "?"
             raise TimeoutError(
                 f"gather: round {round} of run {run!r}: every client turned up, and the "
-                f"average (claimed by client {who}) did not appear within {within} s"
+                f"average (claimed by client {who[:20]}) did not appear within {within} s"
             )
         time.sleep(min(asking, max(0.0, deadline - time.monotonic())))
+    result, _, why = _read(store, average, what)
+    if why:
+        raise ValueError(
+            f"gather: the average of round {round} of run {run!r} ({average!r}) cannot be "
+            f"loaded: {why}; it was damaged or written by someone else"
+        )
+    _said(run, round, store.resolve(average).get("left_out"))
+    return result

@@ -313,10 +313,11 @@ _HERE = (None, None)
 class Stages:
     """A graph cut into parts, run forward stage by stage and backward in reverse.
 
-    `trains` is `{node id: Learning}`; `transport(host)` answers the transport of a host (the
-    default runs everything here). `watching` is a list of callables: what the parts run is
-    told to it as one forward (one "finished" fact for the whole). With no cut at all there is
-    one part, the graph itself, and a forward is `graph.forward`.
+    `trains` is `{node id: Learning}`; `transport(host)` answers the transport of a host, and
+    of None for the parts that run in this process (the default runs everything here).
+    `watching` is a list of callables: what the parts run is told to it as one forward (one
+    "finished" fact for the whole). With no cut at all there is one part, the graph itself,
+    and a forward is `graph.forward`.
     """
 
     def __init__(
@@ -358,7 +359,7 @@ class Stages:
             )
         self.whole = whole
         where = transport or (lambda host: LOCAL)
-        self.transports = [LOCAL if p.host is None else where(p.host) for p in self.parts]
+        self.transports = [where(p.host) for p in self.parts]
         last = next((p for p in self.parts if p.last), None)
         self.leaves = tuple(graph.leaves())
         self.sunk = tuple(n for n in self.leaves if last is None or n not in last.ids)

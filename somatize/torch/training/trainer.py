@@ -8,6 +8,7 @@ One step is forward, loss, backward and, when the group closes, update. A node t
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -20,6 +21,7 @@ from somatize.graph import Graph
 from somatize.run import watchers
 from somatize.torch.training import _checks
 from somatize.torch.training.learning import Learning
+from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import clear, freeze, owners, state_of
 from somatize.torch.training.params import step as step_of
 from somatize.torch.training.remote import Remote
@@ -29,6 +31,7 @@ __all__ = ["Trainer", "Result", "NoGradient"]
 
 Batch = Any
 Weights = dict[str, dict[str, torch.Tensor]]
+_SYNCED = contextlib.nullcontext()  # outside parallel=, every piece is what it is
 
 
 class NoGradient(RuntimeError):
@@ -115,7 +118,9 @@ class Trainer:
     with `auditing=` an Audit or True, `health`, told when the update the measured step's
     gradient went into is made, before `updated`); one with a `flush()` is flushed after each
     step. In a notebook, an audited `fit` draws itself: a `LiveAudit` is shown and kept as
-    `t.live`, unless one is already among the watchers.
+    `t.live`, unless one is already among the watchers. `parallel="ddp"` (or `"fsdp"`), in a
+    script torchrun starts once per rank, trains data-parallel (somatize.torch.training.parallel):
+    each rank steps on its own data, rank 0 tells the facts.
 
     Refused, each saying what to do: `trains` naming no node or holding no Learning; a node
     both frozen and trained; an optimizer holding parameters of a node in `trains`, or
@@ -136,6 +141,7 @@ class Trainer:
         broker: Any = None,
         watching: Any = None,
         auditing: Any = None,
+        parallel: str | None = None,
     ) -> None:
         if not isinstance(graph, Graph):
             raise TypeError(f"Trainer trains a Graph, not {type(graph).__name__}")
@@ -150,9 +156,21 @@ class Trainer:
         trains = _checks.trains_of(graph, trains)
         held = _checks.held_by(graph, optimizer, trains)
         _checks.everything_moves(graph, held, trains)
-        hosts = _checks.hosts_of(graph, broker)
         audit = _checks.audit_of(auditing)
         self.store = _checks.store_of(store)
+        self._parallel = parallel_of(
+            parallel,
+            graph,
+            trains=trains,
+            optimizer=optimizer,
+            store=self.store,
+            audit=audit,
+            every=self.every,
+            micro=self.micro,
+        )
+        if self._parallel is not None and self._parallel.rank != 0:
+            told, audit = [], None  # rank 0 tells the facts
+        hosts = _checks.hosts_of(graph, broker)
 
         # Everything is checked: from here on, things change.
         freeze(graph)
@@ -165,19 +183,24 @@ class Trainer:
         self.trains = trains
         self.broker = broker
         self.watching = told
-        self._held = held
-        self._owner = owners(graph)
-        self._unproven = bool(held)
         self._flushers = [w.flush for w in told if callable(getattr(w, "flush", None))]
         self._scale = float(self.every * self.micro)
         self._count = 0
         self._steps = 0
+        p = self._parallel
         self._stages = Stages(
             graph,
             trains,
-            transport=_transports(broker, hosts),
+            transport=_transports(broker, hosts) if p is None else p.transport,
             watching=told,
         )
+        self._window = (lambda sync: _SYNCED) if p is None else p.window
+        if p is not None:  # DDP (FSDP) around the stages, rank 0's weights on every rank
+            self._stages = p.around(self._stages, optimizer)
+            held = _checks.held_by(graph, optimizer, trains)  # FSDP's are new parameters
+        self._held = held
+        self._owner = owners(graph)
+        self._unproven = bool(held)
         self.audit = audit.watch(graph) if audit is not None else None
         self._health: list[dict] = []  # the audit's facts, until the update they wait for
         self.live: Any = None
@@ -207,17 +230,20 @@ class Trainer:
         closing = self._count + 1 >= self.every
         stages = self._stages
         scale = self._scale
+        window = self._window  # under parallel=, pieces that do not close run under no_sync
         if self.micro == 1:
-            loss = self._loss(stages.forward(x, store=self.store), y)
-            stages.backward(loss / scale if scale != 1.0 else loss, closing)
+            with window(closing):
+                loss = self._loss(stages.forward(x, store=self.store), y)
+                stages.backward(loss / scale if scale != 1.0 else loss, closing)
             value = loss.item()
         else:
             xs, ys = _cut(x, self.micro, "input"), _cut(y, self.micro, "target")
             total = 0.0
             last = self.micro - 1
             for k in range(self.micro):
-                loss = self._loss(stages.forward(xs[k], store=self.store), ys[k])
-                stages.backward(loss / scale, closing and k == last)
+                with window(closing and k == last):
+                    loss = self._loss(stages.forward(xs[k], store=self.store), ys[k])
+                    stages.backward(loss / scale, closing and k == last)
                 total += loss.detach()
             value = float(total) / self.micro
         self._count += 1
@@ -327,7 +353,7 @@ class Trainer:
         history: list[float] = []
         self._show_audit()
         bar = None
-        if _person_watching():
+        if _person_watching() and (self._parallel is None or self._parallel.rank == 0):
             from tqdm.auto import tqdm
 
             total = epochs * len(data) if hasattr(data, "__len__") else None
@@ -374,6 +400,8 @@ class Trainer:
                 state = self.broker.weights(self.graph, nid)
             else:
                 state = state_of(self.graph.implementation(nid))
+                if self._parallel is not None:  # whole tensors out of FSDP's shards
+                    state = self._parallel.whole(state)
             if state:
                 out[nid] = {k: t.detach().clone() for k, t in state.items()}
         return out
@@ -382,6 +410,8 @@ class Trainer:
         """The mirror of `export`: every node named has to be here with exactly the keys and
         shapes given, and nothing is copied in until all of that is true. A node on another
         host gets its weights sent to its worker too."""
+        if self._parallel is not None:  # rank 0's weights, on every rank
+            weights = self._parallel.incoming(self.graph, weights)
         if not isinstance(weights, dict):
             raise TypeError(f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}")
         plan = []

@@ -1,0 +1,79 @@
+"""`parallel="fsdp"`: each node's modules sharded across the ranks with FSDP2's `fully_shard`.
+
+FSDP gathers a module's weights in a forward hook, so what it shards has to be called through
+`nn.Module.__call__`. The modules a node holds as attributes are (the node's forward calls
+them); a node that *is* a module has its `forward` called by the engine itself, so its
+children are sharded instead, and whatever it holds directly is left to the root, a
+`_Replica` of every node's modules whose forward runs the graph. Frozen weights are not
+sharded. `fully_shard` puts new (sharded) parameters in the modules' place, so the
+optimizer's parameter groups are pointed at them, name for name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from somatize.torch.placement import modules_of, named_modules_of
+from somatize.torch.training.params import state_of
+
+__all__ = ["shard", "laid_out", "gathered"]
+
+
+def _shardable(node: Any) -> list[nn.Module]:
+    found: list[nn.Module] = []
+    for _, module in named_modules_of(node):
+        inside = list(module.children()) if module is node else [module]
+        found += [m for m in inside if any(p.requires_grad for p in m.parameters())]
+    return found
+
+
+def shard(graph: Any, run: Callable, optimizer: Any, *, cuda: bool, world: int) -> Any:
+    """The graph's modules sharded over `world` ranks of the GPUs (`cuda`) or the CPUs (each
+    node's, then the root around them all, whose forward is `run`); the optimizer now holds
+    the sharded parameters. Answers the root."""
+    from somatize.torch.training.parallel import _Replica
+
+    modules = [m for nid in graph.nodes() for m in modules_of(graph.implementation(nid))]
+    root = _Replica(modules, [], run)
+    before = dict(root.named_parameters())
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
+    for nid in graph.nodes():
+        if not graph.setting(nid).frozen:
+            for module in _shardable(graph.implementation(nid)):
+                fully_shard(module, mesh=mesh)
+    frozen = {p for p in root.parameters() if not p.requires_grad}
+    fully_shard(root, mesh=mesh, ignored_params=frozen or None)
+    after = dict(root.named_parameters())
+    moved = {id(before[name]): after[name] for name in before if name in after}
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            group["params"] = [moved.get(id(p), p) for p in group["params"]]
+    return root
+
+
+def laid_out(graph: Any, given: dict[str, dict[str, torch.Tensor]]) -> dict:
+    """Whole tensors (the same on every rank) cut into the shards of the weights they load
+    into, each rank keeping its own piece; what matches no sharded weight is left whole."""
+    for nid, state in given.items():
+        if nid not in graph:
+            continue
+        mine = state_of(graph.implementation(nid))
+        for key, tensor in state.items():
+            there = mine.get(key)
+            if isinstance(there, DTensor) and tuple(tensor.shape) == tuple(there.shape):
+                state[key] = distribute_tensor(
+                    tensor.to(there.device), there.device_mesh, there.placements, src_data_rank=None
+                )
+    return given
+
+
+def gathered(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A node's state with every shard gathered into the whole tensor (on every rank)."""
+    return {k: t.full_tensor() if isinstance(t, DTensor) else t for k, t in state.items()}

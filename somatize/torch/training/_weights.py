@@ -1,0 +1,157 @@
+"""Weights and gradients between the ranks, outside of DDP's own traffic: rank 0's weights
+sent to every rank (at the start, and for `load`), and a group's gradients averaged when no
+backward is left to do it.
+
+Every tensor goes through torch.distributed's broadcast and all-reduce; what describes the
+tensors (node, key, dtype, shape) goes as JSON rank 0 sends (`_ranks.from_rank0`). Nothing is
+unpickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from somatize.torch.training import _ranks
+from somatize.torch.training.params import state_of
+
+__all__ = ["broadcast_states", "average_grads", "from_rank0"]
+
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+    )
+}
+
+
+def _sent(tensor: torch.Tensor) -> torch.Tensor:
+    """Broadcast `tensor` from rank 0 into itself on the others (in place), whatever its
+    device or layout: through a copy where the backend cannot take it as it is."""
+    where = _ranks.device()
+    wire = tensor.detach()
+    if wire.dtype is torch.bool:
+        wire = wire.to(torch.uint8)
+    if wire.device != where or not wire.is_contiguous():
+        wire = wire.to(where).contiguous()
+    dist.broadcast(wire, 0)
+    if wire.data_ptr() != tensor.data_ptr():
+        with torch.no_grad():
+            tensor.copy_(wire)
+    return tensor
+
+
+def broadcast_states(graph: Any) -> None:
+    """Every node's parameters and buffers made rank 0's, on every rank (what DDP's
+    constructor does for the modules it wraps, done once for the whole graph)."""
+    for nid in graph.nodes():
+        for tensor in state_of(graph.implementation(nid)).values():
+            if not hasattr(tensor, "to_local"):  # an FSDP shard is each rank's own
+                _sent(tensor)
+
+
+def average_grads(params: Iterable[torch.nn.Parameter], world: int) -> None:
+    """Each parameter's gradient replaced by its mean over the ranks, as DDP's backward would
+    have made it: a parameter no rank has a gradient for keeps None, one some rank lacks counts
+    zero there. One all-reduce per (dtype, device)."""
+    params = [p for p in params if p.requires_grad]
+    where = _ranks.device()
+    had = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=where)
+    dist.all_reduce(had, op=dist.ReduceOp.MAX)
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p, flag in zip(params, had.tolist(), strict=True):
+        if flag:
+            groups.setdefault((p.dtype, p.device), []).append(p)
+    for (_, device), group in groups.items():
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group]
+        ).to(where)
+        dist.all_reduce(flat)
+        flat /= world
+        at = 0
+        for p in group:
+            mean = flat[at : at + p.numel()].view_as(p).to(device)
+            at += p.numel()
+            if p.grad is None:
+                p.grad = mean.clone()
+            else:
+                p.grad.copy_(mean)
+
+
+def _manifest(weights: Any) -> dict[str, Any]:
+    """What describes rank 0's weights, or why they cannot be sent."""
+    if not isinstance(weights, dict):
+        return {"refused": f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}"}
+    nodes: dict[str, list] = {}
+    for nid, given in weights.items():
+        if not isinstance(nid, str) or not isinstance(given, dict):
+            what = type(nid).__name__ if not isinstance(nid, str) else type(given).__name__
+            return {"refused": f"load takes {{node id: {{key: tensor}}}}; it was given a {what}"}
+        entries = []
+        for key, tensor in given.items():
+            if not isinstance(key, str) or not isinstance(tensor, torch.Tensor):
+                return {
+                    "refused": f"node {nid!r}, {key!r}: load takes tensors, not "
+                    f"{type(tensor).__name__}; nothing was loaded"
+                }
+            if str(tensor.dtype) not in _DTYPES:
+                return {"refused": f"node {nid!r}, {key!r}: a {tensor.dtype} tensor cannot be sent"}
+            entries.append([key, str(tensor.dtype), list(tensor.shape)])
+        nodes[nid] = entries
+    return {"nodes": nodes}
+
+
+def from_rank0(weights: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Rank 0's `weights` (`{node: {key: tensor}}`), on every rank: rank 0 answers its own,
+    the others what it sent. Refused on every rank alike when rank 0's are not of that form."""
+    said = _ranks.from_rank0(_manifest(weights) if dist.get_rank() == 0 else None)
+    if "refused" in said:
+        raise TypeError(said["refused"])
+    mine = dist.get_rank() == 0
+    where = _ranks.device()
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for nid, entries in _checked(said["nodes"]).items():
+        out[nid] = {}
+        for key, dtype, shape in entries:
+            if mine:
+                tensor = weights[nid][key]
+                _sent(tensor)
+            else:
+                tensor = torch.empty(shape, dtype=_DTYPES[dtype], device=where)
+                _sent(tensor)
+            out[nid][key] = tensor
+    return out
+
+
+def _checked(nodes: Any) -> dict[str, list]:
+    """The manifest as rank 0 built it, or refused if it is not of that form."""
+    ok = isinstance(nodes, dict) and all(
+        isinstance(entries, list)
+        and all(
+            isinstance(e, list)
+            and len(e) == 3
+            and isinstance(e[0], str)
+            and e[1] in _DTYPES
+            and isinstance(e[2], list)
+            and all(type(n) is int and n >= 0 for n in e[2])
+            for e in entries
+        )
+        for entries in nodes.values()
+    )
+    if not ok:
+        raise ValueError("rank 0 described its weights in a form that is not a manifest")
+    return nodes

@@ -1,0 +1,435 @@
+"""Data parallel: the same graph on every rank, its gradients averaged by torch's own
+`DistributedDataParallel`, or its nodes' modules sharded by FSDP2's `fully_shard`.
+
+`Trainer(g, ..., parallel="ddp")`, in a script torchrun starts once per rank. Each rank holds
+the whole graph and is handed its own data; the weights start as rank 0's, and after every
+update they are the same on every rank, because every rank applied the same averaged gradient.
+The graph is not touched: DDP is put around a `_Replica`, a module that holds the nodes'
+modules and whose forward runs them exactly as the Trainer does without it. Without a cut that
+is one DDP around the whole forward. With a trainer beside a node (`trains=`) each part of the
+cut gets its own, since each part's backward is an autograd pass of its own and a DDP averages
+what one pass reaches: a part of the Trainer's own nodes with `find_unused_parameters` (a
+branch may not be taken), and a trained node's part without it (its Learning moves every
+parameter it has, and may bring some that no forward reaches, a head of its own).
+
+Inside a group (`every`, `micro`) the forward of every piece but the group's last runs under
+`no_sync`, so nothing is all-reduced until the group closes; a group that `update()` closes
+early, with no backward left to ride on, is averaged with one all-reduce per dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from somatize.torch.placement import modules_of
+from somatize.torch.training import _ranks, _weights
+from somatize.torch.training._ranks import RankLost
+from somatize.torch.training.params import state_of
+
+__all__ = ["MODES", "Parallel", "RankLost", "parallel_of"]
+
+MODES = ("ddp", "fsdp")
+"""What `Trainer(parallel=)` takes (besides None)."""
+
+_CUDA_N = re.compile(r"^cuda:(\d+)$")
+
+
+class _Replica(nn.Module):
+    """What DDP (or FSDP) is put around: the modules of some nodes, the parameters a Learning
+    brought besides them, and `run`, which runs those nodes as they always run."""
+
+    def __init__(self, modules: list[nn.Module], extra: list[nn.Parameter], run: Callable) -> None:
+        super().__init__()
+        self.held = nn.ModuleList(modules)
+        if extra:
+            self.extra = nn.ParameterList(extra)
+        self.run = run
+
+    def forward(self, *args: Any, **kw: Any) -> Any:
+        """`run`, called by DDP's (or FSDP's) own forward."""
+        return self.run(*args, **kw)
+
+
+def parallel_of(
+    mode: Any,
+    graph: Any,
+    *,
+    trains: dict[str, Any],
+    optimizer: Any,
+    store: Any,
+    audit: Any,
+    every: int,
+    micro: int,
+) -> Parallel | None:
+    """`Trainer(parallel=)` checked, the group joined, and every rank found to train the same.
+
+    Refused before anything changes, naming the node: a mode that is not one of `MODES`; a
+    node `.at(host)` (every rank holds the whole graph: a node on a worker would be trained by
+    all of them at once); a `.cached()` node without a store, or with one not every rank sees
+    (checked: rank 0 keeps a token there and every rank looks for it); a node on `cuda:N` other
+    than this rank's GPU; under "fsdp", `trains=`, auditing, and an optimizer that already
+    has state. A rank whose graph or Trainer differs from rank 0's (nodes, weights' shapes,
+    `every`, `micro`, `trains`) makes every rank refuse together.
+    """
+    if mode is None:
+        return None
+    if mode not in MODES:
+        raise ValueError(
+            f"Trainer(parallel={mode!r}): parallel is 'ddp' (every rank holds the whole graph "
+            "and DDP averages the gradients), 'fsdp' (the nodes' modules sharded across the "
+            "ranks by FSDP2), or None to train in this process"
+        )
+    for nid, host in graph.hosts().items():
+        if host:
+            raise ValueError(
+                f"node {nid!r} runs .at({host!r}), and parallel={mode!r} trains a graph that "
+                "every rank holds whole: a node on a worker would be trained by every rank at "
+                "once. Drop .at() for the parallel run, or train without parallel="
+            )
+    cached = [nid for nid in graph.nodes() if graph.setting(nid).cached]
+    if cached and store is None:
+        raise ValueError(
+            f"node {cached[0]!r} is .cached(), and under parallel= what it keeps has to be in "
+            "one store that every rank sees: pass store= a directory all the ranks share (or "
+            "an s3:// URL), or drop .cached()"
+        )
+    if mode == "fsdp":
+        _fsdp_refusals(trains, optimizer, audit)
+    devices = {nid: d for nid, d in graph.devices().items() if d}
+    cuda = any(d.startswith("cuda") for d in devices.values())
+    local = os.environ.get("LOCAL_RANK")
+    for nid, d in devices.items():
+        n = _CUDA_N.match(d)
+        if n and local is not None and int(n.group(1)) != int(local):
+            raise ValueError(
+                f"node {nid!r} is placed .on({d!r}), and this rank's GPU is cuda:{local} "
+                "(LOCAL_RANK): place it .on('cuda'), which under parallel= is each rank's own"
+            )
+    rank, world = _ranks.join(cuda)
+    with _ranks.answering("checking that every rank trains the same graph"):
+        _same_everywhere(graph, mode, trains, every, micro)
+        if cached:
+            _shared(store, cached[0])
+    return Parallel(mode, rank, world, cuda)
+
+
+def _fsdp_refusals(trains: dict[str, Any], optimizer: Any, audit: Any) -> None:
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            f"parallel='fsdp' shards with FSDP2's fully_shard, which torch {torch.__version__} "
+            "does not have (torch 2.6 and later do): use parallel='ddp', or a newer torch"
+        ) from None
+    if trains:
+        raise ValueError(
+            f"parallel='fsdp' shards the modules the Trainer's optimizer moves, and trains= "
+            f"puts a trainer of its own beside {sorted(trains)}: train those with "
+            "parallel='ddp', or without trains="
+        )
+    if audit is not None:
+        raise ValueError(
+            "parallel='fsdp' leaves each rank a shard of every weight, and the audit reads "
+            "whole weights: audit with parallel='ddp' (or without parallel=)"
+        )
+    if optimizer is not None and optimizer.state:
+        raise ValueError(
+            "parallel='fsdp' puts sharded parameters in the optimizer's place, and this one "
+            "already holds state for the old ones: build a fresh optimizer over parameters(g)"
+        )
+
+
+def _layout(graph: Any, mode: str, trains: dict, every: int, micro: int) -> dict[str, Any]:
+    nodes = {}
+    for nid in graph.nodes():
+        state = state_of(graph.implementation(nid))
+        nodes[nid] = [[key, str(t.dtype), list(t.shape)] for key, t in state.items()]
+    return {
+        "parallel": mode,
+        "every": every,
+        "micro": micro,
+        "trains": sorted(trains),
+        "nodes": nodes,
+    }
+
+
+def _difference(theirs: dict[str, Any], mine: dict[str, Any]) -> str | None:
+    for what in ("parallel", "every", "micro", "trains"):
+        if theirs[what] != mine[what]:
+            return f"{what}={mine[what]!r} here, {theirs[what]!r} on rank 0"
+    if list(theirs["nodes"]) != list(mine["nodes"]):
+        return f"nodes {list(mine['nodes'])} here, {list(theirs['nodes'])} on rank 0"
+    for nid, state in mine["nodes"].items():
+        if state != theirs["nodes"][nid]:
+            there = {k: (d, s) for k, d, s in theirs["nodes"][nid]}
+            for key, dtype, shape in state:
+                if there.get(key) != (dtype, shape):
+                    said = there.get(key, "no such weight")
+                    return f"node {nid!r}, {key!r}: {dtype} {shape} here, {said} on rank 0"
+            return f"node {nid!r} holds weights {sorted(there)} on rank 0"
+    return None
+
+
+def _same_everywhere(graph: Any, mode: str, trains: dict, every: int, micro: int) -> None:
+    mine = json.loads(json.dumps(_layout(graph, mode, trains, every, micro)))
+    theirs = _ranks.from_rank0(mine if dist.get_rank() == 0 else None)
+    differs = _difference(theirs, mine)
+    odd = _ranks.refusing(differs is None)
+    if odd:
+        here = f"rank {dist.get_rank()} differs from rank 0: {differs}. " if differs else ""
+        raise ValueError(
+            f"{here}Rank(s) {odd} hold another graph or Trainer than rank 0, and data "
+            "parallel needs the same on every rank: build them from the same code and seed "
+            "(each rank differs only in its data)"
+        )
+
+
+def _shared(store: Any, node: str) -> None:
+    """Refuses a store some rank cannot see what rank 0 keeps in."""
+    said = None
+    if dist.get_rank() == 0:
+        token = f"somatize: rank 0's store, seen by every rank ({uuid.uuid4()})"
+        try:
+            said = {"key": store.put(token.encode()), "token": token}
+        except (OSError, ValueError) as error:
+            said = {"error": f"{type(error).__name__}: {error}"}
+    said = _ranks.from_rank0(said)
+    if "error" in said:
+        raise ValueError(
+            f"node {node!r} is .cached(), and rank 0 cannot write to {store!r}: {said['error']}"
+        )
+    try:
+        seen = store.get(said["key"]) == said["token"].encode()
+    except (OSError, ValueError):
+        seen = False
+    odd = _ranks.refusing(seen)
+    if odd:
+        raise ValueError(
+            f"node {node!r} is .cached(), and rank(s) {odd} do not see what rank 0 keeps in "
+            f"{store!r}: under parallel= every rank has to share one store (a directory they "
+            "all see, or an s3:// URL); pass one, or drop .cached()"
+        )
+
+
+class Parallel:
+    """A Trainer's stages, data-parallel: what the Trainer runs in their place.
+
+    `forward`, `backward`, `update` and `recompile` are the stages' own, through DDP (or FSDP)
+    and with a failed collective turned into a `RankLost`, and anything else asked of it is
+    asked of the stages; `window(sync)` says whether the pieces run inside it close a group
+    (outside one, they do). `incoming` and `whole` are
+    what `load` and `export` ask: rank 0's weights on every rank, and whole tensors out of
+    sharded ones.
+    """
+
+    def __init__(self, mode: str, rank: int, world: int, cuda: bool) -> None:
+        self.mode = mode
+        self.rank = rank
+        self.world = world
+        self.cuda = cuda
+        self._stages: Any = None
+        self._whole: Any = None  # the replica of a graph without a cut
+        self._of: dict[int, tuple[Any, Any]] = {}  # id(part) -> (its replica, its Learning)
+        self._replicas: list[Any] = []  # in the order they were made: the same on every rank
+        self._open: set[int] = set()  # replicas whose group is open and not averaged yet
+        self._sync = True
+        self.parts = _Parts(self)
+
+    def __repr__(self) -> str:
+        return f"Parallel({self.mode!r}, rank {self.rank} of {self.world})"
+
+    # -- made once ------------------------------------------------------------------------
+    def transport(self, host: str | None) -> _Parts:
+        """How each part of the stages runs (here, through its replica): what `Stages` asks."""
+        return self.parts
+
+    def around(self, stages: Any, optimizer: Any) -> Parallel:
+        """Put DDP (or FSDP) around `stages`, with rank 0's weights on every rank first; under
+        FSDP the optimizer is pointed at the sharded parameters. Collective: every rank makes
+        its Trainer at the same point."""
+        graph = stages.graph
+        with _ranks.answering("starting (rank 0's weights sent to every rank)"):
+            if self.cuda:
+                _place_here(graph)
+            _weights.broadcast_states(graph)
+            if self.mode == "fsdp":
+                from somatize.torch.training import _sharded
+
+                self._whole = _sharded.shard(
+                    graph, stages.forward, optimizer, cuda=self.cuda, world=self.world
+                )
+                self._replicas.append(self._whole)
+            elif stages.whole:
+                modules = [
+                    m for nid in graph.nodes() for m in modules_of(graph.implementation(nid))
+                ]
+                self._whole = self._ddp(modules, [], stages.forward, find_unused=True)
+            else:
+                self._by_part(stages)
+        self._stages = stages
+        return self
+
+    def _by_part(self, stages: Any) -> None:
+        owner: dict[int, str] = {}
+        for part in stages.parts:
+            modules = [m for nid in part.ids for m in modules_of(part.nodes[nid])]
+            learning = part.learning
+            extra: list[nn.Parameter] = []
+            if learning is not None:
+                modules += [m for m in modules_of(learning) if m not in modules]
+                have = {id(p) for m in modules for p in m.parameters()}
+                extra = [p for p in learning.training() if id(p) not in have]
+            params = [p for m in modules for p in m.parameters()] + extra
+            for p in params:
+                if p.requires_grad and owner.setdefault(id(p), part.ids[0]) != part.ids[0]:
+                    raise ValueError(
+                        f"nodes {owner[id(p)]!r} and {part.ids[0]!r} share a parameter across "
+                        "a cut: under parallel= each part of the cut averages its own "
+                        "gradients, so one parameter cannot be in two; untie them, or train "
+                        "without trains="
+                    )
+            replica = self._ddp(modules, extra, part.forward, find_unused=learning is None)
+            if replica is not None:
+                self._of[id(part)] = (replica, learning)
+
+    def _ddp(
+        self, modules: list[nn.Module], extra: list[nn.Parameter], run: Callable, find_unused: bool
+    ) -> Any:
+        replica = _Replica(modules, extra, run)
+        if not any(p.requires_grad for p in replica.parameters()):
+            return None  # nothing to average: the nodes run as they are
+        ddp = nn.parallel.DistributedDataParallel(replica, find_unused_parameters=find_unused)
+        self._replicas.append(ddp)
+        return ddp
+
+    # -- every step -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def window(self, sync: bool) -> Iterator[None]:
+        """The pieces run inside close a group (`sync`: their gradients are all-reduced) or
+        not (DDP's `no_sync`, FSDP's gradient sync off)."""
+        before, self._sync = self._sync, sync
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def _run(self, replica: Any, sync: bool, *args: Any, **kw: Any) -> Any:
+        if self.mode == "fsdp":
+            replica.set_requires_gradient_sync(sync)
+            (self._open.discard if sync else self._open.add)(id(replica))
+            return replica(*args, **kw)
+        if sync:
+            self._open.discard(id(replica))
+            return replica(*args, **kw)
+        self._open.add(id(replica))
+        with replica.no_sync():
+            return replica(*args, **kw)
+
+    def forward(self, x: Any, **how: Any) -> Any:
+        """The stages' forward (`how` is what it takes besides the input: `store=`, ...),
+        through DDP (FSDP)."""
+        with _ranks.answering("in a forward"):
+            if self._whole is not None:
+                return self._run(self._whole, self._sync, x, **how)
+            return self._stages.forward(x, **how)
+
+    def backward(self, loss: Any, closing: bool = False) -> None:
+        """The stages' backward; where a group closes, DDP all-reduces on the way."""
+        with _ranks.answering("in a backward"):
+            self._stages.backward(loss, closing)
+
+    def update(self) -> None:
+        """Close the group a run ends in the middle of: what was accumulated under `no_sync`
+        is averaged across the ranks (one all-reduce per dtype, what DDP's backward would
+        have done), then the stages are told. Under FSDP an open group is refused (its
+        gradients are not where an all-reduce could reach them): give every epoch a number
+        of batches that `every` divides."""
+        if self.mode == "fsdp" and self._open:
+            raise RuntimeError(
+                "parallel='fsdp': a group of accumulated steps is open and update() has no "
+                "backward left for FSDP to reduce it in: make the number of batches in an "
+                "epoch a multiple of every"
+            )
+        with _ranks.answering("closing a group in update()"):
+            for replica in self._replicas:
+                if id(replica) in self._open:
+                    _weights.average_grads(replica.parameters(), self.world)
+                    self._open.discard(id(replica))
+            self._stages.update()
+
+    def recompile(self) -> None:
+        """The stages', so the next forward sees the nodes as they are now."""
+        self._stages.recompile()
+
+    def __getattr__(self, name: str) -> Any:
+        """Whatever else the stages answer (`whole`, `parts`, ...) is theirs."""
+        stages = self.__dict__.get("_stages")
+        if stages is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(stages, name)
+
+    # -- weights --------------------------------------------------------------------------
+    def incoming(self, graph: Any, weights: Any) -> Any:
+        """What `load` loads on every rank: rank 0's `weights` (the other ranks' are not
+        read), sent as tensors; under FSDP laid out as the shards they go into."""
+        with _ranks.answering("loading rank 0's weights"):
+            given = _weights.from_rank0(weights if self.rank == 0 else None)
+        if self.mode == "fsdp":
+            from somatize.torch.training import _sharded
+
+            given = _sharded.laid_out(graph, given)
+        return given
+
+    def whole(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A node's state with each sharded tensor gathered whole (collective under FSDP:
+        every rank exports); under DDP the state as it is."""
+        if self.mode != "fsdp":
+            return state
+        from somatize.torch.training import _sharded
+
+        with _ranks.answering("gathering the weights for export"):
+            return _sharded.gathered(state)
+
+
+class _Parts:
+    """The transport of every part under `parallel=`: a part with something to average runs
+    through its replica, any other as it would here."""
+
+    def __init__(self, parallel: Parallel) -> None:
+        self.parallel = parallel
+
+    def forward(
+        self, part: Any, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
+    ) -> dict[str, Any]:
+        """`part.forward`, through the part's DDP when it has one."""
+        p = self.parallel
+        held = p._of.get(id(part))
+        if held is None:
+            return part.forward(inputs, store=store, watching=watching)
+        replica, learning = held
+        # a Learning with an `every` of its own closes its own groups; any other, the Trainer's
+        sync = p._sync if learning is None or learning.declared is None else learning.closes()
+        return p._run(replica, sync, inputs, store=store, watching=watching)
+
+    def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
+        """`part.backward`: DDP's hooks average on the way, when the forward synced."""
+        return part.backward(envelopes)
+
+
+def _place_here(graph: Any) -> None:
+    """Nodes placed `.on("cuda")` moved to this rank's GPU (the current device)."""
+    from somatize import _hooks
+
+    for nid, device in graph.devices().items():
+        if device == "cuda":
+            _hooks.place(graph.implementation(nid), "cuda")

@@ -1,0 +1,149 @@
+"""Code written for the published somatize 1.0.1 runs here unchanged.
+
+Each test is a script written the published way, asserting what the published package
+documents; where this project does better, that is asserted beside it. Each area keeps a
+section of its own below.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.functional import cross_entropy
+from torch.optim import SGD
+
+from somatize import Graph, Node, Opaque, Recorder, Store, codecs_registered
+from somatize.torch import Trainer, fedavg, gather, parameters
+
+# -- store --
+
+
+class Encoder(Node, nn.Module):
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+
+    def forward(self, input, ctx):
+        return Opaque(self.net(input.value if isinstance(input, Opaque) else input))
+
+
+class Head(Node, nn.Module):
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(16, 3)
+
+    def forward(self, input, ctx):
+        return self.lin(input.value if isinstance(input, Opaque) else input)
+
+
+def batches(n=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (Opaque(torch.randn(6, 8, generator=gen)), torch.randint(0, 3, (6,), generator=gen))
+        for _ in range(n)
+    ]
+
+
+def test_keep_an_opaque_value_keeps_what_it_wraps(tmp_path):
+    store = Store(tmp_path / "kept")
+    x = torch.randn(4, 8)
+    digest = store.keep("input", Opaque(x))
+    assert digest == store.keep("bare", x)
+    assert torch.equal(store.recall("input"), x)
+    store.keep("batch", (Opaque(x), Opaque(torch.tensor([1, 2]))))
+    back = store.recall("batch")
+    assert type(back) is tuple and torch.equal(back[0], x)
+
+
+def test_the_tensor_codec_is_torch_tensor_and_stores_kept_before_read_back(tmp_path):
+    assert "torch.Tensor" in codecs_registered()
+    # bytes a store kept while the codec was registered as "tensor": {"w": arange(3) int16}
+    old = bytes.fromhex(
+        "81a177c74e1040000000000000007b2274656e736f72223a7b226474797065223a22493136222c22"
+        "7368617065223a5b335d2c22646174615f6f666673657473223a5b302c365d7d7d2020202020000001"
+        "000200"
+    )
+    store = Store(tmp_path / "old")
+    store.bind("weights", store.put(old))
+    back = store.recall("weights")
+    assert back["w"].dtype == torch.int16 and back["w"].tolist() == [0, 1, 2]
+    assert store.keep("again", back) == store.resolve("weights").digest  # the same bytes
+
+
+def test_a_recorder_summarising_the_loss_and_the_run_read_back(tmp_path):
+    store = Store(tmp_path / "runs")
+    torch.manual_seed(0)
+    g = Graph.somatize(Encoder() >> Head())
+    recorder = Recorder(store, run="tuesday", summarising=["loss"])
+    t = Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1), watching=recorder)
+    t.fit(batches(), epochs=2)
+    recorder.close()
+
+    import somatize.record
+
+    runs = somatize.record.runs(store)
+    assert list(runs.columns) == ["run", "forwards", "broke", "took_us", "first", "last"]
+    assert runs["run"].tolist() == ["tuesday"] and runs["forwards"].tolist() == [8]
+    assert runs["broke"].tolist() == [0] and runs["took_us"].iloc[0] > 0
+    forwards = somatize.record.forwards(store, "tuesday")
+    curve = somatize.record.curve(store, "tuesday")
+    assert len(curve) == 8 and curve["step"].tolist() == list(range(8))
+    # every record's meta carries the last loss of its forward, as the loss facts said
+    assert forwards["loss.value"].tolist() == curve["value"].tolist()
+    for i, loss in enumerate(curve["value"]):
+        assert store.resolve(f"run/tuesday/{i}").get("loss.value") == loss
+        assert isinstance(loss, float) and loss > 0
+    nodes = somatize.record.nodes(store, "tuesday")
+    assert nodes["node"].tolist() == ["encoder", "head"] and nodes["ran"].tolist() == [8, 8]
+
+
+def test_fedavg_and_gather_as_written(tmp_path):
+    torch.manual_seed(0)
+    clients = []
+    for k in range(2):
+        g = Graph.somatize(Encoder() >> Head())
+        t = Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1))
+        t.fit(batches(seed=k))
+        clients.append(t)
+    average = fedavg([client.export() for client in clients], sizes=[900, 100])
+    first, second = (c.export()["head"]["lin.weight"].double() for c in clients)
+    expected = 0.9 * first + 0.1 * second
+    rtol = 8 * torch.finfo(torch.float32).eps
+    assert torch.allclose(average["head"]["lin.weight"].double(), expected, rtol=rtol, atol=rtol)
+
+    store = Store(tmp_path / "fed")
+    answers = {}
+
+    def client(k):
+        answers[k] = gather(
+            store,
+            clients[k].export(),
+            run="fed",
+            round=0,
+            clients=2,
+            mine=k,
+            size=10 * (k + 1),
+            within=60,
+            asking=0.02,
+        )
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for k in range(2):
+        clients[k].load(answers[k])
+    assert torch.equal(answers[0]["head"]["lin.bias"], answers[1]["head"]["lin.bias"])
+
+
+def test_better_a_hostile_record_is_left_out_and_the_round_still_completes(tmp_path):
+    store = Store(tmp_path / "fed")
+    store.keep("fed/round/0/client/1", {"head": "not weights"})  # someone else's bytes
+    mine = {"head": {"w": torch.ones(2)}}
+    with pytest.warns(RuntimeWarning, match="client 1"):
+        average = gather(store, mine, run="fed", round=0, clients=2, mine=0, within=60)
+    assert torch.equal(average["head"]["w"], torch.ones(2))
