@@ -42,7 +42,10 @@ function valuesOf(c, buffers) {
 }
 
 function take(s, msg, buffers) {
-  if (msg.kind === "reset") s.runs = new Map();
+  if (msg.kind === "reset") {
+    s.runs = new Map();
+    s.binnedFrom = 0;
+  }
   for (const m of msg.metrics || []) if (!s.metrics.includes(m)) s.metrics.push(m);
   Object.assign(s.kinds, msg.kinds || {});
   for (const entry of msg.runs || []) {
@@ -60,6 +63,7 @@ function take(s, msg, buffers) {
         run.places.set(p.where, place);
       }
       if (p.from !== place.steps.length) return false; // something was missed
+      if (p.of) s.binnedFrom = Math.max(s.binnedFrom || 0, p.of); // a record: one row a bin
       const n = p.steps.length;
       const rows = place.steps.length;
       for (const [metric, c] of Object.entries(p.columns || {})) {
@@ -389,7 +393,8 @@ function render({ model, el: host }) {
     if (many) names.forEach((n, k) => (h += `<span class="smz-key"><span class="smz-swatch" style="background:${RUNS[k % RUNS.length]}"></span>run ${esc(runLabel(n))}</span>`));
     legend.innerHTML = h;
     const flagged = cells.reduce((a, c) => a + c.flags.filter(Boolean).length, 0);
-    status.textContent = `${new Set(rows.map((r) => r.where)).size} places · ${steps.length} steps${flagged ? ` · ${flagged} flagged` : ""}`;
+    const held = s.binnedFrom > steps.length ? ` (binned from ${s.binnedFrom})` : "";
+    status.textContent = `${new Set(rows.map((r) => r.where)).size} places · ${steps.length} steps${held}${flagged ? ` · ${flagged} flagged` : ""}`;
     root.dataset.cells = String(cells.reduce((a, c) => a + c.vals.filter((v) => v !== undefined).length, 0));
     root.dataset.coloured = String(values.length);
     root.dataset.metric = metric;

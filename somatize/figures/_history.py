@@ -318,7 +318,9 @@ def record(history: History, most: int = 240) -> dict:
                 values = [_last(column, b) for b in bins]
                 if any(v is not None for v in values):
                     columns[metric] = _column(values, None)
-            entry["places"].append({"where": where, "from": 0, "steps": [place.steps[r] for r in kept], "columns": columns})
+            entry["places"].append(
+                {"where": where, "from": 0, "steps": [place.steps[r] for r in kept], "columns": columns, "of": rows}
+            )
             binned = [[i, sorted({f for r in b for f in place.flags[r]})] for i, b in enumerate(bins)]
             binned = [b for b in binned if b[1]]
             if binned:
