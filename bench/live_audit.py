@@ -6,8 +6,10 @@ three flat `health` facts to a watcher: a watcher that does nothing, and a `Live
 queues each fact, and in its sender thread keeps it in columns, judges it with the health
 verdict and sends it). Measured interleaved in one run, each round in a shuffled order; a
 block's time over the no-op block's of the same round, median over rounds. The sender's work
-counts: CPU time is read after it has gone idle. Target: the LiveAudit step at most 1.05 x the
-do-nothing watcher's (the numbers in the facts are the Audit's cost, not the figure's).
+counts: CPU time is read after it has judged and sent everything. What it prints beside the
+ratios is the figure's cost per fact (over the no-op watcher's, CPU), which is what a real
+model pays per watched place and step (this MLP's step is so short that a few microseconds a
+fact show as a ratio; a place's measuring by the Audit itself costs far more, bench/audit.py).
 
 The figure's messages only cost what they cost inside a kernel (serialised, sent on iopub), so
 by default this script starts a real kernel with jupyter_client and runs itself there:
@@ -170,18 +172,21 @@ def main() -> None:
     args = sys.argv[1:]
     rounds = int(args[args.index("--rounds") + 1]) if "--rounds" in args else 11
     result = measure(repeats=rounds) if "--here" in args else in_kernel(rounds)
+    noop = result["cpu"]["+ facts to a no-op watcher"]
     rows = [
-        [name, t, result["x_wall"][name], result["cpu"][name], result["x_cpu"][name]]
+        [name, t, result["x_wall"][name], result["cpu"][name], result["x_cpu"][name],
+         (result["cpu"][name] - noop) / 4 if "LiveAudit" in name else "–"]
         for name, t in result["us"].items()
     ]
     where = "in a kernel (messages serialised and sent)" if result["kernel"] else "in a process without a kernel"
     report(
         "live_audit",
         "a fast training step handing its facts to a LiveAudit, against a watcher that does nothing",
-        ["step", "wall µs", "× no-op watcher", "CPU µs, all threads", "CPU × no-op watcher"],
+        ["step", "wall µs", "× no-op watcher", "CPU µs, all threads", "CPU × no-op watcher", "CPU µs a fact"],
         rows,
         notes=f"Measured {where}: {result['steps']} steps, {result['sends']} messages from one "
-        "LiveAudit. Target: the LiveAudit step at most 1.05 × the no-op watcher's.",
+        "LiveAudit. Four facts a step (a loss, three places). Issue 16 sets the live audit no "
+        "ceiling; its cost a fact is what to compare with the Audit's own per place and step.",
     )
 
 

@@ -125,9 +125,11 @@ def _rule() -> Callable[[], Any]:
     if hasattr(health, "Verdicts"):
         return health.Verdicts
 
+    thresholds = health.Thresholds()
+
     class _EachStep:  # until the one rule over time is there: each step judged alone
         def add(self, fact: Mapping[str, Any]) -> list:
-            return health.verdict({k: v for k, v in fact.items() if k not in FACT_KEYS})
+            return health.verdict({k: v for k, v in fact.items() if k not in FACT_KEYS}, thresholds)
 
     return _EachStep
 
@@ -151,15 +153,24 @@ class History:
 
     def health(self, run: str, fact: Mapping[str, Any]) -> None:
         """Keep one health fact (checked when it was taken) as a row of its place."""
-        where, numbers = place_of(fact), numbers_of(fact)
+        node, step = fact.get("node"), fact.get("step")
+        if type(node) is str and type(step) is int:  # a flat fact, as an Audit tells it
+            inside = fact.get("inside")
+            where = f"{node}.{inside}" if inside else node
+            numbers = {k: v for k, v in fact.items() if type(v) in _PLAIN and k not in FACT_KEYS}
+            if len(fact) - len(numbers) > 3 + ("inside" in fact):  # a numpy scalar, perhaps
+                numbers = numbers_of(fact)
+        else:
+            where, numbers, step = place_of(fact), numbers_of(fact), step_of(fact)
         places = self.run(run).places
         place = places.get(where)
         if place is None:
             place = places[where] = Place()
-        place.add(step_of(fact), numbers)
+        place.add(step, numbers)
+        metrics = self.metrics
         for name in numbers:
-            if name not in self.metrics:
-                self.metrics[name] = None
+            if name not in metrics:
+                metrics[name] = None
         self.rows += 1
         self.version += 1
 

@@ -38,6 +38,7 @@ PREFERRED = ("update_ratio", "grad_norm")
 # the share of the time the sender thread may spend judging while facts come (it shares the
 # interpreter with the training); what it has not reached is judged when the cell ends
 JUDGING = 0.03
+_LOW, _HIGH = -(1 << 63), 1 << 63  # a step is an int that fits in 64 bits
 
 class LiveAudit(Face, anywidget.AnyWidget):
     """A live picture of a run's health: the loss above (real axes, a log scale and
@@ -108,9 +109,10 @@ class LiveAudit(Face, anywidget.AnyWidget):
         kind = fact.get("fact") if isinstance(fact, dict) else None
         if kind == "health":
             # checked here, so a bad fact is refused in the caller's thread; read later
-            if type(fact.get("node")) is not str or type(fact.get("step")) is not int:
+            step = fact.get("step")
+            if type(fact.get("node")) is not str or type(step) is not int or not _LOW <= step < _HIGH:
                 place_of(fact)
-            step_of(fact)
+                step_of(fact)
         elif kind == "loss":
             if fact.get("step") is not None:
                 step_of(fact)
