@@ -6,7 +6,7 @@ a last one; 16 channels, one 3×16×16 image), as one node; and a 6-layer
 Targets: architecture ≤ 15 ms on the CNN and ≤ 5 ms on the encoder; probe < 100 ms on the CNN.
 Medians of repeats, one thread, CPU time of this process (steady on a shared machine).
 
-    python bench/inside.py
+    python bench/inside.py [--results]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 import warnings
 
 import torch
+from _results import report
 from torch import nn
 
 from somatize import Graph, Node
@@ -88,7 +89,7 @@ def main() -> None:
     with torch.no_grad():
         cnn_fwd = median_ms(lambda _: cnn.forward(image))
         enc_fwd = median_ms(lambda _: enc.forward(seq))
-    rows = [
+    measured = [
         ("architecture, residual CNN", median_ms(lambda _: architecture(cnn, image)), cnn_fwd, 15),
         (
             "architecture, TransformerEncoder",
@@ -104,12 +105,21 @@ def main() -> None:
         ),
         ("probe, residual CNN", median_ms(lambda _: probe(cnn, image)), cnn_fwd, 100),
     ]
+    rows = [
+        [name, ms, wall, fwd, ms / fwd, target] for name, (ms, wall), (fwd, _), target in measured
+    ]
     how = architecture(enc, seq)["encoder"].how
-    print("| what | CPU ms | wall ms | plain forward CPU ms | × forward | target ms |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, (ms, wall), (fwd, _), target in rows:
-        print(f"| {name} | {ms:.1f} | {wall:.1f} | {fwd:.2f} | {ms / fwd:.1f} | {target} |")
-    print(f"\n(the encoder is read by a {how} forward: fx cannot follow its control flow)")
+    report(
+        "inside",
+        "architecture and probe beside a plain forward of the same net",
+        ["what", "CPU ms", "wall ms", "plain forward CPU ms", "× forward", "target ms"],
+        rows,
+        notes=(
+            "A residual CNN of 20 convolutions (one 3×16×16 image) and a 6-layer "
+            "TransformerEncoder (d_model 64, sequence 16, batch 2), each one node. The "
+            f"encoder is read by a {how} forward: fx cannot follow its control flow."
+        ),
+    )
 
 
 if __name__ == "__main__":

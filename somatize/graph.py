@@ -13,10 +13,21 @@ from dataclasses import replace
 from typing import Any
 
 from somatize import _hooks, caching, run
-from somatize.node import DEVICE, Branches, Chain, Expr, Node, Opaque, Piece, Settings
+from somatize.node import (
+    DEVICE,
+    Branches,
+    Chain,
+    Expr,
+    Node,
+    Opaque,
+    Piece,
+    Settings,
+    kind_name,
+    takes_ctx,
+)
 from somatize.store import store_of
 
-__all__ = ["Graph"]
+__all__ = ["Graph", "as_graph"]
 
 
 class Graph:
@@ -41,13 +52,20 @@ class Graph:
 
     # -- building ------------------------------------------------------------------------
     @classmethod
-    def somatize(cls, expression: Expr) -> Graph:
-        """The graph an expression declares: `>>` chains, `|` opens branches."""
+    def somatize(cls, expression: Any) -> Graph:
+        """The graph an expression declares: `>>` chains, `|` opens branches.
+
+        A module (`nn.Module`) or a plain function is taken as it is, a graph of one node
+        (`Node.of(model)`), so an existing model needs no rewriting to be run, trained, drawn
+        or probed here.
+        """
         if not isinstance(expression, Expr):
-            raise TypeError(
-                f"Graph.somatize takes an expression of Nodes (a >> b, a | b), "
-                f"not {type(expression).__name__}"
-            )
+            if isinstance(expression, type) or not callable(expression):
+                raise TypeError(
+                    f"Graph.somatize takes an expression of Nodes (a >> b, a | b), a module or "
+                    f"a function, not {type(expression).__name__} {expression!r:.60}"
+                )
+            expression = Node.of(expression)
         g = cls()
         g._lay(expression, Settings())
         return g
@@ -105,7 +123,7 @@ class Graph:
             raise TypeError(f"a graph holds Nodes, not {type(node).__name__}")
         nid = settings.name
         if nid is None:
-            base = type(node).__name__.lower()
+            base = kind_name(node).lower()
             k = self._counts.get(base, 0) + 1
             nid = base if k == 1 else f"{base}_{k}"
             while nid in self._impl:
@@ -118,6 +136,14 @@ class Graph:
                 f"give this {type(node).__name__} another with .named(...)"
             )
         self._check(nid, node, settings)
+        if not takes_ctx(node):
+            cls = type(node).__name__
+            raise TypeError(
+                f"node {nid!r}: {cls}.forward does not take ctx. A Node's forward is "
+                f"forward(self, input, ctx), ctx saying where it runs: add the ctx parameter "
+                f"to {cls}.forward, or put a plain module in the graph as it is with "
+                f"Node.of(module)"
+            )
         self._order.append(nid)
         self._impl[nid] = node
         self._settings[nid] = settings
@@ -297,7 +323,7 @@ class Graph:
             nodes.append(
                 {
                     "id": n,
-                    "kind": type(self._impl[n]).__name__,
+                    "kind": kind_name(self._impl[n]),
                     "device": s.device,
                     "host": s.host,
                     "frozen": bool(s.frozen),
@@ -400,3 +426,17 @@ class Graph:
             data = {**data, "text/plain": repr(self)}
             return data, meta
         return {**(bundle or {}), "text/plain": repr(self)}
+
+
+def as_graph(what: Any) -> Graph:
+    """What every tool that takes a graph looks at: a `Graph` as it is, an expression built
+    (`Graph.somatize`), and a bare module or plain function as a graph of one node
+    (`Node.of`), whose id is its class name lower-cased. Anything else is a TypeError."""
+    if isinstance(what, Graph):
+        return what
+    if isinstance(what, Expr) or (callable(what) and not isinstance(what, type)):
+        return Graph.somatize(what)
+    raise TypeError(
+        f"expected a somatize Graph, an expression of Nodes, an nn.Module or a function, "
+        f"not {type(what).__name__} {what!r:.60}"
+    )

@@ -14,11 +14,11 @@ from __future__ import annotations
 import inspect
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-__all__ = ["Node", "Opaque", "Expr", "Settings", "DEVICE", "unwrap"]
+__all__ = ["Node", "Wrapped", "Opaque", "Expr", "Settings", "DEVICE", "unwrap", "kind_name"]
 
 DEVICE = re.compile(r"^(cpu|cuda|cuda:\d+|mps|meta)$")
 """What `.on(device)` accepts: cpu, cuda, cuda:N, mps, meta."""
@@ -239,6 +239,23 @@ class Node(Expr, ABC):
     def forward(self, input: Any, ctx: Any) -> Any:
         """What this node produces from `input`; `ctx` says where it runs."""
 
+    @classmethod
+    def of(cls, what: Any) -> Node:
+        """`what` as a node that can stand in an expression, as it is.
+
+        A `Node` comes back unchanged. A module (an `nn.Module`) or a plain function becomes a
+        `Wrapped` node that calls it: a dict arriving at it whose keys its `forward` names is
+        passed as keywords (`input_ids=`, `attention_mask=`), anything else as the one
+        argument; whatever it returns (a tuple, a `ModelOutput`) crosses as it is::
+
+            Graph.somatize(Node.of(backbone) >> Node.of(head).named("head"))
+
+        Refused (TypeError): a class instead of an instance, and anything that cannot be called.
+        """
+        if isinstance(what, Node):
+            return what
+        return Wrapped(what)
+
     def _said(self, **change: Any) -> Expr:
         return Piece(self, Settings(**change))
 
@@ -252,12 +269,97 @@ class Node(Expr, ABC):
         return self is other
 
 
+_SIGNATURES: dict[Any, inspect.Signature] = {}
+
+
+def _signature(fn: Any) -> inspect.Signature:
+    """`inspect.signature(fn)`, read once per function (a bound method by its function)."""
+    key = getattr(fn, "__func__", fn)
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        sig = inspect.signature(key)
+        if len(_SIGNATURES) < 4096:
+            _SIGNATURES[key] = sig
+    if key is not fn and sig.parameters:  # bound: without its first parameter
+        sig = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return sig
+
+
+def _keywords(fn: Any) -> frozenset[str]:
+    """The parameters `fn` (a module's `forward`, or a function) takes by name."""
+    forward = getattr(fn, "forward", None)
+    try:
+        sig = _signature(forward if callable(forward) else fn)
+    except (TypeError, ValueError):
+        return frozenset()
+    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(n for n, p in sig.parameters.items() if p.kind in by_name)
+
+
+class Wrapped(Node):
+    """A module or a plain function standing in a graph as it is (what `Node.of` makes).
+
+    Every tool treats the module it holds as the node itself: its parameters are the node's,
+    its submodules are the places `node.path.to.layer` inside it, and its default id is its
+    class name lower-cased (a function's name, for a function).
+    """
+
+    def __init__(self, held: Any) -> None:
+        if isinstance(held, type) or not callable(held):
+            what = f"the class {held.__name__}" if isinstance(held, type) else type(held).__name__
+            raise TypeError(
+                f"Node.of takes a module or a function to call, not {what}"
+                + (": pass an instance, Node.of(Model(...))" if isinstance(held, type) else "")
+            )
+        self.held = held
+        self.keywords = _keywords(held)
+
+    def forward(self, input: Any, ctx: Any) -> Any:
+        """Call what is held: a dict of its forward's own parameter names as keywords."""
+        if isinstance(input, Mapping) and input and self.keywords.issuperset(input):
+            return self.held(**input)
+        return self.held(input)
+
+    def __repr__(self) -> str:
+        return f"Node.of({kind_name(self)})"
+
+
+def kind_name(node: Any) -> str:
+    """The class name a node goes by (its id, lower-cased, unless it was named): the held
+    module's class for a `Wrapped` one, a function's own name."""
+    if isinstance(node, Wrapped):
+        held = node.held
+        if inspect.isfunction(held) or inspect.isbuiltin(held) or inspect.ismethod(held):
+            return re.sub(r"\W", "", held.__name__) or "function"
+        return type(held).__name__
+    return type(node).__name__
+
+
+_FORWARD_OK: dict[Any, bool] = {}
+
+
+def takes_ctx(node: Any) -> bool:
+    """Whether `node.forward` can be called as forward(input, ctx)."""
+    forward = getattr(type(node), "forward", None)
+    known = _FORWARD_OK.get(forward)
+    if known is None:
+        try:
+            inspect.signature(node.forward).bind(None, None)
+            known = True
+        except TypeError:
+            known = False
+        except ValueError:  # no signature to read (a builtin): trust it
+            known = True
+        _FORWARD_OK[forward] = known
+    return known
+
+
 def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:
     init = cls.__init__
     if init is object.__init__:
         return {}
     try:
-        sig = inspect.signature(init)
+        sig = _signature(init)
         bound = sig.bind(None, *args, **kwargs)
     except (TypeError, ValueError):
         return {"args": args, **kwargs}

@@ -1,7 +1,8 @@
-"""Small nodes that the test files build graphs from."""
+"""Small nodes (and modules) that the test files build graphs from, and what they check them with."""
 
 from __future__ import annotations
 
+import graphlib
 from typing import Any
 
 import torch
@@ -51,3 +52,29 @@ class Layer(Node, nn.Module):
     def forward(self, x: Any, ctx: Any) -> Any:
         y = self.lin(x)
         return torch.tanh(y) if self.act else y
+
+
+class Tied(nn.Module):
+    """An embedding and an output layer sharing one weight (GPT-2's wte and lm_head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(11, 4)
+        self.body = nn.Linear(4, 4)
+        self.lm_head = nn.Linear(4, 11, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.lm_head(self.body(self.wte(ids)))
+
+
+def loops(edges: list[tuple[str, str]]) -> bool:
+    """Whether these edges close a cycle somewhere."""
+    sorter = graphlib.TopologicalSorter()
+    for a, b in edges:
+        sorter.add(b, a)
+    try:
+        sorter.prepare()
+    except graphlib.CycleError:
+        return True
+    return False

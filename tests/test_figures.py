@@ -339,3 +339,40 @@ def test_the_readmes_three_figures_run_and_its_pictures_and_badge_are_there():
         assert f"(docs/pictures/{kind}.svg)" in readme and (root / "docs" / "pictures" / f"{kind}.svg").exists()
     assert pictures.main(["--check"]) == 0  # the badge is the one pyproject.toml sets
     assert "OWNER" not in readme
+
+
+def test_a_tied_weight_is_counted_once_and_attention_axes_are_heads_and_sequence():
+    from somatize.torch import architecture
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(11, 4)
+            self.body = nn.Linear(4, 4)
+            self.lm_head = nn.Linear(4, 11, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, ids):
+            return self.lm_head(self.body(self.wte(ids)))
+
+    net = Tied()
+    inside = architecture(net, torch.tensor([[1, 2, 3]]))
+    total = sum(p.numel() for p in net.parameters())
+    fig = graph_figure(net, inside=inside)  # a bare module is a graph of one node
+    texts = [t.text for t in ET.fromstring(fig.svg()).iter(f"{SVG}text")]
+    assert total == 64 and any(t and f"{total} params" in t for t in texts)  # not 108
+    layer = {"kind": "attention", "label": "SelfAttention", "shape": [2, 8, 16], "params": 0, "times": 1, "repeats": []}
+    attn = {
+        "layers": [
+            {**layer, "path": "attn", "block": None},
+            {**layer, "path": "attn.sdpa", "label": "sdpa", "shape": [2, 2, 8, 8], "block": "attn"},
+            {**layer, "path": "attn.view", "kind": "shaping", "label": "view", "shape": [2, 8, 2, 8], "block": "attn"},
+            {**layer, "path": "conv", "kind": "conv", "label": "Conv2d", "shape": [2, 3, 8, 8], "block": None},
+        ],
+        "edges": [["attn.sdpa", "attn.view"], ["attn.view", "conv"]],
+    }
+    plan = {"nodes": [fd._node("enc", "Holds")], "edges": [], "order": ["enc"]}
+    texts = [t.text for t in ET.fromstring(graph_figure(plan, inside={"enc": attn}).svg()).iter(f"{SVG}text")]
+    assert "2 batch · 2 heads · 8 seq · 8 dim" in texts  # attention's own output
+    assert "2 batch · 8 d1 · 2 d2 · 8 d3" in texts  # inside attention: not an image
+    assert "2 batch · 3 ch · 8 h · 8 w" in texts

@@ -8,9 +8,10 @@ import operator
 
 import pytest
 import torch
+from _nodes import Tied, loops
 from torch import nn
 
-from somatize import Graph, Node
+from somatize import Graph, Node, Opaque
 from somatize.torch.inside.architecture import Inside, architecture, kind_of, traced
 
 
@@ -81,7 +82,8 @@ class CNN(nn.Module):
         (nn.Upsample(scale_factor=2), "shaping"),
         (nn.Sequential(), "block"),
         (Block(2), "block"),
-        (nn.TransformerEncoderLayer(4, 2), "block"),
+        (nn.TransformerEncoderLayer(4, 2), "attention"),
+        (nn.TransformerDecoderLayer(4, 2), "attention"),
         (nn.Module(), "other"),
         (torch.relu, "activation"),
         (torch.flatten, "shaping"),
@@ -112,7 +114,8 @@ def test_traced_residual_cnn_symbolically_folded_with_shapes():
     assert block.repeats == ["blocks.1", "blocks.2"]
     conv = inside.layer("blocks.0.c1")
     assert conv.kind == "conv" and conv.shape == [2, 4, 8, 8] and conv.block == "blocks.0"
-    assert conv.times == 3 and conv.params == 4 * 4 * 9 + 4
+    # ×3 is said once, by the block: the conv inside it is one conv of each copy
+    assert conv.times == 1 and conv.params == 4 * 4 * 9 + 4
     assert "blocks.1.c1" in conv.repeats
     assert inside.layer("fc").shape == [2, 10]
     assert inside.layer("flatten").kind == "shaping"
@@ -160,7 +163,8 @@ def test_depth_opens_a_composite_torch_ships():
     opened = traced(enc, x, depth=1)
     assert opened.layer("layers.0").times == 4
     assert opened.layer("layers.0.self_attn").kind == "attention"
-    assert opened.layer("layers.0.linear1").times == 4
+    assert opened.layer("layers.0.linear1").times == 1
+    assert "layers.3.linear1" in opened.layer("layers.0.linear1").repeats
 
 
 def test_traced_leaves_the_module_as_it_was():
@@ -236,7 +240,9 @@ def test_architecture_traces_each_node_on_what_reaches_it():
     assert got["enc"].layer("l").shape == [7, 8]
     assert got["branch_2"].layer("l").shape == [7, 3]
     join = got["join"]
-    assert [x.path for x in join.layers] == ["net", "net.0", "net.1", "head"]
+    # a plain node is read as one module made of what it holds, its own torch.cat included
+    assert [x.path for x in join.layers] == ["cat", "net", "net.0", "net.1", "head"]
+    assert ("cat", "net.0") in join.edges
     assert join.layer("net.0").shape == [7, 6] and join.layer("net.0").block == "net"
     assert join.layer("head").shape == [7, 2] and join.layer("head").kind == "learned"
     assert ("net.1", "head") in join.edges
@@ -247,9 +253,250 @@ def test_architecture_traces_each_node_on_what_reaches_it():
 def test_architecture_without_an_example_answers_symbolically():
     got = architecture(_graph())
     assert got["enc"].how == "symbolic" and got["enc"].layer("l").shape is None
-    assert [x.path for x in got["join"].layers] == ["net", "net.0", "net.1", "head"]
+    assert [x.path for x in got["join"].layers] == ["cat", "net", "net.0", "net.1", "head"]
 
 
 def test_architecture_of_a_bare_module_is_keyed_by_its_class():
     got = architecture(CNN(), torch.randn(1, 3, 8, 8))
     assert list(got) == ["cnn"] and got["cnn"].layer("blocks.0").times == 3
+
+
+# -- following the data, on a real forward and through fx ----------------------------------
+
+
+class Pooled(nn.Module):
+    """A head fed through indexing, a transpose and a reshape; `branchy` adds control flow
+    on a value, which fx cannot follow, so the real forward has to read it."""
+
+    def __init__(self, branchy: bool):
+        super().__init__()
+        self.branchy = branchy
+        self.embed = nn.Linear(4, 8)
+        self.mix = nn.Linear(8, 8)
+        self.act = nn.GELU()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.act(self.mix(self.embed(x)))  # (batch, seq, 8)
+        if self.branchy and bool(h.sum() > -1e9):
+            h = h * 1.0
+        h = h.transpose(1, 2).reshape(h.shape[0], 8, -1).transpose(1, 2)
+        return self.head(h[:, 0])
+
+
+@pytest.mark.parametrize("branchy, how", [(False, "symbolic"), (True, "traced")])
+def test_edges_follow_the_data_through_indexing_views_and_reshapes(branchy, how):
+    inside = traced(Pooled(branchy), torch.randn(2, 5, 4))
+    assert inside.how == how
+    assert ("act", "head") in inside.edges or ("mul", "head") in inside.edges
+    assert ("embed", "mix") in inside.edges and ("mix", "act") in inside.edges
+    labels = [x.label for x in inside.layers]
+    assert "transpose" not in labels and "reshape" not in labels and "getitem" not in labels
+    assert "gt" not in labels and "sum" not in labels  # bookkeeping on the data is not drawn
+
+
+class Twice(nn.Module):
+    """One ReLU called twice, as torchvision's ResNet block does."""
+
+    def __init__(self, branchy: bool = False):
+        super().__init__()
+        self.branchy = branchy
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        out = self.relu(self.conv(x))
+        if self.branchy and bool(out.mean() > 1e9):  # never true; fx cannot know it
+            out = out * 0
+        return self.relu(out + x)
+
+
+@pytest.mark.parametrize("branchy", [False, True])
+def test_a_module_called_twice_is_a_box_per_call_and_nothingloops(branchy):
+    inside = traced(Twice(branchy), torch.randn(1, 2, 4, 4))
+    assert inside.how == ("traced" if branchy else "symbolic")
+    paths = [x.path for x in inside.layers]
+    assert "relu" in paths and "relu#2" in paths
+    assert inside.layer("relu#2").label == "ReLU" and inside.layer("relu#2").params == 0
+    assert ("conv", "relu") in inside.edges and ("add", "relu#2") in inside.edges
+    assert not loops(inside.edges)
+    assert "mean" not in paths  # a number read for a decision is not a layer of the net
+
+
+def test_a_tied_weight_is_counted_once():
+    net = Tied()
+    inside = traced(net, torch.tensor([[1, 2, 3]]))
+    assert inside.params == 11 * 4 + 4 * 4 + 4 == sum(p.numel() for p in net.parameters())
+    assert inside.layer("lm_head").params == inside.layer("wte").params == 44
+    assert architecture(net, torch.tensor([[1, 2]]))["tied"].params == inside.params
+    assert inside.to_json()["params"] == inside.params
+
+
+class Masks(nn.Module):
+    """What transformers do with masks and caches: comparisons, a triangle, a count, an
+    assert, and a cache filled by concatenating onto an empty tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        keep = mask.gt(0) & mask.eq(mask)
+        n = keep.sum()
+        torch._assert(n >= 0, "a count")
+        causal = torch.triu(torch.ones(x.shape[1], x.shape[1]), diagonal=1)
+        cache = torch.cat([torch.zeros(x.shape[0], 0, 4), self.proj(x)], dim=1)
+        scores = cache @ cache.transpose(1, 2) - 1e4 * causal
+        return (scores.softmax(-1) * keep[:, None, :]) @ x
+
+
+def test_bookkeeping_is_not_drawn_and_the_data_still_flows():
+    inside = traced(
+        Masks(), {"x": torch.randn(2, 3, 4), "mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
+    )
+    labels = [x.label for x in inside.layers]
+    for op in ("gt", "eq", "and", "sum", "triu", "assert", "ones", "zeros", "cat", "transpose"):
+        assert op not in labels, op
+    assert labels[0].startswith("Linear")
+    assert ("proj", "matmul") in inside.edges and ("softmax", "mul") in inside.edges
+
+
+class Conv1D(nn.Module):
+    """GPT-2's: a linear layer with its weight transposed, named for a convolution."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+
+
+class Kernel(nn.Module):
+    """A convolution of its own, with a name that says nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 2, 3, 3))
+
+    def forward(self, x):
+        return torch.conv2d(x, self.w, padding=1)
+
+
+class SqueezeExcitation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Conv2d(2, 2, 1)
+        self.gate = nn.Hardsigmoid()
+
+    def forward(self, x):
+        return x * self.gate(self.fc(self.pool(x)))
+
+
+class BertPooler(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Linear(4, 4)
+        self.activation = nn.Tanh()
+
+    def forward(self, h):
+        return self.activation(self.dense(h[:, 0]))
+
+
+class Layer(nn.Module):
+    """A transformer layer of somebody's own: attention among its parts."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.ff = nn.Linear(4, 4)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.dw = nn.Conv2d(2, 2, 7, padding=3, groups=2)
+        self.norm = nn.LayerNorm(2)
+
+
+@pytest.mark.parametrize(
+    "module, kind",
+    [
+        (Conv1D(3, 4), "learned"),
+        (Kernel(), "conv"),
+        (SqueezeExcitation(), "block"),
+        (BertPooler(), "block"),
+        (ConvNeXtBlock(), "block"),
+        (Layer(), "attention"),
+        (nn.TransformerDecoderLayer(4, 2), "attention"),
+    ],
+)
+def test_kind_by_what_a_module_computes_with_not_its_name(module, kind):
+    assert kind_of(module) == kind
+
+
+class Drop(nn.Module):
+    """A residual block whose branch is dropped with probability p (stochastic depth)."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Drop(0.1), Drop(0.1))
+
+    def forward(self, x):
+        return self.blocks(x)
+
+
+def test_blocks_that_differ_in_a_setting_are_not_folded_together():
+    same = traced(nn.Sequential(Drop(0.1), Drop(0.1), Drop(0.1)), torch.randn(2, 4))
+    assert same.layer("0").times == 3
+    rising = traced(nn.Sequential(Drop(0.0), Drop(0.05), Drop(0.1)), torch.randn(2, 4))
+    assert [x.times for x in rising.layers if x.block is None] == [1, 1, 1]
+
+
+def test_nested_folds_say_their_own_count_once_per_level():
+    inside = traced(nn.Sequential(Stage(), Stage(), Stage()), torch.randn(2, 4))
+    assert inside.layer("0").times == 3
+    assert inside.layer("0.blocks.0").times == 2
+    assert inside.layer("0.blocks.0.lin").times == 1
+    assert inside.params == 3 * 2 * (16 + 4)
+
+
+def test_an_identity_only_hands_its_input_on():
+    net = nn.Sequential(nn.Linear(4, 4), nn.Identity(), nn.ReLU())
+    inside = traced(net, torch.randn(2, 4))
+    assert [x.path for x in inside.layers] == ["0", "2"]
+    assert inside.edges == [("0", "2")]
+
+
+def test_an_opaque_example_gives_the_same_answer():
+    net, x = CNN(), torch.randn(2, 3, 8, 8)
+    assert traced(net, Opaque(x)).to_json() == traced(net, x).to_json()
+    assert architecture(net, Opaque(x))["cnn"].to_json() == architecture(net, x)["cnn"].to_json()
+    kw = {"x": torch.randn(2, 3, 4), "mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}
+    wrapped = {k: Opaque(v) for k, v in kw.items()}
+    assert traced(Masks(), wrapped).to_json() == traced(Masks(), kw).to_json()
+
+
+def test_a_bare_module_holding_a_plain_module_and_the_graph_agree():
+    net = Pooled(True)
+    g = Graph.somatize(Node.of(net))
+    assert architecture(g, torch.randn(2, 5, 4))["pooled"].to_json() == (
+        architecture(net, torch.randn(2, 5, 4))["pooled"].to_json()
+    )
+
+
+def test_traced_reads_a_node_that_is_a_module_as_the_graph_calls_it():
+    inside = traced(Enc(), torch.randn(3, 4))
+    assert [x.path for x in inside.layers] == ["l", "r"] and inside.layer("r").shape == [3, 8]

@@ -89,3 +89,80 @@ def test_a_node_must_implement_forward():
 
     with pytest.raises(TypeError):
         Empty()
+
+
+# -- a module or a function as it is ------------------------------------------------------
+
+
+class Keyed:
+    """A callable taking keywords, as a transformers model does (no torch needed)."""
+
+    def forward(self, input_ids, attention_mask=None):
+        return ("keywords", input_ids, attention_mask)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+def test_a_callable_stands_in_an_expression_as_it_is():
+    def tokenize(text):
+        return text.split()
+
+    g = Graph.somatize(Node.of(tokenize) >> Node.of(len).named("count"))
+    assert g.nodes() == ["tokenize", "count"]
+    assert g.forward("a b c") == 3
+    assert g.plan_json()["nodes"][0]["kind"] == "tokenize"
+    assert Graph.somatize(lambda x: x + 1).nodes() == ["lambda"]
+    node = Add()
+    assert Node.of(node) is node
+
+
+def test_a_dict_whose_keys_the_forward_names_is_passed_as_keywords():
+    g = Graph.somatize(Keyed())
+    assert g.nodes() == ["keyed"]
+    assert g.forward({"input_ids": 1, "attention_mask": 2}) == ("keywords", 1, 2)
+    assert g.forward({"input_ids": 1}) == ("keywords", 1, None)
+    # a dict with a key the forward does not name is the one argument, as it is
+    assert g.forward({"input_ids": 1, "other": 2}) == (
+        "keywords",
+        {"input_ids": 1, "other": 2},
+        None,
+    )
+    assert g.forward(5) == ("keywords", 5, None)
+
+
+def test_whatever_it_returns_crosses_as_it_is():
+    pair = Graph.somatize(Node.of(lambda x: (x, [x])) >> Node.of(lambda p: p))
+    out = pair.forward(3)
+    assert out == (3, [3]) and type(out) is tuple
+
+
+def test_refusals_say_what_to_do():
+    with pytest.raises(TypeError, match="instance"):
+        Node.of(Keyed)
+    with pytest.raises(TypeError, match="int"):
+        Node.of(3)
+    with pytest.raises(TypeError, match="module or a function"):
+        Graph.somatize(3)
+
+    class NoCtx(Node):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(TypeError, match=r"'noctx'.*does not take ctx.*Node\.of\(module\)"):
+        Graph.somatize(NoCtx())
+    g = Graph()
+    with pytest.raises(TypeError, match="ctx"):
+        g.node(NoCtx())
+    assert g.nodes() == []  # refused before anything was added
+
+
+def test_as_graph_is_the_one_way_a_tool_takes_a_graph_or_a_module():
+    from somatize.graph import as_graph
+
+    g = Graph.somatize(Add())
+    assert as_graph(g) is g
+    assert as_graph(Add() >> Add()).nodes() == ["add", "add_2"]
+    assert as_graph(Keyed()).nodes() == ["keyed"]
+    with pytest.raises(TypeError, match="Graph"):
+        as_graph("not a graph")

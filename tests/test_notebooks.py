@@ -18,6 +18,7 @@ EXPECTED = [
     "04_federated",
     "05_health",
     "06_choosing_an_architecture",
+    "07_your_own_model",
 ]
 
 
@@ -28,7 +29,7 @@ def _build():
     return module
 
 
-def test_the_six_notebooks_are_there():
+def test_the_seven_notebooks_are_there():
     assert [p.stem for p in NOTEBOOKS] == EXPECTED
 
 

@@ -230,9 +230,13 @@ def test_a_graph_and_its_module_score_the_same():
     assert proxies(Graph.somatize(Whole()), x) == proxies(net, x)
 
 
-def test_a_proxy_the_graph_cannot_give_is_absent():
+def test_a_proxy_the_graph_cannot_give_is_absent_and_a_warning_says_why():
     net = nn.Sequential(nn.Linear(3, 2))
-    got = proxies(net, torch.randn(1, 3))
+    with pytest.warns(UserWarning) as said:
+        got = proxies(net, torch.randn(1, 3))
     assert "naswot" not in got and "jacob_cov" not in got and "synflow" in got
+    text = [str(w.message) for w in said]
+    assert any("naswot" in t and "activation" in t for t in text)
+    assert any("jacob_cov" in t and "fewer than two" in t for t in text)
     with pytest.raises(ValueError, match="activation"):
         proxy(net, torch.randn(4, 3), "naswot")

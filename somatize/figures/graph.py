@@ -18,6 +18,7 @@ import traitlets
 from somatize.figures._draw import picture
 from somatize.figures._face import Face
 from somatize.figures._page import STATIC, jsonable, page
+from somatize.graph import as_graph
 
 __all__ = ["GraphFigure", "graph_figure"]
 
@@ -27,9 +28,11 @@ def _plan_of(graph: Any) -> dict[str, Any]:
         plan = dict(graph)
     elif hasattr(graph, "plan_json"):
         plan = graph.plan_json()
+    elif callable(graph) and not isinstance(graph, type):
+        plan = as_graph(graph).plan_json()  # a bare module: a graph of one node
     else:
         raise TypeError(
-            f"a graph figure draws a Graph (or its plan_json() dict), not {type(graph).__name__}"
+            f"a graph figure draws a Graph, a bare module (or a plan_json() dict), not {type(graph).__name__}"
         )
     if not isinstance(plan.get("nodes"), list) or not isinstance(plan.get("edges"), list):
         raise ValueError("a graph's plan needs 'nodes' and 'edges' lists (see Graph.plan_json())")
@@ -187,7 +190,8 @@ def graph_figure(
     width: int = 1000,
     name: str | None = None,
 ) -> GraphFigure:
-    """Draw a graph (a `Graph`, or its `plan_json()` dict) as a `GraphFigure`.
+    """Draw a graph (a `Graph`, a bare module as a graph of one node, or a `plan_json()`
+    dict) as a `GraphFigure`.
 
     `inside` is `{node: Inside}` (what `somatize.torch.architecture(g, x)` returns, or the
     insides' `.to_json()` dicts); every node given one opens into its layers, unless `opened`

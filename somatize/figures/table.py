@@ -20,6 +20,7 @@ from somatize.figures._face import Face
 from somatize.figures._page import STATIC, jsonable, page
 from somatize.figures._svg import number, text_width
 from somatize.figures._table_face import WIDEST, html
+from somatize.graph import as_graph
 
 __all__ = ["CompareTable", "compare"]
 
@@ -111,6 +112,7 @@ def compare(
             )
     rows = {}
     for name, graph in named.items():
+        graph = as_graph(graph)  # a bare module is a graph of one node
         row: dict[str, Any] = {"params": _parameter_count(graph)}
         if measured is not None:
             value = measured.get(name)

@@ -14,9 +14,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from somatize.graph import as_graph
+from somatize.node import Opaque
 from somatize.torch.placement import named_modules_of
 
-__all__ = ["named_modules_of", "untouched", "places_of", "as_graph", "tensors_in"]
+__all__ = [
+    "named_modules_of",
+    "untouched",
+    "places_of",
+    "as_graph",
+    "tensors_in",
+    "root_of",
+    "Holder",
+    "Tap",
+]
 
 
 def join(*parts: str) -> str:
@@ -24,39 +35,35 @@ def join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
 
 
-class _One:
-    """A bare module seen as a graph of one node, so every tool also takes a plain module."""
+class Holder(nn.Module):
+    """The modules a plain node holds, under their attribute names, as one module whose
+    forward is the node's: so a plain node is read, probed and drawn as a module is."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.name = type(module).__name__.lower()
+    def __init__(self, node: Any) -> None:
+        super().__init__()
+        object.__setattr__(self, "node", node)
+        for name, module in named_modules_of(node):
+            head, _, index = name.partition(".")
+            if index:
+                if head not in dict(self.named_children()):
+                    self.add_module(head, nn.ModuleDict())
+                self.get_submodule(head)[index] = module
+            else:
+                self.add_module(name, module)
 
-    def nodes(self) -> list[str]:
-        return [self.name]
-
-    def implementation(self, node: str) -> Any:
-        return self.module
-
-    def predecessors(self, node: str) -> list[str]:
-        return []
-
-    def topological_sort(self) -> list[str]:
-        return [self.name]
-
-    def forward(self, input: Any = None, **_: Any) -> Any:
-        return self.module(input)
+    def forward(self, input: Any, ctx: Any = None) -> Any:
+        return type(self.node).forward(self.node, input, ctx)
 
 
-def as_graph(graph: Any) -> Any:
-    """A Graph as it is; a bare nn.Module as a graph of one node named by its class."""
-    if isinstance(graph, nn.Module):
-        return _One(graph)
-    if not all(hasattr(graph, a) for a in ("nodes", "implementation", "forward")):
-        raise TypeError(
-            f"expected a somatize Graph or an nn.Module, got {type(graph).__name__}; "
-            "build one with Graph.somatize(...)"
-        )
-    return graph
+def root_of(node: Any) -> nn.Module | None:
+    """The one module a node is read as: the module it is (or holds as it is, `Node.of`), a
+    `Holder` of the modules a plain node holds, or None when it holds none."""
+    held = named_modules_of(node)
+    if not held:
+        return None
+    if len(held) == 1 and held[0][0] == "":
+        return held[0][1]
+    return Holder(node)
 
 
 def places_of(graph: Any) -> list[tuple[str, str, nn.Module]]:
@@ -69,9 +76,11 @@ def places_of(graph: Any) -> list[tuple[str, str, nn.Module]]:
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    """Every tensor inside a value (dicts, lists, tuples), in order."""
+    """Every tensor inside a value (dicts, lists, tuples, an `Opaque`), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
+    if isinstance(value, Opaque):
+        return tensors_in(value.value)
     if isinstance(value, dict):
         return [t for v in value.values() for t in tensors_in(v)]
     if isinstance(value, (list, tuple)):
@@ -80,12 +89,13 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[None]:
+def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[list[nn.Module]]:
     """Whatever happens inside, the modules come out exactly as they went in.
 
-    Modes, parameter values and dtypes, gradients (the same tensors), buffers, `inplace` flags,
-    and the global random state. With `seed`, the global generator is seeded inside, so a
-    dropout draws the same masks every call.
+    Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
+    buffers, `inplace` flags, and the global random state. With `seed`, the global generator
+    is seeded inside, so a dropout draws the same masks every call. It gives every module
+    inside them, each once, for whoever wants to change them in the meantime.
     """
     every: list[nn.Module] = []
     seen: set[int] = set()
@@ -113,7 +123,7 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Non
             torch.default_generator.manual_seed(seed)
             if torch.cuda.is_initialized():
                 torch.cuda.manual_seed_all(seed)
-        yield
+        yield every
     finally:
         torch.set_rng_state(rng)
         with torch.no_grad():
@@ -128,7 +138,8 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Non
                 p.grad = grad
                 p.requires_grad_(requires)
             for m, name, b, saved in buffers:
-                m._buffers[name] = b
+                if getattr(m, name, None) is not b:  # the buffer itself, if it was replaced
+                    setattr(m, name, b)
                 if b.shape == saved.shape and b.dtype == saved.dtype:
                     b.copy_(saved)
                 else:
@@ -136,9 +147,11 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Non
 
 
 def _wrap(node_id: str, original: Any, tap: Tap) -> Any:
+    call = tap.through.get(node_id, original)
+
     def forward(*args: Any, **kw: Any) -> Any:
-        out = original(*args, **kw)
-        if tap.live:
+        out = call(*args, **kw)
+        if tap.live and tap.on_node is not None:
             tap.on_node(
                 node_id,
                 args[0] if args else kw.get("input"),
@@ -157,12 +170,14 @@ class Tap:
     hooks on a node that *is* a module never fire; an instance attribute shadowing `forward`
     is seen both by a freshly compiled plan and by `__call__`. The graph's compiled plan is
     set aside while tapped and given back after. `live` False: the wrappers stay, and tell
-    nothing (an Audit's unmeasured steps pay one attribute read per node).
+    nothing (an Audit's unmeasured steps pay one attribute read per node). `through` maps
+    a node to what is called in its place (a `Holder`, so its module hooks fire).
     """
 
-    def __init__(self, graph: Any, on_node: Any) -> None:
+    def __init__(self, graph: Any, on_node: Any, through: dict[str, Any] | None = None) -> None:
         self.graph = graph
         self.on_node = on_node
+        self.through = through or {}
         self.live = True
         self._undo: list[tuple[Any, bool, Any]] = []
         self._plan: Any = None

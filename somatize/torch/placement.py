@@ -13,13 +13,17 @@ import torch
 from torch import nn
 
 from somatize import _hooks
+from somatize.node import Wrapped
 
 __all__ = ["entry", "modules_of", "named_modules_of", "move", "place", "state_digest", "trainable"]
 
 
 def named_modules_of(node: Any) -> list[tuple[str, nn.Module]]:
     """The modules a node is made of, named: `("", node)` when the node is one, else each
-    module it holds as an attribute (`net`, or `blocks.0` for one in a list), each once."""
+    module it holds as an attribute (`net`, or `blocks.0` for one in a list), each once. A
+    module stood in a graph as it is (`Node.of`) is the node."""
+    if isinstance(node, Wrapped):
+        return [("", node.held)] if isinstance(node.held, nn.Module) else []
     if isinstance(node, nn.Module):
         return [("", node)]
     found: list[tuple[str, nn.Module]] = []

@@ -14,16 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.torch._modules import (
-    Tap,
-    _One,
-    as_graph,
-    join,
-    named_modules_of,
-    tensors_in,
-    untouched,
-)
-from somatize.torch.inside._trace import Raw, Reading, Traced, _shape, by_forward, by_fx, fx_trace
+from somatize.graph import as_graph
+from somatize.node import Node, Wrapped, unwrap
+from somatize.torch._modules import Holder, Tap, root_of, untouched
+from somatize.torch.inside._forward import Reading, by_forward
+from somatize.torch.inside._fx import by_fx, fx_trace
+from somatize.torch.inside._trace import Raw, Traced, shape_of
 from somatize.torch.inside.fold import collapse, fold
 from somatize.torch.inside.kinds import kind_of, label_of
 
@@ -37,8 +33,10 @@ class Layer:
     `path` is relative to the node (`""` when the node is a single layer), `kind` comes from
     `kind_of`, `shape` is the output shape (None without an example), `block` the path of the
     enclosing composite, `made_of` the paths of the layers directly inside this one (a block),
-    `times` how many layers this box stands for once repeated blocks are folded, `repeats`
-    the paths it hides.
+    `times` how many copies of it this box stands for at its own level (a block ×2 inside a
+    stage ×3 says 2: what a layer stands for in all is the product along its blocks),
+    `repeats` the paths it hides. A module called more than once is a box per call, the
+    later ones at `path#2`, `path#3`, ...
     """
 
     path: str
@@ -58,7 +56,8 @@ class Inside:
 
     `how` is "symbolic" when torch.fx followed the forward and "traced" when a real forward
     with hooks had to; `why` says why fx could not (None when it could). `hidden` counts the
-    layers left out to stay under `most`.
+    layers left out to stay under `most`. `params` is how many parameters the node holds,
+    each counted once however often it is tied or its block repeats.
     """
 
     layers: list[Layer]
@@ -66,6 +65,7 @@ class Inside:
     how: str
     why: str | None = None
     hidden: int = 0
+    params: int = 0
 
     def layer(self, path: str) -> Layer:
         """The layer at `path`; KeyError naming the paths there are if there is none."""
@@ -82,13 +82,22 @@ class Inside:
             "how": self.how,
             "why": self.why,
             "hidden": self.hidden,
+            "params": self.params,
         }
 
     def __repr__(self) -> str:
         return f"Inside({len(self.layers)} layers, {len(self.edges)} edges, {self.how})"
 
 
-def _finish(raw: Traced, how: str, why: str | None, most: int) -> Inside:
+def _unique(modules: list[nn.Module]) -> int:
+    seen: dict[int, int] = {}
+    for m in modules:
+        for p in m.parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
+def _finish(raw: Traced, how: str, why: str | None, most: int, params: int = 0) -> Inside:
     folded, edges = fold(raw)
     folded, edges, hidden = collapse(folded, edges, most)
     layers = [
@@ -105,14 +114,20 @@ def _finish(raw: Traced, how: str, why: str | None, most: int) -> Inside:
         )
         for f in folded.values()
     ]
-    return Inside(layers, edges, how, why, hidden)
+    return Inside(layers, edges, how, why, hidden, params)
 
 
-def _args(example: Any) -> tuple[tuple, dict] | None:
+def _args(module: nn.Module, example: Any) -> tuple[tuple, dict] | None:
+    """How `module` is called on `example`: as a graph calls a module it holds as it is."""
     if example is None:
         return None
     if isinstance(example, _Call):
         return example.args, example.kwargs
+    if isinstance(module, Node):
+        return (example, None), {}  # a node that is a module takes (input, ctx)
+    wrapped = Wrapped(module)
+    if isinstance(example, dict) and example and wrapped.keywords.issuperset(example):
+        return (), dict(example)
     return (example,), {}
 
 
@@ -126,11 +141,9 @@ class _Call:
 def _single(module: nn.Module, call: tuple[tuple, dict] | None) -> Traced:
     """A module with no children is one layer, whatever its forward does inside."""
     out = Traced()
-    layer = Raw(
-        "", kind_of(module), label_of(module), None, sum(p.numel() for p in module.parameters())
-    )
+    layer = Raw("", kind_of(module), label_of(module), None, _unique([module]))
     if call is not None:
-        layer.shape = _shape(module(*call[0], **call[1]))
+        layer.shape = shape_of(module(*call[0], **call[1]))
     out.layers[""] = layer
     return out
 
@@ -148,7 +161,7 @@ def _raw(
 ) -> tuple[Traced, str, str | None] | None:
     """`plan` is what `_plan` found before the graph ran: an fx trace, or why fx refused and
     the `Reading` that rode along the graph's run instead."""
-    call = _args(example)
+    call = _args(module, example)
     if next(module.children(), None) is None:
         return _single(module, call), "symbolic", None
     if isinstance(plan, _Read):
@@ -175,24 +188,24 @@ class _Read:
         self.why = why
 
 
-def _plan(graph: Any, depth: int) -> dict[tuple[str, str], Any]:
-    """Before the graph runs: each held module with children traced by fx, or — where fx
-    refuses — a `_Read` to be armed for the run, so no module is run a second time."""
-    plans: dict[tuple[str, str], Any] = {}
-    for node in graph.nodes():
-        for name, module in named_modules_of(graph.implementation(node)):
-            if next(module.children(), None) is None:
-                continue
-            refused = _REFUSED.get(module, {}).get(depth)
-            if refused is not None:
-                plans[(node, name)] = _Read(module, depth, refused)
-                continue
-            try:
-                plans[(node, name)] = fx_trace(module, depth)
-            except Exception as e:  # noqa: BLE001
-                why = _why(e)
+def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
+    """Before the graph runs: each node's module traced by fx, or — where fx refuses — a
+    `_Read` to be armed for the run, so no module is run a second time."""
+    plans: dict[str, Any] = {}
+    for node, module in roots.items():
+        if next(module.children(), None) is None:
+            continue
+        refused = _REFUSED.get(module, {}).get(depth)
+        if refused is not None:
+            plans[node] = _Read(module, depth, refused)
+            continue
+        try:
+            plans[node] = fx_trace(module, depth)
+        except Exception as e:  # noqa: BLE001
+            why = _why(e)
+            if not isinstance(module, Holder):
                 _REFUSED.setdefault(module, {})[depth] = why
-                plans[(node, name)] = _Read(module, depth, why)
+            plans[node] = _Read(module, depth, why)
     return plans
 
 
@@ -205,130 +218,53 @@ _REFUSED: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKey
 def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) -> Inside | None:
     """What this module is made of. fx if it can, a real forward if it cannot.
 
-    `example` is an input to run it on; without one only the symbolic path is available, and a
-    module that needs a forward answers None. A plain function (anything not an nn.Module)
-    answers None. Running it changes nothing: modes, buffers and the random state are put
-    back. The same module gives the same answer every time.
+    `example` is an input to run it on, as a graph would hand it to the module: a dict whose
+    keys its forward names is passed as keywords (`input_ids=`, `attention_mask=`), anything
+    else as the one argument; an `Opaque` is unwrapped first. Without one only the symbolic
+    path is available, and a module that needs a forward answers None. A plain function
+    (anything not an nn.Module) answers None. Running it changes nothing: modes, buffers and
+    the random state are put back. The same module gives the same answer every time.
     """
     if not isinstance(module, nn.Module):
         return None
+    example = unwrap(example)
     with untouched([module]), torch.no_grad():
         got = _raw(module, example, depth)
     if got is None:
         return None
-    return _finish(*got, most)
-
-
-def _prefixed(inside: Inside, name: str, module: nn.Module) -> Inside:
-    """The Inside of a module held as attribute `name`, as seen from the node holding it."""
-    if not name:
-        return inside
-    layers = []
-    single = len(inside.layers) == 1 and inside.layers[0].path == ""
-    if not single:
-        tops = [join(name, x.path) for x in inside.layers if x.block is None]
-        shape = next((x.shape for x in reversed(inside.layers) if x.shape is not None), None)
-        params = sum(p.numel() for p in module.parameters())
-        layers.append(
-            Layer(name, kind_of(module), type(module).__name__, shape, params, None, made_of=tops)
-        )
-    for x in inside.layers:
-        layers.append(
-            Layer(
-                join(name, x.path),
-                x.kind,
-                x.label,
-                x.shape,
-                x.params,
-                join(name, x.block) if x.block else (None if single else name),
-                x.times,
-                [join(name, r) for r in x.repeats],
-                [join(name, c) for c in x.made_of],
-            )
-        )
-    return Inside(
-        layers,
-        [(join(name, a), join(name, b)) for a, b in inside.edges],
-        inside.how,
-        inside.why,
-        inside.hidden,
-    )
-
-
-def _ends(inside: Inside) -> tuple[list[str], list[str]]:
-    """The layers nothing inside feeds (sources) and that feed nothing inside (sinks)."""
-    leaves = [x.path for x in inside.layers if not x.made_of]
-    fed = {b for _, b in inside.edges}
-    feeding = {a for a, _ in inside.edges}
-    return [p for p in leaves if p not in fed], [p for p in leaves if p not in feeding]
-
-
-def _held(parts: list[Inside], links: list[tuple[int, int]]) -> Inside:
-    """One Inside for a plain node from those of the modules it holds, each under its name;
-    `links` says which held module fed which, as seen when the graph ran."""
-    layers: list[Layer] = []
-    edges: list[tuple[str, str]] = []
-    how, why, hidden = "symbolic", None, 0
-    for inside in parts:
-        layers.extend(inside.layers)
-        edges.extend(inside.edges)
-        hidden += inside.hidden
-        if inside.how == "traced":
-            how, why = "traced", inside.why
-    for a, b in links:
-        sinks = _ends(parts[a])[1]
-        sources = _ends(parts[b])[0]
-        edges.extend((x, y) for x in sinks for y in sources)
-    return Inside(layers, edges, how, why, hidden)
+    return _finish(*got, most, _unique([module]))
 
 
 def _capture(
-    graph: Any, example: Any, broker: Any, plans: dict[tuple[str, str], Any]
-) -> tuple[dict, dict, dict]:
-    """Run the graph once; what reached each module a node holds, as its exact arguments,
-    and what each module held by a plain node gave back. Modules fx can follow have what
-    their submodules gave back recorded (for the shapes); those it cannot are read by their
-    `Reading`, armed for this run."""
-    seen: dict[tuple[str, str], _Call] = {}
-    gave: dict[tuple[str, str], list[torch.Tensor]] = {}
-    outputs: dict[tuple[str, str], dict[str, list[Any]]] = {}
+    graph: Any, roots: dict[str, nn.Module], example: Any, broker: Any, plans: dict[str, Any]
+) -> tuple[dict[str, _Call], dict[str, dict[str, list[Any]]]]:
+    """Run the graph once: what reached each node's module, as its exact arguments. Modules
+    fx can follow have what their submodules gave back recorded (for the shapes); those it
+    cannot are read by their `Reading`, armed for this run. A plain node's modules are run
+    through their `Holder`, so it is read as a module is."""
+    seen: dict[str, _Call] = {}
+    outputs: dict[str, dict[str, list[Any]]] = {}
     handles = []
-    modules: list[nn.Module] = []
-    for node in graph.nodes():
-        for name, module in named_modules_of(graph.implementation(node)):
-            modules.append(module)
-            if not name:
-                continue  # the node itself: heard through the tap
+    for node, module in roots.items():
 
-            def hook(m: nn.Module, args: tuple, kwargs: dict, key=(node, name)) -> None:
-                seen.setdefault(key, _Call(args, kwargs))
+        def hook(m: nn.Module, args: tuple, kwargs: dict, key=node) -> None:
+            seen.setdefault(key, _Call(args, kwargs))
 
-            def done(m: nn.Module, args: tuple, out: Any, key=(node, name)) -> None:
-                gave.setdefault(key, tensors_in(out))
+        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        if not isinstance(plans.get(node), tuple):
+            continue  # childless, or read by its Reading: nothing to record
+        mine = outputs[node] = {}
+        for path, sub in module.named_modules(remove_duplicate=False):
+            if path:
 
-            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-            handles.append(module.register_forward_hook(done))
-        for name, module in named_modules_of(graph.implementation(node)):
-            if not isinstance(plans.get((node, name)), tuple):
-                continue  # childless, or read by its Reading: nothing to record
-            mine = outputs.setdefault((node, name), {})
-            for path, sub in module.named_modules():
-                if path:
+                def record(m: nn.Module, args: tuple, out: Any, into=mine, path=path) -> None:
+                    into.setdefault(path, []).append(out)
 
-                    def record(m: nn.Module, args: tuple, out: Any, into=mine, path=path) -> None:
-                        into.setdefault(path, []).append(out)
-
-                    handles.append(sub.register_forward_hook(record))
-
-    def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
-        if isinstance(graph, _One):
-            seen.setdefault((node, ""), _Call((input,), {}))
-        elif isinstance(graph.implementation(node), nn.Module):
-            seen.setdefault((node, ""), _Call((input, ctx), {}))
-
+                handles.append(sub.register_forward_hook(record))
+    through = {n: m for n, m in roots.items() if isinstance(m, Holder)}
     readings = [p.reading for p in plans.values() if isinstance(p, _Read)]
     try:
-        with untouched(modules), torch.no_grad(), Tap(graph, heard):
+        with untouched(list(roots.values())), torch.no_grad(), Tap(graph, None, through):
             for reading in readings:
                 reading.arm()
             if broker is not None:
@@ -340,19 +276,7 @@ def _capture(
             reading.disarm()
         for h in handles:
             h.remove()
-    return seen, gave, outputs
-
-
-def _links(node: str, names: list[str], calls: dict, gave: dict) -> list[tuple[int, int]]:
-    links = []
-    for a, first in enumerate(names):
-        made = {id(t) for t in gave.get((node, first), [])}
-        for b, second in enumerate(names):
-            call = calls.get((node, second))
-            if a != b and call is not None:
-                if made & {id(t) for t in tensors_in((call.args, call.kwargs))}:
-                    links.append((a, b))
-    return links
+    return seen, outputs
 
 
 def architecture(
@@ -369,36 +293,33 @@ def architecture(
     only what fx can answer symbolically is there, without shapes. Nodes holding no module
     (a plain function, a tokenizer) are not in the answer. A composite torch ships is one box
     unless `depth=` opens it; blocks that are the same block fold to one `×N`; past `most`
-    layers a node's deepest blocks are closed. The net is left exactly as it was.
+    layers a node's deepest blocks are closed. Edges follow the data through indexing, views
+    and reshapes; a module called twice is a box per call. `graph` may be a bare module (a
+    graph of one node, named by its class), and an `Opaque` example is unwrapped first. The
+    net is left exactly as it was.
     """
     graph = as_graph(graph)
-    plans = _plan(graph, depth)
-    if example is not None:
-        calls, gave, outputs = _capture(graph, example, broker, plans)
-    else:
-        calls, gave, outputs = {}, {}, {}
-    out: dict[str, Inside] = {}
+    example = unwrap(example)
+    roots = {}
     for node in graph.nodes():
-        held = named_modules_of(graph.implementation(node))
-        parts, names = [], []
-        for name, module in held:
-            call = calls.get((node, name))
-            if example is not None and call is None:
-                continue  # never reached (a branch not taken, or run elsewhere)
-            plan = plans.get((node, name))
-            if isinstance(plan, _Read):
-                got = _raw(module, call, depth, None, plan)  # read in the run: nothing runs
-            else:
-                with untouched([module]), torch.no_grad():
-                    got = _raw(module, call, depth, outputs.get((node, name)), plan)
-            if got is None:
-                continue
-            parts.append(_prefixed(_finish(*got, most), name, module))
-            names.append(name)
-        if not parts:
-            continue
-        if len(held) == 1 and held[0][0] == "":
-            out[node] = parts[0]
+        root = root_of(graph.implementation(node))
+        if root is not None:
+            roots[node] = root
+    plans = _plan(roots, depth)
+    calls, outputs = (
+        _capture(graph, roots, example, broker, plans) if example is not None else ({}, {})
+    )
+    out: dict[str, Inside] = {}
+    for node, root in roots.items():
+        call = calls.get(node)
+        if example is not None and call is None:
+            continue  # never reached (a branch not taken, or run elsewhere)
+        plan = plans.get(node)
+        if isinstance(plan, _Read):
+            got = _raw(root, call, depth, None, plan)  # read in the run: nothing runs again
         else:
-            out[node] = _held(parts, _links(node, names, calls, gave))
+            with untouched([root]), torch.no_grad():
+                got = _raw(root, call, depth, outputs.get(node), plan)
+        if got is not None:
+            out[node] = _finish(*got, most, _unique([root]))
     return out

@@ -52,6 +52,7 @@ def _signature(path: str, layers: dict[str, Folded], kids: dict, edges: set, mem
     sig = (
         r.kind,
         r.label,
+        r.config,
         tuple(r.shape) if r.shape else None,
         r.params,
         tuple(
@@ -71,11 +72,14 @@ def _signature(path: str, layers: dict[str, Folded], kids: dict, edges: set, mem
 
 
 def fold(traced: Traced) -> tuple[dict[str, Folded], list[tuple[str, str]]]:
-    """Adjacent sibling blocks that are the same block (kinds, labels, shapes, parameters and
-    inner edges alike) become the first of them, `times` N and the others in `repeats`.
+    """Adjacent sibling blocks that are the same block (kinds, labels, settings, shapes,
+    parameters and inner edges alike) become the first of them, `times` N and the others in
+    `repeats`; a layer inside keeps the paths of its twins in `repeats`.
 
-    Edges between copies disappear; edges from outside into a later copy, or out of one, are
-    drawn to the first copy instead.
+    `times` is said at each level once: a block ×2 inside a stage ×3 is ×2, and the stage
+    ×3; what a layer stands for in all is the product along its blocks. Edges between copies
+    disappear; edges from outside into a later copy, or out of one, are drawn to the first
+    copy instead.
     """
     layers = {p: Folded(r) for p, r in traced.layers.items()}
     edges = list(traced.edges)
@@ -90,7 +94,7 @@ def fold(traced: Traced) -> tuple[dict[str, Folded], list[tuple[str, str]]]:
         while i < len(siblings):
             first = siblings[i]
             j = i + 1
-            if layers[first].raw.kind != "block" and not kids.get(first):
+            if not layers[first].raw.composite and not kids.get(first):
                 i += 1
                 continue
             sig = _signature(first, layers, kids, edge_set, memo)
@@ -125,10 +129,7 @@ def _fold_run(
             f = layers.pop(p)
             layers[twin].repeats.append(p)
             layers[twin].repeats.extend(f.repeats)
-    n = len(run)
-    for p, (k, _) in copy_of.items():
-        if k == 0:
-            layers[p].times *= n
+    layers[keep].times = len(run)
     out: dict[tuple[str, str], None] = {}
     for a, b in edges:
         ka, a2 = copy_of.get(a, (None, a))

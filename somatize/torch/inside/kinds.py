@@ -2,8 +2,8 @@
 
 A figure shapes and colours a layer by its kind, so the answer has to be right for classes
 nobody told us about: the table below is checked against a class's whole ancestry, and past it
-a name that ends in `Norm` is a normalisation, a name that says `Conv` is a convolution, and a
-leaf that holds weights is learned.
+a module is known by what it computes with (its weights, the modules it is made of); only a
+module holding neither is guessed by its name.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 # (kind, base classes); checked in this order, so attention wins over "has children".
 _BY_CLASS: tuple[tuple[str, tuple[type, ...]], ...] = (
-    ("attention", (nn.MultiheadAttention,)),
+    (
+        "attention",
+        (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer),
+    ),
     ("conv", (nn.modules.conv._ConvNd,)),
     ("recurrent", (nn.RNNBase, nn.RNNCellBase)),
     (
@@ -73,16 +76,22 @@ _BY_CLASS: tuple[tuple[str, tuple[type, ...]], ...] = (
     ("block", _CONTAINERS),
 )
 
-# Names, matched on every class of the ancestry, for classes outside torch's own table.
+_ATTENTION = re.compile(r"Attention|Attn")
+_NORM = re.compile(r"Norm(\d+d)?$")
+_RECURRENT = re.compile(r"LSTM|GRU|RNN")
+
+# Names, for a module outside torch's table that holds no weight and no module: what it does
+# cannot be read off what it computes with, so its name is the best guess there is.
 _BY_NAME: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("attention", re.compile(r"Attention|Attn")),
-    ("norm", re.compile(r"Norm(\d+d)?$")),
-    ("conv", re.compile(r"Conv")),
-    ("recurrent", re.compile(r"LSTM|GRU|RNN")),
+    ("attention", _ATTENTION),
+    ("norm", _NORM),
+    ("recurrent", _RECURRENT),
     ("regular", re.compile(r"Dropout|DropPath|StochasticDepth")),
-    ("shaping", re.compile(r"Pool|Pad|Flatten|Upsampl|Reshape|Permute|Shuffle|Squeeze|View")),
-    ("activation", re.compile(r"ReLU|GELU|SiLU|Swish|Mish|Sigmoid|Tanh|Softmax|Softplus|ELU")),
-    ("learned", re.compile(r"Linear|Embedding|Dense")),
+    ("shaping", re.compile(r"Pool|Pad|Flatten|Upsampl|Reshape|Permute|Shuffle|View")),
+    (
+        "activation",
+        re.compile(r"ReLU|GELU|SiLU|Swish|Mish|Sigmoid|Tanh|Softmax|Softplus|ELU|Activation"),
+    ),
 )
 
 # Functions and tensor methods met between modules in a traced forward.
@@ -123,14 +132,24 @@ def function_name(fn: Any) -> str:
     return name.rstrip("_") or "op"
 
 
+def _named(ancestry: list[type], pattern: re.Pattern[str]) -> bool:
+    return any(pattern.search(c.__name__) for c in ancestry)
+
+
 def kind_of(what: Any) -> str:
     """What kind of thing this is, by role and never by exact class name.
 
     `what` is a module, a module class, or a function met in a forward (`torch.relu`,
     `operator.add`). The answer is one of `KINDS`: learned, conv, recurrent, attention, norm,
     activation, regular (dropout and the like), shaping (pool, pad, flatten, upsample, ...),
-    block (containers and anything made of other modules), other. A class this table has never
-    heard of that ends in `Norm` is a normalisation; a leaf holding weights is learned.
+    block (containers and anything made of other modules), other.
+
+    torch's own classes are known by their ancestry (a subclass keeps its role). Past them a
+    module is known by what it computes with: one made of modules is a block, or attention
+    when attention is among them (a transformer layer) or its name says so; one holding
+    weights is a convolution when a weight has a kernel (three or more dimensions), else a
+    learned layer (GPT-2's `Conv1D` is a linear layer) or a normalisation when its name ends
+    in `Norm`. Only a module holding neither weights nor modules is guessed by its name.
     """
     if isinstance(what, nn.Module) or (isinstance(what, type) and issubclass(what, nn.Module)):
         cls = what if isinstance(what, type) else type(what)
@@ -140,15 +159,23 @@ def kind_of(what: Any) -> str:
         ancestry = [c for c in cls.__mro__ if issubclass(c, nn.Module) and c is not nn.Module]
         if any(_activation_class(c) for c in ancestry):
             return "activation"
-        for c in ancestry:
-            for kind, pattern in _BY_NAME:
-                if pattern.search(c.__name__):
-                    return kind
         if isinstance(what, nn.Module):
-            if next(what.children(), None) is not None:
+            children = list(what.children())
+            if children:
+                if _named(ancestry, _ATTENTION) or any(kind_of(c) == "attention" for c in children):
+                    return "attention"
                 return "block"
-            if next(what.parameters(recurse=False), None) is not None:
+            weights = list(what.parameters(recurse=False))
+            if weights:
+                if any(p.dim() >= 3 for p in weights):
+                    return "conv"
+                for kind, pattern in (("norm", _NORM), ("recurrent", _RECURRENT)):
+                    if _named(ancestry, pattern):
+                        return kind
                 return "learned"
+        for kind, pattern in _BY_NAME:
+            if _named(ancestry, pattern):
+                return kind
         return "other"
     if callable(what) or isinstance(what, str):
         return _FUNCTIONS.get(function_name(what), "other")

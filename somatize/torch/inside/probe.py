@@ -1,77 +1,49 @@
 """What a graph looks like at initialisation, place by place: `probe`.
 
-For each node, and each layer `architecture` would draw inside it: signal gain (RMS of what
-comes out over RMS of what goes in), jacobian gain and spread (per sample, ‖Jᵀu‖/‖u‖ for a
-random cotangent u pulled back through that place, averaged, and its coefficient of variation),
-zero and saturated fractions of the output, and whether any of it is nan or inf.
+For each node, and each layer `architecture` would draw inside it: `signal_gain` (RMS of what
+comes out over RMS of what goes in), `jacobian_gain` and `jacobian_spread` (per sample,
+‖Jᵀu‖/‖u‖ for the random cotangent u that reaches that place's output, averaged over the
+samples, and its coefficient of variation across them), `zero_frac_max` and `sat_frac_max`
+(the share of the output that is zero, and saturated where a sigmoid or a tanh saturates),
+and `nan` / `inf`.
 
-One forward and one backward through the whole graph, on the example tiled to `probes`
-samples, so every sample carries its own random direction. The net is left exactly as it
-was: no gradient lands in `.grad`, batch-norm statistics and modes are put back.
+One forward and one backward through the whole graph, on the example as it is given: a
+sample is a row along the first dimension, so the spread needs two or more rows. Each
+number is taken while the forward runs, and each gradient while the backward passes the
+place, so nothing is held past the moment it is measured; no parameter gradient is made. The
+net is left exactly as it was: no gradient lands in `.grad`, batch-norm statistics, modes and
+`requires_grad` are put back.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
+import weakref
 from typing import Any
 
 import torch
 from torch import nn
 
-from somatize.torch._modules import (
-    Tap,
-    _One,
-    as_graph,
-    join,
-    named_modules_of,
-    tensors_in,
-    untouched,
-)
+from somatize.graph import as_graph
+from somatize.node import unwrap
+from somatize.run import watchers
+from somatize.torch._modules import Tap, root_of, tensors_in, untouched
 from somatize.torch.audit._measures import _DEAD_EPS, _HIGH, _LOW
 from somatize.torch.audit._place import _saturation
+from somatize.torch.inside._forward import Calls
 from somatize.torch.inside._trace import Opening
 
 __all__ = ["probe"]
 
 
-def _layers(module: nn.Module, depth: int) -> list[tuple[str, nn.Module]]:
-    """The modules drawn as one layer inside `module`, in declaration order."""
-    if next(module.children(), None) is None:
-        return []
-    opening = Opening(module, depth)
-    found: list[tuple[str, nn.Module]] = []
-
-    def visit(path: str, m: nn.Module) -> None:
-        for name, child in m.named_children():
-            p = join(path, name)
-            if opening.closed(p):
-                found.append((p, child))
-            else:
-                visit(p, child)
-
-    visit("", module)
-    return found
-
-
-def _tile(value: Any, n: int) -> Any:
-    """Every tensor with fewer than `n` rows repeated up to exactly `n`."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 or value.shape[0] >= n:
-            return value
-        reps = -(-n // value.shape[0])
-        return value.repeat(reps, *([1] * (value.dim() - 1)))[:n]
-    if isinstance(value, dict):
-        return {k: _tile(v, n) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_tile(v, n) for v in value)
-    return value
-
-
 def _leafed(value: Any) -> Any:
+    """The example with every floating tensor a fresh leaf that asks for its gradient."""
     if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.detach().clone().requires_grad_(True)
+        return value.detach().requires_grad_(True)
     if isinstance(value, dict):
         return {k: _leafed(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(_leafed(v) for v in value)
     return value
 
@@ -83,80 +55,133 @@ def _first(value: Any) -> torch.Tensor | None:
     return None
 
 
-class _Seen:
-    __slots__ = ("where", "saturates", "inp", "out")
-
-    def __init__(self, where: str, modules: list[nn.Module]) -> None:
-        self.where = where
-        self.saturates = _saturation([s for m in modules for s in m.modules()])
-        self.inp: torch.Tensor | None = None
-        self.out: torch.Tensor | None = None
-
-    def saw(self, inp: Any, out: Any) -> None:
-        if self.out is None:
-            self.inp, self.out = _first(inp), _first(out)
-
-
-def _rms(t: torch.Tensor, memo: dict[int, float]) -> float:
-    known = memo.get(id(t))
-    if known is None:
-        n = t.numel()
-        known = float(torch.linalg.vector_norm(t.detach())) / n**0.5 if n else 0.0
-        memo[id(t)] = known
-    return known
-
-
-def _per_sample(g: torch.Tensor, rows: int) -> torch.Tensor:
+def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
+    """‖g‖ of each sample (a row of the first dimension), or of the whole when `rows` is 0."""
+    g = g.detach()
     if rows:
-        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1)
-    return torch.linalg.vector_norm(g).reshape(1)
+        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1, dtype=torch.float64).tolist()
+    return [float(torch.linalg.vector_norm(g, dtype=torch.float64))]
 
 
-def _numbers(s: _Seen, grads: dict[int, torch.Tensor], memo: dict[int, float]) -> dict[str, Any]:
-    out = s.out
-    assert out is not None
+class _Tensors:
+    """What is known of each tensor a place reads or makes, one entry per tensor however many
+    places share it (the output of one layer is the input of the next): its RMS, and the
+    per-sample norms of its gradient, heard by one hook as the backward passes. Held by
+    weak reference: nothing is kept alive that the forward would have let go."""
+
+    def __init__(self) -> None:
+        self.by: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+        self.sources: list[torch.Tensor] = []  # where a gradient has to be asked for
+
+    def of(self, t: torch.Tensor) -> dict[str, Any]:
+        entry = self.by.get(id(t))
+        if entry is None or entry[0]() is not t:
+            entry = (weakref.ref(t), {"rms": None, "rows": {}})
+            self.by[id(t)] = entry
+        return entry[1]
+
+    def rms(self, t: torch.Tensor) -> float:
+        known = self.of(t)
+        if known["rms"] is None:
+            n = t.numel()
+            known["rms"] = float(torch.linalg.vector_norm(t.detach())) / n**0.5 if n else 0.0
+        return known["rms"]
+
+    def grads(self, t: torch.Tensor, rows: int) -> dict[int, Any]:
+        """Where the per-sample norms of `t`'s gradient will be, keyed by `rows`."""
+        known = self.of(t)
+        norms = known["rows"]
+        if not norms:
+
+            def heard(g: torch.Tensor, norms: dict[int, Any] = norms) -> None:
+                for r in norms:
+                    norms[r] = _per_sample(g, r)
+
+            t.register_hook(heard)
+        norms.setdefault(rows, None)
+        return norms
+
+
+class _Place:
+    """One place: what its first call gave, measured as it went by; and the per-sample norms
+    of the gradients at its input and output, heard as the backward passed."""
+
+    __slots__ = ("where", "node", "inside", "saturates", "numbers", "rows", "g_in", "g_out")
+
+    def __init__(self, node: str, inside: str | None, modules: list[nn.Module]) -> None:
+        self.node = node
+        self.inside = inside
+        self.where = f"{node}.{inside}" if inside else node
+        self.saturates = _saturation([s for m in modules for s in m.modules()])
+        self.numbers: dict[str, Any] | None = None
+        self.rows = 0
+        self.g_in: dict[int, Any] | None = None
+        self.g_out: dict[int, Any] | None = None
+
+    def saw(self, given: Any, made: Any, known: _Tensors) -> None:
+        if self.numbers is not None:
+            return  # the first call is the place's
+        inp, out = _first(given), _first(made)
+        if out is None:
+            return
+        self.numbers = _numbers(inp, out, self.saturates, known)
+        if inp is not None and inp.dim() and out.dim() and inp.shape[0] == out.shape[0]:
+            self.rows = out.shape[0]
+        if out.requires_grad:
+            self.g_out = known.grads(out, self.rows)
+            if inp is not None and inp.requires_grad:
+                self.g_in = known.grads(inp, self.rows)
+            else:
+                known.sources.append(out)  # the gradient starts nowhere before: ask for it here
+
+    def answer(self) -> dict[str, Any]:
+        n = dict(self.numbers or {})
+        g_in = self.g_in.get(self.rows) if self.g_in is not None else None
+        g_out = self.g_out.get(self.rows) if self.g_out is not None else None
+        if g_in is not None and g_out is not None:
+            ratio = [a / b for a, b in zip(g_in, g_out, strict=True) if b > 0]
+            if ratio:
+                mean = math.fsum(ratio) / len(ratio)
+                n["jacobian_gain"] = mean
+                if len(ratio) > 1:
+                    var = math.fsum((r - mean) ** 2 for r in ratio) / len(ratio)
+                    n["jacobian_spread"] = math.sqrt(var) / mean if mean > 0 else 0.0
+        return n
+
+
+def _numbers(
+    inp: torch.Tensor | None, out: torch.Tensor, saturates: str | None, known: _Tensors
+) -> dict:
     a = out.detach()
     n: dict[str, Any] = {}
-    if s.inp is not None:
-        before = _rms(s.inp, memo)
-        n["gain"] = _rms(out, memo) / before if before > 0 else float("inf")
-        g_in, g_out = grads.get(id(s.inp)), grads.get(id(out))
-        if g_in is not None and g_out is not None:
-            same = g_in.dim() and g_out.dim() and g_in.shape[0] == g_out.shape[0]
-            rows = g_in.shape[0] if same else 0
-            top, bottom = _per_sample(g_in, rows), _per_sample(g_out, rows)
-            ok = bottom > 0
-            if bool(ok.any()):
-                ratio = (top[ok] / bottom[ok]).double()
-                mean = float(ratio.mean())
-                n["jacobian_gain"] = mean
-                spread = float(ratio.std(unbiased=False)) / mean if mean > 0 else 0.0
-                n["jacobian_spread"] = spread
+    rms = known.rms(out)
+    if inp is not None:
+        before = known.rms(inp)
+        n["signal_gain"] = rms / before if before > 0 else float("inf")
     size = a.numel()
-    n["zero"] = int((a.abs() <= _DEAD_EPS).sum()) / size if size else 0.0
-    if s.saturates == "sigmoid":
-        n["saturated"] = int(((a <= _LOW) | (a >= _HIGH)).sum()) / size
-    elif s.saturates == "tanh":
-        n["saturated"] = int((a.abs() >= _HIGH).sum()) / size
+    magnitude = a.abs()
+    n["zero_frac_max"] = int(torch.count_nonzero(magnitude <= _DEAD_EPS)) / size if size else 0.0
+    if saturates == "sigmoid":
+        n["sat_frac_max"] = int(torch.count_nonzero((a <= _LOW) | (a >= _HIGH))) / size
+    elif saturates == "tanh":
+        n["sat_frac_max"] = int(torch.count_nonzero(magnitude >= _HIGH)) / size
     else:
-        n["saturated"] = 0.0
-    finite = bool(torch.isfinite(a).all())
+        n["sat_frac_max"] = 0.0
+    finite = math.isfinite(rms)  # a NaN or an inf anywhere shows in the norm
     n["nan"] = False if finite else bool(a.isnan().any())
     n["inf"] = False if finite else bool(a.isinf().any())
     return n
 
 
-def _tell(watching: Any, facts: list[dict[str, Any]]) -> None:
-    told = watching if isinstance(watching, (list, tuple)) else [watching]
-    for w in told:
-        if not callable(w):
-            raise TypeError(f"watching= takes a Recorder or a callable, not {type(w).__name__}")
-    for w in told:
-        for fact in facts:
-            w(fact)
-        flush = getattr(w, "flush", None)
-        if callable(flush):
-            flush()
+def _places(node: str, root: nn.Module, depth: int, most: int) -> tuple[Opening, dict]:
+    """The layers `architecture` draws inside a node's module (the first `most`, each module
+    once at each path it is reachable under), as places keyed by path."""
+    opening = Opening(root, depth)
+    places: dict[str, _Place] = {}
+    for path, module, shut in opening.drawn():
+        if shut and not isinstance(module, nn.Identity) and len(places) < most:
+            places[path] = _Place(node, path, [module])
+    return opening, places
 
 
 def probe(
@@ -174,70 +199,104 @@ def probe(
     `where` is a node, or `node.path.to.submodule` — the same keys the audit uses and the
     same scope the figure draws (`depth` opens composites as in `architecture`, at most `most`
     layers per node), so a finding from a probe lands on the box a finding from a run would.
-    The answer is the shape `somatize.health.seen` returns from a store, and
-    `somatize.health.verdict` reads it. `probes` is how many random directions the jacobian is
-    taken along (the example is tiled to that many samples). `watching=` takes a Recorder or
-    anything callable, told one `health` fact per place. Deterministic, and side-effect free.
+    Each place's numbers are `signal_gain`, `jacobian_gain`, `jacobian_spread`,
+    `zero_frac_max`, `sat_frac_max`, `nan` and `inf` (see the module's docstring), the shape
+    `somatize.health.seen` returns from a store, which `somatize.health.verdict` reads.
+
+    The example is measured as it is given, in one forward and one backward: a sample is a
+    row of its first dimension, each with its own random direction, and `jacobian_spread`
+    (across samples) needs two or more rows: with one it is left out, and a warning says so.
+    `probes` is kept for code written for the published signature (it tiled the example to
+    that many samples, which a mask or a sequence-first input does not survive); it must be
+    a positive number and changes nothing. `graph` may be a bare module, and an `Opaque`
+    example is unwrapped. `watching=` takes a Recorder or anything callable: it hears the
+    forward's `ran` and `finished`, then one flat `health` fact per place (step 0).
+    Deterministic, and side-effect free.
     """
-    if not isinstance(probes, int) or probes < 1:
+    if not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
         raise ValueError(f"probes is a number of directions ≥ 1, not {probes!r}")
+    told = watchers(watching)
     g = as_graph(graph)
-    seen: dict[str, _Seen] = {}
-    handles: list[Any] = []
-    modules: list[nn.Module] = []
-    for node in g.nodes():
-        held = named_modules_of(g.implementation(node))
-        modules.extend(m for _, m in held)
-        seen[node] = _Seen(node, [m for _, m in held])
-        inner: list[tuple[str, nn.Module]] = []
-        for name, module in held:
-            inner.extend((join(name, p), m) for p, m in _layers(module, depth))
-            if name and next(module.children(), None) is None:
-                inner.append((name, module))
-        for path, m in inner[:most]:
-            where = f"{node}.{path}"
-            s = seen[where] = _Seen(where, [m])
-            handles.append(m.register_forward_hook(lambda m, i, o, s=s: s.saw(i, o)))
+    example = unwrap(example)
+    roots = {node: root_of(g.implementation(node)) for node in g.nodes()}
+    nodes = {n: _Place(n, None, [r] if r is not None else []) for n, r in roots.items()}
+    inner: dict[str, dict[str, _Place]] = {}
+    hooks: list[Calls] = []
+    known = _Tensors()
+    for node, root in roots.items():
+        if root is None or next(root.children(), None) is None:
+            continue
+        opening, places = _places(node, root, depth, most)
+        inner[node] = places
+        given: dict[str, Any] = {}
+
+        def enter(path: str, call: int, args: tuple, kwargs: dict, given=given) -> None:
+            if call == 1:
+                given[path] = (args, kwargs)
+
+        def leave(path: str, call: int, output: Any, given=given, places=places) -> None:
+            place = places.get(path)
+            if call == 1 and place is not None:
+                place.saw(given.pop(path, None), output, known)
+
+        hooks.append(Calls(opening, enter, leave, blocks=False))
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
-        s = seen.get(node)
-        if s is not None:
-            s.saw(input, out)
+        nodes[node].saw(input, out, known)
 
-    try:
-        with untouched(modules, seed=0), Tap(g, heard):
-            for m in modules:
-                for sub in m.modules():
-                    if isinstance(getattr(sub, "inplace", None), bool):
-                        sub.inplace = False
+    modules = [r for r in roots.values() if r is not None]
+    with untouched(modules, seed=0) as every, torch.enable_grad():
+        try:
+            for sub in every:
+                if isinstance(getattr(sub, "inplace", None), bool):
+                    sub.inplace = False
+                for p in sub.parameters(recurse=False):
+                    p.requires_grad_(True)
+            for h in hooks:
+                h.arm()
+            x = _leafed(example)
+            with Tap(g, heard):
+                if broker is not None:
+                    result = g.forward(x, broker=broker, watching=told or None)
+                else:
+                    result = g.forward(x, watching=told or None)
+        finally:
+            for h in hooks:
+                h.disarm()
+        outs = [t for t in tensors_in(result) if t.is_floating_point() and t.requires_grad]
+        leaves = [t for t in tensors_in(x) if t.requires_grad]
+        ends = list({id(t): t for t in leaves + known.sources}.values())
+        if outs and ends:
             gen = torch.Generator().manual_seed(0)
-            x = _leafed(_tile(example, probes))
-            if broker is not None and not isinstance(g, _One):
-                result = g.forward(x, broker=broker)
-            else:
-                result = g.forward(x)
-            outs = [t for t in tensors_in(result) if t.is_floating_point() and t.requires_grad]
-            wanted: dict[int, torch.Tensor] = {}
-            for s in seen.values():
-                for t in (s.inp, s.out):
-                    if t is not None and t.requires_grad:
-                        wanted[id(t)] = t
-            grads: dict[int, torch.Tensor] = {}
-            if outs and wanted:
-                cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
-                keys = list(wanted)
-                got = torch.autograd.grad(
-                    outs, [wanted[k] for k in keys], grad_outputs=cot, allow_unused=True
-                )
-                grads = {k: v for k, v in zip(keys, got, strict=True) if v is not None}
-            memo: dict[int, float] = {}
-            answer = {w: _numbers(s, grads, memo) for w, s in seen.items() if s.out is not None}
-    finally:
-        for h in handles:
-            h.remove()
-    if watching is not None:
-        _tell(
-            watching,
-            [{"fact": "health", "where": w, "step": 0, "numbers": n} for w, n in answer.items()],
+            cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
+            torch.autograd.grad(outs, ends, grad_outputs=cot, allow_unused=True)
+        del outs, ends, leaves, result, x
+        known.sources.clear()
+    answer: dict[str, dict[str, Any]] = {}
+    one = False
+    for node, place in nodes.items():
+        for p in [place, *inner.get(node, {}).values()]:
+            if p.numbers is not None:
+                answer[p.where] = p.answer()
+                one = one or (p.rows == 1)
+    if one:
+        warnings.warn(
+            "probe: the example holds one sample (its first dimension is 1), so "
+            "jacobian_spread, which compares samples, is left out: give two or more",
+            stacklevel=2,
         )
+    if told:
+        every = [nodes[n] for n in nodes] + [p for ps in inner.values() for p in ps.values()]
+        by_where = {p.where: p for p in every}
+        facts = [
+            {"fact": "health", "node": by_where[w].node, "inside": by_where[w].inside, "step": 0}
+            | numbers
+            for w, numbers in answer.items()
+        ]
+        for w in told:
+            for fact in facts:
+                w(fact)
+            flush = getattr(w, "flush", None)
+            if callable(flush):
+                flush()
     return answer

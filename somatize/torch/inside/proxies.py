@@ -2,8 +2,8 @@
 
 Each is a zero-cost proxy from the literature, taken on the whole graph as it runs:
 
-- synflow: Σ θ·∂R/∂θ with every weight replaced by its magnitude, in float64, batch norm off,
-  R the sum of the output on an all-ones input (Tanaka et al. 2020). Logarithm.
+- synflow: Σ |θ·∂R/∂θ| with every weight replaced by its magnitude, in float64, batch norm
+  off, R the sum of the output on an all-ones input (Tanaka et al. 2020). Logarithm.
 - zen: log E_i Σ_j |f(x)_ij − f(x + αε)_ij| + Σ_BN ½ log mean_c σ²_c, x and ε standard
   normal, α = 0.01, σ²_c the batch variance of what reaches each batch norm (Lin et al. 2021).
 - naswot: log |det K| with K_ij = c_i·c_j + (1−c_i)·(1−c_j), c_i the binary code of which
@@ -17,20 +17,27 @@ Each is a zero-cost proxy from the literature, taken on the whole graph as it ru
   learned layer (Theis et al. 2018). Logarithm.
 
 The last four read a loss and need `target` and `objective`. Every proxy runs on its own
-seeded generator with dropout off, and the net is left exactly as it was: weights, gradients,
-modes, buffers and the global random state.
+seeded generator, in the same modes whatever mode the net was left in: evaluation for every
+module (no dropout anywhere, attention's included), batch statistics for batch norm. The net
+is left exactly as it was: weights, gradients, modes, buffers and the global random state.
+A proxy that cannot be taken on a net (a double backward through an op that has none, an
+input gradient past a `no_grad` part) is left out of `proxies`, with a warning naming it and
+why; the others are still taken.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from somatize.torch._modules import as_graph, places_of, tensors_in, untouched
+from somatize.graph import as_graph
+from somatize.node import unwrap
+from somatize.torch._modules import root_of, tensors_in, untouched
 from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["EVERY", "proxy", "proxies"]
@@ -62,8 +69,9 @@ def _log(x: float) -> float:
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`value` with `fn` applied to every floating tensor in it; the rest as it is."""
     if isinstance(value, torch.Tensor):
-        return fn(value)
+        return fn(value) if value.is_floating_point() else value
     if isinstance(value, dict):
         return {k: _map(v, fn) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -83,7 +91,8 @@ class _Subject:
 
     def __init__(self, graph: Any) -> None:
         self.graph = as_graph(graph)
-        self.modules = [m for _, _, m in places_of(self.graph)]
+        roots = [root_of(self.graph.implementation(n)) for n in self.graph.nodes()]
+        self.modules = [m for m in roots if m is not None]
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
         self.every: list[nn.Module] = []
@@ -100,14 +109,15 @@ class _Subject:
                     self.params.append(p)
 
     def quiet(self) -> None:
-        """Dropout off, nothing in place, every parameter differentiable."""
+        """Every module in evaluation mode but batch norm (batch statistics), nothing in
+        place, every parameter differentiable and without a gradient yet."""
         for m in self.every:
-            if kind_of(m) == "regular":
-                m.eval()
+            m.training = isinstance(m, nn.modules.batchnorm._BatchNorm)
             if isinstance(getattr(m, "inplace", None), bool):
                 m.inplace = False
         for p in self.params:
             p.requires_grad_(True)
+            p.grad = None
 
     def run(self, x: Any) -> list[torch.Tensor]:
         out = tensors_in(self.graph.forward(x))
@@ -141,32 +151,30 @@ def _through(x: Any, *_: Any, **__: Any) -> Any:
 
 
 def _synflow(s: _Subject, example: Any, **_: Any) -> float:
+    for m in s.modules:
+        m.double()  # buffers too, so nothing meets a float32 tensor
     with torch.no_grad():
         for p in s.params:
-            p.data = p.data.abs().double()
+            p.data = p.data.abs()
     bn = [m for m in s.every if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     for m in bn:
         object.__setattr__(m, "forward", _through)
     try:
-        ones = _map(
-            example,
-            lambda t: torch.ones_like(t, dtype=torch.float64) if t.is_floating_point() else t,
-        )
+        ones = _map(example, lambda t: torch.ones_like(t, dtype=torch.float64))
         r = sum(t.double().sum() for t in s.run(ones))
         grads = _grads(r, s.params)
     finally:
         for m in bn:
             object.__delattr__(m, "forward")
-    return _log(float(sum((p.detach() * g).sum() for p, g in zip(s.params, grads, strict=True))))
+    score = sum(float((p.detach() * g).abs().sum()) for p, g in zip(s.params, grads, strict=True))
+    return _log(score)
 
 
 def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
     _floats(example, "zen")
-    for m in s.every:
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.train()
     x = _map(example, lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype))
     eps = _map(example, lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype))
+
     mixed = _zip(x, eps, lambda a, b: a + 0.01 * b)
     variances: list[float] = []
 
@@ -188,10 +196,10 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
                 h.remove()
         f2 = s.run(mixed)
     total = sum(
-        (a - b).abs().flatten(1).sum(1) if a.dim() > 1 else (a - b).abs()
+        float(((a - b).abs().flatten(1).sum(1) if a.dim() > 1 else (a - b).abs()).mean())
         for a, b in zip(f1, f2, strict=True)
     )
-    return _log(float(total.mean())) + sum(0.5 * _log(v) for v in variances)
+    return _log(total) + sum(0.5 * _log(v) for v in variances)
 
 
 def _zip(a: Any, b: Any, fn: Callable) -> Any:
@@ -304,7 +312,7 @@ _PROXIES: dict[str, Callable[..., float]] = {
 
 
 def _take(s: _Subject, example: Any, of: str, target: Any, objective: Any) -> float:
-    with untouched(s.modules, seed=_SEED):
+    with untouched(s.modules, seed=_SEED), torch.enable_grad():
         s.quiet()
         gen = torch.Generator().manual_seed(_SEED)
         return _PROXIES[of](s, example, gen=gen, target=target, objective=objective)
@@ -324,7 +332,11 @@ def proxy(graph: Any, example: Any, of: str, *, target: Any = None, objective: A
         raise ValueError(f"unknown proxy {of!r}; the proxies are {list(EVERY)}")
     if of in _LOSS and (target is None or objective is None):
         raise ValueError(f"{of} reads a loss: pass target= and objective=(output, target) -> loss")
-    return _take(_Subject(graph), example, of, target, objective)
+    try:
+        return _take(_Subject(graph), unwrap(example), of, unwrap(target), objective)
+    except Exception as e:
+        e.add_note(f"while taking the proxy {of!r}")
+        raise
 
 
 def proxies(
@@ -334,9 +346,12 @@ def proxies(
 
     Without a target and an objective the four that read a loss are not in the answer, rather
     than being in it as None: a score that is missing and a score that is bad have to look
-    different. A proxy this graph cannot give is missing too.
+    different. A proxy this graph cannot give is missing too, with a warning that names it
+    and says why; the others are still taken. `graph` may be a bare module, and an `Opaque`
+    example or target is unwrapped first.
     """
     s = _Subject(graph)
+    example, target = unwrap(example), unwrap(target)
     loss = target is not None and objective is not None
     out: dict[str, float] = {}
     for of in EVERY:
@@ -344,6 +359,11 @@ def proxies(
             continue
         try:
             out[of] = _take(s, example, of, target, objective)
-        except _NotHere:
-            continue
+        except Exception as e:  # noqa: BLE001  (each proxy fails its own way; it is said)
+            said = str(e).splitlines()[0] if str(e) else ""
+            why = said if isinstance(e, _NotHere) else f"{type(e).__name__}: {said}"
+            warnings.warn(
+                f"proxies: {of} could not be taken on this graph and is left out ({why})",
+                stacklevel=2,
+            )
     return out

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from somatize.graph import Graph
+from somatize.graph import Graph, as_graph
 from somatize.run import watchers
 from somatize.torch.training import _checks
 from somatize.torch.training.learning import Learning
@@ -143,8 +143,7 @@ class Trainer:
         auditing: Any = None,
         parallel: str | None = None,
     ) -> None:
-        if not isinstance(graph, Graph):
-            raise TypeError(f"Trainer trains a Graph, not {type(graph).__name__}")
+        graph = as_graph(graph)  # a bare module is a graph of one node; anything else refused
         if not callable(objective):
             raise TypeError(
                 f"objective is called as objective(output, target) and gives the loss; "

@@ -1,0 +1,149 @@
+"""Reading a module with torch.fx: symbolically, then once through the traced graph on the
+arguments it was really called with, for shapes and dtypes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from somatize.torch.inside._trace import (
+    Opening,
+    Raw,
+    Traced,
+    drawn,
+    function_layer,
+    ordered,
+    passes,
+    prune,
+    shape_of,
+)
+from somatize.torch.inside.kinds import function_name
+
+__all__ = ["fx_trace", "by_fx"]
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, opening: Opening) -> None:
+        super().__init__()
+        self.opening = opening
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return self.opening.closed(qualname)
+
+
+def fx_trace(root: nn.Module, depth: int) -> tuple[fx.Graph, Opening]:
+    """The fx graph of `root` at this depth; raises whatever fx raises when it cannot follow
+    the forward."""
+    opening = Opening(root, depth)
+    return _Tracer(opening).trace(root), opening
+
+
+def by_fx(
+    root: nn.Module,
+    depth: int,
+    args: tuple | None,
+    kwargs: dict | None,
+    recorded: dict[str, list[Any]] | None = None,
+    trace: tuple[fx.Graph, Opening] | None = None,
+) -> Traced:
+    """Symbolically, then (with args) once through the traced graph for shapes and dtypes.
+
+    `recorded` holds what each submodule gave back when the graph ran, in call order; a layer
+    found there is not run again. `trace` is what `fx_trace` already answered. Raises whatever
+    fx raises when it cannot follow the forward.
+    """
+    graph, opening = trace if trace is not None else fx_trace(root, depth)
+    values = _values(graph, root, args, kwargs or {}, recorded or {}) if args is not None else {}
+    out = Traced()
+    made: dict[fx.Node, Raw] = {}
+    data: set[fx.Node] = set()
+    counts: dict[str, int] = {}
+    calls: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            data.add(n)
+        elif n.op == "call_module":
+            data.add(n)
+            if passes(opening.named[n.target]):
+                continue
+            calls[n.target] = k = calls.get(n.target, 0) + 1
+            made[n] = opening.add_leaf(out, n.target, k)
+        elif n.op in ("call_function", "call_method"):
+            if not any(i in data for i in n.all_input_nodes):
+                continue  # works on constants only: not the data
+            data.add(n)
+            value = values.get(n)
+            floating = value is None or (
+                isinstance(value, torch.Tensor) and value.is_floating_point()
+            )
+            if not drawn(function_name(n.target)) or not floating:
+                continue
+            stack = n.meta.get("nn_module_stack") or {}
+            block = next(reversed(stack), None) if stack else None
+            if block:
+                opening.add_block(out, block)
+            made[n] = function_layer(out, block, n.target, counts)
+    producers: dict[fx.Node, set[str]] = {}
+
+    def produced_by(n: fx.Node) -> set[str]:
+        if n in made:
+            return {made[n].path}
+        if n not in producers:
+            producers[n] = set()
+            producers[n] = {p for i in n.all_input_nodes for p in produced_by(i)}
+        return producers[n]
+
+    edges: dict[tuple[str, str], None] = {}
+    for n, layer in made.items():
+        if layer.shape is None and n in values:
+            layer.shape = shape_of(values[n])
+        for i in n.all_input_nodes:
+            for p in sorted(produced_by(i)):
+                if p != layer.path:
+                    edges[(p, layer.path)] = None
+    out.edges = list(edges)
+    ends = {p for n in graph.nodes if n.op == "output" for p in produced_by(n)}
+    ordered(out, [made[n].path for n in graph.nodes if n in made])
+    prune(out, ends)
+    return out
+
+
+def _values(
+    graph: fx.Graph, root: nn.Module, args: tuple, kwargs: dict, recorded: dict
+) -> dict[fx.Node, Any]:
+    """What every node of the fx graph holds on these arguments; a submodule's value is taken
+    from what it gave back in the graph's run when that was recorded, not run again."""
+    env: dict[fx.Node, Any] = {}
+    given = iter(args)
+    taken: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            name = str(n.target).lstrip("*")
+            value = next(given, _MISSING)
+            if value is _MISSING:
+                value = kwargs.get(name, n.args[0] if n.args else None)
+        elif n.op == "output":
+            break
+        else:
+            a, k = fx.node.map_arg((n.args, n.kwargs), lambda x: env[x])
+            if n.op == "get_attr":
+                value = root
+                for part in str(n.target).split("."):
+                    value = getattr(value, part)
+            elif n.op == "call_module":
+                known = recorded.get(n.target) or []
+                i = taken.get(n.target, 0)
+                taken[n.target] = i + 1
+                value = known[i] if i < len(known) else root.get_submodule(n.target)(*a, **k)
+            elif n.op == "call_function":
+                value = n.target(*a, **k)
+            else:
+                value = getattr(a[0], n.target)(*a[1:], **k)
+        env[n] = value
+    return env
+
+
+_MISSING = object()

@@ -1,0 +1,230 @@
+"""Real models as they are, through everything that looks at a graph: wrapped, run, drawn
+(depth 0, 1, 2), traced, probed, scored, trained three steps under an audit, and put in a
+figure; each look leaves the model exactly as it found it.
+
+The invariants, on every model: nothing crashes; the parameter count is the model's own
+(tied weights once, folded blocks multiplied once per level); the edges never loop (a module
+called twice is a box per call) and follow the data to the head; kinds by what a module
+computes with; a proxy that cannot be taken is absent with a warning, and synflow is finite
+and the same whichever mode the model was left in."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import zoo
+from _nodes import loops
+from torch import nn
+
+from somatize import Graph, Node, Opaque
+from somatize.torch import Audit, Trainer, architecture, probe, proxies, traced
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+
+
+def _snapshot(model: nn.Module) -> list:
+    """Everything a look could change: weights and buffers (values, dtypes), gradients (the
+    tensors themselves), requires_grad, train/eval flags, and every hook."""
+    hooks = []
+    for name, m in model.named_modules():
+        for kind in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+        ):
+            hooks.append((name, kind, list(getattr(m, kind))))
+    return [
+        [(k, v.detach().clone(), v.dtype) for k, v in model.state_dict(keep_vars=True).items()],
+        [(n, p.grad, p.requires_grad) for n, p in model.named_parameters()],
+        [(n, m.training) for n, m in model.named_modules()],
+        hooks,
+    ]
+
+
+def _same(before: list, after: list, look: str) -> None:
+    (w0, g0, t0, h0), (w1, g1, t1, h1) = before, after
+    assert [k for k, *_ in w0] == [k for k, *_ in w1], look
+    for (k, v0, d0), (_, v1, d1) in zip(w0, w1, strict=True):
+        assert d0 == d1 and torch.equal(v0, v1), f"{look} changed {k}"
+    assert all(a[1] is b[1] and a[2] == b[2] for a, b in zip(g0, g1, strict=True)), look
+    assert t0 == t1, f"{look} changed a train/eval flag"
+    assert h0 == h1, f"{look} left a hook"
+
+
+def _looks(model: nn.Module, look: str, fn):  # noqa: ANN001, ANN202
+    before = _snapshot(model)
+    got = fn()
+    _same(before, _snapshot(model), look)
+    return got
+
+
+def _counted(inside) -> int:  # noqa: ANN001
+    """Each box's own parameters times the folds it sits in, once per level: a layer's
+    parameters, and a block's own (a class token, a layer scale: held by the block itself)."""
+    by = {x.path: x for x in inside.layers}
+    total = 0
+    for x in inside.layers:
+        own = x.params - sum(by[c].params * by[c].times for c in x.made_of)
+        times, block = x.times, x.block
+        while block is not None:
+            times *= by[block].times
+            block = by[block].block
+        total += own * times
+    return total
+
+
+# What the suite's models are made of, by role (kind_of reads what a module computes with).
+KINDS = {
+    "gpt2": {"transformer.h.0.attn.c_attn": "learned", "transformer.h.0": "attention"},
+    "bert": {"pooler": "block", "encoder.layer.0": "attention", "pooler.dense": "learned"},
+    "vit": {"vit.layers.0": "attention", "classifier": "learned"},
+    "convnext": {"convnext.encoder.stages.0.layers.0": "block"},
+    "smallnet": {"layer2.0": "block", "layer2.0.block": "block"},
+    "transformer": {"encoder": "block", "decoder": "block"},
+    "lstm": {"": "recurrent"},
+}
+# The last layer of each model: fed by the data, however the model got there.
+HEADS = {
+    "bert": "pooler.dense",
+    "gpt2": "lm_head",
+    "t5": "lm_head",
+    "vit": "classifier",
+    "resnet": "classifier.1",
+    "convnext": "classifier",
+    "mobilenet": "classifier",
+    "transformer": "decoder.norm",
+    "smallnet": "fc",
+}
+
+
+def _drawn(case: zoo.Case, g: Graph, node: str, depth: int):  # noqa: ANN202
+    inside = _looks(
+        case.model,
+        f"architecture depth {depth}",
+        lambda: architecture(g, case.example, depth=depth),
+    )[node]
+    params = zoo.unique_params(case.model)
+    assert inside.params == params
+    assert inside.to_json()["params"] == params
+    if inside.hidden == 0:
+        tied = len({id(p) for p in case.model.parameters()}) < len(
+            list(case.model.named_parameters(remove_duplicate=False))
+        )
+        assert (_counted(inside) >= params) if tied else (_counted(inside) == params)
+    assert not loops(inside.edges), f"depth {depth}: the edges loop"
+    paths = {x.path for x in inside.layers}
+    assert all(a in paths and b in paths for a, b in inside.edges)
+    head = HEADS.get(case.name)
+    if head in paths:
+        assert any(b == head for _, b in inside.edges), f"{head} is fed by nothing"
+    for x in inside.layers:
+        assert x.times >= 1 and len(x.repeats) >= x.times - 1
+        assert x.label not in ("gt", "eq", "sum", "triu", "assert", "Identity")
+        shape = x.shape
+        assert shape is None or all(isinstance(d, int) for d in shape)
+    return inside
+
+
+@pytest.mark.parametrize("name", list(zoo.CASES))
+def test_a_model_as_it_is_through_every_tool(name, tmp_path):
+    case = zoo.CASES[name]()
+    model = case.model
+    g = Graph.somatize(model)
+    (node,) = g.nodes()
+    assert node == type(model).__name__.lower()
+
+    # forward: what the graph gives is what the model gives, as it is
+    torch.manual_seed(0)
+    out = g.forward(case.example)
+    torch.manual_seed(0)
+    plain = model(**case.example) if isinstance(case.example, dict) else model(case.example)
+    assert type(out) is type(plain)
+    for a, b in zip(zoo.tensors(out), zoo.tensors(plain), strict=True):
+        assert torch.equal(a, b)
+    model.zero_grad(set_to_none=True)
+
+    # architecture at three depths, and traced on the same input
+    insides = [_drawn(case, g, node, depth) for depth in (0, 1, 2)]
+    for path, kind in KINDS.get(name, {}).items():
+        assert insides[0].layer(path).kind == kind, path
+    alone = _looks(model, "traced", lambda: traced(model, case.example))
+    assert alone.to_json() == insides[0].to_json()
+    assert (
+        architecture(
+            model,
+            Opaque(case.example)
+            if not isinstance(case.example, dict)
+            else {k: Opaque(v) for k, v in case.example.items()},
+        )[node].to_json()
+        == insides[0].to_json()
+    )
+
+    # probe: every place it draws at depth 0 is measured, on the example as given
+    numbers = _looks(model, "probe", lambda: probe(model, case.example))
+    assert node in numbers
+    for where, n in numbers.items():
+        assert where == node or where.startswith(node + ".")
+        assert type(n["nan"]) is bool and type(n["inf"]) is bool
+        assert 0.0 <= n["zero_frac_max"] <= 1.0 and 0.0 <= n["sat_frac_max"] <= 1.0
+        if "jacobian_gain" in n:
+            assert math.isfinite(n["jacobian_gain"]) and n["jacobian_gain"] >= 0
+
+    # proxies: what can be taken is, what cannot is absent and said; synflow is mode-free
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        scores = _looks(
+            model,
+            "proxies",
+            lambda: proxies(model, case.example, target=case.target, objective=case.objective),
+        )
+    absent = [
+        p
+        for p in ("synflow", "zen", "naswot", "jacob_cov", "snip", "grasp", "grad_norm", "fisher")
+        if p not in scores
+    ]
+    for p in absent:
+        assert any(p in str(w.message) for w in said), f"{p} is absent and nothing says why"
+    assert all(isinstance(v, float) for v in scores.values())
+    synflow = scores["synflow"]
+    assert math.isfinite(synflow) and synflow >= 0
+    was = model.training
+    model.train(not was)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what is absent was said above
+        flipped = proxies(model, case.example)["synflow"]
+    model.train(was)
+    assert flipped == synflow
+
+    # three steps of training, audited, over the parameters that get a gradient
+    trainer = Trainer(
+        model,
+        objective=case.objective,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+        auditing=Audit(every=1),
+    )
+    losses = [trainer.step((case.example, case.target)) for _ in range(3)]
+    assert all(math.isfinite(x) for x in losses)
+
+    # the figure: the node opens into what architecture found, its count the model's own
+    fig = _looks(model, "figure", lambda: Graph.somatize(model).figure(inside={node: insides[0]}))
+    assert fig.inside[node]["params"] == zoo.unique_params(model)
+    assert "<svg" in fig.svg()
+
+
+def test_a_module_stands_in_an_expression_as_it_is():
+    case = zoo.CASES["bert"]()
+    head = nn.Linear(32, 3)
+
+    def first_token(out):
+        return out.last_hidden_state[:, 0]
+
+    g = Graph.somatize(Node.of(case.model) >> Node.of(first_token) >> Node.of(head).named("head"))
+    assert g.nodes() == ["bertmodel", "first_token", "head"]
+    assert g.forward(case.example).shape == (zoo.BATCH, 3)
+    got = architecture(g, case.example)
+    assert set(got) == {"bertmodel", "head"}  # a plain function holds no module
+    assert got["head"].params == 32 * 3 + 3
