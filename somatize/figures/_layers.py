@@ -136,10 +136,14 @@ def place(
     for i in every:
         layers[i.layer].append(i)
     links = [(c[j], c[j + 1]) for c in paths.values() for j in range(len(c) - 1)]
-    # where each link's ends join their boxes, from the centres (a port on a container)
+    # where each link's ends join their boxes, from the centres (a port on a container); a port
+    # far from its centre (a wrapped block's, in another band) is not lined up with, or blocks
+    # chained that way would walk off to one side
     shifts = []
     for (a, b), c in paths.items():
         oa, ob = offsets.get((a, b), (0.0, 0.0))
+        if abs(oa) > by_key[a].span / 4 or abs(ob) > by_key[b].span / 4:
+            oa = ob = 0.0
         if by_key[a].layer > by_key[b].layer:
             oa, ob = ob, oa
         for j in range(len(c) - 1):
