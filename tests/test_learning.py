@@ -86,7 +86,6 @@ def test_its_own_every_wins_and_the_optimizer_is_built_where_it_is_first_needed(
     assert Split(SGD, every=2).accumulating(3).every == 2
     layer = Layer(2, 2)
     learning = Split(SGD, lr=0.5).of(layer)
-    assert learning._optimizer is None
     opt = learning.optimizer
     assert isinstance(opt, SGD) and opt.param_groups[0]["lr"] == 0.5
     assert {id(p) for p in opt.param_groups[0]["params"]} == {id(p) for p in layer.parameters()}
@@ -155,7 +154,7 @@ def test_a_technique_that_gives_nothing_back_starves_upstream_and_says_so():
     t = Trainer(
         g, objective=mse, optimizer=SGD(parameters(g, without=trains), lr=0.1), trains=trains
     )
-    with pytest.raises(NoGradient, match="'a'"):
+    with pytest.raises(NoGradient, match=r"'a'.*a\.lin\.weight"):
         t.step(batch())
 
     # Said on purpose: what is before the cut is frozen, and the rest trains.
@@ -169,21 +168,3 @@ def test_a_technique_that_gives_nothing_back_starves_upstream_and_says_so():
     before = g.implementation("head").lin.weight.clone()
     t.step(batch())
     assert not g.implementation("head").lin.weight.equal(before)
-
-
-def test_the_backward_across_a_cut_is_autograds_with_its_refusals():
-    from somatize.torch.training.learning import backward
-
-    torch.manual_seed(0)
-    w = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
-    x = torch.randn(5, 3, dtype=torch.float64)
-    g = torch.randn(5, 3, dtype=torch.float64)
-    torch.autograd.backward([torch.tanh(x @ w)], [g])
-    expected, w.grad = w.grad.clone(), None
-    backward([torch.tanh(x @ w)], [g])
-    assert torch.equal(w.grad, expected)  # the same numbers, bit for bit
-    with pytest.raises(RuntimeError, match="shape"):
-        backward([torch.tanh(x @ w)], [torch.ones(4, 3, dtype=torch.float64)])
-    w.grad = None  # a gradient of another dtype takes the public call, which converts it
-    backward([torch.tanh(x @ w)], [g.float()])
-    assert torch.allclose(w.grad, expected, atol=1e-6)

@@ -19,6 +19,7 @@ EXPECTED = [
     "05_health",
     "06_choosing_an_architecture",
     "07_your_own_model",
+    "08_four_ways",
 ]
 
 

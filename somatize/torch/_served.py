@@ -24,8 +24,11 @@ def state_of(node: Any) -> dict[str, torch.Tensor]:
 
 def load_state(node: Any, state: dict[str, Any]) -> None:
     """Copy `state` (as `state_of` gives it) into the node, refusing a mismatch whole."""
+    from somatize.torch.training.learning import Learning
     from somatize.torch.training.params import state_of as keyed
 
+    if isinstance(node, Learning):
+        node.receiving(state)  # what it builds lazily (a guesser) is built at the shapes sent
     own = keyed(node)
     if set(own) != set(state):
         raise ValueError(

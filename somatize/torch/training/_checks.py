@@ -11,10 +11,50 @@ from typing import Any
 import torch
 
 from somatize.graph import Graph
+from somatize.run import watchers
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.params import _node_params, owners
 
-__all__ = ["count", "trains_of", "held_by", "everything_moves", "hosts_of", "audit_of", "store_of"]
+__all__ = [
+    "Unusable",
+    "count",
+    "watchers_of",
+    "something_to_train",
+    "trains_of",
+    "held_by",
+    "held_of_nodes",
+    "nothing_trains",
+    "hosts_of",
+    "audit_of",
+    "store_of",
+]
+
+
+class Unusable(TypeError, ValueError):
+    """A `watching=` or `auditing=` that cannot be used: a `TypeError` (it is the wrong kind of
+    thing) that can also be caught as the `ValueError` the published package raised."""
+
+
+def watchers_of(watching: Any) -> list:
+    """`watching=` as a list of callables."""
+    try:
+        return watchers(watching)
+    except TypeError as error:
+        raise Unusable(str(error)) from None
+
+
+def something_to_train(graph: Graph) -> None:
+    """Refuses a graph none of whose nodes holds a parameter that could be trained."""
+    for nid in graph.nodes():
+        if graph.setting(nid).frozen:
+            continue
+        if any(p.requires_grad for p in _node_params(graph.implementation(nid))):
+            return
+    raise ValueError(
+        f"no node of this graph ({', '.join(graph.nodes())}) holds a parameter that asks for a "
+        "gradient (frozen nodes hold none): there is nothing to train. Give a node an "
+        "nn.Module with parameters, or leave the graph to Graph.forward"
+    )
 
 
 def count(value: Any, name: str) -> int:
@@ -53,6 +93,12 @@ def trains_of(graph: Graph, trains: Any) -> dict[str, Learning]:
             raise ValueError(
                 f"node {nid!r} is declared .frozen() and is in trains=: a node cannot be "
                 "both; drop .frozen() or take it out of trains="
+            )
+        if not any(p.requires_grad for p in _node_params(graph.implementation(nid))):
+            raise ValueError(
+                f"trains= names node {nid!r}, which holds no parameter that asks for a "
+                f"gradient ({type(graph.implementation(nid)).__name__}): there is nothing for "
+                f"{type(learning).__name__} to train there; take it out of trains="
             )
         other = learning.node
         if other is not None and other is not graph.implementation(nid):
@@ -101,22 +147,24 @@ def held_by(graph: Graph, optimizer: Any, trains: dict[str, Learning]) -> list[t
     return held
 
 
-def everything_moves(graph: Graph, held: list[torch.Tensor], trains: dict[str, Learning]) -> None:
-    """Refuses parameters nobody would move (not held, not trained, not frozen)."""
-    moved = {id(p) for p in held}
-    idle: list[str] = []
-    for nid in graph.nodes():
-        if nid in trains or graph.setting(nid).frozen:
-            continue
-        if any(
-            p.requires_grad and id(p) not in moved for p in _node_params(graph.implementation(nid))
-        ):
-            idle.append(nid)
-    if idle:
+def held_of_nodes(
+    graph: Graph, held: list[torch.Tensor], owner: dict[int, str]
+) -> dict[str, list[torch.Tensor]]:
+    """`{node: the parameters of it the optimizer holds}`, for the nodes it holds any of."""
+    found: dict[str, list[torch.Tensor]] = {}
+    for p in held:
+        nid = owner.get(id(p))
+        if nid is not None and p.requires_grad:
+            found.setdefault(nid, []).append(p)
+    return found
+
+
+def nothing_trains(optimizer: Any, trains: dict[str, Learning]) -> None:
+    """Refuses a Trainer with neither an optimizer nor a Learning: nothing would move."""
+    if optimizer is None and not trains:
         raise ValueError(
-            f"node(s) {idle} hold parameters that nobody would move: neither the optimizer "
-            "nor trains= holds them. Build the optimizer over parameters(g), train them "
-            "with trains=, or declare them .frozen()"
+            "nothing would train: pass optimizer= (torch.optim.Adam(parameters(g), lr=1e-3)), "
+            "or trains= for the nodes trained where they run"
         )
 
 
@@ -130,7 +178,7 @@ def audit_of(auditing: Any) -> Any:
         return Audit()
     for method in ("watch", "observed", "moved", "release"):
         if not callable(getattr(auditing, method, None)):
-            raise TypeError(
+            raise Unusable(
                 f"auditing= takes an Audit (or True for the default one), not "
                 f"{type(auditing).__name__}"
             )

@@ -3,9 +3,9 @@
 A `Learning` stands on both sides of the node it trains. Before it (`Enters`) the node's input
 becomes a leaf, so that dL/d(input) is a thing that exists; after it (the Learning itself) the
 node's output is kept with its autograd history. When dL/d(output) comes back in an
-`Envelope`, `learn(signal, ctx)` carries on with it under an optimizer of its own and gives
-back dL/d(input). `Split` is split learning; greedy, forward-forward and synthetic gradients
-are other answers to the same `learn`.
+`Envelope`, `learn(signal, ctx)` does what the technique does with it and gives back
+dL/d(input), or None. `Split` is split learning; `Greedy`, `Synthetic` and `ForwardForward`
+(each in a module of its own) are other answers to the same `learn`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 
 from somatize.node import Node
 from somatize.torch.placement import modules_of
-from somatize.torch.training.params import clear, step
 
 __all__ = [
     "Learning",
@@ -29,13 +28,14 @@ __all__ = [
     "OutOfStep",
     "leafed",
     "grad_of",
-    "backward",
+    "pairs",
+    "BROUGHT",
 ]
 
-try:  # what torch.autograd.backward ends in, once its arguments are checked
-    from torch.autograd.graph import _engine_run_backward as _engine
-except ImportError:  # pragma: no cover - a torch without it takes the public call
-    _engine = None
+BROUGHT = "learning/"
+"""The prefix of what a Learning brought (a head, a guesser) among the weights of the node it
+trains, in `Trainer.export`: `{"mid": {"lin.weight": ..., "learning/head.weight": ...}}`. No
+state_dict key of a module can start with it (a slash is in no attribute name)."""
 
 
 class OutOfStep(ValueError):
@@ -121,22 +121,23 @@ def gradient(value: Any, device: str | None = None) -> torch.Tensor | None:
     return None
 
 
-def leafed(value: Any) -> Any:
+def leafed(value: Any, asking: bool | None = None) -> Any:
     """`value` with every floating tensor in it cut from its history into a fresh leaf.
 
-    The leaf asks for a gradient exactly when the tensor it came from did, so a gradient is
-    only worked out for what something upstream can use.
+    The leaf asks for a gradient exactly when the tensor it came from did (or, with `asking`
+    said, when that says), so a gradient is only worked out for what something upstream can use.
     """
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() or value.is_complex():
-            return value.detach().requires_grad_(value.requires_grad)
+            ask = value.requires_grad if asking is None else asking
+            return value.detach().requires_grad_(ask)
         return value
     if isinstance(value, dict):
-        return {k: leafed(v) for k, v in value.items()}
+        return {k: leafed(v, asking) for k, v in value.items()}
     if isinstance(value, list):
-        return [leafed(v) for v in value]
+        return [leafed(v, asking) for v in value]
     if isinstance(value, tuple):
-        made = [leafed(v) for v in value]
+        made = [leafed(v, asking) for v in value]
         return type(value)(*made) if hasattr(value, "_fields") else tuple(made)
     return value
 
@@ -155,7 +156,8 @@ def grad_of(value: Any) -> Any:
 
 
 def pairs(value: Any, grad: Any, outs: list, grads: list) -> None:
-    """Collect (tensor, its gradient) wherever both exist and the tensor asks for one."""
+    """Collect (tensor, its gradient) wherever both exist and the tensor asks for one: what
+    `torch.autograd.backward(outs, grads)` is handed at a cut."""
     if grad is None:
         return
     if isinstance(value, torch.Tensor):
@@ -170,40 +172,24 @@ def pairs(value: Any, grad: Any, outs: list, grads: list) -> None:
             pairs(v, g, outs, grads)
 
 
-def backward(outs: list, grads: list) -> None:
-    """`torch.autograd.backward(outs, grads)`, for the gradients that cross a cut.
-
-    When every pair is a plain tensor and a gradient of its exact shape, dtype and device, the
-    pairs go straight to autograd's engine: that is where the public call ends up, less the
-    10 µs or so of Python it spends first on argument forms, tensor-subclass dispatch and a
-    shape check the engine makes again. Anything else (subclasses, a functorch transform, a
-    gradient that would need converting) takes the public call, and its errors.
-    """
-    plain = _engine is not None and not torch._C._are_functorch_transforms_active()
-    if plain:
-        tensor = torch.Tensor
-        for o, g in zip(outs, grads, strict=True):
-            if (
-                type(o) is not tensor
-                or type(g) is not tensor
-                or o.shape != g.shape
-                or o.dtype != g.dtype
-                or o.device != g.device
-            ):
-                plain = False
-                break
-    if plain:
-        _engine(
-            tuple(outs),
-            tuple(grads),
-            False,
-            False,
-            (),
-            allow_unreachable=True,
-            accumulate_grad=True,
-        )
-    else:
+def backward_from(value: Any, signal: Any) -> None:
+    """`torch.autograd.backward` from `value` with `signal` as dL/d(value), wherever both are
+    tensors and the value asks for a gradient; nothing when there is no such pair."""
+    outs: list = []
+    grads: list = []
+    pairs(value, signal, outs, grads)
+    if outs:
         torch.autograd.backward(outs, grads)
+
+
+class _Of:
+    """Holds the node a Learning trains, where looking for the modules a Learning brought
+    (its attributes) does not find it."""
+
+    __slots__ = ("node",)
+
+    def __init__(self) -> None:
+        self.node: Any = None
 
 
 class Learning(Node):
@@ -212,13 +198,22 @@ class Learning(Node):
     A technique writes `learn(signal, ctx)` and nothing else: handed dL/d(what the node
     produced), it gives back dL/d(what it was given), or None. It reaches the node through
     `held` (this step's activation) and `given` (the leaf its input became); both are dropped
-    after each learn.
+    after each learn. Its optimizer is built the first time it is needed, over `training()`,
+    on whatever machine the node ended up.
 
-    `optimizer` is a factory such as `torch.optim.SGD`, called with the parameters and `how`
-    the first time it is needed, on whatever machine the node ended up. `every` is how many
-    steps go into one update; left out, the Trainer's. Refused: an optimizer that cannot be
-    called, an `every` that is not a positive int.
+    `optimizer` is a factory such as `torch.optim.SGD`, called with the parameters and `how`.
+    `every` is how many steps go into one update; left out, the Trainer's. Refused: an
+    optimizer that cannot be called, an `every` that is not a positive int.
+
+    Two class attributes say what a technique asks of the Trainer, and are all that differs
+    from one technique to another on the way to a worker: `needs_target` (the Trainer tells it
+    its objective, and hands it each step's target as `target`) and `wants_signal` (False: it
+    learns from something else than dL/d(output), so what the node produced is handed on
+    detached, and no gradient for it is worked out downstream nor sent back).
     """
+
+    needs_target = False
+    wants_signal = True
 
     def __init__(
         self, optimizer: Callable[..., Any], *, every: int | None = None, **how: Any
@@ -237,30 +232,54 @@ class Learning(Node):
         self.how = dict(how)
         self.declared = every
         self.every = every if every is not None else 1
-        self.node: Any = None
+        self.pieces = 1
+        self.objective: Any = None
+        self.target: Any = None
         self.held: Any = None
         self.given: Any = None
+        self._trains = _Of()  # the node it trains: not one of the modules it brought
         self._optimizer: Any = None
         self._count = 0
         self._closing = False
-        self._pieces = 1
         self._enters: Enters | None = None
 
     # -- where it stands --------------------------------------------------------------------
+    @property
+    def node(self) -> Any:
+        """The node it trains, or None before `of`."""
+        return self._trains.node
+
     def of(self, node: Any) -> Learning:
         """The node it trains. Said when the graph is put together (a Learning trains one)."""
-        if self.node is not None and self.node is not node:
+        if self._trains.node is not None and self._trains.node is not node:
             raise ValueError(
                 f"this {type(self).__name__} already trains a {type(self.node).__name__}; "
                 "a Learning trains one node: give each node its own"
             )
-        self.node = node
+        self._trains.node = node
         return self
 
     def accumulating(self, every: int | None) -> Learning:
         """How many steps go into one update, unless this one already said (it then wins)."""
         if self.declared is None and every is not None:
             self.every = every
+        return self
+
+    def told(self) -> dict[str, Any]:
+        """What the Trainer told it, as it travels to a worker with it: `every`, `pieces` (how
+        many pieces a step is cut into) and, for a technique that needs the target, the
+        objective."""
+        said: dict[str, Any] = {"every": self.every, "pieces": self.pieces}
+        if self.needs_target:
+            said["objective"] = self.objective
+        return said
+
+    def tell(self, *, every: int, pieces: int = 1, objective: Any = None) -> Learning:
+        """Take what the Trainer told it (`told()` on the other side)."""
+        self.every = every
+        self.pieces = pieces
+        if objective is not None:
+            self.objective = objective
         return self
 
     def beside(self) -> tuple[Enters, Learning]:
@@ -270,7 +289,8 @@ class Learning(Node):
         return self._enters, self
 
     def training(self) -> list[torch.nn.Parameter]:
-        """Which parameters it updates: the node's, and whatever else a technique brings."""
+        """Which parameters it updates: the node's, and whatever else a technique brought
+        with it (a head, a guesser: the modules it holds as attributes)."""
         if self.node is None:
             raise ValueError(
                 f"this {type(self).__name__} trains no node yet: it is given one by "
@@ -278,12 +298,16 @@ class Learning(Node):
             )
         found: list[torch.nn.Parameter] = []
         seen: set[int] = set()
-        for module in modules_of(self.node):
+        for module in [*modules_of(self.node), *modules_of(self)]:
             for p in module.parameters():
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     found.append(p)
         return found
+
+    def receiving(self, state: Mapping[str, Any]) -> None:
+        """Made ready to be handed `state` (the keys of what it brought): a technique that
+        builds what it brings lazily builds it here, at the shapes given. Nothing by default."""
 
     @property
     def optimizer(self) -> Any:
@@ -300,36 +324,76 @@ class Learning(Node):
         return self._optimizer
 
     # -- the group ----------------------------------------------------------------------------
+    @property
+    def group(self) -> int:
+        """How many pieces go into one update: `every` steps of `pieces` pieces each. A
+        technique with a loss of its own divides it by this, as the Trainer divides its own."""
+        return self.every * self.pieces
+
     def opens(self) -> bool:
         """Whether this step starts a group, which is where gradients are cleared."""
         return self._count == 0
+
+    def due(self) -> bool:
+        """Whether this step will close its group, by count: what a technique that acts before
+        the envelope arrives reads (the Trainer's `update()` closes a group early)."""
+        return self._count + 1 >= self.group
 
     def closes(self) -> bool:
         """Whether this step ends one, which is where the optimizer moves.
 
         With the Trainer's `every` the fact arrives on the envelope; with its own, counted.
         """
-        if self.declared is None:
-            return self._closing
         if self._closing and self.held is None:
             return True  # the Trainer's update(): apply what there is
-        return self._count + 1 >= self.every * self._pieces
+        if self.declared is None:
+            return self._closing
+        return self.due()
+
+    def minimising(self, loss: Callable[[], torch.Tensor]) -> None:
+        """One step of the group on a loss of the technique's own (`loss()`, called only when
+        an activation is held): gradients cleared where the group opens, `loss() / group`
+        backward, the optimizer stepped where the group closes, and `done()`."""
+        optimizer = self.optimizer
+        if self.opens():
+            optimizer.zero_grad()
+        if self.held is not None:
+            group = self.group
+            (loss() / group if group != 1 else loss()).backward()
+        if self.closes():
+            optimizer.step()
+        self.done()
+
+    def idle(self, signal: Any) -> bool:
+        """Whether this learn has nothing to do: nothing arrived, nothing is held, nothing has
+        accumulated (the Trainer's `update()` reaching a group that is already applied)."""
+        return signal is None and self.held is None and self._count == 0
 
     # -- the two positions --------------------------------------------------------------------
     def entering(self, value: Any, ctx: Any) -> Any:
-        """The input as a leaf, remembered, which is what makes dL/d(input) exist."""
+        """The input as a leaf, remembered, which is what makes dL/d(input) exist. The first
+        time, what the technique brought goes to the node's device."""
+        if self._optimizer is None and ctx is not None and ctx.device is not None:
+            for module in modules_of(self):
+                module.to(ctx.device)
         self.given = leafed(value)
         return self.given
 
     def forward(self, value: Any, ctx: Any) -> Any:
-        """After the node: an ordinary value is the activation to keep (and is handed on), an
-        envelope is the gradient to learn from (and an envelope for the input comes back)."""
+        """After the node: an ordinary value is the activation to keep (handed on, detached for
+        a technique that `wants_signal` False), an envelope is the gradient to learn from (and
+        an envelope for the input comes back)."""
         if type(value) is Envelope:
             self._closing = value.closing
             back = self.learn(gradient(value, ctx.device if ctx is not None else None), ctx)
             return envelope(back, value.closing)
         self.held = value
-        return value
+        self.kept(ctx)
+        return value if self.wants_signal else leafed(value, False)
+
+    def kept(self, ctx: Any) -> None:
+        """What a technique does the moment the node's output is kept, before any gradient for
+        it can arrive. Nothing, unless it does not wait for one (`Synthetic`)."""
 
     def waiting(self) -> Any:
         """The activation this step left, or `OutOfStep` if there is none."""
@@ -348,6 +412,7 @@ class Learning(Node):
             self._count = 0 if self.closes() else self._count + 1
         self.held = None
         self.given = None
+        self.target = None
         self._closing = False
         return given
 
@@ -389,24 +454,20 @@ class Split(Learning):
     back the gradient of the input.
 
     With a group of more than one step the same three movements are taken apart: cleared
-    where the group opens, added to in between, stepped where it closes.
+    where the group opens, added to in between, stepped where it closes. In one process it
+    gives the numbers plain backpropagation gives.
     """
 
     def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
         """Backward through the node from `signal`, step when the group closes, and give back
         dL/d(what the node was given)."""
-        if signal is None and self.held is None and self._count == 0:
+        if self.idle(signal):
             return self.done()  # nothing accumulated, nothing owed
         held = self.waiting() if signal is not None else None
         optimizer = self.optimizer
         if self.opens():
-            clear(optimizer)  # zero_grad(), without a profiler annotation nobody records
-        if signal is not None:
-            outs: list = []
-            grads: list = []
-            pairs(held, signal, outs, grads)
-            if outs:
-                backward(outs, grads)
+            optimizer.zero_grad()
+        backward_from(held, signal)
         if self.closes():
-            step(optimizer)
+            optimizer.step()
         return grad_of(self.done())

@@ -11,13 +11,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd import profiler as _profiler
-from torch.optim import optimizer as _optim
 
 from somatize.torch._modules import join, named_modules_of
 from somatize.torch.placement import modules_of
 
-__all__ = ["parameters", "freeze", "state_of", "owners"]
+__all__ = ["parameters", "freeze", "state_of", "owners", "named"]
 
 
 def _node_params(node: Any) -> list[nn.Parameter]:
@@ -53,6 +51,17 @@ def parameters(graph: Any, without: Container[str] = ()) -> list[nn.Parameter]:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 found.append(p)
+    return found
+
+
+def named(graph: Any) -> dict[int, str]:
+    """`{id(parameter): its qualified name}`, the node id before the key its node gives it
+    (`body.pooler.dense.weight`); a parameter two nodes share goes by its first."""
+    found: dict[int, str] = {}
+    for nid in graph.nodes():
+        for name, module in named_modules_of(graph.implementation(nid)):
+            for key, p in module.named_parameters():
+                found.setdefault(id(p), join(nid, name, key))
     return found
 
 
@@ -99,52 +108,3 @@ def state_of(node: Any) -> dict[str, torch.Tensor]:
         for name, module in named_modules_of(node)
         for key, tensor in module.state_dict(keep_vars=True).items()
     }
-
-
-# -- moving an optimizer ----------------------------------------------------------------------
-# torch wraps every optimizer's `step` and `zero_grad` in a profiler annotation. When no
-# profiler is recording it marks nothing, and yet it costs 10-30 µs a call on CPU: more than
-# the update of a small node. So when nothing could tell the difference (no profiler, no step
-# hooks, the class's own `step` and `zero_grad`) the two are called without it; otherwise
-# exactly as torch does. The numbers do not change: the same function does the update.
-
-
-def _profiling() -> bool:
-    return bool(_profiler._is_profiler_enabled or torch._C._autograd._profiler_enabled())
-
-
-def step(optimizer: Any) -> Any:
-    """`optimizer.step()`, without torch's profiler annotation when nobody is recording.
-
-    The ordinary call whenever a step hook is registered (its own or a global one), `step`
-    was replaced on the instance (an LR scheduler counts steps that way), the class's `step`
-    is not torch's wrapped one, or a profiler is on.
-    """
-    fn = type(optimizer).step
-    raw = getattr(fn, "__wrapped__", None)
-    if (
-        raw is None
-        or not getattr(fn, "hooked", False)
-        or "step" in optimizer.__dict__
-        or getattr(optimizer, "_optimizer_step_pre_hooks", True)
-        or getattr(optimizer, "_optimizer_step_post_hooks", True)
-        or _optim._global_optimizer_pre_hooks
-        or _optim._global_optimizer_post_hooks
-        or _profiling()
-    ):
-        return optimizer.step()
-    out = raw(optimizer)
-    optimizer._optimizer_step_code()  # where a tracing profiler looks, as the wrapper does
-    return out
-
-
-def clear(optimizer: Any) -> None:
-    """`optimizer.zero_grad()` (gradients set to None), without its profiler annotation when
-    nobody is recording and the class has torch's own `zero_grad`."""
-    if type(optimizer).zero_grad is not _optim.Optimizer.zero_grad or _profiling():
-        optimizer.zero_grad()
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is not None:
-                p.grad = None

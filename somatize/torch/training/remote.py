@@ -122,11 +122,7 @@ class Remote:
             d = broker.definition(host, f"{part.trained}/learning", part.learning, None)
             if d is not None:
                 defs.append(d)
-            learning = {
-                "key": broker.key(part.learning),
-                "every": part.learning.every,
-                "pieces": part.learning._pieces,
-            }
+            learning = {"key": broker.key(part.learning), "told": part.learning.told()}
         return {
             "ids": list(part.ids),
             "keys": keys,
@@ -206,9 +202,7 @@ def _rebuilt(server: Any, nodes: dict[str, Any], d: dict[str, Any]) -> Any:
     if d["learning"] is not None:
         said = d["learning"]
         learning = server.node(nodes, said["key"])
-        learning.of(mine[d["trained"]])
-        learning.every = said["every"]
-        learning._pieces = said["pieces"]
+        learning.of(mine[d["trained"]]).tell(**said["told"])
     return Part(
         view,
         d["ids"],

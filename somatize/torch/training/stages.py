@@ -15,8 +15,11 @@ part's nodes (the same objects, with what was declared of them, less `.at(host)`
 what is at a host) and an `Inlet` per value coming from outside when it needs one, walked by
 the engine's own loop over a plan compiled once. Around a trained node the part runs the two
 positions of its Learning itself (the input leafed before, the activation kept after), so
-they cost no engine steps. This module reaches for torch only when a part runs (it is driven
-by somatize.torch), so `import somatize` stays free of it.
+they cost no engine steps. A Learning that `needs_target` is handed the step's target with
+its part's inputs, under `TARGET`, so it reaches a worker the way every input does.
+
+A `Part` is a trainer's: it goes forward and backward. It is not a `somatize.remote` slice,
+which is a forward-only run of consecutive nodes on one host.
 """
 
 from __future__ import annotations
@@ -26,10 +29,31 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
+import torch
+
+from somatize import _hooks
 from somatize.graph import Graph
 from somatize.node import Node, Opaque, Piece
+from somatize.torch.training.learning import (
+    envelope,
+    grad_of,
+    gradient,
+    leafed,
+    pairs,
+)
 
-__all__ = ["INPUT", "LOSS", "Part", "Stages", "Transport", "Local", "LOCAL", "Inlet", "Outlet"]
+__all__ = [
+    "INPUT",
+    "LOSS",
+    "TARGET",
+    "Part",
+    "Stages",
+    "Transport",
+    "Local",
+    "LOCAL",
+    "Inlet",
+    "Outlet",
+]
 
 INPUT = "<input>"
 """The source of a value that is the graph's own input (what the roots receive)."""
@@ -37,18 +61,19 @@ INPUT = "<input>"
 LOSS = "<loss>"
 """The destination of a graph leaf: the objective, in the Trainer's process."""
 
+TARGET = "<target>"
+"""Where the step's target is among a part's inputs, for a Learning that `needs_target`."""
 
-_calculus: Any = None
 
-
-def _torch() -> Any:
-    """somatize.torch.training.learning (leaves, envelopes), imported the first time a part needs it."""
-    global _calculus
-    if _calculus is None:
-        from somatize.torch.training import learning
-
-        _calculus = learning
-    return _calculus
+def nbytes(value: Any) -> int:
+    """How many bytes the tensors inside `value` hold (dicts, lists, tuples too)."""
+    if isinstance(value, torch.Tensor):
+        return value.nelement() * value.element_size()
+    if isinstance(value, dict):
+        return sum(nbytes(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(nbytes(v) for v in value)
+    return 0
 
 
 class Inlet(Node):
@@ -79,7 +104,8 @@ class Part:
     `(source, node)` from outside, `source` a node id or `INPUT`) and `leaving` (the edges
     `(node, destination)` to outside, `destination` a node id or `LOSS`). `sources` are the
     distinct sources it is handed values from, `exits` the distinct nodes whose values leave.
-    Everything else (`graph`, the small graph it runs) is rebuilt from those.
+    `asks_target`: its Learning `needs_target`, and is handed it under `TARGET`. Everything
+    else (`graph`, the small graph it runs) is rebuilt from those.
     """
 
     def __init__(
@@ -119,6 +145,7 @@ class Part:
         self.leaving = tuple(leaving)
         self.sources = tuple(dict.fromkeys(s for s, _ in entering))
         self.exits = tuple(dict.fromkeys(n for n, _ in leaving))
+        self.asks_target = bool(learning is not None and learning.needs_target)
         self._inputs: dict[str, Any] | None = None
         self._outputs: dict[str, Any] | None = None
         self.raw = True  # its graph takes the value of its one source as it is
@@ -193,17 +220,18 @@ class Part:
         learning = self.learning
         if learning is None:
             if self._crossing:
-                leafed = (_calculus or _torch()).leafed
                 inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
             self._inputs = inputs
             x = inputs[self.sources[0]] if self.raw else inputs
         else:
-            x = inputs[self.sources[0]] if self.raw else inputs
             device = self.settings[self.trained].device
+            if self.asks_target:
+                inputs = dict(inputs)
+                target = inputs.pop(TARGET, None)
+                learning.target = target if device is None else _hooks.move(target, device)
+            x = inputs[self.sources[0]] if self.raw else inputs
             if device is not None:
-                from somatize._hooks import move
-
-                x = move(x, device)
+                x = _hooks.move(x, device)
             x = learning.beside()[0].forward(x, self.ctx)
         plan, steps, size, slots, cached, walk = self._plan or self._compiled()
         if watching is None and (store is None or not cached) and type(x) is not Opaque:
@@ -217,7 +245,7 @@ class Part:
             else:
                 outs = {n: out[leaf] for leaf, n in self.leaf_of.items()}
         if learning is not None:
-            learning.forward(outs[self.trained], self.ctx)
+            outs[self.trained] = learning.forward(outs[self.trained], self.ctx)
         self._outputs = outs
         return outs
 
@@ -229,8 +257,6 @@ class Part:
         (the last one already did, in `loss.backward()`). An envelope with nothing in it and
         no forward before it is the end of a group, passed on.
         """
-        calculus = _calculus or _torch()
-        envelope = calculus.envelope
         closing = False
         for e in envelopes.values():
             if e.closing:
@@ -247,14 +273,12 @@ class Part:
         else:
             outputs = self._outputs
             if not self.last and outputs is not None:
-                pairs = calculus.pairs
                 outs: list = []
                 grads: list = []
                 for n, e in envelopes.items():
                     pairs(outputs.get(n), e.gradient, outs, grads)
                 if outs:
-                    calculus.backward(outs, grads)
-            grad_of = calculus.grad_of
+                    torch.autograd.backward(outs, grads)
             owed = {s: grad_of(v) for s, v in (self._inputs or {}).items()}
             self._inputs = self._outputs = None
         return {s: envelope(g, closing) for s, g in owed.items() if s != INPUT}
@@ -316,8 +340,9 @@ class Stages:
     `trains` is `{node id: Learning}`; `transport(host)` answers the transport of a host, and
     of None for the parts that run in this process (the default runs everything here).
     `watching` is a list of callables: what the parts run is told to it as one forward (one
-    "finished" fact for the whole). With no cut at all there is one part, the graph itself,
-    and a forward is `graph.forward`.
+    "finished" fact for the whole), and while somebody watches `crossed()` says how many bytes
+    went from one part to another. With no cut at all there is one part, the graph itself, and
+    a forward is `graph.forward`.
     """
 
     def __init__(
@@ -331,7 +356,7 @@ class Stages:
         trains = trains or {}
         hosts = graph.hosts()
         order = graph.topological_sort()
-        pair = {n: (hosts[n], n if n in trains else None) for n in order}
+        pair = {n: (hosts.get(n), n if n in trains else None) for n in order}
         stage: dict[str, int] = {}
         for n in order:
             stage[n] = max(
@@ -364,18 +389,19 @@ class Stages:
         self.leaves = tuple(graph.leaves())
         self.sunk = tuple(n for n in self.leaves if last is None or n not in last.ids)
         self._sunk: dict[str, Any] = {}
-        self.told = list(watching or [])
-        relays = [self._relay(p) if self.told else None for p in self.parts]
+        self.watchers = list(watching or [])
+        self._bytes = [0, 0]  # forward, backward: what crossed from part to part, when watched
+        relays = [self._relay(p) if self.watchers else None for p in self.parts]
         self._route = tuple(zip(self.parts, self.transports, relays, strict=True))
 
     def _relay(self, part: Part) -> Callable[[dict], None]:
         ids = frozenset(part.ids)
-        told = self.told
+        watchers = self.watchers
 
         def relay(fact: dict) -> None:
             if fact.get("fact") == "finished" or fact.get("node", "") not in ids:
                 return
-            for w in told:
+            for w in watchers:
                 w(fact)
 
         return relay
@@ -387,27 +413,39 @@ class Stages:
             part._plan = None
             part.graph.invalidate()
 
+    def crossed(self) -> tuple[int, int]:
+        """`(forward, backward)`: the bytes of the tensors handed from one part to another
+        since the last time it was asked (values and targets forward, gradients back), counted
+        only while somebody watches; then starts again from nothing."""
+        counted, self._bytes = self._bytes, [0, 0]
+        return counted[0], counted[1]
+
     def __repr__(self) -> str:
         return "Stages(" + "; ".join(repr(p) for p in self.parts) + ")"
 
-    def forward(self, x: Any, *, store: Any = None) -> Any:
+    def forward(self, x: Any, *, store: Any = None, target: Any = None) -> Any:
         """Run every part in stage order on the graph's input; answer what the graph returns
-        (a leaf that crossed a cut to get here arrives as a leaf of its own)."""
-        told = self.told
+        (a leaf that crossed a cut to get here arrives as a leaf of its own). `target` is
+        handed to the parts whose Learning `needs_target`."""
+        watchers = self.watchers
         if self.whole:
-            return self.graph.forward(x, store=store, watching=told or None)
-        began = time.perf_counter_ns() if told else 0
+            return self.graph.forward(x, store=store, watching=watchers or None)
+        began = time.perf_counter_ns() if watchers else 0
         values: dict[str, Any] = {INPUT: x}
         for part, transport, relay in self._route:
             inputs = {s: values[s] for s in part.sources}
+            if part.asks_target:
+                inputs[TARGET] = target
+            if watchers:
+                self._bytes[0] += sum(nbytes(v) for s, v in inputs.items() if s != INPUT)
             values.update(transport.forward(part, inputs, store=store, watching=relay))
         if self.sunk:
-            leafed, sunk = _torch().leafed, self._sunk
+            sunk = self._sunk
             for n in self.sunk:
                 values[n] = sunk[n] = leafed(values[n])
-        if told:
+        if watchers:
             finished = {"fact": "finished", "took_us": (time.perf_counter_ns() - began) / 1e3}
-            for w in told:
+            for w in watchers:
                 w(finished)
         if len(self.leaves) == 1:
             return values[self.leaves[0]]
@@ -419,10 +457,8 @@ class Stages:
         loss.backward()
         if not self.whole:
             owed: dict[str, list] = {}
-            if self.sunk:
-                envelope, grad_of = _torch().envelope, _torch().grad_of
-                for n in self.sunk:
-                    owed[n] = [envelope(grad_of(self._sunk.pop(n)), closing)]
+            for n in self.sunk:
+                owed[n] = [envelope(grad_of(self._sunk.pop(n)), closing)]
             self._back(owed, closing)
 
     def update(self) -> None:
@@ -431,8 +467,7 @@ class Stages:
             self._back({}, True)
 
     def _back(self, owed: dict[str, list], closing: bool) -> None:
-        calculus = _torch()
-        envelope = calculus.envelope
+        watched = bool(self.watchers)
         for part, transport, _ in reversed(self._route):
             envelopes = {}
             for n in part.exits:
@@ -440,10 +475,10 @@ class Stages:
                 if len(came) == 1:
                     envelopes[n] = came[0]
                 else:
-                    total = (
-                        calculus.gradient({str(i): e for i, e in enumerate(came)}) if came else None
-                    )
+                    total = gradient({str(i): e for i, e in enumerate(came)}) if came else None
                     envelopes[n] = envelope(total, closing)
+            if watched and not part.last:
+                self._bytes[1] += sum(nbytes(e.gradient) for e in envelopes.values())
             for s, e in transport.backward(part, envelopes).items():
                 if s in owed:
                     owed[s].append(e)

@@ -2,8 +2,9 @@
 
 One step is forward, loss, backward and, when the group closes, update. A node trained by a
 `Learning` (`trains=`) or running on another host is a cut: the graph is run stage by stage
-(`somatize.torch.training.stages`) and the gradient crosses each cut in an envelope. Without a cut a step is
-`graph.forward`, `loss.backward()` and `optimizer.step()`, and costs what those cost.
+(`somatize.torch.training.stages`) and the gradient crosses each cut in an envelope. Without a
+cut a step is `graph.forward`, `loss.backward()` and `optimizer.step()`, and costs what those
+cost.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from typing import Any
 import torch
 
 from somatize.graph import Graph, as_graph
-from somatize.run import watchers
-from somatize.torch.training import _checks
+from somatize.node import unwrap
+from somatize.torch.training import _checks, brought
+from somatize.torch.training._micro import pieces
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
-from somatize.torch.training.params import clear, freeze, owners, state_of
-from somatize.torch.training.params import step as step_of
+from somatize.torch.training.params import freeze, named, owners, state_of
 from somatize.torch.training.remote import Remote
 from somatize.torch.training.stages import LOCAL, Stages
 
@@ -35,17 +36,23 @@ _SYNCED = contextlib.nullcontext()  # outside parallel=, every piece is what it 
 
 
 class NoGradient(RuntimeError):
-    """Something the optimizer holds never got a gradient.
+    """Something the optimizer holds never got a gradient: a node none of whose parameters
+    the optimizer holds got one, which is a cut (the loss does not reach the node).
 
-    Raised before the optimizer moves. With a cut on purpose (split learning) this is what
-    you expect, and you say so by taking those parameters out of the optimizer:
-    `parameters(g, without=trains)`.
+    Raised before the optimizer moves, naming the parameters by their qualified names
+    (`body.pooler.dense.weight`). A parameter that got no gradient while others of its node
+    did is skipped, as torch's optimizers skip a None grad. With a cut on purpose (a node
+    before a Learning that gives nothing back) this is what you expect, and you say so by
+    taking those parameters out of the optimizer (`parameters(g, without=...)`) or declaring
+    the node `.frozen()`.
     """
 
 
-@dataclass
+@dataclass(repr=False)
 class Result:
-    """What a training run leaves behind: the loss, step by step."""
+    """What a training run leaves behind: the loss, step by step. It prints as one line
+    (`Result(40 steps, loss 2.31 → 0.412)`), so `t.fit(...)` as a cell's last line does not
+    print every loss; `history` holds them all."""
 
     history: list[float] = field(default_factory=list)
 
@@ -54,26 +61,12 @@ class Result:
         """The last loss, or None if not a single step was taken."""
         return self.history[-1] if self.history else None
 
-
-def _cut(value: Any, k: int, what: str) -> list:
-    if isinstance(value, torch.Tensor):
-        n = value.shape[0] if value.dim() else None
-        if n is None or n % k:
-            raise ValueError(
-                f"micro={k} cuts the {what} into {k} equal pieces along its first dimension, "
-                f"and its shape is {tuple(value.shape)}: use a batch size that {k} divides"
-            )
-        return list(value.split(n // k))
-    if isinstance(value, dict):
-        cut = {key: _cut(v, k, what) for key, v in value.items()}
-        return [{key: cut[key][i] for key in cut} for i in range(k)]
-    if isinstance(value, (list, tuple)):
-        cut = [_cut(v, k, what) for v in value]
-        return [type(value)(c[i] for c in cut) for i in range(k)]
-    raise TypeError(
-        f"micro={k} cuts the {what} along its first dimension; a {type(value).__name__} "
-        "cannot be cut: pass tensors (or dicts, lists, tuples of them), or micro=1"
-    )
+    def __repr__(self) -> str:
+        n = len(self.history)
+        if not n:
+            return "Result(0 steps)"
+        steps = "1 step" if n == 1 else f"{n} steps"
+        return f"Result({steps}, loss {self.history[0]:.3g} → {self.history[-1]:.3g})"
 
 
 def _person_watching(stream: Any = None) -> bool:
@@ -122,10 +115,16 @@ class Trainer:
     script torchrun starts once per rank, trains data-parallel (somatize.torch.training.parallel):
     each rank steps on its own data, rank 0 tells the facts.
 
-    Refused, each saying what to do: `trains` naming no node or holding no Learning; a node
-    both frozen and trained; an optimizer holding parameters of a node in `trains`, or
-    sharing none with the graph; parameters nobody would move; bad `every`, `micro`,
-    `watching`; `.at(host)` nodes without a broker. A refused Trainer changes nothing.
+    The optimizer may hold a subset of the graph's parameters: the rest are not trained, as
+    in torch. A parameter that got no gradient in a step is skipped by it, as torch's
+    optimizers skip a None grad; a node none of whose held parameters got one is `NoGradient`.
+
+    Refused, each saying what to do: a graph with no parameter to train; `trains` naming no
+    node, a node with no parameters, or holding no Learning; a node both frozen and trained;
+    an optimizer holding parameters of a node in `trains`, or sharing none with the graph;
+    nothing to train with (no optimizer and no `trains`); bad `every`, `micro`; a `watching=`
+    or `auditing=` that cannot be used (a `TypeError` that is also a `ValueError`);
+    `.at(host)` nodes without a broker. A refused Trainer changes nothing.
     """
 
     def __init__(
@@ -151,10 +150,11 @@ class Trainer:
             )
         self.every = _checks.count(every, "every")
         self.micro = _checks.count(micro, "micro")
-        told = watchers(watching)
+        told = _checks.watchers_of(watching)
+        _checks.something_to_train(graph)
         trains = _checks.trains_of(graph, trains)
         held = _checks.held_by(graph, optimizer, trains)
-        _checks.everything_moves(graph, held, trains)
+        _checks.nothing_trains(optimizer, trains)
         audit = _checks.audit_of(auditing)
         self.store = _checks.store_of(store)
         self._parallel = parallel_of(
@@ -175,7 +175,7 @@ class Trainer:
         freeze(graph)
         for nid, learning in trains.items():
             learning.of(graph.implementation(nid)).accumulating(self.every)
-            learning._pieces = self.micro
+            learning.tell(every=learning.every, pieces=self.micro, objective=objective)
         self.graph = graph
         self.objective = objective
         self.optimizer = optimizer
@@ -197,9 +197,8 @@ class Trainer:
         if p is not None:  # DDP (FSDP) around the stages, rank 0's weights on every rank
             self._stages = p.around(self._stages, optimizer)
             held = _checks.held_by(graph, optimizer, trains)  # FSDP's are new parameters
-        self._held = held
         self._owner = owners(graph)
-        self._unproven = bool(held)
+        self._unproven = _checks.held_of_nodes(graph, held, self._owner)
         self.audit = audit.watch(graph) if audit is not None else None
         self._health: list[dict] = []  # the audit's facts, until the update they wait for
         self.live: Any = None
@@ -213,17 +212,22 @@ class Trainer:
         """One step: forward, loss, backward, and update when the group closes.
 
         Returns the loss of the whole batch (the mean over `micro` pieces); it is divided by
-        `every * micro` for the backward pass only. Raises `NoGradient` before the optimizer
-        moves if something it holds got no gradient.
+        `every * micro` for the backward pass only. An `Opaque` anywhere in the batch is taken
+        off first. Raises `NoGradient` before the optimizer moves if a node it holds parameters
+        of got no gradient at all; with `micro` > 1, an input and a target whose first
+        dimensions differ are refused before anything runs.
         """
+        batch = unwrap(batch)
         if type(batch) not in (tuple, list) or len(batch) != 2:
             raise TypeError(
                 f"a batch is (input, target), not {type(batch).__name__} "
                 f"{batch!r:.60}: yield pairs from your data"
             )
         x, y = batch
+        if self.micro > 1:
+            xs, ys = pieces(x, y, self.micro)
         if self._count == 0 and self.optimizer is not None:
-            clear(self.optimizer)
+            self.optimizer.zero_grad()
         if self.audit is not None:  # what will make this step's update (read from it, for SGD)
             self.audit._optimizer = self.optimizer
         closing = self._count + 1 >= self.every
@@ -232,16 +236,15 @@ class Trainer:
         window = self._window  # under parallel=, pieces that do not close run under no_sync
         if self.micro == 1:
             with window(closing):
-                loss = self._loss(stages.forward(x, store=self.store), y)
+                loss = self._loss(stages.forward(x, store=self.store, target=y), y)
                 stages.backward(loss / scale if scale != 1.0 else loss, closing)
             value = loss.item()
         else:
-            xs, ys = _cut(x, self.micro, "input"), _cut(y, self.micro, "target")
             total = 0.0
             last = self.micro - 1
             for k in range(self.micro):
                 with window(closing and k == last):
-                    loss = self._loss(stages.forward(xs[k], store=self.store), ys[k])
+                    loss = self._loss(stages.forward(xs[k], store=self.store, target=ys[k]), ys[k])
                     stages.backward(loss / scale, closing and k == last)
                 total += loss.detach()
             value = float(total) / self.micro
@@ -253,6 +256,11 @@ class Trainer:
             fact = {"fact": "loss", "value": value, "step": step}
             for w in told:
                 w(fact)
+            if not stages.whole:
+                forward, back = stages.crossed()
+                fact = {"fact": "crossed", "step": step, "forward": forward, "backward": back}
+                for w in told:
+                    w(fact)
         if self.audit is not None:
             # a measured step's facts wait for the update its gradient goes into (the audit
             # fills in update_ratio then, in `moved`): they are told at the closing step
@@ -286,7 +294,7 @@ class Trainer:
         if optimizer is not None:
             if self._unproven:
                 self._prove()
-            step_of(optimizer)
+            optimizer.step()
         self._count = 0
         if self.audit is not None:
             self.audit.moved()
@@ -304,17 +312,29 @@ class Trainer:
                 w(fact)
 
     def _prove(self) -> None:
-        missing = [p for p in self._held if p.grad is None]
-        if not missing:
-            self._unproven = False
+        """A node whose held parameters got a gradient is proven, and not looked at again; a
+        node none of whose held parameters got one is a cut, refused before the update."""
+        cut = {}
+        for nid, params in self._unproven.items():
+            if not any(p.grad is not None for p in params):
+                cut[nid] = params
+        for nid in [n for n in self._unproven if n not in cut]:
+            del self._unproven[nid]
+        if not cut:
             return
         self._count = 0  # the next step opens a new group, and is checked again
-        nodes = list(dict.fromkeys(self._owner.get(id(p), "(not in the graph)") for p in missing))
+        names = named(self.graph)
+        said = "; ".join(
+            f"{nid!r}: {', '.join(names.get(id(p), '?') for p in params)}"
+            for nid, params in cut.items()
+        )
         raise NoGradient(
-            f"{len(missing)} parameter(s) the optimizer holds got no gradient this step, of "
-            f"node(s) {nodes}; the optimizer did not move. If a cut is on purpose (a node "
-            "trained by trains=, or after a Learning), take them out: "
-            "parameters(g, without=trains); otherwise check the objective reaches them"
+            f"the loss reaches no parameter of node(s) {sorted(cut)} that the optimizer holds "
+            f"({said}); the optimizer did not move. That is a cut: the node is before one "
+            "trained by a Learning that hands no gradient back (Greedy, ForwardForward), or "
+            "what it produces does not reach the objective. If that is on purpose, take them "
+            f"out of the optimizer, parameters(g, without={sorted(cut)!r}), or declare the "
+            "node .frozen(); otherwise check that the objective uses what the node produces"
         )
 
     def update(self) -> bool:
@@ -401,6 +421,7 @@ class Trainer:
                 state = state_of(self.graph.implementation(nid))
                 if self._parallel is not None:  # whole tensors out of FSDP's shards
                     state = self._parallel.whole(state)
+            state = {**state, **brought.learnt(self, nid)}
             if state:
                 out[nid] = {k: t.detach().clone() for k, t in state.items()}
         return out
@@ -414,12 +435,16 @@ class Trainer:
         if not isinstance(weights, dict):
             raise TypeError(f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}")
         plan = []
+        owns = {}
         for nid, given in weights.items():
             if nid not in self.graph:
                 raise ValueError(
                     f"the weights name node {nid!r}, which this graph does not have; "
                     f"it has {self.graph.nodes()}"
                 )
+            given, learnt = brought.parted(self, nid, given)
+            plan += learnt
+            owns[nid] = given
             state = state_of(self.graph.implementation(nid))
             if not isinstance(given, dict) or set(given) != set(state):
                 got = set(given) if isinstance(given, dict) else type(given).__name__
@@ -439,9 +464,10 @@ class Trainer:
         with torch.no_grad():
             for mine, tensor in plan:
                 mine.copy_(tensor)
-        for nid, given in weights.items():
+        for nid, given in owns.items():
             if self.graph.setting(nid).host:
                 self.broker.load_weights(self.graph, nid, given)
+            brought.sent(self, nid, weights[nid])
 
     def close(self) -> None:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is

@@ -1,0 +1,58 @@
+"""A batch cut into `micro` equal pieces along its first dimension, input and target alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["pieces", "cut", "first"]
+
+
+def pieces(x: Any, y: Any, k: int) -> tuple[list, list]:
+    """`(inputs, targets)`, each cut into `k` pieces. Refused before anything is cut: an input
+    and a target whose first dimensions differ (a loss that broadcasts would give a wrong
+    number silently), a first dimension `k` does not divide, something that cannot be cut."""
+    nx, ny = first(x), first(y)
+    if nx != ny:
+        raise ValueError(
+            f"micro={k} cuts the input and the target into pieces along their first dimension, "
+            f"and they differ: the input's is {nx}, the target's {ny}; give one target per input"
+        )
+    return cut(x, k, "input"), cut(y, k, "target")
+
+
+def first(value: Any) -> int | None:
+    """The first dimension of the first tensor inside `value`, or None."""
+    if isinstance(value, torch.Tensor):
+        return value.shape[0] if value.dim() else None
+    items = value.values() if isinstance(value, dict) else value
+    if isinstance(value, (dict, list, tuple)):
+        for v in items:
+            n = first(v)
+            if n is not None:
+                return n
+    return None
+
+
+def cut(value: Any, k: int, what: str) -> list:
+    """`value` as `k` equal pieces along its first dimension (dicts, lists, tuples of tensors
+    piece by piece); `what` names it in a refusal."""
+    if isinstance(value, torch.Tensor):
+        n = value.shape[0] if value.dim() else None
+        if n is None or n % k:
+            raise ValueError(
+                f"micro={k} cuts the {what} into {k} equal pieces along its first dimension, "
+                f"and its shape is {tuple(value.shape)}: use a batch size that {k} divides"
+            )
+        return list(value.split(n // k))
+    if isinstance(value, dict):
+        parts = {key: cut(v, k, what) for key, v in value.items()}
+        return [{key: parts[key][i] for key in parts} for i in range(k)]
+    if isinstance(value, (list, tuple)):
+        parts = [cut(v, k, what) for v in value]
+        return [type(value)(c[i] for c in parts) for i in range(k)]
+    raise TypeError(
+        f"micro={k} cuts the {what} along its first dimension; a {type(value).__name__} "
+        "cannot be cut: pass tensors (or dicts, lists, tuples of them), or micro=1"
+    )
