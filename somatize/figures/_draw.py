@@ -64,7 +64,6 @@ class _Painter:
     def __init__(self, root: Box, routes: dict, colour: dict, label: str) -> None:
         self.root, self.routes, self.colour, self.label = root, routes, colour, label
         self.scale = Scale(v for v in colour.values() if isinstance(v, (int, float)))
-        self.rank = {b.id: k for k, (b, _) in enumerate(_walk(root))}
 
     def fill(self, where: str) -> tuple[str, str] | None:
         v = self.colour.get(where)
@@ -218,18 +217,35 @@ class _Painter:
         return "".join(out)
 
     def skips(self) -> set[tuple[str, str]]:
-        """Edges into a layer that has another, later input: residuals, a join's second
-        input (drawn in the accent colour)."""
-        out: set[tuple[str, str]] = set()
+        """Edges that skip ahead: into a box whose other input the edge's source also reaches
+        by another way (a residual around a block, the first input of an add after it); drawn
+        in the accent colour. Inputs side by side (attention's query, key and value) are not."""
+        succ: dict[str, list[str]] = {}
         into: dict[str, list[str]] = {}
         for s, d in self.routes:
-            if not s.startswith("n:"):
-                into.setdefault(d, []).append(s)
-        for d, sources in into.items():
-            if len(sources) > 1:
-                main = max(sources, key=lambda s: self.rank.get(s, -1))
-                out |= {(s, d) for s in sources if s != main}
-        return out
+            succ.setdefault(s, []).append(d)
+            into.setdefault(d, []).append(s)
+
+        def reaches(start: str, goal: str, avoid: tuple[str, str]) -> bool:
+            seen, stack = set(), [start]
+            while stack:
+                x = stack.pop()
+                for y in succ.get(x, ()):
+                    if (x, y) == avoid or y in seen:
+                        continue
+                    if y == goal:
+                        return True
+                    seen.add(y)
+                    stack.append(y)
+            return False
+
+        return {
+            (s, d)
+            for d, sources in into.items()
+            if len(sources) > 1
+            for s in sources
+            if reaches(s, d, (s, d))
+        }
 
     def edge(self, points: list[Point], skip: bool, s: str, d: str) -> str:
         colour, name = (SKIP, "skip") if skip else (EDGE, "edge")

@@ -198,12 +198,13 @@ def _tools(table: dict[str, Any]) -> str:
 
 
 def _scatters(table: dict[str, Any]) -> str:
-    """A scatter of every score against `measured`, the chosen one shown."""
+    """A scatter of every proxy score (and the size) against `measured`, the chosen one
+    shown."""
     measured = table["measured"]
     if not measured:
         return ""
     j_m = table["columns"].index(measured)
-    choices = [c for c in table["columns"] if c != measured and table["groups"].get(c) in ("proxy", "probe", "size")]
+    choices = [c for c in table["columns"] if c != measured and table["groups"].get(c) in ("proxy", "size")]
     choices = [c for c in choices if sum(_finite(row[table["columns"].index(c)]) for row in table["values"]) >= 2]
     if not choices:
         return ""

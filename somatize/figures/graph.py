@@ -8,6 +8,7 @@ and `g` alone in a cell call. This half checks the data, lays it out and draws i
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import anywidget
 import traitlets
 
 from somatize.figures._draw import picture
-from somatize.figures._face import Face
+from somatize.figures._face import Face, image
 from somatize.figures._page import STATIC, jsonable, page
 from somatize.graph import as_graph
 
@@ -154,8 +155,14 @@ class GraphFigure(Face, anywidget.AnyWidget):
                 self.colour_label = label
 
     def svg(self) -> str:
-        """The drawing as SVG text."""
+        """The drawing as SVG text (each box's tooltip in its `<title>`)."""
         return self.drawing
+
+    def face(self) -> str:
+        """The drawing as an image for a notebook's output, without what only a live view
+        reads (tooltips, what a click changes): a picture shows no tooltip."""
+        still = re.sub(r'<title>[^<]*</title>| data-[a-z]+="[^"]*"| cursor="pointer"', "", self.drawing)
+        return image(still, self.plain())
 
     def plain(self) -> str:
         """One line: how many nodes, which ones, which are open."""
