@@ -345,18 +345,9 @@ def test_the_readmes_three_figures_run_and_its_pictures_and_badge_are_there():
 
 
 def test_a_tied_weight_is_counted_once_and_attention_axes_are_heads_and_sequence():
+    from _nodes import Tied
+
     from somatize.torch import architecture
-
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte = nn.Embedding(11, 4)
-            self.body = nn.Linear(4, 4)
-            self.lm_head = nn.Linear(4, 11, bias=False)
-            self.lm_head.weight = self.wte.weight
-
-        def forward(self, ids):
-            return self.lm_head(self.body(self.wte(ids)))
 
     net = Tied()
     inside = architecture(net, torch.tensor([[1, 2, 3]]))
