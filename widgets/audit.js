@@ -94,7 +94,7 @@ function render({ model, el: host }) {
     }
     let lo = Math.min(...all);
     let hi = Math.max(...all);
-    const note = flatNote(lo, hi, all.reduce((a, v) => a + v, 0) / all.length);
+    const note = all.length >= 10 ? flatNote(lo, hi, all.reduce((a, v) => a + v, 0) / all.length) : "";
     if (note) svg += `<text x="${x0 + 8}" y="14" font-size="10" font-style="italic" fill="#5d6575">${esc(note)}</text>`;
     if (lo === hi) [lo, hi] = log ? [lo * 0.9, hi * 1.1] : [lo - 0.5, hi + 0.5];
     const f = log ? Math.log10 : (v) => v;

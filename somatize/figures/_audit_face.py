@@ -207,7 +207,7 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi) -> floa
         out.append(f'<text x="{x0 + 8:.1f}" y="{y + 18:.1f}" font-size="11" fill="#8a93a6">no loss yet</text>')
         return y + h + 8
     lo, hi = min(every), max(every)
-    note = flat_note(lo, hi, sum(every) / len(every))
+    note = flat_note(lo, hi, sum(every) / len(every)) if len(every) >= 10 else ""
     if note:
         out.append(f'<text x="{x0 + 8:.1f}" y="{y + 14:.1f}" font-size="10" font-style="italic" fill="{MUTED}">{esc(note)}</text>')
     if lo == hi:
