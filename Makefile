@@ -16,8 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(BIN)/python -m somatize.demo
-	$(BIN)/python -m somatize.tour --out demo.html
+	$(BIN)/python -m somatize.demo --out demo.html
 
 test: setup
 	$(BIN)/ruff check somatize tests bench

@@ -398,7 +398,7 @@ class Trainer:
 
         from somatize.figures import LiveAudit
 
-        if any(isinstance(w, LiveAudit) for w in self.watching):
+        if any(isinstance(getattr(w, "audit", w), LiveAudit) for w in self.watching):
             return
         self.live = LiveAudit()
         display(self.live)
