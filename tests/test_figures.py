@@ -370,3 +370,16 @@ def test_a_tied_weight_is_counted_once_and_attention_axes_are_heads_and_sequence
     assert "2 batch · 2 heads · 8 seq · 8 dim" in texts  # attention's own output
     assert "2 batch · 8 d1 · 2 d2 · 8 d3" in texts  # inside attention: not an image
     assert "2 batch · 3 ch · 8 h · 8 w" in texts
+
+
+def test_a_layer_is_drawn_by_what_it_computes_with_not_by_its_name(tmp_path):
+    """GPT-2's Conv1D is a linear layer (its kind says so): drawn as one, never as a conv."""
+    from transformers.pytorch_utils import Conv1D
+
+    from somatize.torch import architecture
+
+    g = Graph.somatize(nn.Sequential(Conv1D(8, 4), nn.ReLU()))
+    svg = graph_figure(g, inside=architecture(g, torch.randn(2, 4), depth=1)).save_svg(
+        tmp_path / "g.svg"
+    ).read_text()
+    assert "smz-kind-linear" in svg and "smz-kind-conv" not in svg

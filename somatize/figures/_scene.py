@@ -139,9 +139,8 @@ class _Inside:
     def _layer(self, layer: dict, old: str, new: str) -> Box:
         path = _swap(layer["path"], old, new)
         text = str(layer.get("label") or layer.get("kind") or path)
-        times = int(layer.get("times") or 1)
-        outer = self.blocks.get(layer.get("block") or "", {}).get("times", 1)
-        if times > 1 and times > outer:
+        times = int(layer.get("times") or 1)  # said once per level: its own repeats
+        if times > 1:
             text += f"  ×{times}"
         sub = shape_text(layer.get("shape"), layer.get("kind"), layer.get("label"), self._in_attention(layer))
         w = max(text_width(text, 12, True), text_width(sub, 11) if sub else 0) + 36

@@ -30,11 +30,33 @@ _OPS = re.compile(r"^(add|sub|mul|truediv|div|matmul|cat|concat|stack|sum|\+|×|
 _ACTIVATIONS = re.compile(r"relu|gelu|tanh|sigmoid|silu|swish|softmax|elu|mish|softplus", re.I)
 
 
+_BY_KIND = {
+    "conv": "conv",
+    "attention": "attention",
+    "recurrent": "recurrent",
+    "norm": "norm",
+    "activation": "activation",
+    "regular": "dropout",
+    "embedding": "embedding",
+    "pool": "pool",
+    "op": "op",
+    "block": "block",
+}
+
+
 def family(kind: Any, label: Any) -> str:
     """The family a layer is drawn as: conv, attention, linear, embedding, norm, activation,
     pool, dropout, recurrent, reshape, op, block or other."""
     k, text = str(kind or "").lower(), str(label or "")
-    if k == "conv" or re.search("conv", text, re.I):
+    # The kind says what a layer computes with (GPT-2's Conv1D is learned: a linear layer);
+    # the label only refines a kind (an embedding, a pool), or stands in where no kind says.
+    if k in _BY_KIND:
+        return _BY_KIND[k]
+    if k in ("learned", "linear"):
+        return "embedding" if re.search("embed", text, re.I) else "linear"
+    if k == "shaping":
+        return "pool" if re.search("pool", text, re.I) else "reshape"
+    if re.search("conv", text, re.I):
         return "conv"
     if k == "attention" or re.search("attn|attention", text, re.I):
         return "attention"
