@@ -44,8 +44,7 @@ chromium:
 	  fi; }
 
 demo: setup
-	$(BIN)/python -m somatize.demo
-	$(BIN)/python -m somatize.tour --out demo.html
+	$(BIN)/python -m somatize.demo --out demo.html
 
 test: chromium setup
 	$(BIN)/ruff check somatize tests bench

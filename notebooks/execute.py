@@ -4,20 +4,25 @@ made.
     python notebooks/execute.py                 # every notebook
     python notebooks/execute.py 01_tour 02      # those whose name starts so
 
-Each notebook runs top to bottom in a fresh kernel, from this folder, and is written back with
-its outputs but without the widgets' saved state (`metadata.widgets`): that state is the
-widgets' whole bundle and data, megabytes a figure, and JupyterLab redraws a widget from a
-live kernel anyway. What a widget cell shows without a kernel is its text. nbval does not look
-at widget outputs, so the notebooks stay tests. Prints how long each one took.
+Each notebook runs top to bottom in a fresh kernel (over local sockets, not TCP), from this
+folder, and is written back with its outputs but without the widgets' saved state
+(`metadata.widgets`: each widget's whole bundle and data, which JupyterLab redraws from a live
+kernel anyway). What a figure shows without a kernel is its static face, which is in its
+output: the picture as it was when the cell that changed it last ended (a live audit after its
+fit). nbval does not compare widget outputs, and `sanitize.cfg` sets the faces aside (their
+numbers are a training's, which another CPU rounds otherwise), so the notebooks stay tests.
+Prints how long each one took.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import nbformat
+from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
@@ -36,12 +41,14 @@ def execute(path: Path, *, timeout: int = 300) -> float:
     """Runs one notebook in place; returns the seconds it took."""
     nb = nbformat.read(path, as_version=4)
     began = time.perf_counter()
-    NotebookClient(
-        nb,
-        timeout=timeout,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
-    ).execute()
+    with tempfile.TemporaryDirectory(prefix="somatize-kernel-") as sockets:
+        kernel = AsyncKernelManager(kernel_name="python3", transport="ipc", ip=str(Path(sockets) / "k"))
+        NotebookClient(
+            nb,
+            km=kernel,
+            timeout=timeout,
+            resources={"metadata": {"path": str(path.parent)}},
+        ).execute()
     took = time.perf_counter() - began
     nbformat.write(strip(nb), path)
     return took

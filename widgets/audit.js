@@ -1,232 +1,34 @@
-// The live audit: the loss curve above, a heatmap of watched places x steps below, one metric
-// per cell chosen from a menu, flagged cells marked with the health verdict.
-import { el, FONT_FAMILY, inkOn, number, scaleOf, viridis } from "./shapes.js";
+// The live audit's browser half: the loss plot above (axes, ticks, a log scale, smoothing, a
+// curve per run), a heatmap below (a row per watched place and run, a column per step, one
+// metric per cell, a lane under each cell marking a flagged step), a legend for every colour
+// and mark, a tooltip that explains the metric. It keeps every metric the kernel sends, so a
+// metric chosen from the menu is drawn at once, also while the kernel is busy with a fit.
+import { initialize, storeOf } from "./audit_store.js";
+import { esc, FONT_FAMILY, number, scaleOf, smoothed, tickLabels, ticks, viridis } from "./common.js";
 
-const stores = new WeakMap();
-const MAX_COLS = 240;
-
-function storeOf(model) {
-  let s = stores.get(model);
-  if (!s) {
-    s = { places: [], placeIndex: new Map(), steps: [], stepSet: new Set(), cells: new Map(), loss: [], metrics: new Set(), seq: 0, listeners: new Set(), flagged: 0 };
-    stores.set(model, s);
-  }
-  return s;
+const FAMILY = { numeric: "#e03131", signal: "#f76707", activation: "#c2255c", step: "#1971c2", capacity: "#7048e8" };
+const NO_NUMBER = "#e03131";
+const ABSENT = "#f1f3f5";
+const RUNS = ["#3d6fd9", "#e8590c", "#2b8a3e", "#862e9c", "#c92a2a", "#0b7285"];
+const ROW = 16;
+// what to say of a loss that barely moves (spans under 5 % of its mean): its axis, stretched
+// to fill the plot, is not to be read as a curve that learns (as _audit_face.flat_note says)
+function flatNote(lo, hi, mean) {
+  if (mean === 0 || hi - lo >= 0.05 * Math.abs(mean)) return "";
+  return `flat: it spans ${number(hi - lo)}, ${number((100 * (hi - lo)) / Math.abs(mean))}% of its mean`;
 }
 
-function clear(s) {
-  s.places = [];
-  s.placeIndex = new Map();
-  s.steps = [];
-  s.stepSet = new Set();
-  s.cells = new Map();
-  s.loss = [];
-  s.metrics = new Set();
-  s.flagged = 0;
-}
-
-// Messages are columnar: loss = [steps, values]; places = [[where, steps, {metric: values},
-// [[i, flags], ...]], ...], a value null where a fact did not carry that metric; the kernel
-// sends the chosen metric's values only, and names every metric seen in `metrics`. From a
-// kernel, values come as binary (see `plain`); the picture and a saved page's replies as JSON.
-function take(s, msg) {
-  for (const k of msg.metrics || []) s.metrics.add(k);
-  const [lossSteps, lossValues] = msg.loss || [[], []];
-  for (let i = 0; i < lossSteps.length; i++) s.loss.push([lossSteps[i], num(lossValues[i])]);
-  let unsorted = false;
-  for (const [where, steps, columns, flagged] of msg.places || []) {
-    if (!s.placeIndex.has(where)) {
-      s.placeIndex.set(where, s.places.length);
-      s.places.push(where);
-    }
-    const flagsAt = new Map((flagged || []).map(([i, f]) => [i, f]));
-    const names = Object.keys(columns || {});
-    for (const k of names) s.metrics.add(k);
-    for (let i = 0; i < steps.length; i++) {
-      const step = steps[i];
-      if (!s.stepSet.has(step)) {
-        if (s.steps.length && step < s.steps[s.steps.length - 1]) unsorted = true;
-        s.stepSet.add(step);
-        s.steps.push(step);
-      }
-      const numbers = {};
-      for (const k of names) {
-        const v = columns[k][i];
-        if (v !== null && v !== undefined) numbers[k] = num(v);
-      }
-      const flags = flagsAt.get(i) || [];
-      const key = `${where}|${step}`;
-      const had = s.cells.get(key);
-      const merged = had ? { numbers: { ...had.numbers, ...numbers }, flags: [...new Set([...had.flags, ...flags])] } : { numbers, flags: [...flags] };
-      if (merged.flags.length && !(had && had.flags.length)) s.flagged += 1;
-      s.cells.set(key, merged);
-    }
-  }
-  if (unsorted) s.steps.sort((a, b) => a - b);
-}
-
-// "absent" in a binary column: a NaN with a payload of its own (somatize/figures/_screen.py
-// MISSING_BITS), told apart from a measured NaN by its bits; little-endian words
-const HOLE_LO = 0x5a000001;
-const HOLE_HI = 0x7ff8534d;
-
-function bytesOf(b) {
-  if (b instanceof ArrayBuffer) return b;
-  // a DataView or typed array over part of a larger buffer, perhaps unaligned: copy it out
-  return b.buffer.slice(b.byteOffset, b.byteOffset + b.byteLength);
-}
-
-function fromBase64(text) {
-  const raw = atob(text);
-  const bytes = new Uint8Array(raw.length);
-  for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
-  return bytes.buffer;
-}
-
-// the bytes a binary column names: buffers[i] ({buffer: i}, from a kernel's message) or
-// base64 text ({b64}, in the picture); null for a plain list
-function bytesFor(c, buffers) {
-  if (!c || typeof c !== "object" || Array.isArray(c)) return null;
-  if (typeof c.b64 === "string") return fromBase64(c.b64);
-  const raw = c.buffer !== undefined && buffers ? buffers[c.buffer] : null;
-  return raw ? bytesOf(raw) : null;
-}
-
-// A column as the kernel sends it, as plain values: a list as it is; a binary one read as
-// float64 (a hole as null, a measured NaN or infinity as itself), then the values kept aside
-// (no numbers) put at their rows
-function column(c, buffers) {
-  if (Array.isArray(c)) return c;
-  const bytes = bytesFor(c, buffers);
-  if (!bytes) return [];
-  const f = new Float64Array(bytes);
-  const w = new Uint32Array(bytes);
-  const out = new Array(f.length);
-  for (let i = 0; i < f.length; i++) {
-    const v = f[i];
-    out[i] = v === v || w[2 * i] !== HOLE_LO || w[2 * i + 1] !== HOLE_HI ? v : null;
-  }
-  for (const [i, v] of c.odd || []) out[i] = v;
-  return out;
-}
-
-// steps as a list, a run of consecutive steps {run: [first, count]}, or float64 ({b64})
-function stepsOf(st) {
-  if (Array.isArray(st)) return st;
-  if (st && Array.isArray(st.run)) {
-    const [first, count] = st.run;
-    return Array.from({ length: count }, (_, i) => first + i);
-  }
-  const bytes = bytesFor(st, null);
-  return bytes ? Array.from(new Float64Array(bytes)) : [];
-}
-
-// a message with binary columns and runs of steps, as the JSON shape `take` reads
-function plain(msg, buffers) {
-  const [lossSteps, lossValues] = msg.loss || [[], []];
-  return {
-    ...msg,
-    loss: [stepsOf(lossSteps), column(lossValues, buffers)],
-    places: (msg.places || []).map(([where, steps, columns, flagged]) => [
-      where,
-      stepsOf(steps),
-      Object.fromEntries(Object.entries(columns || {}).map(([k, c]) => [k, column(c, buffers)])),
-      flagged,
-    ]),
-  };
-}
-
-// JSON has no NaN or infinity: they come as text
-function num(v) {
-  if (typeof v !== "string") return v;
-  if (v === "nan") return NaN;
-  if (v === "inf") return Infinity;
-  if (v === "-inf") return -Infinity;
-  return v;
-}
-
-function receive(model, msg, buffers) {
-  if (!msg || typeof msg !== "object") return;
-  msg = plain(msg, buffers);
-  const s = storeOf(model);
-  if (msg.kind === "reset") {
-    clear(s);
-    take(s, msg);
-    s.seq = msg.seq ?? 0;
-  } else if (msg.kind === "append") {
-    if (msg.seq !== undefined && msg.seq !== s.seq + 1 && s.seq !== 0) {
-      // a gap: something was missed, ask for everything again
-      model.send({ kind: "hello" });
-    }
-    take(s, msg);
-    s.seq = msg.seq ?? s.seq + 1;
-  } else return;
-  s.live = true;
-  for (const f of s.listeners) f();
-}
-
-// The `picture` trait: a compact copy of what the kernel saw, drawn when no kernel talks to
-// this page (a saved notebook, a static page); once messages come, they win.
-function fromPicture(model) {
-  const s = storeOf(model);
-  const p = model.get("picture");
-  if (s.live || !p || !p.kind) return;
-  clear(s);
-  take(s, plain(p, []));
-  s.seq = 0;
-  for (const f of s.listeners) f();
-}
-
-function initialize({ model }) {
-  const s = storeOf(model);
-  const onMsg = (msg, buffers) => receive(model, msg, buffers);
-  const onPicture = () => fromPicture(model);
-  model.on("msg:custom", onMsg);
-  model.on("change:picture", onPicture);
-  s.onMsg = onMsg;
-  fromPicture(model);
-  // a page opened after facts arrived asks for them
-  model.send({ kind: "hello" });
-  return () => {
-    model.off("msg:custom", onMsg);
-    model.off("change:picture", onPicture);
-  };
-}
-
-// a place name that would not fit the gutter keeps its end (the layer) behind an ellipsis;
-// the tooltip has it whole
-function fitted(name, width) {
-  const most = Math.floor(width / 6.6);
-  return name.length <= most ? name : `…${name.slice(name.length - most + 1)}`;
-}
-
-function bins(steps) {
-  if (steps.length <= MAX_COLS) return steps.map((s) => [s]);
-  const per = Math.ceil(steps.length / MAX_COLS);
+// the rows: each place, once per run that has it
+function rowsOf(s) {
+  const places = [];
+  for (const run of s.runs.values()) for (const w of run.places.keys()) if (!places.includes(w)) places.push(w);
   const out = [];
-  for (let i = 0; i < steps.length; i += per) out.push(steps.slice(i, i + per));
+  for (const w of places) for (const [name, run] of s.runs) if (run.places.has(w)) out.push({ where: w, run: name, place: run.places.get(w) });
   return out;
-}
-
-function lossPath(loss, x0, x1, y0, y1, stepLo, stepHi) {
-  if (!loss.length) return { d: "", lo: null, hi: null };
-  const vals = loss.map(([, v]) => v).filter((v) => Number.isFinite(v));
-  const lo = Math.min(...vals);
-  const hi = Math.max(...vals);
-  const sx = (s) => (stepHi === stepLo ? (x0 + x1) / 2 : x0 + ((s - stepLo) / (stepHi - stepLo)) * (x1 - x0));
-  const sy = (v) => (hi === lo ? (y0 + y1) / 2 : y1 - ((v - lo) / (hi - lo)) * (y1 - y0));
-  const stride = Math.max(1, Math.floor(loss.length / 1500));
-  let d = "";
-  for (let i = 0; i < loss.length; i += stride) {
-    const [s, v] = loss[i];
-    if (!Number.isFinite(v)) continue;
-    d += `${d ? "L" : "M"}${sx(s).toFixed(1)},${sy(v).toFixed(1)}`;
-  }
-  return { d, lo, hi };
 }
 
 function render({ model, el: host }) {
-  if (!stores.has(model) || !storeOf(model).onMsg) initialize({ model });
+  if (!storeOf(model).started) initialize({ model });
   const s = storeOf(model);
   const root = document.createElement("div");
   root.className = "smz-audit";
@@ -234,35 +36,103 @@ function render({ model, el: host }) {
     <div class="smz-audit-head">
       <span class="smz-audit-title"></span>
       <label>metric <select class="smz-metric"></select></label>
-      <span class="smz-audit-status"></span>
+      <span class="smz-about"></span>
     </div>
-    <div class="smz-audit-body"></div>
-    <div class="smz-audit-legend"></div>
-    <div class="smz-tooltip" hidden></div>`;
+    <div class="smz-loss-head"><label><input type="checkbox" class="smz-log"> log scale</label>
+      <label>smoothing <input type="range" class="smz-smooth" min="0" max="0.99" step="0.01"></label>
+      <span class="smz-audit-status"></span></div>
+    <div class="smz-loss-box"></div>
+    <canvas class="smz-heat"></canvas>
+    <div class="smz-audit-legend"></div>`;
   host.appendChild(root);
+  const tooltip = document.createElement("div");
+  tooltip.className = "smz-audit-tip";
+  tooltip.hidden = true;
+  document.body.appendChild(tooltip); // above everything: never clipped by the output area
   const select = root.querySelector(".smz-metric");
-  const body = root.querySelector(".smz-audit-body");
-  const status = root.querySelector(".smz-audit-status");
+  const lossBox = root.querySelector(".smz-loss-box");
+  const canvas = root.querySelector(".smz-heat");
   const legend = root.querySelector(".smz-audit-legend");
-  const tooltip = root.querySelector(".smz-tooltip");
+  const status = root.querySelector(".smz-audit-status");
+  const logBox = root.querySelector(".smz-log");
+  const smoothBox = root.querySelector(".smz-smooth");
   let pending = false;
-  let layout = null;
+  let grid = null; // what the heatmap shows, for the tooltip
+  let lossGeom = null;
+  const explain = () => model.get("explain") || {};
+  const runLabel = (name) => name || model.get("title") || "this run";
 
   const chosen = () => {
     const m = model.get("metric");
-    // the kernel sends the chosen metric's values only: one chosen whose values are on their
-    // way stays chosen
-    if (m && (s.metrics.has(m) || (model.get("metrics") || []).includes(m))) return m;
-    return [...s.metrics][0] ?? m ?? "";
+    if (m) return m;
+    return s.metrics.includes("update_ratio") ? "update_ratio" : s.metrics.includes("grad_norm") ? "grad_norm" : s.metrics[0] || "";
   };
 
   function syncMenu() {
-    const have = [...select.options].map((o) => o.value);
     const want = [...new Set([...(model.get("metrics") || []), ...s.metrics])];
+    const have = [...select.options].map((o) => o.value);
     if (want.join("\u0000") !== have.join("\u0000")) {
-      select.replaceChildren(...want.map((m) => Object.assign(document.createElement("option"), { value: m, textContent: m })));
+      const about = explain().metrics || {};
+      select.replaceChildren(...want.map((m) => Object.assign(document.createElement("option"), { value: m, textContent: m, title: about[m] || "" })));
     }
     select.value = chosen();
+  }
+
+  function drawLoss(width, x0, x1, sx) {
+    const h = 130;
+    const runs = [...s.runs.entries()].filter(([, r]) => r.lossSteps.length);
+    const all = runs.flatMap(([, r]) => r.lossValues.filter(Number.isFinite));
+    const log = !!model.get("log_loss") && all.length > 0 && Math.min(...all) > 0;
+    const weight = Number(model.get("smoothing") ?? 0.6);
+    let svg = `<svg class="smz-loss-svg" width="${width}" height="${h + 8}" font-family="${esc(FONT_FAMILY)}">`;
+    svg += `<rect x="${x0}" y="0.5" width="${x1 - x0}" height="${h}" fill="none" stroke="#d7dbe3"/>`;
+    svg += `<text x="12" y="${h / 2 + 4}" font-size="11" font-weight="700" fill="#5d6575">loss${log ? " (log)" : ""}</text>`;
+    if (!all.length) {
+      lossBox.innerHTML = `${svg}<text x="${x0 + 8}" y="18" font-size="11" fill="#8a93a6">no loss yet</text></svg>`;
+      lossGeom = null;
+      return;
+    }
+    let lo = Math.min(...all);
+    let hi = Math.max(...all);
+    const note = all.length >= 10 ? flatNote(lo, hi, all.reduce((a, v) => a + v, 0) / all.length) : "";
+    if (note) svg += `<text x="${x0 + 8}" y="14" font-size="10" font-style="italic" fill="#5d6575">${esc(note)}</text>`;
+    if (lo === hi) [lo, hi] = log ? [lo * 0.9, hi * 1.1] : [lo - 0.5, hi + 0.5];
+    const f = log ? Math.log10 : (v) => v;
+    let a = f(lo);
+    let b = f(hi);
+    const pad = (b - a) * 0.06;
+    a -= pad;
+    b += pad;
+    const sy = (v) => 0.5 + h - ((f(v) - a) / (b - a)) * h;
+    const marks = ticks(log ? 10 ** a : a, log ? 10 ** b : b, 5, log).filter((t) => sy(t) >= 0 && sy(t) <= h + 1);
+    tickLabels(marks).forEach((label, i) => {
+      const y = sy(marks[i]);
+      svg += `<line x1="${x0}" x2="${x1}" y1="${y.toFixed(1)}" y2="${y.toFixed(1)}" stroke="#d7dbe3" stroke-dasharray="2 3"/>`;
+      svg += `<text x="${x0 - 5}" y="${(y + 3.5).toFixed(1)}" font-size="10" fill="#5d6575" text-anchor="end">${esc(label)}</text>`;
+    });
+    const names = [...s.runs.keys()];
+    runs.forEach(([name, r], n) => {
+      const colour = RUNS[names.indexOf(name) % RUNS.length];
+      const stride = Math.max(1, Math.floor(r.lossSteps.length / 1500));
+      const sm = smoothed(r.lossValues, weight);
+      const path = (vals) => {
+        let d = "";
+        for (let i = 0; i < r.lossSteps.length; i += stride) {
+          const v = vals[i];
+          if (!Number.isFinite(v) || (log && v <= 0)) continue;
+          d += `${d ? "L" : "M"}${sx(r.lossSteps[i]).toFixed(1)},${sy(v).toFixed(1)}`;
+        }
+        return d;
+      };
+      if (weight > 0) svg += `<path class="smz-loss-raw" d="${path(r.lossValues)}" fill="none" stroke="${colour}" stroke-opacity="0.28" stroke-width="1"/>`;
+      svg += `<path class="smz-loss" d="${path(sm)}" fill="none" stroke="${colour}" stroke-width="1.8"/>`;
+      const last = r.lossValues[r.lossValues.length - 1];
+      const label = `${names.length > 1 ? `${runLabel(name)}: ` : ""}step ${r.lossSteps[r.lossSteps.length - 1]}: ${number(last)}`;
+      svg += `<text x="${x1 + 6}" y="${12 + 13 * n}" font-size="10" fill="${colour}">${esc(label)}</text>`;
+    });
+    svg += `<line class="smz-cross" x1="0" x2="0" y1="0" y2="${h}" stroke="#868e96" stroke-dasharray="3 3" visibility="hidden"/></svg>`;
+    lossBox.innerHTML = svg;
+    lossGeom = { x0, x1, runs, weight, sx };
   }
 
   function draw() {
@@ -270,98 +140,157 @@ function render({ model, el: host }) {
     root.querySelector(".smz-audit-title").textContent = model.get("title") || "live audit";
     syncMenu();
     const metric = chosen();
-    const W = Math.max(360, root.clientWidth || host.clientWidth || 760);
-    const labelW = Math.min(220, Math.max(60, ...s.places.map((p) => p.length * 6.6 + 12)));
-    const cols = bins(s.steps);
-    const plotW = W - labelW - 12;
-    // room for at least 60 columns: a short run fills in from the left as it goes
-    const cw = Math.max(1, Math.min(18, plotW / Math.max(60, cols.length)));
-    const rh = 16;
-    const lossH = 96;
-    const top = lossH + 18;
-    const H = top + Math.max(1, s.places.length) * rh + 22;
-    const svg = el("svg", { width: W, height: H, viewBox: `0 0 ${W} ${H}`, "font-family": FONT_FAMILY, class: "smz-audit-svg" });
-    // loss curve, on the same step axis as the heatmap
-    const stepLo = s.steps.length ? s.steps[0] : s.loss.length ? s.loss[0][0] : 0;
-    const lastStep = s.loss.length ? s.loss[s.loss.length - 1][0] : stepLo;
-    const stepHi = Math.max(s.steps.length ? s.steps[s.steps.length - 1] : stepLo, lastStep);
+    root.querySelector(".smz-about").textContent = (explain().metrics || {})[metric] || "";
+    logBox.checked = !!model.get("log_loss");
+    smoothBox.value = String(model.get("smoothing") ?? 0.6);
+    const width = Math.max(420, root.clientWidth || host.clientWidth || 900);
+    const rows = rowsOf(s);
+    const many = s.runs.size > 1;
+    const ctx0 = canvas.getContext("2d");
+    ctx0.font = `11px ${FONT_FAMILY}`;
+    let labelW = 90;
+    for (const r of rows) labelW = Math.max(labelW, Math.min(220, ctx0.measureText(r.where).width + 14));
+    if (many) labelW += 14;
     const x0 = labelW;
-    const x1 = labelW + Math.max(1, cols.length) * cw;
-    const frameR = labelW + Math.max(60, cols.length) * cw;
-    el("rect", { x: x0, y: 4, width: Math.max(1, frameR - x0), height: lossH - 8, fill: "none", stroke: "#d7dbe3", "stroke-width": 1 }, svg);
-    el("text", { x: labelW - 8, y: lossH / 2 + 4, "font-size": 11, fill: "#5d6575", "font-weight": 600, "text-anchor": "end" }, svg).textContent = "loss";
-    const lp = lossPath(s.loss, x0 + cw / 2, x1 - cw / 2, 10, lossH - 10, stepLo, stepHi);
-    if (lp.d) {
-      el("path", { d: lp.d, fill: "none", stroke: "#3d6fd9", "stroke-width": 1.6, class: "smz-loss" }, svg);
-      // the range in the gutter beside the frame, where the curve never runs
-      el("text", { x: labelW - 8, y: 16, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = number(lp.hi);
-      el("text", { x: labelW - 8, y: lossH - 10, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = number(lp.lo);
-      const last = s.loss[s.loss.length - 1];
-      el("text", { x: x0, y: lossH + 10, "font-size": 10, fill: "#3d6fd9" }, svg).textContent = `step ${last[0]}: loss ${number(last[1])}`;
-    }
-    // heatmap
-    const values = [];
-    const grid = s.places.map((where) =>
-      cols.map((steps) => {
-        let v = null;
-        let flags = [];
-        let step = steps[steps.length - 1];
-        for (const st of steps) {
-          const c = s.cells.get(`${where}|${st}`);
-          if (!c) continue;
-          if (c.numbers[metric] !== undefined && c.numbers[metric] !== null) {
-            v = c.numbers[metric];
-            step = st;
-          }
-          if (c.flags.length) flags = [...new Set([...flags, ...c.flags])];
-        }
-        if (typeof v === "number" && Number.isFinite(v)) values.push(v);
-        return { v, flags, step, steps };
-      }),
-    );
-    const sc = scaleOf(values);
-    const g = el("g", { class: "smz-heat" }, svg);
-    s.places.forEach((where, r) => {
-      const y = top + r * rh;
-      el("text", { x: labelW - 6, y: y + rh - 4, "font-size": 11, fill: "#1f2430", "text-anchor": "end", class: "smz-place" }, g).textContent = fitted(where, labelW - 10);
-      grid[r].forEach((cell, c) => {
-        if (cell.v === null && !cell.flags.length) return;
-        const ok = typeof cell.v === "number" && Number.isFinite(cell.v);
-        const t = ok ? sc.t(cell.v) : 0;
-        el("rect", {
-          x: x0 + c * cw,
-          y,
-          width: Math.max(1, cw - (cw > 4 ? 1 : 0)),
-          height: rh - 1,
-          fill: ok ? viridis(t) : "#d9480f",
-          class: `smz-cell${cell.flags.length ? " smz-flagged" : ""}`,
-          "data-r": r,
-          "data-c": c,
-        }, g);
-        if (cell.flags.length) {
-          el("rect", { x: x0 + c * cw + 0.75, y: y + 0.75, width: Math.max(1, cw - 2.5), height: rh - 2.5, fill: "none", stroke: "#e03131", "stroke-width": 1.5, "pointer-events": "none" }, g);
-          if (cw >= 9) el("text", { x: x0 + c * cw + cw / 2, y: y + rh - 4.5, "font-size": 10, "font-weight": 700, fill: ok ? inkOn(t) : "#fff", "text-anchor": "middle", "pointer-events": "none" }, g).textContent = "!";
+    const x1 = width - 110;
+    // the steps every place saw, in order; binned to two pixels a column at least
+    const stepSet = new Set();
+    for (const r of rows) for (const st of r.place.steps) stepSet.add(st);
+    const steps = [...stepSet].sort((a, b) => a - b);
+    const columnsMost = Math.max(1, Math.floor((x1 - x0) / 2));
+    const per = Math.max(1, Math.ceil(steps.length / columnsMost));
+    const nb = Math.ceil(steps.length / per);
+    const binOf = new Map(steps.map((st, i) => [st, Math.floor(i / per)]));
+    const cw = (x1 - x0) / Math.max(60, nb);
+    const sx = (st) => {
+      const k = binOf.get(st);
+      if (k !== undefined) return x0 + (k + 0.5) * cw;
+      if (!steps.length) {
+        const ls = [...s.runs.values()].flatMap((r) => r.lossSteps);
+        const lo = Math.min(...ls);
+        const hi = Math.max(...ls);
+        return x0 + ((st - lo) / Math.max(1, hi - lo)) * (x1 - x0);
+      }
+      const fr = (st - steps[0]) / Math.max(1, steps[steps.length - 1] - steps[0]);
+      return x0 + cw / 2 + fr * (nb - 1) * cw;
+    };
+    drawLoss(width, x0, x1, sx);
+    // the heatmap: a value per bin (its last), flags joined
+    const cells = rows.map((r) => {
+      const col = r.place.cols.get(metric);
+      const vals = new Array(nb).fill(undefined);
+      const flags = new Array(nb).fill(null);
+      const raised = {};
+      r.place.steps.forEach((st, i) => {
+        const k = binOf.get(st);
+        const v = col ? col[i] : null;
+        if (v !== null && v !== undefined) vals[k] = v;
+        else if (vals[k] === undefined) vals[k] = null;
+        const f = r.place.flags.get(i);
+        if (f && f.length) {
+          flags[k] = flags[k] ? [...new Set([...flags[k], ...f])] : [...f];
+          for (const x of f) raised[x] = (raised[x] || 0) + 1;
         }
       });
+      return { vals, flags, raised };
     });
-    if (s.steps.length) {
-      const yb = top + s.places.length * rh + 14;
-      el("text", { x: x0, y: yb, "font-size": 10, fill: "#5d6575" }, svg).textContent = `step ${s.steps[0]}`;
-      if (x1 - x0 > 90) el("text", { x: x1, y: yb, "font-size": 10, fill: "#5d6575", "text-anchor": "end" }, svg).textContent = `step ${s.steps[s.steps.length - 1]}`;
+    const values = cells.flatMap((c) => c.vals.filter((v) => typeof v === "number" && Number.isFinite(v)));
+    const kind = s.kinds[metric];
+    const sc = scaleOf(values);
+    const top = 6;
+    const H = top + Math.max(1, rows.length) * ROW + 24;
+    const dpr = window.devicePixelRatio || 1;
+    canvas.width = Math.round(width * dpr);
+    canvas.height = Math.round(H * dpr);
+    canvas.style.width = `${width}px`;
+    canvas.style.height = `${H}px`;
+    const ctx = canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, width, H);
+    ctx.font = `11px ${FONT_FAMILY}`;
+    const fam = explain().families || {};
+    const families = new Set();
+    const names = [...s.runs.keys()];
+    rows.forEach((r, n) => {
+      const y = top + n * ROW;
+      ctx.fillStyle = "#1f2430";
+      ctx.textAlign = "right";
+      let name = r.where;
+      const room = labelW - 14 - (many ? 14 : 0);
+      while (name.length > 2 && ctx.measureText(name).width > room) name = `…${name.slice(2)}`;
+      ctx.fillText(name, labelW - 6, y + 10);
+      if (many) {
+        ctx.fillStyle = RUNS[names.indexOf(r.run) % RUNS.length];
+        ctx.fillRect(labelW - 4, y + 1, 3, 10);
+      }
+      const c = cells[n];
+      for (let k = 0; k < nb; k++) {
+        const v = c.vals[k];
+        if (v === undefined) continue;
+        const x = x0 + k * cw;
+        let fill = ABSENT;
+        if (typeof v === "boolean" || kind === "bool") fill = viridis(v ? 1 : 0);
+        else if (typeof v === "number") fill = Number.isFinite(v) ? viridis(Math.round(sc.t(v) * 63) / 63) : NO_NUMBER;
+        ctx.fillStyle = fill;
+        ctx.fillRect(x, y, Math.max(0.6, cw - (cw > 3 ? 0.4 : 0)), 11);
+        if (c.flags[k]) {
+          const f = [...c.flags[k]].sort()[0].split("(")[0];
+          const family = fam[f] || "numeric";
+          families.add(family);
+          ctx.fillStyle = FAMILY[family];
+          ctx.fillRect(x, y + 12, Math.max(0.8, cw), 3);
+        }
+      }
+      const raised = Object.entries(c.raised).sort((p, q) => q[1] - p[1]);
+      if (raised.length) {
+        ctx.textAlign = "left";
+        ctx.font = `10px ${FONT_FAMILY}`;
+        ctx.fillStyle = FAMILY[fam[raised[0][0].split("(")[0]] || "numeric"];
+        ctx.fillText(raised.slice(0, 2).map(([f, k]) => `${f} ×${k}`).join(", "), x1 + 6, y + 10, width - x1 - 8);
+        ctx.font = `11px ${FONT_FAMILY}`;
+      }
+    });
+    const yb = top + Math.max(1, rows.length) * ROW;
+    ctx.fillStyle = "#5d6575";
+    ctx.font = `10px ${FONT_FAMILY}`;
+    if (steps.length) {
+      ctx.textAlign = "center";
+      let lastX = -1e9;
+      for (const t of ticks(steps[0], steps[steps.length - 1], 7, false, true)) {
+        let near = steps[0];
+        for (const st of steps) if (Math.abs(st - t) < Math.abs(near - t)) near = st;
+        if (sx(near) - lastX < 36) continue; // labels that would touch are left out
+        ctx.fillText(number(t), sx(near), yb + 14);
+        lastX = sx(near);
+      }
+      ctx.textAlign = "right";
+      ctx.fillText("step", x0 - 6, yb + 14);
     } else {
-      el("text", { x: x0 + 8, y: top + 12, "font-size": 11, fill: "#8a93a6" }, svg).textContent = "waiting for health facts…";
+      ctx.textAlign = "left";
+      ctx.fillStyle = "#8a93a6";
+      ctx.fillText("waiting for health facts…", x0 + 8, top + 11);
     }
-    body.replaceChildren(svg);
-    layout = { grid, x0, top, cw, rh, metric };
-    status.textContent = `${s.places.length} places · ${s.steps.length} steps${s.flagged ? ` · ${s.flagged} flagged` : ""}`;
-    if (values.length) {
+    grid = { rows, cells, x0, top, cw, nb, per, steps, metric, labelW };
+    root.dataset.grid = `${x0} ${top} ${cw} ${ROW} ${nb}`; // where the cells are, for a test
+    // the legend: every colour and mark drawn
+    let h = "";
+    if (values.length && kind !== "bool") {
       const stops = Array.from({ length: 10 }, (_, i) => `${viridis(i / 9)} ${(i / 9) * 100}%`).join(",");
-      legend.innerHTML = `<span class="smz-scale-label">${metric}${sc.log ? " (log)" : ""}</span><span>${number(sc.lo)}</span><span class="smz-bar" style="background:linear-gradient(90deg,${stops})"></span><span>${number(sc.hi)}</span><span class="smz-flag-key">flagged</span>`;
-    } else if (metric && s.places.length) {
-      const label = Object.assign(document.createElement("span"), { className: "smz-scale-label", textContent: metric });
-      legend.replaceChildren(label);
-    } else legend.innerHTML = "";
-    root.dataset.cells = String(g.querySelectorAll(".smz-cell").length);
+      h += `<span class="smz-key"><b>${esc(metric)}${sc.log ? " (log)" : ""}</b> ${esc(number(sc.lo))}<span class="smz-bar" style="background:linear-gradient(90deg,${stops})"></span>${esc(number(sc.hi))}</span>`;
+    } else if (kind === "bool") {
+      h += `<span class="smz-key"><span class="smz-swatch" style="background:${viridis(0)}"></span>false <span class="smz-swatch" style="background:${viridis(1)}"></span>true</span>`;
+    }
+    h += `<span class="smz-key"><span class="smz-swatch" style="background:${ABSENT};border:1px solid #ced4da"></span>not measured</span>`;
+    h += `<span class="smz-key"><span class="smz-swatch" style="background:${NO_NUMBER}"></span>no number (NaN, ∞)</span>`;
+    for (const f of Object.keys(FAMILY)) if (families.has(f)) h += `<span class="smz-key" title="a step the health verdict flagged"><span class="smz-lane" style="background:${FAMILY[f]}"></span>flag: ${f}</span>`;
+    if (many) names.forEach((n, k) => (h += `<span class="smz-key"><span class="smz-swatch" style="background:${RUNS[k % RUNS.length]}"></span>run ${esc(runLabel(n))}</span>`));
+    legend.innerHTML = h;
+    const flagged = cells.reduce((a, c) => a + c.flags.filter(Boolean).length, 0);
+    const held = s.binnedFrom > steps.length ? ` (binned from ${s.binnedFrom})` : "";
+    status.textContent = `${new Set(rows.map((r) => r.where)).size} places · ${steps.length} steps${held}${flagged ? ` · ${flagged} flagged` : ""}`;
+    root.dataset.cells = String(cells.reduce((a, c) => a + c.vals.filter((v) => v !== undefined).length, 0));
+    root.dataset.coloured = String(values.length);
+    root.dataset.metric = metric;
   }
 
   const schedule = () => {
@@ -373,44 +302,119 @@ function render({ model, el: host }) {
   select.addEventListener("change", () => {
     model.set("metric", select.value);
     model.save_changes();
+    draw(); // from what is already here: nothing needs to come from the kernel
+  });
+  logBox.addEventListener("change", () => {
+    model.set("log_loss", logBox.checked);
+    model.save_changes();
+    draw();
+  });
+  smoothBox.addEventListener("input", () => {
+    model.set("smoothing", Number(smoothBox.value));
+    model.save_changes();
     schedule();
   });
-  body.addEventListener("mousemove", (ev) => {
-    const cell = ev.target.closest(".smz-cell");
-    if (!cell || !layout) {
+
+  const place = (ev) => {
+    tooltip.hidden = false;
+    const tw = tooltip.offsetWidth;
+    const th = tooltip.offsetHeight;
+    let x = ev.clientX + 14;
+    let y = ev.clientY + 14;
+    if (x + tw > window.innerWidth - 4) x = Math.max(4, ev.clientX - tw - 12);
+    if (y + th > window.innerHeight - 4) y = Math.max(4, ev.clientY - th - 12);
+    tooltip.style.left = `${x}px`;
+    tooltip.style.top = `${y}px`;
+  };
+  canvas.addEventListener("mousemove", (ev) => {
+    if (!grid) return;
+    const r = canvas.getBoundingClientRect();
+    const x = ev.clientX - r.left;
+    const y = ev.clientY - r.top;
+    const n = Math.floor((y - grid.top) / ROW);
+    const k = Math.floor((x - grid.x0) / grid.cw);
+    if (n < 0 || n >= grid.rows.length || k < 0 || k >= grid.nb || grid.cells[n].vals[k] === undefined) {
       tooltip.hidden = true;
       return;
     }
-    const r = Number(cell.dataset.r);
-    const c = Number(cell.dataset.c);
-    const d = layout.grid[r][c];
-    const where = s.places[r];
-    const numbers = s.cells.get(`${where}|${d.step}`)?.numbers || {};
-    const span = d.steps.length > 1 ? `steps ${d.steps[0]}–${d.steps[d.steps.length - 1]}` : `step ${d.step}`;
-    let h = `<div class="smz-tt-title">${where}</div><div>${span}</div>`;
-    for (const [k, v] of Object.entries(numbers)) h += `<div><span class="smz-k">${k}</span> ${number(v)}</div>`;
-    if (d.flags.length) h += `<div class="smz-flags">${d.flags.join(", ")}</div>`;
+    const row = grid.rows[n];
+    const first = grid.steps[k * grid.per];
+    const last = grid.steps[Math.min(grid.steps.length - 1, (k + 1) * grid.per - 1)];
+    // the numbers of the bin's last row that has the chosen metric
+    let at = -1;
+    row.place.steps.forEach((st, i) => {
+      if (st >= first && st <= last) at = i;
+    });
+    const ex = explain();
+    let h = `<div class="smz-tt-title">${esc(row.where)}${s.runs.size > 1 ? ` · ${esc(runLabel(row.run))}` : ""}</div>`;
+    h += `<div>${first === last ? `step ${first}` : `steps ${first}–${last}`}</div>`;
+    const about = (ex.metrics || {})[grid.metric];
+    if (about) h += `<div class="smz-tt-about"><b>${esc(grid.metric)}</b>: ${esc(about)}</div>`;
+    if (at >= 0) {
+      for (const [m, col] of row.place.cols) {
+        const v = col[at];
+        if (v === null || v === undefined) continue;
+        const shown = s.kinds[m] === "bool" ? (v ? "true" : "false") : number(v);
+        h += `<div class="${m === grid.metric ? "smz-tt-chosen" : ""}"><span class="smz-k">${esc(m)}</span> ${esc(shown)}</div>`;
+      }
+    }
+    const flags = grid.cells[n].flags[k];
+    if (flags) for (const f of flags) h += `<div class="smz-flags">${esc(f)}: ${esc((ex.flags || {})[f.split("(")[0]] || "")}</div>`;
     tooltip.innerHTML = h;
-    tooltip.hidden = false;
-    const box = root.getBoundingClientRect();
-    let x = ev.clientX - box.left + 14;
-    if (x + 240 > box.width) x = Math.max(0, ev.clientX - box.left - 250);
-    tooltip.style.left = `${x}px`;
-    tooltip.style.top = `${ev.clientY - box.top + 14}px`;
+    place(ev);
   });
-  body.addEventListener("mouseleave", () => {
+  canvas.addEventListener("mouseleave", () => {
     tooltip.hidden = true;
   });
-  const onTrait = () => schedule();
-  model.on("change:metric", onTrait);
-  model.on("change:metrics", onTrait);
-  model.on("change:title", onTrait);
+  lossBox.addEventListener("mousemove", (ev) => {
+    if (!lossGeom) return;
+    const r = lossBox.getBoundingClientRect();
+    const x = ev.clientX - r.left;
+    const cross = lossBox.querySelector(".smz-cross");
+    if (x < lossGeom.x0 || x > lossGeom.x1) {
+      tooltip.hidden = true;
+      if (cross) cross.setAttribute("visibility", "hidden");
+      return;
+    }
+    let h = "";
+    const names = [...s.runs.keys()];
+    for (const [name, run] of lossGeom.runs) {
+      // the loss step drawn nearest the pointer (steps ascend: halve the range)
+      const steps = run.lossSteps;
+      let lo = 0;
+      let hi = steps.length - 1;
+      while (hi - lo > 1) {
+        const mid = (lo + hi) >> 1;
+        if (lossGeom.sx(steps[mid]) < x) lo = mid;
+        else hi = mid;
+      }
+      const best = Math.abs(lossGeom.sx(steps[lo]) - x) <= Math.abs(lossGeom.sx(steps[hi]) - x) ? lo : hi;
+      const sm = smoothed(run.lossValues.slice(0, best + 1), lossGeom.weight);
+      h += `<div><span style="color:${RUNS[names.indexOf(name) % RUNS.length]}">■</span> ${names.length > 1 ? `${esc(runLabel(name))} · ` : ""}step ${steps[best]}: ${esc(number(run.lossValues[best]))}${lossGeom.weight > 0 ? ` (smoothed ${esc(number(sm[sm.length - 1]))})` : ""}</div>`;
+    }
+    if (cross) {
+      cross.setAttribute("x1", x);
+      cross.setAttribute("x2", x);
+      cross.setAttribute("visibility", "visible");
+    }
+    tooltip.innerHTML = `<div class="smz-tt-title">loss</div>${h}`;
+    place(ev);
+  });
+  lossBox.addEventListener("mouseleave", () => {
+    tooltip.hidden = true;
+    const cross = lossBox.querySelector(".smz-cross");
+    if (cross) cross.setAttribute("visibility", "hidden");
+  });
+  const traits = ["metric", "metrics", "title", "explain", "log_loss", "smoothing"];
+  for (const t of traits) model.on(`change:${t}`, schedule);
+  const watcher = typeof ResizeObserver === "function" ? new ResizeObserver(schedule) : null;
+  if (watcher) watcher.observe(root);
   draw();
   return () => {
     s.listeners.delete(schedule);
-    model.off("change:metric", onTrait);
-    model.off("change:metrics", onTrait);
-    model.off("change:title", onTrait);
+    for (const t of traits) model.off(`change:${t}`, schedule);
+    if (watcher) watcher.disconnect();
+    tooltip.remove();
   };
 }
 

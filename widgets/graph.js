@@ -1,236 +1,19 @@
-// The graph figure: a graph's nodes left to right, each open into its layers, laid out by ELK.
-import ELK from "elkjs/lib/elk.bundled.js";
-import { buildScene, layoutScene, paramsText } from "./scene.js";
-import { count, el, family, FONT_FAMILY, inkOn, number, outline, scaleOf, THEMES, viridis } from "./shapes.js";
+// The graph figure's browser half: it shows the drawing the kernel made (the `drawing` trait,
+// SVG) in a viewport that fits the output area, pans (drag, wheel), zooms (buttons, Ctrl or
+// ⌘ with the wheel, a pinch), and shows a minimap when the drawing is bigger than the view.
+// A click on a node or a folded block toggles `opened` or `expanded`; the kernel redraws.
 
-const elk = new ELK();
+const views = new WeakMap(); // model -> {scale, x, y, fitted}: kept when a view is made again
 
-function isDark() {
-  const b = document.body;
-  if (b && b.dataset && b.dataset.jpThemeLight === "false") return true;
-  return false;
-}
+const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 
-function roundedPath(points, r = 6) {
-  if (points.length < 2) return "";
-  let d = `M${points[0].x},${points[0].y}`;
-  for (let i = 1; i < points.length - 1; i++) {
-    const p = points[i - 1];
-    const q = points[i];
-    const n = points[i + 1];
-    const d1 = Math.hypot(q.x - p.x, q.y - p.y);
-    const d2 = Math.hypot(n.x - q.x, n.y - q.y);
-    const rr = Math.min(r, d1 / 2, d2 / 2);
-    const a = { x: q.x - ((q.x - p.x) / (d1 || 1)) * rr, y: q.y - ((q.y - p.y) / (d1 || 1)) * rr };
-    const b = { x: q.x + ((n.x - q.x) / (d2 || 1)) * rr, y: q.y + ((n.y - q.y) / (d2 || 1)) * rr };
-    d += ` L${a.x},${a.y} Q${q.x},${q.y} ${b.x},${b.y}`;
-  }
-  const last = points[points.length - 1];
-  return `${d} L${last.x},${last.y}`;
-}
-
-function walk(node, fn) {
-  for (const c of node.children || []) {
-    fn(c);
-    walk(c, fn);
-  }
-}
-
-function edgesOf(node, out = []) {
-  for (const e of node.edges || []) out.push(e);
-  for (const c of node.children || []) edgesOf(c, out);
-  return out;
-}
-
-const PILL = {
-  device: ["#2f6fdf", "#fff"],
-  host: ["#7a4fd0", "#fff"],
-  cached: ["#c77d0a", "#fff"],
-  frozen: ["#2a9fd6", "#fff"],
-  mapped: ["#2f9e44", "#fff"],
-};
-
-// Paint a laid-out scene into a fresh <svg>. Returns it.
-export function paint(laid, meta, { colour = {}, theme = THEMES.light } = {}) {
-  const W = Math.ceil(laid.width || 10);
-  const H = Math.ceil(laid.height || 10);
-  const svg = el("svg", {
-    xmlns: "http://www.w3.org/2000/svg",
-    viewBox: `0 0 ${W} ${H}`,
-    width: W,
-    height: H,
-    "font-family": FONT_FAMILY,
-    class: "smz-graph-svg",
-  });
-  const defs = el("defs", {}, svg);
-  for (const [name, col] of [["edge", theme.edge], ["skip", theme.skip]]) {
-    const m = el("marker", { id: `smz-arrow-${name}`, viewBox: "0 0 10 10", refX: 9, refY: 5, markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse" }, defs);
-    el("path", { d: "M0,0 L10,5 L0,10 z", fill: col }, m);
-  }
-  el("rect", { x: 0, y: 0, width: W, height: H, fill: theme.bg }, svg);
-  const gBoxes = el("g", { class: "smz-containers" }, svg);
-  const gEdges = el("g", { class: "smz-edges" }, svg);
-  const gLeaves = el("g", { class: "smz-layers" }, svg);
-  const cscale = scaleOf(Object.values(colour || {}));
-  const fillFor = (key) => {
-    if (!colour || !(key in colour) || typeof colour[key] !== "number") return null;
-    const t = cscale.t(colour[key]);
-    return { fill: viridis(t), ink: inkOn(t), value: colour[key] };
-  };
-
-  const items = [];
-  walk(laid, (c) => items.push(c));
-  for (const c of items) {
-    const m = meta.get(c.id);
-    if (!m) continue;
-    if (m.type === "group") {
-      const g = el("g", { class: "smz-group", "data-id": c.id }, gBoxes);
-      el("rect", { x: c.x, y: c.y, width: c.width, height: c.height, rx: 8, fill: "none", stroke: theme.group, "stroke-dasharray": "5 4", "stroke-width": 1 }, g);
-      el("text", { x: c.x + 10, y: c.y + 15, "font-size": 11, fill: theme.muted }, g).textContent = m.label;
-    } else if (m.type === "node") {
-      const col = fillFor(m.id);
-      const g = el("g", { class: `smz-node${m.open ? " smz-open" : ""}`, "data-id": c.id, "data-node": m.id, cursor: m.hasInside ? "pointer" : "default" }, gBoxes);
-      const frozen = !!m.node.frozen;
-      el("rect", {
-        x: c.x, y: c.y, width: c.width, height: c.height, rx: 8,
-        fill: col ? col.fill : theme.box,
-        stroke: frozen ? "#2a9fd6" : theme.boxStroke,
-        "stroke-width": frozen ? 2 : 1.2,
-      }, g);
-      const ink = col ? col.ink : theme.text;
-      const cx = m.open ? c.x + 12 : c.x + c.width / 2;
-      const anchor = m.open ? "start" : "middle";
-      el("text", { x: cx, y: c.y + 19, "font-size": 13, "font-weight": 700, fill: ink, "text-anchor": anchor, class: "smz-title" }, g).textContent = m.id;
-      el("text", { x: cx, y: c.y + 34, "font-size": 11, fill: col ? ink : theme.muted, "text-anchor": anchor }, g).textContent =
-        m.open ? `${m.node.kind ?? ""}${m.params ? ` · ${paramsText(m.params)}` : ""}  ▾` : m.sub;
-      if (m.pills.length) {
-        let width = m.pills.reduce((a, p) => a + p.text.length * 6 + 16, 0);
-        let x = m.open ? c.x + 12 : c.x + (c.width - width) / 2;
-        for (const p of m.pills) {
-          const w = p.text.length * 6 + 12;
-          const [bg, fg] = PILL[p.kind];
-          const pg = el("g", { class: `smz-pill smz-pill-${p.kind}` }, g);
-          el("rect", { x, y: c.y + 42, width: w, height: 14, rx: 7, fill: bg }, pg);
-          el("text", { x: x + w / 2, y: c.y + 52.5, "font-size": 9.5, fill: fg, "text-anchor": "middle", "font-weight": 600 }, pg).textContent = p.text;
-          x += w + 4;
-        }
-        width = 0;
-      }
-    } else if (m.type === "block") {
-      const g = el("g", { class: `smz-block${m.foldable ? " smz-foldable" : ""}${m.open ? " smz-expanded" : ""}`, "data-id": c.id, "data-block": `${m.node}:${m.path}`, cursor: m.foldable ? "pointer" : "default" }, gBoxes);
-      el("rect", { x: c.x, y: c.y, width: c.width, height: c.height, rx: 6, fill: theme.blockFill, stroke: theme.block, "stroke-dasharray": "4 3", "stroke-width": 1.2 }, g);
-      const label = m.foldable ? `${m.open ? "▾" : "▸"} ${m.label}` : m.label;
-      el("text", { x: c.x + 8, y: c.y + 15, "font-size": 11, "font-weight": 600, fill: theme.block, class: "smz-block-label" }, g).textContent = label;
-      if (m.foldable && !m.open) {
-        // the stack behind a folded block: it is N of these
-        el("rect", { x: c.x + 4, y: c.y + 4, width: c.width, height: c.height, rx: 6, fill: "none", stroke: theme.block, "stroke-opacity": 0.35, "stroke-width": 1 }, g).setAttribute("class", "smz-stack");
-      }
-    } else if (m.type === "layer") {
-      const col = fillFor(`${m.node}.${m.path}`);
-      const fam = family(m.kind, m.label);
-      const g = el("g", { class: `smz-layer smz-kind-${fam.name}`, "data-id": c.id, transform: `translate(${c.x},${c.y})` }, gLeaves);
-      el("path", {
-        d: outline(fam.name, c.width, c.height),
-        fill: col ? col.fill : theme.inner,
-        stroke: fam.hue,
-        "stroke-width": 1.4,
-        "stroke-dasharray": fam.name === "dropout" ? "3 2" : null,
-      }, g);
-      if (!col) el("path", { d: outline(fam.name, c.width, c.height), fill: fam.hue, "fill-opacity": 0.13, stroke: "none" }, g);
-      const ink = col ? col.ink : theme.text;
-      const y0 = m.sub ? 16 : c.height / 2 + 4;
-      el("text", { x: c.width / 2, y: y0, "font-size": 12, "font-weight": 600, fill: ink, "text-anchor": "middle" }, g).textContent = m.label;
-      if (m.sub) el("text", { x: c.width / 2, y: 30, "font-size": 10.5, "font-style": "italic", fill: col ? ink : theme.muted, "text-anchor": "middle" }, g).textContent = m.sub;
-    }
-  }
-  // edges, with the ones that skip ahead (residuals, joins) in the accent colour
-  const all = edgesOf(laid);
-  const incoming = new Map();
-  for (const e of all) {
-    const t = e.targets[0];
-    if (!incoming.has(t)) incoming.set(t, []);
-    incoming.get(t).push(e);
-  }
-  const rank = new Map([...meta.keys()].map((k, i) => [k, i]));
-  for (const e of all) {
-    const sections = e.sections || [];
-    const ins = incoming.get(e.targets[0]);
-    const inner = !e.id.startsWith("e:top:");
-    let skip = false;
-    if (inner && ins.length > 1) {
-      const main = ins.reduce((a, b) => ((rank.get(b.sources[0]) ?? 0) > (rank.get(a.sources[0]) ?? 0) ? b : a));
-      skip = main !== e;
-    }
-    for (const s of sections) {
-      const pts = [s.startPoint, ...(s.bendPoints || []), s.endPoint];
-      el("path", {
-        d: roundedPath(pts),
-        fill: "none",
-        stroke: skip ? theme.skip : theme.edge,
-        "stroke-width": skip ? 1.6 : 1.3,
-        "marker-end": `url(#smz-arrow-${skip ? "skip" : "edge"})`,
-        class: skip ? "smz-edge smz-skip" : "smz-edge",
-        "data-from": e.sources[0],
-        "data-to": e.targets[0],
-      }, gEdges);
-    }
-  }
-  return svg;
-}
-
-function tooltipHtml(m, colour) {
-  const esc = (s) => String(s).replace(/[&<>]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;" })[c]);
-  const row = (k, v) => `<div><span class="smz-k">${esc(k)}</span> ${esc(v)}</div>`;
-  if (m.type === "node") {
-    const n = m.node;
-    let h = `<div class="smz-tt-title">${esc(m.id)}</div>${row("kind", n.kind ?? "?")}`;
-    if (m.params !== null && m.params !== undefined) h += row("parameters", count(m.params));
-    h += row("device", n.device ?? "anywhere");
-    if (n.host) h += row("host", n.host);
-    if (n.cached) h += row("cached", n.salt !== null && n.salt !== undefined ? `yes, salt ${n.salt}` : "yes");
-    if (n.frozen) h += row("frozen", "yes");
-    if (n.mapped) h += row("mapped", "over the items of a list");
-    if (colour && m.id in colour) h += row("colour", number(colour[m.id]));
-    if (m.hasInside) h += `<div class="smz-hint">click to ${m.open ? "close" : "open"}</div>`;
-    return h;
-  }
-  if (m.type === "layer") {
-    let h = `<div class="smz-tt-title">${esc(m.label)}</div>${row("kind", m.kind ?? "?")}${row("path", `${m.node}.${m.path}`)}`;
-    h += row("shape", Array.isArray(m.shape) ? `[${m.shape.join(", ")}]` : "unknown");
-    h += row("parameters", count(m.params ?? 0));
-    const key = `${m.node}.${m.path}`;
-    if (colour && key in colour) h += row("colour", number(colour[key]));
-    return h;
-  }
-  if (m.type === "block") {
-    let h = `<div class="smz-tt-title">${esc(m.label)}</div>${row("block", `${m.node}.${m.path}`)}`;
-    if (m.foldable) h += `<div class="smz-hint">×${m.times} — click to ${m.open ? "fold" : "unfold"}</div>`;
-    return h;
-  }
-  if (m.type === "group") return `<div class="smz-tt-title">branches</div>${row("from", m.from)}${row("to", m.to ?? "the end")}${row("nodes", m.members.join(", "))}`;
-  return "";
-}
-
-function legendHtml(colour, label, meta) {
-  const fams = new Map();
-  for (const m of meta.values()) {
-    if (m.type !== "layer") continue;
-    const f = family(m.kind, m.label);
-    fams.set(f.name, f);
-  }
-  let h = "";
-  if (fams.size) {
-    h += '<div class="smz-kinds">';
-    for (const f of fams.values()) {
-      h += `<span class="smz-kind"><svg width="26" height="14" viewBox="0 0 26 14"><path d="${outline(f.name, 26, 14)}" fill="${f.hue}" fill-opacity="0.2" stroke="${f.hue}" stroke-width="1.3"/></svg>${f.name}</span>`;
-    }
-    h += "</div>";
-  }
-  const vals = Object.values(colour || {}).filter((v) => typeof v === "number" && Number.isFinite(v));
-  if (vals.length) {
-    const s = scaleOf(vals);
-    const stops = Array.from({ length: 10 }, (_, i) => `${viridis(i / 9)} ${(i / 9) * 100}%`).join(",");
-    h += `<div class="smz-scale"><span class="smz-scale-label">${label || "colour"}${s.log ? " (log)" : ""}</span><span>${number(s.lo)}</span><span class="smz-bar" style="background:linear-gradient(90deg,${stops})"></span><span>${number(s.hi)}</span></div>`;
+function tipHtml(text) {
+  const [title, ...rows] = text.split("\n");
+  let h = `<div class="smz-tt-title">${esc(title)}</div>`;
+  for (const row of rows) {
+    const at = row.indexOf(": ");
+    if (at > 0) h += `<div><span class="smz-k">${esc(row.slice(0, at))}</span> ${esc(row.slice(at + 2))}</div>`;
+    else h += `<div class="smz-hint">${esc(row)}</div>`;
   }
   return h;
 }
@@ -240,77 +23,193 @@ function render({ model, el: host }) {
   root.className = "smz-graph";
   root.innerHTML = `
     <div class="smz-toolbar">
-      <button class="smz-fit" title="fit the width">fit</button>
+      <button class="smz-fit" title="show the whole drawing">fit</button>
+      <button class="smz-width" title="fit the width">width</button>
       <button class="smz-out" title="zoom out">−</button>
       <button class="smz-in" title="zoom in">+</button>
       <button class="smz-all" title="open or close every node">open all</button>
       <button class="smz-svg" title="download as SVG">SVG</button>
       <span class="smz-status"></span>
     </div>
-    <div class="smz-viewport"></div>
-    <div class="smz-legend"></div>
+    <div class="smz-viewport"><div class="smz-drawing"></div>
+      <div class="smz-minimap" hidden><img alt=""><div class="smz-lens"></div></div>
+    </div>
     <div class="smz-tooltip" hidden></div>`;
   host.appendChild(root);
   const viewport = root.querySelector(".smz-viewport");
+  const drawing = root.querySelector(".smz-drawing");
+  const minimap = root.querySelector(".smz-minimap");
+  const lens = root.querySelector(".smz-lens");
   const tooltip = root.querySelector(".smz-tooltip");
   const status = root.querySelector(".smz-status");
-  let scale = 1;
-  let fitted = false;
-  let current = null; // {svg, meta, W, H}
-  let token = 0;
+  // the view: kept while the kernel redraws, fitted anew unless someone zoomed or panned
+  if (!views.has(model)) views.set(model, { scale: 1, x: 0, y: 0, fitted: false, moved: false });
+  const view = views.get(model);
+  let svg = null;
+  let W = 1;
+  let H = 1;
+  let shown = null;
+  let minimapUrl = null;
 
-  const applyScale = () => {
-    if (!current) return;
-    current.svg.setAttribute("width", Math.round(current.W * scale));
-    current.svg.setAttribute("height", Math.round(current.H * scale));
-  };
-  const fit = () => {
-    if (!current) return;
-    const avail = viewport.clientWidth || 900;
-    scale = Math.max(0.6, Math.min(1, (avail - 4) / current.W));
-    applyScale();
-  };
+  const room = () => Math.max(200, viewport.clientWidth || host.clientWidth || 900);
+  const tallest = () => Math.max(160, model.get("height") || 640);
 
-  async function draw() {
-    const mine = ++token;
-    const t0 = performance.now();
-    const insides = model.get("inside") || {};
-    const scene = buildScene(model.get("plan"), insides, model.get("opened") || [], model.get("expanded") || []);
-    const meta = scene.meta;
-    let laid;
-    try {
-      laid = await layoutScene(elk, scene);
-    } catch (err) {
-      status.textContent = `layout failed: ${err && err.message ? err.message : err}`;
-      return;
+  // the view's height: the drawing's at this scale, at most the figure's height
+  function place() {
+    if (!svg) return;
+    const vw = room();
+    const vh = Math.min(tallest(), Math.ceil(H * view.scale) + 2);
+    viewport.style.height = `${vh}px`;
+    const w = vw / view.scale;
+    const h = vh / view.scale;
+    view.x = Math.max(Math.min(view.x, W - w), Math.min(0, (W - w) / 2));
+    view.y = Math.max(Math.min(view.y, H - h), Math.min(0, (H - h) / 2));
+    if (W <= w) view.x = (W - w) / 2;
+    if (H <= h) view.y = 0;
+    svg.setAttribute("width", vw);
+    svg.setAttribute("height", vh);
+    svg.setAttribute("viewBox", `${view.x} ${view.y} ${w} ${h}`);
+    const big = W * view.scale > vw * 1.15 || H * view.scale > vh * 1.15;
+    minimap.hidden = !big;
+    if (big) {
+      // the whole drawing, at most 140 px wide and a third of the view tall
+      const k = Math.min(140 / W, (vh * 0.36) / H);
+      minimap.style.width = `${Math.max(24, W * k)}px`;
+      Object.assign(lens.style, {
+        left: `${Math.max(0, view.x * k)}px`,
+        top: `${Math.max(0, view.y * k)}px`,
+        width: `${Math.min(W, w) * k}px`,
+        height: `${Math.min(H, h) * k}px`,
+      });
     }
-    if (mine !== token) return;
-    const colour = model.get("colour") || {};
-    const theme = isDark() ? THEMES.dark : THEMES.light;
-    const svg = paint(laid, meta, { colour, theme });
-    viewport.replaceChildren(svg);
-    current = { svg, meta, W: Math.ceil(laid.width), H: Math.ceil(laid.height) };
-    if (!fitted) {
-      fit();
-      fitted = true;
-    } else applyScale();
-    root.querySelector(".smz-legend").innerHTML = legendHtml(colour, model.get("colour_label"), meta);
-    const nodes = (model.get("plan")?.nodes || []).length;
-    const ms = performance.now() - t0;
-    status.textContent = `${nodes} nodes`;
-    root.dataset.layoutMs = String(Math.round(ms));
-    root.dataset.drawn = String(mine);
-    const allOpen = Object.keys(insides).every((k) => (model.get("opened") || []).includes(k));
-    const allBtn = root.querySelector(".smz-all");
-    allBtn.textContent = allOpen ? "close all" : "open all";
-    allBtn.hidden = Object.keys(insides).length === 0;
-    // what the kernel keeps for save_svg
-    const copy = svg.cloneNode(true);
-    copy.setAttribute("width", current.W);
-    copy.setAttribute("height", current.H);
-    model.set("_svg", new XMLSerializer().serializeToString(copy));
-    model.save_changes();
+    root.dataset.scale = view.scale.toFixed(3);
   }
+
+  // the width fitted; and all of it when that leaves little below the view
+  const fitWidth = () => {
+    view.scale = Math.min(1, (room() - 2) / W);
+    if (H * view.scale > tallest() && H * view.scale < tallest() * 1.3) view.scale = (tallest() - 2) / H;
+    view.x = 0;
+    view.y = 0;
+  };
+  const fitAll = () => {
+    view.scale = Math.min(1, (room() - 2) / W, (tallest() - 2) / H);
+    view.x = 0;
+    view.y = 0;
+  };
+
+  function show() {
+    const text = model.get("drawing") || "";
+    if (text === shown) return;
+    shown = text;
+    drawing.innerHTML = text;
+    svg = drawing.querySelector("svg");
+    if (!svg) return;
+    const box = (svg.getAttribute("viewBox") || "0 0 1 1").split(/\s+/).map(Number);
+    W = box[2] || 1;
+    H = box[3] || 1;
+    // the titles become our tooltip (a native one would show beside it)
+    for (const t of svg.querySelectorAll("title")) {
+      t.parentNode.dataset.tip = t.textContent;
+      t.remove();
+    }
+    if (minimapUrl) URL.revokeObjectURL(minimapUrl);
+    minimapUrl = URL.createObjectURL(new Blob([text], { type: "image/svg+xml" }));
+    minimap.querySelector("img").src = minimapUrl;
+    if (!view.fitted || !view.moved) {
+      fitWidth();
+      view.fitted = true;
+    }
+    place();
+    const nodes = (model.get("plan")?.nodes || []).length;
+    status.textContent = `${nodes} node${nodes === 1 ? "" : "s"}`;
+    const insides = Object.keys(model.get("inside") || {});
+    const all = root.querySelector(".smz-all");
+    all.hidden = insides.length === 0;
+    all.textContent = insides.every((k) => (model.get("opened") || []).includes(k)) ? "close all" : "open all";
+    root.dataset.drawn = String(Number(root.dataset.drawn || 0) + 1);
+  }
+
+  const zoom = (factor, cx, cy) => {
+    view.moved = true;
+    const vw = room();
+    const vh = viewport.clientHeight;
+    const before = view.scale;
+    view.scale = Math.max(0.05, Math.min(4, view.scale * factor));
+    // keep the point under (cx, cy) where it is
+    const px = cx ?? vw / 2;
+    const py = cy ?? vh / 2;
+    view.x += px / before - px / view.scale;
+    view.y += py / before - py / view.scale;
+    place();
+  };
+
+  // panning by drag; a press that hardly moves is a click
+  let drag = null;
+  let mapDrag = false;
+  viewport.addEventListener("pointerdown", (ev) => {
+    if (ev.button !== 0 || minimap.contains(ev.target)) return;
+    drag = { x: ev.clientX, y: ev.clientY, vx: view.x, vy: view.y, moved: false };
+  });
+  const onMove = (ev) => {
+    if (mapDrag) jump(ev);
+    if (!drag) return;
+    const dx = ev.clientX - drag.x;
+    const dy = ev.clientY - drag.y;
+    if (!drag.moved && Math.hypot(dx, dy) < 4) return;
+    drag.moved = true;
+    view.moved = true;
+    viewport.classList.add("smz-panning");
+    view.x = drag.vx - dx / view.scale;
+    view.y = drag.vy - dy / view.scale;
+    place();
+  };
+  const onUp = () => {
+    mapDrag = false;
+    if (drag && drag.moved) viewport.dataset.panned = "yes";
+    setTimeout(() => {
+      drag = null;
+      viewport.classList.remove("smz-panning");
+    }, 0);
+  };
+  window.addEventListener("pointermove", onMove);
+  window.addEventListener("pointerup", onUp);
+  viewport.addEventListener(
+    "wheel",
+    (ev) => {
+      const r = viewport.getBoundingClientRect();
+      if (ev.ctrlKey || ev.metaKey) {
+        ev.preventDefault();
+        zoom(Math.exp(-ev.deltaY / 300), ev.clientX - r.left, ev.clientY - r.top);
+        return;
+      }
+      // a plain wheel pans while there is drawing that way, then scrolls the page
+      const vh = viewport.clientHeight / view.scale;
+      const vw = room() / view.scale;
+      const canY = (ev.deltaY > 0 && view.y < H - vh - 0.5) || (ev.deltaY < 0 && view.y > 0.5);
+      const canX = (ev.deltaX > 0 && view.x < W - vw - 0.5) || (ev.deltaX < 0 && view.x > 0.5);
+      if (!canY && !canX) return;
+      ev.preventDefault();
+      view.moved = true;
+      view.x += ev.deltaX / view.scale;
+      view.y += ev.deltaY / view.scale;
+      place();
+    },
+    { passive: false },
+  );
+  const jump = (ev) => {
+    const r = minimap.getBoundingClientRect();
+    const k = r.width / W; // the minimap is the drawing at this scale
+    view.x = (ev.clientX - r.left) / k - room() / view.scale / 2;
+    view.y = (ev.clientY - r.top) / k - viewport.clientHeight / view.scale / 2;
+    view.moved = true;
+    place();
+  };
+  minimap.addEventListener("pointerdown", (ev) => {
+    mapDrag = true;
+    jump(ev);
+    ev.stopPropagation();
+  });
 
   const toggle = (trait, key) => {
     const now = [...(model.get(trait) || [])];
@@ -319,83 +218,96 @@ function render({ model, el: host }) {
     else now.push(key);
     model.set(trait, now);
     model.save_changes();
+    status.textContent = "drawing…";
   };
-
   viewport.addEventListener("click", (ev) => {
-    const block = ev.target.closest("[data-block]");
-    if (block && block.classList.contains("smz-foldable")) {
-      tooltip.hidden = true;
-      toggle("expanded", block.dataset.block);
-      return;
-    }
-    const node = ev.target.closest("[data-node]");
-    if (node && current && current.meta.get(node.dataset.id)?.hasInside) {
-      // a click inside an open node's layers is not a click on its title
-      if (ev.target.closest(".smz-layer")) return;
-      tooltip.hidden = true;
-      toggle("opened", node.dataset.node);
-    }
+    if (drag && drag.moved) return;
+    const hit = ev.target.closest("[data-click]");
+    if (!hit || !viewport.contains(hit)) return;
+    // a click on an open node's layers is not a click on the node
+    const layer = ev.target.closest(".smz-layer");
+    if (layer && hit.classList.contains("smz-node")) return;
+    const [trait, ...rest] = hit.dataset.click.split(" ");
+    tooltip.hidden = true;
+    toggle(trait, rest.join(" "));
   });
   viewport.addEventListener("mousemove", (ev) => {
-    const hit = ev.target.closest("[data-id]");
-    const m = hit && current ? current.meta.get(hit.dataset.id) : null;
-    if (!m) {
+    const hit = ev.target.closest("[data-tip]");
+    if (!hit || (drag && drag.moved)) {
       tooltip.hidden = true;
       return;
     }
-    tooltip.innerHTML = tooltipHtml(m, model.get("colour") || {});
+    tooltip.innerHTML = tipHtml(hit.dataset.tip);
     tooltip.hidden = false;
     const box = root.getBoundingClientRect();
+    const tw = tooltip.offsetWidth;
+    const th = tooltip.offsetHeight;
     let x = ev.clientX - box.left + 14;
-    const y = ev.clientY - box.top + 14;
-    if (x + 260 > box.width) x = Math.max(0, ev.clientX - box.left - 270);
+    let y = ev.clientY - box.top + 14;
+    if (x + tw > box.width) x = Math.max(0, ev.clientX - box.left - tw - 10);
+    if (y + th > box.height && ev.clientY - box.top - th - 10 > 0) y = ev.clientY - box.top - th - 10;
     tooltip.style.left = `${x}px`;
     tooltip.style.top = `${y}px`;
   });
   viewport.addEventListener("mouseleave", () => {
     tooltip.hidden = true;
   });
-  root.querySelector(".smz-fit").onclick = fit;
-  root.querySelector(".smz-in").onclick = () => {
-    scale = Math.min(3, scale * 1.25);
-    applyScale();
+  root.querySelector(".smz-fit").onclick = () => {
+    fitAll();
+    view.moved = true;
+    place();
   };
-  root.querySelector(".smz-out").onclick = () => {
-    scale = Math.max(0.1, scale / 1.25);
-    applyScale();
+  root.querySelector(".smz-width").onclick = () => {
+    fitWidth();
+    view.moved = false;
+    place();
   };
+  root.querySelector(".smz-in").onclick = () => zoom(1.25);
+  root.querySelector(".smz-out").onclick = () => zoom(1 / 1.25);
   root.querySelector(".smz-all").onclick = () => {
     const keys = Object.keys(model.get("inside") || {});
     const open = model.get("opened") || [];
     model.set("opened", keys.every((k) => open.includes(k)) ? [] : keys);
     model.save_changes();
+    status.textContent = "drawing…";
   };
   root.querySelector(".smz-svg").onclick = () => {
-    const text = model.get("_svg");
-    if (!text) return;
     const a = document.createElement("a");
-    a.href = URL.createObjectURL(new Blob([text], { type: "image/svg+xml" }));
+    a.href = URL.createObjectURL(new Blob([model.get("drawing") || ""], { type: "image/svg+xml" }));
     a.download = `${model.get("name") || "graph"}.svg`;
     a.click();
     setTimeout(() => URL.revokeObjectURL(a.href), 1000);
   };
-  viewport.style.maxHeight = `${model.get("height") || 640}px`;
 
-  // a drawing replaces what the tooltip was about: hide it until the pointer moves again
-  const redraw = () => {
-    tooltip.hidden = true;
-    draw();
+  // the output area's width, told to the kernel so it lays out for it (rows that fit)
+  let told = model.get("width");
+  let timer = null;
+  const resized = () => {
+    place();
+    const w = Math.round(room());
+    if (Math.abs(w - told) < 40) return;
+    clearTimeout(timer);
+    timer = setTimeout(() => {
+      told = w;
+      model.set("width", w);
+      model.save_changes();
+    }, 150);
   };
-  const traits = ["plan", "inside", "opened", "expanded", "colour", "colour_label"];
-  for (const t of traits) model.on(`change:${t}`, redraw);
-  const onHeight = () => {
-    viewport.style.maxHeight = `${model.get("height") || 640}px`;
-  };
+  const watcher = typeof ResizeObserver === "function" ? new ResizeObserver(resized) : null;
+  if (watcher) watcher.observe(viewport);
+  const onDrawing = () => show();
+  const onHeight = () => place();
+  model.on("change:drawing", onDrawing);
   model.on("change:height", onHeight);
-  draw();
+  show();
+  resized();
   return () => {
-    for (const t of traits) model.off(`change:${t}`, redraw);
+    model.off("change:drawing", onDrawing);
     model.off("change:height", onHeight);
+    window.removeEventListener("pointermove", onMove);
+    window.removeEventListener("pointerup", onUp);
+    if (watcher) watcher.disconnect();
+    if (minimapUrl) URL.revokeObjectURL(minimapUrl);
   };
 }
 

@@ -1,119 +1,86 @@
-// The comparison table: candidates in rows, numbers in columns; sorts on a header click,
-// colours each cell by its rank in its column, and with a measured column adds a row of each
-// column's Spearman rank correlation with it.
-import { number } from "./shapes.js";
-
-const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
-
-// Rank-to-colour: the best cell green, the worst red, through a pale middle.
-function rankColour(t, alpha = 0.55) {
-  const a = [224, 49, 49];
-  const m = [245, 241, 218];
-  const b = [47, 158, 68];
-  const [p, q, f] = t < 0.5 ? [a, m, t * 2] : [m, b, (t - 0.5) * 2];
-  const c = p.map((x, i) => Math.round(x + (q[i] - x) * f));
-  return `rgba(${c[0]},${c[1]},${c[2]},${alpha})`;
-}
-
-function ranks(values, higher) {
-  // 0 = worst, 1 = best, ties share; non-numbers get null
-  const idx = values.map((v, i) => [v, i]).filter(([v]) => typeof v === "number" && Number.isFinite(v));
-  const out = values.map(() => null);
-  if (idx.length < 2) return out;
-  idx.sort((x, y) => x[0] - y[0]);
-  idx.forEach(([v, i]) => {
-    const lo = idx.findIndex(([w]) => w === v);
-    let hi = lo;
-    while (hi + 1 < idx.length && idx[hi + 1][0] === v) hi++;
-    const r = (lo + hi) / 2 / (idx.length - 1);
-    out[i] = higher === false ? 1 - r : r;
-  });
-  return out;
-}
+// The comparison table's browser half: it shows the table the kernel drew (the `drawing`
+// trait: the table, its scatter and its legend) and makes it respond without the kernel: a
+// header click sorts the rows, a toggle shows a hidden group of columns, the menu picks the
+// score the scatter shows. Each also sets its trait, so the kernel's copy follows.
 
 function render({ model, el: host }) {
   const root = document.createElement("div");
   root.className = "smz-table";
   host.appendChild(root);
 
-  function draw() {
-    const data = model.get("data") || { index: [], columns: [], values: [] };
-    const cols = data.columns || [];
-    const index = data.index || [];
-    const values = data.values || [];
-    const higher = model.get("higher_better") || {};
-    const measured = model.get("measured") || "";
-    const corr = model.get("correlations") || {};
-    const sortBy = model.get("sort_by") || "";
-    const asc = !!model.get("ascending");
-    const order = index.map((_, i) => i);
-    const ci = cols.indexOf(sortBy);
-    if (sortBy === (model.get("index_name") || "candidate")) {
-      order.sort((a, b) => String(index[a]).localeCompare(String(index[b])) * (asc ? 1 : -1));
-    } else if (ci >= 0) {
-      order.sort((a, b) => {
-        const x = values[a][ci];
-        const y = values[b][ci];
-        const xn = typeof x === "number" && Number.isFinite(x);
-        const yn = typeof y === "number" && Number.isFinite(y);
-        if (!xn && !yn) return 0;
-        if (!xn) return 1;
-        if (!yn) return -1;
-        return asc ? x - y : y - x;
-      });
+  const sortRows = (col, ascending) => {
+    const body = root.querySelector("tbody");
+    if (!body) return;
+    const rows = [...body.querySelectorAll("tr")];
+    const indexName = (model.get("table") || {}).index_name || "candidate";
+    const key = (tr) => {
+      if (col === indexName) return tr.dataset.row;
+      const td = tr.querySelector(`td[data-col="${CSS.escape(col)}"]`);
+      return td && td.dataset.v !== undefined ? Number(td.dataset.v) : null;
+    };
+    rows.sort((a, b) => {
+      const x = key(a);
+      const y = key(b);
+      if (x === null && y === null) return 0;
+      if (x === null) return 1;
+      if (y === null) return -1;
+      const d = typeof x === "string" ? x.localeCompare(y) : x - y;
+      return ascending ? d : -d;
+    });
+    body.replaceChildren(...rows);
+    for (const th of root.querySelectorAll("thead th[data-col]")) {
+      th.textContent = th.textContent.replace(/ [▲▼]$/, "") + (th.dataset.col === col ? (ascending ? " ▲" : " ▼") : "");
     }
-    const colRanks = cols.map((c, j) => (higher[c] === null || higher[c] === undefined ? null : ranks(values.map((row) => row[j]), higher[c])));
-    const indexName = model.get("index_name") || "candidate";
-    const arrow = (c) => (c === sortBy ? (asc ? " ▲" : " ▼") : "");
-    let h = '<table><thead><tr>';
-    h += `<th data-col="${esc(indexName)}" class="smz-index">${esc(indexName)}${arrow(indexName)}</th>`;
-    for (const c of cols) h += `<th data-col="${esc(c)}" class="${c === measured ? "smz-measured" : ""}" title="sort by ${esc(c)}">${esc(c)}${arrow(c)}</th>`;
-    h += "</tr></thead><tbody>";
-    for (const i of order) {
-      h += `<tr data-row="${esc(index[i])}"><th class="smz-index">${esc(index[i])}</th>`;
-      cols.forEach((c, j) => {
-        const v = values[i][j];
-        const r = colRanks[j] ? colRanks[j][i] : null;
-        const bg = r === null ? "" : ` style="background:${rankColour(r)}"`;
-        h += `<td data-col="${esc(c)}"${bg} title="${esc(c)}: ${esc(v)}">${esc(number(v))}</td>`;
-      });
-      h += "</tr>";
+  };
+
+  const showGroup = (group) => {
+    for (const cell of root.querySelectorAll(`[data-col][data-group="${CSS.escape(group)}"], td[data-col]`)) {
+      const th = root.querySelector(`thead th[data-col="${CSS.escape(cell.dataset.col)}"]`);
+      if (th && th.dataset.group === group) cell.style.display = "";
     }
-    h += "</tbody>";
-    if (measured && Object.keys(corr).length) {
-      h += `<tfoot><tr class="smz-corr"><th class="smz-index" title="Spearman rank correlation with ${esc(measured)}">ρ with ${esc(measured)}</th>`;
-      for (const c of cols) {
-        const v = corr[c];
-        const ok = typeof v === "number" && Number.isFinite(v);
-        const bg = ok && c !== measured ? ` style="background:${rankColour((v + 1) / 2, 0.7)}"` : "";
-        h += `<td data-col="${esc(c)}"${bg}>${c === measured ? "" : ok ? v.toFixed(2) : "–"}</td>`;
-      }
-      h += "</tr></tfoot>";
+    const head = root.querySelector(`thead th.smz-group[data-group="${CSS.escape(group)}"]`);
+    if (head) {
+      head.style.display = "";
+      head.colSpan = root.querySelectorAll(`thead th[data-col][data-group="${CSS.escape(group)}"]`).length;
     }
-    h += "</table>";
-    const note = model.get("note");
-    if (note) h += `<div class="smz-note">${esc(note)}</div>`;
-    root.innerHTML = h;
+    const button = root.querySelector(`.smz-toggle[data-group="${CSS.escape(group)}"]`);
+    if (button) button.remove();
+  };
+
+  function show() {
+    root.innerHTML = model.get("drawing") || "";
+    root.dataset.drawn = String(Number(root.dataset.drawn || 0) + 1);
   }
 
   root.addEventListener("click", (ev) => {
-    const th = ev.target.closest("thead th");
-    if (!th) return;
-    const col = th.dataset.col;
-    if (model.get("sort_by") === col) model.set("ascending", !model.get("ascending"));
-    else {
+    const th = ev.target.closest("thead th[data-col]");
+    if (th) {
+      const col = th.dataset.col;
+      const ascending = model.get("sort_by") === col ? !model.get("ascending") : false;
+      sortRows(col, ascending);
       model.set("sort_by", col);
-      model.set("ascending", false);
+      model.set("ascending", ascending);
+      model.save_changes();
+      return;
     }
-    model.save_changes();
-    draw();
+    const toggle = ev.target.closest(".smz-toggle");
+    if (toggle) {
+      const group = toggle.dataset.group;
+      showGroup(group);
+      model.set("shown", [...new Set([...(model.get("shown") || []), group])]);
+      model.save_changes();
+    }
   });
-  const traits = ["data", "higher_better", "measured", "correlations", "sort_by", "ascending", "note"];
-  for (const t of traits) model.on(`change:${t}`, draw);
-  draw();
-  return () => {
-    for (const t of traits) model.off(`change:${t}`, draw);
-  };
+  root.addEventListener("change", (ev) => {
+    if (!ev.target.classList.contains("smz-scatter-pick")) return;
+    const col = ev.target.value;
+    for (const box of root.querySelectorAll(".smz-scatter")) box.style.display = box.dataset.col === col ? "" : "none";
+    model.set("scatter", col);
+    model.save_changes();
+  });
+  model.on("change:drawing", show);
+  show();
+  return () => model.off("change:drawing", show);
 }
 
 export default { render };

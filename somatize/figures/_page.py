@@ -63,37 +63,48 @@ _PAGE = """<!doctype html>
 <link rel="icon" href="data:,">
 <title>{title}</title>
 <style>
-body {{ margin: 16px; font-family: system-ui, -apple-system, 'Segoe UI', 'DejaVu Sans', sans-serif; }}
+body {{ margin: 16px 24px; font-family: system-ui, -apple-system, 'Segoe UI', 'DejaVu Sans', sans-serif; color: #1f2430; }}
+h1 {{ font-size: 20px; }} h2 {{ font-size: 15px; margin: 28px 0 8px; }} p.smz-note {{ color: #5d6575; max-width: 60em; }}
 {css}
 </style>
 </head>
 <body>
-<div id="smz-figure"></div>
-<script type="application/json" id="smz-state">{state}</script>
-<script type="application/json" id="smz-replies">{replies}</script>
-<script type="text/plain" id="smz-esm">{esm}</script>
+{body}
+<script type="application/json" id="smz-figures">{figures}</script>
 <script type="module">
-// A small stand-in for a widget model: get/set/on/off/send/save_changes, over the saved state.
-const state = JSON.parse(document.getElementById("smz-state").textContent);
-const replies = JSON.parse(document.getElementById("smz-replies").textContent);
-const listeners = new Map();
-const fire = (name, ...args) => (listeners.get(name) || []).slice().forEach((f) => f(...args));
-const model = {{
-  get: (k) => state[k],
-  set: (k, v) => {{ const old = state[k]; state[k] = v; if (old !== v) fire(`change:${{k}}`, v); }},
-  on: (name, f) => {{ if (!listeners.has(name)) listeners.set(name, []); listeners.get(name).push(f); }},
-  off: (name, f) => {{ const l = listeners.get(name) || []; const i = l.indexOf(f); if (i >= 0) l.splice(i, 1); }},
-  send: (msg) => {{ window.smzSent.push(msg); if (msg && msg.kind === "hello") setTimeout(() => replies.forEach((r) => fire("msg:custom", r, [])), 0); }},
-  save_changes: () => {{}},
-}};
+// A small stand-in for a widget model per figure (get/set/on/off/send/save_changes over its
+// saved state); each figure's browser half is loaded once and handed its model.
+const figures = JSON.parse(document.getElementById("smz-figures").textContent);
+const code = Object.fromEntries(
+  [...document.querySelectorAll("script[data-smz-module]")].map((s) => [s.dataset.smzModule, s.textContent.trim()]),
+);
+const loaded = {{}};
+window.smzModels = [];
 window.smzSent = [];
-window.smzModel = model;
-window.smzDeliver = (msg) => fire("msg:custom", msg, []);
-const bytes = Uint8Array.from(atob(document.getElementById("smz-esm").textContent.trim()), (c) => c.charCodeAt(0));
-const url = URL.createObjectURL(new Blob([new TextDecoder().decode(bytes)], {{ type: "text/javascript" }}));
-const widget = (await import(url)).default;
-if (widget.initialize) await widget.initialize({{ model }});
-await widget.render({{ model, el: document.getElementById("smz-figure") }});
+for (const [index, figure] of figures.entries()) {{
+  const state = figure.state;
+  const listeners = new Map();
+  const fire = (name, ...args) => (listeners.get(name) || []).slice().forEach((f) => f(...args));
+  const model = {{
+    get: (k) => state[k],
+    set: (k, v) => {{ const old = state[k]; state[k] = v; if (old !== v) fire(`change:${{k}}`, v); }},
+    on: (name, f) => {{ if (!listeners.has(name)) listeners.set(name, []); listeners.get(name).push(f); }},
+    off: (name, f) => {{ const l = listeners.get(name) || []; const i = l.indexOf(f); if (i >= 0) l.splice(i, 1); }},
+    send: (msg) => window.smzSent.push(msg),
+    save_changes: () => {{}},
+    deliver: (msg, buffers) => fire("msg:custom", msg, buffers || []),
+  }};
+  window.smzModels.push(model);
+  if (!loaded[figure.module]) {{
+    const bytes = Uint8Array.from(atob(code[figure.module]), (c) => c.charCodeAt(0));
+    const url = URL.createObjectURL(new Blob([new TextDecoder().decode(bytes)], {{ type: "text/javascript" }}));
+    loaded[figure.module] = (await import(url)).default;
+  }}
+  const widget = loaded[figure.module];
+  if (widget.initialize) await widget.initialize({{ model }});
+  await widget.render({{ model, el: document.getElementById(`smz-figure-${{index}}`) }});
+}}
+window.smzModel = window.smzModels[0];
 document.body.dataset.rendered = "yes";
 </script>
 </body>
@@ -106,20 +117,29 @@ def _script_json(value: Any) -> str:
 
 
 def page(
-    module: str, state: dict[str, Any], *, title: str, replies: list[dict] | None = None
+    figures: list[tuple[str, dict[str, Any]]],
+    *,
+    title: str,
+    intro: str = "",
+    headings: list[str] | None = None,
 ) -> str:
-    """A standalone HTML page that draws one figure offline.
-
-    `module` names the bundle (`graph`, `audit`, `table`); `state` is the widget's traits;
-    `replies` are the messages the page answers a `hello` from the figure with (the live
-    audit asks for what it missed). The ES module is inlined (base64), so the page needs no
-    server and no network."""
-    esm = base64.b64encode(asset(f"{module}.js").encode("utf-8")).decode("ascii")
-    css = asset(f"{module}.css").replace("</", "<\\/")
+    """A standalone HTML page that draws figures offline: `figures` are (bundle, state)
+    pairs, the bundle naming the browser half (`graph`, `audit`, `table`) and the state the
+    widget's traits. Each browser half is inlined once (base64), so the page needs no server
+    and no network. `headings` (one per figure) and `intro` are written above them."""
+    modules = list(dict.fromkeys(module for module, _ in figures))
+    css = "\n".join(asset(f"{m}.css") for m in modules).replace("</", "<\\/")
+    parts = [f"<h1>{html.escape(title)}</h1>"] if headings else []
+    if intro:
+        parts.append(f'<p class="smz-note">{html.escape(intro)}</p>')
+    for k in range(len(figures)):
+        if headings:
+            parts.append(f"<h2>{html.escape(headings[k])}</h2>")
+        parts.append(f'<div id="smz-figure-{k}" class="smz-host"></div>')
+    for m in modules:
+        esm = base64.b64encode(asset(f"{m}.js").encode("utf-8")).decode("ascii")
+        parts.append(f'<script type="text/plain" data-smz-module="{m}">{esm}</script>')
+    data = [{"module": m, "state": state} for m, state in figures]
     return _PAGE.format(
-        title=html.escape(title),
-        css=css,
-        state=_script_json(state),
-        replies=_script_json(replies or []),
-        esm=esm,
+        title=html.escape(title), css=css, body="\n".join(parts), figures=_script_json(data)
     )

@@ -1,145 +1,250 @@
-"""An SVG of a graph drawn without a browser: a plain layered layout, left to right.
+"""What every drawing is written with: escaped text, its width, one number format, the
+colour scale and its legend, nice axis ticks.
 
-The live figure draws with ELK in the browser and hands its SVG back; this is what `save_svg`
-writes for a figure that was never shown. Each node is a box in the column of its longest
-path from a root; an inside is listed in the box, a folded block as one row `×N`.
+Every figure's picture is SVG text made here in Python (`widgets/` only shows it, or draws
+the live audit from the same rules), so these are the one definition of how a number is
+written and how a value becomes a colour; `widgets/shapes.js` mirrors `number`, `viridis`
+and `scale` for the live audit and is tested against them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from decimal import ROUND_HALF_UP, Decimal
 from html import escape
 from typing import Any
 
-_VIRIDIS = [
+FONT = "system-ui, -apple-system, 'Segoe UI', 'DejaVu Sans', sans-serif"
+INK = "#1f2430"
+MUTED = "#5d6575"
+LINE = "#d7dbe3"
+
+# advance widths of ASCII 32..126 in DejaVu Sans (the widest of the fonts FONT names, so a
+# box sized with them holds its text in any of them), per 100 px, normal and bold
+_NORMAL = (
+    "32 40 46 84 64 95 78 27 39 39 50 84 32 36 32 34 64 64 64 64 64 64 64 64 64 64 34 34 84 84 "
+    "84 53 100 68 69 70 77 63 58 77 75 29 29 66 56 86 75 79 60 79 69 63 61 73 68 99 69 61 69 39 "
+    "34 39 84 50 50 61 63 55 63 62 35 63 63 28 28 58 28 97 63 61 63 63 41 52 39 63 59 82 59 59 "
+    "52 64 34 64 84"
+)
+_BOLD = (
+    "35 46 52 84 70 100 87 31 46 46 52 84 38 42 38 37 70 70 70 70 70 70 70 70 70 70 40 40 84 84 "
+    "84 58 100 77 76 73 83 68 68 82 84 37 37 77 64 100 84 85 73 85 77 72 68 81 77 110 77 72 73 "
+    "46 37 46 84 50 50 67 72 59 72 68 44 72 71 34 34 67 34 104 71 69 72 72 49 60 48 71 65 92 65 "
+    "65 58 71 37 71 84"
+)
+_WIDTHS = {False: [int(w) for w in _NORMAL.split()], True: [int(w) for w in _BOLD.split()]}
+
+
+def text_width(text: str, px: float = 12, bold: bool = False) -> float:
+    """How wide `text` is drawn at `px` pixels (DejaVu Sans; others are narrower)."""
+    table = _WIDTHS[bold]
+    total = 0
+    for ch in str(text):
+        c = ord(ch)
+        total += table[c - 32] if 32 <= c < 127 else (84 if ch in "×→←" else 70 if bold else 64)
+    return total * px / 100
+
+
+def esc(text: Any) -> str:
+    """Text made safe for SVG and HTML, quotes included."""
+    return escape(str(text), quote=True)
+
+
+def fits(text: str, width: float, px: float = 12, bold: bool = False) -> str:
+    """`text` cut to `width` pixels, keeping its end (the layer of a long path) after `…`."""
+    text = str(text)
+    if text_width(text, px, bold) <= width:
+        return text
+    while len(text) > 1 and text_width("…" + text, px, bold) > width:
+        text = text[1:]
+    return "…" + text
+
+
+def lines(text: str, width: float, px: float = 11, most: int = 2) -> list[str]:
+    """`text` broken into lines of at most `width` pixels at word ends, at most `most` lines
+    (the last cut with `…` if there is more)."""
+    out, line = [], ""
+    for word in str(text).split():
+        trial = f"{line} {word}".strip()
+        if line and text_width(trial, px) > width:
+            out.append(line)
+            line = word
+        else:
+            line = trial
+    if line:
+        out.append(line)
+    if len(out) > most:
+        out = out[:most]
+        while text_width(out[-1] + " …", px) > width and " " in out[-1]:
+            out[-1] = out[-1].rsplit(" ", 1)[0]
+        out[-1] += " …"
+    return out
+
+
+def number(value: Any) -> str:
+    """The one way a number is written in a figure: three significant digits; k, M, G, T past
+    a thousand; `1.2e-5` under a thousandth; `NaN`, `∞`, `−∞`; `–` for nothing."""
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if not isinstance(value, (int, float)):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            return str(value)
+    v = float(value)
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "∞" if v > 0 else "−∞"
+    if v == 0:
+        return "0"
+    a = abs(v)
+    sign = "−" if v < 0 else ""
+    if a < 1e-3:
+        exponent = math.floor(math.log10(a))
+        mantissa = _round(Decimal(a).scaleb(-exponent), 2)
+        if mantissa >= 10:  # 9.996e-5 rounds up to 1e-4
+            mantissa, exponent = _round(mantissa / 10, 2), exponent + 1
+        return f"{sign}{_trim(str(mantissa))}e{exponent}"
+    for size, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if a >= size * 0.9995:
+            return f"{sign}{_sig(a / size)}{suffix}"
+    return sign + _sig(a)
+
+
+def _round(d: Decimal, digits: int) -> Decimal:
+    """`d` to `digits` decimals, a tie away from zero (as a browser's toFixed rounds)."""
+    return d.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
+
+
+def _sig(a: float) -> str:
+    """`a` (0.001 ≤ a < 1000) to three significant digits, without trailing zeros."""
+    digits = max(0, 2 - math.floor(math.log10(a)))
+    text = str(_round(Decimal(a), digits))
+    if float(text) >= 1000:  # 999.96 rounds up to a thousand
+        return "1000"
+    return _trim(text)
+
+
+def _trim(text: str) -> str:
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+VIRIDIS = [
     (68, 1, 84),
+    (72, 40, 120),
     (62, 74, 137),
+    (49, 104, 142),
     (38, 130, 142),
+    (31, 158, 137),
     (53, 183, 121),
+    (109, 205, 89),
+    (180, 222, 44),
     (253, 231, 37),
 ]
 
 
-def _viridis(t: float) -> str:
-    t = min(1.0, max(0.0, t)) * (len(_VIRIDIS) - 1)
-    i = min(len(_VIRIDIS) - 2, int(t))
-    f = t - i
-    c = [round(a + (b - a) * f) for a, b in zip(_VIRIDIS[i], _VIRIDIS[i + 1], strict=True)]
+def viridis(t: float) -> str:
+    """A perceptual colour for t in [0, 1] (viridis, sampled)."""
+    t = 0.0 if not math.isfinite(t) else min(1.0, max(0.0, t))
+    x = t * (len(VIRIDIS) - 1)
+    i = min(len(VIRIDIS) - 2, int(x))
+    f = x - i
+    c = [round(a + (b - a) * f) for a, b in zip(VIRIDIS[i], VIRIDIS[i + 1], strict=True)]
     return f"rgb({c[0]},{c[1]},{c[2]})"
 
 
-def _scale(colour: dict[str, Any]):
-    xs = [v for v in colour.values() if isinstance(v, (int, float)) and math.isfinite(v)]
-    if not xs:
-        return lambda v: None
-    lo, hi = min(xs), max(xs)
-    log = lo > 0 and hi / lo > 100
-    f = math.log10 if log else (lambda v: v)
-    a, b = f(lo), f(hi)
-
-    def fill(v: Any) -> tuple[str, str] | None:
-        """(fill, ink) for a value, or None."""
-        if not isinstance(v, (int, float)) or not math.isfinite(v):
-            return None
-        t = 0.5 if a == b else (f(v) - a) / (b - a)
-        return _viridis(t), ("#111" if t > 0.55 else "#fff")
-
-    return fill
+def ink_on(t: float) -> str:
+    """Readable text on a viridis fill: dark on the bright end, light on the dark end."""
+    return "#111" if t > 0.55 else "#fff"
 
 
-def _rows(inside: dict[str, Any]) -> list[tuple[int, str, str]]:
-    """(indent, text, path) per row: leaf layers, and a folded block's header."""
-    layers = inside.get("layers", [])
-    blocks = {layer.get("block") for layer in layers if layer.get("block")}
-    times = {layer["path"]: layer.get("times", 1) for layer in layers}
-    rows = []
-    for layer in layers:
-        depth, b = 0, layer.get("block")
-        while b:
-            depth += 1
-            parent = next((x for x in layers if x["path"] == b), None)
-            b = parent.get("block") if parent else None
-        text = str(layer.get("label") or layer.get("kind") or layer["path"])
-        if layer.get("times", 1) > max(1, times.get(layer.get("block"), 1)):
-            text += f"  ×{layer['times']}"
-        shape = layer.get("shape")
-        if layer["path"] not in blocks and isinstance(shape, list) and shape:
-            text += "  [" + "×".join(map(str, shape)) + "]"
-        rows.append((depth, text, layer["path"]))
-    return rows
+class Scale:
+    """Numbers to [0, 1]: linear, or logarithmic when they are all positive and span more
+    than two decades. Non-numbers and infinities are left out of the range."""
+
+    def __init__(self, values: Iterable[Any]) -> None:
+        xs = [
+            float(v)
+            for v in values
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ]
+        self.lo = min(xs) if xs else 0.0
+        self.hi = max(xs) if xs else 0.0
+        self.empty = not xs
+        self.log = bool(xs) and self.lo > 0 and self.hi / self.lo > 100
+        f = math.log10 if self.log else float
+        self._a, self._b = (f(self.lo), f(self.hi)) if xs else (0.0, 0.0)
+        self._f = f
+
+    def t(self, v: float) -> float:
+        """Where `v` falls, from 0 (lowest) to 1 (highest)."""
+        if self._b == self._a:
+            return 0.5
+        if self.log and v <= 0:
+            return 0.0
+        return min(1.0, max(0.0, (self._f(v) - self._a) / (self._b - self._a)))
 
 
-def fallback_svg(plan: dict[str, Any], insides: dict[str, Any], colour: dict[str, Any]) -> str:
-    """The graph as SVG text, laid out here (see the module's docstring)."""
-    nodes = [str(n["id"]) for n in plan.get("nodes", [])]
-    kinds = {str(n["id"]): str(n.get("kind", "")) for n in plan.get("nodes", [])}
-    edges = [(str(a), str(b)) for a, b in plan.get("edges", [])]
-    preds: dict[str, list[str]] = {n: [] for n in nodes}
-    for a, b in edges:
-        preds.setdefault(b, []).append(a)
-    column: dict[str, int] = {}
-    order = plan.get("order") or nodes
-    for n in order:
-        column[n] = max((column.get(p, 0) + 1 for p in preds.get(n, [])), default=0)
-    fill = _scale(colour)
-    size = {}
-    for n in nodes:
-        rows = _rows(insides[n]) if n in insides else []
-        width = max([len(n) * 8, len(kinds[n]) * 7] + [len(t) * 6.6 + 14 * d for d, t, _ in rows])
-        size[n] = (width + 28, 46 + 20 * len(rows) + (8 if rows else 0))
-    cols: dict[int, list[str]] = {}
-    for n in nodes:
-        cols.setdefault(column[n], []).append(n)
-    x, pos = 16.0, {}
-    height = 0.0
-    for c in sorted(cols):
-        y = 16.0
-        for n in cols[c]:
-            pos[n] = (x, y)
-            y += size[n][1] + 24
-        height = max(height, y)
-        x += max(size[n][0] for n in cols[c]) + 56
-    width = x - 40
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="system-ui, \'DejaVu Sans\', '
-        f'sans-serif">',
-        '<defs><marker id="a" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
-        'markerHeight="7" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#7b8496"/></marker>'
-        "</defs>",
-        f'<rect width="{width:.0f}" height="{height:.0f}" fill="#fff"/>',
-    ]
-    for a, b in edges:
-        (xa, ya), (xb, yb) = pos[a], pos[b]
-        x1, y1 = xa + size[a][0], ya + 23
-        x2, y2 = xb, yb + 23
-        mid = (x1 + x2) / 2
-        out.append(
-            f'<path d="M{x1:.1f},{y1:.1f} C{mid:.1f},{y1:.1f} {mid:.1f},{y2:.1f} {x2:.1f},{y2:.1f}"'
-            ' fill="none" stroke="#7b8496" stroke-width="1.3" marker-end="url(#a)"/>'
-        )
-    for n in nodes:
-        (x0, y0), (w, h) = pos[n], size[n]
-        bg, ink = fill(colour.get(n)) or ("#f6f7fa", "#1f2430")
-        out.append(
-            f'<g class="node"><rect x="{x0:.1f}" y="{y0:.1f}" width="{w:.1f}" height="{h:.1f}" '
-            f'rx="8" fill="{bg}" stroke="#9aa3b5"/>'
-            f'<text x="{x0 + 12:.1f}" y="{y0 + 19:.1f}" font-size="13" font-weight="700" '
-            f'fill="{ink}">{escape(n)}</text>'
-            f'<text x="{x0 + 12:.1f}" y="{y0 + 34:.1f}" font-size="11" fill="{ink}" '
-            f'fill-opacity="0.75">{escape(kinds[n])}</text>'
-        )
-        if n in insides:
-            for i, (depth, text, path) in enumerate(_rows(insides[n])):
-                ry = y0 + 46 + 20 * i
-                lf, link = fill(colour.get(f"{n}.{path}")) or ("#ffffff", "#1f2430")
-                rx = x0 + 10 + 14 * depth
-                out.append(
-                    f'<rect x="{rx:.1f}" y="{ry:.1f}" width="{x0 + w - 10 - rx:.1f}" height="17" '
-                    f'rx="3" fill="{lf}" stroke="#b9c0cd"/>'
-                    f'<text x="{rx + 6:.1f}" y="{ry + 12.5:.1f}" font-size="11" fill="{link}">'
-                    f"{escape(text)}</text>"
-                )
-        out.append("</g>")
-    out.append("</svg>")
-    return "\n".join(out)
+def colour_bar(x: float, y: float, width: float, scale: Scale, label: str) -> list[str]:
+    """SVG for a colour legend: the label, the low end, a viridis bar, the high end."""
+    out = []
+    lw = text_width(label, 11, True) + 8
+    out.append(
+        f'<text x="{x:.1f}" y="{y + 9:.1f}" font-size="11" font-weight="700" fill="{INK}">'
+        f"{esc(label)}{' (log)' if scale.log else ''}</text>"
+    )
+    x += lw + (text_width(" (log)", 11, True) if scale.log else 0)
+    lo = number(scale.lo)
+    out.append(f'<text x="{x:.1f}" y="{y + 9:.1f}" font-size="11" fill="{MUTED}">{esc(lo)}</text>')
+    x += text_width(lo, 11) + 6
+    stops = "".join(
+        f'<rect x="{x + i * width / 10:.1f}" y="{y:.1f}" width="{width / 10 + 0.4:.1f}" '
+        f'height="10" fill="{viridis(i / 9)}"/>'
+        for i in range(10)
+    )
+    out.append(f'<g class="smz-bar">{stops}</g>')
+    x += width + 6
+    out.append(
+        f'<text x="{x:.1f}" y="{y + 9:.1f}" font-size="11" fill="{MUTED}">'
+        f"{esc(number(scale.hi))}</text>"
+    )
+    return out
+
+
+def ticks(lo: float, hi: float, most: int = 6, log: bool = False, whole: bool = False) -> list[float]:
+    """Round values for an axis from lo to hi: at most about `most` of them (on a log axis,
+    the powers of ten between, thinned to `most`; with `whole`, integers only)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return []
+    if log:
+        a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+        step = max(1, math.ceil((b - a + 1) / most))
+        return [10.0**k for k in range(a, b + 1, step) if lo <= 10.0**k <= hi] or [lo, hi]
+    if hi == lo:
+        return [lo]
+    raw = (hi - lo) / max(1, most - 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    if whole:
+        step = max(1.0, round(step))
+    first = math.ceil(lo / step - 1e-9) * step
+    out, k = [], 0
+    while first + k * step <= hi + step * 1e-9:
+        out.append(round(first + k * step, 12))
+        k += 1
+    return out
+
+
+def tick_labels(values: list[float]) -> list[str]:
+    """Ticks written one way (`number`), with more digits only where two would read alike."""
+    labels = [number(v) for v in values]
+    digits = 4
+    while len(set(labels)) < len(labels) and digits < 12:
+        labels = [_trim(f"{v:.{digits}g}") if "e" not in f"{v:.{digits}g}" else number(v) for v in values]
+        digits += 1
+    return labels

@@ -1,13 +1,14 @@
 """The graph figure: a graph's nodes left to right, each open into what it is made of.
 
 `graph_figure(g, inside=architecture(g, x), colour=probe_numbers)` is what `g.figure(...)`
-and `g` alone in a cell call. The drawing is done in the browser (ELK's layered layout,
-bundled); this half holds the data and saves it.
+and `g` alone in a cell call. This half checks the data, lays it out and draws it as SVG
+(`_scene`, `_layout`, `_draw`); the browser half shows that drawing and sends back clicks.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,9 @@ from typing import Any
 import anywidget
 import traitlets
 
+from somatize.figures._draw import picture
+from somatize.figures._face import Face, image
 from somatize.figures._page import STATIC, jsonable, page
-from somatize.figures._svg import fallback_svg
 from somatize.graph import as_graph
 
 __all__ = ["GraphFigure", "graph_figure"]
@@ -31,7 +33,7 @@ def _plan_of(graph: Any) -> dict[str, Any]:
         plan = as_graph(graph).plan_json()  # a bare module: a graph of one node
     else:
         raise TypeError(
-            f"a graph figure draws a Graph (or its plan_json() dict), not {type(graph).__name__}"
+            f"a graph figure draws a Graph, a bare module (or a plan_json() dict), not {type(graph).__name__}"
         )
     if not isinstance(plan.get("nodes"), list) or not isinstance(plan.get("edges"), list):
         raise ValueError("a graph's plan needs 'nodes' and 'edges' lists (see Graph.plan_json())")
@@ -100,12 +102,19 @@ def _colours(plan: dict[str, Any], colour: Any) -> dict[str, Any]:
     return out
 
 
-class GraphFigure(anywidget.AnyWidget):
-    """A live drawing of a graph: nodes left to right (ELK's layered layout), placement badges
-    (device, host), marks for cached, frozen and mapped nodes; with insides, each node opens
-    into its layers, folded `×N` blocks unfold on click, hover says kind, shape and
-    parameters; `colour` paints any `{where: number}` with a legend. Change a trait and the
-    drawing updates in place. `save_html` and `save_svg` keep it."""
+class GraphFigure(Face, anywidget.AnyWidget):
+    """A live drawing of a graph: its nodes left to right, placement badges (device, host),
+    marks for cached, frozen and mapped nodes; with insides, each node opens into its layers
+    (a shape per kind, output shapes named by axis), a block folded `×N` unfolds on click, a
+    residual edge in the accent colour, branches framed. `colour` paints any
+    `{where: number}` with a legend. A graph too long for its output area wraps into rows, a
+    network too deep into columns; the browser fits it to the output area, pans, zooms (wheel
+    with Ctrl) and shows a minimap past a screenful.
+
+    The drawing is made here, in Python (`drawing`, SVG): the browser shows it, and a click
+    that opens a node or unfolds a block changes `opened` or `expanded`, which redraws it.
+    The same SVG is the figure's static face in a saved notebook and what `save_svg`
+    writes."""
 
     _esm = STATIC / "graph.js"
     _css = STATIC / "graph.css"
@@ -117,48 +126,63 @@ class GraphFigure(anywidget.AnyWidget):
     colour = traitlets.Dict().tag(sync=True)
     colour_label = traitlets.Unicode("").tag(sync=True)
     height = traitlets.Int(640).tag(sync=True)
+    width = traitlets.Int(1000).tag(sync=True)
     name = traitlets.Unicode("graph").tag(sync=True)
-    _svg = traitlets.Unicode("").tag(sync=True)
+    drawing = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, **traits: Any) -> None:
+        super().__init__(**traits)
+        self._draw()
+        self.observe(
+            lambda _: self._draw(),
+            ["plan", "inside", "opened", "expanded", "colour", "colour_label", "width", "height"],
+        )
+
+    def _draw(self) -> None:
+        room = (max(320.0, self.width - 24.0), max(240.0, self.height - 40.0))
+        self.drawing = picture(
+            self.plan, self.inside, list(self.opened), list(self.expanded), self.colour,
+            self.colour_label, room,
+        )
 
     def recolour(self, colour: Any = None, label: str | None = None) -> None:
         """Paint `{where: number}` on the drawing (None clears it); refused, leaving the
         colours as they were, when a key is no node or node.path of this graph."""
         new = _colours(self.plan, colour)
-        self.colour = new
-        if label is not None:
-            self.colour_label = label
+        with self.hold_trait_notifications():
+            self.colour = new
+            if label is not None:
+                self.colour_label = label
+
+    def svg(self) -> str:
+        """The drawing as SVG text (each box's tooltip in its `<title>`)."""
+        return self.drawing
+
+    def face(self) -> str:
+        """The drawing as an image for a notebook's output, without what only a live view
+        reads (tooltips, what a click changes): a picture shows no tooltip."""
+        still = re.sub(r'<title>[^<]*</title>| data-[a-z]+="[^"]*"| cursor="pointer"', "", self.drawing)
+        return image(still, self.plain())
+
+    def plain(self) -> str:
+        """One line: how many nodes, which ones, which are open."""
+        ids = [str(n["id"]) for n in self.plan.get("nodes", [])]
+        shown = ", ".join(ids[:6]) + (", …" if len(ids) > 6 else "")
+        opened = f"; open: {', '.join(self.opened)}" if self.opened else ""
+        return f"{self.name}: {len(ids)} node{'s' * (len(ids) != 1)} ({shown}){opened}"
+
+    def save_html(self, path: str | Path) -> Path:
+        """Write a standalone page with the figure in it (fit, pan, zoom, hover, minimap), drawn
+        offline: the browser half and the drawing are inside the page. Opening a node or a
+        block needs a kernel, so there the drawing stays as it was saved."""
+        path = Path(path)
+        path.write_text(page([("graph", self.state())], title=self.name), encoding="utf-8")
+        return path
 
     def state(self) -> dict[str, Any]:
         """The figure's data as one dict: what a saved page draws from."""
-        return {
-            "plan": self.plan,
-            "inside": self.inside,
-            "opened": list(self.opened),
-            "expanded": list(self.expanded),
-            "colour": self.colour,
-            "colour_label": self.colour_label,
-            "height": self.height,
-            "name": self.name,
-            "_svg": "",
-        }
-
-    def save_html(self, path: str | Path) -> Path:
-        """Write a standalone HTML page with the figure alive in it (fold, unfold, hover),
-        drawn offline: the bundle and the data are inside the page."""
-        path = Path(path)
-        path.write_text(page("graph", self.state(), title=self.name), encoding="utf-8")
-        return path
-
-    def svg(self) -> str:
-        """The drawing as SVG text: what the browser last drew when the figure has been shown
-        (ELK's layout, as seen), else one drawn here from a simpler layered layout."""
-        return self._svg or fallback_svg(self.plan, self.inside, self.colour)
-
-    def save_svg(self, path: str | Path) -> Path:
-        """Write the drawing as an SVG file (see `svg`)."""
-        path = Path(path)
-        path.write_text(self.svg(), encoding="utf-8")
-        return path
+        keys = ("plan", "inside", "opened", "expanded", "colour", "colour_label", "height", "width", "name", "drawing")
+        return {k: jsonable(getattr(self, k)) for k in keys}
 
 
 def graph_figure(
@@ -170,14 +194,19 @@ def graph_figure(
     opened: Any = None,
     expanded: Any = (),
     height: int = 640,
+    width: int = 1000,
     name: str | None = None,
 ) -> GraphFigure:
-    """Draw a graph (a `Graph`, or its `plan_json()` dict) as a `GraphFigure`.
+    """Draw a graph (a `Graph`, a bare module as a graph of one node, or a `plan_json()`
+    dict) as a `GraphFigure`.
 
     `inside` is `{node: Inside}` (what `somatize.torch.architecture(g, x)` returns, or the
     insides' `.to_json()` dicts); every node given one opens into its layers, unless `opened`
     lists which do. `colour` is `{where: number}` keyed by `node` or `node.path.to.layer`.
-    `expanded` lists folded blocks to show unfolded, as `"node:block.path"`. Refused with a
+    `expanded` lists folded blocks to show unfolded, as `"node:block.path"`. `width` and
+    `height` are the output area's, in pixels, which the drawing is laid out to fit (a graph
+    longer than the width wraps into rows, a network deeper than the height into columns); the
+    browser tells the figure its real width once it is shown. Refused with a
     clear error: insides or colours for nodes the graph does not have, colours that are not
     numbers."""
     plan = _plan_of(graph)
@@ -201,5 +230,6 @@ def graph_figure(
         colour=colours,
         colour_label=colour_label,
         height=int(height),
+        width=int(width),
         name=name or "graph",
     )

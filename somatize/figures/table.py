@@ -1,7 +1,7 @@
-"""Candidates compared before anyone trains them: a DataFrame first, a sortable widget second.
+"""Candidates compared before anyone trains them: a DataFrame first, a table widget second.
 
-df = compare({"wide": g1, "deep": g2}, x, target=y, objective=loss)
-CompareTable(df, measured={"wide": 0.91, "deep": 0.87})
+    df = compare({"wide": g1, "deep": g2}, x, target=y, objective=loss)
+    CompareTable(df, measured={"wide": 0.91, "deep": 0.87})
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from typing import Any
 import anywidget
 import traitlets
 
+from somatize.figures._explain import PROXIES, explanations
+from somatize.figures._face import Face
 from somatize.figures._page import STATIC, jsonable, page
+from somatize.figures._svg import number, text_width
+from somatize.figures._table_face import WIDEST, html
 from somatize.graph import as_graph
 
 __all__ = ["CompareTable", "compare"]
@@ -25,45 +29,57 @@ PROXY = "proxy:"
 
 
 def _parameter_count(graph: Any) -> int:
-    try:
-        from somatize.torch import parameters
-    except ImportError:
-        parameters = None
-    if parameters is not None:
-        return sum(p.numel() for p in parameters(graph))
-    seen, total = set(), 0
-    for node in graph.nodes():
-        impl = graph.implementation(node)
-        for p in getattr(impl, "parameters", lambda: [])():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel()
-    return total
+    from somatize.torch import parameters
+
+    return sum(p.numel() for p in parameters(graph))
 
 
-def _optional(module: str, name: str) -> Any:
-    import importlib
+def _named(candidates: Any) -> dict[str, Any]:
+    """Candidates as {name: graph}: a mapping as it is, a list or tuple named after what
+    each is (a module's class, a graph's nodes), a repeated name numbered."""
+    if isinstance(candidates, Mapping):
+        return {str(k): v for k, v in candidates.items()}
+    if not isinstance(candidates, (list, tuple)):
+        raise TypeError(
+            f"compare() takes the candidates as {{name: graph}} or a list of graphs, not "
+            f"{type(candidates).__name__}"
+        )
+    out: dict[str, Any] = {}
+    for graph in candidates:
+        nodes = getattr(graph, "nodes", None)
+        if callable(nodes) and hasattr(graph, "implementation"):
+            ids = list(nodes())
+            name = " → ".join(ids) if len(ids) <= 4 else f"{ids[0]} → … → {ids[-1]} ({len(ids)})"
+        else:
+            name = type(graph).__name__
+        base, k = name, 2
+        while name in out:
+            name, k = f"{base} ({k})", k + 1
+        out[name] = graph
+    return out
 
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
 
+def _probe_summary(numbers: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The median over places of every metric a probe gave, and the flags the health
+    verdict raises at any place (as `where: FLAG` text)."""
+    from somatize.health import verdict
 
-def _probe_summary(numbers: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
-    """The median over places of every metric a probe gave."""
     by_metric: dict[str, list[float]] = {}
-    for values in numbers.values():
+    flags = []
+    for where, values in numbers.items():
+        flags += [f"{f}@{where}" for f in verdict(values)]
         for metric, v in values.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
             if math.isfinite(v):
                 by_metric.setdefault(metric, []).append(float(v))
-    return {f"{PROBE}{m}": statistics.median(vs) for m, vs in sorted(by_metric.items())}
+    out: dict[str, Any] = {f"{PROBE}{m}": statistics.median(vs) for m, vs in sorted(by_metric.items())}
+    out[f"{PROBE}flags"] = ", ".join(flags)
+    return out
 
 
 def compare(
-    candidates: Mapping[str, Any],
+    candidates: Any,
     example: Any,
     *,
     target: Any = None,
@@ -72,38 +88,39 @@ def compare(
 ) -> Any:
     """Probe summaries and proxies of several candidate graphs, side by side, before training.
 
-    A pandas DataFrame with a row per candidate (in the order given) and columns: `params`
-    (parameter count), `probe:<metric>` (the median over places of what
-    `somatize.torch.probe` measured at initialisation), `proxy:<name>` (every score
-    `somatize.torch.proxies` could take with what it was given; higher is better), and
-    `measured` when given (`{candidate: number}`, e.g. accuracy after training). Refused:
-    no candidates, a measured value for a candidate that is not there."""
+    `candidates` is `{name: graph}` or a list of graphs (or bare modules), named then after
+    their nodes or their class. A pandas DataFrame with a row per candidate, in the order
+    given, and columns: `params` (parameter count), `proxy:<name>` (every score
+    `somatize.torch.proxies` could take with what it was given; higher is better),
+    `probe:<metric>` (the median over places of what `somatize.torch.probe` measured at
+    initialisation), `probe:flags` (what `somatize.health.verdict` says of any place), and
+    `measured` when given (`{candidate: number}`, e.g. accuracy after training). Refused: no
+    candidates, a measured value for a candidate that is not there."""
     import pandas as pd
 
-    if not candidates:
-        raise ValueError("compare() needs at least one candidate: {name: Graph}")
+    from somatize.torch import probe, proxies
+
+    named = _named(candidates)
+    if not named:
+        raise ValueError("compare() needs at least one candidate: {name: graph} or [graph, ...]")
     if measured is not None:
-        unknown = [k for k in measured if k not in candidates]
+        unknown = [k for k in measured if k not in named]
         if unknown:
             raise ValueError(
                 f"measured= names {', '.join(map(repr, unknown))}, not among the candidates "
-                f"({', '.join(map(repr, candidates))})"
+                f"({', '.join(map(repr, named))})"
             )
-    probe = _optional("somatize.torch", "probe")
-    proxies = _optional("somatize.torch", "proxies")
     rows = {}
-    for name, graph in candidates.items():
+    for name, graph in named.items():
         graph = as_graph(graph)  # a bare module is a graph of one node
         row: dict[str, Any] = {"params": _parameter_count(graph)}
-        if probe is not None:
-            row.update(_probe_summary(probe(graph, example)))
-        if proxies is not None:
-            scores = proxies(graph, example, target=target, objective=objective)
-            row.update({f"{PROXY}{k}": float(v) for k, v in scores.items()})
         if measured is not None:
             value = measured.get(name)
             row["measured"] = float(value) if value is not None else math.nan
-        rows[str(name)] = row
+        scores = proxies(graph, example, target=target, objective=objective)
+        row.update({f"{PROXY}{k}": float(v) for k, v in scores.items()})
+        row.update(_probe_summary(probe(graph, example)))
+        rows[name] = row
     df = pd.DataFrame.from_dict(rows, orient="index")
     df.index.name = "candidate"
     return df
@@ -125,30 +142,41 @@ def _correlations(df: Any, measured: str) -> dict[str, float | None]:
     return out
 
 
-def _direction(column: str, measured: str) -> bool | None:
-    """Higher is better for proxies and the measured column; the rest are not ranked."""
-    if column == measured or column.startswith(PROXY):
-        return True
-    return None
+def _group(column: str, measured: str) -> str:
+    if column == measured:
+        return "measured"
+    if column == "params":
+        return "size"
+    if column.startswith(PROXY):
+        return "proxy"
+    if column.startswith(PROBE):
+        return "probe"
+    return "other"
 
 
-class CompareTable(anywidget.AnyWidget):
-    """A comparison table as a widget: a row per candidate, sorted by a click on a column's
-    header (again to reverse), proxy and measured cells coloured by their rank in their column
-    (best green), and, with a measured column, a last row of each column's Spearman rank
-    correlation with it. Refused: a measured column the DataFrame does not have."""
+_ORDER = ("measured", "size", "proxy", "probe", "other")
+
+
+class CompareTable(Face, anywidget.AnyWidget):
+    """A comparison table as a widget: a row per candidate, its name kept in view when the
+    table scrolls, `measured` next to it, then the size, the proxy scores and the probe's
+    numbers, grouped; columns past 1400 px (the probe's first) behind a toggle. A click on a
+    header sorts (again to reverse). Proxy and measured cells are coloured by their rank in
+    their column (best green); a probe value the health verdict flags is tinted red; with a
+    measured column, a last row holds each column's Spearman rank correlation with it, and a
+    scatter plots any score (chosen from a menu) against it. Every number is written one way;
+    every column is explained in its header's tooltip and under the table. Refused: a
+    measured column the DataFrame does not have, measured values for rows it does not have."""
 
     _esm = STATIC / "table.js"
     _css = STATIC / "table.css"
 
-    data = traitlets.Dict().tag(sync=True)
-    index_name = traitlets.Unicode("candidate").tag(sync=True)
-    higher_better = traitlets.Dict().tag(sync=True)
-    measured = traitlets.Unicode("").tag(sync=True)
-    correlations = traitlets.Dict().tag(sync=True)
+    table = traitlets.Dict().tag(sync=True)
     sort_by = traitlets.Unicode("").tag(sync=True)
     ascending = traitlets.Bool(False).tag(sync=True)
-    note = traitlets.Unicode("").tag(sync=True)
+    shown = traitlets.List(traitlets.Unicode()).tag(sync=True)
+    scatter = traitlets.Unicode("").tag(sync=True)
+    drawing = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, df: Any, *, measured: Any = None, higher_better: Any = None) -> None:
         import pandas as pd
@@ -156,6 +184,7 @@ class CompareTable(anywidget.AnyWidget):
         if not isinstance(df, pd.DataFrame):
             raise TypeError(f"CompareTable shows a pandas DataFrame, not {type(df).__name__}")
         df = df.copy()
+        df.columns = [str(c) for c in df.columns]
         column = ""
         if isinstance(measured, str):
             if measured not in df.columns:
@@ -175,39 +204,124 @@ class CompareTable(anywidget.AnyWidget):
             df[column] = values.reindex(df.index)
         elif "measured" in df.columns:
             column = "measured"
-        df.columns = [str(c) for c in df.columns]
-        directions = {c: _direction(c, column) for c in df.columns}
-        directions.update(dict(higher_better or {}))
-        super().__init__(
-            data={
-                "index": [str(i) for i in df.index],
-                "columns": list(df.columns),
-                "values": jsonable(df.astype(object).where(df.notna(), None).values.tolist()),
-            },
-            index_name=str(df.index.name or "candidate"),
-            higher_better=directions,
-            measured=column,
-            correlations=_correlations(df, column) if column else {},
-            sort_by=column,
-            note="" if not column else f"ρ: Spearman rank correlation with {column}",
-        )
+        groups = {c: _group(c, column) for c in df.columns}
+        df = df[sorted(df.columns, key=lambda c: (_ORDER.index(groups[c]), list(df.columns).index(c)))]
+        higher = {c: (True if groups[c] in ("measured", "proxy") else None) for c in df.columns}
+        higher.update(dict(higher_better or {}))
+        correlations = _correlations(df.select_dtypes("number"), column) if column else {}
+        proxy_cols = [c for c in df.columns if groups[c] == "proxy" and correlations.get(c) is not None]
+        best = max(proxy_cols, key=lambda c: abs(correlations[c]), default="")
         self.frame = df
+        table = {
+            "index": [str(i) for i in df.index],
+            "index_name": str(df.index.name or "candidate"),
+            "columns": list(df.columns),
+            "values": jsonable(df.astype(object).where(df.notna(), None).values.tolist()),
+            "groups": groups,
+            "higher": higher,
+            "measured": column,
+            "correlations": correlations,
+            "explain": _explain(df.columns, column),
+            "flagged": _flagged(df),
+        }
+        super().__init__(table=table, sort_by=column, scatter=best)
+        self._draw()
+        self.observe(lambda _: self._draw(), ["table", "sort_by", "ascending", "shown", "scatter"])
+
+    def _draw(self) -> None:
+        self.drawing = html({**self.table, "hidden": self.hidden(), "sort_by": self.sort_by,
+                             "ascending": self.ascending, "scatter": self.scatter})
+
+    def hidden(self) -> list[str]:
+        """The columns behind a toggle: past 1400 px, the probe's first, then the others
+        past what fits, unless their group was opened (`shown`)."""
+        t = self.table
+        names = max([80.0] + [text_width(n, 12, True) + 18 for n in t["index"]])
+        widths = {}
+        for j, c in enumerate(t["columns"]):
+            texts = [v if isinstance(v, str) else number(v) for v in (row[j] for row in t["values"])]
+            widths[c] = max([text_width(c.split(":", 1)[-1] + " ▼", 12, True)] + [text_width(x, 12) for x in texts]) + 18
+        # a group opened by hand is room given: it does not push others behind a toggle
+        total = names + sum(w for c, w in widths.items() if t["groups"][c] not in self.shown)
+        out: list[str] = []
+        for group in ("probe", "other", "proxy"):
+            if total <= WIDEST:
+                break
+            if group in self.shown:
+                continue
+            for c in reversed([c for c in t["columns"] if t["groups"][c] == group]):
+                if total <= WIDEST and group != "probe":
+                    break
+                out.append(c)
+                total -= widths[c]
+        return [c for c in t["columns"] if c in out]
+
+    def face(self) -> str:
+        """The table as HTML (the scatter and the legend included)."""
+        return self.drawing
+
+    def plain(self) -> str:
+        """One line: how many candidates, and the best by what."""
+        t = self.table
+        return f"comparison of {len(t['index'])} candidates on {len(t['columns'])} columns" + (
+            f", sorted by {self.sort_by}" if self.sort_by else ""
+        )
+
+    def svg(self) -> str:
+        """The table (its scatter and legend too) as SVG: the HTML held in a foreignObject,
+        sized for the rows and the legend it has."""
+        t = self.table
+        rows = len(t["index"]) + (1 if t["measured"] else 0)
+        below = max(270 if t["measured"] else 0, 22 + 17 * len(t["explain"]))
+        height = 70 + 26 * rows + 30 + below
+        return (
+            f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDEST:.0f}" height="{height}" '
+            f'viewBox="0 0 {WIDEST:.0f} {height}"><foreignObject width="{WIDEST:.0f}" height="{height}">'
+            f'<div xmlns="http://www.w3.org/1999/xhtml" style="background:#fff">{self.drawing}</div>'
+            "</foreignObject></svg>"
+        )
+
+    def state(self) -> dict[str, Any]:
+        """The table's traits: what a saved page draws from."""
+        return {k: jsonable(getattr(self, k)) for k in ("table", "sort_by", "ascending", "shown", "scatter", "drawing")}
 
     def save_html(self, path: str | Path) -> Path:
-        """Write a standalone HTML page with the table (sortable) in it, drawn offline."""
+        """Write a standalone page with the table in it (sorting, toggles and the scatter's
+        menu working), drawn offline."""
         path = Path(path)
-        state = {
-            k: getattr(self, k)
-            for k in (
-                "data",
-                "index_name",
-                "higher_better",
-                "measured",
-                "correlations",
-                "sort_by",
-                "ascending",
-                "note",
-            )
-        }
-        path.write_text(page("table", state, title="comparison"), encoding="utf-8")
+        path.write_text(page([("table", self.state())], title="comparison"), encoding="utf-8")
         return path
+
+
+def _explain(columns: Any, measured: str) -> dict[str, str]:
+    metrics = explanations()["metrics"]
+    out = {}
+    for c in columns:
+        if c == measured:
+            out[c] = "What was measured after training (accuracy, say): the yardstick for the rest."
+        elif c == "params":
+            out[c] = "How many parameters the candidate trains."
+        elif c == f"{PROBE}flags":
+            out[c] = "What somatize.health.verdict says of the probe at any place (FLAG@where)."
+        elif c.startswith(PROXY):
+            out[c] = PROXIES.get(c[len(PROXY) :], "A zero-cost proxy score; higher is better.")
+        elif c.startswith(PROBE):
+            name = c[len(PROBE) :]
+            out[c] = "Median over places at initialisation: " + metrics.get(name, name)
+    return out
+
+
+def _flagged(df: Any) -> dict[str, list[str]]:
+    """Probe cells whose value the health verdict flags, as {"row|column": flags}."""
+    from somatize.health import verdict
+
+    out = {}
+    for c in df.columns:
+        if not c.startswith(PROBE) or c == f"{PROBE}flags":
+            continue
+        for row, v in df[c].items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                flags = [str(f) for f in verdict({c[len(PROBE) :]: float(v)})]
+                if flags:
+                    out[f"{row}|{c}"] = flags
+    return out

@@ -5,8 +5,10 @@
         print(where, flags, [about(f) for f in flags])
 
 `seen` reads what an Audit recorded (or takes a probe's answer, which has the same shape),
-`verdict` turns one place's numbers into flags under `Thresholds`, `diagnose` does both for a
-whole run. Flags: NAN, INF (numeric); VANISHING, EXPLODING (signal); DEAD, SATURATED
+`verdict` turns one place's numbers into flags under `Thresholds` (the one source of every
+threshold), `diagnose` does both for a whole run, and `Verdicts` does it fact by fact as they
+arrive (what a live figure marks). `METRICS` says what each number is, `where_of` which place
+a fact is about. Flags: NAN, INF (numeric); VANISHING, EXPLODING (signal); DEAD, SATURATED
 (activation); STALLED, OVERSTEPPING (step); DEAD_CHANNELS(n), IGNORED_CHANNELS(n), LEAKAGE,
 NARROWING (capacity). Nothing here imports torch.
 """
@@ -31,7 +33,8 @@ from somatize.health.flags import (
     about,
     family,
 )
-from somatize.health.seen import diagnose, seen, seen_in
+from somatize.health.metrics import METRICS
+from somatize.health.seen import WINDOW, Verdicts, diagnose, numbers_of, seen, seen_in, where_of
 from somatize.health.verdict import Thresholds, verdict
 
 __all__ = [
@@ -42,18 +45,23 @@ __all__ = [
     "IGNORED_CHANNELS",
     "INF",
     "LEAKAGE",
+    "METRICS",
     "NAN",
     "NARROWING",
     "OVERSTEPPING",
     "SATURATED",
     "STALLED",
     "VANISHING",
+    "WINDOW",
     "Flag",
     "Thresholds",
+    "Verdicts",
     "about",
     "diagnose",
     "family",
+    "numbers_of",
     "seen",
     "seen_in",
     "verdict",
+    "where_of",
 ]

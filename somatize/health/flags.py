@@ -92,8 +92,8 @@ _ABOUT = {
     "the learning rate or add warm-up.",
     "DEAD_CHANNELS": "Some channels never activate over the window: they cost compute and learn "
     "nothing; reinitialise them or use a leaky activation.",
-    "IGNORED_CHANNELS": "Many channels are dormant (far below the layer's average activity): the "
-    "layer is using less width than it has; consider resetting them or a smaller layer.",
+    "IGNORED_CHANNELS": "Most of the channels coming into this place get almost no gradient: "
+    "it ignores them; look for a mask, a slice or a bug that drops them, or feed it fewer.",
     "LEAKAGE": "Channel groups declared apart carry nearly the same information (high CKA): "
     "whatever should keep them separate is not doing it.",
     "NARROWING": "The representation here spans very few directions (low effective rank): the "

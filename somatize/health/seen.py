@@ -1,50 +1,133 @@
-"""What a recorded run saw, place by place, and what that says: `seen`, `diagnose`.
+"""What a recorded run saw, place by place, and what that says: `seen`, `diagnose`, `Verdicts`.
 
-Both read the record alone (the `health` facts a Recorder kept), so a diagnosis made next
-week on another machine is the one made today.
+All of them read health facts alone (what a Recorder kept, or a list a watcher collected), so
+a diagnosis made next week on another machine is the one made today. One rule over time, in
+one place (`Verdicts`): a place's numbers are summarised over its last `last` measured steps —
+a measure by the median of its finite values, a bool (nan, inf) by whether it was ever true,
+a count by its latest value — and `verdict` judges the summary.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from somatize.health.flags import Flag
+from somatize.health.metrics import FACT_KEYS
 from somatize.health.verdict import Thresholds, verdict
 
-__all__ = ["seen", "seen_in", "diagnose"]
+__all__ = ["WINDOW", "Verdicts", "diagnose", "numbers_of", "seen", "seen_in", "where_of"]
+
+#: how many of a place's last measured steps a flag on it is judged over
+WINDOW = 20
+
+_OLD_NAMES = {"zero": "zero_frac_max", "saturated": "sat_frac_max"}
 
 
-def _summary(values: list[Any]) -> Any:
-    if all(isinstance(v, bool) for v in values):
+def where_of(fact: Mapping[str, Any]) -> str:
+    """The place a health fact is about: `node`, or `node.inside` for a module inside one (a
+    fact in the earlier `{"where", "numbers"}` layout names it in `where`)."""
+    where = fact.get("where")
+    if where is not None:
+        return str(where)
+    node, inside = fact.get("node"), fact.get("inside")
+    if node is None:
+        raise ValueError(f"a health fact names its place in 'node' (and 'inside'): {fact!r}")
+    return str(node) if not inside else f"{node}.{inside}"
+
+
+def numbers_of(fact: Mapping[str, Any]) -> dict[str, Any]:
+    """The numbers of a health fact: every key but fact, node, inside, step (a fact in the
+    earlier layout keeps them under `numbers`, with `zero` and `saturated` for today's
+    `zero_frac_max` and `sat_frac_max`)."""
+    old = fact.get("numbers")
+    if isinstance(old, Mapping):
+        return {_OLD_NAMES.get(k, k): v for k, v in old.items()}
+    return {k: v for k, v in fact.items() if k not in FACT_KEYS}
+
+
+def _summary(values: Iterable[Any]) -> Any:
+    """One metric over several steps, by the type it has: a bool (nan, inf) whether it was ever
+    true, a count its latest value, a measure the median of its finite values (the latest
+    value when none is finite)."""
+    values = list(values)
+    last = values[-1]
+    if type(last) is bool:
         return any(values)
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        return values[-1]
-    numbers = [float(v) for v in values if isinstance(v, (int, float))]
-    finite = [v for v in numbers if math.isfinite(v)]
-    if finite:
-        return statistics.median(finite)
-    return numbers[-1] if numbers else values[-1]
+    if type(last) is int:
+        return last
+    try:
+        finite = sorted(filter(math.isfinite, values))
+    except TypeError:  # something that is not a number among them
+        finite = sorted(v for v in values if isinstance(v, (int, float)) and math.isfinite(v))
+    if not finite:
+        return last
+    mid = len(finite) // 2
+    return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2
+
+
+class Verdicts:
+    """The flags of every place as health facts arrive, by the one rule `diagnose` uses: a
+    place's numbers over its last `last` measured steps (all of them when None), summarised,
+    then judged by `verdict`. What a live figure marks on a place at a step is `add`'s answer
+    for that step's fact, so its last column is what `diagnose` says of the run::
+
+        v = Verdicts()
+        for fact in facts:
+            flags = v.add(fact)        # this place's flags as of this step
+        v.flags()                      # == diagnose over the same facts
+
+    Refuses a window under 1.
+    """
+
+    def __init__(self, *, last: int | None = WINDOW, thresholds: Thresholds | None = None):
+        if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
+            raise ValueError(f"last is a positive number of steps, not {last!r}")
+        self.last = last
+        self.thresholds = thresholds
+        self._kept: dict[str, dict[str, deque]] = {}
+        self._flags: dict[str, list[Flag]] = {}
+
+    def add(self, fact: Mapping[str, Any]) -> list[Flag] | None:
+        """Take one fact; the flags its place has as of it, or None for a fact that is not a
+        health fact (which changes nothing)."""
+        if not isinstance(fact, Mapping) or fact.get("fact") != "health":
+            return None
+        where = where_of(fact)
+        kept = self._kept.setdefault(where, {})
+        for k, v in numbers_of(fact).items():
+            column = kept.get(k)
+            if column is None:
+                column = kept[k] = deque(maxlen=self.last)
+            column.append(v)
+        flags = verdict(self._summary(kept), self.thresholds)
+        self._flags[where] = flags
+        return flags
+
+    def feed(self, facts: Iterable[Mapping[str, Any]]) -> Verdicts:
+        """`add` each of these facts; itself, for chaining."""
+        for fact in facts:
+            self.add(fact)
+        return self
+
+    @staticmethod
+    def _summary(kept: Mapping[str, deque]) -> dict[str, Any]:
+        return {k: _summary(v) for k, v in kept.items()}
+
+    def numbers(self) -> dict[str, dict[str, Any]]:
+        """Each place's summarised numbers, as {where: {metric: value}}."""
+        return {where: self._summary(kept) for where, kept in self._kept.items()}
+
+    def flags(self) -> dict[str, list[Flag]]:
+        """The places that hold a flag now, as {where: [flag]}; {} for a healthy run."""
+        return {where: flags for where, flags in self._flags.items() if flags}
 
 
 def seen_in(facts: Iterable[Mapping[str, Any]], *, last: int | None = None) -> dict[str, dict]:
     """`seen` over facts already in hand (a list a watcher collected) instead of a store."""
-    steps: dict[str, list[Mapping[str, Any]]] = {}
-    for fact in facts:
-        if isinstance(fact, Mapping) and fact.get("fact") == "health":
-            steps.setdefault(str(fact["where"]), []).append(fact.get("numbers") or {})
-    out: dict[str, dict] = {}
-    for where, numbers in steps.items():
-        if last is not None:
-            numbers = numbers[-last:]
-        metrics: dict[str, list[Any]] = {}
-        for n in numbers:
-            for k, v in n.items():
-                metrics.setdefault(k, []).append(v)
-        out[where] = {k: _summary(v) for k, v in metrics.items()}
-    return out
+    return Verdicts(last=last).feed(facts).numbers()
 
 
 def seen(store: Any, *, run: str, last: int | None = None) -> dict[str, dict]:
@@ -56,22 +139,22 @@ def seen(store: Any, *, run: str, last: int | None = None) -> dict[str, dict]:
     values. `store` is a Store or a directory; an unknown run is a LookupError naming the runs
     there are.
     """
+    if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
+        raise ValueError(f"last is a positive number of steps, not {last!r}")
+    return seen_in(_facts(store, run), last=last)
+
+
+def _facts(store: Any, run: str) -> list[Any]:
     from somatize.record import records
 
-    if last is not None and (not isinstance(last, int) or last < 1):
-        raise ValueError(f"last is a positive number of steps, not {last!r}")
-    facts = [f for _, record in records(store, run) for f in record]
-    return seen_in(facts, last=last)
+    return [f for _, record in records(store, run) for f in record]
 
 
 def diagnose(
-    store: Any, *, run: str, thresholds: Thresholds | None = None, last: int | None = None
+    store: Any, *, run: str, thresholds: Thresholds | None = None, last: int | None = WINDOW
 ) -> dict[str, list[Flag]]:
-    """The flags each place of `run` earned, as {where: [flag]}; places with none are left out,
-    so a healthy run diagnoses as {}. Reads the record alone."""
-    found = {}
-    for where, numbers in seen(store, run=run, last=last).items():
-        flags = verdict(numbers, thresholds)
-        if flags:
-            found[where] = flags
-    return found
+    """The flags each place of `run` holds at the end of it, as {where: [flag]}: `verdict` of
+    its numbers over its last `last` measured steps (`Verdicts`' rule, so a live audit's last
+    column says the same). Places with none are left out, so a healthy run diagnoses as {}.
+    Reads the record alone."""
+    return Verdicts(last=last, thresholds=thresholds).feed(_facts(store, run)).flags()

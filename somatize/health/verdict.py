@@ -1,7 +1,9 @@
-"""From numbers to flags: `Thresholds` and `verdict`.
+"""From numbers to flags: `Thresholds` and `verdict`, the one source of every threshold.
 
-The numbers are what an Audit records per place and step (`grad_norm`, `update_ratio`,
-`zero`, ...) or what a probe answers; a metric that is absent raises no flag.
+The numbers are a health fact as an Audit records it (flat: `grad_norm`, `update_ratio`,
+`zero_frac_max`, ...), a summary of several of them (`seen`), or a probe's answer; a metric
+that is absent raises no flag, and keys that are not numbers (`fact`, `node`, `step`) are
+ignored.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from somatize.health.flags import (
     VANISHING,
     Flag,
 )
+from somatize.health.metrics import FACT_KEYS
 
 __all__ = ["Thresholds", "verdict"]
 
@@ -38,10 +41,19 @@ class Thresholds:
     grad_low / grad_high bound the gradient norm (VANISHING / EXPLODING); dead_eps is how
     close to zero counts as zero, dead_frac the share of zeros that is DEAD; saturated_frac
     the share of saturated outputs that is SATURATED; update_low / update_high bound the
-    update ratio ‖Δθ‖/‖θ‖ (STALLED / OVERSTEPPING); dormant_tau is the activity, relative to
-    the layer's mean, under which a channel is dormant, dormant_frac the share of dormant
-    channels that is IGNORED_CHANNELS; leakage_cka the CKA between groups that is LEAKAGE;
-    narrow_frac the effective rank, as a share of the room it has, under which it is NARROWING.
+    update ratio ‖Δθ‖/‖θ‖ (STALLED / OVERSTEPPING); step_low is the step per unit of
+    gradient, ‖Δθ‖/‖∇θ‖, under which weights that stall do so because the step is small
+    (STALLED) rather than the gradient (VANISHING); dormant_tau is the level, relative to the
+    mean over a place's channels, under which a channel is dormant (its activity) or ignored
+    (the gradient reaching it), dormant_frac the share of ignored input channels that is
+    IGNORED_CHANNELS; dead_channel_frac the share of dead output channels that is
+    DEAD_CHANNELS; leakage_cka the CKA between groups that is LEAKAGE; narrow_frac the
+    effective rank, as a share of the room it has, under which it is NARROWING.
+
+    The defaults were calibrated on healthy trainings (small CNNs and MLPs on digits, the
+    notebooks' nets, a small transformer; `bench/health.py`): none of them raises a flag at
+    any step, and each deliberately broken net there is flagged on its cause. An audit counts
+    zeros, dormant and ignored channels at the default dead_eps and dormant_tau.
     """
 
     grad_low: float = 1e-7
@@ -49,10 +61,12 @@ class Thresholds:
     dead_eps: float = 1e-7
     dead_frac: float = 0.95
     saturated_frac: float = 0.5
-    update_low: float = 1e-4
-    update_high: float = 1e-2
+    update_low: float = 1e-6
+    update_high: float = 0.25
+    step_low: float = 1e-4
     dormant_tau: float = 0.1
     dormant_frac: float = 0.5
+    dead_channel_frac: float = 0.25
     leakage_cka: float = 0.95
     narrow_frac: float = 0.05
 
@@ -68,54 +82,92 @@ class Thresholds:
             object.__setattr__(self, f.name, float(value))
 
 
-def _num(numbers: Mapping[str, Any], key: str) -> float | None:
-    v = numbers.get(key)
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    return float(v)
+_DEFAULT = Thresholds()
+
+
+def _num(numbers: Mapping[str, Any], *keys: str) -> float | None:
+    for key in keys:
+        v = numbers.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+    return None
 
 
 def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) -> list[Flag]:
     """The flags these numbers raise, in a fixed order (numeric, signal, activation, step,
-    capacity). Empty for a healthy place. Refuses anything that is not a mapping."""
+    capacity); empty for a healthy place. Refuses anything that is not a mapping.
+
+    A flag names a cause, so what it explains at the same place is left out: a NaN or an
+    infinity (NAN, INF) makes every other number moot; DEAD and SATURATED explain a gradient
+    that vanishes and weights that stall there; VANISHING explains STALLED (weights that stall
+    under an ordinary step for their gradient, ‖Δθ‖/‖∇θ‖ ≥ step_low, stall because the
+    gradient is small, and read VANISHING; under a small step they read STALLED), EXPLODING
+    explains OVERSTEPPING, DEAD explains DEAD_CHANNELS and NARROWING; an effective rank of 0
+    (an output that does not vary over the batch, as an embedding of a constant input) is not
+    NARROWING, which is an output that varies along too few directions. Two rules read what
+    arrived from elsewhere: a NaN or inf marked `inherited` (it came in through the input or
+    the gradient) raises nothing here, the place where it arose is flagged; and weights whose
+    gradient is exactly zero got none at all, so they are neither VANISHING nor STALLED: what
+    cut them off downstream (a DEAD or SATURATED place) is flagged.
+
+    Over time: `verdict` judges the numbers it is given. One step's fact gives that step's
+    flags; `diagnose`, `seen` and `Verdicts` give it each place's numbers summarised over its
+    last measured steps (a median, and any for nan/inf), which is what a flag on a place
+    means: the state it was in over its last `WINDOW` measured steps.
+    """
     if not isinstance(numbers, Mapping):
         raise TypeError(f"verdict reads a dict of numbers, not {type(numbers).__name__}")
-    t = thresholds or Thresholds()
+    t = thresholds or _DEFAULT
+    values = [v for k, v in numbers.items() if k not in FACT_KEYS and isinstance(v, float)]
+    nan = numbers.get("nan") is True or any(math.isnan(v) for v in values)
+    inf = numbers.get("inf") is True or any(math.isinf(v) for v in values)
+    if nan or inf:
+        if numbers.get("inherited") is True:
+            return []
+        return [f for f, on in ((NAN, nan), (INF, inf)) if on]
     flags: list[Flag] = []
-    values = [v for v in numbers.values() if isinstance(v, float)]
-    if numbers.get("nan") is True or any(math.isnan(v) for v in values):
-        flags.append(NAN)
-    if numbers.get("inf") is True or any(math.isinf(v) for v in values):
-        flags.append(INF)
     grad = _num(numbers, "grad_norm")
-    if grad is not None and math.isfinite(grad):
-        if grad < t.grad_low:
-            flags.append(VANISHING)
-        elif grad > t.grad_high:
-            flags.append(EXPLODING)
-    zero = _num(numbers, "zero")
-    if zero is not None and zero >= t.dead_frac:
-        flags.append(DEAD)
-    sat = _num(numbers, "saturated")
-    if sat is not None and sat >= t.saturated_frac:
-        flags.append(SATURATED)
+    zero = _num(numbers, "zero_frac_max", "zero")
+    sat = _num(numbers, "sat_frac_max", "saturated")
     ratio = _num(numbers, "update_ratio")
-    if ratio is not None and math.isfinite(ratio):
-        if ratio < t.update_low:
-            flags.append(STALLED)
-        elif ratio > t.update_high:
-            flags.append(OVERSTEPPING)
-    dead = _num(numbers, "dead_channels")
-    if dead and DEAD not in flags:
-        flags.append(DEAD_CHANNELS(int(dead)))
-    dormant = _num(numbers, "dormant_channels")
-    channels = _num(numbers, "channels")
-    if dormant and channels and dormant / channels >= t.dormant_frac:
-        flags.append(IGNORED_CHANNELS(int(dormant)))
+    weights = _num(numbers, "param_norm")
+    dead = zero is not None and zero >= t.dead_frac
+    saturated = sat is not None and sat >= t.saturated_frac
+    cut_off = grad == 0.0 or dead or saturated  # no gradient gets through to these weights
+    stall = ratio is not None and ratio < t.update_low
+    # a stall with an ordinary step for the gradient it had is the gradient's doing
+    step = ratio * weights / grad if stall and weights and grad else None  # ‖Δθ‖ / ‖∇θ‖
+    small = grad is not None and (
+        0.0 < grad < t.grad_low or (step is not None and step >= t.step_low)
+    )
+    if grad is not None and grad > t.grad_high:
+        flags.append(EXPLODING)
+    elif small and not cut_off:
+        flags.append(VANISHING)
+    if dead:
+        flags.append(DEAD)
+    if saturated:
+        flags.append(SATURATED)
+    if ratio is not None and ratio > t.update_high and EXPLODING not in flags:
+        flags.append(OVERSTEPPING)
+    elif stall and not cut_off and VANISHING not in flags:
+        flags.append(STALLED)
+    flags += _capacity(numbers, t, dead)
+    return flags
+
+
+def _capacity(numbers: Mapping[str, Any], t: Thresholds, dead: bool) -> list[Flag]:
+    flags: list[Flag] = []
+    gone, channels = _num(numbers, "dead_channels"), _num(numbers, "channels")
+    if gone and channels and gone / channels >= t.dead_channel_frac and not dead:
+        flags.append(DEAD_CHANNELS(int(gone)))
+    ignored, inputs = _num(numbers, "ignored_channels"), _num(numbers, "input_channels")
+    if ignored and inputs and ignored / inputs >= t.dormant_frac:
+        flags.append(IGNORED_CHANNELS(int(ignored)))
     cka = _num(numbers, "cka")
     if cka is not None and cka >= t.leakage_cka:
         flags.append(LEAKAGE)
     rank, room = _num(numbers, "effective_rank"), _num(numbers, "rank_room")
-    if rank is not None and room and room > 1 and rank < t.narrow_frac * room:
+    if rank and room and room > 1 and rank < t.narrow_frac * room and not dead:
         flags.append(NARROWING)
     return flags

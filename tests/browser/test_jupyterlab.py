@@ -1,7 +1,8 @@
-"""The figures in a real JupyterLab: a server on 127.0.0.1, a notebook opened in headless
-Chromium, cells run with Shift+Enter, the widgets' DOM checked — the graph's boxes and edges,
-a fold that opens on click (and reaches the kernel), heatmap cells that appear while the fit
-cell is still running, a table that sorts on a header click."""
+"""The figures in a real JupyterLab: a server on 127.0.0.1, notebooks opened in headless
+Chromium. Live: cells run with Shift+Enter, the graph's fold reaches the kernel and comes back
+redrawn, the audit fills while the fit cell is still running and a metric chosen meanwhile
+is drawn at once, the table sorts. Saved: a notebook run and saved, reopened in a JupyterLab
+that has no kernel to give it, shows every figure's static face."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CELLS = [
     # 0: a real graph with what its nodes are made of
@@ -37,17 +40,16 @@ class Enc(Node, nn.Module):
     def __init__(self):
         nn.Module.__init__(self)
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
-        self.act = nn.ReLU()
         self.blocks = nn.Sequential(Res(8), Res(8), Res(8))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.flat = nn.Flatten()
     def forward(self, x, ctx=None):
-        return self.flat(self.pool(self.blocks(self.act(self.conv(x)))))
+        return self.flat(self.pool(self.blocks(self.conv(x))))
 
 class Branch(Node, nn.Module):
-    def __init__(self, relu=False):
+    def __init__(self):
         nn.Module.__init__(self)
-        self.net = nn.Sequential(nn.Linear(8, 16), *([nn.ReLU()] if relu else []))
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
     def forward(self, x, ctx=None):
         return self.net(x)
 
@@ -55,12 +57,8 @@ class Join(Node):
     def forward(self, x, ctx):
         return sum(x.values())
 
-g = Graph.somatize(
-    Enc().named("enc").on("cpu") >> (Branch(True).named("left") | Branch().named("right"))
-    >> Join().named("join")
-)
-x = torch.randn(4, 3, 8, 8)
-fig = g.figure(inside=architecture(g, x))
+g = Graph.somatize(Enc().named("enc") >> (Branch().named("left") | Branch().named("right")) >> Join().named("join"))
+fig = g.figure(inside=architecture(g, torch.randn(4, 3, 8, 8)))
 fig
 """,
     # 1: what the browser changed, read back in the kernel
@@ -71,30 +69,31 @@ from somatize.figures import LiveAudit
 audit = LiveAudit(title="mlp")
 audit
 """,
-    # 3: a fit: a hand loop of MLP steps that hands loss and health facts to the audit
+    # 3: a fit by hand, slow enough to look at while it runs
     """
 import time
 torch.manual_seed(0)
 mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
 opt = torch.optim.SGD(mlp.parameters(), lr=0.05)
 xs, ys = torch.randn(256, 16), torch.randint(0, 4, (256,))
-for step in range(60):
+for step in range(80):
     loss = nn.functional.cross_entropy(mlp(xs), ys)
     opt.zero_grad(); loss.backward(); opt.step()
     audit({"fact": "loss", "value": loss.item(), "step": step})
     for name in ("0", "2", "4"):
         w = mlp.get_submodule(name).weight
-        grad = w.grad.norm().item()
-        audit({"fact": "health", "where": f"mlp.{name}", "step": step,
-               "numbers": {"grad_norm": grad, "update_ratio": 0.05 * grad / w.norm().item()}})
+        audit({"fact": "health", "node": "mlp", "inside": name, "step": step,
+               "grad_norm": w.grad.norm().item(), "update_ratio": 0.05 * w.grad.norm().item() / w.norm().item()})
     time.sleep(0.08)
 print("fit done", audit.metrics, len(audit.frame()))
 """,
-    # 4: candidates compared
+    # 4: the same audit shown again, after the fit: a page opened late gets everything
+    "audit",
+    # 5: candidates compared
     """
 import pandas as pd
 from somatize.figures import CompareTable
-df = pd.DataFrame({"params": [1200, 56000, 8000], "proxy:synflow": [3.0, 9.5, 7.1]},
+df = pd.DataFrame({"params": [1200, 56000, 8000], "proxy:synflow": [3.0, 9.5, 7.1], "proxy:zen": [1.0, 2.0, 0.5]},
                   index=pd.Index(["tiny", "wide", "deep"], name="candidate"))
 CompareTable(df, measured={"tiny": 0.6, "wide": 0.95, "deep": 0.9})
 """,
@@ -107,39 +106,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory):
-    """A JupyterLab server on 127.0.0.1 with temporary config and runtime dirs."""
-    work = tmp_path_factory.mktemp("lab")
+def _notebook(cells: list[str]) -> nbformat.NotebookNode:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c.strip()) for c in cells]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    return nb
+
+
+def _serve(work: Path, *extra: str):
+    """A JupyterLab server on 127.0.0.1 over `work/root`, with its own config and runtime."""
     config, runtime, root = work / "config", work / "runtime", work / "root"
     for d in (config, runtime, root):
-        d.mkdir()
-    (config / "labconfig").mkdir()
+        d.mkdir(exist_ok=True)
+    (config / "labconfig").mkdir(exist_ok=True)
     (config / "labconfig" / "page_config.json").write_text(
         json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
     )
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c.strip()) for c in CELLS]
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nbformat.write(nb, root / "figures.ipynb")
     port, token = _free_port(), "somatize-test"
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_RUNTIME_DIR": str(runtime)}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_RUNTIME_DIR": str(runtime), "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "jupyter"),
-            "lab",
-            "--no-browser",
-            "--allow-root",
-            "--ip=127.0.0.1",
-            f"--port={port}",
-            f"--IdentityProvider.token={token}",
-            f"--ServerApp.root_dir={root}",
-        ],
+        [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+         f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", *extra],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=open(work / "lab.log", "wb"),  # noqa: SIM115 - closed with the process
@@ -149,18 +136,30 @@ def lab(tmp_path_factory):
     while True:
         try:
             urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
-            break
+            return proc, base, token, root
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 raise RuntimeError((work / "lab.log").read_text()[-3000:]) from None
             time.sleep(0.3)
-    yield f"{base}/lab/tree/figures.ipynb?token={token}"
+
+
+def _stop(proc) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab with a kernel, and a notebook of the figures' cells in it."""
+    proc, base, token, root = _serve(tmp_path_factory.mktemp("lab"))
+    nbformat.write(_notebook(CELLS), root / "figures.ipynb")
+    yield f"{base}/lab/tree/figures.ipynb?token={token}"
+    _stop(proc)
 
 
 def _run(page, index):
@@ -183,55 +182,46 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
     page = context.new_page()
     try:
         page.goto(lab)
-        page.wait_for_selector(
-            ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000
-        )
-        # the graph: boxes, edges, a folded block that opens on click
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+        # the graph: the kernel's drawing; a fold clicked goes to the kernel and comes back drawn
         cell = _run(page, 0)
         cell.locator(".smz-graph svg .smz-node").first.wait_for(timeout=60_000)
-        assert cell.locator(".smz-node").count() == 4
-        assert cell.locator(".smz-edge").count() >= 4 + 8
-        assert cell.locator(".smz-kind-conv").count() == 2
+        assert cell.locator(".smz-node").count() == 4 and cell.locator(".smz-kind-conv").count() == 2
         cell.locator(".smz-foldable").click()
-        page.wait_for_function(
-            "() => document.querySelectorAll('.smz-kind-conv').length === 4", timeout=15_000
-        )
-        page.wait_for_timeout(300)
+        page.wait_for_function("() => document.querySelectorAll('.smz-graph .smz-kind-conv').length === 4", timeout=20_000)
         cell.screenshot(path=str(artifacts / "lab-graph.png"))
         out = _run(page, 1)
         out.locator(".jp-OutputArea-output").wait_for(timeout=30_000)
         assert "expanded: ['enc:blocks.0']" in out.locator(".jp-OutputArea-output").inner_text()
 
-        # the audit: cells appear while the fit cell is still running
+        # the audit: it fills while the fit cell runs; a metric chosen meanwhile is drawn at once
         audit = _run(page, 2)
         audit.locator(".smz-audit").wait_for(timeout=30_000)
         fit = _run(page, 3)
-        page.wait_for_function(
-            "() => document.querySelectorAll('.smz-audit .smz-cell').length >= 3",
-            timeout=30_000,
-        )
-        running = fit.locator(".jp-InputPrompt").inner_text()
-        early = audit.locator(".smz-cell").count()
-        assert "[*]" in running, running  # the fit cell has not finished
-        assert early < 3 * 60
+        page.wait_for_function("() => Number(document.querySelector('.smz-audit').dataset.cells) >= 6", timeout=30_000)
+        assert "[*]" in fit.locator(".jp-InputPrompt").inner_text()  # the fit has not finished
+        assert page.evaluate("document.querySelector('.smz-audit').dataset.metric") == "update_ratio"
+        audit.locator(".smz-metric").select_option("grad_norm")
+        assert page.evaluate("document.querySelector('.smz-audit').dataset.metric") == "grad_norm"
+        coloured = int(page.evaluate("document.querySelector('.smz-audit').dataset.coloured"))
+        assert "[*]" in fit.locator(".jp-InputPrompt").inner_text() and coloured >= 6
         audit.screenshot(path=str(artifacts / "lab-audit-running.png"))
         done = fit.locator(".jp-OutputArea-output:has-text('fit done')")
-        done.wait_for(timeout=60_000)
-        # read right after the fit: everything is there, whatever was sent
-        assert "['grad_norm', 'update_ratio'] 180" in done.inner_text()
-        page.wait_for_function(
-            "() => document.querySelectorAll('.smz-audit .smz-cell').length === 180",
-            timeout=10_000,
-        )
-        assert audit.locator(".smz-loss").count() == 1
+        done.wait_for(timeout=90_000)
+        assert "['grad_norm', 'update_ratio'] 240" in done.inner_text()
+        page.wait_for_function("() => document.querySelector('.smz-audit').dataset.cells === '240'", timeout=15_000)
+        assert page.evaluate("document.querySelector('.smz-audit').dataset.metric") == "grad_norm"
         audit.screenshot(path=str(artifacts / "lab-audit.png"))
+        late = _run(page, 4)
+        late.locator(".smz-audit").wait_for(timeout=30_000)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.smz-audit')].every(a => a.dataset.cells === '240')", timeout=15_000
+        )
 
         # the table sorts on a header click
-        table = _run(page, 4)
+        table = _run(page, 5)
         table.locator(".smz-table tbody tr").first.wait_for(timeout=30_000)
-        rows = lambda: table.locator("tbody tr").evaluate_all(  # noqa: E731
-            "rs => rs.map(r => r.dataset.row)"
-        )
+        rows = lambda: table.locator("tbody tr").evaluate_all("rs => rs.map(r => r.dataset.row)")  # noqa: E731
         assert rows() == ["wide", "deep", "tiny"]
         table.locator("thead th[data-col='params']").click()
         table.locator("thead th[data-col='params']").click()
@@ -240,3 +230,33 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
     finally:
         page.screenshot(path=str(artifacts / "lab-page.png"), full_page=True)
         context.close()
+
+
+def test_a_saved_notebook_reopened_with_no_kernel_shows_every_face(chromium, tmp_path_factory, artifacts):
+    from nbclient import NotebookClient
+
+    work = tmp_path_factory.mktemp("saved")
+    nb = _notebook([CELLS[0], CELLS[2], CELLS[3].replace("range(80)", "range(12)").replace("time.sleep(0.08)", ""), CELLS[5]])
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(work)}}).execute()
+    nb.metadata.pop("widgets", None)  # as notebooks/execute.py saves them
+    proc, base, token, root = _serve(work, "--KernelSpecManager.allowed_kernelspecs=nobody")
+    nbformat.write(nb, root / "saved.ipynb")
+    context = chromium.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    try:
+        page.goto(f"{base}/lab/tree/saved.ipynb?token={token}")
+        page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+        faces = page.locator(".jp-OutputArea-output .smz-face > img")
+        faces.nth(1).wait_for(timeout=30_000)
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.smz-face > img')].every(i => i.complete && i.naturalWidth > 200)",
+            timeout=15_000,
+        )
+        assert faces.count() == 2  # the graph and the audit, drawn as they were when saved
+        assert "12 steps" in faces.nth(1).get_attribute("alt")  # the audit after its fit
+        assert page.locator(".jp-OutputArea-output .smz-table-face table tbody tr").count() == 3
+        assert page.locator(".jp-OutputArea-output:has-text('Error displaying widget')").count() == 0
+        page.screenshot(path=str(artifacts / "lab-reopened.png"), full_page=True)
+    finally:
+        context.close()
+        _stop(proc)

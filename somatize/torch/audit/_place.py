@@ -1,59 +1,59 @@
-"""One place an `Audit` watches: its parameters, how it saturates, and what the audit keeps of
-it between a forward and the read after backward."""
+"""One place an `Audit` watches: what it holds, what it hears in a measured step's forward and
+backward (left as tensors), and the numbers it makes of them once they are read."""
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import deque
+from typing import Any
 
 import torch
 from torch import nn
 
+from somatize.torch.audit._measures import (
+    _DEAD_EPS,
+    _DORMANT_TAU,
+    activity,
+    cka,
+    effective_rank,
+    floats_in,
+    norm,
+    rows_of,
+    sums_of,
+)
 from somatize.torch.inside.kinds import kind_of
 
-__all__ = ["_Place", "_saturation"]
+__all__ = ["Place", "_saturation"]
 
 
 def _saturation(modules: list[nn.Module]) -> str | None:
-    """How this place saturates, read off the last activation it holds."""
-    for m in reversed(modules):
-        if kind_of(m) == "activation" and next(m.children(), None) is None:
-            names = [c.__name__ for c in type(m).__mro__]
-            if any("Sigmoid" in n for n in names):
-                return "sigmoid"
-            if any(n in ("Tanh", "Hardtanh", "Softsign") for n in names):
-                return "tanh"
-            return None
+    """How this place saturates, read off the last module it holds (in the order they were
+    declared, which is the order most forwards apply them): "sigmoid" (flat near 0 and 1)
+    or "tanh" (flat near ±1) when that is such an activation, else None."""
+    leaves = [m for m in modules if next(m.children(), None) is None]
+    last = leaves[-1] if leaves else None
+    if last is None or kind_of(last) != "activation":
+        return None
+    names = [c.__name__ for c in type(last).__mro__]
+    if any("Sigmoid" in n for n in names):
+        return "sigmoid"
+    if any(n in ("Tanh", "Hardtanh", "Softsign") for n in names):
+        return "tanh"
     return None
 
 
-class _Place:
-    __slots__ = (
-        "where",
-        "params",
-        "saturates",
-        "conv",
-        "zero",
-        "saturated",
-        "alive",
-        "out_grad",
-        "features",
-        "index",
-        "at",
-        "size",
-        "groups",
-        "hear",
-        "kept",
-        "held",
-        "version",
-        "retain",
-        "later",
-        "seen",
-        "__weakref__",
-    )
+class Place:
+    """A node (`inside` None) or a module inside one (`inside` its dotted path under the
+    node). `params`: the weights it trains, each once; `index`: where they sit in the audit's
+    flat list of weights."""
 
-    def __init__(self, where: str, modules: list[nn.Module], window: int) -> None:
-        self.where = where
+    def __init__(
+        self, node: str, inside: str | None, modules: list[nn.Module], window: int
+    ) -> None:
+        self.node = node
+        self.inside = inside
+        self.where = node if inside is None else f"{node}.{inside}"
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
         for m in modules:
@@ -64,35 +64,209 @@ class _Place:
         every = [s for m in modules for s in m.modules()]
         self.saturates = _saturation(every)
         self.conv = any(kind_of(s) == "conv" for s in every)
+        self.index: list[int] = []
+        self.big = -1  # where its largest weight sits in that list, if it is a matrix or more
+        self.groups: dict[str, list[int]] | None = None
+        # across measured steps
         self.zero: deque[float] = deque(maxlen=window)
         self.saturated: deque[float] = deque(maxlen=window)
         self.alive: deque[torch.Tensor] = deque(maxlen=window)
-        self.out_grad: torch.Tensor | None = None
-        self.features: torch.Tensor | None = None
-        self.index: list[int] = []  # where its parameters sit in the audit's flat list
-        self.at = -1  # where this step's sums start in the audit's list (-1: none this step)
-        self.size = 1
-        self.groups: dict[str, list[int]] | None = None
+        self.norms: deque[tuple[int, float]] = deque(maxlen=window)
+        self.has_moved = False  # some update has moved its weights
+        self.inherited: bool | None = None  # its NaN/inf came from elsewhere (None: finite)
+        self.step = -1  # the measured step its tensor hooks belong to
+        self.clear()
 
-        me = weakref.ref(self)  # not `self`: a place and its hook would be a cycle, and the
-        # parameters it lists would wait for the garbage collector after the audit is dropped
+    def clear(self) -> None:
+        """Forget this step's tensors (once `numbers` has made numbers of them)."""
+        self.sums: list[list[torch.Tensor]] = []
+        self.size = 0
+        self.outs: list[int] = []  # the id of each output heard this step, per call
+        self.ins: set[int] = set()  # the ids of the tensors it was given this step
+        self.heard: list[torch.Tensor] = []  # ‖∂L/∂output‖ per call, from a tensor hook
+        self.activity: list[torch.Tensor] = []  # per-channel mean |a|, per call
+        self.in_heard: list[torch.Tensor] = []  # per-channel mean |∂L/∂input|, per call
+        self.rows: torch.Tensor | None = None
+        self._at = 0
 
-        def hear(g: torch.Tensor) -> None:
-            place = me()
-            if place is not None:
-                place.out_grad = g.detach()
+    # -- in the forward, and the backward ---------------------------------------------------
+    def saw(self, input: Any, out: Any, step: int, channels: bool, snapshot: bool) -> None:
+        """What came out of the place on a measured step (and what went in): its sums left as
+        tensors; with `channels` its channels' activity and a hook on its input's gradient;
+        for declared groups, a copy of up to 128 samples for a CKA; on a `snapshot` step
+        those rows and a tensor hook for the gradient that will come back to its output."""
+        t = out if type(out) is torch.Tensor else next(iter(floats_in(out)), None)
+        if t is None or not t.is_floating_point():
+            return
+        self.step = step
+        a = t.detach()
+        self.sums.append(sums_of(a, self.saturates))
+        self.size += a.numel()
+        self.outs.append(id(t))
+        if type(input) is torch.Tensor:
+            self.ins.add(id(input))
+        else:
+            self.ins.update(map(id, floats_in(input)))
+        # (a hook holds the place by a weak reference: held, it would keep the weights alive)
+        if snapshot and t.requires_grad:
+            t.register_hook(_hear(weakref.ref(self), step, "heard", None))
+        if channels:
+            self.activity.append(activity(a, self.conv))
+            x = next((x for x in floats_in(input) if x.requires_grad), None)
+            if x is not None and x.dim() >= 2:
+                x.register_hook(_hear(weakref.ref(self), step, "in_heard", self.conv))
+        if (snapshot or self.groups is not None) and self.rows is None:
+            self.rows = rows_of(a, self.conv)
 
-        self.kept: torch.Tensor | None = None
-        # ∂L/∂output by `retain_grad` (no Python call in backward) where the output is not
-        # modified in place afterwards; None: not yet known (the first measured step hooks and
-        # retains both, and looks), False: a tensor hook, always
-        self.retain: bool | None = None
-        self.held: torch.Tensor | None = None
-        self.version = 0
-        self.hear = hear  # the tensor hook that keeps ‖∂L/∂output‖'s gradient
-        # whether the output stays as the place saw it until `observed` (nothing writes over
-        # it in place), so its sums can wait for `observed` and be taken there with the norms;
-        # None: not yet known (the first measured step takes them at once, and looks).
-        # `seen`: the output's version when the place saw it
-        self.later: bool | None = None
-        self.seen = 0
+    # -- after backward -----------------------------------------------------------------------
+    def queue(self, tensors: list[torch.Tensor]) -> None:
+        """Put this step's one-number tensors at the end of `tensors`, to be read with
+        everyone else's."""
+        self._at = len(tensors)
+        for sums in self.sums:
+            tensors += sums
+        tensors += self.heard
+        if self.activity:
+            act = (
+                self.activity[0] if len(self.activity) == 1 else torch.stack(self.activity).mean(0)
+            )
+            if self.alive and self.alive[0].shape != act.shape:
+                self.alive.clear()  # the place changed width: its window starts again
+            self.alive.append(act > _DEAD_EPS)
+            alive = torch.stack(list(self.alive)).any(0)
+            self._channels = act.numel()
+            tensors += [torch.count_nonzero(~alive), _under(act)]
+        if self.in_heard:
+            g = self.in_heard[0] if len(self.in_heard) == 1 else torch.stack(self.in_heard).mean(0)
+            self._inputs = g.numel()
+            tensors.append(_under(g))
+
+    def spoilt(self, values: list[float]) -> list[int]:
+        """The ids of this step's outputs that held a NaN or an inf (their Σ|a| is not a finite
+        number), from what `queue` put in `values`."""
+        width = len(self.sums[0]) if self.sums else 0
+        at = self._at
+        return [o for k, o in enumerate(self.outs) if not math.isfinite(values[at + k * width])]
+
+    def numbers(
+        self,
+        values: list[float],
+        weights: list[float],
+        grads: list[float],
+        step: int,
+        snapshot: bool,
+        spoilt: set[int],
+    ) -> dict[str, Any]:
+        """This step's numbers, from what `queue` put in `values` (read), the ‖·‖² of its
+        weights and of their gradients (those that have one). `spoilt`: the ids of the
+        outputs, of any place, that were not finite this step."""
+        n: dict[str, Any] = {}
+        sqrt, isfinite = math.sqrt, math.isfinite
+        k = self._at
+        bad_grad = bad_out = False
+        total = 0.0
+        if weights:
+            n["param_norm"] = was = sqrt(sum(weights))
+            if grads:
+                n["grad_norm"] = g = sqrt(sum(grads))
+                bad_grad = not isfinite(g)
+            self.norms.append((step, was))
+            (s0, v0), (s1, v1) = self.norms[0], self.norms[-1]
+            if s1 > s0:
+                n["param_norm_slope"] = (v1 - v0) / (s1 - s0)
+        if self.sums:
+            width = len(self.sums[0])
+            zeros = saturated = 0.0
+            for _ in self.sums:
+                total += values[k]
+                zeros += values[k + 1]
+                saturated += values[k + 2] if width > 2 else 0.0
+                k += width
+            size = self.size or 1
+            n["act_abs_mean"] = total / size
+            self.zero.append(zeros / size)
+            self.saturated.append(saturated / size)
+            n["zero_frac_max"] = max(self.zero)
+            n["sat_frac_max"] = max(self.saturated)
+            bad_out = not isfinite(total)
+        heard = values[k : k + len(self.heard)]
+        k += len(self.heard)
+        if self.sums or weights:
+            seen = [total, *n.values()]
+            nan = inf = False
+            if not isfinite(sum(map(abs, seen))):  # (the sum of magnitudes: one check)
+                nan = any(map(math.isnan, seen))
+                inf = any(map(math.isinf, seen))
+            n["nan"], n["inf"] = nan, inf
+            if nan or inf:
+                n["inherited"] = self._came_in(bad_out, bad_grad, heard, spoilt)
+            else:
+                self.inherited = None
+        if heard:
+            n["out_grad_norm"] = sqrt(sum(v * v for v in heard))
+        if self.activity:
+            n["channels"] = self._channels
+            n["dead_channels"], n["dormant_channels"] = int(values[k]), int(values[k + 1])
+            k += 2
+        if self.in_heard:
+            n["input_channels"], n["ignored_channels"] = self._inputs, int(values[k])
+        if self.groups is not None and self.rows is not None:
+            n["cka"] = self._leak()
+        if snapshot and self.rows is not None:
+            n["effective_rank"] = effective_rank(self.rows)
+            n["rank_room"] = min(self.rows.shape)
+        return n
+
+    def _came_in(self, out: bool, grad: bool, heard: list[float], spoilt: set[int]) -> bool:
+        """Whether the NaN or inf seen here came from elsewhere: in its output from an input
+        that another place gave it spoilt (an input no watched place gave, the data, counts
+        as finite: a NaN in the data reads as arising at the first place given it), or in
+        its gradient from the gradient arriving at its output (known on a snapshot step;
+        otherwise taken to have come from an output that was not finite, when there was
+        one). Decided when it first appears here and kept while it lasts, so the place where
+        it arose stays the one flagged after it has spread."""
+        if self.inherited is None:
+            if out:
+                self.inherited = not self.ins.isdisjoint(spoilt)
+            elif grad:
+                self.inherited = any(not math.isfinite(v) for v in heard) if heard else bool(spoilt)
+            else:
+                self.inherited = False
+        return self.inherited
+
+    def _leak(self) -> float:
+        """The largest linear CKA between two of the declared channel groups."""
+        rows = self.rows
+        assert rows is not None and self.groups is not None
+        width = rows.shape[1]
+        parts = list(self.groups.values())
+        best = 0.0
+        for i in range(len(parts)):
+            for j in range(i + 1, len(parts)):
+                a, b = parts[i], parts[j]
+                if max(a + b) >= width:
+                    raise ValueError(
+                        f"groups[{self.where!r}] names channel {max(a + b)}, and that place has "
+                        f"{width} channels"
+                    )
+                best = max(best, cka(rows[:, a], rows[:, b]))
+        return best
+
+
+def _under(per_channel: torch.Tensor) -> torch.Tensor:
+    """How many channels sit under dormant_tau of the mean over channels (none when the mean
+    is 0: nothing there to be under)."""
+    mean = per_channel.mean()
+    return torch.count_nonzero(per_channel <= _DORMANT_TAU * mean) * (mean > 0)
+
+
+def _hear(place: weakref.ref, step: int, into: str, conv: bool | None) -> Any:
+    """A tensor hook that keeps a number about the gradient it is handed: its norm (`conv`
+    None) or each channel's mean magnitude; only for the step it was registered in."""
+
+    def hook(g: torch.Tensor) -> None:
+        p = place()
+        if p is not None and p.step == step:
+            getattr(p, into).append(norm(g) if conv is None else activity(g, conv))
+
+    return hook

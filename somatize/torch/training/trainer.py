@@ -229,8 +229,6 @@ class Trainer:
             xs, ys = pieces(x, y, self.micro)
         if self._count == 0 and self.optimizer is not None:
             self.optimizer.zero_grad()
-        if self.audit is not None:  # what will make this step's update (read from it, for SGD)
-            self.audit._optimizer = self.optimizer
         closing = self._count + 1 >= self.every
         stages = self._stages
         scale = self._scale
@@ -400,7 +398,7 @@ class Trainer:
 
         from somatize.figures import LiveAudit
 
-        if any(isinstance(w, LiveAudit) for w in self.watching):
+        if any(isinstance(getattr(w, "audit", w), LiveAudit) for w in self.watching):
             return
         self.live = LiveAudit()
         display(self.live)

@@ -1,0 +1,273 @@
+"""The live audit's picture: its loss plot and its heatmap of one metric, as SVG.
+
+The same layout as the page draws live (`widgets/audit.js`): the loss with real axes (ticks,
+a log scale to choose, a smoothed curve over the raw one, a curve per run); below, a row per
+watched place (per run, when there are several), a column per step (binned past 240), each
+cell the chosen metric's value on a viridis scale, a flagged step marked in a lane under its
+cell in the colour of its flag's family; a legend for every colour and mark.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from somatize.figures._history import History
+from somatize.figures._svg import (
+    FONT,
+    INK,
+    LINE,
+    MUTED,
+    Scale,
+    colour_bar,
+    esc,
+    fits,
+    lines,
+    number,
+    text_width,
+    tick_labels,
+    ticks,
+    viridis,
+)
+
+FAMILY_COLOURS = {
+    "numeric": "#e03131",
+    "signal": "#f76707",
+    "activation": "#c2255c",
+    "step": "#1971c2",
+    "capacity": "#7048e8",
+}
+NO_NUMBER = "#e03131"
+ABSENT = "#f1f3f5"
+RUN_COLOURS = ["#3d6fd9", "#e8590c", "#2b8a3e", "#862e9c", "#c92a2a", "#0b7285"]
+MOST_COLUMNS = 240
+ROW = 16  # a cell of 11 px, a lane of 3 for its flags
+
+
+def smoothed(values: list[float], weight: float) -> list[float]:
+    """An exponential moving average, its start debiased (what TensorBoard draws):
+    `weight` 0 is the raw curve, near 1 very smooth. NaN and infinities are passed over."""
+    out, acc, n = [], 0.0, 0
+    for v in values:
+        if math.isfinite(v):
+            acc = weight * acc + (1 - weight) * v
+            n += 1
+            out.append(acc / (1 - weight**n) if weight > 0 else v)
+        else:
+            out.append(math.nan)
+    return out
+
+
+def picture(
+    history: History,
+    metric: str,
+    title: str,
+    explain: dict[str, Any],
+    *,
+    log: bool = False,
+    smoothing: float = 0.6,
+    width: float = 900.0,
+) -> str:
+    """The audit drawn as SVG text (see the module's docstring)."""
+    out: list[str] = []
+    runs = list(history.runs)
+    places = history.places()
+    rows = [(w, r) for w in places for r in runs if w in history.runs[r].places]
+    label_w = min(220.0, max([90.0] + [text_width(w, 11) + 14 for w, _ in rows]))
+    many = len(runs) > 1
+    if many:
+        label_w += 14
+    x0, x1 = label_w, width - 110.0
+    steps = sorted({s for r in history.runs.values() for p in r.places.values() for s in p.steps})
+    every_step = steps + [s for r in history.runs.values() for s in r.loss_steps]
+    s_lo, s_hi = (min(every_step), max(every_step)) if every_step else (0, 1)
+    per = max(1, math.ceil(len(steps) / MOST_COLUMNS))
+    bins = [steps[k : k + per] for k in range(0, len(steps), per)]
+    column_of = {s: k // per for k, s in enumerate(steps)}
+    cw = (x1 - x0) / max(60, len(bins))
+
+    def sx(step: float) -> float:
+        # a step's place on the shared axis: the middle of its column
+        if not bins:
+            return x0 + (step - s_lo) / max(1, s_hi - s_lo) * (x1 - x0)
+        k = column_of.get(step)
+        if k is None:  # a loss step between health steps: along the same scale
+            first, last = bins[0][0], bins[-1][-1]
+            f = (step - first) / max(1, last - first)
+            return x0 + cw / 2 + f * (len(bins) - 1) * cw
+        return x0 + (k + 0.5) * cw
+
+    y = 8.0
+    out.append(f'<text x="8" y="{y + 12:.1f}" font-size="13" font-weight="700" fill="{INK}">{esc(title)}</text>')
+    about = explain.get("metrics", {}).get(metric, "")
+    at = 8 + text_width(title, 13, True) + 14
+    out.append(
+        f'<text x="{at:.1f}" y="{y + 12:.1f}" font-size="11" font-weight="700" fill="{INK}">'
+        f"{esc(metric or 'no metric yet')}</text>"
+    )
+    at += text_width(metric or "no metric yet", 11, True) + 10
+    said = lines(about, width - at - 8) if about else []
+    for k, line in enumerate(said):
+        out.append(f'<text x="{at:.1f}" y="{y + 12 + 14 * k:.1f}" font-size="11" fill="{MUTED}">{esc(line)}</text>')
+    y += 24 + 14 * max(0, len(said) - 1)
+    y = _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi)
+    values = [
+        float(v)
+        for r in history.runs.values()
+        for p in r.places.values()
+        for v in p.columns.get(metric, ())
+        if v is not None and not isinstance(v, bool) and math.isfinite(v)
+    ]
+    scale = Scale(values)
+    top = y + 6
+    families: dict[str, None] = {}
+    levels: dict[str, list[str]] = {}
+    marks: dict[str, list[str]] = {}
+    wide = max(0.6, cw - (0.4 if cw > 3 else 0))
+    for n, (where, run) in enumerate(rows):
+        ry = top + n * ROW
+        place = history.runs[run].places[where]
+        name = fits(where, label_w - 14 - (14 if many else 0), 11)
+        out.append(
+            f'<text x="{label_w - 6:.1f}" y="{ry + 10:.1f}" font-size="11" fill="{INK}" '
+            f'text-anchor="end">{esc(name)}<title>{esc(where)}{" (" + run + ")" if many else ""}</title></text>'
+        )
+        if many:
+            colour = RUN_COLOURS[runs.index(run) % len(RUN_COLOURS)]
+            out.append(f'<rect x="{label_w - 4:.1f}" y="{ry + 1:.1f}" width="3" height="10" fill="{colour}"/>')
+        column = place.columns.get(metric)
+        cells: dict[int, Any] = {}  # column -> the last value in it
+        flagged: dict[int, set[str]] = {}
+        raised: dict[str, int] = {}
+        for r, step in enumerate(place.steps):
+            k = column_of[step]
+            value = None if column is None else column[r]
+            if value is not None or k not in cells:  # a bin shows its last value
+                cells[k] = value if value is not None else cells.get(k)
+            if place.flags[r]:
+                flagged.setdefault(k, set()).update(place.flags[r])
+                for f in place.flags[r]:
+                    raised[f] = raised.get(f, 0) + 1
+        for k, value in cells.items():
+            cx = x0 + k * cw
+            if value is None:
+                fill = ABSENT
+            elif isinstance(value, bool) or not math.isfinite(value):
+                fill = NO_NUMBER if not isinstance(value, bool) else viridis(1.0 if value else 0.0)
+            else:
+                fill = viridis(round(scale.t(value) * 63) / 63)
+            levels.setdefault(fill, []).append(f"M{cx:.1f},{ry:.1f}h{wide:.1f}v11h{-wide:.1f}z")
+        for k, flags in flagged.items():
+            fam = _family(sorted(flags)[0], explain)
+            families[fam] = None
+            marks.setdefault(FAMILY_COLOURS[fam], []).append(f"M{x0 + k * cw:.1f},{ry + 12:.1f}h{max(0.8, cw):.1f}v3h{-max(0.8, cw):.1f}z")
+        if raised:
+            text = ", ".join(f"{f} ×{c}" for f, c in sorted(raised.items(), key=lambda kv: -kv[1])[:2])
+            colour = FAMILY_COLOURS[_family(max(raised, key=raised.get), explain)]
+            out.append(f'<text x="{x1 + 6:.1f}" y="{ry + 10:.1f}" font-size="10" fill="{colour}">{esc(fits(text, width - x1 - 8, 10))}</text>')
+    for fill, paths in levels.items():
+        out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
+    for fill, paths in marks.items():
+        out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
+    y = top + max(1, len(rows)) * ROW
+    if not rows:
+        out.append(f'<text x="{x0 + 8:.1f}" y="{top + 11:.1f}" font-size="11" fill="#8a93a6">waiting for health facts…</text>')
+    if bins:
+        out.append(f'<line x1="{x0:.1f}" x2="{x0 + len(bins) * cw:.1f}" y1="{y + 2:.1f}" y2="{y + 2:.1f}" stroke="{LINE}"/>')
+        last_x = -1e9
+        for t in ticks(bins[0][0], bins[-1][-1], 7, whole=True):
+            tx = sx(min(steps, key=lambda s: abs(s - t)))
+            if tx - last_x >= 36:  # labels that would touch are left out
+                out.append(f'<text x="{tx:.1f}" y="{y + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="middle">{esc(number(t))}</text>')
+                last_x = tx
+        out.append(f'<text x="{x0 - 6:.1f}" y="{y + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">step</text>')
+    y += 26
+    y = _legend(out, y, scale, metric, families, runs if many else [], explain, bool(values), width)
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="smz-audit-svg" width="{width:.0f}" height="{y:.0f}" '
+        f'viewBox="0 0 {width:.0f} {y:.0f}" font-family="{esc(FONT)}"><rect width="{width:.0f}" height="{y:.0f}" fill="#fff"/>'
+    )
+    return head + "".join(out) + "</svg>"
+
+
+def _family(flag: str, explain: dict[str, Any]) -> str:
+    return explain.get("families", {}).get(flag.split("(")[0], "numeric")
+
+
+def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi) -> float:
+    """The loss plot, with its axes; answers where the next part starts."""
+    h = 130.0
+    series = [(r, history.runs[r].loss_steps, history.runs[r].loss_values) for r in runs]
+    series = [s for s in series if s[1]]
+    every = [v for _, _, vs in series for v in vs if math.isfinite(v)]
+    log = log and bool(every) and min(every) > 0
+    out.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{x1 - x0:.1f}" height="{h:.1f}" fill="none" stroke="{LINE}"/>')
+    out.append(f'<text x="12" y="{y + h / 2 + 4:.1f}" font-size="11" font-weight="700" fill="{MUTED}">loss{" (log)" if log else ""}</text>')
+    if not every:
+        out.append(f'<text x="{x0 + 8:.1f}" y="{y + 18:.1f}" font-size="11" fill="#8a93a6">no loss yet</text>')
+        return y + h + 8
+    lo, hi = min(every), max(every)
+    note = flat_note(lo, hi, sum(every) / len(every)) if len(every) >= 10 else ""
+    if note:
+        out.append(f'<text x="{x0 + 8:.1f}" y="{y + 14:.1f}" font-size="10" font-style="italic" fill="{MUTED}">{esc(note)}</text>')
+    if lo == hi:
+        lo, hi = (lo * 0.9, hi * 1.1) if log else (lo - 0.5, hi + 0.5)
+    f = math.log10 if log else float
+    a, b = f(lo), f(hi)
+    pad = (b - a) * 0.06
+    a, b = a - pad, b + pad
+
+    def sy(v: float) -> float:
+        return y + h - (f(v) - a) / (b - a) * h
+
+    marks = [t for t in ticks(10**a if log else a, 10**b if log else b, 5, log) if y - 0.5 <= sy(t) <= y + h + 0.5]
+    for t, label in zip(marks, tick_labels(marks), strict=True):
+        ty = sy(t)
+        out.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="{LINE}" stroke-dasharray="2 3"/>')
+        out.append(f'<text x="{x0 - 5:.1f}" y="{ty + 3.5:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">{esc(label)}</text>')
+    for n, (run, steps, values) in enumerate(series):
+        colour = RUN_COLOURS[runs.index(run) % len(RUN_COLOURS)]
+        stride = max(1, len(steps) // 1500)
+        keep = range(0, len(steps), stride)
+        raw = _polyline([(sx(steps[k]), sy(values[k])) for k in keep if math.isfinite(values[k]) and (values[k] > 0 or not log)])
+        smooth = smoothed(values, smoothing)
+        line = _polyline([(sx(steps[k]), sy(smooth[k])) for k in keep if math.isfinite(smooth[k]) and (smooth[k] > 0 or not log)])
+        if smoothing > 0:
+            out.append(f'<path class="smz-loss-raw" d="{raw}" fill="none" stroke="{colour}" stroke-opacity="0.28" stroke-width="1"/>')
+        out.append(f'<path class="smz-loss" d="{line}" fill="none" stroke="{colour}" stroke-width="1.8"/>')
+        last = values[-1]
+        label = f"{run + ': ' if run else ''}step {steps[-1]}: {number(last)}"
+        out.append(f'<text x="{x1 + 6:.1f}" y="{y + 12 + 13 * n:.1f}" font-size="10" fill="{colour}">{esc(label)}</text>')
+    return y + h + 8
+
+
+def flat_note(lo: float, hi: float, mean: float) -> str:
+    """What to say of a loss that barely moves (spans under 5 % of its mean), so its axis,
+    stretched to fill the plot, is not read as a curve that learns."""
+    if mean == 0 or (hi - lo) >= 0.05 * abs(mean):
+        return ""
+    return f"flat: it spans {number(hi - lo)}, {number(100 * (hi - lo) / abs(mean))}% of its mean"
+
+
+def _polyline(points: list[tuple[float, float]]) -> str:
+    return "".join(f"{'M' if k == 0 else 'L'}{x:.1f},{y:.1f}" for k, (x, y) in enumerate(points))
+
+
+def _legend(out, y, scale, metric, families, runs, explain, have, width) -> float:
+    """Every colour and mark drawn, named; answers the picture's height."""
+    x = 12.0
+    if have:
+        out.extend(colour_bar(x, y, 140, scale, metric))
+        x += text_width(metric + (" (log)" if scale.log else ""), 11, True) + 8 + text_width(number(scale.lo), 11) + 160 + text_width(number(scale.hi), 11) + 18
+    items = [(ABSENT, "not measured"), (NO_NUMBER, "no number (NaN, ∞)")]
+    items += [(FAMILY_COLOURS[f], f"flag: {f}") for f in FAMILY_COLOURS if f in families]
+    items += [(RUN_COLOURS[k % len(RUN_COLOURS)], f"run {r}") for k, r in enumerate(runs)]
+    for colour, text in items:
+        w = 16 + text_width(text, 11)
+        if x + w > width - 8:
+            x, y = 12.0, y + 18
+        lane = text.startswith("flag")
+        out.append(f'<rect x="{x:.1f}" y="{y + (7 if lane else 0):.1f}" width="12" height="{3 if lane else 10}" fill="{colour}" stroke="{"#ced4da" if colour == ABSENT else "none"}"/>')
+        out.append(f'<text x="{x + 16:.1f}" y="{y + 9:.1f}" font-size="11" fill="{MUTED}">{esc(text)}</text>')
+        x += w + 14
+    return y + 20

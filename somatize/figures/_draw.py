@@ -1,0 +1,323 @@
+"""The graph figure's picture: a laid-out scene painted as one SVG, legend included.
+
+The same SVG is what the live figure shows (the browser adds the viewport: fit, pan, zoom,
+minimap, a tooltip), what a notebook keeps as the figure's static face and what `save_svg`
+writes. Every box carries a `<title>` (its tooltip, also where no script runs) and, where a
+click changes something, `data-click="trait key"`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from somatize.figures._layout import Point, layout
+from somatize.figures._scene import Box, pill_width, scene
+from somatize.figures._shapes import HUES, outline
+from somatize.figures._svg import (
+    FONT,
+    MUTED,
+    Scale,
+    colour_bar,
+    esc,
+    ink_on,
+    number,
+    text_width,
+    viridis,
+)
+
+EDGE = "#7b8496"
+SKIP = "#0f9d8a"
+BLOCK = "#8a6fd1"
+PILLS = {
+    "device": "#2f6fdf",
+    "host": "#7a4fd0",
+    "cached": "#c77d0a",
+    "frozen": "#2a9fd6",
+    "mapped": "#2f9e44",
+}
+
+
+def picture(
+    plan: dict,
+    insides: dict,
+    opened: list[str],
+    expanded: list[str],
+    colour: dict[str, Any],
+    colour_label: str = "",
+    room: tuple[float, float] = (1000.0, 600.0),
+) -> str:
+    """The graph drawn as SVG text (see the module's docstring); `room` is the width and
+    height it is laid out to fit, wrapping what is longer."""
+    root = scene(plan, insides, opened, expanded)
+    routes = layout(root, room)
+    return _Painter(root, routes, colour, colour_label).svg()
+
+
+def _walk(box: Box, depth: int = 0):
+    yield box, depth
+    for child in box.children:
+        yield from _walk(child, depth + 1)
+
+
+class _Painter:
+    def __init__(self, root: Box, routes: dict, colour: dict, label: str) -> None:
+        self.root, self.routes, self.colour, self.label = root, routes, colour, label
+        self.scale = Scale(v for v in colour.values() if isinstance(v, (int, float)))
+
+    def fill(self, where: str) -> tuple[str, str] | None:
+        v = self.colour.get(where)
+        if not isinstance(v, (int, float)) or not math.isfinite(v) or self.scale.empty:
+            return None
+        t = self.scale.t(v)
+        return viridis(t), ink_on(t)
+
+    def svg(self) -> str:
+        boxes, edges, layers = [], [], []
+        families: dict[str, None] = {}
+        for box, _ in _walk(self.root):
+            if box.kind == "layer":
+                families[box.family] = None
+                layers.append(self.layer(box))
+            elif box.kind != "root":
+                boxes.append(self.container(box))
+        skips = self.skips()
+        for (s, d), points in self.routes.items():
+            edges.append(self.edge(points, (s, d) in skips, s, d))
+        legend, lh = self.legend(list(families), bool(skips))
+        w = max(self.root.w, 200.0)
+        h = self.root.h + lh
+        head = (
+            f'<svg xmlns="http://www.w3.org/2000/svg" class="smz-graph-svg" width="{w:.0f}" '
+            f'height="{h:.0f}" viewBox="0 0 {w:.0f} {h:.0f}" font-family="{esc(FONT)}">'
+        )
+        defs = "<defs>" + "".join(
+            f'<marker id="smz-arrow-{name}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
+            f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{c}"/></marker>'
+            for name, c in (("edge", EDGE), ("skip", SKIP))
+        ) + "</defs>"
+        back = f'<rect width="{w:.0f}" height="{h:.0f}" fill="#fff"/>'
+        body = [
+            head,
+            defs,
+            back,
+            '<g class="smz-containers">',
+            *boxes,
+            "</g>",
+            '<g class="smz-edges">',
+            *edges,
+            "</g>",
+            '<g class="smz-layers">',
+            *layers,
+            "</g>",
+            f'<g class="smz-legend" transform="translate(0,{self.root.h:.0f})">',
+            *legend,
+            "</g></svg>",
+        ]
+        return "".join(body)
+
+    def tip(self, box: Box) -> str:
+        lines = [box.label.lstrip("▸▾ ")] + [f"{k}: {v}" if k else v for k, v in box.tip]
+        value = self.colour.get(box.where) if box.where else None
+        if value is not None:
+            lines.insert(1, f"{self.label or 'colour'}: {number(value)}")
+        return f"<title>{esc(chr(10).join(lines))}</title>"
+
+    def attrs(self, box: Box) -> str:
+        out = f' data-id="{esc(box.id)}" data-box="{box.x:.1f} {box.y:.1f} {box.w:.1f} {box.h:.1f}"'
+        if box.click:
+            out += f' data-click="{esc(box.click[0])} {esc(box.click[1])}" cursor="pointer"'
+        if box.where:
+            out += f' data-where="{esc(box.where)}"'
+        return out
+
+    def container(self, box: Box) -> str:
+        x, y, w, h = box.x, box.y, box.w, box.h
+        if box.kind == "group":
+            return (
+                f'<g class="smz-group"{self.attrs(box)}>{self.tip(box)}'
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="8" fill="none" '
+                f'stroke="#7d8799" stroke-dasharray="5 4"/>'
+                f'<text x="{x + 10:.1f}" y="{y + 15:.1f}" font-size="11" fill="{MUTED}">{esc(box.label)}</text></g>'
+            )
+        if box.kind == "block":
+            stack = ""
+            if box.marks.get("stack"):  # the N copies behind a folded block
+                stack = (
+                    f'<rect class="smz-stack" x="{x + 4:.1f}" y="{y + 4:.1f}" width="{w:.1f}" '
+                    f'height="{h:.1f}" rx="6" fill="none" stroke="{BLOCK}" stroke-opacity="0.35"/>'
+                )
+            cls = "smz-block" + (" smz-foldable" if box.click else "")
+            return (
+                f'<g class="{cls}"{self.attrs(box)}>{self.tip(box)}{stack}'
+                f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="6" '
+                f'fill="rgba(138,111,209,0.06)" stroke="{BLOCK}" stroke-dasharray="4 3" stroke-width="1.2"/>'
+                f'<text x="{x + 8:.1f}" y="{y + 15:.1f}" font-size="11" font-weight="700" fill="{BLOCK}" '
+                f'class="smz-block-label">{esc(box.label)}</text></g>'
+            )
+        return self.node(box)
+
+    def node(self, box: Box) -> str:
+        x, y, w, h = box.x, box.y, box.w, box.h
+        col = self.fill(box.where)
+        frozen = box.marks.get("frozen")
+        opened = bool(box.children)
+        bg, ink = col if col else ("#f6f7fa", "#1f2430")
+        sub_ink = ink if col else MUTED
+        cx, anchor = (x + 12, "start") if opened else (x + w / 2, "middle")
+        parts = [
+            f'<g class="smz-node{" smz-open" if opened else ""}"{self.attrs(box)}>{self.tip(box)}',
+            f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="8" fill="{bg}" '
+            f'stroke="{"#2a9fd6" if frozen else "#9aa3b5"}" stroke-width="{2 if frozen else 1.2}"/>',
+            f'<text class="smz-title" x="{cx:.1f}" y="{y + 19:.1f}" font-size="13" font-weight="700" '
+            f'fill="{ink}" text-anchor="{anchor}">{esc(box.label)}</text>',
+            f'<text x="{cx:.1f}" y="{y + 34:.1f}" font-size="11" fill="{sub_ink}" '
+            f'text-anchor="{anchor}">{esc(box.sub)}</text>',
+        ]
+        if box.pills:
+            total = sum(pill_width(t) + 4 for _, t in box.pills) - 4
+            px = x + 12 if opened else x + (w - total) / 2
+            for kind, text in box.pills:
+                pw = pill_width(text)
+                parts.append(
+                    f'<g class="smz-pill smz-pill-{kind}"><rect x="{px:.1f}" y="{y + 42:.1f}" '
+                    f'width="{pw:.1f}" height="14" rx="7" fill="{PILLS[kind]}"/>'
+                    f'<text x="{px + pw / 2:.1f}" y="{y + 52.5:.1f}" font-size="9.5" font-weight="700" '
+                    f'fill="#fff" text-anchor="middle">{esc(text)}</text></g>'
+                )
+                px += pw + 4
+        parts.append("</g>")
+        return "".join(parts)
+
+    def layer(self, box: Box) -> str:
+        col = self.fill(box.where)
+        hue = HUES[box.family]
+        path = outline(box.family, box.w, box.h)
+        ink = col[1] if col else "#1f2430"
+        dash = ' stroke-dasharray="3 2"' if box.family == "dropout" else ""
+        fill = (
+            f'<path d="{path}" fill="{col[0]}" stroke="{hue}" stroke-width="1.4"{dash}/>'
+            if col
+            else f'<path d="{path}" fill="#fff" stroke="{hue}" stroke-width="1.4"{dash}/>'
+            f'<path d="{path}" fill="{hue}" fill-opacity="0.13"/>'
+        )
+        y0 = 16 if box.sub else box.h / 2 + 4
+        out = [
+            f'<g class="smz-layer smz-kind-{box.family}"{self.attrs(box)} '
+            f'transform="translate({box.x:.1f},{box.y:.1f})">{self.tip(box)}{fill}',
+            f'<text x="{box.w / 2:.1f}" y="{y0:.1f}" font-size="12" font-weight="700" fill="{ink}" '
+            f'text-anchor="middle">{esc(box.label)}</text>',
+        ]
+        if box.sub:
+            out.append(
+                f'<text x="{box.w / 2:.1f}" y="30" font-size="10.5" font-style="italic" '
+                f'fill="{ink if col else MUTED}" text-anchor="middle">{esc(box.sub)}</text>'
+            )
+        out.append("</g>")
+        return "".join(out)
+
+    def skips(self) -> set[tuple[str, str]]:
+        """Edges that skip ahead: into a box whose other input the edge's source also reaches
+        by another way (a residual around a block, the first input of an add after it); drawn
+        in the accent colour. Inputs side by side (attention's query, key and value) are not."""
+        succ: dict[str, list[str]] = {}
+        into: dict[str, list[str]] = {}
+        for s, d in self.routes:
+            succ.setdefault(s, []).append(d)
+            into.setdefault(d, []).append(s)
+
+        def reaches(start: str, goal: str, avoid: tuple[str, str]) -> bool:
+            seen, stack = set(), [start]
+            while stack:
+                x = stack.pop()
+                for y in succ.get(x, ()):
+                    if (x, y) == avoid or y in seen:
+                        continue
+                    if y == goal:
+                        return True
+                    seen.add(y)
+                    stack.append(y)
+            return False
+
+        return {
+            (s, d)
+            for d, sources in into.items()
+            if len(sources) > 1
+            for s in sources
+            if reaches(s, d, (s, d))
+        }
+
+    def edge(self, points: list[Point], skip: bool, s: str, d: str) -> str:
+        colour, name = (SKIP, "skip") if skip else (EDGE, "edge")
+        down = not s.startswith("n:")
+        cls = "smz-edge smz-skip" if skip else "smz-edge"
+        return (
+            f'<path class="{cls}" d="{_path(points, down)}" fill="none" stroke="{colour}" '
+            f'stroke-width="{1.6 if skip else 1.3}" marker-end="url(#smz-arrow-{name})" '
+            f'data-from="{esc(s)}" data-to="{esc(d)}"/>'
+        )
+
+    def legend(self, families: list[str], skips: bool) -> tuple[list[str], float]:
+        out, x, y, width = [], 12.0, 8.0, max(self.root.w, 200.0) - 12
+        items: list[tuple[float, str]] = []
+        for fam in families:
+            swatch = (
+                f'<path transform="translate({{x}},{{y}})" d="{outline(fam, 26, 14)}" '
+                f'fill="{HUES[fam]}" fill-opacity="0.2" stroke="{HUES[fam]}" stroke-width="1.3"/>'
+                f'<text x="{{tx}}" y="{{ty}}" font-size="11" fill="{MUTED}">{fam}</text>'
+            )
+            items.append((34 + text_width(fam, 11), swatch))
+        if skips:
+            items.append(
+                (
+                    34 + text_width("skip (residual, second input)", 11),
+                    f'<path d="M{{x}},{{my}} h26" stroke="{SKIP}" stroke-width="1.6"/>'
+                    f'<text x="{{tx}}" y="{{ty}}" font-size="11" fill="{MUTED}">skip (residual, second input)</text>',
+                )
+            )
+        for w, text in items:
+            if x + w > width and x > 12:
+                x, y = 12.0, y + 20
+            out.append(
+                text.format(x=f"{x:.1f}", y=f"{y:.1f}", tx=f"{x + 30:.1f}", ty=f"{y + 11:.1f}", my=f"{y + 7:.1f}")
+            )
+            x += w + 12
+        h = y + 20 if items else 0.0
+        if not self.scale.empty:
+            bar_y = h + (4 if items else 8)
+            out += colour_bar(12, bar_y, 140, self.scale, self.label or "colour")
+            h = bar_y + 18
+        return out, h + 6 if h else 0.0
+
+
+def _path(points: list[Point], down: bool) -> str:
+    """A route as SVG path data: S-curves between layers, straight lines (rounded at their
+    corners) elsewhere."""
+    x0, y0, _ = points[0]
+    d = [f"M{x0:.1f},{y0:.1f}"]
+    n = len(points)
+    for k in range(1, n):
+        (px, py, _), (x, y, curve) = points[k - 1][:3], points[k]
+        if curve and (abs(px - x) > 0.5 and abs(py - y) > 0.5):
+            if down:
+                my = (py + y) / 2
+                d.append(f"C{px:.1f},{my:.1f} {x:.1f},{my:.1f} {x:.1f},{y:.1f}")
+            else:
+                mx = (px + x) / 2
+                d.append(f"C{mx:.1f},{py:.1f} {mx:.1f},{y:.1f} {x:.1f},{y:.1f}")
+            continue
+        if k < n - 1 and not points[k + 1][2]:
+            nx, ny, _ = points[k + 1]
+            r = min(6.0, math.dist((px, py), (x, y)) / 2, math.dist((x, y), (nx, ny)) / 2)
+            if r > 0.5 and (abs((x - px) * (ny - y) - (y - py) * (nx - x)) > 1e-6):
+                a = _toward((x, y), (px, py), r)
+                b = _toward((x, y), (nx, ny), r)
+                d.append(f"L{a[0]:.1f},{a[1]:.1f}Q{x:.1f},{y:.1f} {b[0]:.1f},{b[1]:.1f}")
+                continue
+        d.append(f"L{x:.1f},{y:.1f}")
+    return "".join(d)
+
+
+def _toward(p: tuple[float, float], q: tuple[float, float], r: float) -> tuple[float, float]:
+    dist = math.dist(p, q) or 1.0
+    return p[0] + (q[0] - p[0]) / dist * r, p[1] + (q[1] - p[1]) / dist * r

@@ -1,0 +1,117 @@
+"""The static face every figure carries beside its live view.
+
+A widget's output in a notebook is a bundle of mimetypes: JupyterLab (or VS Code, Colab) with
+a kernel draws the live widget view; nbconvert without widget state, GitHub, and JupyterLab
+on a notebook it does not trust draw the next best mimetype. So each figure's bundle also
+carries `text/html`: its picture, made in Python from the same data the live view shows, as
+an image (SVG in a data URI, which JupyterLab's sanitizer keeps for an untrusted notebook,
+where it takes inline SVG out), and a `text/plain` line that says what it is.
+
+A figure shown with `display(fig)` (or as a cell's last line) is displayed with a display id,
+and its face is brought up to date at the end of every cell that changed it (a live audit
+filled by a fit, a graph recoloured), so a notebook saved, converted or reopened shows what
+was last seen. `save_svg` and `save_html` write the same picture.
+"""
+
+from __future__ import annotations
+
+import base64
+import weakref
+from html import escape
+from pathlib import Path
+from typing import Any
+
+START = '<div class="smz-face" style="max-width:100%;overflow-x:auto">'
+END = "</div><!--/smz-face-->"
+
+
+class Face:
+    """What a figure adds to an anywidget: `svg()` (its picture) as the `face()` its output
+    bundle carries, and `plain()` (one line); the bundle is kept current where it was
+    shown."""
+
+    def svg(self) -> str:
+        """The figure's picture as SVG text: what a page without a kernel shows."""
+        raise NotImplementedError
+
+    def face(self) -> str:
+        """The picture as HTML for a notebook's output: the SVG as an image."""
+        return image(self.svg(), self.plain())
+
+    def plain(self) -> str:
+        """One line saying what the figure shows (the bundle's text/plain)."""
+        return type(self).__name__
+
+    def save_svg(self, path: str | Path) -> Path:
+        """Write the picture as an SVG file (UTF-8)."""
+        path = Path(path)
+        path.write_text(self.svg(), encoding="utf-8")
+        return path
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        bundle = super()._repr_mimebundle_(**kwargs)  # type: ignore[misc]
+        data, meta = bundle if isinstance(bundle, tuple) else (bundle or {}, {})
+        face = self.face()
+        self.__dict__["_face_shown"] = face
+        return {**data, "text/plain": self.plain(), "text/html": START + face + END}, meta
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        data, meta = self._repr_mimebundle_()
+        handle = display(data, metadata=meta, raw=True, display_id=True)
+        if handle is not None:
+            self.__dict__.setdefault("_face_handles", []).append(handle)
+            _refresh_after_cells(self)
+
+    def refresh(self) -> bool:
+        """Bring the face of every place this figure was shown up to date, if it changed;
+        whether it had. Called at the end of each cell; call it to do it now."""
+        handles = self.__dict__.get("_face_handles", [])
+        if not handles:
+            return False
+        self.settle()
+        face = self.face()
+        if face == self.__dict__.get("_face_shown"):
+            return False
+        data, meta = self._repr_mimebundle_()
+        for handle in handles:
+            handle.update(data, metadata=meta, raw=True)
+        return True
+
+    def settle(self) -> None:
+        """Make what the face will show complete (a live audit sends what it holds)."""
+
+
+def image(svg: str, alt: str) -> str:
+    """An SVG as an HTML image (a data URI), at its own size or narrower."""
+    data = base64.b64encode(svg.encode("utf-8")).decode("ascii")
+    return f'<img alt="{escape(alt, quote=True)}" style="max-width:100%" src="data:image/svg+xml;base64,{data}">'
+
+
+_watched: weakref.WeakSet = weakref.WeakSet()
+
+
+def _refresh_after_cells(figure: Face) -> None:
+    """Register (once per kernel) an end-of-cell hook that refreshes every figure shown."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    _watched.add(figure)
+    if not getattr(shell, "_somatize_faces", False):
+        shell._somatize_faces = True
+        shell.events.register("post_run_cell", _after_cell)
+
+
+def _after_cell(*_: Any) -> None:
+    for figure in list(_watched):
+        try:
+            figure.refresh()
+        except Exception as err:  # a figure that cannot draw must not break the next cell
+            import warnings
+
+            warnings.warn(f"{type(figure).__name__}'s static face was not refreshed: {err}", stacklevel=1)

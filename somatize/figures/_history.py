@@ -1,0 +1,326 @@
+"""What a live audit has seen, as plain columns: per run, the loss; per watched place, its
+steps, one column per metric and the flags of each step.
+
+A health fact is flat (`{"fact": "health", "node", "inside", "step", ...numbers}`; its place
+is `node`, or `node.inside`); its numbers are the keys that hold a number or a bool, kept as
+they were given; anything else in it is not drawn. A column is a list with a value per row
+(None where the fact did not carry that metric). A step's flags are what the health verdict
+says of its place as of that step, by the one rule over time `diagnose` uses
+(`somatize.health.Verdicts`: a place's numbers over its last measured steps, summarised,
+then judged), so a place's last column says what `diagnose` says of the run. They are judged
+behind the columns, as time allows.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from array import array
+from collections.abc import Mapping
+from typing import Any
+
+from somatize.health import Verdicts, where_of
+from somatize.health import numbers_of as health_numbers
+
+FACT_KEYS = frozenset({"fact", "node", "inside", "step", "where", "numbers"})
+_PLAIN = (float, int, bool)
+_STEPS = range(-(1 << 63), 1 << 63)
+_NONE: list[str] = []
+
+
+def place_of(fact: Mapping[str, Any]) -> str:
+    """A health fact's place: `node`, or `node.inside` for something inside it."""
+    return where_of(fact)
+
+
+def step_of(fact: Mapping[str, Any]) -> int:
+    """A fact's step, checked: an integer that fits in 64 bits."""
+    step = fact.get("step")
+    if type(step) is not int:
+        try:
+            whole = not isinstance(step, bool) and float(step) == int(step)  # numpy ints
+        except (TypeError, ValueError, OverflowError):
+            whole = False
+        if not whole:
+            raise ValueError(f"a fact's 'step' is an integer, not {step!r} (in {fact!r:.200})")
+        step = int(step)
+    if step not in _STEPS:
+        raise ValueError(f"a fact's 'step' must fit in 64 bits, not {step!r}; count steps from 0")
+    return step
+
+
+def numbers_of(fact: Mapping[str, Any]) -> dict[str, Any]:
+    """The numbers a health fact carries: every key but the fact's own (`fact`, `node`,
+    `inside`, `step`) holding a number or a bool (a numpy or torch scalar made a number)."""
+    source = health_numbers(fact)
+    out = {k: v for k, v in source.items() if type(v) in _PLAIN and k not in FACT_KEYS}
+    if len(source) - len(out) > sum(1 for k in FACT_KEYS if k in source):  # a numpy scalar?
+        for k, v in source.items():
+            if k in out or k in FACT_KEYS or v is None or isinstance(v, str):
+                continue
+            item = getattr(v, "item", None)
+            if callable(item):
+                try:
+                    v = item()
+                except (TypeError, ValueError, RuntimeError):
+                    continue
+                if isinstance(v, _PLAIN):
+                    out[str(k)] = v
+    return out
+
+
+class Place:
+    """One watched place in one run; `judged` rows have their flags."""
+
+    __slots__ = ("columns", "flags", "judged", "steps")
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.columns: dict[str, list[Any]] = {}
+        self.flags: list[list[str]] = []
+        self.judged = 0
+
+    def add(self, step: int, numbers: dict[str, Any]) -> None:
+        rows = len(self.steps)
+        columns = self.columns
+        for name, value in numbers.items():
+            column = columns.get(name)
+            if column is None:
+                column = columns[name] = [None] * rows
+            column.append(value)
+        if len(numbers) != len(columns):
+            for column in columns.values():
+                if len(column) == rows:
+                    column.append(None)
+        self.steps.append(step)
+        self.flags.append(_NONE)
+
+    def numbers(self, row: int) -> dict[str, Any]:
+        """The numbers of one row, as they were given."""
+        return {k: c[row] for k, c in self.columns.items() if c[row] is not None}
+
+
+class Run:
+    """One run: its loss, and its places in the order first seen."""
+
+    __slots__ = ("loss_steps", "loss_values", "places")
+
+    def __init__(self) -> None:
+        self.loss_steps: list[int] = []
+        self.loss_values: list[float] = []
+        self.places: dict[str, Place] = {}
+
+
+class History:
+    """Everything a live audit has seen, by run; `flags`: whether the health verdict judges
+    each step (else no step has a flag)."""
+
+    def __init__(self, flags: bool = True) -> None:
+        self.judges: dict[str, Any] = {}  # a run's Verdicts, fed its facts in order
+        self.rule = Verdicts if flags else None
+        self.runs: dict[str, Run] = {}
+        self.metrics: dict[str, None] = {}  # in the order first seen
+        self.rows = 0
+        self.version = 0  # one more for every change
+
+    def run(self, name: str) -> Run:
+        if name not in self.runs:
+            self.runs[name] = Run()
+        return self.runs[name]
+
+    def health(self, run: str, fact: Mapping[str, Any]) -> None:
+        """Keep one health fact (checked when it was taken) as a row of its place."""
+        node, step = fact.get("node"), fact.get("step")
+        if type(node) is str and type(step) is int:  # a flat fact, as an Audit tells it
+            inside = fact.get("inside")
+            where = f"{node}.{inside}" if inside else node
+            numbers = {k: v for k, v in fact.items() if type(v) in _PLAIN and k not in FACT_KEYS}
+            if len(fact) - len(numbers) > 3 + ("inside" in fact):  # a numpy scalar, perhaps
+                numbers = numbers_of(fact)
+        else:
+            where, numbers, step = place_of(fact), numbers_of(fact), step_of(fact)
+        places = self.run(run).places
+        place = places.get(where)
+        if place is None:
+            place = places[where] = Place()
+        place.add(step, numbers)
+        metrics = self.metrics
+        for name in numbers:
+            if name not in metrics:
+                metrics[name] = None
+        self.rows += 1
+        self.version += 1
+
+    def loss(self, run: str, step: int | None, value: float) -> None:
+        r = self.run(run)
+        r.loss_steps.append(len(r.loss_steps) if step is None else step)
+        r.loss_values.append(value)
+        self.version += 1
+
+    def judge(self, until: float | None = None) -> bool:
+        """Judge the rows not judged yet, each place's in order, until `until` (a
+        `time.perf_counter()` reading; None: all of them); whether any was."""
+        judged = False
+        for name, run in self.runs.items():
+            if self.rule is None:
+                for place in run.places.values():
+                    place.judged = len(place.steps)
+                continue
+            judge = self.judges.get(name)
+            if judge is None:
+                judge = self.judges[name] = self.rule()
+            for where, place in run.places.items():
+                while place.judged < len(place.steps):
+                    r = place.judged
+                    fact = {"fact": "health", "node": where, "step": place.steps[r], **place.numbers(r)}
+                    place.flags[r] = [str(f) for f in judge.add(fact)]
+                    place.judged = r + 1
+                    judged = True
+                    if until is not None and (r & 15) == 15 and time.perf_counter() > until:
+                        self.version += 1
+                        return True
+        if judged:
+            self.version += 1
+        return judged
+
+    def places(self) -> list[str]:
+        """Every place of every run, in the order first seen."""
+        return list(dict.fromkeys(w for r in self.runs.values() for w in r.places))
+
+    def kinds(self) -> dict[str, str]:
+        """What each metric holds: bool, int or float (its first value says)."""
+        out: dict[str, str] = {}
+        for run in self.runs.values():
+            for place in run.places.values():
+                for name, column in place.columns.items():
+                    if name not in out:
+                        first = next((v for v in column if v is not None), 0.0)
+                        out[name] = type(first).__name__ if isinstance(first, _PLAIN) else "float"
+        return out
+
+
+def floats(values: list[Any]) -> array:
+    """A column as float64: a bool as 0 or 1, None as NaN (told apart by `absent`)."""
+    out = array("d")
+    for v in values:
+        try:
+            out.append(math.nan if v is None else float(v))
+        except OverflowError:  # an int past a float's range
+            out.append(math.inf if v > 0 else -math.inf)
+    return out
+
+
+def binary(values: list[Any], buffers: list) -> dict[str, int]:
+    """Values as a little-endian float64 buffer appended to `buffers`."""
+    part = floats(values)
+    if sys.byteorder == "big":
+        part.byteswap()
+    buffers.append(memoryview(part).cast("B"))
+    return {"buffer": len(buffers) - 1}
+
+
+def plain_numbers(values: list[Any]) -> list[Any]:
+    """Numbers as JSON holds them: NaN and infinities as "nan", "inf", "-inf", None as null,
+    a bool as 0 or 1."""
+    out = []
+    for v in floats(values).tolist():
+        out.append(v if math.isfinite(v) else ("nan" if v != v else "inf" if v > 0 else "-inf"))
+    for k, v in enumerate(values):
+        if v is None:
+            out[k] = None
+    return out
+
+
+def _column(values: list[Any], buffers: list | None) -> dict[str, Any]:
+    c: dict[str, Any] = binary(values, buffers) if buffers is not None else {"values": plain_numbers(values)}
+    if None in values:
+        c["absent"] = [i for i, v in enumerate(values) if v is None]
+    return c
+
+
+def message(history: History, sent: dict, buffers: list | None, everything: bool = False) -> dict:
+    """What is new since `sent` (a dict of counts this updates; with `everything`, all there
+    is), as the page reads it: per run, the loss, and per place its new steps (`from` its row
+    where they start), every metric's values (binary buffers, or JSON without `buffers`),
+    which rows did not have a metric (`absent`), and the flags of the rows judged since."""
+    runs = []
+    for name, run in history.runs.items():
+        lo = 0 if everything else sent.get((name, None), 0)
+        hi = len(run.loss_steps)
+        sent[(name, None)] = hi
+        entry: dict[str, Any] = {"run": name, "places": []}
+        if hi > lo:
+            values = run.loss_values[lo:hi]
+            entry["loss"] = {
+                "steps": run.loss_steps[lo:hi],
+                "values": binary(values, buffers) if buffers is not None else plain_numbers(values),
+            }
+        for where, place in run.places.items():
+            lo = 0 if everything else sent.get((name, where), 0)
+            hi = len(place.steps)
+            sent[(name, where)] = hi
+            if hi > lo:
+                columns = {
+                    m: _column(c[lo:hi], buffers)
+                    for m, c in place.columns.items()
+                    if any(v is not None for v in c[lo:hi])
+                }
+                entry["places"].append({"where": where, "from": lo, "steps": place.steps[lo:hi], "columns": columns})
+        _flags(entry, name, run, sent, everything)
+        if "loss" in entry or entry["places"] or "flags" in entry:
+            runs.append(entry)
+    return {"runs": runs, "metrics": list(history.metrics), "kinds": history.kinds()}
+
+
+def _flags(entry: dict, name: str, run: Run, sent: dict, everything: bool) -> None:
+    """The flags of a run's rows judged since the last message, by place and row."""
+    for where, place in run.places.items():
+        lo = 0 if everything else sent.get((name, where, "judged"), 0)
+        sent[(name, where, "judged")] = place.judged
+        rows = [[r, place.flags[r]] for r in range(lo, place.judged) if place.flags[r]]
+        if rows:
+            entry.setdefault("flags", []).append({"where": where, "rows": rows})
+
+
+def record(history: History, most: int = 240) -> dict:
+    """Everything seen, in the shape of a `reset` message but as JSON, each place thinned to
+    at most about `most` rows (a kept row stands for its bin: the bin's last row, every flag
+    in the bin) and each loss to 2000 points: what a page with no kernel draws from."""
+    runs = []
+    for name, run in history.runs.items():
+        n = len(run.loss_steps)
+        keep = range(0, n, max(1, -(-n // 2000)))
+        entry: dict[str, Any] = {"run": name, "places": []}
+        if n:
+            entry["loss"] = {
+                "steps": [run.loss_steps[k] for k in keep],
+                "values": plain_numbers([run.loss_values[k] for k in keep]),
+            }
+        for where, place in run.places.items():
+            rows = len(place.steps)
+            per = max(1, -(-rows // most))
+            bins = [range(k, min(rows, k + per)) for k in range(0, rows, per)]
+            kept = [b[-1] for b in bins]
+            columns = {}
+            for metric, column in place.columns.items():
+                values = [_last(column, b) for b in bins]
+                if any(v is not None for v in values):
+                    columns[metric] = _column(values, None)
+            entry["places"].append(
+                {"where": where, "from": 0, "steps": [place.steps[r] for r in kept], "columns": columns, "of": rows}
+            )
+            binned = [[i, sorted({f for r in b for f in place.flags[r]})] for i, b in enumerate(bins)]
+            binned = [b for b in binned if b[1]]
+            if binned:
+                entry.setdefault("flags", []).append({"where": where, "rows": binned})
+        runs.append(entry)
+    return {"kind": "reset", "runs": runs, "metrics": list(history.metrics), "kinds": history.kinds()}
+
+
+def _last(column: list[Any], rows: range) -> Any:
+    """The last value a bin of rows holds (None if it holds none)."""
+    for r in reversed(rows):
+        if column[r] is not None:
+            return column[r]
+    return None

@@ -1,0 +1,374 @@
+"""One container's children in layers: the steps of Sugiyama's method, kept small.
+
+Layers by the longest path to each child (a source just above what it feeds, an edge that
+closes a cycle left out); a waypoint in every layer an edge skips; an order within each layer
+that crosses few edges (barycentre sweeps, the best of several kept); positions across that
+pull each box towards what it is joined to with the spacing kept (least squares by
+pool-adjacent-violators; waypoints give way to boxes); and, for a container longer than its
+room, its layers cut into bands side by side, an edge between bands led through the gap.
+Coordinates here are a container's own: `u` across its direction, `v` along it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from somatize.figures._scene import Box
+
+
+@dataclass
+class Item:
+    key: str
+    span: float  # size across the direction
+    depth: float  # size along it
+    box: Box | None = None
+    layer: int = 0
+    u: float = 0.0  # centre, across
+    v: float = 0.0  # top, along
+    chunk: int = 0
+
+
+@dataclass
+class _Placed:
+    layers: list[list[Item]]
+    extent: tuple[float, float]
+    tops: list[float]
+    bottoms: list[float]
+    chunks: list[tuple[float, float]]  # (start, end) across, per band
+    end: float  # the far end of the longest band, along
+    lead: float  # where the bands start, along (after the lanes above them)
+    paths: dict[tuple[str, str], list[Item]]
+
+    def ways(self, pairs, items, port: Callable) -> list[list[tuple[float, float, bool]]]:
+        """Each edge's way at this level: out of its source, through its waypoints, into its
+        target, spread where several leave or enter one box."""
+        outs: dict[str, list[int]] = {}
+        ins: dict[str, list[int]] = {}
+        for k, (a, b, _, _) in enumerate(pairs):
+            outs.setdefault(a, []).append(k)
+            ins.setdefault(b, []).append(k)
+        start: dict[int, float] = {}
+        stop: dict[int, float] = {}
+        for table, into, far in ((outs, start, 1), (ins, stop, 0)):
+            for key, ks in table.items():
+                item = items[key]
+                fixed = {}
+                for k in ks:
+                    a, b, s, d = pairs[k]
+                    if item.box is not None and item.box.children:
+                        at = port(item.box, d if far else s, bool(far))
+                        if at is not None:
+                            fixed[k] = item.u + at
+                free = [k for k in ks if k not in fixed]
+                slots = list(dict.fromkeys((pairs[k][0], pairs[k][1]) for k in free))
+                other = {p: self.paths[p][1 if far else -2].u for p in slots}
+                slots.sort(key=lambda p: other[p])
+                width = min(item.span * 0.6, 12.0 * (len(slots) - 1))
+                at = {
+                    p: item.u + (width * (n / (len(slots) - 1) - 0.5) if len(slots) > 1 else 0.0)
+                    for n, p in enumerate(slots)
+                }
+                for k in free:
+                    into[k] = at[(pairs[k][0], pairs[k][1])]
+                into.update(fixed)
+        out = []
+        lanes: dict[tuple[int, int], list[tuple[str, str]]] = {}  # who crosses each gap
+        for k, (a, b, _, _) in enumerate(pairs):
+            chain = self.paths[(a, b)]
+            way: list[tuple[float, float, bool]] = []
+            first, last = chain[0], chain[-1]
+            way.append((start[k], first.v + first.depth, False))
+            prev = first
+            for item in chain[1:]:
+                u = stop[k] if item is last else item.u
+                if item.chunk != prev.chunk:
+                    crossing = lanes.setdefault((prev.chunk, item.chunk), [])
+                    if (a, b) not in crossing:
+                        crossing.append((a, b))
+                    gap = crossing.index((a, b))
+                    lane = self.chunks[item.chunk][0] - 20 + 5 * gap
+                    below, above = self.end + 12 + 5 * gap, self.lead - 12 - 5 * gap
+                    x0 = way[-1][0]
+                    way += [(x0, below, False), (lane, below, False), (lane, above, False)]
+                    way.append((u, above, False))
+                    way.append((u, item.v, False))
+                else:
+                    way.append((u, item.v, True))
+                if item is not last:
+                    way.append((u, item.v + item.depth, False))
+                prev = item
+            out.append(way)
+        return out
+
+
+def place(
+    items: list[Item],
+    edges: list[tuple[str, str]],
+    gaps: tuple[float, float],
+    room: float,
+    offsets: dict,
+    across_room: float | None = None,
+) -> _Placed:
+    """Items in layers along a container, ordered and placed across: `gaps` (between
+    layers, between items), `room` the length along to wrap at, `across_room` the width
+    across the bands may not pass (None: any), `offsets` where the edges meet containers."""
+    between, across = gaps
+    by_key = {i.key: i for i in items}
+    edges = list(dict.fromkeys((a, b) for a, b in edges if a != b))
+    _layers_of(items, edges, by_key)
+    # waypoints for edges that skip layers
+    paths: dict[tuple[str, str], list[Item]] = {}
+    every = list(items)
+    for n, (a, b) in enumerate(edges):
+        ia, ib = by_key[a], by_key[b]
+        chain = [ia]
+        lo, hi = sorted((ia.layer, ib.layer))
+        for k in range(lo + 1, hi):
+            dummy = Item(f"~{n}.{k}", 4.0, 0.0, layer=k)
+            every.append(dummy)
+            chain.append(dummy)
+        chain.append(ib)
+        paths[(a, b)] = chain if ia.layer <= ib.layer else [chain[0], *reversed(chain[1:-1]), chain[-1]]
+    count = max(i.layer for i in every) + 1
+    layers: list[list[Item]] = [[] for _ in range(count)]
+    for i in every:
+        layers[i.layer].append(i)
+    links = [(c[j], c[j + 1]) for c in paths.values() for j in range(len(c) - 1)]
+    # where each link's ends join their boxes, from the centres (a port on a container); a port
+    # far from its centre (a wrapped block's, in another band) is not lined up with, or blocks
+    # chained that way would walk off to one side
+    shifts = []
+    for (a, b), c in paths.items():
+        oa, ob = offsets.get((a, b), (0.0, 0.0))
+        if abs(oa) > by_key[a].span / 4 or abs(ob) > by_key[b].span / 4:
+            oa = ob = 0.0
+        if by_key[a].layer > by_key[b].layer:
+            oa, ob = ob, oa
+        for j in range(len(c) - 1):
+            shifts.append((oa if j == 0 else 0.0, ob if j == len(c) - 2 else 0.0))
+    _order(layers, links)
+    depth = [max((i.depth for i in layer), default=0.0) for layer in layers]
+    lengths = [d + (between if d > 0 else 8.0) for d in depth]
+    # bands: as few as keep each within the room along, and none when that would make the
+    # whole wider than the room across (then it is long, and scrolls)
+    k = _bands_needed(lengths, room)
+    while True:
+        bands = _bands(lengths, k)
+        placed = _arrange_bands(layers, bands, lengths, depth, links, shifts, across, paths)
+        if k == 1 or across_room is None or placed.extent[0] <= across_room:
+            return placed
+        k -= 1
+
+
+def _arrange_bands(layers, bands, lengths, depth, links, shifts, across, paths) -> _Placed:
+    """The layers placed along, band by band, and across, each band beside the last."""
+    count = len(layers)
+    lead = 24.0 if len(bands) > 1 else 0.0  # room for the lanes between bands
+    tops, bottoms, end = [0.0] * count, [0.0] * count, 0.0
+    for c, (lo, hi) in enumerate(bands):
+        v = lead
+        for k in range(lo, hi):
+            tops[k], bottoms[k] = v, v + depth[k]
+            for i in layers[k]:
+                i.v, i.chunk = v + (depth[k] - i.depth) / 2, c
+            v += lengths[k]
+        end = max(end, v - (lengths[hi - 1] - depth[hi - 1]))
+    chunks, offset = [], 0.0
+    for lo, hi in bands:
+        band = layers[lo:hi]
+        _positions(band, links, shifts, across)
+        left = min((i.u - i.span / 2 for layer in band for i in layer), default=0.0)
+        right = max((i.u + i.span / 2 for layer in band for i in layer), default=0.0)
+        for layer in band:
+            for i in layer:
+                i.u += offset - left
+        chunks.append((offset, offset + right - left))
+        offset += right - left + 44.0
+    extent = (offset - 44.0, end + lead)
+    return _Placed(layers, extent, tops, bottoms, chunks, end, lead, paths)
+
+
+def _layers_of(items: list[Item], edges, by_key) -> None:
+    """Layers by the longest path from the sources (a source just above what it feeds), an
+    edge that closes a cycle left out; ports in a first and a last layer of their own."""
+    inner = [i.key for i in items if not i.key.startswith(("in:", "out:"))]
+    succ: dict[str, list[str]] = {k: [] for k in inner}
+    for a, b in edges:
+        if a in succ and b in succ:
+            succ[a].append(b)
+    order: list[str] = []  # depth first, in the order given: finishing order, reversed
+    state: dict[str, int] = {}
+    pred: dict[str, list[str]] = {k: [] for k in inner}
+    for k0 in inner:
+        if k0 in state:
+            continue
+        stack = [(k0, iter(succ[k0]))]
+        state[k0] = 1
+        while stack:
+            k, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[k] = 2
+                order.append(k)
+                stack.pop()
+            elif state.get(nxt) != 1:  # an edge back to the path walked is dropped
+                pred[nxt].append(k)
+                if nxt not in state:
+                    state[nxt] = 1
+                    stack.append((nxt, iter(succ[nxt])))
+    layer: dict[str, int] = {}
+    for k in reversed(order):  # a topological order of what was kept
+        layer[k] = 1 + max((layer[p] for p in pred[k]), default=-1)
+    kept_succ: dict[str, list[str]] = {k: [] for k in inner}
+    for b, ps in pred.items():
+        for a in ps:
+            kept_succ[a].append(b)
+    for k in order:  # sinks first: each source pulled down to just above what it feeds
+        if not pred[k] and kept_succ[k]:
+            layer[k] = min(layer[s] for s in kept_succ[k]) - 1
+    low = min(layer.values(), default=0)
+    ports = any(i.key.startswith("in:") for i in items)
+    top = max((v - low for v in layer.values()), default=-1) + (1 if ports else 0)
+    for i in items:
+        if i.key.startswith("in:"):
+            i.layer = 0
+        elif i.key.startswith("out:"):
+            i.layer = top + 1
+        else:
+            i.layer = layer[i.key] - low + (1 if ports else 0)
+
+
+def _order(layers: list[list[Item]], links: list[tuple[Item, Item]]) -> None:
+    """An order within each layer that crosses few edges: barycentre sweeps down and up,
+    the best seen kept."""
+    up: dict[int, list[Item]] = {}
+    down: dict[int, list[Item]] = {}
+    for a, b in links:
+        down.setdefault(id(a), []).append(b)
+        up.setdefault(id(b), []).append(a)
+    pos = {id(i): float(k) for layer in layers for k, i in enumerate(layer)}
+
+    def sweep(seq: range, near: dict[int, list[Item]]) -> None:
+        for k in seq:
+            layer = layers[k]
+            keys = {}
+            for n, i in enumerate(layer):
+                ns = near.get(id(i), [])
+                keys[id(i)] = sum(pos[id(x)] for x in ns) / len(ns) if ns else pos[id(i)]
+                keys[id(i)] += n * 1e-6
+            layer.sort(key=lambda i: keys[id(i)])
+            for n, i in enumerate(layer):
+                pos[id(i)] = float(n)
+
+    best, fewest = [list(layer) for layer in layers], _crossings(layers, links)
+    for _ in range(4):
+        sweep(range(1, len(layers)), up)
+        sweep(range(len(layers) - 2, -1, -1), down)
+        now = _crossings(layers, links)
+        if now < fewest:
+            best, fewest = [list(layer) for layer in layers], now
+    layers[:] = best
+
+
+def _crossings(layers: list[list[Item]], links: list[tuple[Item, Item]]) -> int:
+    where = {id(i): k for layer in layers for k, i in enumerate(layer)}
+    by_layer: dict[int, list[tuple[int, int]]] = {}
+    for a, b in links:
+        if b.layer == a.layer + 1:
+            by_layer.setdefault(a.layer, []).append((where[id(a)], where[id(b)]))
+    total = 0
+    for pairs in by_layer.values():
+        for n, (a, b) in enumerate(pairs):
+            total += sum(1 for c, d in pairs[n + 1 :] if (a - c) * (b - d) < 0)
+    return total
+
+
+def _positions(layers: list[list[Item]], links, shifts, gap: float) -> None:
+    """Centres across: each box pulled towards what it is joined to (where the edge meets
+    it: a container's port is off its centre), spacing kept."""
+    up: dict[int, list[tuple[Item, float]]] = {}
+    down: dict[int, list[tuple[Item, float]]] = {}
+    for (a, b), (oa, ob) in zip(links, shifts, strict=True):
+        down.setdefault(id(a), []).append((b, ob - oa))
+        up.setdefault(id(b), []).append((a, oa - ob))
+    for layer in layers:
+        u = 0.0
+        for n, i in enumerate(layer):
+            if n:
+                u += _sep(layer[n - 1], i, gap)
+            i.u = u
+    for turn in range(12):
+        order = range(len(layers)) if turn % 2 == 0 else range(len(layers) - 1, -1, -1)
+        for k in order:
+            want = []
+            for i in layers[k]:
+                if turn >= 10:
+                    ns = [*up.get(id(i), []), *down.get(id(i), [])]
+                else:
+                    ns = up.get(id(i), []) if turn % 2 == 0 else down.get(id(i), [])
+                ns = [(x, o) for x, o in ns if x.chunk == i.chunk and x.layer != i.layer]
+                real = [(x, o) for x, o in ns if x.box is not None]
+                ns = real or ns  # a box lines up with boxes, a waypoint goes round them
+                target = sum(x.u + o for x, o in ns) / len(ns) if ns else i.u
+                dummy = i.box is None and not i.key.startswith(("in:", "out:"))
+                want.append((target, 1e-3 if dummy else 1.0))  # waypoints give way
+            _fit(layers[k], want, gap)
+
+
+def _sep(a: Item, b: Item, gap: float) -> float:
+    dummy = a.box is None or b.box is None
+    return (a.span + b.span) / 2 + (8.0 if dummy else gap)
+
+
+def _fit(layer: list[Item], want: list[tuple[float, float]], gap: float) -> None:
+    """Centres as near `want` (value, weight) as the order and spacing allow (least squares,
+    by pool-adjacent-violators on the positions less their spacing)."""
+    offs, total = [], 0.0
+    for n, i in enumerate(layer):
+        if n:
+            total += _sep(layer[n - 1], i, gap)
+        offs.append(total)
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for (target, w), off in zip(want, offs, strict=True):
+        blocks.append([target - off, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    n = 0
+    for mean, _, c in blocks:
+        for _ in range(c):
+            layer[n].u = mean + offs[n]
+            n += 1
+
+
+def _bands_needed(lengths: list[float], room: float) -> int:
+    """How many bands keep each within `room`: 1 for few layers, or one layer alone longer
+    than the room (less the lanes between bands, which run past both ends)."""
+    total = sum(lengths)
+    if total <= room or len(lengths) < 4:
+        return 1
+    room -= 48.0
+    longest = max(lengths)
+    room = max(room, longest)
+    k = math.ceil(total / room)
+    while k < len(lengths) and max(sum(lengths[a:b]) for a, b in _bands(lengths, k)) > room * 1.02:
+        k += 1
+    return k
+
+
+def _bands(lengths: list[float], k: int) -> list[tuple[int, int]]:
+    """Consecutive layers cut into `k` bands (or fewer) about as long as each other."""
+    if k <= 1:
+        return [(0, len(lengths))]
+    goal = sum(lengths) / k
+    bands, lo, run = [], 0, 0.0
+    for n, length in enumerate(lengths):
+        if run and run + length > goal * 1.08 and len(bands) < k - 1:
+            bands.append((lo, n))
+            lo, run = n, 0.0
+        run += length
+    bands.append((lo, len(lengths)))
+    return bands

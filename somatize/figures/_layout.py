@@ -1,0 +1,189 @@
+"""A layered layout for boxes inside boxes.
+
+Each container is laid out on its own (`_layers.place`), innermost first, so it knows its
+size before its parent places it; its children go down it (or right, for the graph's own
+nodes). An edge that enters a container from outside enters through a port on its border,
+placed like a box in a first layer of its own; one that leaves, through a port in a last
+layer; the edge is drawn through each container it crosses, part by part, joined here.
+
+`layout(root, room)` sets every box's `x, y` (from the root's corner) and size, and answers
+each edge's route as points, by (source id, target id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from somatize.figures._layers import Item, place
+from somatize.figures._scene import Box
+
+Point = tuple[float, float, bool]  # x, y, and whether the way to it curves (between layers)
+
+
+@dataclass
+class _Level:
+    """What laying out one container left behind: where its ports are and each edge's part
+    of the way at this level (in the container's coordinates)."""
+
+    ports_in: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ports_out: dict[str, tuple[float, float]] = field(default_factory=dict)
+    parts: dict[tuple[str, str], list[Point]] = field(default_factory=dict)
+
+
+class _Layout:
+    def __init__(self, root: Box, room: tuple[float, float]) -> None:
+        self.room = room
+        self.levels: dict[str, _Level] = {}
+        self.parent: dict[str, Box] = {}
+        self.worlds: dict[str, list[tuple[str, str]]] = {}
+        self._index(root, root)
+        self._arrange(root, root)
+
+    def _index(self, box: Box, world: Box) -> None:
+        if box.edges or box.kind in ("root", "node"):
+            world = box
+        self.worlds[box.id] = world.edges
+        for child in box.children:
+            self.parent[child.id] = box
+            self._index(child, world)
+
+    def _child_of(self, box: Box, key: str) -> Box | None:
+        """The child of `box` that is `key` or holds it; None if `key` is not under `box`."""
+        node = key
+        while node in self.parent:
+            up = self.parent[node]
+            if up.id == box.id:
+                return next(c for c in box.children if c.id == node)
+            node = up.id
+        return None
+
+    def _arrange(self, box: Box, root: Box) -> None:
+        for child in box.children:
+            if child.children:
+                self._arrange(child, root)
+        if not box.children:
+            return
+        edges = self.worlds[box.id] if box.kind != "node" else box.edges
+        level = self.levels[box.id] = _Level()
+        items = {c.id: Item(c.id, *(self._sizes(c, box.down)), box=c) for c in box.children}
+        pairs: list[tuple[str, str, str, str]] = []  # level source, level target, edge
+        for s, d in edges:
+            a, b = self._child_of(box, s), self._child_of(box, d)
+            if a is None and b is None or a is b:
+                continue
+            if a is None:
+                key = f"in:{s}"
+                items.setdefault(key, Item(key, 0.0, 0.0))
+                pairs.append((key, b.id, s, d))
+            elif b is None:
+                key = f"out:{d}"
+                items.setdefault(key, Item(key, 0.0, 0.0))
+                pairs.append((a.id, key, s, d))
+            else:
+                pairs.append((a.id, b.id, s, d))
+        big = box.kind in ("root", "group")
+        gaps = (40.0, 20.0) if big else (22.0, 16.0)
+        top, right, bottom, left = box.pad
+        room = self.room[1] - top - bottom if box.down else self.room[0] - left - right
+        offsets: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for a, b, s, d in pairs:
+            ia, ib = items[a], items[b]
+            oa = self.port(ia.box, d, True, box.down) if ia.box is not None else None
+            ob = self.port(ib.box, s, False, box.down) if ib.box is not None else None
+            offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
+        mean = {k: (sum(o[0] for o in v) / len(v), sum(o[1] for o in v) / len(v)) for k, v in offsets.items()}
+        across_room = self.room[0] - left - right if box.down else None  # a root's rows scroll down
+        placed = place(list(items.values()), [(p[0], p[1]) for p in pairs], gaps, room, mean, across_room)
+        extent_u, extent_v = placed.extent
+        w, h = (extent_u, extent_v) if box.down else (extent_v, extent_u)
+        box.w = max(box.w, w + left + right)
+        box.h = h + top + bottom
+        shift_u, shift_v = (left, top) if box.down else (top, left)
+        # center the content when the box is wider than it (a long label)
+        if box.down:
+            shift_u += (box.w - left - right - w) / 2
+
+        def real(u: float, v: float) -> tuple[float, float]:
+            return (u + shift_u, v + shift_v) if box.down else (v + shift_v, u + shift_u)
+
+        for item in items.values():
+            cx, cy = real(item.u, item.v)
+            if item.box is not None:
+                if box.down:
+                    item.box.x, item.box.y = cx - item.box.w / 2, cy
+                else:
+                    item.box.x, item.box.y = cx, cy - item.box.h / 2
+        for key, item in items.items():
+            if key.startswith("in:"):
+                level.ports_in[key[3:]] = real(item.u, item.v)
+            elif key.startswith("out:"):
+                level.ports_out[key[4:]] = real(item.u, item.v)
+        for (_, _, s, d), way in zip(pairs, placed.ways(pairs, items, lambda b, k, out: self.port(b, k, out, box.down)), strict=True):
+            level.parts[(s, d)] = [(*real(u, v), curve) for u, v, curve in way]
+
+    def _sizes(self, box: Box, down: bool) -> tuple[float, float]:
+        return (box.w, box.h) if down else (box.h, box.w)
+
+    def port(self, box: Box, key: str, out: bool, down: bool) -> tuple[float, float] | None:
+        """Where an edge to (or from) `key` crosses the border of `box`, across its
+        direction and in the parent's frame offset from the box's centre, if it has one."""
+        level = self.levels.get(box.id)
+        if level is None:
+            return None
+        at = (level.ports_out if out else level.ports_in).get(key)
+        if at is None:
+            return None
+        return (at[0] - box.w / 2) if down else (at[1] - box.h / 2)
+
+    def absolute(self, root: Box) -> dict[tuple[str, str], list[Point]]:
+        """Boxes moved to the root's frame; each edge's route, its parts joined in order."""
+        origin: dict[str, tuple[float, float]] = {root.id: (0.0, 0.0)}
+        for box in _walk(root):
+            ox, oy = origin[box.id]
+            for child in box.children:
+                child.x += ox
+                child.y += oy
+                origin[child.id] = (child.x, child.y)
+        routes: dict[tuple[str, str], list[Point]] = {}
+        for world in [root, *[b for b in _walk(root) if b.kind == "node" and b.children]]:
+            for s, d in world.edges:
+                chain = self._chain(s, d)
+                points: list[Point] = []
+                for box in chain:
+                    ox, oy = origin[box.id]
+                    part = self.levels[box.id].parts.get((s, d), [])
+                    points.extend((x + ox, y + oy, c) for x, y, c in part)
+                if points:
+                    routes[(s, d)] = points
+        return routes
+
+    def _chain(self, s: str, d: str) -> list[Box]:
+        """The containers an edge passes through, from the source's side to the target's."""
+        up_s, up_d = self._ups(s), self._ups(d)
+        ids_d = {b.id for b in up_d}
+        lca = next(b for b in up_s if b.id in ids_d)
+        left = [b for b in up_s if b.id != lca.id and lca.id in {x.id for x in self._ups(b.id)}]
+        right = [b for b in up_d if b.id != lca.id and lca.id in {x.id for x in self._ups(b.id)}]
+        return [*left, lca, *reversed(right)]
+
+    def _ups(self, key: str) -> list[Box]:
+        out = []
+        while key in self.parent:
+            box = self.parent[key]
+            out.append(box)
+            key = box.id
+        return out
+
+
+def _walk(box: Box) -> Iterator[Box]:
+    yield box
+    for child in box.children:
+        yield from _walk(child)
+
+
+def layout(root: Box, room: tuple[float, float]) -> dict[tuple[str, str], list[Point]]:
+    """Lay out the scene under `root` within `room` (width, height) where it can: sets each
+    box's `x`, `y`, `w`, `h` and answers the route of every edge."""
+    done = _Layout(root, room)
+    return done.absolute(root)

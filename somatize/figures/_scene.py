@@ -1,0 +1,364 @@
+"""From a graph figure's data to boxes to lay out: what is drawn, how big, inside what.
+
+A graph's nodes run left to right (branches that leave one node and meet at another grouped in
+a frame); an open node holds its layers top to bottom, a block its own layers, a block folded
+`×N` once with a stack behind it (expanded, once per copy), a plain container (`Sequential`)
+as what it holds. Each box knows its tooltip and what a click on it changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from somatize.figures._shapes import count, family, shape_text
+from somatize.figures._svg import text_width
+
+NODE_TOP = 42  # an open node's title and subtitle, above its layers
+PILL_H = 18
+
+
+@dataclass
+class Box:
+    """One thing drawn: a node, a group of branches, a block or a layer (`kind`); containers
+    hold `children` laid out down (or right, for the graph's own nodes). `edges` are the
+    edges of the world this box opens (the graph's, or one node's layers'), by box id."""
+
+    id: str
+    kind: str
+    label: str = ""
+    sub: str = ""
+    w: float = 0.0
+    h: float = 0.0
+    children: list[Box] = field(default_factory=list)
+    down: bool = True
+    pad: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # top, right, bottom, left
+    edges: list[tuple[str, str]] = field(default_factory=list)
+    tip: list[tuple[str, str]] = field(default_factory=list)
+    click: tuple[str, str] | None = None  # (trait, key) a click toggles
+    where: str = ""  # the colour key: node or node.path
+    family: str = ""
+    pills: list[tuple[str, str]] = field(default_factory=list)
+    marks: dict[str, Any] = field(default_factory=dict)
+    x: float = 0.0
+    y: float = 0.0
+
+
+def _pills(node: dict) -> list[tuple[str, str]]:
+    out = []
+    if node.get("device"):
+        out.append(("device", str(node["device"])))
+    if node.get("host"):
+        out.append(("host", f"@{node['host']}"))
+    for mark in ("cached", "frozen", "mapped"):
+        if node.get(mark):
+            out.append((mark, mark))
+    return out
+
+
+def pill_width(text: str) -> float:
+    """How wide a badge is drawn."""
+    return text_width(text, 9.5, True) + 12
+
+
+def _blocks(layers: list[dict]) -> dict[str, dict]:
+    """The blocks of an inside: {path: {label, times, repeats, parent, kind}}."""
+    by_path = {layer["path"]: layer for layer in layers}
+    paths = [layer["block"] for layer in layers if layer.get("block")]
+    paths += [layer["path"] for layer in layers if layer.get("kind") == "block"]
+    blocks: dict[str, dict] = {}
+    for b in dict.fromkeys(paths):
+        own = by_path.get(b, {})
+        blocks[b] = {
+            "label": str(own.get("label") or own.get("kind") or b.split(".")[-1]),
+            "times": max(1, int(own.get("times") or 1)),
+            "repeats": [r for r in own.get("repeats") or [] if r != b],
+            "parent": own.get("block"),
+            "kind": own.get("kind"),
+        }
+    for b, blk in blocks.items():  # a block that does not say its parent: the longest prefix
+        if blk["parent"] not in blocks:
+            outer = [o for o in blocks if o != b and b.startswith(o + ".")]
+            blk["parent"] = max(outer, key=len) if outer else None
+    return blocks
+
+
+def inside_params(inside: dict) -> int:
+    """Parameters of everything an inside holds: what the inside says it holds (each
+    parameter once, a tied weight one weight), else the sum over its layers, a folded block
+    counted as often as it repeats (a fold inside a fold, as often as both)."""
+    if isinstance(inside.get("params"), int) and inside["params"] > 0:
+        return inside["params"]
+    layers = inside.get("layers", [])
+    blocks = _blocks(layers)
+    total = 0
+    for layer in layers:
+        if layer["path"] in blocks:
+            continue
+        times, b = 1, layer.get("block")
+        while b in blocks:
+            times *= blocks[b]["times"]
+            b = blocks[b]["parent"]
+        total += int(layer.get("params") or 0) * max(times, int(layer.get("times") or 1))
+    return total
+
+
+def _swap(path: str, old: str, new: str) -> str:
+    if old and (path == old or path.startswith(old + ".")):
+        return new + path[len(old) :]
+    return path
+
+
+class _Inside:
+    """One open node's layers as boxes, and the edges between them."""
+
+    def __init__(self, node: str, inside: dict, expanded: list[str]) -> None:
+        self.node = node
+        self.layers = [dict(layer, path=str(layer["path"])) for layer in inside.get("layers", [])]
+        self.blocks = _blocks(self.layers)
+        self.expanded = set(expanded)
+        self.ids: dict[str, str] = {}  # drawn path -> box id
+        self.copies: list[tuple[str, list[tuple[str, str]]]] = []  # block, [(from, to)] per copy
+        edges = [(str(a), str(b)) for a, b in inside.get("edges", [])]
+        drawn = [la for la in self.layers if la["path"] not in self.blocks]
+        if not edges and len(drawn) > 1:  # no edges said: a chain of the top-level layers
+            chain = [la["path"] for la in drawn if not la.get("block")]
+            edges = list(zip(chain, chain[1:], strict=False))
+        self.edges = edges
+
+    def boxes(self) -> list[Box]:
+        out: list[Box] = []
+        for layer in self.layers:
+            if layer["path"] not in self.blocks and layer.get("block") not in self.blocks:
+                out.append(self._layer(layer, "", ""))
+        for b, blk in self.blocks.items():
+            if blk["parent"] is None:
+                out.extend(self._block(b, "", ""))
+        return out
+
+    def _layer(self, layer: dict, old: str, new: str) -> Box:
+        path = _swap(layer["path"], old, new)
+        text = str(layer.get("label") or layer.get("kind") or path)
+        times = int(layer.get("times") or 1)  # said once per level: its own repeats
+        if times > 1:
+            text += f"  ×{times}"
+        sub = shape_text(layer.get("shape"), layer.get("kind"), layer.get("label"), self._in_attention(layer))
+        w = max(text_width(text, 12, True), text_width(sub, 11) if sub else 0) + 36
+        box = Box(
+            id=f"l:{self.node}:{path}",
+            kind="layer",
+            label=text,
+            sub=sub,
+            w=max(64.0, round(w)),
+            h=38.0 if sub else 26.0,
+            where=f"{self.node}.{path}",
+            family=family(layer.get("kind"), layer.get("label")),
+        )
+        shape = layer.get("shape")
+        box.tip = [
+            ("kind", str(layer.get("kind") or "?")),
+            ("path", f"{self.node}.{path}"),
+            ("shape", f"[{', '.join(map(str, shape))}]" if isinstance(shape, list) else "unknown"),
+            ("parameters", count(layer.get("params") or 0)),
+        ]
+        self.ids[path] = box.id
+        return box
+
+    def _in_attention(self, layer: dict) -> bool:
+        b = layer.get("block")
+        while b in self.blocks:
+            if str(self.blocks[b]["kind"] or "").lower() == "attention":
+                return True
+            b = self.blocks[b]["parent"]
+        return False
+
+    def _block(self, b: str, old: str, new: str) -> list[Box]:
+        blk = self.blocks[b]
+        own = [la for la in self.layers if la.get("block") == b and la["path"] not in self.blocks]
+        kids = [k for k, v in self.blocks.items() if v["parent"] == b]
+        plain = blk["label"] in ("Sequential", "ModuleList", "ModuleDict")
+        if not own and not kids:  # what it holds is not drawn (past the depth): one box
+            entry = next((la for la in self.layers if la["path"] == b), {"path": b, "kind": "block"})
+            return [self._layer({**entry, "label": blk["label"]}, old, new)]
+        if blk["times"] == 1 and (plain or (not own and len(kids) == 1)):
+            out = [self._layer(la, old, new) for la in own]  # drawn as what it holds
+            for k in kids:
+                out.extend(self._block(k, old, new))
+            return out
+        key = f"{self.node}:{b}"
+        opened = blk["times"] > 1 and key in self.expanded
+        names = [b, *blk["repeats"]]
+        made, copies = [], []
+        for k in range(blk["times"] if opened else 1):
+            here = _swap(b, old, new)
+            path = here if k == 0 else _swap(names[k] if k < len(names) else f"{b}~{k}", old, new)
+            frm, to = (old, new) if k == 0 else (b, path)
+            if opened:
+                label = f"{blk['label']}  {k + 1}/{blk['times']}"
+            else:
+                label = blk["label"] + (f"  ×{blk['times']}" if blk["times"] > 1 else "")
+            foldable = blk["times"] > 1
+            box = Box(
+                id=f"b:{self.node}:{path}#{k}",
+                kind="block",
+                label=("▾ " if opened else "▸ ") + label if foldable else label,
+                w=text_width(label, 11, True) + 40,
+                pad=(24.0, 10.0, 10.0, 10.0),
+                click=("expanded", key) if foldable else None,
+                marks={"stack": foldable and not opened},
+            )
+            box.tip = [("block", f"{self.node}.{path}")]
+            if foldable:
+                box.tip.append(("", f"×{blk['times']}: click to {'fold' if opened else 'unfold'}"))
+            box.children = [self._layer(la, frm, to) for la in own]
+            for inner in kids:
+                box.children.extend(self._block(inner, frm, to))
+            self.ids.setdefault(path, box.id)
+            made.append(box)
+            copies.append((frm, to))
+        if opened:
+            self.copies.append((b, copies))
+        return made
+
+    def routed(self) -> list[tuple[str, str]]:
+        """The edges between drawn boxes; an expanded block's copies chained one after the
+        other (what entered the block enters the first, what left it leaves the last)."""
+        out = list(self.edges)
+        for b, copies in self.copies:
+            inside = {
+                la["path"]
+                for la in self.layers
+                if la["path"] == b or la["path"].startswith(b + ".") or self._within(la, b)
+            }
+            exits = [x for x, y in out if x in inside and y not in inside]
+            n, nxt = len(copies), []
+            for x, y in out:
+                xi, yi = x in inside, y in inside
+                if xi and yi:
+                    nxt += [(_swap(x, f, t), _swap(y, f, t)) for f, t in copies]
+                elif yi:
+                    nxt.append((x, y))
+                    for k in range(1, n):
+                        for e in exits or [x]:
+                            nxt.append((_swap(e, *copies[k - 1]), _swap(y, *copies[k])))
+                elif xi:
+                    nxt.append((_swap(x, *copies[-1]), y))
+                else:
+                    nxt.append((x, y))
+            out = nxt
+        seen, edges = set(), []
+        for x, y in out:
+            a, b = self.ids.get(x), self.ids.get(y)
+            if a and b and a != b and (a, b) not in seen:
+                seen.add((a, b))
+                edges.append((a, b))
+        return edges
+
+    def _within(self, layer: dict, b: str) -> bool:
+        blk = layer.get("block")
+        while blk:
+            if blk == b:
+                return True
+            blk = self.blocks.get(blk, {}).get("parent")
+        return False
+
+
+def branch_groups(order: list[str], edges: list[tuple[str, str]]) -> list[dict]:
+    """Branches that leave one node and meet again at one node: {from, to, members}."""
+    succ: dict[str, list[str]] = {n: [] for n in order}
+    pred: dict[str, list[str]] = {n: [] for n in order}
+    for a, b in edges:
+        if a in succ and b in pred:
+            succ[a].append(b)
+            pred[b].append(a)
+
+    def reach(start: list[str]) -> set[str]:
+        seen, stack = set(), list(start)
+        while stack:
+            x = stack.pop()
+            if x not in seen:
+                seen.add(x)
+                stack.extend(succ[x])
+        return seen
+
+    groups, taken = [], set()
+    for f in order:
+        outs = succ[f]
+        if len(outs) < 2:
+            continue
+        below = [reach([s]) for s in outs]
+        join = next((n for n in order if all(n in s for s in below)), None)
+        if join is None:
+            continue
+        members = {n for n in reach(outs) if n != join and join in reach([n])}
+        closed = all(
+            all(p == f or p in members for p in pred[n])
+            and all(s == join or s in members for s in succ[n])
+            for n in members
+        )
+        if len(members) < 2 or not closed or members & taken:
+            continue
+        taken |= members
+        groups.append({"from": f, "to": join, "members": [n for n in order if n in members]})
+    return groups
+
+
+def scene(plan: dict, insides: dict, opened: list[str], expanded: list[str]) -> Box:
+    """The root box: the graph's nodes (and groups of branches), each open node holding its
+    layers; `edges` on the root and on each open node."""
+    nodes = {str(n["id"]): n for n in plan.get("nodes", [])}
+    order = [str(n["id"]) for n in plan.get("nodes", [])]
+    edges = [(str(a), str(b)) for a, b in plan.get("edges", []) if a in nodes and b in nodes]
+    root = Box(id="root", kind="root", down=False, pad=(12.0, 12.0, 12.0, 12.0))
+    root.edges = [(f"n:{a}", f"n:{b}") for a, b in edges]
+    frames: dict[str, Box] = {}
+    for k, grp in enumerate(branch_groups(order, edges)):
+        frame = Box(
+            id=f"g:{k}",
+            kind="group",
+            label=f"{len([e for e in edges if e[0] == grp['from']])} branches",
+            down=False,
+            pad=(22.0, 10.0, 10.0, 10.0),
+        )
+        frame.tip = [("from", grp["from"]), ("to", grp["to"]), ("nodes", ", ".join(grp["members"]))]
+        root.children.append(frame)
+        for m in grp["members"]:
+            frames[m] = frame
+    for nid in order:
+        box = _node(nid, nodes[nid], insides.get(nid), nid in opened, expanded)
+        frames.get(nid, root).children.append(box)
+    return root
+
+
+def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: list[str]) -> Box:
+    pills = _pills(node)
+    params = inside_params(inside) if inside else None
+    kind = str(node.get("kind") or "")
+    sub = kind + (f" · {count(params)} params" if params else "")
+    box = Box(id=f"n:{nid}", kind="node", label=nid, where=nid, pills=pills)
+    box.sub = sub + ("  ▾" if opened else "  ▸" if inside else "")
+    widths = [text_width(nid, 13, True), text_width(box.sub, 11), sum(pill_width(t) + 4 for _, t in pills)]
+    box.w = max(90.0, round(max(widths) + 28))
+    box.h = 62.0 if pills else 46.0
+    box.marks = {"frozen": bool(node.get("frozen")), "open": opened}
+    box.tip = [("kind", kind or "?")]
+    if params is not None:
+        box.tip.append(("parameters", count(params)))
+    box.tip.append(("device", str(node.get("device") or "anywhere")))
+    if node.get("host"):
+        box.tip.append(("host", str(node["host"])))
+    if node.get("cached"):
+        salt = node.get("salt")
+        box.tip.append(("cached", f"yes, salt {salt}" if salt is not None else "yes"))
+    for mark, text in (("frozen", "yes"), ("mapped", "over the items of a list")):
+        if node.get(mark):
+            box.tip.append((mark, text))
+    if inside:
+        box.click = ("opened", nid)
+        box.tip.append(("", f"click to {'close' if opened else 'open'}"))
+    if opened and inside:
+        world = _Inside(nid, inside, expanded)
+        box.children = world.boxes()
+        box.edges = world.routed()
+        box.pad = (NODE_TOP + (PILL_H if pills else 0), 12.0, 12.0, 12.0)
+    return box

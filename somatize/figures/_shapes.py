@@ -1,0 +1,161 @@
+"""A shape and a hue per family of layer, and a layer's output shape named by axis.
+
+The family comes from the layer's kind (`somatize.torch.kind_of`: learned, conv, recurrent,
+attention, norm, activation, regular, shaping, block, other), refined by its label (an
+Embedding among the learned, a pool among the shaping, an add among the others).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+HUES = {
+    "conv": "#1a9c8c",
+    "attention": "#8d5bd6",
+    "linear": "#3d6fd9",
+    "embedding": "#c2457a",
+    "norm": "#8a8f99",
+    "activation": "#2f9e44",
+    "pool": "#d08a16",
+    "dropout": "#9a9a9a",
+    "recurrent": "#d2691e",
+    "reshape": "#6b7a90",
+    "op": "#5f6b7d",
+    "block": "#8a6fd1",
+    "other": "#6c7a96",
+}
+
+_OPS = re.compile(r"^(add|sub|mul|truediv|div|matmul|cat|concat|stack|sum|\+|×|getitem)\b", re.I)
+_ACTIVATIONS = re.compile(r"relu|gelu|tanh|sigmoid|silu|swish|softmax|elu|mish|softplus", re.I)
+
+
+_BY_KIND = {
+    "conv": "conv",
+    "attention": "attention",
+    "recurrent": "recurrent",
+    "norm": "norm",
+    "activation": "activation",
+    "regular": "dropout",
+    "embedding": "embedding",
+    "pool": "pool",
+    "op": "op",
+    "block": "block",
+}
+
+
+def family(kind: Any, label: Any) -> str:
+    """The family a layer is drawn as: conv, attention, linear, embedding, norm, activation,
+    pool, dropout, recurrent, reshape, op, block or other."""
+    k, text = str(kind or "").lower(), str(label or "")
+    # The kind says what a layer computes with (GPT-2's Conv1D is learned: a linear layer);
+    # the label only refines a kind (an embedding, a pool), or stands in where no kind says.
+    if k in _BY_KIND:
+        return _BY_KIND[k]
+    if k in ("learned", "linear"):
+        return "embedding" if re.search("embed", text, re.I) else "linear"
+    if k == "shaping":
+        return "pool" if re.search("pool", text, re.I) else "reshape"
+    if re.search("conv", text, re.I):
+        return "conv"
+    if k == "attention" or re.search("attn|attention", text, re.I):
+        return "attention"
+    if k == "recurrent" or re.search("lstm|gru|rnn", text, re.I):
+        return "recurrent"
+    if k == "norm" or re.search("norm", text, re.I):
+        return "norm"
+    if k == "activation":
+        return "activation"
+    if k == "regular" or re.search("dropout|droppath", text, re.I):
+        return "dropout"
+    if k == "embedding" or re.search("embed", text, re.I):
+        return "embedding"
+    if k in ("learned", "linear") or re.search("linear|dense", text, re.I):
+        return "linear"
+    if k == "pool" or re.search("pool", text, re.I):
+        return "pool"
+    if k == "shaping":
+        return "reshape"
+    if k == "op" or _OPS.search(text):
+        return "op"
+    if _ACTIVATIONS.search(text):
+        return "activation"
+    if k == "block":
+        return "block"
+    return "other"
+
+
+def outline(fam: str, w: float, h: float) -> str:
+    """The SVG path of a box of this family, w × h at (0, 0)."""
+    s = min(12.0, w / 6)
+    m = h / 2
+    if fam == "conv":  # parallelogram
+        return f"M{s:.1f},0H{w:.1f}L{w - s:.1f},{h:.1f}H0Z"
+    if fam == "linear":  # trapezoid, wide at the bottom
+        return f"M{s:.1f},0H{w - s:.1f}L{w:.1f},{h:.1f}H0Z"
+    if fam == "pool":  # trapezoid, wide at the top
+        return f"M0,0H{w:.1f}L{w - s:.1f},{h:.1f}H{s:.1f}Z"
+    if fam == "activation":  # pointed at both ends
+        return f"M0,{m:.1f}L{s:.1f},0H{w - s:.1f}L{w:.1f},{m:.1f}L{w - s:.1f},{h:.1f}H{s:.1f}Z"
+    if fam == "norm":  # bevelled corners
+        b = s / 2
+        return (
+            f"M{b:.1f},0H{w - b:.1f}L{w:.1f},{b:.1f}V{h - b:.1f}L{w - b:.1f},{h:.1f}"
+            f"H{b:.1f}L0,{h - b:.1f}V{b:.1f}Z"
+        )
+    if fam == "attention":  # capsule
+        return f"M{m:.1f},0H{w - m:.1f}A{m:.1f},{m:.1f} 0 0 1 {w - m:.1f},{h:.1f}H{m:.1f}A{m:.1f},{m:.1f} 0 0 1 {m:.1f},0Z"
+    if fam == "embedding":  # barrel
+        return f"M{s:.1f},0H{w - s:.1f}Q{w:.1f},{m:.1f} {w - s:.1f},{h:.1f}H{s:.1f}Q0,{m:.1f} {s:.1f},0Z"
+    if fam == "op":  # rounded
+        r = min(6.0, m)
+        return (
+            f"M{r:.1f},0H{w - r:.1f}Q{w:.1f},0 {w:.1f},{r:.1f}V{h - r:.1f}Q{w:.1f},{h:.1f} "
+            f"{w - r:.1f},{h:.1f}H{r:.1f}Q0,{h:.1f} 0,{h - r:.1f}V{r:.1f}Q0,0 {r:.1f},0Z"
+        )
+    return f"M0,0H{w:.1f}V{h:.1f}H0Z"
+
+
+_SEQUENCE = re.compile(r"attn|attention|softmax|matmul|score|embed|linear|lstm|gru|rnn", re.I)
+_CHANNELS = re.compile(r"conv|pool|batchnorm|groupnorm|instancenorm|norm[123]d|upsample", re.I)
+
+
+def shape_text(shape: Any, kind: Any = None, label: Any = None, attention: bool = False) -> str:
+    """An output shape named by axis: `4 batch · 8 ch · 8 h · 8 w`; '' when unknown.
+
+    A 3-d output is `batch · len · dim` (a sequence) unless the layer works over channels (a
+    conv, a pool, a batch or group norm). A 4-d one is `batch · heads · seq · dim` from an
+    attention layer itself; its axes are only numbered inside attention (`attention`: a view
+    or transpose of heads) or from a layer that works on sequences (softmax, matmul, linear,
+    ...): attention scores are not an image's channels; anywhere else it is
+    `batch · ch · h · w`."""
+    if not isinstance(shape, (list, tuple)) or not shape:
+        return ""
+    n = len(shape)
+    text = f"{kind or ''} {label or ''}"
+    channels = bool(_CHANNELS.search(text))
+    own = str(kind or "").lower() == "attention" or bool(re.search(r"attn|attention", str(label or ""), re.I))
+    if n == 1:
+        names = ["dim"]
+    elif n == 2:
+        names = ["batch", "dim"]
+    elif n == 3:
+        names = ["batch", "ch", "len"] if channels else ["batch", "len", "dim"]
+    elif n == 4 and own and not channels:
+        names = ["batch", "heads", "seq", "dim"]
+    elif n in (4, 5) and (channels or not (attention or _SEQUENCE.search(text))):
+        names = ["batch", "ch", "h", "w"] if n == 4 else ["batch", "ch", "d", "h", "w"]
+    else:
+        names = ["batch"] + [f"d{i}" for i in range(1, n)]
+    return " · ".join(f"{v} {name}" for v, name in zip(shape, names, strict=True))
+
+
+def count(n: Any) -> str:
+    """A parameter count: 144, 2.0k, 11M."""
+    if n is None:
+        return "–"
+    a = abs(n)
+    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if a >= size:
+            return f"{n / size:.{0 if a >= 10 * size else 1}f}{suffix}"
+    return str(int(n))

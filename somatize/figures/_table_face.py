@@ -1,0 +1,297 @@
+"""The comparison table's picture: an HTML table (inline styles, so it reads the same with no
+stylesheet), a scatter of a score against what was measured, and a legend.
+
+The names stay in the first column, sticky when the table scrolls; `measured` comes next,
+then the parameter count, the proxy scores, the probe's numbers (behind a toggle when the
+table would pass 1400 px). Every number is written one way (`_svg.number`). Proxy and
+measured cells are coloured by their rank in their column (best green, worst red); a probe
+cell is tinted when `somatize.health.verdict` flags its value.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from somatize.figures._face import image
+from somatize.figures._svg import FONT, INK, LINE, MUTED, esc, number, text_width, ticks
+
+WIDEST = 1400.0
+SELECTED = ' selected="selected"'
+
+_BASE = "padding:4px 8px;border-bottom:1px solid #e1e4ea;white-space:nowrap;"
+_STICKY = "position:sticky;left:0;z-index:1;background:#fff;"
+
+
+def rank_colour(t: float, alpha: float = 0.55) -> str:
+    """From worst (t = 0, red) through a pale middle to best (t = 1, green)."""
+    a, m, b = (224, 49, 49), (245, 241, 218), (47, 158, 68)
+    p, q, f = (a, m, t * 2) if t < 0.5 else (m, b, (t - 0.5) * 2)
+    c = [round(x + (y - x) * f) for x, y in zip(p, q, strict=True)]
+    return f"rgba({c[0]},{c[1]},{c[2]},{alpha})"
+
+
+def ranks(values: list[Any], higher: bool) -> list[float | None]:
+    """Each value's rank in its column from 0 (worst) to 1 (best), ties sharing one."""
+    nums = [(float(v), i) for i, v in enumerate(values) if _finite(v)]
+    out: list[float | None] = [None] * len(values)
+    if len(nums) < 2:
+        return out
+    ordered = sorted(v for v, _ in nums)
+    for v, i in nums:
+        lo = ordered.index(v)
+        hi = len(ordered) - 1 - ordered[::-1].index(v)
+        r = (lo + hi) / 2 / (len(ordered) - 1)
+        out[i] = r if higher else 1 - r
+    return out
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _value(v: Any) -> Any:
+    """A cell as it is drawn: NaN and the infinities come through JSON as text."""
+    return _SPECIAL.get(v, v) if isinstance(v, str) else v
+
+
+def html(table: dict[str, Any]) -> str:
+    """The table's HTML (see the module's docstring). `table` is what CompareTable holds:
+    index, columns, values, groups, hidden, explain, higher, flagged, correlations,
+    measured, sort_by, ascending, scatter."""
+    cols, index = table["columns"], table["index"]
+    values = [[_value(v) for v in row] for row in table["values"]]
+    table = {**table, "values": values}
+    groups, hidden = table["groups"], set(table["hidden"])
+    explain, higher = table["explain"], table["higher"]
+    order = _order(table)
+    name_w = min(220.0, max(80.0, *[text_width(n, 12, True) + 20 for n in index]))
+    out = [
+        f'<div class="smz-table-face" style="font-family:{esc(FONT)};font-size:12px;color:{INK}">',
+        '<div class="smz-scroll" style="max-width:100%;overflow-x:auto"><table style="border-collapse:separate;'
+        'border-spacing:0;font-variant-numeric:tabular-nums">',
+        "<thead><tr>",
+        f'<th rowspan="2" class="smz-index" data-col="{esc(table["index_name"])}" style="{_BASE}{_STICKY}text-align:left;'
+        f'max-width:{name_w:.0f}px;border-bottom:2px solid #c4c9d4">{esc(table["index_name"])}</th>',
+    ]
+    runs = _runs([groups.get(c, "") for c in cols])
+    for group, start, n in runs:
+        shown = sum(1 for c in cols[start : start + n] if c not in hidden)
+        style = f"{_BASE}text-align:center;color:{MUTED};font-weight:600;font-size:11px;"
+        title = _GROUPS.get(group, ("", ""))[1]
+        out.append(
+            f'<th class="smz-group" data-group="{esc(group)}" colspan="{shown or n}" title="{esc(title)}" '
+            f'style="{style}{"display:none;" if not shown else ""}">{esc(_GROUPS.get(group, (group, ""))[0])}</th>'
+        )
+    out.append("</tr><tr>")
+    for c in cols:
+        label = c.split(":", 1)[1] if ":" in c else c
+        arrow = (" ▲" if table["ascending"] else " ▼") if c == table["sort_by"] else ""
+        out.append(
+            f'<th data-col="{esc(c)}" data-group="{esc(groups.get(c, ""))}" title="{esc(explain.get(c, ""))}" '
+            f'style="{_BASE}text-align:right;cursor:pointer;border-bottom:2px solid #c4c9d4;'
+            f'{"color:#2f6fdf;" if c == table["measured"] else ""}{"display:none;" if c in hidden else ""}">'
+            f"{esc(label)}{arrow}</th>"
+        )
+    out.append("</tr></thead><tbody>")
+    colour = {c: ranks([row[j] for row in values], bool(higher.get(c))) for j, c in enumerate(cols) if higher.get(c) is not None}
+    for i in order:
+        out.append(
+            f'<tr data-row="{esc(index[i])}"><th class="smz-index" style="{_BASE}{_STICKY}text-align:left;'
+            f'max-width:{name_w:.0f}px;overflow:hidden;text-overflow:ellipsis" title="{esc(index[i])}">{esc(index[i])}</th>'
+        )
+        for j, c in enumerate(cols):
+            v = values[i][j]
+            style = _BASE + "text-align:right;"
+            tip = f"{c}: {number(v) if not isinstance(v, str) else v}"
+            rank = colour.get(c, [None] * len(index))[i]
+            flags = table["flagged"].get(f"{index[i]}|{c}")
+            if rank is not None:
+                style += f"background:{rank_colour(rank)};"
+            elif flags:
+                style += "background:rgba(224,49,49,0.22);"
+                tip += " — flagged " + ", ".join(flags)
+            if c in hidden:
+                style += "display:none;"
+            sort = f' data-v="{float(v)!r}"' if _finite(v) else ""
+            shown = v if isinstance(v, str) else number(v)
+            out.append(f'<td data-col="{esc(c)}"{sort} title="{esc(tip)}" style="{style}">{esc(shown)}</td>')
+        out.append("</tr>")
+    out.append("</tbody>")
+    if table["measured"] and table["correlations"]:
+        out.append(
+            f'<tfoot><tr class="smz-corr"><th class="smz-index" style="{_BASE}{_STICKY}text-align:left;'
+            f'font-style:italic;border-top:2px solid #c4c9d4" title="Spearman rank correlation with '
+            f'{esc(table["measured"])}: 1 ranks the candidates exactly as it does">ρ with {esc(table["measured"])}</th>'
+        )
+        for c in cols:
+            rho = table["correlations"].get(c)
+            style = _BASE + "text-align:right;font-style:italic;border-top:2px solid #c4c9d4;"
+            if _finite(rho) and c != table["measured"]:
+                style += f"background:{rank_colour((rho + 1) / 2, 0.7)};"
+            if c in hidden:
+                style += "display:none;"
+            text = "" if c == table["measured"] else number(rho)
+            out.append(f'<td data-col="{esc(c)}" style="{style}">{text}</td>')
+        out.append("</tr></tfoot>")
+    out.append("</table></div>")
+    out.append(_tools(table))
+    out.append('<div class="smz-below" style="display:flex;flex-wrap:wrap;gap:24px;margin-top:8px">')
+    out.append(_scatters(table))
+    out.append(_legend(table))
+    out.append("</div></div>")
+    return "".join(out)
+
+
+_GROUPS = {
+    "": ("", ""),
+    "measured": ("measured", "what you measured after training (higher is better)"),
+    "size": ("size", ""),
+    "proxy": ("proxy scores · higher is better", "cheap scores taken before training"),
+    "probe": ("probe at initialisation · median over places", "what somatize.torch.probe measured"),
+    "other": ("other", ""),
+}
+
+
+def _runs(groups: list[str]) -> list[tuple[str, int, int]]:
+    out: list[tuple[str, int, int]] = []
+    for k, g in enumerate(groups):
+        if out and out[-1][0] == g:
+            out[-1] = (g, out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((g, k, 1))
+    return out
+
+
+def _order(table: dict[str, Any]) -> list[int]:
+    """Row order: by `sort_by` (numbers first), else as given."""
+    index, values, key = table["index"], table["values"], table["sort_by"]
+    rows = list(range(len(index)))
+    if key in table["columns"]:
+        j = table["columns"].index(key)
+        fin = [i for i in rows if _finite(values[i][j])]
+        rest = [i for i in rows if i not in fin]
+        fin.sort(key=lambda i: values[i][j], reverse=not table["ascending"])
+        return fin + rest
+    if key == table["index_name"]:
+        rows.sort(key=lambda i: index[i], reverse=not table["ascending"])
+    return rows
+
+
+def _tools(table: dict[str, Any]) -> str:
+    """The toggles for hidden groups (live only: a page with no script shows them inert)."""
+    hidden = [c for c in table["columns"] if c in set(table["hidden"])]
+    if not hidden:
+        return ""
+    by: dict[str, list[str]] = {}
+    for c in hidden:
+        by.setdefault(table["groups"].get(c, "other"), []).append(c)
+    buttons = "".join(
+        f'<button class="smz-toggle" data-group="{esc(g)}" style="font:inherit;font-size:11px;margin-right:6px">'
+        f"▸ {esc(_GROUPS.get(g, (g, ''))[0].split(' · ')[0] or g)} ({len(cs)} more)</button>"
+        for g, cs in by.items()
+    )
+    return f'<div class="smz-tools" style="margin-top:6px;color:{MUTED};font-size:11px">{buttons}</div>'
+
+
+def _scatters(table: dict[str, Any]) -> str:
+    """A scatter of every proxy score (and the size) against `measured`, the chosen one
+    shown."""
+    measured = table["measured"]
+    if not measured:
+        return ""
+    j_m = table["columns"].index(measured)
+    choices = [c for c in table["columns"] if c != measured and table["groups"].get(c) in ("proxy", "size")]
+    choices = [c for c in choices if sum(_finite(row[table["columns"].index(c)]) for row in table["values"]) >= 2]
+    if not choices:
+        return ""
+    chosen = table["scatter"] if table["scatter"] in choices else choices[0]
+    options = "".join(
+        f'<option value="{esc(c)}"{SELECTED if c == chosen else ""}>{esc(c)}</option>' for c in choices
+    )
+    parts = [
+        f'<div class="smz-scatter-box"><div style="font-size:11px;color:{MUTED};margin-bottom:2px">'
+        f'<select class="smz-scatter-pick" style="font:inherit;font-size:11px">{options}</select> against {esc(measured)}</div>'
+    ]
+    for c in choices:
+        j = table["columns"].index(c)
+        points = [
+            (float(row[j]), float(row[j_m]), table["index"][i])
+            for i, row in enumerate(table["values"])
+            if _finite(row[j]) and _finite(row[j_m])
+        ]
+        show = "" if c == chosen else ' style="display:none"'
+        drawn = image(scatter(points, c, measured, table["correlations"].get(c)), f"{c} against {measured}")
+        parts.append(f'<div class="smz-scatter" data-col="{esc(c)}"{show}>{drawn}</div>')
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rho: Any) -> str:
+    """One score against what was measured, a dot per candidate, named."""
+    w, h, left, bottom = 380.0, 250.0, 52.0, 34.0
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x_lo, x_hi = min(xs), max(xs)
+    y_lo, y_hi = min(ys), max(ys)
+    if x_lo == x_hi:
+        x_lo, x_hi = x_lo - 1, x_hi + 1
+    if y_lo == y_hi:
+        y_lo, y_hi = y_lo - 1, y_hi + 1
+    px = (x_hi - x_lo) * 0.08
+    py = (y_hi - y_lo) * 0.1
+    x_lo, x_hi, y_lo, y_hi = x_lo - px, x_hi + px, y_lo - py, y_hi + py
+
+    def sx(v: float) -> float:
+        return left + (v - x_lo) / (x_hi - x_lo) * (w - left - 10)
+
+    def sy(v: float) -> float:
+        return h - bottom - (v - y_lo) / (y_hi - y_lo) * (h - bottom - 10)
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0f}" height="{h:.0f}" viewBox="0 0 {w:.0f} {h:.0f}" '
+        f'font-family="{esc(FONT)}"><rect width="{w:.0f}" height="{h:.0f}" fill="#fff"/>',
+        f'<rect x="{left:.0f}" y="10" width="{w - left - 10:.0f}" height="{h - bottom - 10:.0f}" fill="none" stroke="{LINE}"/>',
+    ]
+    for t in ticks(x_lo, x_hi, 5):
+        out.append(f'<text x="{sx(t):.1f}" y="{h - bottom + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="middle">{esc(number(t))}</text>')
+    for t in ticks(y_lo, y_hi, 5):
+        out.append(f'<text x="{left - 5:.1f}" y="{sy(t) + 3.5:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">{esc(number(t))}</text>')
+    said = f"{xlabel} · ρ = {number(rho)}" if _finite(rho) else xlabel
+    out.append(f'<text x="{(left + w) / 2:.1f}" y="{h - 4:.1f}" font-size="11" fill="{INK}" text-anchor="middle">{esc(said)}</text>')
+    out.append(
+        f'<text transform="translate(12,{(h - bottom) / 2:.1f}) rotate(-90)" font-size="11" fill="{INK}" '
+        f'text-anchor="middle">{esc(ylabel)}</text>'
+    )
+    for x, y, name in points:
+        left_side = sx(x) + 7 + text_width(name, 10) > w - 4  # a name kept inside the plot
+        tx, anchor = (sx(x) - 7, "end") if left_side else (sx(x) + 7, "start")
+        out.append(
+            f'<g class="smz-dot"><circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4.5" fill="#3d6fd9" fill-opacity="0.8"/>'
+            f'<text x="{tx:.1f}" y="{sy(y) + 3.5:.1f}" font-size="10" fill="{INK}" text-anchor="{anchor}">{esc(name)}</text>'
+            f"<title>{esc(name)}: {esc(number(x))}, {esc(number(y))}</title></g>"
+        )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _legend(table: dict[str, Any]) -> str:
+    """What the colours mean, and a sentence per column."""
+    swatch = 'display:inline-block;width:12px;height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px;'
+    keys = [
+        f'<span><span style="{swatch}background:{rank_colour(1)}"></span>best in its column</span>',
+        f'<span><span style="{swatch}background:{rank_colour(0.5)}"></span>middle</span>',
+        f'<span><span style="{swatch}background:{rank_colour(0)}"></span>worst</span>',
+        f'<span><span style="{swatch}background:rgba(224,49,49,0.22)"></span>probe value the health verdict flags</span>',
+    ]
+    rows = "".join(
+        f'<div data-col="{esc(c)}"><b>{esc(c)}</b> — {esc(table["explain"][c])}</div>'
+        for c in table["columns"]
+        if table["explain"].get(c)
+    )
+    return (
+        f'<div class="smz-legend" style="flex:1 1 420px;font-size:11px;color:{MUTED};line-height:1.5">'
+        f'<div style="display:flex;gap:14px;flex-wrap:wrap;margin-bottom:4px">{"".join(keys)}</div>{rows}</div>'
+    )

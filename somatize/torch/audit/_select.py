@@ -1,0 +1,120 @@
+"""Which modules inside a node an `Audit(inside=...)` watches, and which it leaves out.
+
+A module that only passes its input on (`nn.Identity`) is never a place of its own. With
+`inside=True` the places are the finest cut through the node's module tree that fits in
+`most`: the coarsest level first (the node's children), then each of those opened into its
+children in order while the count stays within `most`, level by level, so the whole net is
+covered before any part of it is watched more finely. With a depth, every module down to that
+depth, coarsest first, up to `most`. What a finer watch would have added is left out, and
+said.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+from somatize.torch._modules import join
+
+__all__ = ["choose"]
+
+Named = list[tuple[str, nn.Module]]
+
+
+def _children(path: str, module: nn.Module, seen: set[int]) -> Named:
+    out = []
+    for name, child in module.named_children():
+        if isinstance(child, nn.Identity) or id(child) in seen:
+            continue
+        seen.add(id(child))
+        out.append((join(path, name), child))
+    return out
+
+
+def _roots(held: Named, seen: set[int]) -> Named:
+    """The coarsest level: the node's children when the node is a module, else the modules it
+    holds as attributes."""
+    out: Named = []
+    for name, module in held:
+        seen.add(id(module))
+        if name:
+            if not isinstance(module, nn.Identity):
+                out.append((name, module))
+        else:
+            out += _children("", module, seen)
+    return out
+
+
+def _leaves(path: str, module: nn.Module) -> list[str]:
+    return [
+        join(path, p)
+        for p, m in module.named_modules()
+        if p and next(m.children(), None) is None and not isinstance(m, nn.Identity)
+    ]
+
+
+def _finest_cut(held: Named, most: int) -> tuple[Named, list[str]]:
+    seen: set[int] = set()
+    cut = _roots(held, seen)
+    left: list[str] = []
+    if len(cut) > most:
+        for path, m in cut[most:]:
+            left += [path] + _leaves(path, m)
+        return cut[:most], left
+    level = list(cut)
+    while level:
+        deeper: Named = []
+        for path, module in level:
+            kids = _children(path, module, seen)
+            if not kids:
+                continue
+            if len(cut) - 1 + len(kids) > most:
+                left += _leaves(path, module)
+                continue
+            at = next(i for i, (p, _) in enumerate(cut) if p == path)
+            cut[at : at + 1] = kids
+            deeper += kids
+        level = deeper
+    return cut, left
+
+
+def _down_to(held: Named, depth: int, most: int) -> tuple[Named, list[str]]:
+    seen: set[int] = set()
+    level = _roots(held, seen)
+    found: Named = []  # level by level: the coarsest first
+    for _ in range(depth):
+        found += level
+        level = [kid for path, m in level for kid in _children(path, m, seen)]
+    order = {path: i for i, (path, _) in enumerate(_preorder(held))}
+    kept = sorted(found[:most], key=lambda pm: order.get(pm[0], len(order)))
+    return kept, [path for path, _ in found[most:]]
+
+
+def _preorder(held: Named) -> Named:
+    out: Named = []
+    for name, module in held:
+        for path, m in module.named_modules():
+            full = join(name, path)
+            if full:
+                out.append((full, m))
+    return out
+
+
+def choose(node: str, held: Named, inside: object, most: int) -> tuple[Named, list[str]]:
+    """The (path, module) places inside `node` for `inside` (True, a depth, or an iterable of
+    `"node.path"` names), and the paths left out past `most`. Named places are all taken."""
+    if inside is None or inside is False:
+        return [], []
+    if inside is True:
+        return _finest_cut(held, most)
+    if isinstance(inside, int):
+        return _down_to(held, inside, most)
+    named = set(_names(inside))
+    return [(p, m) for p, m in _preorder(held) if f"{node}.{p}" in named], []
+
+
+def _names(inside: object) -> Iterable[str]:
+    if isinstance(inside, str):
+        return [inside]
+    return [str(x) for x in inside]  # type: ignore[attr-defined]
