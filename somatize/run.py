@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from somatize import _hooks
-from somatize.node import Opaque
+from somatize.node import Opaque, kind_name
 
 __all__ = ["Ctx", "Plan", "compile", "run_plain", "run_watched", "walk", "watchers"]
 
@@ -156,7 +156,7 @@ def note(error: BaseException, text: str) -> BaseException:
 def _noted(error: BaseException, plan: Plan, i: int, device: str | None) -> BaseException:
     nid = plan.ids[i]
     node = plan.graph.implementation(nid)
-    said = f"while running node {nid!r} ({type(node).__name__})"
+    said = f"while running node {nid!r} ({kind_name(node)})"
     if device is not None:
         said += f", placed .on({device!r})"
     return note(error, said)

@@ -68,6 +68,8 @@ class Drops:
         self._since = 0
 
     def drop(self, why: str) -> None:
+        """Count one dropped message (`why`: what was wrong with it); log it unless one was
+        logged less than `every` seconds ago."""
         self.count += 1
         self._since += 1
         now = time.monotonic()

@@ -57,6 +57,8 @@ def test_200_nodes_fit_the_width_pan_zoom_and_show_a_minimap(page, served, artif
     height = float(fig.svg().split('height="')[1].split('"')[0])
     assert fitted["w"] >= width - 1 and fitted["h"] >= height - 1 and fitted["scale"] < 0.3
     page.locator(".smz-width").click()
+    page.wait_for_function("() => Number(document.querySelector('.smz-graph').dataset.scale) >= 0.9")
+    viewport = page.locator(".smz-viewport").bounding_box()  # where it is now, after the fit
     # a drag pans, Ctrl with the wheel zooms where the pointer is
     page.mouse.move(viewport["x"] + 600, viewport["y"] + 300)
     page.mouse.down()
@@ -157,7 +159,7 @@ def test_the_audit_fills_from_messages_and_a_metric_switch_redraws_from_what_it_
     page.mouse.move(canvas["x"] + x0 + (nb - 0.5) * cw, canvas["y"] + top + row + 5)  # left, last step
     tip = page.locator(".smz-audit-tip")
     tip.wait_for(state="visible")
-    assert "The size of the gradient" in tip.inner_text() and "NAN" in tip.inner_text()
+    assert "the size of the gradient" in tip.inner_text() and "NAN" in tip.inner_text()
     box = tip.bounding_box()
     assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= 1000 and box["y"] + box["height"] <= 430
     page.locator(".smz-log").check()
