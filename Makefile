@@ -78,6 +78,7 @@ lab: setup
 	$(BIN)/jupyter lab notebooks
 
 bench: setup
+	@$(BIN)/python -c 'import torchview' 2>/dev/null || $(BIN)/pip install --quiet -e ".[bench]"
 	$(BIN)/python bench/all.py
 
 lint: setup
