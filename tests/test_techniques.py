@@ -275,6 +275,21 @@ def test_every_and_micro_give_one_step_on_the_joined_batch(kind):
     assert not t3.export()[trained]["lin.weight"].equal(fresh["lin.weight"])
 
 
+def test_forward_forward_cut_in_micro_pieces_is_every_over_those_pieces():
+    # its negatives are made within what it is handed, so micro=2 on a joined batch is
+    # every=2 on its halves (not one step on the whole, whose rows would pair across halves)
+    data4 = batches_of("ff")
+    pieces = trainer("ff", objective=objective_of("ff"), every=2)
+    micro = trainer("ff", objective=objective_of("ff"), micro=2)
+    for k in range(0, 4, 2):
+        pieces.step(data4[k])
+        pieces.step(data4[k + 1])
+        micro.step(joined(data4[k], data4[k + 1]))
+    same(pieces.export(), micro.export())
+    fresh = trainer("ff", objective=objective_of("ff")).export()["a"]
+    assert not micro.export()["a"]["lin.weight"].equal(fresh["lin.weight"])
+
+
 @pytest.mark.parametrize("kind", ["greedy", "synthetic", "ff"])
 def test_a_group_moves_the_node_only_where_it_closes_and_update_applies_a_half_open_one(kind):
     nid = "mid" if kind == "synthetic" else "a"
