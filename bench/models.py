@@ -4,7 +4,8 @@ ResNet, ConvNext, MobileNetV2; torch's Transformer, LSTM, GRU; a torchvision-sty
 the small configs the tests build, and on a ResNet-18 at 224×224. Then the probe's memory on
 ViT-B (at random init from its config), against a forward's.
 
-Times are medians of the CPU time of this process, one thread (steady on a shared machine).
+Times are medians of the CPU time of this process, one thread (steady on a shared machine),
+the four calls on a model timed in turns.
 torchview builds its graph and its graphviz description, nothing is rendered. Memory is the
 peak resident set above the one before the call, sampled every millisecond while it runs, in
 a fresh process per measurement (so neither call finds memory the other left behind); the
@@ -41,15 +42,20 @@ from somatize.torch import architecture, probe  # noqa: E402
 CNNS = {"resnet", "convnext", "mobilenet", "smallnet", "resnet-18 @224"}
 
 
-def cpu_ms(fn, repeats: int) -> float:  # noqa: ANN001
-    """Median CPU milliseconds of `fn()`, after one call that is not counted."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
+def in_turns(fns: dict, rounds: int, calls: int) -> dict[str, float]:
+    """Median CPU milliseconds a call of each of `fns`, timed in turns: each round times
+    `calls` calls of each in a row, so a load that comes and goes hits all of them alike.
+    One call of each first, not counted."""
+    for fn in fns.values():
         fn()
-        times.append((time.process_time() - t0) * 1e3)
-    return statistics.median(times)
+    seen: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.process_time()
+            for _ in range(calls):
+                fn()
+            seen[name].append((time.process_time() - t0) * 1e3 / calls)
+    return {name: statistics.median(times) for name, times in seen.items()}
 
 
 def _call(model, example):  # noqa: ANN001, ANN202
@@ -73,16 +79,23 @@ def resnet18() -> zoo.Case:
     return zoo.Case("resnet-18 @224", model, torch.randn(2, 3, 224, 224), None, None)
 
 
-def row(case: zoo.Case, repeats: int) -> list:
+def row(case: zoo.Case, rounds: int, calls: int) -> list:
     from torchview import draw_graph
 
     model, x = case.model, case.example
     if case.name in ("gpt2", "t5"):
         x = {**x, "use_cache": False}  # torchview cannot follow a cache object
-    forward = cpu_ms(_call(model, x), repeats)
-    ours = cpu_ms(lambda: architecture(model, x), repeats)
-    theirs = cpu_ms(lambda: draw_graph(model, input_data=x, depth=99, save_graph=False), repeats)
-    looked = cpu_ms(lambda: probe(model, x), repeats)
+    ms = in_turns(
+        {
+            "forward": _call(model, x),
+            "architecture": lambda: architecture(model, x),
+            "torchview": lambda: draw_graph(model, input_data=x, depth=99, save_graph=False),
+            "probe": lambda: probe(model, x),
+        },
+        rounds,
+        calls,
+    )
+    forward, ours, theirs, looked = ms["forward"], ms["architecture"], ms["torchview"], ms["probe"]
     params = sum(p.numel() for p in model.parameters())
     return [case.name, params, forward, ours, theirs, ours / theirs, looked, looked / forward]
 
@@ -154,8 +167,8 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    rows = [row(make(), 7) for make in zoo.CASES.values()]
-    rows.append(row(resnet18(), 3))
+    rows = [row(make(), 15, 3) for make in zoo.CASES.values()]
+    rows.append(row(resnet18(), 5, 1))
     report(
         "models",
         "architecture against torchview, probe against a forward, on real models",
@@ -172,7 +185,7 @@ def main() -> None:
         rows,
         notes=(
             "Targets: architecture ≤ torchview on every model; probe ≤ 5× a forward on the "
-            f"CNNs ({', '.join(sorted(CNNS))}). CPU ms, one thread, medians. The small "
+            f"CNNs ({', '.join(sorted(CNNS))}). CPU ms, one thread, medians of calls timed in turns. The small "
             "configs' forwards take a millisecond or two, where the probe's fixed cost (a "
             "hook and a few reductions per place) shows most; ResNet-18 at 224 is the size "
             "the cost was first seen at."
