@@ -15,24 +15,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = [
-    "register",
-    "ready",
-    "move",
-    "place",
-    "state_digest",
-    "trainable",
-    "entry",
-    "state_of",
-    "load_state",
-    "stage_state",
-    "serve",
-    "tensor_frame",
-    "frame_tensor",
-    "constructible",
-    "no_grad",
-]
-
 HOOKS = (
     "move",
     "place",
@@ -49,6 +31,8 @@ HOOKS = (
     "no_grad",
 )
 """The questions a backend answers; `register` replaces the function of that name here."""
+
+__all__ = ["register", "ready", *HOOKS]
 
 
 def move(value: Any, device: str) -> Any:
