@@ -110,7 +110,9 @@ def picture(
     for k, line in enumerate(said):
         out.append(f'<text x="{at:.1f}" y="{y + 12 + 14 * k:.1f}" font-size="11" fill="{MUTED}">{esc(line)}</text>')
     y += 24 + 14 * max(0, len(said) - 1)
-    y = _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi)
+    # the loss plot ends where the columns do, so its curves fill it; its labels go after it
+    ends = x0 + len(bins) * cw if bins else x1
+    y = _loss(out, history, runs, sx, x0, ends, y, log, smoothing, s_lo, s_hi, width)
     values = [
         float(v)
         for r in history.runs.values()
@@ -164,7 +166,7 @@ def picture(
         if raised:
             text = ", ".join(f"{f} ×{c}" for f, c in sorted(raised.items(), key=lambda kv: -kv[1])[:2])
             colour = FAMILY_COLOURS[_family(max(raised, key=raised.get), explain)]
-            out.append(f'<text x="{x1 + 6:.1f}" y="{ry + 10:.1f}" font-size="10" fill="{colour}">{esc(fits(text, width - x1 - 8, 10))}</text>')
+            out.append(f'<text x="{ends + 6:.1f}" y="{ry + 10:.1f}" font-size="10" fill="{colour}">{esc(fits(text, width - ends - 8, 10))}</text>')
     for fill, paths in levels.items():
         out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
     for fill, paths in marks.items():
@@ -194,8 +196,9 @@ def _family(flag: str, explain: dict[str, Any]) -> str:
     return explain.get("families", {}).get(flag.split("(")[0], "numeric")
 
 
-def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi) -> float:
-    """The loss plot, with its axes; answers where the next part starts."""
+def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi, width) -> float:
+    """The loss plot from x0 to x1, with its axes, and the last loss of each run after it
+    (within `width`); answers where the next part starts."""
     h = 130.0
     series = [(r, history.runs[r].loss_steps, history.runs[r].loss_values) for r in runs]
     series = [s for s in series if s[1]]
@@ -237,6 +240,7 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi) -> floa
         out.append(f'<path class="smz-loss" d="{line}" fill="none" stroke="{colour}" stroke-width="1.8"/>')
         last = values[-1]
         label = f"{run + ': ' if run else ''}step {steps[-1]}: {number(last)}"
+        label = fits(label, width - x1 - 14, 10)
         out.append(f'<text x="{x1 + 6:.1f}" y="{y + 12 + 13 * n:.1f}" font-size="10" fill="{colour}">{esc(label)}</text>')
     return y + h + 8
 
