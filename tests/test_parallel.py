@@ -28,7 +28,16 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from somatize import Graph, Node, Store
 from somatize.remote import Broker, Worker
-from somatize.torch import RankLost, Split, Trainer, parameters, shard
+from somatize.torch import (
+    ForwardForward,
+    Greedy,
+    RankLost,
+    Split,
+    Synthetic,
+    Trainer,
+    parameters,
+    shard,
+)
 
 mse = nn.functional.mse_loss
 SGD = torch.optim.SGD
@@ -125,13 +134,27 @@ FITS = {  # name: (graph, Trainer's keywords), each to end as one process on who
     "split2": (mlp, {"split": True, "every": 2}),
     "split3": (mlp, {"split": True, "every": 3}),  # and its group of 1 closed by update()
     "split_own2": (mlp, {"split": 2}),  # with an every of its own
+    "greedy": (mlp, {"technique": "greedy"}),  # a node and the head it brought, averaged
+    "greedy2": (mlp, {"technique": "greedy", "every": 2}),
     "fsdp1": (mixed, {"parallel": "fsdp"}),
     "fsdp2": (mixed, {"parallel": "fsdp", "every": 2}),
 }
 
 
-def trainer(g, split=False, **kw):
+IN_STEP = {  # name: (graph, Trainer's keywords), each to end the same on every rank
+    # its negatives are made within each rank's half, so it is not one process on the whole
+    "ff": (mlp, {"technique": "ff"}),
+}
+
+
+def trainer(g, split=False, technique=None, **kw):
     trains = {"enc": Split(SGD, lr=LR, every=None if split is True else split)} if split else None
+    if technique == "greedy":
+        trains = {"a": Greedy(SGD, head=nn.Linear(8, 2, dtype=torch.float64), lr=LR)}
+    elif technique == "synthetic":
+        trains = {"enc": Synthetic(SGD, lr=LR)}
+    elif technique == "ff":
+        trains = {"a": ForwardForward(SGD, lr=LR)}
     opt = SGD(parameters(g, without=trains or ()), lr=LR)
     return Trainer(g, objective=mse, optimizer=opt, trains=trains, **kw)
 
@@ -192,7 +215,7 @@ def plain(out):
 
 @scenario
 def fits(out):
-    for name, (build, kw) in FITS.items():
+    for name, (build, kw) in {**FITS, **IN_STEP}.items():
         t = trainer(build(), **{"parallel": "ddp", **kw})
         t.fit(mine())
         keep(out, name, t.export())
@@ -377,6 +400,15 @@ def test_every_micro_split_and_fsdp_end_as_one_process(ranks, name):
         close(got(ranks, name, rank), expected)
 
 
+@pytest.mark.parametrize("name", list(IN_STEP))
+def test_a_technique_on_each_rank_keeps_the_ranks_in_step(ranks, name):
+    build, kw = IN_STEP[name]
+    start = flat(trainer(build(), **kw).export())
+    zero, one = got(ranks, name, 0), got(ranks, name, 1)
+    close(zero, one, tol=0)  # the gradients were averaged: every rank took the same step
+    assert max((zero[k] - start[k]).abs().max().item() for k in start) > 1e3 * TOL
+
+
 def test_a_branch_one_rank_never_takes_does_not_hang_and_is_averaged(ranks):
     # By hand: each step the mean of the two halves' losses, each half taking its own branch.
     g = branchy()
@@ -463,6 +495,8 @@ def test_refused_before_any_group_is_joined(monkeypatch, tmp_path):
             trainer(at, broker=where, parallel="ddp")
     with pytest.raises(ValueError, match="node 'enc' is .cached"):
         trainer(cached(), parallel="ddp")
+    with pytest.raises(ValueError, match="node 'enc' is trained by Synthetic, which moves it"):
+        trainer(mlp(), technique="synthetic", parallel="ddp")
     with pytest.raises(ValueError, match="fsdp.*trains="):
         trainer(mlp(), split=True, parallel="fsdp")
     with pytest.raises(ValueError, match="audit"):

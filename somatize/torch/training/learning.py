@@ -209,11 +209,14 @@ class Learning(Node):
     from one technique to another on the way to a worker: `needs_target` (the Trainer tells it
     its objective, and hands it each step's target as `target`) and `wants_signal` (False: it
     learns from something else than dL/d(output), so what the node produced is handed on
-    detached, and no gradient for it is worked out downstream nor sent back).
+    detached, and no gradient for it is worked out downstream nor sent back). A third,
+    `moves_at_forward` (True: it runs a backward of its own while the forward runs), is what
+    `Trainer(parallel=)` refuses, since DDP averages gradients in the step's backward only.
     """
 
     needs_target = False
     wants_signal = True
+    moves_at_forward = False
 
     def __init__(
         self, optimizer: Callable[..., Any], *, every: int | None = None, **how: Any

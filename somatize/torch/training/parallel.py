@@ -77,8 +77,8 @@ def parallel_of(
     node `.at(host)` (every rank holds the whole graph: a node on a worker would be trained by
     all of them at once); a `.cached()` node without a store, or with one not every rank sees
     (checked: rank 0 keeps a token there and every rank looks for it); a node on `cuda:N` other
-    than this rank's GPU; under "fsdp", `trains=`, auditing, and an optimizer that already
-    has state. A rank whose graph or Trainer differs from rank 0's (nodes, weights' shapes,
+    than this rank's GPU; a node trained by a Learning that `moves_at_forward` (Synthetic);
+    under "fsdp", `trains=`, auditing, and an optimizer that already has state. A rank whose graph or Trainer differs from rank 0's (nodes, weights' shapes,
     `every`, `micro`, `trains`) makes every rank refuse together.
     """
     if mode is None:
@@ -103,6 +103,14 @@ def parallel_of(
             "one store that every rank sees: pass store= a directory all the ranks share (or "
             "an s3:// URL), or drop .cached()"
         )
+    for nid, learning in trains.items():
+        if getattr(learning, "moves_at_forward", False):
+            raise ValueError(
+                f"node {nid!r} is trained by {type(learning).__name__}, which moves it while the "
+                f"forward runs, and parallel={mode!r} averages gradients in the step's backward "
+                f"only: train {nid!r} by Split, Greedy or ForwardForward under parallel=, or "
+                "train without parallel="
+            )
     if mode == "fsdp":
         _fsdp_refusals(trains, optimizer, audit)
     devices = {nid: d for nid, d in graph.devices().items() if d}

@@ -71,6 +71,8 @@ class Synthetic(Learning):
     dimension (there is no shape to guess a gradient of).
     """
 
+    moves_at_forward = True  # the node steps on the guess while the forward runs
+
     def __init__(
         self, optimizer: Callable[..., Any], *, every: int | None = None, **how: Any
     ) -> None:
