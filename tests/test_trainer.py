@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 import torch
@@ -679,28 +680,53 @@ def test_an_optimizer_with_its_own_zero_grad_is_asked_to_zero():
     assert calls == [True, True]
 
 
-def test_in_a_notebook_an_audited_fit_shows_a_live_audit_that_fills(monkeypatch):
-    import IPython.display
+KERNEL_CELLS = [
+    """
+import torch
+from torch import nn
+from somatize import Graph, Node
+from somatize.torch import Trainer, parameters
 
-    from somatize.figures import LiveAudit
-    from somatize.torch.training import trainer as trainer_module
+class Lin(Node, nn.Module):
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(4, 2)
 
-    shown = []
-    monkeypatch.setattr(trainer_module, "_in_notebook", lambda: True)
-    monkeypatch.setattr(IPython.display, "display", shown.append)
-    g = mlp()
-    t = Trainer(
-        g,
-        objective=nn.functional.mse_loss,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
-        auditing=True,
-    )
-    data = batches(3)
-    t.fit(data, epochs=2)
-    assert isinstance(t.live, LiveAudit) and shown == [t.live]
-    assert len(t.live.loss) == 6 and len(t.live.frame()) > 0
-    t.fit(data)  # the same widget goes on filling, shown once
-    assert shown == [t.live] and len(t.live.loss) == 9
-    plain = Trainer(g, objective=nn.functional.mse_loss, optimizer=torch.optim.SGD(parameters(g)))
-    plain.fit(data)
-    assert plain.live is None  # nothing audited, nothing drawn
+    def forward(self, x, ctx):
+        return self.lin(x)
+
+torch.manual_seed(0)
+g = Graph.somatize(Lin())
+data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(3)]
+t = Trainer(g, objective=nn.functional.mse_loss, optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+            auditing=True)
+t.fit(data, epochs=2)
+t.fit(data)
+print(type(t.live).__name__, len(t.live.loss))
+""",
+    """
+plain = Trainer(g, objective=nn.functional.mse_loss, optimizer=torch.optim.SGD(parameters(g)))
+plain.fit(data)
+print(plain.live)
+""",
+]
+
+
+def test_in_a_notebook_a_fit_shows_its_bar_and_leaves_a_line_and_an_audited_one_its_audit(tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.strip()) for c in KERNEL_CELLS])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = nb.cells[0].outputs
+    faces = [o for o in outputs if "smz-face" in o.get("data", {}).get("text/html", "")]
+    assert len(faces) == 1  # the audit shown once, and filled by both fits
+    lines = [o.data["text/plain"] for o in outputs if o.get("data", {}).keys() == {"text/plain"}]
+    # each bar, once its fit ended, is the line saying what the fit did (what a saved notebook keeps)
+    assert len(lines) == 2 and all(re.fullmatch(r"training: \d+ steps, loss \S+ → \S+, [\d.]+ s", x) for x in lines)
+    assert lines[0].startswith("training: 6 steps") and lines[1].startswith("training: 3 steps")
+    assert outputs[-1]["text"].strip() == "LiveAudit 9"
+    plain = nb.cells[1].outputs  # nothing audited, nothing drawn: the bar's line, and None
+    assert [o.get("data", {}).get("text/plain", "")[:17] for o in plain[:-1]] == ["training: 3 steps"]
+    assert plain[-1]["text"].strip() == "None"

@@ -10,7 +10,6 @@ cost.
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -23,6 +22,8 @@ from somatize.node import unwrap
 from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
+from somatize.torch.training._progress import Progress, person_watching
+from somatize.torch.training._progress import in_notebook as _in_notebook
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import freeze, named, owners, state_of
@@ -68,27 +69,6 @@ class Result:
             return "Result(0 steps)"
         steps = "1 step" if n == 1 else f"{n} steps"
         return f"Result({steps}, loss {self.history[0]:.3g} → {self.history[-1]:.3g})"
-
-
-def _person_watching(stream: Any = None) -> bool:
-    """Whether a person is watching: a notebook kernel, or a terminal on `stream`."""
-    shell = sys.modules.get("IPython")
-    if shell is not None:
-        ip = shell.get_ipython() if hasattr(shell, "get_ipython") else None
-        if ip is not None and type(ip).__name__ == "ZMQInteractiveShell":
-            return True
-    stream = sys.stderr if stream is None else stream
-    try:
-        return bool(stream.isatty())
-    except (AttributeError, ValueError, OSError):
-        return False
-
-
-def _in_notebook() -> bool:
-    """Whether this runs in a Jupyter kernel, where a widget can be shown."""
-    shell = sys.modules.get("IPython")
-    ip = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
-    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
 
 
 def _released(audit: Any, stages: Stages) -> None:
@@ -371,22 +351,19 @@ class Trainer:
         history: list[float] = []
         self._show_audit()
         bar = None
-        if _person_watching() and (self._parallel is None or self._parallel.rank == 0):
-            from tqdm.auto import tqdm
-
+        if person_watching() and (self._parallel is None or self._parallel.rank == 0):
             total = epochs * len(data) if hasattr(data, "__len__") else None
-            bar = tqdm(total=total, desc="training", unit="step")
+            bar = Progress(total, notebook=_in_notebook())
         try:
             for _ in range(epochs):
                 for batch in data:
                     history.append(self.step(batch))
                     if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{history[-1]:.4g}", refresh=False)
+                        bar.step(history[-1])
                 self.update()
         finally:
             if bar is not None:
-                bar.close()
+                bar.close(history)
         return Result(history)
 
     def _show_audit(self) -> None:

@@ -1,0 +1,79 @@
+"""The progress bar `Trainer.fit` shows a person watching, and what a saved notebook keeps of
+it.
+
+In a terminal it is tqdm's bar on stderr. In a notebook it is tqdm's widget, shown with a
+display id; when the fit ends (or stops) that output becomes one line of text saying what the
+fit did, so a notebook saved, converted or reopened shows that line rather than the bar as it
+was first drawn (a widget's saved picture is its first state: "0%").
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+__all__ = ["Progress", "in_notebook", "person_watching"]
+
+
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel, where a widget can be shown."""
+    shell = sys.modules.get("IPython")
+    ip = shell.get_ipython() if shell is not None and hasattr(shell, "get_ipython") else None
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
+def person_watching(stream: Any = None) -> bool:
+    """Whether a person is watching: a notebook kernel, or a terminal on `stream`."""
+    if in_notebook():
+        return True
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def said(history: list[float], total: int | None, seconds: float) -> str:
+    """What a fit did, in one line: its steps (of how many, if it stopped short), the first
+    and the last loss, and how long it took."""
+    n = len(history)
+    if n == 0:
+        return "training: no steps"
+    steps = f"{n} of {total} steps (stopped)" if total is not None and n < total else f"{n} steps"
+    return f"training: {steps}, loss {history[0]:.4g} → {history[-1]:.4g}, {seconds:.1f} s"
+
+
+class Progress:
+    """A bar over `total` steps (None: not known) for a person watching: `step(loss)` after
+    each, `close(history)` at the end, whatever happened."""
+
+    def __init__(self, total: int | None, *, notebook: bool) -> None:
+        self.total = total
+        self.began = time.perf_counter()
+        self.shown: Any = None  # the notebook output the bar is in
+        if notebook:
+            try:
+                from IPython.display import display
+                from tqdm.notebook import tqdm as widget
+
+                self.bar = widget(total=total, desc="training", unit="step", display=False)
+                self.shown = display(self.bar.container, display_id=True)
+                return
+            except ImportError:  # no ipywidgets: the text bar, as tqdm.auto would fall back
+                pass
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, desc="training", unit="step")
+
+    def step(self, loss: float) -> None:
+        """One step done, with its loss."""
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+
+    def close(self, history: list[float]) -> None:
+        """The bar closed; in a notebook its output becomes the line `said` makes."""
+        self.bar.close()
+        if self.shown is not None:
+            line = said(history, self.total, time.perf_counter() - self.began)
+            self.shown.update({"text/plain": line}, raw=True)
