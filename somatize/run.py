@@ -197,29 +197,15 @@ def walk(
     """Run `steps` (all of `plan.steps`, or a run of them) writing each value into `vals`.
 
     With watchers, each is told one `ran` fact per node, its times counted from `start`
-    (a `perf_counter_ns` reading). Unwatched, no clock is read and no fact is built: the two
-    loops are kept apart so that the plain one pays for neither.
+    (a `perf_counter_ns` reading); unwatched, no fact is built.
 
     `plan` is read only to name a failing node: anything with `ids` (slot → node id) and
     `graph.implementation(id)` will do (a worker's compiled slice, `vals` then a dict).
     """
     move = _hooks.move
+    clock = time.perf_counter_ns
     i, device = 0, None
     try:
-        if not told:
-            for i, mode, src, fn, ctx, device in steps:
-                if mode == ONE:
-                    x = vals[src]
-                elif mode == ROOT:
-                    x = input
-                else:
-                    x = {p: vals[j] for p, j in src}
-                if device is not None:
-                    x = move(x, device)
-                out = fn(x, ctx)
-                vals[i] = out.value if type(out) is Opaque else out
-            return
-        clock = time.perf_counter_ns
         for i, mode, src, fn, ctx, device in steps:
             began = clock()
             if mode == ONE:
@@ -232,14 +218,15 @@ def walk(
                 x = move(x, device)
             out = fn(x, ctx)
             vals[i] = out.value if type(out) is Opaque else out
-            fact = {
-                "fact": "ran",
-                "node": ctx.id,
-                "began_us": (began - start) / 1e3,
-                "took_us": (clock() - began) / 1e3,
-            }
-            for w in told:
-                w(fact)
+            if told:
+                fact = {
+                    "fact": "ran",
+                    "node": ctx.id,
+                    "began_us": (began - start) / 1e3,
+                    "took_us": (clock() - began) / 1e3,
+                }
+                for w in told:
+                    w(fact)
     except BaseException as e:
         _noted(e, plan, i, device)
         raise
