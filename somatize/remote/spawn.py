@@ -56,7 +56,7 @@ class Child:
 
     def __init__(self, command: list[str], env: dict[str, str], ready_within: float) -> None:
         self.command = command
-        self.said: collections.deque[str] = collections.deque(maxlen=40)
+        self.printed: collections.deque[str] = collections.deque(maxlen=40)
         self.process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
@@ -73,15 +73,15 @@ class Child:
             code = self.process.poll()
             self.stop()
             self._passing.join(1.0)
-            told = "\n".join([line, *self.said]).strip() or "nothing"
+            printed = "\n".join([line, *self.printed]).strip() or "nothing"
             shown = " ".join(command)
             if code is not None:
                 raise RuntimeError(
                     f"the worker ({shown}) exited with code {code} before it was ready; "
-                    f"it said:\n{told}"
+                    f"it said:\n{printed}"
                 )
             raise RuntimeError(
-                f"the worker ({shown}) was not ready within {ready_within:.0f} s; it said:\n{told}"
+                f"the worker ({shown}) was not ready within {ready_within:.0f} s; it said:\n{printed}"
             )
         self.address = line.split()[3]
 
@@ -95,7 +95,7 @@ class Child:
         stream = self.process.stderr
         assert stream is not None
         for raw in iter(stream.readline, b""):
-            self.said.append(raw.decode(errors="replace").rstrip())
+            self.printed.append(raw.decode(errors="replace").rstrip())
             try:
                 os.write(2, raw)
             except OSError:
@@ -159,7 +159,7 @@ class Child:
 
     def last_words(self) -> str:
         """What it printed last on stderr."""
-        return "\n".join(self.said)
+        return "\n".join(self.printed)
 
 
 @atexit.register

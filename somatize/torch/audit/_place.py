@@ -83,9 +83,9 @@ class Place:
         self.size = 0
         self.outs: list[int] = []  # the id of each output heard this step, per call
         self.ins: set[int] = set()  # the ids of the tensors it was given this step
-        self.heard: list[torch.Tensor] = []  # ‖∂L/∂output‖ per call, from a tensor hook
+        self.out_grads: list[torch.Tensor] = []  # ‖∂L/∂output‖ per call, from a tensor hook
         self.activity: list[torch.Tensor] = []  # per-channel mean |a|, per call
-        self.in_heard: list[torch.Tensor] = []  # per-channel mean |∂L/∂input|, per call
+        self.in_grads: list[torch.Tensor] = []  # per-channel mean |∂L/∂input|, per call
         self.rows: torch.Tensor | None = None
         self._at = 0
 
@@ -109,12 +109,12 @@ class Place:
             self.ins.update(map(id, floats_in(input)))
         # (a hook holds the place by a weak reference: held, it would keep the weights alive)
         if snapshot and t.requires_grad:
-            t.register_hook(_hear(weakref.ref(self), step, "heard", None))
+            t.register_hook(_hear(weakref.ref(self), step, "out_grads", None))
         if channels:
             self.activity.append(activity(a, self.conv))
             x = next((x for x in floats_in(input) if x.requires_grad), None)
             if x is not None and x.dim() >= 2:
-                x.register_hook(_hear(weakref.ref(self), step, "in_heard", self.conv))
+                x.register_hook(_hear(weakref.ref(self), step, "in_grads", self.conv))
         if (snapshot or self.groups is not None) and self.rows is None:
             self.rows = rows_of(a, self.conv)
 
@@ -125,7 +125,7 @@ class Place:
         self._at = len(tensors)
         for sums in self.sums:
             tensors += sums
-        tensors += self.heard
+        tensors += self.out_grads
         if self.activity:
             act = (
                 self.activity[0] if len(self.activity) == 1 else torch.stack(self.activity).mean(0)
@@ -136,8 +136,8 @@ class Place:
             alive = torch.stack(list(self.alive)).any(0)
             self._channels = act.numel()
             tensors += [torch.count_nonzero(~alive), _under(act)]
-        if self.in_heard:
-            g = self.in_heard[0] if len(self.in_heard) == 1 else torch.stack(self.in_heard).mean(0)
+        if self.in_grads:
+            g = self.in_grads[0] if len(self.in_grads) == 1 else torch.stack(self.in_grads).mean(0)
             self._inputs = g.numel()
             tensors.append(_under(g))
 
@@ -189,8 +189,8 @@ class Place:
             n["zero_frac_max"] = max(self.zero)
             n["sat_frac_max"] = max(self.saturated)
             bad_out = not isfinite(total)
-        heard = values[k : k + len(self.heard)]
-        k += len(self.heard)
+        out_grads = values[k : k + len(self.out_grads)]
+        k += len(self.out_grads)
         if self.sums or weights:
             seen = [total, *n.values()]
             nan = inf = False
@@ -199,16 +199,16 @@ class Place:
                 inf = any(map(math.isinf, seen))
             n["nan"], n["inf"] = nan, inf
             if nan or inf:
-                n["inherited"] = self._came_in(bad_out, bad_grad, heard, spoilt)
+                n["inherited"] = self._came_in(bad_out, bad_grad, out_grads, spoilt)
             else:
                 self.inherited = None
-        if heard:
-            n["out_grad_norm"] = sqrt(sum(v * v for v in heard))
+        if out_grads:
+            n["out_grad_norm"] = sqrt(sum(v * v for v in out_grads))
         if self.activity:
             n["channels"] = self._channels
             n["dead_channels"], n["dormant_channels"] = int(values[k]), int(values[k + 1])
             k += 2
-        if self.in_heard:
+        if self.in_grads:
             n["input_channels"], n["ignored_channels"] = self._inputs, int(values[k])
         if self.groups is not None and self.rows is not None:
             n["cka"] = self._leak()
@@ -217,7 +217,7 @@ class Place:
             n["rank_room"] = min(self.rows.shape)
         return n
 
-    def _came_in(self, out: bool, grad: bool, heard: list[float], spoilt: set[int]) -> bool:
+    def _came_in(self, out: bool, grad: bool, out_grads: list[float], spoilt: set[int]) -> bool:
         """Whether the NaN or inf seen here came from elsewhere: in its output from an input
         that another place gave it spoilt (an input no watched place gave, the data, counts
         as finite: a NaN in the data reads as arising at the first place given it), or in
@@ -229,7 +229,7 @@ class Place:
             if out:
                 self.inherited = not self.ins.isdisjoint(spoilt)
             elif grad:
-                self.inherited = any(not math.isfinite(v) for v in heard) if heard else bool(spoilt)
+                self.inherited = any(not math.isfinite(v) for v in out_grads) if out_grads else bool(spoilt)
             else:
                 self.inherited = False
         return self.inherited
