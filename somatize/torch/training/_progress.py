@@ -34,7 +34,7 @@ def person_watching(stream: Any = None) -> bool:
         return False
 
 
-def said(history: list[float], total: int | None, seconds: float) -> str:
+def summary(history: list[float], total: int | None, seconds: float) -> str:
     """What a fit did, in one line: its steps (of how many, if it stopped short), the first
     and the last loss, and how long it took."""
     n = len(history)
@@ -72,8 +72,8 @@ class Progress:
         self.bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
 
     def close(self, history: list[float]) -> None:
-        """The bar closed; in a notebook its output becomes the line `said` makes."""
+        """The bar closed; in a notebook its output becomes the line `summary` makes."""
         self.bar.close()
         if self.shown is not None:
-            line = said(history, self.total, time.perf_counter() - self.began)
+            line = summary(history, self.total, time.perf_counter() - self.began)
             self.shown.update({"text/plain": line}, raw=True)
