@@ -28,12 +28,15 @@ __all__ = ["Place", "_saturation"]
 
 
 def _saturation(modules: list[nn.Module]) -> str | None:
-    """How this place saturates, read off the last module it holds (in the order they were
-    declared, which is the order most forwards apply them): "sigmoid" (flat near 0 and 1)
-    or "tanh" (flat near ±1) when that is such an activation, else None."""
-    leaves = [m for m in modules if next(m.children(), None) is None]
-    last = leaves[-1] if leaves else None
-    if last is None or kind_of(last) != "activation":
+    """How the place made of `modules` saturates, read off the last leaf module it holds (in
+    the order they were declared, which is the order most forwards apply them): "sigmoid"
+    (flat near 0 and 1) or "tanh" (flat near ±1) when that is such an activation, else None."""
+    if not modules:
+        return None
+    last = modules[-1]
+    while (children := list(last.children())):  # its last child's last leaf
+        last = children[-1]
+    if kind_of(last) != "activation":
         return None
     names = [c.__name__ for c in type(last).__mro__]
     if any("Sigmoid" in n for n in names):
@@ -62,7 +65,7 @@ class Place:
                     seen.add(id(p))
                     self.params.append(p)
         every = [s for m in modules for s in m.modules()]
-        self.saturates = _saturation(every)
+        self.saturates = _saturation(modules)
         self.conv = any(kind_of(s) == "conv" for s in every)
         self.index: list[int] = []
         self.big = -1  # where its largest weight sits in that list, if it is a matrix or more

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
@@ -50,30 +49,18 @@ def _leafed(value: Any) -> Any:
 
 
 def _first(value: Any) -> torch.Tensor | None:
-    """The first floating tensor inside a value (in the order `tensors_in` walks it)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
     for t in tensors_in(value):
         if t.is_floating_point():
             return t
     return None
 
 
-def _last_leaf(module: nn.Module) -> nn.Module:
-    """The module's last leaf, in declaration order: its last child's last leaf."""
-    children = list(module.children())
-    while children:
-        module = children[-1]
-        children = list(module.children())
-    return module
-
-
 def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
     """‖g‖ of each sample (a row of the first dimension), or of the whole when `rows` is 0."""
     g = g.detach()
     if rows:
-        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1).tolist()
-    return [float(torch.linalg.vector_norm(g))]
+        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1, dtype=torch.float64).tolist()
+    return [float(torch.linalg.vector_norm(g, dtype=torch.float64))]
 
 
 class _Tensors:
@@ -125,7 +112,7 @@ class _Place:
         self.node = node
         self.inside = inside
         self.where = f"{node}.{inside}" if inside else node
-        self.saturates = _saturation([_last_leaf(m) for m in modules])
+        self.saturates = _saturation(modules)
         self.numbers: dict[str, Any] | None = None
         self.rows = 0
         self.g_in: dict[int, Any] | None = None
@@ -172,14 +159,12 @@ def _numbers(
         before = known.rms(inp)
         n["signal_gain"] = rms / before if before > 0 else float("inf")
     size = a.numel()
-    # hardshrink keeps what is over the bound in magnitude and zeroes the rest: what stays
-    # nonzero is what is not dead (a NaN stays, as `abs() <= eps` would not count it)
-    alive = int(torch.count_nonzero(functional.hardshrink(a, _DEAD_EPS))) if size else 0
-    n["zero_frac_max"] = (size - alive) / size if size else 0.0
+    magnitude = a.abs()
+    n["zero_frac_max"] = int(torch.count_nonzero(magnitude <= _DEAD_EPS)) / size if size else 0.0
     if saturates == "sigmoid":
         n["sat_frac_max"] = int(torch.count_nonzero((a <= _LOW) | (a >= _HIGH))) / size
     elif saturates == "tanh":
-        n["sat_frac_max"] = int(torch.count_nonzero(a.abs() >= _HIGH)) / size
+        n["sat_frac_max"] = int(torch.count_nonzero(magnitude >= _HIGH)) / size
     else:
         n["sat_frac_max"] = 0.0
     finite = math.isfinite(rms)  # a NaN or an inf anywhere shows in the norm

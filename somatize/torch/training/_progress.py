@@ -45,14 +45,14 @@ def summary(history: list[float], total: int | None, seconds: float) -> str:
 
 
 class Progress:
-    """A bar over `total` steps (None: not known) for a person watching: `step(loss)` after
-    each, `close(history)` at the end, whatever happened."""
+    """A bar over `total` steps (None: not known) for a person watching, a widget in a
+    notebook: `step(loss)` after each, `close(history)` at the end, whatever happened."""
 
-    def __init__(self, total: int | None, *, notebook: bool) -> None:
+    def __init__(self, total: int | None) -> None:
         self.total = total
         self.began = time.perf_counter()
         self.shown: Any = None  # the notebook output the bar is in
-        if notebook:
+        if in_notebook():
             try:
                 from IPython.display import display
                 from tqdm.notebook import tqdm as widget

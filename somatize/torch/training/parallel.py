@@ -78,8 +78,9 @@ def parallel_of(
     all of them at once); a `.cached()` node without a store, or with one not every rank sees
     (checked: rank 0 keeps a token there and every rank looks for it); a node on `cuda:N` other
     than this rank's GPU; a node trained by a Learning that `moves_at_forward` (Synthetic);
-    under "fsdp", `trains=`, auditing, and an optimizer that already has state. A rank whose graph or Trainer differs from rank 0's (nodes, weights' shapes,
-    `every`, `micro`, `trains`) makes every rank refuse together.
+    under "fsdp", `trains=`, auditing, and an optimizer that already has state. A rank whose
+    graph or Trainer differs from rank 0's (nodes, weights' shapes, `every`, `micro`,
+    `trains`) makes every rank refuse together.
     """
     if mode is None:
         return None
@@ -104,7 +105,7 @@ def parallel_of(
             "an s3:// URL), or drop .cached()"
         )
     for nid, learning in trains.items():
-        if getattr(learning, "moves_at_forward", False):
+        if learning.moves_at_forward:
             raise ValueError(
                 f"node {nid!r} is trained by {type(learning).__name__}, which moves it while the "
                 f"forward runs, and parallel={mode!r} averages gradients in the step's backward "

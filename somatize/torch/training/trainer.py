@@ -22,8 +22,7 @@ from somatize.node import unwrap
 from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
-from somatize.torch.training._progress import Progress, person_watching
-from somatize.torch.training._progress import in_notebook as _in_notebook
+from somatize.torch.training._progress import Progress, in_notebook, person_watching
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import freeze, named, owners, state_of
@@ -353,7 +352,7 @@ class Trainer:
         bar = None
         if person_watching() and (self._parallel is None or self._parallel.rank == 0):
             total = epochs * len(data) if hasattr(data, "__len__") else None
-            bar = Progress(total, notebook=_in_notebook())
+            bar = Progress(total)
         try:
             for _ in range(epochs):
                 for batch in data:
@@ -369,7 +368,7 @@ class Trainer:
     def _show_audit(self) -> None:
         """In a notebook, an audited run draws itself: a `LiveAudit` is shown (once, kept as
         `self.live`) and fills in while `fit` runs, unless one is already watching."""
-        if self.audit is None or self.live is not None or not _in_notebook():
+        if self.audit is None or self.live is not None or not in_notebook():
             return
         from IPython.display import display
 
