@@ -21,6 +21,9 @@ from somatize.torch.placement import named_modules_of
 __all__ = [
     "named_modules_of",
     "untouched",
+    "differentiable",
+    "every_module",
+    "every_parameter",
     "places_of",
     "as_graph",
     "tensors_in",
@@ -88,6 +91,32 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def every_module(modules: list[nn.Module]) -> list[nn.Module]:
+    """Every module inside `modules` (themselves included), each once, in declaration order."""
+    return list({id(sub): sub for m in modules for sub in m.modules()}.values())
+
+
+def every_parameter(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """Every parameter of `modules`, each once however many modules share it."""
+    return list({id(p): p for m in modules for p in m.parameters()}.values())
+
+
+def _in_place(m: nn.Module) -> bool | None:
+    flag = vars(m).get("inplace")  # a plain attribute where torch keeps it, when there is one
+    return flag if isinstance(flag, bool) else None
+
+
+def differentiable(modules: list[nn.Module]) -> None:
+    """Every module of `modules` computing out of place and every parameter asking for its
+    gradient: what a look that differentiates through a net needs. For use inside
+    `untouched`, which puts both back."""
+    for m in every_module(modules):
+        if _in_place(m):
+            m.inplace = False
+    for m in modules:
+        m.requires_grad_(True)
+
+
 @contextlib.contextmanager
 def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[list[nn.Module]]:
     """Whatever happens inside, the modules come out exactly as they went in.
@@ -97,21 +126,12 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[lis
     is seeded inside, so a dropout draws the same masks every call. It gives every module
     inside them, each once, for whoever wants to change them in the meantime.
     """
-    every: list[nn.Module] = []
-    seen: set[int] = set()
-    for m in modules:
-        for sub in m.modules():
-            if id(sub) not in seen:
-                seen.add(id(sub))
-                every.append(sub)
+    every = every_module(modules)
     modes = [(m, m.training) for m in every]
-    inplace = [(m, m.inplace) for m in every if isinstance(getattr(m, "inplace", None), bool)]
-    params: dict[int, tuple[nn.Parameter, torch.Tensor, Any, bool]] = {}
+    inplace = [(m, flag) for m in every if (flag := _in_place(m)) is not None]
+    params = [(p, p.data, p.grad, p.requires_grad) for p in every_parameter(modules)]
     buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
     for m in every:
-        for p in m.parameters(recurse=False):
-            if id(p) not in params:
-                params[id(p)] = (p, p.data, p.grad, p.requires_grad)
         for name, b in m.named_buffers(recurse=False):
             if b is not None:
                 buffers.append((m, name, b, b.detach().clone()))
@@ -133,7 +153,7 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[lis
             for m, flag in inplace:
                 if m.inplace is not flag:
                     m.inplace = flag
-            for p, data, grad, requires in params.values():
+            for p, data, grad, requires in params:
                 p.data = data
                 p.grad = grad
                 p.requires_grad_(requires)

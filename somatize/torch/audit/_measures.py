@@ -25,6 +25,8 @@ __all__ = [
     "rows_of",
     "stable_rank",
     "sums_of",
+    "counts_of",
+    "magnitude_of",
 ]
 
 _DEFAULT = Thresholds()
@@ -47,24 +49,32 @@ def _wide(t: torch.Tensor) -> torch.dtype | None:
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
 
 
-def sums_of(a: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
-    """Σ|a|, how many values are zero (|a| ≤ dead_eps), and for a place that saturates how
-    many are saturated, as one-number tensors (read later, all at once). The zeros are
-    counted as a float sum of 1.0s (a float reduction is several times cheaper than a boolean
-    one on the CPU; exact up to 2²⁴ values, a fraction within float32 rounding past it). A NaN
-    is neither zero nor saturated; an inf makes Σ|a| inf and a NaN makes it NaN, which is how
-    `nan` and `inf` are told apart."""
+def magnitude_of(a: torch.Tensor) -> torch.Tensor:
+    """|a|, in float32 or wider: what `sums_of` and `counts_of` read."""
     magnitude = a.abs()
-    if magnitude.dtype not in (torch.float32, torch.float64):
-        magnitude = magnitude.float()
-    total = magnitude.sum()
+    return magnitude if magnitude.dtype in (torch.float32, torch.float64) else magnitude.float()
+
+
+def counts_of(a: torch.Tensor, magnitude: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
+    """How many values of `a` are zero (|a| ≤ dead_eps), and for a place that saturates how
+    many are saturated, as one-number tensors; `magnitude` is `magnitude_of(a)`, overwritten.
+    The zeros are counted as a float sum of 1.0s (a float reduction is several times cheaper
+    than a boolean one on the CPU; exact up to 2²⁴ values, a fraction within float32 rounding
+    past it). A NaN is neither zero nor saturated."""
     saturated = None
     if saturates == "sigmoid":
         saturated = torch.count_nonzero((a <= _LOW) | (a >= _HIGH))
     elif saturates == "tanh":
         saturated = torch.count_nonzero(magnitude >= _HIGH)
     zeros = magnitude.le_(_DEAD_EPS).sum()  # in place, after everything else read it
-    return [total, zeros] if saturated is None else [total, zeros, saturated]
+    return [zeros] if saturated is None else [zeros, saturated]
+
+
+def sums_of(a: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
+    """Σ|a| and then `counts_of(a)`, as one-number tensors (read later, all at once). An inf
+    makes Σ|a| inf and a NaN makes it NaN, which is how `nan` and `inf` are told apart."""
+    magnitude = magnitude_of(a)
+    return [magnitude.sum(), *counts_of(a, magnitude, saturates)]
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:

@@ -34,16 +34,16 @@ def _saturation(modules: list[nn.Module]) -> str | None:
     if not modules:
         return None
     last = modules[-1]
-    while (children := list(last.children())):  # its last child's last leaf
+    while children := list(last.children()):  # its last child's last leaf
         last = children[-1]
-    if kind_of(last) != "activation":
-        return None
     names = [c.__name__ for c in type(last).__mro__]
     if any("Sigmoid" in n for n in names):
-        return "sigmoid"
-    if any(n in ("Tanh", "Hardtanh", "Softsign") for n in names):
-        return "tanh"
-    return None
+        saturates = "sigmoid"
+    elif any(n in ("Tanh", "Hardtanh", "Softsign") for n in names):
+        saturates = "tanh"
+    else:
+        return None
+    return saturates if kind_of(last) == "activation" else None
 
 
 class Place:
@@ -232,7 +232,9 @@ class Place:
             if out:
                 self.inherited = not self.ins.isdisjoint(spoilt)
             elif grad:
-                self.inherited = any(not math.isfinite(v) for v in out_grads) if out_grads else bool(spoilt)
+                self.inherited = (
+                    any(not math.isfinite(v) for v in out_grads) if out_grads else bool(spoilt)
+                )
             else:
                 self.inherited = False
         return self.inherited

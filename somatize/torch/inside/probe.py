@@ -28,8 +28,8 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import watchers
-from somatize.torch._modules import Tap, root_of, tensors_in, untouched
-from somatize.torch.audit._measures import _DEAD_EPS, _HIGH, _LOW
+from somatize.torch._modules import Tap, differentiable, root_of, tensors_in, untouched
+from somatize.torch.audit._measures import _wide, counts_of, magnitude_of, norm, read
 from somatize.torch.audit._place import _saturation
 from somatize.torch.inside._forward import Calls
 from somatize.torch.inside._trace import Opening
@@ -56,11 +56,11 @@ def _first(value: Any) -> torch.Tensor | None:
 
 
 def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
-    """‖g‖ of each sample (a row of the first dimension), or of the whole when `rows` is 0."""
-    g = g.detach()
+    """‖g‖ of each sample (a row of the first dimension), or of the whole when `rows` is 0,
+    accumulated in float32 or wider."""
     if rows:
-        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1, dtype=torch.float64).tolist()
-    return [float(torch.linalg.vector_norm(g, dtype=torch.float64))]
+        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1, dtype=_wide(g)).tolist()
+    return [float(norm(g))]
 
 
 class _Tensors:
@@ -84,7 +84,7 @@ class _Tensors:
         known = self.of(t)
         if known["rms"] is None:
             n = t.numel()
-            known["rms"] = float(torch.linalg.vector_norm(t.detach())) / n**0.5 if n else 0.0
+            known["rms"] = float(norm(t.detach())) / n**0.5 if n else 0.0
         return known["rms"]
 
     def grads(self, t: torch.Tensor, rows: int) -> dict[int, Any]:
@@ -159,14 +159,9 @@ def _numbers(
         before = known.rms(inp)
         n["signal_gain"] = rms / before if before > 0 else float("inf")
     size = a.numel()
-    magnitude = a.abs()
-    n["zero_frac_max"] = int(torch.count_nonzero(magnitude <= _DEAD_EPS)) / size if size else 0.0
-    if saturates == "sigmoid":
-        n["sat_frac_max"] = int(torch.count_nonzero((a <= _LOW) | (a >= _HIGH))) / size
-    elif saturates == "tanh":
-        n["sat_frac_max"] = int(torch.count_nonzero(magnitude >= _HIGH)) / size
-    else:
-        n["sat_frac_max"] = 0.0
+    counts = read(counts_of(a, magnitude_of(a), saturates))
+    n["zero_frac_max"] = counts[0] / size if size else 0.0
+    n["sat_frac_max"] = counts[1] / size if size and len(counts) > 1 else 0.0
     finite = math.isfinite(rms)  # a NaN or an inf anywhere shows in the norm
     n["nan"] = False if finite else bool(a.isnan().any())
     n["inf"] = False if finite else bool(a.isinf().any())
@@ -245,13 +240,9 @@ def probe(
         nodes[node].saw(input, out, known)
 
     modules = [r for r in roots.values() if r is not None]
-    with untouched(modules, seed=0) as every, torch.enable_grad():
+    with untouched(modules, seed=0), torch.enable_grad():
         try:
-            for sub in every:
-                if isinstance(getattr(sub, "inplace", None), bool):
-                    sub.inplace = False
-                for p in sub.parameters(recurse=False):
-                    p.requires_grad_(True)
+            differentiable(modules)
             for h in hooks:
                 h.arm()
             x = _leafed(example)

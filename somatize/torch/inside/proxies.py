@@ -37,7 +37,14 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.torch._modules import root_of, tensors_in, untouched
+from somatize.torch._modules import (
+    differentiable,
+    every_module,
+    every_parameter,
+    root_of,
+    tensors_in,
+    untouched,
+)
 from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["EVERY", "proxy", "proxies"]
@@ -93,30 +100,16 @@ class _Subject:
         self.graph = as_graph(graph)
         roots = [root_of(self.graph.implementation(n)) for n in self.graph.nodes()]
         self.modules = [m for m in roots if m is not None]
-        seen: set[int] = set()
-        self.params: list[nn.Parameter] = []
-        self.every: list[nn.Module] = []
-        for m in self.modules:
-            for sub in m.modules():
-                if id(sub) not in seen:
-                    seen.add(id(sub))
-                    self.every.append(sub)
-        seen = set()
-        for m in self.modules:
-            for p in m.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.params.append(p)
+        self.params = every_parameter(self.modules)
+        self.every = every_module(self.modules)
 
     def quiet(self) -> None:
         """Every module in evaluation mode but batch norm (batch statistics), nothing in
         place, every parameter differentiable and without a gradient yet."""
+        differentiable(self.modules)
         for m in self.every:
             m.training = isinstance(m, nn.modules.batchnorm._BatchNorm)
-            if isinstance(getattr(m, "inplace", None), bool):
-                m.inplace = False
         for p in self.params:
-            p.requires_grad_(True)
             p.grad = None
 
     def run(self, x: Any) -> list[torch.Tensor]:
