@@ -975,3 +975,18 @@ def test_weights_or_an_update_that_are_not_finite_or_only_huge_are_told_apart_an
             want = _ratio(layer, before, after)
             assert math.isfinite(want) and n["update_ratio"] == pytest.approx(want, rel=rtol(40))
             assert verdict(n) == ["OVERSTEPPING"]
+
+
+def test_a_lazy_module_not_made_yet_is_refused_until_it_has_run_once():
+    torch.manual_seed(0)
+    g = Graph.somatize(nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.LazyLinear(4)))
+    x, y = torch.randn(2, 3), torch.tensor([0, 1])
+    audit = Audit(inside=True)
+    with pytest.raises(ValueError, match=r"2\.weight, 2\.bias not made yet.*run it once first"):
+        audit.watch(g)
+    assert audit.places == []  # refused before anything was hooked: it can still watch
+    g.forward(x)
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    t = Trainer(g, objective=F.cross_entropy, optimizer=opt, auditing=audit)
+    t.fit([(x, y)] * 2)
+    assert {"sequential", "sequential.2"} <= set(audit.places)

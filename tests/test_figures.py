@@ -249,6 +249,17 @@ def test_compare_counts_parameters_keeps_measured_and_takes_a_list():
         compare(a, torch.randn(3, 4))
 
 
+def test_compare_names_the_candidate_it_cannot_look_at():
+    lazy = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.LazyLinear(2))
+    fine = nn.Sequential(nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"candidate 'lazy': .*2\.weight, 2\.bias not made yet"):
+        compare({"fine": fine, "lazy": lazy}, torch.randn(3, 4))
+    assert isinstance(lazy[2], nn.LazyLinear)  # left as it was
+    lazy(torch.randn(3, 4))
+    df = compare({"fine": fine, "lazy": lazy}, torch.randn(3, 4))
+    assert df.loc["lazy", "params"] == 4 * 8 + 8 + 8 * 2 + 2
+
+
 def test_compare_holds_probe_summaries_and_proxies_and_loss_proxies_with_a_target():
     torch.manual_seed(0)
     a = Graph.somatize(Lin(4, 8).named("a") >> Lin(8, 3).named("b"))

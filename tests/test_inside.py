@@ -500,3 +500,20 @@ def test_a_bare_module_holding_a_plain_module_and_the_graph_agree():
 def test_traced_reads_a_node_that_is_a_module_as_the_graph_calls_it():
     inside = traced(Enc(), torch.randn(3, 4))
     assert [x.path for x in inside.layers] == ["l", "r"] and inside.layer("r").shape == [3, 8]
+
+
+@pytest.mark.parametrize("look", ["architecture", "probe", "proxies"])
+def test_a_lazy_module_not_made_yet_is_refused_and_left_as_it_was(look):
+    from somatize.torch import probe, proxies
+
+    fn = {"architecture": architecture, "probe": probe, "proxies": proxies}[look]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.LazyLinear(4))
+    x = torch.randn(2, 3)
+    with pytest.raises(ValueError, match=r"2\.weight, 2\.bias not made yet.*run it once first"):
+        fn(net, x)
+    # nothing was made: still a lazy module, which its own first forward then makes
+    assert isinstance(net[2], nn.LazyLinear)
+    assert net(x).shape == (2, 4)
+    assert not isinstance(net[2], nn.LazyLinear)
+    assert fn(net, x)  # once made, the look answers

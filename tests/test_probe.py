@@ -214,3 +214,8 @@ def test_watching_hears_ran_finished_and_flat_health_facts(tmp_path):
         probe(g, torch.randn(6, 4), probes=0)
     with pytest.raises(TypeError, match="watching"):
         probe(g, torch.randn(6, 4), watching=3)
+
+
+def test_an_empty_example_is_refused_naming_its_shape():
+    with pytest.raises(ValueError, match=r"empty tensor \(shape \(0, 4\)\)"):
+        probe(Graph.somatize(Double()), torch.randn(0, 4))

@@ -113,13 +113,17 @@ def compare(
     rows = {}
     for name, graph in named.items():
         graph = as_graph(graph)  # a bare module is a graph of one node
+        try:  # the proxies first: they refuse a candidate that cannot be looked at, clearly
+            scores = proxies(graph, example, target=target, objective=objective)
+            looked = _probe_summary(probe(graph, example))
+        except ValueError as error:
+            raise ValueError(f"candidate {name!r}: {error}") from None
         row: dict[str, Any] = {"params": _parameter_count(graph)}
         if measured is not None:
             value = measured.get(name)
             row["measured"] = float(value) if value is not None else math.nan
-        scores = proxies(graph, example, target=target, objective=objective)
         row.update({f"{PROXY}{k}": float(v) for k, v in scores.items()})
-        row.update(_probe_summary(probe(graph, example)))
+        row.update(looked)
         rows[name] = row
     df = pd.DataFrame.from_dict(rows, orient="index")
     df.index.name = "candidate"

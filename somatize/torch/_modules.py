@@ -8,11 +8,13 @@ a proxy may swap weights for their magnitudes. `untouched` puts all of it back, 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from somatize.graph import as_graph
 from somatize.node import Opaque
@@ -21,6 +23,7 @@ from somatize.torch.placement import named_modules_of
 __all__ = [
     "named_modules_of",
     "untouched",
+    "refuse_unmade",
     "differentiable",
     "every_module",
     "every_parameter",
@@ -117,6 +120,23 @@ def differentiable(modules: list[nn.Module]) -> None:
         m.requires_grad_(True)
 
 
+def refuse_unmade(
+    modules: list[nn.Module], why: str = "a look leaves the net as it found it"
+) -> None:
+    """Refuse a net holding a lazy module's weights not made yet: its first forward makes them
+    (and turns the module into another class), which no look may do to a net, and an audit
+    cannot size what is not there yet. `why` says which, in the message."""
+    for m in modules:
+        held = itertools.chain(m.named_parameters(), m.named_buffers())
+        unmade = [name for name, t in held if is_lazy(t)]
+        if unmade:
+            raise ValueError(
+                f"{type(m).__name__} holds {', '.join(unmade)} not made yet (a lazy module "
+                f"makes them in its first forward), and {why}: run it once first "
+                "(model(example), or g.forward(example))"
+            )
+
+
 @contextlib.contextmanager
 def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[list[nn.Module]]:
     """Whatever happens inside, the modules come out exactly as they went in.
@@ -126,6 +146,7 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[lis
     is seeded inside, so a dropout draws the same masks every call. It gives every module
     inside them, each once, for whoever wants to change them in the meantime.
     """
+    refuse_unmade(modules)
     every = every_module(modules)
     modes = [(m, m.training) for m in every]
     inplace = [(m, flag) for m in every if (flag := _in_place(m)) is not None]

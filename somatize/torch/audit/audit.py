@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from somatize.graph import as_graph
-from somatize.torch._modules import Tap, named_modules_of
+from somatize.torch._modules import Tap, named_modules_of, refuse_unmade
 from somatize.torch.audit._measures import norm, read, stable_rank, wide_norm
 from somatize.torch.audit._place import Place
 from somatize.torch.audit._select import choose
@@ -134,11 +134,15 @@ class Audit:
         if self._graph is not None:
             raise RuntimeError("this Audit already watches a graph: release() it first")
         g = as_graph(graph)
+        held_by = {node: named_modules_of(g.implementation(node)) for node in g.nodes()}
+        refuse_unmade(
+            [m for held in held_by.values() for _, m in held],
+            "an Audit measures weights that are there when it starts watching",
+        )
         places: list[Place] = []
         inner: list[tuple[nn.Module, Place]] = []
         left: list[str] = []
-        for node in g.nodes():
-            held = named_modules_of(g.implementation(node))
+        for node, held in held_by.items():
             places.append(Place(node, None, [m for _, m in held], self.window))
             chosen, missed = choose(node, held, self.inside, self.most)
             for path, module in chosen:

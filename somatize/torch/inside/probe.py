@@ -213,6 +213,12 @@ def probe(
     told = watchers(watching)
     g = as_graph(graph)
     example = unwrap(example)
+    for t in tensors_in(example):
+        if t.numel() == 0:
+            raise ValueError(
+                f"probe: the example holds an empty tensor (shape {tuple(t.shape)}), so there "
+                "is nothing to measure: give one or more samples"
+            )
     roots = {node: root_of(g.implementation(node)) for node in g.nodes()}
     nodes = {n: _Place(n, None, [r] if r is not None else []) for n, r in roots.items()}
     inner: dict[str, dict[str, _Place]] = {}

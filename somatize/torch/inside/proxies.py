@@ -41,6 +41,7 @@ from somatize.torch._modules import (
     differentiable,
     every_module,
     every_parameter,
+    refuse_unmade,
     root_of,
     tensors_in,
     untouched,
@@ -100,6 +101,7 @@ class _Subject:
         self.graph = as_graph(graph)
         roots = [root_of(self.graph.implementation(n)) for n in self.graph.nodes()]
         self.modules = [m for m in roots if m is not None]
+        refuse_unmade(self.modules)  # the net's state, not one proxy's: refused, not left out
         self.params = every_parameter(self.modules)
         self.every = every_module(self.modules)
 
