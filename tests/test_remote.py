@@ -475,3 +475,28 @@ def _gone(pid: int, within: float) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def test_a_module_as_it_is_travels_as_code_and_only_as_code(two):
+    from torch import nn
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    refused = Graph.somatize(Node.of(body).named("body").at("a"))
+    with pytest.raises(TypeError, match=r"'body' is a Sequential as it is.*mode='network'"):
+        refused.forward(x, broker=two)
+    fine = Graph.somatize(Lin(4, 3).named("lin").at("a"))
+    assert fine.forward(x, broker=two).shape == (5, 3)  # the refusal left the broker as it was
+
+    worker = Worker.spawn(["--threads", "1"], mode="network")
+    broker = Broker.embedded({"gpu": worker})
+    try:
+        g = Graph.somatize(Node.of(body).named("body").at("gpu"))
+        there = g.forward(x, broker=broker)
+        with torch.no_grad():
+            here = body(x)
+        tol = 8 * torch.finfo(torch.float32).eps * max(1.0, float(here.abs().max()))
+        assert torch.allclose(there, here, rtol=0, atol=tol)
+    finally:
+        broker.close()

@@ -24,6 +24,7 @@ from typing import Any
 
 from somatize import _hooks
 from somatize.codecs import NoCodec
+from somatize.node import Wrapped, kind_name
 from somatize.remote import wire
 from somatize.remote.allowed import version_of
 from somatize.remote.client import Worker
@@ -336,6 +337,13 @@ def describe(
         with _by_value(conn.worker.send):
             d["code"] = cloudpickle.dumps((cls, args))
         return d
+    if isinstance(node, Wrapped):
+        raise TypeError(
+            f"node {nid!r} is a {kind_name(node)} as it is (Node.of), and a module's make-up "
+            "travels only as code: send it as code (mode='network', to a worker for host "
+            f"{host!r} started with --accept-code), or write it as a Node class in a module "
+            "the worker imports, built from plain constructor arguments"
+        )
     module = cls.__module__
     if module == "__main__" or "<locals>" in cls.__qualname__:
         raise TypeError(
