@@ -29,6 +29,7 @@ HOOKS = (
     "frame_tensor",
     "constructible",
     "no_grad",
+    "late_codecs",
 )
 """The questions a backend answers; `register` replaces the function of that name here."""
 
@@ -109,6 +110,12 @@ def no_grad() -> Any:
     """A context in which nothing records a gradient (`torch.no_grad()`): how a worker runs
     a plain forward, so that no autograd graph is kept for nobody."""
     return contextlib.nullcontext()
+
+
+def late_codecs() -> bool:
+    """Register the codecs of libraries loaded since the backend was (transformers' model
+    outputs), for a value no codec knew; whether any was registered."""
+    return False
 
 
 def ready(torch_needed: bool = False) -> None:

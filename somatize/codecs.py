@@ -142,6 +142,9 @@ def _codec_for(value: Any) -> _Codec | None:
         found = _by_type.get(cls)
         if found is not None:
             return found
+    _hooks.ready()
+    if _hooks.late_codecs():  # a library loaded since: ask again
+        return _codec_for(value)
     if "numpy" in sys.modules:
         return _numpy_codec(value)
     return None
@@ -262,6 +265,10 @@ def _ext_hook(code: int, data: bytes) -> Any:
         found = _by_kind.get(kind)
         if found is None and kind in _TORCH_KINDS:
             _hooks.ready(torch_needed=True)
+            found = _by_kind.get(kind)
+        if found is None:
+            _hooks.ready()
+            _hooks.late_codecs()
             found = _by_kind.get(kind)
         if found is None and kind == "numpy":
             found = _Codec("numpy", object, _numpy_dump, _numpy_load)

@@ -22,7 +22,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from somatize.torch import _served  # noqa: F401  (registers what a worker asks of torch)
+from somatize.torch import (
+    _outputs,  # noqa: F401  (registers transformers' outputs' codec)
+    _served,  # noqa: F401  (registers what a worker asks of torch)
+)
 from somatize.torch import codec as _codec  # noqa: F401  (registers the tensor codec)
 from somatize.torch import placement as _placement  # noqa: F401  (registers device hooks)
 

@@ -1,0 +1,73 @@
+"""How a transformers `ModelOutput` is written down: its class by name and its fields.
+
+A transformers model answers a `ModelOutput` (`BaseModelOutputWithPooling`,
+`CausalLMOutputWithCrossAttentions`, ...), and that is what a `Node.of(model)` hands on, what
+a cached frozen backbone keeps in a store and what comes back from a worker. It is written as
+`[module, class name, [[field, value], ...]]`, the fields it holds in order (the tensors in
+them by their own codec), and read back as the same class with the same fields.
+
+Reading names a class, so what it may name is bounded: a class defined at the top of a
+transformers module this process has already imported (no import is made, no module
+`__getattr__` runs), and a subclass of `ModelOutput`; anything else is refused whole
+(`Malformed`). The codec is registered the first time a value or bytes of this kind meet no
+codec while transformers is loaded, whichever of it and `somatize.torch` came first
+(`late_codecs`); a codec the user registered for these classes is found before that, and wins.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from somatize import _hooks
+from somatize.codecs import Malformed, codec, decode, encode
+
+__all__ = ["KIND", "late_codecs"]
+
+KIND = "transformers.ModelOutput"
+
+_registered = False
+
+
+def _dump(value: Any) -> bytes:
+    cls = type(value)
+    return encode([cls.__module__, cls.__qualname__, [[k, v] for k, v in value.items()]])
+
+
+def _load(data: bytes) -> Any:
+    from transformers.utils import ModelOutput
+
+    got = decode(data)
+    if not (isinstance(got, list) and len(got) == 3):
+        raise Malformed(f"a {KIND} is [module, class, fields], not {type(got).__name__}")
+    module, name, fields = got
+    if type(module) is not str or type(name) is not str or type(fields) is not list:
+        raise Malformed(f"a {KIND} is [module, class, fields] of str, str and list")
+    if not module.startswith("transformers.") or "." in name:
+        raise Malformed(f"a {KIND} names {module}.{name}, which is not a transformers output")
+    found = sys.modules.get(module)
+    cls = vars(found).get(name) if found is not None else None
+    if not (isinstance(cls, type) and issubclass(cls, ModelOutput)):
+        raise Malformed(
+            f"a {KIND} names {module}.{name}, which is not a ModelOutput class this process "
+            f"has imported: import {module} first"
+        )
+    if not all(isinstance(f, list) and len(f) == 2 and type(f[0]) is str for f in fields):
+        raise Malformed(f"the fields of a {KIND} are [name, value] pairs")
+    return cls(**dict(fields))
+
+
+def late_codecs() -> bool:
+    """Register the `ModelOutput` codec if transformers is loaded and it is not yet; whether
+    this call registered it."""
+    global _registered
+    if _registered or "transformers" not in sys.modules:
+        return False
+    from transformers.utils import ModelOutput
+
+    codec(KIND, ModelOutput, dump=_dump, load=_load)
+    _registered = True
+    return True
+
+
+_hooks.register(late_codecs=late_codecs)  # asked on a miss only: a codec of the user's wins

@@ -1,0 +1,156 @@
+"""A transformers ModelOutput written down and read back: in a store, as a cached frozen
+backbone's output, from a worker; and bytes that name anything else refused."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import msgpack
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from somatize import Broker, Graph, Node, Store, Worker
+from somatize.codecs import Malformed, decode, encode
+from somatize.torch._outputs import KIND
+
+
+def small_bert() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=50,
+    )
+    return transformers.BertModel(config).eval()
+
+
+def batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def same_output(a, b) -> bool:
+    return (
+        type(a) is type(b)
+        and list(a.keys()) == list(b.keys())
+        and all(torch.equal(a[k], b[k]) for k in a.keys())
+    )
+
+
+def test_an_output_is_kept_and_recalled_as_the_same_class_with_the_same_fields(tmp_path):
+    with torch.no_grad():
+        out = small_bert()(**batch())
+    store = Store(tmp_path)
+    store.keep("bert/out", out)
+    back = store.recall("bert/out")
+    assert same_output(back, out)
+    assert back.last_hidden_state is back[0]  # a ModelOutput still: by field and by index
+
+
+def test_a_cached_frozen_backbone_is_read_back_from_the_store_not_run_again(tmp_path):
+    bert = small_bert()
+    calls = []
+    bert.register_forward_hook(lambda m, a, o: calls.append(1))
+    g = Graph.somatize(
+        Node.of(bert).frozen().cached()
+        >> Node.of(lambda o: o.last_hidden_state[:, 0]).named("cls")
+        >> Node.of(nn.Linear(32, 2)).named("head")
+    )
+    store = Store(tmp_path)
+    first = g.forward(batch(), store=store)
+    second = g.forward(batch(), store=store)
+    assert len(calls) == 1  # the second forward read the backbone's output back
+    assert torch.equal(first, second)
+
+
+def forged(module: str, name: str, fields: list) -> bytes:
+    """The bytes of a kept ModelOutput, naming whatever the writer chose."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    good = encode(BaseModelOutput(last_hidden_state=torch.zeros(1)))  # what the codec writes
+    kind, _ = msgpack.unpackb(msgpack.unpackb(good, raw=False).data, raw=False)
+    assert kind == KIND
+    payload = encode([module, name, fields])
+    envelope = msgpack.packb([KIND, payload], use_bin_type=True)
+    return msgpack.packb(msgpack.ExtType(3, envelope), use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "why"),
+    [
+        ("os", "system", "not a transformers output"),
+        ("transformers.modeling_utils", "PreTrainedModel", "not a ModelOutput class"),
+        ("transformers.models.bert.modeling_bert", "BertModel", "not a ModelOutput class"),
+        ("transformers.not_a_module", "Output", "not a ModelOutput class"),
+        ("transformers.modeling_outputs", "os.system", "not a transformers output"),
+    ],
+)
+def test_bytes_naming_anything_but_an_imported_output_class_are_refused(module, name, why):
+    with pytest.raises(Malformed, match=why):
+        decode(forged(module, name, [["last_hidden_state", torch.zeros(1)]]))
+
+
+def test_bytes_with_fields_the_class_does_not_have_are_refused():
+    with pytest.raises(Malformed, match="could not load"):
+        decode(forged("transformers.modeling_outputs", "BaseModelOutput", [["nope", 1]]))
+
+
+def test_the_codec_is_there_whichever_of_transformers_and_somatize_came_first(tmp_path):
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from somatize import Store
+        import somatize.torch
+        from transformers.modeling_outputs import BaseModelOutput
+        store = Store({str(tmp_path)!r})
+        store.keep("out", BaseModelOutput(last_hidden_state=torch.ones(2, 3)))
+        back = store.recall("out")
+        assert type(back) is BaseModelOutput and torch.equal(back[0], torch.ones(2, 3))
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")
+
+
+def test_a_backbone_on_a_worker_answers_its_output_as_it_is():
+    bert = small_bert()
+    with torch.no_grad():
+        here = bert(**batch())
+    broker = Broker.embedded({"gpu": Worker.spawn(["--threads", "1"], mode="network")})
+    try:
+        g = Graph.somatize(Node.of(bert).named("bert").at("gpu"))
+        there = g.forward(batch(), broker=broker)
+    finally:
+        broker.close()
+    assert type(there) is type(here) and list(there.keys()) == list(here.keys())
+    width = here.last_hidden_state.shape[-1]  # the widest sum inside: a row of a linear layer
+    tol = 4 * width * torch.finfo(torch.float32).eps
+    for k in here.keys():
+        assert torch.allclose(there[k], here[k], rtol=tol, atol=tol)
+
+
+def test_a_codec_the_user_registered_for_outputs_wins():
+    code = textwrap.dedent(
+        """
+        import torch
+        import somatize
+        from transformers.utils import ModelOutput
+        from transformers.modeling_outputs import BaseModelOutput
+        somatize.codec("mine", ModelOutput, dump=lambda v: b"mine", load=lambda b: "theirs")
+        import somatize.torch
+        from somatize.codecs import decode, encode
+        assert decode(encode(BaseModelOutput(last_hidden_state=torch.ones(1)))) == "theirs"
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")
