@@ -30,6 +30,8 @@ HOOKS = (
     "constructible",
     "no_grad",
     "late_codecs",
+    "fields_of",
+    "from_fields",
 )
 """The questions a backend answers; `register` replaces the function of that name here."""
 
@@ -116,6 +118,19 @@ def late_codecs() -> bool:
     """Register the codecs of libraries loaded since the backend was (transformers' model
     outputs), for a value no codec knew; whether any was registered."""
     return False
+
+
+def fields_of(value: Any) -> list | None:
+    """A value the wire sends as its class's name and its fields, with the tensors in them
+    framed (a transformers `ModelOutput`): `[module, class name, [[field, value], ...]]`, or
+    None for any other value."""
+    return None
+
+
+def from_fields(said: Any) -> Any:
+    """The value `fields_of` described, or a `ValueError` for a name the backend will not
+    build."""
+    raise ValueError("a value arrived by its fields, and torch is not loaded to build it")
 
 
 def ready(torch_needed: bool = False) -> None:

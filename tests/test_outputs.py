@@ -97,7 +97,7 @@ def test_bytes_naming_anything_but_an_imported_output_class_are_refused(module, 
 
 
 def test_bytes_with_fields_the_class_does_not_have_are_refused():
-    with pytest.raises(Malformed, match="could not load"):
+    with pytest.raises(Malformed, match="could not be built from its fields"):
         decode(forged("transformers.modeling_outputs", "BaseModelOutput", [["nope", 1]]))
 
 
@@ -154,3 +154,57 @@ def test_a_codec_the_user_registered_for_outputs_wins():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def test_a_backbone_trained_where_it_runs_hands_its_output_on_as_it_is():
+    import torch.nn.functional as F
+
+    from somatize.torch import Split, Trainer, parameters
+
+    bert = small_bert().train()
+    before = {k: v.clone() for k, v in bert.state_dict().items()}
+    seen = []
+
+    def first_token(out):
+        seen.append(type(out))
+        return out.last_hidden_state[:, 0]
+
+    x, y = batch(), torch.tensor([0, 1])
+    broker = Broker.embedded({"gpu": Worker.spawn(["--threads", "1"], mode="network")})
+    try:
+        g = Graph.somatize(
+            Node.of(bert).named("body").at("gpu")
+            >> Node.of(first_token).named("cls")
+            >> Node.of(nn.Linear(32, 2)).named("head")
+        )
+        trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+        opt = torch.optim.SGD(parameters(g, without=trains), lr=0.1)
+        t = Trainer(g, objective=F.cross_entropy, trains=trains, broker=broker, optimizer=opt)
+        result = t.fit([(x, y)] * 4)
+        trained = t.export()["body"]
+    finally:
+        broker.close()
+    assert set(seen) == {transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions}
+    assert result.history[-1] < result.history[0]
+    moved = [k for k in before if not torch.equal(trained[k], before[k])]
+    assert "encoder.layer.0.attention.self.query.weight" in moved  # trained there
+    here = bert.state_dict()  # export brings the copy here up to what the worker learnt
+    assert all(torch.equal(here[k], v) for k, v in trained.items())
+
+
+def test_on_the_wire_an_output_keeps_its_tensors_requires_grad_and_forged_names_are_refused():
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from somatize.remote import wire
+
+    h = torch.randn(2, 3, requires_grad=True) * 2  # not a leaf, asks for a gradient
+    back = wire.decode(wire.encode({"out": BaseModelOutput(last_hidden_state=h)}))["out"]
+    assert type(back) is BaseModelOutput
+    assert back.last_hidden_state.requires_grad and torch.equal(back[0], h.detach())
+
+    header = msgpack.packb(
+        msgpack.ExtType(6, msgpack.packb(["os", "system", []], use_bin_type=True)),
+        use_bin_type=True,
+    )
+    with pytest.raises(wire.Malformed, match="not a transformers output"):
+        wire.decode([header])

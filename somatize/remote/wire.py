@@ -12,6 +12,8 @@ msgpack's own; the rest are extension types:
   from the tensor's own memory and received into the frame the tensor is then built on;
 - a class or function, by name (`[module, qualname]`): it comes back as a `Named`, which
   nothing here imports or calls (a worker looks it up in what it was allowed to build);
+- a transformers `ModelOutput`, as its class's name and its fields (`_hooks.fields_of`), the
+  tensors in them framed as any other; only an output class is built back;
 - any other value with a codec (`somatize.codec`), as the bytes `somatize.codecs.encode`
   writes, read back with `somatize.codecs.decode`.
 
@@ -40,7 +42,7 @@ MOST_FRAMES = 4096
 MOST_DEPTH = 32
 """The most extension types nested inside each other (tuples in tuples, say)."""
 
-_TUPLE, _BIGINT, _TENSOR, _NAMED, _VALUE = 1, 2, 3, 4, 5
+_TUPLE, _BIGINT, _TENSOR, _NAMED, _VALUE, _FIELDS = 1, 2, 3, 4, 5, 6
 
 
 class Malformed(ValueError):
@@ -88,6 +90,9 @@ class _Writer:
             return msgpack.ExtType(_NAMED, self.pack([value.module, value.qualname]))
         if isinstance(value, type) or isinstance(value, _FUNCTIONS):
             return msgpack.ExtType(_NAMED, self.pack(_name_of(value)))
+        fields = _hooks.fields_of(value)
+        if fields is not None:
+            return msgpack.ExtType(_FIELDS, self.pack(fields))
         where = self.where() if callable(self.where) else self.where
         return msgpack.ExtType(_VALUE, codecs.encode(value, where=where))
 
@@ -147,6 +152,13 @@ class _Reader:
             if type(said) is not list or len(said) != 2 or not all(type(s) is str for s in said):
                 raise Malformed(f"a name that is not [module, qualname]: {said!r:.80}")
             return Named(*said)
+        if code == _FIELDS:
+            said = self.unpack(data)
+            _hooks.ready(torch_needed=True)
+            try:
+                return _hooks.from_fields(said)
+            except ValueError as error:
+                raise Malformed(f"a value by its fields does not build: {error}") from None
         if code == _VALUE:
             try:
                 return codecs.decode(data)

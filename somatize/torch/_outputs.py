@@ -4,7 +4,8 @@ A transformers model answers a `ModelOutput` (`BaseModelOutputWithPooling`,
 `CausalLMOutputWithCrossAttentions`, ...), and that is what a `Node.of(model)` hands on, what
 a cached frozen backbone keeps in a store and what comes back from a worker. It is written as
 `[module, class name, [[field, value], ...]]`, the fields it holds in order (the tensors in
-them by their own codec), and read back as the same class with the same fields.
+them by their own codec; on the wire, framed as every tensor there), and read back as the
+same class with the same fields.
 
 Reading names a class, so what it may name is bounded: a class defined at the top of a
 transformers module this process has already imported (no import is made, no module
@@ -22,22 +23,31 @@ from typing import Any
 from somatize import _hooks
 from somatize.codecs import Malformed, codec, decode, encode
 
-__all__ = ["KIND", "late_codecs"]
+__all__ = ["KIND", "fields_of", "from_fields", "late_codecs"]
 
 KIND = "transformers.ModelOutput"
 
 _registered = False
 
 
-def _dump(value: Any) -> bytes:
-    cls = type(value)
-    return encode([cls.__module__, cls.__qualname__, [[k, v] for k, v in value.items()]])
-
-
-def _load(data: bytes) -> Any:
+def fields_of(value: Any) -> list | None:
+    """`[module, class name, [[field, value], ...]]` for a `ModelOutput`, None for anything
+    else: what the store's codec writes down, and what the wire sends with the tensors in
+    it framed (so they keep `requires_grad`, as every tensor on the wire does)."""
+    if "transformers" not in sys.modules:
+        return None
     from transformers.utils import ModelOutput
 
-    got = decode(data)
+    if not isinstance(value, ModelOutput):
+        return None
+    cls = type(value)
+    return [cls.__module__, cls.__qualname__, [[k, v] for k, v in value.items()]]
+
+
+def from_fields(got: Any) -> Any:
+    """The `ModelOutput` that `fields_of` described, refusing (`Malformed`) any other name."""
+    from transformers.utils import ModelOutput
+
     if not (isinstance(got, list) and len(got) == 3):
         raise Malformed(f"a {KIND} is [module, class, fields], not {type(got).__name__}")
     module, name, fields = got
@@ -54,7 +64,18 @@ def _load(data: bytes) -> Any:
         )
     if not all(isinstance(f, list) and len(f) == 2 and type(f[0]) is str for f in fields):
         raise Malformed(f"the fields of a {KIND} are [name, value] pairs")
-    return cls(**dict(fields))
+    try:
+        return cls(**dict(fields))
+    except TypeError as error:
+        raise Malformed(f"a {KIND} {name} could not be built from its fields: {error}") from None
+
+
+def _dump(value: Any) -> bytes:
+    return encode(fields_of(value))
+
+
+def _load(data: bytes) -> Any:
+    return from_fields(decode(data))
 
 
 def late_codecs() -> bool:
@@ -70,4 +91,4 @@ def late_codecs() -> bool:
     return True
 
 
-_hooks.register(late_codecs=late_codecs)  # asked on a miss only: a codec of the user's wins
+_hooks.register(late_codecs=late_codecs, fields_of=fields_of, from_fields=from_fields)

@@ -14,6 +14,7 @@ from torch import nn
 
 from somatize import _hooks
 from somatize.node import Wrapped
+from somatize.torch._values import mapped
 
 __all__ = ["entry", "modules_of", "named_modules_of", "move", "place", "state_digest", "trainable"]
 
@@ -47,17 +48,9 @@ def modules_of(node: Any) -> list[nn.Module]:
 
 
 def move(value: Any, device: str) -> Any:
-    """`value` with every tensor in it on `device`; containers rebuilt, the rest untouched."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: move(v, device) for k, v in value.items()}
-    if isinstance(value, list):
-        return [move(v, device) for v in value]
-    if isinstance(value, tuple):
-        moved = [move(v, device) for v in value]
-        return type(value)(*moved) if hasattr(value, "_fields") else tuple(moved)
-    return value
+    """`value` with every tensor in it on `device`; containers kept as they were
+    (`somatize.torch._values.mapped`), the rest untouched."""
+    return mapped(value, lambda t: t.to(device))
 
 
 def place(node: Any, device: str) -> None:

@@ -29,6 +29,7 @@ from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import watchers
 from somatize.torch._modules import Tap, differentiable, root_of, tensors_in, untouched
+from somatize.torch._values import mapped
 from somatize.torch.audit._measures import _wide, counts_of, magnitude_of, norm, read
 from somatize.torch.audit._place import _saturation
 from somatize.torch.inside._forward import Calls
@@ -39,13 +40,7 @@ __all__ = ["probe"]
 
 def _leafed(value: Any) -> Any:
     """The example with every floating tensor a fresh leaf that asks for its gradient."""
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.detach().requires_grad_(True)
-    if isinstance(value, dict):
-        return {k: _leafed(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_leafed(v) for v in value)
-    return value
+    return mapped(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
 
 
 def _first(value: Any) -> torch.Tensor | None:

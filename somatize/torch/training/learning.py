@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from somatize.node import Node
+from somatize.torch._values import mapped
 from somatize.torch.placement import modules_of
 
 __all__ = [
@@ -80,13 +81,8 @@ def envelope(gradient: Any, closing: bool = False) -> Envelope:
 def _to(value: Any, device: Any) -> Any:
     if device is None or value is None:
         return value
-    if isinstance(value, torch.Tensor):
-        return value if value.device == torch.device(device) else value.to(device)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to(v, device) for v in value)
-    return value
+    where = torch.device(device)
+    return mapped(value, lambda t: t if t.device == where else t.to(where))
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -126,20 +122,15 @@ def leafed(value: Any, asking: bool | None = None) -> Any:
 
     The leaf asks for a gradient exactly when the tensor it came from did (or, with `asking`
     said, when that says), so a gradient is only worked out for what something upstream can use.
+    Containers come back as they were (`somatize.torch._values.mapped`).
     """
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex():
-            ask = value.requires_grad if asking is None else asking
-            return value.detach().requires_grad_(ask)
-        return value
-    if isinstance(value, dict):
-        return {k: leafed(v, asking) for k, v in value.items()}
-    if isinstance(value, list):
-        return [leafed(v, asking) for v in value]
-    if isinstance(value, tuple):
-        made = [leafed(v, asking) for v in value]
-        return type(value)(*made) if hasattr(value, "_fields") else tuple(made)
-    return value
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        if not (t.is_floating_point() or t.is_complex()):
+            return t
+        return t.detach().requires_grad_(t.requires_grad if asking is None else asking)
+
+    return mapped(value, leaf)
 
 
 def grad_of(value: Any) -> Any:
