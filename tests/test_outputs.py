@@ -208,3 +208,41 @@ def test_on_the_wire_an_output_keeps_its_tensors_requires_grad_and_forged_names_
     )
     with pytest.raises(wire.Malformed, match="not a transformers output"):
         wire.decode([header])
+
+
+def test_a_tokenizers_batch_encoding_is_cut_into_micro_batches_as_itself():
+    import torch.nn.functional as F
+
+    from somatize.torch import Trainer, parameters
+
+    config = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=50,
+        num_labels=2,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    ids = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(2))
+    x = transformers.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    y = torch.tensor([0, 1, 0, 1])
+    seen = []
+
+    def objective(out, target):
+        return F.cross_entropy(out.logits, target)
+
+    histories = []
+    for micro in (1, 2):
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(config)
+        model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]),
+                                        with_kwargs=True)
+        g = Graph.somatize(model)
+        opt = torch.optim.SGD(parameters(g), lr=0.1)
+        histories.append(Trainer(g, objective=objective, optimizer=opt, micro=micro)
+                         .fit([(x, y)] * 3).history)
+    assert seen == [4, 4, 4] + [2] * 6  # the pieces reached the model as keywords, halved
+    tol = 16 * config.hidden_size * torch.finfo(torch.float32).eps
+    assert histories[1] == pytest.approx(histories[0], rel=tol)

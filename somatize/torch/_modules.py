@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -82,12 +82,12 @@ def places_of(graph: Any) -> list[tuple[str, str, nn.Module]]:
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    """Every tensor inside a value (dicts, lists, tuples, an `Opaque`), in order."""
+    """Every tensor inside a value (mappings, lists, tuples, an `Opaque`), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, Opaque):
         return tensors_in(value.value)
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         return [t for v in value.values() for t in tensors_in(v)]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in tensors_in(v)]

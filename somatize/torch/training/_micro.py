@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+from somatize.torch._modules import tensors_in
+from somatize.torch._values import refilled
 
 __all__ = ["pieces", "cut", "first"]
 
@@ -24,15 +28,7 @@ def pieces(x: Any, y: Any, k: int) -> tuple[list, list]:
 
 def first(value: Any) -> int | None:
     """The first dimension of the first tensor inside `value`, or None."""
-    if isinstance(value, torch.Tensor):
-        return value.shape[0] if value.dim() else None
-    items = value.values() if isinstance(value, dict) else value
-    if isinstance(value, (dict, list, tuple)):
-        for v in items:
-            n = first(v)
-            if n is not None:
-                return n
-    return None
+    return next((t.shape[0] for t in tensors_in(value) if t.dim()), None)
 
 
 def cut(value: Any, k: int, what: str) -> list:
@@ -46,12 +42,15 @@ def cut(value: Any, k: int, what: str) -> list:
                 f"and its shape is {tuple(value.shape)}: use a batch size that {k} divides"
             )
         return list(value.split(n // k))
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         parts = {key: cut(v, k, what) for key, v in value.items()}
-        return [{key: parts[key][i] for key in parts} for i in range(k)]
+        return [refilled(value, {key: parts[key][i] for key in parts}) for i in range(k)]
     if isinstance(value, (list, tuple)):
         parts = [cut(v, k, what) for v in value]
-        return [type(value)(c[i] for c in parts) for i in range(k)]
+        made = [[c[i] for c in parts] for i in range(k)]
+        if isinstance(value, list):
+            return made
+        return [type(value)(*m) if hasattr(value, "_fields") else tuple(m) for m in made]
     raise TypeError(
         f"micro={k} cuts the {what} along its first dimension; a {type(value).__name__} "
         "cannot be cut: pass tensors (or dicts, lists, tuples of them), or micro=1"
