@@ -18,16 +18,20 @@ from somatize.codecs import Malformed, decode, encode
 from somatize.torch._outputs import KIND
 
 
-def small_bert() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
+def small_config(**more) -> transformers.BertConfig:
+    return transformers.BertConfig(
         hidden_size=32,
         num_hidden_layers=1,
         num_attention_heads=2,
         intermediate_size=64,
         vocab_size=50,
+        **more,
     )
-    return transformers.BertModel(config).eval()
+
+
+def small_bert() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertModel(small_config()).eval()
 
 
 def batch() -> dict[str, torch.Tensor]:
@@ -215,16 +219,7 @@ def test_a_tokenizers_batch_encoding_is_cut_into_micro_batches_as_itself():
 
     from somatize.torch import Trainer, parameters
 
-    config = transformers.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=50,
-        num_labels=2,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    config = small_config(num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     ids = torch.randint(0, 50, (4, 6), generator=torch.Generator().manual_seed(2))
     x = transformers.BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
     y = torch.tensor([0, 1, 0, 1])
