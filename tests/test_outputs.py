@@ -241,3 +241,20 @@ def test_a_tokenizers_batch_encoding_is_cut_into_micro_batches_as_itself():
     assert seen == [4, 4, 4] + [2] * 6  # the pieces reached the model as keywords, halved
     tol = 16 * config.hidden_size * torch.finfo(torch.float32).eps
     assert histories[1] == pytest.approx(histories[0], rel=tol)
+
+
+def test_a_model_that_computes_its_own_loss_trains_on_batch_none_and_a_bare_dict_says_so():
+    from somatize.torch import Trainer, parameters
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0,
+        eos_token_id=0,
+    )
+    g = Graph.somatize(transformers.GPT2LMHeadModel(config))
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
+    t = Trainer(g, objective=lambda out, _: out.loss, optimizer=torch.optim.SGD(parameters(g), lr=0.5))
+    with pytest.raises(TypeError, match=r"\(batch, None\), with objective=lambda out, _: out.loss"):
+        t.step({"input_ids": ids, "labels": ids})
+    result = t.fit([({"input_ids": ids, "labels": ids}, None)] * 3)
+    assert result.history[-1] < result.history[0]

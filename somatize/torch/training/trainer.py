@@ -201,7 +201,9 @@ class Trainer:
         if type(batch) not in (tuple, list) or len(batch) != 2:
             raise TypeError(
                 f"a batch is (input, target), not {type(batch).__name__} "
-                f"{batch!r:.60}: yield pairs from your data"
+                f"{batch!r:.60}: yield pairs from your data (for a model that computes its "
+                "own loss from labels in its input: (batch, None), with "
+                "objective=lambda out, _: out.loss)"
             )
         x, y = batch
         if self.micro > 1:
