@@ -258,3 +258,28 @@ def test_a_model_that_computes_its_own_loss_trains_on_batch_none_and_a_bare_dict
         t.step({"input_ids": ids, "labels": ids})
     result = t.fit([({"input_ids": ids, "labels": ids}, None)] * 3)
     assert result.history[-1] < result.history[0]
+
+
+def test_a_process_without_transformers_loaded_refuses_an_output_and_imports_nothing():
+    code = textwrap.dedent(
+        """
+        import sys
+        import msgpack
+        import torch
+        import somatize.torch
+        from somatize.remote import wire
+        fields = ["transformers.modeling_outputs", "BaseModelOutput", []]
+        header = msgpack.packb(msgpack.ExtType(6, msgpack.packb(fields)), use_bin_type=True)
+        try:
+            wire.decode([header])
+        except wire.Malformed as error:
+            assert "has not loaded transformers" in str(error), error
+        else:
+            raise SystemExit("a ModelOutput was built without transformers")
+        assert "transformers" not in sys.modules
+        print("ok")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("ok")

@@ -45,7 +45,10 @@ def fields_of(value: Any) -> list | None:
 
 
 def from_fields(got: Any) -> Any:
-    """The `ModelOutput` that `fields_of` described, refusing (`Malformed`) any other name."""
+    """The `ModelOutput` that `fields_of` described, refusing (`Malformed`) any other name,
+    and any at all where transformers is not loaded (it is not imported for anybody)."""
+    if "transformers" not in sys.modules:
+        raise Malformed(f"a {KIND} arrived, and this process has not loaded transformers")
     from transformers.utils import ModelOutput
 
     if not (isinstance(got, list) and len(got) == 3):
