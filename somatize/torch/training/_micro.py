@@ -47,10 +47,7 @@ def cut(value: Any, k: int, what: str) -> list:
         return [refilled(value, {key: parts[key][i] for key in parts}) for i in range(k)]
     if isinstance(value, (list, tuple)):
         parts = [cut(v, k, what) for v in value]
-        made = [[c[i] for c in parts] for i in range(k)]
-        if isinstance(value, list):
-            return made
-        return [type(value)(*m) if hasattr(value, "_fields") else tuple(m) for m in made]
+        return [refilled(value, [c[i] for c in parts]) for i in range(k)]
     raise TypeError(
         f"micro={k} cuts the {what} along its first dimension; a {type(value).__name__} "
         "cannot be cut: pass tensors (or dicts, lists, tuples of them), or micro=1"
