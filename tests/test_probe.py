@@ -126,6 +126,19 @@ def test_depth_and_most_choose_the_places():
     assert len(probe(enc, x, depth=1, most=3)) == 4
 
 
+def test_the_places_past_most_leave_the_others_as_they_were():
+    torch.manual_seed(0)
+    relu = nn.ReLU()  # one module called at two places
+    net = nn.Sequential(nn.Linear(4, 8), relu, nn.Linear(8, 8), relu, nn.Linear(8, 3), nn.Tanh())
+    x = torch.randn(6, 4)
+    every = probe(net, x)
+    assert len(every) == 6  # the net and its five modules (the ReLU is one, called twice)
+    for most in (1, 2, 3, 4):
+        some = probe(net, x, most=most)
+        assert list(some) == list(every)[: most + 1]
+        assert all(some[where] == every[where] for where in some)
+
+
 class Masked(nn.Module):
     """Takes its input by keywords, as transformers' models do: a mask of another length
     than the batch is used as it is."""

@@ -23,10 +23,7 @@ from somatize.torch.placement import named_modules_of
 __all__ = [
     "named_modules_of",
     "untouched",
-    "refuse_unmade",
-    "differentiable",
-    "every_module",
-    "every_parameter",
+    "Held",
     "places_of",
     "as_graph",
     "tensors_in",
@@ -94,68 +91,74 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     return []
 
 
-def every_module(modules: list[nn.Module]) -> list[nn.Module]:
-    """Every module inside `modules` (themselves included), each once, in declaration order."""
-    return list({id(sub): sub for m in modules for sub in m.modules()}.values())
-
-
-def every_parameter(modules: list[nn.Module]) -> list[nn.Parameter]:
-    """Every parameter of `modules`, each once however many modules share it."""
-    return list({id(p): p for m in modules for p in m.parameters()}.values())
-
-
 def _in_place(m: nn.Module) -> bool | None:
     flag = vars(m).get("inplace")  # a plain attribute where torch keeps it, when there is one
     return flag if isinstance(flag, bool) else None
 
 
-def differentiable(modules: list[nn.Module]) -> None:
-    """Every module of `modules` computing out of place and every parameter asking for its
-    gradient: what a look that differentiates through a net needs. For use inside
-    `untouched`, which puts both back."""
-    for m in every_module(modules):
-        if _in_place(m):
-            m.inplace = False
-    for m in modules:
-        m.requires_grad_(True)
+class Held:
+    """What a net holds, found once: `modules`, every module inside `roots` (themselves
+    included), each once, in declaration order; `params`, every parameter, each once however
+    many modules share it; `buffers`, each buffer as (module holding it, its name there,
+    the buffer)."""
 
+    __slots__ = ("roots", "modules", "params", "buffers")
 
-def refuse_unmade(
-    modules: list[nn.Module], why: str = "a look leaves the net as it found it"
-) -> None:
-    """Refuse a net holding a lazy module's weights not made yet: its first forward makes them
-    (and turns the module into another class), which no look may do to a net, and an audit
-    cannot size what is not there yet. `why` says which, in the message."""
-    for m in modules:
-        held = itertools.chain(m.named_parameters(), m.named_buffers())
-        unmade = [name for name, t in held if is_lazy(t)]
-        if unmade:
-            raise ValueError(
-                f"{type(m).__name__} holds {', '.join(unmade)} not made yet (a lazy module "
-                f"makes them in its first forward), and {why}: run it once first "
-                "(model(example), or g.forward(example))"
-            )
+    def __init__(self, roots: list[nn.Module]) -> None:
+        self.roots = roots
+        self.modules = list({id(sub): sub for m in roots for sub in m.modules()}.values())
+        self.params = list({id(p): p for m in roots for p in m.parameters()}.values())
+        self.buffers = [
+            (m, name, b)
+            for m in self.modules
+            for name, b in m.named_buffers(recurse=False)
+            if b is not None
+        ]
+
+    def refuse_unmade(self, why: str = "a look leaves the net as it found it") -> None:
+        """Refuse a net holding a lazy module's weights not made yet: its first forward makes
+        them (and turns the module into another class), which no look may do to a net, and
+        an audit cannot size what is not there yet. `why` says which, in the message."""
+        held = itertools.chain(self.params, (b for _, _, b in self.buffers))
+        if not any(is_lazy(t) for t in held):
+            return
+        for m in self.roots:
+            named = itertools.chain(m.named_parameters(), m.named_buffers())
+            unmade = [name for name, t in named if is_lazy(t)]
+            if unmade:
+                raise ValueError(
+                    f"{type(m).__name__} holds {', '.join(unmade)} not made yet (a lazy "
+                    f"module makes them in its first forward), and {why}: run it once first "
+                    "(model(example), or g.forward(example))"
+                )
+
+    def differentiable(self) -> None:
+        """Every module computing out of place and every parameter asking for its gradient:
+        what a look that differentiates through a net needs. For use inside `untouched`,
+        which puts both back."""
+        for m in self.modules:
+            if _in_place(m):
+                m.inplace = False
+        for p in self.params:
+            p.requires_grad_(True)
 
 
 @contextlib.contextmanager
-def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[list[nn.Module]]:
+def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Held]:
     """Whatever happens inside, the modules come out exactly as they went in.
 
     Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
     buffers, `inplace` flags, and the global random state. With `seed`, the global generator
-    is seeded inside, so a dropout draws the same masks every call. It gives every module
-    inside them, each once, for whoever wants to change them in the meantime.
+    is seeded inside, so a dropout draws the same masks every call. A net holding a lazy
+    module's weights not made yet is refused (`Held.refuse_unmade`). It gives what the
+    modules hold (`Held`), for whoever wants to change it in the meantime.
     """
-    refuse_unmade(modules)
-    every = every_module(modules)
-    modes = [(m, m.training) for m in every]
-    inplace = [(m, flag) for m in every if (flag := _in_place(m)) is not None]
-    params = [(p, p.data, p.grad, p.requires_grad) for p in every_parameter(modules)]
-    buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
-    for m in every:
-        for name, b in m.named_buffers(recurse=False):
-            if b is not None:
-                buffers.append((m, name, b, b.detach().clone()))
+    held = Held(modules)
+    held.refuse_unmade()
+    modes = [(m, m.training) for m in held.modules]
+    inplace = [(m, flag) for m in held.modules if (flag := _in_place(m)) is not None]
+    params = [(p, p.data, p.grad, p.requires_grad) for p in held.params]
+    buffers = [(m, name, b, b.detach().clone()) for m, name, b in held.buffers]
     rng = torch.get_rng_state()
     try:
         if seed is not None:
@@ -164,7 +167,7 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[lis
             torch.default_generator.manual_seed(seed)
             if torch.cuda.is_initialized():
                 torch.cuda.manual_seed_all(seed)
-        yield every
+        yield held
     finally:
         torch.set_rng_state(rng)
         with torch.no_grad():

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from somatize.graph import as_graph
-from somatize.torch._modules import Tap, named_modules_of, refuse_unmade
+from somatize.torch._modules import Held, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, stable_rank, wide_norm
 from somatize.torch.audit._place import Place
 from somatize.torch.audit._select import choose
@@ -135,9 +135,8 @@ class Audit:
             raise RuntimeError("this Audit already watches a graph: release() it first")
         g = as_graph(graph)
         held_by = {node: named_modules_of(g.implementation(node)) for node in g.nodes()}
-        refuse_unmade(
-            [m for held in held_by.values() for _, m in held],
-            "an Audit measures weights that are there when it starts watching",
+        Held([m for held in held_by.values() for _, m in held]).refuse_unmade(
+            "an Audit measures weights that are there when it starts watching"
         )
         places: list[Place] = []
         inner: list[tuple[nn.Module, Place]] = []

@@ -4,6 +4,7 @@ mode for the torch functions between them, following each tensor to the layer th
 from __future__ import annotations
 
 import weakref
+from collections.abc import Collection
 from typing import Any
 
 from torch import nn
@@ -105,13 +106,22 @@ class Calls:
     and `leave(path, call, output)` hear it end; nothing inside a layer is heard. While
     `live` is False nothing is heard and nothing is counted. With `blocks` False the blocks
     are hooked only when a module is tied (their hooks are what says which path it is
-    called under), for who needs the layers alone."""
+    called under), for who needs the layers alone. With `only`, a module with no children
+    whose paths are none of those is not hooked (nothing is heard from it)."""
 
-    def __init__(self, opening: Opening, enter: Any, leave: Any, blocks: bool = True) -> None:
+    def __init__(
+        self,
+        opening: Opening,
+        enter: Any,
+        leave: Any,
+        blocks: bool = True,
+        only: Collection[str] | None = None,
+    ) -> None:
         self.opening = opening
         self.enter = enter
         self.leave = leave
         self.blocks = blocks
+        self.only = only
         self.live = True
         self.stack: list[str] = []
         self.calls: dict[str, int] = {}
@@ -134,6 +144,12 @@ class Calls:
             paths = aliases[key]
             if not (self.blocks or tied or any(shut for _, shut in paths)):
                 continue
+            if (
+                self.only is not None
+                and not any(path in self.only for path, _ in paths)
+                and next(module.children(), None) is None
+            ):
+                continue  # nobody listens, and no other drawn module can be called inside it
             self.handles.append(
                 module.register_forward_pre_hook(self._pre(paths), with_kwargs=True)
             )

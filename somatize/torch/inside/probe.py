@@ -28,7 +28,7 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import watchers
-from somatize.torch._modules import Tap, differentiable, root_of, tensors_in, untouched
+from somatize.torch._modules import Tap, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import _wide, counts_of, magnitude_of, norm, read
 from somatize.torch.audit._place import _saturation
@@ -235,15 +235,15 @@ def probe(
             if call == 1 and place is not None:
                 place.saw(given.pop(path, None), output, known)
 
-        hooks.append(Calls(opening, enter, leave, blocks=False))
+        hooks.append(Calls(opening, enter, leave, blocks=False, only=places))
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
         nodes[node].saw(input, out, known)
 
     modules = [r for r in roots.values() if r is not None]
-    with untouched(modules, seed=0), torch.enable_grad():
+    with untouched(modules, seed=0) as held, torch.enable_grad():
         try:
-            differentiable(modules)
+            held.differentiable()
             for h in hooks:
                 h.arm()
             x = _leafed(example)

@@ -37,15 +37,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.torch._modules import (
-    differentiable,
-    every_module,
-    every_parameter,
-    refuse_unmade,
-    root_of,
-    tensors_in,
-    untouched,
-)
+from somatize.torch._modules import Held, root_of, tensors_in, untouched
 from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["EVERY", "proxy", "proxies"]
@@ -101,14 +93,15 @@ class _Subject:
         self.graph = as_graph(graph)
         roots = [root_of(self.graph.implementation(n)) for n in self.graph.nodes()]
         self.modules = [m for m in roots if m is not None]
-        refuse_unmade(self.modules)  # the net's state, not one proxy's: refused, not left out
-        self.params = every_parameter(self.modules)
-        self.every = every_module(self.modules)
+        self.held = Held(self.modules)
+        self.held.refuse_unmade()  # the net's state, not one proxy's: refused, not left out
+        self.params = self.held.params
+        self.every = self.held.modules
 
     def quiet(self) -> None:
         """Every module in evaluation mode but batch norm (batch statistics), nothing in
         place, every parameter differentiable and without a gradient yet."""
-        differentiable(self.modules)
+        self.held.differentiable()
         for m in self.every:
             m.training = isinstance(m, nn.modules.batchnorm._BatchNorm)
         for p in self.params:
