@@ -990,3 +990,15 @@ def test_a_lazy_module_not_made_yet_is_refused_until_it_has_run_once():
     t = Trainer(g, objective=F.cross_entropy, optimizer=opt, auditing=audit)
     t.fit([(x, y)] * 2)
     assert {"sequential", "sequential.2"} <= set(audit.places)
+
+
+def test_a_compiled_module_is_refused_before_anything_is_hooked():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
+    audit = Audit(inside=True)
+    with pytest.raises(ValueError, match=r"compiled module .*give it the module that was"):
+        audit.watch(Graph.somatize(torch.compile(net)))
+    assert audit.places == []
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
+    audit.watch(Graph.somatize(net))  # the module that was compiled is watched
+    assert "sequential.2" in audit.places

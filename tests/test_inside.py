@@ -517,3 +517,27 @@ def test_a_lazy_module_not_made_yet_is_refused_and_left_as_it_was(look):
     assert net(x).shape == (2, 4)
     assert not isinstance(net[2], nn.LazyLinear)
     assert fn(net, x)  # once made, the look answers
+
+
+@pytest.mark.parametrize("look", ["architecture", "probe", "proxies"])
+@pytest.mark.parametrize("where", ["the net", "a block inside", "scripted"])
+def test_a_compiled_module_is_refused_naming_the_fix_and_left_as_it_was(look, where):
+    from somatize.torch import probe, proxies
+
+    fn = {"architecture": architecture, "probe": probe, "proxies": proxies}[look]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
+    x = torch.randn(2, 3)
+    want = net(x)
+    if where == "the net":
+        given, said = torch.compile(net), "compiled module"
+    elif where == "a block inside":
+        given, said = nn.Sequential(torch.compile(net), nn.Tanh()), "compiled module"
+    else:
+        given, said = torch.jit.script(net), "TorchScript module"
+    with pytest.raises(ValueError, match=said + r" .*give it the module that was"):
+        fn(given, x)
+    hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in net.modules()]
+    assert hooks == [(0, 0)] * 4 and all(p.grad is None for p in net.parameters())
+    assert torch.equal(net(x), want)
+    assert fn(net, x)  # the module that was compiled answers

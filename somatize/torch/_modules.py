@@ -96,6 +96,16 @@ def _in_place(m: nn.Module) -> bool | None:
     return flag if isinstance(flag, bool) else None
 
 
+def _compiled(m: nn.Module) -> str | None:
+    """What compiled `m`, said for a message, or None for a module that runs eagerly."""
+    if isinstance(m, torch.jit.ScriptModule):
+        return "a TorchScript module (torch.jit.script(model) or torch.jit.trace)"
+    kind = type(m)
+    if kind.__name__ == "OptimizedModule" and kind.__module__.startswith("torch._dynamo"):
+        return "a compiled module (torch.compile(model))"
+    return None
+
+
 class Held:
     """What a net holds, found once: `modules`, every module inside `roots` (themselves
     included), each once, in declaration order; `params`, every parameter, each once however
@@ -115,10 +125,21 @@ class Held:
             if b is not None
         ]
 
-    def refuse_unmade(self, why: str = "a look leaves the net as it found it") -> None:
-        """Refuse a net holding a lazy module's weights not made yet: its first forward makes
-        them (and turns the module into another class), which no look may do to a net, and
-        an audit cannot size what is not there yet. `why` says which, in the message."""
+    def refuse(self, why: str = "a look leaves the net as it found it") -> None:
+        """Refuse a net no look can run as it is: one holding a lazy module's weights not
+        made yet (its first forward makes them and turns the module into another class,
+        which no look may do to a net, and an audit cannot size what is not there yet), or
+        a compiled module (`torch.compile`, TorchScript), which runs compiled code where a
+        look reads modules through hooks run eagerly. `why` says what is at stake for the first."""
+        for m in self.modules:
+            made = _compiled(m)
+            if made:
+                raise ValueError(
+                    f"{type(m).__name__} is {made}: a look or an Audit reads a net through "
+                    "hooks on its modules, run eagerly, and this one runs compiled code "
+                    "instead; give it the module that was compiled (model), which holds the "
+                    "same weights"
+                )
         held = itertools.chain(self.params, (b for _, _, b in self.buffers))
         if not any(is_lazy(t) for t in held):
             return
@@ -150,11 +171,11 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Hel
     Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
     buffers, `inplace` flags, and the global random state. With `seed`, the global generator
     is seeded inside, so a dropout draws the same masks every call. A net holding a lazy
-    module's weights not made yet is refused (`Held.refuse_unmade`). It gives what the
+    module's weights not made yet, or a compiled module, is refused (`Held.refuse`). It gives what the
     modules hold (`Held`), for whoever wants to change it in the meantime.
     """
     held = Held(modules)
-    held.refuse_unmade()
+    held.refuse()
     modes = [(m, m.training) for m in held.modules]
     inplace = [(m, flag) for m in held.modules if (flag := _in_place(m)) is not None]
     params = [(p, p.data, p.grad, p.requires_grad) for p in held.params]

@@ -135,7 +135,7 @@ class Audit:
             raise RuntimeError("this Audit already watches a graph: release() it first")
         g = as_graph(graph)
         held_by = {node: named_modules_of(g.implementation(node)) for node in g.nodes()}
-        Held([m for held in held_by.values() for _, m in held]).refuse_unmade(
+        Held([m for held in held_by.values() for _, m in held]).refuse(
             "an Audit measures weights that are there when it starts watching"
         )
         places: list[Place] = []

@@ -16,7 +16,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import Node, Wrapped, unwrap
-from somatize.torch._modules import Holder, Tap, root_of, untouched
+from somatize.torch._modules import Held, Holder, Tap, root_of, untouched
 from somatize.torch.inside._forward import Reading, by_forward
 from somatize.torch.inside._fx import by_fx, fx_trace
 from somatize.torch.inside._trace import Raw, Traced, shape_of
@@ -305,6 +305,7 @@ def architecture(
         root = root_of(graph.implementation(node))
         if root is not None:
             roots[node] = root
+    Held(list(roots.values())).refuse()  # before fx or a hook touches anything
     plans = _plan(roots, depth)
     calls, outputs = (
         _capture(graph, roots, example, broker, plans) if example is not None else ({}, {})
