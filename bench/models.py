@@ -5,7 +5,7 @@ the small configs the tests build, and on a ResNet-18 at 224×224. Then the prob
 ViT-B (at random init from its config), against a forward's.
 
 Times are medians of the CPU time of this process, one thread (steady on a shared machine),
-the four calls on a model timed in turns.
+the four calls on a model timed in turns; each ratio is the median of the rounds' ratios.
 torchview builds its graph and its graphviz description, nothing is rendered. Memory is the
 peak resident set above the one before the call, sampled every millisecond while it runs, in
 a fresh process per measurement (so neither call finds memory the other left behind); the
@@ -42,10 +42,10 @@ from somatize.torch import architecture, probe  # noqa: E402
 CNNS = {"resnet", "convnext", "mobilenet", "smallnet", "resnet-18 @224"}
 
 
-def in_turns(fns: dict, rounds: int, calls: int) -> dict[str, float]:
-    """Median CPU milliseconds a call of each of `fns`, timed in turns: each round times
-    `calls` calls of each in a row, so a load that comes and goes hits all of them alike.
-    One call of each first, not counted."""
+def in_turns(fns: dict, rounds: int, calls: int) -> dict[str, list[float]]:
+    """CPU milliseconds a call of each of `fns`, one number a round, timed in turns: each
+    round times `calls` calls of each in a row, so a load that comes and goes hits all of
+    them alike. One call of each first, not counted."""
     for fn in fns.values():
         fn()
     seen: dict[str, list[float]] = {name: [] for name in fns}
@@ -55,7 +55,13 @@ def in_turns(fns: dict, rounds: int, calls: int) -> dict[str, float]:
             for _ in range(calls):
                 fn()
             seen[name].append((time.process_time() - t0) * 1e3 / calls)
-    return {name: statistics.median(times) for name, times in seen.items()}
+    return seen
+
+
+def ratio(over: list[float], under: list[float]) -> float:
+    """The median of the rounds' ratios: each round's two timings were taken a moment apart,
+    so a slow spell of the machine cancels out of each ratio."""
+    return statistics.median(a / b for a, b in zip(over, under, strict=True))
 
 
 def _call(model, example):  # noqa: ANN001, ANN202
@@ -95,9 +101,20 @@ def row(case: zoo.Case, rounds: int, calls: int) -> list:
         rounds,
         calls,
     )
-    forward, ours, theirs, looked = ms["forward"], ms["architecture"], ms["torchview"], ms["probe"]
+    forward, ours, theirs, looked = (
+        statistics.median(ms[k]) for k in ("forward", "architecture", "torchview", "probe")
+    )
     params = sum(p.numel() for p in model.parameters())
-    return [case.name, params, forward, ours, theirs, ours / theirs, looked, looked / forward]
+    return [
+        case.name,
+        params,
+        forward,
+        ours,
+        theirs,
+        ratio(ms["architecture"], ms["torchview"]),
+        looked,
+        ratio(ms["probe"], ms["forward"]),
+    ]
 
 
 # -- memory, one process per measurement -------------------------------------------------------
@@ -185,7 +202,7 @@ def main() -> None:
         rows,
         notes=(
             "Targets: architecture ≤ torchview on every model; probe ≤ 5× a forward on the "
-            f"CNNs ({', '.join(sorted(CNNS))}). CPU ms, one thread, medians of calls timed in turns. The small "
+            f"CNNs ({', '.join(sorted(CNNS))}). CPU ms, one thread, medians of calls timed in turns; a ratio is the median of the rounds' ratios. The small "
             "configs' forwards take a millisecond or two, where the probe's fixed cost (a "
             "hook and a few reductions per place) shows most; ResNet-18 at 224 is the size "
             "the cost was first seen at."
