@@ -541,3 +541,34 @@ def test_a_compiled_module_is_refused_naming_the_fix_and_left_as_it_was(look, wh
     assert hooks == [(0, 0)] * 4 and all(p.grad is None for p in net.parameters())
     assert torch.equal(net(x), want)
     assert fn(net, x)  # the module that was compiled answers
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_weight_and_spectral_norm_are_one_layer_to_every_look(depth):
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    from somatize.torch import Audit, Trainer, parameters, probe
+
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        weight_norm(nn.Conv1d(2, 8, 3)), nn.ReLU(), spectral_norm(nn.Linear(6, 3)), nn.Tanh()
+    )
+    x, y = torch.randn(4, 2, 8), torch.randn(4, 8, 3)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    inside = architecture(net, x, depth=depth)["sequential"]
+    # how torch computes a weight (its parametrizations) is not a layer the data passes
+    assert [layer.path for layer in inside.layers] == ["0", "1", "2", "3"]
+    assert [layer.params for layer in inside.layers] == [
+        sum(p.numel() for p in m.parameters()) for m in net
+    ]
+    assert inside.layer("0").kind == "conv" and inside.layer("0").shape == [4, 8, 6]
+    keys = set(probe(net, x, depth=depth))
+    assert keys == {"sequential"} | {f"sequential.{i}" for i in range(4)}
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    g = Graph.somatize(net)
+    audit = Audit(inside=True)
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    Trainer(g, objective=torch.nn.functional.mse_loss, optimizer=opt, auditing=audit).fit(
+        [(x, y)] * 2
+    )
+    assert set(audit.places) == keys  # a finding from a run lands where the probe's would

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.parametrize import is_parametrized
 
 from somatize.graph import as_graph
 from somatize.node import Opaque
@@ -27,6 +28,7 @@ __all__ = [
     "places_of",
     "as_graph",
     "tensors_in",
+    "parts_of",
     "root_of",
     "Holder",
     "Tap",
@@ -76,6 +78,17 @@ def places_of(graph: Any) -> list[tuple[str, str, nn.Module]]:
         for name, module in named_modules_of(graph.implementation(node)):
             out.append((node, name, module))
     return out
+
+
+def parts_of(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A module's children as its input goes through them: what it is made of, less a
+    parametrized module's `parametrizations` (`torch.nn.utils.parametrize`, as weight and
+    spectral norm use it), which compute its weight from its parameters and are no layer the
+    data passes. A module without parts is one layer to every look."""
+    named = module.named_children()
+    if is_parametrized(module):
+        return [(name, child) for name, child in named if name != "parametrizations"]
+    return list(named)
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

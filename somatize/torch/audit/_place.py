@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from somatize.torch._modules import parts_of
 from somatize.torch.audit._measures import (
     _DEAD_EPS,
     _DORMANT_TAU,
@@ -34,8 +35,8 @@ def _saturation(modules: list[nn.Module]) -> str | None:
     if not modules:
         return None
     last = modules[-1]
-    while children := list(last.children()):  # its last child's last leaf
-        last = children[-1]
+    while parts := parts_of(last):  # its last part's last leaf
+        last = parts[-1][1]
     names = [c.__name__ for c in type(last).__mro__]
     if any("Sigmoid" in n for n in names):
         saturates = "sigmoid"

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from somatize.torch._modules import join
+from somatize.torch._modules import join, parts_of
 
 __all__ = ["choose"]
 
@@ -24,7 +24,7 @@ Named = list[tuple[str, nn.Module]]
 
 def _children(path: str, module: nn.Module, seen: set[int]) -> Named:
     out = []
-    for name, child in module.named_children():
+    for name, child in parts_of(module):
         if isinstance(child, nn.Identity) or id(child) in seen:
             continue
         seen.add(id(child))
@@ -46,12 +46,19 @@ def _roots(held: Named, seen: set[int]) -> Named:
     return out
 
 
-def _leaves(path: str, module: nn.Module) -> list[str]:
-    return [
-        join(path, p)
-        for p, m in module.named_modules()
-        if p and next(m.children(), None) is None and not isinstance(m, nn.Identity)
-    ]
+def _leaves(path: str, module: nn.Module, seen: set[int] | None = None) -> list[str]:
+    """The layers under `module` (each module once), by path."""
+    seen = set() if seen is None else seen
+    out = []
+    for name, part in parts_of(module):
+        if id(part) in seen:
+            continue
+        seen.add(id(part))
+        if parts_of(part):
+            out += _leaves(join(path, name), part, seen)
+        elif not isinstance(part, nn.Identity):
+            out.append(join(path, name))
+    return out
 
 
 def _finest_cut(held: Named, most: int) -> tuple[Named, list[str]]:

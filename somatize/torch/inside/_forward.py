@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from somatize.torch._modules import tensors_in
+from somatize.torch._modules import parts_of, tensors_in
 from somatize.torch.inside._trace import (
     Opening,
     Traced,
@@ -133,7 +133,7 @@ class Calls:
         root = self.opening.root
         aliases: dict[int, list[tuple[str, bool]]] = {}
         modules: dict[int, nn.Module] = {}
-        if next(root.children(), None) is None:
+        if not parts_of(root):
             aliases[id(root)] = [("", True)]
             modules[id(root)] = root
         for path, module, shut in self.opening.drawn():
@@ -147,7 +147,7 @@ class Calls:
             if (
                 self.only is not None
                 and not any(path in self.only for path, _ in paths)
-                and next(module.children(), None) is None
+                and not parts_of(module)
             ):
                 continue  # nobody listens, and no other drawn module can be called inside it
             self.handles.append(

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from somatize.torch._modules import tensors_in
+from somatize.torch._modules import parts_of, tensors_in
 from somatize.torch.inside.kinds import function_name, kind_of, label_of, recognised
 
 __all__ = [
@@ -151,7 +151,7 @@ class Opening:
         if known is not None:
             return known
         module = self.named[path]
-        if next(module.children(), None) is None:
+        if not parts_of(module):
             answer = True
         elif recognised(module):
             parts = path.split(".")
@@ -172,7 +172,7 @@ class Opening:
         found: list[tuple[str, nn.Module, bool]] = []
 
         def visit(path: str, module: nn.Module) -> None:
-            for name, child in module.named_children():
+            for name, child in parts_of(module):
                 p = f"{path}.{name}" if path else name
                 shut = self.closed(p)
                 found.append((p, child, shut))
@@ -185,7 +185,7 @@ class Opening:
 
     def _raw(self, path: str, block: str | None, label: str | None = None) -> Raw:
         m = self.named[path]
-        composite = next(m.children(), None) is not None
+        composite = bool(parts_of(m))
         return Raw(
             path,
             kind_of(m),

@@ -16,7 +16,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import Node, Wrapped, unwrap
-from somatize.torch._modules import Held, Holder, Tap, root_of, untouched
+from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
 from somatize.torch.inside._forward import Reading, by_forward
 from somatize.torch.inside._fx import by_fx, fx_trace
 from somatize.torch.inside._trace import Raw, Traced, shape_of
@@ -162,7 +162,7 @@ def _raw(
     """`plan` is what `_plan` found before the graph ran: an fx trace, or why fx refused and
     the `Reading` that rode along the graph's run instead."""
     call = _args(module, example)
-    if next(module.children(), None) is None:
+    if not parts_of(module):
         return _single(module, call), "symbolic", None
     if isinstance(plan, _Read):
         if plan.reading.calls:
@@ -193,7 +193,7 @@ def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
     `_Read` to be armed for the run, so no module is run a second time."""
     plans: dict[str, Any] = {}
     for node, module in roots.items():
-        if next(module.children(), None) is None:
+        if not parts_of(module):
             continue
         refused = _REFUSED.get(module, {}).get(depth)
         if refused is not None:

@@ -13,6 +13,8 @@ from typing import Any
 
 from torch import nn
 
+from somatize.torch._modules import parts_of
+
 __all__ = ["KINDS", "kind_of", "label_of", "recognised", "is_container"]
 
 KINDS = (
@@ -160,7 +162,7 @@ def kind_of(what: Any) -> str:
         if any(_activation_class(c) for c in ancestry):
             return "activation"
         if isinstance(what, nn.Module):
-            children = list(what.children())
+            children = [child for _, child in parts_of(what)]
             if children:
                 if _named(ancestry, _ATTENTION) or any(kind_of(c) == "attention" for c in children):
                     return "attention"
@@ -197,7 +199,7 @@ def recognised(module: nn.Module) -> bool:
     return (
         cls.__module__.startswith("torch.")
         and not is_container(module)
-        and next(module.children(), None) is not None
+        and bool(parts_of(module))
     )
 
 

@@ -28,7 +28,7 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import watchers
-from somatize.torch._modules import Tap, root_of, tensors_in, untouched
+from somatize.torch._modules import Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import _wide, counts_of, magnitude_of, norm, read
 from somatize.torch.audit._place import _saturation
@@ -220,7 +220,7 @@ def probe(
     hooks: list[Calls] = []
     known = _Tensors()
     for node, root in roots.items():
-        if root is None or next(root.children(), None) is None:
+        if root is None or not parts_of(root):
             continue
         opening, places = _places(node, root, depth, most)
         inner[node] = places

@@ -37,7 +37,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.torch._modules import Held, root_of, tensors_in, untouched
+from somatize.torch._modules import Held, parts_of, root_of, tensors_in, untouched
 from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["EVERY", "proxy", "proxies"]
@@ -117,7 +117,7 @@ class _Subject:
         return [
             m.register_forward_hook(fn)
             for m in self.every
-            if next(m.children(), None) is None and kind_of(m) in kinds
+            if not parts_of(m) and kind_of(m) in kinds
         ]
 
 
