@@ -240,3 +240,33 @@ def test_a_proxy_the_graph_cannot_give_is_absent_and_a_warning_says_why():
     assert any("jacob_cov" in t and "fewer than two" in t for t in text)
     with pytest.raises(ValueError, match="activation"):
         proxy(net, torch.randn(4, 3), "naswot")
+
+
+class _Tagger(nn.Module):
+    """An LSTM fed a PackedSequence, as sequence models with padded batches are."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 8, batch_first=True)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, packed):
+        h, _ = self.lstm(packed)
+        h, _ = nn.utils.rnn.pad_packed_sequence(h, batch_first=True)
+        return self.out(h[:, 0])
+
+
+def test_a_packed_sequence_is_perturbed_as_itself():
+    import warnings
+
+    torch.manual_seed(0)
+    packed = nn.utils.rnn.pack_padded_sequence(
+        torch.randn(3, 5, 4), torch.tensor([5, 3, 2]), batch_first=True
+    )
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        got = proxies(_Tagger(), packed)
+    # each perturbed input is a PackedSequence again, so the proxies that perturb it are taken
+    assert {"synflow", "zen", "jacob_cov"} <= set(got)
+    assert all(math.isfinite(v) for v in got.values())
+    assert [str(w.message).split(" could")[0] for w in heard] == ["proxies: naswot"]

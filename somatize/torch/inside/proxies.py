@@ -38,6 +38,7 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.torch._modules import Held, parts_of, root_of, tensors_in, untouched
+from somatize.torch._values import mapped
 from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["EVERY", "proxy", "proxies"]
@@ -69,14 +70,9 @@ def _log(x: float) -> float:
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """`value` with `fn` applied to every floating tensor in it; the rest as it is."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(v, fn) for v in value)
-    return value
+    """`value` with `fn` applied to every floating tensor in it, every container kept as it
+    is (a `PackedSequence`, a `BatchEncoding`); the rest as it is."""
+    return mapped(value, lambda t: fn(t) if t.is_floating_point() else t)
 
 
 def _floats(example: Any, of: str) -> list[torch.Tensor]:
@@ -161,9 +157,7 @@ def _synflow(s: _Subject, example: Any, **_: Any) -> float:
 def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
     _floats(example, "zen")
     x = _map(example, lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype))
-    eps = _map(example, lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype))
-
-    mixed = _zip(x, eps, lambda a, b: a + 0.01 * b)
+    mixed = _map(x, lambda t: t + 0.01 * torch.randn(t.shape, generator=gen, dtype=t.dtype))
     variances: list[float] = []
 
     def bn_in(m: nn.Module, i: tuple, o: Any) -> None:
@@ -188,16 +182,6 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
         for a, b in zip(f1, f2, strict=True)
     )
     return _log(total) + sum(0.5 * _log(v) for v in variances)
-
-
-def _zip(a: Any, b: Any, fn: Callable) -> Any:
-    if isinstance(a, torch.Tensor):
-        return fn(a, b) if a.is_floating_point() else a
-    if isinstance(a, dict):
-        return {k: _zip(a[k], b[k], fn) for k in a}
-    if isinstance(a, (list, tuple)):
-        return type(a)(_zip(x, y, fn) for x, y in zip(a, b, strict=True))
-    return a
 
 
 def _naswot(s: _Subject, example: Any, **_: Any) -> float:
