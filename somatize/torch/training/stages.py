@@ -34,6 +34,7 @@ import torch
 from somatize import _hooks
 from somatize.graph import Graph
 from somatize.node import Node, Opaque, Piece
+from somatize.torch._modules import tensors_in
 from somatize.torch.training.learning import (
     envelope,
     grad_of,
@@ -66,14 +67,8 @@ TARGET = "<target>"
 
 
 def nbytes(value: Any) -> int:
-    """How many bytes the tensors inside `value` hold (dicts, lists, tuples too)."""
-    if isinstance(value, torch.Tensor):
-        return value.nelement() * value.element_size()
-    if isinstance(value, dict):
-        return sum(nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(nbytes(v) for v in value)
-    return 0
+    """How many bytes the tensors inside `value` hold (in any mapping, list or tuple)."""
+    return sum(t.nelement() * t.element_size() for t in tensors_in(value))
 
 
 class Inlet(Node):
