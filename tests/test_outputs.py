@@ -256,6 +256,10 @@ def test_a_model_that_computes_its_own_loss_trains_on_batch_none_and_a_bare_dict
     t = Trainer(g, objective=lambda out, _: out.loss, optimizer=torch.optim.SGD(parameters(g), lr=0.5))
     with pytest.raises(TypeError, match=r"\(batch, None\), with objective=lambda out, _: out.loss"):
         t.step({"input_ids": ids, "labels": ids})
+    with pytest.raises(TypeError, match=r"not a BatchEncoding of input_ids, labels: yield pairs"):
+        t.step(transformers.BatchEncoding({"input_ids": ids, "labels": ids}))  # a collator's
+    with pytest.raises(TypeError, match=r"not a tensor of shape \(2, 8\): yield pairs"):
+        t.step(ids)
     result = t.fit([({"input_ids": ids, "labels": ids}, None)] * 3)
     assert result.history[-1] < result.history[0]
 

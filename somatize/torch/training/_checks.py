@@ -6,6 +6,7 @@ telling each Learning its node) only when all of them have passed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from somatize.torch.training.params import _node_params, owners
 
 __all__ = [
     "Unusable",
+    "pair_of",
     "count",
     "watchers_of",
     "something_to_train",
@@ -41,6 +43,31 @@ def watchers_of(watching: Any) -> list:
         return watchers(watching)
     except TypeError as error:
         raise Unusable(str(error)) from None
+
+
+def _described(value: Any) -> str:
+    """A value named for a message in a line: its type and what shapes it, not its repr."""
+    name = type(value).__name__
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        keys = [str(k) for k in list(value)[:8]]
+        return f"a {name} of {', '.join(keys) or 'nothing'}" + (", …" if len(value) > 8 else "")
+    if isinstance(value, (tuple, list)):
+        return f"a {name} of {len(value)}"
+    return f"{name} {value!r:.60}"
+
+
+def pair_of(batch: Any) -> tuple[Any, Any]:
+    """The (input, target) a batch is, or a refusal naming what it is instead and the way a
+    model that computes its own loss is trained."""
+    if type(batch) not in (tuple, list) or len(batch) != 2:
+        raise TypeError(
+            f"a batch is (input, target), not {_described(batch)}: yield pairs from your "
+            "data (for a model that computes its own loss from labels in its input: "
+            "(batch, None), with objective=lambda out, _: out.loss)"
+        )
+    return batch[0], batch[1]
 
 
 def something_to_train(graph: Graph) -> None:

@@ -197,15 +197,7 @@ class Trainer:
         of got no gradient at all; with `micro` > 1, an input and a target whose first
         dimensions differ are refused before anything runs.
         """
-        batch = unwrap(batch)
-        if type(batch) not in (tuple, list) or len(batch) != 2:
-            raise TypeError(
-                f"a batch is (input, target), not {type(batch).__name__} "
-                f"{batch!r:.60}: yield pairs from your data (for a model that computes its "
-                "own loss from labels in its input: (batch, None), with "
-                "objective=lambda out, _: out.loss)"
-            )
-        x, y = batch
+        x, y = _checks.pair_of(unwrap(batch))
         if self.micro > 1:
             xs, ys = pieces(x, y, self.micro)
         if self._count == 0 and self.optimizer is not None:
