@@ -245,8 +245,9 @@ class Node(Expr, ABC):
 
         A `Node` comes back unchanged. A module (an `nn.Module`) or a plain function becomes a
         `Wrapped` node that calls it: a dict arriving at it whose keys its `forward` names is
-        passed as keywords (`input_ids=`, `attention_mask=`), anything else as the one
-        argument; whatever it returns (a tuple, a `ModelOutput`) crosses as it is::
+        passed as keywords (`input_ids=`, `attention_mask=`), as is one naming every parameter
+        a `forward(self, x, **extra)` or `forward(self, **batch)` needs; anything else as the
+        one argument; whatever it returns (a tuple, a `ModelOutput`) crosses as it is::
 
             Graph.somatize(Node.of(backbone) >> Node.of(head).named("head"))
 
@@ -285,15 +286,37 @@ def _signature(fn: Any) -> inspect.Signature:
     return sig
 
 
-def _keywords(fn: Any) -> frozenset[str]:
-    """The parameters `fn` (a module's `forward`, or a function) takes by name."""
-    forward = getattr(fn, "forward", None)
-    try:
-        sig = _signature(forward if callable(forward) else fn)
-    except (TypeError, ValueError):
-        return frozenset()
-    by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return frozenset(n for n, p in sig.parameters.items() if p.kind in by_name)
+class _Takes:
+    """What `fn` (a module's `forward`, or a function) takes by name: its named parameters,
+    those of them without a default, and whether it takes any other name (`**kwargs`)."""
+
+    __slots__ = ("named", "required", "any_name")
+
+    def __init__(self, fn: Any) -> None:
+        forward = getattr(fn, "forward", None)
+        try:
+            sig = _signature(forward if callable(forward) else fn)
+        except (TypeError, ValueError):
+            sig = inspect.Signature()
+        by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        params = [p for p in sig.parameters.values() if p.kind in by_name]
+        self.named = frozenset(p.name for p in params)
+        self.required = frozenset(p.name for p in params if p.default is p.empty)
+        self.any_name = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+
+    def as_keywords(self, input: Any) -> bool:
+        """Whether `input` is passed as keywords: a mapping of names all of which the forward
+        takes (`input_ids=`, `attention_mask=`), or, for a forward that takes any name
+        (`**batch`), one naming every parameter it needs."""
+        if not isinstance(input, Mapping) or not input:
+            return False
+        if self.named.issuperset(input):
+            return True
+        return (
+            self.any_name
+            and all(isinstance(k, str) for k in input)
+            and self.required.issubset(input)
+        )
 
 
 class Wrapped(Node):
@@ -312,11 +335,12 @@ class Wrapped(Node):
                 + (": pass an instance, Node.of(Model(...))" if isinstance(held, type) else "")
             )
         self.held = held
-        self.keywords = _keywords(held)
+        self.takes = _Takes(held)
 
     def forward(self, input: Any, ctx: Any) -> Any:
-        """Call what is held: a dict of its forward's own parameter names as keywords."""
-        if isinstance(input, Mapping) and input and self.keywords.issuperset(input):
+        """Call what is held: a mapping of names its forward takes as keywords
+        (`_Takes.as_keywords`), anything else as the one argument."""
+        if self.takes.as_keywords(input):
             return self.held(**input)
         return self.held(input)
 

@@ -572,3 +572,23 @@ def test_weight_and_spectral_norm_are_one_layer_to_every_look(depth):
         [(x, y)] * 2
     )
     assert set(audit.places) == keys  # a finding from a run lands where the probe's would
+
+
+class _Batched(nn.Module):
+    """A wrapper as research code writes one: forward(self, **batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 2)
+
+    def forward(self, **batch):
+        return self.l(batch["x"] * batch["mask"])
+
+
+def test_a_forward_taking_any_name_is_read_on_a_dict_as_keywords():
+    from somatize.torch import probe
+
+    batch = {"x": torch.randn(3, 4), "mask": torch.ones(3, 4)}
+    assert architecture(_Batched(), batch)["_batched"].layer("l").shape == [3, 2]
+    assert traced(_Batched(), batch).layer("l").shape == [3, 2]
+    assert set(probe(_Batched(), batch)) == {"_batched", "_batched.l"}

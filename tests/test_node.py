@@ -131,6 +131,21 @@ def test_a_dict_whose_keys_the_forward_names_is_passed_as_keywords():
     assert g.forward(5) == ("keywords", 5, None)
 
 
+def test_a_forward_taking_any_name_gets_a_dict_naming_what_it_needs_as_keywords():
+    def batch(**batch):  # a wrapper around a model: forward(self, **batch)
+        return ("keywords", sorted(batch))
+
+    def extra(x, **extra):
+        return ("keywords", x, sorted(extra)) if extra else ("one", x)
+
+    assert Graph.somatize(batch).forward({"x": 1, "mask": 2}) == ("keywords", ["mask", "x"])
+    g = Graph.somatize(extra)
+    assert g.forward({"x": 1, "mask": 2}) == ("keywords", 1, ["mask"])
+    # a dict that does not name what the forward needs is its one argument, as it is
+    assert g.forward({"a": 1, "b": 2}) == ("one", {"a": 1, "b": 2})
+    assert g.forward({1: "a"}) == ("one", {1: "a"})
+
+
 def test_whatever_it_returns_crosses_as_it_is():
     pair = Graph.somatize(Node.of(lambda x: (x, [x])) >> Node.of(lambda p: p))
     out = pair.forward(3)

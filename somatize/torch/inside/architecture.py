@@ -125,8 +125,7 @@ def _args(module: nn.Module, example: Any) -> tuple[tuple, dict] | None:
         return example.args, example.kwargs
     if isinstance(module, Node):
         return (example, None), {}  # a node that is a module takes (input, ctx)
-    wrapped = Wrapped(module)
-    if isinstance(example, dict) and example and wrapped.keywords.issuperset(example):
+    if Wrapped(module).takes.as_keywords(example):
         return (), dict(example)
     return (example,), {}
 
