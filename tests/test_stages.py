@@ -153,3 +153,42 @@ def test_a_part_on_a_worker_trains_as_one_trained_here(every):
             )
     finally:
         broker.close()
+
+
+class Boxed(Node):
+    """Gives its input back inside a mapping that is not a dict (as a BatchEncoding is)."""
+
+    def forward(self, x, ctx):
+        from collections import UserDict
+
+        return UserDict({"h": x})
+
+
+class Unboxing(Layer):
+    """A layer that reads its input out of the mapping it is given."""
+
+    def forward(self, box, ctx):
+        return super().forward(box["h"], ctx)
+
+
+def test_a_mapping_that_is_not_a_dict_carries_its_gradient_back_across_a_cut():
+    def made():
+        torch.manual_seed(0)
+        return Graph.somatize(
+            Layer(4, 4).named("src")
+            >> Boxed()
+            >> Unboxing(4, 4).named("mid")
+            >> Layer(4, 4, False).named("head")
+        )
+
+    g1, g2 = made(), made()
+    t1 = Trainer(g1, objective=mse, optimizer=SGD(parameters(g1), lr=0.1))
+    trains = {"mid": Split(SGD, lr=0.1)}  # the mapping crosses the cut before mid
+    t2 = Trainer(
+        g2, objective=mse, optimizer=SGD(parameters(g2, without=trains), lr=0.1), trains=trains
+    )
+    for b in data():
+        assert t1.step(b) == pytest.approx(t2.step(b), abs=1e-12)
+    for n, w in t1.export().items():
+        for k, v in w.items():
+            assert torch.allclose(v, t2.export()[n][k], atol=1e-12), (n, k)

@@ -137,7 +137,7 @@ def grad_of(value: Any) -> Any:
     """The gradients the leaves inside `value` got, in the same shape (None where none)."""
     if isinstance(value, torch.Tensor):
         return value.grad if value.requires_grad else None
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         grads = {k: grad_of(v) for k, v in value.items()}
         return grads if any(g is not None for g in grads.values()) else None
     if isinstance(value, (list, tuple)):
@@ -155,7 +155,7 @@ def pairs(value: Any, grad: Any, outs: list, grads: list) -> None:
         if value.requires_grad:
             outs.append(value)
             grads.append(grad if grad.device == value.device else grad.to(value.device))
-    elif isinstance(value, dict) and isinstance(grad, dict):
+    elif isinstance(value, Mapping) and isinstance(grad, Mapping):
         for k, v in value.items():
             pairs(v, grad.get(k), outs, grads)
     elif isinstance(value, (list, tuple)) and isinstance(grad, (list, tuple)):
