@@ -85,10 +85,10 @@ def parts_of(module: nn.Module) -> list[tuple[str, nn.Module]]:
     parametrized module's `parametrizations` (`torch.nn.utils.parametrize`, as weight and
     spectral norm use it), which compute its weight from its parameters and are no layer the
     data passes. A module without parts is one layer to every look."""
-    named = module.named_children()
-    if is_parametrized(module):
+    named = list(module.named_children())
+    if any(name == "parametrizations" for name, _ in named) and is_parametrized(module):
         return [(name, child) for name, child in named if name != "parametrizations"]
-    return list(named)
+    return named
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
