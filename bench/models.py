@@ -202,7 +202,8 @@ def main() -> None:
         rows,
         notes=(
             "Targets: architecture ≤ torchview on every model; probe ≤ 5× a forward on the "
-            f"CNNs ({', '.join(sorted(CNNS))}). CPU ms, one thread, medians of calls timed in turns; a ratio is the median of the rounds' ratios. The small "
+            f"CNNs ({', '.join(sorted(CNNS))}). CPU ms, one thread, medians of calls timed "
+            "in turns; a ratio is the median of the rounds' ratios. The small "
             "configs' forwards take a millisecond or two, where the probe's fixed cost (a "
             "hook and a few reductions per place) shows most; ResNet-18 at 224 is the size "
             "the cost was first seen at."

@@ -143,7 +143,8 @@ class Held:
         made yet (its first forward makes them and turns the module into another class,
         which no look may do to a net, and an audit cannot size what is not there yet), or
         a compiled module (`torch.compile`, TorchScript), which runs compiled code where a
-        look reads modules through hooks run eagerly. `why` says what is at stake for the first."""
+        look reads modules through hooks run eagerly. `why` says what is at stake for the
+        first."""
         for m in self.modules:
             made = _compiled(m)
             if made:
@@ -184,8 +185,8 @@ def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Hel
     Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
     buffers, `inplace` flags, and the global random state. With `seed`, the global generator
     is seeded inside, so a dropout draws the same masks every call. A net holding a lazy
-    module's weights not made yet, or a compiled module, is refused (`Held.refuse`). It gives what the
-    modules hold (`Held`), for whoever wants to change it in the meantime.
+    module's weights not made yet, or a compiled module, is refused (`Held.refuse`). It
+    gives what the modules hold (`Held`), for whoever wants to change it in the meantime.
     """
     held = Held(modules)
     held.refuse()
