@@ -37,6 +37,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
+from somatize.run import note
 from somatize.torch._modules import Held, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.inside.kinds import kind_of
@@ -307,7 +308,7 @@ def proxy(graph: Any, example: Any, of: str, *, target: Any = None, objective: A
     try:
         return _take(_Subject(graph), unwrap(example), of, unwrap(target), objective)
     except Exception as e:
-        e.add_note(f"while taking the proxy {of!r}")
+        note(e, f"while taking the proxy {of!r}")
         raise
 
 
