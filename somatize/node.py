@@ -246,8 +246,9 @@ class Node(Expr, ABC):
         A `Node` comes back unchanged. A module (an `nn.Module`) or a plain function becomes a
         `Wrapped` node that calls it: a dict arriving at it whose keys its `forward` names is
         passed as keywords (`input_ids=`, `attention_mask=`), as is one naming every parameter
-        a `forward(self, x, **extra)` or `forward(self, **batch)` needs; anything else as the
-        one argument; whatever it returns (a tuple, a `ModelOutput`) crosses as it is::
+        a `forward(self, x, **extra)` or `forward(self, **batch)` needs; a tuple is the
+        arguments of a forward that needs two or more (`forward(self, x, mask)` given
+        `(x, mask)`); anything else is the one argument; whatever it returns (a tuple, a `ModelOutput`) crosses as it is::
 
             Graph.somatize(Node.of(backbone) >> Node.of(head).named("head"))
 
@@ -287,10 +288,12 @@ def _signature(fn: Any) -> inspect.Signature:
 
 
 class _Takes:
-    """What `fn` (a module's `forward`, or a function) takes by name: its named parameters,
-    those of them without a default, and whether it takes any other name (`**kwargs`)."""
+    """What `fn` (a module's `forward`, or a function) takes: its named parameters, those of
+    them without a default, and whether it takes any other name (`**kwargs`); how many
+    arguments it takes by position, how many of those it needs, and whether it takes any
+    number (`*args`)."""
 
-    __slots__ = ("named", "required", "any_name")
+    __slots__ = ("named", "required", "any_name", "places", "needs", "any_number")
 
     def __init__(self, fn: Any) -> None:
         forward = getattr(fn, "forward", None)
@@ -303,6 +306,11 @@ class _Takes:
         self.named = frozenset(p.name for p in params)
         self.required = frozenset(p.name for p in params if p.default is p.empty)
         self.any_name = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+        by_place = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        placed = [p for p in sig.parameters.values() if p.kind in by_place]
+        self.places = len(placed)
+        self.needs = sum(1 for p in placed if p.default is p.empty)
+        self.any_number = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
 
     def as_keywords(self, input: Any) -> bool:
         """Whether `input` is passed as keywords: a mapping of names all of which the forward
@@ -317,6 +325,22 @@ class _Takes:
             and all(isinstance(k, str) for k in input)
             and self.required.issubset(input)
         )
+
+    def arguments(self, input: Any) -> tuple[tuple, dict]:
+        """How the forward is called on `input`: a mapping it takes as keywords
+        (`as_keywords`) by name; a tuple as its arguments one by one when the forward needs
+        two or more (`forward(self, x, mask)` given `(x, mask)`, as `model(*inputs)`) and
+        the tuple's length is one it takes; anything else as the one argument."""
+        if self.as_keywords(input):
+            return (), dict(input)
+        if (
+            isinstance(input, tuple)
+            and self.needs >= 2
+            and self.needs <= len(input)
+            and (self.any_number or len(input) <= self.places)
+        ):
+            return tuple(input), {}
+        return (input,), {}
 
 
 class Wrapped(Node):
@@ -338,11 +362,11 @@ class Wrapped(Node):
         self.takes = _Takes(held)
 
     def forward(self, input: Any, ctx: Any) -> Any:
-        """Call what is held: a mapping of names its forward takes as keywords
-        (`_Takes.as_keywords`), anything else as the one argument."""
-        if self.takes.as_keywords(input):
-            return self.held(**input)
-        return self.held(input)
+        """Call what is held on `input` (`_Takes.arguments`): a mapping of names its forward
+        takes as keywords, a tuple as the arguments of a forward that needs several,
+        anything else as the one argument."""
+        args, kwargs = self.takes.arguments(input)
+        return self.held(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Node.of({kind_name(self)})"

@@ -592,3 +592,35 @@ def test_a_forward_taking_any_name_is_read_on_a_dict_as_keywords():
     assert architecture(_Batched(), batch)["_batched"].layer("l").shape == [3, 2]
     assert traced(_Batched(), batch).layer("l").shape == [3, 2]
     assert set(probe(_Batched(), batch)) == {"_batched", "_batched.l"}
+
+
+class _Masked(nn.Module):
+    """A forward that needs two inputs, called as model(x, mask), given as the tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 2)
+
+    def forward(self, x, mask):
+        return self.l(x * mask)
+
+
+def test_a_tuple_is_read_as_the_arguments_of_a_forward_that_needs_several():
+    import warnings
+
+    from somatize.torch import Trainer, parameters, probe, proxies
+
+    x, mask = torch.randn(3, 4), torch.ones(3, 4)
+    model = _Masked()
+    assert architecture(model, (x, mask))["_masked"].layer("l").shape == [3, 2]
+    assert traced(model, (x, mask)).layer("l").shape == [3, 2]
+    assert probe(model, (x, mask)) == probe(model, {"x": x, "mask": mask})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # naswot: no activation layer, said elsewhere
+        assert proxies(model, (x, mask)) == proxies(model, {"x": x, "mask": mask})
+    g = Graph.somatize(model)
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    y = torch.randn(3, 2)
+    before = model.l.weight.detach().clone()
+    Trainer(g, objective=torch.nn.functional.mse_loss, optimizer=opt).fit([((x, mask), y)])
+    assert not torch.equal(model.l.weight, before)

@@ -146,6 +146,33 @@ def test_a_forward_taking_any_name_gets_a_dict_naming_what_it_needs_as_keywords(
     assert g.forward({1: "a"}) == ("one", {1: "a"})
 
 
+def test_a_tuple_is_the_arguments_of_a_forward_that_needs_several():
+    def masked(x, mask):  # forward(self, x, mask), called as model(x, mask)
+        return ("two", x, mask)
+
+    def extra(x, mask, scale=1, *, bias=0):
+        return ("args", x, mask, scale, bias)
+
+    def one(pair, flag=False):  # needs one: a tuple is that one argument
+        return ("one", pair, flag)
+
+    def many(x, y, *rest):
+        return ("many", x, y, rest)
+
+    assert Graph.somatize(masked).forward((1, 2)) == ("two", 1, 2)
+    g = Graph.somatize(extra)
+    assert g.forward((1, 2)) == ("args", 1, 2, 1, 0)
+    assert g.forward((1, 2, 3)) == ("args", 1, 2, 3, 0)
+    assert Graph.somatize(one).forward((1, 2)) == ("one", (1, 2), False)
+    assert Graph.somatize(many).forward((1, 2, 3, 4)) == ("many", 1, 2, (3, 4))
+    # a list is a value (a batch of images), never spread; nor is a tuple of a length the
+    # forward cannot take, which reaches it as the one argument and is refused there
+    with pytest.raises(TypeError, match="mask"):
+        Graph.somatize(masked).forward([1, 2])
+    with pytest.raises(TypeError, match="mask"):
+        Graph.somatize(masked).forward((1, 2, 3))
+
+
 def test_whatever_it_returns_crosses_as_it_is():
     pair = Graph.somatize(Node.of(lambda x: (x, [x])) >> Node.of(lambda p: p))
     out = pair.forward(3)

@@ -125,9 +125,7 @@ def _args(module: nn.Module, example: Any) -> tuple[tuple, dict] | None:
         return example.args, example.kwargs
     if isinstance(module, Node):
         return (example, None), {}  # a node that is a module takes (input, ctx)
-    if Wrapped(module).takes.as_keywords(example):
-        return (), dict(example)
-    return (example,), {}
+    return Wrapped(module).takes.arguments(example)
 
 
 class _Call:
@@ -218,8 +216,9 @@ def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) 
     """What this module is made of. fx if it can, a real forward if it cannot.
 
     `example` is an input to run it on, as a graph would hand it to the module: a dict whose
-    keys its forward names is passed as keywords (`input_ids=`, `attention_mask=`), anything
-    else as the one argument; an `Opaque` is unwrapped first. Without one only the symbolic
+    keys its forward names is passed as keywords (`input_ids=`, `attention_mask=`), a tuple
+    as the arguments of a forward that needs two or more, anything else as the one
+    argument; an `Opaque` is unwrapped first. Without one only the symbolic
     path is available, and a module that needs a forward answers None. A plain function
     (anything not an nn.Module) answers None. Running it changes nothing: modes, buffers and
     the random state are put back. The same module gives the same answer every time.
