@@ -129,14 +129,18 @@ class Held:
 
     def __init__(self, roots: list[nn.Module]) -> None:
         self.roots = roots
-        self.modules = list({id(sub): sub for m in roots for sub in m.modules()}.values())
+        modules: dict[int, nn.Module] = {}
+        buffers: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor]] = {}
+        for root in roots:  # one walk for the modules, one for the buffers
+            at = dict(root.named_modules(remove_duplicate=False))
+            for sub in at.values():
+                modules.setdefault(id(sub), sub)
+            for name, b in root.named_buffers(remove_duplicate=False):
+                path, _, leaf = name.rpartition(".")
+                buffers.setdefault((id(at[path]), leaf), (at[path], leaf, b))
+        self.modules = list(modules.values())
         self.params = list({id(p): p for m in roots for p in m.parameters()}.values())
-        self.buffers = [
-            (m, name, b)
-            for m in self.modules
-            for name, b in m.named_buffers(recurse=False)
-            if b is not None
-        ]
+        self.buffers = list(buffers.values())
 
     def refuse(self, why: str = "a look leaves the net as it found it") -> None:
         """Refuse a net no look can run as it is: one holding a lazy module's weights not
