@@ -248,7 +248,8 @@ class Node(Expr, ABC):
         passed as keywords (`input_ids=`, `attention_mask=`), as is one naming every parameter
         a `forward(self, x, **extra)` or `forward(self, **batch)` needs; a tuple is the
         arguments of a forward that needs two or more (`forward(self, x, mask)` given
-        `(x, mask)`); anything else is the one argument; whatever it returns (a tuple, a `ModelOutput`) crosses as it is::
+        `(x, mask)`); anything else is the one argument. Whatever it returns (a tuple, a
+        `ModelOutput`) crosses as it is::
 
             Graph.somatize(Node.of(backbone) >> Node.of(head).named("head"))
 
@@ -335,8 +336,7 @@ class _Takes:
             return (), dict(input)
         if (
             isinstance(input, tuple)
-            and self.needs >= 2
-            and self.needs <= len(input)
+            and 2 <= self.needs <= len(input)
             and (self.any_number or len(input) <= self.places)
         ):
             return tuple(input), {}
