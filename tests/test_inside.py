@@ -323,6 +323,57 @@ def test_a_module_called_twice_is_a_box_per_call_and_nothingloops(branchy):
     assert "mean" not in paths  # a number read for a decision is not a layer of the net
 
 
+class Looped(nn.Module):
+    """A block called three times, its call a module's own (its layers and an add)."""
+
+    def __init__(self, branchy: bool = False):
+        super().__init__()
+        self.branchy = branchy
+        self.inp = nn.Linear(4, 8)
+        self.block = Residual()
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        times = 3 if not self.branchy or bool(x.sum() > -1e9) else 2  # fx cannot know it
+        for _ in range(times):
+            x = self.block(x)
+        return self.out(x)
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.b(self.act(self.a(x)))
+
+
+@pytest.mark.parametrize("branchy, how", [(False, "symbolic"), (True, "traced")])
+def test_a_block_called_three_times_is_a_box_per_call_open_or_closed(branchy, how):
+    net = Looped(branchy)
+    x = torch.randn(2, 4)
+    opened = traced(net, x)
+    assert opened.how == how
+    if how == "symbolic":
+        assert opened.why is None  # fx follows a block called again (keys `block@1`)
+    paths = [layer.path for layer in opened.layers]
+    assert {"block.a", "block.a#2", "block.a#3", "block.add_2"} <= set(paths)
+    assert not loops(opened.edges)
+    closed = traced(net, x, most=5)  # too many layers: the block is closed, a box per call
+    assert [layer.path for layer in closed.layers] == ["inp", "block", "block#2", "block#3", "out"]
+    assert closed.edges == [
+        ("inp", "block"),
+        ("block", "block#2"),
+        ("block#2", "block#3"),
+        ("block#3", "out"),
+    ]
+    assert closed.layer("block#3").label == "Residual" and closed.layer("block#3").shape == [2, 8]
+    counted = sum(closed.layer(p).params for p in ("inp", "block", "out"))
+    assert closed.params == sum(p.numel() for p in net.parameters()) == counted
+
+
 def test_a_tied_weight_is_counted_once():
     net = Tied()
     inside = traced(net, torch.tensor([[1, 2, 3]]))

@@ -62,13 +62,21 @@ def _looks(model: nn.Module, look: str, fn):  # noqa: ANN001, ANN202
     return got
 
 
+def _again(path: str) -> bool:
+    """A box of a module's second or later call (`relu#2`)."""
+    return "#" in path.rpartition(".")[2]
+
+
 def _counted(inside) -> int:  # noqa: ANN001
     """Each box's own parameters times the folds it sits in, once per level: a layer's
-    parameters, and a block's own (a class token, a layer scale: held by the block itself)."""
+    parameters, and a block's own (a class token, a layer scale: held by the block itself).
+    A box of a module's second call (`attention#2`) holds the first call's parameters."""
     by = {x.path: x for x in inside.layers}
     total = 0
     for x in inside.layers:
-        own = x.params - sum(by[c].params * by[c].times for c in x.made_of)
+        if _again(x.path):
+            continue
+        own = x.params - sum(by[c].params * by[c].times for c in x.made_of if not _again(c))
         times, block = x.times, x.block
         while block is not None:
             times *= by[block].times
@@ -114,7 +122,10 @@ def _drawn(case: zoo.Case, g: Graph, node: str, depth: int):  # noqa: ANN202
         tied = len({id(p) for p in case.model.parameters()}) < len(
             list(case.model.named_parameters(remove_duplicate=False))
         )
-        assert (_counted(inside) >= params) if tied else (_counted(inside) == params)
+        boxed = any(x.path == "" for x in inside.layers)  # a model with no parts is one box
+        own = 0 if boxed else sum(p.numel() for p in case.model.parameters(recurse=False))
+        counted = _counted(inside) + own
+        assert (counted >= params) if tied else (counted == params)
     assert not loops(inside.edges), f"depth {depth}: the edges loop"
     paths = {x.path for x in inside.layers}
     assert all(a in paths and b in paths for a, b in inside.edges)

@@ -1,8 +1,9 @@
 """Real models as users bring them, each built from a small config at random init (nothing is
-downloaded): transformers' BERT, GPT-2, T5, ViT, ResNet, ConvNext and MobileNetV2, torch's
-`nn.Transformer`, LSTM and GRU, and a small torchvision-style CNN written here (residual
-blocks with a shared ReLU called twice, inverted-residual blocks with squeeze-excitation and
-stochastic depth whose rates grow block by block, as EfficientNet's do).
+downloaded): transformers' BERT, GPT-2, T5, ViT, ALBERT (one layer shared across depth), CLIP
+(two towers on two inputs), ResNet, ConvNext and MobileNetV2, torch's `nn.Transformer`, LSTM
+and GRU, and a small torchvision-style CNN written here (residual blocks with a shared ReLU
+called twice, inverted-residual blocks with squeeze-excitation and stochastic depth whose
+rates grow block by block, as EfficientNet's do).
 
 Each entry is a `Case`: the model, an example as the model takes it (a tensor, or a dict of
 its forward's keywords), a target and an objective for three training steps."""
@@ -160,6 +161,56 @@ def vit() -> Case:
     )
     model = ViTForImageClassification(config)
     return Case("vit", model, _image(4), torch.tensor([1, 3]), class_loss)
+
+
+def albert() -> Case:
+    """ALBERT: one encoder layer shared across depth, called three times."""
+    from transformers import AlbertConfig, AlbertModel
+
+    torch.manual_seed(0)
+    config = AlbertConfig(
+        vocab_size=VOCAB,
+        embedding_size=16,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+    )
+    model = AlbertModel(config)
+    target = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(12))
+    return Case("albert", model, _tokens(12), target, hidden_loss)
+
+
+def clip_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
+    """CLIP's contrastive loss: each image against each text, `target` the text each image
+    goes with."""
+    logits = out.logits_per_image
+    return (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+
+
+def clip() -> Case:
+    """CLIP: a text tower and a vision tower on two inputs, and a temperature the model itself
+    holds (a parameter in no layer)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    tower = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    config = CLIPConfig(
+        text_config={
+            **tower,
+            "vocab_size": VOCAB,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 32,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+        vision_config={**tower, "num_attention_heads": 2, "image_size": 32, "patch_size": 8},
+        projection_dim=16,
+    )
+    model = CLIPModel(config)
+    example = {**_tokens(13), "pixel_values": _image(13)}
+    return Case("clip", model, example, torch.arange(BATCH), clip_loss)
 
 
 def resnet() -> Case:
@@ -334,6 +385,8 @@ CASES = {
         gpt2,
         t5,
         vit,
+        albert,
+        clip,
         resnet,
         convnext,
         mobilenet,

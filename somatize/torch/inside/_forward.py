@@ -50,7 +50,7 @@ class _Forward:
     def __init__(self, root: nn.Module, depth: int) -> None:
         self.opening = Opening(root, depth)
         self.out = Traced()
-        self.stack: list[str] = []
+        self.calls: Calls | None = None  # the hooks that say which blocks are open
         self.counts: dict[str, int] = {}
         self.order: list[str] = []
         # every tensor known, by id with a weak reference (an id is only that tensor's while
@@ -85,11 +85,14 @@ class _Forward:
         name = function_name(func)
         outs = tensors_in(result)
         if drawn(name) and outs and outs[0].is_floating_point() and not joins_nothing(name, given):
-            block = self.stack[-1] if self.stack else None
+            stack = self.calls.stack if self.calls is not None else []
+            block = stack[-1] if stack else None
             if block:
                 self.opening.add_block(self.out, block)
             layer = function_layer(self.out, block, func, self.counts)
             layer.shape = list(outs[0].shape)
+            if self.calls is not None:
+                layer.within = self.calls.within()
             self.order.append(layer.path)
             self.link(made, layer.path)
             self.mark(outs, frozenset((layer.path,)))
@@ -102,8 +105,10 @@ class Calls:
     which path each call is made under and which call of that path it is.
 
     A module tied in two places is one object at two paths: a call is put at the path inside
-    the block that is running. `enter(path, call, args, kwargs)` hears a layer's call begin
-    and `leave(path, call, output)` hear it end; nothing inside a layer is heard. While
+    the block that is running; `within()` says which call of each open block is running (a
+    block is counted only where it is hooked). `enter(path, call, args, kwargs)` hears a
+    layer's call begin and `leave(path, call, output)` hear it end; nothing inside a layer is
+    heard. While
     `live` is False nothing is heard and nothing is counted. With `blocks` False the blocks
     are hooked only when a module is tied (their hooks are what says which path it is
     called under), for who needs the layers alone. With `only`, a module with no children
@@ -156,6 +161,10 @@ class Calls:
             self.handles.append(module.register_forward_hook(self._post(paths)))
         return self
 
+    def within(self) -> dict[str, int]:
+        """Which call (from 1) of each block open now the running call is in."""
+        return {path: self.calls.get(path, 1) for path in self.stack}
+
     def disarm(self) -> None:
         """Every hook off."""
         for h in self.handles:
@@ -178,6 +187,7 @@ class Calls:
                 return
             path, shut = self._pick(paths)
             if not shut:
+                self.calls[path] = self.calls.get(path, 0) + 1
                 self.stack.append(path)
                 return
             self.calls[path] = k = self.calls.get(path, 0) + 1
@@ -213,7 +223,7 @@ class Reading:
         self.s = _Forward(root, depth)
         self.hooks = Calls(self.s.opening, self._layer_in, self._layer_out)
         self.hooks.live = False
-        self.s.stack = self.hooks.stack
+        self.s.calls = self.hooks
         self.handles: list[Any] = []
         self.mode: _Functions | None = None
         self.on = False  # the mode is on the stack
@@ -236,6 +246,7 @@ class Reading:
             self.passing = made
             return
         layer = s.opening.add_leaf(s.out, path, call)
+        layer.within = self.hooks.within()
         s.order.append(layer.path)
         s.link(made, layer.path)
 

@@ -13,6 +13,7 @@ from somatize.torch.inside._trace import (
     Opening,
     Raw,
     Traced,
+    block_call,
     drawn,
     function_layer,
     ordered,
@@ -71,6 +72,7 @@ def by_fx(
                 continue
             calls[n.target] = k = calls.get(n.target, 0) + 1
             made[n] = opening.add_leaf(out, n.target, k)
+            made[n].within = _within(n, n.target)
         elif n.op in ("call_function", "call_method"):
             if not any(i in data for i in n.all_input_nodes):
                 continue  # works on constants only: not the data
@@ -81,11 +83,12 @@ def by_fx(
             )
             if not drawn(function_name(n.target)) or not floating:
                 continue
-            stack = n.meta.get("nn_module_stack") or {}
-            block = next(reversed(stack), None) if stack else None
+            within = _within(n)
+            block = next(reversed(within), None)
             if block:
                 opening.add_block(out, block)
             made[n] = function_layer(out, block, n.target, counts)
+            made[n].within = within
     producers: dict[fx.Node, set[str]] = {}
 
     def produced_by(n: fx.Node) -> set[str]:
@@ -109,6 +112,12 @@ def by_fx(
     ordered(out, [made[n].path for n in graph.nodes if n in made])
     prune(out, ends)
     return out
+
+
+def _within(n: fx.Node, itself: str | None = None) -> dict[str, int]:
+    """The blocks a node ran inside, outermost first, each with the call of it (from 1)."""
+    blocks = (block_call(key) for key in n.meta.get("nn_module_stack") or {})
+    return {path: call for path, call in blocks if path != itself}
 
 
 def _values(

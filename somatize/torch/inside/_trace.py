@@ -11,7 +11,8 @@ carries data along (indexing, a view, a reshape, a cast) hands its input's produ
 what it returns. A function is drawn as a layer only when it computes a floating tensor from
 the data; what works on masks and counters (`gt`, `eq`, `triu`, an assert) is bookkeeping and
 is not drawn. A module called twice is a box per call (`relu`, then `relu#2`), so nothing
-loops.
+loops; each layer knows which call of each block around it it ran in (`Raw.within`), so a
+block called twice and closed back into one box (`fold.collapse`) is a box per call too.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "passes",
     "joins_nothing",
     "call_path",
+    "block_call",
     "config_of",
     "function_layer",
     "prune",
@@ -81,11 +83,22 @@ def call_path(path: str, call: int) -> str:
     return path if call == 1 else f"{path}#{call}"
 
 
+def block_call(key: str) -> tuple[str, int]:
+    """A block as torch.fx keys it in a node's `nn_module_stack` (`path`, then `path@1` for
+    its second call, ...), as (path, call from 1)."""
+    path, at, n = key.rpartition("@")
+    if at and n.isdigit():
+        return path, int(n) + 1
+    return key, 1
+
+
 @dataclass
 class Raw:
     """One layer as a tracer saw it, before folding. `config` is what sets the module up
     beyond its shapes (its `extra_repr` and float settings such as a drop rate), so blocks
-    that differ there are not folded together; `composite` marks a module with children."""
+    that differ there are not folded together; `composite` marks a module with children;
+    `within` says which call (from 1) of each block around it this layer ran in, where the
+    reader knows (a block left out was called once)."""
 
     path: str
     kind: str
@@ -96,6 +109,7 @@ class Raw:
     config: str = ""
     composite: bool = False
     function: bool = False
+    within: dict[str, int] = field(default_factory=dict)  # block path → its call it ran in
 
 
 @dataclass

@@ -5,9 +5,10 @@ Both work on the raw answer of a tracer (`somatize.torch._trace.Traced`) and kee
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from somatize.torch.inside._trace import Raw, Traced
+from somatize.torch.inside._trace import Raw, Traced, call_path
 
 __all__ = ["fold", "collapse", "Folded"]
 
@@ -145,8 +146,9 @@ def collapse(
     layers: dict[str, Folded], edges: list[tuple[str, str]], most: int
 ) -> tuple[dict[str, Folded], list[tuple[str, str]], int]:
     """At most `most` layers: the deepest open blocks are closed first (their layers go, the
-    block stays as one layer and takes their edges); what is still too many is cut off the end,
-    and how many were is the third answer."""
+    block stays as one layer and takes their edges; a block called more than once becomes a
+    box per call, `block`, `block#2`, ..., so nothing loops); what is still too many is cut off
+    the end, and how many were is the third answer."""
 
     def level(path: str) -> int:
         n, b = 0, layers[path].raw.block
@@ -160,13 +162,11 @@ def collapse(
             break
         deepest = max(level(p) for p in opened)
         into: dict[str, str] = {}
+        boxes: dict[str, Folded] = {}
         for p in opened:
             if level(p) == deepest:
-                for c in layers[p].made_of:
-                    into[c] = p
-                layers[p].made_of = []
-        for c in into:
-            del layers[c]
+                boxes.update(_calls_of(p, layers, into))
+        layers = _closed(layers, boxes, into)
         out: dict[tuple[str, str], None] = {}
         for a, b in edges:
             a, b = into.get(a, a), into.get(b, b)
@@ -181,3 +181,42 @@ def collapse(
             f.made_of = [c for c in f.made_of if c in layers]
         edges = [(a, b) for a, b in edges if a in layers and b in layers]
     return layers, edges, hidden
+
+
+def _calls_of(block: str, layers: dict[str, Folded], into: dict[str, str]) -> dict[str, Folded]:
+    """Close `block`: each layer inside goes into the box of the block's call it ran in
+    (written into `into`); answers those boxes by path, the block itself the first."""
+    f = layers[block]
+    parent = layers[f.raw.block] if f.raw.block is not None else None
+    boxes: dict[str, Folded] = {}
+    for c in f.made_of:
+        inner = layers[c].raw
+        box = call_path(block, inner.within.get(block, 1))
+        into[c] = box
+        if box not in boxes:
+            raw = replace(f.raw, path=box, within={
+                b: k for b, k in inner.within.items() if b != block
+            })
+            boxes[box] = again = Folded(raw)
+            again.times, again.repeats = f.times, list(f.repeats)
+            if parent is not None and box != block:
+                parent.made_of.append(box)
+        boxes[box].raw.shape = inner.shape or boxes[box].raw.shape  # its last layer's
+    return boxes
+
+
+def _closed(
+    layers: dict[str, Folded], boxes: dict[str, Folded], into: dict[str, str]
+) -> dict[str, Folded]:
+    """`layers` with the closed blocks' layers gone (`into` says which box each went into):
+    a block's first box stands where the block stood, each later one where its first layer
+    ran."""
+    out: dict[str, Folded] = {}
+    for path, f in layers.items():
+        if path in into:
+            box = into[path]
+            if box not in out:
+                out[box] = boxes[box]
+        else:
+            out[path] = boxes.get(path, f)
+    return out
