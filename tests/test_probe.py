@@ -232,3 +232,36 @@ def test_watching_hears_ran_finished_and_flat_health_facts(tmp_path):
 def test_an_empty_example_is_refused_naming_its_shape():
     with pytest.raises(ValueError, match=r"empty tensor \(shape \(0, 4\)\)"):
         probe(Graph.somatize(Double()), torch.randn(0, 4))
+
+
+class MarksItsInput(nn.Module):
+    """As transformers' Wav2Vec2 feature encoder does in train mode: `requires_grad = True` on
+    a view of its input, which torch refuses once the input asks for its gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 4, 3)
+
+    def forward(self, x):
+        h = x[:, None]
+        if self.training:
+            h.requires_grad = True
+        return self.conv(h)
+
+
+def test_a_forward_that_refuses_a_differentiable_input_is_told_what_probe_did():
+    net = MarksItsInput()
+    x = torch.randn(2, 16)
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match="leaf") as caught:
+        probe(net, x)
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("asking for their gradient" in n and "model.eval()" in n for n in notes)
+    after = list(net.parameters())
+    assert net.training and all(torch.equal(a, p) for a, p in zip(before, after, strict=True))
+    assert all(p.grad is None for p in net.parameters())
+    assert not x.requires_grad
+    net.eval()  # what the note says to do
+    got = probe(net, x)
+    assert set(got) == {"marksitsinput", "marksitsinput.conv"}
+    assert got["marksitsinput.conv"]["jacobian_gain"] > 0

@@ -27,7 +27,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.run import watchers
+from somatize.run import note, watchers
 from somatize.torch._modules import Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import _wide, counts_of, magnitude_of, norm, read
@@ -36,6 +36,13 @@ from somatize.torch.inside._forward import Calls
 from somatize.torch.inside._trace import Opening
 
 __all__ = ["probe"]
+
+
+_LEAFED = (
+    "probe ran this forward with the example's floating tensors asking for their gradient (it "
+    "measures each place's Jacobian); a model that refuses such an input in train mode "
+    "(setting requires_grad on a view of it) is probed in eval mode: model.eval()"
+)
 
 
 def _leafed(value: Any) -> Any:
@@ -201,7 +208,10 @@ def probe(
     a positive number and changes nothing. `graph` may be a bare module, and an `Opaque`
     example is unwrapped. `watching=` takes a Recorder or anything callable: it hears the
     forward's `ran` and `finished`, then one flat `health` fact per place (step 0).
-    Deterministic, and side-effect free.
+    Deterministic, and side-effect free. The forward runs with the example's floating tensors
+    asking for their gradient; a model that refuses that in train mode (transformers'
+    Wav2Vec2 sets `requires_grad` on a view of its input) is probed after `model.eval()`, and
+    its error says so.
     """
     if not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
         raise ValueError(f"probes is a number of directions ≥ 1, not {probes!r}")
@@ -252,6 +262,9 @@ def probe(
                     result = g.forward(x, broker=broker, watching=told or None)
                 else:
                     result = g.forward(x, watching=told or None)
+        except Exception as e:
+            note(e, _LEAFED)
+            raise
         finally:
             for h in hooks:
                 h.disarm()
