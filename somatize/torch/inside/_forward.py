@@ -108,10 +108,9 @@ class Calls:
     the block that is running; `within()` says which call of each open block is running (a
     block is counted only where it is hooked). `enter(path, call, args, kwargs)` hears a
     layer's call begin and `leave(path, call, output)` hear it end; nothing inside a layer is
-    heard. While
-    `live` is False nothing is heard and nothing is counted. With `blocks` False the blocks
-    are hooked only when a module is tied (their hooks are what says which path it is
-    called under), for who needs the layers alone. With `only`, a module with no children
+    heard. While `live` is False nothing is heard and nothing is counted. With `blocks` False
+    the blocks are hooked only when a module is tied (their hooks are what says which path it
+    is called under), for who needs the layers alone. With `only`, a module with no children
     whose paths are none of those is not hooked (nothing is heard from it)."""
 
     def __init__(

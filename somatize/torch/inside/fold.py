@@ -194,10 +194,8 @@ def _calls_of(block: str, layers: dict[str, Folded], into: dict[str, str]) -> di
         box = call_path(block, inner.within.get(block, 1))
         into[c] = box
         if box not in boxes:
-            raw = replace(f.raw, path=box, within={
-                b: k for b, k in inner.within.items() if b != block
-            })
-            boxes[box] = again = Folded(raw)
+            around = {b: k for b, k in inner.within.items() if b != block}
+            boxes[box] = again = Folded(replace(f.raw, path=box, within=around))
             again.times, again.repeats = f.times, list(f.repeats)
             if parent is not None and box != block:
                 parent.made_of.append(box)
