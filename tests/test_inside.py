@@ -324,7 +324,7 @@ def test_a_module_called_twice_is_a_box_per_call_and_nothingloops(branchy):
 
 
 class Looped(nn.Module):
-    """A block called three times, its call a module's own (its layers and an add)."""
+    """One residual block called three times (ALBERT runs its one layer so)."""
 
     def __init__(self, branchy: bool = False):
         super().__init__()

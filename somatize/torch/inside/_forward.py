@@ -47,10 +47,10 @@ class _Forward:
     """What a reading keeps while the forward runs: the layers, which tensor each made, and
     the blocks open around the call in progress."""
 
-    def __init__(self, root: nn.Module, depth: int) -> None:
-        self.opening = Opening(root, depth)
+    def __init__(self, opening: Opening, calls: Calls) -> None:
+        self.opening = opening
         self.out = Traced()
-        self.calls: Calls | None = None  # the hooks that say which blocks are open
+        self.calls = calls  # the hooks: which blocks are open, and which call of each
         self.counts: dict[str, int] = {}
         self.order: list[str] = []
         # every tensor known, by id with a weak reference (an id is only that tensor's while
@@ -85,14 +85,13 @@ class _Forward:
         name = function_name(func)
         outs = tensors_in(result)
         if drawn(name) and outs and outs[0].is_floating_point() and not joins_nothing(name, given):
-            stack = self.calls.stack if self.calls is not None else []
+            stack = self.calls.stack
             block = stack[-1] if stack else None
             if block:
                 self.opening.add_block(self.out, block)
             layer = function_layer(self.out, block, func, self.counts)
             layer.shape = list(outs[0].shape)
-            if self.calls is not None:
-                layer.within = self.calls.within()
+            layer.within = self.calls.within()
             self.order.append(layer.path)
             self.link(made, layer.path)
             self.mark(outs, frozenset((layer.path,)))
@@ -219,10 +218,10 @@ class Reading:
 
     def __init__(self, root: nn.Module, depth: int) -> None:
         self.root = root
-        self.s = _Forward(root, depth)
-        self.hooks = Calls(self.s.opening, self._layer_in, self._layer_out)
+        opening = Opening(root, depth)
+        self.hooks = Calls(opening, self._layer_in, self._layer_out)
         self.hooks.live = False
-        self.s.calls = self.hooks
+        self.s = _Forward(opening, self.hooks)
         self.handles: list[Any] = []
         self.mode: _Functions | None = None
         self.on = False  # the mode is on the stack
