@@ -38,18 +38,28 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=30)
 
 
+def stopped_mid_write(proc: subprocess.Popen, where: Path, seen: int = 0) -> list[Path]:
+    """Stop `proc` (SIGSTOP) over and over until more than `seen` temp files are there, and
+    leave it stopped: the temp files then. Empty, and `proc` running, if a minute passes."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        proc.send_signal(signal.SIGSTOP)
+        live = temp_files(where)
+        if len(live) > seen:
+            return live
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.007)
+    return []
+
+
 def test_clean_removes_what_killed_writers_left_and_keeps_the_value(tmp_path: Path) -> None:
     store = Store(tmp_path)
     store.keep("big", {"i": 0, "payload": b"\x00" * 4_000_000})
-    for attempt in range(12):  # kill writers at odd moments until some left a temp file
+    for seen in range(2):  # two writers killed mid-write, each leaving its temp file
         proc = writer(tmp_path)
-        time.sleep(0.15 + 0.037 * attempt)
-        proc.send_signal(signal.SIGKILL)
-        stop(proc)
-        if len(temp_files(tmp_path)) >= 2:
-            break
-    left = temp_files(tmp_path)
-    assert left, "no writer was caught mid-write in 12 kills"
+        left = stopped_mid_write(proc, tmp_path, seen)
+        stop(proc)  # SIGKILL, where it stands
+        assert len(left) > seen, "a writer was never caught mid-write in a minute"
     size = sum(p.stat().st_size for p in left)
     value = store.recall("big")
     removed = store.clean()
@@ -67,21 +77,15 @@ def test_clean_never_touches_a_live_writers_file(tmp_path: Path) -> None:
     store = Store(tmp_path)
     proc = writer(tmp_path)
     try:
+        live = stopped_mid_write(proc, tmp_path)
+        assert live, "the writer was never caught mid-write in a minute"
         deadline = time.monotonic() + 60
-        while True:  # stop the writer while its temp file is there
-            proc.send_signal(signal.SIGSTOP)
-            live = temp_files(tmp_path)
-            if live or time.monotonic() > deadline:
-                break
-            proc.send_signal(signal.SIGCONT)
-            time.sleep(0.011)
-        assert live, "the writer was never caught mid-write"
         assert store.clean(older_than=0) == {"files": 0, "bytes": 0}
         assert temp_files(tmp_path) == live
         proc.send_signal(signal.SIGCONT)
         seen = store.recall("big")["i"] if store.resolve("big") else 0
         while store.recall("big") is None or store.recall("big")["i"] <= seen + 1:
-            assert time.monotonic() < deadline + 60, "the writer did not go on after clean"
+            assert time.monotonic() < deadline, "the writer did not go on after clean"
             time.sleep(0.01)
     finally:
         stop(proc)
