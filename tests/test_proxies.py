@@ -56,6 +56,35 @@ def test_synflow_by_hand():
     assert proxy(net, torch.randn(batch, 2), "synflow") == pytest.approx(math.log(2 * r))
 
 
+class _Float32(nn.Module):
+    """Casts to float32, as a timestep embedding written with `.float()` does."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float()
+
+
+class _NaN(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * math.nan
+
+
+def test_synflow_is_taken_in_float32_where_the_net_will_not_run_in_float64():
+    net = nn.Sequential(nn.Linear(2, 2, bias=False), nn.ReLU(), nn.Linear(2, 1, bias=False))
+    with torch.no_grad():
+        net[0].weight.copy_(torch.tensor([[0.5, -1.0], [2.0, 0.25]]))
+        net[2].weight.copy_(torch.tensor([[-3.0, 0.5]]))
+    cast = nn.Sequential(net[0], _Float32(), net[1], net[2])  # float64 meets float32 and fails
+    x = torch.randn(3, 2)
+    eps = torch.finfo(torch.float32).eps
+    assert proxy(cast, x, "synflow") == pytest.approx(proxy(net, x, "synflow"), rel=16 * eps)
+    assert net[0].weight.dtype == torch.float32 and net[0].weight[0, 1] == -1.0
+    broken = nn.Sequential(nn.Linear(2, 2), _NaN())
+    told = r"synflow .* neither in float64 \(.*nan.*\) nor in float32"
+    with pytest.warns(UserWarning, match=told):
+        got = proxies(broken, x)
+    assert "synflow" not in got
+
+
 def test_synflow_turns_batch_norm_off():
     net = nn.Sequential(nn.Linear(2, 2, bias=False), nn.BatchNorm1d(2), nn.Linear(2, 1, bias=False))
     bare = nn.Sequential(net[0], nn.Identity(), net[2])

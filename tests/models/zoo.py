@@ -1,9 +1,9 @@
 """Real models as users bring them, each built from a small config at random init (nothing is
 downloaded): transformers' BERT, GPT-2, T5, ViT, ALBERT (one layer shared across depth), CLIP
-(two towers on two inputs), ResNet, ConvNext and MobileNetV2, torch's `nn.Transformer`, LSTM
-and GRU, and a small torchvision-style CNN written here (residual blocks with a shared ReLU
-called twice, inverted-residual blocks with squeeze-excitation and stochastic depth whose
-rates grow block by block, as EfficientNet's do).
+(two towers on two inputs), Mixtral (a mixture of experts), ResNet, ConvNext and MobileNetV2,
+torch's `nn.Transformer`, LSTM and GRU, and a small torchvision-style CNN written here (residual
+blocks with a shared ReLU called twice, inverted-residual blocks with squeeze-excitation and
+stochastic depth whose rates grow block by block, as EfficientNet's do).
 
 Each entry is a `Case`: the model, an example as the model takes it (a tensor, or a dict of
 its forward's keywords), a target and an objective for three training steps."""
@@ -180,6 +180,28 @@ def albert() -> Case:
     model = AlbertModel(config)
     target = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(12))
     return Case("albert", model, _tokens(12), target, hidden_loss)
+
+
+def mixtral() -> Case:
+    """Mixtral: a mixture of experts, two of four per token (an expert no token was routed
+    to gets no gradient that step), whose expert kernel runs in float32 only."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+    )
+    model = MixtralForCausalLM(config)
+    example = _tokens(13)
+    return Case("mixtral", model, example, example["input_ids"].roll(-1, 1), token_loss)
 
 
 def clip_loss(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -387,6 +409,7 @@ CASES = {
         vit,
         albert,
         clip,
+        mixtral,
         resnet,
         convnext,
         mobilenet,

@@ -3,7 +3,9 @@
 Each is a zero-cost proxy from the literature, taken on the whole graph as it runs:
 
 - synflow: Σ |θ·∂R/∂θ| with every weight replaced by its magnitude, in float64, batch norm
-  off, R the sum of the output on an all-ones input (Tanaka et al. 2020). Logarithm.
+  off, R the sum of the output on an all-ones input (Tanaka et al. 2020). Logarithm. A net
+  that will not run in float64 (a float32-only kernel, as in transformers' mixture of
+  experts; a NaN where float64 meets a float32 constant) is scored in float32.
 - zen: log E_i Σ_j |f(x)_ij − f(x + αε)_ij| + Σ_BN ½ log mean_c σ²_c, x and ε standard
   normal, α = 0.01, σ²_c the batch variance of what reaches each batch norm (Lin et al. 2021).
 - naswot: log |det K| with K_ij = c_i·c_j + (1−c_i)·(1−c_j), c_i the binary code of which
@@ -136,8 +138,20 @@ def _through(x: Any, *_: Any, **__: Any) -> Any:
 
 
 def _synflow(s: _Subject, example: Any, **_: Any) -> float:
+    try:
+        return _synflow_in(s, example, torch.float64)
+    except Exception as e:  # noqa: BLE001  (a net that will not run in float64, told below)
+        in64 = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    try:
+        return _synflow_in(s, example, torch.float32)
+    except Exception as e:  # noqa: BLE001
+        in32 = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    raise _NotHere(f"synflow ran the net neither in float64 ({in64}) nor in float32 ({in32})")
+
+
+def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
     for m in s.modules:
-        m.double()  # buffers too, so nothing meets a float32 tensor
+        m.to(dtype)  # buffers too, so nothing meets a tensor of another precision
     with torch.no_grad():
         for p in s.params:
             p.data = p.data.abs()
@@ -145,13 +159,15 @@ def _synflow(s: _Subject, example: Any, **_: Any) -> float:
     for m in bn:
         object.__setattr__(m, "forward", _through)
     try:
-        ones = _map(example, lambda t: torch.ones_like(t, dtype=torch.float64))
-        r = sum(t.double().sum() for t in s.run(ones))
+        ones = _map(example, lambda t: torch.ones_like(t, dtype=dtype))
+        r = sum(t.to(dtype).sum() for t in s.run(ones))
         grads = _grads(r, s.params)
     finally:
         for m in bn:
             object.__delattr__(m, "forward")
     score = sum(float((p.detach() * g).abs().sum()) for p, g in zip(s.params, grads, strict=True))
+    if not math.isfinite(score):
+        raise ValueError(f"the score is {score} in {str(dtype).removeprefix('torch.')}")
     return _log(score)
 
 
