@@ -239,3 +239,23 @@ def test_a_module_stands_in_an_expression_as_it_is():
     got = architecture(g, case.example)
     assert set(got) == {"bertmodel", "head"}  # a plain function holds no module
     assert got["head"].params == 32 * 3 + 3
+
+
+def test_lora_trains_its_adapters_and_leaves_the_base_as_it_was():
+    case = zoo.CASES["lora"]()
+    model = case.model
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    adapters = {k for k, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in k for k in adapters)
+    trainer = Trainer(
+        model,
+        objective=case.objective,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        auditing=Audit(every=1, inside=True),
+    )
+    for _ in range(3):
+        trainer.step((case.example, case.target))
+    after = dict(model.named_parameters())
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved == adapters
+    assert all(not after[k].requires_grad for k in before if k not in adapters)

@@ -1,9 +1,10 @@
 """Real models as users bring them, each built from a small config at random init (nothing is
-downloaded): transformers' BERT, GPT-2, T5, ViT, ALBERT (one layer shared across depth), CLIP
-(two towers on two inputs), Mixtral (a mixture of experts), ResNet, ConvNext and MobileNetV2,
-torch's `nn.Transformer`, LSTM and GRU, and a small torchvision-style CNN written here (residual
-blocks with a shared ReLU called twice, inverted-residual blocks with squeeze-excitation and
-stochastic depth whose rates grow block by block, as EfficientNet's do).
+downloaded): transformers' BERT, GPT-2 (also with peft's LoRA), T5, ViT, ALBERT (one layer
+shared across depth), CLIP (two towers on two inputs), Mixtral (a mixture of experts), ResNet,
+ConvNext and MobileNetV2, torch's `nn.Transformer`, LSTM and GRU, and a small torchvision-style
+CNN written here (residual blocks with a shared ReLU called twice, inverted-residual blocks
+with squeeze-excitation and stochastic depth whose rates grow block by block, as
+EfficientNet's do).
 
 Each entry is a `Case`: the model, an example as the model takes it (a tensor, or a dict of
 its forward's keywords), a target and an objective for three training steps."""
@@ -124,6 +125,17 @@ def gpt2() -> Case:
     model = GPT2LMHeadModel(config)
     example = _tokens(2)
     return Case("gpt2", model, example, example["input_ids"].roll(-1, 1), token_loss)
+
+
+def lora() -> Case:
+    """GPT-2 fine-tuned the way most are now: peft's LoRA on its attention projection, the
+    base frozen, the model a `PeftModel` whose forward takes `*args, **kwargs`."""
+    from peft import LoraConfig, get_peft_model
+
+    base = gpt2().model
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    example = _tokens(14)
+    return Case("lora", model, example, example["input_ids"].roll(-1, 1), token_loss)
 
 
 def t5() -> Case:
@@ -405,6 +417,7 @@ CASES = {
     for f in (
         bert,
         gpt2,
+        lora,
         t5,
         vit,
         albert,
