@@ -102,6 +102,32 @@ def test_snip_grasp_grad_norm_by_hand():
     assert proxy(net, X, "grasp", **kw) == pytest.approx(-(w @ (h @ g)), rel=1e-4)
 
 
+class _Attention(nn.Module):
+    """One head of self-attention, through torch's fused kernel or written out."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(4, 12, bias=False)
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)  # (batch, 1 head, seq, 4)
+        if self.fused:
+            return F.scaled_dot_product_attention(q, k, v)
+        return torch.softmax(q @ k.transpose(-2, -1) / 2.0, dim=-1) @ v
+
+
+def test_grasp_is_taken_through_fused_attention_as_through_attention_written_out():
+    torch.manual_seed(0)
+    fused, plain = _Attention(fused=True), _Attention(fused=False)
+    plain.load_state_dict(fused.state_dict())
+    x, y = torch.randn(2, 5, 4), torch.randn(2, 1, 5, 4)
+    kw = dict(target=y, objective=mse)
+    got = proxy(fused, x, "grasp", **kw)  # raises where it cannot be taken
+    eps = torch.finfo(torch.float32).eps  # two orders of summation of one float32 formula
+    assert got == pytest.approx(proxy(plain, x, "grasp", **kw), rel=64 * eps)
+
+
 def test_fisher_by_hand():
     net = _scalar_net()
     x, t, y, r, g, h = _hand()

@@ -14,6 +14,8 @@ Each is a zero-cost proxy from the literature, taken on the whole graph as it ru
   matrix of the per-sample input gradients of the summed output (Mellor et al. 2020).
 - snip: Σ |θ·∂L/∂θ| (Lee et al. 2019). Logarithm.
 - grasp: −Σ θ·(H ∂L/∂θ), H the Hessian of the loss (Wang et al. 2020). As is: it has a sign.
+  Attention runs through torch's math kernel of `scaled_dot_product_attention` here: the
+  fused kernels (flash, memory-efficient) have no second derivative.
 - grad_norm: ‖∂L/∂θ‖₂ over every parameter. Logarithm.
 - fisher: Σ_layers Σ_c ½ mean_i (Σ_spatial a·∂L/∂a)², a the output of every conv and
   learned layer (Theis et al. 2018). Logarithm.
@@ -29,6 +31,7 @@ why; the others are still taken.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable
@@ -36,6 +39,11 @@ from typing import Any
 
 import torch
 from torch import nn
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # torch 2.2: grasp is left out where the fused kernels run, as told
+    sdpa_kernel = None
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
@@ -247,9 +255,11 @@ def _snip(s: _Subject, example: Any, *, target: Any, objective: Callable, **_: A
 
 
 def _grasp(s: _Subject, example: Any, *, target: Any, objective: Callable, **_: Any) -> float:
-    grads = _grads(_loss(s, example, target, objective), s.params, create_graph=True)
-    z = sum((g * g.detach()).sum() for g in grads)
-    hg = _grads(z, s.params)
+    twice = sdpa_kernel([SDPBackend.MATH]) if sdpa_kernel else contextlib.nullcontext()
+    with twice:  # the one attention kernel with a derivative of its backward
+        grads = _grads(_loss(s, example, target, objective), s.params, create_graph=True)
+        z = sum((g * g.detach()).sum() for g in grads)
+        hg = _grads(z, s.params)
     return float(-sum((p.detach() * h).sum() for p, h in zip(s.params, hg, strict=True)))
 
 
