@@ -7,7 +7,9 @@ tests/browser/."""
 from __future__ import annotations
 
 import base64
+import math
 import re
+import warnings
 import xml.etree.ElementTree as ET
 
 import figure_data as fd
@@ -258,6 +260,19 @@ def test_compare_names_the_candidate_it_cannot_look_at():
     lazy(torch.randn(3, 4))
     df = compare({"fine": fine, "lazy": lazy}, torch.randn(3, 4))
     assert df.loc["lazy", "params"] == 4 * 8 + 8 + 8 * 2 + 2
+
+
+def test_compare_says_which_candidate_a_proxy_was_left_out_of():
+    torch.manual_seed(0)
+    relu = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    linear = nn.Sequential(nn.Linear(4, 2))  # no activation layer for naswot to read
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        df = compare({"relu": relu, "linear": linear}, torch.randn(6, 4))
+    told = [str(w.message) for w in said if "naswot" in str(w.message)]
+    assert told and all(t.startswith("candidate 'linear': proxies: naswot") for t in told)
+    assert math.isnan(df.loc["linear", "proxy:naswot"])
+    assert math.isfinite(df.loc["relu", "proxy:naswot"])
 
 
 def test_compare_holds_probe_summaries_and_proxies_and_loss_proxies_with_a_target():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -94,8 +95,9 @@ def compare(
     `somatize.torch.proxies` could take with what it was given; higher is better),
     `probe:<metric>` (the median over places of what `somatize.torch.probe` measured at
     initialisation), `probe:flags` (what `somatize.health.verdict` says of any place), and
-    `measured` when given (`{candidate: number}`, e.g. accuracy after training). Refused: no
-    candidates, a measured value for a candidate that is not there."""
+    `measured` when given (`{candidate: number}`, e.g. accuracy after training); a proxy
+    left out of a candidate is NaN in its row, and warned with the candidate's name. Refused:
+    no candidates, a measured value for a candidate that is not there."""
     import pandas as pd
 
     from somatize.torch import probe, proxies
@@ -114,10 +116,14 @@ def compare(
     for name, graph in named.items():
         graph = as_graph(graph)  # a bare module is a graph of one node
         try:  # the proxies first: they refuse a candidate that cannot be looked at, clearly
-            scores = proxies(graph, example, target=target, objective=objective)
-            looked = _probe_summary(probe(graph, example))
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                scores = proxies(graph, example, target=target, objective=objective)
+                looked = _probe_summary(probe(graph, example))
         except ValueError as error:
             raise ValueError(f"candidate {name!r}: {error}") from None
+        for w in said:  # what was left out of which candidate
+            warnings.warn(f"candidate {name!r}: {w.message}", w.category, stacklevel=2)
         row: dict[str, Any] = {"params": _parameter_count(graph)}
         if measured is not None:
             value = measured.get(name)
