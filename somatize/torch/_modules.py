@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -142,13 +142,18 @@ class Held:
         self.params = list({id(p): p for m in roots for p in m.parameters()}.values())
         self.buffers = list(buffers.values())
 
-    def refuse(self, why: str = "a look leaves the net as it found it") -> None:
+    def refuse(
+        self, why: str = "a look leaves the net as it found it", *, reads: str | None = None
+    ) -> None:
         """Refuse a net no look can run as it is: one holding a lazy module's weights not
         made yet (its first forward makes them and turns the module into another class,
         which no look may do to a net, and an audit cannot size what is not there yet), or
         a compiled module (`torch.compile`, TorchScript), which runs compiled code where a
         look reads modules through hooks run eagerly. `why` says what is at stake for the
-        first."""
+        first. With `reads` (the look that reads the numbers a net computes: probe,
+        proxies, an Audit), also a net holding weights on the meta device (shapes without
+        values, as `with torch.device("meta")` builds a model too large to allocate), which
+        `architecture` and `traced` draw as it is."""
         for m in self.modules:
             made = _compiled(m)
             if made:
@@ -158,18 +163,33 @@ class Held:
                     "instead; give it the module that was compiled (model), which holds the "
                     "same weights"
                 )
+        unmade = self._holding(is_lazy)
+        if unmade:
+            raise ValueError(
+                f"{unmade} not made yet (a lazy module makes them in its first forward), and "
+                f"{why}: run it once first (model(example), or g.forward(example))"
+            )
+        shapes = self._holding(lambda t: t.is_meta) if reads is not None else None
+        if shapes:
+            raise ValueError(
+                f"{shapes} on the meta device (shapes without values), and {reads} reads the "
+                "numbers the net computes: give it weights first (load them, or "
+                "model.to_empty(device='cpu') and initialise them); architecture and traced "
+                "draw it as it is"
+            )
+
+    def _holding(self, which: Callable[[torch.Tensor], bool]) -> str | None:
+        """'Model holds a.weight, b.bias' for the first root holding such tensors, if any."""
         held = itertools.chain(self.params, (b for _, _, b in self.buffers))
-        if not any(is_lazy(t) for t in held):
-            return
+        if not any(which(t) for t in held):
+            return None
         for m in self.roots:
             named = itertools.chain(m.named_parameters(), m.named_buffers())
-            unmade = [name for name, t in named if is_lazy(t)]
-            if unmade:
-                raise ValueError(
-                    f"{type(m).__name__} holds {', '.join(unmade)} not made yet (a lazy "
-                    f"module makes them in its first forward), and {why}: run it once first "
-                    "(model(example), or g.forward(example))"
-                )
+            names = [name for name, t in named if which(t)]
+            if names:
+                more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+                return f"{type(m).__name__} holds {', '.join(names[:4])}{more}"
+        return None
 
     def differentiable(self) -> None:
         """Every module computing out of place and every parameter asking for its gradient:
@@ -183,17 +203,20 @@ class Held:
 
 
 @contextlib.contextmanager
-def untouched(modules: list[nn.Module], *, seed: int | None = 0) -> Iterator[Held]:
+def untouched(
+    modules: list[nn.Module], *, seed: int | None = 0, reads: str | None = None
+) -> Iterator[Held]:
     """Whatever happens inside, the modules come out exactly as they went in.
 
     Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
     buffers, `inplace` flags, and the global random state. With `seed`, the global generator
     is seeded inside, so a dropout draws the same masks every call. A net holding a lazy
-    module's weights not made yet, or a compiled module, is refused (`Held.refuse`). It
-    gives what the modules hold (`Held`), for whoever wants to change it in the meantime.
+    module's weights not made yet, or a compiled module, is refused (`Held.refuse`; with
+    `reads`, a net on the meta device too). It gives what the modules hold (`Held`), for
+    whoever wants to change it in the meantime.
     """
     held = Held(modules)
-    held.refuse()
+    held.refuse(reads=reads)
     modes = [(m, m.training) for m in held.modules]
     inplace = [(m, flag) for m in held.modules if (flag := _in_place(m)) is not None]
     params = [(p, p.data, p.grad, p.requires_grad) for p in held.params]

@@ -259,3 +259,24 @@ def test_lora_trains_its_adapters_and_leaves_the_base_as_it_was():
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved == adapters
     assert all(not after[k].requires_grad for k in before if k not in adapters)
+
+
+def test_a_model_on_the_meta_device_is_drawn_and_refused_by_what_reads_numbers():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):  # how a model too large to allocate is built
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=zoo.VOCAB, n_embd=32, n_layer=2, n_head=2))
+    example = {"input_ids": torch.zeros(zoo.BATCH, zoo.SEQ, dtype=torch.long, device="meta")}
+    (inside,) = architecture(model, example, depth=1).values()
+    assert inside.params == zoo.unique_params(model) > 0
+    drawn = architecture(model, example)["gpt2lmheadmodel"]
+    assert traced(model, example).to_json() == drawn.to_json()
+    told = r"GPT2LMHeadModel holds transformer\.wte\.weight, .* on the meta device.*{}"
+    with pytest.raises(ValueError, match=told.format("probe reads")):
+        probe(model, example)
+    with pytest.raises(ValueError, match=told.format("proxies reads")):
+        proxies(model, example)
+    with pytest.raises(ValueError, match=told.format("an Audit reads")):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        Trainer(model, objective=zoo.token_loss, optimizer=opt, auditing=Audit())
+    assert all(p.is_meta for p in model.parameters())

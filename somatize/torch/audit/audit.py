@@ -136,7 +136,7 @@ class Audit:
         g = as_graph(graph)
         held_by = {node: named_modules_of(g.implementation(node)) for node in g.nodes()}
         Held([m for held in held_by.values() for _, m in held]).refuse(
-            "an Audit measures weights that are there when it starts watching"
+            "an Audit measures weights that are there when it starts watching", reads="an Audit"
         )
         places: list[Place] = []
         inner: list[tuple[nn.Module, Place]] = []

@@ -251,7 +251,7 @@ def probe(
         nodes[node].saw(input, out, known)
 
     modules = [r for r in roots.values() if r is not None]
-    with untouched(modules, seed=0) as held, torch.enable_grad():
+    with untouched(modules, seed=0, reads="probe") as held, torch.enable_grad():
         try:
             held.differentiable()
             for h in hooks:

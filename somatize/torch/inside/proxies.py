@@ -101,7 +101,7 @@ class _Subject:
         roots = [root_of(self.graph.implementation(n)) for n in self.graph.nodes()]
         self.modules = [m for m in roots if m is not None]
         self.held = Held(self.modules)
-        self.held.refuse()  # the net's state, not one proxy's: refused, not left out
+        self.held.refuse(reads="proxies")  # the net, not one proxy: refused, not left out
         self.params = self.held.params
         self.every = self.held.modules
 
