@@ -72,6 +72,10 @@ def test_a_device_this_machine_lacks_is_refused_naming_the_node_and_leaving_the_
     said = " ".join([str(info.value), *getattr(info.value, "__notes__", [])])
     assert "'far'" in said and "'cuda:63'" in said and ".on(" in said
     assert g.nodes() == ["where"] and g.devices() == {}
+    if not torch.backends.mps.is_available():  # a module as it is: named by its class
+        with pytest.raises(ValueError, match=r"'linear': a Linear is placed \.on\('mps'\)"):
+            g.node(Node.of(nn.Linear(2, 2)).on("mps"))
+        assert g.nodes() == ["where"]
 
 
 def test_a_node_that_fails_on_its_device_is_named_with_the_device():

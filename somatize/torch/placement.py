@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from somatize import _hooks
-from somatize.node import Wrapped
+from somatize.node import Wrapped, kind_name
 from somatize.torch._values import mapped
 
 __all__ = ["entry", "modules_of", "named_modules_of", "move", "place", "state_digest", "trainable"]
@@ -59,13 +59,13 @@ def place(node: Any, device: str) -> None:
     kind = torch.device(device).type
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(
-            f"a {type(node).__name__} is placed .on({device!r}), and this machine has no CUDA "
+            f"a {kind_name(node)} is placed .on({device!r}), and this machine has no CUDA "
             "(torch.cuda.is_available() is False): place it .on('cpu'), or run it on a worker "
             "that has a GPU (.at(host))"
         )
     if kind == "mps" and not torch.backends.mps.is_available():
         raise ValueError(
-            f"a {type(node).__name__} is placed .on({device!r}), and this machine has no MPS "
+            f"a {kind_name(node)} is placed .on({device!r}), and this machine has no MPS "
             "(torch.backends.mps.is_available() is False): place it .on('cpu')"
         )
     for module in modules_of(node):
