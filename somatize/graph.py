@@ -41,7 +41,7 @@ def _place(nid: str, node: Node, device: str) -> None:
     except Exception as e:
         run.note(
             e,
-            f"while placing node {nid!r} ({type(node).__name__}) .on({device!r}): this machine "
+            f"while placing node {nid!r} ({kind_name(node)}) .on({device!r}): this machine "
             "may not have that device; declare another with .on(...), or leave .on() out",
         )
         raise
@@ -153,8 +153,8 @@ class Graph:
             )
         elif nid in self._impl:
             raise ValueError(
-                f"duplicate node id {nid!r}: a {type(self._impl[nid]).__name__} already has it; "
-                f"give this {type(node).__name__} another with .named(...)"
+                f"duplicate node id {nid!r}: a {kind_name(self._impl[nid])} already has it; "
+                f"give this {kind_name(node)} another with .named(...)"
             )
         self._check(nid, node, settings)
         if not takes_ctx(node):

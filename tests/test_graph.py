@@ -7,7 +7,7 @@ import json
 import pytest
 from _nodes import Add, Join, Same
 
-from somatize import Graph
+from somatize import Graph, Node
 
 
 def test_building_by_hand():
@@ -28,6 +28,12 @@ def test_duplicate_id_is_refused_naming_it():
         g.node("x", Same())
     with pytest.raises(ValueError, match="duplicate node id 'x'"):
         Graph.somatize(Add().named("x") >> Same().named("x"))
+
+    def double(v):
+        return 2 * v
+
+    with pytest.raises(ValueError, match="a Add already has it; give this double another"):
+        g.node("x", Node.of(double))  # a function as it is goes by its own name
 
 
 def test_an_edge_closing_a_cycle_is_refused_and_the_graph_is_unchanged():
