@@ -181,7 +181,10 @@ class Piece(Expr):
     def __repr__(self) -> str:
         said = {f.name: getattr(self._settings, f.name) for f in fields(Settings)}
         shown = ", ".join(f"{k}={v!r}" for k, v in said.items() if v is not None)
-        return f"{type(self.node).__name__}({shown})" if shown else repr(self.node)
+        if not shown:
+            return repr(self.node)
+        kind = repr(self.node) if isinstance(self.node, Wrapped) else type(self.node).__name__
+        return f"{kind}({shown})"
 
 
 class _Group(Expr):

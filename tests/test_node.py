@@ -115,6 +115,8 @@ def test_a_callable_stands_in_an_expression_as_it_is():
     assert Graph.somatize(lambda x: x + 1).nodes() == ["lambda"]
     node = Add()
     assert Node.of(node) is node
+    assert repr(Node.of(len).named("count")) == "Node.of(len)(name='count')"
+    assert repr(Add().named("plus")) == "Add(name='plus')"
 
 
 def test_a_dict_whose_keys_the_forward_names_is_passed_as_keywords():
