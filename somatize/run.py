@@ -153,6 +153,12 @@ def note(error: BaseException, text: str) -> BaseException:
     return error
 
 
+def in_one_line(error: BaseException) -> str:
+    """`error` as a reason in one line: its class and its message's first line."""
+    said = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {said}".strip()
+
+
 def _noted(error: BaseException, plan: Plan, i: int, device: str | None) -> BaseException:
     nid = plan.ids[i]
     node = plan.graph.implementation(nid)

@@ -16,6 +16,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import Node, Wrapped, unwrap
+from somatize.run import in_one_line
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
 from somatize.torch.inside._forward import Reading, by_forward
 from somatize.torch.inside._fx import by_fx, fx_trace
@@ -145,10 +146,6 @@ def _single(module: nn.Module, call: tuple[tuple, dict] | None) -> Traced:
     return out
 
 
-def _why(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
-
-
 def _raw(
     module: nn.Module,
     example: Any,
@@ -170,7 +167,7 @@ def _raw(
         raw = by_fx(module, depth, *(call if call else (None, None)), recorded, trace)
         return raw, "symbolic", None
     except Exception as e:  # noqa: BLE001  (fx refuses in many ways; each is a reason)
-        why = _why(e)
+        why = in_one_line(e)
     if call is None:
         return None
     raw = by_forward(module, depth, *call)
@@ -199,7 +196,7 @@ def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
         try:
             plans[node] = fx_trace(module, depth)
         except Exception as e:  # noqa: BLE001
-            why = _why(e)
+            why = in_one_line(e)
             if not isinstance(module, Holder):
                 _REFUSED.setdefault(module, {})[depth] = why
             plans[node] = _Read(module, depth, why)

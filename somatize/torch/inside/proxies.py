@@ -47,7 +47,7 @@ except ImportError:  # torch 2.2: grasp is left out where the fused kernels run,
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.run import note
+from somatize.run import in_one_line, note
 from somatize.torch._modules import Held, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.inside.kinds import kind_of
@@ -149,11 +149,11 @@ def _synflow(s: _Subject, example: Any, **_: Any) -> float:
     try:
         return _synflow_in(s, example, torch.float64)
     except Exception as e:  # noqa: BLE001  (a net that will not run in float64, told below)
-        in64 = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        in64 = in_one_line(e)
     try:
         return _synflow_in(s, example, torch.float32)
     except Exception as e:  # noqa: BLE001
-        in32 = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        in32 = in_one_line(e)
     raise _NotHere(f"synflow ran the net neither in float64 ({in64}) nor in float32 ({in32})")
 
 
@@ -359,8 +359,7 @@ def proxies(
         try:
             out[of] = _take(s, example, of, target, objective)
         except Exception as e:  # noqa: BLE001  (each proxy fails its own way; it is said)
-            said = str(e).splitlines()[0] if str(e) else ""
-            why = said if isinstance(e, _NotHere) else f"{type(e).__name__}: {said}"
+            why = str(e) if isinstance(e, _NotHere) else in_one_line(e)  # _NotHere: one line
             warnings.warn(
                 f"proxies: {of} could not be taken on this graph and is left out ({why})",
                 stacklevel=2,
