@@ -10,6 +10,7 @@ cell in the colour of its flag's family; a legend for every colour and mark.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 from somatize.figures._history import History
@@ -21,6 +22,7 @@ from somatize.figures._svg import (
     Scale,
     colour_bar,
     esc,
+    finite,
     fits,
     lines,
     number,
@@ -112,13 +114,13 @@ def picture(
     y += 24 + 14 * max(0, len(said) - 1)
     # the loss plot ends where the columns do, so its curves fill it; its labels go after it
     ends = x0 + len(bins) * cw if bins else x1
-    y = _loss(out, history, runs, sx, x0, ends, y, log, smoothing, s_lo, s_hi, width)
+    y = _loss(out, history, runs, sx, x0, ends, y, log, smoothing, width)
     values = [
         float(v)
         for r in history.runs.values()
         for p in r.places.values()
         for v in p.columns.get(metric, ())
-        if v is not None and not isinstance(v, bool) and math.isfinite(v)
+        if finite(v)
     ]
     scale = Scale(values)
     top = y + 6
@@ -140,16 +142,15 @@ def picture(
         column = place.columns.get(metric)
         cells: dict[int, Any] = {}  # column -> the last value in it
         flagged: dict[int, set[str]] = {}
-        raised: dict[str, int] = {}
+        raised: Counter[str] = Counter()
         for r, step in enumerate(place.steps):
             k = column_of[step]
             value = None if column is None else column[r]
             if value is not None or k not in cells:  # a bin shows its last value
-                cells[k] = value if value is not None else cells.get(k)
+                cells[k] = value
             if place.flags[r]:
                 flagged.setdefault(k, set()).update(place.flags[r])
-                for f in place.flags[r]:
-                    raised[f] = raised.get(f, 0) + 1
+                raised.update(place.flags[r])
         for k, value in cells.items():
             cx = x0 + k * cw
             if value is None:
@@ -164,12 +165,10 @@ def picture(
             families[fam] = None
             marks.setdefault(FAMILY_COLOURS[fam], []).append(f"M{x0 + k * cw:.1f},{ry + 12:.1f}h{max(0.8, cw):.1f}v3h{-max(0.8, cw):.1f}z")
         if raised:
-            text = ", ".join(f"{f} ×{c}" for f, c in sorted(raised.items(), key=lambda kv: -kv[1])[:2])
+            text = ", ".join(f"{f} ×{c}" for f, c in raised.most_common(2))
             colour = FAMILY_COLOURS[_family(max(raised, key=raised.get), explain)]
             out.append(f'<text x="{ends + 6:.1f}" y="{ry + 10:.1f}" font-size="10" fill="{colour}">{esc(fits(text, width - ends - 8, 10))}</text>')
-    for fill, paths in levels.items():
-        out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
-    for fill, paths in marks.items():
+    for fill, paths in [*levels.items(), *marks.items()]:
         out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
     y = top + max(1, len(rows)) * ROW
     if not rows:
@@ -196,7 +195,7 @@ def _family(flag: str, explain: dict[str, Any]) -> str:
     return explain.get("families", {}).get(flag.split("(")[0], "numeric")
 
 
-def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, s_lo, s_hi, width) -> float:
+def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
     """The loss plot from x0 to x1, with its axes, and the last loss of each run after it
     (within `width`); answers where the next part starts."""
     h = 130.0

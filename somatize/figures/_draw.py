@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from somatize.figures._layout import Point, layout
-from somatize.figures._scene import Box, pill_width, scene
+from somatize.figures._scene import Box, pill_width, reach, scene, walk
 from somatize.figures._shapes import HUES, outline
 from somatize.figures._svg import (
     FONT,
@@ -54,12 +54,6 @@ def picture(
     return _Painter(root, routes, colour, colour_label).svg()
 
 
-def _walk(box: Box, depth: int = 0):
-    yield box, depth
-    for child in box.children:
-        yield from _walk(child, depth + 1)
-
-
 class _Painter:
     def __init__(self, root: Box, routes: dict, colour: dict, label: str) -> None:
         self.root, self.routes, self.colour, self.label = root, routes, colour, label
@@ -75,7 +69,7 @@ class _Painter:
     def svg(self) -> str:
         boxes, edges, layers = [], [], []
         families: dict[str, None] = {}
-        for box, _ in _walk(self.root):
+        for box in walk(self.root):
             if box.kind == "layer":
                 families[box.family] = None
                 layers.append(self.layer(box))
@@ -195,12 +189,10 @@ class _Painter:
         path = outline(box.family, box.w, box.h)
         ink = col[1] if col else "#1f2430"
         dash = ' stroke-dasharray="3 2"' if box.family == "dropout" else ""
-        fill = (
-            f'<path d="{path}" fill="{col[0]}" stroke="{hue}" stroke-width="1.4"{dash}/>'
-            if col
-            else f'<path d="{path}" fill="#fff" stroke="{hue}" stroke-width="1.4"{dash}/>'
-            f'<path d="{path}" fill="{hue}" fill-opacity="0.13"/>'
-        )
+        bg = col[0] if col else "#fff"
+        fill = f'<path d="{path}" fill="{bg}" stroke="{hue}" stroke-width="1.4"{dash}/>'
+        if not col:  # uncoloured: tinted with its family's hue
+            fill += f'<path d="{path}" fill="{hue}" fill-opacity="0.13"/>'
         y0 = 16 if box.sub else box.h / 2 + 4
         out = [
             f'<g class="smz-layer smz-kind-{box.family}"{self.attrs(box)} '
@@ -225,26 +217,12 @@ class _Painter:
         for s, d in self.routes:
             succ.setdefault(s, []).append(d)
             into.setdefault(d, []).append(s)
-
-        def reaches(start: str, goal: str, avoid: tuple[str, str]) -> bool:
-            seen, stack = set(), [start]
-            while stack:
-                x = stack.pop()
-                for y in succ.get(x, ()):
-                    if (x, y) == avoid or y in seen:
-                        continue
-                    if y == goal:
-                        return True
-                    seen.add(y)
-                    stack.append(y)
-            return False
-
         return {
             (s, d)
             for d, sources in into.items()
             if len(sources) > 1
             for s in sources
-            if reaches(s, d, (s, d))
+            if d in reach(succ, [y for y in succ[s] if y != d], avoid=(s, d))
         }
 
     def edge(self, points: list[Point], skip: bool, s: str, d: str) -> str:
@@ -259,27 +237,25 @@ class _Painter:
 
     def legend(self, families: list[str], skips: bool) -> tuple[list[str], float]:
         out, x, y, width = [], 12.0, 8.0, max(self.root.w, 200.0) - 12
-        items: list[tuple[float, str]] = []
-        for fam in families:
-            swatch = (
+        items = [  # (label, its mark at {x}, {y}; {my} its middle)
+            (
+                fam,
                 f'<path transform="translate({{x}},{{y}})" d="{outline(fam, 26, 14)}" '
-                f'fill="{HUES[fam]}" fill-opacity="0.2" stroke="{HUES[fam]}" stroke-width="1.3"/>'
-                f'<text x="{{tx}}" y="{{ty}}" font-size="11" fill="{MUTED}">{fam}</text>'
+                f'fill="{HUES[fam]}" fill-opacity="0.2" stroke="{HUES[fam]}" stroke-width="1.3"/>',
             )
-            items.append((34 + text_width(fam, 11), swatch))
+            for fam in families
+        ]
         if skips:
-            items.append(
-                (
-                    34 + text_width("skip (residual, second input)", 11),
-                    f'<path d="M{{x}},{{my}} h26" stroke="{SKIP}" stroke-width="1.6"/>'
-                    f'<text x="{{tx}}" y="{{ty}}" font-size="11" fill="{MUTED}">skip (residual, second input)</text>',
-                )
-            )
-        for w, text in items:
+            mark = f'<path d="M{{x}},{{my}} h26" stroke="{SKIP}" stroke-width="1.6"/>'
+            items.append(("skip (residual, second input)", mark))
+        for label, mark in items:
+            w = 34 + text_width(label, 11)
             if x + w > width and x > 12:
                 x, y = 12.0, y + 20
+            out.append(mark.format(x=f"{x:.1f}", y=f"{y:.1f}", my=f"{y + 7:.1f}"))
             out.append(
-                text.format(x=f"{x:.1f}", y=f"{y:.1f}", tx=f"{x + 30:.1f}", ty=f"{y + 11:.1f}", my=f"{y + 7:.1f}")
+                f'<text x="{x + 30:.1f}" y="{y + 11:.1f}" font-size="11" fill="{MUTED}">'
+                f"{label}</text>"
             )
             x += w + 12
         h = y + 20 if items else 0.0

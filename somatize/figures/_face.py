@@ -26,21 +26,9 @@ END = "</div><!--/smz-face-->"
 
 
 class Face:
-    """What a figure adds to an anywidget: `svg()` (its picture) as the `face()` its output
-    bundle carries, and `plain()` (one line); the bundle is kept current where it was
-    shown."""
-
-    def svg(self) -> str:
-        """The figure's picture as SVG text: what a page without a kernel shows."""
-        raise NotImplementedError
-
-    def face(self) -> str:
-        """The picture as HTML for a notebook's output: the SVG as an image."""
-        return image(self.svg(), self.plain())
-
-    def plain(self) -> str:
-        """One line saying what the figure shows (the bundle's text/plain)."""
-        return type(self).__name__
+    """What a figure adds to an anywidget, from its `svg()` (its picture), `face()` (that
+    picture as HTML, what its output bundle carries) and `plain()` (one line saying what it
+    shows): `save_svg`, and the bundle kept current where it was shown."""
 
     def save_svg(self, path: str | Path) -> Path:
         """Write the picture as an SVG file (UTF-8)."""

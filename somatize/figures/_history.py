@@ -18,6 +18,7 @@ import sys
 import time
 from array import array
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from somatize.health import Verdicts, where_of
@@ -25,13 +26,8 @@ from somatize.health import numbers_of as health_numbers
 
 FACT_KEYS = frozenset({"fact", "node", "inside", "step", "where", "numbers"})
 _PLAIN = (float, int, bool)
-_STEPS = range(-(1 << 63), 1 << 63)
+STEPS = range(-(1 << 63), 1 << 63)  # a step is an int that fits in 64 bits
 _NONE: list[str] = []
-
-
-def place_of(fact: Mapping[str, Any]) -> str:
-    """A health fact's place: `node`, or `node.inside` for something inside it."""
-    return where_of(fact)
 
 
 def step_of(fact: Mapping[str, Any]) -> int:
@@ -45,7 +41,7 @@ def step_of(fact: Mapping[str, Any]) -> int:
         if not whole:
             raise ValueError(f"a fact's 'step' is an integer, not {step!r} (in {fact!r:.200})")
         step = int(step)
-    if step not in _STEPS:
+    if step not in STEPS:
         raise ValueError(f"a fact's 'step' must fit in 64 bits, not {step!r}; count steps from 0")
     return step
 
@@ -55,31 +51,28 @@ def numbers_of(fact: Mapping[str, Any]) -> dict[str, Any]:
     `inside`, `step`) holding a number or a bool (a numpy or torch scalar made a number)."""
     source = health_numbers(fact)
     out = {k: v for k, v in source.items() if type(v) in _PLAIN and k not in FACT_KEYS}
-    if len(source) - len(out) > sum(1 for k in FACT_KEYS if k in source):  # a numpy scalar?
-        for k, v in source.items():
-            if k in out or k in FACT_KEYS or v is None or isinstance(v, str):
+    for k, v in source.items():  # a numpy or torch scalar made a number
+        if k in out or k in FACT_KEYS or v is None or isinstance(v, str):
+            continue
+        item = getattr(v, "item", None)
+        if callable(item):
+            try:
+                v = item()
+            except (TypeError, ValueError, RuntimeError):
                 continue
-            item = getattr(v, "item", None)
-            if callable(item):
-                try:
-                    v = item()
-                except (TypeError, ValueError, RuntimeError):
-                    continue
-                if isinstance(v, _PLAIN):
-                    out[str(k)] = v
+            if isinstance(v, _PLAIN):
+                out[str(k)] = v
     return out
 
 
+@dataclass(slots=True)
 class Place:
     """One watched place in one run; `judged` rows have their flags."""
 
-    __slots__ = ("columns", "flags", "judged", "steps")
-
-    def __init__(self) -> None:
-        self.steps: list[int] = []
-        self.columns: dict[str, list[Any]] = {}
-        self.flags: list[list[str]] = []
-        self.judged = 0
+    steps: list[int] = field(default_factory=list)
+    columns: dict[str, list[Any]] = field(default_factory=dict)
+    flags: list[list[str]] = field(default_factory=list)
+    judged: int = 0
 
     def add(self, step: int, numbers: dict[str, Any]) -> None:
         rows = len(self.steps)
@@ -101,15 +94,13 @@ class Place:
         return {k: c[row] for k, c in self.columns.items() if c[row] is not None}
 
 
+@dataclass(slots=True)
 class Run:
     """One run: its loss, and its places in the order first seen."""
 
-    __slots__ = ("loss_steps", "loss_values", "places")
-
-    def __init__(self) -> None:
-        self.loss_steps: list[int] = []
-        self.loss_values: list[float] = []
-        self.places: dict[str, Place] = {}
+    loss_steps: list[int] = field(default_factory=list)
+    loss_values: list[float] = field(default_factory=list)
+    places: dict[str, Place] = field(default_factory=dict)
 
 
 class History:
@@ -139,7 +130,7 @@ class History:
             if len(fact) - len(numbers) > 3 + ("inside" in fact):  # a numpy scalar, perhaps
                 numbers = numbers_of(fact)
         else:
-            where, numbers, step = place_of(fact), numbers_of(fact), step_of(fact)
+            where, numbers, step = where_of(fact), numbers_of(fact), step_of(fact)
         places = self.run(run).places
         place = places.get(where)
         if place is None:
@@ -223,13 +214,10 @@ def binary(values: list[Any], buffers: list) -> dict[str, int]:
 def plain_numbers(values: list[Any]) -> list[Any]:
     """Numbers as JSON holds them: NaN and infinities as "nan", "inf", "-inf", None as null,
     a bool as 0 or 1."""
-    out = []
-    for v in floats(values).tolist():
-        out.append(v if math.isfinite(v) else ("nan" if v != v else "inf" if v > 0 else "-inf"))
-    for k, v in enumerate(values):
-        if v is None:
-            out[k] = None
-    return out
+    return [
+        None if given is None else v if math.isfinite(v) else str(v)
+        for given, v in zip(values, floats(values).tolist(), strict=True)
+    ]
 
 
 def _column(values: list[Any], buffers: list | None) -> dict[str, Any]:

@@ -32,10 +32,7 @@ class Item:
 
 @dataclass
 class _Placed:
-    layers: list[list[Item]]
     extent: tuple[float, float]
-    tops: list[float]
-    bottoms: list[float]
     chunks: list[tuple[float, float]]  # (start, end) across, per band
     end: float  # the far end of the longest band, along
     lead: float  # where the bands start, along (after the lanes above them)
@@ -51,20 +48,18 @@ class _Placed:
             ins.setdefault(b, []).append(k)
         start: dict[int, float] = {}
         stop: dict[int, float] = {}
-        for table, into, far in ((outs, start, 1), (ins, stop, 0)):
+        for table, into, far in ((outs, start, True), (ins, stop, False)):
             for key, ks in table.items():
                 item = items[key]
                 fixed = {}
                 for k in ks:
-                    a, b, s, d = pairs[k]
                     if item.box is not None and item.box.children:
-                        at = port(item.box, d if far else s, bool(far))
+                        at = port(item.box, pairs[k][3 if far else 2], far)
                         if at is not None:
                             fixed[k] = item.u + at
                 free = [k for k in ks if k not in fixed]
                 slots = list(dict.fromkeys((pairs[k][0], pairs[k][1]) for k in free))
-                other = {p: self.paths[p][1 if far else -2].u for p in slots}
-                slots.sort(key=lambda p: other[p])
+                slots.sort(key=lambda p: self.paths[p][1 if far else -2].u)
                 width = min(item.span * 0.6, 12.0 * (len(slots) - 1))
                 at = {
                     p: item.u + (width * (n / (len(slots) - 1) - 0.5) if len(slots) > 1 else 0.0)
@@ -164,13 +159,11 @@ def place(
 
 def _arrange_bands(layers, bands, lengths, depth, links, shifts, across, paths) -> _Placed:
     """The layers placed along, band by band, and across, each band beside the last."""
-    count = len(layers)
     lead = 24.0 if len(bands) > 1 else 0.0  # room for the lanes between bands
-    tops, bottoms, end = [0.0] * count, [0.0] * count, 0.0
+    end = 0.0
     for c, (lo, hi) in enumerate(bands):
         v = lead
         for k in range(lo, hi):
-            tops[k], bottoms[k] = v, v + depth[k]
             for i in layers[k]:
                 i.v, i.chunk = v + (depth[k] - i.depth) / 2, c
             v += lengths[k]
@@ -187,7 +180,7 @@ def _arrange_bands(layers, bands, lengths, depth, links, shifts, across, paths) 
         chunks.append((offset, offset + right - left))
         offset += right - left + 44.0
     extent = (offset - 44.0, end + lead)
-    return _Placed(layers, extent, tops, bottoms, chunks, end, lead, paths)
+    return _Placed(extent, chunks, end, lead, paths)
 
 
 def _layers_of(items: list[Item], edges, by_key) -> None:
@@ -201,6 +194,7 @@ def _layers_of(items: list[Item], edges, by_key) -> None:
     order: list[str] = []  # depth first, in the order given: finishing order, reversed
     state: dict[str, int] = {}
     pred: dict[str, list[str]] = {k: [] for k in inner}
+    kept_succ: dict[str, list[str]] = {k: [] for k in inner}
     for k0 in inner:
         if k0 in state:
             continue
@@ -215,16 +209,13 @@ def _layers_of(items: list[Item], edges, by_key) -> None:
                 stack.pop()
             elif state.get(nxt) != 1:  # an edge back to the path walked is dropped
                 pred[nxt].append(k)
+                kept_succ[k].append(nxt)
                 if nxt not in state:
                     state[nxt] = 1
                     stack.append((nxt, iter(succ[nxt])))
     layer: dict[str, int] = {}
     for k in reversed(order):  # a topological order of what was kept
         layer[k] = 1 + max((layer[p] for p in pred[k]), default=-1)
-    kept_succ: dict[str, list[str]] = {k: [] for k in inner}
-    for b, ps in pred.items():
-        for a in ps:
-            kept_succ[a].append(b)
     for k in order:  # sinks first: each source pulled down to just above what it feeds
         if not pred[k] and kept_succ[k]:
             layer[k] = min(layer[s] for s in kept_succ[k]) - 1
@@ -294,10 +285,7 @@ def _positions(layers: list[list[Item]], links, shifts, gap: float) -> None:
         down.setdefault(id(a), []).append((b, ob - oa))
         up.setdefault(id(b), []).append((a, oa - ob))
     for layer in layers:
-        u = 0.0
-        for n, i in enumerate(layer):
-            if n:
-                u += _sep(layer[n - 1], i, gap)
+        for i, u in zip(layer, _offsets(layer, gap), strict=True):
             i.u = u
     for turn in range(12):
         order = range(len(layers)) if turn % 2 == 0 else range(len(layers) - 1, -1, -1)
@@ -317,19 +305,21 @@ def _positions(layers: list[list[Item]], links, shifts, gap: float) -> None:
             _fit(layers[k], want, gap)
 
 
-def _sep(a: Item, b: Item, gap: float) -> float:
-    dummy = a.box is None or b.box is None
-    return (a.span + b.span) / 2 + (8.0 if dummy else gap)
+def _offsets(layer: list[Item], gap: float) -> list[float]:
+    """Each centre's distance from the first's with the items packed: half of each span
+    between, and `gap` (a waypoint beside anything, 8)."""
+    out, total = [0.0] * len(layer), 0.0
+    for n in range(1, len(layer)):
+        a, b = layer[n - 1], layer[n]
+        total += (a.span + b.span) / 2 + (8.0 if a.box is None or b.box is None else gap)
+        out[n] = total
+    return out
 
 
 def _fit(layer: list[Item], want: list[tuple[float, float]], gap: float) -> None:
     """Centres as near `want` (value, weight) as the order and spacing allow (least squares,
     by pool-adjacent-violators on the positions less their spacing)."""
-    offs, total = [], 0.0
-    for n, i in enumerate(layer):
-        if n:
-            total += _sep(layer[n - 1], i, gap)
-        offs.append(total)
+    offs = _offsets(layer, gap)
     blocks: list[list[float]] = []  # [mean, weight, count]
     for (target, w), off in zip(want, offs, strict=True):
         blocks.append([target - off, w, 1])
@@ -350,9 +340,7 @@ def _bands_needed(lengths: list[float], room: float) -> int:
     total = sum(lengths)
     if total <= room or len(lengths) < 4:
         return 1
-    room -= 48.0
-    longest = max(lengths)
-    room = max(room, longest)
+    room = max(room - 48.0, max(lengths))
     k = math.ceil(total / room)
     while k < len(lengths) and max(sum(lengths[a:b]) for a, b in _bands(lengths, k)) > room * 1.02:
         k += 1
@@ -361,8 +349,6 @@ def _bands_needed(lengths: list[float], room: float) -> int:
 
 def _bands(lengths: list[float], k: int) -> list[tuple[int, int]]:
     """Consecutive layers cut into `k` bands (or fewer) about as long as each other."""
-    if k <= 1:
-        return [(0, len(lengths))]
     goal = sum(lengths) / k
     bands, lo, run = [], 0, 0.0
     for n, length in enumerate(lengths):

@@ -12,11 +12,10 @@ each edge's route as points, by (source id, target id).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from somatize.figures._layers import Item, place
-from somatize.figures._scene import Box
+from somatize.figures._scene import Box, walk
 
 Point = tuple[float, float, bool]  # x, y, and whether the way to it curves (between layers)
 
@@ -38,7 +37,7 @@ class _Layout:
         self.parent: dict[str, Box] = {}
         self.worlds: dict[str, list[tuple[str, str]]] = {}
         self._index(root, root)
-        self._arrange(root, root)
+        self._arrange(root)
 
     def _index(self, box: Box, world: Box) -> None:
         if box.edges or box.kind in ("root", "node"):
@@ -58,15 +57,17 @@ class _Layout:
             node = up.id
         return None
 
-    def _arrange(self, box: Box, root: Box) -> None:
+    def _arrange(self, box: Box) -> None:
         for child in box.children:
             if child.children:
-                self._arrange(child, root)
+                self._arrange(child)
         if not box.children:
             return
-        edges = self.worlds[box.id] if box.kind != "node" else box.edges
+        edges = self.worlds[box.id]  # an open node's own: it is its world
         level = self.levels[box.id] = _Level()
-        items = {c.id: Item(c.id, *(self._sizes(c, box.down)), box=c) for c in box.children}
+        items = {
+            c.id: Item(c.id, *((c.w, c.h) if box.down else (c.h, c.w)), box=c) for c in box.children
+        }
         pairs: list[tuple[str, str, str, str]] = []  # level source, level target, edge
         for s, d in edges:
             a, b = self._child_of(box, s), self._child_of(box, d)
@@ -107,23 +108,19 @@ class _Layout:
         def real(u: float, v: float) -> tuple[float, float]:
             return (u + shift_u, v + shift_v) if box.down else (v + shift_v, u + shift_u)
 
-        for item in items.values():
+        for key, item in items.items():
             cx, cy = real(item.u, item.v)
             if item.box is not None:
                 if box.down:
                     item.box.x, item.box.y = cx - item.box.w / 2, cy
                 else:
                     item.box.x, item.box.y = cx, cy - item.box.h / 2
-        for key, item in items.items():
-            if key.startswith("in:"):
-                level.ports_in[key[3:]] = real(item.u, item.v)
+            elif key.startswith("in:"):
+                level.ports_in[key[3:]] = (cx, cy)
             elif key.startswith("out:"):
-                level.ports_out[key[4:]] = real(item.u, item.v)
+                level.ports_out[key[4:]] = (cx, cy)
         for (_, _, s, d), way in zip(pairs, placed.ways(pairs, items, lambda b, k, out: self.port(b, k, out, box.down)), strict=True):
             level.parts[(s, d)] = [(*real(u, v), curve) for u, v, curve in way]
-
-    def _sizes(self, box: Box, down: bool) -> tuple[float, float]:
-        return (box.w, box.h) if down else (box.h, box.w)
 
     def port(self, box: Box, key: str, out: bool, down: bool) -> tuple[float, float] | None:
         """Where an edge to (or from) `key` crosses the border of `box`, across its
@@ -139,14 +136,14 @@ class _Layout:
     def absolute(self, root: Box) -> dict[tuple[str, str], list[Point]]:
         """Boxes moved to the root's frame; each edge's route, its parts joined in order."""
         origin: dict[str, tuple[float, float]] = {root.id: (0.0, 0.0)}
-        for box in _walk(root):
+        for box in walk(root):
             ox, oy = origin[box.id]
             for child in box.children:
                 child.x += ox
                 child.y += oy
                 origin[child.id] = (child.x, child.y)
         routes: dict[tuple[str, str], list[Point]] = {}
-        for world in [root, *[b for b in _walk(root) if b.kind == "node" and b.children]]:
+        for world in [root, *[b for b in walk(root) if b.kind == "node" and b.children]]:
             for s, d in world.edges:
                 chain = self._chain(s, d)
                 points: list[Point] = []
@@ -161,11 +158,9 @@ class _Layout:
     def _chain(self, s: str, d: str) -> list[Box]:
         """The containers an edge passes through, from the source's side to the target's."""
         up_s, up_d = self._ups(s), self._ups(d)
-        ids_d = {b.id for b in up_d}
-        lca = next(b for b in up_s if b.id in ids_d)
-        left = [b for b in up_s if b.id != lca.id and lca.id in {x.id for x in self._ups(b.id)}]
-        right = [b for b in up_d if b.id != lca.id and lca.id in {x.id for x in self._ups(b.id)}]
-        return [*left, lca, *reversed(right)]
+        ids_d = [b.id for b in up_d]
+        k = next(k for k, b in enumerate(up_s) if b.id in ids_d)  # the nearest box around both
+        return [*up_s[: k + 1], *reversed(up_d[: ids_d.index(up_s[k].id)])]
 
     def _ups(self, key: str) -> list[Box]:
         out = []
@@ -174,12 +169,6 @@ class _Layout:
             out.append(box)
             key = box.id
         return out
-
-
-def _walk(box: Box) -> Iterator[Box]:
-    yield box
-    for child in box.children:
-        yield from _walk(child)
 
 
 def layout(root: Box, room: tuple[float, float]) -> dict[tuple[str, str], list[Point]]:

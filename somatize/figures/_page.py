@@ -33,9 +33,7 @@ def jsonable(value: Any) -> Any:
     """`value` as plain JSON: tuples to lists, numpy and torch scalars to numbers, NaN and
     infinities to the strings "nan", "inf", "-inf" (JSON has no word for them), anything else
     unknown to its `str`."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
+    if value is None or isinstance(value, (bool, str, int)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else str(value)
@@ -112,10 +110,6 @@ document.body.dataset.rendered = "yes";
 """
 
 
-def _script_json(value: Any) -> str:
-    return json.dumps(jsonable(value)).replace("</", "<\\/")
-
-
 def page(
     figures: list[tuple[str, dict[str, Any]]],
     *,
@@ -139,7 +133,7 @@ def page(
     for m in modules:
         esm = base64.b64encode(asset(f"{m}.js").encode("utf-8")).decode("ascii")
         parts.append(f'<script type="text/plain" data-smz-module="{m}">{esm}</script>')
-    data = [{"module": m, "state": state} for m, state in figures]
+    data = json.dumps(jsonable([{"module": m, "state": state} for m, state in figures]))
     return _PAGE.format(
-        title=html.escape(title), css=css, body="\n".join(parts), figures=_script_json(data)
+        title=html.escape(title), css=css, body="\n".join(parts), figures=data.replace("</", "<\\/")
     )

@@ -8,6 +8,8 @@ as what it holds. Each box knows its tooltip and what a click on it changes.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,32 @@ class Box:
     marks: dict[str, Any] = field(default_factory=dict)
     x: float = 0.0
     y: float = 0.0
+
+
+def walk(box: Box) -> Iterator[Box]:
+    """`box` and every box inside it, outermost first."""
+    yield box
+    for child in box.children:
+        yield from walk(child)
+
+
+def reach(succ: dict[str, list[str]], start: Iterable[str], avoid: Any = None) -> set[str]:
+    """Every key `start` leads to along `succ` (`start` included), the edge `avoid` not
+    taken."""
+    seen, stack = set(), list(start)
+    while stack:
+        x = stack.pop()
+        if x not in seen:
+            seen.add(x)
+            stack.extend(y for y in succ.get(x, ()) if (x, y) != avoid)
+    return seen
+
+
+def _enclosing(blocks: dict[str, dict], b: Any) -> Iterator[str]:
+    """The block `b` and the blocks around it, innermost first."""
+    while b in blocks:
+        yield b
+        b = blocks[b]["parent"]
 
 
 def _pills(node: dict) -> list[tuple[str, str]]:
@@ -95,10 +123,7 @@ def inside_params(inside: dict) -> int:
     for layer in layers:
         if layer["path"] in blocks:
             continue
-        times, b = 1, layer.get("block")
-        while b in blocks:
-            times *= blocks[b]["times"]
-            b = blocks[b]["parent"]
+        times = math.prod(blocks[b]["times"] for b in _enclosing(blocks, layer.get("block")))
         total += int(layer.get("params") or 0) * max(times, int(layer.get("times") or 1))
     return total
 
@@ -165,12 +190,8 @@ class _Inside:
         return box
 
     def _in_attention(self, layer: dict) -> bool:
-        b = layer.get("block")
-        while b in self.blocks:
-            if str(self.blocks[b]["kind"] or "").lower() == "attention":
-                return True
-            b = self.blocks[b]["parent"]
-        return False
+        around = _enclosing(self.blocks, layer.get("block"))
+        return any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
 
     def _block(self, b: str, old: str, new: str) -> list[Box]:
         blk = self.blocks[b]
@@ -190,8 +211,7 @@ class _Inside:
         names = [b, *blk["repeats"]]
         made, copies = [], []
         for k in range(blk["times"] if opened else 1):
-            here = _swap(b, old, new)
-            path = here if k == 0 else _swap(names[k] if k < len(names) else f"{b}~{k}", old, new)
+            path = _swap(names[k] if k < len(names) else f"{b}~{k}", old, new)  # names[0] is b
             frm, to = (old, new) if k == 0 else (b, path)
             if opened:
                 label = f"{blk['label']}  {k + 1}/{blk['times']}"
@@ -228,7 +248,9 @@ class _Inside:
             inside = {
                 la["path"]
                 for la in self.layers
-                if la["path"] == b or la["path"].startswith(b + ".") or self._within(la, b)
+                if la["path"] == b
+                or la["path"].startswith(b + ".")
+                or b in _enclosing(self.blocks, la.get("block"))
             }
             exits = [x for x, y in out if x in inside and y not in inside]
             n, nxt = len(copies), []
@@ -254,14 +276,6 @@ class _Inside:
                 edges.append((a, b))
         return edges
 
-    def _within(self, layer: dict, b: str) -> bool:
-        blk = layer.get("block")
-        while blk:
-            if blk == b:
-                return True
-            blk = self.blocks.get(blk, {}).get("parent")
-        return False
-
 
 def branch_groups(order: list[str], edges: list[tuple[str, str]]) -> list[dict]:
     """Branches that leave one node and meet again at one node: {from, to, members}."""
@@ -271,26 +285,16 @@ def branch_groups(order: list[str], edges: list[tuple[str, str]]) -> list[dict]:
         if a in succ and b in pred:
             succ[a].append(b)
             pred[b].append(a)
-
-    def reach(start: list[str]) -> set[str]:
-        seen, stack = set(), list(start)
-        while stack:
-            x = stack.pop()
-            if x not in seen:
-                seen.add(x)
-                stack.extend(succ[x])
-        return seen
-
     groups, taken = [], set()
     for f in order:
         outs = succ[f]
         if len(outs) < 2:
             continue
-        below = [reach([s]) for s in outs]
+        below = [reach(succ, [s]) for s in outs]
         join = next((n for n in order if all(n in s for s in below)), None)
         if join is None:
             continue
-        members = {n for n in reach(outs) if n != join and join in reach([n])}
+        members = {n for n in reach(succ, outs) if n != join and join in reach(succ, [n])}
         closed = all(
             all(p == f or p in members for p in pred[n])
             and all(s == join or s in members for s in succ[n])
@@ -340,7 +344,7 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
     widths = [text_width(nid, 13, True), text_width(box.sub, 11), sum(pill_width(t) + 4 for _, t in pills)]
     box.w = max(90.0, round(max(widths) + 28))
     box.h = 62.0 if pills else 46.0
-    box.marks = {"frozen": bool(node.get("frozen")), "open": opened}
+    box.marks = {"frozen": bool(node.get("frozen"))}
     box.tip = [("kind", kind or "?")]
     if params is not None:
         box.tip.append(("parameters", count(params)))

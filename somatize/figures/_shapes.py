@@ -26,10 +26,6 @@ HUES = {
     "other": "#6c7a96",
 }
 
-_OPS = re.compile(r"^(add|sub|mul|truediv|div|matmul|cat|concat|stack|sum|\+|×|getitem)\b", re.I)
-_ACTIVATIONS = re.compile(r"relu|gelu|tanh|sigmoid|silu|swish|softmax|elu|mish|softplus", re.I)
-
-
 _BY_KIND = {
     "conv": "conv",
     "attention": "attention",
@@ -42,6 +38,19 @@ _BY_KIND = {
     "op": "op",
     "block": "block",
 }
+# where no kind says: the first of these the label matches (case aside)
+_BY_LABEL = (
+    ("conv", "conv"),
+    ("attn|attention", "attention"),
+    ("lstm|gru|rnn", "recurrent"),
+    ("norm", "norm"),
+    ("dropout|droppath", "dropout"),
+    ("embed", "embedding"),
+    ("linear|dense", "linear"),
+    ("pool", "pool"),
+    (r"^(add|sub|mul|truediv|div|matmul|cat|concat|stack|sum|\+|×|getitem)\b", "op"),
+    ("relu|gelu|tanh|sigmoid|silu|swish|softmax|elu|mish|softplus", "activation"),
+)
 
 
 def family(kind: Any, label: Any) -> str:
@@ -56,33 +65,7 @@ def family(kind: Any, label: Any) -> str:
         return "embedding" if re.search("embed", text, re.I) else "linear"
     if k == "shaping":
         return "pool" if re.search("pool", text, re.I) else "reshape"
-    if re.search("conv", text, re.I):
-        return "conv"
-    if k == "attention" or re.search("attn|attention", text, re.I):
-        return "attention"
-    if k == "recurrent" or re.search("lstm|gru|rnn", text, re.I):
-        return "recurrent"
-    if k == "norm" or re.search("norm", text, re.I):
-        return "norm"
-    if k == "activation":
-        return "activation"
-    if k == "regular" or re.search("dropout|droppath", text, re.I):
-        return "dropout"
-    if k == "embedding" or re.search("embed", text, re.I):
-        return "embedding"
-    if k in ("learned", "linear") or re.search("linear|dense", text, re.I):
-        return "linear"
-    if k == "pool" or re.search("pool", text, re.I):
-        return "pool"
-    if k == "shaping":
-        return "reshape"
-    if k == "op" or _OPS.search(text):
-        return "op"
-    if _ACTIVATIONS.search(text):
-        return "activation"
-    if k == "block":
-        return "block"
-    return "other"
+    return next((fam for pattern, fam in _BY_LABEL if re.search(pattern, text, re.I)), "other")
 
 
 def outline(fam: str, w: float, h: float) -> str:

@@ -47,6 +47,11 @@ def text_width(text: str, px: float = 12, bold: bool = False) -> float:
     return total * px / 100
 
 
+def finite(v: Any) -> bool:
+    """Whether `v` is a number (not a bool) and finite."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def esc(text: Any) -> str:
     """Text made safe for SVG and HTML, quotes included."""
     return escape(str(text), quote=True)
@@ -168,18 +173,13 @@ class Scale:
     than two decades. Non-numbers and infinities are left out of the range."""
 
     def __init__(self, values: Iterable[Any]) -> None:
-        xs = [
-            float(v)
-            for v in values
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        ]
+        xs = [float(v) for v in values if finite(v)]
         self.lo = min(xs) if xs else 0.0
         self.hi = max(xs) if xs else 0.0
         self.empty = not xs
         self.log = bool(xs) and self.lo > 0 and self.hi / self.lo > 100
-        f = math.log10 if self.log else float
-        self._a, self._b = (f(self.lo), f(self.hi)) if xs else (0.0, 0.0)
-        self._f = f
+        self._f = math.log10 if self.log else float
+        self._a, self._b = self._f(self.lo), self._f(self.hi)
 
     def t(self, v: float) -> float:
         """Where `v` falls, from 0 (lowest) to 1 (highest)."""

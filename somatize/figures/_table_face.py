@@ -11,10 +11,12 @@ cell is tinted when `somatize.health.verdict` flags its value.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
+from itertools import groupby
 from typing import Any
 
 from somatize.figures._face import image
-from somatize.figures._svg import FONT, INK, LINE, MUTED, esc, number, text_width, ticks
+from somatize.figures._svg import FONT, INK, LINE, MUTED, esc, finite, number, text_width, ticks
 
 WIDEST = 1400.0
 SELECTED = ' selected="selected"'
@@ -33,21 +35,16 @@ def rank_colour(t: float, alpha: float = 0.55) -> str:
 
 def ranks(values: list[Any], higher: bool) -> list[float | None]:
     """Each value's rank in its column from 0 (worst) to 1 (best), ties sharing one."""
-    nums = [(float(v), i) for i, v in enumerate(values) if _finite(v)]
+    nums = [(float(v), i) for i, v in enumerate(values) if finite(v)]
     out: list[float | None] = [None] * len(values)
     if len(nums) < 2:
         return out
     ordered = sorted(v for v, _ in nums)
     for v, i in nums:
-        lo = ordered.index(v)
-        hi = len(ordered) - 1 - ordered[::-1].index(v)
+        lo, hi = bisect_left(ordered, v), bisect_right(ordered, v) - 1
         r = (lo + hi) / 2 / (len(ordered) - 1)
         out[i] = r if higher else 1 - r
     return out
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 _SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -77,18 +74,19 @@ def html(table: dict[str, Any]) -> str:
         f'<th rowspan="2" class="smz-index" data-col="{esc(table["index_name"])}" style="{_BASE}{_STICKY}text-align:left;'
         f'max-width:{name_w:.0f}px;border-bottom:2px solid #c4c9d4">{esc(table["index_name"])}</th>',
     ]
-    runs = _runs([groups.get(c, "") for c in cols])
-    for group, start, n in runs:
-        shown = sum(1 for c in cols[start : start + n] if c not in hidden)
+    for group, run in groupby(cols, key=lambda c: groups.get(c, "")):
+        run = list(run)
+        shown = sum(1 for c in run if c not in hidden)
         style = f"{_BASE}text-align:center;color:{MUTED};font-weight:600;font-size:11px;"
         title = _GROUPS.get(group, ("", ""))[1]
         out.append(
-            f'<th class="smz-group" data-group="{esc(group)}" colspan="{shown or n}" title="{esc(title)}" '
+            f'<th class="smz-group" data-group="{esc(group)}" colspan="{shown or len(run)}" '
+            f'title="{esc(title)}" '
             f'style="{style}{"display:none;" if not shown else ""}">{esc(_GROUPS.get(group, (group, ""))[0])}</th>'
         )
     out.append("</tr><tr>")
     for c in cols:
-        label = c.split(":", 1)[1] if ":" in c else c
+        label = c.split(":", 1)[-1]
         arrow = (" ▲" if table["ascending"] else " ▼") if c == table["sort_by"] else ""
         out.append(
             f'<th data-col="{esc(c)}" data-group="{esc(groups.get(c, ""))}" title="{esc(explain.get(c, ""))}" '
@@ -106,7 +104,8 @@ def html(table: dict[str, Any]) -> str:
         for j, c in enumerate(cols):
             v = values[i][j]
             style = _BASE + "text-align:right;"
-            tip = f"{c}: {number(v) if not isinstance(v, str) else v}"
+            shown = v if isinstance(v, str) else number(v)
+            tip = f"{c}: {shown}"
             rank = colour.get(c, [None] * len(index))[i]
             flags = table["flagged"].get(f"{index[i]}|{c}")
             if rank is not None:
@@ -116,8 +115,7 @@ def html(table: dict[str, Any]) -> str:
                 tip += " — flagged " + ", ".join(flags)
             if c in hidden:
                 style += "display:none;"
-            sort = f' data-v="{float(v)!r}"' if _finite(v) else ""
-            shown = v if isinstance(v, str) else number(v)
+            sort = f' data-v="{float(v)!r}"' if finite(v) else ""
             out.append(f'<td data-col="{esc(c)}"{sort} title="{esc(tip)}" style="{style}">{esc(shown)}</td>')
         out.append("</tr>")
     out.append("</tbody>")
@@ -130,7 +128,7 @@ def html(table: dict[str, Any]) -> str:
         for c in cols:
             rho = table["correlations"].get(c)
             style = _BASE + "text-align:right;font-style:italic;border-top:2px solid #c4c9d4;"
-            if _finite(rho) and c != table["measured"]:
+            if finite(rho) and c != table["measured"]:
                 style += f"background:{rank_colour((rho + 1) / 2, 0.7)};"
             if c in hidden:
                 style += "display:none;"
@@ -156,23 +154,13 @@ _GROUPS = {
 }
 
 
-def _runs(groups: list[str]) -> list[tuple[str, int, int]]:
-    out: list[tuple[str, int, int]] = []
-    for k, g in enumerate(groups):
-        if out and out[-1][0] == g:
-            out[-1] = (g, out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((g, k, 1))
-    return out
-
-
 def _order(table: dict[str, Any]) -> list[int]:
     """Row order: by `sort_by` (numbers first), else as given."""
     index, values, key = table["index"], table["values"], table["sort_by"]
     rows = list(range(len(index)))
     if key in table["columns"]:
         j = table["columns"].index(key)
-        fin = [i for i in rows if _finite(values[i][j])]
+        fin = [i for i in rows if finite(values[i][j])]
         rest = [i for i in rows if i not in fin]
         fin.sort(key=lambda i: values[i][j], reverse=not table["ascending"])
         return fin + rest
@@ -203,9 +191,10 @@ def _scatters(table: dict[str, Any]) -> str:
     measured = table["measured"]
     if not measured:
         return ""
-    j_m = table["columns"].index(measured)
-    choices = [c for c in table["columns"] if c != measured and table["groups"].get(c) in ("proxy", "size")]
-    choices = [c for c in choices if sum(_finite(row[table["columns"].index(c)]) for row in table["values"]) >= 2]
+    cols, values = table["columns"], table["values"]
+    j_m = cols.index(measured)
+    choices = [c for c in cols if c != measured and table["groups"].get(c) in ("proxy", "size")]
+    choices = [c for c in choices if sum(finite(row[cols.index(c)]) for row in values) >= 2]
     if not choices:
         return ""
     chosen = table["scatter"] if table["scatter"] in choices else choices[0]
@@ -217,11 +206,11 @@ def _scatters(table: dict[str, Any]) -> str:
         f'<select class="smz-scatter-pick" style="font:inherit;font-size:11px">{options}</select> against {esc(measured)}</div>'
     ]
     for c in choices:
-        j = table["columns"].index(c)
+        j = cols.index(c)
         points = [
             (float(row[j]), float(row[j_m]), table["index"][i])
-            for i, row in enumerate(table["values"])
-            if _finite(row[j]) and _finite(row[j_m])
+            for i, row in enumerate(values)
+            if finite(row[j]) and finite(row[j_m])
         ]
         show = "" if c == chosen else ' style="display:none"'
         drawn = image(scatter(points, c, measured, table["correlations"].get(c)), f"{c} against {measured}")
@@ -233,16 +222,8 @@ def _scatters(table: dict[str, Any]) -> str:
 def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rho: Any) -> str:
     """One score against what was measured, a dot per candidate, named."""
     w, h, left, bottom = 380.0, 250.0, 52.0, 34.0
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x_lo, x_hi = min(xs), max(xs)
-    y_lo, y_hi = min(ys), max(ys)
-    if x_lo == x_hi:
-        x_lo, x_hi = x_lo - 1, x_hi + 1
-    if y_lo == y_hi:
-        y_lo, y_hi = y_lo - 1, y_hi + 1
-    px = (x_hi - x_lo) * 0.08
-    py = (y_hi - y_lo) * 0.1
-    x_lo, x_hi, y_lo, y_hi = x_lo - px, x_hi + px, y_lo - py, y_hi + py
+    x_lo, x_hi = _padded([p[0] for p in points], 0.08)
+    y_lo, y_hi = _padded([p[1] for p in points], 0.1)
 
     def sx(v: float) -> float:
         return left + (v - x_lo) / (x_hi - x_lo) * (w - left - 10)
@@ -259,7 +240,7 @@ def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rh
         out.append(f'<text x="{sx(t):.1f}" y="{h - bottom + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="middle">{esc(number(t))}</text>')
     for t in ticks(y_lo, y_hi, 5):
         out.append(f'<text x="{left - 5:.1f}" y="{sy(t) + 3.5:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">{esc(number(t))}</text>')
-    said = f"{xlabel} · ρ = {number(rho)}" if _finite(rho) else xlabel
+    said = f"{xlabel} · ρ = {number(rho)}" if finite(rho) else xlabel
     out.append(f'<text x="{(left + w) / 2:.1f}" y="{h - 4:.1f}" font-size="11" fill="{INK}" text-anchor="middle">{esc(said)}</text>')
     out.append(
         f'<text transform="translate(12,{(h - bottom) / 2:.1f}) rotate(-90)" font-size="11" fill="{INK}" '
@@ -275,6 +256,15 @@ def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rh
         )
     out.append("</svg>")
     return "".join(out)
+
+
+def _padded(values: list[float], share: float) -> tuple[float, float]:
+    """An axis' ends: the values' range (±1 around one value), widened by `share` of it."""
+    lo, hi = min(values), max(values)
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    pad = (hi - lo) * share
+    return lo - pad, hi + pad
 
 
 def _legend(table: dict[str, Any]) -> str:

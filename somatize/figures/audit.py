@@ -26,8 +26,9 @@ import traitlets
 
 from somatize.figures._explain import explanations
 from somatize.figures._face import Face, image
-from somatize.figures._history import History, message, place_of, record, step_of
+from somatize.figures._history import STEPS, History, message, record, step_of
 from somatize.figures._page import STATIC, jsonable, page
+from somatize.health import where_of
 
 __all__ = ["LiveAudit"]
 
@@ -38,7 +39,6 @@ PREFERRED = ("update_ratio", "grad_norm")
 # the share of the time the sender thread may spend judging while facts come (it shares the
 # interpreter with the training); what it has not reached is judged when the cell ends
 JUDGING = 0.03
-_LOW, _HIGH = -(1 << 63), 1 << 63  # a step is an int that fits in 64 bits
 
 class LiveAudit(Face, anywidget.AnyWidget):
     """A live picture of a run's health: the loss above (real axes, a log scale and
@@ -110,8 +110,8 @@ class LiveAudit(Face, anywidget.AnyWidget):
         if kind == "health":
             # checked here, so a bad fact is refused in the caller's thread; read later
             step = fact.get("step")
-            if type(fact.get("node")) is not str or type(step) is not int or not _LOW <= step < _HIGH:
-                place_of(fact)
+            if type(fact.get("node")) is not str or type(step) is not int or step not in STEPS:
+                where_of(fact)
                 step_of(fact)
         elif kind == "loss":
             if fact.get("step") is not None:
@@ -202,9 +202,8 @@ class LiveAudit(Face, anywidget.AnyWidget):
     def settle(self) -> None:
         """Send what is pending and keep a copy of everything in `record` (what a page with
         no kernel draws): done at the end of every cell that showed this audit."""
-        with self._lock:
-            self._drain(judge=None)
-            self._push()
+        with self._lock:  # re-entrant: sync() takes it too
+            self.sync()
             if self._recorded != self._history.version:
                 self.record = record(self._history)
                 self._recorded = self._history.version

@@ -19,7 +19,7 @@ import traitlets
 from somatize.figures._explain import PROXIES, explanations
 from somatize.figures._face import Face
 from somatize.figures._page import STATIC, jsonable, page
-from somatize.figures._svg import number, text_width
+from somatize.figures._svg import finite, number, text_width
 from somatize.figures._table_face import WIDEST, html
 from somatize.graph import as_graph
 
@@ -70,9 +70,7 @@ def _probe_summary(numbers: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     for where, values in numbers.items():
         flags += [f"{f}@{where}" for f in verdict(values)]
         for metric, v in values.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                continue
-            if math.isfinite(v):
+            if finite(v):
                 by_metric.setdefault(metric, []).append(float(v))
     out: dict[str, Any] = {f"{PROBE}{m}": statistics.median(vs) for m, vs in sorted(by_metric.items())}
     out[f"{PROBE}flags"] = ", ".join(flags)
@@ -157,11 +155,7 @@ def _group(column: str, measured: str) -> str:
         return "measured"
     if column == "params":
         return "size"
-    if column.startswith(PROXY):
-        return "proxy"
-    if column.startswith(PROBE):
-        return "probe"
-    return "other"
+    return next((g for g in ("proxy", "probe") if column.startswith(f"{g}:")), "other")
 
 
 _ORDER = ("measured", "size", "proxy", "probe", "other")
@@ -215,7 +209,7 @@ class CompareTable(Face, anywidget.AnyWidget):
         elif "measured" in df.columns:
             column = "measured"
         groups = {c: _group(c, column) for c in df.columns}
-        df = df[sorted(df.columns, key=lambda c: (_ORDER.index(groups[c]), list(df.columns).index(c)))]
+        df = df[sorted(df.columns, key=lambda c: _ORDER.index(groups[c]))]  # stable: in order
         higher = {c: (True if groups[c] in ("measured", "proxy") else None) for c in df.columns}
         higher.update(dict(higher_better or {}))
         correlations = _correlations(df.select_dtypes("number"), column) if column else {}
@@ -330,7 +324,7 @@ def _flagged(df: Any) -> dict[str, list[str]]:
         if not c.startswith(PROBE) or c == f"{PROBE}flags":
             continue
         for row, v in df[c].items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            if finite(v):
                 flags = [str(f) for f in verdict({c[len(PROBE) :]: float(v)})]
                 if flags:
                     out[f"{row}|{c}"] = flags
