@@ -10,6 +10,7 @@ a count by its latest value — and `verdict` judges the summary.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -59,13 +60,10 @@ def _summary(values: Iterable[Any]) -> Any:
     if type(last) is int:
         return last
     try:
-        finite = sorted(filter(math.isfinite, values))
+        finite = list(filter(math.isfinite, values))
     except TypeError:  # something that is not a number among them
-        finite = sorted(v for v in values if isinstance(v, (int, float)) and math.isfinite(v))
-    if not finite:
-        return last
-    mid = len(finite) // 2
-    return finite[mid] if len(finite) % 2 else (finite[mid - 1] + finite[mid]) / 2
+        finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    return statistics.median(finite) if finite else last
 
 
 class Verdicts:
@@ -139,9 +137,7 @@ def seen(store: Any, *, run: str, last: int | None = None) -> dict[str, dict]:
     values. `store` is a Store or a directory; an unknown run is a LookupError naming the runs
     there are.
     """
-    if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
-        raise ValueError(f"last is a positive number of steps, not {last!r}")
-    return seen_in(_facts(store, run), last=last)
+    return Verdicts(last=last).feed(_facts(store, run)).numbers()  # (`last` checked first)
 
 
 def _facts(store: Any, run: str) -> list[Any]:

@@ -3,6 +3,7 @@ backward (left as tensors), and the numbers it makes of them once they are read.
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections import deque
@@ -58,16 +59,10 @@ class Place:
         self.node = node
         self.inside = inside
         self.where = node if inside is None else f"{node}.{inside}"
-        seen: set[int] = set()
-        self.params: list[nn.Parameter] = []
-        for m in modules:
-            for p in m.parameters():
-                if id(p) not in seen and p.requires_grad:
-                    seen.add(id(p))
-                    self.params.append(p)
-        every = [s for m in modules for s in m.modules()]
+        trained = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
+        self.params: list[nn.Parameter] = list(trained.values())
         self.saturates = _saturation(modules)
-        self.conv = any(kind_of(s) == "conv" for s in every)
+        self.conv = any(kind_of(s) == "conv" for m in modules for s in m.modules())
         self.index: list[int] = []
         self.big = -1  # where its largest weight sits in that list, if it is a matrix or more
         self.groups: dict[str, list[int]] | None = None
@@ -179,13 +174,11 @@ class Place:
             if s1 > s0:
                 n["param_norm_slope"] = (v1 - v0) / (s1 - s0)
         if self.sums:
-            width = len(self.sums[0])
-            zeros = saturated = 0.0
-            for _ in self.sums:
-                total += values[k]
-                zeros += values[k + 1]
-                saturated += values[k + 2] if width > 2 else 0.0
-                k += width
+            width = len(self.sums[0])  # Σ|a|, zeros (and saturated), per call
+            heard = values[k : k + width * len(self.sums)]
+            k += len(heard)
+            total, zeros = sum(heard[::width], 0.0), sum(heard[1::width], 0.0)
+            saturated = sum(heard[2::width], 0.0) if width > 2 else 0.0
             size = self.size or 1
             n["act_abs_mean"] = total / size
             self.zero.append(zeros / size)
@@ -245,17 +238,14 @@ class Place:
         rows = self.rows
         assert rows is not None and self.groups is not None
         width = rows.shape[1]
-        parts = list(self.groups.values())
         best = 0.0
-        for i in range(len(parts)):
-            for j in range(i + 1, len(parts)):
-                a, b = parts[i], parts[j]
-                if max(a + b) >= width:
-                    raise ValueError(
-                        f"groups[{self.where!r}] names channel {max(a + b)}, and that place has "
-                        f"{width} channels"
-                    )
-                best = max(best, cka(rows[:, a], rows[:, b]))
+        for a, b in itertools.combinations(self.groups.values(), 2):
+            if max(a + b) >= width:
+                raise ValueError(
+                    f"groups[{self.where!r}] names channel {max(a + b)}, and that place has "
+                    f"{width} channels"
+                )
+            best = max(best, cka(rows[:, a], rows[:, b]))
         return best
 
 

@@ -11,13 +11,11 @@ said.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from torch import nn
 
 from somatize.torch._modules import join, parts_of
 
-__all__ = ["choose"]
+__all__ = ["choose", "names_of"]
 
 Named = list[tuple[str, nn.Module]]
 
@@ -50,14 +48,8 @@ def _leaves(path: str, module: nn.Module, seen: set[int] | None = None) -> list[
     """The layers under `module` (each module once), by path."""
     seen = set() if seen is None else seen
     out = []
-    for name, part in parts_of(module):
-        if id(part) in seen:
-            continue
-        seen.add(id(part))
-        if parts_of(part):
-            out += _leaves(join(path, name), part, seen)
-        elif not isinstance(part, nn.Identity):
-            out.append(join(path, name))
+    for p, part in _children(path, module, seen):
+        out += _leaves(p, part, seen) if parts_of(part) else [p]
     return out
 
 
@@ -117,11 +109,12 @@ def choose(node: str, held: Named, inside: object, most: int) -> tuple[Named, li
         return _finest_cut(held, most)
     if isinstance(inside, int):
         return _down_to(held, inside, most)
-    named = set(_names(inside))
+    named = names_of(inside)
     return [(p, m) for p, m in _preorder(held) if f"{node}.{p}" in named], []
 
 
-def _names(inside: object) -> Iterable[str]:
+def names_of(inside: object) -> set[str]:
+    """The `"node.path"` names of `inside=` given as one name or an iterable of them."""
     if isinstance(inside, str):
-        return [inside]
-    return [str(x) for x in inside]  # type: ignore[attr-defined]
+        return {inside}
+    return {str(x) for x in inside}  # type: ignore[attr-defined]

@@ -42,7 +42,7 @@ from somatize.graph import as_graph
 from somatize.torch._modules import Held, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, stable_rank, wide_norm
 from somatize.torch.audit._place import Place
-from somatize.torch.audit._select import choose
+from somatize.torch.audit._select import choose, names_of
 
 __all__ = ["Audit"]
 
@@ -151,8 +151,7 @@ class Audit:
             left += [f"{node}.{p}" for p in missed]
         by_where = {p.where: p for p in places}
         if not isinstance(self.inside, (type(None), bool, int)):
-            names = [self.inside] if isinstance(self.inside, str) else list(self.inside)
-            missing = sorted(set(map(str, names)) - set(by_where))
+            missing = sorted(names_of(self.inside) - set(by_where))
             if missing:
                 raise ValueError(f"Audit(inside=...) names {missing}, which are not in this graph")
         missing = sorted(set(self.groups) - set(by_where))
@@ -170,24 +169,17 @@ class Audit:
                 "raise most= to watch them one by one (the list is in audit.left_out)",
                 stacklevel=2,
             )
-        flat: list[nn.Parameter] = []  # every place's weights once (a layer's are its node's)
-        slot: dict[int, int] = {}
+        slot: dict[int, int] = {}  # every place's weights once (a layer's are its node's)
         for place in places:
-            for q in place.params:
-                if id(q) not in slot:
-                    slot[id(q)] = len(flat)
-                    flat.append(q)
-            place.index = [slot[id(q)] for q in place.params]
+            place.index = [slot.setdefault(id(q), len(slot)) for q in place.params]
             big = max(place.params, key=lambda q: q.numel(), default=None)
             place.big = slot[id(big)] if big is not None and big.dim() >= 2 else -1
-        self._flat = flat
+        self._flat = list({id(q): q for place in places for q in place.params}.values())
         self._places = places
         self._nodes = {p.node: p for p in places if p.inside is None}
         self._inner = inner
         self.places = [p.where for p in places]
         self.left_out = left
-        self._copy = None
-        self._waiting = []
         self._graph = g
         self._tap = Tap(g, self._on_node).on()
         self._arm(self.step % self.every == 0)
@@ -196,9 +188,7 @@ class Audit:
     def release(self) -> None:
         """Takes the hooks off. A hook nobody removed is a graph nobody can garbage-collect,
         and a second watch would double every count."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._arm(False)
         self._inner = []
         if self._tap is not None:
             self._tap.off()
@@ -228,27 +218,27 @@ class Audit:
 
     # -- forward: what came out -----------------------------------------------------------
     def _on_node(self, node: str, input: Any, ctx: Any, out: Any) -> None:
-        if self._measuring and torch.is_grad_enabled():
-            place = self._nodes.get(node)
-            if place is not None:
-                if self._copy is None and self._flat:
-                    self._begin()
-                place.saw(input, out, self.step, self.channels, self._snap)
+        place = self._nodes.get(node)
+        if place is not None:
+            self._saw(place, input, out)
 
     def _module_hook(self, place: Place) -> Any:
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            if self._measuring and torch.is_grad_enabled():
-                if self._copy is None and self._flat:
-                    self._begin()
-                place.saw((args, kwargs), out, self.step, self.channels, self._snap)
+            self._saw(place, (args, kwargs), out)
 
         return hook
 
+    def _saw(self, place: Place, input: Any, out: Any) -> None:
+        if self._measuring and torch.is_grad_enabled():
+            self._begin()
+            place.saw(input, out, self.step, self.channels, self._snap)
+
     def _begin(self) -> None:
-        """θ as this measured step finds it, copied, kept until `moved` (under gradient
+        """θ as this measured step finds it, copied once, kept until `moved` (under gradient
         accumulation the steps of one group share one copy and one update)."""
-        with torch.no_grad():
-            self._copy = [q.clone() for q in self._flat]
+        if self._copy is None and self._flat:
+            with torch.no_grad():
+                self._copy = [q.clone() for q in self._flat]
 
     # -- after backward: the step's numbers ------------------------------------------------
     def observed(self, graph: Any = None) -> list[dict[str, Any]]:
@@ -268,8 +258,7 @@ class Audit:
             snapshot = self._snap
             if snapshot:
                 self._bucket = step // self.snapshot
-            if self._copy is None and self._flat:
-                self._begin()  # nothing of this graph ran here (or nothing was heard)
+            self._begin()  # if nothing of this graph ran here (or nothing was heard)
             with torch.no_grad():
                 measured = self._measure(step, snapshot)
             facts = [fact for _, fact in measured]
@@ -338,25 +327,21 @@ class Audit:
                 except RuntimeError:  # moved to another device between
                     same[i] = False
             squares = [v * v for v in _finite(read([norm(d) for d in copy]), copy)]
-            deltas = copy
             ranked = any(snapshot for snapshot, _ in waiting)
-            moves: dict[int, tuple[float | None, float | None]] = {}
+            moves: dict[Place, tuple[float | None, float | None]] = {}
             for snapshot, got in waiting:
                 for place, n in got:
-                    key = id(place)
-                    if key not in moves:
-                        moves[key] = _moved(place, deltas, squares, same, ranked)
-                    delta, stable = moves[key]
+                    if place not in moves:
+                        moves[place] = _moved(place, copy, squares, same, ranked)
+                        if moves[place][0]:
+                            place.has_moved = True
+                    delta, stable = moves[place]
                     was = n.get("param_norm")
                     if delta is None or not was:
                         continue
                     n["update_ratio"] = delta / was
                     if snapshot and stable is not None:
                         n["update_stable_rank"] = stable
-        for _, got in waiting:
-            for place, _ in got:
-                if moves[id(place)][0]:
-                    place.has_moved = True
 
 
 def _moved(

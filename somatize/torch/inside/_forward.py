@@ -13,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from somatize.torch._modules import parts_of, tensors_in
 from somatize.torch.inside._trace import (
     Opening,
+    Raw,
     Traced,
     call_path,
     drawn,
@@ -32,71 +33,15 @@ class _Functions(TorchFunctionMode):
     """Every torch function called between the drawn modules: drawn, or passing its input's
     producers on. Off inside a closed module (the Reading leaves the mode there)."""
 
-    def __init__(self, state: _Forward) -> None:
+    def __init__(self, reading: Reading) -> None:
         super().__init__()
-        self.state = state
+        self.reading = reading
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        self.state.function(func, (args, kwargs), result)
+        self.reading.function(func, (args, kwargs), result)
         return result
-
-
-class _Forward:
-    """What a reading keeps while the forward runs: the layers, which tensor each made, and
-    the blocks open around the call in progress."""
-
-    def __init__(self, opening: Opening, calls: Calls) -> None:
-        self.opening = opening
-        self.out = Traced()
-        self.calls = calls  # the hooks: which blocks are open, and which call of each
-        self.counts: dict[str, int] = {}
-        self.order: list[str] = []
-        # every tensor known, by id with a weak reference (an id is only that tensor's while
-        # it lives): nothing is kept alive that the forward would have let go
-        self.by: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
-        self.edges: dict[tuple[str, str], None] = {}
-
-    def producers(self, value: Any) -> tuple[bool, frozenset[str]]:
-        """Whether anything in `value` is the data, and which layers made it."""
-        found: set[str] = set()
-        tracked = False
-        for t in tensors_in(value):
-            known = self.by.get(id(t))
-            if known is not None and known[0]() is t:
-                tracked = True
-                found |= known[1]
-        return tracked, frozenset(found)
-
-    def mark(self, value: Any, made: frozenset[str]) -> None:
-        for t in tensors_in(value):
-            self.by[id(t)] = (weakref.ref(t), made)
-
-    def link(self, made: frozenset[str], path: str) -> None:
-        for p in made:
-            if p != path:
-                self.edges[(p, path)] = None
-
-    def function(self, func: Any, given: Any, result: Any) -> None:
-        tracked, made = self.producers(given)
-        if not tracked:
-            return  # on constants only: not the data
-        name = function_name(func)
-        outs = tensors_in(result)
-        if drawn(name) and outs and outs[0].is_floating_point() and not joins_nothing(name, given):
-            stack = self.calls.stack
-            block = stack[-1] if stack else None
-            if block:
-                self.opening.add_block(self.out, block)
-            layer = function_layer(self.out, block, func, self.counts)
-            layer.shape = list(outs[0].shape)
-            layer.within = self.calls.within()
-            self.order.append(layer.path)
-            self.link(made, layer.path)
-            self.mark(outs, frozenset((layer.path,)))
-        else:
-            self.mark(outs, made)
 
 
 class Calls:
@@ -134,17 +79,12 @@ class Calls:
     def arm(self) -> Calls:
         """A pre- and a post-hook on every drawn module, once per module object."""
         root = self.opening.root
-        aliases: dict[int, list[tuple[str, bool]]] = {}
-        modules: dict[int, nn.Module] = {}
-        if not parts_of(root):
-            aliases[id(root)] = [("", True)]
-            modules[id(root)] = root
-        for path, module, shut in self.opening.drawn():
-            aliases.setdefault(id(module), []).append((path, shut))
-            modules[id(module)] = module
-        tied = any(len(paths) > 1 for paths in aliases.values())
-        for key, module in modules.items():
-            paths = aliases[key]
+        drawn = self.opening.drawn() if parts_of(root) else [("", root, True)]
+        aliases: dict[int, tuple[nn.Module, list[tuple[str, bool]]]] = {}  # by module object
+        for path, module, shut in drawn:
+            aliases.setdefault(id(module), (module, []))[1].append((path, shut))
+        tied = any(len(paths) > 1 for _, paths in aliases.values())
+        for module, paths in aliases.values():
             if not (self.blocks or tied or any(shut for _, shut in paths)):
                 continue
             if (
@@ -171,10 +111,7 @@ class Calls:
 
     def _pick(self, paths: list[tuple[str, bool]]) -> tuple[str, bool]:
         here = self.stack[-1] if self.stack else ""
-        for path, shut in paths:
-            if path.rpartition(".")[0] == here:
-                return path, shut
-        return paths[0]
+        return next((p for p in paths if p[0].rpartition(".")[0] == here), paths[0])
 
     def _pre(self, paths: list[tuple[str, bool]]):  # noqa: ANN202
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -184,13 +121,12 @@ class Calls:
                 self.inside += 1
                 return
             path, shut = self._pick(paths)
-            if not shut:
-                self.calls[path] = self.calls.get(path, 0) + 1
-                self.stack.append(path)
-                return
             self.calls[path] = k = self.calls.get(path, 0) + 1
-            self.inside = 1
-            self.enter(path, k, args, kwargs)
+            if shut:
+                self.inside = 1
+                self.enter(path, k, args, kwargs)
+            else:
+                self.stack.append(path)
 
         return hook
 
@@ -214,16 +150,24 @@ class Reading:
     """A read by a real forward that rides along a forward somebody else runs (the graph's
     own): `arm()` hooks what is drawn and turns the function mode on for the root's call
     only, `disarm()` takes it all off, `result()` answers what was seen. The mode is left
-    while a layer runs: nothing inside a layer is a layer."""
+    while a layer runs: nothing inside a layer is a layer. While the forward runs it keeps
+    the layers, which tensor each made, and (in its `Calls`) the blocks open around the call
+    in progress."""
 
     def __init__(self, root: nn.Module, depth: int) -> None:
         self.root = root
-        opening = Opening(root, depth)
-        self.hooks = Calls(opening, self._layer_in, self._layer_out)
+        self.opening = Opening(root, depth)
+        self.hooks = Calls(self.opening, self._layer_in, self._layer_out)
         self.hooks.live = False
-        self.s = _Forward(opening, self.hooks)
+        self.out = Traced()
+        self.counts: dict[str, int] = {}
+        self.order: list[str] = []
+        # every tensor known, by id with a weak reference (an id is only that tensor's while
+        # it lives): nothing is kept alive that the forward would have let go
+        self.by: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
+        self.edges: dict[tuple[str, str], None] = {}
         self.handles: list[Any] = []
-        self.mode: _Functions | None = None
+        self.mode = _Functions(self)
         self.on = False  # the mode is on the stack
         self.calls = 0
         self.passing: frozenset[str] | None = None  # what an Identity being run hands on
@@ -236,51 +180,83 @@ class Reading:
         self.handles.append(self.root.register_forward_hook(self._leave))
         return self
 
+    def producers(self, value: Any) -> tuple[bool, frozenset[str]]:
+        """Whether anything in `value` is the data, and which layers made it."""
+        found: set[str] = set()
+        tracked = False
+        for t in tensors_in(value):
+            known = self.by.get(id(t))
+            if known is not None and known[0]() is t:
+                tracked = True
+                found |= known[1]
+        return tracked, frozenset(found)
+
+    def mark(self, value: Any, made: frozenset[str]) -> None:
+        for t in tensors_in(value):
+            self.by[id(t)] = (weakref.ref(t), made)
+
+    def _ran(self, layer: Raw, made: frozenset[str]) -> None:
+        """`layer` ran now, on what the layers in `made` made."""
+        layer.within = self.hooks.within()
+        self.order.append(layer.path)
+        for p in made:
+            if p != layer.path:
+                self.edges[(p, layer.path)] = None
+
+    def function(self, func: Any, given: Any, result: Any) -> None:
+        tracked, made = self.producers(given)
+        if not tracked:
+            return  # on constants only: not the data
+        name = function_name(func)
+        outs = tensors_in(result)
+        if drawn(name) and outs and outs[0].is_floating_point() and not joins_nothing(name, given):
+            block = self.hooks.stack[-1] if self.hooks.stack else None
+            layer = function_layer(self.opening, self.out, block, func, self.counts)
+            layer.shape = list(outs[0].shape)
+            self._ran(layer, made)
+            self.mark(outs, frozenset((layer.path,)))
+        else:
+            self.mark(outs, made)
+
     def _layer_in(self, path: str, call: int, args: tuple, kwargs: dict) -> None:
         self._mode(False)
-        s = self.s
-        made = s.producers((args, kwargs))[1]
-        if passes(s.opening.named[path] if path else self.root):
+        made = self.producers((args, kwargs))[1]
+        if passes(self.opening.named[path]):  # (`named` holds the root at "")
             self.passing = made
             return
-        layer = s.opening.add_leaf(s.out, path, call)
-        layer.within = self.hooks.within()
-        s.order.append(layer.path)
-        s.link(made, layer.path)
+        self._ran(self.opening.add_leaf(self.out, path, call), made)
 
     def _layer_out(self, path: str, call: int, output: Any) -> None:
         if self.passing is not None:
-            self.s.mark(output, self.passing)
+            self.mark(output, self.passing)
             self.passing = None
         else:
-            layer = self.s.out.layers[call_path(path, call)]
+            layer = self.out.layers[call_path(path, call)]
             if layer.shape is None:
                 layer.shape = shape_of(output)
-            self.s.mark(output, frozenset((layer.path,)))
+            self.mark(output, frozenset((layer.path,)))
         self._mode(True)
 
     def _mode(self, on: bool) -> None:
-        if self.mode is None or on == self.on:
-            return
-        if on:
-            self.mode.__enter__()
-        else:
-            self.mode.__exit__(None, None, None)
-        self.on = on
+        if on != self.on:
+            if on:
+                self.mode.__enter__()
+            else:
+                self.mode.__exit__(None, None, None)
+            self.on = on
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.calls += 1
         if self.calls == 1:
-            self.s.mark((args, kwargs), frozenset())  # the data, made by no layer
+            self.mark((args, kwargs), frozenset())  # the data, made by no layer
             self.hooks.live = True
-            self.mode = _Functions(self.s)
             self._mode(True)
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.hooks.live:
             self._mode(False)
             self.hooks.live = False  # only the first call is read
-            self.ends = set(self.s.producers(output)[1])
+            self.ends = set(self.producers(output)[1])
 
     def disarm(self) -> None:
         """Every hook off, and the function mode too if the root's call never came back."""
@@ -293,12 +269,11 @@ class Reading:
 
     def result(self) -> Traced:
         """What the root's first call was seen to be made of."""
-        s = self.s
-        s.out.edges = list(s.edges)
-        ordered(s.out, s.order)
-        prune(s.out, self.ends)
-        s.by = {}
-        return s.out
+        self.out.edges = list(self.edges)
+        ordered(self.out, self.order)
+        prune(self.out, self.ends)
+        self.by = {}
+        return self.out
 
 
 def by_forward(root: nn.Module, depth: int, args: tuple, kwargs: dict | None) -> Traced:

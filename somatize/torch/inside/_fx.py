@@ -3,6 +3,7 @@ arguments it was really called with, for shapes and dtypes."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -85,9 +86,7 @@ def by_fx(
                 continue
             within = _within(n)
             block = next(reversed(within), None)
-            if block:
-                opening.add_block(out, block)
-            made[n] = function_layer(out, block, n.target, counts)
+            made[n] = function_layer(opening, out, block, n.target, counts)
             made[n].within = within
     producers: dict[fx.Node, set[str]] = {}
 
@@ -139,9 +138,7 @@ def _values(
         else:
             a, k = fx.node.map_arg((n.args, n.kwargs), lambda x: env[x])
             if n.op == "get_attr":
-                value = root
-                for part in str(n.target).split("."):
-                    value = getattr(value, part)
+                value = functools.reduce(getattr, str(n.target).split("."), root)
             elif n.op == "call_module":
                 known = recorded.get(n.target) or []
                 i = taken.get(n.target, 0)

@@ -143,40 +143,18 @@ class Opening:
         self.depth = depth
         self.named = dict(root.named_modules(remove_duplicate=False))
         self._closed: dict[str, bool] = {}
-        self._params: dict[str, int] = {}
         self._drawn: list[tuple[str, nn.Module, bool]] | None = None
-
-    def params(self, path: str) -> int:
-        """Parameters under the module at `path`, each counted once."""
-        if not self._params:
-            under: dict[str, dict[int, int]] = {"": {}}
-            for name, p in self.root.named_parameters(remove_duplicate=False):
-                parts = name.split(".")[:-1]
-                for i in range(len(parts) + 1):
-                    under.setdefault(".".join(parts[:i]), {})[id(p)] = p.numel()
-            self._params = {k: sum(v.values()) for k, v in under.items()}
-        return self._params.get(path, 0)
 
     def closed(self, path: str) -> bool:
         """Whether the module at `path` is one layer rather than opened."""
-        if path == "":
-            return False
-        known = self._closed.get(path)
-        if known is not None:
-            return known
-        module = self.named[path]
-        if not parts_of(module):
-            answer = True
-        elif recognised(module):
+        if path and path not in self._closed:
+            module = self.named[path]
             parts = path.split(".")
-            above = sum(
-                1 for i in range(1, len(parts)) if recognised(self.named[".".join(parts[:i])])
+            above = (self.named[".".join(parts[:i])] for i in range(1, len(parts)))
+            self._closed[path] = not parts_of(module) or (
+                recognised(module) and self.depth <= sum(map(recognised, above))
             )
-            answer = self.depth <= above
-        else:
-            answer = False
-        self._closed[path] = answer
-        return answer
+        return self._closed.get(path, False)
 
     def drawn(self) -> list[tuple[str, nn.Module, bool]]:
         """Every (path, module, closed) that is a layer or a block, in declaration order,
@@ -205,7 +183,7 @@ class Opening:
             kind_of(m),
             label or label_of(m),
             None,
-            self.params(path),
+            sum(p.numel() for p in m.parameters()),  # each once, however often tied
             block,
             config_of(m),
             composite,
@@ -229,17 +207,18 @@ class Opening:
             parent = path.rpartition(".")[0]
             if parent:
                 self.add_block(out, parent)
-            if path:
-                layer = self._raw(path, parent or None)
-            else:
-                m = self.root
-                layer = Raw("", kind_of(m), label_of(m), None, self.params(""), None, config_of(m))
+            layer = self._raw(path, parent or None)  # (`named` holds the root at "")
             layer.path = box
             out.layers[box] = layer
         return layer
 
 
-def function_layer(out: Traced, block: str | None, fn: Any, counts: dict[str, int]) -> Raw:
+def function_layer(
+    opening: Opening, out: Traced, block: str | None, fn: Any, counts: dict[str, int]
+) -> Raw:
+    """The box of a call of `fn` inside `block` (a block of `out` from then on)."""
+    if block:
+        opening.add_block(out, block)
     name = function_name(fn)
     key = f"{block}.{name}" if block else name
     n = counts.get(key, 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -20,9 +20,9 @@ from somatize.run import in_one_line
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
 from somatize.torch.inside._forward import Reading, by_forward
 from somatize.torch.inside._fx import by_fx, fx_trace
-from somatize.torch.inside._trace import Raw, Traced, shape_of
+from somatize.torch.inside._trace import Opening, Traced, shape_of
 from somatize.torch.inside.fold import collapse, fold
-from somatize.torch.inside.kinds import kind_of, label_of
+from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["Inside", "Layer", "architecture", "traced", "kind_of"]
 
@@ -77,25 +77,14 @@ class Inside:
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON: lists, dicts, strings, numbers, None."""
-        return {
-            "layers": [asdict(x) for x in self.layers],
-            "edges": [list(e) for e in self.edges],
-            "how": self.how,
-            "why": self.why,
-            "hidden": self.hidden,
-            "params": self.params,
-        }
+        return asdict(self) | {"edges": [list(e) for e in self.edges]}
 
     def __repr__(self) -> str:
         return f"Inside({len(self.layers)} layers, {len(self.edges)} edges, {self.how})"
 
 
-def _unique(modules: list[nn.Module]) -> int:
-    seen: dict[int, int] = {}
-    for m in modules:
-        for p in m.parameters():
-            seen[id(p)] = p.numel()
-    return sum(seen.values())
+def _unique(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())  # each once, however often tied
 
 
 def _finish(raw: Traced, how: str, why: str | None, most: int, params: int = 0) -> Inside:
@@ -123,26 +112,25 @@ def _args(module: nn.Module, example: Any) -> tuple[tuple, dict] | None:
     if example is None:
         return None
     if isinstance(example, _Call):
-        return example.args, example.kwargs
+        return example
     if isinstance(module, Node):
         return (example, None), {}  # a node that is a module takes (input, ctx)
     return Wrapped(module).takes.arguments(example)
 
 
-class _Call:
+class _Call(NamedTuple):
     """The exact arguments a module was called with, caught by a pre-hook."""
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
-        self.args, self.kwargs = args, kwargs
+    args: tuple
+    kwargs: dict
 
 
 def _single(module: nn.Module, call: tuple[tuple, dict] | None) -> Traced:
     """A module with no children is one layer, whatever its forward does inside."""
     out = Traced()
-    layer = Raw("", kind_of(module), label_of(module), None, _unique([module]))
+    layer = Opening(module, 0).add_leaf(out, "")
     if call is not None:
         layer.shape = shape_of(module(*call[0], **call[1]))
-    out.layers[""] = layer
     return out
 
 
@@ -163,8 +151,7 @@ def _raw(
             return plan.reading.result(), "traced", plan.why
         return None
     try:
-        trace = plan if isinstance(plan, tuple) else None
-        raw = by_fx(module, depth, *(call if call else (None, None)), recorded, trace)
+        raw = by_fx(module, depth, *(call or (None, None)), recorded, plan)  # plan: a trace
         return raw, "symbolic", None
     except Exception as e:  # noqa: BLE001  (fx refuses in many ways; each is a reason)
         why = in_one_line(e)
@@ -189,17 +176,16 @@ def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
     for node, module in roots.items():
         if not parts_of(module):
             continue
-        refused = _REFUSED.get(module, {}).get(depth)
-        if refused is not None:
-            plans[node] = _Read(module, depth, refused)
-            continue
-        try:
-            plans[node] = fx_trace(module, depth)
-        except Exception as e:  # noqa: BLE001
-            why = in_one_line(e)
-            if not isinstance(module, Holder):
-                _REFUSED.setdefault(module, {})[depth] = why
-            plans[node] = _Read(module, depth, why)
+        why = _REFUSED.get(module, {}).get(depth)
+        if why is None:
+            try:
+                plans[node] = fx_trace(module, depth)
+                continue
+            except Exception as e:  # noqa: BLE001
+                why = in_one_line(e)
+                if not isinstance(module, Holder):
+                    _REFUSED.setdefault(module, {})[depth] = why
+        plans[node] = _Read(module, depth, why)
     return plans
 
 
@@ -227,7 +213,7 @@ def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) 
         got = _raw(module, example, depth)
     if got is None:
         return None
-    return _finish(*got, most, _unique([module]))
+    return _finish(*got, most, _unique(module))
 
 
 def _capture(
@@ -262,10 +248,7 @@ def _capture(
         with untouched(list(roots.values())), torch.no_grad(), Tap(graph, None, through):
             for reading in readings:
                 reading.arm()
-            if broker is not None:
-                graph.forward(example, broker=broker)
-            else:
-                graph.forward(example)
+            graph.forward(example, broker=broker)
     finally:
         for reading in readings:
             reading.disarm()
@@ -295,11 +278,8 @@ def architecture(
     """
     graph = as_graph(graph)
     example = unwrap(example)
-    roots = {}
-    for node in graph.nodes():
-        root = root_of(graph.implementation(node))
-        if root is not None:
-            roots[node] = root
+    found = {node: root_of(graph.implementation(node)) for node in graph.nodes()}
+    roots = {node: root for node, root in found.items() if root is not None}
     Held(list(roots.values())).refuse()  # before fx or a hook touches anything
     plans = _plan(roots, depth)
     calls, outputs = (
@@ -317,5 +297,5 @@ def architecture(
             with untouched([root]), torch.no_grad():
                 got = _raw(root, call, depth, outputs.get(node), plan)
         if got is not None:
-            out[node] = _finish(*got, most, _unique([root]))
+            out[node] = _finish(*got, most, _unique(root))
     return out

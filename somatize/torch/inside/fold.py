@@ -48,8 +48,7 @@ def _signature(path: str, layers: dict[str, Folded], kids: dict, edges: set, mem
     if path in memo:
         return memo[path]
     r = layers[path].raw
-    inner = _descendants(path, kids)
-    within = set(inner)
+    within = set(_descendants(path, kids))
     sig = (
         r.kind,
         r.label,
@@ -108,8 +107,6 @@ def fold(traced: Traced) -> tuple[dict[str, Folded], list[tuple[str, str]]]:
             i = j
         kids = _children(layers)
         queue.extend(c for c in kids.get(parent, []) if kids.get(c))
-    for f in layers.values():
-        f.made_of = []
     for path, f in layers.items():
         if f.raw.block is not None:
             layers[f.raw.block].made_of.append(path)
@@ -120,9 +117,7 @@ def _fold_run(
     layers: dict[str, Folded], kids: dict, edges: list[tuple[str, str]], run: list[str]
 ) -> list[tuple[str, str]]:
     keep = run[0]
-    copy_of: dict[str, tuple[int, str]] = {keep: (0, keep)}
-    for d in _descendants(keep, kids):
-        copy_of[d] = (0, d)
+    copy_of = {p: (0, p) for p in [keep, *_descendants(keep, kids)]}
     for k, other in enumerate(run[1:], start=1):
         for p in [other, *_descendants(other, kids)]:
             twin = keep + p[len(other) :]
@@ -167,12 +162,8 @@ def collapse(
             if level(p) == deepest:
                 boxes.update(_calls_of(p, layers, into))
         layers = _closed(layers, boxes, into)
-        out: dict[tuple[str, str], None] = {}
-        for a, b in edges:
-            a, b = into.get(a, a), into.get(b, b)
-            if a != b:
-                out[(a, b)] = None
-        edges = list(out)
+        moved = ((into.get(a, a), into.get(b, b)) for a, b in edges)
+        edges = list(dict.fromkeys((a, b) for a, b in moved if a != b))
     hidden = max(0, len(layers) - most)
     if hidden:
         kept = list(layers)[:most]

@@ -119,12 +119,6 @@ _FUNCTIONS: dict[str, str] = {
 }
 
 
-def _activation_class(cls: type) -> bool:
-    return cls.__module__ == "torch.nn.modules.activation" and not issubclass(
-        cls, nn.MultiheadAttention
-    )
-
-
 def function_name(fn: Any) -> str:
     """The name a function or tensor method goes by: `operator.add`, `Tensor.__add__` → `add`."""
     name = fn if isinstance(fn, str) else getattr(fn, "__name__", None) or type(fn).__name__
@@ -159,7 +153,8 @@ def kind_of(what: Any) -> str:
             if issubclass(cls, bases):
                 return kind
         ancestry = [c for c in cls.__mro__ if issubclass(c, nn.Module) and c is not nn.Module]
-        if any(_activation_class(c) for c in ancestry):
+        # (MultiheadAttention is in that module too, and answered above)
+        if any(c.__module__ == "torch.nn.modules.activation" for c in ancestry):
             return "activation"
         if isinstance(what, nn.Module):
             children = [child for _, child in parts_of(what)]

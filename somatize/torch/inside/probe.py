@@ -30,7 +30,7 @@ from somatize.node import unwrap
 from somatize.run import note, watchers
 from somatize.torch._modules import Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
-from somatize.torch.audit._measures import _wide, counts_of, magnitude_of, norm, read
+from somatize.torch.audit._measures import _wide, counts_of, floats_in, magnitude_of, norm, read
 from somatize.torch.audit._place import _saturation
 from somatize.torch.inside._forward import Calls
 from somatize.torch.inside._trace import Opening
@@ -51,10 +51,7 @@ def _leafed(value: Any) -> Any:
 
 
 def _first(value: Any) -> torch.Tensor | None:
-    for t in tensors_in(value):
-        if t.is_floating_point():
-            return t
-    return None
+    return next(iter(floats_in(value)), None)
 
 
 def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
@@ -170,17 +167,6 @@ def _numbers(
     return n
 
 
-def _places(node: str, root: nn.Module, depth: int, most: int) -> tuple[Opening, dict]:
-    """The layers `architecture` draws inside a node's module (the first `most`, each module
-    once at each path it is reachable under), as places keyed by path."""
-    opening = Opening(root, depth)
-    places: dict[str, _Place] = {}
-    for path, module, shut in opening.drawn():
-        if shut and not isinstance(module, nn.Identity) and len(places) < most:
-            places[path] = _Place(node, path, [module])
-    return opening, places
-
-
 def probe(
     graph: Any,
     example: Any,
@@ -232,8 +218,13 @@ def probe(
     for node, root in roots.items():
         if root is None or not parts_of(root):
             continue
-        opening, places = _places(node, root, depth, most)
-        inner[node] = places
+        # the layers `architecture` draws inside it (the first `most`, each module once at
+        # each path it is reachable under), by path
+        opening = Opening(root, depth)
+        places = inner[node] = {}
+        for path, module, shut in opening.drawn():
+            if shut and not isinstance(module, nn.Identity) and len(places) < most:
+                places[path] = _Place(node, path, [module])
         given: dict[str, Any] = {}
 
         def enter(path: str, call: int, args: tuple, kwargs: dict, given=given) -> None:
@@ -258,10 +249,7 @@ def probe(
                 h.arm()
             x = _leafed(example)
             with Tap(g, heard):
-                if broker is not None:
-                    result = g.forward(x, broker=broker, watching=told or None)
-                else:
-                    result = g.forward(x, watching=told or None)
+                result = g.forward(x, broker=broker, watching=told)
         except Exception as e:
             note(e, _LEAFED)
             raise
@@ -278,11 +266,14 @@ def probe(
         del outs, ends, leaves, result, x
         known.sources.clear()
     answer: dict[str, dict[str, Any]] = {}
+    facts = []  # the same, as health facts for `watching`
     one = False
     for node, place in nodes.items():
         for p in [place, *inner.get(node, {}).values()]:
             if p.numbers is not None:
-                answer[p.where] = p.answer()
+                answer[p.where] = numbers = p.answer()
+                facts.append({"fact": "health", "node": p.node, "inside": p.inside, "step": 0})
+                facts[-1].update(numbers)
                 one = one or (p.rows == 1)
     if one:
         warnings.warn(
@@ -290,18 +281,10 @@ def probe(
             "jacobian_spread, which compares samples, is left out: give two or more",
             stacklevel=2,
         )
-    if told:
-        every = [nodes[n] for n in nodes] + [p for ps in inner.values() for p in ps.values()]
-        by_where = {p.where: p for p in every}
-        facts = [
-            {"fact": "health", "node": by_where[w].node, "inside": by_where[w].inside, "step": 0}
-            | numbers
-            for w, numbers in answer.items()
-        ]
-        for w in told:
-            for fact in facts:
-                w(fact)
-            flush = getattr(w, "flush", None)
-            if callable(flush):
-                flush()
+    for w in told:
+        for fact in facts:
+            w(fact)
+        flush = getattr(w, "flush", None)
+        if callable(flush):
+            flush()
     return answer

@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -54,20 +54,9 @@ from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["EVERY", "proxy", "proxies"]
 
-EVERY: tuple[str, ...] = (
-    "synflow",
-    "zen",
-    "naswot",
-    "jacob_cov",
-    "snip",
-    "grasp",
-    "grad_norm",
-    "fisher",
-)
-"""Every proxy `proxy` knows, in the order `proxies` answers them."""
-
 _LOSS = frozenset({"snip", "grasp", "grad_norm", "fisher"})
 _SEED = 0
+_BN = nn.modules.batchnorm._BatchNorm
 
 
 class _NotHere(ValueError):
@@ -110,7 +99,7 @@ class _Subject:
         place, every parameter differentiable and without a gradient yet."""
         self.held.differentiable()
         for m in self.every:
-            m.training = isinstance(m, nn.modules.batchnorm._BatchNorm)
+            m.training = isinstance(m, _BN)
         for p in self.params:
             p.grad = None
 
@@ -120,12 +109,22 @@ class _Subject:
             raise _NotHere("the graph gave back no tensor to score")
         return out
 
-    def hooked(self, kinds: set[str], fn: Callable) -> list[Any]:
-        return [
+    @contextlib.contextmanager
+    def hooked(self, of: str, kinds: tuple[str, ...], fn: Callable) -> Iterator[None]:
+        """`fn` a forward hook on every layer of these kinds while inside; the proxy `of`
+        cannot be taken where there is none."""
+        hooks = [
             m.register_forward_hook(fn)
             for m in self.every
             if not parts_of(m) and kind_of(m) in kinds
         ]
+        if not hooks:
+            raise _NotHere(f"{of} reads {' and '.join(kinds)} layers, and this graph has none")
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
 
 
 def _loss(s: _Subject, example: Any, target: Any, objective: Callable) -> torch.Tensor:
@@ -146,15 +145,13 @@ def _through(x: Any, *_: Any, **__: Any) -> Any:
 
 
 def _synflow(s: _Subject, example: Any, **_: Any) -> float:
-    try:
-        return _synflow_in(s, example, torch.float64)
-    except Exception as e:  # noqa: BLE001  (a net that will not run in float64, told below)
-        in64 = in_one_line(e)
-    try:
-        return _synflow_in(s, example, torch.float32)
-    except Exception as e:  # noqa: BLE001
-        in32 = in_one_line(e)
-    raise _NotHere(f"synflow ran the net neither in float64 ({in64}) nor in float32 ({in32})")
+    why = []
+    for dtype in (torch.float64, torch.float32):
+        try:
+            return _synflow_in(s, example, dtype)
+        except Exception as e:  # noqa: BLE001  (a net that will not run in it: told below)
+            why.append(in_one_line(e))
+    raise _NotHere(f"synflow ran the net neither in float64 ({why[0]}) nor in float32 ({why[1]})")
 
 
 def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
@@ -163,7 +160,7 @@ def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
     with torch.no_grad():
         for p in s.params:
             p.data = p.data.abs()
-    bn = [m for m in s.every if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    bn = [m for m in s.every if isinstance(m, _BN)]
     for m in bn:
         object.__setattr__(m, "forward", _through)
     try:
@@ -190,11 +187,7 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
         dims = [d for d in range(t.dim()) if d != 1]
         variances.append(float(t.var(dim=dims, unbiased=False).mean()))
 
-    hooks = [
-        m.register_forward_hook(bn_in)
-        for m in s.every
-        if isinstance(m, nn.modules.batchnorm._BatchNorm)
-    ]
+    hooks = [m.register_forward_hook(bn_in) for m in s.every if isinstance(m, _BN)]
     with torch.no_grad():
         try:
             f1 = s.run(x)
@@ -216,15 +209,8 @@ def _naswot(s: _Subject, example: Any, **_: Any) -> float:
         for t in tensors_in(o)[:1]:
             codes.append((t.detach().reshape(t.shape[0], -1) > 0).double())
 
-    hooks = s.hooked({"activation"}, code)
-    if not hooks:
-        raise _NotHere("naswot reads activation layers, and this graph has none")
-    try:
-        with torch.no_grad():
-            s.run(example)
-    finally:
-        for h in hooks:
-            h.remove()
+    with s.hooked("naswot", ("activation",), code), torch.no_grad():
+        s.run(example)
     c = torch.cat(codes, dim=1)
     k = c @ c.T + (1 - c) @ (1 - c).T
     return float(torch.linalg.slogdet(k).logabsdet)
@@ -276,14 +262,8 @@ def _fisher(s: _Subject, example: Any, *, target: Any, objective: Callable, **_:
             if t.requires_grad:
                 acts.append((t, kind_of(m) == "conv"))
 
-    hooks = s.hooked({"conv", "learned"}, keep)
-    if not hooks:
-        raise _NotHere("fisher reads conv and learned layers, and this graph has none")
-    try:
+    with s.hooked("fisher", ("conv", "learned"), keep):
         loss = _loss(s, example, target, objective)
-    finally:
-        for h in hooks:
-            h.remove()
     grads = torch.autograd.grad(loss, [a for a, _ in acts], allow_unused=True)
     total = 0.0
     for (a, conv), g in zip(acts, grads, strict=True):
@@ -308,6 +288,8 @@ _PROXIES: dict[str, Callable[..., float]] = {
     "grad_norm": _grad_norm,
     "fisher": _fisher,
 }
+EVERY: tuple[str, ...] = tuple(_PROXIES)
+"""Every proxy `proxy` knows, in the order `proxies` answers them."""
 
 
 def _take(s: _Subject, example: Any, of: str, target: Any, objective: Any) -> float:
