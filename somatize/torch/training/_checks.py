@@ -13,8 +13,9 @@ import torch
 
 from somatize.graph import Graph
 from somatize.run import watchers
+from somatize.torch.placement import trainable
 from somatize.torch.training.learning import Learning
-from somatize.torch.training.params import _node_params, owners
+from somatize.torch.training.params import owners
 
 __all__ = [
     "Unusable",
@@ -24,11 +25,9 @@ __all__ = [
     "something_to_train",
     "trains_of",
     "held_by",
-    "held_of_nodes",
     "nothing_trains",
     "hosts_of",
     "audit_of",
-    "store_of",
 ]
 
 
@@ -72,13 +71,11 @@ def pair_of(batch: Any) -> tuple[Any, Any]:
 
 def something_to_train(graph: Graph) -> None:
     """Refuses a graph none of whose nodes holds a parameter that could be trained."""
-    for nid in graph.nodes():
-        if graph.setting(nid).frozen:
-            continue
-        if any(p.requires_grad for p in _node_params(graph.implementation(nid))):
-            return
+    nodes = graph.nodes()
+    if any(not graph.setting(n).frozen and trainable(graph.implementation(n)) for n in nodes):
+        return
     raise ValueError(
-        f"no node of this graph ({', '.join(graph.nodes())}) holds a parameter that asks for a "
+        f"no node of this graph ({', '.join(nodes)}) holds a parameter that asks for a "
         "gradient (frozen nodes hold none): there is nothing to train. Give a node an "
         "nn.Module with parameters, or leave the graph to Graph.forward"
     )
@@ -121,7 +118,7 @@ def trains_of(graph: Graph, trains: Any) -> dict[str, Learning]:
                 f"node {nid!r} is declared .frozen() and is in trains=: a node cannot be "
                 "both; drop .frozen() or take it out of trains="
             )
-        if not any(p.requires_grad for p in _node_params(graph.implementation(nid))):
+        if not trainable(graph.implementation(nid)):
             raise ValueError(
                 f"trains= names node {nid!r}, which holds no parameter that asks for a "
                 f"gradient ({type(graph.implementation(nid)).__name__}): there is nothing for "
@@ -141,10 +138,13 @@ def trains_of(graph: Graph, trains: Any) -> dict[str, Learning]:
     return dict(trains)
 
 
-def held_by(graph: Graph, optimizer: Any, trains: dict[str, Learning]) -> list[torch.Tensor]:
-    """The parameters the optimizer holds, checked against the graph and `trains`."""
+def held_by(
+    graph: Graph, optimizer: Any, trains: dict[str, Learning]
+) -> dict[str, list[torch.Tensor]]:
+    """The parameters the optimizer holds, checked against the graph and `trains`: `{node:
+    the parameters of it the optimizer holds}`, those asking for a gradient."""
     if optimizer is None:
-        return []
+        return {}
     if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
         raise TypeError(
             f"optimizer= takes a torch optimizer built over the graph's parameters "
@@ -171,18 +171,10 @@ def held_by(graph: Graph, optimizer: Any, trains: dict[str, Learning]) -> list[t
                 ".frozen(): a node cannot be both frozen and trained. Build the optimizer "
                 "over parameters(g), which leaves frozen nodes out"
             )
-    return held
-
-
-def held_of_nodes(
-    graph: Graph, held: list[torch.Tensor], owner: dict[int, str]
-) -> dict[str, list[torch.Tensor]]:
-    """`{node: the parameters of it the optimizer holds}`, for the nodes it holds any of."""
     found: dict[str, list[torch.Tensor]] = {}
     for p in held:
-        nid = owner.get(id(p))
-        if nid is not None and p.requires_grad:
-            found.setdefault(nid, []).append(p)
+        if id(p) in owner and p.requires_grad:
+            found.setdefault(owner[id(p)], []).append(p)
     return found
 
 
@@ -210,13 +202,6 @@ def audit_of(auditing: Any) -> Any:
                 f"{type(auditing).__name__}"
             )
     return auditing
-
-
-def store_of(store: Any) -> Any:
-    """`store=` as a Store, or None."""
-    from somatize.store import store_of as named
-
-    return None if store is None else named(store)
 
 
 def hosts_of(graph: Graph, broker: Any) -> dict[str, str]:

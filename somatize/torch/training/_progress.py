@@ -23,13 +23,12 @@ def in_notebook() -> bool:
     return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
 
 
-def person_watching(stream: Any = None) -> bool:
-    """Whether a person is watching: a notebook kernel, or a terminal on `stream`."""
+def person_watching() -> bool:
+    """Whether a person is watching: a notebook kernel, or a terminal on stderr."""
     if in_notebook():
         return True
-    stream = sys.stderr if stream is None else stream
     try:
-        return bool(stream.isatty())
+        return bool(sys.stderr.isatty())
     except (AttributeError, ValueError, OSError):
         return False
 

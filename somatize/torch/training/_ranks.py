@@ -66,19 +66,18 @@ def join(cuda: bool) -> tuple[int, int]:
         )
     if cuda and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    missing = [name for name in LAUNCHED_BY if not os.environ.get(name)]
-    if missing:
-        raise RuntimeError(
-            f"parallel= trains one process per rank, and this process was not started as "
-            f"one ({', '.join(missing)} not set): launch the script with "
-            "`torchrun --nproc_per_node=2 train.py` (from a notebook, `!torchrun ...`), open "
-            "the group yourself with torch.distributed.init_process_group, or leave "
-            "parallel= out to train in this process"
-        )
-    dist.init_process_group("nccl" if cuda else "gloo")
-    atexit.register(_leave)
+    if not dist.is_initialized():
+        missing = [name for name in LAUNCHED_BY if not os.environ.get(name)]
+        if missing:
+            raise RuntimeError(
+                f"parallel= trains one process per rank, and this process was not started as "
+                f"one ({', '.join(missing)} not set): launch the script with "
+                "`torchrun --nproc_per_node=2 train.py` (from a notebook, `!torchrun ...`), open "
+                "the group yourself with torch.distributed.init_process_group, or leave "
+                "parallel= out to train in this process"
+            )
+        dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(_leave)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -101,17 +100,14 @@ def from_rank0(value: Any = None) -> Any:
     nothing that runs.
     """
     where = device()
-    if dist.get_rank() == 0:
-        data = json.dumps(value).encode()
-        size = torch.tensor([len(data)], dtype=torch.int64, device=where)
-    else:
-        data = b""
-        size = torch.zeros(1, dtype=torch.int64, device=where)
+    rank0 = dist.get_rank() == 0
+    data = json.dumps(value).encode() if rank0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=where)
     dist.broadcast(size, 0)
     n = int(size.item())
     if not 0 < n <= _MOST_JSON:
         raise ValueError(f"rank 0 sent a message of {n} bytes; at most {_MOST_JSON} are read")
-    if dist.get_rank() == 0:
+    if rank0:
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(where)
     else:
         buf = torch.empty(n, dtype=torch.uint8, device=where)

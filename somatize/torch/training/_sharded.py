@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from somatize.torch.placement import modules_of, named_modules_of
+from somatize.torch.placement import named_modules_of
 from somatize.torch.training.params import state_of
 
 __all__ = ["shard", "laid_out", "gathered"]
@@ -38,10 +38,9 @@ def shard(graph: Any, run: Callable, optimizer: Any, *, cuda: bool, world: int) 
     """The graph's modules sharded over `world` ranks of the GPUs (`cuda`) or the CPUs (each
     node's, then the root around them all, whose forward is `run`); the optimizer now holds
     the sharded parameters. Answers the root."""
-    from somatize.torch.training.parallel import _Replica
+    from somatize.torch.training.parallel import _modules, _Replica
 
-    modules = [m for nid in graph.nodes() for m in modules_of(graph.implementation(nid))]
-    root = _Replica(modules, [], run)
+    root = _Replica(_modules(graph), [], run)
     before = dict(root.named_parameters())
     mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
     for nid in graph.nodes():

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from somatize.node import unwrap
+from somatize.store import CorruptBinding, store_of
 
 __all__ = ["fedavg", "gather"]
 
@@ -123,8 +124,6 @@ def _name(run: str, round: int, *rest: Any) -> str:
 
 def _turned_up(store: Any, name: str) -> bool:
     """Whether a client's record is there, readable or not (a damaged one has turned up)."""
-    from somatize.store import CorruptBinding
-
     try:
         return store.resolve(name) is not None
     except CorruptBinding:
@@ -193,8 +192,6 @@ def gather(
     and since leaving a client out changes the average, it is said out loud in every client.
     An average that is itself unusable is a `ValueError` at once, naming it.
     """
-    from somatize.store import store_of
-
     store = store_of(store)
     if not isinstance(run, str) or not run or "/" in run:
         raise ValueError(f"gather: run is a name without '/', not {run!r}")
@@ -212,10 +209,7 @@ def gather(
     store.keep(_name(run, round, "client", mine), what, meta=[("size", size)])
     deadline = time.monotonic() + within
     names = [_name(run, round, "client", k) for k in range(clients)]
-    while True:
-        absent = [k for k, name in enumerate(names) if not _turned_up(store, name)]
-        if not absent:
-            break
+    while absent := [k for k, name in enumerate(names) if not _turned_up(store, name)]:
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f"gather: round {round} of run {run!r}: client(s) {absent} never turned up "

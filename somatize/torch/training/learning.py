@@ -17,7 +17,7 @@ import torch
 
 from somatize.node import Node
 from somatize.torch._values import mapped
-from somatize.torch.placement import modules_of
+from somatize.torch.placement import modules_of, move
 
 __all__ = [
     "Learning",
@@ -64,9 +64,6 @@ class Envelope:
         what = "nothing" if self.gradient is None else type(self.gradient).__name__
         return f"Envelope({what}{', closing' if self.closing else ''})"
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (Envelope, (self.gradient, self.closing))
-
 
 def envelope(gradient: Any, closing: bool = False) -> Envelope:
     """A gradient in its envelope, which is how one crosses an edge.
@@ -79,10 +76,7 @@ def envelope(gradient: Any, closing: bool = False) -> Envelope:
 
 
 def _to(value: Any, device: Any) -> Any:
-    if device is None or value is None:
-        return value
-    where = torch.device(device)
-    return mapped(value, lambda t: t if t.device == where else t.to(where))
+    return value if device is None else move(value, device)
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -290,14 +284,9 @@ class Learning(Node):
                 f"this {type(self).__name__} trains no node yet: it is given one by "
                 "Trainer(trains={node_id: ...})"
             )
-        found: list[torch.nn.Parameter] = []
-        seen: set[int] = set()
-        for module in [*modules_of(self.node), *modules_of(self)]:
-            for p in module.parameters():
-                if p.requires_grad and id(p) not in seen:
-                    seen.add(id(p))
-                    found.append(p)
-        return found
+        modules = [*modules_of(self.node), *modules_of(self)]
+        found = dict.fromkeys(p for m in modules for p in m.parameters())  # each once, in order
+        return [p for p in found if p.requires_grad]
 
     def receiving(self, state: Mapping[str, Any]) -> None:
         """Made ready to be handed `state` (the keys of what it brought): a technique that

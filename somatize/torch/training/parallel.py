@@ -20,7 +20,6 @@ early, with no backward left to ride on, is averaged with one all-reduce per dty
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import uuid
@@ -31,10 +30,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from somatize.torch.placement import modules_of
+from somatize.torch.placement import modules_of, place
 from somatize.torch.training import _ranks, _weights
 from somatize.torch.training._ranks import RankLost
 from somatize.torch.training.params import state_of
+from somatize.torch.training.stages import Local
 
 __all__ = ["MODES", "Parallel", "RankLost", "parallel_of"]
 
@@ -190,7 +190,7 @@ def _difference(theirs: dict[str, Any], mine: dict[str, Any]) -> str | None:
 
 
 def _same_everywhere(graph: Any, mode: str, trains: dict, every: int, micro: int) -> None:
-    mine = json.loads(json.dumps(_layout(graph, mode, trains, every, micro)))
+    mine = _layout(graph, mode, trains, every, micro)
     theirs = _ranks.from_rank0(mine if dist.get_rank() == 0 else None)
     differs = _difference(theirs, mine)
     odd = _ranks.refusing(differs is None)
@@ -233,12 +233,11 @@ def _shared(store: Any, node: str) -> None:
 class Parallel:
     """A Trainer's stages, data-parallel: what the Trainer runs in their place.
 
-    `forward`, `backward`, `update` and `recompile` are the stages' own, through DDP (or FSDP)
-    and with a failed collective turned into a `RankLost`, and anything else asked of it is
-    asked of the stages; `window(sync)` says whether the pieces run inside it close a group
-    (outside one, they do). `incoming` and `whole` are
-    what `load` and `export` ask: rank 0's weights on every rank, and whole tensors out of
-    sharded ones.
+    `forward`, `backward` and `update` are the stages' own, through DDP (or FSDP) and with a
+    failed collective turned into a `RankLost`, and anything else asked of it (`recompile`,
+    ...) is asked of the stages; `window(sync)` says whether the pieces run inside it close a
+    group (outside one, they do). `incoming` and `whole` are what `load` and `export` ask:
+    rank 0's weights on every rank, and whole tensors out of sharded ones.
     """
 
     def __init__(self, mode: str, rank: int, world: int, cuda: bool) -> None:
@@ -252,7 +251,7 @@ class Parallel:
         self._replicas: list[Any] = []  # in the order they were made: the same on every rank
         self._open: set[int] = set()  # replicas whose group is open and not averaged yet
         self._sync = True
-        self.parts = _Parts(self)
+        self._parts = _Parts(self)
 
     def __repr__(self) -> str:
         return f"Parallel({self.mode!r}, rank {self.rank} of {self.world})"
@@ -260,7 +259,7 @@ class Parallel:
     # -- made once ------------------------------------------------------------------------
     def transport(self, host: str | None) -> _Parts:
         """How each part of the stages runs (here, through its replica): what `Stages` asks."""
-        return self.parts
+        return self._parts
 
     def around(self, stages: Any, optimizer: Any) -> Parallel:
         """Put DDP (or FSDP) around `stages`, with rank 0's weights on every rank first; under
@@ -268,8 +267,10 @@ class Parallel:
         its Trainer at the same point."""
         graph = stages.graph
         with _ranks.answering("starting (rank 0's weights sent to every rank)"):
-            if self.cuda:
-                _place_here(graph)
+            if self.cuda:  # nodes placed .on("cuda") go to this rank's GPU (the current one)
+                for nid, device in graph.devices().items():
+                    if device == "cuda":
+                        place(graph.implementation(nid), "cuda")
             _weights.broadcast_states(graph)
             if self.mode == "fsdp":
                 from somatize.torch.training import _sharded
@@ -279,10 +280,7 @@ class Parallel:
                 )
                 self._replicas.append(self._whole)
             elif stages.whole:
-                modules = [
-                    m for nid in graph.nodes() for m in modules_of(graph.implementation(nid))
-                ]
-                self._whole = self._ddp(modules, [], stages.forward, find_unused=True)
+                self._whole = self._ddp(_modules(graph), [], stages.forward, find_unused=True)
             else:
                 self._by_part(stages)
         self._stages = stages
@@ -333,16 +331,13 @@ class Parallel:
             self._sync = before
 
     def _run(self, replica: Any, sync: bool, *args: Any, **kw: Any) -> Any:
+        (self._open.discard if sync else self._open.add)(id(replica))
         if self.mode == "fsdp":
             replica.set_requires_gradient_sync(sync)
-            (self._open.discard if sync else self._open.add)(id(replica))
-            return replica(*args, **kw)
-        if sync:
-            self._open.discard(id(replica))
-            return replica(*args, **kw)
-        self._open.add(id(replica))
-        with replica.no_sync():
-            return replica(*args, **kw)
+        elif not sync:
+            with replica.no_sync():
+                return replica(*args, **kw)
+        return replica(*args, **kw)
 
     def forward(self, x: Any, **how: Any) -> Any:
         """The stages' forward (`how` is what it takes besides the input: `store=`, ...),
@@ -376,10 +371,6 @@ class Parallel:
                     self._open.discard(id(replica))
             self._stages.update()
 
-    def recompile(self) -> None:
-        """The stages', so the next forward sees the nodes as they are now."""
-        self._stages.recompile()
-
     def __getattr__(self, name: str) -> Any:
         """Whatever else the stages answer (`whole`, `parts`, ...) is theirs."""
         stages = self.__dict__.get("_stages")
@@ -410,7 +401,7 @@ class Parallel:
             return _sharded.gathered(state)
 
 
-class _Parts:
+class _Parts(Local):
     """The transport of every part under `parallel=`: a part with something to average runs
     through its replica, any other as it would here."""
 
@@ -430,15 +421,7 @@ class _Parts:
         sync = p._sync if learning is None or learning.declared is None else learning.closes()
         return p._run(replica, sync, inputs, store=store, watching=watching)
 
-    def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
-        """`part.backward`: DDP's hooks average on the way, when the forward synced."""
-        return part.backward(envelopes)
 
-
-def _place_here(graph: Any) -> None:
-    """Nodes placed `.on("cuda")` moved to this rank's GPU (the current device)."""
-    from somatize import _hooks
-
-    for nid, device in graph.devices().items():
-        if device == "cuda":
-            _hooks.place(graph.implementation(nid), "cuda")
+def _modules(graph: Any) -> list[nn.Module]:
+    """The modules of every node of the graph, node by node."""
+    return [m for nid in graph.nodes() for m in modules_of(graph.implementation(nid))]

@@ -18,17 +18,6 @@ from somatize.torch.placement import modules_of
 __all__ = ["parameters", "freeze", "state_of", "owners", "named"]
 
 
-def _node_params(node: Any) -> list[nn.Parameter]:
-    found: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for module in modules_of(node):
-        for p in module.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                found.append(p)
-    return found
-
-
 def parameters(graph: Any, without: Container[str] = ()) -> list[nn.Parameter]:
     """The parameters of every node in the graph that has any, for an optimizer to hold.
 
@@ -42,16 +31,15 @@ def parameters(graph: Any, without: Container[str] = ()) -> list[nn.Parameter]:
     and parameters whose `requires_grad` is off. A node holding no module is skipped, so a
     tokenizer does not stop being a node for having nothing to train.
     """
-    found: list[nn.Parameter] = []
-    seen: set[int] = set()
-    for nid in graph.nodes():
-        if nid in without or graph.setting(nid).frozen:
-            continue
-        for p in _node_params(graph.implementation(nid)):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                found.append(p)
-    return found
+    found = (
+        p
+        for nid in graph.nodes()
+        if nid not in without and not graph.setting(nid).frozen
+        for m in modules_of(graph.implementation(nid))
+        for p in m.parameters()
+        if p.requires_grad
+    )
+    return list(dict.fromkeys(found))  # each once, in declaration order
 
 
 def named(graph: Any) -> dict[int, str]:
@@ -69,8 +57,9 @@ def owners(graph: Any) -> dict[int, str]:
     """`{id(parameter): node id}`: which node each parameter of the graph belongs to (first)."""
     found: dict[int, str] = {}
     for nid in graph.nodes():
-        for p in _node_params(graph.implementation(nid)):
-            found.setdefault(id(p), nid)
+        for m in modules_of(graph.implementation(nid)):
+            for p in m.parameters():
+                found.setdefault(id(p), nid)
     return found
 
 

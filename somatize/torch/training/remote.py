@@ -22,7 +22,10 @@ from dataclasses import fields
 from typing import Any
 
 from somatize import _hooks
+from somatize.node import Settings
 from somatize.remote.errors import Unknown
+from somatize.torch.training.learning import OutOfStep, envelope
+from somatize.torch.training.stages import Part
 
 __all__ = ["Remote", "serve_stage"]
 
@@ -87,8 +90,6 @@ class Remote:
 
     def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
         """Hand the part on its worker what it owes; answer `{source: Envelope}`."""
-        from somatize.torch.training.learning import OutOfStep, envelope
-
         sent = {n: [e.gradient, bool(e.closing)] for n, e in envelopes.items()}
         message = {"op": "stage.backward", "pkey": self._key(part), "envelopes": sent}
         try:
@@ -150,20 +151,12 @@ class Remote:
                 n: {f.name: getattr(s, f.name) for f in fields(s)} for n, s in part.settings.items()
             },
             "preds": {n: list(part.preds[n]) for n in part.ids},
-            "succ": {n: _successors(part, n) for n in part.ids},
+            "succ": {n: list(part.succ[n]) for n in part.ids},
             "stage": part.stage,
             "trained": part.trained,
             "last": part.last,
             "learning": learning,
         }
-
-
-def _successors(part: Any, n: str) -> list[str]:
-    from somatize.torch.training.stages import LOSS
-
-    inside = [m for m in part.ids if n in part.preds[m]]
-    outside = [d for s, d in part.leaving if s == n and d != LOSS]
-    return inside + outside
 
 
 class _View:
@@ -189,28 +182,22 @@ def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: di
     """The worker's side: `stage.forward` (rebuilding the part the first time) and
     `stage.backward`. A part the worker does not hold is `Unknown` (it was restarted, or the
     session expired)."""
+    if op not in ("stage.forward", "stage.backward"):
+        raise ValueError(f"unknown request {op!r}")
     key = m.get("pkey")
-    parts = session.parts
+    if op == "stage.forward" and m.get("part") is not None:
+        session.parts[key] = _rebuilt(server, session, m["part"])
+    part = session.parts.get(key)
+    if part is None:
+        raise Unknown(f"this worker does not hold the stage part {key!r}: it was restarted")
     if op == "stage.forward":
-        part = parts.get(key)
-        if m.get("part") is not None:
-            part = parts[key] = _rebuilt(server, session, m["part"])
-        if part is None:
-            raise Unknown(f"this worker does not hold the stage part {key!r}: it was restarted")
         facts: list[dict] = []
         watching = facts.append if m.get("watching", True) else None
         outs = part.forward(m["inputs"], watching=watching)
         return {"outs": outs, "facts": facts}
-    if op == "stage.backward":
-        from somatize.torch.training.learning import envelope
-
-        part = parts.get(key)
-        if part is None:
-            raise Unknown(f"this worker does not hold the stage part {key!r}: it was restarted")
-        envelopes = {n: envelope(g, closing) for n, (g, closing) in m["envelopes"].items()}
-        back = part.backward(envelopes)
-        return {s: [e.gradient, bool(e.closing)] for s, e in back.items()}
-    raise ValueError(f"unknown request {op!r}")
+    envelopes = {n: envelope(g, closing) for n, (g, closing) in m["envelopes"].items()}
+    back = part.backward(envelopes)
+    return {s: [e.gradient, bool(e.closing)] for s, e in back.items()}
 
 
 def _portable(value: Any, broker: Any, host: str) -> Any:
@@ -238,9 +225,6 @@ def _arrived(server: Any, value: Any, nid: str) -> Any:
 
 
 def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Any:
-    from somatize.node import Settings
-    from somatize.torch.training.stages import Part
-
     mine = {n: session.node(k) for n, k in d["keys"].items()}
     settings = {n: Settings(**s) for n, s in d["settings"].items()}
     view = _View(mine, settings, d["preds"], d["succ"])

@@ -29,19 +29,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-import torch
-
 from somatize import _hooks
 from somatize.graph import Graph
 from somatize.node import Node, Opaque, Piece
 from somatize.torch._modules import tensors_in
-from somatize.torch.training.learning import (
-    envelope,
-    grad_of,
-    gradient,
-    leafed,
-    pairs,
-)
+from somatize.torch.training.learning import backward_from, envelope, grad_of, gradient, leafed
 
 __all__ = [
     "INPUT",
@@ -128,11 +120,12 @@ class Part:
         entering: list[tuple[str, str]] = []
         leaving: list[tuple[str, str]] = []
         self.preds = {n: graph.predecessors(n) for n in ids}
+        self.succ = {n: graph.successors(n) for n in ids}
         for n in ids:
             if not self.preds[n]:
                 entering.append((INPUT, n))
             entering += [(p, n) for p in self.preds[n] if p not in inside]
-            succ = graph.successors(n)
+            succ = self.succ[n]
             leaving += [(n, s) for s in succ if s not in inside]
             if not succ:
                 leaving.append((n, LOSS))
@@ -206,12 +199,6 @@ class Part:
         be read off them later. Around a trained node its Learning's two positions run: the
         one before leafs what the node is given, the one after keeps what it produced.
         """
-        if self.whole:
-            out = self.graph.forward(inputs[INPUT], store=store, watching=watching)
-            leaves = self.exits
-            outs = {leaves[0]: out} if len(leaves) == 1 else dict(out)
-            self._outputs = outs
-            return outs
         learning = self.learning
         if learning is None:
             if self._crossing:
@@ -252,28 +239,21 @@ class Part:
         (the last one already did, in `loss.backward()`). An envelope with nothing in it and
         no forward before it is the end of a group, passed on.
         """
-        closing = False
-        for e in envelopes.values():
-            if e.closing:
-                closing = True
-                break
+        closing = any(e.closing for e in envelopes.values())
         if self.learning is not None:
             (came,) = envelopes.values()
             back = self.learning.forward(came, self.ctx).gradient
             self._outputs = None
             if self._single:
-                source = self.sources[0]
-                return {} if source == INPUT else {source: envelope(back, closing)}
-            owed = {s: back.get(s) if isinstance(back, dict) else None for s in self.sources}
+                owed = {self.sources[0]: back}
+            else:
+                owed = {s: back.get(s) if isinstance(back, dict) else None for s in self.sources}
         else:
             outputs = self._outputs
             if not self.last and outputs is not None:
-                outs: list = []
-                grads: list = []
-                for n, e in envelopes.items():
-                    pairs(outputs.get(n), e.gradient, outs, grads)
-                if outs:
-                    torch.autograd.backward(outs, grads)
+                backward_from(
+                    [outputs.get(n) for n in envelopes], [e.gradient for e in envelopes.values()]
+                )
             owed = {s: grad_of(v) for s, v in (self._inputs or {}).items()}
             self._inputs = self._outputs = None
         return {s: envelope(g, closing) for s, g in owed.items() if s != INPUT}
@@ -371,7 +351,7 @@ class Stages:
                     ids,
                     stage=s,
                     host=host,
-                    learning=trains.get(trained) if trained else None,
+                    learning=trains.get(trained),
                     trained=trained,
                     last=(s, (host, trained)) == (sink, _HERE),
                     whole=whole,
@@ -451,9 +431,7 @@ class Stages:
         part by part in reverse; `closing` rides along to say the group ends here."""
         loss.backward()
         if not self.whole:
-            owed: dict[str, list] = {}
-            for n in self.sunk:
-                owed[n] = [envelope(grad_of(self._sunk.pop(n)), closing)]
+            owed = {n: [envelope(grad_of(self._sunk.pop(n)), closing)] for n in self.sunk}
             self._back(owed, closing)
 
     def update(self) -> None:
@@ -475,7 +453,4 @@ class Stages:
             if watched and not part.last:
                 self._bytes[1] += sum(nbytes(e.gradient) for e in envelopes.values())
             for s, e in transport.backward(part, envelopes).items():
-                if s in owed:
-                    owed[s].append(e)
-                else:
-                    owed[s] = [e]
+                owed.setdefault(s, []).append(e)

@@ -86,9 +86,6 @@ class Synthetic(Learning):
         if self.guesser is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
             self.guesser = Guesser(weight.shape[1], dtype=weight.dtype)
 
-    def _own(self) -> list[torch.Tensor]:
-        return [p for m in modules_of(self.node) for p in m.parameters() if p.requires_grad]
-
     def kept(self, ctx: Any) -> None:
         """The node's update, with the guess, the moment its output is kept."""
         out = self.held
@@ -106,7 +103,7 @@ class Synthetic(Learning):
         elif self._optimizer is None:
             self.guesser.to(device=out.device)  # built by a load, before any output
         optimizer = self.optimizer
-        own = self._own()
+        own = [p for m in modules_of(self.node) for p in m.parameters() if p.requires_grad]
         if self.opens():
             for p in own:
                 p.grad = None

@@ -19,13 +19,14 @@ import torch
 
 from somatize.graph import Graph, as_graph
 from somatize.node import unwrap
+from somatize.store import store_of
 from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
 from somatize.torch.training._progress import Progress, in_notebook, person_watching
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
-from somatize.torch.training.params import freeze, named, owners, state_of
+from somatize.torch.training.params import freeze, named, state_of
 from somatize.torch.training.remote import Remote
 from somatize.torch.training.stages import LOCAL, Stages
 
@@ -136,7 +137,7 @@ class Trainer:
         held = _checks.held_by(graph, optimizer, trains)
         _checks.nothing_trains(optimizer, trains)
         audit = _checks.audit_of(auditing)
-        self.store = _checks.store_of(store)
+        self.store = None if store is None else store_of(store)
         self._parallel = parallel_of(
             parallel,
             graph,
@@ -177,8 +178,7 @@ class Trainer:
         if p is not None:  # DDP (FSDP) around the stages, rank 0's weights on every rank
             self._stages = p.around(self._stages, optimizer)
             held = _checks.held_by(graph, optimizer, trains)  # FSDP's are new parameters
-        self._owner = owners(graph)
-        self._unproven = _checks.held_of_nodes(graph, held, self._owner)
+        self._unproven = held  # the nodes not yet seen to get a gradient
         self.audit = audit.watch(graph) if audit is not None else None
         self._health: list[dict] = []  # the audit's facts, until the update they wait for
         self.live: Any = None
@@ -198,41 +198,33 @@ class Trainer:
         dimensions differ are refused before anything runs.
         """
         x, y = _checks.pair_of(unwrap(batch))
-        if self.micro > 1:
-            xs, ys = pieces(x, y, self.micro)
+        micro = self.micro
+        xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
         if self._count == 0 and self.optimizer is not None:
             self.optimizer.zero_grad()
         closing = self._count + 1 >= self.every
         stages = self._stages
         scale = self._scale
         window = self._window  # under parallel=, pieces that do not close run under no_sync
-        if self.micro == 1:
-            with window(closing):
+        total = 0.0
+        for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
+            sync = closing and k == micro - 1
+            with window(sync):
                 loss = self._loss(stages.forward(x, store=self.store, target=y), y)
-                stages.backward(loss / scale if scale != 1.0 else loss, closing)
-            value = loss.item()
-        else:
-            total = 0.0
-            last = self.micro - 1
-            for k in range(self.micro):
-                with window(closing and k == last):
-                    loss = self._loss(stages.forward(xs[k], store=self.store, target=ys[k]), ys[k])
-                    stages.backward(loss / scale, closing and k == last)
+                stages.backward(loss / scale if scale != 1.0 else loss, sync)
+            if micro > 1:
                 total += loss.detach()
-            value = float(total) / self.micro
+        value = loss.item() if micro == 1 else float(total) / micro
         self._count += 1
         step = self._steps
         self._steps += 1
         told = self.watching
         if told:
-            fact = {"fact": "loss", "value": value, "step": step}
-            for w in told:
-                w(fact)
+            self._tell({"fact": "loss", "value": value, "step": step})
             if not stages.whole:
                 forward, back = stages.crossed()
                 fact = {"fact": "crossed", "step": step, "forward": forward, "backward": back}
-                for w in told:
-                    w(fact)
+                self._tell(fact)
         if self.audit is not None:
             # a measured step's facts wait for the update its gradient goes into (the audit
             # fills in update_ratio then, in `moved`): they are told at the closing step
@@ -273,25 +265,26 @@ class Trainer:
         if self._health:
             self._tell_health()
         if self.watching:
-            fact = {"fact": "updated", "step": step}
-            for w in self.watching:
-                w(fact)
+            self._tell({"fact": "updated", "step": step})
 
     def _tell_health(self) -> None:
         health, self._health = self._health, []
-        for fact in health:
+        self._tell(*health)
+
+    def _tell(self, *facts: dict) -> None:
+        for fact in facts:
             for w in self.watching:
                 w(fact)
 
     def _prove(self) -> None:
         """A node whose held parameters got a gradient is proven, and not looked at again; a
         node none of whose held parameters got one is a cut, refused before the update."""
-        cut = {}
-        for nid, params in self._unproven.items():
-            if not any(p.grad is not None for p in params):
-                cut[nid] = params
-        for nid in [n for n in self._unproven if n not in cut]:
-            del self._unproven[nid]
+        cut = {
+            nid: params
+            for nid, params in self._unproven.items()
+            if not any(p.grad is not None for p in params)
+        }
+        self._unproven = cut
         if not cut:
             return
         self._count = 0  # the next step opens a new group, and is checked again
