@@ -98,13 +98,10 @@ class Broker:
                     conn.hello = conn.request({"op": "hello"}, deadline=worker.connect_within + 5)
                     self._modes[host] = worker.travels(conn.hello, conn.where())
                     break
-                except WorkerLost:
+                except BaseException as error:
                     conn.close()
-                    if attempt:
+                    if attempt or not isinstance(error, WorkerLost):
                         raise
-                except BaseException:
-                    conn.close()
-                    raise
             self._connections[host] = conn
         return conn
 
@@ -161,6 +158,22 @@ class Broker:
             self._stateful.add(key)
         return d
 
+    def send(self, host: str, nodes: list[tuple], message: Callable[[], dict]) -> Any:
+        """Send `message()` to `host`'s worker with the definitions of those of `nodes` (each
+        `(nid, node, device)`) it does not hold yet, noted as held once it answers. A worker
+        that answers `Unknown` (restarted, or its session expired) is sent again, once, what
+        it needs: `message()` is asked again, as `holds` answers then."""
+        for attempt in (0, 1):
+            defs = [d for n, node, device in nodes if (d := self.definition(host, n, node, device))]
+            try:
+                got = self.request(host, {**message(), "define": defs})
+            except Unknown:
+                if attempt:
+                    raise
+                continue
+            self.defined(host, defs)
+            return got
+
     def holds(self, host: str, key: str) -> bool:
         """Whether `host`'s worker holds `key` (a node, or a slice) as far as this broker knows."""
         return key in self._defined.get(host, ())
@@ -199,16 +212,7 @@ class Broker:
         """The weights of `node` (a node, or a Learning) as `host`'s worker holds them, sent
         there first if it does not; the copy here is brought up to them."""
         key = self.key(node)
-        for attempt in (0, 1):
-            defs = [d for d in [self.definition(host, nid, node, device)] if d]
-            try:
-                got = self.request(host, {"op": "state", "key": key, "define": defs})
-            except Unknown:
-                if attempt:
-                    raise
-                continue
-            self.defined(host, defs)
-            break
+        got = self.send(host, [(nid, node, device)], lambda: {"op": "state", "key": key})
         _hooks.load_state(node, got)
         self._learnt.discard((host, key))
         return got

@@ -11,10 +11,12 @@ new key, which is safe: a refused request was not run.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import secrets
 import struct
+import sys
 import threading
 import time
 from typing import Any
@@ -139,8 +141,8 @@ class Connection:
                 message["session"] = session
             frames = wire.encode(message, where=lambda: f"a request to {self.where()}")
             most = (self.hello or {}).get("max_message")
-            if most and any(memoryview(f).nbytes > most for f in frames):
-                largest = max(memoryview(f).nbytes for f in frames)
+            largest = max(memoryview(f).nbytes for f in frames)
+            if most and largest > most:
                 raise ValueError(
                     f"a request to {self.where()} holds a frame of {largest} bytes, and that "
                     f"worker takes frames of at most {most} (start it with a larger "
@@ -154,13 +156,11 @@ class Connection:
                 if answered:
                     return value
                 salt, reason = value
-                if reason == "seal" and salt != self.salt:
-                    self.seal = None  # a new worker at that address: agree on its key
-                    continue
-                if reason == "stale":  # it waited too long in the worker's queue, or the
-                    self.seal = None  # clocks moved apart: agree again, seal anew
-                    continue
-                break
+                # a new worker at that address, or it waited too long in the worker's queue
+                # (or the clocks moved apart): agree on the key again, seal anew
+                if not (reason == "stale" or (reason == "seal" and salt != self.salt)):
+                    break
+                self.seal = None
             if reason == "seal":
                 raise PermissionError(
                     f"{self.where()} refused the request: the token does not match "
@@ -223,33 +223,24 @@ class Connection:
 
     def close(self) -> None:
         """Close the socket (nothing is sent)."""
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
         self.monitor.close(0)
         self.sock.close(0)
-
-
-_REBUILT = {"builtins"}
 
 
 def rebuilt(said: dict[str, Any], where: str) -> BaseException:
     """The worker's exception, as its own type when that is a builtin exception or one of
     somatize's already imported here (nothing is imported, no attribute path followed);
     otherwise a `RemoteError` naming it. Notes name the host and carry the traceback."""
-    import sys
-
     module, qualname = str(said.get("module", "")), str(said.get("qualname", ""))
     message = str(said.get("message", ""))
     error: BaseException | None = None
-    if module in _REBUILT or module == "somatize" or module.startswith("somatize."):
+    if module == "builtins" or module.split(".")[0] == "somatize":
         found = vars(sys.modules[module]).get(qualname) if module in sys.modules else None
         if isinstance(found, type) and issubclass(found, Exception):
-            try:
+            with contextlib.suppress(Exception):
                 error = found(message)
-            except Exception:
-                error = None
     if error is None:
         error = RemoteError(f"{module}.{qualname}: {message}")
     notes = [str(n) for n in said.get("notes") or []]

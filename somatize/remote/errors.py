@@ -12,6 +12,14 @@ class Unknown(LookupError):
     restarted, its session expired, or it was never sent."""
 
 
+def not_held(what: str) -> Unknown:
+    """The `Unknown` of a worker that does not hold `what` ("node 'enc'", say)."""
+    return Unknown(
+        f"this worker does not hold {what}: it was restarted, the session expired, or it was "
+        "never sent"
+    )
+
+
 class WorkerLost(ConnectionError):
     """The worker went away (or never answered) while a request was waiting for it."""
 

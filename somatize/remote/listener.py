@@ -16,6 +16,7 @@ logged (at most every ten seconds), never spun on.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -46,12 +47,10 @@ _EVENTS = (
 
 def bind(context: zmq.Context, endpoint: str, *, max_message: int, curve_secret: str | None):
     """The worker's ROUTER socket, bound to `endpoint`, with its limits set first."""
-    try:
+    with contextlib.suppress(ValueError, OSError):
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft < hard:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        pass
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, int(max_message))
@@ -85,12 +84,9 @@ def _cut(fd: int) -> None:
         s = socket.socket(fileno=fd)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        s.detach()  # the descriptor stays libzmq's
+    s.detach()  # the descriptor stays libzmq's
 
 
 class Guard:

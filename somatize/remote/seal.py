@@ -30,6 +30,8 @@ from typing import Any
 
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from somatize.remote.wire import _buffer
+
 __all__ = [
     "MAGIC",
     "SALT_ASK",
@@ -127,13 +129,7 @@ def refusal(salt: bytes, reason: str) -> list[bytes]:
 
 def is_frame(frame: Any, word: bytes) -> bool:
     """Whether `frame` is exactly `word` (`SALT_ASK`, `SALT`, `REFUSED`)."""
-    view = memoryview(getattr(frame, "buffer", frame))
-    return view.nbytes == len(word) and view.tobytes() == word
-
-
-def _bytes(frame: Any) -> memoryview:
-    view = memoryview(getattr(frame, "buffer", frame))
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+    return _buffer(frame) == word
 
 
 class Seal:
@@ -171,7 +167,7 @@ class Seal:
         """`[seal, *frames]`: `frames` (a header and data frames) as a sealed message."""
         nonce = os.urandom(_NONCE)
         clock = _CLOCK.pack(self.now())
-        tag = self._tag(nonce, clock, [_bytes(f) for f in frames])
+        tag = self._tag(nonce, clock, [_buffer(f) for f in frames])
         return [MAGIC + nonce + clock + tag, *frames]
 
     def open(self, frames: list[Any]) -> list[Any]:
@@ -179,13 +175,13 @@ class Seal:
         `window` seconds ago and never opened before; else `Refused`, nothing in it read."""
         if not frames:
             raise Refused("a message of no frames")
-        first = _bytes(frames[0])
+        first = _buffer(frames[0])
         if first.nbytes != _SEAL or first[:4] != MAGIC:
             raise Refused("not a sealed message")
         seal = first.tobytes()
         nonce, clock, tag = seal[4:20], seal[20:28], seal[28:]
         body = frames[1:]
-        if not hmac.compare_digest(self._tag(nonce, clock, [_bytes(f) for f in body]), tag):
+        if not hmac.compare_digest(self._tag(nonce, clock, [_buffer(f) for f in body]), tag):
             raise Refused("the seal does not verify: another token, or a key from before a restart")
         (sent,) = _CLOCK.unpack(clock)
         now = self.now()

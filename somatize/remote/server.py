@@ -23,7 +23,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.remote import seal, wire
 from somatize.remote.allowed import Allowed, construct
-from somatize.remote.errors import Unknown
+from somatize.remote.errors import Unknown, not_held
 from somatize.remote.slices import ServedSlice, run_served
 
 __all__ = ["Server", "Session", "Drops"]
@@ -51,10 +51,7 @@ class Session:
         """The node sent under `key`; a worker that does not hold it says so (`Unknown`)."""
         found = self.nodes.get(key)
         if found is None:
-            raise Unknown(
-                f"this worker does not hold node {key!r}: it was restarted, the session "
-                "expired, or it was never sent"
-            )
+            raise not_held(f"node {key!r}")
         return found
 
 
@@ -147,10 +144,7 @@ class Server:
     # -- sessions -----------------------------------------------------------------------------
     def session(self, name: Any, connection: int | None) -> Session:
         """The session `name`, made when first used, noted as used now over `connection`."""
-        name = name if type(name) is str else str(name)
-        found = self.sessions.get(name)
-        if found is None:
-            found = self.sessions[name] = Session()
+        found = self.sessions.setdefault(str(name), Session())
         found.last = time.monotonic()
         if connection is not None:
             found.connection, found.gone = connection, None
@@ -218,10 +212,7 @@ class Server:
         else:
             found = session.slices.get(sid)
             if found is None:
-                raise Unknown(
-                    f"this worker does not hold slice {sid!r}: it was restarted, the session "
-                    "expired, or it was never sent"
-                )
+                raise not_held(f"slice {sid!r}")
         return run_served(found, m.get("given"), m.get("input"), bool(m.get("timed", True)))
 
     def load(self, session: Session, m: dict[str, Any]) -> bool:
@@ -246,9 +237,7 @@ class Server:
         if phase == "undo":
             for key, previous in found["undo"].items():
                 _hooks.load_state(session.node(key), previous)
-            session.loads.pop(lid, None)
-            return True
-        if phase == "drop":
+        if phase in ("undo", "drop"):
             session.loads.pop(lid, None)
             return True
         raise ValueError(f"a load's phase is stage, commit, undo or drop, not {phase!r:.20}")

@@ -19,8 +19,8 @@ from typing import Any
 
 from somatize import _hooks
 from somatize.node import unwrap
-from somatize.remote.errors import Unknown
-from somatize.run import MANY, ONE, ROOT, Ctx, _mapping, _result, walk
+from somatize.remote.errors import not_held
+from somatize.run import MANY, ONE, ROOT, Ctx, _mapping, _result, finished, tell, walk
 
 __all__ = ["Slice", "cut", "run_plan", "ServedSlice", "run_served"]
 
@@ -78,17 +78,14 @@ def run_plan(broker: Any, plan: Any, input: Any, told: list[Callable[[dict], Any
     time measured on its worker) and when it finished."""
     input = unwrap(input)
     vals: list[Any] = [None] * len(plan.steps)
-    clock = time.perf_counter_ns
-    start = clock() if told else 0
+    start = time.perf_counter_ns()
     for one in broker.slices(plan):
         if one.host is None:
             walk(plan, one.steps, vals, input, told, start)
         else:
             _run_there(broker, plan, one, vals, input, told, start)
     if told:
-        finished = {"fact": "finished", "took_us": (clock() - start) / 1e3}
-        for w in told:
-            w(finished)
+        tell(told, finished(start))
     return _result(plan, vals)
 
 
@@ -120,34 +117,21 @@ def _run_there(
         "input": input if one.roots else None,
         "timed": bool(told),  # per-node times only for somebody who watches
     }
-    began = time.perf_counter_ns() if told else 0
+    began = time.perf_counter_ns()
     graph = plan.graph
-    for attempt in (0, 1):
-        defs = [
-            d
-            for _i, _mode, _src, _fn, ctx, device in one.steps
-            if (d := broker.definition(host, ctx.id, graph.implementation(ctx.id), device))
-        ]
-        sent = broker.holds(host, one.sid)
-        message["define"] = defs
-        message["slice"] = None if sent else one.described
-        try:
-            got = broker.request(host, message)
-        except Unknown:
-            if attempt:
-                raise
-            broker.forget(host)  # restarted, or the session expired: send all again, once
-            continue
-        broker.defined(host, [*defs, {"key": one.sid}])
-        break
+    nodes = [(ctx.id, graph.implementation(ctx.id), device) for *_, ctx, device in one.steps]
+    got = broker.send(
+        host,
+        nodes,
+        lambda: {**message, "slice": None if broker.holds(host, one.sid) else one.described},
+    )
+    broker.defined(host, [{"key": one.sid}])
     for i, value in got["out"].items():
         vals[i] = value
     if told:
         offset = (began - start) / 1e3
         for nid, at, took in got["ran"]:
-            fact = {"fact": "ran", "node": nid, "began_us": offset + at, "took_us": took}
-            for w in told:
-                w(fact)
+            tell(told, {"fact": "ran", "node": nid, "began_us": offset + at, "took_us": took})
 
 
 class ServedSlice:
@@ -178,10 +162,7 @@ class ServedSlice:
                 raise ValueError(f"unknown step mode {mode!r}")
             node = nodes.get(key)
             if node is None:
-                raise Unknown(
-                    f"this worker does not hold node {nid!r}: it was restarted, the session "
-                    "expired, or it was never sent"
-                )
+                raise not_held(f"node {nid!r}")
             call = _hooks.entry(node)  # a module's __call__, so that its hooks fire
             fn = _mapping(nid, call) if mapped else call
             steps.append((slot, mode, src, fn, Ctx(nid, device, host, None), device))
@@ -211,8 +192,5 @@ def run_served(served: ServedSlice, given: Any, input: Any, timed: bool = True) 
     ran: list[list[Any]] = []
     told = [lambda f: ran.append([f["node"], f["began_us"], f["took_us"]])] if timed else None
     with _hooks.no_grad():
-        if told:
-            walk(served, served.steps, vals, input, told, time.perf_counter_ns())
-        else:
-            walk(served, served.steps, vals, input)
+        walk(served, served.steps, vals, input, told, time.perf_counter_ns())
     return {"out": {slot: vals[slot] for slot in served.wanted}, "ran": ran}

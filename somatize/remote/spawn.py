@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import os
 import selectors
 import signal
@@ -74,15 +75,12 @@ class Child:
             self.stop()
             self._passing.join(1.0)
             printed = "\n".join([line, *self.printed]).strip() or "nothing"
-            shown = " ".join(command)
-            if code is not None:
-                raise RuntimeError(
-                    f"the worker ({shown}) exited with code {code} before it was ready; "
-                    f"it said:\n{printed}"
-                )
-            raise RuntimeError(
-                f"the worker ({shown}) was not ready within {ready_within:.0f} s; it said:\n{printed}"
+            why = (
+                f"exited with code {code} before it was ready"
+                if code is not None
+                else f"was not ready within {ready_within:.0f} s"
             )
+            raise RuntimeError(f"the worker ({' '.join(command)}) {why}; it said:\n{printed}")
         self.address = line.split()[3]
 
     @property
@@ -96,10 +94,8 @@ class Child:
         assert stream is not None
         for raw in iter(stream.readline, b""):
             self.printed.append(raw.decode(errors="replace").rstrip())
-            try:
+            with contextlib.suppress(OSError):
                 os.write(2, raw)
-            except OSError:
-                pass
         stream.close()
 
     def _ready_line(self, within: float) -> str:
@@ -126,10 +122,8 @@ class Child:
             sel.close()
             stdout.close()
         if b"\n" not in got:  # its stdout closed: it is on its way out
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(5.0)
-            except subprocess.TimeoutExpired:
-                pass
         if self.process.poll() is not None:
             self._passing.join(2.0)  # what it printed on its way out
         return got.decode(errors="replace").strip()
@@ -147,10 +141,8 @@ class Child:
         try:
             process.wait(3)
         except subprocess.TimeoutExpired:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             process.wait(3)
 
     def exited(self) -> int | None:
