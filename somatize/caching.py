@@ -21,7 +21,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.codecs import decode, digest, encode
 from somatize.node import Opaque
-from somatize.run import ONE, ROOT, Plan, _noted, _result, not_a_list
+from somatize.run import ONE, ROOT, Plan, _noted, _result, finished, not_a_list, tell
 
 __all__ = ["walk_cached", "declarations", "declaration_key", "code_version"]
 
@@ -93,15 +93,12 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
                 }
                 if said is not None:
                     fact["cache"] = said
-                for w in told:
-                    w(fact)
+                tell(told, fact)
     except BaseException as e:
         _noted(e, plan, i, device)
         raise
     if told:
-        finished = {"fact": "finished", "took_us": (clock() - start) / 1e3}
-        for w in told:
-            w(finished)
+        tell(told, finished(start))
     return _result(plan, vals)
 
 
@@ -114,8 +111,12 @@ def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
     if bound is None:
         return False, None
     kept = dict(bound.meta).get("code")
-    if kept is not None and kept != code:
-        warn_code_changed(nid, kept, code)
+    if kept is not None and kept != code:  # stacklevel 3: walk_cached's caller
+        warnings.warn(
+            f"node {nid!r}: the cached value was kept by another version of its code "
+            f"({kept} != {code}); pass .cached(salt=...) with a new salt to recompute",
+            stacklevel=3,
+        )
     data = store.get(bound.digest)
     if data is None:
         raise LookupError(
@@ -183,11 +184,7 @@ def _canonical(value: Any) -> Any:
     try:
         return ["value", digest(encode(value))]
     except Exception:
-        return ["repr", type(value).__qualname__, _strip_address(repr(value))]
-
-
-def _strip_address(text: str) -> str:
-    return re.sub(r"0x[0-9a-fA-F]+", "0x", text)
+        return ["repr", type(value).__qualname__, re.sub(r"0x[0-9a-fA-F]+", "0x", repr(value))]
 
 
 def declaration_key(node: Any, salt: Any, state: str | None) -> str:
@@ -210,12 +207,3 @@ def code_version(node: Any) -> str:
     except (OSError, TypeError):
         text = f"{cls.__module__}.{cls.__qualname__}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def warn_code_changed(nid: str, kept: str, now: str) -> None:
-    """Say that a cache hit was kept by another version of the node's code."""
-    warnings.warn(
-        f"node {nid!r}: the cached value was kept by another version of its code "
-        f"({kept} != {now}); pass .cached(salt=...) with a new salt to recompute",
-        stacklevel=4,
-    )

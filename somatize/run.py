@@ -60,7 +60,7 @@ class Ctx:
 class Plan:
     """A graph compiled for running. Rebuilt by the graph whenever its topology changes."""
 
-    __slots__ = ("_graph", "ids", "steps", "leaves", "cached", "hosts", "index", "__weakref__")
+    __slots__ = ("_graph", "ids", "steps", "leaves", "cached", "hosts", "__weakref__")
 
     def __init__(self, graph: Any) -> None:
         order = graph.topological_sort()
@@ -81,7 +81,6 @@ class Plan:
             steps.append((i, mode, src, fn, Ctx(n, s.device, s.host, graph), s.device))
         self._graph = _weakly(graph)
         self.ids = tuple(order)
-        self.index = index
         self.steps = tuple(steps)
         self.leaves = tuple((n, index[n]) for n in graph.leaves())
         self.cached = any(graph.setting(n).cached for n in order)
@@ -142,14 +141,11 @@ def watchers(watching: Any) -> list[Callable[[dict], Any]]:
 
 
 def note(error: BaseException, text: str) -> BaseException:
-    """Add `text` to `error` as a PEP 678 note, once (on Python 3.10, which has no `add_note`,
-    the same `__notes__` list that later versions print under the traceback)."""
+    """Add `text` to `error` as a PEP 678 note, once: the `__notes__` list that Python 3.11
+    and later print under the traceback (set here as `add_note` would, which 3.10 lacks)."""
     notes = getattr(error, "__notes__", None)
     if notes is None or text not in notes:
-        if hasattr(error, "add_note"):
-            error.add_note(text)
-        else:  # Python 3.10
-            error.__notes__ = [*(notes or []), text]  # type: ignore[attr-defined]
+        error.__notes__ = [*(notes or []), text]  # type: ignore[attr-defined]
     return error
 
 
@@ -157,6 +153,17 @@ def in_one_line(error: BaseException) -> str:
     """`error` as a reason in one line: its class and its message's first line."""
     said = str(error).splitlines()[0] if str(error) else ""
     return f"{type(error).__name__}: {said}".strip()
+
+
+def tell(told: list[Callable[[dict], Any]], fact: dict) -> None:
+    """Give `fact` to every watcher in `told`."""
+    for w in told:
+        w(fact)
+
+
+def finished(start: int) -> dict:
+    """The `finished` fact of a run begun at `start` (a `perf_counter_ns` reading)."""
+    return {"fact": "finished", "took_us": (time.perf_counter_ns() - start) / 1e3}
 
 
 def _noted(error: BaseException, plan: Plan, i: int, device: str | None) -> BaseException:
@@ -186,9 +193,7 @@ def run_watched(plan: Plan, input: Any, told: list[Callable[[dict], Any]]) -> An
     vals: list[Any] = [None] * len(plan.steps)
     start = time.perf_counter_ns()
     walk(plan, plan.steps, vals, input, told, start)
-    finished = {"fact": "finished", "took_us": (time.perf_counter_ns() - start) / 1e3}
-    for w in told:
-        w(finished)
+    tell(told, finished(start))
     return _result(plan, vals)
 
 
@@ -231,8 +236,7 @@ def walk(
                     "began_us": (began - start) / 1e3,
                     "took_us": (clock() - began) / 1e3,
                 }
-                for w in told:
-                    w(fact)
+                tell(told, fact)
     except BaseException as e:
         _noted(e, plan, i, device)
         raise
