@@ -24,6 +24,7 @@ an extension costs the decoder about 40 KB of C stack, which is why `DEPTH` is s
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 import threading
 from collections.abc import Callable
@@ -380,10 +381,7 @@ def _numpy_load(data: bytes) -> Any:
             shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
     except ValueError as error:
         raise Malformed(f"a numpy value's header does not parse: {error}") from error
-    count = 1
-    for n in shape:
-        count *= n
-    promised, held = count * dtype.itemsize, len(data) - 1 - stream.tell()
+    promised, held = math.prod(shape) * dtype.itemsize, len(data) - 1 - stream.tell()
     if dtype.hasobject or promised != held:
         raise Malformed(
             f"a numpy value's header promises {shape} {dtype} ({promised} bytes) and "

@@ -147,10 +147,9 @@ def figures() -> list[tuple[str, Any]]:
                 optimizer=torch.optim.Adam(parameters(g), lr=3e-3), watching=audit)
     t.fit(train, epochs=5)
     candidates = {f"hidden {h}": build(hidden=h) for h in (2, 4, 16, 64)}
-    for c in candidates.values():
-        freeze(c)
     measured = {}
     for name, c in candidates.items():
+        freeze(c)
         Trainer(c, objective=nn.functional.cross_entropy,
                 optimizer=torch.optim.Adam(parameters(c), lr=1e-2)).fit(train, epochs=3)
         measured[name] = accuracy(c, test)

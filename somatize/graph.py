@@ -94,16 +94,12 @@ class Graph:
             return [nid], [nid]
         mine = expr._settings.under(outer)
         if isinstance(expr, Chain):
-            entries: list[str] = []
-            exits: list[str] = []
-            for k, part in enumerate(expr.parts):
+            entries, exits = self._lay(expr.parts[0], mine)
+            for part in expr.parts[1:]:
                 first, last = self._lay(part, mine)
-                if k == 0:
-                    entries = first
-                else:
-                    for a in exits:
-                        for b in first:
-                            self.edge(a, b)
+                for a in exits:
+                    for b in first:
+                        self.edge(a, b)
                 exits = last
             return entries, exits
         assert isinstance(expr, Branches)
@@ -296,14 +292,12 @@ class Graph:
     def devices(self) -> dict[str, str]:
         """`{id: device}` for the nodes placed `.on(device)`; a node placed nowhere in
         particular is not listed."""
-        said = {n: self._settings[n].device for n in self._order}
-        return {n: d for n, d in said.items() if d is not None}
+        return {n: s.device for n, s in self._settings.items() if s.device is not None}
 
     def hosts(self) -> dict[str, str]:
         """`{id: host}` for the nodes that run `.at(host)`; a node that runs in this process is
         not listed."""
-        said = {n: self._settings[n].host for n in self._order}
-        return {n: h for n, h in said.items() if h is not None}
+        return {n: s.host for n, s in self._settings.items() if s.host is not None}
 
     def frozen(self) -> dict[str, str | None]:
         """`{id: digest}` for every node declared `.frozen()`: the digest of its state once it
@@ -456,9 +450,7 @@ class Graph:
             return {"text/plain": repr(self)}
         bundle = fig._repr_mimebundle_(include=include, exclude=exclude)
         if isinstance(bundle, tuple):
-            data, meta = bundle
-            data = {**data, "text/plain": repr(self)}
-            return data, meta
+            return {**bundle[0], "text/plain": repr(self)}, bundle[1]
         return {**(bundle or {}), "text/plain": repr(self)}
 
 

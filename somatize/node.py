@@ -38,13 +38,8 @@ class Settings:
 
     def under(self, outer: Settings) -> Settings:
         """These settings, with what they leave unsaid taken from `outer` (the innermost wins)."""
-        said = {}
-        for f in fields(self):
-            if f.name == "name":
-                continue
-            mine = getattr(self, f.name)
-            said[f.name] = getattr(outer, f.name) if mine is None else mine
-        return replace(self, **said)
+        unsaid = [f.name for f in fields(self) if getattr(self, f.name) is None]
+        return replace(self, **{k: getattr(outer, k) for k in unsaid if k != "name"})
 
 
 class Opaque:

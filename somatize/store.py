@@ -22,6 +22,7 @@ as bindings, and values decode through `somatize.codecs`' bounds. Layout on disk
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -153,7 +154,7 @@ class Store:
 
     def __reduce__(self) -> tuple[Any, ...]:
         if self._options:
-            return (_reopen, (self._where, self._options))
+            return (functools.partial(Store, **self._options), (self._where,))
         return (Store, (self._where,))
 
     # -- blobs ---------------------------------------------------------------------------
@@ -256,17 +257,22 @@ class Store:
     def bound(self, prefix: str | None = None) -> list[Bound]:
         """Every binding in the store, by name; with `prefix` (a name such as `"run/r1"`)
         only that name and the names below it. Raises `CorruptBinding` on an unreadable one."""
-        folder = "names" if prefix is None else _name_path(prefix)[: -len(_BIND) - 1]
         found: list[Bound] = []
-        for path in self._place.files(folder):
-            parts = path.split("/")
-            if parts[-1] != _BIND or len(parts) < 3:
-                continue
-            name = "/".join(unquote(p) for p in parts[1:-1])
+        for name, path in self._bindings(prefix):
             data = self._place.read(path)
             if data is not None:
                 found.append(self._read_binding(name, path, data))
         found.sort(key=lambda b: b.name)
+        return found
+
+    def _bindings(self, prefix: str | None) -> list[tuple[str, str]]:
+        """`(name, path)` of every binding file under `prefix` (all of them for None)."""
+        folder = "names" if prefix is None else _name_path(prefix)[: -len(_BIND) - 1]
+        found = []
+        for path in self._place.files(folder):
+            parts = path.split("/")
+            if parts[-1] == _BIND and len(parts) >= 3:
+                found.append(("/".join(unquote(p) for p in parts[1:-1]), path))
         return found
 
     # -- values --------------------------------------------------------------------------
@@ -299,13 +305,7 @@ class Store:
 
     def names(self, prefix: str | None = None) -> list[str]:
         """The bound names (optionally under `prefix`), without reading their bindings."""
-        folder = "names" if prefix is None else _name_path(prefix)[: -len(_BIND) - 1]
-        found = []
-        for path in self._place.files(folder):
-            parts = path.split("/")
-            if parts[-1] == _BIND and len(parts) >= 3:
-                found.append("/".join(unquote(p) for p in parts[1:-1]))
-        return sorted(found)
+        return sorted(name for name, _ in self._bindings(prefix))
 
     def clean(self, *, older_than: float = 3600.0) -> dict[str, int]:
         """Remove what killed writers left behind, and answer `{"files": n, "bytes": b}`.
@@ -321,10 +321,6 @@ class Store:
         if isinstance(older_than, bool) or not older_than >= 0:
             raise ValueError(f"older_than is seconds >= 0, not {older_than!r}")
         return self._place.clean(float(older_than))
-
-
-def _reopen(where: str, options: dict[str, Any]) -> Store:
-    return Store(where, **options)
 
 
 def store_of(store: Store | str | os.PathLike[str]) -> Store:

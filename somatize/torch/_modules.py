@@ -17,7 +17,6 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
 
-from somatize.graph import as_graph
 from somatize.node import Opaque
 from somatize.torch.placement import named_modules_of
 
@@ -25,8 +24,6 @@ __all__ = [
     "named_modules_of",
     "untouched",
     "Held",
-    "places_of",
-    "as_graph",
     "tensors_in",
     "parts_of",
     "root_of",
@@ -69,15 +66,6 @@ def root_of(node: Any) -> nn.Module | None:
     if len(held) == 1 and held[0][0] == "":
         return held[0][1]
     return Holder(node)
-
-
-def places_of(graph: Any) -> list[tuple[str, str, nn.Module]]:
-    """Every (node, attribute path, module) a graph holds, nodes in declaration order."""
-    out = []
-    for node in graph.nodes():
-        for name, module in named_modules_of(graph.implementation(node)):
-            out.append((node, name, module))
-    return out
 
 
 def parts_of(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -306,10 +294,8 @@ class Tap:
             if had:
                 object.__setattr__(node, "forward", before)
             else:
-                try:
+                with contextlib.suppress(AttributeError):
                     object.__delattr__(node, "forward")
-                except AttributeError:
-                    pass
         self._undo = []
         if hasattr(self.graph, "_plan"):
             self.graph._plan = self._plan

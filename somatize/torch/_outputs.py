@@ -73,14 +73,6 @@ def from_fields(got: Any) -> Any:
         raise Malformed(f"a {KIND} {name} could not be built from its fields: {error}") from None
 
 
-def _dump(value: Any) -> bytes:
-    return encode(fields_of(value))
-
-
-def _load(data: bytes) -> Any:
-    return from_fields(decode(data))
-
-
 def late_codecs() -> bool:
     """Register the `ModelOutput` codec if transformers is loaded and it is not yet; whether
     this call registered it."""
@@ -89,7 +81,12 @@ def late_codecs() -> bool:
         return False
     from transformers.utils import ModelOutput
 
-    codec(KIND, ModelOutput, dump=_dump, load=_load)
+    codec(
+        KIND,
+        ModelOutput,
+        dump=lambda value: encode(fields_of(value)),
+        load=lambda data: from_fields(decode(data)),
+    )
     _registered = True
     return True
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from somatize import _hooks
+from somatize.torch.codec import _plain
 
 _DTYPES = {
     name: getattr(torch, name)
@@ -43,13 +44,18 @@ _MOST_DIMS = 64
 def state_of(node: Any) -> dict[str, torch.Tensor]:
     """The node's weights as `{key: tensor}`, detached copies on the CPU. A Learning's are
     what it brought (a head, a guesser): the node it trains travels on its own."""
+    return {k: v.detach().cpu().clone() for k, v in _own(node).items()}
+
+
+def _own(node: Any) -> dict[str, torch.Tensor]:
+    """The node's weights by key, as they are (a Learning's without the node it trains)."""
     from somatize.torch.training.learning import Learning
     from somatize.torch.training.params import state_of as keyed
 
     state = keyed(node)
     if isinstance(node, Learning):
         state = {k: v for k, v in state.items() if not k.startswith("node.")}
-    return {k: v.detach().cpu().clone() for k, v in state.items()}
+    return state
 
 
 def stage_state(
@@ -61,16 +67,13 @@ def stage_state(
     replaced. An unknown key, a shape that differs or a tensor without plain numbers (meta,
     sparse) is refused whole, naming the node (`name`, else its class)."""
     from somatize.torch.training.learning import Learning
-    from somatize.torch.training.params import state_of as keyed
 
     name = name or type(node).__name__
     if not isinstance(state, dict):
         raise TypeError(f"{name}: weights are {{key: tensor}}, not {type(state).__name__}")
     if isinstance(node, Learning):
         node.receiving(state)  # what it builds lazily (a guesser) is built at the shapes sent
-    own = keyed(node)
-    if isinstance(node, Learning):
-        own = {k: v for k, v in own.items() if not k.startswith("node.")}
+    own = _own(node)
     unknown = sorted(set(state) - set(own))
     if unknown:
         raise ValueError(
@@ -122,27 +125,10 @@ def tensor_frame(value: Any) -> tuple[list, Any] | None:
     of a packed copy). Sparse, quantized and meta tensors are refused."""
     if not isinstance(value, torch.Tensor):
         return None
-    if value.layout != torch.strided:
-        raise TypeError(
-            f"a {value.layout} tensor cannot cross the wire as it is; convert it first "
-            "(for sparse: .to_dense())"
-        )
-    if value.is_quantized:
-        raise TypeError("a quantized tensor cannot cross the wire; .dequantize() it first")
-    if value.is_meta:
-        raise TypeError("a tensor on the meta device has no numbers to send")
+    plain = _plain(value, "cross the wire", "send")
     name = str(value.dtype).removeprefix("torch.")
     if name not in _DTYPES:
         raise TypeError(f"a {value.dtype} tensor cannot cross the wire")
-    plain = value.detach()
-    if plain.device.type != "cpu":
-        plain = plain.cpu()
-    if plain.is_conj():
-        plain = plain.resolve_conj()
-    if plain.is_neg():
-        plain = plain.resolve_neg()
-    if not plain.is_contiguous():
-        plain = plain.contiguous()
     buffer = plain.view(-1).view(torch.uint8).numpy()
     return [name, list(plain.shape), bool(value.requires_grad)], buffer
 

@@ -28,24 +28,28 @@ def dump_tensor(tensor: torch.Tensor) -> bytes:
     return safetensors.torch.save({"tensor": _plain(tensor)})
 
 
-def _plain(tensor: torch.Tensor) -> torch.Tensor:
+def _plain(
+    tensor: torch.Tensor, cannot: str = "be written down", none: str = "write down"
+) -> torch.Tensor:
     """`tensor`'s numbers as they are written down (here, and down the wire): detached, on the
-    cpu, contiguous, conj and neg resolved. Refuses sparse, quantized and meta tensors."""
+    cpu, contiguous, conj and neg resolved, the tensor's own memory when it is already so.
+    Refuses sparse, quantized and meta tensors, saying what it `cannot` do and has `none` to
+    do."""
     if tensor.layout != torch.strided:
         raise TypeError(
-            f"a {tensor.layout} tensor cannot be written down as it is; "
+            f"a {tensor.layout} tensor cannot {cannot} as it is; "
             f"convert it first (for sparse: .to_dense())"
         )
     if tensor.is_quantized:
-        raise TypeError("a quantized tensor cannot be written down; .dequantize() it first")
+        raise TypeError(f"a quantized tensor cannot {cannot}; .dequantize() it first")
     if tensor.is_meta:
-        raise TypeError("a tensor on the meta device has no numbers to write down")
-    plain = tensor.detach().cpu().contiguous()
+        raise TypeError(f"a tensor on the meta device has no numbers to {none}")
+    plain = tensor.detach().cpu()
     if plain.is_conj():
         plain = plain.resolve_conj()
     if plain.is_neg():
         plain = plain.resolve_neg()
-    return plain
+    return plain.contiguous()
 
 
 def load_tensor(data: bytes) -> torch.Tensor:
