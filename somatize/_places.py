@@ -96,7 +96,10 @@ class Local:
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-    def _aside(self, path: str, data: bytes) -> str:
+    @contextlib.contextmanager
+    def _aside(self, path: str, data: bytes) -> Iterator[str]:
+        """`data` written to a temp file beside `path`, removed on the way out unless it
+        was moved into place."""
         aside = self.where(tmp_name(path))
         try:
             file = open(aside, "wb")
@@ -106,38 +109,29 @@ class Local:
         try:
             with file:
                 file.write(data)
-        except BaseException:
+            yield aside
+        finally:
             with contextlib.suppress(OSError):
                 os.unlink(aside)
-            raise
-        return aside
 
     def write(self, path: str, data: bytes) -> None:
-        aside = self._aside(path, data)
-        try:
+        with self._aside(path, data) as aside:
             os.replace(aside, self.where(path))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(aside)
-            raise
 
     def create(self, path: str, data: bytes) -> bool:
         final = self.where(path)
         if os.path.lexists(final):
             return False
-        aside = self._aside(path, data)
-        try:
-            os.link(aside, final)  # atomic, and fails if the name exists: exactly one winner
-            return True
-        except FileExistsError:
-            return False
-        except OSError as error:
-            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                raise
-            return self._create_by_marker(final, aside)
-        finally:
-            with contextlib.suppress(OSError):
-                os.unlink(aside)
+        with self._aside(path, data) as aside:
+            try:
+                os.link(aside, final)  # atomic, and fails if the name exists: exactly one winner
+                return True
+            except FileExistsError:
+                return False
+            except OSError as error:
+                if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                return self._create_by_marker(final, aside)
 
     @staticmethod
     def _create_by_marker(final: str, aside: str) -> bool:

@@ -183,22 +183,25 @@ def _default(value: Any) -> msgpack.ExtType:
     )
 
 
-def _too_deep(reading: bool) -> Exception:
-    doing = "read back" if reading else "written down"
-    return (Malformed if reading else ValueError)(
-        f"tuples (or registered values) nested more than {DEPTH} deep cannot be {doing} "
-        f"(somatize.codecs.DEPTH); flatten the value, or use lists, which nest without it"
-    )
+def _deeper(reading: bool) -> int:
+    """Count one more level of nesting on this thread, refused past `DEPTH`; answers the
+    depth before it, for the caller to put back."""
+    depth = _nesting.depth
+    if depth > DEPTH:
+        doing = "read back" if reading else "written down"
+        raise (Malformed if reading else ValueError)(
+            f"tuples (or registered values) nested more than {DEPTH} deep cannot be {doing} "
+            f"(somatize.codecs.DEPTH); flatten the value, or use lists, which nest without it"
+        )
+    _nesting.depth = depth + 1
+    return depth
 
 
 def _pack(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
     """msgpack of `value` with this module's options; `default` (the wire's) may stand in for
     `_default` to write some types its own way before handing the rest to `_default`.
     Refuses tuples nested past `DEPTH` (what `decode` would refuse to read back)."""
-    depth = _nesting.depth
-    if depth > DEPTH:
-        raise _too_deep(reading=False)
-    _nesting.depth = depth + 1
+    depth = _deeper(reading=False)
     try:
         return msgpack.packb(
             value,
@@ -304,10 +307,7 @@ def _unpack(data: Any, ext_hook: Callable[[int, bytes], Any] | None = None) -> A
     """The value `_pack` wrote; `ext_hook` may stand in for `_ext_hook`, as `default` there.
     Every call counts as one level of nesting on this thread, refused past `DEPTH`, so a
     hook that reads its own extensions through here is bounded as this module's are."""
-    depth = _nesting.depth
-    if depth > DEPTH:
-        raise _too_deep(reading=True)
-    _nesting.depth = depth + 1
+    depth = _deeper(reading=True)
     try:
         return msgpack.unpackb(
             data,

@@ -191,24 +191,19 @@ class Recorder:
 # -- reading a run back -----------------------------------------------------------------
 
 
-def _indexed(store: Store, run: str) -> list[tuple[int, str]]:
-    found = []
-    for name in store.names(f"run/{run}"):
-        parts = name.split("/")
-        if len(parts) == 3 and parts[2].isdigit():
-            found.append((int(parts[2]), name))
-    return sorted(found)
+def _forward_of(name: str) -> tuple[str, int] | None:
+    """`(run, forward)` of a record's name, `run/<run>/<forward>`; None for any other name."""
+    parts = name.split("/")
+    return (parts[1], int(parts[2])) if len(parts) == 3 and parts[2].isdigit() else None
 
 
 def _run_ids(store: Store) -> list[str]:
     """The runs recorded in `store`, oldest first (by when their first record was written)."""
     first: dict[str, tuple[int, str]] = {}
     for name in store.names("run"):
-        parts = name.split("/")
-        if len(parts) == 3 and parts[2].isdigit():
-            index = int(parts[2])
-            if parts[1] not in first or index < first[parts[1]][0]:
-                first[parts[1]] = (index, name)
+        found = _forward_of(name)
+        if found is not None and (found[0] not in first or found[1] < first[found[0]][0]):
+            first[found[0]] = (found[1], name)
     when = {}
     for run, (_, name) in first.items():
         bound = store.resolve(name)
@@ -218,12 +213,8 @@ def _run_ids(store: Store) -> list[str]:
 
 def _bindings(store: Store, run: str) -> list[tuple[int, Any]]:
     """`(forward, Bound)` of every record of `run`, in order."""
-    found = []
-    for bound in store.bound(f"run/{run}"):
-        parts = bound.name.split("/")
-        if len(parts) == 3 and parts[2].isdigit():
-            found.append((int(parts[2]), bound))
-    return sorted(found, key=lambda pair: pair[0])
+    found = [(_forward_of(b.name), b) for b in store.bound(f"run/{run}")]
+    return sorted(((f[1], b) for f, b in found if f is not None), key=lambda pair: pair[0])
 
 
 def _when(seconds: list[float]) -> Any:
@@ -279,7 +270,8 @@ def records(
     """`(forward, facts)` for every recorded forward of `run`, in order. Refuses (with
     `LookupError`) a run the store has not got."""
     store = store_of(store)
-    indexed = _indexed(store, _check_run(run))
+    names = store.names(f"run/{_check_run(run)}")
+    indexed = sorted((found[1], n) for n in names if (found := _forward_of(n)) is not None)
     if not indexed:
         raise LookupError(f"no run {run!r} in {store!r}; runs there: {_run_ids(store)}")
     return [(index, store.recall(name) or []) for index, name in indexed]
@@ -323,16 +315,12 @@ def facts(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
     rows = []
     for index, forward in records(store, run):
         for fact in forward:
-            row: dict[str, Any] = {}
-            for key, value in fact.items():
-                if key == "numbers" and isinstance(value, Mapping):
-                    continue
-                row[key] = value
+            numbers = fact.get("numbers")
+            row = {k: v for k, v in fact.items() if k != "numbers" or not isinstance(v, Mapping)}
             row["forward"] = index
             if fact.get("fact") == "health" and row.get("where") is None:
                 node, inside = fact.get("node"), fact.get("inside")
                 row["where"] = f"{node}.{inside}" if inside else node
-            numbers = fact.get("numbers")
             if isinstance(numbers, Mapping):
                 for metric, value in numbers.items():
                     taken = metric in _FACT_COLUMNS or metric in fact

@@ -61,11 +61,7 @@ class Bound:
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of meta `key` (the last one if repeated), or `default`."""
-        found = default
-        for k, v in self.meta:
-            if k == key:
-                found = v
-        return found
+        return dict(self.meta).get(key, default)
 
 
 def _segments(name: str) -> list[str]:
@@ -201,11 +197,10 @@ class Store:
 
     def _binding(self, name: str, key: str, meta: Any) -> bytes:
         self._blob_path(key)  # refuses a malformed digest before anything is written
-        pairs = _meta_pairs(meta, name)
         record = {
             "name": name,
             "digest": key,
-            "meta": [tuple(pair) for pair in pairs],
+            "meta": _meta_pairs(meta, name),
             "when": time.time(),
         }
         return encode(record, where=f"the meta of {name!r}")

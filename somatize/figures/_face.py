@@ -32,9 +32,7 @@ class Face:
 
     def save_svg(self, path: str | Path) -> Path:
         """Write the picture as an SVG file (UTF-8)."""
-        path = Path(path)
-        path.write_text(self.svg(), encoding="utf-8")
-        return path
+        return written(path, self.svg())
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         bundle = super()._repr_mimebundle_(**kwargs)  # type: ignore[misc]
@@ -69,6 +67,13 @@ class Face:
 
     def settle(self) -> None:
         """Make what the face will show complete (a live audit sends what it holds)."""
+
+
+def written(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` (UTF-8); answers the path."""
+    path = Path(path)
+    path.write_text(text, encoding="utf-8")
+    return path
 
 
 def image(svg: str, alt: str) -> str:

@@ -112,7 +112,6 @@ class History:
         self.rule = Verdicts if flags else None
         self.runs: dict[str, Run] = {}
         self.metrics: dict[str, None] = {}  # in the order first seen
-        self.rows = 0
         self.version = 0  # one more for every change
 
     def run(self, name: str) -> Run:
@@ -140,7 +139,6 @@ class History:
         for name in numbers:
             if name not in metrics:
                 metrics[name] = None
-        self.rows += 1
         self.version += 1
 
     def loss(self, run: str, step: int | None, value: float) -> None:
@@ -227,10 +225,10 @@ def _column(values: list[Any], buffers: list | None) -> dict[str, Any]:
     return c
 
 
-def message(history: History, sent: dict, buffers: list | None, everything: bool = False) -> dict:
+def message(history: History, sent: dict, buffers: list, everything: bool = False) -> dict:
     """What is new since `sent` (a dict of counts this updates; with `everything`, all there
     is), as the page reads it: per run, the loss, and per place its new steps (`from` its row
-    where they start), every metric's values (binary buffers, or JSON without `buffers`),
+    where they start), every metric's values (binary buffers appended to `buffers`),
     which rows did not have a metric (`absent`), and the flags of the rows judged since."""
     runs = []
     for name, run in history.runs.items():
@@ -239,11 +237,8 @@ def message(history: History, sent: dict, buffers: list | None, everything: bool
         sent[(name, None)] = hi
         entry: dict[str, Any] = {"run": name, "places": []}
         if hi > lo:
-            values = run.loss_values[lo:hi]
-            entry["loss"] = {
-                "steps": run.loss_steps[lo:hi],
-                "values": binary(values, buffers) if buffers is not None else plain_numbers(values),
-            }
+            values = binary(run.loss_values[lo:hi], buffers)
+            entry["loss"] = {"steps": run.loss_steps[lo:hi], "values": values}
         for where, place in run.places.items():
             lo = 0 if everything else sent.get((name, where), 0)
             hi = len(place.steps)

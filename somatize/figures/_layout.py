@@ -49,13 +49,10 @@ class _Layout:
 
     def _child_of(self, box: Box, key: str) -> Box | None:
         """The child of `box` that is `key` or holds it; None if `key` is not under `box`."""
-        node = key
-        while node in self.parent:
-            up = self.parent[node]
-            if up.id == box.id:
-                return next(c for c in box.children if c.id == node)
-            node = up.id
-        return None
+        chain = [key, *(b.id for b in self._ups(key))]
+        if box.id not in chain[1:]:
+            return None
+        return next(c for c in box.children if c.id == chain[chain.index(box.id) - 1])
 
     def _arrange(self, box: Box) -> None:
         for child in box.children:
@@ -174,5 +171,4 @@ class _Layout:
 def layout(root: Box, room: tuple[float, float]) -> dict[tuple[str, str], list[Point]]:
     """Lay out the scene under `root` within `room` (width, height) where it can: sets each
     box's `x`, `y`, `w`, `h` and answers the route of every edge."""
-    done = _Layout(root, room)
-    return done.absolute(root)
+    return _Layout(root, room).absolute(root)

@@ -26,18 +26,9 @@ HUES = {
     "other": "#6c7a96",
 }
 
-_BY_KIND = {
-    "conv": "conv",
-    "attention": "attention",
-    "recurrent": "recurrent",
-    "norm": "norm",
-    "activation": "activation",
-    "regular": "dropout",
-    "embedding": "embedding",
-    "pool": "pool",
-    "op": "op",
-    "block": "block",
-}
+# kinds drawn as the family of their name; a regulariser as dropout
+_SAME = ("conv", "attention", "recurrent", "norm", "activation", "embedding", "pool", "op", "block")
+_BY_KIND = {k: k for k in _SAME} | {"regular": "dropout"}
 # where no kind says: the first of these the label matches (case aside)
 _BY_LABEL = (
     ("conv", "conv"),
@@ -135,8 +126,6 @@ def shape_text(shape: Any, kind: Any = None, label: Any = None, attention: bool 
 
 def count(n: Any) -> str:
     """A parameter count: 144, 2.0k, 11M."""
-    if n is None:
-        return "–"
     a = abs(n)
     for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if a >= size:

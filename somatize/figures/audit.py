@@ -25,7 +25,7 @@ import anywidget
 import traitlets
 
 from somatize.figures._explain import explanations
-from somatize.figures._face import Face, image
+from somatize.figures._face import Face, image, written
 from somatize.figures._history import STEPS, History, message, record, step_of
 from somatize.figures._page import STATIC, jsonable, page
 from somatize.health import where_of
@@ -155,16 +155,13 @@ class LiveAudit(Face, anywidget.AnyWidget):
         if not self._chosen:
             best = next((m for m in PREFERRED if m in self._history.metrics), seen[0] if seen else "")
             if best and best != self.metric:
-                self._choosing = True
-                try:
-                    self.metric = best
-                finally:
-                    self._choosing = False
+                self._auto = best
+                self.metric = best
             self._chosen = best == PREFERRED[0]
 
     @traitlets.observe("metric")
-    def _metric_set(self, _change: Any) -> None:
-        if not getattr(self, "_choosing", False):
+    def _metric_set(self, change: Any) -> None:
+        if change["new"] != getattr(self, "_auto", None):
             self._chosen = True  # someone chose: no longer ours to change
 
     # -- sending --------------------------------------------------------------------------
@@ -284,9 +281,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
     def save_html(self, path: str | Path) -> Path:
         """Write a standalone page with the audit as it stands (every metric, the menu and the
         tooltips working), drawn offline."""
-        path = Path(path)
-        path.write_text(page([("audit", self.state())], title=self.title), encoding="utf-8")
-        return path
+        return written(path, page([("audit", self.state())], title=self.title))
 
 
 class _RunWatcher:

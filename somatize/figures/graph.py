@@ -17,7 +17,7 @@ import anywidget
 import traitlets
 
 from somatize.figures._draw import picture
-from somatize.figures._face import Face, image
+from somatize.figures._face import Face, image, written
 from somatize.figures._page import STATIC, jsonable, page
 from somatize.graph import as_graph
 
@@ -175,9 +175,7 @@ class GraphFigure(Face, anywidget.AnyWidget):
         """Write a standalone page with the figure in it (fit, pan, zoom, hover, minimap), drawn
         offline: the browser half and the drawing are inside the page. Opening a node or a
         block needs a kernel, so there the drawing stays as it was saved."""
-        path = Path(path)
-        path.write_text(page([("graph", self.state())], title=self.name), encoding="utf-8")
-        return path
+        return written(path, page([("graph", self.state())], title=self.name))
 
     def state(self) -> dict[str, Any]:
         """The figure's data as one dict: what a saved page draws from."""

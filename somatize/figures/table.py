@@ -17,7 +17,7 @@ import anywidget
 import traitlets
 
 from somatize.figures._explain import PROXIES, explanations
-from somatize.figures._face import Face
+from somatize.figures._face import Face, written
 from somatize.figures._page import STATIC, jsonable, page
 from somatize.figures._svg import finite, number, text_width
 from somatize.figures._table_face import WIDEST, html
@@ -27,12 +27,6 @@ __all__ = ["CompareTable", "compare"]
 
 PROBE = "probe:"
 PROXY = "proxy:"
-
-
-def _parameter_count(graph: Any) -> int:
-    from somatize.torch import parameters
-
-    return sum(p.numel() for p in parameters(graph))
 
 
 def _named(candidates: Any) -> dict[str, Any]:
@@ -98,7 +92,7 @@ def compare(
     no candidates, a measured value for a candidate that is not there."""
     import pandas as pd
 
-    from somatize.torch import probe, proxies
+    from somatize.torch import parameters, probe, proxies
 
     named = _named(candidates)
     if not named:
@@ -122,7 +116,7 @@ def compare(
             raise ValueError(f"candidate {name!r}: {error}") from None
         for w in said:  # what was left out of which candidate
             warnings.warn(f"candidate {name!r}: {w.message}", w.category, stacklevel=2)
-        row: dict[str, Any] = {"params": _parameter_count(graph)}
+        row: dict[str, Any] = {"params": sum(p.numel() for p in parameters(graph))}
         if measured is not None:
             value = measured.get(name)
             row["measured"] = float(value) if value is not None else math.nan
@@ -292,9 +286,7 @@ class CompareTable(Face, anywidget.AnyWidget):
     def save_html(self, path: str | Path) -> Path:
         """Write a standalone page with the table in it (sorting, toggles and the scatter's
         menu working), drawn offline."""
-        path = Path(path)
-        path.write_text(page([("table", self.state())], title="comparison"), encoding="utf-8")
-        return path
+        return written(path, page([("table", self.state())], title="comparison"))
 
 
 def _explain(columns: Any, measured: str) -> dict[str, str]:

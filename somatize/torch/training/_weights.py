@@ -129,11 +129,9 @@ def from_rank0(weights: Any) -> dict[str, dict[str, torch.Tensor]]:
         for key, dtype, shape in entries:
             if mine:
                 tensor = weights[nid][key]
-                _sent(tensor)
             else:
                 tensor = torch.empty(shape, dtype=_DTYPES[dtype], device=where)
-                _sent(tensor)
-            out[nid][key] = tensor
+            out[nid][key] = _sent(tensor)
     return out
 
 

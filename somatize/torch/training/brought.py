@@ -25,9 +25,8 @@ def there(trainer: Any, nid: str) -> tuple[Any, str | None]:
     learning = trainer.trains.get(nid)
     host = trainer.graph.setting(nid).host
     broker = trainer.broker
-    if learning is None or not host or not broker.holds(host, broker.key(learning)):
-        return learning, None
-    return learning, host
+    held = learning is not None and host and broker.holds(host, broker.key(learning))
+    return learning, host if held else None
 
 
 def learnt(trainer: Any, nid: str) -> dict[str, torch.Tensor]:

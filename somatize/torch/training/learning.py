@@ -11,6 +11,7 @@ dL/d(input), or None. `Split` is split learning; `Greedy`, `Synthetic` and `Forw
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -167,16 +168,6 @@ def backward_from(value: Any, signal: Any) -> None:
         torch.autograd.backward(outs, grads)
 
 
-class _Of:
-    """Holds the node a Learning trains, where looking for the modules a Learning brought
-    (its attributes) does not find it."""
-
-    __slots__ = ("node",)
-
-    def __init__(self) -> None:
-        self.node: Any = None
-
-
 class Learning(Node):
     """What trains one node, on the machine that node runs on.
 
@@ -225,7 +216,8 @@ class Learning(Node):
         self.target: Any = None
         self.held: Any = None
         self.given: Any = None
-        self._trains = _Of()  # the node it trains: not one of the modules it brought
+        # the node it trains, where the search for the modules it brought does not look
+        self._trains = SimpleNamespace(node=None)
         self._optimizer: Any = None
         self._count = 0
         self._closing = False

@@ -76,8 +76,7 @@ def freeze(graph: Any, *node_ids: str) -> None:
         if nid not in graph:
             raise ValueError(f"freeze: no node {nid!r} in this graph; it has {graph.nodes()}")
     for nid in node_ids:
-        s = graph.setting(nid)
-        if not s.frozen:
+        if not graph.setting(nid).frozen:
             graph.declare(nid, frozen=True)
     for nid in graph.nodes():
         if graph.setting(nid).frozen:

@@ -74,12 +74,11 @@ class Remote:
             }
             try:
                 got = self.broker.request(self.host, message)
+                break
             except Unknown:
                 self._sent.clear()
                 if attempt:
                     raise
-                continue
-            break
         self.broker.defined(self.host, defs)
         self.broker.learnt(self.host, self._keys_of(part))
         self._sent.add(key)
