@@ -53,22 +53,20 @@ def tmp_name(path: str) -> str:
     return f"{head}/{tmp}" if head else tmp
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # someone else's process: alive
-        return True
-    return True
-
-
 def _gone(machine: str, pid: str, age: float, older_than: float) -> bool:
     """Whether a writer is gone. On this machine its pid says (a live writer's file is never
     touched, however old); a writer elsewhere is gone once silent past `older_than` s."""
-    if machine == MACHINE and pid.isdigit():
-        return int(pid) != os.getpid() and not _alive(int(pid))
-    return age > older_than
+    if not (machine == MACHINE and pid.isdigit()):
+        return age > older_than
+    if int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # someone else's process: alive
+        pass
+    return False
 
 
 def _tmp_abandoned(name: str, age: float, older_than: float) -> bool:
@@ -173,23 +171,19 @@ class Local:
         for dirpath, _dirs, names in os.walk(self.root):
             bound = ".bind" in names
             for name in names:
-                full = os.path.join(dirpath, name)
-                if name.startswith(_TMP):
-                    try:
-                        info = os.stat(full)
-                    except FileNotFoundError:
-                        continue
-                    if not _tmp_abandoned(name, now - info.st_mtime, older_than):
-                        continue
-                elif not (bound and name.startswith(".bind" + _CLAIMED)):
+                aside = name.startswith(_TMP)
+                if not aside and not (bound and name.startswith(".bind" + _CLAIMED)):
                     continue  # a marker may go only once the claim it decided stands
+                full = os.path.join(dirpath, name)
                 try:
-                    size = os.stat(full).st_size
+                    info = os.stat(full)
+                    if aside and not _tmp_abandoned(name, now - info.st_mtime, older_than):
+                        continue
                     os.unlink(full)
                 except FileNotFoundError:
                     continue
                 removed["files"] += 1
-                removed["bytes"] += size
+                removed["bytes"] += info.st_size
         return removed
 
 

@@ -24,6 +24,7 @@ an extension costs the decoder about 40 KB of C stack, which is why `DEPTH` is s
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import sys
 import threading
@@ -51,14 +52,9 @@ _TUPLE = 1
 _BIGINT = 2
 _CODEC = 3
 
-# Kinds whose codec `somatize.torch` registers: decoding one lets it (`_hooks.ready`), so a
-# tensor can be recalled without `import somatize.torch`.
-_TORCH_KINDS = frozenset({"torch.Tensor"})
 # Kinds that ship with somatize carry their kind in the extension code itself, so their bytes
-# are handed to `load` without being unpacked and copied once more (it matters for big tensors).
-# Code 16 is the tensor codec's whatever its kind is called: it was registered as "tensor"
-# before it took the published name "torch.Tensor", and since such bytes carry the code and
-# no kind string, everything kept under the old name reads back unchanged.
+# are handed to `load` without being unpacked and copied once more. Decoding a tensor imports
+# `somatize.torch` (`_hooks.ready`), so it can be recalled without importing it first.
 _KNOWN = {"torch.Tensor": 16, "numpy": 17}
 _KNOWN_KIND = {code: kind for kind, code in _KNOWN.items()}
 
@@ -197,15 +193,14 @@ def _deeper(reading: bool) -> int:
     return depth
 
 
-def _pack(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:
-    """msgpack of `value` with this module's options; `default` (the wire's) may stand in for
-    `_default` to write some types its own way before handing the rest to `_default`.
-    Refuses tuples nested past `DEPTH` (what `decode` would refuse to read back)."""
+def _pack(value: Any) -> bytes:
+    """msgpack of `value` with this module's options. Refuses tuples nested past `DEPTH`
+    (what `decode` would refuse to read back)."""
     depth = _deeper(reading=False)
     try:
         return msgpack.packb(
             value,
-            default=default or _default,
+            default=_default,
             strict_types=True,
             use_bin_type=True,
             unicode_errors="surrogatepass",
@@ -267,11 +262,10 @@ def _ext_hook(code: int, data: bytes) -> Any:
         else:
             kind, payload = _KNOWN_KIND[code], data
         found = _by_kind.get(kind)
-        if found is None and kind in _TORCH_KINDS:
-            _hooks.ready(torch_needed=True)
+        if found is None:
+            _hooks.ready(torch_needed=kind == "torch.Tensor")
             found = _by_kind.get(kind)
         if found is None:
-            _hooks.ready()
             _hooks.late_codecs()
             found = _by_kind.get(kind)
         if found is None and kind == "numpy":
@@ -303,15 +297,14 @@ def _envelope(data: bytes) -> tuple[str, bytes]:
     return kind, payload
 
 
-def _unpack(data: Any, ext_hook: Callable[[int, bytes], Any] | None = None) -> Any:
-    """The value `_pack` wrote; `ext_hook` may stand in for `_ext_hook`, as `default` there.
-    Every call counts as one level of nesting on this thread, refused past `DEPTH`, so a
-    hook that reads its own extensions through here is bounded as this module's are."""
+def _unpack(data: Any) -> Any:
+    """The value `_pack` wrote. Every call counts as one level of nesting on this thread,
+    refused past `DEPTH`."""
     depth = _deeper(reading=True)
     try:
         return msgpack.unpackb(
             data,
-            ext_hook=ext_hook or _ext_hook,
+            ext_hook=_ext_hook,
             raw=False,
             strict_map_key=False,
             unicode_errors="surrogatepass",
@@ -356,8 +349,6 @@ def _numpy_codec(value: Any) -> _Codec | None:
 
 
 def _numpy_dump(value: Any) -> bytes:
-    import io
-
     import numpy as np
 
     buffer = io.BytesIO()
@@ -368,8 +359,6 @@ def _numpy_dump(value: Any) -> bytes:
 
 
 def _numpy_load(data: bytes) -> Any:
-    import io
-
     import numpy as np
 
     stream = io.BytesIO(data[1:])

@@ -428,9 +428,7 @@ class Graph:
             return broker.forward(plan, input, store=store, watching=told)
         if store is not None and plan.cached:
             return caching.walk_cached(plan, input, store_of(store), told)
-        if told:
-            return run.run_watched(plan, input, told)
-        return run.run_plain(plan, input)
+        return run.run_plan(plan, input, told)
 
     def __call__(self, input: Any = None, **kw: Any) -> Any:
         """Same as `forward`."""

@@ -11,6 +11,7 @@ alone; said of a whole sub-expression, it reaches every node inside that did not
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from abc import ABC, abstractmethod
@@ -270,17 +271,15 @@ class Node(Expr, ABC):
         return self is other
 
 
-_SIGNATURES: dict[Any, inspect.Signature] = {}
+@functools.lru_cache(maxsize=4096)
+def _read_signature(fn: Any) -> inspect.Signature:
+    return inspect.signature(fn)
 
 
 def _signature(fn: Any) -> inspect.Signature:
     """`inspect.signature(fn)`, read once per function (a bound method by its function)."""
     key = getattr(fn, "__func__", fn)
-    sig = _SIGNATURES.get(key)
-    if sig is None:
-        sig = inspect.signature(key)
-        if len(_SIGNATURES) < 4096:
-            _SIGNATURES[key] = sig
+    sig = _read_signature(key)
     if key is not fn and sig.parameters:  # bound: without its first parameter
         sig = sig.replace(parameters=list(sig.parameters.values())[1:])
     return sig
@@ -311,27 +310,20 @@ class _Takes:
         self.needs = sum(1 for p in placed if p.default is p.empty)
         self.any_number = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
 
-    def as_keywords(self, input: Any) -> bool:
-        """Whether `input` is passed as keywords: a mapping of names all of which the forward
-        takes (`input_ids=`, `attention_mask=`), or, for a forward that takes any name
-        (`**batch`), one naming every parameter it needs."""
-        if not isinstance(input, Mapping) or not input:
-            return False
-        if self.named.issuperset(input):
-            return True
-        return (
-            self.any_name
-            and all(isinstance(k, str) for k in input)
-            and self.required.issubset(input)
-        )
-
     def arguments(self, input: Any) -> tuple[tuple, dict]:
-        """How the forward is called on `input`: a mapping it takes as keywords
-        (`as_keywords`) by name; a tuple as its arguments one by one when the forward needs
-        two or more (`forward(self, x, mask)` given `(x, mask)`, as `model(*inputs)`) and
-        the tuple's length is one it takes; anything else as the one argument."""
-        if self.as_keywords(input):
-            return (), dict(input)
+        """How the forward is called on `input`: by name, a mapping of names all of which it
+        takes (`input_ids=`, `attention_mask=`), or, for a forward that takes any name
+        (`**batch`), one naming every parameter it needs; a tuple as its arguments one by
+        one when the forward needs two or more (`forward(self, x, mask)` given `(x, mask)`,
+        as `model(*inputs)`) and the tuple's length is one it takes; anything else as the
+        one argument."""
+        if isinstance(input, Mapping) and input:
+            if self.named.issuperset(input) or (
+                self.any_name
+                and all(isinstance(k, str) for k in input)
+                and self.required.issubset(input)
+            ):
+                return (), dict(input)
         if (
             isinstance(input, tuple)
             and 2 <= self.needs <= len(input)

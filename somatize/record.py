@@ -22,7 +22,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from somatize.store import Store, store_of
@@ -329,44 +329,46 @@ def facts(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
     return _frame(rows, _FACT_COLUMNS)
 
 
+def _of_kind(
+    store: Store | str | os.PathLike[str], run: str, kind: str
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """`(forward, fact)` for every fact of `kind` in `run`, in order."""
+    for index, forward in records(store, run):
+        for fact in forward:
+            if fact.get("fact") == kind:
+                yield index, fact
+
+
+def _table(
+    store: Store | str | os.PathLike[str], run: str, kind: str, columns: tuple[str, ...]
+) -> pd.DataFrame:
+    """A row per fact of `kind` in `run`: `columns` read from the fact, `forward` its index."""
+    rows = [
+        {c: index if c == "forward" else fact.get(c) for c in columns}
+        for index, fact in _of_kind(store, run, kind)
+    ]
+    return _frame(rows, columns)
+
+
 def timings(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
     """How long each node took in each forward of `run`: forward, node, began_us, took_us."""
-    rows = [
-        {
-            "forward": index,
-            "node": fact.get("node"),
-            "began_us": fact.get("began_us"),
-            "took_us": fact.get("took_us"),
-        }
-        for index, forward in records(store, run)
-        for fact in forward
-        if fact.get("fact") == "ran"
-    ]
-    return _frame(rows, ("forward", "node", "began_us", "took_us"))
+    return _table(store, run, "ran", ("forward", "node", "began_us", "took_us"))
 
 
 def losses(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
     """The loss curve of `run`: one row per loss fact, step and loss."""
-    rows = [
-        {"step": fact.get("step"), "loss": fact.get("value")}
-        for _, forward in records(store, run)
-        for fact in forward
-        if fact.get("fact") == "loss"
-    ]
-    return _frame(rows, ("step", "loss"))
+    return _table(store, run, "loss", ("step", "value")).rename(columns={"value": "loss"})
 
 
 def nodes(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
     """A row per node that ran in `run`, in the order they first ran: node, ran (in how
     many forwards), took_us (all of its time added up) and mean_us (per forward)."""
     seen: dict[Any, list[float]] = {}
-    for _, forward in records(store, run):
-        for fact in forward:
-            if fact.get("fact") == "ran":
-                took = fact.get("took_us")
-                seen.setdefault(fact.get("node"), []).append(
-                    float(took) if isinstance(took, (int, float)) else float("nan")
-                )
+    for _, fact in _of_kind(store, run, "ran"):
+        took = fact.get("took_us")
+        seen.setdefault(fact.get("node"), []).append(
+            float(took) if isinstance(took, (int, float)) else float("nan")
+        )
     rows = [
         {"node": node, "ran": len(t), "took_us": sum(t), "mean_us": sum(t) / len(t)}
         for node, t in seen.items()
@@ -379,10 +381,4 @@ def curve(store: Store | str | os.PathLike[str], run: str, fact: str = "loss") -
     default, or any fact that carries a "value"): forward, step, value."""
     if not isinstance(fact, str) or not fact:
         raise TypeError(f"fact is the kind of fact to follow, say 'loss', not {fact!r}")
-    rows = [
-        {"forward": index, "step": f.get("step"), "value": f.get("value")}
-        for index, forward in records(store, run)
-        for f in forward
-        if f.get("fact") == fact
-    ]
-    return _frame(rows, ("forward", "step", "value"))
+    return _table(store, run, fact, ("forward", "step", "value"))

@@ -17,7 +17,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.node import Opaque, kind_name
 
-__all__ = ["Ctx", "Plan", "compile", "run_plain", "run_watched", "walk", "watchers"]
+__all__ = ["Ctx", "Plan", "compile", "run_plan", "walk", "watchers"]
 
 ROOT, ONE, MANY = 0, 1, 2
 
@@ -181,19 +181,14 @@ def _result(plan: Plan, vals: list) -> Any:
     return {n: vals[i] for n, i in plan.leaves}
 
 
-def run_plain(plan: Plan, input: Any) -> Any:
-    """Run a plan on `input` with nobody watching; answer what the graph returns."""
-    vals: list[Any] = [None] * len(plan.steps)
-    walk(plan, plan.steps, vals, input)
-    return _result(plan, vals)
-
-
-def run_watched(plan: Plan, input: Any, told: list[Callable[[dict], Any]]) -> Any:
-    """Run a plan on `input`, telling `told` a `ran` fact per node and a `finished` one."""
+def run_plan(plan: Plan, input: Any, told: list[Callable[[dict], Any]]) -> Any:
+    """Run a plan on `input` and answer what the graph returns; watchers in `told` (if any)
+    are told a `ran` fact per node and a `finished` one."""
     vals: list[Any] = [None] * len(plan.steps)
     start = time.perf_counter_ns()
     walk(plan, plan.steps, vals, input, told, start)
-    tell(told, finished(start))
+    if told:
+        tell(told, finished(start))
     return _result(plan, vals)
 
 

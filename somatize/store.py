@@ -162,16 +162,6 @@ class Store:
         hexed = key[len("sha256:") :]
         return f"blobs/sha256/{hexed[:2]}/{hexed[2:]}"
 
-    def _checked(self, key: str, path: str, data: bytes) -> bytes:
-        actual = digest(data)
-        if actual != key:
-            raise CorruptBlob(
-                f"blob {key} at {self._place.where(path)} holds {len(data)} bytes that hash to "
-                f"{actual}: it is corrupt and was not returned; delete the file and put the "
-                f"value again"
-            )
-        return data
-
     def put(self, data: bytes) -> str:
         """Keep `data`; answer its digest, `"sha256:<hex>"`. Putting the same bytes twice
         writes them once (a corrupt copy already there is replaced). Refuses non-bytes."""
@@ -180,10 +170,8 @@ class Store:
         data = bytes(data)
         key = digest(data)
         path = self._blob_path(key)
-        there = self._place.read(path)
-        if there is not None and there == data:
-            return key
-        self._place.write(path, data)
+        if self._place.read(path) != data:
+            self._place.write(path, data)
         return key
 
     def get(self, key: str) -> bytes | None:
@@ -191,7 +179,13 @@ class Store:
         `CorruptBlob` if the bytes kept under that digest no longer hash to it."""
         path = self._blob_path(key)
         data = self._place.read(path)
-        return None if data is None else self._checked(key, path, data)
+        if data is not None and digest(data) != key:
+            raise CorruptBlob(
+                f"blob {key} at {self._place.where(path)} holds {len(data)} bytes that hash to "
+                f"{digest(data)}: it is corrupt and was not returned; delete the file and put "
+                f"the value again"
+            )
+        return data
 
     # -- names ---------------------------------------------------------------------------
 
@@ -209,8 +203,7 @@ class Store:
         """Point `name` at the digest `key`, with `meta` (a dict or (key, value) pairs),
         replacing whatever it pointed at. Refuses a malformed name or digest (`ValueError`)
         and meta values no codec can write (`NoCodec`); a refused bind changes nothing."""
-        path = _name_path(name)
-        self._place.write(path, self._binding(name, key, meta))
+        self._place.write(_name_path(name), self._binding(name, key, meta))
 
     def claim(self, name: str, key: str, meta: Any = None) -> bool:
         """Bind `name` to `key` only if nothing is bound to it yet; True if this call did.
@@ -219,8 +212,7 @@ class Store:
         killed claimer does not leave standing in the way), on S3 by a conditional put the
         server decides (a 409, another write in flight, is asked again; a 412 is False). On
         an fsspec filesystem without exclusive create it is best effort (see docs/store.md)."""
-        path = _name_path(name)
-        return self._place.create(path, self._binding(name, key, meta))
+        return self._place.create(_name_path(name), self._binding(name, key, meta))
 
     def _read_binding(self, name: str, path: str, data: bytes) -> Bound:
         try:
