@@ -1,9 +1,7 @@
-"""The graph figure's picture: a laid-out scene painted as one SVG, legend included.
-
-The same SVG is what the live figure shows (the browser adds the viewport: fit, pan, zoom,
-minimap, a tooltip), what a notebook keeps as the figure's static face and what `save_svg`
-writes. Every box carries a `<title>` (its tooltip, also where no script runs) and, where a
-click changes something, `data-click="trait key"`.
+"""The graph figure's picture: a laid-out scene painted as one SVG, legend included; what the
+live figure shows (the browser adds fit, pan, zoom, minimap), the static face and `save_svg`.
+Every box carries a `<title>` (its tooltip) and, where a click changes something,
+`data-click="trait key"`.
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ class _Painter:
         return viridis(t), ink_on(t)
 
     def svg(self) -> str:
-        boxes, edges, layers = [], [], []
+        boxes, layers = [], []
         families: dict[str, None] = {}
         for box in walk(self.root):
             if box.kind == "layer":
@@ -76,8 +74,7 @@ class _Painter:
             elif box.kind != "root":
                 boxes.append(self.container(box))
         skips = self.skips()
-        for (s, d), points in self.routes.items():
-            edges.append(self.edge(points, (s, d) in skips, s, d))
+        edges = [self.edge(points, (s, d) in skips, s, d) for (s, d), points in self.routes.items()]
         legend, lh = self.legend(list(families), bool(skips))
         w = max(self.root.w, 200.0)
         h = self.root.h + lh
@@ -91,24 +88,12 @@ class _Painter:
             for name, c in (("edge", EDGE), ("skip", SKIP))
         ) + "</defs>"
         back = f'<rect width="{w:.0f}" height="{h:.0f}" fill="#fff"/>'
-        body = [
-            head,
-            defs,
-            back,
-            '<g class="smz-containers">',
-            *boxes,
-            "</g>",
-            '<g class="smz-edges">',
-            *edges,
-            "</g>",
-            '<g class="smz-layers">',
-            *layers,
-            "</g>",
-            f'<g class="smz-legend" transform="translate(0,{self.root.h:.0f})">',
-            *legend,
+        return "".join([
+            head, defs, back, '<g class="smz-containers">', *boxes, '</g><g class="smz-edges">',
+            *edges, '</g><g class="smz-layers">', *layers,
+            f'</g><g class="smz-legend" transform="translate(0,{self.root.h:.0f})">', *legend,
             "</g></svg>",
-        ]
-        return "".join(body)
+        ])
 
     def tip(self, box: Box) -> str:
         lines = [box.label.lstrip("▸▾ ")] + [f"{k}: {v}" if k else v for k, v in box.tip]

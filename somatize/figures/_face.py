@@ -1,16 +1,7 @@
-"""The static face every figure carries beside its live view.
-
-A widget's output in a notebook is a bundle of mimetypes: JupyterLab (or VS Code, Colab) with
-a kernel draws the live widget view; nbconvert without widget state, GitHub, and JupyterLab
-on a notebook it does not trust draw the next best mimetype. So each figure's bundle also
-carries `text/html`: its picture, made in Python from the same data the live view shows, as
-an image (SVG in a data URI, which JupyterLab's sanitizer keeps for an untrusted notebook,
-where it takes inline SVG out), and a `text/plain` line that says what it is.
-
-A figure shown with `display(fig)` (or as a cell's last line) is displayed with a display id,
-and its face is brought up to date at the end of every cell that changed it (a live audit
-filled by a fit, a graph recoloured), so a notebook saved, converted or reopened shows what
-was last seen. `save_svg` and `save_html` write the same picture.
+"""The static face every figure carries beside its live view: `text/html` (its picture as an
+image, an SVG in a data URI, which a sanitizer keeps for an untrusted notebook) and a
+`text/plain` line, for wherever no widget is drawn (nbconvert, GitHub, a notebook reopened).
+A figure shown with a display id has its face brought up to date at the end of every cell.
 """
 
 from __future__ import annotations
@@ -87,10 +78,8 @@ _watched: weakref.WeakSet = weakref.WeakSet()
 
 def _refresh_after_cells(figure: Face) -> None:
     """Register (once per kernel) an end-of-cell hook that refreshes every figure shown."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
+    from IPython import get_ipython
+
     shell = get_ipython()
     if shell is None:
         return

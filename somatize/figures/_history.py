@@ -1,15 +1,6 @@
 """What a live audit has seen, as plain columns: per run, the loss; per watched place, its
-steps, one column per metric and the flags of each step.
-
-A health fact is flat (`{"fact": "health", "node", "inside", "step", ...numbers}`; its place
-is `node`, or `node.inside`); its numbers are the keys that hold a number or a bool, kept as
-they were given; anything else in it is not drawn. A column is a list with a value per row
-(None where the fact did not carry that metric). A step's flags are what the health verdict
-says of its place as of that step, by the one rule over time `diagnose` uses
-(`somatize.health.Verdicts`: a place's numbers over its last measured steps, summarised,
-then judged), so a place's last column says what `diagnose` says of the run. They are judged
-behind the columns, as time allows.
-"""
+steps, a column per metric (None where a fact did not carry it) and each step's flags, judged
+behind the columns by the rule `diagnose` uses (`somatize.health.Verdicts`)."""
 
 from __future__ import annotations
 
@@ -52,16 +43,14 @@ def numbers_of(fact: Mapping[str, Any]) -> dict[str, Any]:
     source = health_numbers(fact)
     out = {k: v for k, v in source.items() if type(v) in _PLAIN and k not in FACT_KEYS}
     for k, v in source.items():  # a numpy or torch scalar made a number
-        if k in out or k in FACT_KEYS or v is None or isinstance(v, str):
+        if k in out or k in FACT_KEYS or not callable(getattr(v, "item", None)):
             continue
-        item = getattr(v, "item", None)
-        if callable(item):
-            try:
-                v = item()
-            except (TypeError, ValueError, RuntimeError):
-                continue
-            if isinstance(v, _PLAIN):
-                out[str(k)] = v
+        try:
+            v = v.item()
+        except (TypeError, ValueError, RuntimeError):
+            continue
+        if isinstance(v, _PLAIN):
+            out[str(k)] = v
     return out
 
 
@@ -115,9 +104,7 @@ class History:
         self.version = 0  # one more for every change
 
     def run(self, name: str) -> Run:
-        if name not in self.runs:
-            self.runs[name] = Run()
-        return self.runs[name]
+        return self.runs.setdefault(name, Run())
 
     def health(self, run: str, fact: Mapping[str, Any]) -> None:
         """Keep one health fact (checked when it was taken) as a row of its place."""
@@ -135,10 +122,7 @@ class History:
         if place is None:
             place = places[where] = Place()
         place.add(step, numbers)
-        metrics = self.metrics
-        for name in numbers:
-            if name not in metrics:
-                metrics[name] = None
+        self.metrics.update(dict.fromkeys(numbers))
         self.version += 1
 
     def loss(self, run: str, step: int | None, value: float) -> None:
@@ -250,20 +234,14 @@ def message(history: History, sent: dict, buffers: list, everything: bool = Fals
                     if any(v is not None for v in c[lo:hi])
                 }
                 entry["places"].append({"where": where, "from": lo, "steps": place.steps[lo:hi], "columns": columns})
-        _flags(entry, name, run, sent, everything)
+            lo = 0 if everything else sent.get((name, where, "judged"), 0)
+            sent[(name, where, "judged")] = place.judged
+            rows = [[r, place.flags[r]] for r in range(lo, place.judged) if place.flags[r]]
+            if rows:
+                entry.setdefault("flags", []).append({"where": where, "rows": rows})
         if "loss" in entry or entry["places"] or "flags" in entry:
             runs.append(entry)
     return {"runs": runs, "metrics": list(history.metrics), "kinds": history.kinds()}
-
-
-def _flags(entry: dict, name: str, run: Run, sent: dict, everything: bool) -> None:
-    """The flags of a run's rows judged since the last message, by place and row."""
-    for where, place in run.places.items():
-        lo = 0 if everything else sent.get((name, where, "judged"), 0)
-        sent[(name, where, "judged")] = place.judged
-        rows = [[r, place.flags[r]] for r in range(lo, place.judged) if place.flags[r]]
-        if rows:
-            entry.setdefault("flags", []).append({"where": where, "rows": rows})
 
 
 def record(history: History, most: int = 240) -> dict:
@@ -287,7 +265,10 @@ def record(history: History, most: int = 240) -> dict:
             kept = [b[-1] for b in bins]
             columns = {}
             for metric, column in place.columns.items():
-                values = [_last(column, b) for b in bins]
+                values = [  # a bin's last value
+                    next((column[r] for r in reversed(b) if column[r] is not None), None)
+                    for b in bins
+                ]
                 if any(v is not None for v in values):
                     columns[metric] = _column(values, None)
             entry["places"].append(
@@ -300,10 +281,3 @@ def record(history: History, most: int = 240) -> dict:
         runs.append(entry)
     return {"kind": "reset", "runs": runs, "metrics": list(history.metrics), "kinds": history.kinds()}
 
-
-def _last(column: list[Any], rows: range) -> Any:
-    """The last value a bin of rows holds (None if it holds none)."""
-    for r in reversed(rows):
-        if column[r] is not None:
-            return column[r]
-    return None

@@ -22,11 +22,11 @@ Point = tuple[float, float, bool]  # x, y, and whether the way to it curves (bet
 
 @dataclass
 class _Level:
-    """What laying out one container left behind: where its ports are and each edge's part
-    of the way at this level (in the container's coordinates)."""
+    """What laying out one container left behind: where its ports are (by `in:source` and
+    `out:target`) and each edge's part of the way at this level (in the container's
+    coordinates)."""
 
-    ports_in: dict[str, tuple[float, float]] = field(default_factory=dict)
-    ports_out: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ports: dict[str, tuple[float, float]] = field(default_factory=dict)
     parts: dict[tuple[str, str], list[Point]] = field(default_factory=dict)
 
 
@@ -112,10 +112,8 @@ class _Layout:
                     item.box.x, item.box.y = cx - item.box.w / 2, cy
                 else:
                     item.box.x, item.box.y = cx, cy - item.box.h / 2
-            elif key.startswith("in:"):
-                level.ports_in[key[3:]] = (cx, cy)
-            elif key.startswith("out:"):
-                level.ports_out[key[4:]] = (cx, cy)
+            else:
+                level.ports[key] = (cx, cy)
         for (_, _, s, d), way in zip(pairs, placed.ways(pairs, items, lambda b, k, out: self.port(b, k, out, box.down)), strict=True):
             level.parts[(s, d)] = [(*real(u, v), curve) for u, v, curve in way]
 
@@ -125,7 +123,7 @@ class _Layout:
         level = self.levels.get(box.id)
         if level is None:
             return None
-        at = (level.ports_out if out else level.ports_in).get(key)
+        at = level.ports.get(f"{'out' if out else 'in'}:{key}")
         if at is None:
             return None
         return (at[0] - box.w / 2) if down else (at[1] - box.h / 2)

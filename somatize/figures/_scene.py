@@ -73,15 +73,10 @@ def _enclosing(blocks: dict[str, dict], b: Any) -> Iterator[str]:
 
 
 def _pills(node: dict) -> list[tuple[str, str]]:
-    out = []
-    if node.get("device"):
-        out.append(("device", str(node["device"])))
+    out = [("device", str(node["device"]))] if node.get("device") else []
     if node.get("host"):
         out.append(("host", f"@{node['host']}"))
-    for mark in ("cached", "frozen", "mapped"):
-        if node.get(mark):
-            out.append((mark, mark))
-    return out
+    return out + [(mark, mark) for mark in ("cached", "frozen", "mapped") if node.get(mark)]
 
 
 def pill_width(text: str) -> float:
@@ -268,13 +263,8 @@ class _Inside:
                 else:
                     nxt.append((x, y))
             out = nxt
-        seen, edges = set(), []
-        for x, y in out:
-            a, b = self.ids.get(x), self.ids.get(y)
-            if a and b and a != b and (a, b) not in seen:
-                seen.add((a, b))
-                edges.append((a, b))
-        return edges
+        drawn = ((self.ids.get(x), self.ids.get(y)) for x, y in out)
+        return list(dict.fromkeys((a, b) for a, b in drawn if a and b and a != b))
 
 
 def branch_groups(order: list[str], edges: list[tuple[str, str]]) -> list[dict]:

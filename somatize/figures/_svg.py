@@ -1,9 +1,5 @@
 """What every drawing is written with: escaped text, its width, one number format, the
-colour scale and its legend, nice axis ticks.
-
-Every figure's picture is SVG text made here in Python (`widgets/` only shows it, or draws
-the live audit from the same rules), so these are the one definition of how a number is
-written and how a value becomes a colour; `widgets/shapes.js` mirrors `number`, `viridis`
+colour scale and its legend, nice axis ticks. `widgets/shapes.js` mirrors `number`, `viridis`
 and `scale` for the live audit and is tested against them.
 """
 
@@ -139,17 +135,9 @@ def _trim(text: str) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
-VIRIDIS = [
-    (68, 1, 84),
-    (72, 40, 120),
-    (62, 74, 137),
-    (49, 104, 142),
-    (38, 130, 142),
-    (31, 158, 137),
-    (53, 183, 121),
-    (109, 205, 89),
-    (180, 222, 44),
-    (253, 231, 37),
+VIRIDIS = [  # sampled at ten points
+    (68, 1, 84), (72, 40, 120), (62, 74, 137), (49, 104, 142), (38, 130, 142),
+    (31, 158, 137), (53, 183, 121), (109, 205, 89), (180, 222, 44), (253, 231, 37),
 ]
 
 

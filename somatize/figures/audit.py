@@ -4,13 +4,10 @@
     audit                      # show it
     Trainer(g, objective=..., auditing=True, watching=audit).fit(...)
 
-It takes `loss` and flat `health` facts (one per watched place and measured step) and keeps
-them as plain columns (`_history`). The training thread only queues what it is handed; a
-sender thread, at most every `interval` seconds while facts come, puts the queue into the
-columns, has the health verdict judge each step (by `somatize.health.Verdicts`' rule, the one
-`diagnose` uses), and sends the page what is new: every
-metric's values as binary float64 arrays beside a JSON message. The page keeps them all, so
-choosing another metric redraws at once, even while the kernel is busy with the fit.
+The training thread only queues the facts it is handed; a sender thread, at most every
+`interval` seconds, puts them into columns (`_history`), judges them and sends the page what
+is new: every metric as binary float64 beside a JSON message, so the page redraws another
+metric at once, even while the kernel is busy with the fit.
 """
 
 from __future__ import annotations
@@ -93,7 +90,6 @@ class LiveAudit(Face, anywidget.AnyWidget):
         self.sends = 0  # messages sent
         self.on_msg(self._on_message)
 
-    # -- taking facts ---------------------------------------------------------------------
     def __call__(self, fact: dict[str, Any]) -> None:
         """Take one fact (`loss` and `health`; others are ignored): checked here, in the
         caller's thread, and queued."""
@@ -164,7 +160,6 @@ class LiveAudit(Face, anywidget.AnyWidget):
         if change["new"] != getattr(self, "_auto", None):
             self._chosen = True  # someone chose: no longer ours to change
 
-    # -- sending --------------------------------------------------------------------------
     def _rounds(self) -> None:
         quiet = 0
         while True:
@@ -211,7 +206,6 @@ class LiveAudit(Face, anywidget.AnyWidget):
                 self._drain()
                 self._push(everything=True)
 
-    # -- reading back ---------------------------------------------------------------------
     @property
     def loss(self) -> list[tuple[int, float]]:
         """The loss facts seen (of the first run), as (step, value), including any queued."""
@@ -247,7 +241,6 @@ class LiveAudit(Face, anywidget.AnyWidget):
         frame = pd.concat(parts, ignore_index=True)
         return frame[[c for c in frame.columns if c != "flags"] + ["flags"]]
 
-    # -- pictures -------------------------------------------------------------------------
     def svg(self) -> str:
         """The audit as SVG text: what it has seen of the chosen metric."""
         from somatize.figures._audit_face import picture
