@@ -29,36 +29,22 @@ from somatize.torch import (
 from somatize.torch import codec as _codec  # noqa: F401  (registers the tensor codec)
 from somatize.torch import placement as _placement  # noqa: F401  (registers device hooks)
 
-_where = {
-    "Trainer": "training.trainer",
-    "Result": "training.trainer",
-    "NoGradient": "training.trainer",
-    "Learning": "training.learning",
-    "Split": "training.learning",
-    "Greedy": "training.greedy",
-    "Synthetic": "training.synthetic",
-    "ForwardForward": "training.forward_forward",
-    "Enters": "training.learning",
-    "Envelope": "training.learning",
-    "OutOfStep": "training.learning",
-    "envelope": "training.learning",
-    "gradient": "training.learning",
-    "fedavg": "training.federated",
-    "gather": "training.federated",
-    "RankLost": "training.parallel",
-    "parameters": "training.params",
-    "freeze": "training.params",
-    "shard": "training.shard",
-    "Audit": "audit.audit",
-    "architecture": "inside.architecture",
-    "traced": "inside.architecture",
-    "kind_of": "inside.architecture",
-    "Inside": "inside.architecture",
-    "probe": "inside.probe",
-    "proxies": "inside.proxies",
-    "proxy": "inside.proxies",
-    "EVERY": "inside.proxies",
+_PROVIDED = {
+    "training.trainer": "Trainer Result NoGradient",
+    "training.learning": "Learning Split Enters Envelope OutOfStep envelope gradient",
+    "training.greedy": "Greedy",
+    "training.synthetic": "Synthetic",
+    "training.forward_forward": "ForwardForward",
+    "training.federated": "fedavg gather",
+    "training.parallel": "RankLost",
+    "training.params": "parameters freeze",
+    "training.shard": "shard",
+    "audit.audit": "Audit",
+    "inside.architecture": "architecture traced kind_of Inside",
+    "inside.probe": "probe",
+    "inside.proxies": "proxies proxy EVERY",
 }
+_where = {name: module for module, names in _PROVIDED.items() for name in names.split()}
 
 __all__ = sorted(_where)
 

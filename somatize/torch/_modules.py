@@ -20,17 +20,6 @@ from torch.nn.utils.parametrize import is_parametrized
 from somatize.node import Opaque
 from somatize.torch.placement import named_modules_of
 
-__all__ = [
-    "named_modules_of",
-    "untouched",
-    "Held",
-    "tensors_in",
-    "parts_of",
-    "root_of",
-    "Holder",
-    "Tap",
-]
-
 
 def join(*parts: str) -> str:
     """Dotted path from parts, skipping the empty ones."""
@@ -134,31 +123,25 @@ class Held:
         self, why: str = "a look leaves the net as it found it", *, reads: str | None = None
     ) -> None:
         """Refuse a net no look can run as it is: one holding a lazy module's weights not
-        made yet (its first forward makes them and turns the module into another class,
-        which no look may do to a net, and an audit cannot size what is not there yet), or
-        a compiled module (`torch.compile`, TorchScript), which runs compiled code where a
-        look reads modules through hooks run eagerly. `why` says what is at stake for the
-        first. With `reads` (the look that reads the numbers a net computes: probe,
-        proxies, an Audit), also a net holding weights on the meta device (shapes without
-        values, as `with torch.device("meta")` builds a model too large to allocate), which
-        `architecture` and `traced` draw as it is."""
+        made yet (its first forward would turn the module into another class; `why` says
+        what is at stake), or a compiled module (`torch.compile`, TorchScript), which hooks
+        cannot read. With `reads` (a look that reads the numbers a net computes: probe,
+        proxies, an Audit), also one holding weights on the meta device, which `architecture`
+        and `traced` draw as it is."""
         for m in self.modules:
-            made = _compiled(m)
-            if made:
+            if made := _compiled(m):
                 raise ValueError(
                     f"{type(m).__name__} is {made}: a look or an Audit reads a net through "
                     "hooks on its modules, run eagerly, and this one runs compiled code "
                     "instead; give it the module that was compiled (model), which holds the "
                     "same weights"
                 )
-        unmade = self._holding(is_lazy)
-        if unmade:
+        if unmade := self._holding(is_lazy):
             raise ValueError(
                 f"{unmade} not made yet (a lazy module makes them in its first forward), and "
                 f"{why}: run it once first (model(example), or g.forward(example))"
             )
-        shapes = self._holding(lambda t: t.is_meta) if reads is not None else None
-        if shapes:
+        if reads is not None and (shapes := self._holding(lambda t: t.is_meta)):
             raise ValueError(
                 f"{shapes} on the meta device (shapes without values), and {reads} reads the "
                 "numbers the net computes: give it weights first (load them, or "
@@ -168,9 +151,6 @@ class Held:
 
     def _holding(self, which: Callable[[torch.Tensor], bool]) -> str | None:
         """'Model holds a.weight, b.bias' for the first root holding such tensors, if any."""
-        held = itertools.chain(self.params, (b for _, _, b in self.buffers))
-        if not any(which(t) for t in held):
-            return None
         for m in self.roots:
             named = itertools.chain(m.named_parameters(), m.named_buffers())
             names = [name for name, t in named if which(t)]

@@ -1,18 +1,13 @@
-"""How a transformers `ModelOutput` is written down: its class by name and its fields.
+"""How a transformers `ModelOutput` is written down: `[module, class name, [[field, value], ...]]`,
+its fields in order (tensors by their own codec; on the wire, framed as every tensor there), read
+back as the same class with the same fields. It is what a `Node.of(model)` hands on, what a
+cached frozen backbone keeps and what comes back from a worker.
 
-A transformers model answers a `ModelOutput` (`BaseModelOutputWithPooling`,
-`CausalLMOutputWithCrossAttentions`, ...), and that is what a `Node.of(model)` hands on, what
-a cached frozen backbone keeps in a store and what comes back from a worker. It is written as
-`[module, class name, [[field, value], ...]]`, the fields it holds in order (the tensors in
-them by their own codec; on the wire, framed as every tensor there), and read back as the
-same class with the same fields.
-
-Reading names a class, so what it may name is bounded: a class defined at the top of a
-transformers module this process has already imported (no import is made, no module
-`__getattr__` runs), and a subclass of `ModelOutput`; anything else is refused whole
-(`Malformed`). The codec is registered the first time a value or bytes of this kind meet no
-codec while transformers is loaded, whichever of it and `somatize.torch` came first
-(`late_codecs`); a codec the user registered for these classes is found before that, and wins.
+Reading names a class, so it may name only a `ModelOutput` subclass defined at the top of a
+transformers module this process has already imported (nothing is imported, no module
+`__getattr__` runs); anything else is refused whole (`Malformed`). The codec is registered the
+first time a value or bytes of this kind meet no codec while transformers is loaded
+(`late_codecs`); a codec the user registered for these classes is found before, and wins.
 """
 
 from __future__ import annotations
@@ -22,8 +17,6 @@ from typing import Any
 
 from somatize import _hooks
 from somatize.codecs import Malformed, codec, decode, encode
-
-__all__ = ["KIND", "fields_of", "from_fields", "late_codecs"]
 
 KIND = "transformers.ModelOutput"
 

@@ -16,24 +16,9 @@ from somatize.torch.codec import _plain
 _DTYPES = {
     name: getattr(torch, name)
     for name in (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "float8_e4m3fn",
-        "float8_e5m2",
-        "complex128",
-        "complex64",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint64",
-        "uint32",
-        "uint16",
-        "uint8",
-        "bool",
-    )
+        "float64 float32 float16 bfloat16 float8_e4m3fn float8_e5m2 complex128 complex64 "
+        "int64 int32 int16 int8 uint64 uint32 uint16 uint8 bool"
+    ).split()
     if hasattr(torch, name)
 }
 """The dtypes that cross a wire, by the name `str(dtype)` gives them without `torch.`."""

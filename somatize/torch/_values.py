@@ -8,8 +8,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["mapped", "refilled"]
-
 
 def mapped(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """`value` with `fn(t)` in place of every tensor `t` inside it, each container given back

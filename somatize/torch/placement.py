@@ -27,19 +27,13 @@ def named_modules_of(node: Any) -> list[tuple[str, nn.Module]]:
         return [("", node.held)] if isinstance(node.held, nn.Module) else []
     if isinstance(node, nn.Module):
         return [("", node)]
-    found: list[tuple[str, nn.Module]] = []
-    seen: set[int] = set()
+    found: dict[int, tuple[str, nn.Module]] = {}  # by module object: each once
     for name, value in vars(node).items():
-        items = (
-            [(f"{name}.{i}", v) for i, v in enumerate(value)]
-            if isinstance(value, (list, tuple))
-            else [(name, value)]
-        )
-        for label, item in items:
-            if isinstance(item, nn.Module) and id(item) not in seen:
-                seen.add(id(item))
-                found.append((label, item))
-    return found
+        listed = isinstance(value, (list, tuple))
+        for i, item in enumerate(value if listed else [value]):
+            if isinstance(item, nn.Module):
+                found.setdefault(id(item), (f"{name}.{i}" if listed else name, item))
+    return list(found.values())
 
 
 def modules_of(node: Any) -> list[nn.Module]:

@@ -1,9 +1,5 @@
-"""The numbers an `Audit` takes, as plain functions of tensors.
-
-Everything here is torch's public API: reductions for what an output holds, `torch.linalg`
-for the snapshot's spectra (`eigvalsh` of Gram matrices, `svd_lowrank` past a size).
-Nothing here keeps state; `_place.py` keeps what a place carries from step to step.
-"""
+"""The numbers an `Audit` takes, as plain functions of tensors that keep no state (`_place.py`
+keeps what a place carries from step to step)."""
 
 from __future__ import annotations
 
@@ -14,20 +10,6 @@ import torch
 
 from somatize.health import Thresholds
 from somatize.torch._modules import tensors_in
-
-__all__ = [
-    "channel_view",
-    "cka",
-    "effective_rank",
-    "floats_in",
-    "norm",
-    "read",
-    "rows_of",
-    "stable_rank",
-    "sums_of",
-    "counts_of",
-    "magnitude_of",
-]
 
 _DEFAULT = Thresholds()
 _DEAD_EPS = _DEFAULT.dead_eps  # |a| at most this counts as zero
@@ -58,9 +40,8 @@ def magnitude_of(a: torch.Tensor) -> torch.Tensor:
 def counts_of(a: torch.Tensor, magnitude: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
     """How many values of `a` are zero (|a| ≤ dead_eps), and for a place that saturates how
     many are saturated, as one-number tensors; `magnitude` is `magnitude_of(a)`, overwritten.
-    The zeros are counted as a float sum of 1.0s (a float reduction is several times cheaper
-    than a boolean one on the CPU; exact up to 2²⁴ values, a fraction within float32 rounding
-    past it). A NaN is neither zero nor saturated."""
+    The zeros are a float sum of 1.0s (cheaper than a boolean count on the CPU; exact up to 2²⁴
+    values). A NaN is neither zero nor saturated."""
     saturated = None
     if saturates == "sigmoid":
         saturated = torch.count_nonzero((a <= _LOW) | (a >= _HIGH))
@@ -104,11 +85,10 @@ def wide_norm(t: torch.Tensor) -> float:
 
 
 def read(tensors: list[torch.Tensor]) -> list[float]:
-    """One-number tensors as Python numbers: on the CPU one `.item()` each (cheaper there than
-    a stack); on an accelerator one stack and one `.tolist()` per device, so a step waits for
-    it once."""
+    """One-number tensors as Python numbers: on the CPU one `.item()` each; on an accelerator
+    one stack and one `.tolist()` per device and dtype, so a step waits for it once."""
     if not tensors or tensors[0].is_cpu:
-        return [t.item() for t in tensors]  # (correct on any device, if slower)
+        return [t.item() for t in tensors]
     out: list[Any] = [0.0] * len(tensors)
     by: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -167,14 +147,10 @@ def _unit(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 def effective_rank(rows: torch.Tensor) -> float:
     """exp of the entropy of the normalised singular values of the centred rows (Roy &
     Vetterli): 1 for a representation that spans one direction, up to min(rows, columns).
-    The singular values are the square roots of `torch.linalg.eigvalsh` of the Gram matrix
-    of the rows scaled to norm 1; those its rounding cannot tell from zero (an eigenvalue
-    under n·ε of the largest) and those under what the data's own rounding can (‖rows‖ ·
+    The singular values come from `eigvalsh` of the Gram matrix of the rows scaled to norm 1;
+    those its rounding cannot tell from zero (under n·ε of the largest eigenvalue, or under
     max(m, n) · ε, as `torch.linalg.matrix_rank` counts) are left out, so a collapsed
-    representation reads as collapsed. Within 1e-7 of float64 singular values on features
-    (ReLU 64×256, 128×768); a spectrum reaching under √(n·ε) of its top, which features
-    seldom do, reads up to a few percent lower. 0 for rows that do not vary (every sample
-    the same), and for rows holding an inf or a NaN."""
+    representation reads as collapsed. 0 for rows that do not vary, or hold an inf or a NaN."""
     unit, scale = _unit(rows)
     if not 0 < scale < math.inf:
         return 0.0
@@ -190,11 +166,8 @@ def effective_rank(rows: torch.Tensor) -> float:
 
 def _top(d: torch.Tensor) -> float:
     """σ_max of a matrix: from `eigvalsh` of its Gram matrix when its smaller side is at most
-    `_EXACT`, else the top value of `svd_lowrank` (a power step on a random start of four
-    directions, drawn from the generator of `d`'s device, whose state is put back after, so
-    the caller's random stream is not touched). Randomised, the estimate is never above
-    σ_max: within 1e-3 of it on an update with a leading direction (as momentum's), a tenth
-    under it on a flat spectrum (a Gaussian matrix), whose stable rank then reads high."""
+    `_EXACT`, else the top value of `svd_lowrank` (never above σ_max; its random start is
+    drawn with the device's generator state put back after, so the caller's stream is kept)."""
     if min(d.shape) <= _EXACT:
         return math.sqrt(max(float(torch.linalg.eigvalsh(_gram(d))[-1]), 0.0))
     devices = [d.device.index or 0] if d.device.type == "cuda" else []

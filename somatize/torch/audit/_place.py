@@ -26,8 +26,6 @@ from somatize.torch.audit._measures import (
 )
 from somatize.torch.inside.kinds import kind_of
 
-__all__ = ["Place", "_saturation"]
-
 
 def _saturation(modules: list[nn.Module]) -> str | None:
     """How the place made of `modules` saturates, read off the last leaf module it holds (in
@@ -39,13 +37,11 @@ def _saturation(modules: list[nn.Module]) -> str | None:
     while parts := parts_of(last):  # its last part's last leaf
         last = parts[-1][1]
     names = [c.__name__ for c in type(last).__mro__]
-    if any("Sigmoid" in n for n in names):
-        saturates = "sigmoid"
-    elif any(n in ("Tanh", "Hardtanh", "Softsign") for n in names):
-        saturates = "tanh"
-    else:
+    if kind_of(last) != "activation":
         return None
-    return saturates if kind_of(last) == "activation" else None
+    if any("Sigmoid" in n for n in names):
+        return "sigmoid"
+    return "tanh" if any(n in ("Tanh", "Hardtanh", "Softsign") for n in names) else None
 
 
 class Place:

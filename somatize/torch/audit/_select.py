@@ -15,8 +15,6 @@ from torch import nn
 
 from somatize.torch._modules import join, parts_of
 
-__all__ = ["choose", "names_of"]
-
 Named = list[tuple[str, nn.Module]]
 
 

@@ -1,31 +1,24 @@
 """Watching a graph while it trains: `Audit`.
 
-One `health` fact per watched place and measured step, flat, in the published layout:
+One flat `health` fact per watched place and measured step, in the published layout:
 ``{"fact": "health", "node": id, "inside": path or None, "step": k, <metric>: value, ...}``
-(`somatize.health.where_of` makes `node` or `node.inside` of it). What is measured, and at
-which of a step's three named moments:
+(`somatize.health.METRICS` says what each metric is). What is measured, and when:
 
-- **a measured step's first output** (`_begin`): θ, the weights as the step finds them, is
-  copied. Every optimizer is measured the same way: the copy is what the update is taken
-  against, whatever moves the weights afterwards (the Trainer's optimizer, or a node's own
-  `Learning` stepping inside backward).
+- **a measured step's first output**: θ, the weights as the step finds them, is copied; the
+  update is taken against it whatever moves the weights after (the Trainer's optimizer, or a
+  node's own `Learning` stepping inside backward), so every optimizer is measured alike.
 - **each output, in the forward**: Σ|a|, the zero and saturated counts; with `channels`, each
   channel's activity and a hook on the input's gradient; on snapshot steps (and for grouped
   places) up to 128 samples copied, and a tensor hook that will hear ‖∂L/∂output‖.
-- **after backward** (`observed`): ‖θ‖ and ‖∇θ‖, everything above read at once, and the facts
-  built: grad_norm, param_norm, param_norm_slope, act_abs_mean, zero_frac_max and
-  sat_frac_max (the max over the last `window` measured steps), nan, inf (and `inherited`
-  when one of them is true); with `channels` channels, dead_channels, dormant_channels,
-  input_channels, ignored_channels; with `groups` cka; on snapshot steps out_grad_norm,
-  effective_rank and rank_room. `somatize.health.METRICS` says what each one is.
-- **after the optimizer stepped** (`moved`): ‖θ' − θ‖ from the copy, so the facts of the
-  measured steps that went into this update get update_ratio, and on a snapshot step
-  update_stable_rank of the update to the place's largest weight.
+- **after backward** (`observed`): ‖θ‖ and ‖∇θ‖, everything above read at once, the facts
+  built (zero and saturated fractions as the max over the last `window` measured steps).
+- **after the optimizer stepped** (`moved`): update_ratio from the copy, and on a snapshot
+  step update_stable_rank of the update to the place's largest weight.
 
 Forward hooks and tensor hooks only, never full backward hooks (those break on in-place ReLU);
-module hooks are on only during measured steps, so the others run as if nothing watched. A
-forward under `torch.no_grad()` (an evaluation between steps) is not a training step's and is
-not heard; nothing is kept of what a place was given, only which tensors they were.
+module hooks are on only during measured steps. A forward under `torch.no_grad()` (an
+evaluation between steps) is not heard; of what a place was given only the tensors' ids are
+kept.
 """
 
 from __future__ import annotations

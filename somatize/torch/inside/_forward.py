@@ -26,8 +26,6 @@ from somatize.torch.inside._trace import (
 )
 from somatize.torch.inside.kinds import function_name
 
-__all__ = ["Calls", "Reading", "by_forward"]
-
 
 class _Functions(TorchFunctionMode):
     """Every torch function called between the drawn modules: drawn, or passing its input's
@@ -49,13 +47,11 @@ class Calls:
     which path each call is made under and which call of that path it is.
 
     A module tied in two places is one object at two paths: a call is put at the path inside
-    the block that is running; `within()` says which call of each open block is running (a
-    block is counted only where it is hooked). `enter(path, call, args, kwargs)` hears a
-    layer's call begin and `leave(path, call, output)` hear it end; nothing inside a layer is
-    heard. While `live` is False nothing is heard and nothing is counted. With `blocks` False
-    the blocks are hooked only when a module is tied (their hooks are what says which path it
-    is called under), for who needs the layers alone. With `only`, a module with no children
-    whose paths are none of those is not hooked (nothing is heard from it)."""
+    the block that is running. `enter(path, call, args, kwargs)` hears a layer's call begin
+    and `leave(path, call, output)` hears it end; nothing inside a layer is heard, nor anything
+    while `live` is False. With `blocks` False the blocks are hooked only when a module is tied
+    (their hooks say which path it is called under); with `only`, a module with no children
+    at none of those paths is not hooked."""
 
     def __init__(
         self,
@@ -148,11 +144,9 @@ class Calls:
 
 class Reading:
     """A read by a real forward that rides along a forward somebody else runs (the graph's
-    own): `arm()` hooks what is drawn and turns the function mode on for the root's call
-    only, `disarm()` takes it all off, `result()` answers what was seen. The mode is left
-    while a layer runs: nothing inside a layer is a layer. While the forward runs it keeps
-    the layers, which tensor each made, and (in its `Calls`) the blocks open around the call
-    in progress."""
+    own): `arm()` hooks what is drawn and turns the function mode on for the root's first call
+    (off while a layer runs: nothing inside a layer is a layer), `disarm()` takes it all off,
+    `result()` answers what was seen."""
 
     def __init__(self, root: nn.Module, depth: int) -> None:
         self.root = root

@@ -24,8 +24,6 @@ from somatize.torch.inside._trace import (
 )
 from somatize.torch.inside.kinds import function_name
 
-__all__ = ["fx_trace", "by_fx"]
-
 
 class _Tracer(fx.Tracer):
     def __init__(self, opening: Opening) -> None:

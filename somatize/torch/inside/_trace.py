@@ -1,18 +1,12 @@
-"""What both ways of reading a module (torch.fx in `_fx`, a real forward in `_forward`)
-answer, and the rules they share.
+"""What both ways of reading a module (torch.fx in `_fx`, a real forward in `_forward`) answer,
+and the rules they share: the same raw layers in the order they ran, the same edges, at the same
+granularity (a module with no children is one layer, a composite torch ships is one layer until
+`depth` opens it, any other composite is opened into the block its layers sit in).
 
-Both answer the same thing, a list of raw layers in the order they ran and the edges between
-them, at the same granularity: a module with no children is one layer, a composite torch
-itself ships (a TransformerEncoderLayer) is one layer until `depth` opens it, and every other
-composite (a container, a user's block) is opened and becomes the block its layers sit in.
-
-Edges follow the data: each tensor is known by the layer that produced it, and an op that only
-carries data along (indexing, a view, a reshape, a cast) hands its input's producers on to
-what it returns. A function is drawn as a layer only when it computes a floating tensor from
-the data; what works on masks and counters (`gt`, `eq`, `triu`, an assert) is bookkeeping and
-is not drawn. A module called twice is a box per call (`relu`, then `relu#2`), so nothing
-loops; each layer knows which call of each block around it it ran in (`Raw.within`), so a
-block called twice and closed back into one box (`fold.collapse`) is a box per call too.
+Edges follow the data: an op that only carries data along (indexing, a view, a cast) hands its
+input's producers on; a function is a layer only when it computes a floating tensor from the
+data, never on masks and counters. A module called twice is a box per call (`relu`, `relu#2`),
+and each layer knows which call of each block around it it ran in (`Raw.within`).
 """
 
 from __future__ import annotations
@@ -24,22 +18,6 @@ from torch import nn
 
 from somatize.torch._modules import parts_of, tensors_in
 from somatize.torch.inside.kinds import function_name, kind_of, label_of, recognised
-
-__all__ = [
-    "Raw",
-    "Traced",
-    "Opening",
-    "drawn",
-    "passes",
-    "joins_nothing",
-    "call_path",
-    "block_call",
-    "config_of",
-    "function_layer",
-    "prune",
-    "ordered",
-    "shape_of",
-]
 
 # Calls that carry a value along without computing anything anybody would draw: their output
 # is made by whoever made their input.
@@ -125,6 +103,11 @@ def shape_of(value: Any) -> list[int] | None:
     return list(found[0].shape) if found else None
 
 
+def params_of(module: nn.Module) -> int:
+    """How many parameters a module holds, each once however often it is tied."""
+    return sum(p.numel() for p in module.parameters())
+
+
 def config_of(module: nn.Module) -> str:
     """What sets this module up besides its shapes: `extra_repr`, and every float it keeps."""
     parts = [module.extra_repr()]
@@ -177,17 +160,8 @@ class Opening:
 
     def _raw(self, path: str, block: str | None, label: str | None = None) -> Raw:
         m = self.named[path]
-        composite = bool(parts_of(m))
-        return Raw(
-            path,
-            kind_of(m),
-            label or label_of(m),
-            None,
-            sum(p.numel() for p in m.parameters()),  # each once, however often tied
-            block,
-            config_of(m),
-            composite,
-        )
+        kind, label, composite = kind_of(m), label or label_of(m), bool(parts_of(m))
+        return Raw(path, kind, label, None, params_of(m), block, config_of(m), composite)
 
     def add_block(self, out: Traced, path: str) -> None:
         """Make sure the opened composite at `path` and those above it are blocks in `out`."""
@@ -195,9 +169,8 @@ class Opening:
         for i in range(1, len(parts) + 1):
             p = ".".join(parts[:i])
             if p not in out.layers:
-                raw = self._raw(p, ".".join(parts[: i - 1]) or None, type(self.named[p]).__name__)
-                raw.composite = True
-                out.layers[p] = raw
+                block = ".".join(parts[: i - 1]) or None  # (opened: it has parts, a composite)
+                out.layers[p] = self._raw(p, block, type(self.named[p]).__name__)
 
     def add_leaf(self, out: Traced, path: str, call: int = 1) -> Raw:
         """The box of the `call`-th call of the closed module at `path` (made once)."""

@@ -20,7 +20,7 @@ from somatize.run import in_one_line
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
 from somatize.torch.inside._forward import Reading, by_forward
 from somatize.torch.inside._fx import by_fx, fx_trace
-from somatize.torch.inside._trace import Opening, Traced, shape_of
+from somatize.torch.inside._trace import Opening, Traced, params_of, shape_of
 from somatize.torch.inside.fold import collapse, fold
 from somatize.torch.inside.kinds import kind_of
 
@@ -83,27 +83,14 @@ class Inside:
         return f"Inside({len(self.layers)} layers, {len(self.edges)} edges, {self.how})"
 
 
-def _unique(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())  # each once, however often tied
-
-
 def _finish(raw: Traced, how: str, why: str | None, most: int, params: int = 0) -> Inside:
     folded, edges = fold(raw)
     folded, edges, hidden = collapse(folded, edges, most)
-    layers = [
-        Layer(
-            f.raw.path,
-            f.raw.kind,
-            f.raw.label,
-            f.raw.shape,
-            f.raw.params,
-            f.raw.block,
-            f.times,
-            list(f.repeats),
-            list(f.made_of),
-        )
-        for f in folded.values()
-    ]
+    layers = []
+    for f in folded.values():
+        r = f.raw
+        at = (r.path, r.kind, r.label, r.shape, r.params, r.block)
+        layers.append(Layer(*at, f.times, f.repeats, f.made_of))
     return Inside(layers, edges, how, why, hidden, params)
 
 
@@ -125,15 +112,6 @@ class _Call(NamedTuple):
     kwargs: dict
 
 
-def _single(module: nn.Module, call: tuple[tuple, dict] | None) -> Traced:
-    """A module with no children is one layer, whatever its forward does inside."""
-    out = Traced()
-    layer = Opening(module, 0).add_leaf(out, "")
-    if call is not None:
-        layer.shape = shape_of(module(*call[0], **call[1]))
-    return out
-
-
 def _raw(
     module: nn.Module,
     example: Any,
@@ -144,8 +122,12 @@ def _raw(
     """`plan` is what `_plan` found before the graph ran: an fx trace, or why fx refused and
     the `Reading` that rode along the graph's run instead."""
     call = _args(module, example)
-    if not parts_of(module):
-        return _single(module, call), "symbolic", None
+    if not parts_of(module):  # one layer, whatever its forward does inside
+        out = Traced()
+        layer = Opening(module, 0).add_leaf(out, "")
+        if call is not None:
+            layer.shape = shape_of(module(*call[0], **call[1]))
+        return out, "symbolic", None
     if isinstance(plan, _Read):
         if plan.reading.calls:
             return plan.reading.result(), "traced", plan.why
@@ -161,12 +143,11 @@ def _raw(
     return raw, "traced", why
 
 
-class _Read:
-    """fx refused this module: why, and the reading that rides along the graph's run."""
+class _Read(NamedTuple):
+    """fx refused this module: the reading that rides along the graph's run, and why."""
 
-    def __init__(self, module: nn.Module, depth: int, why: str) -> None:
-        self.reading = Reading(module, depth)
-        self.why = why
+    reading: Reading
+    why: str
 
 
 def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
@@ -185,13 +166,12 @@ def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
                 why = in_one_line(e)
                 if not isinstance(module, Holder):
                     _REFUSED.setdefault(module, {})[depth] = why
-        plans[node] = _Read(module, depth, why)
+        plans[node] = _Read(Reading(module, depth), why)
     return plans
 
 
-# Modules fx refused, by depth, and why: asking again costs a millisecond and a failed trace.
-# Only refusals are remembered: reading by a real forward is right for any module, so a
-# module that has since become traceable is at worst read the slower way.
+# Modules fx refused, by depth, and why. Only refusals are remembered: a real forward reads any
+# module right, so one that has since become traceable is at worst read the slower way.
 _REFUSED: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
@@ -213,7 +193,7 @@ def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) 
         got = _raw(module, example, depth)
     if got is None:
         return None
-    return _finish(*got, most, _unique(module))
+    return _finish(*got, most, params_of(module))
 
 
 def _capture(
@@ -297,5 +277,5 @@ def architecture(
             with untouched([root]), torch.no_grad():
                 got = _raw(root, call, depth, outputs.get(node), plan)
         if got is not None:
-            out[node] = _finish(*got, most, _unique(root))
+            out[node] = _finish(*got, most, params_of(root))
     return out

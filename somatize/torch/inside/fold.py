@@ -5,7 +5,7 @@ Both work on the raw answer of a tracer (`somatize.torch._trace.Traced`) and kee
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from somatize.torch.inside._trace import Raw, Traced, call_path
@@ -13,16 +13,14 @@ from somatize.torch.inside._trace import Raw, Traced, call_path
 __all__ = ["fold", "collapse", "Folded"]
 
 
+@dataclass
 class Folded:
     """A raw layer with what folding added: how many it stands for and which paths it hides."""
 
-    __slots__ = ("raw", "times", "repeats", "made_of")
-
-    def __init__(self, raw: Raw) -> None:
-        self.raw = raw
-        self.times = 1
-        self.repeats: list[str] = []
-        self.made_of: list[str] = []
+    raw: Raw
+    times: int = 1
+    repeats: list[str] = field(default_factory=list)
+    made_of: list[str] = field(default_factory=list)
 
 
 def _children(layers: dict[str, Folded]) -> dict[str | None, list[str]]:
@@ -40,33 +38,15 @@ def _descendants(path: str, kids: dict[str | None, list[str]]) -> list[str]:
     return out
 
 
-def _relative(path: str, base: str) -> str:
-    return path[len(base) :]
-
-
 def _signature(path: str, layers: dict[str, Folded], kids: dict, edges: set, memo: dict) -> Any:
     if path in memo:
         return memo[path]
     r = layers[path].raw
     within = set(_descendants(path, kids))
-    sig = (
-        r.kind,
-        r.label,
-        r.config,
-        tuple(r.shape) if r.shape else None,
-        r.params,
-        tuple(
-            (_relative(c, path), _signature(c, layers, kids, edges, memo))
-            for c in kids.get(path, [])
-        ),
-        tuple(
-            sorted(
-                (_relative(a, path), _relative(b, path))
-                for a, b in edges
-                if a in within and b in within
-            )
-        ),
-    )
+    n = len(path)  # the paths inside, relative to this one
+    parts = tuple((c[n:], _signature(c, layers, kids, edges, memo)) for c in kids.get(path, []))
+    inner = tuple(sorted((a[n:], b[n:]) for a, b in edges if a in within and b in within))
+    sig = (r.kind, r.label, r.config, tuple(r.shape) if r.shape else None, r.params, parts, inner)
     memo[path] = sig
     return sig
 
@@ -186,8 +166,7 @@ def _calls_of(block: str, layers: dict[str, Folded], into: dict[str, str]) -> di
         into[c] = box
         if box not in boxes:
             around = {b: k for b, k in inner.within.items() if b != block}
-            boxes[box] = again = Folded(replace(f.raw, path=box, within=around))
-            again.times, again.repeats = f.times, list(f.repeats)
+            boxes[box] = Folded(replace(f.raw, path=box, within=around), f.times, list(f.repeats))
             if parent is not None and box != block:
                 parent.made_of.append(box)
         boxes[box].raw.shape = inner.shape or boxes[box].raw.shape  # its last layer's

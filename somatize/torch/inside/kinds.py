@@ -15,65 +15,31 @@ from torch import nn
 
 from somatize.torch._modules import parts_of
 
-__all__ = ["KINDS", "kind_of", "label_of", "recognised", "is_container"]
+__all__ = ["KINDS", "kind_of", "label_of", "recognised"]
 
 KINDS = (
-    "learned",
-    "conv",
-    "recurrent",
-    "attention",
-    "norm",
-    "activation",
-    "regular",
-    "shaping",
-    "block",
-    "other",
+    "learned", "conv", "recurrent", "attention", "norm", "activation", "regular", "shaping",
+    "block", "other",
 )
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 # (kind, base classes); checked in this order, so attention wins over "has children".
+_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+_pool, _pad = nn.modules.pooling, nn.modules.padding
+_SHAPING = (
+    _pool._MaxPoolNd, _pool._AvgPoolNd, _pool._AdaptiveMaxPoolNd, _pool._AdaptiveAvgPoolNd,
+    _pool._LPPoolNd, _pad._ConstantPadNd, _pad._ReflectionPadNd, _pad._ReplicationPadNd,
+    nn.ZeroPad2d, nn.Flatten, nn.Unflatten, nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle,
+    nn.ChannelShuffle, nn.Fold, nn.Unfold, nn.Identity,
+)
 _BY_CLASS: tuple[tuple[str, tuple[type, ...]], ...] = (
-    (
-        "attention",
-        (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer),
-    ),
+    ("attention", (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)),
     ("conv", (nn.modules.conv._ConvNd,)),
     ("recurrent", (nn.RNNBase, nn.RNNCellBase)),
-    (
-        "norm",
-        (
-            nn.modules.batchnorm._NormBase,
-            nn.LayerNorm,
-            nn.GroupNorm,
-            nn.LocalResponseNorm,
-            getattr(nn, "RMSNorm", nn.LayerNorm),
-        ),
-    ),
+    ("norm", (*_NORMS, getattr(nn, "RMSNorm", nn.LayerNorm))),
     ("regular", (nn.modules.dropout._DropoutNd, nn.AlphaDropout)),
-    (
-        "shaping",
-        (
-            nn.modules.pooling._MaxPoolNd,
-            nn.modules.pooling._AvgPoolNd,
-            nn.modules.pooling._AdaptiveMaxPoolNd,
-            nn.modules.pooling._AdaptiveAvgPoolNd,
-            nn.modules.pooling._LPPoolNd,
-            nn.modules.padding._ConstantPadNd,
-            nn.modules.padding._ReflectionPadNd,
-            nn.modules.padding._ReplicationPadNd,
-            nn.ZeroPad2d,
-            nn.Flatten,
-            nn.Unflatten,
-            nn.Upsample,
-            nn.PixelShuffle,
-            nn.PixelUnshuffle,
-            nn.ChannelShuffle,
-            nn.Fold,
-            nn.Unfold,
-            nn.Identity,
-        ),
-    ),
+    ("shaping", _SHAPING),
     ("learned", (nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag)),
     ("block", _CONTAINERS),
 )
@@ -179,23 +145,14 @@ def kind_of(what: Any) -> str:
     return "other"
 
 
-def is_container(module: nn.Module) -> bool:
-    """Whether this is a plain container (Sequential, ModuleList, ModuleDict)."""
-    return isinstance(module, _CONTAINERS)
-
-
 def recognised(module: nn.Module) -> bool:
     """A composite everybody recognises: torch's own, not a plain container, with children.
 
     These are drawn as one box (a TransformerEncoderLayer, a MultiheadAttention) unless a
     `depth=` opens them; a user's own composite is always opened.
     """
-    cls = type(module)
-    return (
-        cls.__module__.startswith("torch.")
-        and not is_container(module)
-        and bool(parts_of(module))
-    )
+    torchs = type(module).__module__.startswith("torch.")
+    return torchs and not isinstance(module, _CONTAINERS) and bool(parts_of(module))
 
 
 def _pair(v: Any) -> str:

@@ -5,14 +5,8 @@ comes out over RMS of what goes in), `jacobian_gain` and `jacobian_spread` (per 
 ‖Jᵀu‖/‖u‖ for the random cotangent u that reaches that place's output, averaged over the
 samples, and its coefficient of variation across them), `zero_frac_max` and `sat_frac_max`
 (the share of the output that is zero, and saturated where a sigmoid or a tanh saturates),
-and `nan` / `inf`.
-
-One forward and one backward through the whole graph, on the example as it is given: a
-sample is a row along the first dimension, so the spread needs two or more rows. Each
-number is taken while the forward runs, and each gradient while the backward passes the
-place, so nothing is held past the moment it is measured; no parameter gradient is made. The
-net is left exactly as it was: no gradient lands in `.grad`, batch-norm statistics, modes and
-`requires_grad` are put back.
+and `nan` / `inf`. Each number is taken as the one forward and the one backward pass the
+place, so nothing is held past the moment it is measured; no parameter gradient is made.
 """
 
 from __future__ import annotations
@@ -43,11 +37,6 @@ _LEAFED = (
     "measures each place's Jacobian); a model that refuses such an input in train mode "
     "(setting requires_grad on a view of it) is probed in eval mode: model.eval()"
 )
-
-
-def _leafed(value: Any) -> Any:
-    """The example with every floating tensor a fresh leaf that asks for its gradient."""
-    return mapped(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
 
 
 def _first(value: Any) -> torch.Tensor | None:
@@ -242,12 +231,12 @@ def probe(
         nodes[node].saw(input, out, known)
 
     modules = [r for r in roots.values() if r is not None]
+    x = mapped(example, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
     with untouched(modules, seed=0, reads="probe") as held, torch.enable_grad():
         try:
             held.differentiable()
             for h in hooks:
                 h.arm()
-            x = _leafed(example)
             with Tap(g, heard):
                 result = g.forward(x, broker=broker, watching=told)
         except Exception as e:
@@ -274,7 +263,7 @@ def probe(
                 answer[p.where] = numbers = p.answer()
                 facts.append({"fact": "health", "node": p.node, "inside": p.inside, "step": 0})
                 facts[-1].update(numbers)
-                one = one or (p.rows == 1)
+                one = one or p.rows == 1
     if one:
         warnings.warn(
             "probe: the example holds one sample (its first dimension is 1), so "

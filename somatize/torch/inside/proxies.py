@@ -20,13 +20,10 @@ Each is a zero-cost proxy from the literature, taken on the whole graph as it ru
 - fisher: Σ_layers Σ_c ½ mean_i (Σ_spatial a·∂L/∂a)², a the output of every conv and
   learned layer (Theis et al. 2018). Logarithm.
 
-The last four read a loss and need `target` and `objective`. Every proxy runs on its own
-seeded generator, in the same modes whatever mode the net was left in: evaluation for every
-module (no dropout anywhere, attention's included), batch statistics for batch norm. The net
-is left exactly as it was: weights, gradients, modes, buffers and the global random state.
-A proxy that cannot be taken on a net (a double backward through an op that has none, an
-input gradient past a `no_grad` part) is left out of `proxies`, with a warning naming it and
-why; the others are still taken.
+The last four read a loss. Every proxy runs on its own seeded generator, in the same modes
+whatever mode the net was left in (evaluation for every module, batch statistics for batch
+norm), and the net is left exactly as it was: weights, gradients, modes, buffers and the global
+random state.
 """
 
 from __future__ import annotations
@@ -226,9 +223,7 @@ def _jacob_cov(s: _Subject, example: Any, **_: Any) -> float:
     y = sum(t.sum() for t in s.run(x))
     (j,) = torch.autograd.grad(y, [first])
     j = j.reshape(j.shape[0], -1).double()
-    corr = torch.corrcoef(j)
-    corr = torch.nan_to_num(corr, nan=0.0)
-    v = torch.linalg.eigvalsh(corr)
+    v = torch.linalg.eigvalsh(torch.nan_to_num(torch.corrcoef(j), nan=0.0))
     k = 1e-5
     return float(-(torch.log(v + k) + 1.0 / (v + k)).sum())
 
