@@ -110,7 +110,7 @@ def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
     bound = store.resolve(name)
     if bound is None:
         return False, None
-    kept = dict(bound.meta).get("code")
+    kept = bound.get("code")
     if kept is not None and kept != code:  # stacklevel 3: walk_cached's caller
         warnings.warn(
             f"node {nid!r}: the cached value was kept by another version of its code "

@@ -1,24 +1,18 @@
 """How a value is written down when it leaves the process: to a store, or down a wire.
 
 Plain values need nothing: None, bools, ints of any size, floats (nan and inf too), str, bytes,
-lists, tuples and dicts, nested. They come back with the types they left with: a tuple stays a
-tuple, a bool stays a bool, `2**100` stays an int. Anything else needs a codec, registered
-once::
+lists, tuples and dicts, nested. They come back with the types they left with (a tuple stays a
+tuple, `2**100` stays an int). Anything else needs a codec, registered once::
 
     somatize.codec("frame", pd.DataFrame, dump=lambda df: df.to_parquet(), load=pd.read_parquet)
 
 The bytes are msgpack, with extension types for what JSON lacks. Nothing is ever pickled, so
-reading bytes from somewhere else cannot run code. Encoding is deterministic: the same value
-gives the same bytes (dicts in the order they were built), which is what lets a digest of the
-bytes be a cache key.
-
-Bytes read back may come from anyone who could write to a store or a socket, so `decode` is
-bounded: tuples and registered values nested more than `DEPTH` deep, lists and dicts nested
-more than msgpack's 1024 deep, lengths longer than the bytes that hold them, a numpy header
-that promises more numbers than follow, and a codec whose `load` fails are all `Malformed` (a
-`ValueError` that says which bound was passed), never a crash. Each level of nesting through
-an extension costs the decoder about 40 KB of C stack, which is why `DEPTH` is small (32:
-1.3 MB, well inside the 8 MB a thread gets on Linux).
+reading bytes from somewhere else cannot run code, and the same value always gives the same
+bytes, so a digest of them can be a cache key. Bytes read back are not trusted: tuples and
+registered values nested more than `DEPTH` deep (each level costs the decoder C stack), lists
+and dicts nested more than msgpack's 1024 deep, lengths longer than the bytes that hold them,
+a numpy header that promises more numbers than follow, and a codec whose `load` fails are all
+`Malformed` (a `ValueError` that says which bound was passed), never a crash.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""The main job, headless: declare a graph, run it twice against a store, train it audited,
-compare it with other candidates, and write one page with the three figures.
+"""The main job, headless: declare a graph, run it twice against a store (the second run
+from the cache), train it audited, compare it with other candidates, and write one page with
+the three figures, which opens offline.
 
     python -m somatize.demo [--store DIR] [--out demo.html] [--pictures DIR]
 
-The graph fans out into two branches and joins them. Its first two nodes are `.cached()`, so
-the second run over the same input finds them in the store and does not compute them again;
-the demo says so and reads the recorded timings back as a table. Then it draws the graph with
-what each node is made of, trains it for a few steps with an audit watching (a live audit,
-filled as it goes), and compares four candidates before and after a short training. The page
-(`--out`) opens offline in any browser; `--pictures DIR` also writes each figure's picture
-(graph.svg, audit.svg, table.svg, what `save_svg` writes): what the README shows.
+`--pictures DIR` also writes each figure's picture (graph.svg, audit.svg, table.svg, what
+`save_svg` writes): what the README shows.
 """
 
 from __future__ import annotations
@@ -154,10 +150,9 @@ def figures() -> list[tuple[str, Any]]:
                 optimizer=torch.optim.Adam(parameters(c), lr=1e-2)).fit(train, epochs=3)
         measured[name] = accuracy(c, test)
     for c in candidates.values():  # the proxies are taken at initialisation
-        for node in c.nodes():
-            module = c.implementation(node)
-            for m in getattr(module, "modules", lambda: [])():
-                if hasattr(m, "reset_parameters") and not isinstance(module, Features):
+        for head in (c.implementation("left"), c.implementation("right")):
+            for m in head.net:
+                if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
     x, y = train[0]
     table = CompareTable(

@@ -115,20 +115,17 @@ class Graph:
 
         `obj` is a `Node` or a declared one (`Enc().on("cpu")`). A duplicate id is refused.
         """
-        if len(args) == 1:
-            name, obj = None, args[0]
-        elif len(args) == 2:
-            name, obj = args
-        else:
+        if len(args) not in (1, 2):
             raise TypeError("g.node takes (obj) or (id, obj)")
+        *named, obj = args
         if not isinstance(obj, Expr):
             raise TypeError(f"g.node takes a Node, not {type(obj).__name__} {obj!r:.60}")
         found = list(obj.pieces())
         if len(found) != 1:
             raise ValueError(f"g.node adds one node; this expression holds {len(found)}")
         node, settings = found[0]
-        if name is not None:
-            settings = replace(settings, name=name)
+        if named and named[0] is not None:
+            settings = replace(settings, name=named[0])
         return self._add(node, settings)
 
     def _add(self, node: Node, settings: Settings) -> str:
@@ -217,12 +214,9 @@ class Graph:
         Checked as when the graph is built; a refusal leaves the node as it was.
         """
         s = self.setting(id)
-        unknown = set(said) - set(s.__dict__) - {"name"}
-        if unknown or "name" in said:
-            raise ValueError(
-                f"declare() takes {sorted(set(s.__dict__) - {'name'})}, not {sorted(said)}"
-            )
-
+        allowed = set(s.__dict__) - {"name"}
+        if not allowed.issuperset(said):
+            raise ValueError(f"declare() takes {sorted(allowed)}, not {sorted(said)}")
         new = replace(s, **said)
         self._check(id, self._impl[id], new)
         if new.device is not None and new.device != s.device and new.host is None:

@@ -373,23 +373,15 @@ def kind_name(node: Any) -> str:
     return type(node).__name__
 
 
-_FORWARD_OK: dict[Any, bool] = {}
-
-
 def takes_ctx(node: Any) -> bool:
     """Whether `node.forward` can be called as forward(input, ctx)."""
-    forward = getattr(type(node), "forward", None)
-    known = _FORWARD_OK.get(forward)
-    if known is None:
-        try:
-            inspect.signature(node.forward).bind(None, None)
-            known = True
-        except TypeError:
-            known = False
-        except ValueError:  # no signature to read (a builtin): trust it
-            known = True
-        _FORWARD_OK[forward] = known
-    return known
+    try:
+        _signature(node.forward).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): trust it
+        pass
+    return True
 
 
 def _bind(cls: type, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -43,6 +43,8 @@ __all__ = [
 ]
 
 _BASE = ("run", "forward", "state", "nodes", "took_us")
+Summariser = Callable[[list[dict[str, Any]]], Mapping[str, Any]]
+"""What `summarising=` may be besides fact names: the facts of a forward in, extra meta out."""
 
 
 def _fresh_run() -> str:
@@ -55,9 +57,7 @@ def _check_run(run: str) -> str:
     return run
 
 
-def _summariser(
-    summarising: Callable[[list[dict[str, Any]]], Mapping[str, Any]] | Iterable[str] | None,
-) -> Callable[[list[dict[str, Any]]], Mapping[str, Any]] | None:
+def _summariser(summarising: Summariser | Iterable[str] | None) -> Summariser | None:
     """`summarising` as a function of a forward's facts: a callable as it is; fact names as
     the function that answers `<name>.value`, the value of the last such fact (or None)."""
     if summarising is None or callable(summarising):
@@ -102,9 +102,7 @@ class Recorder:
         store: Store | str | os.PathLike[str],
         *,
         run: str | None = None,
-        summarising: Callable[[list[dict[str, Any]]], Mapping[str, Any]]
-        | Iterable[str]
-        | None = None,
+        summarising: Summariser | Iterable[str] | None = None,
     ) -> None:
         self.summarising = _summariser(summarising)
         self.store = store_of(store)

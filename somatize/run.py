@@ -23,10 +23,9 @@ ROOT, ONE, MANY = 0, 1, 2
 
 
 def _weakly(graph: Any) -> Callable[[], Any]:
-    """A reference to `graph` that does not keep it alive, for what the graph's own compiled
-    plan holds: a graph whose plan pointed back at it would be a cycle, and a dropped graph
-    (its weights, on whatever device) would wait for the garbage collector instead of going
-    at once. Something that cannot be weakly referenced is held as it is."""
+    """A reference to `graph` that does not keep it alive (a graph's plan points back at it,
+    and a dropped graph's weights should go at once); `None` or anything else that cannot be
+    weakly referenced is held as it is."""
     try:
         return weakref.ref(graph)
     except TypeError:

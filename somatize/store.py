@@ -1,15 +1,9 @@
 """Where a graph keeps what it produces: bytes by content, and names that point at them.
 
 A `Store` is a directory (created if missing) or any fsspec URL (`memory://scratch`,
-`s3://bucket/prefix`, `file:///tmp/x`). It holds two things:
-
-- blobs, kept by content: `put(bytes)` answers `"sha256:<hex>"` and `get(digest)` gives the
-  bytes back, checked: a blob whose bytes no longer hash to its name raises `CorruptBlob`
-  rather than being returned;
-- bindings, a name pointing at a digest with some meta: `bind` (overwrites), `claim` (binds
-  only if nobody has; of many claimers racing, threads or processes, exactly one wins),
-  `resolve`, `bound`. `keep(name, value)` and `recall(name)` do both in one go, through the
-  codecs of `somatize.codecs`.
+`s3://bucket/prefix`, `file:///tmp/x`). It keeps blobs by content (`put`, `get`) and bindings,
+a name pointing at a digest with some meta (`bind`, `claim`, `resolve`, `bound`); `keep` and
+`recall` do both in one go, through the codecs of `somatize.codecs`.
 
 Every write is written aside and then renamed into place, so a crash mid-write leaves the old
 value or the new one and never half of one; `clean()` removes what killed writers left aside.
