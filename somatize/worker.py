@@ -45,14 +45,11 @@ def _endpoint(listen: str) -> str:
 
 
 def _watch_parent(parent: int) -> None:
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                log.warning("the process that spawned this worker is gone; stopping")
-                os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="somatize-parent-watch").start()
+    """Stop this process once the process that spawned it is gone."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    log.warning("the process that spawned this worker is gone; stopping")
+    os._exit(0)
 
 
 def _secret(value: str | None, path: str | None, env: str, flag: str) -> str | None:
@@ -74,11 +71,9 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m somatize.worker", description=__doc__.split("\n")[0]
     )
     p.add_argument("--listen", required=True, help="HOST:PORT to listen on (port 0: any free)")
-    p.add_argument("--token-file", default=None, help="a file whose first line is the token")
+    p.add_argument("--token-file", help="a file whose first line is the token")
     p.add_argument(
-        "--token",
-        default=None,
-        help="the token (visible to local users: prefer --token-file or $SOMATIZE_TOKEN)",
+        "--token", help="the token (visible to local users: prefer --token-file or $SOMATIZE_TOKEN)"
     )
     p.add_argument(
         "--import",
@@ -94,11 +89,9 @@ def parser() -> argparse.ArgumentParser:
         help="accept nodes sent as code (cloudpickle): only for clients you trust fully",
     )
     p.add_argument(
-        "--curve-secret-file",
-        default=None,
-        help="a file holding this worker's CURVE secret key (z85): encrypt traffic",
+        "--curve-secret-file", help="a file holding this worker's CURVE secret key (z85): encrypt"
     )
-    p.add_argument("--curve-secret", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--curve-secret", help=argparse.SUPPRESS)
     p.add_argument(
         "--session-timeout",
         type=float,
@@ -120,9 +113,9 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="connections that have not yet sent a message that verifies (default 64)",
     )
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     p.add_argument("--quiet", action="store_true", help="log warnings only")
-    p.add_argument("--parent", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     return p
 
 
@@ -171,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     guard = Guard(sock, most_pending=a.max_pending)
     where = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     if a.parent is not None:
-        _watch_parent(a.parent)
+        name = "somatize-parent-watch"
+        threading.Thread(target=_watch_parent, args=(a.parent,), daemon=True, name=name).start()
     print(
         f"somatize worker ready {where} pid {os.getpid()} session-timeout {a.session_timeout:g}",
         flush=True,
@@ -187,9 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         sorted(allowed.versions) or "no imported node classes",
         "; accepts code" if a.accept_code else "",
     )
-    stop = threading.Event()
     try:
-        serve(sock, server, guard, stop)
+        serve(sock, server, guard)
     except KeyboardInterrupt:
         pass
     finally:

@@ -101,18 +101,14 @@ _ABOUT = {
 }
 
 
-def _name(flag: str) -> str:
-    return flag.name if isinstance(flag, Flag) else Flag(flag).name
-
-
 def about(flag: str) -> str:
     """What a flag means and what to try, in one sentence. Refuses an unknown flag."""
-    return _ABOUT[_name(flag)]
+    return _ABOUT[Flag(flag).name]
 
 
 def family(flag: str) -> str:
     """Which family a flag is in: numeric, signal, activation, step or capacity."""
-    return _FAMILY[_name(flag)]
+    return _FAMILY[Flag(flag).name]
 
 
 NAN = Flag("NAN")

@@ -1,10 +1,7 @@
 """What a recorded run saw, place by place, and what that says: `seen`, `diagnose`, `Verdicts`.
 
 All of them read health facts alone (what a Recorder kept, or a list a watcher collected), so
-a diagnosis made next week on another machine is the one made today. One rule over time, in
-one place (`Verdicts`): a place's numbers are summarised over its last `last` measured steps —
-a measure by the median of its finite values, a bool (nan, inf) by whether it was ever true,
-a count by its latest value — and `verdict` judges the summary.
+a diagnosis made later elsewhere is the one made today, by one rule over time (`Verdicts`).
 """
 
 from __future__ import annotations
@@ -66,6 +63,10 @@ def _summary(values: Iterable[Any]) -> Any:
     return statistics.median(finite) if finite else last
 
 
+def _summaries(kept: Mapping[str, deque]) -> dict[str, Any]:
+    return {k: _summary(v) for k, v in kept.items()}
+
+
 class Verdicts:
     """The flags of every place as health facts arrive, by the one rule `diagnose` uses: a
     place's numbers over its last `last` measured steps (all of them when None), summarised,
@@ -100,7 +101,7 @@ class Verdicts:
             if column is None:
                 column = kept[k] = deque(maxlen=self.last)
             column.append(v)
-        flags = verdict(self._summary(kept), self.thresholds)
+        flags = verdict(_summaries(kept), self.thresholds)
         self._flags[where] = flags
         return flags
 
@@ -110,13 +111,9 @@ class Verdicts:
             self.add(fact)
         return self
 
-    @staticmethod
-    def _summary(kept: Mapping[str, deque]) -> dict[str, Any]:
-        return {k: _summary(v) for k, v in kept.items()}
-
     def numbers(self) -> dict[str, dict[str, Any]]:
         """Each place's summarised numbers, as {where: {metric: value}}."""
-        return {where: self._summary(kept) for where, kept in self._kept.items()}
+        return {where: _summaries(kept) for where, kept in self._kept.items()}
 
     def flags(self) -> dict[str, list[Flag]]:
         """The places that hold a flag now, as {where: [flag]}; {} for a healthy run."""

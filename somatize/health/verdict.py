@@ -1,8 +1,7 @@
 """From numbers to flags: `Thresholds` and `verdict`, the one source of every threshold.
 
-The numbers are a health fact as an Audit records it (flat: `grad_norm`, `update_ratio`,
-`zero_frac_max`, ...), a summary of several of them (`seen`), or a probe's answer; a metric
-that is absent raises no flag, and keys that are not numbers (`fact`, `node`, `step`) are
+The numbers are a health fact (flat: `grad_norm`, `update_ratio`, ...), a summary of several
+(`seen`), or a probe's answer; an absent metric raises no flag, keys that are not numbers are
 ignored.
 """
 
@@ -50,10 +49,9 @@ class Thresholds:
     DEAD_CHANNELS; leakage_cka the CKA between groups that is LEAKAGE; narrow_frac the
     effective rank, as a share of the room it has, under which it is NARROWING.
 
-    The defaults were calibrated on healthy trainings (small CNNs and MLPs on digits, the
-    notebooks' nets, a small transformer; `bench/health.py`): none of them raises a flag at
-    any step, and each deliberately broken net there is flagged on its cause. An audit counts
-    zeros, dormant and ignored channels at the default dead_eps and dormant_tau.
+    The defaults flag no healthy training of `bench/health.py`, and each broken net there on
+    its cause. An audit counts zeros, dormant and ignored channels at the default dead_eps
+    and dormant_tau.
     """
 
     grad_low: float = 1e-7
@@ -110,10 +108,8 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     gradient is exactly zero got none at all, so they are neither VANISHING nor STALLED: what
     cut them off downstream (a DEAD or SATURATED place) is flagged.
 
-    Over time: `verdict` judges the numbers it is given. One step's fact gives that step's
-    flags; `diagnose`, `seen` and `Verdicts` give it each place's numbers summarised over its
-    last measured steps (a median, and any for nan/inf), which is what a flag on a place
-    means: the state it was in over its last `WINDOW` measured steps.
+    One step's fact gives that step's flags; `diagnose`, `seen` and `Verdicts` give it a
+    place's numbers summarised over its last `WINDOW` measured steps.
     """
     if not isinstance(numbers, Mapping):
         raise TypeError(f"verdict reads a dict of numbers, not {type(numbers).__name__}")

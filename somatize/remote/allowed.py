@@ -1,13 +1,10 @@
 """What a worker may build when a client sends a node by name (a worker without `--accept-code`).
 
 An explicit list, made when the worker starts and never from what a client names: the node
-classes and functions defined in the modules the worker was told to import (`--import
-MODULE`), the optimizers of `torch.optim` (and ones defined in those modules), the functions
-of `torch.nn.functional` (an objective) and the Learning classes somatize ships
-(`somatize._hooks.constructible`). A definition names a class by module and
-qualified name; it is looked up in that list, and nothing is imported, no attribute path is
-followed, nothing is called before it is found there. A `Named` among the constructor
-arguments (an optimizer factory, say) is looked up the same way.
+classes and functions of the modules it was told to import (`--import MODULE`), the optimizers
+of `torch.optim`, the functions of `torch.nn.functional` and somatize's Learning classes
+(`somatize._hooks.constructible`). A class named by a definition or a `Named` among its
+arguments is looked up there: nothing is imported, followed or called before it is found.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ _MOST_DEPTH = 32
 
 def version_of(module: Any) -> str | None:
     """What says which code a module is: its `__version__`, or else a digest of its source
-    file, or None when it has neither."""
+    file, or None when it has neither (or is None)."""
     version = getattr(module, "__version__", None)
     if isinstance(version, str):
         return version

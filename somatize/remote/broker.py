@@ -1,16 +1,10 @@
 """The broker: which worker each host name lives on, what it holds, and running a plan there.
 
-`g.forward(x, broker=b)` hands the plan here: it is cut into forward slices by host
-(`somatize.remote.slices`), a remote one runs on its worker in one round trip. A node reaches
-a worker the first time it is needed (`Worker`'s mode says how: by name, or as code), with its
-weights. From then on the worker's copy is the one that runs and, under a trainer's
-`trains=`, the one that learns; `weights` reads what it learnt (and keeps it as the copy
-here), `load_weights` sends weights to several workers at once, all or none.
-
-A worker that was restarted, or that forgot this broker's session, holds none of it any more.
-A node that had learnt nothing there since its weights were last read back or sent is sent
-again from the copy here, which is what it held; one that had is `StateLost`: training never
-goes on silently from weights older than what was learnt.
+A node reaches a worker the first time it is needed (`Worker`'s mode says how), with its
+weights; from then on the worker's copy is the one that runs and learns. A worker that was
+restarted, or forgot this broker's session, holds none of it any more: a node that had learnt
+nothing there since its weights were last read back or sent is sent again from the copy here;
+one that had is `StateLost`, so training never goes on silently from older weights.
 """
 
 from __future__ import annotations
@@ -222,7 +216,8 @@ class Broker:
     ) -> None:
         """Send `{node id: {key: tensor}}` to the workers of those nodes, all or nothing (see
         `write`); `then` (what changes here) runs once every worker has committed."""
-        self.write([(*self.placement(graph, nid), state) for nid, state in weights.items()], then=then)
+        entries = [(*self.placement(graph, nid), state) for nid, state in weights.items()]
+        self.write(entries, then=then)
 
     def write(self, entries: list[tuple], *, then: Callable[[], Any] = None) -> None:
         """Load `(host, nid, node, device, state)` entries on their workers, all or nothing:
@@ -370,13 +365,8 @@ def describe(
             f"{error}; or send it as code (mode='network', to a worker for host {host!r} "
             "started with --accept-code)"
         ) from None
-    found = sys.modules.get(module)
-    d.update(
-        module=module,
-        qualname=cls.__qualname__,
-        args=args,
-        version=version_of(found) if found is not None else None,
-    )
+    version = version_of(sys.modules.get(module))
+    d.update(module=module, qualname=cls.__qualname__, args=args, version=version)
     return d
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import secrets
 import sys
-import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -33,9 +32,6 @@ __all__ = ["Worker", "MODES"]
 
 MODES = ("project", "network")
 """How nodes travel to a worker (see the module's doc)."""
-
-_spawned: weakref.WeakSet[Worker] = weakref.WeakSet()
-
 
 def _names(send: Iterable[Any]) -> list[str]:
     names = []
@@ -161,7 +157,6 @@ class Worker:
             deadline=deadline,
         )
         worker.child = child
-        _spawned.add(worker)
         return worker
 
     @classmethod
@@ -175,8 +170,7 @@ class Worker:
     ) -> Worker:
         """Start `python -m somatize.worker` (this interpreter unless `python` names another)
         as a child, as `spawn` does with the same keywords."""
-        program = python or sys.executable
-        return cls.spawn([program, "-m", "somatize.worker"], mode=mode, send=send, **spawn)
+        return cls.spawn(mode=mode, send=send, python=python, **spawn)
 
     def stop(self) -> None:
         """Stop a spawned worker (and everything in its process group); no-op for `at`."""
@@ -226,7 +220,7 @@ class Worker:
                     f"{where} does not import {name}: start it with --import {name} "
                     f"(python -m somatize.worker --import {name} ...)"
                 )
-            here = version_of(sys.modules[name]) if name in sys.modules else None
+            here = version_of(sys.modules.get(name))
             if here is not None and imports[name] is not None and here != imports[name]:
                 raise ImportError(
                     f"{where} imports {name} at {imports[name]}, and here it is {here}: "

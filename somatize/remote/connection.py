@@ -1,17 +1,17 @@
 """One connection from a client to a worker: sealed requests, their answers, and a watch on
 the line.
 
-A request waits for its answer under a deadline, and while it waits it watches the
-connection: a worker that dies mid-request is a `WorkerLost` naming the host within a second
-or two (ZeroMQ heartbeats catch a machine that vanished without closing its socket), never a
-hang. The key is agreed on first (the worker's salt, `somatize.remote.seal`); a worker that
-refuses a request because it was restarted meanwhile (a new salt) is asked again under its
-new key, which is safe: a refused request was not run.
+A request waits for its answer under a deadline and watches the connection meanwhile: a
+worker that dies mid-request is a `WorkerLost` naming the host within seconds (ZeroMQ
+heartbeats catch a machine that vanished), never a hang. A request refused because the worker
+was restarted (a new salt, `somatize.remote.seal`) is sent again under the new key: a refused
+request was not run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import secrets
@@ -30,20 +30,17 @@ from somatize.remote.errors import RemoteError, WorkerLost
 __all__ = ["Connection", "rebuilt"]
 
 _monitors = itertools.count(1)
-_context: zmq.Context | None = None
-_FAILED = {
+_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
     zmq.EVENT_HANDSHAKE_FAILED_AUTH,
-}
+)
 
 
+@functools.cache
 def context() -> zmq.Context:
     """The ZeroMQ context every connection of this process shares."""
-    global _context
-    if _context is None:
-        _context = zmq.Context()
-    return _context
+    return zmq.Context()
 
 
 class Connection:
@@ -177,8 +174,6 @@ class Connection:
             if len(frames) == 3 and seal.is_frame(frames[0], seal.REFUSED):
                 why = bytes(frames[2].buffer).decode(errors="replace")
                 return False, (bytes(frames[1].buffer), why)
-            if self.seal is None:
-                continue
             try:
                 reply = wire.decode(self.seal.open(frames))
             except (seal.Refused, wire.Malformed):

@@ -1,17 +1,14 @@
 """The worker's socket: limits applied before a message is read, a guard on its connections,
 and the loop that hands each message to the `Server`.
 
-Before a byte is read: ZeroMQ refuses a frame larger than `max_message` (the connection is
-dropped when the frame's size is announced, nothing allocated for it), and holds at most
-`QUEUED` messages per connection while the worker is busy. The guard (a thread on ZeroMQ's
-socket monitor) cuts a connection that has not sent a message that verifies: the one waiting
-longest when more than `most_pending` such connections are open at once (so that a client
-that has just connected gets in), any after `pending_within` seconds, and one a second after
-it sent a message that does not verify. So a stranger holds at most `most_pending`
-connections, each for at most `pending_within` seconds, each frame at most `max_message`
-bytes. The process's limit of open files is raised to its hard limit, at most half of what is
-left may be pending, and running out of descriptors cuts the stranger waiting longest and is
-logged (at most every ten seconds), never spun on.
+ZeroMQ refuses a frame larger than `max_message` when its size is announced (nothing is
+allocated for it) and queues at most `QUEUED` messages per connection. The guard cuts a
+connection that has not sent a message that verifies: the one waiting longest when more than
+`most_pending` are open (so that a client that has just connected gets in), any after
+`PENDING_WITHIN` seconds, and one a second after it sent a message that does not verify. The
+limit of open files is raised to its hard limit, at most half of what is left may be pending,
+and running out of descriptors cuts the stranger waiting longest (logged at most every ten
+seconds), never spun on.
 """
 
 from __future__ import annotations
@@ -29,12 +26,15 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["QUEUED", "Guard", "bind", "serve"]
+__all__ = ["QUEUED", "PENDING_WITHIN", "Guard", "bind", "serve"]
 
 log = logging.getLogger("somatize.worker")
 
 QUEUED = 2
 """Messages a connection may have waiting while the worker is busy with another."""
+
+PENDING_WITHIN = 10.0
+"""Seconds a connection may stay open without sending a message that verifies."""
 
 _EVENTS = (
     zmq.EVENT_ACCEPTED
@@ -92,16 +92,11 @@ def _cut(fd: int) -> None:
 class Guard:
     """Watches the connections of `sock` on a thread of its own (see the module's doc)."""
 
-    def __init__(
-        self, sock: zmq.Socket, *, most_pending: int = 64, pending_within: float = 10.0
-    ) -> None:
+    def __init__(self, sock: zmq.Socket, *, most_pending: int = 64) -> None:
         self.most_pending = max(1, min(int(most_pending), _spare_descriptors() // 2))
-        self.pending_within = float(pending_within)
         self.lock = threading.Lock()
         self.pending: dict[int, float] = {}  # descriptor: when it was accepted
-        self.trusted: set[int] = set()
         self.closed: list[int] = []  # descriptors gone since the loop last asked
-        self.cuts = 0
         self._told = -float("inf")
         self.monitor = sock.get_monitor_socket(_EVENTS)
         self.thread = threading.Thread(target=self._watch, daemon=True, name="somatize-guard")
@@ -112,7 +107,6 @@ class Guard:
         if fd is not None:
             with self.lock:
                 self.pending.pop(fd, None)
-                self.trusted.add(fd)
 
     def distrust(self, fd: int | None) -> None:
         """A message from `fd` did not verify: cut it a second from now (time for the
@@ -120,9 +114,7 @@ class Guard:
         if fd is not None:
             with self.lock:
                 if fd in self.pending:
-                    self.pending[fd] = min(
-                        self.pending[fd], time.monotonic() - self.pending_within + 1.0
-                    )
+                    self.pending[fd] = min(self.pending[fd], time.monotonic() - PENDING_WITHIN + 1)
 
     def gone(self) -> list[int]:
         """The descriptors of the connections closed since the last call."""
@@ -150,7 +142,6 @@ class Guard:
                 self.pending[fd] = time.monotonic()
             elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 self.pending.pop(fd, None)
-                self.trusted.discard(fd)
                 self.closed.append(fd)
                 return
             elif kind == zmq.EVENT_ACCEPT_FAILED:  # `fd` is the errno here
@@ -175,27 +166,25 @@ class Guard:
             return None
         fd = min(self.pending, key=self.pending.__getitem__)
         del self.pending[fd]
-        self.cuts += 1
         return fd
 
     def _sweep(self) -> None:
         now = time.monotonic()
         with self.lock:
-            old = [fd for fd, at in self.pending.items() if now - at > self.pending_within]
+            old = [fd for fd, at in self.pending.items() if now - at > PENDING_WITHIN]
             for fd in old:
                 del self.pending[fd]
-            self.cuts += len(old)
         for fd in old:
             _cut(fd)
 
 
-def serve(sock: zmq.Socket, server: Any, guard: Guard | None, stop: threading.Event) -> None:
-    """Answer every message on `sock` with `server.handle` until `stop` is set; between
-    messages, forget expired sessions and those whose client's connection closed."""
+def serve(sock: zmq.Socket, server: Any, guard: Guard) -> None:
+    """Answer every message on `sock` with `server.handle`, for good; between messages,
+    forget expired sessions and those whose client's connection closed."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     swept = time.monotonic()
-    while not stop.is_set():
+    while True:
         if poller.poll(200):
             try:
                 frames = sock.recv_multipart(copy=False)
@@ -206,7 +195,7 @@ def serve(sock: zmq.Socket, server: Any, guard: Guard | None, stop: threading.Ev
             peer = frames[0]
             fd = _source(peer)
             reply, verified = server.handle(frames[1:], fd)
-            if guard is not None and verified is not None:
+            if verified is not None:
                 (guard.trust if verified else guard.distrust)(fd)
             if reply is not None:
                 try:
@@ -216,7 +205,7 @@ def serve(sock: zmq.Socket, server: Any, guard: Guard | None, stop: threading.Ev
         now = time.monotonic()
         if now - swept > 1.0:
             swept = now
-            for fd in guard.gone() if guard is not None else ():
+            for fd in guard.gone():
                 server.gone(fd)
             server.expire()
 

@@ -1,31 +1,26 @@
 """Who may talk to a worker: every message sealed with a key only the token's holders have.
 
-The token is a shared secret: read from a file (`--token-file`) or `$SOMATIZE_TOKEN`, never
-needed on a command line. It is not used as a key as it is: each worker process draws a
-random salt when it starts, and the key is scrypt(token, salt) (a salted, slow KDF), so one
-captured message does not let a typed token be guessed offline at the speed of a hash, and a
-worker restarted with the same token has a new key (what was captured before is worthless).
-A client asks for the salt (`SALT_ASK`, unsealed, answered with the salt and the worker's
-clock) before its first message.
+The token is a shared secret (`--token-file` or `$SOMATIZE_TOKEN`, never needed on a command
+line). The key is scrypt(token, salt) under a salt each worker process draws when it starts,
+so one captured message does not let a typed token be guessed at the speed of a hash, and
+what was captured before a restart is worthless. A client asks for the salt (`SALT_ASK`,
+unsealed, answered with the salt and the worker's clock) before its first message.
 
-A sealed message is `[seal, header, data_1, ...]`, `seal` being `MAGIC`, a random 16-byte
-nonce, the sender's clock (8 bytes) and a 16-byte tag: Poly1305 under a one-time key
-(BLAKE2b of the nonce and clock, keyed with the session key), over the nonce, the clock, the
-number of frames, every frame's length and every byte of every frame. What does not verify is
-`Refused` before a byte of it is read. Replay is refused too: a receiver remembers the nonces
-it accepted for `WINDOW` seconds and refuses a message sealed longer ago than that, or one it
-has seen (as jupyter_client's Session keeps a history of digests, with a clock bound so the
-history can be cut without forgetting what it must remember).
+A sealed message is `[seal, header, data_1, ...]`, `seal` being `MAGIC`, a random nonce, the
+sender's clock and a Poly1305 tag (under a one-time key: BLAKE2b of the nonce and clock, keyed
+with the session key) over all of these, the number of frames, every frame's length and every
+byte. What does not verify is `Refused` before a byte of it is read; so is a message sealed
+more than `WINDOW` seconds from now, or one whose nonce was seen (a replay).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
 import struct
 import time
-from collections.abc import Callable
 from typing import Any
 
 from cryptography.hazmat.primitives.poly1305 import Poly1305
@@ -101,24 +96,20 @@ def read_secret(
     return os.environ.get(env) or None
 
 
-_derived: dict[tuple[str, bytes], bytes] = {}
-
-
 def derive(token: str | bytes, salt: bytes) -> bytes:
     """The 32-byte session key of `token` under a worker's `salt`: scrypt (n=2**14, r=8),
     about 50 ms, worked out once per token and salt in a process."""
-    raw = token.encode() if isinstance(token, str) else bytes(token)
-    found = _derived.get((raw, salt))
-    if found is None:
-        if len(_derived) > 64:
-            _derived.clear()
-        found = _derived[(raw, salt)] = hashlib.scrypt(raw, salt=salt, **_SCRYPT)
-    return found
+    return _scrypt(token.encode() if isinstance(token, str) else bytes(token), salt)
 
 
-def salt_answer(salt: bytes, clock: Callable[[], float] = time.time) -> list[bytes]:
+@functools.lru_cache(maxsize=64)
+def _scrypt(raw: bytes, salt: bytes) -> bytes:
+    return hashlib.scrypt(raw, salt=salt, **_SCRYPT)
+
+
+def salt_answer(salt: bytes) -> list[bytes]:
     """What a worker answers `SALT_ASK` with: its salt and its clock."""
-    return [SALT, salt, _CLOCK.pack(clock())]
+    return [SALT, salt, _CLOCK.pack(time.time())]
 
 
 def refusal(salt: bytes, reason: str) -> list[bytes]:
@@ -139,12 +130,11 @@ class Seal:
     the worker's clock minus its own, so that the two agree whatever the machines' clocks).
     """
 
-    def __init__(self, key: bytes, *, offset: float = 0.0, window: float = WINDOW) -> None:
+    def __init__(self, key: bytes, *, offset: float = 0.0) -> None:
         if len(key) != 32:
             raise ValueError("a session key is 32 bytes")
         self.key = key
         self.offset = offset
-        self.window = window
         self.seen: dict[bytes, float] = {}
         self.floor = float("-inf")
 
@@ -172,7 +162,7 @@ class Seal:
 
     def open(self, frames: list[Any]) -> list[Any]:
         """The frames under the seal of a message sealed with this key, sealed less than
-        `window` seconds ago and never opened before; else `Refused`, nothing in it read."""
+        `WINDOW` seconds ago and never opened before; else `Refused`, nothing in it read."""
         if not frames:
             raise Refused("a message of no frames")
         first = _buffer(frames[0])
@@ -185,7 +175,7 @@ class Seal:
             raise Refused("the seal does not verify: another token, or a key from before a restart")
         (sent,) = _CLOCK.unpack(clock)
         now = self.now()
-        if not abs(now - sent) <= self.window or sent <= self.floor:
+        if not abs(now - sent) <= WINDOW or sent <= self.floor:
             raise Refused(f"sealed {now - sent:.0f} s from now: too long ago to accept", "stale")
         if nonce in self.seen:
             raise Refused("a message seen before (a replay)", "replay")
@@ -197,7 +187,7 @@ class Seal:
     def _forget(self, now: float) -> None:
         """Forget what is too old to be accepted anyway; if that is not enough, the oldest
         half too, and from then on accept nothing sealed before the newest of those."""
-        self.seen = {n: t for n, t in self.seen.items() if now - t <= self.window}
+        self.seen = {n: t for n, t in self.seen.items() if now - t <= WINDOW}
         if len(self.seen) > REMEMBERED // 2:
             ordered = sorted(self.seen.items(), key=lambda item: item[1])
             half = len(ordered) // 2

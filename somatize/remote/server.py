@@ -1,12 +1,10 @@
 """The worker's side: what it holds for each client session, and how it answers a request.
 
-A request is read only once its seal verifies (`somatize.remote.seal`); one that does not is
-refused unread, and one that verifies but does not decode is answered with the error. Each
-client (a `Broker`) has a session: the nodes it sent, the forward slices compiled on them,
-the parts of a trainer's stages and the weights it is loading. A session nobody used for
-`session_timeout` seconds is forgotten, and so is, a little later, one whose client's
-connection went away (`Server.gone`). Without `--accept-code` a node is built only from the
-classes the worker was allowed (`somatize.remote.allowed`); nothing is unpickled.
+A request is read only once its seal verifies (`somatize.remote.seal`). Each client (a
+`Broker`) has a session: its nodes, the slices compiled on them, a trainer's stage parts and
+the weights it is loading; a session unused for `session_timeout` seconds is forgotten, and so
+is, a little later, one whose client's connection went away. Without `--accept-code` a node
+is built only from the classes the worker was allowed (`somatize.remote.allowed`).
 """
 
 from __future__ import annotations

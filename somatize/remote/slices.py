@@ -1,12 +1,9 @@
 """Forward slices: consecutive steps of a plan that run on one host, on both sides of the wire.
 
-On the client, `cut` cuts a plan where the host changes into `Slice`s, and `run_plan` runs
-them in order: a local slice here as the engine would, a remote one on its worker in one
-round trip, carrying the values it reads from outside and bringing back only those read after
-it. On the worker, a slice arrives once as its steps and is kept as a `ServedSlice` (the
-engine's steps bound to the session's nodes) under its id, so a repeated forward sends only
-the id and the values. (A trainer's stage is another thing: a `Part`, in
-`somatize.torch.training.stages`.)
+The client cuts a plan where the host changes (`cut`) and runs the slices in order
+(`run_plan`): a remote one in one round trip, carrying the values it reads from outside and
+bringing back those read after it. A worker keeps a slice as a `ServedSlice` under its id, so
+a repeated forward sends only the id and the values.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """A worker as a child process: started, waited for until it says it is ready, and stopped.
 
 The child runs in its own process group, with this interpreter's import path and the token in
-its environment (never on its command line), and stops itself when this process dies. What it
-prints on stderr is passed on to this process's stderr and its last lines kept, so that a
-child that exits before it is ready is reported at once with its exit code and what it said.
+its environment (never on its command line), and stops itself when this process dies. Its
+stderr is passed on and its last lines kept, for the error when it exits before it is ready.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ class Child:
     """A spawned worker process: `address` once it is ready, stopped by `stop()`."""
 
     def __init__(self, command: list[str], env: dict[str, str], ready_within: float) -> None:
-        self.command = command
         self.printed: collections.deque[str] = collections.deque(maxlen=40)
         self.process = subprocess.Popen(
             command,

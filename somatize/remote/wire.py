@@ -1,26 +1,20 @@
 """The wire's one encoding: a message as a msgpack header and the raw frames of its tensors.
 
-A message is one Python value (a dict, in practice) with tensors anywhere inside it::
-
-    [header, data_1, data_2, ...]
-
-The header is msgpack. Plain values (None, bools, ints, floats, str, bytes, lists, dicts) are
-msgpack's own; the rest are extension types:
+A message is one Python value (a dict, in practice) with tensors anywhere inside it, sent as
+`[header, data_1, data_2, ...]`. Plain values are msgpack's own; the rest are extension types:
 
 - a tuple, and an int beyond 64 bits, so that they come back as they left;
-- a tensor: `[k, dtype, shape, requires_grad]`, its numbers being `data_k`, in C order, sent
-  from the tensor's own memory and received into the frame the tensor is then built on;
-- a class or function, by name (`[module, qualname]`): it comes back as a `Named`, which
-  nothing here imports or calls (a worker looks it up in what it was allowed to build);
-- a transformers `ModelOutput`, as its class's name and its fields (`_hooks.fields_of`), the
-  tensors in them framed as any other; only an output class is built back;
-- any other value with a codec (`somatize.codec`), as the bytes `somatize.codecs.encode`
-  writes, read back with `somatize.codecs.decode`.
+- a tensor: `[k, dtype, shape, requires_grad]`, its numbers being `data_k` in C order, sent
+  from and received into the tensor's own memory (`_hooks.tensor_frame`, `frame_tensor`);
+- a class or function, by name: it comes back as a `Named`, which nothing here imports or
+  calls (a worker looks it up in what it was allowed to build);
+- a transformers `ModelOutput`, as its class's name and its fields (`_hooks.fields_of`);
+  only an output class is built back;
+- any other value with a codec (`somatize.codec`), as `somatize.codecs.encode` writes it.
 
-How a tensor becomes a frame and back is torch's (`somatize._hooks.tensor_frame` and
-`frame_tensor`). Decoding is bounded: the number of frames, the nesting of extension types,
-every tensor's shape against its frame, every frame used exactly once; anything else is
-`Malformed`, and nothing in the bytes is run. Sealing (who may send) is `somatize.remote.seal`.
+Decoding is bounded (frames, nesting, every tensor's shape against its frame, every frame used
+exactly once); anything else is `Malformed`, and nothing in the bytes is run. Sealing (who may
+send) is `somatize.remote.seal`.
 """
 
 from __future__ import annotations
