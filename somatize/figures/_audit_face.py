@@ -75,10 +75,8 @@ def picture(
     runs = list(history.runs)
     places = history.places()
     rows = [(w, r) for w in places for r in runs if w in history.runs[r].places]
-    label_w = min(220.0, max([90.0] + [text_width(w, 11) + 14 for w, _ in rows]))
     many = len(runs) > 1
-    if many:
-        label_w += 14
+    label_w = min(220.0, max([90.0] + [text_width(w, 11) + 14 for w, _ in rows])) + 14 * many
     x0, x1 = label_w, width - 110.0
     steps = sorted({s for r in history.runs.values() for p in r.places.values() for s in p.steps})
     every_step = steps + [s for r in history.runs.values() for s in r.loss_steps]
@@ -155,8 +153,10 @@ def picture(
             cx = x0 + k * cw
             if value is None:
                 fill = ABSENT
-            elif isinstance(value, bool) or not math.isfinite(value):
-                fill = NO_NUMBER if not isinstance(value, bool) else viridis(1.0 if value else 0.0)
+            elif isinstance(value, bool):
+                fill = viridis(1.0 if value else 0.0)
+            elif not math.isfinite(value):
+                fill = NO_NUMBER
             else:
                 fill = viridis(round(scale.t(value) * 63) / 63)
             levels.setdefault(fill, []).append(f"M{cx:.1f},{ry:.1f}h{wide:.1f}v11h{-wide:.1f}z")

@@ -1,12 +1,8 @@
-"""One container's children in layers: the steps of Sugiyama's method, kept small.
-
-Layers by the longest path to each child (a source just above what it feeds, an edge that
-closes a cycle left out); a waypoint in every layer an edge skips; an order within each layer
-that crosses few edges (barycentre sweeps, the best of several kept); positions across that
-pull each box towards what it is joined to with the spacing kept (least squares by
-pool-adjacent-violators; waypoints give way to boxes); and, for a container longer than its
-room, its layers cut into bands side by side, an edge between bands led through the gap.
-Coordinates here are a container's own: `u` across its direction, `v` along it.
+"""One container's children in layers, by Sugiyama's method kept small: layers by the longest
+path (an edge closing a cycle left out), a waypoint in every layer an edge skips, an order that
+crosses few edges (barycentre sweeps), positions across pulled towards what each box is joined
+to (least squares, waypoints giving way), and a container longer than its room cut into bands
+side by side. Coordinates are a container's own: `u` across its direction, `v` along it.
 """
 
 from __future__ import annotations
@@ -14,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import combinations
 
 from somatize.figures._scene import Box
 
@@ -53,10 +50,9 @@ class _Placed:
                 item = items[key]
                 fixed = {}
                 for k in ks:
-                    if item.box is not None and item.box.children:
-                        at = port(item.box, pairs[k][3 if far else 2], far)
-                        if at is not None:
-                            fixed[k] = item.u + at
+                    at = port(item.box, pairs[k][3 if far else 2], far)
+                    if at is not None:
+                        fixed[k] = item.u + at
                 free = [k for k in ks if k not in fixed]
                 slots = list(dict.fromkeys((pairs[k][0], pairs[k][1]) for k in free))
                 slots.sort(key=lambda p: self.paths[p][1 if far else -2].u)
@@ -118,16 +114,11 @@ def place(
     every = list(items)
     for n, (a, b) in enumerate(edges):
         ia, ib = by_key[a], by_key[b]
-        chain = [ia]
         lo, hi = sorted((ia.layer, ib.layer))
-        for k in range(lo + 1, hi):
-            dummy = Item(f"~{n}.{k}", 4.0, 0.0, layer=k)
-            every.append(dummy)
-            chain.append(dummy)
-        chain.append(ib)
-        paths[(a, b)] = chain if ia.layer <= ib.layer else [chain[0], *reversed(chain[1:-1]), chain[-1]]
-    count = max(i.layer for i in every) + 1
-    layers: list[list[Item]] = [[] for _ in range(count)]
+        dummies = [Item(f"~{n}.{k}", 4.0, 0.0, layer=k) for k in range(lo + 1, hi)]
+        every += dummies
+        paths[(a, b)] = [ia, *(dummies if ia.layer <= ib.layer else reversed(dummies)), ib]
+    layers: list[list[Item]] = [[] for _ in range(max(i.layer for i in every) + 1)]
     for i in every:
         layers[i.layer].append(i)
     links = [(c[j], c[j + 1]) for c in paths.values() for j in range(len(c) - 1)]
@@ -269,11 +260,8 @@ def _crossings(layers: list[list[Item]], links: list[tuple[Item, Item]]) -> int:
     for a, b in links:
         if b.layer == a.layer + 1:
             by_layer.setdefault(a.layer, []).append((where[id(a)], where[id(b)]))
-    total = 0
-    for pairs in by_layer.values():
-        for n, (a, b) in enumerate(pairs):
-            total += sum(1 for c, d in pairs[n + 1 :] if (a - c) * (b - d) < 0)
-    return total
+    pairs = (combinations(p, 2) for p in by_layer.values())
+    return sum((a - c) * (b - d) < 0 for two in pairs for (a, b), (c, d) in two)
 
 
 def _positions(layers: list[list[Item]], links, shifts, gap: float) -> None:

@@ -1,18 +1,13 @@
-"""A layered layout for boxes inside boxes.
-
-Each container is laid out on its own (`_layers.place`), innermost first, so it knows its
-size before its parent places it; its children go down it (or right, for the graph's own
-nodes). An edge that enters a container from outside enters through a port on its border,
-placed like a box in a first layer of its own; one that leaves, through a port in a last
-layer; the edge is drawn through each container it crosses, part by part, joined here.
-
-`layout(root, room)` sets every box's `x, y` (from the root's corner) and size, and answers
-each edge's route as points, by (source id, target id).
+"""A layered layout for boxes inside boxes: each container laid out on its own
+(`_layers.place`), innermost first, its children down it (or right, for the graph's nodes).
+An edge that crosses a container's border goes through a port there, placed like a box in a
+first (or last) layer of its own; its parts, one per container crossed, are joined here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 from somatize.figures._layers import Item, place
 from somatize.figures._scene import Box, walk
@@ -70,25 +65,17 @@ class _Layout:
             a, b = self._child_of(box, s), self._child_of(box, d)
             if a is None and b is None or a is b:
                 continue
-            if a is None:
-                key = f"in:{s}"
+            ends = (f"in:{s}" if a is None else a.id, f"out:{d}" if b is None else b.id)
+            for key in ends:  # a port where the edge enters or leaves from outside
                 items.setdefault(key, Item(key, 0.0, 0.0))
-                pairs.append((key, b.id, s, d))
-            elif b is None:
-                key = f"out:{d}"
-                items.setdefault(key, Item(key, 0.0, 0.0))
-                pairs.append((a.id, key, s, d))
-            else:
-                pairs.append((a.id, b.id, s, d))
-        big = box.kind in ("root", "group")
-        gaps = (40.0, 20.0) if big else (22.0, 16.0)
+            pairs.append((*ends, s, d))
+        gaps = (40.0, 20.0) if box.kind in ("root", "group") else (22.0, 16.0)
         top, right, bottom, left = box.pad
         room = self.room[1] - top - bottom if box.down else self.room[0] - left - right
         offsets: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for a, b, s, d in pairs:
-            ia, ib = items[a], items[b]
-            oa = self.port(ia.box, d, True, box.down) if ia.box is not None else None
-            ob = self.port(ib.box, s, False, box.down) if ib.box is not None else None
+            oa = self.port(items[a].box, d, True, box.down)
+            ob = self.port(items[b].box, s, False, box.down)
             offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
         mean = {k: (sum(o[0] for o in v) / len(v), sum(o[1] for o in v) / len(v)) for k, v in offsets.items()}
         across_room = self.room[0] - left - right if box.down else None  # a root's rows scroll down
@@ -114,16 +101,15 @@ class _Layout:
                     item.box.x, item.box.y = cx, cy - item.box.h / 2
             else:
                 level.ports[key] = (cx, cy)
-        for (_, _, s, d), way in zip(pairs, placed.ways(pairs, items, lambda b, k, out: self.port(b, k, out, box.down)), strict=True):
+        ways = placed.ways(pairs, items, partial(self.port, down=box.down))
+        for (_, _, s, d), way in zip(pairs, ways, strict=True):
             level.parts[(s, d)] = [(*real(u, v), curve) for u, v, curve in way]
 
-    def port(self, box: Box, key: str, out: bool, down: bool) -> tuple[float, float] | None:
+    def port(self, box: Box | None, key: str, out: bool, down: bool) -> float | None:
         """Where an edge to (or from) `key` crosses the border of `box`, across its
         direction and in the parent's frame offset from the box's centre, if it has one."""
-        level = self.levels.get(box.id)
-        if level is None:
-            return None
-        at = level.ports.get(f"{'out' if out else 'in'}:{key}")
+        level = self.levels.get(box.id) if box is not None else None
+        at = level.ports.get(f"{'out' if out else 'in'}:{key}") if level else None
         if at is None:
             return None
         return (at[0] - box.w / 2) if down else (at[1] - box.h / 2)
@@ -140,9 +126,8 @@ class _Layout:
         routes: dict[tuple[str, str], list[Point]] = {}
         for world in [root, *[b for b in walk(root) if b.kind == "node" and b.children]]:
             for s, d in world.edges:
-                chain = self._chain(s, d)
                 points: list[Point] = []
-                for box in chain:
+                for box in self._chain(s, d):
                     ox, oy = origin[box.id]
                     part = self.levels[box.id].parts.get((s, d), [])
                     points.extend((x + ox, y + oy, c) for x, y, c in part)

@@ -53,32 +53,32 @@ def esc(text: Any) -> str:
     return escape(str(text), quote=True)
 
 
-def fits(text: str, width: float, px: float = 12, bold: bool = False) -> str:
+def fits(text: str, width: float, px: float) -> str:
     """`text` cut to `width` pixels, keeping its end (the layer of a long path) after `…`."""
     text = str(text)
-    if text_width(text, px, bold) <= width:
+    if text_width(text, px) <= width:
         return text
-    while len(text) > 1 and text_width("…" + text, px, bold) > width:
+    while len(text) > 1 and text_width("…" + text, px) > width:
         text = text[1:]
     return "…" + text
 
 
-def lines(text: str, width: float, px: float = 11, most: int = 2) -> list[str]:
-    """`text` broken into lines of at most `width` pixels at word ends, at most `most` lines
+def lines(text: str, width: float) -> list[str]:
+    """`text` (at 11 px) broken into lines of at most `width` pixels at word ends, at most two
     (the last cut with `…` if there is more)."""
     out, line = [], ""
     for word in str(text).split():
         trial = f"{line} {word}".strip()
-        if line and text_width(trial, px) > width:
+        if line and text_width(trial, 11) > width:
             out.append(line)
             line = word
         else:
             line = trial
     if line:
         out.append(line)
-    if len(out) > most:
-        out = out[:most]
-        while text_width(out[-1] + " …", px) > width and " " in out[-1]:
+    if len(out) > 2:
+        out = out[:2]
+        while text_width(out[-1] + " …", 11) > width and " " in out[-1]:
             out[-1] = out[-1].rsplit(" ", 1)[0]
         out[-1] += " …"
     return out

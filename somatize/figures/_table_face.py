@@ -47,12 +47,7 @@ def ranks(values: list[Any], higher: bool) -> list[float | None]:
     return out
 
 
-_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-
-def _value(v: Any) -> Any:
-    """A cell as it is drawn: NaN and the infinities come through JSON as text."""
-    return _SPECIAL.get(v, v) if isinstance(v, str) else v
+_SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as they come through JSON
 
 
 def html(table: dict[str, Any]) -> str:
@@ -60,7 +55,7 @@ def html(table: dict[str, Any]) -> str:
     index, columns, values, groups, hidden, explain, higher, flagged, correlations,
     measured, sort_by, ascending, scatter."""
     cols, index = table["columns"], table["index"]
-    values = [[_value(v) for v in row] for row in table["values"]]
+    values = [[_SPECIAL.get(v, v) if isinstance(v, str) else v for v in r] for r in table["values"]]
     table = {**table, "values": values}
     groups, hidden = table["groups"], set(table["hidden"])
     explain, higher = table["explain"], table["higher"]
@@ -135,11 +130,8 @@ def html(table: dict[str, Any]) -> str:
             text = "" if c == table["measured"] else number(rho)
             out.append(f'<td data-col="{esc(c)}" style="{style}">{text}</td>')
         out.append("</tr></tfoot>")
-    out.append("</table></div>")
-    out.append(_tools(table))
-    out.append('<div class="smz-below" style="display:flex;flex-wrap:wrap;gap:24px;margin-top:8px">')
-    out.append(_scatters(table))
-    out.append(_legend(table))
+    below = '<div class="smz-below" style="display:flex;flex-wrap:wrap;gap:24px;margin-top:8px">'
+    out += ["</table></div>", _tools(table), below, _scatters(table), _legend(table)]
     out.append("</div></div>")
     return "".join(out)
 
