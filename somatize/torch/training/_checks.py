@@ -1,8 +1,5 @@
-"""What a Trainer refuses before anything changes, each with an error that says what to do.
-
-Every function here only reads: the Trainer calls them all first, and changes things (freezing,
-telling each Learning its node) only when all of them have passed.
-"""
+"""What a Trainer refuses before anything changes, each with an error that says what to do:
+every function here only reads, and the Trainer changes things only when all have passed."""
 
 from __future__ import annotations
 
@@ -16,19 +13,6 @@ from somatize.run import watchers
 from somatize.torch.placement import trainable
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.params import owners
-
-__all__ = [
-    "Unusable",
-    "pair_of",
-    "count",
-    "watchers_of",
-    "something_to_train",
-    "trains_of",
-    "held_by",
-    "nothing_trains",
-    "hosts_of",
-    "audit_of",
-]
 
 
 class Unusable(TypeError, ValueError):
@@ -142,8 +126,14 @@ def held_by(
     graph: Graph, optimizer: Any, trains: dict[str, Learning]
 ) -> dict[str, list[torch.Tensor]]:
     """The parameters the optimizer holds, checked against the graph and `trains`: `{node:
-    the parameters of it the optimizer holds}`, those asking for a gradient."""
+    the parameters of it the optimizer holds}`, those asking for a gradient. Refused too: no
+    optimizer and no `trains`, where nothing would move."""
     if optimizer is None:
+        if not trains:
+            raise ValueError(
+                "nothing would train: pass optimizer= (torch.optim.Adam(parameters(g), lr=1e-3)), "
+                "or trains= for the nodes trained where they run"
+            )
         return {}
     if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
         raise TypeError(
@@ -176,15 +166,6 @@ def held_by(
         if id(p) in owner and p.requires_grad:
             found.setdefault(owner[id(p)], []).append(p)
     return found
-
-
-def nothing_trains(optimizer: Any, trains: dict[str, Learning]) -> None:
-    """Refuses a Trainer with neither an optimizer nor a Learning: nothing would move."""
-    if optimizer is None and not trains:
-        raise ValueError(
-            "nothing would train: pass optimizer= (torch.optim.Adam(parameters(g), lr=1e-3)), "
-            "or trains= for the nodes trained where they run"
-        )
 
 
 def audit_of(auditing: Any) -> Any:

@@ -14,9 +14,9 @@ __all__ = ["pieces", "cut", "first"]
 
 
 def pieces(x: Any, y: Any, k: int) -> tuple[list, list]:
-    """`(inputs, targets)`, each cut into `k` pieces. Refused before anything is cut: an input
-    and a target whose first dimensions differ (a loss that broadcasts would give a wrong
-    number silently), a first dimension `k` does not divide, something that cannot be cut."""
+    """`(inputs, targets)`, each cut into `k` pieces; refused before anything is cut: first
+    dimensions that differ (a loss that broadcasts would be silently wrong), one that `k` does
+    not divide, something that cannot be cut."""
     nx, ny = first(x), first(y)
     if nx != ny:
         raise ValueError(

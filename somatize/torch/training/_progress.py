@@ -1,19 +1,12 @@
-"""The progress bar `Trainer.fit` shows a person watching, and what a saved notebook keeps of
-it.
-
-In a terminal it is tqdm's bar on stderr. In a notebook it is tqdm's widget, shown with a
-display id; when the fit ends (or stops) that output becomes one line of text saying what the
-fit did, so a notebook saved, converted or reopened shows that line rather than the bar as it
-was first drawn (a widget's saved picture is its first state: "0%").
-"""
+"""The progress bar `Trainer.fit` shows a person watching: tqdm's, on stderr or as a widget in
+a notebook, where it becomes one line saying what the fit did when the fit ends (a widget's
+saved picture would be its first state, "0%")."""
 
 from __future__ import annotations
 
 import sys
 import time
 from typing import Any
-
-__all__ = ["Progress", "in_notebook", "person_watching"]
 
 
 def in_notebook() -> bool:

@@ -1,13 +1,7 @@
-"""The process group a data-parallel Trainer trains in: joining it, and the little every rank
-tells the others outside of DDP's own traffic.
-
-A launcher (torchrun, or anything that sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT)
-starts one process per rank; `join` opens the group there, gloo on CPU and NCCL on GPU, or
-uses the one the script already opened (which is where a timeout of one's own is set). What
-the ranks say to each other besides gradients goes as tensors through torch.distributed's
-own collectives: JSON that rank 0 sends (`from_rank0`), and a yes or no from every rank
-(`refusing`). Nothing is unpickled. A collective that fails because another rank went away
-becomes a `RankLost` that says so (`answering`).
+"""The process group a data-parallel Trainer trains in: joining it, and what the ranks tell
+each other outside of DDP's own traffic, as tensors through torch.distributed's collectives
+(JSON from rank 0, a yes or no from every rank; nothing is unpickled). A collective that fails
+because another rank went away becomes a `RankLost` that says so.
 """
 
 from __future__ import annotations
@@ -23,11 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankLost", "join", "rank_and_size", "from_rank0", "refusing", "answering", "device"]
-
-LAUNCHED_BY = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-"""What a launcher sets in each rank's environment, and what `join` needs to find there."""
-
+LAUNCHED_BY = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torchrun sets
 _MOST_JSON = 64 << 20  # what rank 0 may say in one message, in bytes
 _LOST = re.compile(
     r"gloo|nccl|connection (reset|closed|refused)|broken pipe|timed? ?out|timeout", re.I
@@ -35,10 +25,9 @@ _LOST = re.compile(
 
 
 class RankLost(RuntimeError):
-    """Another rank stopped answering in the middle of a collective (it died, or fell so far
-    behind that the group's timeout ran out). Raised on the ranks still running, instead of
-    waiting for ever; the message says what this rank was doing and what torch.distributed
-    said."""
+    """Another rank stopped answering in the middle of a collective (it died, or fell behind
+    past the group's timeout): raised on the ranks still running instead of waiting for ever,
+    saying what this rank was doing and what torch.distributed said."""
 
 
 def rank_and_size() -> tuple[int, int]:
@@ -52,13 +41,10 @@ def rank_and_size() -> tuple[int, int]:
 
 
 def join(cuda: bool) -> tuple[int, int]:
-    """Open the process group (NCCL if `cuda`, else gloo) from the launcher's environment, or
-    use the one already open; answer `(rank, world size)`.
-
-    With `cuda`, this rank's GPU (`LOCAL_RANK`) becomes the current device first. Refused,
-    saying how to launch: a torch without torch.distributed, and a process no launcher
-    started (when no group is open either).
-    """
+    """Open the process group (NCCL if `cuda`, with this rank's `LOCAL_RANK` GPU current,
+    else gloo) from the launcher's environment, or use the one already open; answer `(rank,
+    world size)`. Refused, saying how to launch: a torch without torch.distributed, and a
+    process no launcher started (when no group is open either)."""
     if not dist.is_available():
         raise RuntimeError(
             "parallel= trains through torch.distributed, and this torch was built without "
@@ -95,10 +81,7 @@ def device() -> torch.device:
 
 def from_rank0(value: Any = None) -> Any:
     """What rank 0 passed (anything JSON can say), on every rank; the others pass nothing.
-
-    Sent as bytes in a tensor, its length first, and read back as JSON: a bounded message and
-    nothing that runs.
-    """
+    Sent as bytes in a tensor, its length first: a bounded message and nothing that runs."""
     where = device()
     rank0 = dist.get_rank() == 0
     data = json.dumps(value).encode() if rank0 else b""
@@ -136,9 +119,8 @@ def _lost(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def answering(doing: str) -> Iterator[None]:
-    """Run a step that waits on the other ranks; a collective that failed because one of them
-    went away comes out as a `RankLost` naming what this rank was `doing`. Any other error
-    comes out as it was."""
+    """Run a step that waits on the other ranks: a collective that failed because one went away
+    comes out as a `RankLost` naming what this rank was `doing`; other errors as they were."""
     try:
         yield
     except RuntimeError as error:

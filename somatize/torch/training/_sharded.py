@@ -1,12 +1,8 @@
 """`parallel="fsdp"`: each node's modules sharded across the ranks with FSDP2's `fully_shard`.
 
-FSDP gathers a module's weights in a forward hook, so what it shards has to be called through
-`nn.Module.__call__`. The modules a node holds as attributes are (the node's forward calls
-them); a node that *is* a module has its `forward` called by the engine itself, so its
-children are sharded instead, and whatever it holds directly is left to the root, a
-`_Replica` of every node's modules whose forward runs the graph. Frozen weights are not
-sharded. `fully_shard` puts new (sharded) parameters in the modules' place, so the
-optimizer's parameter groups are pointed at them, name for name.
+FSDP gathers weights in a forward hook, so it shards what is called through `nn.Module.__call__`:
+the modules a node holds, or the children of a node that is a module (the engine calls its
+`forward`); the rest is left to the root around them all. Frozen weights are not sharded.
 """
 
 from __future__ import annotations
@@ -23,8 +19,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from somatize.torch.placement import named_modules_of
 from somatize.torch.training.params import state_of
 
-__all__ = ["shard", "laid_out", "gathered"]
-
 
 def _shardable(node: Any) -> list[nn.Module]:
     found: list[nn.Module] = []
@@ -35,9 +29,9 @@ def _shardable(node: Any) -> list[nn.Module]:
 
 
 def shard(graph: Any, run: Callable, optimizer: Any, *, cuda: bool, world: int) -> Any:
-    """The graph's modules sharded over `world` ranks of the GPUs (`cuda`) or the CPUs (each
-    node's, then the root around them all, whose forward is `run`); the optimizer now holds
-    the sharded parameters. Answers the root."""
+    """The graph's modules sharded over `world` ranks (each node's, then the root around them
+    all, whose forward is `run`), the optimizer pointed at the sharded parameters; answers the
+    root."""
     from somatize.torch.training.parallel import _modules, _Replica
 
     root = _Replica(_modules(graph), [], run)
@@ -58,8 +52,8 @@ def shard(graph: Any, run: Callable, optimizer: Any, *, cuda: bool, world: int) 
 
 
 def laid_out(graph: Any, given: dict[str, dict[str, torch.Tensor]]) -> dict:
-    """Whole tensors (the same on every rank) cut into the shards of the weights they load
-    into, each rank keeping its own piece; what matches no sharded weight is left whole."""
+    """Whole tensors (the same on every rank) cut into the shards of the weights they load into;
+    what matches no sharded weight is left whole."""
     for nid, state in given.items():
         if nid not in graph:
             continue

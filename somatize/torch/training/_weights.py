@@ -1,10 +1,6 @@
 """Weights and gradients between the ranks, outside of DDP's own traffic: rank 0's weights
-sent to every rank (at the start, and for `load`), and a group's gradients averaged when no
-backward is left to do it.
-
-Every tensor goes through torch.distributed's broadcast and all-reduce; what describes the
-tensors (node, key, dtype, shape) goes as JSON rank 0 sends (`_ranks.from_rank0`). Nothing is
-unpickled.
+sent to every rank, and a group's gradients averaged when no backward is left to do it. Tensors
+go by broadcast and all-reduce, what describes them as JSON from rank 0; nothing is unpickled.
 """
 
 from __future__ import annotations
@@ -18,30 +14,13 @@ import torch.distributed as dist
 from somatize.torch.training import _ranks
 from somatize.torch.training.params import state_of
 
-__all__ = ["broadcast_states", "average_grads", "from_rank0"]
-
-_DTYPES = {
-    str(d): d
-    for d in (
-        torch.float16,
-        torch.bfloat16,
-        torch.float32,
-        torch.float64,
-        torch.complex64,
-        torch.complex128,
-        torch.uint8,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.bool,
-    )
-}
+_SENT = "float16 bfloat16 float32 float64 complex64 complex128 uint8 int8 int16 int32 int64 bool"
+_DTYPES = {f"torch.{name}": getattr(torch, name) for name in _SENT.split()}  # by str(dtype)
 
 
 def _sent(tensor: torch.Tensor) -> torch.Tensor:
-    """Broadcast `tensor` from rank 0 into itself on the others (in place), whatever its
-    device or layout: through a copy where the backend cannot take it as it is."""
+    """Broadcast `tensor` from rank 0 into itself on the others, through a copy where the
+    backend cannot take it as it is."""
     where = _ranks.device()
     wire = tensor.detach()
     if wire.dtype is torch.bool:
@@ -66,8 +45,8 @@ def broadcast_states(graph: Any) -> None:
 
 def average_grads(params: Iterable[torch.nn.Parameter], world: int) -> None:
     """Each parameter's gradient replaced by its mean over the ranks, as DDP's backward would
-    have made it: a parameter no rank has a gradient for keeps None, one some rank lacks counts
-    zero there. One all-reduce per (dtype, device)."""
+    make it (None where no rank has one, zero where some rank lacks one), one all-reduce per
+    (dtype, device)."""
     params = [p for p in params if p.requires_grad]
     where = _ranks.device()
     had = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=where)

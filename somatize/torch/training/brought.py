@@ -1,11 +1,5 @@
-"""What a Learning brought (a head, a guesser), exported and loaded with the node it trains.
-
-`Trainer.export` puts it beside the node's own weights under keys of its own, prefixed
-`learning/` (`{"mid": {"lin.weight": ..., "learning/head.weight": ...}}`), and `Trainer.load`
-takes them back, checked with the rest before anything is copied. A node on a worker whose
-Learning is there already is asked there, and loaded there too; until the Learning has gone,
-the copy here is the one that travels with it.
-"""
+"""What a Learning brought (a head, a guesser), exported and loaded with the node it trains
+under keys prefixed `learning/`, from and to the worker that holds it when it is there."""
 
 from __future__ import annotations
 
@@ -44,9 +38,8 @@ def learnt(trainer: Any, nid: str) -> dict[str, torch.Tensor]:
 
 def parted(trainer: Any, nid: str, given: dict[str, Any]) -> tuple[dict, dict]:
     """`given` (the weights for node `nid`) as `(the node's own, its Learning's)`, the second
-    with the `learning/` prefix taken off. Weights for a Learning the node does not have are
-    refused, naming the keys; the Learning's keys and shapes are checked where they are loaded
-    (`stage_state`). Nothing is copied here."""
+    without the `learning/` prefix; those of a Learning the node does not have are refused,
+    naming the keys. Nothing is copied here."""
     own = {k: v for k, v in given.items() if not str(k).startswith(BROUGHT)}
     theirs = {k[len(BROUGHT) :]: v for k, v in given.items() if str(k).startswith(BROUGHT)}
     if theirs and trainer.trains.get(nid) is None:

@@ -173,24 +173,20 @@ def gather(
 ) -> Any:
     """Puts this client's round in, waits for everybody else's, and gives back the average.
 
-    `run` names the training run, `round` which round, `clients` how many there are and
-    `mine` which one this is (0 to clients - 1). What is put in is kept as
-    `<run>/round/<r>/client/<k>`, with `size` (how much data this client saw) beside it so
-    the average can weigh by it. Exactly one client averages (whoever wins `store.claim`);
-    all of them return the same average. Raises `TimeoutError` after `within` seconds,
-    naming the clients that never turned up; `asking` is how often to look, in seconds.
+    `run` names the training run, `round` the round, `clients` how many there are and `mine`
+    which one this is (0 to clients - 1). What is put in is kept as
+    `<run>/round/<r>/client/<k>`, with `size` (how much data this client saw) beside it to
+    weigh the average by. Exactly one client averages (whoever wins `store.claim`); all of them
+    return the same average. Raises `TimeoutError` after `within` seconds, naming the clients
+    that never turned up; `asking` is how often to look, in seconds.
 
-    `what` is checked before anything is kept: anything but an export of finite numbers is a
-    `ValueError` here, in the client that made the mistake. A record that turns up unusable
-    all the same (its binding or blob damaged, bytes that do not decode, not an export, not
-    the averager's nodes, keys, shapes and dtypes, NaN or inf, a bad size) is left out: the
-    round completes among the good clients, every client gets the same average and a
-    `RuntimeWarning` naming who was left out and why, and the average's meta says so
-    (`averaged`, `left_out`). Completing, rather than failing the round, is deliberate: one
-    record that anyone able to write to the store can damage must not stop every client of
-    every round, nor leave them waiting `within` seconds for an average that never comes;
-    and since leaving a client out changes the average, it is said out loud in every client.
-    An average that is itself unusable is a `ValueError` at once, naming it.
+    `what` that is not an export of finite numbers is a `ValueError` here, in the client that
+    made the mistake. A record that turns up unusable all the same (damaged, not an export, not
+    the averager's nodes, keys, shapes and dtypes, NaN or inf, a bad size) is left out rather
+    than failing the round, since anyone able to write to the store can damage one: every
+    client gets the same average and a `RuntimeWarning` naming who was left out and why, and
+    the average's meta says so (`averaged`, `left_out`). An average that is itself unusable is
+    a `ValueError` at once, naming it.
     """
     store = store_of(store)
     if not isinstance(run, str) or not run or "/" in run:

@@ -47,20 +47,18 @@ class ForwardForward(Learning):
     """Hinton's forward-forward (2022): the node learns from a goodness of its own output,
     high on positive data and low on negatives it makes, and hands no gradient back upstream.
 
-    Goodness is the mean square of a row's activities; the loss is
+    Goodness is the mean square of a row's activities (`goodness`); the loss is
     `softplus(threshold − goodness(positive))` and `softplus(goodness(negative) − threshold)`,
-    averaged over both, divided by `every * micro` as the Trainer divides its own. Positive
-    data is what the node was given. The negatives are made from it, so they work for a node
-    in the middle, which never sees the pixels nor the label: each row blended half and half
-    with the nearest row of the same batch whose target differs (`negatives`), a hybrid of two
-    classes the node learns to score low. The target reaches it as it reaches `Greedy`: the
-    Trainer hands it with the node's input. The node is run on the negatives through its own
-    class's `forward` (hooks on the node itself, such as an audit's, do not hear that run). No
-    randomness: in process and on a worker the same batch gives the same negatives.
+    averaged over both and divided by `every * micro` as the Trainer divides its own. Positive
+    data is what the node was given; the negatives are made from it (`negatives`), so they work
+    for a node in the middle, which never sees the pixels nor the label. The target reaches it as
+    it reaches `Greedy`. The node is run on the negatives through its own class's `forward`
+    (hooks on the node itself, such as an audit's, do not hear that run). No randomness: in
+    process and on a worker the same batch gives the same negatives.
 
-    What the node produces is handed on detached: a head above it trained by
-    backpropagation on that (the readout) trains while this node trains by itself, and a node
-    before it gets no gradient (`NoGradient` for one held by the Trainer's optimizer).
+    What the node produces is handed on detached: a head above it (the readout) trains by
+    backpropagation while this node trains by itself, and a node before it gets no gradient
+    (`NoGradient` for one held by the Trainer's optimizer).
 
     Refused: a `threshold` that is not a positive number; a node given anything but one
     floating tensor of at least two rows, or a target without a row for each.

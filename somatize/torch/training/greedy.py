@@ -18,24 +18,20 @@ class Greedy(Learning):
     `head`, and hands no gradient back upstream.
 
     `head` is a small module from what the node produces to what the objective takes (for a
-    classifier's hidden layer of 128 features, `nn.Linear(128, 10)`). Each step the node's
-    loss is `objective(head(output), target)`, where `objective` is the Trainer's and `target`
-    is the batch's: the Trainer hands both to every Learning that `needs_target`, the objective
-    once (it travels to a worker with the Learning) and the target of each step (of each
-    `micro` piece) with the node's input, as one more value of its part. The loss is divided
-    by `every * micro` as the Trainer divides its own, and the node and the head step together
-    under one optimizer (`training()` holds both). The head goes to the node's device, is
-    exported with the node it trains under `learning/head.…`, and is loaded back from there.
-    On a worker the objective travels with it by name, so it has to be one the wire can name
-    (a function of torch, such as `torch.nn.functional.cross_entropy`); the head is a module,
-    and travels as code, to a worker started with `--accept-code`.
+    hidden layer of 128 features, `nn.Linear(128, 10)`). Each step the node's loss is
+    `objective(head(output), target)`, with the Trainer's objective and the batch's target (of
+    each `micro` piece), divided by `every * micro` as the Trainer divides its own; the node and
+    the head step under one optimizer (`training()` holds both). The head goes to the node's
+    device and is exported and loaded with it under `learning/head.…`. On a worker the objective
+    travels by name (a function of torch, such as `torch.nn.functional.cross_entropy`) and the
+    head as code, to a worker started with `--accept-code`.
 
-    What the node produces is handed on detached, so a node after it learns from it without
-    sending a gradient back; a node before it gets none (`NoGradient` for one held by the
-    Trainer's optimizer: train it with its own `Greedy`, or freeze it).
+    What the node produces goes on detached: a node after it learns from it without sending a
+    gradient back, and a node before it gets none (`NoGradient` for one held by the Trainer's
+    optimizer: train it with its own `Greedy`, or freeze it).
 
-    Refused: a `head` that is not an `nn.Module`; learning without an objective (a Greedy
-    used without a Trainer, before `tell(objective=...)`).
+    Refused: a `head` that is not an `nn.Module`; learning without an objective (a Greedy used
+    without a Trainer, before `tell(objective=...)`).
     """
 
     needs_target = True
@@ -59,8 +55,7 @@ class Greedy(Learning):
 
     def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
         """The node's own loss through the head, backward, step when the group closes; gives
-        back nothing (no gradient upstream). `signal` is not read: there is none, since what
-        the node produced went on detached."""
+        back nothing (no gradient upstream). `signal` is not read: the output went on detached."""
         if self.idle(signal):
             return self.done()
         if self.objective is None:

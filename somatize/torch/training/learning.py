@@ -1,15 +1,14 @@
 """The Learning hole: what trains one node where that node runs, and the messages it reads.
 
-A `Learning` stands on both sides of the node it trains. Before it (`Enters`) the node's input
-becomes a leaf, so that dL/d(input) is a thing that exists; after it (the Learning itself) the
-node's output is kept with its autograd history. When dL/d(output) comes back in an
-`Envelope`, `learn(signal, ctx)` does what the technique does with it and gives back
-dL/d(input), or None. `Split` is split learning; `Greedy`, `Synthetic` and `ForwardForward`
-(each in a module of its own) are other answers to the same `learn`.
+A `Learning` stands on both sides of the node it trains: before it (`Enters`) the input becomes
+a leaf, after it the output is kept, and `learn(signal, ctx)` turns the dL/d(output) that comes
+back in an `Envelope` into dL/d(input), or None. `Split` is split learning; `Greedy`,
+`Synthetic` and `ForwardForward` are other answers to the same `learn`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -36,24 +35,17 @@ __all__ = [
 
 BROUGHT = "learning/"
 """The prefix of what a Learning brought (a head, a guesser) among the weights of the node it
-trains, in `Trainer.export`: `{"mid": {"lin.weight": ..., "learning/head.weight": ...}}`. No
-state_dict key of a module can start with it (a slash is in no attribute name)."""
+trains, in `Trainer.export`; no state_dict key can start with it (no attribute name has a /)."""
 
 
 class OutOfStep(ValueError):
-    """A gradient arrived for an activation that is not there any more.
-
-    The two halves of a cut are a step apart: a gradient came back for a forward that was
-    already learnt from, or that never ran. Raised, not constructed.
-    """
+    """A gradient arrived for an activation that is not there any more: the two halves of a cut
+    are a step apart (it came for a forward already learnt from, or that never ran)."""
 
 
 class Envelope:
-    """A gradient on its way back across an edge, and whether it closes a group.
-
-    `gradient` is dL/d(the value that crossed), or None for nobody owing anything;
-    `closing` says this step ends a group of accumulated ones.
-    """
+    """A gradient on its way back across an edge (dL/d(the value that crossed), or None for
+    nobody owing anything), and whether this step `closing` ends a group of accumulated ones."""
 
     __slots__ = ("gradient", "closing")
 
@@ -67,17 +59,9 @@ class Envelope:
 
 
 def envelope(gradient: Any, closing: bool = False) -> Envelope:
-    """A gradient in its envelope, which is how one crosses an edge.
-
-    `closing` says this gradient ends a group of accumulated ones, so whoever is accumulating
-    applies what it has: it rides on the envelope because it is the same fact seen from the
-    other end.
-    """
+    """A gradient in its envelope, which is how one crosses an edge; `closing` says it ends a
+    group of accumulated ones, so whoever is accumulating applies what it has."""
     return Envelope(gradient, bool(closing))
-
-
-def _to(value: Any, device: Any) -> Any:
-    return value if device is None else move(value, device)
 
 
 def _add(a: Any, b: Any) -> Any:
@@ -95,30 +79,22 @@ def _add(a: Any, b: Any) -> Any:
 
 
 def gradient(value: Any, device: str | None = None) -> torch.Tensor | None:
-    """What an envelope carries, as a tensor, or the sum of what a map of them carries.
-
-    None for something that is not a backward message at all, and None too for an envelope
-    carrying nothing. `device` moves the answer there.
-    """
+    """What an envelope carries, or the sum of what a map of them carries, moved to `device`;
+    None for anything else, and for an envelope carrying nothing."""
     if type(value) is Envelope:
-        return _to(value.gradient, device)
-    if isinstance(value, Mapping) and value:
-        total = None
-        for v in value.values():
-            if type(v) is not Envelope:
-                return None
-            total = _add(total, v.gradient)
-        return _to(total, device)
-    return None
+        total = value.gradient
+    elif isinstance(value, Mapping) and value:
+        if any(type(v) is not Envelope for v in value.values()):
+            return None
+        total = functools.reduce(_add, (v.gradient for v in value.values()), None)
+    else:
+        return None
+    return total if device is None else move(total, device)
 
 
 def leafed(value: Any, asking: bool | None = None) -> Any:
-    """`value` with every floating tensor in it cut from its history into a fresh leaf.
-
-    The leaf asks for a gradient exactly when the tensor it came from did (or, with `asking`
-    said, when that says), so a gradient is only worked out for what something upstream can use.
-    Containers come back as they were (`somatize.torch._values.mapped`).
-    """
+    """`value` with every floating tensor in it cut from its history into a fresh leaf (in
+    containers as they were), asking for a gradient when the tensor did, or when `asking` says."""
 
     def leaf(t: torch.Tensor) -> torch.Tensor:
         if not (t.is_floating_point() or t.is_complex()):
@@ -142,8 +118,7 @@ def grad_of(value: Any) -> Any:
 
 
 def pairs(value: Any, grad: Any, outs: list, grads: list) -> None:
-    """Collect (tensor, its gradient) wherever both exist and the tensor asks for one: what
-    `torch.autograd.backward(outs, grads)` is handed at a cut."""
+    """Collect (tensor, its gradient) wherever both exist and the tensor asks for one."""
     if grad is None:
         return
     if isinstance(value, torch.Tensor):
@@ -246,9 +221,8 @@ class Learning(Node):
         return self
 
     def told(self) -> dict[str, Any]:
-        """What the Trainer told it, as it travels to a worker with it: `every`, `pieces` (how
-        many pieces a step is cut into) and, for a technique that needs the target, the
-        objective."""
+        """What the Trainer told it, to travel to a worker with it: `every`, `pieces` and, for a
+        technique that `needs_target`, the objective."""
         said: dict[str, Any] = {"every": self.every, "pieces": self.pieces}
         if self.needs_target:
             said["objective"] = self.objective
@@ -315,10 +289,8 @@ class Learning(Node):
         return self._count + 1 >= self.group
 
     def closes(self) -> bool:
-        """Whether this step ends one, which is where the optimizer moves.
-
-        With the Trainer's `every` the fact arrives on the envelope; with its own, counted.
-        """
+        """Whether this step ends a group, where the optimizer moves: by the envelope with the
+        Trainer's `every`, counted with its own."""
         if self._closing and self.held is None:
             return True  # the Trainer's update(): apply what there is
         if self.declared is None:
@@ -392,11 +364,8 @@ class Learning(Node):
         return given
 
     def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
-        """What to do with dL/d(what the node produced), and what to give back.
-
-        The hole: whatever a technique is, it is this method. `signal` None is nobody owing
-        it anything this step.
-        """
+        """The hole a technique fills: what to do with dL/d(what the node produced) (`signal`, None
+        when nobody owes it anything this step), and what to give back."""
         raise NotImplementedError(
             f"{type(self).__name__} is a Learning and must say learn(signal, ctx)"
         )
@@ -409,10 +378,8 @@ class Learning(Node):
 
 
 class Enters(Node):
-    """The position before a trained node: its input becomes a leaf there.
-
-    An envelope coming back through it is handed on as it is.
-    """
+    """The position before a trained node: its input becomes a leaf there, and an envelope
+    coming back through it is handed on as it is."""
 
     def __init__(self, learning: Learning) -> None:
         self.learning = learning
@@ -426,12 +393,7 @@ class Enters(Node):
 
 class Split(Learning):
     """Split learning: carry the chain rule on from the gradient of the seam, step, and hand
-    back the gradient of the input.
-
-    With a group of more than one step the same three movements are taken apart: cleared
-    where the group opens, added to in between, stepped where it closes. In one process it
-    gives the numbers plain backpropagation gives.
-    """
+    back the gradient of the input. In one process it gives the numbers backpropagation gives."""
 
     def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
         """Backward through the node from `signal`, step when the group closes, and give back

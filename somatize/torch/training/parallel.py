@@ -1,20 +1,12 @@
 """Data parallel: the same graph on every rank, its gradients averaged by torch's own
 `DistributedDataParallel`, or its nodes' modules sharded by FSDP2's `fully_shard`.
 
-`Trainer(g, ..., parallel="ddp")`, in a script torchrun starts once per rank. Each rank holds
-the whole graph and is handed its own data; the weights start as rank 0's, and after every
-update they are the same on every rank, because every rank applied the same averaged gradient.
-The graph is not touched: DDP is put around a `_Replica`, a module that holds the nodes'
-modules and whose forward runs them exactly as the Trainer does without it. Without a cut that
-is one DDP around the whole forward. With a trainer beside a node (`trains=`) each part of the
-cut gets its own, since each part's backward is an autograd pass of its own and a DDP averages
-what one pass reaches: a part of the Trainer's own nodes with `find_unused_parameters` (a
-branch may not be taken), and a trained node's part without it (its Learning moves every
-parameter it has, and may bring some that no forward reaches, a head of its own).
-
-Inside a group (`every`, `micro`) the forward of every piece but the group's last runs under
-`no_sync`, so nothing is all-reduced until the group closes; a group that `update()` closes
-early, with no backward left to ride on, is averaged with one all-reduce per dtype.
+`Trainer(g, ..., parallel="ddp")`, in a script torchrun starts once per rank: each rank holds
+the whole graph, starts from rank 0's weights and steps on its own data. DDP is put around a
+`_Replica`, a module holding the nodes' modules whose forward runs them as the Trainer does:
+one around the whole forward, or one per part of a cut (each part's backward is an autograd
+pass of its own). Inside a group every piece but the last runs under `no_sync`; a group that
+`update()` closes early is averaged with one all-reduce per dtype.
 """
 
 from __future__ import annotations
@@ -45,8 +37,8 @@ _CUDA_N = re.compile(r"^cuda:(\d+)$")
 
 
 class _Replica(nn.Module):
-    """What DDP (or FSDP) is put around: the modules of some nodes, the parameters a Learning
-    brought besides them, and `run`, which runs those nodes as they always run."""
+    """What DDP (or FSDP) is put around: some nodes' modules, what a Learning brought besides,
+    and `run`, which runs those nodes as they always run."""
 
     def __init__(self, modules: list[nn.Module], extra: list[nn.Parameter], run: Callable) -> None:
         super().__init__()
@@ -73,14 +65,12 @@ def parallel_of(
 ) -> Parallel | None:
     """`Trainer(parallel=)` checked, the group joined, and every rank found to train the same.
 
-    Refused before anything changes, naming the node: a mode that is not one of `MODES`; a
-    node `.at(host)` (every rank holds the whole graph: a node on a worker would be trained by
-    all of them at once); a `.cached()` node without a store, or with one not every rank sees
-    (checked: rank 0 keeps a token there and every rank looks for it); a node on `cuda:N` other
-    than this rank's GPU; a node trained by a Learning that `moves_at_forward` (Synthetic);
-    under "fsdp", `trains=`, auditing, and an optimizer that already has state. A rank whose
-    graph or Trainer differs from rank 0's (nodes, weights' shapes, `every`, `micro`,
-    `trains`) makes every rank refuse together.
+    Refused before anything changes, naming the node: a mode not in `MODES`; a node `.at(host)`
+    (every rank would train it at once); a `.cached()` node without a store every rank sees
+    (rank 0 keeps a token there and every rank looks for it); a node on a `cuda:N` other than
+    this rank's GPU; a Learning that `moves_at_forward` (Synthetic); under "fsdp", `trains=`,
+    auditing, and an optimizer that already has state. A rank whose graph or Trainer (nodes,
+    weights' shapes, `every`, `micro`, `trains`) differs from rank 0's makes every rank refuse.
     """
     if mode is None:
         return None
@@ -158,20 +148,6 @@ def _fsdp_refusals(trains: dict[str, Any], optimizer: Any, audit: Any) -> None:
         )
 
 
-def _layout(graph: Any, mode: str, trains: dict, every: int, micro: int) -> dict[str, Any]:
-    nodes = {}
-    for nid in graph.nodes():
-        state = state_of(graph.implementation(nid))
-        nodes[nid] = [[key, str(t.dtype), list(t.shape)] for key, t in state.items()]
-    return {
-        "parallel": mode,
-        "every": every,
-        "micro": micro,
-        "trains": sorted(trains),
-        "nodes": nodes,
-    }
-
-
 def _difference(theirs: dict[str, Any], mine: dict[str, Any]) -> str | None:
     for what in ("parallel", "every", "micro", "trains"):
         if theirs[what] != mine[what]:
@@ -190,7 +166,11 @@ def _difference(theirs: dict[str, Any], mine: dict[str, Any]) -> str | None:
 
 
 def _same_everywhere(graph: Any, mode: str, trains: dict, every: int, micro: int) -> None:
-    mine = _layout(graph, mode, trains, every, micro)
+    nodes = {}
+    for nid in graph.nodes():
+        state = state_of(graph.implementation(nid))
+        nodes[nid] = [[key, str(t.dtype), list(t.shape)] for key, t in state.items()]
+    mine = dict(parallel=mode, every=every, micro=micro, trains=sorted(trains), nodes=nodes)
     theirs = _ranks.from_rank0(mine if dist.get_rank() == 0 else None)
     differs = _difference(theirs, mine)
     odd = _ranks.refusing(differs is None)
@@ -233,11 +213,10 @@ def _shared(store: Any, node: str) -> None:
 class Parallel:
     """A Trainer's stages, data-parallel: what the Trainer runs in their place.
 
-    `forward`, `backward` and `update` are the stages' own, through DDP (or FSDP) and with a
-    failed collective turned into a `RankLost`, and anything else asked of it (`recompile`,
-    ...) is asked of the stages; `window(sync)` says whether the pieces run inside it close a
-    group (outside one, they do). `incoming` and `whole` are what `load` and `export` ask:
-    rank 0's weights on every rank, and whole tensors out of sharded ones.
+    `forward`, `backward` and `update` are the stages' own, through DDP (or FSDP), a failed
+    collective raised as `RankLost`; anything else is asked of the stages. `window(sync)` says
+    whether the pieces run inside it close a group. `incoming` and `whole` are what `load` and
+    `export` ask: rank 0's weights on every rank, and whole tensors out of sharded ones.
     """
 
     def __init__(self, mode: str, rank: int, world: int, cuda: bool) -> None:
@@ -262,9 +241,8 @@ class Parallel:
         return self._parts
 
     def around(self, stages: Any, optimizer: Any) -> Parallel:
-        """Put DDP (or FSDP) around `stages`, with rank 0's weights on every rank first; under
-        FSDP the optimizer is pointed at the sharded parameters. Collective: every rank makes
-        its Trainer at the same point."""
+        """Put DDP (or FSDP, pointing the optimizer at the sharded parameters) around `stages`,
+        with rank 0's weights on every rank first. Collective: every rank makes its Trainer."""
         graph = stages.graph
         with _ranks.answering("starting (rank 0's weights sent to every rank)"):
             if self.cuda:  # nodes placed .on("cuda") go to this rank's GPU (the current one)
@@ -305,6 +283,7 @@ class Parallel:
                         "gradients, so one parameter cannot be in two; untie them, or train "
                         "without trains="
                     )
+            # a Learning moves every parameter it has; in the Trainer's part a branch may not run
             replica = self._ddp(modules, extra, part.forward, find_unused=learning is None)
             if replica is not None:
                 self._of[id(part)] = (replica, learning)
@@ -353,11 +332,9 @@ class Parallel:
             self._stages.backward(loss, closing)
 
     def update(self) -> None:
-        """Close the group a run ends in the middle of: what was accumulated under `no_sync`
-        is averaged across the ranks (one all-reduce per dtype, what DDP's backward would
-        have done), then the stages are told. Under FSDP an open group is refused (its
-        gradients are not where an all-reduce could reach them): give every epoch a number
-        of batches that `every` divides."""
+        """Close the group a run ends in the middle of: what accumulated under `no_sync` is
+        averaged across the ranks, then the stages are told. Under FSDP an open group is refused
+        (its gradients are out of an all-reduce's reach): give every epoch a multiple of `every`."""
         if self.mode == "fsdp" and self._open:
             raise RuntimeError(
                 "parallel='fsdp': a group of accumulated steps is open and update() has no "

@@ -1,8 +1,5 @@
-"""Which weights a graph holds, and settling the ones declared `.frozen()`.
-
-Both ways of being a torch node count the same here: a node that *is* an `nn.Module`, and a
-plain node holding modules as attributes (`self.net = nn.Sequential(...)`).
-"""
+"""Which weights a graph holds, and settling the ones declared `.frozen()`; a node that is
+an `nn.Module` and one holding modules as attributes count the same."""
 
 from __future__ import annotations
 
@@ -64,14 +61,9 @@ def owners(graph: Any) -> dict[int, str]:
 
 
 def freeze(graph: Any, *node_ids: str) -> None:
-    """Settles these nodes, or with no ids whatever was already declared `.frozen()`.
-
-    Settling is what makes `.frozen()` true: every parameter the node holds stops asking for
-    a gradient, and its modules go to eval mode so running statistics stop moving too. With
-    ids it declares them frozen in the graph and then obeys; an unknown id is refused before
-    anything changes. The Trainer calls it with none, so a `.frozen()` in the expression
-    holds from the first step.
-    """
+    """Settles these nodes, or with no ids whatever was already declared `.frozen()`: every
+    parameter they hold stops asking for a gradient and their modules go to eval mode. With ids
+    it declares them frozen first; an unknown id is refused before anything changes."""
     for nid in node_ids:
         if nid not in graph:
             raise ValueError(f"freeze: no node {nid!r} in this graph; it has {graph.nodes()}")
@@ -86,11 +78,8 @@ def freeze(graph: Any, *node_ids: str) -> None:
 
 
 def state_of(node: Any) -> dict[str, torch.Tensor]:
-    """The node's state as `{key: tensor}` (parameters and buffers), the tensors themselves.
-
-    A node that is a module answers its own `state_dict` keys; a node holding modules answers
-    them prefixed by the attribute (`net.0.weight`, or `blocks.1.weight` for a list).
-    """
+    """The node's state as `{key: tensor}` (parameters and buffers, the tensors themselves): a
+    module's own `state_dict` keys, or a holder's prefixed by the attribute (`net.0.weight`)."""
     return {
         join(name, key): tensor
         for name, module in named_modules_of(node)

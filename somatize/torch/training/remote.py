@@ -1,17 +1,10 @@
-"""A trainer's stage on a worker: the remote `Transport` of `somatize.torch.training.stages`.
+"""A trainer's stage on a worker: the remote transport of `somatize.torch.training.stages`.
 
-`Remote(broker, host)` answers the same two calls as `stages.Local`: `forward(part, inputs)`
-and `backward(part, envelopes)`. The first forward sends the part (its nodes, their settings,
-its edges to outside and, around a trained node, its `Learning`) and the worker rebuilds it
-as a `Part` of its own; from then on a forward sends values and a backward sends envelopes,
-one round trip each. (A forward slice of a plain `Graph.forward` is another thing: a `Slice`,
-in `somatize.remote.slices`.)
-
-Between the two the worker keeps what the part holds (the activation, with its autograd
-graph), which is why a worker restarted in between answers `OutOfStep` and not a gradient for
-something it never computed. Every step marks the part's nodes as having learnt there, so
-that a worker that loses them is `StateLost` (naming them and how to resume) rather than a
-part sent again from the weights here, which are older than what it learnt.
+`Remote(broker, host)` answers the two calls `stages.Local` answers. The first forward sends
+the part (its nodes, settings, edges and Learning) and the worker rebuilds it; then a forward
+sends values and a backward envelopes, one round trip each. The worker keeps the activation in
+between, so a restarted one answers `OutOfStep`; every step marks the part's nodes as learnt
+there, so a worker that lost them is `StateLost` rather than sent older weights from here.
 """
 
 from __future__ import annotations
@@ -43,8 +36,7 @@ class Remote:
         self._keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
     def _key(self, part: Any) -> str:
-        # From a counter, never id(): a later part may get the id of one that is gone, and
-        # the worker would run the old one in its place.
+        # a counter, never id(): a later part may get the id of one that is gone
         key = self._keys.get(part)
         if key is None:
             key = self._keys[part] = f"p{next(_pkeys)}"
@@ -53,10 +45,9 @@ class Remote:
     def forward(
         self, part: Any, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
     ) -> dict[str, Any]:
-        """Run `part` on its worker; answer `{exit: value}` (tensors keep `requires_grad`).
-        A worker that no longer holds the part (restarted, or its session expired) is sent it
-        again, once: from the weights here when nothing had learnt there since they were last
-        read back, else `StateLost`."""
+        """Run `part` on its worker; answer `{exit: value}` (tensors keep `requires_grad`). A
+        worker that no longer holds the part is sent it again, once (`StateLost` if it had learnt
+        there since its weights were last read back)."""
         key = self._key(part)
         for attempt in (0, 1):
             defs: list[dict] = []
@@ -179,8 +170,7 @@ class _View:
 
 def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: dict) -> Any:
     """The worker's side: `stage.forward` (rebuilding the part the first time) and
-    `stage.backward`. A part the worker does not hold is `Unknown` (it was restarted, or the
-    session expired)."""
+    `stage.backward`; a part the worker does not hold is `Unknown`."""
     if op not in ("stage.forward", "stage.backward"):
         raise ValueError(f"unknown request {op!r}")
     key = m.get("pkey")
@@ -201,8 +191,7 @@ def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: di
 
 def _portable(value: Any, broker: Any, host: str) -> Any:
     """`value` as it travels to `host`'s worker: as code (cloudpickle) to a worker that takes
-    code, so that a function defined anywhere goes; as it is otherwise, where a class or
-    function goes by name and the worker looks it up in what it may build."""
+    code; else as it is, where a class or function goes by name."""
     if broker.mode(host) != "network":
         return value
     import cloudpickle

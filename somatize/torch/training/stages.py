@@ -1,25 +1,11 @@
 """A graph cut where a value crosses a host or a trainer, and run stage by stage.
 
-Each node gets the pair (host, trained-by-a-Learning). An edge whose ends differ in that pair
-is a cut, and a node's stage is the number of cuts behind it (the most on any path). The nodes
-of one stage with one pair make a `Part`. A forward runs the parts stage by stage; a backward
-is `loss.backward()` in the last one, then, stage by stage in reverse, the gradient owed at
-each cut travels back to the part that produced the value, inside an `Envelope`.
-
-Where a part runs is its `Transport`'s business: `Local` runs it in this process, and a remote
-transport (somatize.remote) runs the same `Part.forward` and `Part.backward` on a worker. That
-is the only difference between a cut in one process and a cut across a wire.
-
-The graph itself is never touched: every part runs a small graph of its own, holding the
-part's nodes (the same objects, with what was declared of them, less `.at(host)`: the part is
-what is at a host) and an `Inlet` per value coming from outside when it needs one, walked by
-the engine's own loop over a plan compiled once. Around a trained node the part runs the two
-positions of its Learning itself (the input leafed before, the activation kept after), so
-they cost no engine steps. A Learning that `needs_target` is handed the step's target with
-its part's inputs, under `TARGET`, so it reaches a worker the way every input does.
-
-A `Part` is a trainer's: it goes forward and backward. It is not a `somatize.remote` slice,
-which is a forward-only run of consecutive nodes on one host.
+Each node gets the pair (host, trained-by-a-Learning); an edge whose ends differ in it is a cut,
+and a node's stage is the most cuts on any path behind it. The nodes of one stage with one pair
+make a `Part`, which runs a small graph of its own (the graph itself is never touched). A
+forward runs the parts stage by stage; a backward is `loss.backward()` in the last one, then
+the gradient owed at each cut travels back, in reverse, inside an `Envelope`. A part runs here
+(`Local`) or on a worker (`somatize.torch.training.remote`) through the same two calls.
 """
 
 from __future__ import annotations
@@ -27,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 from somatize import _hooks
 from somatize.graph import Graph
@@ -41,7 +27,6 @@ __all__ = [
     "TARGET",
     "Part",
     "Stages",
-    "Transport",
     "Local",
     "LOCAL",
     "Inlet",
@@ -193,12 +178,9 @@ class Part:
     def forward(
         self, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
     ) -> dict[str, Any]:
-        """Run the part on `{source: value}`; answer `{exit: value}`.
-
-        Values from another part become leaves here, so the gradient owed to each source can
-        be read off them later. Around a trained node its Learning's two positions run: the
-        one before leafs what the node is given, the one after keeps what it produced.
-        """
+        """Run the part on `{source: value}`; answer `{exit: value}`. Values from another part
+        become leaves here, so the gradient owed to each source can be read off them later; around
+        a trained node its Learning's two positions run."""
         learning = self.learning
         if learning is None:
             if self._crossing:
@@ -232,13 +214,9 @@ class Part:
         return outs
 
     def backward(self, envelopes: dict[str, Any]) -> dict[str, Any]:
-        """Take `{exit: Envelope}` (dL/d of what left), answer `{source: Envelope}`.
-
-        A trained part hands the envelope to its Learning, which learns and gives back
-        dL/d(input). Any other part carries the chain rule through its own autograd graph
-        (the last one already did, in `loss.backward()`). An envelope with nothing in it and
-        no forward before it is the end of a group, passed on.
-        """
+        """Take `{exit: Envelope}` (dL/d of what left), answer `{source: Envelope}`: through the
+        Learning of a trained part, else through the part's own autograd graph (the last part's
+        already ran in `loss.backward()`). An empty envelope after no forward ends a group."""
         closing = any(e.closing for e in envelopes.values())
         if self.learning is not None:
             (came,) = envelopes.values()
@@ -269,28 +247,13 @@ class Part:
         return f"Part(stage {self.stage}{at}: {', '.join(self.ids)}{by})"
 
 
-class Transport(Protocol):
-    """How a part is run: here (`Local`) or on the worker of its host (somatize.remote).
-
-    `forward(part, {source: value}, store=, watching=)` answers `{exit: value}`;
-    `backward(part, {exit: Envelope})` answers `{source: Envelope}`. A remote transport runs
-    `part.forward` / `part.backward` on a copy of the part kept on the worker, between them
-    keeping what the part holds; a value that crosses must keep `requires_grad`.
-    """
-
-    def forward(
-        self, part: Part, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
-    ) -> dict[str, Any]:
-        """Run the part on its inputs; answer its exits."""
-        ...
-
-    def backward(self, part: Part, envelopes: dict[str, Any]) -> dict[str, Any]:
-        """Hand the part what it owes; answer what its sources are owed."""
-        ...
-
-
 class Local:
-    """Runs a part in this process."""
+    """Runs a part in this process: the transport of a part whose host is None.
+
+    A transport answers `forward(part, {source: value}, store=, watching=)` with `{exit:
+    value}` and `backward(part, {exit: Envelope})` with `{source: Envelope}`; a remote one
+    (`Remote`) runs them on a copy of the part its worker keeps.
+    """
 
     def forward(
         self, part: Part, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
@@ -312,12 +275,10 @@ _HERE = (None, None)
 class Stages:
     """A graph cut into parts, run forward stage by stage and backward in reverse.
 
-    `trains` is `{node id: Learning}`; `transport(host)` answers the transport of a host, and
-    of None for the parts that run in this process (the default runs everything here).
-    `watching` is a list of callables: what the parts run is told to it as one forward (one
-    "finished" fact for the whole), and while somebody watches `crossed()` says how many bytes
-    went from one part to another. With no cut at all there is one part, the graph itself, and
-    a forward is `graph.forward`.
+    `trains` is `{node id: Learning}`; `transport(host)` answers how a part at that host runs
+    (None: in this process; by default everything runs here). `watching` is told what the parts
+    run as one forward, and while somebody watches `crossed()` counts the bytes that went from
+    part to part. With no cut there is one part, the graph itself, run by `graph.forward`.
     """
 
     def __init__(
@@ -325,7 +286,7 @@ class Stages:
         graph: Graph,
         trains: dict[str, Any] | None = None,
         *,
-        transport: Callable[[str | None], Transport] | None = None,
+        transport: Callable[[str | None], Any] | None = None,
         watching: list[Callable[[dict], Any]] | None = None,
     ) -> None:
         trains = trains or {}

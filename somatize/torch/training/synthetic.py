@@ -32,8 +32,8 @@ class Guesser(nn.Linear):
 
 
 def _step_only(optimizer: Any, params: Iterable[torch.Tensor]) -> None:
-    """`optimizer.step()` for these parameters only: the gradients of the others it holds are
-    set aside for the step (a None grad is one torch's optimizers skip) and put back."""
+    """`optimizer.step()` for these parameters only: the others' gradients are set aside (a None
+    grad is one torch's optimizers skip) and put back."""
     keep = {id(p) for p in params}
     aside = []
     for group in optimizer.param_groups:
@@ -51,21 +51,14 @@ def _step_only(optimizer: Any, params: Iterable[torch.Tensor]) -> None:
 class Synthetic(Learning):
     """Synthetic gradients (decoupled neural interfaces, Jaderberg et al. 2017).
 
-    A guesser (a `Guesser`: a linear map over the output's features, built the first time the
-    node produces something, from its shape, and zero at first) predicts dL/d(output) at
-    forward time. Right then the node is updated with the guess: backward from the output with
-    the guess, and a step when the group closes. The gradient of its input under the guess is
-    what goes upstream. When the true gradient arrives, the guesser learns from it: its loss is
-    `½‖guess − true‖²` over the batch (the true gradient carries the Trainer's division by
-    `every * micro` already, so `every` steps are one step on their batches joined), stepped
-    when the group closes. Node and guesser share one optimizer (`training()` holds both),
-    each stepped at its own moment.
-
-    Across a worker, the node's update does not wait for the round trip of the true gradient:
-    it is made on the worker while the forward runs there, before the output is even sent
-    back; the true gradient, when it comes, teaches only the guesser. The guesser is exported
-    with the node it trains under `learning/guesser.…`, and loading those builds it at their
-    shape if it was not built yet.
+    A `Guesser` (built from the shape of the node's first output, zero at first) predicts
+    dL/d(output) at forward time, and right then the node is updated with the guess: backward
+    with it, and a step when the group closes; the gradient of the input under the guess goes
+    upstream. When the true gradient arrives the guesser learns from it, its loss `½‖guess −
+    true‖²` over the batch, stepped when the group closes. Node and guesser share one optimizer,
+    each stepped at its own moment. On a worker the node's update is made while the forward
+    runs there; the true gradient, when it comes, teaches only the guesser. The guesser is
+    exported with the node under `learning/guesser.…`, and loading those builds it.
 
     Refused: a node that produces something other than one floating tensor with a batch
     dimension (there is no shape to guess a gradient of).

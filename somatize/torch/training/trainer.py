@@ -1,11 +1,6 @@
-"""Trainer: trains a graph without the graph finding out.
-
-One step is forward, loss, backward and, when the group closes, update. A node trained by a
-`Learning` (`trains=`) or running on another host is a cut: the graph is run stage by stage
-(`somatize.torch.training.stages`) and the gradient crosses each cut in an envelope. Without a
-cut a step is `graph.forward`, `loss.backward()` and `optimizer.step()`, and costs what those
-cost.
-"""
+"""Trainer: trains a graph without the graph finding out. Without a cut a step is
+`graph.forward`, `loss.backward()` and `optimizer.step()`; a node trained by a `Learning` or on
+another host is a cut, run stage by stage (`somatize.torch.training.stages`)."""
 
 from __future__ import annotations
 
@@ -38,23 +33,18 @@ _SYNCED = contextlib.nullcontext()  # outside parallel=, every piece is what it 
 
 
 class NoGradient(RuntimeError):
-    """Something the optimizer holds never got a gradient: a node none of whose parameters
-    the optimizer holds got one, which is a cut (the loss does not reach the node).
-
-    Raised before the optimizer moves, naming the parameters by their qualified names
-    (`body.pooler.dense.weight`). A parameter that got no gradient while others of its node
-    did is skipped, as torch's optimizers skip a None grad. With a cut on purpose (a node
-    before a Learning that gives nothing back) this is what you expect, and you say so by
-    taking those parameters out of the optimizer (`parameters(g, without=...)`) or declaring
-    the node `.frozen()`.
-    """
+    """A node none of whose parameters the optimizer holds got a gradient: a cut (the loss does
+    not reach the node). Raised before the optimizer moves, naming the parameters by their
+    qualified names (`body.pooler.dense.weight`). A cut on purpose is said by taking those
+    parameters out of the optimizer (`parameters(g, without=...)`) or declaring the node
+    `.frozen()`."""
 
 
 @dataclass(repr=False)
 class Result:
-    """What a training run leaves behind: the loss, step by step. It prints as one line
-    (`Result(40 steps, loss 2.31 → 0.412)`), so `t.fit(...)` as a cell's last line does not
-    print every loss; `history` holds them all."""
+    """What a training run leaves behind: the loss, step by step, in `history`. It prints as
+    one line (`Result(40 steps, loss 2.31 → 0.412)`), so `t.fit(...)` ending a cell does not
+    print every loss."""
 
     history: list[float] = field(default_factory=list)
 
@@ -135,7 +125,6 @@ class Trainer:
         _checks.something_to_train(graph)
         trains = _checks.trains_of(graph, trains)
         held = _checks.held_by(graph, optimizer, trains)
-        _checks.nothing_trains(optimizer, trains)
         audit = _checks.audit_of(auditing)
         self.store = None if store is None else store_of(store)
         self._parallel = parallel_of(
@@ -168,10 +157,11 @@ class Trainer:
         self._count = 0
         self._steps = 0
         p = self._parallel
+        remotes = {host: Remote(broker, host) for host in sorted(set(hosts.values()))}
         self._stages = Stages(
             graph,
             trains,
-            transport=_transports(broker, hosts) if p is None else p.transport,
+            transport=(lambda h: LOCAL if h is None else remotes[h]) if p is None else p.transport,
             watching=told,
         )
         self._window = (lambda sync: _SYNCED) if p is None else p.window
@@ -263,13 +253,10 @@ class Trainer:
         if self.audit is not None:
             self.audit.moved()
         if self._health:
-            self._tell_health()
+            self._tell(*self._health)
+            self._health = []
         if self.watching:
             self._tell({"fact": "updated", "step": step})
-
-    def _tell_health(self) -> None:
-        health, self._health = self._health, []
-        self._tell(*health)
 
     def _tell(self, *facts: dict) -> None:
         for fact in facts:
@@ -277,8 +264,7 @@ class Trainer:
                 w(fact)
 
     def _prove(self) -> None:
-        """A node whose held parameters got a gradient is proven, and not looked at again; a
-        node none of whose held parameters got one is a cut, refused before the update."""
+        """Forgets the nodes whose held parameters got a gradient; refuses any none of whose did."""
         cut = {
             nid: params
             for nid, params in self._unproven.items()
@@ -304,11 +290,8 @@ class Trainer:
 
     def update(self) -> bool:
         """Applies what has been accumulated and starts a new group, for the group a run ends
-        in the middle of. Does nothing, and answers False, if none is open.
-
-        Across a cut it costs one pass over the parts in reverse, not a step: what travels is
-        the fact that the group is over, in an empty envelope.
-        """
+        in the middle of (across a cut, an empty envelope says so). Does nothing, and answers
+        False, if none is open."""
         if self._count == 0:
             return False
         self._stages.update()
@@ -353,8 +336,8 @@ class Trainer:
         return Result(history)
 
     def _show_audit(self) -> None:
-        """In a notebook, an audited run draws itself: a `LiveAudit` is shown (once, kept as
-        `self.live`) and fills in while `fit` runs, unless one is already watching."""
+        """In a notebook an audited run shows a `LiveAudit` (once, as `self.live`), unless one is
+        already watching."""
         if self.audit is None or self.live is not None or not in_notebook():
             return
         from IPython.display import display
@@ -440,7 +423,8 @@ class Trainer:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is
         garbage); training goes on without it."""
         if self._health:  # facts still waiting for an update that did not come
-            self._tell_health()
+            self._tell(*self._health)
+            self._health = []
         if self._release is not None:
             self._release()
             self._release = None
@@ -451,9 +435,3 @@ class Trainer:
             f"Trainer({self.graph!r}, every={self.every}, micro={self.micro}, "
             f"trains={sorted(self.trains)}, steps={self._steps})"
         )
-
-
-def _transports(broker: Any, hosts: dict[str, str]) -> Callable[[str | None], Any]:
-    """Where each part runs: here, or on the worker of its host (one `Remote` a host)."""
-    remotes = {host: Remote(broker, host) for host in sorted(set(hosts.values()))}
-    return lambda host: LOCAL if host is None else remotes[host]
