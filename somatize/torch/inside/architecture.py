@@ -83,7 +83,14 @@ class Inside:
         return f"Inside({len(self.layers)} layers, {len(self.edges)} edges, {self.how})"
 
 
-def _finish(raw: Traced, how: str, why: str | None, most: int, params: int = 0) -> Inside:
+_Got = tuple[Traced, str, "str | None"]  # what `_raw` read: layers, how, and why not fx
+
+
+def _finish(got: _Got | None, most: int, module: nn.Module) -> Inside | None:
+    """The Inside of what `_raw` read of `module` (None where it read nothing)."""
+    if got is None:
+        return None
+    raw, how, why = got
     folded, edges = fold(raw)
     folded, edges, hidden = collapse(folded, edges, most)
     layers = []
@@ -91,7 +98,7 @@ def _finish(raw: Traced, how: str, why: str | None, most: int, params: int = 0) 
         r = f.raw
         at = (r.path, r.kind, r.label, r.shape, r.params, r.block)
         layers.append(Layer(*at, f.times, f.repeats, f.made_of))
-    return Inside(layers, edges, how, why, hidden, params)
+    return Inside(layers, edges, how, why, hidden, params_of(module))
 
 
 def _args(module: nn.Module, example: Any) -> tuple[tuple, dict] | None:
@@ -118,7 +125,7 @@ def _raw(
     depth: int,
     recorded: dict | None = None,
     plan: Any = None,
-) -> tuple[Traced, str, str | None] | None:
+) -> _Got | None:
     """`plan` is what `_plan` found before the graph ran: an fx trace, or why fx refused and
     the `Reading` that rode along the graph's run instead."""
     call = _args(module, example)
@@ -190,10 +197,7 @@ def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) 
         return None
     example = unwrap(example)
     with untouched([module]), torch.no_grad():
-        got = _raw(module, example, depth)
-    if got is None:
-        return None
-    return _finish(*got, most, params_of(module))
+        return _finish(_raw(module, example, depth), most, module)
 
 
 def _capture(
@@ -215,13 +219,12 @@ def _capture(
         if not isinstance(plans.get(node), tuple):
             continue  # childless, or read by its Reading: nothing to record
         mine = outputs[node] = {}
-        for path, sub in module.named_modules(remove_duplicate=False):
-            if path:
+        for path, sub in list(module.named_modules(remove_duplicate=False))[1:]:  # (not itself)
 
-                def record(m: nn.Module, args: tuple, out: Any, into=mine, path=path) -> None:
-                    into.setdefault(path, []).append(out)
+            def record(m: nn.Module, args: tuple, out: Any, into=mine, path=path) -> None:
+                into.setdefault(path, []).append(out)
 
-                handles.append(sub.register_forward_hook(record))
+            handles.append(sub.register_forward_hook(record))
     through = {n: m for n, m in roots.items() if isinstance(m, Holder)}
     readings = [p.reading for p in plans.values() if isinstance(p, _Read)]
     try:
@@ -276,6 +279,6 @@ def architecture(
         else:
             with untouched([root]), torch.no_grad():
                 got = _raw(root, call, depth, outputs.get(node), plan)
-        if got is not None:
-            out[node] = _finish(*got, most, params_of(root))
+        if (inside := _finish(got, most, root)) is not None:
+            out[node] = inside
     return out

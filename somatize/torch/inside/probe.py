@@ -52,10 +52,9 @@ def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
 
 
 class _Tensors:
-    """What is known of each tensor a place reads or makes, one entry per tensor however many
-    places share it (the output of one layer is the input of the next): its RMS, and the
-    per-sample norms of its gradient, heard by one hook as the backward passes. Held by
-    weak reference: nothing is kept alive that the forward would have let go."""
+    """What is known of each tensor a place reads or makes, once however many places share it:
+    its RMS, and the per-sample norms of its gradient, heard by one hook as the backward
+    passes. Held by weak reference: nothing is kept alive that the forward would let go."""
 
     def __init__(self) -> None:
         self.by: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
@@ -178,15 +177,12 @@ def probe(
     The example is measured as it is given, in one forward and one backward: a sample is a
     row of its first dimension, each with its own random direction, and `jacobian_spread`
     (across samples) needs two or more rows: with one it is left out, and a warning says so.
-    `probes` is kept for code written for the published signature (it tiled the example to
-    that many samples, which a mask or a sequence-first input does not survive); it must be
-    a positive number and changes nothing. `graph` may be a bare module, and an `Opaque`
-    example is unwrapped. `watching=` takes a Recorder or anything callable: it hears the
-    forward's `ran` and `finished`, then one flat `health` fact per place (step 0).
-    Deterministic, and side-effect free. The forward runs with the example's floating tensors
-    asking for their gradient; a model that refuses that in train mode (transformers'
-    Wav2Vec2 sets `requires_grad` on a view of its input) is probed after `model.eval()`, and
-    its error says so.
+    `probes` is kept for the published signature: a positive number, it changes nothing.
+    `graph` may be a bare module, and an `Opaque` example is unwrapped. `watching=` takes a
+    Recorder or anything callable: it hears the forward's `ran` and `finished`, then one flat
+    `health` fact per place (step 0). Deterministic, and side-effect free; the net is left as
+    it was. A model that refuses, in train mode, an input asking for its gradient (transformers'
+    Wav2Vec2) is probed after `model.eval()`, and its error says so.
     """
     if not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
         raise ValueError(f"probes is a number of directions ≥ 1, not {probes!r}")
@@ -207,8 +203,7 @@ def probe(
     for node, root in roots.items():
         if root is None or not parts_of(root):
             continue
-        # the layers `architecture` draws inside it (the first `most`, each module once at
-        # each path it is reachable under), by path
+        # the layers `architecture` draws inside it (the first `most`), by path
         opening = Opening(root, depth)
         places = inner[node] = {}
         for path, module, shut in opening.drawn():
