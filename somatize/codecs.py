@@ -250,34 +250,32 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return tuple(_unpack(data))
     if code == _BIGINT:
         return int.from_bytes(data, "big", signed=True)
-    if code == _CODEC or code in _KNOWN_KIND:
-        if code == _CODEC:
-            kind, payload = _envelope(data)
-        else:
-            kind, payload = _KNOWN_KIND[code], data
+    if code == _CODEC:
+        kind, payload = _envelope(data)
+    elif code in _KNOWN_KIND:
+        kind, payload = _KNOWN_KIND[code], data
+    else:
+        raise Malformed(f"unknown msgpack extension type {code} in encoded bytes")
+    found = _by_kind.get(kind)
+    if found is None:
+        _hooks.ready(torch_needed=kind == "torch.Tensor")
         found = _by_kind.get(kind)
-        if found is None:
-            _hooks.ready(torch_needed=kind == "torch.Tensor")
-            found = _by_kind.get(kind)
-        if found is None:
-            _hooks.late_codecs()
-            found = _by_kind.get(kind)
-        if found is None and kind == "numpy":
-            found = _Codec("numpy", object, _numpy_dump, _numpy_load)
-        if found is None:
-            raise NoCodec(
-                f"the bytes hold a value of kind {kind!r} and no codec of that kind is "
-                f"registered (registered: {codecs_registered()}); import the module that "
-                f"registers it, or register one with somatize.codecs.codec({kind!r}, type, "
-                f"dump=..., load=...)"
-            )
-        try:
-            return found.load(payload)
-        except (Malformed, NoCodec):
-            raise
-        except Exception as error:
-            raise Malformed(f"codec {kind!r} could not load its bytes: {error!r}") from error
-    raise Malformed(f"unknown msgpack extension type {code} in encoded bytes")
+    if found is None:
+        _hooks.late_codecs()
+        found = _by_kind.get(kind)
+    if found is None and kind != "numpy":
+        raise NoCodec(
+            f"the bytes hold a value of kind {kind!r} and no codec of that kind is "
+            f"registered (registered: {codecs_registered()}); import the module that "
+            f"registers it, or register one with somatize.codecs.codec({kind!r}, type, "
+            f"dump=..., load=...)"
+        )
+    try:
+        return found.load(payload) if found else _numpy_load(payload)
+    except (Malformed, NoCodec):
+        raise
+    except Exception as error:
+        raise Malformed(f"codec {kind!r} could not load its bytes: {error!r}") from error
 
 
 def _envelope(data: bytes) -> tuple[str, bytes]:

@@ -135,10 +135,8 @@ class Graph:
         if nid is None:
             base = kind_name(node).lower()
             k = self._counts.get(base, 0) + 1
-            nid = base if k == 1 else f"{base}_{k}"
-            while nid in self._impl:
+            while (nid := base if k == 1 else f"{base}_{k}") in self._impl:
                 k += 1
-                nid = f"{base}_{k}"
             self._counts[base] = k
         elif str(nid).startswith("<") and str(nid).endswith(">"):  # the cut's "<input>", "<loss>"
             raise ValueError(

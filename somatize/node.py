@@ -16,7 +16,7 @@ import inspect
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 __all__ = ["Node", "Wrapped", "Opaque", "Expr", "Settings", "DEVICE", "unwrap", "kind_name"]
@@ -39,8 +39,8 @@ class Settings:
 
     def under(self, outer: Settings) -> Settings:
         """These settings, with what they leave unsaid taken from `outer` (the innermost wins)."""
-        unsaid = [f.name for f in fields(self) if getattr(self, f.name) is None]
-        return replace(self, **{k: getattr(outer, k) for k in unsaid if k != "name"})
+        unsaid = [k for k, v in vars(self).items() if v is None and k != "name"]
+        return replace(self, **{k: getattr(outer, k) for k in unsaid})
 
 
 class Opaque:
@@ -175,8 +175,8 @@ class Piece(Expr):
         yield self.node, self._settings.under(outer or Settings())
 
     def __repr__(self) -> str:
-        said = {f.name: getattr(self._settings, f.name) for f in fields(Settings)}
-        shown = ", ".join(f"{k}={v!r}" for k, v in said.items() if v is not None)
+        said = vars(self._settings).items()
+        shown = ", ".join(f"{k}={v!r}" for k, v in said if v is not None)
         if not shown:
             return repr(self.node)
         kind = repr(self.node) if isinstance(self.node, Wrapped) else type(self.node).__name__

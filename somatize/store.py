@@ -219,14 +219,13 @@ class Store:
                 and all(type(k) is str for k, _ in meta)
             ):
                 raise ValueError("its fields are not a name, a digest and str meta keys")
-            bound = Bound(record["name"], record["digest"], meta, float(record["when"]))
+            return Bound(record["name"], record["digest"], meta, float(record["when"]))
         except Exception as error:
             raise CorruptBinding(
                 f"the binding of {name!r} at {self._place.where(path)} cannot be read "
                 f"({len(data)} bytes; {error}); it was torn or not written by a Store: "
                 f"delete it and bind the name again"
             ) from None
-        return bound
 
     def resolve(self, name: str) -> Bound | None:
         """What `name` points at, or None if nothing is bound to it. Raises `CorruptBinding`
