@@ -12,6 +12,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from somatize.figures._page import jsonable
+
 START = '<div class="smz-face" style="max-width:100%;overflow-x:auto">'
 END = "</div><!--/smz-face-->"
 
@@ -19,7 +21,15 @@ END = "</div><!--/smz-face-->"
 class Face:
     """What a figure adds to an anywidget, from its `svg()` (its picture), `face()` (that
     picture as HTML, what its output bundle carries) and `plain()` (one line saying what it
-    shows): `save_svg`, and the bundle kept current where it was shown."""
+    shows): `save_svg`, `state`, and the bundle kept current where it was shown."""
+
+    _saved: tuple[str, ...] = ()  # the traits a saved page draws from
+
+    def state(self) -> dict[str, Any]:
+        """The figure's traits as one dict, what it holds complete (a live audit's record
+        too): what a saved page draws from."""
+        self.settle()
+        return {k: jsonable(getattr(self, k)) for k in self._saved}
 
     def save_svg(self, path: str | Path) -> Path:
         """Write the picture as an SVG file (UTF-8)."""

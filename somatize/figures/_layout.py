@@ -29,18 +29,8 @@ class _Layout:
     def __init__(self, root: Box, room: tuple[float, float]) -> None:
         self.room = room
         self.levels: dict[str, _Level] = {}
-        self.parent: dict[str, Box] = {}
-        self.worlds: dict[str, list[tuple[str, str]]] = {}
-        self._index(root, root)
-        self._arrange(root)
-
-    def _index(self, box: Box, world: Box) -> None:
-        if box.edges or box.kind in ("root", "node"):
-            world = box
-        self.worlds[box.id] = world.edges
-        for child in box.children:
-            self.parent[child.id] = box
-            self._index(child, world)
+        self.parent = {child.id: box for box in walk(root) for child in box.children}
+        self._arrange(root, root.edges)
 
     def _child_of(self, box: Box, key: str) -> Box | None:
         """The child of `box` that is `key` or holds it; None if `key` is not under `box`."""
@@ -49,13 +39,16 @@ class _Layout:
             return None
         return next(c for c in box.children if c.id == chain[chain.index(box.id) - 1])
 
-    def _arrange(self, box: Box) -> None:
+    def _arrange(self, box: Box, edges: list[tuple[str, str]]) -> None:
+        """Lay out `box`'s children (theirs first) with the edges of the world it is in: the
+        graph's, or an open node's own."""
+        if box.edges or box.kind in ("root", "node"):
+            edges = box.edges
         for child in box.children:
             if child.children:
-                self._arrange(child)
+                self._arrange(child, edges)
         if not box.children:
             return
-        edges = self.worlds[box.id]  # an open node's own: it is its world
         level = self.levels[box.id] = _Level()
         items = {
             c.id: Item(c.id, *((c.w, c.h) if box.down else (c.h, c.w)), box=c) for c in box.children

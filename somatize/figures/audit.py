@@ -24,7 +24,7 @@ import traitlets
 from somatize.figures._explain import explanations
 from somatize.figures._face import Face, image, written
 from somatize.figures._history import STEPS, History, message, record, step_of
-from somatize.figures._page import STATIC, jsonable, page
+from somatize.figures._page import STATIC, page
 from somatize.health import where_of
 
 __all__ = ["LiveAudit"]
@@ -57,6 +57,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
 
     _esm = STATIC / "audit.js"
     _css = STATIC / "audit.css"
+    _saved = ("title", "metric", "metrics", "explain", "log_loss", "smoothing", "record")
 
     title = traitlets.Unicode("live audit").tag(sync=True)
     metric = traitlets.Unicode("").tag(sync=True)
@@ -264,12 +265,6 @@ class LiveAudit(Face, anywidget.AnyWidget):
             runs = len(self._history.runs)
         more = f", {runs} runs" if runs > 1 else ""
         return image(self.svg(), f"{self.title}: {len(places)} places, {len(steps)} steps{more}")
-
-    def state(self) -> dict[str, Any]:
-        """The audit's traits, its record complete: what a saved page draws from."""
-        self.settle()
-        keys = ("title", "metric", "metrics", "explain", "log_loss", "smoothing", "record")
-        return {k: jsonable(getattr(self, k)) for k in keys}
 
     def save_html(self, path: str | Path) -> Path:
         """Write a standalone page with the audit as it stands (every metric, the menu and the

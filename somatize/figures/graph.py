@@ -118,6 +118,8 @@ class GraphFigure(Face, anywidget.AnyWidget):
 
     _esm = STATIC / "graph.js"
     _css = STATIC / "graph.css"
+    _saved = ("plan", "inside", "opened", "expanded", "colour", "colour_label", "height", "width",
+              "name", "drawing")
 
     plan = traitlets.Dict().tag(sync=True)
     inside = traitlets.Dict().tag(sync=True)
@@ -176,11 +178,6 @@ class GraphFigure(Face, anywidget.AnyWidget):
         offline: the browser half and the drawing are inside the page. Opening a node or a
         block needs a kernel, so there the drawing stays as it was saved."""
         return written(path, page([("graph", self.state())], title=self.name))
-
-    def state(self) -> dict[str, Any]:
-        """The figure's data as one dict: what a saved page draws from."""
-        keys = ("plan", "inside", "opened", "expanded", "colour", "colour_label", "height", "width", "name", "drawing")
-        return {k: jsonable(getattr(self, k)) for k in keys}
 
 
 def graph_figure(

@@ -168,6 +168,7 @@ class CompareTable(Face, anywidget.AnyWidget):
 
     _esm = STATIC / "table.js"
     _css = STATIC / "table.css"
+    _saved = ("table", "sort_by", "ascending", "shown", "scatter", "drawing")
 
     table = traitlets.Dict().tag(sync=True)
     sort_by = traitlets.Unicode("").tag(sync=True)
@@ -278,10 +279,6 @@ class CompareTable(Face, anywidget.AnyWidget):
             f'<div xmlns="http://www.w3.org/1999/xhtml" style="background:#fff">{self.drawing}</div>'
             "</foreignObject></svg>"
         )
-
-    def state(self) -> dict[str, Any]:
-        """The table's traits: what a saved page draws from."""
-        return {k: jsonable(getattr(self, k)) for k in ("table", "sort_by", "ascending", "shown", "scatter", "drawing")}
 
     def save_html(self, path: str | Path) -> Path:
         """Write a standalone page with the table in it (sorting, toggles and the scatter's
