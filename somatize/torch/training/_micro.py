@@ -10,8 +10,6 @@ import torch
 from somatize.torch._modules import tensors_in
 from somatize.torch._values import refilled
 
-__all__ = ["pieces", "cut", "first"]
-
 
 def pieces(x: Any, y: Any, k: int) -> tuple[list, list]:
     """`(inputs, targets)`, each cut into `k` pieces; refused before anything is cut: first

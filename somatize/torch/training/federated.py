@@ -214,16 +214,14 @@ def gather(
         time.sleep(min(asking, max(0.0, deadline - time.monotonic())))
     average = _name(run, round, "average")
     if store.claim(_name(run, round, "averager"), store.put(str(mine).encode())):
-        exports, sizes, averaged, left_out = [], [], [], []
-        for k, name in enumerate(names):
-            export, their_size, why = (what, size, None) if k == mine else _read(store, name, what)
-            if why:
-                left_out.append([k, why])
-                continue
-            exports.append(export)
-            sizes.append(their_size)
-            averaged.append(k)
-        result = fedavg(exports, None if any(s is None for s in sizes) else sizes)
+        read = [
+            (what, size, None) if k == mine else _read(store, name, what)
+            for k, name in enumerate(names)
+        ]
+        left_out = [[k, why] for k, (_, _, why) in enumerate(read) if why]
+        averaged = [k for k, (_, _, why) in enumerate(read) if not why]
+        sizes = [read[k][1] for k in averaged]
+        result = fedavg([read[k][0] for k in averaged], None if None in sizes else sizes)
         store.keep(
             average, result, meta=[("by", mine), ("averaged", averaged), ("left_out", left_out)]
         )

@@ -146,23 +146,20 @@ def backward_from(value: Any, signal: Any) -> None:
 class Learning(Node):
     """What trains one node, on the machine that node runs on.
 
-    A technique writes `learn(signal, ctx)` and nothing else: handed dL/d(what the node
-    produced), it gives back dL/d(what it was given), or None. It reaches the node through
-    `held` (this step's activation) and `given` (the leaf its input became); both are dropped
-    after each learn. Its optimizer is built the first time it is needed, over `training()`,
-    on whatever machine the node ended up.
+    A technique writes `learn(signal, ctx)`: handed dL/d(what the node produced), it gives back
+    dL/d(what it was given), or None. It reaches the node through `held` (this step's
+    activation) and `given` (the leaf its input became), both dropped after each learn. Its
+    optimizer is built when first needed, over `training()`, wherever the node ended up.
 
-    `optimizer` is a factory such as `torch.optim.SGD`, called with the parameters and `how`.
-    `every` is how many steps go into one update; left out, the Trainer's. Refused: an
+    `optimizer` is a factory such as `torch.optim.SGD`, called with the parameters and `how`;
+    `every` is how many steps go into one update (left out, the Trainer's). Refused: an
     optimizer that cannot be called, an `every` that is not a positive int.
 
-    Two class attributes say what a technique asks of the Trainer, and are all that differs
-    from one technique to another on the way to a worker: `needs_target` (the Trainer tells it
-    its objective, and hands it each step's target as `target`) and `wants_signal` (False: it
-    learns from something else than dL/d(output), so what the node produced is handed on
-    detached, and no gradient for it is worked out downstream nor sent back). A third,
-    `moves_at_forward` (True: it runs a backward of its own while the forward runs), is what
-    `Trainer(parallel=)` refuses, since DDP averages gradients in the step's backward only.
+    Class attributes say what a technique asks of the Trainer: `needs_target` (it is told the
+    objective and handed each step's `target`), `wants_signal` (False: it learns from something
+    else than dL/d(output), so what the node produced goes on detached and no gradient comes
+    back for it) and `moves_at_forward` (True: it runs a backward of its own during the forward,
+    which `Trainer(parallel=)` refuses, since DDP averages in the step's backward only).
     """
 
     needs_target = False

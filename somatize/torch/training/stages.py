@@ -70,14 +70,12 @@ class Outlet(Node):
 class Part:
     """The nodes of one stage with one (host, Learning) pair: what a transport runs.
 
-    What it carries, so that it can be rebuilt on another machine: `ids` (its nodes, in the
-    order they run), `nodes` (`{id: node object}`), `settings` (`{id: Settings}`, host
-    removed), `learning` (the Learning of `trained`, or None), `entering` (the edges
-    `(source, node)` from outside, `source` a node id or `INPUT`) and `leaving` (the edges
-    `(node, destination)` to outside, `destination` a node id or `LOSS`). `sources` are the
-    distinct sources it is handed values from, `exits` the distinct nodes whose values leave.
-    `asks_target`: its Learning `needs_target`, and is handed it under `TARGET`. Everything
-    else (`graph`, the small graph it runs) is rebuilt from those.
+    It carries what rebuilds it on another machine: `ids` (its nodes, in the order they run),
+    `nodes` (`{id: node}`), `settings` (`{id: Settings}`, host removed), `learning` (the
+    Learning of `trained`, or None), `entering` (edges `(source, node)` from outside, `source`
+    a node id or `INPUT`) and `leaving` (edges `(node, destination)` to outside, `destination` a
+    node id or `LOSS`). `sources` are the distinct sources of its inputs, `exits` the distinct
+    nodes whose values leave; a Learning that `needs_target` is handed it under `TARGET`.
     """
 
     def __init__(

@@ -74,21 +74,17 @@ class Trainer:
         t.fit(data, epochs=10)
 
     `objective(output, target)` gives the loss; a batch is `(input, target)`. The optimizer is
-    the caller's. `trains={node: Learning}` puts a trainer beside a node (its weights come out
-    of this optimizer: `parameters(g, without=trains)`). `every` is how many steps go into one
-    update and `micro` how many pieces one batch is cut into; they multiply. `store` (a Store
-    or a directory) makes a settled `.cached()` prefix run once per batch. `broker` says where
+    the caller's, and may hold a subset of the graph's parameters (the rest are not trained).
+    `trains={node: Learning}` puts a trainer beside a node (its weights come out of this
+    optimizer: `parameters(g, without=trains)`). `every` is how many steps go into one update and
+    `micro` how many pieces one batch is cut into; they multiply. `store` (a Store or a
+    directory) makes a settled `.cached()` prefix run once per batch. `broker` says where
     `.at(host)` nodes run. `watching` is told every fact (the engine's, `loss`, `updated`, and
-    with `auditing=` an Audit or True, `health`, told when the update the measured step's
-    gradient went into is made, before `updated`); one with a `flush()` is flushed after each
-    step. In a notebook, an audited `fit` draws itself: a `LiveAudit` is shown and kept as
-    `t.live`, unless one is already among the watchers. `parallel="ddp"` (or `"fsdp"`), in a
-    script torchrun starts once per rank, trains data-parallel (somatize.torch.training.parallel):
-    each rank steps on its own data, rank 0 tells the facts.
-
-    The optimizer may hold a subset of the graph's parameters: the rest are not trained, as
-    in torch. A parameter that got no gradient in a step is skipped by it, as torch's
-    optimizers skip a None grad; a node none of whose held parameters got one is `NoGradient`.
+    with `auditing=` an Audit or True, `health`, told before the `updated` of the update the
+    measured step went into); one with a `flush()` is flushed after each step. In a notebook an
+    audited `fit` shows a `LiveAudit`, kept as `t.live`, unless one is already watching.
+    `parallel="ddp"` (or `"fsdp"`), in a script torchrun starts once per rank, trains
+    data-parallel: each rank steps on its own data, rank 0 tells the facts.
 
     Refused, each saying what to do: a graph with no parameter to train; `trains` naming no
     node, a node with no parameters, or holding no Learning; a node both frozen and trained;
@@ -179,14 +175,11 @@ class Trainer:
 
     # -- training -------------------------------------------------------------------------
     def step(self, batch: Batch) -> float:
-        """One step: forward, loss, backward, and update when the group closes.
-
-        Returns the loss of the whole batch (the mean over `micro` pieces); it is divided by
-        `every * micro` for the backward pass only. An `Opaque` anywhere in the batch is taken
-        off first. Raises `NoGradient` before the optimizer moves if a node it holds parameters
-        of got no gradient at all; with `micro` > 1, an input and a target whose first
-        dimensions differ are refused before anything runs.
-        """
+        """One step: forward, loss, backward, and update when the group closes; answers the loss
+        of the whole batch (the mean over `micro` pieces; divided by `every * micro` for the
+        backward only). An `Opaque` in the batch is taken off first. Refused: an input and a target
+        whose first dimensions differ under `micro` > 1, before anything runs; `NoGradient` before
+        the optimizer moves if a node it holds parameters of got no gradient at all."""
         x, y = _checks.pair_of(unwrap(batch))
         micro = self.micro
         xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
@@ -301,13 +294,9 @@ class Trainer:
         return True
 
     def fit(self, data: Iterable[Batch], epochs: int = 1) -> Result:
-        """Takes one step per batch, for as many epochs as you say, and applies a group left
-        half open at the end of each epoch.
-
-        `data` is walked once per epoch, so with more than one it has to be re-iterable (a
-        generator is refused). A progress bar shows when a person is watching (a notebook or
-        a terminal), and not otherwise.
-        """
+        """Takes one step per batch, for as many epochs as you say, and applies a group left half
+        open at the end of each; `data` is walked once per epoch, so with more than one it has to be
+        re-iterable (a generator is refused). A progress bar shows when a person is watching."""
         if type(epochs) is not int or epochs < 0:
             raise ValueError(
                 f"epochs is how many times to walk the data, an int >= 0, not {epochs!r}"
@@ -352,13 +341,9 @@ class Trainer:
 
     # -- weights --------------------------------------------------------------------------
     def export(self) -> Weights:
-        """What this run learnt: `{node id: {state_dict key: tensor}}`, buffers included.
-
-        A detached copy, so the next step does not move it under whoever holds it; the
-        optimizer's state is not in it. A node that runs on another host is asked of its
-        worker (through the broker), which holds the weights it learnt there; a worker that
-        lost them (it was restarted) is `StateLost`, never weights older than what it learnt.
-        """
+        """What this run learnt: `{node id: {state_dict key: tensor}}`, buffers included, a
+        detached copy without the optimizer's state. A node on another host is asked of its worker;
+        one that lost them (it was restarted) is `StateLost`, never weights older than it learnt."""
         out: Weights = {}
         for nid in self.graph.nodes():
             if self.graph.setting(nid).host:
@@ -374,10 +359,9 @@ class Trainer:
 
     def load(self, weights: Weights) -> None:
         """The mirror of `export`, all or nothing: every node named has to be here and hold
-        weights, and every key given has to be one of its keys with the same shape (a subset
-        of them is fine, as `load_state_dict(strict=False)` takes; they are cast to the node's
-        dtype). Everything is checked and copied aside first, on every worker of a node that
-        runs elsewhere too, and only then copied in everywhere; a refusal, or a worker that
+        weights, and every key given has to be one of its keys with the same shape (a subset is
+        fine, as `load_state_dict(strict=False)` takes; cast to the node's dtype). All is checked
+        and copied aside first, on workers too, and only then copied in; a refusal, or a worker that
         dies on the way, leaves every weight as it was."""
         if self._parallel is not None:  # rank 0's weights, on every rank
             weights = self._parallel.incoming(self.graph, weights)
@@ -420,8 +404,8 @@ class Trainer:
             commit()
 
     def close(self) -> None:
-        """Takes the audit's hooks off and stops auditing (done too when the Trainer is
-        garbage); training goes on without it."""
+        """Takes the audit's hooks off and stops auditing (done too when the Trainer is garbage);
+        training goes on without it."""
         if self._health:  # facts still waiting for an update that did not come
             self._tell(*self._health)
             self._health = []
