@@ -171,14 +171,12 @@ class Held:
 
 
 @contextlib.contextmanager
-def untouched(
-    modules: list[nn.Module], *, seed: int | None = 0, reads: str | None = None
-) -> Iterator[Held]:
+def untouched(modules: list[nn.Module], *, reads: str | None = None) -> Iterator[Held]:
     """Whatever happens inside, the modules come out exactly as they went in.
 
     Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
-    buffers, `inplace` flags, and the global random state. With `seed`, the global generator
-    is seeded inside, so a dropout draws the same masks every call. A net holding a lazy
+    buffers, `inplace` flags, and the global random state. Inside, the global generator is
+    seeded with 0, so a dropout draws the same masks every call. A net holding a lazy
     module's weights not made yet, or a compiled module, is refused (`Held.refuse`; with
     `reads`, a net on the meta device too). It gives what the modules hold (`Held`), for
     whoever wants to change it in the meantime.
@@ -191,12 +189,11 @@ def untouched(
     buffers = [(m, name, b, b.detach().clone()) for m, name, b in held.buffers]
     rng = torch.get_rng_state()
     try:
-        if seed is not None:
-            # the CPU generator only (what is put back); an accelerator already in use is
-            # seeded too, as torch.manual_seed would, without paying for every backend
-            torch.default_generator.manual_seed(seed)
-            if torch.cuda.is_initialized():
-                torch.cuda.manual_seed_all(seed)
+        # the CPU generator (what is put back); an accelerator already in use is seeded too,
+        # as torch.manual_seed would, without paying for every backend
+        torch.default_generator.manual_seed(0)
+        if torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(0)
         yield held
     finally:
         torch.set_rng_state(rng)

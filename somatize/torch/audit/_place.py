@@ -122,9 +122,7 @@ class Place:
             tensors += sums
         tensors += self.out_grads
         if self.activity:
-            act = (
-                self.activity[0] if len(self.activity) == 1 else torch.stack(self.activity).mean(0)
-            )
+            act = _mean(self.activity)
             if self.alive and self.alive[0].shape != act.shape:
                 self.alive.clear()  # the place changed width: its window starts again
             self.alive.append(act > _DEAD_EPS)
@@ -132,7 +130,7 @@ class Place:
             self._channels = act.numel()
             tensors += [torch.count_nonzero(~alive), _under(act)]
         if self.in_grads:
-            g = self.in_grads[0] if len(self.in_grads) == 1 else torch.stack(self.in_grads).mean(0)
+            g = _mean(self.in_grads)
             self._inputs = g.numel()
             tensors.append(_under(g))
 
@@ -243,6 +241,10 @@ class Place:
                 )
             best = max(best, cka(rows[:, a], rows[:, b]))
         return best
+
+
+def _mean(per_call: list[torch.Tensor]) -> torch.Tensor:
+    return per_call[0] if len(per_call) == 1 else torch.stack(per_call).mean(0)
 
 
 def _under(per_channel: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ kept.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterable, Mapping
@@ -201,7 +202,7 @@ class Audit:
             self._tap.live = measuring
         if measuring and not self._handles:
             self._handles = [
-                m.register_forward_hook(self._module_hook(place), with_kwargs=True)
+                m.register_forward_hook(functools.partial(self._heard, place), with_kwargs=True)
                 for m, place in self._inner
             ]
         elif not measuring and self._handles:
@@ -215,11 +216,8 @@ class Audit:
         if place is not None:
             self._saw(place, input, out)
 
-    def _module_hook(self, place: Place) -> Any:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            self._saw(place, (args, kwargs), out)
-
-        return hook
+    def _heard(self, place: Place, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        self._saw(place, (args, kwargs), out)
 
     def _saw(self, place: Place, input: Any, out: Any) -> None:
         if self._measuring and torch.is_grad_enabled():

@@ -74,10 +74,8 @@ class Calls:
 
     def arm(self) -> Calls:
         """A pre- and a post-hook on every drawn module, once per module object."""
-        root = self.opening.root
-        drawn = self.opening.drawn() if parts_of(root) else [("", root, True)]
         aliases: dict[int, tuple[nn.Module, list[tuple[str, bool]]]] = {}  # by module object
-        for path, module, shut in drawn:
+        for path, module, shut in self.opening.drawn():
             aliases.setdefault(id(module), (module, []))[1].append((path, shut))
         tied = any(len(paths) > 1 for _, paths in aliases.values())
         for module, paths in aliases.values():

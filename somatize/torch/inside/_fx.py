@@ -86,26 +86,20 @@ def by_fx(
             block = next(reversed(within), None)
             made[n] = function_layer(opening, out, block, n.target, counts)
             made[n].within = within
-    producers: dict[fx.Node, set[str]] = {}
-
-    def produced_by(n: fx.Node) -> set[str]:
-        if n in made:
-            return {made[n].path}
-        if n not in producers:
-            producers[n] = set()
-            producers[n] = {p for i in n.all_input_nodes for p in produced_by(i)}
-        return producers[n]
-
+    producers: dict[fx.Node, set[str]] = {}  # the layers that made each node's value
+    for n in graph.nodes:  # (in order: a node's inputs come before it)
+        inputs = (p for i in n.all_input_nodes for p in producers[i])
+        producers[n] = {made[n].path} if n in made else set(inputs)
     edges: dict[tuple[str, str], None] = {}
     for n, layer in made.items():
         if layer.shape is None and n in values:
             layer.shape = shape_of(values[n])
         for i in n.all_input_nodes:
-            for p in sorted(produced_by(i)):
+            for p in sorted(producers[i]):
                 if p != layer.path:
                     edges[(p, layer.path)] = None
     out.edges = list(edges)
-    ends = {p for n in graph.nodes if n.op == "output" for p in produced_by(n)}
+    ends = {p for n in graph.nodes if n.op == "output" for p in producers[n]}
     ordered(out, [made[n].path for n in graph.nodes if n in made])
     prune(out, ends)
     return out
@@ -123,14 +117,14 @@ def _values(
     """What every node of the fx graph holds on these arguments; a submodule's value is taken
     from what it gave back in the graph's run when that was recorded, not run again."""
     env: dict[fx.Node, Any] = {}
-    given = iter(args)
+    given = list(args)
     taken: dict[str, int] = {}
     for n in graph.nodes:
         if n.op == "placeholder":
-            name = str(n.target).lstrip("*")
-            value = next(given, _MISSING)
-            if value is _MISSING:
-                value = kwargs.get(name, n.args[0] if n.args else None)
+            if given:
+                value = given.pop(0)
+            else:
+                value = kwargs.get(str(n.target).lstrip("*"), n.args[0] if n.args else None)
         elif n.op == "output":
             break
         else:
@@ -148,6 +142,3 @@ def _values(
                 value = getattr(a[0], n.target)(*a[1:], **k)
         env[n] = value
     return env
-
-
-_MISSING = object()

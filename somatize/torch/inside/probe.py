@@ -102,8 +102,8 @@ class _Place:
         self.saturates = _saturation(modules)
         self.numbers: dict[str, Any] | None = None
         self.rows = 0
-        self.g_in: dict[int, Any] | None = None
-        self.g_out: dict[int, Any] | None = None
+        self.g_in: dict[int, Any] = {}  # by rows, as `_Tensors.grads` keeps them
+        self.g_out: dict[int, Any] = {}
 
     def saw(self, given: Any, made: Any, known: _Tensors) -> None:
         if self.numbers is not None:
@@ -123,8 +123,7 @@ class _Place:
 
     def answer(self) -> dict[str, Any]:
         n = dict(self.numbers or {})
-        g_in = self.g_in.get(self.rows) if self.g_in is not None else None
-        g_out = self.g_out.get(self.rows) if self.g_out is not None else None
+        g_in, g_out = self.g_in.get(self.rows), self.g_out.get(self.rows)
         if g_in is not None and g_out is not None:
             ratio = [a / b for a, b in zip(g_in, g_out, strict=True) if b > 0]
             if ratio:
@@ -227,7 +226,7 @@ def probe(
 
     modules = [r for r in roots.values() if r is not None]
     x = mapped(example, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
-    with untouched(modules, seed=0, reads="probe") as held, torch.enable_grad():
+    with untouched(modules, reads="probe") as held, torch.enable_grad():
         try:
             held.differentiable()
             for h in hooks:

@@ -52,7 +52,6 @@ from somatize.torch.inside.kinds import kind_of
 __all__ = ["EVERY", "proxy", "proxies"]
 
 _LOSS = frozenset({"snip", "grasp", "grad_norm", "fisher"})
-_SEED = 0
 _BN = nn.modules.batchnorm._BatchNorm
 
 
@@ -288,9 +287,9 @@ EVERY: tuple[str, ...] = tuple(_PROXIES)
 
 
 def _take(s: _Subject, example: Any, of: str, target: Any, objective: Any) -> float:
-    with untouched(s.modules, seed=_SEED), torch.enable_grad():
+    with untouched(s.modules), torch.enable_grad():
         s.quiet()
-        gen = torch.Generator().manual_seed(_SEED)
+        gen = torch.Generator().manual_seed(0)
         return _PROXIES[of](s, example, gen=gen, target=target, objective=objective)
 
 
