@@ -202,17 +202,14 @@ def _run_ids(store: Store) -> list[str]:
         found = _forward_of(name)
         if found is not None and (found[0] not in first or found[1] < first[found[0]][0]):
             first[found[0]] = (found[1], name)
-    when = {}
-    for run, (_, name) in first.items():
-        bound = store.resolve(name)
-        when[run] = bound.when if bound is not None else 0.0
+    when = {run: getattr(store.resolve(name), "when", 0.0) for run, (_, name) in first.items()}
     return sorted(first, key=lambda r: (when[r], r))
 
 
 def _bindings(store: Store, run: str) -> list[tuple[int, Any]]:
     """`(forward, Bound)` of every record of `run`, in order."""
-    found = [(_forward_of(b.name), b) for b in store.bound(f"run/{run}")]
-    return sorted(((f[1], b) for f, b in found if f is not None), key=lambda pair: pair[0])
+    found = [(f[1], b) for b in store.bound(f"run/{run}") if (f := _forward_of(b.name))]
+    return sorted(found, key=lambda pair: pair[0])
 
 
 def _when(seconds: list[float]) -> Any:
