@@ -30,12 +30,11 @@ def explanations() -> dict[str, dict[str, str]]:
     flag's family: {"metrics": ..., "flags": ..., "families": ...}."""
     from somatize import health
 
-    metrics = dict(health.METRICS)
-    names = [n for n in health.__all__ if isinstance(getattr(health, n), health.Flag)]
-    names += [n for n in ("DEAD_CHANNELS", "IGNORED_CHANNELS") if n in health.__all__]
-    flags, families = {}, {}
-    for name in names:
-        flag = f"{name}(1)" if name in ("DEAD_CHANNELS", "IGNORED_CHANNELS") else name
-        flags[name] = health.about(flag)
-        families[name] = health.family(flag)
-    return {"metrics": metrics, "flags": flags, "families": families}
+    said = {n: n for n in health.__all__ if isinstance(getattr(health, n), health.Flag)}
+    counted = ("DEAD_CHANNELS", "IGNORED_CHANNELS")  # flags with a count: said of one
+    said |= {n: f"{n}(1)" for n in counted if n in health.__all__}
+    return {
+        "metrics": dict(health.METRICS),
+        "flags": {n: health.about(flag) for n, flag in said.items()},
+        "families": {n: health.family(flag) for n, flag in said.items()},
+    }
