@@ -97,12 +97,8 @@ class Verdicts:
         where = where_of(fact)
         kept = self._kept.setdefault(where, {})
         for k, v in numbers_of(fact).items():
-            column = kept.get(k)
-            if column is None:
-                column = kept[k] = deque(maxlen=self.last)
-            column.append(v)
-        flags = verdict(_summaries(kept), self.thresholds)
-        self._flags[where] = flags
+            kept.setdefault(k, deque(maxlen=self.last)).append(v)
+        flags = self._flags[where] = verdict(_summaries(kept), self.thresholds)
         return flags
 
     def feed(self, facts: Iterable[Mapping[str, Any]]) -> Verdicts:

@@ -17,11 +17,9 @@ from typing import Any
 
 from somatize import _hooks
 from somatize.node import Node
-from somatize.remote.wire import Named
+from somatize.remote.wire import MOST_DEPTH, Named
 
 __all__ = ["Allowed", "version_of"]
-
-_MOST_DEPTH = 32
 
 
 def version_of(module: Any) -> str | None:
@@ -85,7 +83,7 @@ class Allowed:
     def resolved(self, value: Any, nid: Any, depth: int = 0) -> Any:
         """`value` with every `Named` in it (inside lists, tuples and dicts) replaced by the
         class it names, if this worker may build it; refused otherwise, naming it."""
-        if depth > _MOST_DEPTH:
+        if depth > MOST_DEPTH:
             raise ValueError(f"node {nid!r}: constructor arguments nested too deep")
         kind = type(value)
         if kind is Named:

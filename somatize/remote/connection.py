@@ -209,10 +209,11 @@ class Connection:
                     f"{self.where()} did not answer within the deadline of {deadline:.0f} s"
                 )
             child = self.worker.child
-            if child is not None and child.exited() is not None:
-                said = child.last_words()
+            code = child.process.poll() if child is not None else None
+            if code is not None:
+                said = "\n".join(child.printed)
                 raise WorkerLost(
-                    f"{self.where()} died (exit code {child.exited()}) during a request"
+                    f"{self.where()} died (exit code {code}) during a request"
                     + (f"; it said:\n{said}" if said else "")
                 )
 

@@ -40,25 +40,23 @@ class Slice:
 def cut(plan: Any) -> list[Slice]:
     """The plan's steps, in order, cut where the host changes."""
     slices: list[Slice] = []
-    hosts = plan.hosts
-    where = {}
+    where: dict[int, Slice] = {}  # slot: the slice that writes it
     for step in plan.steps:
         i, mode, src, _fn, ctx, _device = step
-        host = hosts.get(ctx.id)
+        host = plan.hosts.get(ctx.id)
         if not slices or slices[-1].host != host:
             slices.append(Slice(host))
-        here = slices[-1]
+        here = where[i] = slices[-1]
         here.steps.append(step)
-        where[i] = len(slices) - 1
         if mode == ROOT:
             here.roots = True
         for j in _sources(mode, src):
-            if where[j] != len(slices) - 1:
+            if where[j] is not here:
                 if j not in here.reads:
                     here.reads.append(j)
-                slices[where[j]].wanted.add(j)
+                where[j].wanted.add(j)
     for _, i in plan.leaves:
-        slices[where[i]].wanted.add(i)
+        where[i].wanted.add(i)
     return slices
 
 

@@ -52,7 +52,8 @@ def command_line(
 
 
 class Child:
-    """A spawned worker process: `address` once it is ready, stopped by `stop()`."""
+    """A spawned worker process: `address` once it is ready, `printed` the last lines of its
+    stderr, stopped by `stop()`."""
 
     def __init__(self, command: list[str], env: dict[str, str], ready_within: float) -> None:
         self.printed: collections.deque[str] = collections.deque(maxlen=40)
@@ -99,11 +100,10 @@ class Child:
     def _ready_line(self, within: float) -> str:
         stdout = self.process.stdout
         assert stdout is not None
-        sel = selectors.DefaultSelector()
-        sel.register(stdout, selectors.EVENT_READ)
         ends = time.monotonic() + within
         got = b""
-        try:
+        with stdout, selectors.DefaultSelector() as sel:
+            sel.register(stdout, selectors.EVENT_READ)
             while b"\n" not in got:
                 left = ends - time.monotonic()
                 if left <= 0:
@@ -116,9 +116,6 @@ class Child:
                 if not chunk:
                     break
                 got += chunk
-        finally:
-            sel.close()
-            stdout.close()
         if b"\n" not in got:  # its stdout closed: it is on its way out
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(5.0)
@@ -142,14 +139,6 @@ class Child:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(3)
-
-    def exited(self) -> int | None:
-        """Its exit code once it has exited, else None."""
-        return self.process.poll()
-
-    def last_words(self) -> str:
-        """What it printed last on stderr."""
-        return "\n".join(self.printed)
 
 
 @atexit.register
