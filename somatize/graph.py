@@ -296,12 +296,11 @@ class Graph:
         is settled (`somatize.torch.freeze`, or a Trainer, has stopped every parameter it holds
         asking for a gradient), `None` until then and for a node that holds no state."""
         _hooks.ready()
-        found: dict[str, str | None] = {}
-        for n in self._order:
-            if self._settings[n].frozen:
-                node = self._impl[n]
-                found[n] = None if _hooks.trainable(node) else _hooks.state_digest(node)
-        return found
+        return {
+            n: None if _hooks.trainable(node) else _hooks.state_digest(node)
+            for n, node in self._impl.items()
+            if self._settings[n].frozen
+        }
 
     def cached(self) -> dict[str, Any]:
         """`{id: salt}` for every cached node."""
@@ -368,14 +367,8 @@ class Graph:
         for k, n in enumerate(data["order"]):
             d = by_id[n]
             src = ", ".join(d["predecessors"]) or "input"
-            marks = [
-                f"on {d['device']}" if d["device"] else "",
-                f"at {d['host']}" if d["host"] else "",
-                "frozen" if d["frozen"] else "",
-                "cached" if d["cached"] else "",
-                "mapped" if d["mapped"] else "",
-            ]
-            mark = " ".join(m for m in marks if m)
+            marks = [f"{k} {d[key]}" for k, key in (("on", "device"), ("at", "host")) if d[key]]
+            mark = " ".join(marks + [m for m in ("frozen", "cached", "mapped") if d[m]])
             lines.append(f"{k:>3}. {n} ({d['kind']}) <- {src}" + (f"  [{mark}]" if mark else ""))
         lines.append("returns " + ", ".join(data["leaves"]))
         return "\n".join(lines)

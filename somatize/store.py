@@ -237,13 +237,9 @@ class Store:
     def bound(self, prefix: str | None = None) -> list[Bound]:
         """Every binding in the store, by name; with `prefix` (a name such as `"run/r1"`)
         only that name and the names below it. Raises `CorruptBinding` on an unreadable one."""
-        found: list[Bound] = []
-        for name, path in self._bindings(prefix):
-            data = self._place.read(path)
-            if data is not None:
-                found.append(self._read_binding(name, path, data))
-        found.sort(key=lambda b: b.name)
-        return found
+        read = ((name, path, self._place.read(path)) for name, path in self._bindings(prefix))
+        found = [self._read_binding(n, p, data) for n, p, data in read if data is not None]
+        return sorted(found, key=lambda b: b.name)
 
     def _bindings(self, prefix: str | None) -> list[tuple[str, str]]:
         """`(name, path)` of every binding file under `prefix` (all of them for None)."""
