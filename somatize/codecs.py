@@ -136,8 +136,11 @@ def _codec_for(value: Any) -> _Codec | None:
     _hooks.ready()
     if _hooks.late_codecs():  # a library loaded since: ask again
         return _codec_for(value)
-    if "numpy" in sys.modules:
-        return _numpy_codec(value)
+    if "numpy" in sys.modules:  # numpy's arrays and scalars, once numpy is loaded
+        import numpy as np
+
+        if isinstance(value, (np.ndarray, np.generic)) and value.dtype != object:
+            return _Codec("numpy", type(value), _numpy_dump, _numpy_load)
     return None
 
 
@@ -331,15 +334,7 @@ def digest(data: bytes) -> str:
 
 
 # numpy is a dependency of the package but not of `import somatize`: its arrays and scalars
-# are written with numpy's own .npy format (allow_pickle=False), and only once numpy is loaded.
-def _numpy_codec(value: Any) -> _Codec | None:
-    import numpy as np
-
-    if isinstance(value, (np.ndarray, np.generic)) and value.dtype != object:
-        return _Codec("numpy", type(value), _numpy_dump, _numpy_load)
-    return None
-
-
+# are written with numpy's own .npy format (allow_pickle=False).
 def _numpy_dump(value: Any) -> bytes:
     import numpy as np
 

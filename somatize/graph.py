@@ -58,7 +58,6 @@ class Graph:
     """
 
     def __init__(self) -> None:
-        self._order: list[str] = []
         self._impl: dict[str, Node] = {}
         self._settings: dict[str, Settings] = {}
         self._succ: dict[str, list[str]] = {}
@@ -158,7 +157,6 @@ class Graph:
             )
         if settings.device is not None and settings.host is None:  # else placed on its worker
             _place(nid, node, settings.device)
-        self._order.append(nid)
         self._impl[nid] = node
         self._settings[nid] = settings
         self._succ[nid] = []
@@ -184,7 +182,7 @@ class Graph:
         """Add the edge a → b. An unknown id, or an edge that would close a cycle, is refused."""
         for end in (a, b):
             if end not in self._impl:
-                raise ValueError(f"no node {end!r} in this graph; it has {self._order}")
+                raise ValueError(f"no node {end!r} in this graph; it has {list(self._impl)}")
         if b in self._succ[a]:
             return
         if a == b or self._reaches(b, a):
@@ -235,7 +233,7 @@ class Graph:
     # -- reading it back ------------------------------------------------------------------
     def nodes(self) -> list[str]:
         """Node ids, in declaration order."""
-        return list(self._order)
+        return list(self._impl)
 
     def edges(self) -> list[tuple[str, str]]:
         """Edges as (from, to) pairs, in the order they were added."""
@@ -243,11 +241,11 @@ class Graph:
 
     def roots(self) -> list[str]:
         """Nodes with no predecessor: each receives the graph's input."""
-        return [n for n in self._order if not self._pred[n]]
+        return [n for n in self._impl if not self._pred[n]]
 
     def leaves(self) -> list[str]:
         """Nodes with no successor: what the graph returns."""
-        return [n for n in self._order if not self._succ[n]]
+        return [n for n in self._impl if not self._succ[n]]
 
     def predecessors(self, id: str) -> list[str]:
         """The nodes feeding `id`, in the order their edges were added."""
@@ -259,9 +257,9 @@ class Graph:
 
     def topological_sort(self) -> list[str]:
         """Every node after all of its predecessors; ties kept in declaration order."""
-        waiting = {n: len(self._pred[n]) for n in self._order}
-        rank = {n: i for i, n in enumerate(self._order)}
-        ready = [(rank[n], n) for n in self._order if waiting[n] == 0]
+        waiting = {n: len(self._pred[n]) for n in self._impl}
+        rank = {n: i for i, n in enumerate(self._impl)}
+        ready = [(rank[n], n) for n in self._impl if waiting[n] == 0]
         heapq.heapify(ready)
         out: list[str] = []
         while ready:
@@ -304,27 +302,27 @@ class Graph:
 
     def cached(self) -> dict[str, Any]:
         """`{id: salt}` for every cached node."""
-        return {n: self._settings[n].salt for n in self._order if self._settings[n].cached}
+        return {n: self._settings[n].salt for n in self._impl if self._settings[n].cached}
 
     def mapped_nodes(self) -> list[str]:
         """The nodes that map over the items of a list."""
-        return [n for n in self._order if self._settings[n].mapped]
+        return [n for n in self._impl if self._settings[n].mapped]
 
     def __len__(self) -> int:
-        return len(self._order)
+        return len(self._impl)
 
     def __contains__(self, id: object) -> bool:
         return id in self._impl
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._order)
+        return iter(list(self._impl))
 
     def __repr__(self) -> str:
-        return f"Graph({len(self._order)} nodes, {len(self._edges)} edges)"
+        return f"Graph({len(self._impl)} nodes, {len(self._edges)} edges)"
 
     def _known(self, id: str) -> str:
         if id not in self._impl:
-            raise KeyError(f"no node {id!r} in this graph; it has {self._order}")
+            raise KeyError(f"no node {id!r} in this graph; it has {list(self._impl)}")
         return id
 
     # -- the plan ---------------------------------------------------------------------------
@@ -333,7 +331,7 @@ class Graph:
         order = self.topological_sort()
         step = {n: k for k, n in enumerate(order)}
         nodes = []
-        for n in self._order:
+        for n in self._impl:
             s = self._settings[n]
             nodes.append(
                 {

@@ -47,10 +47,6 @@ Summariser = Callable[[list[dict[str, Any]]], Mapping[str, Any]]
 """What `summarising=` may be besides fact names: the facts of a forward in, extra meta out."""
 
 
-def _fresh_run() -> str:
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-
-
 def _check_run(run: str) -> str:
     if not isinstance(run, str) or not run or "/" in run or run in (".", ".."):
         raise ValueError(f"a run is a non-empty name without '/', not {run!r}")
@@ -106,7 +102,9 @@ class Recorder:
     ) -> None:
         self.summarising = _summariser(summarising)
         self.store = store_of(store)
-        self.run = _check_run(run) if run is not None else _fresh_run()
+        if run is None:  # a fresh time-based id
+            run = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+        self.run = _check_run(run)
         self._lock = threading.Lock()
         self._forward = 0
         self._facts: list[dict[str, Any]] = []

@@ -58,7 +58,7 @@ class Bound:
         return dict(self.meta).get(key, default)
 
 
-def _segments(name: str) -> list[str]:
+def _name_path(name: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"a store name is a str, not {type(name).__name__}: {name!r}")
     if not name:
@@ -71,7 +71,10 @@ def _segments(name: str) -> list[str]:
             raise ValueError(f"store name {name!r} has an empty segment (a '//' or a trailing '/')")
         if part in (".", ".."):
             raise ValueError(f"store name {name!r} has a {part!r} segment; names cannot climb")
-    return parts
+    path = "names/" + "/".join(_escape(p) for p in parts) + "/" + _BIND
+    if len(path) > 1000:  # S3 keys stop at 1024 bytes, and many paths at 4096
+        raise ValueError(f"store name {name[:40]!r}... is too long ({len(path)} bytes escaped)")
+    return path
 
 
 def _escape(part: str) -> str:
@@ -81,13 +84,6 @@ def _escape(part: str) -> str:
     if len(safe.encode()) > 200:
         raise ValueError(f"store name segment {part[:40]!r}... is too long for a file name")
     return safe
-
-
-def _name_path(name: str) -> str:
-    path = "names/" + "/".join(_escape(p) for p in _segments(name)) + "/" + _BIND
-    if len(path) > 1000:  # S3 keys stop at 1024 bytes, and many paths at 4096
-        raise ValueError(f"store name {name[:40]!r}... is too long ({len(path)} bytes escaped)")
-    return path
 
 
 def _meta_pairs(meta: Any, name: str) -> list[tuple[str, Any]]:
