@@ -100,7 +100,7 @@ def accuracy(g: Graph, batches: list) -> float:
     return right / sum(len(y) for _, y in batches)
 
 
-def cached_runs(store: Store, where: str) -> None:
+def cached_runs(store: Store) -> None:
     """The main job: the graph run twice against a store, the second from the cache."""
     from somatize.torch import freeze
 
@@ -114,17 +114,16 @@ def cached_runs(store: Store, where: str) -> None:
         said: list[dict] = []
         y = g.forward(x, store=store, watching=[rec, said.append])
         cache = {f["node"]: f["cache"] for f in said if f["fact"] == "ran" and "cache" in f}
-        hits = [n for n, c in cache.items() if c == "hit"]
         print(
             f"run {k}: output {tuple(y.shape)}, cached nodes: "
             + ", ".join(f"{n}={c}" for n, c in cache.items())
-            + ("  -> all cache hits" if len(hits) == len(cache) else "")
+            + ("  -> all cache hits" if all(c == "hit" for c in cache.values()) else "")
         )
     rec.close()
     f, n = g.implementation("features"), g.implementation("normalise")
     print(f"features computed {f.calls} time(s), normalise {n.calls} time(s) over 2 runs")
     print()
-    print(f"recorded timings (µs), store at {where}:")
+    print(f"recorded timings (µs), store at {store.where}:")
     print(timings(store, "demo").to_string(index=False))
 
 
@@ -193,8 +192,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     began = time.perf_counter()
     torch.set_num_threads(1)  # tensors this small only wait on a second thread
-    where = args.store or tempfile.mkdtemp(prefix="somatize-demo-")
-    cached_runs(Store(where), where)
+    cached_runs(Store(args.store or tempfile.mkdtemp(prefix="somatize-demo-")))
     drawn = figures()
     write_page(drawn, args.out)
     print()
