@@ -54,23 +54,21 @@ class _Placed:
                     if at is not None:
                         fixed[k] = item.u + at
                 free = [k for k in ks if k not in fixed]
-                slots = list(dict.fromkeys((pairs[k][0], pairs[k][1]) for k in free))
+                slots = list(dict.fromkeys(pairs[k][:2] for k in free))
                 slots.sort(key=lambda p: self.paths[p][1 if far else -2].u)
                 width = min(item.span * 0.6, 12.0 * (len(slots) - 1))
                 at = {
                     p: item.u + (width * (n / (len(slots) - 1) - 0.5) if len(slots) > 1 else 0.0)
                     for n, p in enumerate(slots)
                 }
-                for k in free:
-                    into[k] = at[(pairs[k][0], pairs[k][1])]
+                into.update({k: at[pairs[k][:2]] for k in free})
                 into.update(fixed)
         out = []
         lanes: dict[tuple[int, int], list[tuple[str, str]]] = {}  # who crosses each gap
         for k, (a, b, _, _) in enumerate(pairs):
             chain = self.paths[(a, b)]
-            way: list[tuple[float, float, bool]] = []
             first, last = chain[0], chain[-1]
-            way.append((start[k], first.v + first.depth, False))
+            way = [(start[k], first.v + first.depth, False)]
             prev = first
             for item in chain[1:]:
                 u = stop[k] if item is last else item.u
