@@ -17,12 +17,13 @@ a numpy header that promises more numbers than follow, and a codec whose `load` 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import math
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,9 +177,9 @@ def _default(value: Any) -> msgpack.ExtType:
     )
 
 
-def _deeper(reading: bool) -> int:
-    """Count one more level of nesting on this thread, refused past `DEPTH`; answers the
-    depth before it, for the caller to put back."""
+@contextlib.contextmanager
+def _deeper(reading: bool) -> Iterator[None]:
+    """One more level of nesting on this thread while inside, refused past `DEPTH`."""
     depth = _nesting.depth
     if depth > DEPTH:
         doing = "read back" if reading else "written down"
@@ -187,14 +188,16 @@ def _deeper(reading: bool) -> int:
             f"(somatize.codecs.DEPTH); flatten the value, or use lists, which nest without it"
         )
     _nesting.depth = depth + 1
-    return depth
+    try:
+        yield
+    finally:
+        _nesting.depth = depth
 
 
 def _pack(value: Any) -> bytes:
     """msgpack of `value` with this module's options. Refuses tuples nested past `DEPTH`
     (what `decode` would refuse to read back)."""
-    depth = _deeper(reading=False)
-    try:
+    with _deeper(reading=False):
         return msgpack.packb(
             value,
             default=_default,
@@ -202,8 +205,6 @@ def _pack(value: Any) -> bytes:
             use_bin_type=True,
             unicode_errors="surrogatepass",
         )
-    finally:
-        _nesting.depth = depth
 
 
 def _path_to(value: Any, bad: Any, path: str = "") -> str | None:
@@ -295,8 +296,7 @@ def _envelope(data: bytes) -> tuple[str, bytes]:
 def _unpack(data: Any) -> Any:
     """The value `_pack` wrote. Every call counts as one level of nesting on this thread,
     refused past `DEPTH`."""
-    depth = _deeper(reading=True)
-    try:
+    with _deeper(reading=True):
         return msgpack.unpackb(
             data,
             ext_hook=_ext_hook,
@@ -304,8 +304,6 @@ def _unpack(data: Any) -> Any:
             strict_map_key=False,
             unicode_errors="surrogatepass",
         )
-    finally:
-        _nesting.depth = depth
 
 
 def decode(data: bytes) -> Any:
