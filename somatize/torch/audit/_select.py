@@ -34,11 +34,10 @@ def _roots(held: Named, seen: set[int]) -> Named:
     out: Named = []
     for name, module in held:
         seen.add(id(module))
-        if name:
-            if not isinstance(module, nn.Identity):
-                out.append((name, module))
-        else:
+        if not name:
             out += _children("", module, seen)
+        elif not isinstance(module, nn.Identity):
+            out.append((name, module))
     return out
 
 

@@ -24,7 +24,6 @@ KINDS = (
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
-# (kind, base classes); checked in this order, so attention wins over "has children".
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
 _pool, _pad = nn.modules.pooling, nn.modules.padding
 _SHAPING = (
@@ -33,6 +32,7 @@ _SHAPING = (
     nn.ZeroPad2d, nn.Flatten, nn.Unflatten, nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle,
     nn.ChannelShuffle, nn.Fold, nn.Unfold, nn.Identity,
 )
+# (kind, base classes); checked in this order, so attention wins over "has children".
 _BY_CLASS: tuple[tuple[str, tuple[type, ...]], ...] = (
     ("attention", (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)),
     ("conv", (nn.modules.conv._ConvNd,)),
