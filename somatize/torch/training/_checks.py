@@ -176,12 +176,11 @@ def audit_of(auditing: Any) -> Any:
         from somatize.torch.audit.audit import Audit
 
         return Audit()
-    for method in ("watch", "observed", "moved", "release"):
-        if not callable(getattr(auditing, method, None)):
-            raise Unusable(
-                f"auditing= takes an Audit (or True for the default one), not "
-                f"{type(auditing).__name__}"
-            )
+    methods = ("watch", "observed", "moved", "release")
+    if not all(callable(getattr(auditing, m, None)) for m in methods):
+        raise Unusable(
+            f"auditing= takes an Audit (or True for the default one), not {type(auditing).__name__}"
+        )
     return auditing
 
 
