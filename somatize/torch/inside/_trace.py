@@ -197,8 +197,7 @@ def function_layer(
     n = counts.get(key, 0)
     counts[key] = n + 1
     path = key if n == 0 else f"{key}_{n}"
-    layer = Raw(path, kind_of(name), name, None, 0, block, function=True)
-    out.layers[path] = layer
+    out.layers[path] = layer = Raw(path, kind_of(name), name, None, 0, block, function=True)
     return layer
 
 
@@ -206,14 +205,11 @@ def prune(out: Traced, ends: set[str]) -> None:
     """Take off the functions whose result reaches nothing drawn and is not what the module
     gave back: a number read for a decision (`x.mean() > 0`) is not a layer of the net."""
     while True:
-        feeding = {a for a, _ in out.edges}
-        dead = {
-            p for p, x in out.layers.items() if x.function and p not in feeding and p not in ends
-        }
+        kept = {a for a, _ in out.edges} | ends  # what feeds a layer, and what was given back
+        dead = {p for p, x in out.layers.items() if x.function and p not in kept}
         if not dead:
             return
-        for p in dead:
-            del out.layers[p]
+        out.layers = {p: x for p, x in out.layers.items() if p not in dead}
         out.edges = [(a, b) for a, b in out.edges if a not in dead and b not in dead]
 
 
@@ -227,11 +223,8 @@ def ordered(out: Traced, order: list[str]) -> None:
         while block is not None and block not in ranked:
             chain.append(block)
             block = out.layers[block].block
-        for b in reversed(chain):
-            ranked[b] = None
-        ranked[path] = None
-    for p in out.layers:
-        ranked.setdefault(p, None)
+        ranked.update(dict.fromkeys([*reversed(chain), path]))
+    ranked.update(dict.fromkeys(out.layers))  # (the rest after, in their order)
     out.layers = {p: out.layers[p] for p in ranked}
     for path in reversed(order):
         shape = out.layers[path].shape

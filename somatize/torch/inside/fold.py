@@ -5,6 +5,7 @@ Both work on the raw answer of a tracer (`somatize.torch._trace.Traced`) and kee
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -67,23 +68,16 @@ def fold(traced: Traced) -> tuple[dict[str, Folded], list[tuple[str, str]]]:
     while queue:
         parent = queue.pop(0)
         kids = _children(layers)
-        edge_set = set(edges)
-        memo: dict = {}
+        sig = functools.partial(_signature, layers=layers, kids=kids, edges=set(edges), memo={})
         siblings = kids.get(parent, [])
         i = 0
         while i < len(siblings):
-            first = siblings[i]
-            j = i + 1
-            if not layers[first].raw.composite and not kids.get(first):
-                i += 1
-                continue
-            sig = _signature(first, layers, kids, edge_set, memo)
-            while (
-                j < len(siblings) and _signature(siblings[j], layers, kids, edge_set, memo) == sig
-            ):
-                j += 1
-            if j - i >= 2:
-                edges = _fold_run(layers, kids, edges, siblings[i:j])
+            first, j = siblings[i], i + 1
+            if layers[first].raw.composite or kids.get(first):  # a block: fold its run of twins
+                while j < len(siblings) and sig(siblings[j]) == sig(first):
+                    j += 1
+                if j - i >= 2:
+                    edges = _fold_run(layers, kids, edges, siblings[i:j])
             i = j
         kids = _children(layers)
         queue.extend(c for c in kids.get(parent, []) if kids.get(c))

@@ -264,10 +264,8 @@ def _fisher(s: _Subject, example: Any, *, target: Any, objective: Callable, **_:
         if g is None:
             continue
         d = (a * g).double()
-        if conv and d.dim() > 2:
-            d = d.sum(dim=list(range(2, d.dim())))
-        elif d.dim() > 2:
-            d = d.sum(dim=list(range(1, d.dim() - 1)))
+        if d.dim() > 2:  # summed over positions: after a conv's channels, before features
+            d = d.sum(dim=list(range(2, d.dim()) if conv else range(1, d.dim() - 1)))
         total += float(0.5 * d.detach().pow(2).mean(0).sum())
     return _log(total)
 
