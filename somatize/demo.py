@@ -30,7 +30,9 @@ class Features(Node, nn.Module):
         nn.Module.__init__(self)
         g = torch.Generator().manual_seed(seed)
         self.proj = nn.Linear(8, width)
-        self.mix = nn.Sequential(nn.Conv1d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv1d(4, 1, 3, padding=1))
+        self.mix = nn.Sequential(
+            nn.Conv1d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv1d(4, 1, 3, padding=1)
+        )
         with torch.no_grad():
             self.proj.weight.copy_(torch.randn(width, 8, generator=g))
             self.proj.bias.zero_()
