@@ -18,7 +18,6 @@ from somatize.figures._svg import (
     FONT,
     INK,
     LINE,
-    MUTED,
     Scale,
     colour_bar,
     esc,
@@ -26,6 +25,7 @@ from somatize.figures._svg import (
     fits,
     lines,
     number,
+    svg_text,
     text_width,
     tick_labels,
     ticks,
@@ -98,17 +98,14 @@ def picture(
         return x0 + (k + 0.5) * cw
 
     y = 8.0
-    out.append(f'<text x="8" y="{y + 12:.1f}" font-size="13" font-weight="700" fill="{INK}">{esc(title)}</text>')
+    out.append(svg_text("8", y + 12, title, 13, INK, bold=True))
     about = explain.get("metrics", {}).get(metric, "")
     at = 8 + text_width(title, 13, True) + 14
-    out.append(
-        f'<text x="{at:.1f}" y="{y + 12:.1f}" font-size="11" font-weight="700" fill="{INK}">'
-        f"{esc(metric or 'no metric yet')}</text>"
-    )
+    out.append(svg_text(at, y + 12, metric or "no metric yet", fill=INK, bold=True))
     at += text_width(metric or "no metric yet", 11, True) + 10
     said = lines(about, width - at - 8) if about else []
     for k, line in enumerate(said):
-        out.append(f'<text x="{at:.1f}" y="{y + 12 + 14 * k:.1f}" font-size="11" fill="{MUTED}">{esc(line)}</text>')
+        out.append(svg_text(at, y + 12 + 14 * k, line))
     y += 24 + 14 * max(0, len(said) - 1)
     # the loss plot ends where the columns do, so its curves fill it; its labels go after it
     ends = x0 + len(bins) * cw if bins else x1
@@ -130,10 +127,8 @@ def picture(
         ry = top + n * ROW
         place = history.runs[run].places[where]
         name = fits(where, label_w - 14 - (14 if many else 0), 11)
-        out.append(
-            f'<text x="{label_w - 6:.1f}" y="{ry + 10:.1f}" font-size="11" fill="{INK}" '
-            f'text-anchor="end">{esc(name)}<title>{esc(where)}{" (" + run + ")" if many else ""}</title></text>'
-        )
+        tip = f"{where} ({run})" if many else where
+        out.append(svg_text(label_w - 6, ry + 10, name, fill=INK, anchor="end", title=tip))
         if many:
             colour = RUN_COLOURS[runs.index(run) % len(RUN_COLOURS)]
             out.append(f'<rect x="{label_w - 4:.1f}" y="{ry + 1:.1f}" width="3" height="10" fill="{colour}"/>')
@@ -167,21 +162,21 @@ def picture(
         if raised:
             text = ", ".join(f"{f} ×{c}" for f, c in raised.most_common(2))
             colour = FAMILY_COLOURS[_family(max(raised, key=raised.get), explain)]
-            out.append(f'<text x="{ends + 6:.1f}" y="{ry + 10:.1f}" font-size="10" fill="{colour}">{esc(fits(text, width - ends - 8, 10))}</text>')
+            out.append(svg_text(ends + 6, ry + 10, fits(text, width - ends - 8, 10), 10, colour))
     for fill, paths in [*levels.items(), *marks.items()]:
         out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
     y = top + max(1, len(rows)) * ROW
     if not rows:
-        out.append(f'<text x="{x0 + 8:.1f}" y="{top + 11:.1f}" font-size="11" fill="#8a93a6">waiting for health facts…</text>')
+        out.append(svg_text(x0 + 8, top + 11, "waiting for health facts…", fill="#8a93a6"))
     if bins:
         out.append(f'<line x1="{x0:.1f}" x2="{x0 + len(bins) * cw:.1f}" y1="{y + 2:.1f}" y2="{y + 2:.1f}" stroke="{LINE}"/>')
         last_x = -1e9
         for t in ticks(bins[0][0], bins[-1][-1], 7, whole=True):
             tx = sx(min(steps, key=lambda s: abs(s - t)))
             if tx - last_x >= 36:  # labels that would touch are left out
-                out.append(f'<text x="{tx:.1f}" y="{y + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="middle">{esc(number(t))}</text>')
+                out.append(svg_text(tx, y + 14, number(t), 10, anchor="middle"))
                 last_x = tx
-        out.append(f'<text x="{x0 - 6:.1f}" y="{y + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">step</text>')
+        out.append(svg_text(x0 - 6, y + 14, "step", 10, anchor="end"))
     y += 26
     y = _legend(out, y, scale, metric, families, runs if many else [], explain, bool(values), width)
     head = (
@@ -204,14 +199,14 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
     every = [v for _, _, vs in series for v in vs if math.isfinite(v)]
     log = log and bool(every) and min(every) > 0
     out.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{x1 - x0:.1f}" height="{h:.1f}" fill="none" stroke="{LINE}"/>')
-    out.append(f'<text x="12" y="{y + h / 2 + 4:.1f}" font-size="11" font-weight="700" fill="{MUTED}">loss{" (log)" if log else ""}</text>')
+    out.append(svg_text("12", y + h / 2 + 4, "loss (log)" if log else "loss", bold=True))
     if not every:
-        out.append(f'<text x="{x0 + 8:.1f}" y="{y + 18:.1f}" font-size="11" fill="#8a93a6">no loss yet</text>')
+        out.append(svg_text(x0 + 8, y + 18, "no loss yet", fill="#8a93a6"))
         return y + h + 8
     lo, hi = min(every), max(every)
     note = flat_note(lo, hi, sum(every) / len(every)) if len(every) >= 10 else ""
     if note:
-        out.append(f'<text x="{x0 + 8:.1f}" y="{y + 14:.1f}" font-size="10" font-style="italic" fill="{MUTED}">{esc(note)}</text>')
+        out.append(svg_text(x0 + 8, y + 14, note, 10, italic=True))
     if lo == hi:
         lo, hi = (lo * 0.9, hi * 1.1) if log else (lo - 0.5, hi + 0.5)
     f = math.log10 if log else float
@@ -226,7 +221,7 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
     for t, label in zip(marks, tick_labels(marks), strict=True):
         ty = sy(t)
         out.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="{LINE}" stroke-dasharray="2 3"/>')
-        out.append(f'<text x="{x0 - 5:.1f}" y="{ty + 3.5:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">{esc(label)}</text>')
+        out.append(svg_text(x0 - 5, ty + 3.5, label, 10, anchor="end"))
     for n, (run, steps, values) in enumerate(series):
         colour = RUN_COLOURS[runs.index(run) % len(RUN_COLOURS)]
         stride = max(1, len(steps) // 1500)
@@ -240,7 +235,7 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
         last = values[-1]
         label = f"{run + ': ' if run else ''}step {steps[-1]}: {number(last)}"
         label = fits(label, width - x1 - 14, 10)
-        out.append(f'<text x="{x1 + 6:.1f}" y="{y + 12 + 13 * n:.1f}" font-size="10" fill="{colour}">{esc(label)}</text>')
+        out.append(svg_text(x1 + 6, y + 12 + 13 * n, label, 10, colour))
     return y + h + 8
 
 
@@ -271,6 +266,6 @@ def _legend(out, y, scale, metric, families, runs, explain, have, width) -> floa
             x, y = 12.0, y + 18
         lane = text.startswith("flag")
         out.append(f'<rect x="{x:.1f}" y="{y + (7 if lane else 0):.1f}" width="12" height="{3 if lane else 10}" fill="{colour}" stroke="{"#ced4da" if colour == ABSENT else "none"}"/>')
-        out.append(f'<text x="{x + 16:.1f}" y="{y + 9:.1f}" font-size="11" fill="{MUTED}">{esc(text)}</text>')
+        out.append(svg_text(x + 16, y + 9, text))
         x += w + 14
     return y + 20

@@ -20,6 +20,7 @@ from somatize.figures._svg import (
     esc,
     ink_on,
     number,
+    svg_text,
     text_width,
     viridis,
 )
@@ -116,8 +117,7 @@ class _Painter:
             return (
                 f'<g class="smz-group"{self.attrs(box)}>{self.tip(box)}'
                 f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="8" fill="none" '
-                f'stroke="#7d8799" stroke-dasharray="5 4"/>'
-                f'<text x="{x + 10:.1f}" y="{y + 15:.1f}" font-size="11" fill="{MUTED}">{esc(box.label)}</text></g>'
+                f'stroke="#7d8799" stroke-dasharray="5 4"/>{svg_text(x + 10, y + 15, box.label)}</g>'
             )
         if box.kind == "block":
             stack = ""
@@ -127,12 +127,13 @@ class _Painter:
                     f'height="{h:.1f}" rx="6" fill="none" stroke="{BLOCK}" stroke-opacity="0.35"/>'
                 )
             cls = "smz-block" + (" smz-foldable" if box.click else "")
+            label = svg_text(x + 8, y + 15, box.label, fill=BLOCK, bold=True,
+                             after=' class="smz-block-label"')
             return (
                 f'<g class="{cls}"{self.attrs(box)}>{self.tip(box)}{stack}'
                 f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="6" '
-                f'fill="rgba(138,111,209,0.06)" stroke="{BLOCK}" stroke-dasharray="4 3" stroke-width="1.2"/>'
-                f'<text x="{x + 8:.1f}" y="{y + 15:.1f}" font-size="11" font-weight="700" fill="{BLOCK}" '
-                f'class="smz-block-label">{esc(box.label)}</text></g>'
+                f'fill="rgba(138,111,209,0.06)" stroke="{BLOCK}" stroke-dasharray="4 3" '
+                f'stroke-width="1.2"/>{label}</g>'
             )
         return self.node(box)
 
@@ -142,16 +143,13 @@ class _Painter:
         frozen = box.marks.get("frozen")
         opened = bool(box.children)
         bg, ink = col if col else ("#f6f7fa", "#1f2430")
-        sub_ink = ink if col else MUTED
         cx, anchor = (x + 12, "start") if opened else (x + w / 2, "middle")
         parts = [
             f'<g class="smz-node{" smz-open" if opened else ""}"{self.attrs(box)}>{self.tip(box)}',
             f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="8" fill="{bg}" '
             f'stroke="{"#2a9fd6" if frozen else "#9aa3b5"}" stroke-width="{2 if frozen else 1.2}"/>',
-            f'<text class="smz-title" x="{cx:.1f}" y="{y + 19:.1f}" font-size="13" font-weight="700" '
-            f'fill="{ink}" text-anchor="{anchor}">{esc(box.label)}</text>',
-            f'<text x="{cx:.1f}" y="{y + 34:.1f}" font-size="11" fill="{sub_ink}" '
-            f'text-anchor="{anchor}">{esc(box.sub)}</text>',
+            svg_text(cx, y + 19, box.label, 13, ink, bold=True, anchor=anchor, cls="smz-title"),
+            svg_text(cx, y + 34, box.sub, fill=ink if col else MUTED, anchor=anchor),
         ]
         if box.pills:
             total = sum(pill_width(t) + 4 for _, t in box.pills) - 4
@@ -161,8 +159,7 @@ class _Painter:
                 parts.append(
                     f'<g class="smz-pill smz-pill-{kind}"><rect x="{px:.1f}" y="{y + 42:.1f}" '
                     f'width="{pw:.1f}" height="14" rx="7" fill="{PILLS[kind]}"/>'
-                    f'<text x="{px + pw / 2:.1f}" y="{y + 52.5:.1f}" font-size="9.5" font-weight="700" '
-                    f'fill="#fff" text-anchor="middle">{esc(text)}</text></g>'
+                    f'{svg_text(px + pw / 2, y + 52.5, text, 9.5, "#fff", bold=True, anchor="middle")}</g>'
                 )
                 px += pw + 4
         parts.append("</g>")
@@ -182,14 +179,11 @@ class _Painter:
         out = [
             f'<g class="smz-layer smz-kind-{box.family}"{self.attrs(box)} '
             f'transform="translate({box.x:.1f},{box.y:.1f})">{self.tip(box)}{fill}',
-            f'<text x="{box.w / 2:.1f}" y="{y0:.1f}" font-size="12" font-weight="700" fill="{ink}" '
-            f'text-anchor="middle">{esc(box.label)}</text>',
+            svg_text(box.w / 2, y0, box.label, 12, ink, bold=True, anchor="middle"),
         ]
         if box.sub:
-            out.append(
-                f'<text x="{box.w / 2:.1f}" y="30" font-size="10.5" font-style="italic" '
-                f'fill="{ink if col else MUTED}" text-anchor="middle">{esc(box.sub)}</text>'
-            )
+            sub_ink = ink if col else MUTED
+            out.append(svg_text(box.w / 2, "30", box.sub, 10.5, sub_ink, italic=True, anchor="middle"))
         out.append("</g>")
         return "".join(out)
 
@@ -238,10 +232,7 @@ class _Painter:
             if x + w > width and x > 12:
                 x, y = 12.0, y + 20
             out.append(mark.format(x=f"{x:.1f}", y=f"{y:.1f}", my=f"{y + 7:.1f}"))
-            out.append(
-                f'<text x="{x + 30:.1f}" y="{y + 11:.1f}" font-size="11" fill="{MUTED}">'
-                f"{label}</text>"
-            )
+            out.append(svg_text(x + 30, y + 11, label))
             x += w + 12
         h = y + 20 if items else 0.0
         if not self.scale.empty:

@@ -53,6 +53,24 @@ def esc(text: Any) -> str:
     return escape(str(text), quote=True)
 
 
+def svg_text(
+    x: float | str, y: float | str, content: Any, px: float = 11, fill: str = MUTED, *,
+    bold: bool = False, italic: bool = False, anchor: str = "", cls: str = "", after: str = "",
+    title: str = "",
+) -> str:
+    """An SVG `<text>` at (x, y) (a number written to one decimal, a string as it is), its
+    content escaped; `cls` goes before x, `after` (raw attributes) last, `title` is a tooltip."""
+    x, y = (v if isinstance(v, str) else f"{v:.1f}" for v in (x, y))
+    cls = f' class="{cls}"' if cls else ""
+    style = ' font-weight="700"' if bold else ' font-style="italic"' if italic else ""
+    anchor = f' text-anchor="{anchor}"' if anchor else ""
+    tip = f"<title>{esc(title)}</title>" if title else ""
+    return (
+        f'<text{cls} x="{x}" y="{y}" font-size="{px}"{style} fill="{fill}"{anchor}{after}>'
+        f"{esc(content)}{tip}</text>"
+    )
+
+
 def fits(text: str, width: float, px: float) -> str:
     """`text` cut to `width` pixels, keeping its end (the layer of a long path) after `…`."""
     text = str(text)
@@ -180,15 +198,10 @@ class Scale:
 
 def colour_bar(x: float, y: float, width: float, scale: Scale, label: str) -> list[str]:
     """SVG for a colour legend: the label, the low end, a viridis bar, the high end."""
-    out = []
-    lw = text_width(label, 11, True) + 8
-    out.append(
-        f'<text x="{x:.1f}" y="{y + 9:.1f}" font-size="11" font-weight="700" fill="{INK}">'
-        f"{esc(label)}{' (log)' if scale.log else ''}</text>"
-    )
-    x += lw + (text_width(" (log)", 11, True) if scale.log else 0)
+    out = [svg_text(x, y + 9, label + (" (log)" if scale.log else ""), fill=INK, bold=True)]
+    x += text_width(label, 11, True) + 8 + (text_width(" (log)", 11, True) if scale.log else 0)
     lo = number(scale.lo)
-    out.append(f'<text x="{x:.1f}" y="{y + 9:.1f}" font-size="11" fill="{MUTED}">{esc(lo)}</text>')
+    out.append(svg_text(x, y + 9, lo))
     x += text_width(lo, 11) + 6
     stops = "".join(
         f'<rect x="{x + i * width / 10:.1f}" y="{y:.1f}" width="{width / 10 + 0.4:.1f}" '
@@ -196,11 +209,7 @@ def colour_bar(x: float, y: float, width: float, scale: Scale, label: str) -> li
         for i in range(10)
     )
     out.append(f'<g class="smz-bar">{stops}</g>')
-    x += width + 6
-    out.append(
-        f'<text x="{x:.1f}" y="{y + 9:.1f}" font-size="11" fill="{MUTED}">'
-        f"{esc(number(scale.hi))}</text>"
-    )
+    out.append(svg_text(x + width + 6, y + 9, number(scale.hi)))
     return out
 
 

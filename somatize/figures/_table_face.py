@@ -16,7 +16,18 @@ from itertools import groupby
 from typing import Any
 
 from somatize.figures._face import image
-from somatize.figures._svg import FONT, INK, LINE, MUTED, esc, finite, number, text_width, ticks
+from somatize.figures._svg import (
+    FONT,
+    INK,
+    LINE,
+    MUTED,
+    esc,
+    finite,
+    number,
+    svg_text,
+    text_width,
+    ticks,
+)
 
 WIDEST = 1400.0
 SELECTED = ' selected="selected"'
@@ -229,11 +240,11 @@ def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rh
         f'<rect x="{left:.0f}" y="10" width="{w - left - 10:.0f}" height="{h - bottom - 10:.0f}" fill="none" stroke="{LINE}"/>',
     ]
     for t in ticks(x_lo, x_hi, 5):
-        out.append(f'<text x="{sx(t):.1f}" y="{h - bottom + 14:.1f}" font-size="10" fill="{MUTED}" text-anchor="middle">{esc(number(t))}</text>')
+        out.append(svg_text(sx(t), h - bottom + 14, number(t), 10, anchor="middle"))
     for t in ticks(y_lo, y_hi, 5):
-        out.append(f'<text x="{left - 5:.1f}" y="{sy(t) + 3.5:.1f}" font-size="10" fill="{MUTED}" text-anchor="end">{esc(number(t))}</text>')
+        out.append(svg_text(left - 5, sy(t) + 3.5, number(t), 10, anchor="end"))
     said = f"{xlabel} · ρ = {number(rho)}" if finite(rho) else xlabel
-    out.append(f'<text x="{(left + w) / 2:.1f}" y="{h - 4:.1f}" font-size="11" fill="{INK}" text-anchor="middle">{esc(said)}</text>')
+    out.append(svg_text((left + w) / 2, h - 4, said, fill=INK, anchor="middle"))
     out.append(
         f'<text transform="translate(12,{(h - bottom) / 2:.1f}) rotate(-90)" font-size="11" fill="{INK}" '
         f'text-anchor="middle">{esc(ylabel)}</text>'
@@ -243,7 +254,7 @@ def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rh
         tx, anchor = (sx(x) - 7, "end") if left_side else (sx(x) + 7, "start")
         out.append(
             f'<g class="smz-dot"><circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4.5" fill="#3d6fd9" fill-opacity="0.8"/>'
-            f'<text x="{tx:.1f}" y="{sy(y) + 3.5:.1f}" font-size="10" fill="{INK}" text-anchor="{anchor}">{esc(name)}</text>'
+            f"{svg_text(tx, sy(y) + 3.5, name, 10, INK, anchor=anchor)}"
             f"<title>{esc(name)}: {esc(number(x))}, {esc(number(y))}</title></g>"
         )
     out.append("</svg>")
