@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from somatize import _hooks
+from somatize import _hooks, run
 from somatize.graph import Graph
 from somatize.node import Node, Opaque, Piece
 from somatize.torch._modules import tensors_in
@@ -155,18 +155,13 @@ class Part:
                 leaf_of[n] = n
         self.leaf_of = leaf_of
         if self.trained is not None:
-            from somatize.run import Ctx
-
-            self.ctx = Ctx(
-                f"{self.trained}/learning", self.settings[self.trained].device, None, sub
-            )
+            device = self.settings[self.trained].device
+            self.ctx = run.Ctx(f"{self.trained}/learning", device, None, sub)
         return sub
 
     def _compiled(self) -> Any:
         """The part graph's plan, compiled once (until `Stages.recompile`), and where in it
         the value of each exit lands."""
-        from somatize import run
-
         plan = run.compile(self.graph)
         slots = tuple((self.leaf_of[leaf], i) for leaf, i in plan.leaves)
         self._plan = (plan, plan.steps, len(plan.steps), slots, plan.cached, run.walk)
@@ -333,10 +328,8 @@ class Stages:
         watchers = self.watchers
 
         def relay(fact: dict) -> None:
-            if fact.get("fact") == "finished" or fact.get("node", "") not in ids:
-                return
-            for w in watchers:
-                w(fact)
+            if fact.get("fact") != "finished" and fact.get("node", "") in ids:
+                run.tell(watchers, fact)
 
         return relay
 
@@ -378,9 +371,7 @@ class Stages:
             for n in self.sunk:
                 values[n] = sunk[n] = leafed(values[n])
         if watchers:
-            finished = {"fact": "finished", "took_us": (time.perf_counter_ns() - began) / 1e3}
-            for w in watchers:
-                w(finished)
+            run.tell(watchers, run.finished(began))
         if len(self.leaves) == 1:
             return values[self.leaves[0]]
         return {n: values[n] for n in self.leaves}
