@@ -151,14 +151,9 @@ def _mapped(
     names = [
         _name(_mix(mine, digest(encode(item, where=f"an item for node {nid!r}")))) for item in x
     ]
-    out: list[Any] = [None] * len(x)
-    missing = []
-    for k, name in enumerate(names):
-        hit, value = _recall(nid, name, code, store)
-        if hit:
-            out[k] = value
-        else:
-            missing.append(k)
+    recalled = [_recall(nid, name, code, store) for name in names]
+    out = [value for _, value in recalled]
+    missing = [k for k, (hit, _) in enumerate(recalled) if not hit]
     if missing:
         made = fn([x[k] for k in missing], ctx)  # the plan's step: lengths checked there
         for k, value in zip(missing, made, strict=True):

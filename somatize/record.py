@@ -42,7 +42,6 @@ __all__ = [
     "timings",
 ]
 
-_BASE = ("run", "forward", "state", "nodes", "took_us")
 Summariser = Callable[[list[dict[str, Any]]], Mapping[str, Any]]
 """What `summarising=` may be besides fact names: the facts of a forward in, extra meta out."""
 
@@ -176,7 +175,7 @@ class Recorder:
             extra = self.summarising(list(self._facts))
             if not isinstance(extra, Mapping):
                 raise TypeError(f"summarising returned {type(extra).__name__}, not a dict")
-            clash = sorted(set(extra) & set(_BASE))
+            clash = sorted(set(extra) & {key for key, _ in meta})
             if clash:
                 raise ValueError(f"summarising may not overwrite the record's own meta {clash}")
             meta.extend(extra.items())
