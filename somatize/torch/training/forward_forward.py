@@ -113,10 +113,6 @@ class ForwardForward(Learning):
             )
         node = self.node
         negative = unwrap(type(node).forward(node, negatives(given.detach(), target), ctx))
-        rows = given.shape[0]
-        # softplus(threshold − goodness) for the positive rows, softplus(goodness − threshold)
-        # for the negative ones, averaged over both
-        sign = torch.ones(2 * rows, dtype=negative.dtype, device=negative.device)
-        sign[:rows] = -1.0
-        both = goodness(torch.cat([self.held, negative]))
-        return functional.softplus(sign * (both - self.threshold)).mean()
+        high = functional.softplus(self.threshold - goodness(self.held))
+        low = functional.softplus(goodness(negative) - self.threshold)
+        return torch.cat([high, low]).mean()
