@@ -125,10 +125,7 @@ class Store:
 
         fs, root = fsspec.core.url_to_fs(text, **storage_options)
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-        if "file" in protocols or "local" in protocols:
-            self._place = Local(root)
-        else:
-            self._place = Remote(fs, root)
+        self._place = Local(root) if {"file", "local"} & set(protocols) else Remote(fs, root)
 
     @property
     def where(self) -> str:
