@@ -260,9 +260,7 @@ class Tap:
             had = "forward" in vars(node)
             self._undo.append((node, had, vars(node).get("forward")))
             object.__setattr__(node, "forward", _wrap(node_id, node.forward, self))
-        self._plan = getattr(self.graph, "_plan", None)
-        if hasattr(self.graph, "_plan"):
-            self.graph._plan = None
+        self._plan, self.graph._plan = self.graph._plan, None
         return self
 
     def off(self) -> None:
@@ -274,8 +272,7 @@ class Tap:
                 with contextlib.suppress(AttributeError):
                     object.__delattr__(node, "forward")
         self._undo = []
-        if hasattr(self.graph, "_plan"):
-            self.graph._plan = self._plan
+        self.graph._plan = self._plan
         self._plan = None
 
     def __enter__(self) -> Tap:

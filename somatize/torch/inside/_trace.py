@@ -72,11 +72,11 @@ def block_call(key: str) -> tuple[str, int]:
 
 @dataclass
 class Raw:
-    """One layer as a tracer saw it, before folding. `config` is what sets the module up
-    beyond its shapes (its `extra_repr` and float settings such as a drop rate), so blocks
-    that differ there are not folded together; `composite` marks a module with children;
-    `within` says which call (from 1) of each block around it this layer ran in, where the
-    reader knows (a block left out was called once)."""
+    """One layer as a tracer saw it. `config` is what sets the module up beyond its shapes
+    (its `extra_repr` and float settings such as a drop rate), so blocks that differ there are
+    not folded together; `composite` marks a module with children; `within` says which call
+    (from 1) of each block around it this layer ran in, where the reader knows (a block left
+    out was called once). `times`, `repeats` and `made_of` are what `fold` adds."""
 
     path: str
     kind: str
@@ -88,6 +88,9 @@ class Raw:
     composite: bool = False
     function: bool = False
     within: dict[str, int] = field(default_factory=dict)  # block path → its call it ran in
+    times: int = 1
+    repeats: list[str] = field(default_factory=list)
+    made_of: list[str] = field(default_factory=list)
 
 
 @dataclass

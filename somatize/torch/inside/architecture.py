@@ -93,11 +93,10 @@ def _finish(got: _Got | None, most: int, module: nn.Module) -> Inside | None:
     raw, how, why = got
     folded, edges = fold(raw)
     folded, edges, hidden = collapse(folded, edges, most)
-    layers = []
-    for f in folded.values():
-        r = f.raw
-        at = (r.path, r.kind, r.label, r.shape, r.params, r.block)
-        layers.append(Layer(*at, f.times, f.repeats, f.made_of))
+    layers = [
+        Layer(r.path, r.kind, r.label, r.shape, r.params, r.block, r.times, r.repeats, r.made_of)
+        for r in folded.values()
+    ]
     return Inside(layers, edges, how, why, hidden, params_of(module))
 
 

@@ -1,33 +1,24 @@
 """Repeated blocks folded to one `×N`, and too many layers closed back into their blocks.
 
-Both work on the raw answer of a tracer (`somatize.torch._trace.Traced`) and keep its order.
+Both work on the raw layers of a tracer (`somatize.torch.inside._trace.Traced`), filling in
+their `times`, `repeats` and `made_of`, and keep their order.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from somatize.torch.inside._trace import Raw, Traced, call_path
 
-__all__ = ["fold", "collapse", "Folded"]
+__all__ = ["fold", "collapse"]
 
 
-@dataclass
-class Folded:
-    """A raw layer with what folding added: how many it stands for and which paths it hides."""
-
-    raw: Raw
-    times: int = 1
-    repeats: list[str] = field(default_factory=list)
-    made_of: list[str] = field(default_factory=list)
-
-
-def _children(layers: dict[str, Folded]) -> dict[str | None, list[str]]:
+def _children(layers: dict[str, Raw]) -> dict[str | None, list[str]]:
     kids: dict[str | None, list[str]] = {}
     for path, f in layers.items():
-        kids.setdefault(f.raw.block, []).append(path)
+        kids.setdefault(f.block, []).append(path)
     return kids
 
 
@@ -39,10 +30,10 @@ def _descendants(path: str, kids: dict[str | None, list[str]]) -> list[str]:
     return out
 
 
-def _signature(path: str, layers: dict[str, Folded], kids: dict, edges: set, memo: dict) -> Any:
+def _signature(path: str, layers: dict[str, Raw], kids: dict, edges: set, memo: dict) -> Any:
     if path in memo:
         return memo[path]
-    r = layers[path].raw
+    r = layers[path]
     within = set(_descendants(path, kids))
     n = len(path)  # the paths inside, relative to this one
     parts = tuple((c[n:], _signature(c, layers, kids, edges, memo)) for c in kids.get(path, []))
@@ -52,7 +43,7 @@ def _signature(path: str, layers: dict[str, Folded], kids: dict, edges: set, mem
     return sig
 
 
-def fold(traced: Traced) -> tuple[dict[str, Folded], list[tuple[str, str]]]:
+def fold(traced: Traced) -> tuple[dict[str, Raw], list[tuple[str, str]]]:
     """Adjacent sibling blocks that are the same block (kinds, labels, settings, shapes,
     parameters and inner edges alike) become the first of them, `times` N and the others in
     `repeats`; a layer inside keeps the paths of its twins in `repeats`.
@@ -62,7 +53,7 @@ def fold(traced: Traced) -> tuple[dict[str, Folded], list[tuple[str, str]]]:
     disappear; edges from outside into a later copy, or out of one, are drawn to the first
     copy instead.
     """
-    layers = {p: Folded(r) for p, r in traced.layers.items()}
+    layers = dict(traced.layers)
     edges = list(traced.edges)
     queue: list[str | None] = [None]
     while queue:
@@ -73,7 +64,7 @@ def fold(traced: Traced) -> tuple[dict[str, Folded], list[tuple[str, str]]]:
         i = 0
         while i < len(siblings):
             first, j = siblings[i], i + 1
-            if layers[first].raw.composite or kids.get(first):  # a block: fold its run of twins
+            if layers[first].composite or kids.get(first):  # a block: fold its run of twins
                 while j < len(siblings) and sig(siblings[j]) == sig(first):
                     j += 1
                 if j - i >= 2:
@@ -82,13 +73,13 @@ def fold(traced: Traced) -> tuple[dict[str, Folded], list[tuple[str, str]]]:
         kids = _children(layers)
         queue.extend(c for c in kids.get(parent, []) if kids.get(c))
     for path, f in layers.items():
-        if f.raw.block is not None:
-            layers[f.raw.block].made_of.append(path)
+        if f.block is not None:
+            layers[f.block].made_of.append(path)
     return layers, edges
 
 
 def _fold_run(
-    layers: dict[str, Folded], kids: dict, edges: list[tuple[str, str]], run: list[str]
+    layers: dict[str, Raw], kids: dict, edges: list[tuple[str, str]], run: list[str]
 ) -> list[tuple[str, str]]:
     keep = run[0]
     copy_of = {p: (0, p) for p in [keep, *_descendants(keep, kids)]}
@@ -112,17 +103,17 @@ def _fold_run(
 
 
 def collapse(
-    layers: dict[str, Folded], edges: list[tuple[str, str]], most: int
-) -> tuple[dict[str, Folded], list[tuple[str, str]], int]:
+    layers: dict[str, Raw], edges: list[tuple[str, str]], most: int
+) -> tuple[dict[str, Raw], list[tuple[str, str]], int]:
     """At most `most` layers: the deepest open blocks are closed first (their layers go, the
     block stays as one layer and takes their edges; a block called more than once becomes a
     box per call, `block`, `block#2`, ..., so nothing loops); what is still too many is cut off
     the end, and how many were is the third answer."""
 
     def level(path: str) -> int:
-        n, b = 0, layers[path].raw.block
+        n, b = 0, layers[path].block
         while b is not None:
-            n, b = n + 1, layers[b].raw.block
+            n, b = n + 1, layers[b].block
         return n
 
     while len(layers) > most:
@@ -131,7 +122,7 @@ def collapse(
             break
         deepest = max(level(p) for p in opened)
         into: dict[str, str] = {}
-        boxes: dict[str, Folded] = {}
+        boxes: dict[str, Raw] = {}
         for p in opened:
             if level(p) == deepest:
                 boxes.update(_calls_of(p, layers, into))
@@ -148,32 +139,32 @@ def collapse(
     return layers, edges, hidden
 
 
-def _calls_of(block: str, layers: dict[str, Folded], into: dict[str, str]) -> dict[str, Folded]:
+def _calls_of(block: str, layers: dict[str, Raw], into: dict[str, str]) -> dict[str, Raw]:
     """Close `block`: each layer inside goes into the box of the block's call it ran in
     (written into `into`); answers those boxes by path, the block itself the first."""
     f = layers[block]
-    parent = layers[f.raw.block] if f.raw.block is not None else None
-    boxes: dict[str, Folded] = {}
+    parent = layers[f.block] if f.block is not None else None
+    boxes: dict[str, Raw] = {}
     for c in f.made_of:
-        inner = layers[c].raw
+        inner = layers[c]
         box = call_path(block, inner.within.get(block, 1))
         into[c] = box
         if box not in boxes:
             around = {b: k for b, k in inner.within.items() if b != block}
-            boxes[box] = Folded(replace(f.raw, path=box, within=around), f.times, list(f.repeats))
+            boxes[box] = replace(f, path=box, within=around, repeats=list(f.repeats), made_of=[])
             if parent is not None and box != block:
                 parent.made_of.append(box)
-        boxes[box].raw.shape = inner.shape or boxes[box].raw.shape  # its last layer's
+        boxes[box].shape = inner.shape or boxes[box].shape  # its last layer's
     return boxes
 
 
 def _closed(
-    layers: dict[str, Folded], boxes: dict[str, Folded], into: dict[str, str]
-) -> dict[str, Folded]:
+    layers: dict[str, Raw], boxes: dict[str, Raw], into: dict[str, str]
+) -> dict[str, Raw]:
     """`layers` with the closed blocks' layers gone (`into` says which box each went into):
     a block's first box stands where the block stood, each later one where its first layer
     ran."""
-    out: dict[str, Folded] = {}
+    out: dict[str, Raw] = {}
     for path, f in layers.items():
         if path in into:
             box = into[path]
