@@ -61,10 +61,8 @@ def average_grads(params: Iterable[torch.nn.Parameter], world: int) -> None:
         ).to(where)
         dist.all_reduce(flat)
         flat /= world
-        at = 0
-        for p in group:
-            mean = flat[at : at + p.numel()].view_as(p).to(device)
-            at += p.numel()
+        for p, piece in zip(group, flat.split([q.numel() for q in group]), strict=True):
+            mean = piece.view_as(p).to(device)
             if p.grad is None:
                 p.grad = mean.clone()
             else:
