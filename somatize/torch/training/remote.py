@@ -96,10 +96,7 @@ class Remote:
         return {s: envelope(g, closing) for s, (g, closing) in got.items()}
 
     def _keys_of(self, part: Any) -> list[str]:
-        keys = [self.broker.key(part.nodes[n]) for n in part.ids]
-        if part.learning is not None:
-            keys.append(self.broker.key(part.learning))
-        return keys
+        return [self.broker.key(node) for _, node, _ in _held(part)]
 
     def _refuse_untrained(self, part: Any) -> None:
         from somatize.torch.training.trainer import NoGradient
@@ -120,23 +117,16 @@ class Remote:
 
     def _describe(self, part: Any, defs: list[dict]) -> dict[str, Any]:
         broker, host = self.broker, self.host
-        keys = {}
-        for n in part.ids:
-            node = part.nodes[n]
-            d = broker.definition(host, n, node, part.settings[n].device)
-            if d is not None:
+        for n, node, device in _held(part):
+            if (d := broker.definition(host, n, node, device)) is not None:
                 defs.append(d)
-            keys[n] = broker.key(node)
         learning = None
         if part.learning is not None:
-            d = broker.definition(host, f"{part.trained}/learning", part.learning, None)
-            if d is not None:
-                defs.append(d)
             told = _portable(part.learning.told(), broker, host)
             learning = {"key": broker.key(part.learning), "told": told}
         return {
             "ids": list(part.ids),
-            "keys": keys,
+            "keys": {n: broker.key(part.nodes[n]) for n in part.ids},
             "settings": {
                 n: {f.name: getattr(s, f.name) for f in fields(s)} for n, s in part.settings.items()
             },
@@ -147,6 +137,14 @@ class Remote:
             "last": part.last,
             "learning": learning,
         }
+
+
+def _held(part: Any) -> list[tuple[str, Any, str | None]]:
+    """`(id, node, device)` of what a part's worker holds: its nodes, and its Learning."""
+    held = [(n, part.nodes[n], part.settings[n].device) for n in part.ids]
+    if part.learning is not None:
+        held.append((f"{part.trained}/learning", part.learning, None))
+    return held
 
 
 class _View:
