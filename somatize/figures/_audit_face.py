@@ -15,16 +15,14 @@ from typing import Any
 
 from somatize.figures._history import History
 from somatize.figures._svg import (
-    FONT,
     INK,
     LINE,
     Scale,
     colour_bar,
-    esc,
-    finite,
     fits,
     lines,
     number,
+    svg_open,
     svg_text,
     text_width,
     tick_labels,
@@ -110,14 +108,8 @@ def picture(
     # the loss plot ends where the columns do, so its curves fill it; its labels go after it
     ends = x0 + len(bins) * cw if bins else x1
     y = _loss(out, history, runs, sx, x0, ends, y, log, smoothing, width)
-    values = [
-        float(v)
-        for r in history.runs.values()
-        for p in r.places.values()
-        for v in p.columns.get(metric, ())
-        if finite(v)
-    ]
-    scale = Scale(values)
+    scale = Scale(v for r in history.runs.values() for p in r.places.values()
+                  for v in p.columns.get(metric, ()))
     top = y + 6
     families: dict[str, None] = {}
     levels: dict[str, list[str]] = {}
@@ -131,7 +123,8 @@ def picture(
         out.append(svg_text(label_w - 6, ry + 10, name, fill=INK, anchor="end", title=tip))
         if many:
             colour = RUN_COLOURS[runs.index(run) % len(RUN_COLOURS)]
-            out.append(f'<rect x="{label_w - 4:.1f}" y="{ry + 1:.1f}" width="3" height="10" fill="{colour}"/>')
+            rect = f'x="{label_w - 4:.1f}" y="{ry + 1:.1f}" width="3" height="10"'
+            out.append(f'<rect {rect} fill="{colour}"/>')
         column = place.columns.get(metric)
         cells: dict[int, Any] = {}  # column -> the last value in it
         flagged: dict[int, set[str]] = {}
@@ -155,10 +148,12 @@ def picture(
             else:
                 fill = viridis(round(scale.t(value) * 63) / 63)
             levels.setdefault(fill, []).append(f"M{cx:.1f},{ry:.1f}h{wide:.1f}v11h{-wide:.1f}z")
+        lane = max(0.8, cw)
         for k, flags in flagged.items():
             fam = _family(sorted(flags)[0], explain)
             families[fam] = None
-            marks.setdefault(FAMILY_COLOURS[fam], []).append(f"M{x0 + k * cw:.1f},{ry + 12:.1f}h{max(0.8, cw):.1f}v3h{-max(0.8, cw):.1f}z")
+            lanes = marks.setdefault(FAMILY_COLOURS[fam], [])
+            lanes.append(f"M{x0 + k * cw:.1f},{ry + 12:.1f}h{lane:.1f}v3h{-lane:.1f}z")
         if raised:
             text = ", ".join(f"{f} ×{c}" for f, c in raised.most_common(2))
             colour = FAMILY_COLOURS[_family(max(raised, key=raised.get), explain)]
@@ -169,7 +164,8 @@ def picture(
     if not rows:
         out.append(svg_text(x0 + 8, top + 11, "waiting for health facts…", fill="#8a93a6"))
     if bins:
-        out.append(f'<line x1="{x0:.1f}" x2="{x0 + len(bins) * cw:.1f}" y1="{y + 2:.1f}" y2="{y + 2:.1f}" stroke="{LINE}"/>')
+        axis = f'x1="{x0:.1f}" x2="{ends:.1f}" y1="{y + 2:.1f}" y2="{y + 2:.1f}"'
+        out.append(f'<line {axis} stroke="{LINE}"/>')
         last_x = -1e9
         for t in ticks(bins[0][0], bins[-1][-1], 7, whole=True):
             tx = sx(min(steps, key=lambda s: abs(s - t)))
@@ -178,12 +174,8 @@ def picture(
                 last_x = tx
         out.append(svg_text(x0 - 6, y + 14, "step", 10, anchor="end"))
     y += 26
-    y = _legend(out, y, scale, metric, families, runs if many else [], explain, bool(values), width)
-    head = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="smz-audit-svg" width="{width:.0f}" height="{y:.0f}" '
-        f'viewBox="0 0 {width:.0f} {y:.0f}" font-family="{esc(FONT)}"><rect width="{width:.0f}" height="{y:.0f}" fill="#fff"/>'
-    )
-    return head + "".join(out) + "</svg>"
+    y = _legend(out, y, scale, metric, families, runs if many else [], width)
+    return svg_open(width, y, "smz-audit-svg") + "".join(out) + "</svg>"
 
 
 def _family(flag: str, explain: dict[str, Any]) -> str:
@@ -198,7 +190,10 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
     series = [s for s in series if s[1]]
     every = [v for _, _, vs in series for v in vs if math.isfinite(v)]
     log = log and bool(every) and min(every) > 0
-    out.append(f'<rect x="{x0:.1f}" y="{y:.1f}" width="{x1 - x0:.1f}" height="{h:.1f}" fill="none" stroke="{LINE}"/>')
+    out.append(
+        f'<rect x="{x0:.1f}" y="{y:.1f}" width="{x1 - x0:.1f}" height="{h:.1f}" fill="none" '
+        f'stroke="{LINE}"/>'
+    )
     out.append(svg_text("12", y + h / 2 + 4, "loss (log)" if log else "loss", bold=True))
     if not every:
         out.append(svg_text(x0 + 8, y + 18, "no loss yet", fill="#8a93a6"))
@@ -217,25 +212,34 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
     def sy(v: float) -> float:
         return y + h - (f(v) - a) / (b - a) * h
 
-    marks = [t for t in ticks(10**a if log else a, 10**b if log else b, 5, log) if y - 0.5 <= sy(t) <= y + h + 0.5]
+    marks = ticks(10**a if log else a, 10**b if log else b, 5, log)
+    marks = [t for t in marks if y - 0.5 <= sy(t) <= y + h + 0.5]
     for t, label in zip(marks, tick_labels(marks), strict=True):
         ty = sy(t)
-        out.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="{LINE}" stroke-dasharray="2 3"/>')
+        out.append(
+            f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="{LINE}" '
+            'stroke-dasharray="2 3"/>'
+        )
         out.append(svg_text(x0 - 5, ty + 3.5, label, 10, anchor="end"))
+
+    def curve(steps: list[int], values: list[float], keep: range) -> str:
+        drawn = [k for k in keep if math.isfinite(values[k]) and (values[k] > 0 or not log)]
+        return _polyline([(sx(steps[k]), sy(values[k])) for k in drawn])
+
     for n, (run, steps, values) in enumerate(series):
         colour = RUN_COLOURS[runs.index(run) % len(RUN_COLOURS)]
-        stride = max(1, len(steps) // 1500)
-        keep = range(0, len(steps), stride)
-        raw = _polyline([(sx(steps[k]), sy(values[k])) for k in keep if math.isfinite(values[k]) and (values[k] > 0 or not log)])
-        smooth = smoothed(values, smoothing)
-        line = _polyline([(sx(steps[k]), sy(smooth[k])) for k in keep if math.isfinite(smooth[k]) and (smooth[k] > 0 or not log)])
+        keep = range(0, len(steps), max(1, len(steps) // 1500))
         if smoothing > 0:
-            out.append(f'<path class="smz-loss-raw" d="{raw}" fill="none" stroke="{colour}" stroke-opacity="0.28" stroke-width="1"/>')
-        out.append(f'<path class="smz-loss" d="{line}" fill="none" stroke="{colour}" stroke-width="1.8"/>')
-        last = values[-1]
-        label = f"{run + ': ' if run else ''}step {steps[-1]}: {number(last)}"
-        label = fits(label, width - x1 - 14, 10)
-        out.append(svg_text(x1 + 6, y + 12 + 13 * n, label, 10, colour))
+            out.append(
+                f'<path class="smz-loss-raw" d="{curve(steps, values, keep)}" fill="none" '
+                f'stroke="{colour}" stroke-opacity="0.28" stroke-width="1"/>'
+            )
+        line = curve(steps, smoothed(values, smoothing), keep)
+        out.append(
+            f'<path class="smz-loss" d="{line}" fill="none" stroke="{colour}" stroke-width="1.8"/>'
+        )
+        label = f"{run + ': ' if run else ''}step {steps[-1]}: {number(values[-1])}"
+        out.append(svg_text(x1 + 6, y + 12 + 13 * n, fits(label, width - x1 - 14, 10), 10, colour))
     return y + h + 8
 
 
@@ -251,12 +255,14 @@ def _polyline(points: list[tuple[float, float]]) -> str:
     return "".join(f"{'M' if k == 0 else 'L'}{x:.1f},{y:.1f}" for k, (x, y) in enumerate(points))
 
 
-def _legend(out, y, scale, metric, families, runs, explain, have, width) -> float:
+def _legend(out, y, scale, metric, families, runs, width) -> float:
     """Every colour and mark drawn, named; answers the picture's height."""
     x = 12.0
-    if have:
+    if not scale.empty:
         out.extend(colour_bar(x, y, 140, scale, metric))
-        x += text_width(metric + (" (log)" if scale.log else ""), 11, True) + 8 + text_width(number(scale.lo), 11) + 160 + text_width(number(scale.hi), 11) + 18
+        bar = text_width(metric + (" (log)" if scale.log else ""), 11, True) + 8
+        bar += text_width(number(scale.lo), 11)
+        x += bar + 160 + text_width(number(scale.hi), 11) + 18
     items = [(ABSENT, "not measured"), (NO_NUMBER, "no number (NaN, ∞)")]
     items += [(FAMILY_COLOURS[f], f"flag: {f}") for f in FAMILY_COLOURS if f in families]
     items += [(RUN_COLOURS[k % len(RUN_COLOURS)], f"run {r}") for k, r in enumerate(runs)]
@@ -265,7 +271,11 @@ def _legend(out, y, scale, metric, families, runs, explain, have, width) -> floa
         if x + w > width - 8:
             x, y = 12.0, y + 18
         lane = text.startswith("flag")
-        out.append(f'<rect x="{x:.1f}" y="{y + (7 if lane else 0):.1f}" width="12" height="{3 if lane else 10}" fill="{colour}" stroke="{"#ced4da" if colour == ABSENT else "none"}"/>')
+        out.append(
+            f'<rect x="{x:.1f}" y="{y + (7 if lane else 0):.1f}" width="12" '
+            f'height="{3 if lane else 10}" fill="{colour}" '
+            f'stroke="{"#ced4da" if colour == ABSENT else "none"}"/>'
+        )
         out.append(svg_text(x + 16, y + 9, text))
         x += w + 14
     return y + 20

@@ -13,13 +13,13 @@ from somatize.figures._layout import Point, layout
 from somatize.figures._scene import Box, pill_width, reach, scene, walk
 from somatize.figures._shapes import HUES, outline
 from somatize.figures._svg import (
-    FONT,
     MUTED,
     Scale,
     colour_bar,
     esc,
     ink_on,
     number,
+    svg_open,
     svg_text,
     text_width,
     viridis,
@@ -79,18 +79,15 @@ class _Painter:
         legend, lh = self.legend(list(families), bool(skips))
         w = max(self.root.w, 200.0)
         h = self.root.h + lh
-        head = (
-            f'<svg xmlns="http://www.w3.org/2000/svg" class="smz-graph-svg" width="{w:.0f}" '
-            f'height="{h:.0f}" viewBox="0 0 {w:.0f} {h:.0f}" font-family="{esc(FONT)}">'
-        )
-        defs = "<defs>" + "".join(
+        arrows = "".join(
             f'<marker id="smz-arrow-{name}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
-            f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="{c}"/></marker>'
+            f'markerHeight="7" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
+            f'fill="{c}"/></marker>'
             for name, c in (("edge", EDGE), ("skip", SKIP))
-        ) + "</defs>"
-        back = f'<rect width="{w:.0f}" height="{h:.0f}" fill="#fff"/>'
+        )
         return "".join([
-            head, defs, back, '<g class="smz-containers">', *boxes, '</g><g class="smz-edges">',
+            svg_open(w, h, "smz-graph-svg", f"<defs>{arrows}</defs>"), '<g class="smz-containers">',
+            *boxes, '</g><g class="smz-edges">',
             *edges, '</g><g class="smz-layers">', *layers,
             f'</g><g class="smz-legend" transform="translate(0,{self.root.h:.0f})">', *legend,
             "</g></svg>",

@@ -146,7 +146,8 @@ class History:
             for where, place in run.places.items():
                 while place.judged < len(place.steps):
                     r = place.judged
-                    fact = {"fact": "health", "node": where, "step": place.steps[r], **place.numbers(r)}
+                    step = place.steps[r]
+                    fact = {"fact": "health", "node": where, "step": step, **place.numbers(r)}
                     place.flags[r] = [str(f) for f in judge.add(fact)]
                     place.judged = r + 1
                     judged = True
@@ -203,7 +204,7 @@ def plain_numbers(values: list[Any]) -> list[Any]:
 
 
 def _column(values: list[Any], buffers: list | None) -> dict[str, Any]:
-    c: dict[str, Any] = binary(values, buffers) if buffers is not None else {"values": plain_numbers(values)}
+    c = binary(values, buffers) if buffers is not None else {"values": plain_numbers(values)}
     if None in values:
         c["absent"] = [i for i, v in enumerate(values) if v is None]
     return c
@@ -233,7 +234,8 @@ def message(history: History, sent: dict, buffers: list, everything: bool = Fals
                     for m, c in place.columns.items()
                     if any(v is not None for v in c[lo:hi])
                 }
-                entry["places"].append({"where": where, "from": lo, "steps": place.steps[lo:hi], "columns": columns})
+                part = {"where": where, "from": lo, "steps": place.steps[lo:hi], "columns": columns}
+                entry["places"].append(part)
             lo = 0 if everything else sent.get((name, where, "judged"), 0)
             sent[(name, where, "judged")] = place.judged
             rows = [[r, place.flags[r]] for r in range(lo, place.judged) if place.flags[r]]
@@ -271,13 +273,15 @@ def record(history: History, most: int = 240) -> dict:
                 ]
                 if any(v is not None for v in values):
                     columns[metric] = _column(values, None)
+            steps = [place.steps[r] for r in kept]
             entry["places"].append(
-                {"where": where, "from": 0, "steps": [place.steps[r] for r in kept], "columns": columns, "of": rows}
+                {"where": where, "from": 0, "steps": steps, "columns": columns, "of": rows}
             )
-            binned = [[i, sorted({f for r in b for f in place.flags[r]})] for i, b in enumerate(bins)]
-            binned = [b for b in binned if b[1]]
+            binned = [(i, {f for r in b for f in place.flags[r]}) for i, b in enumerate(bins)]
+            binned = [[i, sorted(flags)] for i, flags in binned if flags]
             if binned:
                 entry.setdefault("flags", []).append({"where": where, "rows": binned})
         runs.append(entry)
-    return {"kind": "reset", "runs": runs, "metrics": list(history.metrics), "kinds": history.kinds()}
+    kinds = history.kinds()
+    return {"kind": "reset", "runs": runs, "metrics": list(history.metrics), "kinds": kinds}
 

@@ -71,6 +71,17 @@ def svg_text(
     )
 
 
+def svg_open(w: float, h: float, cls: str = "", defs: str = "") -> str:
+    """An SVG's opening tag, `w` by `h` (whole pixels) in the figures' font, then `defs` and
+    a white background."""
+    cls = f' class="{cls}"' if cls else ""
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg"{cls} width="{w:.0f}" height="{h:.0f}" '
+        f'viewBox="0 0 {w:.0f} {h:.0f}" font-family="{esc(FONT)}">{defs}'
+        f'<rect width="{w:.0f}" height="{h:.0f}" fill="#fff"/>'
+    )
+
+
 def fits(text: str, width: float, px: float) -> str:
     """`text` cut to `width` pixels, keeping its end (the layer of a long path) after `…`."""
     text = str(text)

@@ -24,6 +24,7 @@ from somatize.figures._svg import (
     esc,
     finite,
     number,
+    svg_open,
     svg_text,
     text_width,
     ticks,
@@ -235,8 +236,7 @@ def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rh
         return h - bottom - (v - y_lo) / (y_hi - y_lo) * (h - bottom - 10)
 
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w:.0f}" height="{h:.0f}" viewBox="0 0 {w:.0f} {h:.0f}" '
-        f'font-family="{esc(FONT)}"><rect width="{w:.0f}" height="{h:.0f}" fill="#fff"/>',
+        svg_open(w, h),
         f'<rect x="{left:.0f}" y="10" width="{w - left - 10:.0f}" height="{h - bottom - 10:.0f}" fill="none" stroke="{LINE}"/>',
     ]
     for t in ticks(x_lo, x_hi, 5):
