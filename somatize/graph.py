@@ -122,10 +122,9 @@ class Graph:
         found = list(obj.pieces())
         if len(found) != 1:
             raise ValueError(f"g.node adds one node; this expression holds {len(found)}")
-        node, settings = found[0]
         if named and named[0] is not None:
-            settings = replace(settings, name=named[0])
-        return self._add(node, settings)
+            found = list(obj.named(named[0]).pieces())  # the id checked as .named checks it
+        return self._add(*found[0])
 
     def _add(self, node: Node, settings: Settings) -> str:
         if not isinstance(node, Node):

@@ -36,6 +36,14 @@ def test_duplicate_id_is_refused_naming_it():
         g.node("x", Node.of(double))  # a function as it is goes by its own name
 
 
+def test_an_id_given_to_g_node_is_checked_as_named_checks_it():
+    g = Graph()
+    for bad in ("a/b", "a.b", ""):
+        with pytest.raises(ValueError, match="a node id must be a non-empty string"):
+            g.node(bad, Add())
+    assert len(g) == 0
+
+
 def test_an_edge_closing_a_cycle_is_refused_and_the_graph_is_unchanged():
     g = Graph.somatize(Add() >> Add() >> Add())
     before = g.edges()
