@@ -31,7 +31,7 @@ from somatize.figures._svg import (
 )
 
 WIDEST = 1400.0
-SELECTED = ' selected="selected"'
+FLAGGED = "rgba(224,49,49,0.22)"  # a probe cell's tint when the health verdict flags it
 
 _BASE = "padding:4px 8px;border-bottom:1px solid #e1e4ea;white-space:nowrap;"
 _STICKY = "position:sticky;left:0;z-index:1;background:#fff;"
@@ -73,44 +73,46 @@ def html(table: dict[str, Any]) -> str:
     explain, higher = table["explain"], table["higher"]
     order = _order(table)
     name_w = min(220.0, max(80.0, *[text_width(n, 12, True) + 20 for n in index]))
+    name = f"{_STICKY}text-align:left;max-width:{name_w:.0f}px;"
+    head = "border-bottom:2px solid #c4c9d4"
     out = [
         f'<div class="smz-table-face" style="font-family:{esc(FONT)};font-size:12px;color:{INK}">',
-        '<div class="smz-scroll" style="max-width:100%;overflow-x:auto"><table style="border-collapse:separate;'
-        'border-spacing:0;font-variant-numeric:tabular-nums">',
+        '<div class="smz-scroll" style="max-width:100%;overflow-x:auto"><table style="'
+        'border-collapse:separate;border-spacing:0;font-variant-numeric:tabular-nums">',
         "<thead><tr>",
-        f'<th rowspan="2" class="smz-index" data-col="{esc(table["index_name"])}" style="{_BASE}{_STICKY}text-align:left;'
-        f'max-width:{name_w:.0f}px;border-bottom:2px solid #c4c9d4">{esc(table["index_name"])}</th>',
+        _cell("th", f' rowspan="2" class="smz-index" data-col="{esc(table["index_name"])}"',
+              name + head, esc(table["index_name"])),
     ]
     for group, run in groupby(cols, key=lambda c: groups.get(c, "")):
         run = list(run)
         shown = sum(1 for c in run if c not in hidden)
-        style = f"{_BASE}text-align:center;color:{MUTED};font-weight:600;font-size:11px;"
-        title = _GROUPS.get(group, ("", ""))[1]
-        out.append(
-            f'<th class="smz-group" data-group="{esc(group)}" colspan="{shown or len(run)}" '
-            f'title="{esc(title)}" '
-            f'style="{style}{"display:none;" if not shown else ""}">{esc(_GROUPS.get(group, (group, ""))[0])}</th>'
-        )
+        label, title = _GROUPS.get(group, (group, ""))
+        attrs = f' class="smz-group" data-group="{esc(group)}" colspan="{shown or len(run)}"'
+        style = f"text-align:center;color:{MUTED};font-weight:600;font-size:11px;"
+        out.append(_cell("th", f'{attrs} title="{esc(title)}"', style, esc(label), not shown))
     out.append("</tr><tr>")
     for c in cols:
-        label = c.split(":", 1)[-1]
         arrow = (" ▲" if table["ascending"] else " ▼") if c == table["sort_by"] else ""
-        out.append(
-            f'<th data-col="{esc(c)}" data-group="{esc(groups.get(c, ""))}" title="{esc(explain.get(c, ""))}" '
-            f'style="{_BASE}text-align:right;cursor:pointer;border-bottom:2px solid #c4c9d4;'
-            f'{"color:#2f6fdf;" if c == table["measured"] else ""}{"display:none;" if c in hidden else ""}">'
-            f"{esc(label)}{arrow}</th>"
-        )
+        attrs = f' data-col="{esc(c)}" data-group="{esc(groups.get(c, ""))}"'
+        style = f"text-align:right;cursor:pointer;{head};"
+        style += "color:#2f6fdf;" if c == table["measured"] else ""
+        label = esc(c.split(":", 1)[-1]) + arrow
+        attrs += f' title="{esc(explain.get(c, ""))}"'
+        out.append(_cell("th", attrs, style, label, c in hidden))
     out.append("</tr></thead><tbody>")
-    colour = {c: ranks([row[j] for row in values], bool(higher.get(c))) for j, c in enumerate(cols) if higher.get(c) is not None}
+    colour = {
+        c: ranks([row[j] for row in values], bool(higher.get(c)))
+        for j, c in enumerate(cols)
+        if higher.get(c) is not None
+    }
     for i in order:
-        out.append(
-            f'<tr data-row="{esc(index[i])}"><th class="smz-index" style="{_BASE}{_STICKY}text-align:left;'
-            f'max-width:{name_w:.0f}px;overflow:hidden;text-overflow:ellipsis" title="{esc(index[i])}">{esc(index[i])}</th>'
-        )
+        row = esc(index[i])
+        style = name + "overflow:hidden;text-overflow:ellipsis"
+        out.append(f'<tr data-row="{row}">')
+        out.append(_cell("th", ' class="smz-index"', style, row, tail=row))
         for j, c in enumerate(cols):
             v = values[i][j]
-            style = _BASE + "text-align:right;"
+            style = "text-align:right;"
             shown = v if isinstance(v, str) else number(v)
             tip = f"{c}: {shown}"
             rank = colour.get(c, [None] * len(index))[i]
@@ -118,29 +120,27 @@ def html(table: dict[str, Any]) -> str:
             if rank is not None:
                 style += f"background:{rank_colour(rank)};"
             elif flags:
-                style += "background:rgba(224,49,49,0.22);"
+                style += f"background:{FLAGGED};"
                 tip += " — flagged " + ", ".join(flags)
-            if c in hidden:
-                style += "display:none;"
             sort = f' data-v="{float(v)!r}"' if finite(v) else ""
-            out.append(f'<td data-col="{esc(c)}"{sort} title="{esc(tip)}" style="{style}">{esc(shown)}</td>')
+            attrs = f' data-col="{esc(c)}"{sort} title="{esc(tip)}"'
+            out.append(_cell("td", attrs, style, esc(shown), c in hidden))
         out.append("</tr>")
     out.append("</tbody>")
-    if table["measured"] and table["correlations"]:
-        out.append(
-            f'<tfoot><tr class="smz-corr"><th class="smz-index" style="{_BASE}{_STICKY}text-align:left;'
-            f'font-style:italic;border-top:2px solid #c4c9d4" title="Spearman rank correlation with '
-            f'{esc(table["measured"])}: 1 ranks the candidates exactly as it does">ρ with {esc(table["measured"])}</th>'
-        )
+    measured = esc(table["measured"])
+    if measured and table["correlations"]:
+        tip = f"Spearman rank correlation with {measured}: 1 ranks the candidates exactly as it"
+        tip += " does"
+        style = f"{_STICKY}text-align:left;font-style:italic;border-top:2px solid #c4c9d4"
+        out.append('<tfoot><tr class="smz-corr">')
+        out.append(_cell("th", ' class="smz-index"', style, f"ρ with {measured}", tail=tip))
         for c in cols:
             rho = table["correlations"].get(c)
-            style = _BASE + "text-align:right;font-style:italic;border-top:2px solid #c4c9d4;"
+            style = "text-align:right;font-style:italic;border-top:2px solid #c4c9d4;"
             if finite(rho) and c != table["measured"]:
                 style += f"background:{rank_colour((rho + 1) / 2, 0.7)};"
-            if c in hidden:
-                style += "display:none;"
             text = "" if c == table["measured"] else number(rho)
-            out.append(f'<td data-col="{esc(c)}" style="{style}">{text}</td>')
+            out.append(_cell("td", f' data-col="{esc(c)}"', style, text, c in hidden))
         out.append("</tr></tfoot>")
     below = '<div class="smz-below" style="display:flex;flex-wrap:wrap;gap:24px;margin-top:8px">'
     out += ["</table></div>", _tools(table), below, _scatters(table), _legend(table)]
@@ -148,12 +148,24 @@ def html(table: dict[str, Any]) -> str:
     return "".join(out)
 
 
+def _cell(
+    tag: str, attrs: str, style: str, content: str, hidden: bool = False, tail: str = ""
+) -> str:
+    """A table cell (everything given as HTML, escaped): its attributes, its style after the
+    shared padding and rule, `tail` a title after the style; `hidden`: not displayed."""
+    hide = "display:none;" if hidden else ""
+    title = f' title="{tail}"' if tail else ""
+    return f'<{tag}{attrs} style="{_BASE}{style}{hide}"{title}>{content}</{tag}>'
+
+
 _GROUPS = {
     "": ("", ""),
     "measured": ("measured", "what you measured after training (higher is better)"),
     "size": ("size", ""),
     "proxy": ("proxy scores · higher is better", "cheap scores taken before training"),
-    "probe": ("probe at initialisation · median over places", "what somatize.torch.probe measured"),
+    "probe": (
+        "probe at initialisation · median over places", "what somatize.torch.probe measured"
+    ),
     "other": ("other", ""),
 }
 
@@ -182,11 +194,13 @@ def _tools(table: dict[str, Any]) -> str:
     for c in hidden:
         by.setdefault(table["groups"].get(c, "other"), []).append(c)
     buttons = "".join(
-        f'<button class="smz-toggle" data-group="{esc(g)}" style="font:inherit;font-size:11px;margin-right:6px">'
+        f'<button class="smz-toggle" data-group="{esc(g)}" '
+        'style="font:inherit;font-size:11px;margin-right:6px">'
         f"▸ {esc(_GROUPS.get(g, (g, ''))[0].split(' · ')[0] or g)} ({len(cs)} more)</button>"
         for g, cs in by.items()
     )
-    return f'<div class="smz-tools" style="margin-top:6px;color:{MUTED};font-size:11px">{buttons}</div>'
+    style = f"margin-top:6px;color:{MUTED};font-size:11px"
+    return f'<div class="smz-tools" style="{style}">{buttons}</div>'
 
 
 def _scatters(table: dict[str, Any]) -> str:
@@ -202,12 +216,14 @@ def _scatters(table: dict[str, Any]) -> str:
     if not choices:
         return ""
     chosen = table["scatter"] if table["scatter"] in choices else choices[0]
+    picked = {chosen: ' selected="selected"'}
     options = "".join(
-        f'<option value="{esc(c)}"{SELECTED if c == chosen else ""}>{esc(c)}</option>' for c in choices
+        f'<option value="{esc(c)}"{picked.get(c, "")}>{esc(c)}</option>' for c in choices
     )
     parts = [
         f'<div class="smz-scatter-box"><div style="font-size:11px;color:{MUTED};margin-bottom:2px">'
-        f'<select class="smz-scatter-pick" style="font:inherit;font-size:11px">{options}</select> against {esc(measured)}</div>'
+        f'<select class="smz-scatter-pick" style="font:inherit;font-size:11px">{options}</select>'
+        f" against {esc(measured)}</div>"
     ]
     for c in choices:
         j = cols.index(c)
@@ -217,7 +233,8 @@ def _scatters(table: dict[str, Any]) -> str:
             if finite(row[j]) and finite(row[j_m])
         ]
         show = "" if c == chosen else ' style="display:none"'
-        drawn = image(scatter(points, c, measured, table["correlations"].get(c)), f"{c} against {measured}")
+        drawn = scatter(points, c, measured, table["correlations"].get(c))
+        drawn = image(drawn, f"{c} against {measured}")
         parts.append(f'<div class="smz-scatter" data-col="{esc(c)}"{show}>{drawn}</div>')
     parts.append("</div>")
     return "".join(parts)
@@ -237,7 +254,8 @@ def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rh
 
     out = [
         svg_open(w, h),
-        f'<rect x="{left:.0f}" y="10" width="{w - left - 10:.0f}" height="{h - bottom - 10:.0f}" fill="none" stroke="{LINE}"/>',
+        f'<rect x="{left:.0f}" y="10" width="{w - left - 10:.0f}" height="{h - bottom - 10:.0f}" '
+        f'fill="none" stroke="{LINE}"/>',
     ]
     for t in ticks(x_lo, x_hi, 5):
         out.append(svg_text(sx(t), h - bottom + 14, number(t), 10, anchor="middle"))
@@ -246,14 +264,15 @@ def scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, rh
     said = f"{xlabel} · ρ = {number(rho)}" if finite(rho) else xlabel
     out.append(svg_text((left + w) / 2, h - 4, said, fill=INK, anchor="middle"))
     out.append(
-        f'<text transform="translate(12,{(h - bottom) / 2:.1f}) rotate(-90)" font-size="11" fill="{INK}" '
-        f'text-anchor="middle">{esc(ylabel)}</text>'
+        f'<text transform="translate(12,{(h - bottom) / 2:.1f}) rotate(-90)" font-size="11" '
+        f'fill="{INK}" text-anchor="middle">{esc(ylabel)}</text>'
     )
     for x, y, name in points:
         left_side = sx(x) + 7 + text_width(name, 10) > w - 4  # a name kept inside the plot
         tx, anchor = (sx(x) - 7, "end") if left_side else (sx(x) + 7, "start")
         out.append(
-            f'<g class="smz-dot"><circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4.5" fill="#3d6fd9" fill-opacity="0.8"/>'
+            f'<g class="smz-dot"><circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4.5" fill="#3d6fd9" '
+            'fill-opacity="0.8"/>'
             f"{svg_text(tx, sy(y) + 3.5, name, 10, INK, anchor=anchor)}"
             f"<title>{esc(name)}: {esc(number(x))}, {esc(number(y))}</title></g>"
         )
@@ -272,12 +291,13 @@ def _padded(values: list[float], share: float) -> tuple[float, float]:
 
 def _legend(table: dict[str, Any]) -> str:
     """What the colours mean, and a sentence per column."""
-    swatch = 'display:inline-block;width:12px;height:10px;border-radius:2px;margin-right:4px;vertical-align:-1px;'
+    swatch = "display:inline-block;width:12px;height:10px;border-radius:2px;margin-right:4px;"
     keys = [
-        f'<span><span style="{swatch}background:{rank_colour(1)}"></span>best in its column</span>',
-        f'<span><span style="{swatch}background:{rank_colour(0.5)}"></span>middle</span>',
-        f'<span><span style="{swatch}background:{rank_colour(0)}"></span>worst</span>',
-        f'<span><span style="{swatch}background:rgba(224,49,49,0.22)"></span>probe value the health verdict flags</span>',
+        f'<span><span style="{swatch}vertical-align:-1px;background:{colour}"></span>{text}</span>'
+        for colour, text in [
+            (rank_colour(1), "best in its column"), (rank_colour(0.5), "middle"),
+            (rank_colour(0), "worst"), (FLAGGED, "probe value the health verdict flags"),
+        ]
     ]
     rows = "".join(
         f'<div data-col="{esc(c)}"><b>{esc(c)}</b> — {esc(table["explain"][c])}</div>'
@@ -285,6 +305,7 @@ def _legend(table: dict[str, Any]) -> str:
         if table["explain"].get(c)
     )
     return (
-        f'<div class="smz-legend" style="flex:1 1 420px;font-size:11px;color:{MUTED};line-height:1.5">'
-        f'<div style="display:flex;gap:14px;flex-wrap:wrap;margin-bottom:4px">{"".join(keys)}</div>{rows}</div>'
+        f'<div class="smz-legend" style="flex:1 1 420px;font-size:11px;color:{MUTED};'
+        'line-height:1.5"><div style="display:flex;gap:14px;flex-wrap:wrap;margin-bottom:4px">'
+        f'{"".join(keys)}</div>{rows}</div>'
     )
