@@ -110,11 +110,12 @@ class _Painter:
 
     def container(self, box: Box) -> str:
         x, y, w, h = box.x, box.y, box.w, box.h
+        at = f'x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}"'
         if box.kind == "group":
             return (
-                f'<g class="smz-group"{self.attrs(box)}>{self.tip(box)}'
-                f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="8" fill="none" '
-                f'stroke="#7d8799" stroke-dasharray="5 4"/>{svg_text(x + 10, y + 15, box.label)}</g>'
+                f'<g class="smz-group"{self.attrs(box)}>{self.tip(box)}<rect {at} rx="8" '
+                f'fill="none" stroke="#7d8799" stroke-dasharray="5 4"/>'
+                f"{svg_text(x + 10, y + 15, box.label)}</g>"
             )
         if box.kind == "block":
             stack = ""
@@ -128,14 +129,13 @@ class _Painter:
                              after=' class="smz-block-label"')
             return (
                 f'<g class="{cls}"{self.attrs(box)}>{self.tip(box)}{stack}'
-                f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="6" '
-                f'fill="rgba(138,111,209,0.06)" stroke="{BLOCK}" stroke-dasharray="4 3" '
-                f'stroke-width="1.2"/>{label}</g>'
+                f'<rect {at} rx="6" fill="rgba(138,111,209,0.06)" stroke="{BLOCK}" '
+                f'stroke-dasharray="4 3" stroke-width="1.2"/>{label}</g>'
             )
-        return self.node(box)
+        return self.node(box, at)
 
-    def node(self, box: Box) -> str:
-        x, y, w, h = box.x, box.y, box.w, box.h
+    def node(self, box: Box, at: str) -> str:
+        x, y, w = box.x, box.y, box.w
         col = self.fill(box.where)
         frozen = box.marks.get("frozen")
         opened = bool(box.children)
@@ -143,8 +143,8 @@ class _Painter:
         cx, anchor = (x + 12, "start") if opened else (x + w / 2, "middle")
         parts = [
             f'<g class="smz-node{" smz-open" if opened else ""}"{self.attrs(box)}>{self.tip(box)}',
-            f'<rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}" rx="8" fill="{bg}" '
-            f'stroke="{"#2a9fd6" if frozen else "#9aa3b5"}" stroke-width="{2 if frozen else 1.2}"/>',
+            f'<rect {at} rx="8" fill="{bg}" stroke="{"#2a9fd6" if frozen else "#9aa3b5"}" '
+            f'stroke-width="{2 if frozen else 1.2}"/>',
             svg_text(cx, y + 19, box.label, 13, ink, bold=True, anchor=anchor, cls="smz-title"),
             svg_text(cx, y + 34, box.sub, fill=ink if col else MUTED, anchor=anchor),
         ]
@@ -156,7 +156,8 @@ class _Painter:
                 parts.append(
                     f'<g class="smz-pill smz-pill-{kind}"><rect x="{px:.1f}" y="{y + 42:.1f}" '
                     f'width="{pw:.1f}" height="14" rx="7" fill="{PILLS[kind]}"/>'
-                    f'{svg_text(px + pw / 2, y + 52.5, text, 9.5, "#fff", bold=True, anchor="middle")}</g>'
+                    + svg_text(px + pw / 2, y + 52.5, text, 9.5, "#fff", bold=True, anchor="middle")
+                    + "</g>"
                 )
                 px += pw + 4
         parts.append("</g>")
@@ -172,15 +173,15 @@ class _Painter:
         fill = f'<path d="{path}" fill="{bg}" stroke="{hue}" stroke-width="1.4"{dash}/>'
         if not col:  # uncoloured: tinted with its family's hue
             fill += f'<path d="{path}" fill="{hue}" fill-opacity="0.13"/>'
-        y0 = 16 if box.sub else box.h / 2 + 4
+        mid, y0 = box.w / 2, 16 if box.sub else box.h / 2 + 4
         out = [
             f'<g class="smz-layer smz-kind-{box.family}"{self.attrs(box)} '
             f'transform="translate({box.x:.1f},{box.y:.1f})">{self.tip(box)}{fill}',
-            svg_text(box.w / 2, y0, box.label, 12, ink, bold=True, anchor="middle"),
+            svg_text(mid, y0, box.label, 12, ink, bold=True, anchor="middle"),
         ]
         if box.sub:
             sub_ink = ink if col else MUTED
-            out.append(svg_text(box.w / 2, "30", box.sub, 10.5, sub_ink, italic=True, anchor="middle"))
+            out.append(svg_text(mid, "30", box.sub, 10.5, sub_ink, italic=True, anchor="middle"))
         out.append("</g>")
         return "".join(out)
 

@@ -80,7 +80,8 @@ def written(path: str | Path, text: str) -> Path:
 def image(svg: str, alt: str) -> str:
     """An SVG as an HTML image (a data URI), at its own size or narrower."""
     data = base64.b64encode(svg.encode("utf-8")).decode("ascii")
-    return f'<img alt="{escape(alt, quote=True)}" style="max-width:100%" src="data:image/svg+xml;base64,{data}">'
+    alt = escape(alt, quote=True)
+    return f'<img alt="{alt}" style="max-width:100%" src="data:image/svg+xml;base64,{data}">'
 
 
 _watched: weakref.WeakSet = weakref.WeakSet()
@@ -106,4 +107,5 @@ def _after_cell(*_: Any) -> None:
         except Exception as err:  # a figure that cannot draw must not break the next cell
             import warnings
 
-            warnings.warn(f"{type(figure).__name__}'s static face was not refreshed: {err}", stacklevel=1)
+            name = type(figure).__name__
+            warnings.warn(f"{name}'s static face was not refreshed: {err}", stacklevel=1)

@@ -70,9 +70,13 @@ class _Layout:
             oa = self.port(items[a].box, d, True, box.down)
             ob = self.port(items[b].box, s, False, box.down)
             offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
-        mean = {k: (sum(o[0] for o in v) / len(v), sum(o[1] for o in v) / len(v)) for k, v in offsets.items()}
+        mean = {
+            k: (sum(o[0] for o in v) / len(v), sum(o[1] for o in v) / len(v))
+            for k, v in offsets.items()
+        }
         across_room = self.room[0] - left - right if box.down else None  # a root's rows scroll down
-        placed = place(list(items.values()), [(p[0], p[1]) for p in pairs], gaps, room, mean, across_room)
+        links = [(p[0], p[1]) for p in pairs]
+        placed = place(list(items.values()), links, gaps, room, mean, across_room)
         extent_u, extent_v = placed.extent
         w, h = (extent_u, extent_v) if box.down else (extent_v, extent_u)
         box.w = max(box.w, w + left + right)

@@ -162,7 +162,9 @@ class _Inside:
         times = int(layer.get("times") or 1)  # said once per level: its own repeats
         if times > 1:
             text += f"  ×{times}"
-        sub = shape_text(layer.get("shape"), layer.get("kind"), layer.get("label"), self._in_attention(layer))
+        around = _enclosing(self.blocks, layer.get("block"))
+        attention = any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
+        sub = shape_text(layer.get("shape"), layer.get("kind"), layer.get("label"), attention)
         w = max(text_width(text, 12, True), text_width(sub, 11) if sub else 0) + 36
         box = Box(
             id=f"l:{self.node}:{path}",
@@ -184,17 +186,14 @@ class _Inside:
         self.ids[path] = box.id
         return box
 
-    def _in_attention(self, layer: dict) -> bool:
-        around = _enclosing(self.blocks, layer.get("block"))
-        return any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
-
     def _block(self, b: str, old: str, new: str) -> list[Box]:
         blk = self.blocks[b]
         own = [la for la in self.layers if la.get("block") == b and la["path"] not in self.blocks]
         kids = [k for k, v in self.blocks.items() if v["parent"] == b]
         plain = blk["label"] in ("Sequential", "ModuleList", "ModuleDict")
         if not own and not kids:  # what it holds is not drawn (past the depth): one box
-            entry = next((la for la in self.layers if la["path"] == b), {"path": b, "kind": "block"})
+            entry = next((la for la in self.layers if la["path"] == b), None)
+            entry = entry or {"path": b, "kind": "block"}
             return [self._layer({**entry, "label": blk["label"]}, old, new)]
         if blk["times"] == 1 and (plain or (not own and len(kids) == 1)):
             out = [self._layer(la, old, new) for la in own]  # drawn as what it holds
@@ -331,8 +330,8 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
     sub = kind + (f" · {count(params)} params" if params else "")
     box = Box(id=f"n:{nid}", kind="node", label=nid, where=nid, pills=pills)
     box.sub = sub + ("  ▾" if opened else "  ▸" if inside else "")
-    widths = [text_width(nid, 13, True), text_width(box.sub, 11), sum(pill_width(t) + 4 for _, t in pills)]
-    box.w = max(90.0, round(max(widths) + 28))
+    pills_w = sum(pill_width(t) + 4 for _, t in pills)
+    box.w = max(90.0, round(max(text_width(nid, 13, True), text_width(box.sub, 11), pills_w) + 28))
     box.h = 62.0 if pills else 46.0
     box.marks = {"frozen": bool(node.get("frozen"))}
     box.tip = [("kind", kind or "?")]

@@ -78,9 +78,11 @@ def outline(fam: str, w: float, h: float) -> str:
             f"H{b:.1f}L0,{h - b:.1f}V{b:.1f}Z"
         )
     if fam == "attention":  # capsule
-        return f"M{m:.1f},0H{w - m:.1f}A{m:.1f},{m:.1f} 0 0 1 {w - m:.1f},{h:.1f}H{m:.1f}A{m:.1f},{m:.1f} 0 0 1 {m:.1f},0Z"
+        arc = f"A{m:.1f},{m:.1f} 0 0 1"
+        return f"M{m:.1f},0H{w - m:.1f}{arc} {w - m:.1f},{h:.1f}H{m:.1f}{arc} {m:.1f},0Z"
     if fam == "embedding":  # barrel
-        return f"M{s:.1f},0H{w - s:.1f}Q{w:.1f},{m:.1f} {w - s:.1f},{h:.1f}H{s:.1f}Q0,{m:.1f} {s:.1f},0Z"
+        right, left = f"Q{w:.1f},{m:.1f} {w - s:.1f},{h:.1f}", f"Q0,{m:.1f} {s:.1f},0"
+        return f"M{s:.1f},0H{w - s:.1f}{right}H{s:.1f}{left}Z"
     if fam == "op":  # rounded
         r = min(6.0, m)
         return (
@@ -108,7 +110,8 @@ def shape_text(shape: Any, kind: Any = None, label: Any = None, attention: bool 
     n = len(shape)
     text = f"{kind or ''} {label or ''}"
     channels = bool(_CHANNELS.search(text))
-    own = str(kind or "").lower() == "attention" or bool(re.search(r"attn|attention", str(label or ""), re.I))
+    own = str(kind or "").lower() == "attention"
+    own = own or bool(re.search(r"attn|attention", str(label or ""), re.I))
     if n == 1:
         names = ["dim"]
     elif n == 2:

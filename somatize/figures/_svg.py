@@ -39,7 +39,10 @@ def text_width(text: str, px: float = 12, bold: bool = False) -> float:
     total = 0
     for ch in str(text):
         c = ord(ch)
-        total += table[c - 32] if 32 <= c < 127 else (84 if ch in "×→←" else 70 if bold else 64)
+        if 32 <= c < 127:
+            total += table[c - 32]
+        else:
+            total += 84 if ch in "×→←" else 70 if bold else 64
     return total * px / 100
 
 
@@ -224,7 +227,9 @@ def colour_bar(x: float, y: float, width: float, scale: Scale, label: str) -> li
     return out
 
 
-def ticks(lo: float, hi: float, most: int = 6, log: bool = False, whole: bool = False) -> list[float]:
+def ticks(
+    lo: float, hi: float, most: int = 6, log: bool = False, whole: bool = False
+) -> list[float]:
     """Round values for an axis from lo to hi: at most about `most` of them (on a log axis,
     the powers of ten between, thinned to `most`; with `whole`, integers only)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -253,6 +258,7 @@ def tick_labels(values: list[float]) -> list[str]:
     labels = [number(v) for v in values]
     digits = 4
     while len(set(labels)) < len(labels) and digits < 12:
-        labels = [_trim(f"{v:.{digits}g}") if "e" not in f"{v:.{digits}g}" else number(v) for v in values]
+        texts = [f"{v:.{digits}g}" for v in values]
+        labels = [number(v) if "e" in t else _trim(t) for v, t in zip(values, texts, strict=True)]
         digits += 1
     return labels

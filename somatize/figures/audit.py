@@ -120,7 +120,9 @@ class LiveAudit(Face, anywidget.AnyWidget):
             self._queue.append(item)
             idle = self._sender is None
             if idle:
-                self._sender = threading.Thread(target=self._rounds, name="somatize-live-audit", daemon=True)
+                self._sender = threading.Thread(
+                    target=self._rounds, name="somatize-live-audit", daemon=True
+                )
         if idle:
             self._sender.start()
 
@@ -150,7 +152,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
         if seen != list(self.metrics):
             self.metrics = seen
         if not self._chosen:
-            best = next((m for m in PREFERRED if m in self._history.metrics), seen[0] if seen else "")
+            best = next((m for m in (*PREFERRED, *seen) if m in self._history.metrics), "")
             if best and best != self.metric:
                 self._auto = best
                 self.metric = best
@@ -260,11 +262,11 @@ class LiveAudit(Face, anywidget.AnyWidget):
         """The picture as an image, named by what it holds (places, steps, runs)."""
         with self._lock:
             self._drain(judge=0)
-            places = self._history.places()
-            steps = {s for r in self._history.runs.values() for p in r.places.values() for s in p.steps}
-            runs = len(self._history.runs)
-        more = f", {runs} runs" if runs > 1 else ""
-        return image(self.svg(), f"{self.title}: {len(places)} places, {len(steps)} steps{more}")
+            runs = self._history.runs.values()
+            places = len(self._history.places())
+            steps = len({s for r in runs for p in r.places.values() for s in p.steps})
+            more = f", {len(runs)} runs" if len(runs) > 1 else ""
+        return image(self.svg(), f"{self.title}: {places} places, {steps} steps{more}")
 
     def save_html(self, path: str | Path) -> Path:
         """Write a standalone page with the audit as it stands (every metric, the menu and the

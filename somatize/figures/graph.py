@@ -33,7 +33,8 @@ def _plan_of(graph: Any) -> dict[str, Any]:
         plan = as_graph(graph).plan_json()  # a bare module: a graph of one node
     else:
         raise TypeError(
-            f"a graph figure draws a Graph, a bare module (or a plan_json() dict), not {type(graph).__name__}"
+            "a graph figure draws a Graph, a bare module (or a plan_json() dict), not "
+            f"{type(graph).__name__}"
         )
     if not isinstance(plan.get("nodes"), list) or not isinstance(plan.get("edges"), list):
         raise ValueError("a graph's plan needs 'nodes' and 'edges' lists (see Graph.plan_json())")
@@ -163,8 +164,8 @@ class GraphFigure(Face, anywidget.AnyWidget):
     def face(self) -> str:
         """The drawing as an image for a notebook's output, without what only a live view
         reads (tooltips, what a click changes): a picture shows no tooltip."""
-        still = re.sub(r'<title>[^<]*</title>| data-[a-z]+="[^"]*"| cursor="pointer"', "", self.drawing)
-        return image(still, self.plain())
+        live = r'<title>[^<]*</title>| data-[a-z]+="[^"]*"| cursor="pointer"'
+        return image(re.sub(live, "", self.drawing), self.plain())
 
     def plain(self) -> str:
         """One line: how many nodes, which ones, which are open."""

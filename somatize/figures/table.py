@@ -44,7 +44,9 @@ def _named(candidates: Any) -> dict[str, Any]:
         nodes = getattr(graph, "nodes", None)
         if callable(nodes) and hasattr(graph, "implementation"):
             ids = list(nodes())
-            name = " → ".join(ids) if len(ids) <= 4 else f"{ids[0]} → … → {ids[-1]} ({len(ids)})"
+            if len(ids) > 4:
+                ids = [ids[0], "…", f"{ids[-1]} ({len(ids)})"]
+            name = " → ".join(ids)
         else:
             name = type(graph).__name__
         base, k = name, 2
@@ -66,7 +68,9 @@ def _probe_summary(numbers: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         for metric, v in values.items():
             if finite(v):
                 by_metric.setdefault(metric, []).append(float(v))
-    out: dict[str, Any] = {f"{PROBE}{m}": statistics.median(vs) for m, vs in sorted(by_metric.items())}
+    out: dict[str, Any] = {
+        f"{PROBE}{m}": statistics.median(vs) for m, vs in sorted(by_metric.items())
+    }
     out[f"{PROBE}flags"] = ", ".join(flags)
     return out
 
@@ -208,8 +212,8 @@ class CompareTable(Face, anywidget.AnyWidget):
         higher = {c: (True if groups[c] in ("measured", "proxy") else None) for c in df.columns}
         higher.update(dict(higher_better or {}))
         correlations = _correlations(df.select_dtypes("number"), column) if column else {}
-        proxy_cols = [c for c in df.columns if groups[c] == "proxy" and correlations.get(c) is not None]
-        best = max(proxy_cols, key=lambda c: abs(correlations[c]), default="")
+        scored = [c for c in df.columns if groups[c] == "proxy" and correlations.get(c) is not None]
+        best = max(scored, key=lambda c: abs(correlations[c]), default="")
         self.frame = df
         table = {
             "index": [str(i) for i in df.index],
@@ -238,8 +242,9 @@ class CompareTable(Face, anywidget.AnyWidget):
         names = max([80.0] + [text_width(n, 12, True) + 18 for n in t["index"]])
         widths = {}
         for j, c in enumerate(t["columns"]):
-            texts = [v if isinstance(v, str) else number(v) for v in (row[j] for row in t["values"])]
-            widths[c] = max([text_width(c.split(":", 1)[-1] + " ▼", 12, True)] + [text_width(x, 12) for x in texts]) + 18
+            texts = [row[j] if isinstance(row[j], str) else number(row[j]) for row in t["values"]]
+            head = text_width(c.split(":", 1)[-1] + " ▼", 12, True)
+            widths[c] = max([head] + [text_width(x, 12) for x in texts]) + 18
         # a group opened by hand is room given: it does not push others behind a toggle
         total = names + sum(w for c, w in widths.items() if t["groups"][c] not in self.shown)
         out: list[str] = []
@@ -275,9 +280,9 @@ class CompareTable(Face, anywidget.AnyWidget):
         height = 70 + 26 * rows + 30 + below
         return (
             f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDEST:.0f}" height="{height}" '
-            f'viewBox="0 0 {WIDEST:.0f} {height}"><foreignObject width="{WIDEST:.0f}" height="{height}">'
-            f'<div xmlns="http://www.w3.org/1999/xhtml" style="background:#fff">{self.drawing}</div>'
-            "</foreignObject></svg>"
+            f'viewBox="0 0 {WIDEST:.0f} {height}"><foreignObject width="{WIDEST:.0f}" '
+            f'height="{height}"><div xmlns="http://www.w3.org/1999/xhtml" style="background:#fff">'
+            f"{self.drawing}</div></foreignObject></svg>"
         )
 
     def save_html(self, path: str | Path) -> Path:
