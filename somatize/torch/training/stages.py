@@ -17,7 +17,7 @@ from typing import Any
 
 from somatize import _hooks, run
 from somatize.graph import Graph
-from somatize.node import Node, Opaque, Piece
+from somatize.node import Node, Opaque, Piece, Settings
 from somatize.torch._modules import tensors_in
 from somatize.torch.training.learning import backward_from, envelope, grad_of, gradient, leafed
 
@@ -149,7 +149,8 @@ class Part:
         leaf_of: dict[str, str] = {}
         for n in self.exits:
             if sub.successors(n):
-                leaf_of[sub.node(f"{n}/out", Outlet())] = n
+                # an id no user can give ('/' is refused in one), so it never meets theirs
+                leaf_of[sub.node(Piece(Outlet(), Settings(name=f"{n}/out")))] = n
                 sub.edge(n, f"{n}/out")
             else:
                 leaf_of[n] = n
