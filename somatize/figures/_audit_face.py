@@ -1,10 +1,6 @@
-"""The live audit's picture: its loss plot and its heatmap of one metric, as SVG.
-
-The same layout as the page draws live (`widgets/audit.js`): the loss with real axes (ticks,
-a log scale to choose, a smoothed curve over the raw one, a curve per run); below, a row per
-watched place (per run, when there are several), a column per step (binned past 240), each
-cell the chosen metric's value on a viridis scale, a flagged step marked in a lane under its
-cell in the colour of its flag's family; a legend for every colour and mark.
+"""The live audit's picture as SVG, in the layout the page draws live (`widgets/audit.js`):
+the loss plot above, the heatmap of one metric below (a row per place and run, a column per
+step, binned past 240), flags in a lane under their cells, a legend for every colour and mark.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The comparison table's picture: an HTML table (inline styles, so it reads the same with no
-stylesheet), a scatter of a score against what was measured, and a legend.
-
-The names stay in the first column, sticky when the table scrolls; `measured` comes next,
-then the parameter count, the proxy scores, the probe's numbers (behind a toggle when the
-table would pass 1400 px). Every number is written one way (`_svg.number`). Proxy and
-measured cells are coloured by their rank in their column (best green, worst red); a probe
-cell is tinted when `somatize.health.verdict` flags its value.
+"""The comparison table's picture (what `CompareTable` says it shows): an HTML table with
+inline styles, so it reads the same with no stylesheet, a scatter of a score against what was
+measured, and a legend.
 """
 
 from __future__ import annotations

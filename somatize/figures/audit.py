@@ -85,10 +85,9 @@ class LiveAudit(Face, anywidget.AnyWidget):
         self._intake = threading.Lock()  # the queue: held for an append
         self._lock = threading.RLock()  # the columns and what was sent
         self._sent: dict = {}
-        self._seq = 0
         self._sender: threading.Thread | None = None
         self._recorded = -1
-        self.sends = 0  # messages sent
+        self.sends = 0  # messages sent: each one's `seq`
         self.on_msg(self._on_message)
 
     def __call__(self, fact: dict[str, Any]) -> None:
@@ -184,9 +183,8 @@ class LiveAudit(Face, anywidget.AnyWidget):
         body = message(self._history, self._sent, buffers, everything)
         if not body["runs"]:
             return
-        self._seq += 1
-        self.send({"kind": "reset" if everything else "append", "seq": self._seq, **body}, buffers)
         self.sends += 1
+        self.send({"kind": "reset" if everything else "append", "seq": self.sends, **body}, buffers)
 
     def sync(self) -> None:
         """Judge and send everything pending now, whatever the interval."""
