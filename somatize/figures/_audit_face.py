@@ -35,6 +35,7 @@ FAMILY_COLOURS = {
 }
 NO_NUMBER = "#e03131"
 ABSENT = "#f1f3f5"
+WAITING = "#8a93a6"  # what is said before anything came
 RUN_COLOURS = ["#3d6fd9", "#e8590c", "#2b8a3e", "#862e9c", "#c92a2a", "#0b7285"]
 MOST_COLUMNS = 240
 ROW = 16  # a cell of 11 px, a lane of 3 for its flags
@@ -67,8 +68,7 @@ def picture(
     """The audit drawn as SVG text (see the module's docstring)."""
     out: list[str] = []
     runs = list(history.runs)
-    places = history.places()
-    rows = [(w, r) for w in places for r in runs if w in history.runs[r].places]
+    rows = [(w, r) for w in history.places() for r in runs if w in history.runs[r].places]
     many = len(runs) > 1
     label_w = min(220.0, max([90.0] + [text_width(w, 11) + 14 for w, _ in rows])) + 14 * many
     x0, x1 = label_w, width - 110.0
@@ -158,7 +158,7 @@ def picture(
         out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
     y = top + max(1, len(rows)) * ROW
     if not rows:
-        out.append(svg_text(x0 + 8, top + 11, "waiting for health facts…", fill="#8a93a6"))
+        out.append(svg_text(x0 + 8, top + 11, "waiting for health facts…", fill=WAITING))
     if bins:
         axis = f'x1="{x0:.1f}" x2="{ends:.1f}" y1="{y + 2:.1f}" y2="{y + 2:.1f}"'
         out.append(f'<line {axis} stroke="{LINE}"/>')
@@ -192,7 +192,7 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
     )
     out.append(svg_text("12", y + h / 2 + 4, "loss (log)" if log else "loss", bold=True))
     if not every:
-        out.append(svg_text(x0 + 8, y + 18, "no loss yet", fill="#8a93a6"))
+        out.append(svg_text(x0 + 8, y + 18, "no loss yet", fill=WAITING))
         return y + h + 8
     lo, hi = min(every), max(every)
     note = flat_note(lo, hi, sum(every) / len(every)) if len(every) >= 10 else ""

@@ -110,10 +110,9 @@ class _Painter:
 
     def container(self, box: Box) -> str:
         x, y, w, h = box.x, box.y, box.w, box.h
-        at = f'x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{h:.1f}"'
         if box.kind == "group":
             return (
-                f'<g class="smz-group"{self.attrs(box)}>{self.tip(box)}<rect {at} rx="8" '
+                f'<g class="smz-group"{self.attrs(box)}>{self.tip(box)}<rect {_frame(box)} rx="8" '
                 f'fill="none" stroke="#7d8799" stroke-dasharray="5 4"/>'
                 f"{svg_text(x + 10, y + 15, box.label)}</g>"
             )
@@ -129,12 +128,12 @@ class _Painter:
                              after=' class="smz-block-label"')
             return (
                 f'<g class="{cls}"{self.attrs(box)}>{self.tip(box)}{stack}'
-                f'<rect {at} rx="6" fill="rgba(138,111,209,0.06)" stroke="{BLOCK}" '
+                f'<rect {_frame(box)} rx="6" fill="rgba(138,111,209,0.06)" stroke="{BLOCK}" '
                 f'stroke-dasharray="4 3" stroke-width="1.2"/>{label}</g>'
             )
-        return self.node(box, at)
+        return self.node(box)
 
-    def node(self, box: Box, at: str) -> str:
+    def node(self, box: Box) -> str:
         x, y, w = box.x, box.y, box.w
         col = self.fill(box.where)
         frozen = box.marks.get("frozen")
@@ -143,7 +142,7 @@ class _Painter:
         cx, anchor = (x + 12, "start") if opened else (x + w / 2, "middle")
         parts = [
             f'<g class="smz-node{" smz-open" if opened else ""}"{self.attrs(box)}>{self.tip(box)}',
-            f'<rect {at} rx="8" fill="{bg}" stroke="{"#2a9fd6" if frozen else "#9aa3b5"}" '
+            f'<rect {_frame(box)} rx="8" fill="{bg}" stroke="{"#2a9fd6" if frozen else "#9aa3b5"}" '
             f'stroke-width="{2 if frozen else 1.2}"/>',
             svg_text(cx, y + 19, box.label, 13, ink, bold=True, anchor=anchor, cls="smz-title"),
             svg_text(cx, y + 34, box.sub, fill=ink if col else MUTED, anchor=anchor),
@@ -238,6 +237,11 @@ class _Painter:
             out += colour_bar(12, bar_y, 140, self.scale, self.label or "colour")
             h = bar_y + 18
         return out, h + 6 if h else 0.0
+
+
+def _frame(box: Box) -> str:
+    """Where a box is, as a rect's attributes."""
+    return f'x="{box.x:.1f}" y="{box.y:.1f}" width="{box.w:.1f}" height="{box.h:.1f}"'
 
 
 def _path(points: list[Point], down: bool) -> str:
