@@ -396,17 +396,7 @@ class Graph:
         told = run.watchers(watching)
         input = unwrap(input)
         if plan.hosts:
-            if broker is None:
-                nid, host = next(iter(plan.hosts.items()))
-                raise ValueError(
-                    f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: "
-                    "pass broker=Broker.embedded({" + repr(host) + ": Worker.at('host:port')})"
-                )
-            if not callable(getattr(broker, "forward", None)):
-                raise TypeError(
-                    f"broker= takes a somatize Broker (Broker.embedded({{host: Worker}})), not "
-                    f"{type(broker).__name__} {broker!r:.60}"
-                )
+            broker_for(plan.hosts, broker, "broker=Broker.embedded({%s: Worker.at('host:port')})")
             return broker.forward(plan, input, store=store, watching=told)
         if store is not None and plan.cached:
             return caching.walk_cached(plan, input, store_of(store), told)
@@ -432,6 +422,25 @@ class Graph:
         if isinstance(bundle, tuple):
             return {**bundle[0], "text/plain": repr(self)}, bundle[1]
         return {**(bundle or {}), "text/plain": repr(self)}
+
+
+def broker_for(hosts: dict[str, str], broker: Any, passing: str) -> None:
+    """Refuses `.at(host)` nodes (`hosts`, `{node: host}`) without a broker that says where
+    their hosts are, or with something that is not a somatize Broker (it answers `forward` and
+    `request`). `passing` is how to pass one, `%s` where the first host's name goes."""
+    if not hosts:
+        return
+    if broker is None:
+        nid, host = next(iter(hosts.items()))
+        raise ValueError(
+            f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: "
+            "pass " + passing % repr(host)
+        )
+    if not all(callable(getattr(broker, asked, None)) for asked in ("forward", "request")):
+        raise TypeError(
+            f"broker= takes a somatize Broker (Broker.embedded({{host: Worker}})), not "
+            f"{type(broker).__name__} {broker!r:.60}"
+        )
 
 
 def as_graph(what: Any) -> Graph:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from somatize.graph import Graph
+from somatize.graph import Graph, broker_for
 from somatize.run import watchers
 from somatize.torch.placement import trainable
 from somatize.torch.training.learning import Learning
@@ -187,15 +187,5 @@ def audit_of(auditing: Any) -> Any:
 def hosts_of(graph: Graph, broker: Any) -> dict[str, str]:
     """`{node: host}` for the `.at(host)` nodes; refused without a broker that says where."""
     hosts = {n: h for n, h in graph.hosts().items() if h}
-    if hosts and broker is None:
-        nid, host = next(iter(hosts.items()))
-        raise ValueError(
-            f"node {nid!r} runs .at({host!r}), and no broker says where {host!r} is: pass "
-            "Trainer(..., broker=Broker.embedded({" + repr(host) + ": Worker.at(...)}))"
-        )
-    if hosts and not callable(getattr(broker, "request", None)):
-        raise TypeError(
-            f"broker= must be a somatize Broker (it answers broker.request(host, message)) for "
-            f"the .at() nodes; {type(broker).__name__} is not"
-        )
+    broker_for(hosts, broker, "Trainer(..., broker=Broker.embedded({%s: Worker.at(...)}))")
     return hosts
