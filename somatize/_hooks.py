@@ -12,30 +12,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
-
-HOOKS = (
-    "move",
-    "place",
-    "state_digest",
-    "trainable",
-    "entry",
-    "state_of",
-    "load_state",
-    "stage_state",
-    "serve",
-    "tensor_frame",
-    "frame_tensor",
-    "constructible",
-    "no_grad",
-    "late_codecs",
-    "fields_of",
-    "from_fields",
-)
-"""The questions a backend answers; `register` replaces the function of that name here."""
-
-__all__ = ["register", "ready", *HOOKS]
 
 
 def move(value: Any, device: str) -> Any:
@@ -149,3 +128,16 @@ def register(**functions: Callable[..., Any]) -> None:
     if unknown:
         raise ValueError(f"unknown hook(s) {sorted(unknown)}; known: {sorted(HOOKS)}")
     globals().update(functions)
+
+
+HOOKS = tuple(
+    name
+    for name, value in list(globals().items())
+    if type(value) is types.FunctionType
+    and value.__module__ == __name__
+    and name not in ("ready", "register")
+)
+"""The questions a backend answers (the functions above, in order, but `ready` and
+`register`); `register` replaces the function of that name here."""
+
+__all__ = ["register", "ready", *HOOKS]
