@@ -1,6 +1,8 @@
 """Weights and gradients between the ranks, outside of DDP's own traffic: rank 0's weights
 sent to every rank, and a group's gradients averaged when no backward is left to do it. Tensors
 go by broadcast and all-reduce, what describes them as JSON from rank 0; nothing is unpickled.
+That description (`manifest`) and how two of them differ (`difference`) are also how federated
+averaging checks the exports it is given.
 """
 
 from __future__ import annotations
@@ -69,33 +71,59 @@ def average_grads(params: Iterable[torch.nn.Parameter], world: int) -> None:
                 p.grad.copy_(mean)
 
 
-def _manifest(weights: Any) -> dict[str, Any]:
-    """What describes rank 0's weights, or why they cannot be sent."""
+def manifest(weights: Any) -> dict[str, list]:
+    """`{node: [[key, str(dtype), shape], ...]}`, in their order, describing weights of the form
+    `{node id: {key: tensor}}`; anything else is refused with a `TypeError` saying what and
+    where (`it is a list, ...`, `node 'enc', 'w' is a float, not a tensor`)."""
     if not isinstance(weights, dict):
-        return {"refused": f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}"}
+        raise TypeError(f"it is a {type(weights).__name__}, not {{node: {{key: tensor}}}}")
     nodes: dict[str, list] = {}
     for nid, given in weights.items():
         if not isinstance(nid, str) or not isinstance(given, dict):
-            what = type(nid).__name__ if not isinstance(nid, str) else type(given).__name__
-            return {"refused": f"load takes {{node id: {{key: tensor}}}}; it was given a {what}"}
-        entries = []
+            raise TypeError(f"its entry {nid!r:.60} is not a node id holding {{key: tensor}}")
+        nodes[nid] = []
         for key, tensor in given.items():
             if not isinstance(key, str) or not isinstance(tensor, torch.Tensor):
-                return {
-                    "refused": f"node {nid!r}, {key!r}: load takes tensors, not "
-                    f"{type(tensor).__name__}; nothing was loaded"
-                }
-            if str(tensor.dtype) not in _DTYPES:
-                return {"refused": f"node {nid!r}, {key!r}: a {tensor.dtype} tensor cannot be sent"}
-            entries.append([key, str(tensor.dtype), list(tensor.shape)])
-        nodes[nid] = entries
+                raise TypeError(
+                    f"node {nid!r}, {key!r:.60} is a {type(tensor).__name__}, not a tensor"
+                )
+            nodes[nid].append([key, str(tensor.dtype), list(tensor.shape)])
+    return nodes
+
+
+def difference(mine: dict[str, list], theirs: dict[str, list]) -> str | None:
+    """How the weights `manifest` described as `mine` differ from `theirs` in nodes, keys,
+    dtypes or shapes (in any order), or None when they hold the same."""
+    if set(mine) != set(theirs):
+        return f"it holds nodes {sorted(mine)}, not {sorted(theirs)}"
+    for nid, entries in mine.items():
+        here = {key: f"{dtype}{tuple(shape)}" for key, dtype, shape in entries}
+        there = {key: f"{dtype}{tuple(shape)}" for key, dtype, shape in theirs[nid]}
+        if set(here) != set(there):
+            return f"node {nid!r} holds keys {sorted(here)}, not {sorted(there)}"
+        for key, kind in here.items():
+            if there[key] != kind:
+                return f"node {nid!r}, {key!r} is {kind}, not {there[key]}"
+    return None
+
+
+def _sendable(weights: Any) -> dict[str, Any]:
+    """What describes rank 0's weights, or why they cannot be sent."""
+    try:
+        nodes = manifest(weights)
+    except TypeError as error:
+        return {"refused": f"load: rank 0's weights cannot be sent: {error}; nothing was loaded"}
+    for nid, entries in nodes.items():
+        for key, dtype, _ in entries:
+            if dtype not in _DTYPES:
+                return {"refused": f"node {nid!r}, {key!r}: a {dtype} tensor cannot be sent"}
     return {"nodes": nodes}
 
 
 def from_rank0(weights: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Rank 0's `weights` (`{node: {key: tensor}}`), on every rank: rank 0 answers its own,
     the others what it sent. Refused on every rank alike when rank 0's are not of that form."""
-    said = _ranks.from_rank0(_manifest(weights) if dist.get_rank() == 0 else None)
+    said = _ranks.from_rank0(_sendable(weights) if dist.get_rank() == 0 else None)
     if "refused" in said:
         raise TypeError(said["refused"])
     mine = dist.get_rank() == 0

@@ -21,43 +21,26 @@ import torch
 
 from somatize.node import unwrap
 from somatize.store import CorruptBinding, store_of
+from somatize.torch.training._weights import difference, manifest
 
 __all__ = ["fedavg", "gather"]
 
 Export = dict[str, dict[str, torch.Tensor]]
 
 
-def _not_an_export(value: Any) -> str | None:
-    """Why `value` is not an export (`{node id: {key: tensor}}` of finite numbers), or None."""
-    if type(value) is not dict:
-        return f"it is a {type(value).__name__}, not {{node: {{key: tensor}}}}"
+def _not_an_export(value: Any, like: Export | None = None) -> str | None:
+    """Why `value` is not an export (`{node id: {key: tensor}}` of finite numbers), or not one
+    holding the nodes, keys, shapes and dtypes `like` holds; None when it is."""
+    try:
+        held = manifest(value)
+    except TypeError as error:
+        return str(error)
     for nid, state in value.items():
-        if type(nid) is not str or type(state) is not dict:
-            return f"its entry {nid!r} is not a node id holding {{key: tensor}}"
         for key, t in state.items():
-            if type(key) is not str or not isinstance(t, torch.Tensor):
-                return f"node {nid!r}, {key!r} is a {type(t).__name__}, not a tensor"
             if (t.is_floating_point() or t.is_complex()) and not bool(torch.isfinite(t).all()):
                 bad = int((~torch.isfinite(t)).sum())
                 return f"node {nid!r}, {key!r} holds {bad} NaN or infinite number(s)"
-    return None
-
-
-def _differs(other: Export, first: Export) -> str | None:
-    """How `other` differs from `first` in nodes, keys, shapes or dtypes, or None."""
-    if set(other) != set(first):
-        return f"it holds nodes {sorted(other)}, not {sorted(first)}"
-    for nid, state in first.items():
-        if set(other[nid]) != set(state):
-            return f"node {nid!r} holds keys {sorted(other[nid])}, not {sorted(state)}"
-        for key, t in state.items():
-            u = other[nid][key]
-            if u.shape != t.shape or u.dtype != t.dtype:
-                return (
-                    f"node {nid!r}, {key!r} is {u.dtype}{tuple(u.shape)}, "
-                    f"not {t.dtype}{tuple(t.shape)}"
-                )
-    return None
+    return None if like is None else difference(held, manifest(like))
 
 
 def _bad_size(s: Any) -> bool:
@@ -99,7 +82,7 @@ def fedavg(exports: Iterable[Export], sizes: Sequence[float] | None = None) -> E
     total = sum(weights)
     first = exports[0]
     for k, other in enumerate(exports):
-        why = _not_an_export(other) or (_differs(other, first) if k else None)
+        why = _not_an_export(other, first if k else None)
         if why:
             raise ValueError(f"fedavg: export {k} cannot be averaged with export 0: {why}")
     out: Export = {}
@@ -137,7 +120,7 @@ def _read(store: Any, name: str, mine: Export) -> tuple[Export | None, Any, str 
         value = store.recall(name)
     except (ValueError, TypeError, LookupError) as error:  # damaged, hostile, or unknown kind
         return None, None, f"its record cannot be read: {error}"
-    why = _not_an_export(value) or _differs(value, mine)
+    why = _not_an_export(value, mine)
     size = bound.get("size") if bound is not None else None
     if why is None and size is not None and _bad_size(size):
         why = f"its size is {size!r}, not a finite number >= 0"

@@ -152,24 +152,14 @@ def _difference(theirs: dict[str, Any], mine: dict[str, Any]) -> str | None:
     for what in ("parallel", "every", "micro", "trains"):
         if theirs[what] != mine[what]:
             return f"{what}={mine[what]!r} here, {theirs[what]!r} on rank 0"
-    if list(theirs["nodes"]) != list(mine["nodes"]):
-        return f"nodes {list(mine['nodes'])} here, {list(theirs['nodes'])} on rank 0"
-    for nid, state in mine["nodes"].items():
-        if state != theirs["nodes"][nid]:
-            there = {k: (d, s) for k, d, s in theirs["nodes"][nid]}
-            for key, dtype, shape in state:
-                if there.get(key) != (dtype, shape):
-                    said = there.get(key, "no such weight")
-                    return f"node {nid!r}, {key!r}: {dtype} {shape} here, {said} on rank 0"
-            return f"node {nid!r} holds weights {sorted(there)} on rank 0"
-    return None
+    differs = _weights.difference(mine["nodes"], theirs["nodes"])
+    if differs is None and list(mine["nodes"].items()) != list(theirs["nodes"].items()):
+        differs = "it holds the nodes and weights rank 0 holds, in another order"
+    return differs
 
 
 def _same_everywhere(graph: Any, mode: str, trains: dict, every: int, micro: int) -> None:
-    nodes = {}
-    for nid in graph.nodes():
-        state = state_of(graph.implementation(nid))
-        nodes[nid] = [[key, str(t.dtype), list(t.shape)] for key, t in state.items()]
+    nodes = _weights.manifest({nid: state_of(graph.implementation(nid)) for nid in graph.nodes()})
     mine = dict(parallel=mode, every=every, micro=micro, trains=sorted(trains), nodes=nodes)
     theirs = _ranks.from_rank0(mine if dist.get_rank() == 0 else None)
     differs = _difference(theirs, mine)
