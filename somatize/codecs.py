@@ -69,7 +69,8 @@ class Malformed(ValueError):
 
     The message says which (a truncated value, a length longer than its bytes, nesting
     deeper than `DEPTH`, a codec that could not load its part). Nothing was run, nothing
-    is half-built: the bytes are refused as a whole.
+    is half-built: the bytes are refused as a whole. The wire's `decode` refuses with it
+    too (`somatize.remote.Malformed` is this class): frames that are not a message.
     """
 
 
@@ -153,13 +154,38 @@ class _Missing(Exception):
         self.value = value
 
 
-def _default(value: Any) -> msgpack.ExtType:
+PLAIN = (_TUPLE, _BIGINT)
+"""The extension codes of a tuple and of an int beyond 64 bits: the same in a store and on
+the wire (`somatize.remote.wire`), both written by `plain_ext` and read by `plain_value`."""
+
+
+def plain_ext(value: Any, pack: Callable[[Any], bytes]) -> msgpack.ExtType | None:
+    """A tuple (its items as a list, written down by `pack`) or an int beyond 64 bits as its
+    extension type, or None for any other value."""
     kind = type(value)
     if kind is tuple:
-        return msgpack.ExtType(_TUPLE, _pack(list(value)))
-    if kind is int:  # only reached when it does not fit in 64 bits
+        return msgpack.ExtType(_TUPLE, pack(list(value)))
+    if kind is int:  # msgpack asks only for one that does not fit in 64 bits
         size = (value.bit_length() + 8) // 8
         return msgpack.ExtType(_BIGINT, value.to_bytes(size, "big", signed=True))
+    return None
+
+
+def plain_value(code: int, data: bytes, unpack: Callable[[Any], Any]) -> Any:
+    """The tuple (its items read back by `unpack`) or the int that `plain_ext` wrote with
+    `code`, one of `PLAIN`; a tuple whose items are not a list is `Malformed`."""
+    if code == _BIGINT:
+        return int.from_bytes(data, "big", signed=True)
+    items = unpack(data)
+    if type(items) is not list:
+        raise Malformed("a tuple that holds no items")
+    return tuple(items)
+
+
+def _default(value: Any) -> msgpack.ExtType:
+    plain = plain_ext(value, _pack)
+    if plain is not None:
+        return plain
     found = _codec_for(value)
     if found is None:
         raise _Missing(value)
@@ -250,10 +276,8 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
-    if code == _TUPLE:
-        return tuple(_unpack(data))
-    if code == _BIGINT:
-        return int.from_bytes(data, "big", signed=True)
+    if code in PLAIN:
+        return plain_value(code, data, _unpack)
     if code == _CODEC:
         kind, payload = _envelope(data)
     elif code in _KNOWN_KIND:

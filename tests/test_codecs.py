@@ -160,6 +160,22 @@ def test_decode_refuses_what_is_not_an_encoded_value() -> None:
         decode(b"\xc1")
 
 
+def test_a_tuple_whose_items_are_not_a_list_is_malformed_in_a_store_as_on_the_wire() -> None:
+    import msgpack
+
+    from somatize.codecs import Malformed
+    from somatize.remote import Malformed as WireMalformed
+    from somatize.remote import wire
+
+    assert WireMalformed is Malformed and wire.Malformed is Malformed
+    for items in ("abc", b"ab", {"a": 1}, 7):
+        data = msgpack.packb(msgpack.ExtType(1, msgpack.packb(items)), use_bin_type=True)
+        with pytest.raises(Malformed, match="a tuple that holds no items"):
+            decode(data)
+        with pytest.raises(Malformed, match="a tuple that holds no items"):
+            wire.decode([data])
+
+
 def test_decode_names_a_kind_nobody_registered() -> None:
     class Gone:
         pass

@@ -3,7 +3,8 @@
 A message is one Python value (a dict, in practice) with tensors anywhere inside it, sent as
 `[header, data_1, data_2, ...]`. Plain values are msgpack's own; the rest are extension types:
 
-- a tuple, and an int beyond 64 bits, so that they come back as they left;
+- a tuple, and an int beyond 64 bits, so that they come back as they left (as a store has
+  them: `somatize.codecs.plain_ext`);
 - a tensor: `[k, dtype, shape, requires_grad]`, its numbers being `data_k` in C order, sent
   from and received into the tensor's own memory (`_hooks.tensor_frame`, `frame_tensor`);
 - a class or function, by name: it comes back as a `Named`, which nothing here imports or
@@ -27,6 +28,7 @@ from typing import Any
 import msgpack
 
 from somatize import _hooks, codecs
+from somatize.codecs import Malformed
 
 __all__ = ["Malformed", "Named", "encode", "decode", "MOST_FRAMES", "MOST_DEPTH"]
 
@@ -36,11 +38,7 @@ MOST_FRAMES = 4096
 MOST_DEPTH = 32
 """The most extension types nested inside each other (tuples in tuples, say)."""
 
-_TUPLE, _BIGINT, _TENSOR, _NAMED, _VALUE, _FIELDS = 1, 2, 3, 4, 5, 6
-
-
-class Malformed(ValueError):
-    """Bytes that are not a message of this wire (or hold one that does not add up)."""
+_TENSOR, _NAMED, _VALUE, _FIELDS = 3, 4, 5, 6  # 1 and 2 are codecs.PLAIN: a tuple, a big int
 
 
 @dataclass(frozen=True)
@@ -69,18 +67,15 @@ class _Writer:
         return msgpack.packb(value, default=self.default, use_bin_type=True, strict_types=True)
 
     def default(self, value: Any) -> Any:
-        kind = type(value)
-        if kind is tuple:
-            return msgpack.ExtType(_TUPLE, self.pack(list(value)))
-        if kind is int:  # msgpack asks only for one beyond 64 bits
-            size = (value.bit_length() + 8) // 8
-            return msgpack.ExtType(_BIGINT, value.to_bytes(size, "big", signed=True))
+        plain = codecs.plain_ext(value, self.pack)
+        if plain is not None:
+            return plain
         framed = _hooks.tensor_frame(value)
         if framed is not None:
             head, buffer = framed
             self.frames.append(buffer)
             return msgpack.ExtType(_TENSOR, self.pack([len(self.frames), *head]))
-        if kind is Named:
+        if type(value) is Named:
             return msgpack.ExtType(_NAMED, self.pack([value.module, value.qualname]))
         if isinstance(value, type) or isinstance(value, _FUNCTIONS):
             return msgpack.ExtType(_NAMED, self.pack(_name_of(value)))
@@ -132,13 +127,8 @@ class _Reader:
             self.depth -= 1
 
     def hook(self, code: int, data: bytes) -> Any:
-        if code == _TUPLE:
-            items = self.unpack(data)
-            if type(items) is not list:
-                raise Malformed("a tuple that holds no items")
-            return tuple(items)
-        if code == _BIGINT:
-            return int.from_bytes(data, "big", signed=True)
+        if code in codecs.PLAIN:
+            return codecs.plain_value(code, data, self.unpack)
         if code == _TENSOR:
             return self.tensor(self.unpack(data))
         if code == _NAMED:
