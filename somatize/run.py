@@ -75,9 +75,7 @@ class Plan:
                 mode, src = ONE, index[preds[0]]
             else:
                 mode, src = MANY, tuple((p, index[p]) for p in preds)
-            call = _hooks.entry(node)
-            fn = _mapping(n, call) if s.mapped else call
-            steps.append((i, mode, src, fn, Ctx(n, s.device, s.host, graph), s.device))
+            steps.append(step_of(i, mode, src, node, Ctx(n, s.device, s.host, graph), s.mapped))
         self._graph = _weakly(graph)
         self.ids = tuple(order)
         self.steps = tuple(steps)
@@ -92,6 +90,15 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({len(self.steps)} steps)"
+
+
+def step_of(slot: int, mode: int, src: Any, node: Any, ctx: Ctx, mapped: Any) -> tuple:
+    """The engine's step `(slot, mode, src, fn, ctx, device)` that runs `node` as `ctx` says:
+    `fn` is what `_hooks.entry` answers (a module's `__call__`, so that its hooks fire), made
+    to take a list and give one back as long when the node is `mapped`."""
+    call = _hooks.entry(node)
+    fn = _mapping(ctx.id, call) if mapped else call
+    return (slot, mode, src, fn, ctx, ctx.device)
 
 
 def not_a_list(nid: str, x: Any) -> TypeError:

@@ -17,7 +17,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.node import unwrap
 from somatize.remote.errors import not_held
-from somatize.run import MANY, ONE, ROOT, Ctx, _mapping, _result, finished, tell, walk
+from somatize.run import MANY, ONE, ROOT, Ctx, _result, finished, step_of, tell, walk
 
 __all__ = ["Slice", "cut", "run_plan", "ServedSlice", "run_served"]
 
@@ -158,9 +158,7 @@ class ServedSlice:
             node = nodes.get(key)
             if node is None:
                 raise not_held(f"node {nid!r}")
-            call = _hooks.entry(node)  # a module's __call__, so that its hooks fire
-            fn = _mapping(nid, call) if mapped else call
-            steps.append((slot, mode, src, fn, Ctx(nid, device, host, None), device))
+            steps.append(step_of(slot, mode, src, node, Ctx(nid, device, host, None), mapped))
             self.ids[slot] = nid
             self.held[nid] = node
             if want:
