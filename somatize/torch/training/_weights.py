@@ -13,11 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from somatize.torch._served import _DTYPES as _WIRE
 from somatize.torch.training import _ranks
 from somatize.torch.training.params import state_of
 
-_SENT = "float16 bfloat16 float32 float64 complex64 complex128 uint8 int8 int16 int32 int64 bool"
-_DTYPES = {f"torch.{name}": getattr(torch, name) for name in _SENT.split()}  # by str(dtype)
+_UNSENT = ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
+"""What crosses a worker's wire but is not broadcast between ranks (not every backend takes it)."""
+_DTYPES = {str(dtype): dtype for name, dtype in _WIRE.items() if name not in _UNSENT}
+"""The dtypes rank 0's weights are sent in, by `str(dtype)`."""
 
 
 def _sent(tensor: torch.Tensor) -> torch.Tensor:
