@@ -9,8 +9,6 @@ there, so a worker that lost them is `StateLost` rather than sent older weights 
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from dataclasses import fields
 from typing import Any
 
@@ -22,8 +20,6 @@ from somatize.torch.training.stages import Part
 
 __all__ = ["Remote", "serve_stage"]
 
-_pkeys = itertools.count(1)
-
 
 class Remote:
     """Runs a trainer's part on the worker of `host`, through `broker`."""
@@ -32,15 +28,6 @@ class Remote:
         broker.worker(host)  # a host nobody knows is refused here, naming it
         self.broker = broker
         self.host = host
-        self._sent: set[str] = set()
-        self._keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
-
-    def _key(self, part: Any) -> str:
-        # a counter, never id(): a later part may get the id of one that is gone
-        key = self._keys.get(part)
-        if key is None:
-            key = self._keys[part] = f"p{next(_pkeys)}"
-        return key
 
     def forward(
         self, part: Any, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
@@ -48,31 +35,22 @@ class Remote:
         """Run `part` on its worker; answer `{exit: value}` (tensors keep `requires_grad`). A
         worker that no longer holds the part is sent it again, once (`StateLost` if it had learnt
         there since its weights were last read back)."""
-        key = self._key(part)
-        for attempt in (0, 1):
-            defs: list[dict] = []
-            described = None
-            if key not in self._sent:
-                self._refuse_untrained(part)
-                described = self._describe(part, defs)
-            message = {
-                "op": "stage.forward",
-                "pkey": key,
-                "part": described,
-                "define": defs,
-                "inputs": inputs,
-                "watching": watching is not None,  # else the worker runs it unwatched
-            }
-            try:
-                got = self.broker.request(self.host, message)
-                break
-            except Unknown:
-                self._sent.clear()
-                if attempt:
-                    raise
-        self.broker.defined(self.host, defs)
-        self.broker.learnt(self.host, self._keys_of(part))
-        self._sent.add(key)
+        broker, host, key = self.broker, self.host, part.key
+        if not broker.holds(host, key):
+            self._refuse_untrained(part)
+        message = {
+            "op": "stage.forward",
+            "pkey": key,
+            "inputs": inputs,
+            "watching": watching is not None,  # else the worker runs it unwatched
+        }
+        got = broker.send(
+            host,
+            _held(part),
+            lambda: {**message, "part": None if broker.holds(host, key) else self._describe(part)},
+        )
+        broker.defined(host, [{"key": key}])
+        broker.learnt(host, self._keys_of(part))
         if watching is not None:
             for fact in got["facts"]:
                 watching(fact)
@@ -81,11 +59,10 @@ class Remote:
     def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
         """Hand the part on its worker what it owes; answer `{source: Envelope}`."""
         sent = {n: [e.gradient, bool(e.closing)] for n, e in envelopes.items()}
-        message = {"op": "stage.backward", "pkey": self._key(part), "envelopes": sent}
+        message = {"op": "stage.backward", "pkey": part.key, "envelopes": sent}
         try:
             got = self.broker.request(self.host, message)
         except Unknown as lost:
-            self._sent.clear()
             raise OutOfStep(
                 f"the worker for host {self.host!r} no longer holds {part!r}: it was restarted "
                 "(or forgot this client's session) and lost the activation this step left "
@@ -115,14 +92,11 @@ class Remote:
                 "with the optimizer over parameters(g, without=trains), or declare it .frozen()"
             )
 
-    def _describe(self, part: Any, defs: list[dict]) -> dict[str, Any]:
-        broker, host = self.broker, self.host
-        for n, node, device in _held(part):
-            if (d := broker.definition(host, n, node, device)) is not None:
-                defs.append(d)
+    def _describe(self, part: Any) -> dict[str, Any]:
+        broker = self.broker
         learning = None
         if part.learning is not None:
-            told = _portable(part.learning.told(), broker, host)
+            told = _portable(part.learning.told(), broker, self.host)
             learning = {"key": broker.key(part.learning), "told": told}
         return {
             "ids": list(part.ids),

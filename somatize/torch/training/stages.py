@@ -10,6 +10,7 @@ the gradient owed at each cut travels back, in reverse, inside an `Envelope`. A 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -41,6 +42,9 @@ LOSS = "<loss>"
 
 TARGET = "<target>"
 """Where the step's target is among a part's inputs, for a Learning that `needs_target`."""
+
+
+_keys = itertools.count(1)
 
 
 def nbytes(value: Any) -> int:
@@ -91,6 +95,7 @@ class Part:
         whole: bool = False,
     ) -> None:
         inside = set(ids)
+        self.key = f"p{next(_keys)}"  # what a worker keeps it under; never reused, as an id() is
         self.stage = stage
         self.host = host
         self.ids = tuple(ids)
