@@ -33,14 +33,11 @@ def state_of(node: Any) -> dict[str, torch.Tensor]:
 
 
 def _own(node: Any) -> dict[str, torch.Tensor]:
-    """The node's weights by key, as they are (a Learning's without the node it trains)."""
-    from somatize.torch.training.learning import Learning
+    """The node's weights by key, as they are. A Learning's are what it brought: the node it
+    trains is kept out of its attributes (`Learning.node` reads it from elsewhere)."""
     from somatize.torch.training.params import state_of as keyed
 
-    state = keyed(node)
-    if isinstance(node, Learning):
-        state = {k: v for k, v in state.items() if not k.startswith("node.")}
-    return state
+    return keyed(node)
 
 
 def stage_state(
