@@ -500,3 +500,43 @@ def test_a_module_as_it_is_travels_as_code_and_only_as_code(two):
         assert torch.allclose(there, here, rtol=0, atol=tol)
     finally:
         broker.close()
+
+
+def test_a_learning_s_objective_from_a_sent_module_travels_by_value_as_nodes_do(tmp_path):
+    """In mode='network' the code of a module named in send= travels by value, for a Greedy's
+    objective as for a node: the worker, which cannot import that module, trains as here."""
+    import importlib
+
+    from torch import nn
+
+    from somatize.torch import Greedy, Trainer, parameters
+
+    name = "somatize_test_sent_objective"
+    worker = Worker.spawn(["--threads", "1"], mode="network", send=[name])
+    (tmp_path / f"{name}.py").write_text(
+        "def objective(out, target):\n    return ((out - target) ** 2).mean()\n"
+    )
+    sys.path.insert(0, str(tmp_path))  # only here: the worker was started before
+    try:
+        objective = importlib.import_module(name).objective
+    finally:
+        sys.path.remove(str(tmp_path))
+
+    def trainer(broker: Broker | None) -> Any:
+        torch.manual_seed(0)
+        a = Lin(4, 8).named("a")
+        g = Graph.somatize((a.at("gpu") if broker else a) >> Lin(8, 2).named("head"))
+        trains = {"a": Greedy(torch.optim.SGD, head=nn.Linear(8, 2), lr=0.1)}
+        opt = torch.optim.SGD(parameters(g, without=trains), lr=0.1)
+        return Trainer(g, objective=objective, optimizer=opt, trains=trains, broker=broker)
+
+    broker = Broker.embedded({"gpu": worker})
+    try:
+        here, there = trainer(None), trainer(broker)
+        for batch in _batches(4):
+            assert there.step(batch) == pytest.approx(here.step(batch), rel=1e-6)
+        a, b = here.export()["a"], there.export()["a"]
+        assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    finally:
+        broker.close()
+        sys.modules.pop(name, None)

@@ -168,6 +168,14 @@ class Broker:
             self.defined(host, defs)
             return got
 
+    def portable(self, host: str, value: Any) -> Any:
+        """`value` as it travels to `host`'s worker beside a node (a Learning's objective): as
+        code, `{"code": ...}` written as a node's is (`describe`), to a worker that takes code;
+        else as it is, where a class or function goes by name."""
+        if self.mode(host) != "network":
+            return value
+        return {"code": as_code(value, self.connection(host))}
+
     def holds(self, host: str, key: str) -> bool:
         """Whether `host`'s worker holds `key` (a node, or a slice) as far as this broker knows."""
         return key in self._defined.get(host, ())
@@ -331,10 +339,7 @@ def describe(
     args = getattr(node, "_somatize_args", {})
     d = {"key": key, "id": nid, "device": device, "state": _hooks.state_of(node)}
     if mode == "network":
-        import cloudpickle
-
-        with _by_value(conn.worker.send):
-            d["code"] = cloudpickle.dumps((cls, args))
+        d["code"] = as_code((cls, args), conn)
         return d
     if isinstance(node, Wrapped):
         raise TypeError(
@@ -368,6 +373,15 @@ def describe(
     version = version_of(sys.modules.get(module))
     d.update(module=module, qualname=cls.__qualname__, args=args, version=version)
     return d
+
+
+def as_code(value: Any, conn: Connection) -> bytes:
+    """`value` written as code (cloudpickle) for `conn`'s worker, the code of the modules it
+    was told to take along (`Worker(..., send=)`) by value."""
+    import cloudpickle
+
+    with _by_value(conn.worker.send):
+        return cloudpickle.dumps(value)
 
 
 @contextlib.contextmanager

@@ -260,14 +260,7 @@ class Server:
         or as code, only with `--accept-code`), its constructor arguments and its weights."""
         nid = d.get("id")
         if d.get("code") is not None:
-            if not self.accept_code:
-                raise PermissionError(
-                    f"node {nid!r} was sent as code, and this worker was not started with "
-                    "--accept-code: it does not unpickle anything"
-                )
-            import cloudpickle
-
-            cls, args = cloudpickle.loads(d["code"])
+            cls, args = self.unpickled(d["code"], nid)
         else:
             cls = self.allowed.node_class(d.get("module"), d.get("qualname"), nid, d.get("version"))
             args = self.allowed.resolved(d.get("args") or {}, nid)
@@ -277,6 +270,18 @@ class Server:
         if d.get("device") is not None:
             _hooks.place(node, d["device"])
         return node
+
+    def unpickled(self, code: Any, nid: Any) -> Any:
+        """What was sent for node `nid` as code (`Broker.portable`, `describe`), unpickled
+        only by a worker started with `--accept-code`."""
+        if not self.accept_code:
+            raise PermissionError(
+                f"node {nid!r} was sent as code, and this worker was not started with "
+                "--accept-code: it does not unpickle anything"
+            )
+        import cloudpickle
+
+        return cloudpickle.loads(code)
 
 
 def said(error: BaseException) -> dict[str, Any]:

@@ -96,7 +96,7 @@ class Remote:
         broker = self.broker
         learning = None
         if part.learning is not None:
-            told = _portable(part.learning.told(), broker, self.host)
+            told = broker.portable(self.host, part.learning.told())
             learning = {"key": broker.key(part.learning), "told": told}
         return {
             "ids": list(part.ids),
@@ -161,27 +161,11 @@ def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: di
     return {s: [e.gradient, bool(e.closing)] for s, e in back.items()}
 
 
-def _portable(value: Any, broker: Any, host: str) -> Any:
-    """`value` as it travels to `host`'s worker: as code (cloudpickle) to a worker that takes
-    code; else as it is, where a class or function goes by name."""
-    if broker.mode(host) != "network":
-        return value
-    import cloudpickle
-
-    return {"code": cloudpickle.dumps(value)}
-
-
-def _arrived(server: Any, value: Any, nid: str) -> Any:
-    """The worker's side of `_portable`: code only for a worker started to accept it."""
-    if type(value) is dict and set(value) == {"code"}:
-        if not server.accept_code:
-            raise PermissionError(
-                f"{nid!r} was sent as code, and this worker was not started with --accept-code"
-            )
-        import cloudpickle
-
-        return cloudpickle.loads(value["code"])
-    return server.allowed.resolved(value, nid)
+def _arrived(server: Any, told: Any, nid: str) -> Any:
+    """What a Learning was told, as `Broker.portable` sent it: as code, else by name."""
+    if type(told) is dict and set(told) == {"code"}:
+        return server.unpickled(told["code"], nid)
+    return server.allowed.resolved(told, nid)
 
 
 def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Any:
