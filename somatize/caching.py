@@ -16,12 +16,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from somatize import _hooks
 from somatize.codecs import decode, digest, encode
 from somatize.node import Opaque
-from somatize.run import ONE, ROOT, Plan, _noted, _result, finished, not_a_list, tell
+from somatize.run import ONE, ROOT, Plan, _noted, _result, finished, not_a_list, tell, walk
 
 __all__ = ["walk_cached", "declarations", "declaration_key", "code_version"]
 
@@ -49,57 +50,52 @@ def _mix(*parts: str) -> str:
 
 def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], Any]]) -> Any:
     """Run `plan` on `input`, looking `.cached()` nodes up in `store` and keeping what they make."""
-    g = plan.graph
-    decl = declarations(plan)
-    n = len(plan.steps)
-    vals: list[Any] = [None] * n
-    keys: list[str] = [""] * n
-    input_key: str | None = None
-    clock = time.perf_counter_ns
-    start = clock()
-    i, device = 0, None
-    try:
-        for i, mode, src, fn, ctx, device in plan.steps:
-            began = clock()
-            nid = ctx.id
-            if mode == ONE:
-                x, in_key = vals[src], keys[src]
-            elif mode == ROOT:
-                if input_key is None:
-                    input_key = digest(encode(input, where="the graph's input"))
-                x, in_key = input, input_key
-            else:
-                x = {p: vals[j] for p, j in src}
-                in_key = _mix(*(f"{p}={keys[j]}" for p, j in src))
-            if device is not None:
-                x = _hooks.move(x, device)
-            mine, code = decl[nid]
-            keys[i] = key = _mix(mine, in_key)
-            s = g.setting(nid)
-            said = None
-            if not s.cached:
-                out = fn(x, ctx)
-            elif s.mapped:
-                out, said = _mapped(nid, fn, x, ctx, mine, code, store)
-            else:
-                out, said = _one(nid, fn, x, ctx, key, code, store)
-            vals[i] = out.value if type(out) is Opaque else out
-            if told:
-                fact = {
-                    "fact": "ran",
-                    "node": nid,
-                    "began_us": (began - start) / 1e3,
-                    "took_us": (clock() - began) / 1e3,
-                }
-                if said is not None:
-                    fact["cache"] = said
-                tell(told, fact)
-    except BaseException as e:
-        _noted(e, plan, i, device)
-        raise
+    said: dict[str, str] = {}  # node id: "hit", "miss" or "partial", as its step found it
+
+    def relay(fact: dict) -> None:
+        if fact["node"] in said:
+            fact["cache"] = said[fact["node"]]
+        tell(told, fact)
+
+    vals: list[Any] = [None] * len(plan.steps)
+    start = time.perf_counter_ns()
+    steps = _cached_steps(plan, input, store, said)
+    walk(plan, steps, vals, input, [relay] if told else None, start)
     if told:
         tell(told, finished(start))
     return _result(plan, vals)
+
+
+def _cached_steps(plan: Plan, input: Any, store: Any, said: dict[str, str]) -> tuple:
+    """`plan.steps`, each `.cached()` node's call looking it up in `store` first. Keys come
+    from the declarations and the input's digest alone, so one pass works them all out."""
+    g = plan.graph
+    decl = declarations(plan)
+    keys: list[str] = [""] * len(plan.steps)
+    steps = []
+    input_key: str | None = None
+    i, device = 0, None
+    try:
+        for i, mode, src, fn, ctx, device in plan.steps:
+            if mode == ONE:
+                in_key = keys[src]
+            elif mode == ROOT:
+                if input_key is None:
+                    input_key = digest(encode(input, where="the graph's input"))
+                in_key = input_key
+            else:
+                in_key = _mix(*(f"{p}={keys[j]}" for p, j in src))
+            mine, code = decl[ctx.id]
+            keys[i] = key = _mix(mine, in_key)
+            s = g.setting(ctx.id)
+            if s.cached:
+                look = _mapped if s.mapped else _one
+                fn = partial(look, ctx.id, fn, mine if s.mapped else key, code, store, said)
+            steps.append((i, mode, src, fn, ctx, device))
+    except BaseException as e:
+        _noted(e, plan, i, device)
+        raise
+    return tuple(steps)
 
 
 def _name(key: str) -> str:
@@ -111,11 +107,11 @@ def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
     if bound is None:
         return False, None
     kept = bound.get("code")
-    if kept is not None and kept != code:  # stacklevel 3: walk_cached's caller
+    if kept is not None and kept != code:  # stacklevel 4: walk_cached, where the run began
         warnings.warn(
             f"node {nid!r}: the cached value was kept by another version of its code "
             f"({kept} != {code}); pass .cached(salt=...) with a new salt to recompute",
-            stacklevel=3,
+            stacklevel=4,
         )
     data = store.get(bound.digest)
     if data is None:
@@ -131,21 +127,24 @@ def _keep(nid: str, name: str, value: Any, code: str, store: Any) -> None:
     store.bind(name, store.put(data), meta=[("node", nid), ("code", code)])
 
 
-def _one(nid: str, fn: Callable, x: Any, ctx: Any, key: str, code: str, store: Any) -> Any:
+def _one(
+    nid: str, fn: Callable, key: str, code: str, store: Any, said: dict, x: Any, ctx: Any
+) -> Any:
     name = _name(key)
     hit, value = _recall(nid, name, code, store)
+    said[nid] = "hit" if hit else "miss"
     if hit:
-        return value, "hit"
+        return value
     out = fn(x, ctx)
     if type(out) is Opaque:
         out = out.value
     _keep(nid, name, out, code, store)
-    return out, "miss"
+    return out
 
 
 def _mapped(
-    nid: str, fn: Callable, x: Any, ctx: Any, mine: str, code: str, store: Any
-) -> tuple[list, str]:
+    nid: str, fn: Callable, mine: str, code: str, store: Any, said: dict, x: Any, ctx: Any
+) -> list:
     if not isinstance(x, list):
         raise not_a_list(nid, x)
     names = [
@@ -159,8 +158,8 @@ def _mapped(
         for k, value in zip(missing, made, strict=True):
             out[k] = value
             _keep(nid, names[k], value, code, store)
-    said = "hit" if not missing else ("miss" if len(missing) == len(x) else "partial")
-    return out, said
+    said[nid] = "hit" if not missing else ("miss" if len(missing) == len(x) else "partial")
+    return out
 
 
 # -- keys -----------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 A plan is a tuple of steps, each with the slot its value goes into, where its input comes from
 (the graph's input, one slot, or several slots gathered into a dict), the node's `forward`, its
 `Ctx` and its device. Running is one loop over that tuple. Facts are built only when somebody
-watches, and cache keys only when there is a store and something cached (a walk of its own,
-`caching.walk_cached`), so a plain run pays for neither.
+watches, and cache keys only when there is a store and something cached (`caching.walk_cached`
+works them out and hands this loop steps whose cached nodes look themselves up), so a plain run
+pays for neither.
 """
 
 from __future__ import annotations

@@ -120,6 +120,18 @@ def test_a_value_with_no_codec_is_an_error_naming_node_type_and_codec(store):
     assert "'make'" in text and "Thing" in text and "codec(" in text
 
 
+def test_a_graph_input_with_no_codec_is_noted_with_the_node_that_reads_it(store):
+    class Thing:
+        pass
+
+    g = Graph.somatize(Count(2).cached())
+    facts: list = []
+    with pytest.raises(NoCodec, match="the graph's input") as info:
+        g.forward(Thing(), store=store, watching=facts.append)
+    assert info.value.__notes__ == ["while running node 'count' (Count)"]
+    assert facts == [] and not [b for b in store.bound() if b.name.startswith("cache/")]
+
+
 def test_a_code_change_is_warned_about_on_a_hit(store):
     Graph.somatize(Count(2).cached()).forward(7, store=store)
     for b in store.bound():
