@@ -7,7 +7,6 @@ the modules a node holds, or the children of a node that is a module (the engine
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,13 +27,10 @@ def _shardable(node: Any) -> list[nn.Module]:
     return found
 
 
-def shard(graph: Any, run: Callable, optimizer: Any, *, cuda: bool, world: int) -> Any:
-    """The graph's modules sharded over `world` ranks (each node's, then the root around them
-    all, whose forward is `run`), the optimizer pointed at the sharded parameters; answers the
-    root."""
-    from somatize.torch.training.parallel import _modules, _Replica
-
-    root = _Replica(_modules(graph), [], run)
+def shard(root: nn.Module, graph: Any, optimizer: Any, *, cuda: bool, world: int) -> nn.Module:
+    """The graph's modules sharded over `world` ranks (each node's, then `root`, the module
+    holding them all whose forward runs the graph), the optimizer pointed at the sharded
+    parameters; answers `root`."""
     before = dict(root.named_parameters())
     mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
     for nid in graph.nodes():

@@ -243,8 +243,9 @@ class Parallel:
             if self.mode == "fsdp":
                 from somatize.torch.training import _sharded
 
+                root = _Replica(_modules(graph), [], stages.forward)
                 self._whole = _sharded.shard(
-                    graph, stages.forward, optimizer, cuda=self.cuda, world=self.world
+                    root, graph, optimizer, cuda=self.cuda, world=self.world
                 )
                 self._replicas.append(self._whole)
             elif stages.whole:
