@@ -162,10 +162,20 @@ def in_one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {said}".strip()
 
 
-def tell(told: list[Callable[[dict], Any]], fact: dict) -> None:
-    """Give `fact` to every watcher in `told`."""
+def tell(told: list[Callable[[dict], Any]], *facts: dict) -> None:
+    """Give each of `facts`, in order, to every watcher in `told`."""
+    for fact in facts:
+        for w in told:
+            w(fact)
+
+
+def flush(told: list[Callable[[dict], Any]]) -> None:
+    """Flush every watcher in `told` that has a `flush()`: what it was told goes where it keeps
+    it now (after a step, or after a probe)."""
     for w in told:
-        w(fact)
+        flushing = getattr(w, "flush", None)
+        if callable(flushing):
+            flushing()
 
 
 def finished(start: int) -> dict:

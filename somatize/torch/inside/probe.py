@@ -21,7 +21,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.run import note, watchers
+from somatize.run import flush, note, tell, watchers
 from somatize.torch._modules import Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import _wide, counts_of, floats_in, magnitude_of, norm, read
@@ -264,10 +264,6 @@ def probe(
             "jacobian_spread, which compares samples, is left out: give two or more",
             stacklevel=2,
         )
-    for w in told:
-        for fact in facts:
-            w(fact)
-        flush = getattr(w, "flush", None)
-        if callable(flush):
-            flush()
+    tell(told, *facts)
+    flush(told)
     return answer

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from somatize import run
 from somatize.graph import Graph, as_graph
 from somatize.node import unwrap
 from somatize.store import store_of
@@ -148,7 +149,6 @@ class Trainer:
         self.trains = trains
         self.broker = broker
         self.watching = told
-        self._flushers = [w.flush for w in told if callable(getattr(w, "flush", None))]
         self._scale = float(self.every * self.micro)
         self._count = 0
         self._steps = 0
@@ -203,11 +203,11 @@ class Trainer:
         self._steps += 1
         told = self.watching
         if told:
-            self._tell({"fact": "loss", "value": value, "step": step})
+            run.tell(told, {"fact": "loss", "value": value, "step": step})
             if not stages.whole:
                 forward, back = stages.crossed()
                 fact = {"fact": "crossed", "step": step, "forward": forward, "backward": back}
-                self._tell(fact)
+                run.tell(told, fact)
         if self.audit is not None:
             # a measured step's facts wait for the update its gradient goes into (the audit
             # fills in update_ratio then, in `moved`): they are told at the closing step
@@ -216,8 +216,7 @@ class Trainer:
                 self._health += facts
         if closing:
             self._apply(step)
-        for flush in self._flushers:
-            flush()
+        run.flush(self.watching)
         return value
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
@@ -246,15 +245,10 @@ class Trainer:
         if self.audit is not None:
             self.audit.moved()
         if self._health:
-            self._tell(*self._health)
+            run.tell(self.watching, *self._health)
             self._health = []
         if self.watching:
-            self._tell({"fact": "updated", "step": step})
-
-    def _tell(self, *facts: dict) -> None:
-        for fact in facts:
-            for w in self.watching:
-                w(fact)
+            run.tell(self.watching, {"fact": "updated", "step": step})
 
     def _prove(self) -> None:
         """Forgets the nodes whose held parameters got a gradient; refuses any none of whose did."""
@@ -289,8 +283,7 @@ class Trainer:
             return False
         self._stages.update()
         self._apply(self._steps - 1)
-        for flush in self._flushers:
-            flush()
+        run.flush(self.watching)
         return True
 
     def fit(self, data: Iterable[Batch], epochs: int = 1) -> Result:
@@ -407,7 +400,7 @@ class Trainer:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is garbage);
         training goes on without it."""
         if self._health:  # facts still waiting for an update that did not come
-            self._tell(*self._health)
+            run.tell(self.watching, *self._health)
             self._health = []
         if self._release is not None:
             self._release()
