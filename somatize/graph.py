@@ -131,7 +131,8 @@ class Graph:
             raise TypeError(f"a graph holds Nodes, not {type(node).__name__}")
         nid = settings.name
         if nid is None:
-            base = kind_name(node).lower()
+            # as .named checks an id: no "/" or "." (a class may be given any __name__)
+            base = kind_name(node).lower().replace("/", "_").replace(".", "_") or "node"
             k = self._counts.get(base, 0) + 1
             while (nid := base if k == 1 else f"{base}_{k}") in self._impl:
                 k += 1

@@ -82,6 +82,25 @@ def test_devices_and_hosts_list_only_the_nodes_that_were_placed():
     assert g.hosts() == {"l": "far", "r": "near"}
 
 
+def test_a_default_id_keeps_to_what_named_allows_whatever_the_class_is_called():
+    g = Graph()
+    odd = [type(name, (Add,), {}) for name in ("my.Add", "a/b", "")]
+    assert [g.node(kind()) for kind in odd] == ["my_add", "a_b", "node"]
+    for nid in g.nodes():
+        Add().named(nid)  # each passes the check an id given by hand passes
+
+
+def test_a_node_auto_named_from_a_dotted_class_owns_its_parameters():
+    from torch import nn
+
+    from somatize.torch import parameters
+    from somatize.torch.training.params import owners
+
+    g = Graph()
+    nid = g.node(Node.of(type("pkg.Lin", (nn.Linear,), {})(2, 2)))
+    assert set(owners(g).values()) == {nid} and len(parameters(g)) == 2
+
+
 def test_default_ids_skip_an_explicit_name_already_taken():
     g = Graph.somatize(Add().named("add_2") >> Add() >> Add())
     assert g.nodes() == ["add_2", "add", "add_3"]

@@ -52,12 +52,8 @@ def named(graph: Any) -> dict[int, str]:
 
 def owners(graph: Any) -> dict[int, str]:
     """`{id(parameter): node id}`: which node each parameter of the graph belongs to (first)."""
-    found: dict[int, str] = {}
-    for nid in graph.nodes():
-        for m in modules_of(graph.implementation(nid)):
-            for p in m.parameters():
-                found.setdefault(id(p), nid)
-    return found
+    # a node id holds no "." (g.node and .named refuse one): it is the name's first part
+    return {pid: name.partition(".")[0] for pid, name in named(graph).items()}
 
 
 def freeze(graph: Any, *node_ids: str) -> None:
