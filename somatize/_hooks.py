@@ -47,17 +47,13 @@ def state_of(node: Any) -> dict[str, Any]:
     return {}
 
 
-def load_state(node: Any, state: dict[str, Any]) -> None:
-    """Copy `state` (as `state_of` gives it) into the node, refusing a mismatch whole."""
+def stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+    """Check `state` (as `state_of` gives it) against the node and make the copies it would
+    load (cast to the node's dtypes), changing nothing; the function given back copies them in
+    and answers the values it replaced (so a caller can put them back; calling it at once
+    loads `state`). A mismatch is refused before anything."""
     if state:
         raise ValueError(f"{type(node).__name__} holds no weights to load (torch is not loaded)")
-
-
-def stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, Any]]:
-    """Check `state` against the node and make the copies it would load (cast to the node's
-    dtypes), changing nothing; the function given back copies them in and answers the values
-    it replaced (so a caller can put them back). A mismatch is refused before anything."""
-    load_state(node, state)
     return dict
 
 

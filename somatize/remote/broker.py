@@ -215,7 +215,7 @@ class Broker:
         there first if it does not; the copy here is brought up to them."""
         key = self.key(node)
         got = self.send(host, [(nid, node, device)], lambda: {"op": "state", "key": key})
-        _hooks.load_state(node, got)
+        _hooks.stage_state(node, got)()
         self._learnt.discard((host, key))
         return got
 
@@ -264,7 +264,7 @@ class Broker:
         self._each(hosts, lid, "drop")
         for host, _nid, node, _device, state in entries:
             if then is None:
-                _hooks.load_state(node, state)
+                _hooks.stage_state(node, state)()
             self._learnt.discard((host, self.key(node)))
 
     def _each(self, hosts: list[str], lid: str, phase: str) -> None:

@@ -234,7 +234,7 @@ class Server:
             return True
         if phase == "undo":
             for key, previous in found["undo"].items():
-                _hooks.load_state(session.node(key), previous)
+                _hooks.stage_state(session.node(key), previous)()
         if phase in ("undo", "drop"):
             session.loads.pop(lid, None)
             return True
@@ -266,7 +266,7 @@ class Server:
             args = self.allowed.resolved(d.get("args") or {}, nid)
         node = construct(cls, args)
         if d.get("state"):
-            _hooks.load_state(node, d["state"])
+            _hooks.stage_state(node, d["state"])()
         if d.get("device") is not None:
             _hooks.place(node, d["device"])
         return node

@@ -96,11 +96,6 @@ def stage_state(
     return commit
 
 
-def load_state(node: Any, state: dict[str, Any]) -> None:
-    """Copy `state` (some or all of the node's keys) into the node, refusing a mismatch whole."""
-    stage_state(node, state)()
-
-
 def tensor_frame(value: Any) -> tuple[list, Any] | None:
     """`([dtype, shape, requires_grad], buffer)` for a tensor, else None: its numbers in C
     order, on the CPU, as a flat byte view of its own memory when it is already so (otherwise
@@ -197,7 +192,6 @@ def serve(server: Any, session: Any, nodes: dict[str, Any], op: str, message: di
 
 _hooks.register(
     state_of=state_of,
-    load_state=load_state,
     stage_state=stage_state,
     serve=serve,
     tensor_frame=tensor_frame,
