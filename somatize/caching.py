@@ -13,7 +13,6 @@ import inspect
 import json
 import re
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -22,7 +21,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.codecs import decode, digest, encode
 from somatize.node import Opaque
-from somatize.run import ONE, ROOT, Plan, _noted, _result, finished, not_a_list, tell, walk
+from somatize.run import ONE, ROOT, Plan, _noted, _result, finished, not_a_list, tell, walk, warn
 
 __all__ = ["walk_cached", "declarations", "declaration_key", "code_version"]
 
@@ -107,11 +106,10 @@ def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
     if bound is None:
         return False, None
     kept = bound.get("code")
-    if kept is not None and kept != code:  # stacklevel 4: walk_cached, where the run began
-        warnings.warn(
+    if kept is not None and kept != code:
+        warn(
             f"node {nid!r}: the cached value was kept by another version of its code "
-            f"({kept} != {code}); pass .cached(salt=...) with a new salt to recompute",
-            stacklevel=4,
+            f"({kept} != {code}); pass .cached(salt=...) with a new salt to recompute"
         )
     data = store.get(bound.digest)
     if data is None:

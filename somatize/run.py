@@ -10,7 +10,10 @@ pays for neither.
 
 from __future__ import annotations
 
+import inspect
+import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -154,6 +157,22 @@ def note(error: BaseException, text: str) -> BaseException:
     if notes is None or text not in notes:
         error.__notes__ = [*(notes or []), text]  # type: ignore[attr-defined]
     return error
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """`warnings.warn(message, category)` said at the first line outside somatize on the way
+    up (the user's call, a notebook cell), wherever in somatize it is raised: the place a
+    warning names is one the user can act on, and Python's default filter tells it once per
+    call site of theirs."""
+    level = 1
+    frame = inspect.currentframe()
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def in_one_line(error: BaseException) -> str:

@@ -132,13 +132,14 @@ def test_a_graph_input_with_no_codec_is_noted_with_the_node_that_reads_it(store)
     assert facts == [] and not [b for b in store.bound() if b.name.startswith("cache/")]
 
 
-def test_a_code_change_is_warned_about_on_a_hit(store):
+def test_a_code_change_is_warned_about_on_a_hit_at_the_users_line(store):
     Graph.somatize(Count(2).cached()).forward(7, store=store)
     for b in store.bound():
         if b.name.startswith("cache/"):
             store.bind(b.name, b.digest, meta=[("node", "count"), ("code", "older")])
-    with pytest.warns(UserWarning, match="another version of its code"):
+    with pytest.warns(UserWarning, match="another version of its code") as told:
         Graph.somatize(Count(2).cached()).forward(7, store=store)
+    assert [w.filename for w in told] == [__file__]  # the call that ran, not somatize's line
 
 
 def test_store_may_be_given_as_a_path(tmp_path):

@@ -180,8 +180,9 @@ def test_a_sequence_first_rnn_is_not_tiled_along_time():
 def test_one_sample_says_the_spread_is_left_out():
     g = _graph()
     g.implementation("body").net[1].eval()  # batch norm on one sample: its running stats
-    with pytest.warns(UserWarning, match="jacobian_spread"):
+    with pytest.warns(UserWarning, match="jacobian_spread") as told:
         got = probe(g, torch.randn(1, 4))
+    assert [w.filename for w in told] == [__file__]  # said at the user's call
     assert "jacobian_gain" in got["double.l"] and "jacobian_spread" not in got["double.l"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")

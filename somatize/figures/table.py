@@ -22,6 +22,7 @@ from somatize.figures._page import STATIC, jsonable, page
 from somatize.figures._svg import finite, number, text_width
 from somatize.figures._table_face import WIDEST, html
 from somatize.graph import as_graph
+from somatize.run import warn
 
 __all__ = ["CompareTable", "compare"]
 
@@ -119,7 +120,7 @@ def compare(
         except ValueError as error:
             raise ValueError(f"candidate {name!r}: {error}") from None
         for w in said:  # what was left out of which candidate
-            warnings.warn(f"candidate {name!r}: {w.message}", w.category, stacklevel=2)
+            warn(f"candidate {name!r}: {w.message}", w.category)
         row: dict[str, Any] = {"params": sum(p.numel() for p in parameters(graph))}
         if measured is not None:
             value = measured.get(name)

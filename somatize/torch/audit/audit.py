@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import math
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -33,6 +32,7 @@ import torch
 from torch import nn
 
 from somatize.graph import as_graph
+from somatize.run import warn
 from somatize.torch._modules import Held, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, stable_rank, wide_norm
 from somatize.torch.audit._place import Place
@@ -156,12 +156,11 @@ class Audit:
         for where, parts in self.groups.items():
             by_where[where].groups = parts
         if left:
-            warnings.warn(
+            warn(
                 f"Audit(inside={self.inside!r}) watches {len(inner)} places inside the nodes "
                 f"(most={self.most} per node); {len(left)} more are seen only through the "
                 f"modules that hold them ({', '.join(left[:4])}{', …' if len(left) > 4 else ''}): "
-                "raise most= to watch them one by one (the list is in audit.left_out)",
-                stacklevel=2,
+                "raise most= to watch them one by one (the list is in audit.left_out)"
             )
         slot: dict[int, int] = {}  # every place's weights once (a layer's are its node's)
         for place in places:

@@ -12,7 +12,6 @@ place, so nothing is held past the moment it is measured; no parameter gradient 
 from __future__ import annotations
 
 import math
-import warnings
 import weakref
 from typing import Any
 
@@ -21,7 +20,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.run import flush, note, tell, watchers
+from somatize.run import flush, note, tell, warn, watchers
 from somatize.torch._modules import Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import _wide, counts_of, floats_in, magnitude_of, norm, read
@@ -259,10 +258,9 @@ def probe(
                 facts[-1].update(numbers)
                 one = one or p.rows == 1
     if one:
-        warnings.warn(
+        warn(
             "probe: the example holds one sample (its first dimension is 1), so "
-            "jacobian_spread, which compares samples, is left out: give two or more",
-            stacklevel=2,
+            "jacobian_spread, which compares samples, is left out: give two or more"
         )
     tell(told, *facts)
     flush(told)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,7 +43,7 @@ except ImportError:  # torch 2.2: grasp is left out where the fused kernels run,
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.run import in_one_line, note
+from somatize.run import in_one_line, note, warn
 from somatize.torch._modules import Held, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.inside.kinds import kind_of
@@ -334,8 +333,5 @@ def proxies(
             out[of] = _take(s, example, of, target, objective)
         except Exception as e:  # noqa: BLE001  (each proxy fails its own way; it is said)
             why = str(e) if isinstance(e, _NotHere) else in_one_line(e)  # _NotHere: one line
-            warnings.warn(
-                f"proxies: {of} could not be taken on this graph and is left out ({why})",
-                stacklevel=2,
-            )
+            warn(f"proxies: {of} could not be taken on this graph and is left out ({why})")
     return out

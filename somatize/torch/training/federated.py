@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
 from somatize.node import unwrap
+from somatize.run import warn
 from somatize.store import CorruptBinding, store_of
 from somatize.torch.training._weights import difference, manifest
 
@@ -134,11 +134,10 @@ def _said(run: str, round: int, left_out: Any) -> None:
             f"client {e[0]}: {e[1]}" if isinstance(e, list) and len(e) == 2 else repr(e)
             for e in entries
         )
-        warnings.warn(
+        warn(
             f"gather: round {round} of run {run!r} was averaged without {len(left_out)} "
             f"client(s) whose record could not be used ({who}); fix or restart them",
             RuntimeWarning,
-            stacklevel=3,
         )
 
 
