@@ -1002,3 +1002,12 @@ def test_a_compiled_module_is_refused_before_anything_is_hooked():
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
     audit.watch(Graph.somatize(net))  # the module that was compiled is watched
     assert "sequential.2" in audit.places
+
+
+def test_what_an_audit_leaves_out_is_warned_at_the_line_that_made_the_trainer():
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(8)])
+    g = Graph.somatize(Node.of(net).named("net"))
+    with pytest.warns(UserWarning, match="most=2") as told:
+        Trainer(g, objective=F.mse_loss, auditing=Audit(inside=True, most=2),
+                optimizer=torch.optim.SGD(parameters(g), lr=0.1))
+    assert [w.filename for w in told] == [__file__]  # not the Trainer's line that watched
