@@ -12,7 +12,6 @@ import hashlib
 import inspect
 import json
 import re
-import time
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -21,7 +20,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.codecs import decode, digest, encode
 from somatize.node import Opaque
-from somatize.run import ONE, ROOT, Plan, _noted, _result, finished, not_a_list, tell, walk, warn
+from somatize.run import ONE, ROOT, Plan, _noted, not_a_list, run_plan, tell, warn
 
 __all__ = ["walk_cached", "declarations", "declaration_key", "code_version"]
 
@@ -52,17 +51,12 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
     said: dict[str, str] = {}  # node id: "hit", "miss" or "partial", as its step found it
 
     def relay(fact: dict) -> None:
-        if fact["node"] in said:
+        if fact.get("node") in said:
             fact["cache"] = said[fact["node"]]
         tell(told, fact)
 
-    vals: list[Any] = [None] * len(plan.steps)
-    start = time.perf_counter_ns()
     steps = _cached_steps(plan, input, store, said)
-    walk(plan, steps, vals, input, [relay] if told else None, start)
-    if told:
-        tell(told, finished(start))
-    return _result(plan, vals)
+    return run_plan(plan, input, [relay] if told else [], steps)
 
 
 def _cached_steps(plan: Plan, input: Any, store: Any, said: dict[str, str]) -> tuple:

@@ -299,7 +299,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
             f"dump=..., load=...)"
         )
     try:
-        return found.load(payload) if found else _numpy_load(payload)
+        return _numpy_load(payload) if found is None else found.load(payload)
     except (Malformed, NoCodec):
         raise
     except Exception as error:

@@ -217,12 +217,15 @@ def _result(plan: Plan, vals: list) -> Any:
     return {n: vals[i] for n, i in plan.leaves}
 
 
-def run_plan(plan: Plan, input: Any, told: list[Callable[[dict], Any]]) -> Any:
+def run_plan(
+    plan: Plan, input: Any, told: list[Callable[[dict], Any]], steps: tuple | None = None
+) -> Any:
     """Run a plan on `input` and answer what the graph returns; watchers in `told` (if any)
-    are told a `ran` fact per node and a `finished` one."""
+    are told a `ran` fact per node and a `finished` one. `steps` may stand in for
+    `plan.steps` (the cached walk's, whose cached nodes look themselves up)."""
     vals: list[Any] = [None] * len(plan.steps)
     start = time.perf_counter_ns()
-    walk(plan, plan.steps, vals, input, told, start)
+    walk(plan, plan.steps if steps is None else steps, vals, input, told, start)
     if told:
         tell(told, finished(start))
     return _result(plan, vals)
