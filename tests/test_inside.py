@@ -675,3 +675,27 @@ def test_a_tuple_is_read_as_the_arguments_of_a_forward_that_needs_several():
     before = model.l.weight.detach().clone()
     Trainer(g, objective=torch.nn.functional.mse_loss, optimizer=opt).fit([((x, mask), y)])
     assert not torch.equal(model.l.weight, before)
+
+
+def test_fold_leaves_what_was_traced_as_it_was_so_folding_twice_agrees():
+    import copy
+
+    from somatize.torch.inside._trace import Raw, Traced
+    from somatize.torch.inside.fold import fold
+
+    traced, last = Traced(), None
+    for b in "012":  # three blocks alike, each two linear layers, in a chain
+        traced.layers[b] = Raw(path=b, kind="block", label="Block", composite=True)
+        for k in "01":
+            p = f"{b}.{k}"
+            traced.layers[p] = Raw(p, "linear", "Linear", shape=[2, 4], params=20, block=b)
+            if last is not None:
+                traced.edges.append((last, p))
+            last = p
+    before = copy.deepcopy(traced)
+    folded = (3, ["1", "2"], ["0.0", "0.1"])  # times, repeats, made of
+    first, _ = fold(traced)
+    assert (first["0"].times, first["0"].repeats, first["0"].made_of) == folded
+    assert traced == before
+    again, _ = fold(traced)
+    assert (again["0"].times, again["0"].repeats, again["0"].made_of) == folded

@@ -122,8 +122,8 @@ def html(table: dict[str, Any]) -> str:
             out.append(_cell("td", attrs, style, esc(shown), c in hidden))
         out.append("</tr>")
     out.append("</tbody>")
-    measured = esc(table["measured"])
-    if measured and table["correlations"]:
+    if table["measured"] and table["correlations"]:
+        measured = esc(table["measured"])
         tip = f"Spearman rank correlation with {measured}: 1 ranks the candidates exactly as it"
         tip += " does"
         style = f"{_STICKY}text-align:left;font-style:italic;border-top:2px solid #c4c9d4"

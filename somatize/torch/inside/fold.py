@@ -53,7 +53,11 @@ def fold(traced: Traced) -> tuple[dict[str, Raw], list[tuple[str, str]]]:
     disappear; edges from outside into a later copy, or out of one, are drawn to the first
     copy instead.
     """
-    layers = dict(traced.layers)
+    # fresh copies: folding writes times, repeats and made_of, and `traced` stays as it was
+    layers = {
+        p: replace(r, repeats=list(r.repeats), made_of=list(r.made_of))
+        for p, r in traced.layers.items()
+    }
     edges = list(traced.edges)
     queue: list[str | None] = [None]
     while queue:
