@@ -26,6 +26,7 @@ from somatize.torch.placement import modules_of, place
 from somatize.torch.training import _ranks, _weights
 from somatize.torch.training._ranks import RankLost
 from somatize.torch.training.params import state_of
+from somatize.torch.training.stages import Local
 
 __all__ = ["MODES", "Parallel", "RankLost", "parallel_of"]
 
@@ -368,7 +369,7 @@ class Parallel:
             return _sharded.gathered(state)
 
 
-class _Parts:
+class _Parts(Local):
     """The transport of every part under `parallel=`: a part with something to average runs
     through its replica, any other as it would here."""
 
@@ -387,10 +388,6 @@ class _Parts:
         # a Learning with an `every` of its own closes its own groups; any other, the Trainer's
         sync = p._sync if learning is None or learning.declared is None else learning.closes()
         return p._run(replica, sync, inputs, store=store, watching=watching)
-
-    def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
-        """`part.backward`, here (DDP averages in the autograd of the part's own backward)."""
-        return part.backward(envelopes)
 
 
 def _modules(graph: Any) -> list[nn.Module]:

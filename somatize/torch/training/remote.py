@@ -1,6 +1,6 @@
 """A trainer's stage on a worker: the remote transport of `somatize.torch.training.stages`.
 
-`Remote(broker, host)` answers the two calls a `stages.Part` answers. The first forward sends
+`Remote(broker, host)` answers the two calls `stages.Local` answers. The first forward sends
 the part (its nodes, settings, edges and Learning) and the worker rebuilds it; then a forward
 sends values and a backward envelopes, one round trip each. The worker keeps the activation in
 between, so a restarted one answers `OutOfStep`; every step marks the part's nodes as learnt

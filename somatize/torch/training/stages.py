@@ -5,8 +5,7 @@ and a node's stage is the most cuts on any path behind it. The nodes of one stag
 make a `Part`, which runs a small graph of its own (the graph itself is never touched). A
 forward runs the parts stage by stage; a backward is `loss.backward()` in the last one, then
 the gradient owed at each cut travels back, in reverse, inside an `Envelope`. A part runs here
-(its own `forward` and `backward`) or through a transport, on a worker
-(`somatize.torch.training.remote`), that answers the same two calls.
+(`Local`) or on a worker (`somatize.torch.training.remote`) through the same two calls.
 """
 
 from __future__ import annotations
@@ -29,6 +28,8 @@ __all__ = [
     "TARGET",
     "Part",
     "Stages",
+    "Local",
+    "LOCAL",
     "Inlet",
     "Outlet",
 ]
@@ -245,6 +246,28 @@ class Part:
         return f"Part(stage {self.stage}{at}: {', '.join(self.ids)}{by})"
 
 
+class Local:
+    """Runs a part in this process: the transport of a part whose host is None.
+
+    A transport answers `forward(part, {source: value}, store=, watching=)` with `{exit:
+    value}` and `backward(part, {exit: Envelope})` with `{source: Envelope}`; a remote one
+    (`Remote`) runs them on a copy of the part its worker keeps.
+    """
+
+    def forward(
+        self, part: Part, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
+    ) -> dict[str, Any]:
+        """`part.forward`, here."""
+        return part.forward(inputs, store=store, watching=watching)
+
+    def backward(self, part: Part, envelopes: dict[str, Any]) -> dict[str, Any]:
+        """`part.backward`, here."""
+        return part.backward(envelopes)
+
+
+LOCAL = Local()
+"""The transport of every part whose host is None."""
+
 _HERE = (None, None)
 
 
@@ -252,9 +275,7 @@ class Stages:
     """A graph cut into parts, run forward stage by stage and backward in reverse.
 
     `trains` is `{node id: Learning}`; `transport(host)` answers how a part at that host runs
-    (None: in this process, by the part itself; by default everything runs here). A transport
-    answers `forward(part, {source: value}, store=, watching=)` with `{exit: value}` and
-    `backward(part, {exit: Envelope})` with `{source: Envelope}`, as the part's own two calls. `watching` is told what the parts
+    (None: in this process; by default everything runs here). `watching` is told what the parts
     run as one forward, and while somebody watches `crossed()` counts the bytes that went from
     part to part. With no cut there is one part, the graph itself, run by `graph.forward`.
     """
@@ -297,7 +318,7 @@ class Stages:
                 )
             )
         self.whole = whole
-        where = transport or (lambda host: None)
+        where = transport or (lambda host: LOCAL)
         self.transports = [where(p.host) for p in self.parts]
         last = next((p for p in self.parts if p.last), None)
         self.leaves = tuple(graph.leaves())
@@ -350,10 +371,7 @@ class Stages:
                 inputs[TARGET] = target
             if watchers:
                 self._bytes[0] += sum(nbytes(v) for s, v in inputs.items() if s != INPUT)
-            if transport is None:
-                values.update(part.forward(inputs, store=store, watching=relay))
-            else:
-                values.update(transport.forward(part, inputs, store=store, watching=relay))
+            values.update(transport.forward(part, inputs, store=store, watching=relay))
         if self.sunk:
             sunk = self._sunk
             for n in self.sunk:
@@ -390,9 +408,5 @@ class Stages:
                     envelopes[n] = envelope(total, closing)
             if watched and not part.last:
                 self._bytes[1] += sum(nbytes(e.gradient) for e in envelopes.values())
-            if transport is None:
-                back = part.backward(envelopes)
-            else:
-                back = transport.backward(part, envelopes)
-            for s, e in back.items():
+            for s, e in transport.backward(part, envelopes).items():
                 owed.setdefault(s, []).append(e)

@@ -24,7 +24,7 @@ from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import freeze, named, state_of
 from somatize.torch.training.remote import Remote
-from somatize.torch.training.stages import Stages
+from somatize.torch.training.stages import LOCAL, Stages
 
 __all__ = ["Trainer", "Result", "NoGradient"]
 
@@ -157,7 +157,7 @@ class Trainer:
         self._stages = Stages(
             graph,
             trains,
-            transport=(lambda h: None if h is None else remotes[h]) if p is None else p.transport,
+            transport=(lambda h: LOCAL if h is None else remotes[h]) if p is None else p.transport,
             watching=told,
         )
         self._window = (lambda sync: _SYNCED) if p is None else p.window
