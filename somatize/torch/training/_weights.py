@@ -13,14 +13,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from somatize.torch._served import _DTYPES as _WIRE
 from somatize.torch.training import _ranks
 from somatize.torch.training.params import state_of
 
-_UNSENT = ("float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
-"""What crosses a worker's wire but is not broadcast between ranks (not every backend takes it)."""
-_DTYPES = {str(dtype): dtype for name, dtype in _WIRE.items() if name not in _UNSENT}
-"""The dtypes rank 0's weights are sent in, by `str(dtype)`."""
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+        torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+        torch.bool,
+    )
+}
+"""The dtypes rank 0's weights are sent in, by `str(dtype)`, and the only ones a rank takes
+from rank 0's description: a list of its own, not the wire's, which may grow apart."""
 
 
 def _sent(tensor: torch.Tensor) -> torch.Tensor:
