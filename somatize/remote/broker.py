@@ -177,7 +177,8 @@ class Broker:
         return {"code": as_code(value, self.connection(host))}
 
     def holds(self, host: str, key: str) -> bool:
-        """Whether `host`'s worker holds `key` (a node, or a slice) as far as this broker knows."""
+        """Whether `host`'s worker holds `key` (a node, a slice, or a trainer's stage part) as
+        far as this broker knows."""
         return key in self._defined.get(host, ())
 
     def defined(self, host: str, defs: list[dict]) -> None:

@@ -3,8 +3,9 @@
 A request is read only once its seal verifies (`somatize.remote.seal`). Each client (a
 `Broker`) has a session: its nodes, the slices compiled on them, a trainer's stage parts and
 the weights it is loading; a session unused for `session_timeout` seconds is forgotten, and so
-is, a little later, one whose client's connection went away. Without `--accept-code` a node
-is built only from the classes the worker was allowed (`somatize.remote.allowed`).
+is, a little later, one whose client's connection went away. Without `--accept-code` nothing
+is unpickled: a node is built only from the classes the worker was allowed
+(`somatize.remote.allowed`); with it, a node or a Learning's objective may arrive as code.
 """
 
 from __future__ import annotations
