@@ -44,13 +44,14 @@ class Remote:
             "inputs": inputs,
             "watching": watching is not None,  # else the worker runs it unwatched
         }
+        held = _held(part)
         got = broker.send(
             host,
-            _held(part),
+            held,
             lambda: {**message, "part": None if broker.holds(host, key) else self._describe(part)},
         )
         broker.defined(host, [{"key": key}])
-        broker.learnt(host, self._keys_of(part))
+        broker.learnt(host, [broker.key(node) for _, node, _ in held])
         if watching is not None:
             for fact in got["facts"]:
                 watching(fact)
