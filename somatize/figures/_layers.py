@@ -8,7 +8,6 @@ side by side. Coordinates are a container's own: `u` across its direction, `v` a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -35,9 +34,10 @@ class _Placed:
     lead: float  # where the bands start, along (after the lanes above them)
     paths: dict[tuple[str, str], list[Item]]
 
-    def ways(self, pairs, items, port: Callable) -> list[list[tuple[float, float, bool]]]:
+    def ways(self, pairs, items, ports) -> list[list[tuple[float, float, bool]]]:
         """Each edge's way at this level: out of its source, through its waypoints, into its
-        target, spread where several leave or enter one box."""
+        target, spread where several leave or enter one box; `ports` are where each pair's ends
+        cross a container's border, off its centre (None: no port there)."""
         outs: dict[str, list[int]] = {}
         ins: dict[str, list[int]] = {}
         for k, (a, b, _, _) in enumerate(pairs):
@@ -48,11 +48,8 @@ class _Placed:
         for table, into, far in ((outs, start, True), (ins, stop, False)):
             for key, ks in table.items():
                 item = items[key]
-                fixed = {}
-                for k in ks:
-                    at = port(item.box, pairs[k][3 if far else 2], far)
-                    if at is not None:
-                        fixed[k] = item.u + at
+                end = [ports[k][0 if far else 1] for k in ks]
+                fixed = {k: item.u + o for k, o in zip(ks, end, strict=True) if o is not None}
                 free = [k for k in ks if k not in fixed]
                 slots = list(dict.fromkeys(pairs[k][:2] for k in free))
                 slots.sort(key=lambda p: self.paths[p][1 if far else -2].u)

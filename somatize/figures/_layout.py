@@ -7,7 +7,6 @@ first (or last) layer of its own; its parts, one per container crossed, are join
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 from somatize.figures._layers import Item, place
 from somatize.figures._scene import Box, walk
@@ -65,10 +64,12 @@ class _Layout:
         gaps = (40.0, 20.0) if box.kind in ("root", "group") else (22.0, 16.0)
         top, right, bottom, left = box.pad
         room = self.room[1] - top - bottom if box.down else self.room[0] - left - right
+        ports = [
+            (self.port(items[a].box, d, True, box.down), self.port(items[b].box, s, False, box.down))
+            for a, b, s, d in pairs
+        ]
         offsets: dict[tuple[str, str], list[tuple[float, float]]] = {}
-        for a, b, s, d in pairs:
-            oa = self.port(items[a].box, d, True, box.down)
-            ob = self.port(items[b].box, s, False, box.down)
+        for (a, b, _, _), (oa, ob) in zip(pairs, ports, strict=True):
             offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
         mean = {
             k: (sum(o[0] for o in v) / len(v), sum(o[1] for o in v) / len(v))
@@ -98,7 +99,7 @@ class _Layout:
                     item.box.x, item.box.y = cx, cy - item.box.h / 2
             else:
                 level.ports[key] = (cx, cy)
-        ways = placed.ways(pairs, items, partial(self.port, down=box.down))
+        ways = placed.ways(pairs, items, ports)
         for (_, _, s, d), way in zip(pairs, ways, strict=True):
             level.parts[(s, d)] = [(*real(u, v), curve) for u, v, curve in way]
 
