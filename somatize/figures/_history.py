@@ -14,8 +14,8 @@ from typing import Any
 
 from somatize.health import Verdicts, where_of
 from somatize.health import numbers_of as health_numbers
+from somatize.health.metrics import FACT_KEYS
 
-FACT_KEYS = frozenset({"fact", "node", "inside", "step", "where", "numbers"})
 _PLAIN = (float, int, bool)
 STEPS = range(-(1 << 63), 1 << 63)  # a step is an int that fits in 64 bits
 _NONE: list[str] = []
@@ -40,16 +40,14 @@ def step_of(fact: Mapping[str, Any]) -> int:
 def numbers_of(fact: Mapping[str, Any]) -> dict[str, Any]:
     """The numbers a health fact carries: every key but the fact's own (`fact`, `node`,
     `inside`, `step`) holding a number or a bool (a numpy or torch scalar made a number)."""
-    source = health_numbers(fact)
-    out = {k: v for k, v in source.items() if type(v) in _PLAIN and k not in FACT_KEYS}
-    for k, v in source.items():  # a numpy or torch scalar made a number
-        if k in out or k in FACT_KEYS or not callable(getattr(v, "item", None)):
-            continue
-        try:
-            v = v.item()
-        except (TypeError, ValueError, RuntimeError):
-            continue
-        if isinstance(v, _PLAIN):
+    out = {}
+    for k, v in health_numbers(fact).items():
+        if type(v) not in _PLAIN and callable(getattr(v, "item", None)):
+            try:
+                v = v.item()
+            except (TypeError, ValueError, RuntimeError):
+                continue
+        if type(v) in _PLAIN:
             out[str(k)] = v
     return out
 
