@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from somatize.figures._shapes import count, family, shape_text
-from somatize.figures._svg import text_width
+from somatize.figures._shapes import family, shape_text
+from somatize.figures._svg import number, text_width
 
 NODE_TOP = 42  # an open node's title and subtitle, above its layers
 PILL_H = 18
@@ -181,7 +181,7 @@ class _Inside:
             ("kind", str(layer.get("kind") or "?")),
             ("path", f"{self.node}.{path}"),
             ("shape", f"[{', '.join(map(str, shape))}]" if isinstance(shape, list) else "unknown"),
-            ("parameters", count(layer.get("params") or 0)),
+            ("parameters", number(layer.get("params") or 0)),
         ]
         self.ids[path] = box.id
         return box
@@ -327,7 +327,7 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
     pills = _pills(node)
     params = inside_params(inside) if inside else None
     kind = str(node.get("kind") or "")
-    sub = kind + (f" · {count(params)} params" if params else "")
+    sub = kind + (f" · {number(params)} params" if params else "")
     box = Box(id=f"n:{nid}", kind="node", label=nid, where=nid, pills=pills)
     box.sub = sub + ("  ▾" if opened else "  ▸" if inside else "")
     pills_w = sum(pill_width(t) + 4 for _, t in pills)
@@ -336,7 +336,7 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
     box.marks = {"frozen": bool(node.get("frozen"))}
     box.tip = [("kind", kind or "?")]
     if params is not None:
-        box.tip.append(("parameters", count(params)))
+        box.tip.append(("parameters", number(params)))
     box.tip.append(("device", str(node.get("device") or "anywhere")))
     if node.get("host"):
         box.tip.append(("host", str(node["host"])))

@@ -126,11 +126,3 @@ def shape_text(shape: Any, kind: Any = None, label: Any = None, attention: bool 
         names = ["batch"] + [f"d{i}" for i in range(1, n)]
     return " · ".join(f"{v} {name}" for v, name in zip(shape, names, strict=True))
 
-
-def count(n: Any) -> str:
-    """A parameter count: 144, 2.0k, 11M."""
-    a = abs(n)
-    for size, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if a >= size:
-            return f"{n / size:.{0 if a >= 10 * size else 1}f}{suffix}"
-    return str(int(n))
