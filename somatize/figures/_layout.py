@@ -65,7 +65,7 @@ class _Layout:
         top, right, bottom, left = box.pad
         room = self.room[1] - top - bottom if box.down else self.room[0] - left - right
         ports = [
-            (self.port(items[a].box, d, True, box.down), self.port(items[b].box, s, False, box.down))
+            (self.port(items[a].box, d, True), self.port(items[b].box, s, False))
             for a, b, s, d in pairs
         ]
         offsets: dict[tuple[str, str], list[tuple[float, float]]] = {}
@@ -103,14 +103,14 @@ class _Layout:
         for (_, _, s, d), way in zip(pairs, ways, strict=True):
             level.parts[(s, d)] = [(*real(u, v), curve) for u, v, curve in way]
 
-    def port(self, box: Box | None, key: str, out: bool, down: bool) -> float | None:
+    def port(self, box: Box | None, key: str, out: bool) -> float | None:
         """Where an edge to (or from) `key` crosses the border of `box`, across its
-        direction and in the parent's frame offset from the box's centre, if it has one."""
+        parent's direction and in its frame offset from the box's centre, if it has one."""
         level = self.levels.get(box.id) if box is not None else None
         at = level.ports.get(f"{'out' if out else 'in'}:{key}") if level else None
         if at is None:
             return None
-        return (at[0] - box.w / 2) if down else (at[1] - box.h / 2)
+        return (at[0] - box.w / 2) if self.parent[box.id].down else (at[1] - box.h / 2)
 
     def absolute(self, root: Box) -> dict[tuple[str, str], list[Point]]:
         """Boxes moved to the root's frame; each edge's route, its parts joined in order."""
