@@ -255,10 +255,7 @@ def _legend(out, y, scale, metric, families, runs, width) -> float:
     """Every colour and mark drawn, named; answers the picture's height."""
     x = 12.0
     if not scale.empty:
-        out.extend(colour_bar(x, y, 140, scale, metric))
-        bar = text_width(metric + (" (log)" if scale.log else ""), 11, True) + 8
-        bar += text_width(number(scale.lo), 11)
-        x += bar + 160 + text_width(number(scale.hi), 11) + 18
+        x = colour_bar(out, x, y, 140, scale, metric) + 26
     items = [(ABSENT, "not measured"), (NO_NUMBER, "no number (NaN, ∞)")]
     items += [(FAMILY_COLOURS[f], f"flag: {f}") for f in FAMILY_COLOURS if f in families]
     items += [(RUN_COLOURS[k % len(RUN_COLOURS)], f"run {r}") for k, r in enumerate(runs)]

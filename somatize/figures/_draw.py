@@ -234,7 +234,7 @@ class _Painter:
         h = y + 20 if items else 0.0
         if not self.scale.empty:
             bar_y = h + (4 if items else 8)
-            out += colour_bar(12, bar_y, 140, self.scale, self.label or "colour")
+            colour_bar(out, 12, bar_y, 140, self.scale, self.label or "colour")
             h = bar_y + 18
         return out, h + 6 if h else 0.0
 

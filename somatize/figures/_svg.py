@@ -210,11 +210,13 @@ class Scale:
         return min(1.0, max(0.0, (self._f(v) - self._a) / (self._b - self._a)))
 
 
-def colour_bar(x: float, y: float, width: float, scale: Scale, label: str) -> list[str]:
-    """SVG for a colour legend: the label, the low end, a viridis bar, the high end."""
-    out = [svg_text(x, y + 9, label + (" (log)" if scale.log else ""), fill=INK, bold=True)]
-    x += text_width(label, 11, True) + 8 + (text_width(" (log)", 11, True) if scale.log else 0)
-    lo = number(scale.lo)
+def colour_bar(out: list[str], x: float, y: float, width: float, scale: Scale, label: str) -> float:
+    """SVG for a colour legend appended to `out`: the label, the low end, a viridis bar, the
+    high end; answers where it ends."""
+    label += " (log)" if scale.log else ""
+    out.append(svg_text(x, y + 9, label, fill=INK, bold=True))
+    x += text_width(label, 11, True) + 8
+    lo, hi = number(scale.lo), number(scale.hi)
     out.append(svg_text(x, y + 9, lo))
     x += text_width(lo, 11) + 6
     stops = "".join(
@@ -223,8 +225,8 @@ def colour_bar(x: float, y: float, width: float, scale: Scale, label: str) -> li
         for i in range(10)
     )
     out.append(f'<g class="smz-bar">{stops}</g>')
-    out.append(svg_text(x + width + 6, y + 9, number(scale.hi)))
-    return out
+    out.append(svg_text(x + width + 6, y + 9, hi))
+    return x + width + 6 + text_width(hi, 11)
 
 
 def ticks(
