@@ -25,6 +25,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from somatize.remote.allowed import version_of
 from somatize.remote.connection import Connection
 from somatize.remote.spawn import Child, command_line
 
@@ -33,25 +34,13 @@ __all__ = ["Worker", "MODES"]
 MODES = ("project", "network")
 """How nodes travel to a worker (see the module's doc)."""
 
-def _names(send: Iterable[Any]) -> list[str]:
-    names = []
-    for m in send or ():
-        name = m if isinstance(m, str) else getattr(m, "__name__", None)
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"send= takes modules or module names, not {m!r:.60}")
-        names.append(name)
-    return names
-
-
-def _mode(mode: Any) -> str | None:
-    if mode is not None and mode not in MODES:
-        raise ValueError(f"mode is 'project' or 'network' (or left out), not {mode!r}")
-    return mode
-
 
 class Worker:
     """Where a worker is: its address, the token to seal with, its CURVE key when it encrypts,
     and how nodes travel to it (`mode`, `send`). Nothing opens until work is sent."""
+
+    connect_within = 10.0
+    """Seconds a request waits for a worker nothing answers for before it is `WorkerLost`."""
 
     def __init__(
         self,
@@ -62,17 +51,22 @@ class Worker:
         token: str | None = None,
         server_key: str | None = None,
         deadline: float = 300.0,
-        connect_within: float = 10.0,
     ) -> None:
         if not isinstance(address, str) or not address:
             raise ValueError(f"a worker's address is 'host:port', not {address!r}")
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"mode is 'project' or 'network' (or left out), not {mode!r}")
         self.address = address if "://" in address else f"tcp://{address}"
-        self.mode = _mode(mode)
-        self.send = _names(send)
+        self.mode = mode
+        self.send: list[str] = []
+        for m in send or ():
+            name = m if isinstance(m, str) else getattr(m, "__name__", None)
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"send= takes modules or module names, not {m!r:.60}")
+            self.send.append(name)
         self.token = token
         self.server_key = server_key
         self.deadline = float(deadline)
-        self.connect_within = float(connect_within)
         self.child: Child | None = None
 
     @classmethod
@@ -125,38 +119,22 @@ class Worker:
         and reported. It is stopped by `stop()`, by closing a broker that holds it, or when
         this interpreter exits (and stops itself if this process dies without saying so).
         """
-        mode = _mode(mode)
-        names = _names(send)
-        argv = list(argv)
-        accepts = mode == "network" or (mode is None and "--accept-code" in argv)
-        command = command_line(
-            argv,
-            python=python,
-            quiet=quiet,
-            accept_code=mode == "network",
-            imports=[] if accepts else names,
-        )
         token = token or secrets.token_hex(32)
+        # mode and send checked before anything starts; the address is the child's once ready
+        worker = cls("127.0.0.1:0", mode=mode, send=send, token=token, deadline=deadline)
+        command = command_line(argv, python=python, quiet=quiet, mode=mode, send=worker.send)
         child_env = dict(os.environ if env is None else env)
         child_env["SOMATIZE_TOKEN"] = token
         paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
         child_env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-        public = None
         if encrypt:
             import zmq
 
             public, secret = zmq.curve_keypair()
+            worker.server_key = public.decode()
             child_env["SOMATIZE_CURVE_SECRET"] = secret.decode()
-        child = Child(command, child_env, ready_within)
-        worker = cls(
-            child.address,
-            mode=mode,
-            send=names,
-            token=token,
-            server_key=public.decode() if public else None,
-            deadline=deadline,
-        )
-        worker.child = child
+        worker.child = Child(command, child_env, ready_within)
+        worker.address = worker.child.address
         return worker
 
     @classmethod
@@ -212,8 +190,6 @@ class Worker:
                 )
             return mode
         imports = hello.get("imports") or {}
-        from somatize.remote.allowed import version_of
-
         for name in self.send:
             if name not in imports:
                 raise ImportError(

@@ -26,11 +26,13 @@ _READY = "somatize worker ready "
 
 
 def command_line(
-    argv: Sequence[str], *, python: str | None, quiet: bool, accept_code: bool, imports: list[str]
+    argv: Sequence[str], *, python: str | None, quiet: bool, mode: str | None, send: list[str]
 ) -> list[str]:
     """The whole command line: `argv` itself when it starts with a program (not with `-`),
     else `python -m somatize.worker` with `argv` as extra arguments; then what is missing of
-    `--listen 127.0.0.1:0`, `--parent`, `--quiet`, `--accept-code` and `--import MODULE`."""
+    `--listen 127.0.0.1:0`, `--parent`, `--quiet`, `--accept-code` (for `mode="network"`) and
+    `--import MODULE` for each of `send` (unless the worker takes code and `mode` is not
+    `"project"`)."""
     argv = [str(a) for a in argv]
     if argv and not argv[0].startswith("-"):
         command = argv
@@ -42,12 +44,13 @@ def command_line(
         command += ["--parent", str(os.getpid())]
     if quiet and "--quiet" not in command:
         command.append("--quiet")
-    if accept_code and "--accept-code" not in command:
+    if mode == "network" and "--accept-code" not in command:
         command.append("--accept-code")
-    said = {command[i + 1] for i, a in enumerate(command[:-1]) if a == "--import"}
-    for name in imports:
-        if name not in said:
-            command += ["--import", name]
+    if mode == "project" or "--accept-code" not in command:
+        said = {command[i + 1] for i, a in enumerate(command[:-1]) if a == "--import"}
+        for name in send:
+            if name not in said:
+                command += ["--import", name]
     return command
 
 
