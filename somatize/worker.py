@@ -52,17 +52,24 @@ def _watch_parent(parent: int) -> None:
     os._exit(0)
 
 
-def _secret(value: str | None, path: str | None, env: str, flag: str) -> str | None:
-    from somatize.remote.seal import read_secret
-
-    if value:
+def _secret(given: str | None, path: str | None, env: str, flag: str) -> str | None:
+    """A secret (the token, a CURVE key): `flag`'s value (visible to every local user: said
+    in the log), else the first line of the file `path`, else `$env`; None when none."""
+    if given:
         log.warning(
             "%s on the command line is visible to every local user: use %s-file", flag, flag
         )
+        return given
+    if not path:
+        return os.environ.get(env) or None
     try:
-        return read_secret(value, path, env)
+        with open(path, encoding="utf-8") as f:
+            found = f.readline().strip()
     except (OSError, ValueError) as error:
         raise SystemExit(f"{flag}-file: {error}") from None
+    if not found:
+        raise SystemExit(f"{flag}-file: the file {path} holds no secret on its first line")
+    return found
 
 
 def parser() -> argparse.ArgumentParser:

@@ -234,15 +234,3 @@ def test_the_key_is_scrypt_of_the_token_under_the_workers_salt():
     key = seal.derive("a typed token", salt)
     want = hashlib.scrypt(b"a typed token", salt=salt, n=1 << 14, r=8, p=1, dklen=32)
     assert key == want and seal.derive("a typed token", os.urandom(16)) != key
-
-
-def test_the_token_is_read_from_a_file_or_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("SOMATIZE_TOKEN", "from-env")
-    path = tmp_path / "token"
-    path.write_text("from-file\nignored\n")
-    assert seal.read_secret(path=str(path)) == "from-file"
-    assert seal.read_secret() == "from-env"
-    assert seal.read_secret("given") == "given"
-    path.write_text("\n")
-    with pytest.raises(ValueError, match="holds no secret"):
-        seal.read_secret(path=str(path))

@@ -209,7 +209,7 @@ def test_a_worker_given_the_whole_command_line_and_the_published_keywords():
         generic.stop()
 
 
-def test_a_worker_that_exits_at_once_is_reported_at_once_with_what_it_said():
+def test_a_worker_that_exits_at_once_is_reported_at_once_with_what_it_said(tmp_path):
     began = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 .*--max-message") as failed:
         Worker.spawn(["--max-message", "lots"])
@@ -217,3 +217,7 @@ def test_a_worker_that_exits_at_once_is_reported_at_once_with_what_it_said():
     assert "a size in bytes" in str(failed.value)
     with pytest.raises(RuntimeError, match="(?s)exited with code 1.*--import: No module named"):
         Worker.spawn(send=["somatize_no_such_module"])
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    with pytest.raises(RuntimeError, match="(?s)exited with code 1.*holds no secret"):
+        Worker.spawn(["--token-file", str(empty)])

@@ -36,7 +36,6 @@ __all__ = [
     "Refused",
     "Seal",
     "derive",
-    "read_secret",
     "refusal",
     "salt_answer",
     "is_frame",
@@ -62,7 +61,6 @@ REMEMBERED = 1 << 16
 """The most nonces remembered; past it the oldest half is forgotten and nothing sealed before
 the newest of them is accepted any more."""
 
-_SCRYPT = {"n": 1 << 14, "r": 8, "p": 1, "maxmem": 64 << 20, "dklen": 32}
 _NONCE = 16
 _CLOCK = struct.Struct("<d")
 _LENGTHS = struct.Struct("<Q")
@@ -79,32 +77,11 @@ class Refused(Exception):
         self.reason = reason
 
 
-def read_secret(
-    given: str | None = None, path: str | None = None, env: str = "SOMATIZE_TOKEN"
-) -> str | None:
-    """A secret (the token, a CURVE key): the one given, or the first line of the file at
-    `path`, or the environment variable `env`; None when there is none. An empty file is
-    refused."""
-    if given:
-        return given
-    if path:
-        with open(path, encoding="utf-8") as f:
-            found = f.readline().strip()
-        if not found:
-            raise ValueError(f"the file {path} holds no secret on its first line")
-        return found
-    return os.environ.get(env) or None
-
-
-def derive(token: str | bytes, salt: bytes) -> bytes:
+@functools.lru_cache(maxsize=64)
+def derive(token: str, salt: bytes) -> bytes:
     """The 32-byte session key of `token` under a worker's `salt`: scrypt (n=2**14, r=8),
     about 50 ms, worked out once per token and salt in a process."""
-    return _scrypt(token.encode() if isinstance(token, str) else bytes(token), salt)
-
-
-@functools.lru_cache(maxsize=64)
-def _scrypt(raw: bytes, salt: bytes) -> bytes:
-    return hashlib.scrypt(raw, salt=salt, **_SCRYPT)
+    return hashlib.scrypt(token.encode(), salt=salt, n=1 << 14, r=8, p=1, maxmem=64 << 20, dklen=32)
 
 
 def salt_answer(salt: bytes) -> list[bytes]:
@@ -142,7 +119,8 @@ class Seal:
         """This side's clock, as the other side keeps it."""
         return time.time() + self.offset
 
-    def _tag(self, nonce: bytes, clock: bytes, frames: list[memoryview]) -> bytes:
+    def _tag(self, nonce: bytes, clock: bytes, frames: list[Any]) -> bytes:
+        frames = [_buffer(f) for f in frames]
         one_time = hashlib.blake2b(
             nonce + clock, key=self.key, digest_size=32, person=_PERSON
         ).digest()
@@ -157,8 +135,7 @@ class Seal:
         """`[seal, *frames]`: `frames` (a header and data frames) as a sealed message."""
         nonce = os.urandom(_NONCE)
         clock = _CLOCK.pack(self.now())
-        tag = self._tag(nonce, clock, [_buffer(f) for f in frames])
-        return [MAGIC + nonce + clock + tag, *frames]
+        return [MAGIC + nonce + clock + self._tag(nonce, clock, frames), *frames]
 
     def open(self, frames: list[Any]) -> list[Any]:
         """The frames under the seal of a message sealed with this key, sealed less than
@@ -171,7 +148,7 @@ class Seal:
         seal = first.tobytes()
         nonce, clock, tag = seal[4:20], seal[20:28], seal[28:]
         body = frames[1:]
-        if not hmac.compare_digest(self._tag(nonce, clock, [_buffer(f) for f in body]), tag):
+        if not hmac.compare_digest(self._tag(nonce, clock, body), tag):
             raise Refused("the seal does not verify: another token, or a key from before a restart")
         (sent,) = _CLOCK.unpack(clock)
         now = self.now()
