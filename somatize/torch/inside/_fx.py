@@ -43,19 +43,17 @@ def fx_trace(root: nn.Module, depth: int) -> tuple[fx.Graph, Opening]:
 
 def by_fx(
     root: nn.Module,
-    depth: int,
+    trace: tuple[fx.Graph, Opening],
     args: tuple | None,
     kwargs: dict | None,
-    recorded: dict[str, list[Any]] | None = None,
-    trace: tuple[fx.Graph, Opening] | None = None,
+    recorded: dict[str, list[Any]] | None,
 ) -> Traced:
-    """Symbolically, then (with args) once through the traced graph for shapes and dtypes.
+    """`trace` (what `fx_trace` answered) read, then (with args) run once for shapes and dtypes.
 
     `recorded` holds what each submodule gave back when the graph ran, in call order; a layer
-    found there is not run again. `trace` is what `fx_trace` already answered. Raises whatever
-    fx raises when it cannot follow the forward.
+    found there is not run again. Raises whatever running the trace raises.
     """
-    graph, opening = trace if trace is not None else fx_trace(root, depth)
+    graph, opening = trace
     values = _values(graph, root, args, kwargs or {}, recorded or {}) if args is not None else {}
     out = Traced()
     made: dict[fx.Node, Raw] = {}

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from somatize.graph import as_graph
-from somatize.node import Node, Wrapped, unwrap
+from somatize.node import unwrap
 from somatize.run import in_one_line
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
 from somatize.torch.inside._forward import Reading, by_forward
@@ -83,34 +83,6 @@ class Inside:
         return f"Inside({len(self.layers)} layers, {len(self.edges)} edges, {self.how})"
 
 
-_Got = tuple[Traced, str, "str | None"]  # what `_raw` read: layers, how, and why not fx
-
-
-def _finish(got: _Got | None, most: int, module: nn.Module) -> Inside | None:
-    """The Inside of what `_raw` read of `module` (None where it read nothing)."""
-    if got is None:
-        return None
-    raw, how, why = got
-    folded, edges = fold(raw)
-    folded, edges, hidden = collapse(folded, edges, most)
-    layers = [
-        Layer(r.path, r.kind, r.label, r.shape, r.params, r.block, r.times, r.repeats, r.made_of)
-        for r in folded.values()
-    ]
-    return Inside(layers, edges, how, why, hidden, params_of(module))
-
-
-def _args(module: nn.Module, example: Any) -> tuple[tuple, dict] | None:
-    """How `module` is called on `example`: as a graph calls a module it holds as it is."""
-    if example is None:
-        return None
-    if isinstance(example, _Call):
-        return example
-    if isinstance(module, Node):
-        return (example, None), {}  # a node that is a module takes (input, ctx)
-    return Wrapped(module).takes.arguments(example)
-
-
 class _Call(NamedTuple):
     """The exact arguments a module was called with, caught by a pre-hook."""
 
@@ -118,42 +90,36 @@ class _Call(NamedTuple):
     kwargs: dict
 
 
-def _raw(
-    module: nn.Module,
-    example: Any,
-    depth: int,
-    recorded: dict | None = None,
-    plan: Any = None,
-) -> _Got | None:
-    """`plan` is what `_plan` found before the graph ran: an fx trace, or why fx refused and
-    the `Reading` that rode along the graph's run instead."""
-    call = _args(module, example)
-    if not parts_of(module):  # one layer, whatever its forward does inside
-        out = Traced()
-        layer = Opening(module, 0).add_leaf(out, "")
-        if call is not None:
-            layer.shape = shape_of(module(*call[0], **call[1]))
-        return out, "symbolic", None
-    if isinstance(plan, _Read):
-        if plan.reading.calls:
-            return plan.reading.result(), "traced", plan.why
-        return None
-    try:
-        raw = by_fx(module, depth, *(call or (None, None)), recorded, plan)  # plan: a trace
-        return raw, "symbolic", None
-    except Exception as e:  # noqa: BLE001  (fx refuses in many ways; each is a reason)
-        why = in_one_line(e)
-    if call is None:
-        return None
-    raw = by_forward(module, depth, *call)
-    return raw, "traced", why
-
-
 class _Read(NamedTuple):
     """fx refused this module: the reading that rides along the graph's run, and why."""
 
     reading: Reading
     why: str
+
+
+def _raw(
+    module: nn.Module, call: _Call | None, recorded: dict | None, plan: Any, depth: int
+) -> tuple[Traced, str, str | None] | None:
+    """The layers of `module`, how they were read and why not by fx (None where nothing was):
+    `plan` is what `_plan` found before the graph ran (an fx trace, or the `_Read` that rode
+    along the run), `call` what reached the module there and `recorded` what its submodules
+    gave back."""
+    if isinstance(plan, _Read):  # read in the graph's run: nothing runs again
+        return (plan.reading.result(), "traced", plan.why) if plan.reading.calls else None
+    with untouched([module]), torch.no_grad():
+        if not parts_of(module):  # one layer, whatever its forward does inside
+            out = Traced()
+            layer = Opening(module, 0).add_leaf(out, "")
+            if call is not None:
+                layer.shape = shape_of(module(*call.args, **call.kwargs))
+            return out, "symbolic", None
+        try:
+            return by_fx(module, plan, *(call or (None, None)), recorded), "symbolic", None
+        except Exception as e:  # noqa: BLE001  (the trace ran wrong on real values: say why)
+            why = in_one_line(e)
+        if call is None:
+            return None
+        return by_forward(module, depth, call.args, call.kwargs), "traced", why
 
 
 def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
@@ -194,9 +160,8 @@ def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) 
     """
     if not isinstance(module, nn.Module):
         return None
-    example = unwrap(example)
-    with untouched([module]), torch.no_grad():
-        return _finish(_raw(module, example, depth), most, module)
+    # read as `architecture` reads the graph of this one module
+    return next(iter(architecture(module, example, most=most, depth=depth).values()), None)
 
 
 def _capture(
@@ -272,12 +237,16 @@ def architecture(
         call = calls.get(node)
         if example is not None and call is None:
             continue  # never reached (a branch not taken, or run elsewhere)
-        plan = plans.get(node)
-        if isinstance(plan, _Read):
-            got = _raw(root, call, depth, None, plan)  # read in the run: nothing runs again
-        else:
-            with untouched([root]), torch.no_grad():
-                got = _raw(root, call, depth, outputs.get(node), plan)
-        if (inside := _finish(got, most, root)) is not None:
-            out[node] = inside
+        got = _raw(root, call, outputs.get(node), plans.get(node), depth)
+        if got is None:
+            continue
+        folded, edges = fold(got[0])
+        folded, edges, hidden = collapse(folded, edges, most)
+        layers = [
+            Layer(
+                r.path, r.kind, r.label, r.shape, r.params, r.block, r.times, r.repeats, r.made_of
+            )
+            for r in folded.values()
+        ]
+        out[node] = Inside(layers, edges, *got[1:], hidden, params_of(root))
     return out
