@@ -30,23 +30,6 @@ from somatize.store import store_of
 __all__ = ["Graph", "as_graph"]
 
 
-def _place(nid: str, node: Node, device: str) -> None:
-    """Move what a node holds to its device. A device this machine does not have is refused
-    naming the node (the hook's `ValueError`); any other failure keeps its type and gains a
-    note naming the node, the device and what to do."""
-    try:
-        _hooks.place(node, device)
-    except ValueError as error:
-        raise ValueError(f"node {nid!r}: {error}") from None
-    except Exception as e:
-        run.note(
-            e,
-            f"while placing node {nid!r} ({kind_name(node)}) .on({device!r}): this machine "
-            "may not have that device; declare another with .on(...), or leave .on() out",
-        )
-        raise
-
-
 class Graph:
     """A directed acyclic graph of nodes, each with an id and what was declared of it.
 
@@ -78,8 +61,8 @@ class Graph:
         if not isinstance(expression, Expr):
             if isinstance(expression, type) or not callable(expression):
                 raise TypeError(
-                    f"Graph.somatize takes an expression of Nodes (a >> b, a | b), a module or "
-                    f"a function, not {type(expression).__name__} {expression!r:.60}"
+                    f"expected a somatize Graph, an expression of Nodes (a >> b, a | b), a "
+                    f"module or a function, not {type(expression).__name__} {expression!r:.60}"
                 )
             expression = Node.of(expression)
         g = cls()
@@ -119,16 +102,14 @@ class Graph:
         *named, obj = args
         if not isinstance(obj, Expr):
             raise TypeError(f"g.node takes a Node, not {type(obj).__name__} {obj!r:.60}")
+        if named and named[0] is not None:
+            obj = obj.named(named[0])  # the id checked as .named checks it
         found = list(obj.pieces())
         if len(found) != 1:
             raise ValueError(f"g.node adds one node; this expression holds {len(found)}")
-        if named and named[0] is not None:
-            found = list(obj.named(named[0]).pieces())  # the id checked as .named checks it
         return self._add(*found[0])
 
     def _add(self, node: Node, settings: Settings) -> str:
-        if not isinstance(node, Node):
-            raise TypeError(f"a graph holds Nodes, not {type(node).__name__}")
         nid = settings.name
         if nid is None:
             # as .named checks an id: no "/" or "." (a class may be given any __name__)
@@ -137,16 +118,11 @@ class Graph:
             while (nid := base if k == 1 else f"{base}_{k}") in self._impl:
                 k += 1
             self._counts[base] = k
-        elif str(nid).startswith("<") and str(nid).endswith(">"):  # the cut's "<input>", "<loss>"
-            raise ValueError(
-                f"{nid!r} names a graph's own input or loss, not a node: .named() it otherwise"
-            )
         elif nid in self._impl:
             raise ValueError(
                 f"duplicate node id {nid!r}: a {kind_name(self._impl[nid])} already has it; "
                 f"give this {kind_name(node)} another with .named(...)"
             )
-        self._check(nid, node, settings)
         if not takes_ctx(node):
             cls = type(node).__name__
             raise TypeError(
@@ -155,8 +131,7 @@ class Graph:
                 f"to {cls}.forward, or put a plain module in the graph as it is with "
                 f"Node.of(module)"
             )
-        if settings.device is not None and settings.host is None:  # else placed on its worker
-            _place(nid, node, settings.device)
+        self._settle(nid, node, settings)
         self._impl[nid] = node
         self._settings[nid] = settings
         self._succ[nid] = []
@@ -164,7 +139,9 @@ class Graph:
         self._plan = None
         return nid
 
-    def _check(self, nid: str, node: Node, s: Settings) -> None:
+    def _settle(self, nid: str, node: Node, s: Settings, was: str | None = None) -> None:
+        """Refuse what cannot be said of `node`, then move what it holds to the device `s`
+        places it on, if not already `was` there (a node .at(host) is placed on its worker)."""
         if s.device is not None and not (isinstance(s.device, str) and DEVICE.match(s.device)):
             raise ValueError(
                 f"node {nid!r} is placed .on({s.device!r}), which is not a device: use "
@@ -177,6 +154,20 @@ class Graph:
                 "its output would change under the cache. Declare it .frozen().cached(), "
                 "or do not cache it"
             )
+        if s.device is None or s.device == was or s.host is not None:
+            return
+        try:
+            _hooks.place(node, s.device)
+        except ValueError as error:  # a device this machine does not have
+            raise ValueError(f"node {nid!r}: {error}") from None
+        except Exception as e:
+            run.note(
+                e,
+                f"while placing node {nid!r} ({kind_name(node)}) .on({s.device!r}): this "
+                "machine may not have that device; declare another with .on(...), or leave "
+                ".on() out",
+            )
+            raise
 
     def edge(self, a: str, b: str) -> None:
         """Add the edge a → b. An unknown id, or an edge that would close a cycle, is refused."""
@@ -214,9 +205,7 @@ class Graph:
         if not allowed.issuperset(said):
             raise ValueError(f"declare() takes {sorted(allowed)}, not {sorted(said)}")
         new = replace(s, **said)
-        self._check(id, self._impl[id], new)
-        if new.device is not None and new.device != s.device and new.host is None:
-            _place(id, self._impl[id], new.device)
+        self._settle(id, self._impl[id], new, s.device)
         self._settings[id] = new
         self._plan = None
 
@@ -448,11 +437,4 @@ def as_graph(what: Any) -> Graph:
     """What every tool that takes a graph looks at: a `Graph` as it is, an expression built
     (`Graph.somatize`), and a bare module or plain function as a graph of one node
     (`Node.of`), whose id is its class name lower-cased. Anything else is a TypeError."""
-    if isinstance(what, Graph):
-        return what
-    if isinstance(what, Expr) or (callable(what) and not isinstance(what, type)):
-        return Graph.somatize(what)
-    raise TypeError(
-        f"expected a somatize Graph, an expression of Nodes, an nn.Module or a function, "
-        f"not {type(what).__name__} {what!r:.60}"
-    )
+    return what if isinstance(what, Graph) else Graph.somatize(what)

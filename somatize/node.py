@@ -118,6 +118,10 @@ class Expr:
         """Give the node its id (otherwise its class name lower-cased, then `_2`, `_3`, ...)."""
         if not isinstance(id, str) or not id or "/" in id or "." in id:
             raise ValueError(f"a node id must be a non-empty string without '/' or '.', not {id!r}")
+        if id.startswith("<") and id.endswith(">"):  # the cut's "<input>", "<loss>"
+            raise ValueError(
+                f"{id!r} names a graph's own input or loss, not a node: .named() it otherwise"
+            )
         count = sum(1 for _ in self.pieces())
         if count != 1:
             raise ValueError(
