@@ -31,31 +31,22 @@ def _wide(t: torch.Tensor) -> torch.dtype | None:
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
 
 
-def magnitude_of(a: torch.Tensor) -> torch.Tensor:
-    """|a|, in float32 or wider: what `sums_of` and `counts_of` read."""
+def sums_of(a: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
+    """Σ|a|, how many values of `a` are zero (|a| ≤ dead_eps) and, for a place that saturates,
+    how many are saturated, as one-number tensors (read later, all at once), accumulated in
+    float32 or wider. The zeros are a float sum of 1.0s (cheaper than a boolean count on the
+    CPU; exact up to 2²⁴ values). An inf makes Σ|a| inf and a NaN makes it NaN, which is how
+    `nan` and `inf` are told apart; a NaN is neither zero nor saturated."""
     magnitude = a.abs()
-    return magnitude if magnitude.dtype in (torch.float32, torch.float64) else magnitude.float()
-
-
-def counts_of(a: torch.Tensor, magnitude: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
-    """How many values of `a` are zero (|a| ≤ dead_eps), and for a place that saturates how
-    many are saturated, as one-number tensors; `magnitude` is `magnitude_of(a)`, overwritten.
-    The zeros are a float sum of 1.0s (cheaper than a boolean count on the CPU; exact up to 2²⁴
-    values). A NaN is neither zero nor saturated."""
-    saturated = None
+    if magnitude.dtype not in (torch.float32, torch.float64):
+        magnitude = magnitude.float()
+    sums = [magnitude.sum()]
     if saturates == "sigmoid":
         saturated = torch.count_nonzero((a <= _LOW) | (a >= _HIGH))
     elif saturates == "tanh":
         saturated = torch.count_nonzero(magnitude >= _HIGH)
-    zeros = magnitude.le_(_DEAD_EPS).sum()  # in place, after everything else read it
-    return [zeros] if saturated is None else [zeros, saturated]
-
-
-def sums_of(a: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
-    """Σ|a| and then `counts_of(a)`, as one-number tensors (read later, all at once). An inf
-    makes Σ|a| inf and a NaN makes it NaN, which is how `nan` and `inf` are told apart."""
-    magnitude = magnitude_of(a)
-    return [magnitude.sum(), *counts_of(a, magnitude, saturates)]
+    sums.append(magnitude.le_(_DEAD_EPS).sum())  # in place, after everything else read it
+    return sums if saturates is None else [*sums, saturated]
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
 from somatize.torch._modules import Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
-from somatize.torch.audit._measures import _wide, counts_of, floats_in, magnitude_of, norm, read
+from somatize.torch.audit._measures import _wide, floats_in, norm, read, sums_of
 from somatize.torch.audit._place import _saturation
 from somatize.torch.inside._forward import Calls
 from somatize.torch.inside._trace import Opening
@@ -144,10 +144,10 @@ def _numbers(
         before = known.rms(inp)
         n["signal_gain"] = rms / before if before > 0 else float("inf")
     size = a.numel()
-    counts = read(counts_of(a, magnitude_of(a), saturates))
-    n["zero_frac_max"] = counts[0] / size if size else 0.0
-    n["sat_frac_max"] = counts[1] / size if size and len(counts) > 1 else 0.0
-    finite = math.isfinite(rms)  # a NaN or an inf anywhere shows in the norm
+    total, zeros, *saturated = read(sums_of(a, saturates))
+    n["zero_frac_max"] = zeros / size if size else 0.0
+    n["sat_frac_max"] = saturated[0] / size if size and saturated else 0.0
+    finite = math.isfinite(total)  # a NaN or an inf anywhere shows in Σ|a|
     n["nan"] = False if finite else bool(a.isnan().any())
     n["inf"] = False if finite else bool(a.isinf().any())
     return n
