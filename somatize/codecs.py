@@ -142,7 +142,7 @@ def _codec_for(value: Any) -> _Codec | None:
         import numpy as np
 
         if isinstance(value, (np.ndarray, np.generic)) and value.dtype != object:
-            return _Codec("numpy", type(value), _numpy_dump, _numpy_load)
+            return _NUMPY
     return None
 
 
@@ -285,13 +285,11 @@ def _ext_hook(code: int, data: bytes) -> Any:
     else:
         raise Malformed(f"unknown msgpack extension type {code} in encoded bytes")
     found = _by_kind.get(kind)
-    if found is None:
+    if found is None:  # registered by somatize.torch, or for a library loaded since
         _hooks.ready(torch_needed=kind == "torch.Tensor")
-        found = _by_kind.get(kind)
-    if found is None:
         _hooks.late_codecs()
-        found = _by_kind.get(kind)
-    if found is None and kind != "numpy":
+        found = _by_kind.get(kind, _NUMPY if kind == "numpy" else None)
+    if found is None:
         raise NoCodec(
             f"the bytes hold a value of kind {kind!r} and no codec of that kind is "
             f"registered (registered: {codecs_registered()}); import the module that "
@@ -299,7 +297,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
             f"dump=..., load=...)"
         )
     try:
-        return _numpy_load(payload) if found is None else found.load(payload)
+        return found.load(payload)
     except (Malformed, NoCodec):
         raise
     except Exception as error:
@@ -361,8 +359,7 @@ def _numpy_dump(value: Any) -> bytes:
     import numpy as np
 
     buffer = io.BytesIO()
-    scalar = isinstance(value, np.generic)
-    buffer.write(b"s" if scalar else b"a")
+    buffer.write(b"s" if isinstance(value, np.generic) else b"a")
     np.save(buffer, np.asarray(value), allow_pickle=False)
     return buffer.getvalue()
 
@@ -388,3 +385,6 @@ def _numpy_load(data: bytes) -> Any:
     stream.seek(0)
     array = np.load(stream, allow_pickle=False)
     return array[()] if data[:1] == b"s" else array
+
+
+_NUMPY = _Codec("numpy", object, _numpy_dump, _numpy_load)
