@@ -118,14 +118,13 @@ class _Painter:
             )
         if box.kind == "block":
             stack = ""
-            if box.marks.get("stack"):  # the N copies behind a folded block
+            if box.stack:  # the N copies behind a folded block
                 stack = (
                     f'<rect class="smz-stack" x="{x + 4:.1f}" y="{y + 4:.1f}" width="{w:.1f}" '
                     f'height="{h:.1f}" rx="6" fill="none" stroke="{BLOCK}" stroke-opacity="0.35"/>'
                 )
             cls = "smz-block" + (" smz-foldable" if box.click else "")
-            label = svg_text(x + 8, y + 15, box.label, fill=BLOCK, bold=True,
-                             after=' class="smz-block-label"')
+            label = svg_text(x + 8, y + 15, box.label, fill=BLOCK, bold=True, cls="smz-block-label")
             return (
                 f'<g class="{cls}"{self.attrs(box)}>{self.tip(box)}{stack}'
                 f'<rect {_frame(box)} rx="6" fill="rgba(138,111,209,0.06)" stroke="{BLOCK}" '
@@ -136,7 +135,7 @@ class _Painter:
     def node(self, box: Box) -> str:
         x, y, w = box.x, box.y, box.w
         col = self.fill(box.where)
-        frozen = box.marks.get("frozen")
+        frozen = ("frozen", "frozen") in box.pills
         opened = bool(box.children)
         bg, ink = col if col else ("#f6f7fa", "#1f2430")
         cx, anchor = (x + 12, "start") if opened else (x + w / 2, "middle")

@@ -41,7 +41,7 @@ class Box:
     where: str = ""  # the colour key: node or node.path
     family: str = ""
     pills: list[tuple[str, str]] = field(default_factory=list)
-    marks: dict[str, Any] = field(default_factory=dict)
+    stack: bool = False  # a folded block: its copies drawn behind it
     x: float = 0.0
     y: float = 0.0
 
@@ -219,7 +219,7 @@ class _Inside:
                 w=text_width(label, 11, True) + 40,
                 pad=(24.0, 10.0, 10.0, 10.0),
                 click=("expanded", key) if foldable else None,
-                marks={"stack": foldable and not opened},
+                stack=foldable and not opened,
             )
             box.tip = [("block", f"{self.node}.{path}")]
             if foldable:
@@ -333,7 +333,6 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
     pills_w = sum(pill_width(t) + 4 for _, t in pills)
     box.w = max(90.0, round(max(text_width(nid, 13, True), text_width(box.sub, 11), pills_w) + 28))
     box.h = 62.0 if pills else 46.0
-    box.marks = {"frozen": bool(node.get("frozen"))}
     box.tip = [("kind", kind or "?")]
     if params is not None:
         box.tip.append(("parameters", number(params)))

@@ -1,5 +1,5 @@
 """What every drawing is written with: escaped text, its width, one number format, the
-colour scale and its legend, nice axis ticks. `widgets/shapes.js` mirrors `number`, `viridis`
+colour scale and its legend, nice axis ticks. `widgets/common.js` mirrors `number`, `viridis`
 and `scale` for the live audit and is tested against them.
 """
 
@@ -58,18 +58,17 @@ def esc(text: Any) -> str:
 
 def svg_text(
     x: float | str, y: float | str, content: Any, px: float = 11, fill: str = MUTED, *,
-    bold: bool = False, italic: bool = False, anchor: str = "", cls: str = "", after: str = "",
-    title: str = "",
+    bold: bool = False, italic: bool = False, anchor: str = "", cls: str = "", title: str = "",
 ) -> str:
     """An SVG `<text>` at (x, y) (a number written to one decimal, a string as it is), its
-    content escaped; `cls` goes before x, `after` (raw attributes) last, `title` is a tooltip."""
+    content escaped; `cls` goes before x, `title` is a tooltip."""
     x, y = (v if isinstance(v, str) else f"{v:.1f}" for v in (x, y))
     cls = f' class="{cls}"' if cls else ""
     style = ' font-weight="700"' if bold else ' font-style="italic"' if italic else ""
     anchor = f' text-anchor="{anchor}"' if anchor else ""
     tip = f"<title>{esc(title)}</title>" if title else ""
     return (
-        f'<text{cls} x="{x}" y="{y}" font-size="{px}"{style} fill="{fill}"{anchor}{after}>'
+        f'<text{cls} x="{x}" y="{y}" font-size="{px}"{style} fill="{fill}"{anchor}>'
         f"{esc(content)}{tip}</text>"
     )
 
