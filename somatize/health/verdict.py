@@ -83,12 +83,9 @@ class Thresholds:
 _DEFAULT = Thresholds()
 
 
-def _num(numbers: Mapping[str, Any], *keys: str) -> float | None:
-    for key in keys:
-        v = numbers.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-    return None
+def _num(numbers: Mapping[str, Any], key: str) -> float | None:
+    v = numbers.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) -> list[Flag]:
@@ -123,8 +120,8 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
         return [f for f, on in ((NAN, nan), (INF, inf)) if on]
     flags: list[Flag] = []
     grad = _num(numbers, "grad_norm")
-    zero = _num(numbers, "zero_frac_max", "zero")
-    sat = _num(numbers, "sat_frac_max", "saturated")
+    zero = _num(numbers, "zero_frac_max")
+    sat = _num(numbers, "sat_frac_max")
     ratio = _num(numbers, "update_ratio")
     weights = _num(numbers, "param_norm")
     dead = zero is not None and zero >= t.dead_frac
