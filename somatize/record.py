@@ -203,10 +203,14 @@ def _run_ids(store: Store) -> list[str]:
     return sorted(first, key=lambda r: (when[r], r))
 
 
-def _bindings(store: Store, run: str) -> list[tuple[int, Any]]:
-    """`(forward, Bound)` of every record of `run`, in order."""
-    found = [(f[1], b) for b in store.bound(f"run/{run}") if (f := _forward_of(b.name))]
-    return sorted(found, key=lambda pair: pair[0])
+def _records(store: Store, run: str) -> list[tuple[int, str]]:
+    """`(forward, name)` of every record of `run`, in order. Refuses (with `LookupError`) a
+    run the store has not got."""
+    names = store.names(f"run/{_check_run(run)}")
+    found = sorted((f[1], name) for name in names if (f := _forward_of(name)))
+    if not found:
+        raise LookupError(f"no run {run!r} in {store!r}; runs there: {_run_ids(store)}")
+    return found
 
 
 def _when(seconds: list[float]) -> Any:
@@ -223,7 +227,7 @@ def runs(store: Store | str | os.PathLike[str]) -> pd.DataFrame:
     store = store_of(store)
     rows, first, last = [], [], []
     for run in _run_ids(store):
-        bound = [b for _, b in _bindings(store, run)]
+        bound = [store.resolve(name) for _, name in _records(store, run)]
         took = [b.get("took_us") for b in bound if isinstance(b.get("took_us"), (int, float))]
         rows.append(
             {
@@ -247,12 +251,10 @@ def forwards(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
     `loss.value`) and any other meta. Read from the records' meta alone; refuses (with
     `LookupError`) a run the store has not got."""
     store = store_of(store)
-    bound = _bindings(store, _check_run(run))
-    if not bound:
-        raise LookupError(f"no run {run!r} in {store!r}; runs there: {_run_ids(store)}")
-    rows = [{k: v for k, v in b.meta if k != "run"} for _, b in bound]
+    bound = [store.resolve(name) for _, name in _records(store, run)]
+    rows = [{k: v for k, v in b.meta if k != "run"} for b in bound]
     frame = _frame(rows, ("forward", "state", "nodes", "took_us"))
-    frame.insert(4, "when", _when([b.when for _, b in bound]))
+    frame.insert(4, "when", _when([b.when for b in bound]))
     return frame
 
 
@@ -262,11 +264,7 @@ def records(
     """`(forward, facts)` for every recorded forward of `run`, in order. Refuses (with
     `LookupError`) a run the store has not got."""
     store = store_of(store)
-    names = store.names(f"run/{_check_run(run)}")
-    indexed = sorted((found[1], n) for n in names if (found := _forward_of(n)) is not None)
-    if not indexed:
-        raise LookupError(f"no run {run!r} in {store!r}; runs there: {_run_ids(store)}")
-    return [(index, store.recall(name) or []) for index, name in indexed]
+    return [(index, store.recall(name) or []) for index, name in _records(store, run)]
 
 
 def _typed(values: list[Any]) -> Any:
