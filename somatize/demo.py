@@ -74,14 +74,19 @@ class Mix(Node):
 
 
 def build(hidden: int = 16) -> Graph:
-    """The demo graph: features >> normalise >> (left | right) >> mix."""
+    """The demo graph: features >> normalise >> (left | right) >> mix, the features frozen
+    (they stop asking for gradients), the rest as initialised."""
+    from somatize.torch import freeze
+
     torch.manual_seed(0)
-    return Graph.somatize(
+    g = Graph.somatize(
         Features().frozen().cached()
         >> Normalise().cached()
         >> (Head(hidden=hidden).named("left") | Head(hidden=hidden).named("right"))
         >> Mix()
     )
+    freeze(g)
+    return g
 
 
 def data(seed: int = 2, batches: int = 12) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -104,10 +109,7 @@ def accuracy(g: Graph, batches: list) -> float:
 
 def cached_runs(store: Store) -> None:
     """The main job: the graph run twice against a store, the second from the cache."""
-    from somatize.torch import freeze
-
     g = build()
-    freeze(g)  # the .frozen() features stop asking for gradients
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
     print(g.plan())
     print()
@@ -133,28 +135,23 @@ def figures() -> list[tuple[str, Any]]:
     """The three figures: the graph with insides, a live audit of a short fit, and four
     candidates compared (proxies before training, accuracy after)."""
     from somatize.figures import CompareTable, LiveAudit, compare
-    from somatize.torch import Audit, Trainer, architecture, freeze, parameters
+    from somatize.torch import Audit, Trainer, architecture, parameters
 
     train, test = data(2), data(3, batches=4)
     g = build()
-    freeze(g)
     drawn = g.figure(inside=architecture(g, train[0][0]))
     audit = LiveAudit(title="a short audited fit")
     t = Trainer(g, objective=nn.functional.cross_entropy, auditing=Audit(every=1),
                 optimizer=torch.optim.Adam(parameters(g), lr=3e-3), watching=audit)
     t.fit(train, epochs=5)
-    candidates = {f"hidden {h}": build(hidden=h) for h in (2, 4, 16, 64)}
+    hidden = {f"hidden {h}": h for h in (2, 4, 16, 64)}
     measured = {}
-    for name, c in candidates.items():
-        freeze(c)
+    for name, h in hidden.items():
+        c = build(hidden=h)
         Trainer(c, objective=nn.functional.cross_entropy,
                 optimizer=torch.optim.Adam(parameters(c), lr=1e-2)).fit(train, epochs=3)
         measured[name] = accuracy(c, test)
-    for c in candidates.values():  # the proxies are taken at initialisation
-        for head in (c.implementation("left"), c.implementation("right")):
-            for m in head.net:
-                if hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
+    candidates = {name: build(hidden=h) for name, h in hidden.items()}  # proxies: as initialised
     x, y = train[0]
     table = CompareTable(
         compare(candidates, x, target=y, objective=nn.functional.cross_entropy, measured=measured),
