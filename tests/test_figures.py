@@ -296,7 +296,7 @@ def _table(n=4, probe=0):
     data["proxy:b"] = [-6.5e6, -6.4e6, 0.7062, float("-inf"), 1e-5, 2][:n]
     for k in range(probe):
         data[f"probe:zero_{k}"] = [0.1] * n
-    data["probe:zero"] = [0.1, 0.99, 0.2, 0.3, 0.1, 0.1][:n]
+    data["probe:zero_frac_max"] = [0.1, 0.99, 0.2, 0.3, 0.1, 0.1][:n]
     return pd.DataFrame(data, index=rows)
 
 
@@ -304,7 +304,7 @@ def test_the_table_puts_measured_next_to_the_names_and_ranks_and_correlates():
     table = CompareTable(_table(), measured={"w": 0.1, "x": 0.2, "y": 0.3, "z": 0.4})
     cols = table.table["columns"]
     assert cols[0] == "measured" and cols[1] == "params"
-    assert cols.index("proxy:a") < cols.index("probe:zero")
+    assert cols.index("proxy:a") < cols.index("probe:zero_frac_max")
     assert table.sort_by == "measured" and table.table["correlations"]["proxy:a"] == pytest.approx(1.0)
     html = table.face()
     rows = re.findall(r'<tr data-row="(\w)"', html)
@@ -314,7 +314,7 @@ def test_the_table_puts_measured_next_to_the_names_and_ranks_and_correlates():
     worst = re.search(r'<tr data-row="w">.*?data-col="proxy:a"[^>]*style="([^"]*)"', html).group(1)
     assert "rgba(47,158,68" in best and "rgba(224,49,49" in worst
     # the probe's zero fraction of 0.99 is what the health verdict calls DEAD: tinted, said
-    cell = re.search(r'<tr data-row="x">.*?(<td data-col="probe:zero"[^>]*>)', html).group(1)
+    cell = re.search(r'<tr data-row="x">.*?(<td data-col="probe:zero_frac_max"[^>]*>)', html).group(1)
     assert "flagged DEAD" in cell and "background" in cell
     assert "ρ with measured" in html and 'class="smz-scatter"' in html
     with pytest.raises(ValueError, match="'acc' is not a column"):
