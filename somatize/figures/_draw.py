@@ -17,6 +17,7 @@ from somatize.figures._svg import (
     Scale,
     colour_bar,
     esc,
+    finite,
     ink_on,
     number,
     svg_open,
@@ -56,11 +57,11 @@ def picture(
 class _Painter:
     def __init__(self, root: Box, routes: dict, colour: dict, label: str) -> None:
         self.root, self.routes, self.colour, self.label = root, routes, colour, label
-        self.scale = Scale(v for v in colour.values() if isinstance(v, (int, float)))
+        self.scale = Scale(colour.values())
 
     def fill(self, where: str) -> tuple[str, str] | None:
         v = self.colour.get(where)
-        if not isinstance(v, (int, float)) or not math.isfinite(v) or self.scale.empty:
+        if not finite(v) or self.scale.empty:
             return None
         t = self.scale.t(v)
         return viridis(t), ink_on(t)
