@@ -85,8 +85,6 @@ class ForwardForward(Learning):
     def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
         """Goodness on positives against negatives, backward, step when the group closes;
         gives back nothing. `signal` is not read: what the node produced went on detached."""
-        if self.idle(signal):
-            return self.done()
         self.minimising(lambda: self._loss(ctx))
         return None
 

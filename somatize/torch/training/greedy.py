@@ -56,8 +56,6 @@ class Greedy(Learning):
     def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
         """The node's own loss through the head, backward, step when the group closes; gives
         back nothing (no gradient upstream). `signal` is not read: the output went on detached."""
-        if self.idle(signal):
-            return self.done()
         if self.objective is None:
             raise ValueError(
                 "Greedy learns from the run's objective, and has not been told one: use it "

@@ -294,24 +294,26 @@ class Learning(Node):
             return self._closing
         return self.due()
 
-    def minimising(self, loss: Callable[[], torch.Tensor]) -> None:
-        """One step of the group on a loss of the technique's own (`loss()`, called only when
-        an activation is held): gradients cleared where the group opens, `loss() / group`
-        backward, the optimizer stepped where the group closes, and `done()`."""
+    def stepped(self, backward: Callable[[], Any]) -> Any:
+        """One step of the group, as every technique takes it: gradients cleared where the
+        group opens, `backward()`, the optimizer stepped where it closes; answers `done()`."""
         optimizer = self.optimizer
         if self.opens():
             optimizer.zero_grad()
-        if self.held is not None:
-            group = self.group
-            (loss() / group if group != 1 else loss()).backward()
+        backward()
         if self.closes():
             optimizer.step()
-        self.done()
+        return self.done()
 
-    def idle(self, signal: Any) -> bool:
-        """Whether this learn has nothing to do: nothing arrived, nothing is held, nothing has
-        accumulated (the Trainer's `update()` reaching a group that is already applied)."""
-        return signal is None and self.held is None and self._count == 0
+    def minimising(self, loss: Callable[[], torch.Tensor]) -> None:
+        """`stepped` on a loss of the technique's own: `loss() / group` backward, `loss()`
+        called only when an activation is held (not for the Trainer's `update()`)."""
+
+        def backward() -> None:
+            if self.held is not None:
+                (loss() / self.group).backward()
+
+        self.stepped(backward)
 
     # -- the two positions --------------------------------------------------------------------
     def entering(self, value: Any, ctx: Any) -> Any:
@@ -326,11 +328,16 @@ class Learning(Node):
     def forward(self, value: Any, ctx: Any) -> Any:
         """After the node: an ordinary value is the activation to keep (handed on, detached for
         a technique that `wants_signal` False), an envelope is the gradient to learn from (and
-        an envelope for the input comes back)."""
+        an envelope for the input comes back). An empty envelope with nothing held or
+        accumulated (the Trainer's `update()` reaching a group already applied) is not learnt
+        from."""
         if type(value) is Envelope:
             self._closing = value.closing
-            back = self.learn(gradient(value, ctx.device if ctx is not None else None), ctx)
-            return envelope(back, value.closing)
+            signal = gradient(value, ctx.device if ctx is not None else None)
+            if signal is None and self.held is None and self._count == 0:
+                self.done()  # nothing accumulated, nothing owed
+                return envelope(None, value.closing)
+            return envelope(self.learn(signal, ctx), value.closing)
         self.held = value
         self.kept(ctx)
         return value if self.wants_signal else leafed(value, False)
@@ -395,13 +402,5 @@ class Split(Learning):
     def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
         """Backward through the node from `signal`, step when the group closes, and give back
         dL/d(what the node was given)."""
-        if self.idle(signal):
-            return self.done()  # nothing accumulated, nothing owed
         held = self.waiting() if signal is not None else None
-        optimizer = self.optimizer
-        if self.opens():
-            optimizer.zero_grad()
-        backward_from(held, signal)
-        if self.closes():
-            optimizer.step()
-        return grad_of(self.done())
+        return grad_of(self.stepped(lambda: backward_from(held, signal)))

@@ -110,8 +110,6 @@ class Synthetic(Learning):
     def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
         """The guesser learns from the true gradient `signal`; gives back dL/d(input) under
         the guess, worked out when the output was kept."""
-        if self.idle(signal):
-            return self.done()
         optimizer = self.optimizer
         if self.held is None:
             if signal is not None:
