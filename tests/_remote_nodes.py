@@ -32,6 +32,16 @@ class Plus(Node):
         return x + self.k
 
 
+class Gathers(Node):
+    """Adds what it was built with: one number, any number more, times a keyword's."""
+
+    def __init__(self, first: float, *more: float, times: float = 1.0) -> None:
+        self.total = (first + sum(more)) * times
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return x + self.total
+
+
 class Sum(Node):
     """Sums what its predecessors produced."""
 

@@ -209,6 +209,14 @@ def test_a_worker_given_the_whole_command_line_and_the_published_keywords():
         generic.stop()
 
 
+def test_a_worker_builds_a_node_from_positional_arguments_star_args_and_keywords():
+    from _remote_nodes import Gathers
+
+    with Broker.embedded({"w": Worker.spawn(mode="project", send=[NODES])}) as b:
+        g = Graph.somatize(Gathers(1.0, 2.0, 3.0, times=10.0).at("w"))
+        assert g.forward(torch.zeros(2), broker=b).tolist() == [60.0, 60.0]
+
+
 def test_a_worker_that_exits_at_once_is_reported_at_once_with_what_it_said(tmp_path):
     began = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 .*--max-message") as failed:

@@ -42,24 +42,19 @@ class Allowed:
     """The classes this worker may build by name, keyed by `(module, qualname)`."""
 
     def __init__(self, imports: list[str] = ()) -> None:
-        self.classes: dict[tuple[str, str], type] = {}
-        self.versions: dict[str, str | None] = {}
-        modules = []
-        for name in imports:  # what the person starting the worker asked for, by name
-            module = importlib.import_module(name)
-            modules.append(module)
-            self.versions[name] = version_of(module)
-            for value in list(vars(module).values()):  # its node classes and functions
+        # what the person starting the worker asked for, by name
+        modules = {name: importlib.import_module(name) for name in imports}
+        self.versions = {name: version_of(m) for name, m in modules.items()}
+        found: list[Any] = []
+        for module in modules.values():  # its node classes and functions
+            for value in list(vars(module).values()):
                 node = isinstance(value, type) and issubclass(value, Node)
                 if node or isinstance(value, types.FunctionType):
                     if value.__module__ == module.__name__:
-                        self._add(value)
+                        found.append(value)
         _hooks.ready()  # torch loaded: somatize.torch answers what it adds
-        for value in _hooks.constructible(modules):
-            self._add(value)
-
-    def _add(self, found: Any) -> None:
-        self.classes[(found.__module__, found.__qualname__)] = found
+        found += _hooks.constructible(list(modules.values()))
+        self.classes = {(v.__module__, v.__qualname__): v for v in found}
 
     def node_class(self, module: Any, qualname: Any, nid: Any, version: Any = None) -> type:
         """The Node class a definition names, if this worker may build it: refused otherwise,
@@ -104,29 +99,21 @@ class Allowed:
 
 
 def construct(cls: type, args: dict[str, Any]) -> Any:
-    """`cls` built from its captured constructor arguments (`Node._somatize_args`)."""
+    """`cls` built from its captured constructor arguments (`Node._somatize_args`): those up
+    to its `*args` by position, the rest by name."""
     if not isinstance(args, dict):
         raise TypeError(f"{cls.__qualname__}: constructor arguments are a dict, not {args!r:.60}")
     named = dict(args)
     if cls.__init__ is object.__init__:
         return cls()
-    signature = inspect.signature(cls.__init__)
-    if "args" in named:
-        try:
-            signature.bind(None, **named)
-        except TypeError:  # captured as {"args": positional, **keywords}
-            return cls(*named.pop("args"), **named)
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    if "args" in named and "args" not in [p.name for p in parameters]:
+        return cls(*named.pop("args"), **named)  # captured as {"args": positional, **keywords}
     positional: list[Any] = []
-    keywords: dict[str, Any] = {}
-    for name, p in list(signature.parameters.items())[1:]:
-        if name not in named:
-            continue
-        value = named.pop(name)
-        if p.kind is p.POSITIONAL_ONLY:
-            positional.append(value)
-        elif p.kind is p.VAR_POSITIONAL:
-            positional.extend(value)
-        else:
-            keywords[name] = value
-    keywords.update(named)  # what **kwargs gathered
-    return cls(*positional, **keywords)
+    for p in parameters:
+        if p.kind is p.VAR_POSITIONAL:
+            positional.extend(named.pop(p.name, ()))
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or p.name not in named:
+            break
+        positional.append(named.pop(p.name))
+    return cls(*positional, **named)  # the rest by name, with what **kwargs gathered
