@@ -11,7 +11,6 @@ request was not run.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import os
 import secrets
@@ -37,12 +36,6 @@ _FAILED = (
 )
 
 
-@functools.cache
-def context() -> zmq.Context:
-    """The ZeroMQ context every connection of this process shares."""
-    return zmq.Context()
-
-
 class Connection:
     """One DEALER socket to one worker, for the host named `host` (used in errors)."""
 
@@ -56,7 +49,7 @@ class Connection:
         self.hello: dict[str, Any] | None = None
         self.incarnation: str | None = None
         self._rid = itertools.count(secrets.randbits(40) << 20)
-        sock = context().socket(zmq.DEALER)
+        sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 500)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 2500)
@@ -136,7 +129,7 @@ class Connection:
             message = {**message, "rid": rid}  # the caller's dict left alone
             if session is not None:
                 message["session"] = session
-            frames = wire.encode(message, where=lambda: f"a request to {self.where()}")
+            frames = wire.encode(message, where=f"a request to {self.where()}")
             most = (self.hello or {}).get("max_message")
             largest = max(memoryview(f).nbytes for f in frames)
             if most and largest > most:

@@ -190,9 +190,7 @@ def serve(sock: zmq.Socket, server: Any, guard: Guard) -> None:
                 frames = sock.recv_multipart(copy=False)
             except zmq.ZMQError:
                 continue
-            if len(frames) < 2:
-                continue
-            peer = frames[0]
+            peer = frames[0]  # a ROUTER's: the peer's identity, then at least one frame
             fd = _source(peer)
             reply, verified = server.handle(frames[1:], fd)
             if verified is not None:

@@ -21,7 +21,6 @@ send) is `somatize.remote.seal`.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,7 +58,7 @@ _FUNCTIONS = (types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 class _Writer:
     """msgpack's `default` for one message: gathers the tensors' frames as it goes."""
 
-    def __init__(self, where: str | Callable[[], str] | None) -> None:
+    def __init__(self, where: str | None) -> None:
         self.frames: list[Any] = []
         self.where = where
 
@@ -82,8 +81,7 @@ class _Writer:
         fields = _hooks.fields_of(value)
         if fields is not None:
             return msgpack.ExtType(_FIELDS, self.pack(fields))
-        where = self.where() if callable(self.where) else self.where
-        return msgpack.ExtType(_VALUE, codecs.encode(value, where=where))
+        return msgpack.ExtType(_VALUE, codecs.encode(value, where=self.where))
 
 
 def _name_of(value: Any) -> list[str]:
@@ -98,11 +96,11 @@ def _name_of(value: Any) -> list[str]:
     return [module, qualname]
 
 
-def encode(message: Any, *, where: str | Callable[[], str] | None = None) -> list[Any]:
+def encode(message: Any, *, where: str | None = None) -> list[Any]:
     """`message` as frames: its msgpack header, then one buffer per tensor in it.
 
-    `where` says whose value it is (or is a function that says it, called only on a failure),
-    so that a value nobody can write down is a `NoCodec` naming it.
+    `where` says whose value it is, so that a value nobody can write down is a `NoCodec`
+    naming it.
     """
     _hooks.ready()  # torch loaded: its tensors are framed by somatize.torch
     writer = _Writer(where)
