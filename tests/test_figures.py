@@ -317,6 +317,8 @@ def test_the_table_puts_measured_next_to_the_names_and_ranks_and_correlates():
     cell = re.search(r'<tr data-row="x">.*?(<td data-col="probe:zero_frac_max"[^>]*>)', html).group(1)
     assert "flagged DEAD" in cell and "background" in cell
     assert "ρ with measured" in html and 'class="smz-scatter"' in html
+    # its SVG file is well-formed XML, the scatter's images inside the foreignObject included
+    assert ET.fromstring(table.svg()).find(f"{SVG}foreignObject") is not None
     with pytest.raises(ValueError, match="'acc' is not a column"):
         CompareTable(_table(), measured="acc")
     with pytest.raises(TypeError, match="DataFrame"):

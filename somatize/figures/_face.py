@@ -81,7 +81,7 @@ def image(svg: str, alt: str) -> str:
     """An SVG as an HTML image (a data URI), at its own size or narrower."""
     data = base64.b64encode(svg.encode("utf-8")).decode("ascii")
     alt = escape(alt, quote=True)
-    return f'<img alt="{alt}" style="max-width:100%" src="data:image/svg+xml;base64,{data}">'
+    return f'<img alt="{alt}" style="max-width:100%" src="data:image/svg+xml;base64,{data}"/>'
 
 
 _watched: weakref.WeakSet = weakref.WeakSet()

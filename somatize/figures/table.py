@@ -19,7 +19,7 @@ import traitlets
 from somatize.figures._explain import PROXIES, explanations
 from somatize.figures._face import Face, written
 from somatize.figures._page import STATIC, jsonable, page
-from somatize.figures._svg import finite, number, text_width
+from somatize.figures._svg import finite, number, svg_open, text_width
 from somatize.figures._table_face import WIDEST, html
 from somatize.graph import as_graph
 from somatize.run import warn
@@ -280,10 +280,8 @@ class CompareTable(Face, anywidget.AnyWidget):
         below = max(270 if t["measured"] else 0, 22 + 17 * len(t["explain"]))
         height = 70 + 26 * rows + 30 + below
         return (
-            f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDEST:.0f}" height="{height}" '
-            f'viewBox="0 0 {WIDEST:.0f} {height}"><foreignObject width="{WIDEST:.0f}" '
-            f'height="{height}"><div xmlns="http://www.w3.org/1999/xhtml" style="background:#fff">'
-            f"{self.drawing}</div></foreignObject></svg>"
+            f'{svg_open(WIDEST, height)}<foreignObject width="{WIDEST:.0f}" height="{height}">'
+            f'<div xmlns="http://www.w3.org/1999/xhtml">{self.drawing}</div></foreignObject></svg>'
         )
 
     def save_html(self, path: str | Path) -> Path:
