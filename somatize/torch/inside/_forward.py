@@ -48,7 +48,7 @@ class Calls:
 
     A module tied in two places is one object at two paths: a call is put at the path inside
     the block that is running. `enter(path, call, args, kwargs)` hears a layer's call begin
-    and `leave(path, call, output)` hears it end; nothing inside a layer is heard, nor anything
+    and `leave(path, call, (args, kwargs), output)` hears it end; nothing inside a layer is heard, nor anything
     while `live` is False. With `blocks` False the blocks are hooked only when a module is tied
     (their hooks say which path it is called under); with `only`, a module with no children
     at none of those paths is not hooked."""
@@ -90,7 +90,9 @@ class Calls:
             self.handles.append(
                 module.register_forward_pre_hook(self._pre(paths), with_kwargs=True)
             )
-            self.handles.append(module.register_forward_hook(self._post(paths)))
+            self.handles.append(
+                module.register_forward_hook(self._post(paths), with_kwargs=True)
+            )
         return self
 
     def within(self) -> dict[str, int]:
@@ -125,14 +127,14 @@ class Calls:
         return hook
 
     def _post(self, paths: list[tuple[str, bool]]):  # noqa: ANN202
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if not self.live:
                 return
             if self.inside:
                 self.inside -= 1
                 if not self.inside:
                     path, _ = self._pick(paths)
-                    self.leave(path, self.calls[path], output)
+                    self.leave(path, self.calls[path], (args, kwargs), output)
                 return
             if self.stack and any(self.stack[-1] == p for p, _ in paths):
                 self.stack.pop()
@@ -218,7 +220,7 @@ class Reading:
             return
         self._ran(self.opening.add_leaf(self.out, path, call), made)
 
-    def _layer_out(self, path: str, call: int, output: Any) -> None:
+    def _layer_out(self, path: str, call: int, given: Any, output: Any) -> None:
         if self.passing is not None:
             self.mark(output, self.passing)
             self.passing = None

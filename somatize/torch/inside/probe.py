@@ -179,18 +179,12 @@ def probe(
         for path, module, shut in opening.drawn():
             if shut and not isinstance(module, nn.Identity) and len(places) < most:
                 places[path] = _Place(node, path, [module])
-        given: dict[str, Any] = {}
 
-        def enter(path: str, call: int, args: tuple, kwargs: dict, given=given) -> None:
-            if call == 1:
-                given[path] = (args, kwargs)
+        def leave(path: str, call: int, given: Any, output: Any, places=places) -> None:
+            if call == 1 and path in places:
+                places[path].saw(given, output, sources)
 
-        def leave(path: str, call: int, output: Any, given=given, places=places) -> None:
-            place = places.get(path)
-            if call == 1 and place is not None:
-                place.saw(given.pop(path, None), output, sources)
-
-        hooks.append(Calls(opening, enter, leave, blocks=False, only=places))
+        hooks.append(Calls(opening, lambda *_: None, leave, blocks=False, only=places))
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
         nodes[node].saw(input, out, sources)
