@@ -252,12 +252,15 @@ def audit(out):
     facts = []
     t = trainer(mlp(), parallel="ddp", auditing=True, watching=facts.append)
     t.step(next(iter(mine())))
+    heard = []  # across a cut, what crossed it is told as it is in one process
+    trainer(mlp(), split=True, parallel="ddp", watching=heard.append).step(next(iter(mine())))
     keep(
         out,
         "audit",
         told=len(facts),
         kinds=sorted({f["fact"] for f in facts}),
         grad_norm=grad_norm(facts, "enc"),
+        crossed=[f for f in heard if f["fact"] == "crossed"],
     )
 
 
@@ -443,13 +446,17 @@ def test_load_puts_rank_0s_weights_on_every_rank_and_a_refusal_is_everyones(rank
 
 
 def test_rank_0_tells_the_facts_and_the_gradient_numbers_are_averaged(ranks):
-    assert told(ranks, "audit", 1) == {"told": 0, "kinds": [], "grad_norm": None}
+    assert told(ranks, "audit", 1) == {"told": 0, "kinds": [], "grad_norm": None, "crossed": []}
     zero = told(ranks, "audit", 0)
     assert {"loss", "health", "updated"} <= set(zero["kinds"])
     facts = []
     t = trainer(mlp(), auditing=True, watching=facts.append)
     t.step(next(iter(DataLoader(dataset(), batch_size=BATCH))))
     assert zero["grad_norm"] == pytest.approx(grad_norm(facts, "enc"), abs=TOL)
+    heard = []
+    half = next(iter(DataLoader(dataset(), batch_size=BATCH // 2)))  # a rank's share of a batch
+    trainer(mlp(), split=True, watching=heard.append).step(half)
+    assert zero["crossed"] == [f for f in heard if f["fact"] == "crossed"] != []
 
 
 def test_ranks_that_differ_or_do_not_share_a_store_refuse_together(ranks):

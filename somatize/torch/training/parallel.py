@@ -204,7 +204,7 @@ class Parallel:
     """A Trainer's stages, data-parallel: what the Trainer runs in their place.
 
     `forward`, `backward` and `update` are the stages' own, through DDP (or FSDP), a failed
-    collective raised as `RankLost`; anything else is asked of the stages. `window(sync)` says
+    collective raised as `RankLost`. `window(sync)` says
     whether the pieces run inside it close a group. `incoming` and `whole` are what `load` and
     `export` ask: rank 0's weights on every rank, and whole tensors out of sharded ones.
     """
@@ -230,7 +230,7 @@ class Parallel:
         """How each part of the stages runs (here, through its replica): what `Stages` asks."""
         return self._parts
 
-    def around(self, stages: Any, optimizer: Any) -> Parallel:
+    def around(self, stages: Any, optimizer: Any) -> None:
         """Put DDP (or FSDP, pointing the optimizer at the sharded parameters) around `stages`,
         with rank 0's weights on every rank first. Collective: every rank makes its Trainer."""
         graph = stages.graph
@@ -253,7 +253,6 @@ class Parallel:
             else:
                 self._by_part(stages)
         self._stages = stages
-        return self
 
     def _by_part(self, stages: Any) -> None:
         owner: dict[int, str] = {}
@@ -338,13 +337,6 @@ class Parallel:
                     _weights.average_grads(replica.parameters(), self.world)
                     self._open.discard(id(replica))
             self._stages.update()
-
-    def __getattr__(self, name: str) -> Any:
-        """Whatever else the stages answer (`whole`, `parts`, ...) is theirs."""
-        stages = self.__dict__.get("_stages")
-        if stages is None or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(stages, name)
 
     # -- weights --------------------------------------------------------------------------
     def incoming(self, graph: Any, weights: Any) -> Any:

@@ -162,7 +162,7 @@ class Trainer:
         )
         self._window = (lambda sync: _SYNCED) if p is None else p.window
         if p is not None:  # DDP (FSDP) around the stages, rank 0's weights on every rank
-            self._stages = p.around(self._stages, optimizer)
+            p.around(self._stages, optimizer)
             held = _checks.held_by(graph, optimizer, trains)  # FSDP's are new parameters
         self._unproven = held  # the nodes not yet seen to get a gradient
         self.audit = audit.watch(graph) if audit is not None else None
@@ -187,14 +187,15 @@ class Trainer:
             self.optimizer.zero_grad()
         closing = self._count + 1 >= self.every
         stages = self._stages
+        runs = self._parallel or stages  # under parallel=, through DDP (FSDP)
         scale = self._scale
         window = self._window  # under parallel=, pieces that do not close run under no_sync
         total = 0.0
         for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
             sync = closing and k == micro - 1
             with window(sync):
-                loss = self._loss(stages.forward(x, store=self.store, target=y), y)
-                stages.backward(loss / scale if scale != 1.0 else loss, sync)
+                loss = self._loss(runs.forward(x, store=self.store, target=y), y)
+                runs.backward(loss / scale if scale != 1.0 else loss, sync)
             if micro > 1:
                 total += loss.detach()
         value = loss.item() if micro == 1 else float(total) / micro
@@ -281,7 +282,7 @@ class Trainer:
         False, if none is open."""
         if self._count == 0:
             return False
-        self._stages.update()
+        (self._parallel or self._stages).update()
         self._apply(self._steps - 1)
         run.flush(self.watching)
         return True
