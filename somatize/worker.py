@@ -177,8 +177,6 @@ def main(argv: list[str] | None = None) -> None:
         f"somatize worker ready {where} pid {os.getpid()} session-timeout {a.session_timeout:g}",
         flush=True,
     )
-    if a.parent is not None:  # the spawner reads one line; later prints go to stderr
-        os.dup2(2, 1)
     log.info(
         "serving on %s: sessions expire after %g s unused; frames over %d bytes refused; "
         "builds %s%s",

@@ -1,8 +1,8 @@
 """A worker as a child process: started, waited for until it says it is ready, and stopped.
 
 The child runs in its own process group, with this interpreter's import path and the token in
-its environment (never on its command line), and stops itself when this process dies. Its
-stderr is passed on and its last lines kept, for the error when it exits before it is ready.
+its environment (never on its command line), and stops itself when this process dies. What it
+prints is passed on and its last lines kept, for the error when it exits before it is ready.
 """
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ import atexit
 import collections
 import contextlib
 import os
-import selectors
 import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Sequence
 
 __all__ = ["Child", "command_line"]
@@ -55,15 +53,17 @@ def command_line(
 
 
 class Child:
-    """A spawned worker process: `address` once it is ready, `printed` the last lines of its
-    stderr, stopped by `stop()`."""
+    """A spawned worker process: `address` once it is ready, `printed` the last lines it
+    printed, stopped by `stop()`."""
 
     def __init__(self, command: list[str], env: dict[str, str], ready_within: float) -> None:
         self.printed: collections.deque[str] = collections.deque(maxlen=40)
+        self.address: str | None = None
+        self._ready = threading.Event()  # set by its ready line, or by the end of its output
         self.process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
@@ -71,19 +71,20 @@ class Child:
         self._passing = threading.Thread(target=self._pass_on, daemon=True, name="somatize-child")
         self._passing.start()
         _children.add(self)
-        line = self._ready_line(ready_within)
-        if not line.startswith(_READY):
+        if not self._ready.wait(ready_within) or self.address is None:
+            if self._ready.is_set():  # its output ended: it is on its way out
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.process.wait(5.0)
             code = self.process.poll()
             self.stop()
             self._passing.join(1.0)
-            printed = "\n".join([line, *self.printed]).strip() or "nothing"
+            printed = "\n".join(self.printed).strip() or "nothing"
             why = (
                 f"exited with code {code} before it was ready"
                 if code is not None
                 else f"was not ready within {ready_within:.0f} s"
             )
             raise RuntimeError(f"the worker ({' '.join(command)}) {why}; it said:\n{printed}")
-        self.address = line.split()[3]
 
     @property
     def pid(self) -> int:
@@ -91,40 +92,21 @@ class Child:
         return self.process.pid
 
     def _pass_on(self) -> None:
-        """Its stderr, line by line, to this process's stderr; the last lines kept."""
-        stream = self.process.stderr
+        """What it prints, line by line, to this process's stderr, the last lines kept; its
+        ready line gives its address instead."""
+        stream = self.process.stdout
         assert stream is not None
         for raw in iter(stream.readline, b""):
-            self.printed.append(raw.decode(errors="replace").rstrip())
+            line = raw.decode(errors="replace").rstrip()
+            if self.address is None and line.startswith(_READY):
+                self.address = line.split()[3]
+                self._ready.set()
+                continue
+            self.printed.append(line)
             with contextlib.suppress(OSError):
                 os.write(2, raw)
         stream.close()
-
-    def _ready_line(self, within: float) -> str:
-        stdout = self.process.stdout
-        assert stdout is not None
-        ends = time.monotonic() + within
-        got = b""
-        with stdout, selectors.DefaultSelector() as sel:
-            sel.register(stdout, selectors.EVENT_READ)
-            while b"\n" not in got:
-                left = ends - time.monotonic()
-                if left <= 0:
-                    break
-                if not sel.select(min(left, 0.1)):
-                    if self.process.poll() is not None:  # exited: no line is coming
-                        break
-                    continue
-                chunk = os.read(stdout.fileno(), 4096)
-                if not chunk:
-                    break
-                got += chunk
-        if b"\n" not in got:  # its stdout closed: it is on its way out
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(5.0)
-        if self.process.poll() is not None:
-            self._passing.join(2.0)  # what it printed on its way out
-        return got.decode(errors="replace").strip()
+        self._ready.set()
 
     def stop(self) -> None:
         """Stop the child and everything in its process group (SIGTERM, then SIGKILL)."""
