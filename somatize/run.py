@@ -84,8 +84,8 @@ class Plan:
         self.ids = tuple(order)
         self.steps = tuple(steps)
         self.leaves = tuple((n, index[n]) for n in graph.leaves())
-        self.cached = any(graph.setting(n).cached for n in order)
-        self.hosts = {n: graph.setting(n).host for n in order if graph.setting(n).host}
+        self.cached = bool(graph.cached())
+        self.hosts = graph.hosts()
 
     @property
     def graph(self) -> Any:
