@@ -12,7 +12,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from somatize.figures._page import jsonable
+from somatize.figures._page import jsonable, page
 
 START = '<div class="smz-face" style="max-width:100%;overflow-x:auto">'
 END = "</div><!--/smz-face-->"
@@ -21,8 +21,9 @@ END = "</div><!--/smz-face-->"
 class Face:
     """What a figure adds to an anywidget, from its `svg()` (its picture), `face()` (that
     picture as HTML, what its output bundle carries) and `plain()` (one line saying what it
-    shows): `save_svg`, `state`, and the bundle kept current where it was shown."""
+    shows): `save_svg`, `save_html`, `state`, and the bundle kept current where it was shown."""
 
+    _bundle = ""  # its browser half in a saved page: static/<bundle>.js, as its _esm
     _saved: tuple[str, ...] = ()  # the traits a saved page draws from
 
     def state(self) -> dict[str, Any]:
@@ -34,6 +35,13 @@ class Face:
     def save_svg(self, path: str | Path) -> Path:
         """Write the picture as an SVG file (UTF-8)."""
         return written(path, self.svg())
+
+    def save_html(self, path: str | Path) -> Path:
+        """Write a standalone page with the figure working in it as it does live (hover, fit,
+        pan and zoom, a minimap; an audit's every metric and its menu; a table's sorting,
+        toggles and scatter), drawn offline: its browser half and its state are inside the
+        page. What needs a kernel (opening a graph's node or block) stays as it was saved."""
+        return written(path, page([(self._bundle, self.state())], title=self.plain()))
 
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         bundle = super()._repr_mimebundle_(**kwargs)  # type: ignore[misc]

@@ -15,16 +15,15 @@ from __future__ import annotations
 import math
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import anywidget
 import traitlets
 
 from somatize.figures._explain import explanations
-from somatize.figures._face import Face, image, written
+from somatize.figures._face import Face, image
 from somatize.figures._history import STEPS, History, message, record, step_of
-from somatize.figures._page import STATIC, page
+from somatize.figures._page import STATIC
 from somatize.health import where_of
 
 __all__ = ["LiveAudit"]
@@ -55,6 +54,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
     holds at any time. The default metric is `update_ratio` where it is measured, else
     `grad_norm` (see PREFERRED for why); `metric=` chooses another."""
 
+    _bundle = "audit"
     _esm = STATIC / "audit.js"
     _css = STATIC / "audit.css"
     _saved = ("title", "metric", "metrics", "explain", "log_loss", "smoothing", "record")
@@ -265,11 +265,6 @@ class LiveAudit(Face, anywidget.AnyWidget):
             steps = len({s for r in runs for p in r.places.values() for s in p.steps})
             more = f", {len(runs)} runs" if len(runs) > 1 else ""
         return image(self.svg(), f"{self.title}: {places} places, {steps} steps{more}")
-
-    def save_html(self, path: str | Path) -> Path:
-        """Write a standalone page with the audit as it stands (every metric, the menu and the
-        tooltips working), drawn offline."""
-        return written(path, page([("audit", self.state())], title=self.title))
 
 
 class _RunWatcher:

@@ -10,15 +10,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import anywidget
 import traitlets
 
 from somatize.figures._draw import picture
-from somatize.figures._face import Face, image, written
-from somatize.figures._page import STATIC, jsonable, page
+from somatize.figures._face import Face, image
+from somatize.figures._page import STATIC, jsonable
 from somatize.graph import as_graph
 
 __all__ = ["GraphFigure", "graph_figure"]
@@ -117,6 +116,7 @@ class GraphFigure(Face, anywidget.AnyWidget):
     The same SVG is the figure's static face in a saved notebook and what `save_svg`
     writes."""
 
+    _bundle = "graph"
     _esm = STATIC / "graph.js"
     _css = STATIC / "graph.css"
     _saved = ("plan", "inside", "opened", "expanded", "colour", "colour_label", "height", "width",
@@ -173,12 +173,6 @@ class GraphFigure(Face, anywidget.AnyWidget):
         shown = ", ".join(ids[:6]) + (", …" if len(ids) > 6 else "")
         opened = f"; open: {', '.join(self.opened)}" if self.opened else ""
         return f"{self.name}: {len(ids)} node{'s' * (len(ids) != 1)} ({shown}){opened}"
-
-    def save_html(self, path: str | Path) -> Path:
-        """Write a standalone page with the figure in it (fit, pan, zoom, hover, minimap), drawn
-        offline: the browser half and the drawing are inside the page. Opening a node or a
-        block needs a kernel, so there the drawing stays as it was saved."""
-        return written(path, page([("graph", self.state())], title=self.name))
 
 
 def graph_figure(

@@ -10,15 +10,14 @@ import math
 import statistics
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import anywidget
 import traitlets
 
 from somatize.figures._explain import PROXIES, explanations
-from somatize.figures._face import Face, written
-from somatize.figures._page import STATIC, jsonable, page
+from somatize.figures._face import Face
+from somatize.figures._page import STATIC, jsonable
 from somatize.figures._svg import finite, number, svg_open, text_width
 from somatize.figures._table_face import WIDEST, html
 from somatize.graph import as_graph
@@ -171,6 +170,7 @@ class CompareTable(Face, anywidget.AnyWidget):
     every column is explained in its header's tooltip and under the table. Refused: a
     measured column the DataFrame does not have, measured values for rows it does not have."""
 
+    _bundle = "table"
     _esm = STATIC / "table.js"
     _css = STATIC / "table.css"
     _saved = ("table", "sort_by", "ascending", "shown", "scatter", "drawing")
@@ -283,11 +283,6 @@ class CompareTable(Face, anywidget.AnyWidget):
             f'{svg_open(WIDEST, height)}<foreignObject width="{WIDEST:.0f}" height="{height}">'
             f'<div xmlns="http://www.w3.org/1999/xhtml">{self.drawing}</div></foreignObject></svg>'
         )
-
-    def save_html(self, path: str | Path) -> Path:
-        """Write a standalone page with the table in it (sorting, toggles and the scatter's
-        menu working), drawn offline."""
-        return written(path, page([("table", self.state())], title="comparison"))
 
 
 def _explain(columns: Any, measured: str) -> dict[str, str]:
