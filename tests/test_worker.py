@@ -212,13 +212,33 @@ def test_a_function_by_name_is_one_of_torch_nn_functional_or_of_an_imported_modu
         d = definition(Applies, nid="f", fn=fn)
         run = {
             "op": "run",
-            "sid": "s1",
+            "kept": "s1",
             "given": {},
             "input": torch.tensor([-1.0, 2.0]),
-            "slice": [[0, "k", "f", 0, None, None, "w", False, True]],
-            "timed": False,
+            "described": [[0, "k", "f", 0, None, None, "w", False, True]],
+            "watching": False,
         }
         reply = client.ask({**run, "define": [d]})
         assert reply["ok"] and reply["value"]["out"][0].tolist() == want
     refused = client.ask({"op": "define", "define": [definition(Applies, nid="f", fn=os.system)]})
     assert not refused["ok"] and "names posix.system" in refused["error"]["message"]
+
+
+def test_a_kept_slice_runs_by_its_key_and_a_malformed_or_unknown_one_is_refused(server):
+    client = Client(server)
+    step = [0, "k", "lin", 0, None, None, "w", False, True]
+    run = {"op": "run", "kept": "s1", "given": {}, "input": torch.ones(3)}
+    define = [definition(Lin, nid="lin", i=3, o=3)]
+    first = client.ask({**run, "described": [step], "define": define})
+    again = client.ask(run)  # the worker built it once and kept it: the key and the values
+    assert first["ok"] and torch.equal(again["value"]["out"][0], first["value"]["out"][0])
+    for bad, said in (
+        ({"kept": ["s1"]}, "kept under a str key"),
+        ({"described": [step[:8]]}, "nine fields"),
+        ({"described": [[*step[:3], 7, *step[4:]]]}, "unknown step mode 7"),
+    ):
+        refused = client.ask({**run, **bad})
+        assert not refused["ok"] and said in refused["error"]["message"]
+    unknown = client.ask({**run, "kept": "s2"})
+    assert unknown["error"]["qualname"] == "Unknown"
+    assert "forward slice 's2'" in unknown["error"]["message"]

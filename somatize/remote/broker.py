@@ -152,20 +152,27 @@ class Broker:
             self._stateful.add(key)
         return d
 
-    def send(self, host: str, nodes: list[tuple], message: Callable[[], dict]) -> Any:
-        """Send `message()` to `host`'s worker with the definitions of those of `nodes` (each
-        `(nid, node, device)`) it does not hold yet, noted as held once it answers. A worker
-        that answers `Unknown` (restarted, or its session expired) is sent again, once, what
-        it needs: `message()` is asked again, as `holds` answers then."""
+    def send(self, host: str, nodes: list[tuple], message: dict, kept: tuple = (None, None)) -> Any:
+        """Send `message` to `host`'s worker with the definitions of those of `nodes` (each
+        `(nid, node, device)`) it does not hold yet, noted as held once it answers. `kept` is
+        `(key, describe)` for what the worker keeps under `key` (a forward slice, a trainer's
+        stage part): `describe()` goes along as `"described"` while it does not hold it. A
+        worker that answers `Unknown` (restarted, or its session expired) is sent again, once,
+        what it needs."""
+        key, describe = kept
         for attempt in (0, 1):
             defs = [d for n, node, device in nodes if (d := self.definition(host, n, node, device))]
+            sent, held = {**message, "define": defs}, [d["key"] for d in defs]
+            if key is not None:
+                sent.update(kept=key, described=None if self.holds(host, key) else describe())
+                held.append(key)
             try:
-                got = self.request(host, {**message(), "define": defs})
+                got = self.request(host, sent)
             except Unknown:
                 if attempt:
                     raise
                 continue
-            self.defined(host, defs)
+            self.defined(host, held)
             return got
 
     def portable(self, host: str, value: Any) -> Any:
@@ -181,12 +188,12 @@ class Broker:
         far as this broker knows."""
         return key in self._defined.get(host, ())
 
-    def defined(self, host: str, defs: list[dict]) -> None:
-        """Note that `host`'s worker now holds these definitions."""
+    def defined(self, host: str, keys: list[str]) -> None:
+        """Note that `host`'s worker now holds what goes by these keys."""
         conn = self._connections[host]
         known = self._defined.setdefault(host, {})
-        for d in defs:
-            known[d["key"]] = conn.incarnation
+        for key in keys:
+            known[key] = conn.incarnation
 
     def learnt(self, host: str, keys: list[str]) -> None:
         """Note that these nodes may have learnt on `host`'s worker (a trainer's step ran
@@ -215,7 +222,7 @@ class Broker:
         """The weights of `node` (a node, or a Learning) as `host`'s worker holds them, sent
         there first if it does not; the copy here is brought up to them."""
         key = self.key(node)
-        got = self.send(host, [(nid, node, device)], lambda: {"op": "state", "key": key})
+        got = self.send(host, [(nid, node, device)], {"op": "state", "key": key})
         _hooks.stage_state(node, got)()
         self._learnt.discard((host, key))
         return got
@@ -243,7 +250,7 @@ class Broker:
                 defs = [d for d in [self.definition(host, nid, node, device)] if d]
                 message = {"op": "load", "phase": "stage", "load": lid, "key": key}
                 self.request(host, {**message, "state": state, "define": defs})
-                self.defined(host, defs)
+                self.defined(host, [d["key"] for d in defs])
                 if host not in hosts:
                     hosts.append(host)
         except BaseException:

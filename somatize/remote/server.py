@@ -1,11 +1,12 @@
 """The worker's side: what it holds for each client session, and how it answers a request.
 
 A request is read only once its seal verifies (`somatize.remote.seal`). Each client (a
-`Broker`) has a session: its nodes, the slices compiled on them, a trainer's stage parts and
-the weights it is loading; a session unused for `session_timeout` seconds is forgotten, and so
-is, a little later, one whose client's connection went away. Without `--accept-code` nothing
-is unpickled: a node is built only from the classes the worker was allowed
-(`somatize.remote.allowed`); with it, a node or a Learning's objective may arrive as code.
+`Broker`) has a session: its nodes, what it keeps built on them (forward slices, a trainer's
+stage parts) and the weights it is loading; a session unused for `session_timeout` seconds is
+forgotten, and so is, a little later, one whose client's connection went away. Without
+`--accept-code` nothing is unpickled: a node is built only from the classes the worker was
+allowed (`somatize.remote.allowed`); with it, a node or a Learning's objective may arrive as
+code.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import secrets
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,12 +37,12 @@ GONE_GRACE = 10.0
 
 @dataclass
 class Session:
-    """What one client sent a worker: nodes by key, slices by id, stage parts by key, and
-    the weights it is loading; when it was last used, and over which connection."""
+    """What one client sent a worker: nodes by key, what it keeps built on them by key (forward
+    slices, stage parts), and the weights it is loading; when it was last used, and over which
+    connection."""
 
     nodes: dict[str, Any] = field(default_factory=dict)
-    slices: dict[str, ServedSlice] = field(default_factory=dict)
-    parts: dict[str, Any] = field(default_factory=dict)
+    kept: dict[str, Any] = field(default_factory=dict)
     loads: dict[str, dict[str, Any]] = field(default_factory=dict)
     last: float = field(default_factory=time.monotonic)
     connection: int | None = None
@@ -51,6 +53,20 @@ class Session:
         found = self.nodes.get(key)
         if found is None:
             raise not_held(f"node {key!r}")
+        return found
+
+    def keep(self, m: dict[str, Any], what: str, build: Callable[[Any], Any]) -> Any:
+        """What request `m` runs (`what`: "forward slice", say), kept under its `kept` key:
+        built by `build` from the `described` that came along, else as built before; one this
+        worker does not hold is `Unknown` (the client sends it again)."""
+        key, described = m.get("kept"), m.get("described")
+        if type(key) is not str:
+            raise wire.Malformed(f"a {what} is kept under a str key, not {key!r:.40}")
+        if described is not None:
+            self.kept[key] = build(described)
+        found = self.kept.get(key)
+        if found is None:
+            raise not_held(f"the {what} {key!r}")
         return found
 
 
@@ -187,11 +203,12 @@ class Server:
             if type(d) is not dict:
                 raise wire.Malformed(f"a definition that is not a dict: {d!r:.60}")
             key = d.get("key")
-            if key in session.nodes:  # replaced: the slices compiled on the old one are stale
-                session.slices.clear()
+            if key in session.nodes:  # replaced: what was built on the old one is stale
+                session.kept.clear()
             session.nodes[key] = self.rebuild(d)
-        if op == "run":
-            return self.run(session, m)
+        if op == "run":  # a forward slice, run without autograd
+            served = session.keep(m, "forward slice", lambda d: ServedSlice(d, session.nodes))
+            return run_served(served, m.get("given"), m.get("input"), bool(m.get("watching", True)))
         if op == "define":
             return len(session.nodes)
         if op == "state":
@@ -199,20 +216,6 @@ class Server:
         if op == "load":
             return self.load(session, m)
         return _hooks.serve(self, session, session.nodes, op, m)
-
-    def run(self, session: Session, m: dict[str, Any]) -> dict[str, Any]:
-        """A forward slice: compiled from its steps when they are sent (and kept under its
-        id), else as compiled before; run without autograd."""
-        sid, steps = m.get("sid"), m.get("slice")
-        if steps is not None:
-            found = ServedSlice(steps, session.nodes)
-            if type(sid) is str:
-                session.slices[sid] = found
-        else:
-            found = session.slices.get(sid)
-            if found is None:
-                raise not_held(f"slice {sid!r}")
-        return run_served(found, m.get("given"), m.get("input"), bool(m.get("timed", True)))
 
     def load(self, session: Session, m: dict[str, Any]) -> bool:
         """Weights loaded in two steps, so that several workers and the client change

@@ -33,8 +33,8 @@ class Slice:
     reads: list[int] = field(default_factory=list)  # slots it reads from outside itself
     roots: bool = False  # whether it reads the graph's input
     wanted: set[int] = field(default_factory=set)  # its slots read after it, or leaves
-    described: list | None = None  # its steps as a worker reads them (worked out once)
-    sid: str = ""  # the id a worker keeps it under
+    # the id a worker keeps it under, never reused in this process (an id() could be)
+    sid: str = field(default_factory=lambda: f"s{next(_sids)}")
 
 
 def cut(plan: Any) -> list[Slice]:
@@ -101,26 +101,16 @@ def _described(broker: Any, plan: Any, one: Slice) -> list:
 def _run_there(
     broker: Any, plan: Any, one: Slice, vals: list, input: Any, told: list, start: int
 ) -> None:
-    host = one.host
-    if one.described is None:
-        one.described = _described(broker, plan, one)
-        one.sid = f"s{next(_sids)}"  # never reused in this process (an id() could be)
     message = {
         "op": "run",
-        "sid": one.sid,
         "given": {j: vals[j] for j in one.reads},
         "input": input if one.roots else None,
-        "timed": bool(told),  # per-node times only for somebody who watches
+        "watching": bool(told),  # per-node times only for somebody who watches
     }
     began = time.perf_counter_ns()
     graph = plan.graph
     nodes = [(ctx.id, graph.implementation(ctx.id), device) for *_, ctx, device in one.steps]
-    got = broker.send(
-        host,
-        nodes,
-        lambda: {**message, "slice": None if broker.holds(host, one.sid) else one.described},
-    )
-    broker.defined(host, [{"key": one.sid}])
+    got = broker.send(one.host, nodes, message, (one.sid, lambda: _described(broker, plan, one)))
     for i, value in got["out"].items():
         vals[i] = value
     if told:

@@ -183,8 +183,6 @@ def _subclass(value: Any, base: type) -> bool:
 
 def serve(server: Any, session: Any, nodes: dict[str, Any], op: str, message: dict) -> Any:
     """A trainer's stage on this worker (`somatize.torch.training.remote`)."""
-    if not op.startswith("stage."):
-        raise ValueError(f"unknown request {op!r}")
     from somatize.torch.training.remote import serve_stage
 
     return serve_stage(server, session, nodes, op, message)

@@ -35,22 +35,16 @@ class Remote:
         """Run `part` on its worker; answer `{exit: value}` (tensors keep `requires_grad`). A
         worker that no longer holds the part is sent it again, once (`StateLost` if it had learnt
         there since its weights were last read back)."""
-        broker, host, key = self.broker, self.host, part.key
-        if not broker.holds(host, key):
+        broker, host = self.broker, self.host
+        if not broker.holds(host, part.key):
             self._refuse_untrained(part)
         message = {
             "op": "stage.forward",
-            "pkey": key,
             "inputs": inputs,
             "watching": watching is not None,  # else the worker runs it unwatched
         }
         held = _held(part)
-        got = broker.send(
-            host,
-            held,
-            lambda: {**message, "part": None if broker.holds(host, key) else self._describe(part)},
-        )
-        broker.defined(host, [{"key": key}])
+        got = broker.send(host, held, message, (part.key, lambda: self._describe(part)))
         broker.learnt(host, [broker.key(node) for _, node, _ in held])
         if watching is not None:
             for fact in got["facts"]:
@@ -60,7 +54,7 @@ class Remote:
     def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
         """Hand the part on its worker what it owes; answer `{source: Envelope}`."""
         sent = {n: [e.gradient, bool(e.closing)] for n, e in envelopes.items()}
-        message = {"op": "stage.backward", "pkey": part.key, "envelopes": sent}
+        message = {"op": "stage.backward", "kept": part.key, "envelopes": sent}
         try:
             got = self.broker.request(self.host, message)
         except Unknown as lost:
@@ -142,16 +136,11 @@ class _View:
 
 
 def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: dict) -> Any:
-    """The worker's side: `stage.forward` (rebuilding the part the first time) and
+    """The worker's side: `stage.forward` (rebuilding the part when it is sent) and
     `stage.backward`; a part the worker does not hold is `Unknown`."""
     if op not in ("stage.forward", "stage.backward"):
         raise ValueError(f"unknown request {op!r}")
-    key = m.get("pkey")
-    if op == "stage.forward" and m.get("part") is not None:
-        session.parts[key] = _rebuilt(server, session, m["part"])
-    part = session.parts.get(key)
-    if part is None:
-        raise Unknown(f"this worker does not hold the stage part {key!r}: it was restarted")
+    part = session.keep(m, "stage part", lambda d: _rebuilt(server, session, d))
     if op == "stage.forward":
         facts: list[dict] = []
         watching = facts.append if m.get("watching", True) else None
