@@ -128,25 +128,21 @@ class Opening:
         self.root = root
         self.depth = depth
         self.named = dict(root.named_modules(remove_duplicate=False))
-        self._closed: dict[str, bool] = {}
-        self._drawn: list[tuple[str, nn.Module, bool]] | None = None
 
     def closed(self, path: str) -> bool:
-        """Whether the module at `path` is one layer rather than opened."""
-        if path and path not in self._closed:
-            module = self.named[path]
-            parts = path.split(".")
-            above = (self.named[".".join(parts[:i])] for i in range(1, len(parts)))
-            self._closed[path] = not parts_of(module) or (
-                recognised(module) and self.depth <= sum(map(recognised, above))
-            )
-        return self._closed.get(path, False)
+        """Whether the module at `path` is one layer rather than opened (the root never is)."""
+        if not path:
+            return False
+        module = self.named[path]
+        parts = path.split(".")
+        above = (self.named[".".join(parts[:i])] for i in range(1, len(parts)))
+        return not parts_of(module) or (
+            recognised(module) and self.depth <= sum(map(recognised, above))
+        )
 
     def drawn(self) -> list[tuple[str, nn.Module, bool]]:
         """Every (path, module, closed) that is a layer or a block, in declaration order,
         every path a module is reachable under (a tied module is at each of its paths)."""
-        if self._drawn is not None:
-            return self._drawn
         found: list[tuple[str, nn.Module, bool]] = []
 
         def visit(path: str, module: nn.Module) -> None:
@@ -158,7 +154,6 @@ class Opening:
                     visit(p, child)
 
         visit("", self.root)
-        self._drawn = found
         return found
 
     def _raw(self, path: str, block: str | None, label: str | None = None) -> Raw:
