@@ -195,9 +195,11 @@ class Broker:
         for key in keys:
             known[key] = conn.incarnation
 
-    def learnt(self, host: str, keys: list[str]) -> None:
-        """Note that these nodes may have learnt on `host`'s worker (a trainer's step ran
-        there), so that losing them is `StateLost`, not a silent restart from older weights."""
+    def learnt(self, host: str, nodes: list[tuple]) -> None:
+        """Note that these nodes (each `(nid, node, device)`, as `send` takes them) may have
+        learnt on `host`'s worker (a trainer's step ran there), so that losing them is
+        `StateLost`, not a silent restart from older weights."""
+        keys = (self.key(node) for _, node, _ in nodes)
         self._learnt.update((host, k) for k in keys if k in self._stateful)
 
     def resume(self, node: Any) -> None:

@@ -45,7 +45,7 @@ class Remote:
         }
         held = _held(part)
         got = broker.send(host, held, message, (part.key, lambda: self._describe(part)))
-        broker.learnt(host, [broker.key(node) for _, node, _ in held])
+        broker.learnt(host, held)
         if watching is not None:
             for fact in got["facts"]:
                 watching(fact)
@@ -64,11 +64,8 @@ class Remote:
                 "there. Take the step again; what its nodes had learnt there since their "
                 "weights were last read back is lost too (StateLost says so at the next step)"
             ) from lost
-        self.broker.learnt(self.host, self._keys_of(part))
+        self.broker.learnt(self.host, _held(part))
         return {s: envelope(g, closing) for s, (g, closing) in got.items()}
-
-    def _keys_of(self, part: Any) -> list[str]:
-        return [self.broker.key(node) for _, node, _ in _held(part)]
 
     def _refuse_untrained(self, part: Any) -> None:
         from somatize.torch.training.trainer import NoGradient
