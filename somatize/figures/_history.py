@@ -208,11 +208,12 @@ def _column(values: list[Any], buffers: list | None) -> dict[str, Any]:
     return c
 
 
-def message(history: History, sent: dict, buffers: list, everything: bool = False) -> dict:
+def message(history: History, sent: dict, buffers: list | None, everything: bool = False) -> dict:
     """What is new since `sent` (a dict of counts this updates; with `everything`, all there
     is), as the page reads it: per run, the loss, and per place its new steps (`from` its row
-    where they start), every metric's values (binary buffers appended to `buffers`),
-    which rows did not have a metric (`absent`), and the flags of the rows judged since."""
+    where they start), every metric's values (binary buffers appended to `buffers`; None: as
+    JSON), which rows did not have a metric (`absent`), and the flags of the rows judged
+    since."""
     runs = []
     for name, run in history.runs.items():
         lo = 0 if everything else sent.get((name, None), 0)
@@ -220,7 +221,8 @@ def message(history: History, sent: dict, buffers: list, everything: bool = Fals
         sent[(name, None)] = hi
         entry: dict[str, Any] = {"run": name, "places": []}
         if hi > lo:
-            values = binary(run.loss_values[lo:hi], buffers)
+            values = run.loss_values[lo:hi]
+            values = binary(values, buffers) if buffers is not None else plain_numbers(values)
             entry["loss"] = {"steps": run.loss_steps[lo:hi], "values": values}
         for where, place in run.places.items():
             lo = 0 if everything else sent.get((name, where), 0)
@@ -245,41 +247,33 @@ def message(history: History, sent: dict, buffers: list, everything: bool = Fals
 
 
 def record(history: History, most: int = 240) -> dict:
-    """Everything seen, in the shape of a `reset` message but as JSON, each place thinned to
-    at most about `most` rows (a kept row stands for its bin: the bin's last row, every flag
-    in the bin) and each loss to 2000 points: what a page with no kernel draws from."""
-    runs = []
+    """Everything seen, as a `reset` message in JSON, each place thinned to at most about
+    `most` rows (a kept row stands for its bin: the bin's last row and value, every flag in
+    the bin; `of` its rows in all) and each loss to 2000 points: what a page with no kernel
+    draws from."""
+    thin = History(flags=False)
+    thin.metrics = history.metrics
     for name, run in history.runs.items():
         n = len(run.loss_steps)
         keep = range(0, n, max(1, -(-n // 2000)))
-        entry: dict[str, Any] = {"run": name, "places": []}
-        if n:
-            entry["loss"] = {
-                "steps": [run.loss_steps[k] for k in keep],
-                "values": plain_numbers([run.loss_values[k] for k in keep]),
-            }
+        into = thin.run(name)
+        into.loss_steps = [run.loss_steps[k] for k in keep]
+        into.loss_values = [run.loss_values[k] for k in keep]
         for where, place in run.places.items():
             rows = len(place.steps)
             per = max(1, -(-rows // most))
             bins = [range(k, min(rows, k + per)) for k in range(0, rows, per)]
-            kept = [b[-1] for b in bins]
-            columns = {}
-            for metric, column in place.columns.items():
-                values = [  # a bin's last value
-                    next((column[r] for r in reversed(b) if column[r] is not None), None)
-                    for b in bins
-                ]
-                if any(v is not None for v in values):
-                    columns[metric] = _column(values, None)
-            steps = [place.steps[r] for r in kept]
-            entry["places"].append(
-                {"where": where, "from": 0, "steps": steps, "columns": columns, "of": rows}
+            into.places[where] = Place(
+                steps=[place.steps[b[-1]] for b in bins],
+                columns={
+                    m: [next((c[r] for r in reversed(b) if c[r] is not None), None) for b in bins]
+                    for m, c in place.columns.items()
+                },
+                flags=[sorted({f for r in b for f in place.flags[r]}) for b in bins],
+                judged=len(bins),
             )
-            binned = [(i, {f for r in b for f in place.flags[r]}) for i, b in enumerate(bins)]
-            binned = [[i, sorted(flags)] for i, flags in binned if flags]
-            if binned:
-                entry.setdefault("flags", []).append({"where": where, "rows": binned})
-        runs.append(entry)
-    kinds = history.kinds()
-    return {"kind": "reset", "runs": runs, "metrics": list(history.metrics), "kinds": kinds}
-
+    body = message(thin, {}, None, everything=True)
+    for entry in body["runs"]:
+        for part in entry["places"]:
+            part["of"] = len(history.runs[entry["run"]].places[part["where"]].steps)
+    return {"kind": "reset", **body}
