@@ -193,14 +193,8 @@ def _forward_of(name: str) -> tuple[str, int] | None:
 
 
 def _run_ids(store: Store) -> list[str]:
-    """The runs recorded in `store`, oldest first (by when their first record was written)."""
-    first: dict[str, tuple[int, str]] = {}
-    for name in store.names("run"):
-        found = _forward_of(name)
-        if found is not None and (found[0] not in first or found[1] < first[found[0]][0]):
-            first[found[0]] = (found[1], name)
-    when = {run: getattr(store.resolve(name), "when", 0.0) for run, (_, name) in first.items()}
-    return sorted(first, key=lambda r: (when[r], r))
+    """The names of the runs recorded in `store`."""
+    return sorted({found[0] for name in store.names("run") if (found := _forward_of(name))})
 
 
 def _records(store: Store, run: str) -> list[tuple[int, str]]:
@@ -213,7 +207,7 @@ def _records(store: Store, run: str) -> list[tuple[int, str]]:
     return found
 
 
-def _when(seconds: list[float]) -> Any:
+def _when(seconds: Any) -> Any:
     import pandas as pd
 
     return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s", utc=True)
@@ -225,7 +219,7 @@ def runs(store: Store | str | os.PathLike[str]) -> pd.DataFrame:
     (when its first and its latest record were written, as UTC timestamps). Read from the
     records' meta alone. `runs(store)["run"].tolist()` are the run names."""
     store = store_of(store)
-    rows, first, last = [], [], []
+    rows = []
     for run in _run_ids(store):
         bound = [store.resolve(name) for _, name in _records(store, run)]
         took = [b.get("took_us") for b in bound if isinstance(b.get("took_us"), (int, float))]
@@ -235,13 +229,14 @@ def runs(store: Store | str | os.PathLike[str]) -> pd.DataFrame:
                 "forwards": len(bound),
                 "broke": sum(1 for b in bound if b.get("state") != "ok"),
                 "took_us": float(sum(took)),
+                "first": min(b.when for b in bound),
+                "last": max(b.when for b in bound),
             }
         )
-        first.append(min(b.when for b in bound))
-        last.append(max(b.when for b in bound))
-    frame = _frame(rows, ("run", "forwards", "broke", "took_us"))
+    rows.sort(key=lambda row: row["first"])  # oldest first; a tie stays in name order
+    frame = _frame(rows, ("run", "forwards", "broke", "took_us", "first", "last"))
     frame["took_us"] = frame["took_us"].astype("float64")
-    frame["first"], frame["last"] = _when(first), _when(last)
+    frame["first"], frame["last"] = _when(frame["first"]), _when(frame["last"])
     return frame
 
 
