@@ -78,7 +78,8 @@ class Connection:
         """The host and the worker's address, as errors name them."""
         return f"host {self.host!r} (worker at {self.worker.address})"
 
-    def _events(self) -> None:
+    def _events(self) -> bool:
+        """Read what the monitor saw; whether the connection went down (it may come back)."""
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -94,7 +95,8 @@ class Connection:
             elif event == zmq.EVENT_DISCONNECTED and self.up:
                 self.up = False
                 self.down_since = time.monotonic()
-                raise WorkerLost(f"{self.where()} went away")
+                return True
+        return False
 
     # -- the key ------------------------------------------------------------------------------
     def _agree(self, deadline: float) -> None:
@@ -121,10 +123,7 @@ class Connection:
         back its value or raise its error (as its own type when it can be rebuilt here)."""
         deadline = self.worker.deadline if deadline is None else deadline
         with self.lock:
-            try:
-                self._events()
-            except WorkerLost:
-                pass  # lost between requests: it may be back; this request will tell
+            self._events()  # lost between requests, it may be back: this request will tell
             rid = next(self._rid)
             message = {**message, "rid": rid}  # the caller's dict left alone
             if session is not None:
@@ -186,10 +185,8 @@ class Connection:
                 return self.sock.recv_multipart(copy=False)
             except zmq.Again:
                 pass
-            try:
-                self._events()
-            except WorkerLost as lost:
-                raise WorkerLost(f"{lost} during a request") from None
+            if self._events():
+                raise WorkerLost(f"{self.where()} went away during a request")
             now = time.monotonic()
             unreachable = now - max(started, self.down_since)
             if not self.up and unreachable > self.worker.connect_within:
