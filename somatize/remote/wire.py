@@ -142,12 +142,7 @@ class _Reader:
             except ValueError as error:
                 raise Malformed(f"a value by its fields does not build: {error}") from None
         if code == _VALUE:
-            try:
-                return codecs.decode(data)
-            except codecs.NoCodec:
-                raise
-            except Exception as error:
-                raise Malformed(f"a value does not decode: {error}") from error
+            return codecs.decode(data)  # Malformed or NoCodec when it does not decode
         raise Malformed(f"an extension type {code} this wire does not write")
 
     def tensor(self, said: Any) -> Any:
