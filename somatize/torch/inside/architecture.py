@@ -8,7 +8,7 @@ repeated blocks folded to one `×N`.
 from __future__ import annotations
 
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -240,13 +240,10 @@ def architecture(
         got = _raw(root, call, outputs.get(node), plans.get(node), depth)
         if got is None:
             continue
-        folded, edges = fold(got[0])
+        raw, how, why = got
+        folded, edges = fold(raw)
         folded, edges, hidden = collapse(folded, edges, most)
-        layers = [
-            Layer(
-                r.path, r.kind, r.label, r.shape, r.params, r.block, r.times, r.repeats, r.made_of
-            )
-            for r in folded.values()
-        ]
-        out[node] = Inside(layers, edges, *got[1:], hidden, params_of(root))
+        kept = [k.name for k in fields(Layer)]  # what a tracer's layer says that a figure draws
+        layers = [Layer(**{k: getattr(r, k) for k in kept}) for r in folded.values()]
+        out[node] = Inside(layers, edges, how, why, hidden, params_of(root))
     return out
