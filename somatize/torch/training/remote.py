@@ -9,7 +9,7 @@ there, so a worker that lost them is `StateLost` rather than sent older weights 
 
 from __future__ import annotations
 
-from dataclasses import fields
+from types import SimpleNamespace
 from typing import Any
 
 from somatize import _hooks
@@ -91,13 +91,11 @@ class Remote:
             told = broker.portable(self.host, part.learning.told())
             learning = {"key": broker.key(part.learning), "told": told}
         return {
-            "ids": list(part.ids),
+            "ids": part.ids,
             "keys": {n: broker.key(part.nodes[n]) for n in part.ids},
-            "settings": {
-                n: {f.name: getattr(s, f.name) for f in fields(s)} for n, s in part.settings.items()
-            },
-            "preds": {n: list(part.preds[n]) for n in part.ids},
-            "succ": {n: list(part.succ[n]) for n in part.ids},
+            "settings": {n: vars(s) for n, s in part.settings.items()},
+            "preds": part.preds,
+            "succ": part.succ,
             "stage": part.stage,
             "trained": part.trained,
             "last": part.last,
@@ -111,25 +109,6 @@ def _held(part: Any) -> list[tuple[str, Any, str | None]]:
     if part.learning is not None:
         held.append((f"{part.trained}/learning", part.learning, None))
     return held
-
-
-class _View:
-    """The little a `Part` asks of a graph, for a part rebuilt on a worker."""
-
-    def __init__(self, nodes: dict, settings: dict, preds: dict, succ: dict) -> None:
-        self._nodes, self._settings, self._preds, self._succ = nodes, settings, preds, succ
-
-    def implementation(self, n: str) -> Any:
-        return self._nodes[n]
-
-    def setting(self, n: str) -> Any:
-        return self._settings[n]
-
-    def predecessors(self, n: str) -> list[str]:
-        return list(self._preds.get(n, ()))
-
-    def successors(self, n: str) -> list[str]:
-        return list(self._succ.get(n, ()))
 
 
 def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: dict) -> Any:
@@ -148,22 +127,24 @@ def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: di
     return {s: [e.gradient, bool(e.closing)] for s, e in back.items()}
 
 
-def _arrived(server: Any, told: Any, nid: str) -> Any:
-    """What a Learning was told, as `Broker.portable` sent it: as code, else by name."""
-    if type(told) is dict and set(told) == {"code"}:
-        return server.unpickled(told["code"], nid)
-    return server.allowed.resolved(told, nid)
-
-
-def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Any:
+def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Part:
     mine = {n: session.node(k) for n, k in d["keys"].items()}
     settings = {n: Settings(**s) for n, s in d["settings"].items()}
-    view = _View(mine, settings, d["preds"], d["succ"])
+    view = SimpleNamespace(  # the little a Part asks of a graph
+        implementation=mine.__getitem__,
+        setting=settings.__getitem__,
+        predecessors=d["preds"].__getitem__,
+        successors=d["succ"].__getitem__,
+    )
     learning = None
     if d["learning"] is not None:
-        said = d["learning"]
+        said, nid = d["learning"], f"{d['trained']}/learning"
         learning = session.node(said["key"])
-        told = _arrived(server, said["told"], f"{d['trained']}/learning")
+        told = said["told"]  # as Broker.portable sent it: as code, else by name
+        if type(told) is dict and set(told) == {"code"}:
+            told = server.unpickled(told["code"], nid)
+        else:
+            told = server.allowed.resolved(told, nid)
         learning.of(mine[d["trained"]]).tell(**told)
     return Part(
         view,
