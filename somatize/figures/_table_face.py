@@ -104,7 +104,7 @@ def html(table: dict[str, Any]) -> str:
         row = esc(index[i])
         style = name + "overflow:hidden;text-overflow:ellipsis"
         out.append(f'<tr data-row="{row}">')
-        out.append(_cell("th", ' class="smz-index"', style, row, tail=row))
+        out.append(_cell("th", f' class="smz-index" title="{row}"', style, row))
         for j, c in enumerate(cols):
             v = values[i][j]
             style = "text-align:right;"
@@ -128,7 +128,7 @@ def html(table: dict[str, Any]) -> str:
         tip += " does"
         style = f"{_STICKY}text-align:left;font-style:italic;border-top:2px solid #c4c9d4"
         out.append('<tfoot><tr class="smz-corr">')
-        out.append(_cell("th", ' class="smz-index"', style, f"ρ with {measured}", tail=tip))
+        out.append(_cell("th", f' class="smz-index" title="{tip}"', style, f"ρ with {measured}"))
         for c in cols:
             rho = table["correlations"].get(c)
             style = "text-align:right;font-style:italic;border-top:2px solid #c4c9d4;"
@@ -143,14 +143,11 @@ def html(table: dict[str, Any]) -> str:
     return "".join(out)
 
 
-def _cell(
-    tag: str, attrs: str, style: str, content: str, hidden: bool = False, tail: str = ""
-) -> str:
+def _cell(tag: str, attrs: str, style: str, content: str, hidden: bool = False) -> str:
     """A table cell (everything given as HTML, escaped): its attributes, its style after the
-    shared padding and rule, `tail` a title after the style; `hidden`: not displayed."""
+    shared padding and rule; `hidden`: not displayed."""
     hide = "display:none;" if hidden else ""
-    title = f' title="{tail}"' if tail else ""
-    return f'<{tag}{attrs} style="{_BASE}{style}{hide}"{title}>{content}</{tag}>'
+    return f'<{tag}{attrs} style="{_BASE}{style}{hide}">{content}</{tag}>'
 
 
 _GROUPS = {
