@@ -12,6 +12,7 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from somatize import _hooks
@@ -128,14 +129,14 @@ class ServedSlice:
     `graph.implementation(id)`.
     """
 
-    __slots__ = ("steps", "ids", "wanted", "held")
+    __slots__ = ("steps", "ids", "wanted", "graph")
 
     def __init__(self, described: Any, nodes: dict[str, Any]) -> None:
         if type(described) is not list:
             raise ValueError(f"a slice is a list of steps, not {type(described).__name__}")
         steps = []
         self.ids: dict[int, str] = {}
-        self.held: dict[str, Any] = {}
+        held: dict[str, Any] = {}
         wanted = []
         for step in described:
             if type(step) is not list or len(step) != 9:
@@ -150,20 +151,12 @@ class ServedSlice:
                 raise not_held(f"node {nid!r}")
             steps.append(step_of(slot, mode, src, node, Ctx(nid, device, host, None), mapped))
             self.ids[slot] = nid
-            self.held[nid] = node
+            held[nid] = node
             if want:
                 wanted.append(slot)
         self.steps = tuple(steps)
         self.wanted = tuple(wanted)
-
-    @property
-    def graph(self) -> ServedSlice:
-        """Itself (a property, not an attribute: no cycle keeps its nodes alive)."""
-        return self
-
-    def implementation(self, nid: str) -> Any:
-        """The node that runs as `nid` (for `walk`'s note on a failure)."""
-        return self.held[nid]
+        self.graph = SimpleNamespace(implementation=held.__getitem__)
 
 
 def run_served(served: ServedSlice, given: Any, input: Any, timed: bool = True) -> dict[str, Any]:
