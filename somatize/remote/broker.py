@@ -55,8 +55,7 @@ class Broker:
         self._connections: dict[str, Connection] = {}
         self._modes: dict[str, str] = {}
         self._defined: dict[str, dict[str, str | None]] = {}  # host: {key: incarnation}
-        self._held: dict[str, Any] = {}  # key: node (kept alive, so no id is reused)
-        self._ids: dict[str, str] = {}  # key: node id
+        self._held: dict[str, tuple[str, Any]] = {}  # key: (node id, node), kept so no id is reused
         self._stateful: set[str] = set()
         self._learnt: set[tuple[str, str]] = set()  # (host, key) learnt since last read
         self._lost: dict[str, str] = {}  # key: host, for what a worker lost after learning
@@ -129,11 +128,11 @@ class Broker:
         if key in self._defined.get(host, {}):
             return None
         if key in self._lost:
-            lost = sorted(self._ids.get(k, k) for k, h in self._lost.items() if h == host)
+            lost = sorted(n for k, (n, _) in self._held.items() if self._lost.get(k) == host)
             exported = {  # the nodes' own, keyed as Trainer.export keys them
-                n: _hooks.state_of(self._held[k])
-                for k, n in self._ids.items()
-                if n in lost and "/" not in n and k in self._held
+                n: _hooks.state_of(held)
+                for n, held in self._held.values()
+                if n in lost and "/" not in n
             }
             raise StateLost(
                 f"the worker for host {host!r} was restarted (or forgot this client's session) "
@@ -145,8 +144,7 @@ class Broker:
                 exported,
             )
         conn = self.connection(host)
-        self._held[key] = node
-        self._ids[key] = nid
+        self._held[key] = (nid, node)
         d = describe(node, nid, key, device, self.mode(host), conn, host)
         if d["state"]:
             self._stateful.add(key)
