@@ -113,9 +113,8 @@ class Store:
     """
 
     def __init__(self, where: str | os.PathLike[str], **storage_options: Any) -> None:
-        self._where = os.fspath(where)
+        self._where = text = os.fspath(where)
         self._options = storage_options
-        text = str(self._where)
         if "://" not in text:
             if storage_options:
                 raise TypeError(f"storage options are for fsspec URLs, not the directory {text!r}")
