@@ -66,10 +66,10 @@ class Face:
         if not handles:
             return False
         self.settle()
-        face = self.face()
-        if face == self.__dict__.get("_face_shown"):
+        shown = self.__dict__.get("_face_shown")
+        data, meta = self._repr_mimebundle_()  # draws the face once, and keeps it
+        if self.__dict__["_face_shown"] == shown:
             return False
-        data, meta = self._repr_mimebundle_()
         for handle in handles:
             handle.update(data, metadata=meta, raw=True)
         return True
