@@ -12,7 +12,11 @@ from somatize import Graph
 def test_the_cuts_own_names_are_not_node_ids():
     for name in ("<input>", "<loss>"):
         with pytest.raises(ValueError, match=f"'{name}' names a graph's own input or loss"):
-            Graph.somatize(Add().named(name) >> Add())
+            Add().named(name)
+        g = Graph()
+        with pytest.raises(ValueError, match=f"'{name}' names a graph's own input or loss"):
+            g.node(name, Add())
+        assert g.nodes() == []
 
 
 def test_a_gpu_on_a_machine_without_cuda_is_refused_naming_the_node(monkeypatch):
