@@ -102,19 +102,14 @@ class Guard:
         self.thread = threading.Thread(target=self._watch, daemon=True, name="somatize-guard")
         self.thread.start()
 
-    def trust(self, fd: int | None) -> None:
-        """A message from `fd` verified: it is a client's, never cut."""
-        if fd is not None:
-            with self.lock:
-                self.pending.pop(fd, None)
-
-    def distrust(self, fd: int | None) -> None:
-        """A message from `fd` did not verify: cut it a second from now (time for the
-        refusal to reach it), unless it is a client's."""
-        if fd is not None:
-            with self.lock:
-                if fd in self.pending:
-                    self.pending[fd] = min(self.pending[fd], time.monotonic() - PENDING_WITHIN + 1)
+    def verified(self, fd: int, ok: bool) -> None:
+        """A message from `fd` verified (`ok`: it is a client's, never cut) or did not (cut it
+        a second from now, time for the refusal to reach it, unless it is a client's)."""
+        with self.lock:
+            if fd in self.pending and ok:
+                del self.pending[fd]
+            elif fd in self.pending:
+                self.pending[fd] = min(self.pending[fd], time.monotonic() - PENDING_WITHIN + 1)
 
     def gone(self) -> list[int]:
         """The descriptors of the connections closed since the last call."""
@@ -135,15 +130,15 @@ class Guard:
         monitor.close(0)
 
     def _event(self, kind: int, fd: int) -> None:
+        cut = None
         with self.lock:
             if kind == zmq.EVENT_ACCEPTED:
-                full = len(self.pending) >= self.most_pending
-                cut = self._longest() if full else None  # a client just connected gets in
+                if len(self.pending) >= self.most_pending:
+                    cut = self._longest()  # so that a client that has just connected gets in
                 self.pending[fd] = time.monotonic()
             elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 self.pending.pop(fd, None)
                 self.closed.append(fd)
-                return
             elif kind == zmq.EVENT_ACCEPT_FAILED:  # `fd` is the errno here
                 now = time.monotonic()
                 if now - self._told > 10.0:
@@ -154,18 +149,15 @@ class Guard:
                         os.strerror(fd),
                         len(self.pending),
                     )
-                cut = self._longest() if fd in (errno.EMFILE, errno.ENFILE) else None
-            else:
-                return
+                if fd in (errno.EMFILE, errno.ENFILE):
+                    cut = self._longest()
         if cut is not None:
             _cut(cut)
 
     def _longest(self) -> int | None:
         """The stranger waiting longest, taken off the pending (to be cut), if there is one."""
-        if not self.pending:
-            return None
-        fd = min(self.pending, key=self.pending.__getitem__)
-        del self.pending[fd]
+        fd = min(self.pending, key=self.pending.__getitem__, default=None)
+        self.pending.pop(fd, None)
         return fd
 
     def _sweep(self) -> None:
@@ -193,8 +185,8 @@ def serve(sock: zmq.Socket, server: Any, guard: Guard) -> None:
             peer = frames[0]  # a ROUTER's: the peer's identity, then at least one frame
             fd = _source(peer)
             reply, verified = server.handle(frames[1:], fd)
-            if verified is not None:
-                (guard.trust if verified else guard.distrust)(fd)
+            if verified is not None and fd is not None:
+                guard.verified(fd, verified)
             if reply is not None:
                 try:
                     sock.send_multipart([peer, *reply], copy=False)
