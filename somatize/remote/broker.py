@@ -388,24 +388,15 @@ def as_code(value: Any, conn: Connection) -> bytes:
     was told to take along (`Worker(..., send=)`) by value."""
     import cloudpickle
 
-    with _by_value(conn.worker.send):
-        return cloudpickle.dumps(value)
-
-
-@contextlib.contextmanager
-def _by_value(names: list[str]):
-    """cloudpickle writes these modules' code by value while inside (`send=` in network mode)."""
-    import cloudpickle
-
     added = []
     try:
-        for name in names:
+        for name in conn.worker.send:
             module = sys.modules.get(name)
             if module is not None:
                 with contextlib.suppress(ValueError):  # already registered
                     cloudpickle.register_pickle_by_value(module)
                     added.append(module)
-        yield
+        return cloudpickle.dumps(value)
     finally:
         for module in added:
             cloudpickle.unregister_pickle_by_value(module)
