@@ -12,6 +12,7 @@ import torch
 
 from somatize import _hooks
 from somatize.torch.codec import _plain
+from somatize.torch.training.params import state_of as _own  # the weights as they are
 
 _DTYPES = {
     name: getattr(torch, name)
@@ -30,14 +31,6 @@ def state_of(node: Any) -> dict[str, torch.Tensor]:
     """The node's weights as `{key: tensor}`, detached copies on the CPU. A Learning's are
     what it brought (a head, a guesser): the node it trains travels on its own."""
     return {k: v.detach().cpu().clone() for k, v in _own(node).items()}
-
-
-def _own(node: Any) -> dict[str, torch.Tensor]:
-    """The node's weights by key, as they are. A Learning's are what it brought: the node it
-    trains is kept out of its attributes (`Learning.node` reads it from elsewhere)."""
-    from somatize.torch.training.params import state_of as keyed
-
-    return keyed(node)
 
 
 def stage_state(
