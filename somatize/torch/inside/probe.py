@@ -12,6 +12,7 @@ place, so nothing is held past the moment it is measured; no parameter gradient 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -49,17 +50,49 @@ def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
     return [float(norm(g))]
 
 
-def _rms(t: torch.Tensor) -> float:
-    n = t.numel()
-    return float(norm(t.detach())) / n**0.5 if n else 0.0
+class _Tensors:
+    """What is known of each tensor a place reads or makes, once however many places share it:
+    its RMS, and the per-sample norms of its gradient, heard by one hook as the backward
+    passes. Held by weak reference: nothing is kept alive that the forward would let go."""
+
+    def __init__(self) -> None:
+        self.by: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
+        self.sources: list[torch.Tensor] = []  # where a gradient has to be asked for
+
+    def of(self, t: torch.Tensor) -> dict[str, Any]:
+        entry = self.by.get(id(t))
+        if entry is None or entry[0]() is not t:
+            entry = (weakref.ref(t), {"rms": None, "rows": {}})
+            self.by[id(t)] = entry
+        return entry[1]
+
+    def rms(self, t: torch.Tensor) -> float:
+        known = self.of(t)
+        if known["rms"] is None:
+            n = t.numel()
+            known["rms"] = float(norm(t.detach())) / n**0.5 if n else 0.0
+        return known["rms"]
+
+    def grads(self, t: torch.Tensor, rows: int) -> dict[int, Any]:
+        """Where the per-sample norms of `t`'s gradient will be, keyed by `rows`."""
+        known = self.of(t)
+        norms = known["rows"]
+        if not norms:
+
+            def heard(g: torch.Tensor, norms: dict[int, Any] = norms) -> None:
+                for r in norms:
+                    norms[r] = _per_sample(g, r)
+
+            t.register_hook(heard)
+        norms.setdefault(rows, None)
+        return norms
 
 
 class _Place:
     """One place: what its first call gave, measured as it went by; and the per-sample norms
-    of the gradients at its input and output, heard by hooks on those tensors as the backward
-    passed (nothing of a tensor is kept: nothing lives longer than the forward let it)."""
+    of the gradients at its input and output, heard as the backward passed."""
 
-    __slots__ = ("where", "node", "inside", "saturates", "numbers", "rows", "grads")
+    __slots__ = ("where", "node", "inside", "saturates", "numbers", "rows", "g_in", "g_out")
 
     def __init__(self, node: str, inside: str | None, modules: list[nn.Module]) -> None:
         self.node = node
@@ -68,35 +101,28 @@ class _Place:
         self.saturates = _saturation(modules)
         self.numbers: dict[str, Any] | None = None
         self.rows = 0
-        self.grads: dict[str, list[float]] = {}  # "in", "out": per-sample ‖gradient‖
+        self.g_in: dict[int, Any] = {}  # by rows, as `_Tensors.grads` keeps them
+        self.g_out: dict[int, Any] = {}
 
-    def saw(self, given: Any, made: Any, sources: list[torch.Tensor]) -> None:
-        """Measure the first call; `sources` collects the outputs a gradient has to be asked
-        for, where none would reach their input."""
+    def saw(self, given: Any, made: Any, known: _Tensors) -> None:
         if self.numbers is not None:
             return  # the first call is the place's
         inp, out = _first(given), _first(made)
         if out is None:
             return
-        self.numbers = _numbers(inp, out, self.saturates)
+        self.numbers = _numbers(inp, out, self.saturates, known)
         if inp is not None and inp.dim() and out.dim() and inp.shape[0] == out.shape[0]:
             self.rows = out.shape[0]
         if out.requires_grad:
-            self._hear(out, "out")
+            self.g_out = known.grads(out, self.rows)
             if inp is not None and inp.requires_grad:
-                self._hear(inp, "in")
+                self.g_in = known.grads(inp, self.rows)
             else:
-                sources.append(out)  # the gradient starts nowhere before: ask for it here
-
-    def _hear(self, t: torch.Tensor, key: str) -> None:
-        def heard(g: torch.Tensor, rows: int = self.rows) -> None:
-            self.grads[key] = _per_sample(g, rows)
-
-        t.register_hook(heard)
+                known.sources.append(out)  # the gradient starts nowhere before: ask for it here
 
     def answer(self) -> dict[str, Any]:
         n = dict(self.numbers or {})
-        g_in, g_out = self.grads.get("in"), self.grads.get("out")
+        g_in, g_out = self.g_in.get(self.rows), self.g_out.get(self.rows)
         if g_in is not None and g_out is not None:
             ratio = [a / b for a, b in zip(g_in, g_out, strict=True) if b > 0]
             if ratio:
@@ -108,12 +134,14 @@ class _Place:
         return n
 
 
-def _numbers(inp: torch.Tensor | None, out: torch.Tensor, saturates: str | None) -> dict:
+def _numbers(
+    inp: torch.Tensor | None, out: torch.Tensor, saturates: str | None, known: _Tensors
+) -> dict:
     a = out.detach()
     n: dict[str, Any] = {}
-    rms = _rms(out)
+    rms = known.rms(out)
     if inp is not None:
-        before = _rms(inp)
+        before = known.rms(inp)
         n["signal_gain"] = rms / before if before > 0 else float("inf")
     size = a.numel()
     total, zeros, *saturated = read(sums_of(a, saturates))
@@ -169,7 +197,7 @@ def probe(
     nodes = {n: _Place(n, None, [r] if r is not None else []) for n, r in roots.items()}
     inner: dict[str, dict[str, _Place]] = {}
     hooks: list[Calls] = []
-    sources: list[torch.Tensor] = []  # where a gradient has to be asked for
+    known = _Tensors()
     for node, root in roots.items():
         if root is None or not parts_of(root):
             continue
@@ -182,12 +210,12 @@ def probe(
 
         def leave(path: str, call: int, given: Any, output: Any, places=places) -> None:
             if call == 1 and path in places:
-                places[path].saw(given, output, sources)
+                places[path].saw(given, output, known)
 
         hooks.append(Calls(opening, lambda *_: None, leave, blocks=False, only=places))
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
-        nodes[node].saw(input, out, sources)
+        nodes[node].saw(input, out, known)
 
     modules = [r for r in roots.values() if r is not None]
     x = mapped(example, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
@@ -206,13 +234,13 @@ def probe(
                 h.disarm()
         outs = [t for t in tensors_in(result) if t.is_floating_point() and t.requires_grad]
         leaves = [t for t in tensors_in(x) if t.requires_grad]
-        ends = list({id(t): t for t in leaves + sources}.values())
+        ends = list({id(t): t for t in leaves + known.sources}.values())
         if outs and ends:
             gen = torch.Generator().manual_seed(0)
             cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
             torch.autograd.grad(outs, ends, grad_outputs=cot, allow_unused=True)
         del outs, ends, leaves, result, x
-        sources.clear()
+        known.sources.clear()
     answer: dict[str, dict[str, Any]] = {}
     facts = []  # the same, as health facts for `watching`
     one = False
