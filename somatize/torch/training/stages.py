@@ -18,7 +18,7 @@ from typing import Any
 
 from somatize import _hooks, run
 from somatize.graph import Graph
-from somatize.node import Node, Opaque, Piece, Settings
+from somatize.node import Node, Piece, Settings
 from somatize.torch._modules import tensors_in
 from somatize.torch.training.learning import backward_from, envelope, grad_of, gradient, leafed
 
@@ -128,8 +128,6 @@ class Part:
         self.leaf_of: dict[str, str] = {}
         self.ctx: Any = None
         self._crossing = any(s != INPUT for s in self.sources)  # values to leaf on the way in
-        self._single = len(self.sources) == 1
-        self._plan: tuple | None = None
         self.graph = graph if whole else self._small_graph()
 
     # -- the graph it runs ---------------------------------------------------------------
@@ -165,14 +163,6 @@ class Part:
             self.ctx = run.Ctx(f"{self.trained}/learning", device, None, sub)
         return sub
 
-    def _compiled(self) -> Any:
-        """The part graph's plan, compiled once (until `Stages.recompile`), and where in it
-        the value of each exit lands."""
-        plan = run.compile(self.graph)
-        slots = tuple((self.leaf_of[leaf], i) for leaf, i in plan.leaves)
-        self._plan = (plan, plan.steps, len(plan.steps), slots, plan.cached, run.walk)
-        return self._plan
-
     # -- running -------------------------------------------------------------------------
     def forward(
         self, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
@@ -196,17 +186,11 @@ class Part:
             if device is not None:
                 x = _hooks.move(x, device)
             x = learning.beside()[0].forward(x, self.ctx)
-        plan, steps, size, slots, cached, walk = self._plan or self._compiled()
-        if watching is None and (store is None or not cached) and type(x) is not Opaque:
-            vals: list[Any] = [None] * size
-            walk(plan, steps, vals, x)  # the engine's own loop over a plan compiled once
-            outs = {n: vals[i] for n, i in slots}
+        out = self.graph.forward(x, store=store, watching=watching)
+        if len(self.exits) == 1:
+            outs = {self.exits[0]: out}
         else:
-            out = self.graph.forward(x, store=store, watching=watching)
-            if len(slots) == 1:
-                outs = {slots[0][0]: out}
-            else:
-                outs = {n: out[leaf] for leaf, n in self.leaf_of.items()}
+            outs = {n: out[leaf] for leaf, n in self.leaf_of.items()}
         if learning is not None:
             outs[self.trained] = learning.forward(outs[self.trained], self.ctx)
         self._outputs = outs
@@ -221,7 +205,7 @@ class Part:
             (came,) = envelopes.values()
             back = self.learning.forward(came, self.ctx).gradient
             self._outputs = None
-            if self._single:
+            if self.raw:  # the Learning was given the one source's value as it is
                 owed = {self.sources[0]: back}
             else:
                 owed = {s: back.get(s) if isinstance(back, dict) else None for s in self.sources}
@@ -237,7 +221,7 @@ class Part:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_inputs"] = state["_outputs"] = state["_plan"] = None
+        state["_inputs"] = state["_outputs"] = None
         return state
 
     def __repr__(self) -> str:
@@ -343,7 +327,6 @@ class Stages:
         """Drop every part's compiled plan, so the next forward sees the nodes as they are
         now (an Audit wraps and unwraps their `forward`)."""
         for part in self.parts:
-            part._plan = None
             part.graph.invalidate()
 
     def crossed(self) -> tuple[int, int]:
