@@ -105,8 +105,6 @@ class _Painter:
         out = f' data-id="{esc(box.id)}" data-box="{box.x:.1f} {box.y:.1f} {box.w:.1f} {box.h:.1f}"'
         if box.click:
             out += f' data-click="{esc(box.click[0])} {esc(box.click[1])}" cursor="pointer"'
-        if box.where:
-            out += f' data-where="{esc(box.where)}"'
         return out
 
     def container(self, box: Box) -> str:
