@@ -83,11 +83,7 @@ class Inside:
         return f"Inside({len(self.layers)} layers, {len(self.edges)} edges, {self.how})"
 
 
-class _Call(NamedTuple):
-    """The exact arguments a module was called with, caught by a pre-hook."""
-
-    args: tuple
-    kwargs: dict
+_Call = tuple[tuple, dict]  # the exact (args, kwargs) a module was called with
 
 
 class _Read(NamedTuple):
@@ -111,7 +107,7 @@ def _raw(
             out = Traced()
             layer = Opening(module, 0).add_leaf(out, "")
             if call is not None:
-                layer.shape = shape_of(module(*call.args, **call.kwargs))
+                layer.shape = shape_of(module(*call[0], **call[1]))
             return out, "symbolic", None
         try:
             return by_fx(module, plan, *(call or (None, None)), recorded), "symbolic", None
@@ -119,7 +115,7 @@ def _raw(
             why = in_one_line(e)
         if call is None:
             return None
-        return by_forward(module, depth, call.args, call.kwargs), "traced", why
+        return by_forward(module, depth, *call), "traced", why
 
 
 def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
@@ -177,7 +173,7 @@ def _capture(
     for node, module in roots.items():
 
         def hook(m: nn.Module, args: tuple, kwargs: dict, key=node) -> None:
-            seen.setdefault(key, _Call(args, kwargs))
+            seen.setdefault(key, (args, kwargs))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         if not isinstance(plans.get(node), tuple):
