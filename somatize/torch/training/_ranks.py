@@ -40,10 +40,9 @@ def rank_and_size() -> tuple[int, int]:
         return 0, 1
 
 
-def join(cuda: bool) -> tuple[int, int]:
+def join(cuda: bool) -> None:
     """Open the process group (NCCL if `cuda`, with this rank's `LOCAL_RANK` GPU current,
-    else gloo) from the launcher's environment, or use the one already open; answer `(rank,
-    world size)`. Refused, saying how to launch: a torch without torch.distributed, and a
+    else gloo) from the launcher's environment, or use the one already open. Refused, saying how to launch: a torch without torch.distributed, and a
     process no launcher started (when no group is open either)."""
     if not dist.is_available():
         raise RuntimeError(
@@ -64,7 +63,6 @@ def join(cuda: bool) -> tuple[int, int]:
             )
         dist.init_process_group("nccl" if cuda else "gloo")
         atexit.register(_leave)
-    return dist.get_rank(), dist.get_world_size()
 
 
 def _leave() -> None:

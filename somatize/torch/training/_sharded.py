@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -27,12 +28,12 @@ def _shardable(node: Any) -> list[nn.Module]:
     return found
 
 
-def shard(root: nn.Module, graph: Any, optimizer: Any, *, cuda: bool, world: int) -> nn.Module:
-    """The graph's modules sharded over `world` ranks (each node's, then `root`, the module
+def shard(root: nn.Module, graph: Any, optimizer: Any, *, cuda: bool) -> nn.Module:
+    """The graph's modules sharded over the ranks (each node's, then `root`, the module
     holding them all whose forward runs the graph), the optimizer pointed at the sharded
     parameters; answers `root`."""
     before = dict(root.named_parameters())
-    mesh = init_device_mesh("cuda" if cuda else "cpu", (world,))
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (dist.get_world_size(),))
     for nid in graph.nodes():
         if not graph.setting(nid).frozen:
             for module in _shardable(graph.implementation(nid)):

@@ -53,7 +53,7 @@ def broadcast_states(graph: Any) -> None:
                 _sent(tensor)
 
 
-def average_grads(params: Iterable[torch.nn.Parameter], world: int) -> None:
+def average_grads(params: Iterable[torch.nn.Parameter]) -> None:
     """Each parameter's gradient replaced by its mean over the ranks, as DDP's backward would
     make it (None where no rank has one, zero where some rank lacks one), one all-reduce per
     (dtype, device)."""
@@ -70,7 +70,7 @@ def average_grads(params: Iterable[torch.nn.Parameter], world: int) -> None:
             [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group]
         ).to(where)
         dist.all_reduce(flat)
-        flat /= world
+        flat /= dist.get_world_size()
         for p, piece in zip(group, flat.split([q.numel() for q in group]), strict=True):
             mean = piece.view_as(p).to(device)
             if p.grad is None:

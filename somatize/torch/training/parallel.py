@@ -114,12 +114,12 @@ def parallel_of(
                 f"node {nid!r} is placed .on({d!r}), and this rank's GPU is cuda:{local} "
                 "(LOCAL_RANK): place it .on('cuda'), which under parallel= is each rank's own"
             )
-    rank, world = _ranks.join(cuda)
+    _ranks.join(cuda)
     with _ranks.answering("checking that every rank trains the same graph"):
         _same_everywhere(graph, mode, trains, every, micro)
         if cached:
             _shared(store, cached[0])
-    return Parallel(mode, rank, world, cuda)
+    return Parallel(mode, cuda)
 
 
 def _fsdp_refusals(trains: dict[str, Any], optimizer: Any, audit: Any) -> None:
@@ -209,10 +209,9 @@ class Parallel:
     `export` ask: rank 0's weights on every rank, and whole tensors out of sharded ones.
     """
 
-    def __init__(self, mode: str, rank: int, world: int, cuda: bool) -> None:
+    def __init__(self, mode: str, cuda: bool) -> None:
         self.mode = mode
-        self.rank = rank
-        self.world = world
+        self.rank = dist.get_rank()
         self.cuda = cuda
         self._stages: Any = None
         self._whole: Any = None  # the replica of a graph without a cut
@@ -223,7 +222,7 @@ class Parallel:
         self._parts = _Parts(self)
 
     def __repr__(self) -> str:
-        return f"Parallel({self.mode!r}, rank {self.rank} of {self.world})"
+        return f"Parallel({self.mode!r}, rank {self.rank} of {dist.get_world_size()})"
 
     # -- made once ------------------------------------------------------------------------
     def transport(self, host: str | None) -> _Parts:
@@ -244,9 +243,7 @@ class Parallel:
                 from somatize.torch.training import _sharded
 
                 root = _Replica(_modules(graph), [], stages.forward)
-                self._whole = _sharded.shard(
-                    root, graph, optimizer, cuda=self.cuda, world=self.world
-                )
+                self._whole = _sharded.shard(root, graph, optimizer, cuda=self.cuda)
                 self._replicas.append(self._whole)
             elif stages.whole:
                 self._whole = self._ddp(_modules(graph), [], stages.forward, find_unused=True)
@@ -334,7 +331,7 @@ class Parallel:
         with _ranks.answering("closing a group in update()"):
             for replica in self._replicas:
                 if id(replica) in self._open:
-                    _weights.average_grads(replica.parameters(), self.world)
+                    _weights.average_grads(replica.parameters())
                     self._open.discard(id(replica))
             self._stages.update()
 
