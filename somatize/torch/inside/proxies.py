@@ -104,22 +104,24 @@ class _Subject:
             raise _NotHere("the graph gave back no tensor to score")
         return out
 
-    @contextlib.contextmanager
-    def hooked(self, of: str, kinds: tuple[str, ...], fn: Callable) -> Iterator[None]:
+    def hooked(self, of: str, kinds: tuple[str, ...], fn: Callable) -> Any:
         """`fn` a forward hook on every layer of these kinds while inside; the proxy `of`
         cannot be taken where there is none."""
-        hooks = [
-            m.register_forward_hook(fn)
-            for m in self.every
-            if not parts_of(m) and kind_of(m) in kinds
-        ]
-        if not hooks:
+        layers = [m for m in self.every if not parts_of(m) and kind_of(m) in kinds]
+        if not layers:
             raise _NotHere(f"{of} reads {' and '.join(kinds)} layers, and this graph has none")
-        try:
-            yield
-        finally:
-            for h in hooks:
-                h.remove()
+        return _hooked(layers, fn)
+
+
+@contextlib.contextmanager
+def _hooked(modules: list[nn.Module], fn: Callable) -> Iterator[None]:
+    """`fn` a forward hook on each of `modules` while inside."""
+    hooks = [m.register_forward_hook(fn) for m in modules]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def _loss(s: _Subject, example: Any, target: Any, objective: Callable) -> torch.Tensor:
@@ -182,13 +184,9 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
         dims = [d for d in range(t.dim()) if d != 1]
         variances.append(float(t.var(dim=dims, unbiased=False).mean()))
 
-    hooks = [m.register_forward_hook(bn_in) for m in s.every if isinstance(m, _BN)]
     with torch.no_grad():
-        try:
+        with _hooked([m for m in s.every if isinstance(m, _BN)], bn_in):
             f1 = s.run(x)
-        finally:
-            for h in hooks:
-                h.remove()
         f2 = s.run(mixed)
     total = sum(
         float(((a - b).abs().flatten(1).sum(1) if a.dim() > 1 else (a - b).abs()).mean())
