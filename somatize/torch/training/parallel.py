@@ -215,7 +215,7 @@ class Parallel:
         self.cuda = cuda
         self._stages: Any = None
         self._whole: Any = None  # the replica of a graph without a cut
-        self._of: dict[int, tuple[Any, Any]] = {}  # id(part) -> (its replica, its Learning)
+        self._of: dict[int, Any] = {}  # id(part) -> its replica
         self._replicas: list[Any] = []  # in the order they were made: the same on every rank
         self._open: set[int] = set()  # replicas whose group is open and not averaged yet
         self._sync = True
@@ -273,7 +273,7 @@ class Parallel:
             # a Learning moves every parameter it has; in the Trainer's part a branch may not run
             replica = self._ddp(modules, extra, part.forward, find_unused=learning is None)
             if replica is not None:
-                self._of[id(part)] = (replica, learning)
+                self._of[id(part)] = replica
 
     def _ddp(
         self, modules: list[nn.Module], extra: list[nn.Parameter], run: Callable, find_unused: bool
@@ -370,10 +370,10 @@ class _Parts(Local):
     ) -> dict[str, Any]:
         """`part.forward`, through the part's DDP when it has one."""
         p = self.parallel
-        held = p._of.get(id(part))
-        if held is None:
+        replica = p._of.get(id(part))
+        if replica is None:
             return part.forward(inputs, store=store, watching=watching)
-        replica, learning = held
+        learning = part.learning
         # a Learning with an `every` of its own closes its own groups; any other, the Trainer's
         sync = p._sync if learning is None or learning.declared is None else learning.closes()
         return p._run(replica, sync, inputs, store=store, watching=watching)

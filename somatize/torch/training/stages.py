@@ -102,7 +102,6 @@ class Part:
         self.trained = trained
         self.learning = learning
         self.last = last
-        self.whole = whole
         self.nodes = {n: graph.implementation(n) for n in ids}
         self.settings = {n: replace(graph.setting(n), host=None) for n in ids}
         entering: list[tuple[str, str]] = []
@@ -303,15 +302,15 @@ class Stages:
             )
         self.whole = whole
         where = transport or (lambda host: LOCAL)
-        self.transports = [where(p.host) for p in self.parts]
         last = next((p for p in self.parts if p.last), None)
         self.leaves = tuple(graph.leaves())
         self.sunk = tuple(n for n in self.leaves if last is None or n not in last.ids)
         self._sunk: dict[str, Any] = {}
         self.watchers = list(watching or [])
         self._bytes = [0, 0]  # forward, backward: what crossed from part to part, when watched
-        relays = [self._relay(p) if self.watchers else None for p in self.parts]
-        self._route = tuple(zip(self.parts, self.transports, relays, strict=True))
+        self._route = tuple(
+            (p, where(p.host), self._relay(p) if self.watchers else None) for p in self.parts
+        )
 
     def _relay(self, part: Part) -> Callable[[dict], None]:
         ids = frozenset(part.ids)
