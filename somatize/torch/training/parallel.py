@@ -11,11 +11,10 @@ pass of its own). Inside a group every piece but the last runs under `no_sync`; 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -204,9 +203,9 @@ class Parallel:
     """A Trainer's stages, data-parallel: what the Trainer runs in their place.
 
     `forward`, `backward` and `update` are the stages' own, through DDP (or FSDP), a failed
-    collective raised as `RankLost`. `window(sync)` says
-    whether the pieces run inside it close a group. `incoming` and `whole` are what `load` and
-    `export` ask: rank 0's weights on every rank, and whole tensors out of sharded ones.
+    collective raised as `RankLost`; `sync`, set by the Trainer before each piece, says whether
+    it closes a group (its gradients all-reduced; if not, DDP's `no_sync`, FSDP's gradient sync
+    off). `incoming` and `whole` are what `load` and `export` ask: rank 0's weights on every rank, and whole tensors out of sharded ones.
     """
 
     def __init__(self, mode: str, cuda: bool) -> None:
@@ -218,7 +217,7 @@ class Parallel:
         self._of: dict[int, Any] = {}  # id(part) -> its replica
         self._replicas: list[Any] = []  # in the order they were made: the same on every rank
         self._open: set[int] = set()  # replicas whose group is open and not averaged yet
-        self._sync = True
+        self.sync = True
         self._parts = _Parts(self)
 
     def __repr__(self) -> str:
@@ -286,16 +285,6 @@ class Parallel:
         return ddp
 
     # -- every step -----------------------------------------------------------------------
-    @contextlib.contextmanager
-    def window(self, sync: bool) -> Iterator[None]:
-        """The pieces run inside close a group (`sync`: their gradients are all-reduced) or
-        not (DDP's `no_sync`, FSDP's gradient sync off)."""
-        before, self._sync = self._sync, sync
-        try:
-            yield
-        finally:
-            self._sync = before
-
     def _run(self, replica: Any, sync: bool, *args: Any, **kw: Any) -> Any:
         (self._open.discard if sync else self._open.add)(id(replica))
         if self.mode == "fsdp":
@@ -310,7 +299,7 @@ class Parallel:
         through DDP (FSDP)."""
         with _ranks.answering("in a forward"):
             if self._whole is not None:
-                return self._run(self._whole, self._sync, x, **how)
+                return self._run(self._whole, self.sync, x, **how)
             return self._stages.forward(x, **how)
 
     def backward(self, loss: Any, closing: bool = False) -> None:
@@ -375,7 +364,7 @@ class _Parts(Local):
             return part.forward(inputs, store=store, watching=watching)
         learning = part.learning
         # a Learning with an `every` of its own closes its own groups; any other, the Trainer's
-        sync = p._sync if learning is None or learning.declared is None else learning.closes()
+        sync = p.sync if learning is None or learning.declared is None else learning.closes()
         return p._run(replica, sync, inputs, store=store, watching=watching)
 
 

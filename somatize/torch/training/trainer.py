@@ -4,7 +4,6 @@ another host is a cut, run stage by stage (`somatize.torch.training.stages`)."""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ __all__ = ["Trainer", "Result", "NoGradient"]
 
 Batch = Any
 Weights = dict[str, dict[str, torch.Tensor]]
-_SYNCED = contextlib.nullcontext()  # outside parallel=, every piece is what it is
 
 
 class NoGradient(RuntimeError):
@@ -160,7 +158,6 @@ class Trainer:
             transport=(lambda h: LOCAL if h is None else remotes[h]) if p is None else p.transport,
             watching=told,
         )
-        self._window = (lambda sync: _SYNCED) if p is None else p.window
         if p is not None:  # DDP (FSDP) around the stages, rank 0's weights on every rank
             p.around(self._stages, optimizer)
             held = _checks.held_by(graph, optimizer, trains)  # FSDP's are new parameters
@@ -187,15 +184,16 @@ class Trainer:
             self.optimizer.zero_grad()
         closing = self._count + 1 >= self.every
         stages = self._stages
-        runs = self._parallel or stages  # under parallel=, through DDP (FSDP)
+        parallel = self._parallel
+        runs = parallel or stages  # under parallel=, through DDP (FSDP)
         scale = self._scale
-        window = self._window  # under parallel=, pieces that do not close run under no_sync
         total = 0.0
         for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
             sync = closing and k == micro - 1
-            with window(sync):
-                loss = self._loss(runs.forward(x, store=self.store, target=y), y)
-                runs.backward(loss / scale if scale != 1.0 else loss, sync)
+            if parallel is not None:  # a piece that does not close runs under no_sync
+                parallel.sync = sync
+            loss = self._loss(runs.forward(x, store=self.store, target=y), y)
+            runs.backward(loss / scale if scale != 1.0 else loss, sync)
             if micro > 1:
                 total += loss.detach()
         value = loss.item() if micro == 1 else float(total) / micro
