@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from somatize.figures import LiveAudit
-from somatize.figures._explain import explanations
-from somatize.health import verdict
+from somatize.health import METRICS, verdict
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -222,7 +221,7 @@ def test_the_face_draws_the_chosen_metric_its_meaning_every_mark_and_real_axes()
     svg = audit.svg()
     root = ET.fromstring(svg)
     text = " ".join("".join(t.itertext()) for t in root.iter(f"{SVG}text"))
-    assert "update_ratio" in text and explanations()["metrics"]["update_ratio"][:30] in text
+    assert "update_ratio" in text and METRICS["update_ratio"][:30] in text
     for key in ("not measured", "no number (NaN, ∞)", "flag: numeric"):
         assert key in text
     # a flat loss is drawn on an axis that says how flat: ticks a hundredth apart
@@ -259,8 +258,6 @@ import torch
 from torch import nn
 from somatize import Graph, Node
 from somatize.figures import LiveAudit
-from somatize.figures._explain import explanations
-from somatize.health import verdict
 from somatize.torch import Audit, Trainer, parameters
 class Layer(Node, nn.Module):
     def __init__(self, i, o):
