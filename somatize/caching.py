@@ -182,7 +182,7 @@ def declaration_key(node: Any, salt: Any, state: str | None) -> str:
         "salt": _canonical(salt),
         "state": state,
     }
-    return hashlib.sha256(json.dumps(said, sort_keys=True).encode()).hexdigest()
+    return _mix(json.dumps(said, sort_keys=True))
 
 
 def code_version(node: Any) -> str:
@@ -192,4 +192,4 @@ def code_version(node: Any) -> str:
         text = inspect.getsource(cls)
     except (OSError, TypeError):
         text = f"{cls.__module__}.{cls.__qualname__}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return _mix(text)[:16]
