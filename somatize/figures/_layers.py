@@ -48,8 +48,8 @@ class _Placed:
         for table, into, far in ((outs, start, True), (ins, stop, False)):
             for key, ks in table.items():
                 item = items[key]
-                end = [ports[k][0 if far else 1] for k in ks]
-                fixed = {k: item.u + o for k, o in zip(ks, end, strict=True) if o is not None}
+                side = 0 if far else 1
+                fixed = {k: item.u + ports[k][side] for k in ks if ports[k][side] is not None}
                 free = [k for k in ks if k not in fixed]
                 slots = list(dict.fromkeys(pairs[k][:2] for k in free))
                 slots.sort(key=lambda p: self.paths[p][1 if far else -2].u)
