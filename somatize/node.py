@@ -231,8 +231,6 @@ class Node(Expr, ABC):
     cached value's key.
     """
 
-    _settings = Settings()
-
     def __new__(cls, *args: Any, **kwargs: Any) -> Node:
         self = super().__new__(cls)
         object.__setattr__(self, "_somatize_args", _bind(cls, args, kwargs))
