@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from somatize import NoCodec
+from somatize.codecs import DEPTH
 from somatize.remote import seal, wire
 
 KEY = bytes(range(32))
@@ -133,7 +134,7 @@ def test_too_many_frames_and_too_deep_a_nesting_are_malformed():
     with pytest.raises(wire.Malformed, match="frames"):
         wire.decode([msgpack.packb(None)] * (wire.MOST_FRAMES + 1))
     deep: tuple | None = None
-    for _ in range(wire.MOST_DEPTH + 1):
+    for _ in range(DEPTH + 1):
         deep = (deep,)
     with pytest.raises(wire.Malformed, match="nested"):
         wire.decode(wire.encode(deep))

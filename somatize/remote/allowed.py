@@ -15,9 +15,9 @@ import inspect
 import types
 from typing import Any
 
-from somatize import _hooks
+from somatize import _hooks, codecs
 from somatize.node import Node
-from somatize.remote.wire import MOST_DEPTH, Named
+from somatize.remote.wire import Named
 
 __all__ = ["Allowed", "version_of"]
 
@@ -78,7 +78,7 @@ class Allowed:
     def resolved(self, value: Any, nid: Any, depth: int = 0) -> Any:
         """`value` with every `Named` in it (inside lists, tuples and dicts) replaced by the
         class it names, if this worker may build it; refused otherwise, naming it."""
-        if depth > MOST_DEPTH:
+        if depth > codecs.DEPTH:
             raise ValueError(f"node {nid!r}: constructor arguments nested too deep")
         kind = type(value)
         if kind is Named:

@@ -29,13 +29,10 @@ import msgpack
 from somatize import _hooks, codecs
 from somatize.codecs import Malformed
 
-__all__ = ["Malformed", "Named", "encode", "decode", "MOST_FRAMES", "MOST_DEPTH"]
+__all__ = ["Malformed", "Named", "encode", "decode", "MOST_FRAMES"]
 
 MOST_FRAMES = 4096
 """The most frames one message may have (its header and its tensors)."""
-
-MOST_DEPTH = 32
-"""The most extension types nested inside each other (tuples in tuples, say)."""
 
 _TENSOR, _NAMED, _VALUE, _FIELDS = 3, 4, 5, 6  # 1 and 2 are codecs.PLAIN: a tuple, a big int
 
@@ -117,8 +114,8 @@ class _Reader:
 
     def unpack(self, data: Any) -> Any:
         self.depth += 1
-        if self.depth > MOST_DEPTH:
-            raise Malformed(f"values nested more than {MOST_DEPTH} deep")
+        if self.depth > codecs.DEPTH:
+            raise Malformed(f"values nested more than {codecs.DEPTH} deep (codecs.DEPTH)")
         try:
             return msgpack.unpackb(data, ext_hook=self.hook, raw=False, strict_map_key=False)
         finally:
@@ -169,7 +166,7 @@ def decode(frames: list[Any]) -> Any:
     """The message `frames` carry (the header first), tensors built on their frames.
 
     Refuses (`Malformed`) frames that are not a whole message: more than `MOST_FRAMES`,
-    values nested more than `MOST_DEPTH` deep, a tensor whose head does not add up to its
+    values nested more than `somatize.codecs.DEPTH` deep, a tensor whose head does not add up to its
     frame, a frame used twice or never. A value of a kind no codec is registered for is
     `NoCodec`. Nothing is imported, called or unpickled.
     """
