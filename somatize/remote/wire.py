@@ -166,8 +166,8 @@ def decode(frames: list[Any]) -> Any:
     """The message `frames` carry (the header first), tensors built on their frames.
 
     Refuses (`Malformed`) frames that are not a whole message: more than `MOST_FRAMES`,
-    values nested more than `somatize.codecs.DEPTH` deep, a tensor whose head does not add up to its
-    frame, a frame used twice or never. A value of a kind no codec is registered for is
+    values nested more than `somatize.codecs.DEPTH` deep, a tensor whose head does not add up
+    to its frame, a frame used twice or never. A value of a kind no codec is registered for is
     `NoCodec`. Nothing is imported, called or unpickled.
     """
     if not frames:
