@@ -158,7 +158,7 @@ class Worker:
     @property
     def pid(self) -> int | None:
         """The process id of a spawned worker, or None."""
-        return self.child.pid if self.child is not None else None
+        return self.child.process.pid if self.child is not None else None
 
     @property
     def process(self) -> Any:

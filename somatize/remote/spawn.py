@@ -86,11 +86,6 @@ class Child:
             )
             raise RuntimeError(f"the worker ({' '.join(command)}) {why}; it said:\n{printed}")
 
-    @property
-    def pid(self) -> int:
-        """The child's process id."""
-        return self.process.pid
-
     def _pass_on(self) -> None:
         """What it prints, line by line, to this process's stderr, the last lines kept; its
         ready line gives its address instead."""
