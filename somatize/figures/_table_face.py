@@ -150,15 +150,12 @@ def _cell(tag: str, attrs: str, style: str, content: str, hidden: bool = False) 
     return f'<{tag}{attrs} style="{_BASE}{style}{hide}">{content}</{tag}>'
 
 
-_GROUPS = {
-    "": ("", ""),
+_GROUPS = {  # a group's heading and its tooltip; any other group is headed by its name
     "measured": ("measured", "what you measured after training (higher is better)"),
-    "size": ("size", ""),
     "proxy": ("proxy scores · higher is better", "cheap scores taken before training"),
     "probe": (
         "probe at initialisation · median over places", "what somatize.torch.probe measured"
     ),
-    "other": ("other", ""),
 }
 
 
