@@ -71,12 +71,17 @@ def block_call(key: str) -> tuple[str, int]:
 
 
 @dataclass
-class Raw:
-    """One layer as a tracer saw it. `config` is what sets the module up beyond its shapes
-    (its `extra_repr` and float settings such as a drop rate), so blocks that differ there are
-    not folded together; `composite` marks a module with children; `within` says which call
-    (from 1) of each block around it this layer ran in, where the reader knows (a block left
-    out was called once). `times`, `repeats` and `made_of` are what `fold` adds."""
+class Layer:
+    """One box inside a node.
+
+    `path` is relative to the node (`""` when the node is a single layer), `kind` comes from
+    `kind_of`, `shape` is the output shape (None without an example), `block` the path of the
+    enclosing composite, `made_of` the paths of the layers directly inside this one (a block),
+    `times` how many copies of it this box stands for at its own level (a block ×2 inside a
+    stage ×3 says 2: what a layer stands for in all is the product along its blocks),
+    `repeats` the paths it hides. A module called more than once is a box per call, the
+    later ones at `path#2`, `path#3`, ...
+    """
 
     path: str
     kind: str
@@ -84,13 +89,24 @@ class Raw:
     shape: list[int] | None = None
     params: int = 0
     block: str | None = None
+    times: int = 1
+    repeats: list[str] = field(default_factory=list)
+    made_of: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Raw(Layer):
+    """One layer as a tracer saw it: a `Layer` (its `times`, `repeats` and `made_of` are what
+    `fold` adds) and what the tracer knows besides. `config` is what sets the module up beyond
+    its shapes (its `extra_repr` and float settings such as a drop rate), so blocks that
+    differ there are not folded together; `composite` marks a module with children, `function`
+    a torch function; `within` says which call (from 1) of each block around it this layer ran
+    in, where the reader knows (a block left out was called once)."""
+
     config: str = ""
     composite: bool = False
     function: bool = False
     within: dict[str, int] = field(default_factory=dict)  # block path → its call it ran in
-    times: int = 1
-    repeats: list[str] = field(default_factory=list)
-    made_of: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -158,8 +174,10 @@ class Opening:
 
     def _raw(self, path: str, block: str | None, label: str | None = None) -> Raw:
         m = self.named[path]
-        kind, label, composite = kind_of(m), label or label_of(m), bool(parts_of(m))
-        return Raw(path, kind, label, None, params_of(m), block, config_of(m), composite)
+        return Raw(
+            path, kind_of(m), label or label_of(m), None, params_of(m), block,
+            config=config_of(m), composite=bool(parts_of(m)),
+        )
 
     def add_block(self, out: Traced, path: str) -> None:
         """Make sure the opened composite at `path` and those above it are blocks in `out`."""

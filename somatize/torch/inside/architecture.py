@@ -8,7 +8,7 @@ repeated blocks folded to one `×N`.
 from __future__ import annotations
 
 import weakref
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, NamedTuple
 
 import torch
@@ -20,35 +20,11 @@ from somatize.run import in_one_line
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
 from somatize.torch.inside._forward import Reading, by_forward
 from somatize.torch.inside._fx import by_fx, fx_trace
-from somatize.torch.inside._trace import Opening, Traced, params_of, shape_of
+from somatize.torch.inside._trace import Layer, Opening, Traced, params_of, shape_of
 from somatize.torch.inside.fold import collapse, fold
 from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["Inside", "Layer", "architecture", "traced", "kind_of"]
-
-
-@dataclass
-class Layer:
-    """One box inside a node.
-
-    `path` is relative to the node (`""` when the node is a single layer), `kind` comes from
-    `kind_of`, `shape` is the output shape (None without an example), `block` the path of the
-    enclosing composite, `made_of` the paths of the layers directly inside this one (a block),
-    `times` how many copies of it this box stands for at its own level (a block ×2 inside a
-    stage ×3 says 2: what a layer stands for in all is the product along its blocks),
-    `repeats` the paths it hides. A module called more than once is a box per call, the
-    later ones at `path#2`, `path#3`, ...
-    """
-
-    path: str
-    kind: str
-    label: str
-    shape: list[int] | None = None
-    params: int = 0
-    block: str | None = None
-    times: int = 1
-    repeats: list[str] = field(default_factory=list)
-    made_of: list[str] = field(default_factory=list)
 
 
 @dataclass
