@@ -65,17 +65,10 @@ def something_to_train(graph: Graph) -> None:
     )
 
 
-def count(value: Any, name: str) -> int:
-    """`every` or `micro`: a positive int."""
+def count(value: Any, name: str, meaning: str) -> int:
+    """`every` or `micro`: a positive int; `meaning` says what it counts."""
     if type(value) is not int or value < 1:
-        raise ValueError(
-            f"Trainer({name}={value!r}): {name} is a positive int "
-            + (
-                "(how many steps go into one update)"
-                if name == "every"
-                else "(how many equal pieces one batch is cut into along its first dimension)"
-            )
-        )
+        raise ValueError(f"Trainer({name}={value!r}): {name} is a positive int ({meaning})")
     return value
 
 

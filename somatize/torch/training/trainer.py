@@ -114,8 +114,10 @@ class Trainer:
                 f"objective is called as objective(output, target) and gives the loss; "
                 f"{type(objective).__name__} {objective!r:.60} cannot be called"
             )
-        self.every = _checks.count(every, "every")
-        self.micro = _checks.count(micro, "micro")
+        self.every = _checks.count(every, "every", "how many steps go into one update")
+        self.micro = _checks.count(
+            micro, "micro", "how many equal pieces one batch is cut into along its first dimension"
+        )
         told = _checks.watchers_of(watching)
         _checks.something_to_train(graph)
         trains = _checks.trains_of(graph, trains)
