@@ -48,10 +48,10 @@ class Calls:
 
     A module tied in two places is one object at two paths: a call is put at the path inside
     the block that is running. `enter(path, call, args, kwargs)` hears a layer's call begin
-    and `leave(path, call, (args, kwargs), output)` hears it end; nothing inside a layer is heard, nor anything
-    while `live` is False. With `blocks` False the blocks are hooked only when a module is tied
-    (their hooks say which path it is called under); with `only`, a module with no children
-    at none of those paths is not hooked."""
+    and `leave(path, call, (args, kwargs), output)` hears it end; nothing inside a layer is
+    heard, nor anything while `live` is False. With `blocks` False the blocks are hooked only
+    when a module is tied (their hooks say which path it is called under); with `only`, a
+    module with no children at none of those paths is not hooked."""
 
     def __init__(
         self,
@@ -193,7 +193,7 @@ class Reading:
         """`layer` ran now, on what the layers in `made` made."""
         layer.within = self.hooks.within()
         self.order.append(layer.path)
-        for p in made:
+        for p in sorted(made):  # (a set: in path order, the same in every process)
             if p != layer.path:
                 self.edges[(p, layer.path)] = None
 
