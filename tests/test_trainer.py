@@ -360,11 +360,18 @@ def test_frozen_and_trained_is_refused_and_a_refusal_changes_nothing():
     assert g.implementation("a").lin.weight.equal(before)
 
 
-def test_at_host_without_a_broker_is_refused():
+def test_at_host_without_a_broker_or_one_it_does_not_know_is_refused_changing_nothing():
+    from somatize import Broker, Worker
+
     torch.manual_seed(0)
     g = Graph.somatize(Layer(4, 2).named("a").at("far"))
     with pytest.raises(ValueError, match="broker"):
         Trainer(g, objective=mse, trains={"a": Split(SGD, lr=0.1)})
+    learning = Split(SGD, lr=0.1)
+    broker = Broker.embedded({"near": Worker.at("127.0.0.1:1")})
+    with pytest.raises(ValueError, match="host 'far'.*knows \\['near'\\]"):
+        Trainer(g, objective=mse, trains={"a": learning}, broker=broker)
+    assert learning.node is None  # refused before it was given its node
 
 
 def test_bad_batches_and_uneven_micro_pieces_are_refused():

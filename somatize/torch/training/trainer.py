@@ -137,6 +137,7 @@ class Trainer:
         if self._parallel is not None and self._parallel.rank != 0:
             told, audit = [], None  # rank 0 tells the facts
         hosts = _checks.hosts_of(graph, broker)
+        remotes = {host: Remote(broker, host) for host in sorted(set(hosts.values()))}
 
         # Everything is checked: from here on, things change.
         freeze(graph)
@@ -153,7 +154,6 @@ class Trainer:
         self._count = 0
         self._steps = 0
         p = self._parallel
-        remotes = {host: Remote(broker, host) for host in sorted(set(hosts.values()))}
         self._stages = Stages(
             graph,
             trains,
