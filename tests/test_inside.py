@@ -699,3 +699,42 @@ def test_fold_leaves_what_was_traced_as_it_was_so_folding_twice_agrees():
     assert traced == before
     again, _ = fold(traced)
     assert (again["0"].times, again["0"].repeats, again["0"].made_of) == folded
+
+
+_EDGES = """
+import json, torch
+from torch import nn
+from somatize.torch import traced
+
+class Res(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if bool(h.sum() > -1e9):  # control flow on a value: fx cannot follow, a forward reads
+            h = h + self.b(h)
+        return h
+
+torch.manual_seed(0)
+print(json.dumps(traced(Res(), torch.randn(2, 4)).edges))
+"""
+
+
+def test_a_real_forward_reads_the_same_edges_in_every_process():
+    import os
+    import subprocess
+    import sys
+
+    seen = {
+        subprocess.run(
+            [sys.executable, "-c", _EDGES],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")  # (two seeds that order a set of two paths apart)
+    }
+    assert len(seen) == 1  # the edges into `add` do not come in an order string hashing made
