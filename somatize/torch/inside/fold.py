@@ -171,9 +171,7 @@ def _closed(
     out: dict[str, Raw] = {}
     for path, f in layers.items():
         if path in into:
-            box = into[path]
-            if box not in out:
-                out[box] = boxes[box]
+            out.setdefault(into[path], boxes[into[path]])
         else:
             out[path] = boxes.get(path, f)
     return out
