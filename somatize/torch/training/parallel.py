@@ -205,7 +205,8 @@ class Parallel:
     `forward`, `backward` and `update` are the stages' own, through DDP (or FSDP), a failed
     collective raised as `RankLost`; `sync`, set by the Trainer before each piece, says whether
     it closes a group (its gradients all-reduced; if not, DDP's `no_sync`, FSDP's gradient sync
-    off). `incoming` and `whole` are what `load` and `export` ask: rank 0's weights on every rank, and whole tensors out of sharded ones.
+    off). `incoming` and `whole` are what `load` and `export` ask: rank 0's weights on every
+    rank, and whole tensors out of sharded ones.
     """
 
     def __init__(self, mode: str, cuda: bool) -> None:
