@@ -65,25 +65,22 @@ def _name_path(name: str) -> str:
         raise ValueError("a store name cannot be empty")
     if name.startswith("/"):
         raise ValueError(f"store name {name!r} is absolute; names are relative, like 'run/r1/3'")
-    parts = name.split("/")
-    for part in parts:
+    escaped = []
+    for part in name.split("/"):
         if part == "":
             raise ValueError(f"store name {name!r} has an empty segment (a '//' or a trailing '/')")
         if part in (".", ".."):
             raise ValueError(f"store name {name!r} has a {part!r} segment; names cannot climb")
-    path = "names/" + "/".join(_escape(p) for p in parts) + "/" + _BIND
+        safe = quote(part, safe="-_.~@+=,")
+        if safe.startswith("."):  # the store's own files (.bind, .tmp-...) alone start so
+            safe = "%2E" + safe[1:]
+        if len(safe.encode()) > 200:
+            raise ValueError(f"store name segment {part[:40]!r}... is too long for a file name")
+        escaped.append(safe)
+    path = "names/" + "/".join(escaped) + "/" + _BIND
     if len(path) > 1000:  # S3 keys stop at 1024 bytes, and many paths at 4096
         raise ValueError(f"store name {name[:40]!r}... is too long ({len(path)} bytes escaped)")
     return path
-
-
-def _escape(part: str) -> str:
-    safe = quote(part, safe="-_.~@+=,")
-    if safe.startswith("."):
-        safe = "%2E" + safe[1:]
-    if len(safe.encode()) > 200:
-        raise ValueError(f"store name segment {part[:40]!r}... is too long for a file name")
-    return safe
 
 
 def _meta_pairs(meta: Any, name: str) -> list[tuple[str, Any]]:
