@@ -72,7 +72,7 @@ def _name_path(name: str) -> str:
         if part in (".", ".."):
             raise ValueError(f"store name {name!r} has a {part!r} segment; names cannot climb")
         safe = quote(part, safe="-_.~@+=,")
-        if safe.startswith("."):  # the store's own files (.bind, .tmp-...) alone start so
+        if safe.startswith("."):  # only the store's own files (.bind, .tmp-...) begin with '.'
             safe = "%2E" + safe[1:]
         if len(safe.encode()) > 200:
             raise ValueError(f"store name segment {part[:40]!r}... is too long for a file name")
