@@ -381,7 +381,7 @@ class Graph:
         the hosts of `.at(host)` nodes are.
         """
         if self._plan is None:
-            self._plan = run.compile(self)
+            self._plan = run.Plan(self)
         plan = self._plan
         told = run.watchers(watching)
         input = unwrap(input)

@@ -21,7 +21,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.node import Opaque, kind_name
 
-__all__ = ["Ctx", "Plan", "compile", "run_plan", "walk", "watchers"]
+__all__ = ["Ctx", "Plan", "run_plan", "walk", "watchers"]
 
 ROOT, ONE, MANY = 0, 1, 2
 
@@ -129,11 +129,6 @@ def _mapping(nid: str, forward: Callable) -> Callable:
         return out
 
     return mapped
-
-
-def compile(graph: Any) -> Plan:
-    """Compile a graph into a plan."""
-    return Plan(graph)
 
 
 def watchers(watching: Any) -> list[Callable[[dict], Any]]:
