@@ -57,7 +57,7 @@ def stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, Any]
     return dict
 
 
-def serve(server: Any, session: str, nodes: dict[str, Any], op: str, message: dict) -> Any:
+def serve(server: Any, session: Any, op: str, message: dict) -> Any:
     """Answer a worker request that only the torch half knows (a trainer's stage)."""
     raise ValueError(f"unknown request {op!r}")
 

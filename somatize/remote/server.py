@@ -215,7 +215,7 @@ class Server:
             return _hooks.state_of(session.node(m.get("key")))
         if op == "load":
             return self.load(session, m)
-        return _hooks.serve(self, session, session.nodes, op, m)
+        return _hooks.serve(self, session, op, m)
 
     def load(self, session: Session, m: dict[str, Any]) -> bool:
         """Weights loaded in two steps, so that several workers and the client change

@@ -174,11 +174,11 @@ def _subclass(value: Any, base: type) -> bool:
     return isinstance(value, type) and issubclass(value, base)
 
 
-def serve(server: Any, session: Any, nodes: dict[str, Any], op: str, message: dict) -> Any:
+def serve(server: Any, session: Any, op: str, message: dict) -> Any:
     """A trainer's stage on this worker (`somatize.torch.training.remote`)."""
     from somatize.torch.training.remote import serve_stage
 
-    return serve_stage(server, session, nodes, op, message)
+    return serve_stage(server, session, op, message)
 
 
 _hooks.register(

@@ -111,7 +111,7 @@ def _held(part: Any) -> list[tuple[str, Any, str | None]]:
     return held
 
 
-def serve_stage(server: Any, session: Any, nodes: dict[str, Any], op: str, m: dict) -> Any:
+def serve_stage(server: Any, session: Any, op: str, m: dict) -> Any:
     """The worker's side: `stage.forward` (rebuilding the part when it is sent) and
     `stage.backward`; a part the worker does not hold is `Unknown`."""
     if op not in ("stage.forward", "stage.backward"):
