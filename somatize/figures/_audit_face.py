@@ -25,6 +25,7 @@ from somatize.figures._svg import (
     ticks,
     viridis,
 )
+from somatize.health import METRICS, family
 
 FAMILY_COLOURS = {
     "numeric": "#e03131",
@@ -59,7 +60,6 @@ def picture(
     history: History,
     metric: str,
     title: str,
-    explain: dict[str, Any],
     *,
     log: bool = False,
     smoothing: float = 0.6,
@@ -93,7 +93,7 @@ def picture(
 
     y = 8.0
     out.append(svg_text("8", y + 12, title, 13, INK, bold=True))
-    about = explain.get("metrics", {}).get(metric, "")
+    about = METRICS.get(metric, "")
     at = 8 + text_width(title, 13, True) + 14
     out.append(svg_text(at, y + 12, metric or "no metric yet", fill=INK, bold=True))
     at += text_width(metric or "no metric yet", 11, True) + 10
@@ -146,13 +146,13 @@ def picture(
             levels.setdefault(fill, []).append(f"M{cx:.1f},{ry:.1f}h{wide:.1f}v11h{-wide:.1f}z")
         lane = max(0.8, cw)
         for k, flags in flagged.items():
-            fam = _family(sorted(flags)[0], explain)
+            fam = family(sorted(flags)[0])
             families[fam] = None
             lanes = marks.setdefault(FAMILY_COLOURS[fam], [])
             lanes.append(f"M{x0 + k * cw:.1f},{ry + 12:.1f}h{lane:.1f}v3h{-lane:.1f}z")
         if raised:
             text = ", ".join(f"{f} ×{c}" for f, c in raised.most_common(2))
-            colour = FAMILY_COLOURS[_family(max(raised, key=raised.get), explain)]
+            colour = FAMILY_COLOURS[family(max(raised, key=raised.get))]
             out.append(svg_text(ends + 6, ry + 10, fits(text, width - ends - 8, 10), 10, colour))
     for fill, paths in [*levels.items(), *marks.items()]:
         out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
@@ -172,10 +172,6 @@ def picture(
     y += 26
     y = _legend(out, y, scale, metric, families, runs if many else [], width)
     return svg_open(width, y, "smz-audit-svg") + "".join(out) + "</svg>"
-
-
-def _family(flag: str, explain: dict[str, Any]) -> str:
-    return explain.get("families", {}).get(flag.split("(")[0], "numeric")
 
 
 def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:

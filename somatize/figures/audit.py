@@ -248,7 +248,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
 
         with self._lock:
             self._drain(judge=None)
-            return picture(self._history, self.metric, self.title, self.explain,
+            return picture(self._history, self.metric, self.title,
                            log=self.log_loss, smoothing=self.smoothing)
 
     def plain(self) -> str:
