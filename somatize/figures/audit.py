@@ -20,13 +20,25 @@ from typing import Any
 import anywidget
 import traitlets
 
-from somatize.figures._explain import explanations
+from somatize import health
 from somatize.figures._face import Face, image
 from somatize.figures._history import STEPS, History, message, record, step_of
 from somatize.figures._page import STATIC
-from somatize.health import where_of
 
 __all__ = ["LiveAudit"]
+
+
+def _explanations() -> dict[str, dict[str, str]]:
+    """What the page says of every metric and flag (`somatize.health.METRICS`, `about`) and
+    each flag's family, which colours its marks: {"metrics": ..., "flags": ..., "families": ...}.
+    A flag with a count is said of one."""
+    said = {n: n for n in health.__all__ if isinstance(getattr(health, n), health.Flag)}
+    said |= {n: f"{n}(1)" for n in ("DEAD_CHANNELS", "IGNORED_CHANNELS")}
+    return {
+        "metrics": dict(health.METRICS),
+        "flags": {n: health.about(flag) for n, flag in said.items()},
+        "families": {n: health.family(flag) for n, flag in said.items()},
+    }
 
 # the metric shown first: the update ratio ‖Δθ‖/‖θ‖ has no units, so one colour scale fits
 # every layer, and it says at once whether a layer learns (too small: stalled; too large:
@@ -77,7 +89,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
     ) -> None:
         if not interval > 0:
             raise ValueError(f"interval= is seconds between sends and must be > 0, not {interval}")
-        super().__init__(metric=metric, title=title, explain=explanations())
+        super().__init__(metric=metric, title=title, explain=_explanations())
         self.interval = float(interval)
         self._chosen = bool(metric)
         self._history = History(flags)
@@ -107,7 +119,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
             # checked here, so a bad fact is refused in the caller's thread; read later
             step = fact.get("step")
             if type(fact.get("node")) is not str or type(step) is not int or step not in STEPS:
-                where_of(fact)
+                health.where_of(fact)
                 step_of(fact)
         elif kind == "loss":
             if fact.get("step") is not None:

@@ -15,18 +15,35 @@ from typing import Any
 import anywidget
 import traitlets
 
-from somatize.figures._explain import PROXIES, explanations
 from somatize.figures._face import Face
 from somatize.figures._page import STATIC, jsonable
 from somatize.figures._svg import finite, number, svg_open, text_width
 from somatize.figures._table_face import WIDEST, html
 from somatize.graph import as_graph
+from somatize.health import METRICS, verdict
 from somatize.run import warn
 
 __all__ = ["CompareTable", "compare"]
 
 PROBE = "probe:"
 PROXY = "proxy:"
+# what each proxy says, in one sentence, for its column's tooltip
+PROXIES = {
+    "synflow": "Synaptic flow: how much signal can flow through the weights' magnitudes at all "
+    "(log; Tanaka et al. 2020).",
+    "zen": "Zen score: how strongly the output responds to a small change of the input, "
+    "normalised by the batch norms (Lin et al. 2021).",
+    "naswot": "How differently the ReLUs fire for different inputs (log-determinant of their "
+    "codes' kernel; Mellor et al. 2021).",
+    "jacob_cov": "How independent the input gradients of different samples are (Mellor et al. "
+    "2020).",
+    "snip": "How much the loss depends on the weights as they are (Σ|θ·∂L/∂θ|, log; Lee et al. "
+    "2019).",
+    "grasp": "How much pruning would hurt the gradient flow (−θ·H·∂L/∂θ; Wang et al. 2020).",
+    "grad_norm": "The size of the loss's gradient over every weight (log).",
+    "fisher": "How much the loss depends on each layer's outputs (Fisher information, log; "
+    "Theis et al. 2018).",
+}
 
 
 def _named(candidates: Any) -> dict[str, Any]:
@@ -59,8 +76,6 @@ def _named(candidates: Any) -> dict[str, Any]:
 def _probe_summary(numbers: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """The median over places of every metric a probe gave, and the flags the health
     verdict raises at any place (as `where: FLAG` text)."""
-    from somatize.health import verdict
-
     by_metric: dict[str, list[float]] = {}
     flags = []
     for where, values in numbers.items():
@@ -286,7 +301,6 @@ class CompareTable(Face, anywidget.AnyWidget):
 
 
 def _explain(columns: Any, measured: str) -> dict[str, str]:
-    metrics = explanations()["metrics"]
     out = {}
     for c in columns:
         if c == measured:
@@ -299,14 +313,12 @@ def _explain(columns: Any, measured: str) -> dict[str, str]:
             out[c] = PROXIES.get(c[len(PROXY) :], "A zero-cost proxy score; higher is better.")
         elif c.startswith(PROBE):
             name = c[len(PROBE) :]
-            out[c] = "Median over places at initialisation: " + metrics.get(name, name)
+            out[c] = "Median over places at initialisation: " + METRICS.get(name, name)
     return out
 
 
 def _flagged(df: Any) -> dict[str, list[str]]:
     """Probe cells whose value the health verdict flags, as {"row|column": flags}."""
-    from somatize.health import verdict
-
     out = {}
     for c in df.columns:
         if not c.startswith(PROBE) or c == f"{PROBE}flags":
