@@ -20,7 +20,6 @@ from somatize.torch.inside._trace import (
     function_layer,
     joins_nothing,
     ordered,
-    passes,
     prune,
     shape_of,
 )
@@ -215,7 +214,7 @@ class Reading:
     def _layer_in(self, path: str, call: int, args: tuple, kwargs: dict) -> None:
         self._mode(False)
         made = self.producers((args, kwargs))[1]
-        if passes(self.opening.named[path]):  # (`named` holds the root at "")
+        if isinstance(self.opening.named[path], nn.Identity):  # (`named` holds the root at "")
             self.passing = made
             return
         self._ran(self.opening.add_leaf(self.out, path, call), made)

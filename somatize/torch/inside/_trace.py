@@ -3,10 +3,11 @@ and the rules they share: the same raw layers in the order they ran, the same ed
 granularity (a module with no children is one layer, a composite torch ships is one layer until
 `depth` opens it, any other composite is opened into the block its layers sit in).
 
-Edges follow the data: an op that only carries data along (indexing, a view, a cast) hands its
-input's producers on; a function is a layer only when it computes a floating tensor from the
-data, never on masks and counters. A module called twice is a box per call (`relu`, `relu#2`),
-and each layer knows which call of each block around it it ran in (`Raw.within`).
+Edges follow the data: an op that only carries data along (indexing, a view, a cast, an
+`nn.Identity`) hands its input's producers on; a function is a layer only when it computes a
+floating tensor from the data, never on masks and counters. A module called twice is a box per
+call (`relu`, `relu#2`), and each layer knows which call of each block around it it ran in
+(`Raw.within`).
 """
 
 from __future__ import annotations
@@ -41,11 +42,6 @@ def drawn(name: str) -> bool:
     """Whether a function of this name can be a layer (it is neither passing data along nor
     bookkeeping)."""
     return name not in _PASS and name not in _BOOKKEEPING
-
-
-def passes(module: nn.Module) -> bool:
-    """A module that only hands its input on (`nn.Identity`): not a layer of its own."""
-    return isinstance(module, nn.Identity)
 
 
 _JOINS = frozenset(("cat", "concat", "concatenate", "stack", "hstack", "vstack"))
