@@ -344,19 +344,23 @@ def test_a_stage_on_a_worker_tells_a_watcher_what_ran_there(two):
 
 
 def test_weights_learnt_on_a_worker_come_back_and_can_be_sent(two):
+    from somatize.torch import Trainer
+
     b = Broker.embedded({"a": two.workers["a"]})
     lin = Lin(3, 3)
-    g = Graph.somatize(lin.at("a"))
+    g = Graph.somatize(Lin(3, 3).named("here") >> lin.at("a").frozen())
     x = torch.randn(2, 3)
     g.forward(x, broker=b)
+    sgd = torch.optim.SGD(g.implementation("here").parameters(), lr=0.1)
+    t = Trainer(g, objective=torch.nn.functional.mse_loss, broker=b, optimizer=sgd)
     sent = {k: torch.full_like(v, 0.5) for k, v in lin.state_dict().items()}
-    b.load_weights(g, {"lin": sent})
+    t.load({"here": {"lin.weight": torch.eye(3), "lin.bias": torch.zeros(3)}, "lin": sent})
     got = b.weights(g, "lin")
     assert all(torch.equal(got[k], sent[k]) for k in sent)
     want = (0.5 * x.sum(1, keepdim=True) + 0.5).expand(2, 3)
     assert torch.allclose(g.forward(x, broker=b), want)
     with pytest.raises(ValueError, match="nothing was loaded"):
-        b.load_weights(g, {"lin": {"lin.weight": torch.zeros(4, 4)}})
+        t.load({"lin": {"lin.weight": torch.zeros(4, 4)}})
     assert torch.equal(b.weights(g, "lin")["lin.weight"], sent["lin.weight"])  # untouched
 
 

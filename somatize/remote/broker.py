@@ -227,19 +227,11 @@ class Broker:
         self._learnt.discard((host, key))
         return got
 
-    def load_weights(
-        self, graph: Any, weights: dict[str, dict[str, Any]], *, then: Callable[[], Any] = None
-    ) -> None:
-        """Send `{node id: {key: tensor}}` to the workers of those nodes, all or nothing (see
-        `write`); `then` (what changes here) runs once every worker has committed."""
-        entries = [(*self.placement(graph, nid), state) for nid, state in weights.items()]
-        self.write(entries, then=then)
-
-    def write(self, entries: list[tuple], *, then: Callable[[], Any] = None) -> None:
+    def write(self, entries: list[tuple], *, then: Callable[[], Any]) -> None:
         """Load `(host, nid, node, device, state)` entries on their workers, all or nothing:
         staged on every worker first (each checks them against its copy), committed when all
-        are; `then` runs after; if anything fails, what was committed is put back and nothing
-        has changed. Without `then`, the copies here are brought up to them too."""
+        are; `then` (what changes here) runs after; if anything fails, what was committed is
+        put back and nothing has changed."""
         lid = secrets.token_hex(6)
         hosts: list[str] = []
         lost = dict(self._lost)
@@ -262,17 +254,14 @@ class Broker:
             for host in hosts:
                 self.request(host, {"op": "load", "phase": "commit", "load": lid})
                 committed.append(host)
-            if then is not None:
-                then()
+            then()
         except BaseException:
             self._lost = lost
             self._each(committed, lid, "undo")
             self._each([h for h in hosts if h not in committed], lid, "drop")
             raise
         self._each(hosts, lid, "drop")
-        for host, _nid, node, _device, state in entries:
-            if then is None:
-                _hooks.stage_state(node, state)()
+        for host, _, node, *_ in entries:
             self._learnt.discard((host, self.key(node)))
 
     def _each(self, hosts: list[str], lid: str, phase: str) -> None:
