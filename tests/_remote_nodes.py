@@ -42,6 +42,16 @@ class Gathers(Node):
         return x + self.total
 
 
+class Keywords(Node):
+    """Adds its one number times every keyword it was given (**kwargs may hold one named args)."""
+
+    def __init__(self, x: float, **more: float) -> None:
+        self.total = x * sum(more.values())
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return x + self.total
+
+
 class Sum(Node):
     """Sums what its predecessors produced."""
 

@@ -210,11 +210,13 @@ def test_a_worker_given_the_whole_command_line_and_the_published_keywords():
 
 
 def test_a_worker_builds_a_node_from_positional_arguments_star_args_and_keywords():
-    from _remote_nodes import Gathers
+    from _remote_nodes import Gathers, Keywords
 
     with Broker.embedded({"w": Worker.spawn(mode="project", send=[NODES])}) as b:
         g = Graph.somatize(Gathers(1.0, 2.0, 3.0, times=10.0).at("w"))
         assert g.forward(torch.zeros(2), broker=b).tolist() == [60.0, 60.0]
+        g = Graph.somatize(Keywords(2.0, args=5.0, kw=1.0).at("w"))  # args= is a keyword here
+        assert g.forward(torch.zeros(2), broker=b).tolist() == [12.0, 12.0]
 
 
 def test_a_worker_that_exits_at_once_is_reported_at_once_with_what_it_said(tmp_path):

@@ -106,9 +106,13 @@ def construct(cls: type, args: dict[str, Any]) -> Any:
     named = dict(args)
     if cls.__init__ is object.__init__:
         return cls()
-    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    signature = inspect.signature(cls.__init__)
+    parameters = list(signature.parameters.values())[1:]
     if "args" in named and "args" not in [p.name for p in parameters]:
-        return cls(*named.pop("args"), **named)  # captured as {"args": positional, **keywords}
+        try:  # an `args=` its **kwargs took binds; a capture that could not bind does not
+            signature.bind(None, **named)
+        except TypeError:  # captured as {"args": positional, **keywords}
+            return cls(*named.pop("args"), **named)
     positional: list[Any] = []
     for p in parameters:
         if p.kind is p.VAR_POSITIONAL:
