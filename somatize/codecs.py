@@ -204,8 +204,9 @@ def _default(value: Any) -> msgpack.ExtType:
 
 
 @contextlib.contextmanager
-def _deeper(reading: bool) -> Iterator[None]:
-    """One more level of nesting on this thread while inside, refused past `DEPTH`."""
+def deeper(reading: bool) -> Iterator[None]:
+    """One more level of nesting on this thread while inside, refused past `DEPTH` (`Malformed`
+    when `reading`, else `ValueError`): a store's values and the wire's messages alike."""
     depth = _nesting.depth
     if depth > DEPTH:
         doing = "read back" if reading else "written down"
@@ -223,7 +224,7 @@ def _deeper(reading: bool) -> Iterator[None]:
 def _pack(value: Any) -> bytes:
     """msgpack of `value` with this module's options. Refuses tuples nested past `DEPTH`
     (what `decode` would refuse to read back)."""
-    with _deeper(reading=False):
+    with deeper(reading=False):
         return msgpack.packb(
             value,
             default=_default,
@@ -318,7 +319,7 @@ def _envelope(data: bytes) -> tuple[str, bytes]:
 def _unpack(data: Any) -> Any:
     """The value `_pack` wrote. Every call counts as one level of nesting on this thread,
     refused past `DEPTH`."""
-    with _deeper(reading=True):
+    with deeper(reading=True):
         return msgpack.unpackb(
             data,
             ext_hook=_ext_hook,

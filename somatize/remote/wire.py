@@ -110,16 +110,10 @@ class _Reader:
     def __init__(self, frames: list[Any]) -> None:
         self.frames = frames
         self.used: set[int] = set()
-        self.depth = -1  # the header itself is no nesting
 
     def unpack(self, data: Any) -> Any:
-        self.depth += 1
-        if self.depth > codecs.DEPTH:
-            raise Malformed(f"values nested more than {codecs.DEPTH} deep (codecs.DEPTH)")
-        try:
+        with codecs.deeper(reading=True):  # counted with any codecs.decode inside it
             return msgpack.unpackb(data, ext_hook=self.hook, raw=False, strict_map_key=False)
-        finally:
-            self.depth -= 1
 
     def hook(self, code: int, data: bytes) -> Any:
         if code in codecs.PLAIN:
