@@ -102,11 +102,10 @@ class Graph:
         *named, obj = args
         if not isinstance(obj, Expr):
             raise TypeError(f"g.node takes a Node, not {type(obj).__name__} {obj!r:.60}")
-        if named and named[0] is not None:
-            obj = obj.named(named[0])  # the id checked as .named checks it
-        found = list(obj.pieces())
-        if len(found) != 1:
+        if len(found := list(obj.pieces())) != 1:
             raise ValueError(f"g.node adds one node; this expression holds {len(found)}")
+        if named and named[0] is not None:
+            found = list(obj.named(named[0]).pieces())  # the id checked as .named checks it
         return self._add(*found[0])
 
     def _add(self, node: Node, settings: Settings) -> str:

@@ -41,6 +41,8 @@ def test_an_id_given_to_g_node_is_checked_as_named_checks_it():
     for bad in ("a/b", "a.b", ""):
         with pytest.raises(ValueError, match="a node id must be a non-empty string"):
             g.node(bad, Add())
+    with pytest.raises(ValueError, match="g.node adds one node; this expression holds 2"):
+        g.node("x", Add() >> Add())
     assert len(g) == 0
 
 
