@@ -17,7 +17,7 @@ import torch
 
 from somatize.node import Node
 from somatize.torch._values import mapped
-from somatize.torch.placement import modules_of, move
+from somatize.torch.placement import modules_of, move, place
 
 __all__ = [
     "Learning",
@@ -322,8 +322,7 @@ class Learning(Node):
         """The input as a leaf, remembered, which is what makes dL/d(input) exist. The first
         time, what the technique brought goes to the node's device."""
         if self._optimizer is None and ctx is not None and ctx.device is not None:
-            for module in modules_of(self):
-                module.to(ctx.device)
+            place(self, ctx.device)
         self.given = leafed(value)
         return self.given
 
