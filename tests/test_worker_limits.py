@@ -231,3 +231,24 @@ def test_a_worker_that_exits_at_once_is_reported_at_once_with_what_it_said(tmp_p
     empty.write_text("\n")
     with pytest.raises(RuntimeError, match="(?s)exited with code 1.*holds no secret"):
         Worker.spawn(["--token-file", str(empty)])
+
+
+def test_the_token_is_the_command_lines_else_the_first_line_of_its_file_else_the_environments(
+    tmp_path,
+):
+    path = tmp_path / "token"
+    path.write_text("from-the-file\nnot this line\n")
+    told = {"from-the-environment", "from-the-file", "not this line", "from-the-line"}
+    for argv, meant in (
+        ([], "from-the-environment"),
+        (["--token-file", str(path)], "from-the-file"),
+        (["--token", "from-the-line", "--token-file", str(path)], "from-the-line"),
+    ):
+        spawned = Worker.spawn(argv, token="from-the-environment")  # as $SOMATIZE_TOKEN
+        try:
+            assert _hello(Worker.at(spawned.address, token=meant))["pid"] == spawned.pid
+            for other in sorted(told - {meant}):
+                with pytest.raises(PermissionError, match="token does not match"):
+                    _hello(Worker.at(spawned.address, token=other))
+        finally:
+            spawned.stop()
