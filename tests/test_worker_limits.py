@@ -247,6 +247,7 @@ def test_the_token_is_the_command_lines_else_the_first_line_of_its_file_else_the
         spawned = Worker.spawn(argv, token="from-the-environment")  # as $SOMATIZE_TOKEN
         try:
             assert _hello(Worker.at(spawned.address, token=meant))["pid"] == spawned.pid
+            assert _hello(Worker.at(spawned.address, token=meant.encode()))["pid"] == spawned.pid
             for other in sorted(told - {meant}):
                 with pytest.raises(PermissionError, match="token does not match"):
                     _hello(Worker.at(spawned.address, token=other))

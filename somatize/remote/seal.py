@@ -78,10 +78,11 @@ class Refused(Exception):
 
 
 @functools.lru_cache(maxsize=64)
-def derive(token: str, salt: bytes) -> bytes:
-    """The 32-byte session key of `token` under a worker's `salt`: scrypt (n=2**14, r=8),
-    about 50 ms, worked out once per token and salt in a process."""
-    return hashlib.scrypt(token.encode(), salt=salt, n=1 << 14, r=8, p=1, maxmem=64 << 20, dklen=32)
+def derive(token: str | bytes, salt: bytes) -> bytes:
+    """The 32-byte session key of `token` (text, or its bytes) under a worker's `salt`: scrypt
+    (n=2**14, r=8), about 50 ms, worked out once per token and salt in a process."""
+    raw = token.encode() if isinstance(token, str) else bytes(token)
+    return hashlib.scrypt(raw, salt=salt, n=1 << 14, r=8, p=1, maxmem=64 << 20, dklen=32)
 
 
 def salt_answer(salt: bytes) -> list[bytes]:
