@@ -314,7 +314,8 @@ def test_the_table_puts_measured_next_to_the_names_and_ranks_and_correlates():
     worst = re.search(r'<tr data-row="w">.*?data-col="proxy:a"[^>]*style="([^"]*)"', html).group(1)
     assert "rgba(47,158,68" in best and "rgba(224,49,49" in worst
     # the probe's zero fraction of 0.99 is what the health verdict calls DEAD: tinted, said
-    cell = re.search(r'<tr data-row="x">.*?(<td data-col="probe:zero_frac_max"[^>]*>)', html).group(1)
+    row = r'<tr data-row="x">.*?(<td data-col="probe:zero_frac_max"[^>]*>)'
+    cell = re.search(row, html).group(1)
     assert "flagged DEAD" in cell and "background" in cell
     assert "ρ with measured" in html and 'class="smz-scatter"' in html
     # its SVG file is well-formed XML, the scatter's images inside the foreignObject included
