@@ -17,7 +17,7 @@ import torch
 import zmq
 from _remote_nodes import Fails, Hooked, Lin, Pid, Plus, Sleeps, Sum
 
-from somatize import Broker, Graph, Node, Worker
+from somatize import Broker, Graph, Node, Opaque, Worker
 from somatize.remote import StateLost, WorkerLost, seal, wire
 
 NODES = "_remote_nodes"
@@ -67,6 +67,8 @@ def test_forward_across_two_workers_equals_running_here(two):
     assert torch.allclose(y, want, rtol=0, atol=8 * torch.finfo(torch.float32).eps * 8**0.5)
     ran = [f["node"] for f in facts if f["fact"] == "ran"]
     assert ran == g.topological_sort()
+    began = [f["began_us"] for f in facts if f["fact"] == "ran"]
+    assert began == sorted(began)  # a worker's times are counted from this forward's start
     assert facts[-1]["fact"] == "finished" and len(facts) == len(g) + 1
     assert not y.requires_grad  # no history came back: it does not pretend to have one
 
@@ -78,6 +80,8 @@ def test_nodes_run_in_the_worker_process_and_a_slice_is_one_round_trip(two):
     before = hello(two, "a")["served"]
     assert g.forward(2.0, broker=two)[1] == 6.0
     assert hello(two, "a")["served"] - before == 2  # the forward, and this hello
+    there = Graph.somatize(Plus(1.0).at("a"))
+    assert there.forward(Opaque(1.0), broker=two) == 2.0  # taken off before it travels
 
 
 def test_a_forward_hook_on_a_module_node_fires_on_its_worker(two):

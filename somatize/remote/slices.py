@@ -16,7 +16,6 @@ from types import SimpleNamespace
 from typing import Any
 
 from somatize import _hooks
-from somatize.node import unwrap
 from somatize.remote.errors import not_held
 from somatize.run import MANY, ONE, ROOT, Ctx, _result, finished, step_of, tell, walk
 
@@ -72,7 +71,6 @@ def _sources(mode: int, src: Any) -> list[int]:
 def run_plan(broker: Any, plan: Any, input: Any, told: list[Callable[[dict], Any]]) -> Any:
     """Run every slice of `plan` in order; tell watchers what ran (a remote node with the
     time measured on its worker) and when it finished."""
-    input = unwrap(input)
     vals: list[Any] = [None] * len(plan.steps)
     start = time.perf_counter_ns()
     for one in broker.slices(plan):
