@@ -872,6 +872,62 @@ def test_dead_channels_over_the_window_and_input_channels_a_node_ignores():
     assert "input_channels" not in n  # its input is the data: no gradient reaches it
 
 
+def test_a_1d_convs_channels_are_dim_1_after_its_norm_activation_and_pool_a_sequences_last():
+    """(N, C, L) out of a Conv1d keeps its channels on dim 1 through the BatchNorm1d, the ReLU
+    and the pool after it, each its own place; a sequence's (N, T, D) keeps them last."""
+
+    class Audio(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(2, 8, 3, padding=1)
+            self.bn = nn.BatchNorm1d(8)
+            self.act = nn.ReLU()
+            self.pool = nn.AdaptiveAvgPool1d(5)
+
+        def forward(self, x, ctx):
+            return self.pool(self.act(self.bn(self.conv(x))))
+
+    class Sequence(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 6)
+            self.r = nn.ReLU()
+            self.head = nn.Linear(6, 3)
+
+        def forward(self, x, ctx):  # (N, 8, 5) → 5 steps of 8 features
+            return self.head(self.r(self.l(x.transpose(1, 2))).mean(1))
+
+    torch.manual_seed(0)
+    audio, sequence = Audio(), Sequence()
+    with torch.no_grad():  # 3 channels the norm makes -1, which the ReLU kills; 2 features too
+        audio.bn.weight[:3], audio.bn.bias[:3] = 0.0, -1.0
+        sequence.l.bias[:2], sequence.l.bias[2:] = -100.0, 100.0
+    g = Graph.somatize(audio.named("audio") >> sequence.named("seq"))
+    heard = []
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.0),
+        auditing=Audit(channels=True, inside=True),
+        watching=heard.append,
+    )
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 2, 20, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    t.fit([(x, y)] * 2)
+    t.close()
+    last = [f for f in heard if f.get("fact") == "health" and f["step"] == 1]
+    for where in ("audio", "audio.conv", "audio.bn", "audio.act", "audio.pool"):
+        assert _by(last, where)["channels"] == 8, where  # not the 20 (or 5) positions
+    for where in ("audio", "audio.act", "audio.pool"):
+        n = _by(last, where)
+        assert n["dead_channels"] == 3 and "DEAD_CHANNELS(3)" in verdict(n), where
+    bn = _by(last, "audio.bn")  # a weight of 0 passes no gradient back to its channel
+    assert bn["input_channels"] == 8 and bn["ignored_channels"] == 3
+    assert _by(last, "audio.act")["input_channels"] == 8
+    r = _by(last, "seq.r")
+    assert r["channels"] == 6 and r["dead_channels"] == 2 and r["input_channels"] == 6
+
+
 def test_groups_that_carry_the_same_thing_leak_and_refusals():
     class Copy(Node, nn.Module):
         def __init__(self):

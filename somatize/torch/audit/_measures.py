@@ -90,29 +90,30 @@ def read(tensors: list[torch.Tensor]) -> list[float]:
     return out
 
 
-def channel_view(t: torch.Tensor, conv: bool) -> torch.Tensor:
-    """(samples, channels): channels on dim 1 for images and for a conv place's output, the
-    last dim otherwise (a sequence's features)."""
+def channel_view(t: torch.Tensor, first: bool) -> torch.Tensor:
+    """(samples, channels): channels on dim 1 for images and where they come `first` (a 1-d
+    conv's (N, C, L) output, and what a norm or an activation made of it: `_place.layouts`),
+    the last dim otherwise (a sequence's features)."""
     if t.dim() <= 1:
         return t.reshape(1, -1)
     if t.dim() == 2:
         return t
-    if conv or t.dim() >= 4:
+    if first or t.dim() >= 4:
         return t.movedim(1, -1).reshape(-1, t.shape[1])
     return t.reshape(-1, t.shape[-1])
 
 
-def activity(t: torch.Tensor, conv: bool) -> torch.Tensor:
+def activity(t: torch.Tensor, first: bool) -> torch.Tensor:
     """Each channel's mean |value| over samples (and positions), in float32 or wider."""
-    view = channel_view(t.detach(), conv)
+    view = channel_view(t.detach(), first)
     return view.abs().mean(0, dtype=_wide(view) or view.dtype)
 
 
-def rows_of(t: torch.Tensor, conv: bool) -> torch.Tensor | None:
+def rows_of(t: torch.Tensor, first: bool) -> torch.Tensor | None:
     """At most `_ROWS` samples of the channel view, evenly spaced and copied (the output may
     be written over in place after the place saw it), in float32 or wider; None for fewer
     than two samples."""
-    view = channel_view(t.detach(), conv)
+    view = channel_view(t.detach(), first)
     if view.shape[0] < 2:
         return None
     stride = max(1, view.shape[0] // _ROWS)

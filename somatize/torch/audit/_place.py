@@ -44,13 +44,53 @@ def _saturation(modules: list[nn.Module]) -> str | None:
     return "tanh" if any(n in ("Tanh", "Hardtanh", "Softsign") for n in names) else None
 
 
+# the norms whose weights are one per channel of dim 1, by torch's definition of them
+_CHANNEL_NORMS = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
+    nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm, nn.LocalResponseNorm,
+)  # fmt: skip
+
+
+def layouts(modules: list[nn.Module]) -> dict[int, bool]:
+    """Whether each of `modules`, and each module in them, gives a 3-d output with its
+    channels first, (N, C, L), by id. A 1-d convolution (its weight of three dims) and a
+    batch, instance or group norm do; an activation, a dropout or a pool, pad or reshape
+    keeps the layout of the layer before it (in the order they were declared, which is the
+    order most forwards apply them); a block's is its last layer's; anything else (a linear
+    layer, attention, a layer or RMS norm, a recurrent layer, and a 2-d convolution, whose
+    output is 3-d only flattened into a sequence of patches) gives its features last, as a
+    transformer's (N, T, D) has them. What a forward does between modules is not seen."""
+    out: dict[int, bool] = {}
+    first = False
+
+    def visit(m: nn.Module) -> None:
+        nonlocal first
+        parts = parts_of(m)
+        for _, part in parts:
+            visit(part)
+        if not parts:
+            kind = kind_of(m)
+            weight = getattr(m, "weight", None)
+            if isinstance(m, _CHANNEL_NORMS) or (
+                kind == "conv" and isinstance(weight, torch.Tensor) and weight.dim() == 3
+            ):
+                first = True
+            elif kind not in ("activation", "regular", "shaping"):
+                first = False
+        out[id(m)] = first
+
+    for m in modules:
+        visit(m)
+    return out
+
+
 class Place:
     """A node (`inside` None) or a module inside one (`inside` its dotted path under the
     node). `params`: the weights it trains, each once; `index`: where they sit in the audit's
-    flat list of weights."""
+    flat list of weights; `first`: its 3-d outputs hold their channels first (`layouts`)."""
 
     def __init__(
-        self, node: str, inside: str | None, modules: list[nn.Module], window: int
+        self, node: str, inside: str | None, modules: list[nn.Module], window: int, first: bool
     ) -> None:
         self.node = node
         self.inside = inside
@@ -58,7 +98,7 @@ class Place:
         trained = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
         self.params: list[nn.Parameter] = list(trained.values())
         self.saturates = _saturation(modules)
-        self.conv = any(kind_of(s) == "conv" for m in modules for s in m.modules())
+        self.first = first
         self.index: list[int] = []
         self.big = -1  # where its largest weight sits in that list, if it is a matrix or more
         self.groups: dict[str, list[int]] | None = None
@@ -106,12 +146,12 @@ class Place:
         if snapshot and t.requires_grad:
             t.register_hook(_hear(weakref.ref(self), step, "out_grads", None))
         if channels:
-            self.activity.append(activity(a, self.conv))
+            self.activity.append(activity(a, self.first))
             x = next((x for x in floats_in(input) if x.requires_grad), None)
             if x is not None and x.dim() >= 2:
-                x.register_hook(_hear(weakref.ref(self), step, "in_grads", self.conv))
+                x.register_hook(_hear(weakref.ref(self), step, "in_grads", self.first))
         if (snapshot or self.groups is not None) and self.rows is None:
-            self.rows = rows_of(a, self.conv)
+            self.rows = rows_of(a, self.first)
 
     # -- after backward -----------------------------------------------------------------------
     def queue(self, tensors: list[torch.Tensor]) -> None:
@@ -254,13 +294,13 @@ def _under(per_channel: torch.Tensor) -> torch.Tensor:
     return torch.count_nonzero(per_channel <= _DORMANT_TAU * mean) * (mean > 0)
 
 
-def _hear(place: weakref.ref, step: int, into: str, conv: bool | None) -> Any:
-    """A tensor hook that keeps a number about the gradient it is handed: its norm (`conv`
+def _hear(place: weakref.ref, step: int, into: str, first: bool | None) -> Any:
+    """A tensor hook that keeps a number about the gradient it is handed: its norm (`first`
     None) or each channel's mean magnitude; only for the step it was registered in."""
 
     def hook(g: torch.Tensor) -> None:
         p = place()
         if p is not None and p.step == step:
-            getattr(p, into).append(norm(g) if conv is None else activity(g, conv))
+            getattr(p, into).append(norm(g) if first is None else activity(g, first))
 
     return hook

@@ -35,7 +35,7 @@ from somatize.graph import as_graph
 from somatize.run import warn
 from somatize.torch._modules import Held, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, stable_rank, wide_norm
-from somatize.torch.audit._place import Place
+from somatize.torch.audit._place import Place, layouts
 from somatize.torch.audit._select import choose, names_of
 
 __all__ = ["Audit"]
@@ -136,10 +136,13 @@ class Audit:
         inner: list[tuple[nn.Module, Place]] = []
         left: list[str] = []
         for node, held in held_by.items():
-            places.append(Place(node, None, [m for _, m in held], self.window))
+            modules = [m for _, m in held]
+            first = layouts(modules)  # a node gives what the last module it holds gives
+            last = first[id(modules[-1])] if modules else False
+            places.append(Place(node, None, modules, self.window, last))
             chosen, missed = choose(node, held, self.inside, self.most)
             for path, module in chosen:
-                place = Place(node, path, [module], self.window)
+                place = Place(node, path, [module], self.window, first.get(id(module), False))
                 places.append(place)
                 inner.append((module, place))
             left += [f"{node}.{p}" for p in missed]
