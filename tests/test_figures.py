@@ -401,6 +401,25 @@ def test_a_tied_weight_is_counted_once_and_attention_axes_are_heads_and_sequence
     assert "2 batch · 3 ch · 8 h · 8 w" in texts
 
 
+def test_a_1d_convs_channels_stay_on_dim_1_through_what_follows_it_and_a_sequences_last():
+    """(N, C, L) out of a Conv1d is channels then length after its norm, activation and
+    dropout too; a linear layer's (N, T, D), and GPT-2's Conv1D's (a linear layer), is not."""
+    from transformers.pytorch_utils import Conv1D
+
+    from somatize.torch import architecture
+
+    def texts(net, x):
+        svg = graph_figure(net, inside=architecture(net, x)).svg()
+        return [t.text for t in ET.fromstring(svg).iter(f"{SVG}text") if t.text and "·" in t.text]
+
+    conv = nn.Sequential(nn.Conv1d(2, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(), nn.Dropout())
+    assert texts(conv, torch.randn(4, 2, 20))[1:] == ["4 batch · 8 ch · 20 len"] * 4
+    seq = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), Conv1D(5, 6), nn.LayerNorm(5))
+    assert texts(seq, torch.randn(4, 20, 8))[1:] == [
+        "4 batch · 20 len · 6 dim", "4 batch · 20 len · 6 dim", *["4 batch · 20 len · 5 dim"] * 2
+    ]
+
+
 def test_a_layer_is_drawn_by_what_it_computes_with_not_by_its_name(tmp_path):
     """GPT-2's Conv1D is a linear layer (its kind says so): drawn as one, never as a conv."""
     from transformers.pytorch_utils import Conv1D

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from somatize.figures._shapes import family, shape_text
+from somatize.figures._shapes import channels_first, family, shape_text
 from somatize.figures._svg import number, text_width
 
 NODE_TOP = 42  # an open node's title and subtitle, above its layers
@@ -145,6 +145,17 @@ class _Inside:
             chain = [la["path"] for la in drawn if not la.get("block")]
             edges = list(zip(chain, chain[1:], strict=False))
         self.edges = edges
+        # whether what feeds each layer (the first edge into it) gives it channels first, in
+        # the shape it has (a transpose or a flatten between changes the layout); in the order
+        # the layers ran, so what fed one is known before it
+        fed = {b: a for a, b in reversed(edges)}
+        shapes = {la["path"]: la.get("shape") for la in self.layers}
+        first: dict[str, bool] = {}
+        self.before: dict[str, bool] = {}
+        for la in self.layers:
+            path, by = la["path"], fed.get(la["path"], "")
+            self.before[path] = first.get(by, False) and shapes.get(by) == la.get("shape")
+            first[path] = channels_first(la.get("kind"), la.get("label"), self.before[path])
 
     def boxes(self) -> list[Box]:
         out: list[Box] = []
@@ -164,7 +175,10 @@ class _Inside:
             text += f"  ×{times}"
         around = _enclosing(self.blocks, layer.get("block"))
         attention = any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
-        sub = shape_text(layer.get("shape"), layer.get("kind"), layer.get("label"), attention)
+        before = self.before.get(layer["path"], False)
+        sub = shape_text(
+            layer.get("shape"), layer.get("kind"), layer.get("label"), attention, before
+        )
         w = max(text_width(text, 12, True), text_width(sub, 11) if sub else 0) + 36
         box = Box(
             id=f"l:{self.node}:{path}",

@@ -93,23 +93,38 @@ def outline(fam: str, w: float, h: float) -> str:
 
 
 _SEQUENCE = re.compile(r"attn|attention|softmax|matmul|score|embed|linear|lstm|gru|rnn", re.I)
-_CHANNELS = re.compile(r"conv|pool|batchnorm|groupnorm|instancenorm|norm[123]d|upsample", re.I)
+_CHANNEL_NORM = re.compile(r"batchnorm|groupnorm|instancenorm|norm[123]d", re.I)
 
 
-def shape_text(shape: Any, kind: Any = None, label: Any = None, attention: bool = False) -> str:
+def channels_first(kind: Any, label: Any, before: bool = False) -> bool:
+    """Whether a layer's 3-d output holds its channels on dim 1, (N, C, L): a conv's, a pool's
+    and a batch, group or instance norm's do; an activation, a dropout, a reshape or an op
+    keeps the layout of what fed it (`before`: it had them first, in this shape); anything
+    else (a linear layer, attention, a layer norm) gives its features last, as a
+    transformer's (N, T, D) has them."""
+    fam = family(kind, label)
+    if fam in ("conv", "pool") or (fam == "norm" and _CHANNEL_NORM.search(str(label or ""))):
+        return True
+    return before if fam in ("activation", "dropout", "reshape", "op") else False
+
+
+def shape_text(
+    shape: Any, kind: Any = None, label: Any = None, attention: bool = False, before: bool = False
+) -> str:
     """An output shape named by axis: `4 batch · 8 ch · 8 h · 8 w`; '' when unknown.
 
-    A 3-d output is `batch · len · dim` (a sequence) unless the layer works over channels (a
-    conv, a pool, a batch or group norm). A 4-d one is `batch · heads · seq · dim` from an
-    attention layer itself; its axes are only numbered inside attention (`attention`: a view
-    or transpose of heads) or from a layer that works on sequences (softmax, matmul, linear,
-    ...): attention scores are not an image's channels; anywhere else it is
-    `batch · ch · h · w`."""
+    A 3-d output is `batch · len · dim` (a sequence) unless its channels come first
+    (`channels_first`: a conv, a pool, a batch or group norm, or an activation after one;
+    `before`: whether what fed the layer had them first). A 4-d one is
+    `batch · heads · seq · dim` from an attention layer itself; its axes are only numbered
+    inside attention (`attention`: a view or transpose of heads) or from a layer that works on
+    sequences (softmax, matmul, linear, ...): attention scores are not an image's channels;
+    anywhere else it is `batch · ch · h · w`."""
     if not isinstance(shape, (list, tuple)) or not shape:
         return ""
     n = len(shape)
     text = f"{kind or ''} {label or ''}"
-    channels = bool(_CHANNELS.search(text))
+    channels = channels_first(kind, label, before)
     own = str(kind or "").lower() == "attention"
     own = own or bool(re.search(r"attn|attention", str(label or ""), re.I))
     if n == 1:
