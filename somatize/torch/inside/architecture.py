@@ -140,9 +140,10 @@ def _capture(
     graph: Any, roots: dict[str, nn.Module], example: Any, broker: Any, plans: dict[str, Any]
 ) -> tuple[dict[str, _Call], dict[str, dict[str, list[Any]]]]:
     """Run the graph once: what reached each node's module, as its exact arguments. Modules
-    fx can follow have what their submodules gave back recorded (for the shapes); those it
-    cannot are read by their `Reading`, armed for this run. A plain node's modules are run
-    through their `Holder`, so it is read as a module is."""
+    fx can follow have what the submodules their fx graph calls gave back recorded (`by_fx`
+    runs the rest of the graph on it, for the shapes; nothing else is kept); those it cannot
+    are read by their `Reading`, armed for this run. A plain node's modules are run through
+    their `Holder`, so it is read as a module is."""
     seen: dict[str, _Call] = {}
     outputs: dict[str, dict[str, list[Any]]] = {}
     handles = []
@@ -152,15 +153,17 @@ def _capture(
             seen.setdefault(key, (args, kwargs))
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        if not isinstance(plans.get(node), tuple):
+        plan = plans.get(node)
+        if plan is None or isinstance(plan, _Read):
             continue  # childless, or read by its Reading: nothing to record
         mine = outputs[node] = {}
-        for path, sub in list(module.named_modules(remove_duplicate=False))[1:]:  # (not itself)
+        fx_graph, opening = plan
+        for path in {n.target for n in fx_graph.nodes if n.op == "call_module"}:
 
             def record(m: nn.Module, args: tuple, out: Any, into=mine, path=path) -> None:
                 into.setdefault(path, []).append(out)
 
-            handles.append(sub.register_forward_hook(record))
+            handles.append(opening.named[path].register_forward_hook(record))
     through = {n: m for n, m in roots.items() if isinstance(m, Holder)}
     readings = [p.reading for p in plans.values() if isinstance(p, _Read)]
     try:
@@ -209,7 +212,7 @@ def architecture(
         call = calls.get(node)
         if example is not None and call is None:
             continue  # never reached (a branch not taken, or run elsewhere)
-        got = _raw(root, call, outputs.get(node), plans.get(node), depth)
+        got = _raw(root, call, outputs.pop(node, None), plans.get(node), depth)
         if got is None:
             continue
         raw, how, why = got
