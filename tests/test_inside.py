@@ -3,8 +3,10 @@ reaches each node, ×N folding, depth, most."""
 
 from __future__ import annotations
 
+import gc
 import json
 import operator
+import weakref
 
 import pytest
 import torch
@@ -126,6 +128,27 @@ def test_traced_residual_cnn_symbolically_folded_with_shapes():
     data = inside.to_json()
     assert json.loads(json.dumps(data)) == data
     assert set(data["layers"][0]) >= {"path", "kind", "label", "shape", "params", "block"}
+
+
+class BranchyCNN(CNN):
+    def forward(self, x):  # fx cannot follow a branch on the data: read by a real forward
+        return super().forward(x if x.sum() > -1e9 else -x)
+
+
+@pytest.mark.parametrize("net, how", [(CNN, "symbolic"), (BranchyCNN, "traced")])
+def test_architecture_keeps_no_block_output_it_does_not_read(net, how):
+    # a block's output is let go once the next block has used it, not held for the shapes
+    model, block_out, alive = net(), [], []
+    model.blocks[0].register_forward_hook(lambda m, a, out: block_out.append(weakref.ref(out)))
+
+    def check(m, args):
+        gc.collect()
+        alive.append(block_out[-1]() is not None)
+
+    model.fc.register_forward_pre_hook(check)
+    inside = traced(model, torch.randn(2, 3, 8, 8))
+    assert inside.how == how and inside.layer("blocks.0.c1").shape == [2, 4, 8, 8]
+    assert alive and not any(alive)
 
 
 def test_traced_without_an_example_is_symbolic_without_shapes():
