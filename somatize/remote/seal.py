@@ -9,8 +9,11 @@ unsealed, answered with the salt and the worker's clock) before its first messag
 A sealed message is `[seal, header, data_1, ...]`, `seal` being `MAGIC`, a random nonce, the
 sender's clock and a Poly1305 tag (under a one-time key: BLAKE2b of the nonce and clock, keyed
 with the session key) over all of these, the number of frames, every frame's length and every
-byte. What does not verify is `Refused` before a byte of it is read; so is a message sealed
-more than `WINDOW` seconds from now, or one whose nonce was seen (a replay).
+byte, each part zero-padded to Poly1305's 16-byte block as RFC 8439 pads (every length is in
+the tag, so the padding is unambiguous; a frame read from a block's start is MAC'd twice as
+fast as one read after a partial block). What does not verify is `Refused` before a byte of
+it is read; so is a message sealed more than `WINDOW` seconds from now, or one whose nonce
+was seen (a replay).
 """
 
 from __future__ import annotations
@@ -126,10 +129,10 @@ class Seal:
             nonce + clock, key=self.key, digest_size=32, person=_PERSON
         ).digest()
         mac = Poly1305(one_time)
-        mac.update(MAGIC + nonce + clock + _LENGTHS.pack(len(frames)))
-        mac.update(b"".join([_LENGTHS.pack(f.nbytes) for f in frames]))
-        for frame in frames:
-            mac.update(frame)
+        lengths = b"".join([_LENGTHS.pack(f.nbytes) for f in frames])
+        for part in (MAGIC + nonce + clock + _LENGTHS.pack(len(frames)) + lengths, *frames):
+            mac.update(part)
+            mac.update(bytes(-len(part) % 16))  # to a block's end: the next starts whole
         return mac.finalize()
 
     def seal(self, frames: list[Any]) -> list[Any]:
