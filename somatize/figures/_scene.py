@@ -150,12 +150,11 @@ class _Inside:
         # the layers ran, so what fed one is known before it
         fed = {b: a for a, b in reversed(edges)}
         shapes = {la["path"]: la.get("shape") for la in self.layers}
-        first: dict[str, bool] = {}
-        self.before: dict[str, bool] = {}
+        self.first: dict[str, bool] = {}
         for la in self.layers:
             path, by = la["path"], fed.get(la["path"], "")
-            self.before[path] = first.get(by, False) and shapes.get(by) == la.get("shape")
-            first[path] = channels_first(la.get("kind"), la.get("label"), self.before[path])
+            before = self.first.get(by, False) and shapes.get(by) == la.get("shape")
+            self.first[path] = channels_first(la.get("kind"), la.get("label"), before)
 
     def boxes(self) -> list[Box]:
         out: list[Box] = []
@@ -175,10 +174,9 @@ class _Inside:
             text += f"  ×{times}"
         around = _enclosing(self.blocks, layer.get("block"))
         attention = any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
-        before = self.before.get(layer["path"], False)
-        sub = shape_text(
-            layer.get("shape"), layer.get("kind"), layer.get("label"), attention, before
-        )
+        first = self.first.get(layer["path"], False)
+        kind, label = layer.get("kind"), layer.get("label")
+        sub = shape_text(layer.get("shape"), kind, label, attention, first)
         w = max(text_width(text, 12, True), text_width(sub, 11) if sub else 0) + 36
         box = Box(
             id=f"l:{self.node}:{path}",

@@ -109,14 +109,13 @@ def channels_first(kind: Any, label: Any, before: bool = False) -> bool:
 
 
 def shape_text(
-    shape: Any, kind: Any = None, label: Any = None, attention: bool = False, before: bool = False
+    shape: Any, kind: Any = None, label: Any = None, attention: bool = False, first: bool = False
 ) -> str:
     """An output shape named by axis: `4 batch · 8 ch · 8 h · 8 w`; '' when unknown.
 
-    A 3-d output is `batch · len · dim` (a sequence) unless its channels come first
-    (`channels_first`: a conv, a pool, a batch or group norm, or an activation after one;
-    `before`: whether what fed the layer had them first). A 4-d one is
-    `batch · heads · seq · dim` from an attention layer itself; its axes are only numbered
+    A 3-d output is `batch · len · dim` (a sequence) unless its channels come first (`first`,
+    as `channels_first` answers for the layer). A 4-d one is `batch · heads · seq · dim` from
+    an attention layer itself; its axes are only numbered
     inside attention (`attention`: a view or transpose of heads) or from a layer that works on
     sequences (softmax, matmul, linear, ...): attention scores are not an image's channels;
     anywhere else it is `batch · ch · h · w`."""
@@ -124,7 +123,6 @@ def shape_text(
         return ""
     n = len(shape)
     text = f"{kind or ''} {label or ''}"
-    channels = channels_first(kind, label, before)
     own = str(kind or "").lower() == "attention"
     own = own or bool(re.search(r"attn|attention", str(label or ""), re.I))
     if n == 1:
@@ -132,10 +130,10 @@ def shape_text(
     elif n == 2:
         names = ["batch", "dim"]
     elif n == 3:
-        names = ["batch", "ch", "len"] if channels else ["batch", "len", "dim"]
-    elif n == 4 and own and not channels:
+        names = ["batch", "ch", "len"] if first else ["batch", "len", "dim"]
+    elif n == 4 and own and not first:
         names = ["batch", "heads", "seq", "dim"]
-    elif n in (4, 5) and (channels or not (attention or _SEQUENCE.search(text))):
+    elif n in (4, 5) and (first or not (attention or _SEQUENCE.search(text))):
         names = ["batch", "ch", "h", "w"] if n == 4 else ["batch", "ch", "d", "h", "w"]
     else:
         names = ["batch"] + [f"d{i}" for i in range(1, n)]
