@@ -185,7 +185,7 @@ def _tools(table: dict[str, Any]) -> str:
     buttons = "".join(
         f'<button class="smz-toggle" data-group="{esc(g)}" '
         'style="font:inherit;font-size:11px;margin-right:6px">'
-        f"▸ {esc(_GROUPS.get(g, (g, ''))[0].split(' · ')[0] or g)} ({len(cs)} more)</button>"
+        f"▸ {esc(_GROUPS.get(g, (g, ''))[0].split(' · ')[0])} ({len(cs)} more)</button>"
         for g, cs in by.items()
     )
     style = f"margin-top:6px;color:{MUTED};font-size:11px"
