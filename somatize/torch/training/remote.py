@@ -36,8 +36,6 @@ class Remote:
         worker that no longer holds the part is sent it again, once (`StateLost` if it had learnt
         there since its weights were last read back)."""
         broker, host = self.broker, self.host
-        if not broker.holds(host, part.key):
-            self._refuse_untrained(part)
         message = {
             "op": "stage.forward",
             "inputs": inputs,
@@ -85,6 +83,7 @@ class Remote:
             )
 
     def _describe(self, part: Any) -> dict[str, Any]:
+        self._refuse_untrained(part)  # asked whenever the part is sent, so once a worker
         broker = self.broker
         learning = None
         if part.learning is not None:
