@@ -208,7 +208,7 @@ class Server:
             session.nodes[key] = self.rebuild(d)
         if op == "run":  # a forward slice, run without autograd
             served = session.keep(m, "forward slice", lambda d: ServedSlice(d, session.nodes))
-            return run_served(served, m.get("given"), m.get("input"), bool(m.get("watching", True)))
+            return run_served(served, m.get("given"), m.get("input"), m.get("watching") is True)
         if op == "define":
             return len(session.nodes)
         if op == "state":

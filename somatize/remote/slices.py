@@ -158,13 +158,13 @@ class ServedSlice:
         self.graph = SimpleNamespace(implementation=held.__getitem__)
 
 
-def run_served(served: ServedSlice, given: Any, input: Any, timed: bool = True) -> dict[str, Any]:
+def run_served(served: ServedSlice, given: Any, input: Any, watching: bool) -> dict[str, Any]:
     """Run a slice through the engine's own loop without autograd (hooks fire, failures are
     noted with their node); `given` holds the values of the slots it reads from outside.
-    Answers the values wanted outside and, when `timed`, the engine's `ran` facts."""
+    Answers the values wanted outside and, when `watching`, the engine's `ran` facts."""
     vals: dict[int, Any] = dict(given) if type(given) is dict else {}
     facts: list[dict] = []
-    told = [facts.append] if timed else None
+    told = [facts.append] if watching else None
     with _hooks.no_grad():
         walk(served, served.steps, vals, input, told, time.perf_counter_ns())
     return {"out": {slot: vals[slot] for slot in served.wanted}, "facts": facts}
