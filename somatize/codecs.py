@@ -285,11 +285,11 @@ def _ext_hook(code: int, data: bytes) -> Any:
         kind, payload = _KNOWN_KIND[code], data
     else:
         raise Malformed(f"unknown msgpack extension type {code} in encoded bytes")
-    found = _by_kind.get(kind)
+    found = _by_kind.get(kind, _NUMPY if kind == "numpy" else None)
     if found is None:  # registered by somatize.torch, or for a library loaded since
         _hooks.ready(torch_needed=kind == "torch.Tensor")
         _hooks.late_codecs()
-        found = _by_kind.get(kind, _NUMPY if kind == "numpy" else None)
+        found = _by_kind.get(kind)
     if found is None:
         raise NoCodec(
             f"the bytes hold a value of kind {kind!r} and no codec of that kind is "
