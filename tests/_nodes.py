@@ -78,3 +78,21 @@ def loops(edges: list[tuple[str, str]]) -> bool:
     except graphlib.CycleError:
         return True
     return False
+
+
+class Listen(nn.Module):
+    """An audio front end: (N, 2, L) through a Conv1d, AlexNet's LocalResponseNorm and a ReLU
+    (N, 8, L), a Linear at each position (N, L, 6) and a MaxPool1d over the length (N, 6, L/2),
+    each given the axes it works on by a transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 8, 3, padding=1)
+        self.lrn = nn.LocalResponseNorm(3)
+        self.act = nn.ReLU()
+        self.lin = nn.Linear(8, 6)
+        self.pool = nn.MaxPool1d(2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.lrn(self.conv(x))).transpose(1, 2)
+        return self.pool(self.lin(y).transpose(1, 2))

@@ -928,6 +928,39 @@ def test_a_1d_convs_channels_are_dim_1_after_its_norm_activation_and_pool_a_sequ
     assert r["channels"] == 6 and r["dead_channels"] == 2 and r["input_channels"] == 6
 
 
+def test_channels_are_where_each_layer_puts_them_a_1d_pool_after_a_transpose_included():
+    """The same rule as a figure's axes (tests/test_figures.py runs this net): a 1-d pool
+    holds its channels on dim 1 whatever came before it, here the features of a Linear."""
+
+    class Head(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(60, 3)
+
+        def forward(self, x, ctx):
+            return self.l(x.flatten(1))
+
+    from _nodes import Listen
+
+    torch.manual_seed(0)
+    g = Graph.somatize(Node.of(Listen()).named("listen") >> Head().named("head"))
+    heard = []
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.0),
+        auditing=Audit(channels=True, inside=True),
+        watching=heard.append,
+    )
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 2, 20, generator=gen), torch.randint(0, 3, (16,), generator=gen)
+    t.fit([(x, y)] * 2)
+    t.close()
+    last = [f for f in heard if f.get("fact") == "health" and f["step"] == 1]
+    for where, channels in {"conv": 8, "lrn": 8, "act": 8, "lin": 6, "pool": 6}.items():
+        assert _by(last, f"listen.{where}")["channels"] == channels, where  # not 20 or 10
+
+
 def test_groups_that_carry_the_same_thing_leak_and_refusals():
     class Copy(Node, nn.Module):
         def __init__(self):

@@ -420,6 +420,21 @@ def test_a_1d_convs_channels_stay_on_dim_1_through_what_follows_it_and_a_sequenc
     ]
 
 
+def test_axes_are_named_by_the_audits_rule_a_local_response_norm_and_a_pool_included():
+    """Channels then length where the audit measures channels (tests/test_audit.py runs this
+    net): after a LocalResponseNorm as after a Conv1d, and out of a pool after a Linear."""
+    from _nodes import Listen
+
+    from somatize.torch import architecture
+
+    net = Listen()
+    svg = graph_figure(net, inside=architecture(net, torch.randn(4, 2, 20))).svg()
+    texts = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text") if t.text and "·" in t.text]
+    assert texts[1:] == [
+        *["4 batch · 8 ch · 20 len"] * 3, "4 batch · 20 len · 6 dim", "4 batch · 6 ch · 10 len"
+    ]
+
+
 def test_a_layer_is_drawn_by_what_it_computes_with_not_by_its_name(tmp_path):
     """GPT-2's Conv1D is a linear layer (its kind says so): drawn as one, never as a conv."""
     from transformers.pytorch_utils import Conv1D

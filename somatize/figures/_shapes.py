@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from somatize._channels import channels_first as channels_first  # (where the scene asks)
+
 HUES = {
     "conv": "#1a9c8c",
     "attention": "#8d5bd6",
@@ -93,19 +95,6 @@ def outline(fam: str, w: float, h: float) -> str:
 
 
 _SEQUENCE = re.compile(r"attn|attention|softmax|matmul|score|embed|linear|lstm|gru|rnn", re.I)
-_CHANNEL_NORM = re.compile(r"batchnorm|groupnorm|instancenorm|norm[123]d", re.I)
-
-
-def channels_first(kind: Any, label: Any, before: bool = False) -> bool:
-    """Whether a layer's 3-d output holds its channels on dim 1, (N, C, L): a conv's, a pool's
-    and a batch, group or instance norm's do; an activation, a dropout, a reshape or an op
-    keeps the layout of what fed it (`before`: it had them first, in this shape); anything
-    else (a linear layer, attention, a layer norm) gives its features last, as a
-    transformer's (N, T, D) has them."""
-    fam = family(kind, label)
-    if fam in ("conv", "pool") or (fam == "norm" and _CHANNEL_NORM.search(str(label or ""))):
-        return True
-    return before if fam in ("activation", "dropout", "reshape", "op") else False
 
 
 def shape_text(
@@ -138,4 +127,3 @@ def shape_text(
     else:
         names = ["batch"] + [f"d{i}" for i in range(1, n)]
     return " · ".join(f"{v} {name}" for v, name in zip(shape, names, strict=True))
-

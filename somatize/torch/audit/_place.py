@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from somatize._channels import channels_first
 from somatize.torch._modules import parts_of
 from somatize.torch.audit._measures import (
     _DEAD_EPS,
@@ -24,7 +25,7 @@ from somatize.torch.audit._measures import (
     rows_of,
     sums_of,
 )
-from somatize.torch.inside.kinds import kind_of
+from somatize.torch.inside.kinds import kind_of, label_of
 
 
 def _saturation(modules: list[nn.Module]) -> str | None:
@@ -44,22 +45,11 @@ def _saturation(modules: list[nn.Module]) -> str | None:
     return "tanh" if any(n in ("Tanh", "Hardtanh", "Softsign") for n in names) else None
 
 
-# the norms whose weights are one per channel of dim 1, by torch's definition of them
-_CHANNEL_NORMS = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d,
-    nn.InstanceNorm2d, nn.InstanceNorm3d, nn.GroupNorm, nn.LocalResponseNorm,
-)  # fmt: skip
-
-
 def layouts(modules: list[nn.Module]) -> dict[int, bool]:
     """Whether each of `modules`, and each module in them, gives a 3-d output with its
-    channels first, (N, C, L), by id. A 1-d convolution (its weight of three dims) and a
-    batch, instance or group norm do; an activation, a dropout or a pool, pad or reshape
-    keeps the layout of the layer before it (in the order they were declared, which is the
-    order most forwards apply them); a block's is its last layer's; anything else (a linear
-    layer, attention, a layer or RMS norm, a recurrent layer, and a 2-d convolution, whose
-    output is 3-d only flattened into a sequence of patches) gives its features last, as a
-    transformer's (N, T, D) has them. What a forward does between modules is not seen."""
+    channels first, (N, C, L), by id: as `somatize._channels.channels_first` answers, what
+    came before a module being the one declared before it (the order most forwards apply
+    them; what a forward does between modules is not seen), and a block's its last layer's."""
     out: dict[int, bool] = {}
     first = False
 
@@ -69,14 +59,7 @@ def layouts(modules: list[nn.Module]) -> dict[int, bool]:
         for _, part in parts:
             visit(part)
         if not parts:
-            kind = kind_of(m)
-            weight = getattr(m, "weight", None)
-            if isinstance(m, _CHANNEL_NORMS) or (
-                kind == "conv" and isinstance(weight, torch.Tensor) and weight.dim() == 3
-            ):
-                first = True
-            elif kind not in ("activation", "regular", "shaping"):
-                first = False
+            first = channels_first(kind_of(m), label_of(m), first)
         out[id(m)] = first
 
     for m in modules:
