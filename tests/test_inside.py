@@ -571,6 +571,24 @@ def test_a_bare_module_holding_a_plain_module_and_the_graph_agree():
     )
 
 
+def test_a_node_that_is_one_module_runs_once_and_has_the_shape_it_gave_in_the_run():
+    class Scale(nn.Module):  # one layer: a weight, no modules; counts its forwards
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4))
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return x * self.w
+
+    scale = Scale()
+    g = Graph.somatize(Node.of(nn.Linear(3, 4)).named("lin") >> Node.of(scale).named("scale"))
+    inside = architecture(g, torch.randn(2, 3))
+    assert scale.calls == 1  # the graph's run, not a second one for the shape
+    assert inside["scale"].layer("").shape == [2, 4] and inside["lin"].layer("").shape == [2, 4]
+
+
 def test_traced_reads_a_node_that_is_a_module_as_the_graph_calls_it():
     inside = traced(Enc(), torch.randn(3, 4))
     assert [x.path for x in inside.layers] == ["l", "r"] and inside.layer("r").shape == [3, 8]

@@ -75,16 +75,14 @@ def _raw(
     """The layers of `module`, how they were read and why not by fx (None where nothing was):
     `plan` is what `_plan` found before the graph ran (an fx trace, or the `_Read` that rode
     along the run), `call` what reached the module there and `recorded` what its submodules
-    gave back."""
+    gave back (a module without any: the shape of what it gave back, at "")."""
     if isinstance(plan, _Read):  # read in the graph's run: nothing runs again
         return (plan.reading.result(), "traced", plan.why) if plan.reading.calls else None
+    if not parts_of(module):  # one layer, whatever its forward does inside
+        out = Traced()
+        Opening(module, 0).add_leaf(out, "").shape = (recorded or {}).get("")
+        return out, "symbolic", None
     with untouched([module]), torch.no_grad():
-        if not parts_of(module):  # one layer, whatever its forward does inside
-            out = Traced()
-            layer = Opening(module, 0).add_leaf(out, "")
-            if call is not None:
-                layer.shape = shape_of(module(*call[0], **call[1]))
-            return out, "symbolic", None
         try:
             return by_fx(module, plan, *(call or (None, None)), recorded), "symbolic", None
         except Exception as e:  # noqa: BLE001  (the trace ran wrong on real values: say why)
@@ -141,7 +139,8 @@ def _capture(
 ) -> tuple[dict[str, _Call], dict[str, dict[str, list[Any]]]]:
     """Run the graph once: what reached each node's module, as its exact arguments. Modules
     fx can follow have what the submodules their fx graph calls gave back recorded (`by_fx`
-    runs the rest of the graph on it, for the shapes; nothing else is kept); those it cannot
+    runs the rest of the graph on it, for the shapes; nothing else is kept), a module without
+    submodules the shape of what it gave back; those it cannot
     are read by their `Reading`, armed for this run. A plain node's modules are run through
     their `Holder`, so it is read as a module is."""
     seen: dict[str, _Call] = {}
@@ -154,9 +153,16 @@ def _capture(
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         plan = plans.get(node)
-        if plan is None or isinstance(plan, _Read):
-            continue  # childless, or read by its Reading: nothing to record
+        if isinstance(plan, _Read):
+            continue  # read by its Reading: nothing to record
         mine = outputs[node] = {}
+        if plan is None:  # childless: one layer, and only its output's shape is kept
+
+            def shape(m: nn.Module, args: tuple, out: Any, into=mine) -> None:
+                into.setdefault("", shape_of(out))
+
+            handles.append(module.register_forward_hook(shape))
+            continue
         fx_graph, opening = plan
         for path in {n.target for n in fx_graph.nodes if n.op == "call_module"}:
 
