@@ -140,9 +140,9 @@ def _capture(
     """Run the graph once: what reached each node's module, as its exact arguments. Modules
     fx can follow have what the submodules their fx graph calls gave back recorded (`by_fx`
     runs the rest of the graph on it, for the shapes; nothing else is kept), a module without
-    submodules the shape of what it gave back; those it cannot
-    are read by their `Reading`, armed for this run. A plain node's modules are run through
-    their `Holder`, so it is read as a module is."""
+    submodules the shape of what it gave back; those it cannot are read by their `Reading`,
+    armed for this run. A plain node's modules are run through their `Holder`, so it is read
+    as a module is."""
     seen: dict[str, _Call] = {}
     outputs: dict[str, dict[str, list[Any]]] = {}
     handles = []
