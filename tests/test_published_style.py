@@ -818,6 +818,20 @@ def test_frozen_is_none_until_settled_then_the_digest():
     assert again.frozen()["encoder"] not in (None, digest)
 
 
+def test_a_frozen_node_with_a_count_of_no_dimensions_is_digested_and_cached(tmp_path):
+    # a BatchNorm's num_batches_tracked (and a CLIP logit_scale) are tensors of no dimensions
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    g = Graph.somatize(Node.of(net).frozen().cached() >> Node.of(nn.Flatten()))
+    freeze(g)
+    digest = g.frozen()["sequential"]
+    assert digest.startswith("sha256:")
+    x = torch.randn(2, 3, 8, 8)
+    assert torch.equal(g.forward(x, store=tmp_path), g.forward(x, store=tmp_path))
+    net[1].num_batches_tracked.add_(1)  # the count alone is part of the state
+    assert g.frozen()["sequential"] not in (None, digest)
+
+
 def test_a_trainer_settles_what_was_declared_frozen():
     torch.manual_seed(0)
     g = Graph.somatize(Encoder().frozen() >> Head())

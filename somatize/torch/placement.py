@@ -75,7 +75,7 @@ def state_digest(node: Any) -> str | None:
             anything = True
             t = tensor.detach().to("cpu").contiguous()
             h.update(f"{i}.{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-dim too
     return "sha256:" + h.hexdigest() if anything else None
 
 
