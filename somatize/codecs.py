@@ -17,6 +17,7 @@ a numpy header that promises more numbers than follow, and a codec whose `load` 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import io
@@ -85,7 +86,7 @@ class NoCodec(TypeError):
 @dataclass(frozen=True)
 class _Codec:
     kind: str
-    type_: type
+    cls: type
     dump: Callable[[Any], bytes]
     load: Callable[[bytes], Any]
 
@@ -97,31 +98,32 @@ _by_type: dict[type, _Codec] = {}
 
 def codec(
     kind: str,
-    type_: type,
+    type: type,
     *,
     dump: Callable[[Any], bytes],
     load: Callable[[bytes], Any],
 ) -> None:
-    """Say how values of `type_` (and its subclasses) are written down, under the name `kind`.
+    """Say how values of `type` (and its subclasses) are written down, under the name `kind`.
 
     `dump(value) -> bytes` and `load(bytes) -> value` must be inverses. The kind is written
     beside the bytes, so it must stay the same for as long as stored values are read back.
-    Registering a kind again replaces it. Refuses an empty kind, a `type_` that is not a
+    Registering a kind again replaces it. Refuses an empty kind, a `type` that is not a
     class, and a `dump` or `load` that is not callable.
     """
+    cls = type  # the spec's parameter name; the builtin is `builtins.type` below
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"a codec's kind is a non-empty str, not {kind!r}")
-    if not isinstance(type_, type):
-        raise TypeError(f"codec {kind!r}: type_ must be a class, not {type_!r}")
+    if not isinstance(cls, builtins.type):
+        raise TypeError(f"codec {kind!r}: type must be a class, not {cls!r}")
     if not callable(dump) or not callable(load):
         raise TypeError(f"codec {kind!r}: dump and load must both be callable")
-    entry = _Codec(kind, type_, dump, load)
+    entry = _Codec(kind, cls, dump, load)
     with _lock:
         old = _by_kind.get(kind)
-        if old is not None and _by_type.get(old.type_) is old:
-            del _by_type[old.type_]
+        if old is not None and _by_type.get(old.cls) is old:
+            del _by_type[old.cls]
         _by_kind[kind] = entry
-        _by_type[type_] = entry
+        _by_type[cls] = entry
 
 
 def codecs_registered() -> list[str]:

@@ -26,7 +26,8 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from somatize._places import Local, Remote
-from somatize.codecs import decode, digest, encode
+from somatize.codecs import decode, encode
+from somatize.codecs import digest as _digest_of
 from somatize.node import unwrap
 
 __all__ = ["Bound", "CorruptBinding", "CorruptBlob", "Store"]
@@ -151,24 +152,23 @@ class Store:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"put takes bytes, not {type(data).__name__}; use keep for values")
         data = bytes(data)
-        key = digest(data)
+        key = _digest_of(data)
         path = self._blob_path(key)
         if self._place.read(path) != data:
             self._place.write(path, data)
         return key
 
-    def get(self, key: str) -> bytes | None:
-        """The bytes whose digest is `key`, or None if this store has none. Raises
+    def get(self, digest: str) -> bytes | None:
+        """The bytes whose digest is `digest`, or None if this store has none. Raises
         `CorruptBlob` if the bytes kept under that digest no longer hash to it."""
-        path = self._blob_path(key)
+        path = self._blob_path(digest)
         data = self._place.read(path)
-        if data is not None and digest(data) != key:
-            raise CorruptBlob(
-                f"blob {key} at {self._place.where(path)} holds {len(data)} bytes that hash to "
-                f"{digest(data)}: it is corrupt and was not returned; delete the file and put "
-                f"the value again"
-            )
-        return data
+        if data is None or (held := _digest_of(data)) == digest:
+            return data
+        raise CorruptBlob(
+            f"blob {digest} at {self._place.where(path)} holds {len(data)} bytes that hash to "
+            f"{held}: it is corrupt and was not returned; delete the file and put the value again"
+        )
 
     # -- names ---------------------------------------------------------------------------
 
@@ -182,20 +182,20 @@ class Store:
         }
         return encode(record, where=f"the meta of {name!r}")
 
-    def bind(self, name: str, key: str, meta: Any = None) -> None:
-        """Point `name` at the digest `key`, with `meta` (a dict or (key, value) pairs),
+    def bind(self, name: str, digest: str, meta: Any = None) -> None:
+        """Point `name` at `digest`, with `meta` (a dict or (key, value) pairs),
         replacing whatever it pointed at. Refuses a malformed name or digest (`ValueError`)
         and meta values no codec can write (`NoCodec`); a refused bind changes nothing."""
-        self._place.write(_name_path(name), self._binding(name, key, meta))
+        self._place.write(_name_path(name), self._binding(name, digest, meta))
 
-    def claim(self, name: str, key: str, meta: Any = None) -> bool:
-        """Bind `name` to `key` only if nothing is bound to it yet; True if this call did.
+    def claim(self, name: str, digest: str, meta: Any = None) -> bool:
+        """Bind `name` to `digest` only if nothing is bound to it yet; True if this call did.
         Of many claimers racing for one name, threads or processes, exactly one gets True:
         on a directory by a hard link (or, where there are none, an exclusive marker that a
         killed claimer does not leave standing in the way), on S3 by a conditional put the
         server decides (a 409, another write in flight, is asked again; a 412 is False). On
         an fsspec filesystem without exclusive create it is best effort (see docs/store.md)."""
-        return self._place.create(_name_path(name), self._binding(name, key, meta))
+        return self._place.create(_name_path(name), self._binding(name, digest, meta))
 
     def _read_binding(self, name: str, path: str, data: bytes) -> Bound:
         try:

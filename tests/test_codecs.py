@@ -129,6 +129,17 @@ def test_a_registered_codec_writes_its_type_and_its_subclasses() -> None:
     assert [(p.x, p.y) for p in back["p"]] == [(1, 2), (3, 4)]
 
 
+def test_codec_takes_the_spec_s_parameter_names_by_keyword() -> None:
+    class Named:
+        def __init__(self, x: int) -> None:
+            self.x = x
+
+    codec(kind="test-kw", type=Named, dump=lambda n: str(n.x).encode(), load=lambda b: Named(int(b)))
+    assert decode(encode(Named(7))).x == 7
+    with pytest.raises(TypeError, match="type must be a class"):
+        codec(kind="test-kw2", type="Named", dump=bytes, load=bytes)  # type: ignore[arg-type]
+
+
 def test_registering_a_kind_again_replaces_it() -> None:
     class Thing:
         pass

@@ -97,6 +97,18 @@ def test_keep_and_recall_values_through_codecs(store: Store) -> None:
     assert store.recall("never/kept") is None
 
 
+def test_the_methods_take_the_spec_s_parameter_names_by_keyword(store: Store) -> None:
+    one, two = store.put(b"1"), store.put(data=b"2")
+    assert store.get(digest=one) == b"1"
+    store.bind(name="b", digest=one, meta={"k": 1})
+    assert store.claim(name="c", digest=two, meta=None) is True
+    assert store.claim(name="c", digest=one) is False
+    assert store.resolve(name="b").meta == [("k", 1)] and store.resolve("c").digest == two
+    assert [b.name for b in store.bound(prefix="c")] == ["c"]
+    kept = store.keep(name="v", value=(1, 2), meta={"step": 0})
+    assert store.recall(name="v") == (1, 2) and store.resolve("v").digest == kept
+
+
 @pytest.mark.parametrize("name", ["", "/abs", "a//b", "a/", "..", "a/../b", "./a", "a/."])
 def test_bad_names_are_refused_and_nothing_is_written(store: Store, name: str) -> None:
     key = store.put(b"v")
