@@ -446,3 +446,17 @@ def test_a_layer_is_drawn_by_what_it_computes_with_not_by_its_name(tmp_path):
         tmp_path / "g.svg"
     ).read_text()
     assert "smz-kind-linear" in svg and "smz-kind-conv" not in svg
+
+
+def test_a_node_that_is_one_module_is_drawn_at_its_own_name():
+    from somatize.torch import architecture
+
+    enc, head = Node.of(nn.Linear(4, 4)).named("enc"), Node.of(nn.Linear(4, 3)).named("head")
+    g = Graph.somatize(enc >> head)
+    fig = g.figure(inside=architecture(g, torch.randn(2, 4)), colour={"head": 1.0})
+    tips = [t.text for t in ET.fromstring(fig.svg()).iter(f"{SVG}title")]
+    layer = next(t for t in tips if t.startswith("Linear 4→3"))
+    assert "path: head\n" in layer and "head." not in layer
+    # the node's number paints its one layer too: a probe's "head" lands on that box
+    assert _fill(fig.svg(), "l:head:").startswith("rgb(")
+    assert not _fill(fig.svg(), "l:enc:").startswith("rgb(")

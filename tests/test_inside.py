@@ -779,3 +779,24 @@ def test_a_real_forward_reads_the_same_edges_in_every_process():
         for seed in ("1", "2")  # (two seeds that order a set of two paths apart)
     }
     assert len(seen) == 1  # the edges into `add` do not come in an order string hashing made
+
+
+def test_a_recurrent_layer_is_labelled_by_the_width_it_gives_out():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(16, 24, num_layers=3, bidirectional=True, batch_first=True)
+            self.gru = nn.GRU(48, 8, batch_first=True)
+            self.out = nn.Linear(8, 3)
+
+        def forward(self, x):
+            h, _ = self.lstm(x)
+            h, _ = self.gru(h)
+            return self.out(h[:, -1])
+
+    inside = architecture(Net(), torch.randn(2, 5, 16))["net"]
+    lstm = inside.layer("lstm")
+    assert lstm.shape == [2, 5, 48] and lstm.label == "LSTM 16→48, 3 layers, bidirectional"
+    assert inside.layer("gru").label == "GRU 48→8"
+    projected = architecture(nn.LSTM(4, 6, proj_size=3), torch.randn(5, 2, 4))["lstm"]
+    assert projected.layers[0].label == "LSTM 4→3"

@@ -178,6 +178,7 @@ class _Inside:
         kind, label = layer.get("kind"), layer.get("label")
         sub = shape_text(layer.get("shape"), kind, label, attention, first)
         w = max(text_width(text, 12, True), text_width(sub, 11) if sub else 0) + 36
+        where = f"{self.node}.{path}" if path else self.node  # "": the node is the one layer
         box = Box(
             id=f"l:{self.node}:{path}",
             kind="layer",
@@ -185,13 +186,13 @@ class _Inside:
             sub=sub,
             w=max(64.0, round(w)),
             h=38.0 if sub else 26.0,
-            where=f"{self.node}.{path}",
+            where=where,
             family=family(layer.get("kind"), layer.get("label")),
         )
         shape = layer.get("shape")
         box.tip = [
             ("kind", str(layer.get("kind") or "?")),
-            ("path", f"{self.node}.{path}"),
+            ("path", where),
             ("shape", f"[{', '.join(map(str, shape))}]" if isinstance(shape, list) else "unknown"),
             ("parameters", number(layer.get("params") or 0)),
         ]

@@ -180,8 +180,12 @@ def label_of(module: nn.Module) -> str:
         return f"{name} {_pair(tuple(module.normalized_shape))}"
     if isinstance(module, nn.MultiheadAttention):
         return f"{name} {module.embed_dim}/{module.num_heads}h"
-    if isinstance(module, nn.RNNBase):
-        return f"{name} {module.input_size}→{module.hidden_size}"
+    if isinstance(module, nn.RNNBase):  # its output: each direction's hidden state, side by side
+        ways = 2 if module.bidirectional else 1
+        width = ways * (getattr(module, "proj_size", 0) or module.hidden_size)
+        said = f"{name} {module.input_size}→{width}"
+        said += f", {module.num_layers} layers" if module.num_layers > 1 else ""
+        return said + (", bidirectional" if ways == 2 else "")
     if isinstance(module, nn.modules.dropout._DropoutNd):
         return f"{name} {module.p:g}"
     return name
