@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from _remote_nodes import Fails, Hooked, Lin, Pid, Plus, Sleeps, Sum
+from _remote_nodes import Box, Boxes, Fails, Hooked, Lin, Pid, Plus, Sleeps, Sum
 
-from somatize import Broker, Graph, Node, Opaque, Worker
+from somatize import Broker, Graph, NoCodec, Node, Opaque, Worker
 from somatize.remote import StateLost, WorkerLost, seal, wire
 
 NODES = "_remote_nodes"
@@ -99,6 +99,24 @@ def test_a_worker_error_keeps_its_type_and_names_node_and_host(two):
     notes = "\n".join(caught.value.__notes__)
     assert "no such thing as 2" in str(caught.value)
     assert "'boom'" in notes and "host 'b'" in notes
+
+
+def test_a_value_no_codec_writes_down_is_no_codec_naming_its_node_either_way(two):
+    what = "register it with somatize.codec\\(kind, type"
+    # made on a worker: named by the node whose output it is
+    g = Graph.somatize(Plus(1) >> Boxes().named("boxes").at("a") >> Plus(0).named("back"))
+    with pytest.raises(NoCodec, match=f"Box in the output of node 'boxes';.*{what}") as caught:
+        g.forward(1, broker=two)
+    assert "host 'a'" in "\n".join(caught.value.__notes__)
+    # sent to a worker: named by the node that made it and the node it was sent to
+    g = Graph.somatize(Boxes().named("here") >> Plus(1).named("there").at("b"))
+    sent = "Box in the output of node 'here', sent to node 'there' on host 'b';"
+    with pytest.raises(NoCodec, match=f"{sent}.*{what}"):
+        g.forward(1, broker=two)
+    g = Graph.somatize(Plus(1).named("first").at("a"))
+    with pytest.raises(NoCodec, match="Box in the graph's input, sent to node 'first' on host 'a'"):
+        g.forward(Box(1), broker=two)
+    assert g.forward(1, broker=two) == 2  # nothing was left half done
 
 
 def test_an_unknown_host_is_refused_naming_it(two):

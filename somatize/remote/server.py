@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from somatize import _hooks
+from somatize.codecs import NoCodec
 from somatize.remote import seal, wire
 from somatize.remote.allowed import Allowed, construct
 from somatize.remote.errors import Unknown, not_held
@@ -148,9 +149,20 @@ class Server:
             return self.seal.seal(
                 wire.encode(reply, where=f"the answer to {message['op']!r}")
             ), True
+        except NoCodec as error:
+            return self._failed(rid, self._unwritable(message, value, error)), True
         except Exception as error:
             problem = TypeError(f"the answer could not be written down: {error}")
             return self._failed(rid, problem), True
+
+    def _unwritable(self, m: dict[str, Any], value: Any, error: NoCodec) -> NoCodec:
+        """The `NoCodec` of an answer no codec writes down; a forward slice's names the node
+        whose output it was."""
+        session = self.sessions.get(str(m.get("session", "")))
+        served = session.kept.get(m.get("kept")) if session is not None else None
+        if m["op"] == "run" and isinstance(served, ServedSlice):
+            return served.unwritable(value, error)
+        return error
 
     def _failed(self, rid: Any, error: BaseException) -> list[Any]:
         reply = {"rid": rid, "ok": False, "worker": self.incarnation, "error": said(error)}

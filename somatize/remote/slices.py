@@ -16,6 +16,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from somatize import _hooks
+from somatize.codecs import NoCodec
+from somatize.remote import wire
 from somatize.remote.errors import not_held
 from somatize.run import MANY, ONE, ROOT, Ctx, _result, finished, step_of, tell, walk
 
@@ -109,7 +111,12 @@ def _run_there(
     began = time.perf_counter_ns()
     graph = plan.graph
     nodes = [(ctx.id, graph.implementation(ctx.id), device) for *_, ctx, device in one.steps]
-    got = broker.send(one.host, nodes, message, (one.sid, lambda: _described(broker, plan, one)))
+    try:
+        got = broker.send(
+            one.host, nodes, message, (one.sid, lambda: _described(broker, plan, one))
+        )
+    except NoCodec as error:
+        raise _unsent(plan, one, message, error) from None
     for i, value in got["out"].items():
         vals[i] = value
     if told:
@@ -117,6 +124,24 @@ def _run_there(
         for fact in got["facts"]:  # its `ran` facts, timed from when the worker began
             fact["began_us"] += offset
             tell(told, fact)
+
+
+def _unsent(plan: Any, one: Slice, message: dict[str, Any], error: NoCodec) -> NoCodec:
+    """The `NoCodec` of a value sent to slice `one` that no codec writes down, naming the node
+    that made it and the node it was sent to (the first in `one` that reads it); `error`
+    when it was another."""
+    reader: dict[Any, str] = {}  # slot (None: the graph's input): the node that reads it
+    for _i, mode, src, _fn, ctx, _device in one.steps:
+        for j in [None] if mode == ROOT else _sources(mode, src):
+            reader.setdefault(j, ctx.id)
+    given = [(f"the output of node {plan.ids[j]!r}", j, v) for j, v in message["given"].items()]
+    if one.roots:
+        given.append(("the graph's input", None, message["input"]))
+    parts = (
+        (f"{what}, sent to node {reader.get(j)!r} on host {one.host!r}", value)
+        for what, j, value in given
+    )
+    return wire.unwritable(parts, error)
 
 
 class ServedSlice:
@@ -156,6 +181,12 @@ class ServedSlice:
         self.steps = tuple(steps)
         self.wanted = tuple(wanted)
         self.graph = SimpleNamespace(implementation=held.__getitem__)
+
+    def unwritable(self, answer: dict[str, Any], error: NoCodec) -> NoCodec:
+        """The `NoCodec` of `answer` (`run_served`'s, which could not be written down, with
+        `error`), naming the node whose output no codec writes down."""
+        outs = answer["out"].items()
+        return wire.unwritable(((f"the output of node {self.ids[s]!r}", v) for s, v in outs), error)
 
 
 def run_served(served: ServedSlice, given: Any, input: Any, watching: bool) -> dict[str, Any]:

@@ -14,13 +14,14 @@ A message is one Python value (a dict, in practice) with tensors anywhere inside
 - any other value with a codec (`somatize.codec`), as `somatize.codecs.encode` writes it.
 
 Decoding is bounded (frames, nesting, every tensor's shape against its frame, every frame used
-exactly once); anything else is `Malformed`, and nothing in the bytes is run. Sealing (who may
-send) is `somatize.remote.seal`.
+exactly once, text that is UTF-8); anything else is `Malformed`, and nothing in the bytes is
+run. Sealing (who may send) is `somatize.remote.seal`.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ import msgpack
 from somatize import _hooks, codecs
 from somatize.codecs import Malformed
 
-__all__ = ["Malformed", "Named", "encode", "decode", "MOST_FRAMES"]
+__all__ = ["Malformed", "Named", "encode", "decode", "unwritable", "MOST_FRAMES"]
 
 MOST_FRAMES = 4096
 """The most frames one message may have (its header and its tensors)."""
@@ -104,6 +105,19 @@ def encode(message: Any, *, where: str | None = None) -> list[Any]:
     return [writer.pack(message), *writer.frames]
 
 
+def unwritable(parts: Iterable[tuple[str, Any]], error: codecs.NoCodec) -> codecs.NoCodec:
+    """After a message failed to encode with `error`: the `NoCodec` of the first of `parts`
+    (`(whose, value)` each, `whose` as `encode`'s `where`) that cannot be written down, which
+    names whose value it is; `error` when each can (it was another part of the message).
+    Each part is encoded again, so naming costs nothing until something fails."""
+    for whose, value in parts:
+        try:
+            encode(value, where=whose)
+        except codecs.NoCodec as found:
+            return found
+    return error
+
+
 class _Reader:
     """msgpack's `ext_hook` for one message: builds tensors on its frames, bounded."""
 
@@ -133,7 +147,7 @@ class _Reader:
             except ValueError as error:
                 raise Malformed(f"a value by its fields does not build: {error}") from None
         if code == _VALUE:
-            return codecs.decode(data)  # Malformed or NoCodec when it does not decode
+            return _utf8(codecs.decode(data))  # Malformed or NoCodec when it does not decode
         raise Malformed(f"an extension type {code} this wire does not write")
 
     def tensor(self, said: Any) -> Any:
@@ -150,6 +164,29 @@ class _Reader:
             raise Malformed(str(error)) from None
 
 
+def _utf8(value: Any) -> Any:
+    """`value`, unless text in it (in its lists, tuples and dicts) is not UTF-8: a lone
+    surrogate, which `codecs.decode` reads back (a store may hold one) and no answer can
+    carry, is `Malformed` here."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str) and not item.isascii():
+            try:
+                item.encode()
+            except UnicodeEncodeError as error:
+                raise Malformed(
+                    f"text that is not UTF-8 ({error.reason}, at {error.start}): {item!r:.60}; "
+                    "send text as UTF-8, or bytes"
+                ) from None
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+    return value
+
+
 def _buffer(frame: Any) -> memoryview:
     """A frame (bytes, a zmq.Frame, a numpy array) as a flat byte view, without copying."""
     view = memoryview(getattr(frame, "buffer", frame))
@@ -161,8 +198,8 @@ def decode(frames: list[Any]) -> Any:
 
     Refuses (`Malformed`) frames that are not a whole message: more than `MOST_FRAMES`,
     values nested more than `somatize.codecs.DEPTH` deep, a tensor whose head does not add up
-    to its frame, a frame used twice or never. A value of a kind no codec is registered for is
-    `NoCodec`. Nothing is imported, called or unpickled.
+    to its frame, a frame used twice or never, text that is not UTF-8. A value of a kind no
+    codec is registered for is `NoCodec`. Nothing is imported, called or unpickled.
     """
     if not frames:
         raise Malformed("a message of no frames")
