@@ -399,7 +399,7 @@ def test_with_micro_an_input_and_a_target_of_other_lengths_are_refused_before_an
     before = t.export()
     x = torch.randn(8, 4, dtype=torch.float64)
     for y in (torch.randn(2, 2, dtype=torch.float64), {"y": torch.randn(4, 2, dtype=torch.float64)}):
-        with pytest.raises(ValueError, match="input's is 8, the target's"):
+        with pytest.raises(ValueError, match=r"target(\['y'\])? has shape \((2|4), 2\).* 8 \("):
             t.step((x, y))
     same(t.export(), before, tol=0)
     assert heard == []  # nothing ran

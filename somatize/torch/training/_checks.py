@@ -10,7 +10,7 @@ import torch
 
 from somatize.graph import Graph, broker_for
 from somatize.run import watchers
-from somatize.torch.placement import trainable
+from somatize.torch.placement import named_modules_of, trainable
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.params import owners
 
@@ -70,6 +70,34 @@ def count(value: Any, name: str, meaning: str) -> int:
     if type(value) is not int or value < 1:
         raise ValueError(f"Trainer({name}={value!r}): {name} is a positive int ({meaning})")
     return value
+
+
+def batch_first(graph: Graph, micro: int) -> None:
+    """Refuses `micro` > 1 on a graph holding an RNN, LSTM, GRU or Transformer layer built
+    with `batch_first=False`: it takes (time, batch, ...), and the pieces, cut along the first
+    dimension, would be stretches of time, each starting from a fresh state."""
+    found = _time_first(graph) if micro > 1 else None
+    if found is not None:
+        nid, where, module = found
+        raise ValueError(
+            f"micro={micro} cuts a batch along its first dimension, and node {nid!r} "
+            f"{f'holds at {where!r}' if where else 'is'} an nn.{type(module).__name__} built with "
+            "batch_first=False, which takes (time, batch, ...): its pieces would be stretches "
+            "of time. Build it with batch_first=True and put the batch first, or use micro=1"
+        )
+
+
+def _time_first(graph: Graph) -> tuple[str, str, torch.nn.Module] | None:
+    """`(node, path, module)` of the first module of the graph that takes its batch second."""
+    for nid in graph.nodes():
+        for name, held in named_modules_of(graph.implementation(nid)):
+            for inner, m in held.named_modules():
+                if isinstance(m, _TIME) and not getattr(m, "self_attn", m).batch_first:
+                    return nid, ".".join(p for p in (name, inner) if p), m
+    return None
+
+
+_TIME = (torch.nn.RNNBase, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
 
 
 def trains_of(graph: Graph, trains: Any) -> dict[str, Learning]:

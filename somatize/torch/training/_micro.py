@@ -1,4 +1,14 @@
-"""A batch cut into `micro` equal pieces along its first dimension, input and target alike."""
+"""A batch cut into `micro` equal pieces along its batch dimension, input and target alike.
+
+The batch size is the first first dimension other than 1 met in the input (then the target),
+in order: a tensor's, or the length of a list of plain values (strings, numbers). Then, inside
+dicts, lists and tuples, whatever their depth:
+- a tensor whose first dimension is the batch size is cut, one whose first dimension is 1 (a
+  broadcast `position_ids` of shape (1, S)) or that has none is handed to every piece whole;
+- a list of plain values is cut (one item per example); its length has to be the batch size;
+- None, a bool, a number, a string (a `use_cache=False`) is handed to every piece as it is;
+- anything else, a tensor of another first dimension or a list of another length is refused
+  before anything runs, with the path of the value (`input['position_ids']`) and its shape."""
 
 from __future__ import annotations
 
@@ -7,46 +17,81 @@ from typing import Any
 
 import torch
 
-from somatize.torch._modules import tensors_in
 from somatize.torch._values import refilled
+
+PLAIN = (str, bytes, bool, int, float, complex, type(None))
 
 
 def pieces(x: Any, y: Any, k: int) -> tuple[list, list]:
-    """`(inputs, targets)`, each cut into `k` pieces; refused before anything is cut: first
-    dimensions that differ (a loss that broadcasts would be silently wrong), one that `k` does
-    not divide, something that cannot be cut."""
-    nx, ny = first(x), first(y)
-    if nx != ny:
-        raise ValueError(
-            f"micro={k} cuts the input and the target into pieces along their first dimension, "
-            f"and they differ: the input's is {nx}, the target's {ny}; give one target per input"
+    """`(inputs, targets)`, each cut into `k` pieces as the module says; refused before anything
+    is cut: a batch size `k` does not divide, a value that cannot be cut or handed on whole."""
+    n, where = size(x, "input") or size(y, "target") or (None, "")
+    if n is None or n % k:
+        said = (
+            f"this one has {n} examples (the first dimension of {where})"
+            if n
+            else "neither the input nor the target holds a tensor or list of more than one row"
         )
-    return cut(x, k, "input"), cut(y, k, "target")
+        raise ValueError(
+            f"micro={k} cuts a batch into {k} equal pieces along its batch dimension, and "
+            f"{said}: use a batch size that {k} divides, or micro=1"
+        )
+    return cut(x, k, n, "input", where), cut(y, k, n, "target", where)
 
 
-def first(value: Any) -> int | None:
-    """The first dimension of the first tensor inside `value`, or None."""
-    return next((t.shape[0] for t in tensors_in(value) if t.dim()), None)
+def rows(value: Any) -> bool:
+    """Whether `value` is a list of plain values, one per example (strings for a tokenizer)."""
+    return type(value) is list and bool(value) and all(isinstance(v, PLAIN) for v in value)
 
 
-def cut(value: Any, k: int, what: str) -> list:
-    """`value` as `k` equal pieces along its first dimension (dicts, lists, tuples of tensors
-    piece by piece); `what` names it in a refusal."""
+def size(value: Any, path: str) -> tuple[int, str] | None:
+    """`(batch size, the path it was read at)`: the first first dimension other than 1 inside
+    `value`, in order; None if there is none."""
     if isinstance(value, torch.Tensor):
-        n = value.shape[0] if value.dim() else None
-        if n is None or n % k:
-            raise ValueError(
-                f"micro={k} cuts the {what} into {k} equal pieces along its first dimension, "
-                f"and its shape is {tuple(value.shape)}: use a batch size that {k} divides"
-            )
-        return list(value.split(n // k))
+        n = value.shape[0] if value.dim() else 1
+    elif rows(value):
+        n = len(value)
+    elif isinstance(value, Mapping):
+        found = (size(v, f"{path}[{key!r}]") for key, v in value.items())
+        return next((f for f in found if f), None)
+    elif isinstance(value, (list, tuple)):
+        return next((f for i, v in enumerate(value) if (f := size(v, f"{path}[{i}]"))), None)
+    else:
+        return None
+    return (n, path) if n != 1 else None
+
+
+def cut(value: Any, k: int, n: int, path: str, where: str) -> list:
+    """`value` as `k` pieces of a batch of `n` (read at `where`); `path` names it."""
+    if isinstance(value, torch.Tensor) and (not value.dim() or value.shape[0] in (1, n)):
+        return list(value.split(n // k)) if value.dim() and value.shape[0] == n else [value] * k
+    if rows(value) and len(value) == n:
+        return [value[i * (n // k) : (i + 1) * (n // k)] for i in range(k)]
+    if isinstance(value, PLAIN):
+        return [value] * k
     if isinstance(value, Mapping):
-        parts = {key: cut(v, k, what) for key, v in value.items()}
+        parts = {key: cut(v, k, n, f"{path}[{key!r}]", where) for key, v in value.items()}
         return [refilled(value, {key: parts[key][i] for key in parts}) for i in range(k)]
-    if isinstance(value, (list, tuple)):
-        parts = [cut(v, k, what) for v in value]
+    if isinstance(value, (list, tuple)) and not rows(value):
+        parts = [cut(v, k, n, f"{path}[{i}]", where) for i, v in enumerate(value)]
         return [refilled(value, [c[i] for c in parts]) for i in range(k)]
+    batch = f"the batch size, {n} (the first dimension of {where})"
+    if isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"micro={k} cuts a batch along its first dimension, and {path} has shape "
+            f"{tuple(value.shape)}: its first dimension differs from {batch}, and is not 1. "
+            f"Give it one row per example, or a first dimension of 1 to share it (a sequence "
+            "laid out (time, batch, ...) would be cut along time: put the batch first), "
+            "or micro=1"
+        )
+    if rows(value):
+        raise ValueError(
+            f"micro={k} cuts a list of plain values as one item per example, and {path} is a "
+            f"list of {len(value)}, not {batch}: give one item per example, a tuple to hand "
+            "it to every piece as it is, or micro=1"
+        )
     raise TypeError(
-        f"micro={k} cuts the {what} along its first dimension; a {type(value).__name__} "
-        "cannot be cut: pass tensors (or dicts, lists, tuples of them), or micro=1"
+        f"micro={k} cuts tensors and lists of one item per example, and hands None, bools, "
+        f"numbers and strings to every piece; {path} is a {type(value).__name__}, which it "
+        "cannot cut: pass tensors (in dicts, lists, tuples), or micro=1"
     )

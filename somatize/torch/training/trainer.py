@@ -88,7 +88,8 @@ class Trainer:
     Refused, each saying what to do: a graph with no parameter to train; `trains` naming no
     node, a node with no parameters, or holding no Learning; a node both frozen and trained;
     an optimizer holding parameters of a node in `trains`, or sharing none with the graph;
-    nothing to train with (no optimizer and no `trains`); bad `every`, `micro`; a `watching=`
+    nothing to train with (no optimizer and no `trains`); bad `every`, `micro`; `micro` > 1 on a
+    graph holding an RNN or Transformer layer built with `batch_first=False`; a `watching=`
     or `auditing=` that cannot be used (a `TypeError` that is also a `ValueError`);
     `.at(host)` nodes without a broker. A refused Trainer changes nothing.
     """
@@ -118,6 +119,7 @@ class Trainer:
         self.micro = _checks.count(
             micro, "micro", "how many equal pieces one batch is cut into along its first dimension"
         )
+        _checks.batch_first(graph, self.micro)
         told = _checks.watchers_of(watching)
         _checks.something_to_train(graph)
         trains = _checks.trains_of(graph, trains)
@@ -176,9 +178,10 @@ class Trainer:
     def step(self, batch: Batch) -> float:
         """One step: forward, loss, backward, and update when the group closes; answers the loss
         of the whole batch (the mean over `micro` pieces; divided by `every * micro` for the
-        backward only). An `Opaque` in the batch is taken off first. Refused: an input and a target
-        whose first dimensions differ under `micro` > 1, before anything runs; `NoGradient` before
-        the optimizer moves if a node it holds parameters of got no gradient at all."""
+        backward only). An `Opaque` in the batch is taken off first. Refused before anything
+        runs: under `micro` > 1, a batch that cannot be cut (docs/training.md says what is cut);
+        `NoGradient` before the optimizer moves if a node it holds parameters of got no
+        gradient at all."""
         x, y = _checks.pair_of(unwrap(batch))
         micro = self.micro
         xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
