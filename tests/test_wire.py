@@ -130,6 +130,29 @@ def test_frames_that_do_not_add_up_are_malformed(header, data, said):
         wire.decode([msgpack.packb(header), *data])
 
 
+def _value(inner):
+    """A value extension, as `codecs.encode` writes one, holding `inner`."""
+    return msgpack.ExtType(5, msgpack.packb(inner, unicode_errors="surrogatepass"))
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        {"op": "hello", "rid": _value("\udcff")},
+        {"op": "define", "define": [{"module": _value("mod\ud800ule")}]},
+        _value(("fine", ["deeper", {"key": "\udfff"}])),
+        _value({"\udcff": 1}),
+        b"\x81\xa2op\xa1\xff",  # a str whose byte is no UTF-8 at all
+    ],
+)
+def test_text_that_is_not_utf8_is_malformed_wherever_it_hides(header):
+    packed = header if type(header) is bytes else msgpack.packb(header)
+    with pytest.raises(wire.Malformed, match="UTF-8|utf-8"):
+        wire.decode([packed])
+    fine = {"rid": _value("naïve ✓"), "t": _value(["é", {"ü": ["☃"]}])}
+    assert wire.decode([msgpack.packb(fine)]) == {"rid": "naïve ✓", "t": ["é", {"ü": ["☃"]}]}
+
+
 def test_too_many_frames_and_too_deep_a_nesting_are_malformed():
     with pytest.raises(wire.Malformed, match="frames"):
         wire.decode([msgpack.packb(None)] * (wire.MOST_FRAMES + 1))
