@@ -19,6 +19,7 @@ nothing but the store, so a run can be looked at from another process, or a week
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import threading
 import time
@@ -46,8 +47,12 @@ Summariser = Callable[[list[dict[str, Any]]], Mapping[str, Any]]
 """What `summarising=` may be besides fact names: the facts of a forward in, extra meta out."""
 
 
+def _is_run(run: Any) -> bool:
+    return isinstance(run, str) and "/" not in run and run not in ("", ".", "..")
+
+
 def _check_run(run: str) -> str:
-    if not isinstance(run, str) or not run or "/" in run or run in (".", ".."):
+    if not _is_run(run):
         raise ValueError(f"a run is a non-empty name without '/', not {run!r}")
     return run
 
@@ -187,9 +192,12 @@ class Recorder:
 
 
 def _forward_of(name: str) -> tuple[str, int] | None:
-    """`(run, forward)` of a record's name, `run/<run>/<forward>`; None for any other name."""
+    """`(run, forward)` of a record's name, `run/<run>/<forward>`; None for any other name
+    (one that a Recorder cannot have written: a run named '..', a forward of '²')."""
     parts = name.split("/")
-    return (parts[1], int(parts[2])) if len(parts) == 3 and parts[2].isdigit() else None
+    if len(parts) != 3 or not _is_run(parts[1]) or not re.fullmatch("[0-9]+", parts[2]):
+        return None
+    return parts[1], int(parts[2])
 
 
 def _run_ids(store: Store) -> list[str]:
@@ -210,7 +218,8 @@ def _records(store: Store, run: str) -> list[tuple[int, str]]:
 def _when(seconds: Any) -> Any:
     import pandas as pd
 
-    return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s", utc=True)
+    # a time no clock gives (1e300 s, NaN) reads as NaT, not as an error for the whole table
+    return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s", utc=True, errors="coerce")
 
 
 def runs(store: Store | str | os.PathLike[str]) -> pd.DataFrame:
@@ -259,7 +268,17 @@ def records(
     """`(forward, facts)` for every recorded forward of `run`, in order. Refuses (with
     `LookupError`) a run the store has not got."""
     store = store_of(store)
-    return [(index, store.recall(name) or []) for index, name in _records(store, run)]
+    out = []
+    for index, name in _records(store, run):
+        facts = store.recall(name) or []
+        if not isinstance(facts, list) or not all(isinstance(f, Mapping) for f in facts):
+            raise ValueError(
+                f"record {name!r} of run {run!r} holds a {type(facts).__name__}, not a list "
+                "of facts (dicts): a Recorder did not write it; remove that name from the "
+                "store, or read runs from a store only Recorders write under run/"
+            )
+        out.append((index, facts))
+    return out
 
 
 def _typed(values: list[Any]) -> Any:
@@ -281,9 +300,9 @@ def _typed(values: list[Any]) -> Any:
 def _frame(rows: list[dict[str, Any]], first: tuple[str, ...]) -> pd.DataFrame:
     import pandas as pd
 
-    columns = list(first)
+    columns = dict.fromkeys(first)  # in order, each once, in time linear in the keys
     for row in rows:
-        columns.extend(k for k in row if k not in columns)
+        columns.update(dict.fromkeys(row))
     return pd.DataFrame({c: _typed([row.get(c) for row in rows]) for c in columns})
 
 

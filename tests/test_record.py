@@ -8,8 +8,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from somatize import Graph, Node, Recorder, Store
+from somatize import Graph, Node, Recorder, Store, health
 from somatize import record as rec
+from somatize.codecs import decode, encode
 
 
 class Inc(Node):
@@ -152,6 +153,39 @@ def test_runs_are_listed_oldest_first_and_unknown_runs_refused(tmp_path: Path) -
     assert rec.runs(store)["run"].tolist() == ["zeta", "alpha"]
     with pytest.raises(LookupError, match="zeta"):
         rec.facts(store, "nope")
+
+
+def test_names_a_recorder_cannot_write_are_not_runs_and_odd_times_read_as_nat(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path)
+    step(Recorder(store, run="good"), 0)
+    store.keep("run/good/\u00b2", [])  # a digit to str.isdigit, not to int()
+    store.keep("run/good/-1", [])
+    climbing = tmp_path / "names" / "run" / "%2E%2E" / "0"  # '..', put there by hand
+    climbing.mkdir(parents=True)
+    (climbing / ".bind").write_bytes(
+        (tmp_path / "names" / "run" / "good" / "0" / ".bind").read_bytes()
+    )
+    assert rec.runs(store)["run"].tolist() == ["good"]
+    assert rec.forwards(store, "good")["forward"].tolist() == [0]
+    assert [i for i, _ in rec.records(store, "good")] == [0]
+    # a binding written with a time no clock gives is a row whose time is unknown
+    (binding,) = (tmp_path / "names" / "run" / "good" / "0").glob(".bind")
+    fields = decode(binding.read_bytes())
+    binding.write_bytes(encode({**fields, "when": 1e300}))
+    assert rec.runs(store)["first"].isna().tolist() == [True]
+    assert rec.forwards(store, "good")["when"].isna().tolist() == [True]
+
+
+@pytest.mark.parametrize("held", [5, {"fact": "loss"}, ["loss"]])
+def test_a_record_that_is_not_a_list_of_facts_is_refused_by_name(tmp_path: Path, held) -> None:
+    store = Store(tmp_path)
+    step(Recorder(store, run="r"), 0)
+    store.keep("run/r/1", held)
+    for read in (rec.records, rec.facts, lambda s, r: health.seen(s, run=r)):
+        with pytest.raises(ValueError, match=r"record 'run/r/1' of run 'r' holds a"):
+            read(store, "r")
 
 
 def test_recorder_refuses_bad_runs_and_bad_facts(tmp_path: Path) -> None:
