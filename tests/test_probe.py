@@ -266,3 +266,23 @@ def test_a_forward_that_refuses_a_differentiable_input_is_told_what_probe_did():
     got = probe(net, x)
     assert set(got) == {"marksitsinput", "marksitsinput.conv"}
     assert got["marksitsinput.conv"]["jacobian_gain"] > 0
+
+
+def test_a_node_is_given_no_gain_against_a_float_mask_its_output_is_not_computed_from():
+    # the README's own model: the float attention_mask is the one floating tensor it is given
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
+    bert = BertModel(config)
+    tokens = {"input_ids": torch.randint(0, 100, (2, 16)), "attention_mask": torch.ones(2, 16)}
+    got = probe(bert, tokens)
+    assert "signal_gain" not in got["bertmodel"] and "jacobian_gain" not in got["bertmodel"]
+    dense = got["bertmodel.encoder.layer.0.intermediate.dense"]
+    assert dense["signal_gain"] > 0 and dense["jacobian_gain"] > 0  # inside, gains as before

@@ -328,3 +328,26 @@ def test_a_packed_sequence_is_perturbed_as_itself():
     assert {"synflow", "zen", "jacob_cov"} <= set(got)
     assert all(math.isfinite(v) for v in got.values())
     assert [str(w.message).split(" could")[0] for w in heard] == ["proxies: naswot"]
+
+
+def test_zen_is_left_out_where_the_output_does_not_move_with_a_float_mask():
+    # the README's own model: a float attention_mask is the example's one floating tensor
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    bert = BertModel(
+        BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+        )
+    )
+    tokens = {"input_ids": torch.randint(0, 100, (2, 16)), "attention_mask": torch.ones(2, 16)}
+    with pytest.warns(UserWarning, match=r"zen could not be taken.*\(attention_mask\)"):
+        got = proxies(bert, tokens)
+    assert "zen" not in got and {"synflow", "naswot"} <= set(got)
+    assert all(math.isfinite(v) for v in got.values())
+    with pytest.raises(ValueError, match="output did not move"):
+        proxy(bert, tokens, "zen")

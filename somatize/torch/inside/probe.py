@@ -123,7 +123,11 @@ class _Place:
     def answer(self) -> dict[str, Any]:
         n = dict(self.numbers or {})
         g_in, g_out = self.g_in.get(self.rows), self.g_out.get(self.rows)
-        if g_in is not None and g_out is not None:
+        if self.g_in and g_in is None and g_out is not None:
+            # the backward passed the output and never reached the input: the output is not
+            # computed from it (a float attention mask), and a gain against it means nothing
+            n.pop("signal_gain", None)
+        elif g_in is not None and g_out is not None:
             ratio = [a / b for a, b in zip(g_in, g_out, strict=True) if b > 0]
             if ratio:
                 mean = math.fsum(ratio) / len(ratio)

@@ -8,6 +8,7 @@ Each is a zero-cost proxy from the literature, taken on the whole graph as it ru
   experts; a NaN where float64 meets a float32 constant) is scored in float32.
 - zen: log E_i Σ_j |f(x)_ij − f(x + αε)_ij| + Σ_BN ½ log mean_c σ²_c, x and ε standard
   normal, α = 0.01, σ²_c the batch variance of what reaches each batch norm (Lin et al. 2021).
+  Not taken where the output does not move with what it perturbs (a float attention mask).
 - naswot: log |det K| with K_ij = c_i·c_j + (1−c_i)·(1−c_j), c_i the binary code of which
   activation outputs are positive for sample i (Mellor et al. 2021).
 - jacob_cov: −Σ_k log(λ_k + 1e-5) + 1/(λ_k + 1e-5), λ the eigenvalues of the correlation
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -75,6 +76,14 @@ def _floats(example: Any, of: str) -> list[torch.Tensor]:
     if not found:
         raise _NotHere(f"{of} perturbs the input, and this example holds no floating tensor")
     return found
+
+
+def _named_floats(example: Any) -> str:
+    """Which floating tensors an example holds, said for a message: a dict's keys."""
+    if isinstance(example, Mapping):
+        keys = [k for k, v in example.items() if any(t.is_floating_point() for t in tensors_in(v))]
+        return ", ".join(map(str, keys))
+    return "the input"
 
 
 class _Subject:
@@ -192,7 +201,18 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
         float(((a - b).abs().flatten(1).sum(1) if a.dim() > 1 else (a - b).abs()).mean())
         for a, b in zip(f1, f2, strict=True)
     )
-    return _log(total) + sum(0.5 * _log(v) for v in variances)
+    if not total > 0:  # log 0: what it moved is not what the output is computed from
+        raise _NotHere(
+            f"zen moves the example's floating tensors ({_named_floats(example)}) and the "
+            "output did not move with them (a float mask is read as a mask): there is no "
+            "floating input to perturb, so zen cannot be taken on this example"
+        )
+    if flat := sum(v == 0 for v in variances):
+        raise _NotHere(
+            f"zen reads the variance of what reaches each batch norm, and {flat} of them saw "
+            "none across the batch (log 0): give more samples"
+        )
+    return math.log(total) + sum(0.5 * math.log(v) for v in variances)
 
 
 def _naswot(s: _Subject, example: Any, **_: Any) -> float:
@@ -296,7 +316,8 @@ def proxy(graph: Any, example: Any, of: str, *, target: Any = None, objective: A
     candidates on the same proxy is the only thing it is for, which is why every one that
     spans decades comes back as a logarithm. Deterministic, and the net is left exactly as it
     was. Refuses (ValueError) an unknown name, a loss proxy without a loss, and a proxy this
-    graph cannot give (naswot with no activation layer, jacob_cov on a single sample).
+    graph cannot give (naswot with no activation layer, jacob_cov on a single sample, zen
+    where the output does not move with the floating input, as with a float attention mask).
     """
     if of not in _PROXIES:
         raise ValueError(f"unknown proxy {of!r}; the proxies are {list(EVERY)}")
