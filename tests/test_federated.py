@@ -173,7 +173,9 @@ def test_an_average_that_is_not_one_is_refused_at_once_naming_it(tmp_path):
     for k in range(3):
         store.keep(f"r/round/0/client/{k}", export(1.0), meta=[("size", 1)])
     with pytest.raises(ValueError, match=r"average of round 0 .*'r/round/0/average'.* nodes|keys"):
-        gather(store, export(1.0), run="r", round=0, clients=3, mine=0, within=30, asking=0.01)
+        gather(
+            store, export(1.0), run="r", round=0, clients=3, mine=0, size=1, within=30, asking=0.01
+        )
 
 
 HOSTILE_ROUND = textwrap.dedent(
@@ -240,6 +242,29 @@ def test_gather_three_threads_one_averager_same_answer(tmp_path):
     assert store.resolve("r/round/0/client/2") is not None
     assert dict(store.resolve("r/round/0/client/2").meta)["size"] == 3
     assert store.resolve("r/round/0/average") is not None
+
+
+def test_a_round_is_put_in_once_a_retry_is_the_same_and_another_is_refused(tmp_path):
+    store = Store(tmp_path / "s")
+    kw = {"run": "r", "round": 0, "clients": 2, "asking": 0.02}
+    answers: dict[int, dict] = {}
+
+    def client(k):
+        answers[k] = gather(store, export(float(k)), mine=k, size=1, **kw)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    again = gather(store, export(1.0), mine=1, size=1, **kw)  # a client that retries
+    assert torch.equal(again["enc"]["w"], answers[0]["enc"]["w"])
+    for other in ({"what": export(5.0), "size": 1}, {"what": export(1.0), "size": 7}):
+        with pytest.raises(ValueError, match=r"'r/round/0/client/1' already holds another round"):
+            gather(store, other["what"], mine=1, size=other["size"], **kw)
+    kept = store.recall("r/round/0/client/1")  # still what the average was taken over
+    assert torch.equal(kept["enc"]["w"], export(1.0)["enc"]["w"])
+    assert dict(store.resolve("r/round/0/client/1").meta)["size"] == 1
 
 
 def test_gather_times_out_naming_who_never_came(tmp_path):

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from somatize.codecs import encode
 from somatize.node import unwrap
 from somatize.run import warn
 from somatize.store import CorruptBinding, store_of
@@ -105,6 +106,22 @@ def _name(run: str, round: int, *rest: Any) -> str:
     return "/".join([run, "round", str(round), *map(str, rest)])
 
 
+def _put_in(store: Any, name: str, what: Export, size: float | None) -> None:
+    """Keep a client's round under `name`, once: the same round put in again (a client that
+    retries) is the same record; another one is refused, since the record is what explains
+    the average, which may already be taken."""
+    digest = store.put(encode(what, where=f"the round kept as {name!r}"))
+    if store.claim(name, digest, [("size", size)]):
+        return
+    held = store.resolve(name)
+    if held is None or held.digest != digest or held.get("size") != size:
+        raise ValueError(
+            f"gather: {name!r} already holds another round from this client: a client puts in "
+            "each round once (is `mine` the same for two clients? a restarted client goes on "
+            "from the next round, or gathers under another run)"
+        )
+
+
 def _turned_up(store: Any, name: str) -> bool:
     """Whether a client's record is there, readable or not (a damaged one has turned up)."""
     try:
@@ -160,7 +177,9 @@ def gather(
     `<run>/round/<r>/client/<k>`, with `size` (how much data this client saw) beside it to
     weigh the average by. Exactly one client averages (whoever wins `store.claim`); all of them
     return the same average. Raises `TimeoutError` after `within` seconds, naming the clients
-    that never turned up; `asking` is how often to look, in seconds.
+    that never turned up; `asking` is how often to look, in seconds. A client puts in each
+    round once: the same export and size again (a retry) is the same round, anything else a
+    `ValueError`, as the record is what the average was taken over.
 
     `what` that is not an export of finite numbers is a `ValueError` here, in the client that
     made the mistake. A record that turns up unusable all the same (damaged, not an export, not
@@ -184,7 +203,7 @@ def gather(
     why = _not_an_export(what)
     if why:
         raise ValueError(f"gather: client {mine} of run {run!r} cannot put in its round: {why}")
-    store.keep(_name(run, round, "client", mine), what, meta=[("size", size)])
+    _put_in(store, _name(run, round, "client", mine), what, size)
     deadline = time.monotonic() + within
     names = [_name(run, round, "client", k) for k in range(clients)]
     while absent := [k for k, name in enumerate(names) if not _turned_up(store, name)]:
