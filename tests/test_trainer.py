@@ -737,3 +737,168 @@ def test_in_a_notebook_a_fit_shows_its_bar_and_leaves_a_line_and_an_audited_one_
     plain = nb.cells[1].outputs  # nothing audited, nothing drawn: the bar's line, and None
     assert [o.get("data", {}).get("text/plain", "")[:17] for o in plain[:-1]] == ["training: 3 steps"]
     assert plain[-1]["text"].strip() == "None"
+
+
+# -- micro: what is cut, what goes to every piece whole, what is refused ---------------------
+
+
+def _grads_after_one_step(g, batch, objective, micro):
+    t = Trainer(g, objective=objective, optimizer=SGD(parameters(g), lr=0.0), micro=micro)
+    loss = t.step(batch)
+    return loss, [p.grad.clone() for p in parameters(g)]
+
+
+def _same_grads(a, b, tol):
+    (la, ga), (lb, gb) = a, b
+    assert la == pytest.approx(lb, abs=tol)
+    assert len(ga) == len(gb)
+    for u, v in zip(ga, gb, strict=True):
+        torch.testing.assert_close(u, v, atol=tol, rtol=tol)
+
+
+def test_micro_hands_a_none_target_flags_and_a_broadcast_tensor_to_every_piece_whole():
+    # a model computing its own loss from labels, trained as the Trainer's own error advises:
+    # (batch, None); use_cache=False and a (1, S) position_ids are shared by the whole batch
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=50,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(3))
+    batch = {
+        "input_ids": ids,
+        "labels": ids,
+        "use_cache": False,
+        "position_ids": torch.arange(8)[None],
+    }
+    seen, results = [], []
+    for micro in (1, 2):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(config).double()
+
+        def look(module, args, kw):
+            seen.append(
+                (kw["input_ids"].shape[0], kw["use_cache"], tuple(kw["position_ids"].shape))
+            )
+
+        model.register_forward_pre_hook(look, with_kwargs=True)
+        g = Graph.somatize(model)
+        results.append(_grads_after_one_step(g, (batch, None), lambda o, _: o.loss, micro))
+    assert seen == [(4, False, (1, 8)), (2, False, (1, 8)), (2, False, (1, 8))]
+    _same_grads(*results, tol=4 * 8 * 16 * torch.finfo(torch.float64).eps)
+
+
+def test_micro_cuts_a_list_of_strings_as_one_item_per_example():
+    def encode(texts):
+        return torch.tensor(
+            [[len(s), s.count("a"), s.count(" ")] for s in texts], dtype=torch.float64
+        )
+
+    x = ["a b", "aa", "c d e", "banana", "", "a a a", "xyz", "ab ab"]
+    y = torch.randn(8, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    results = []
+    for micro in (1, 4):
+        torch.manual_seed(0)
+        g = Graph.somatize(Node.of(encode).named("encode") >> Layer(3, 2, False).named("head"))
+        results.append(_grads_after_one_step(g, (x, y), mse, micro))
+    _same_grads(*results, tol=8 * 3 * torch.finfo(torch.float64).eps)
+
+
+def test_micro_refusals_name_the_value_its_shape_and_what_to_do_before_anything_runs():
+    heard = []
+    g = Graph.somatize(Node.of(lambda d: d["x"]).named("pick") >> Layer(4, 2, False).named("head"))
+    t = Trainer(
+        g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), micro=2, watching=heard.append
+    )
+    before = t.export()
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    cases = [
+        (
+            {"x": x, "mask": torch.ones(3, 4)},
+            y,
+            ValueError,
+            r"input\['mask'\] has shape \(3, 4\).*batch size, 4 \(the first dimension of "
+            r"input\['x'\]\).*one row per example.*micro=1",
+        ),
+        (
+            {"x": x, "names": ["a", "b", "c"]},
+            y,
+            ValueError,
+            r"input\['names'\] is a list of 3, not the batch size, 4.*one item per example",
+        ),
+        ({"x": x, "extra": {1, 2}}, y, TypeError, r"input\['extra'\] is a set.*micro=1"),
+        ({"x": x}, (y, torch.zeros(2)), ValueError, r"target\[1\] has shape \(2,\)"),
+        (
+            {"x": torch.randn(3, 4)},
+            torch.randn(3, 2),
+            ValueError,
+            r"3 examples \(the first dimension of input\['x'\]\).*batch size that 2 divides",
+        ),
+        ({"x": torch.randn(1, 4)}, None, ValueError, "neither the input nor the target"),
+    ]
+    for inp, target, kind, said in cases:
+        with pytest.raises(kind, match=said):
+            t.step((inp, target))
+    same(t.export(), before, tol=0)
+    assert heard == []  # nothing ran
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda first: nn.LSTM(3, 5, batch_first=first),
+        lambda first: nn.GRU(3, 5, batch_first=first),
+        lambda first: nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=first),
+            2,
+            enable_nested_tensor=False,
+        ),
+    ],
+    ids=["lstm", "gru", "transformer"],
+)
+def test_micro_refuses_a_layer_that_takes_time_first_and_cuts_a_batch_first_one_by_examples(make):
+    torch.manual_seed(0)
+    module = make(False).double()
+    g = Graph.somatize(Node.of(module).named("seq"))
+    with pytest.raises(
+        ValueError,
+        match=r"node 'seq' (is|holds at 'layers.0') an nn\.\w+ "
+        r"built with batch_first=False.*batch_first=True",
+    ):
+        Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), micro=2)
+    Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1))  # micro=1 cuts nothing
+
+    gen = torch.Generator().manual_seed(5)
+    width = 4 if isinstance(module, nn.TransformerEncoder) else 3
+    x = torch.randn(4, 6, width, dtype=torch.float64, generator=gen)  # (batch, time, features)
+    y = torch.randn(4, 6, width if width == 4 else 5, dtype=torch.float64, generator=gen)
+
+    def objective(out, target):
+        return mse(out if isinstance(out, torch.Tensor) else out[0], target)
+
+    results = []
+    for micro in (1, 2):
+        torch.manual_seed(0)
+        g = Graph.somatize(Node.of(make(True).double()).named("seq"))
+        results.append(_grads_after_one_step(g, (x, y), objective, micro))
+    _same_grads(*results, tol=4 * 6 * 8 * torch.finfo(torch.float64).eps)
+
+
+def test_micro_refuses_a_time_first_lstm_held_inside_a_node_and_names_where():
+    class Tagger(Node):
+        def __init__(self):
+            self.rnn = nn.LSTM(3, 5)
+            self.head = nn.Linear(5, 2)
+
+        def forward(self, x, ctx):
+            return self.head(self.rnn(x)[0])
+
+    g = Graph.somatize(Tagger().named("tagger"))
+    with pytest.raises(ValueError, match=r"node 'tagger' holds at 'rnn' an nn\.LSTM"):
+        Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), micro=2)
