@@ -280,3 +280,26 @@ def test_a_model_on_the_meta_device_is_drawn_and_refused_by_what_reads_numbers()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         Trainer(model, objective=zoo.token_loss, optimizer=opt, auditing=Audit())
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_meta_model_that_reads_a_value_of_its_input_is_refused_naming_what_to_give():
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=zoo.VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
+    with torch.device("meta"):
+        model = BertModel(config)
+    ids = torch.zeros(zoo.BATCH, zoo.SEQ, dtype=torch.long, device="meta")
+    mask = torch.ones(zoo.BATCH, zoo.SEQ, dtype=torch.long, device="meta")
+    with pytest.raises(RuntimeError, match="meta") as info:  # BERT's mask code reads a value
+        architecture(model, {"input_ids": ids, "attention_mask": mask})
+    said = " ".join(info.value.__notes__)
+    assert "'bertmodel' on the meta device" in said
+    assert "input_ids without an attention_mask" in said
+    drawn = architecture(model, {"input_ids": ids})["bertmodel"]  # what it says works
+    assert drawn.params == zoo.unique_params(model) and all(p.is_meta for p in model.parameters())

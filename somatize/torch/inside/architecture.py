@@ -16,7 +16,7 @@ from torch import nn
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.run import in_one_line
+from somatize.run import in_one_line, note
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
 from somatize.torch.inside._forward import Reading, by_forward
 from somatize.torch.inside._fx import by_fx, fx_trace
@@ -177,12 +177,26 @@ def _capture(
             for reading in readings:
                 reading.arm()
             graph.forward(example, broker=broker)
+    except RuntimeError as e:  # a value read on the meta device: say what to give instead
+        on_meta = [n for n, m in roots.items() if any(t.is_meta for t in m.parameters())]
+        if on_meta and "meta" in str(e):
+            note(e, _META % ", ".join(map(repr, on_meta)))
+        raise
     finally:
         for reading in readings:
             reading.disarm()
         for h in handles:
             h.remove()
     return seen, outputs
+
+
+_META = (
+    "architecture runs %s on the meta device, where a tensor has a shape and no values, and a "
+    "forward that reads a value of what it is given (Tensor.item(): a transformers model "
+    "making its attention mask) cannot run there: draw it on an example it reads no value of "
+    "(input_ids without an attention_mask: the layers are the same), or give it weights "
+    "first (model.to_empty(device='cpu'))"
+)
 
 
 def architecture(
