@@ -8,29 +8,54 @@ A node that is not cached still passes a key on, so a cached node after it keeps
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import inspect
 import json
+import os
 import re
+import sys
+import types
 import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from somatize import _hooks
-from somatize.codecs import decode, digest, encode
-from somatize.node import Opaque
+from somatize.codecs import NoCodec, decode, digest, encode
+from somatize.node import Opaque, Wrapped
 from somatize.run import ONE, ROOT, Plan, _noted, not_a_list, run_plan, tell, warn
 
-__all__ = ["walk_cached", "declarations", "declaration_key", "code_version"]
+__all__ = [
+    "walk_cached",
+    "declarations",
+    "declaration_key",
+    "unkeyable",
+    "Unkeyable",
+    "refusal",
+    "code_version",
+    "state_changed",
+]
 
-_declared: weakref.WeakKeyDictionary[Plan, dict[str, tuple[str, str]]] = weakref.WeakKeyDictionary()
+_declared: weakref.WeakKeyDictionary[Plan, tuple[int, dict[str, tuple[str, str]]]] = (
+    weakref.WeakKeyDictionary()
+)
+_changes = 0  # how many times a node's state was changed through the library
+
+
+def state_changed() -> None:
+    """Say that a node's state changed (`Trainer.load`, `freeze`, `g.invalidate()`): the keys
+    of every plan, worked out once per plan, are worked out again at its next cached walk, so
+    that a frozen node's new state digest reaches them."""
+    global _changes
+    _changes += 1
 
 
 def declarations(plan: Plan) -> dict[str, tuple[str, str]]:
-    """`{id: (declaration key, code version)}`, worked out once per plan."""
-    known = _declared.get(plan)
-    if known is None:
+    """`{id: (declaration key, code version)}`, worked out once per plan and again after
+    `state_changed`."""
+    seen, known = _declared.get(plan, (-1, {}))
+    if seen != _changes:
         g = plan.graph
         known = {}
         for nid in plan.ids:
@@ -38,7 +63,7 @@ def declarations(plan: Plan) -> dict[str, tuple[str, str]]:
             node = g.implementation(nid)
             state = _hooks.state_digest(node) if s.frozen else None
             known[nid] = (declaration_key(node, s.salt, state), code_version(node))
-        _declared[plan] = known
+        _declared[plan] = (_changes, known)
     return known
 
 
@@ -156,30 +181,248 @@ def _mapped(
 
 # -- keys -----------------------------------------------------------------------------------
 
+DEPTH = 32
+"""How deep a key looks into a constructor argument (containers, an object's attributes, a
+function's closure) before it gives up on it."""
 
-def _canonical(value: Any) -> Any:
-    """A JSON-able stand-in for a constructor argument, stable across runs (no addresses)."""
+BUDGET = 1_000_000
+"""How many values a key looks at in one node's constructor arguments before it gives up."""
+
+
+_DESCRIPTORS = (
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+    types.ClassMethodDescriptorType,
+)
+_SAID_BY_REPR = {"torch.dtype", "torch.device", "torch.layout", "torch.memory_format"}
+"""Types of values that hold no attributes, whose repr says all there is to them."""
+
+
+class Unkeyable(Exception):
+    """A constructor argument a key cannot take in honestly: `where` it is (`fn`,
+    `tok.vocab`) and `why`."""
+
+    def __init__(self, where: str, why: str) -> None:
+        super().__init__(f"{where}: {why}")
+        self.where = where
+        self.why = why
+
+
+class _Keying:
+    """One node's arguments on their way to a key: how many values are left to look at, the
+    containers on the way down (a cycle is said as one, not followed), and whether a module's
+    state is digested (not when the node's own state digest is in its key already)."""
+
+    __slots__ = ("left", "path", "digesting")
+
+    def __init__(self, digesting: bool) -> None:
+        self.left = BUDGET
+        self.path: list[int] = []
+        self.digesting = digesting
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _type_name(kind: type) -> str:
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _canonical(value: Any, where: str, k: _Keying, depth: int = 0) -> Any:
+    """A JSON-able stand-in for `value` that is the same for equal values in any process (no
+    address, no hash, no ordering that is not the value's own); `Unkeyable` where there is
+    none that says everything that decides what the value is."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if isinstance(value, (list, tuple)):
-        return [type(value).__name__, [_canonical(v) for v in value]]
-    if isinstance(value, dict):
-        return ["dict", sorted((str(k), _canonical(v)) for k, v in value.items())]
-    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
-        return ["callable", getattr(value, "__module__", ""), value.__qualname__]
+    k.left -= 1
+    if k.left < 0:
+        raise Unkeyable(where, f"it holds more than {BUDGET} values")
+    if depth > DEPTH:
+        raise Unkeyable(where, f"it is nested more than {DEPTH} deep")
+    if id(value) in k.path:  # a cycle: where it goes back to, counted from here
+        return ["back", len(k.path) - k.path.index(id(value))]
+    k.path.append(id(value))
     try:
-        return ["value", digest(encode(value))]
-    except Exception:
-        return ["repr", type(value).__qualname__, re.sub(r"0x[0-9a-fA-F]+", "0x", repr(value))]
+        return _inner(value, where, k, depth + 1)
+    finally:
+        k.path.pop()
+
+
+def _inner(value: Any, where: str, k: _Keying, depth: int) -> Any:
+    kind = type(value)
+
+    def deeper(v: Any, at: str) -> Any:
+        return _canonical(v, at, k, depth)
+
+    if isinstance(value, (list, tuple)):
+        return [_type_name(kind), [deeper(v, f"{where}[{i}]") for i, v in enumerate(value)]]
+    if isinstance(value, dict):
+        pairs = [
+            [deeper(a, f"{where} (a key)"), deeper(b, f"{where}[{a!r:.40}]")]
+            for a, b in value.items()
+        ]
+        return [_type_name(kind), sorted(pairs, key=_json)]
+    if isinstance(value, (set, frozenset)):
+        return [
+            _type_name(kind),
+            sorted((deeper(v, f"{where} (an item)") for v in value), key=_json),
+        ]
+    if isinstance(value, (bytes, bytearray)):
+        return ["bytes", hashlib.sha256(value).hexdigest()]
+    if isinstance(value, complex):
+        return ["complex", value.real, value.imag]
+    if isinstance(value, enum.Enum):
+        return ["enum", _type_name(kind), value.name]
+    if isinstance(value, (range, slice)):
+        return [kind.__name__, deeper([value.start, value.stop, value.step], where)]
+    if isinstance(value, os.PathLike):
+        return ["path", _type_name(kind), str(os.fspath(value))]
+    if isinstance(value, type):
+        return ["class", _type_name(value)]
+    if isinstance(value, types.ModuleType):
+        return ["module", value.__name__]
+    if isinstance(value, types.CodeType):
+        return _code(value, where, deeper)
+    if isinstance(value, types.FunctionType):
+        return _function(value, where, deeper)
+    if isinstance(value, types.MethodType):
+        return ["method", deeper(value.__func__, where), deeper(value.__self__, f"{where}'s self")]
+    if isinstance(value, partial):
+        parts = [value.func, value.args, value.keywords]
+        return ["partial", deeper(parts, where)]
+    if isinstance(value, types.BuiltinFunctionType):  # len, torch.relu, [].append
+        owner = value.__self__
+        if owner is None or isinstance(owner, (type, types.ModuleType)):
+            return ["builtin", getattr(value, "__module__", None), value.__qualname__]
+        return ["builtin", value.__qualname__, deeper(owner, f"{where}'s self")]
+    if isinstance(value, _DESCRIPTORS):  # str.upper, object.__init__
+        return ["descriptor", _type_name(value.__objclass__), value.__name__]
+    if _type_name(kind) in _SAID_BY_REPR:
+        return ["repr", _type_name(kind), repr(value)]
+    named = _by_name(value)
+    if named is not None:  # a singleton its module holds (a ufunc, a torch op)
+        return named
+    if callable(getattr(value, "state_dict", None)) and hasattr(value, "_modules"):
+        return _module(value, where, k, deeper)
+    try:
+        return ["value", _type_name(kind), digest(encode(value))]
+    except NoCodec:
+        pass
+    return _object(value, where, deeper)
+
+
+def _code(code: types.CodeType, where: str, deeper: Callable) -> list:
+    """What a function's code computes: its bytecode, its constants (nested code too) and
+    the names it reads; not where it sits in its file."""
+    return [
+        "code",
+        hashlib.sha256(code.co_code).hexdigest(),
+        deeper(list(code.co_consts), where),
+        list(code.co_names),
+        [code.co_argcount, code.co_kwonlyargcount, code.co_flags],
+    ]
+
+
+def _function(fn: types.FunctionType, where: str, deeper: Callable) -> list:
+    """A function by what decides what it computes: its code, its defaults and the values its
+    closure holds (the globals it reads are not in it)."""
+    closure = []
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        try:
+            held = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            closure.append([name, ["empty"]])
+            continue
+        closure.append([name, deeper(held, f"{where}'s {name}")])
+    return [
+        "function",
+        fn.__module__,
+        fn.__qualname__,
+        _code(fn.__code__, where, deeper),
+        deeper([fn.__defaults__, fn.__kwdefaults__], f"{where}'s defaults"),
+        closure,
+    ]
+
+
+def _by_name(value: Any) -> list | None:
+    """`["named", module, qualname]` for a value its module holds under that name (a numpy
+    ufunc, a torch op), None for anything else."""
+    module = sys.modules.get(getattr(value, "__module__", None) or "")
+    qual = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
+    if module is None or not isinstance(qual, str):
+        return None
+    found: Any = module
+    for part in qual.split("."):
+        found = getattr(found, part, None)
+    return ["named", module.__name__, qual] if found is value else None
+
+
+_HOOKS = re.compile(r"^_.*hook")
+
+
+def _module(module: Any, where: str, k: _Keying, deeper: Callable) -> list:
+    """A torch module by its class, its attributes (submodules too, but not the hooks hung on
+    it, whose keys are counters of this process) and the digest of its state."""
+    said = {n: v for n, v in vars(module).items() if not _HOOKS.match(n)}
+    for held in ("_parameters", "_buffers"):  # its state: in the digest, or in the node's
+        said[held] = sorted(said.get(held) or ())
+    state = _hooks.state_digest(Wrapped(module)) if k.digesting else None
+    digesting, k.digesting = k.digesting, False  # the state above covers its submodules'
+    try:
+        return ["module", _type_name(type(module)), deeper(said, where), state]
+    finally:
+        k.digesting = digesting
+
+
+def _object(value: Any, where: str, deeper: Callable) -> list:
+    """An object by its class and its attributes (`vars`, and `__slots__` that are set)."""
+    kind = type(value)
+    said = dict(getattr(value, "__dict__", None) or {})
+    slots = [s for c in kind.__mro__ for s in getattr(c, "__slots__", ()) if s != "__dict__"]
+    for name in slots:
+        if name != "__weakref__" and hasattr(value, name):
+            said[name] = getattr(value, name)
+    if not said and not hasattr(value, "__dict__") and not slots:
+        raise Unkeyable(
+            where,
+            f"a {_type_name(kind)} keeps its state where Python cannot read it (no attributes, "
+            "no codec)",
+        )
+    return [
+        "object",
+        _type_name(kind),
+        [[n, deeper(v, f"{where}.{n}")] for n, v in sorted(said.items())],
+    ]
+
+
+def _arguments(node: Any, k: _Keying) -> list:
+    args = getattr(node, "_somatize_args", {})
+    return [[name, _canonical(v, name, k)] for name, v in sorted(args.items())]
+
+
+def unkeyable(node: Any) -> Unkeyable | None:
+    """What in the node's constructor arguments a key cannot take in honestly, or None."""
+    try:
+        _arguments(node, _Keying(digesting=False))
+    except Unkeyable as e:
+        return e
+    return None
 
 
 def declaration_key(node: Any, salt: Any, state: str | None) -> str:
-    """What a node *is*, for a cache: its class, its constructor arguments, salt, frozen state."""
+    """What a node *is*, for a cache: its class, its constructor arguments, salt, frozen state.
+    An argument that cannot be keyed (`unkeyable`) is said by where it is alone: a graph lets
+    that be only under a salt."""
     cls = type(node)
+    try:
+        said_args = _arguments(node, _Keying(digesting=state is None))
+    except Unkeyable as e:
+        said_args = ["unkeyed", e.where]
     said = {
-        "class": f"{cls.__module__}.{cls.__qualname__}",
-        "args": _canonical(getattr(node, "_somatize_args", {})),
-        "salt": _canonical(salt),
+        "class": _type_name(cls),
+        "args": said_args,
+        "salt": _canonical(salt, "salt", _Keying(digesting=True)),
         "state": state,
     }
     return _mix(json.dumps(said, sort_keys=True))
@@ -193,3 +436,17 @@ def code_version(node: Any) -> str:
     except (OSError, TypeError):
         text = f"{cls.__module__}.{cls.__qualname__}"
     return _mix(text)[:16]
+
+
+def refusal(cached: str, whose: str, why: Unkeyable) -> ValueError:
+    """The refusal of node `cached`, whose key could not tell node `whose`'s argument's values
+    apart (`whose` may be `cached` itself)."""
+    arg = f"its constructor argument {why.where!r}"
+    if whose != cached:
+        arg = f"constructor argument {why.where!r} of node {whose!r}, which feeds it"
+    return ValueError(
+        f"node {cached!r} is .cached() but its key cannot tell apart the values of {arg}: "
+        f"{why.why}; two of them could share one kept value. Pass plain values (numbers, "
+        f"strings, lists, dicts, tensors, functions), or give {cached!r} a salt you change "
+        f"whenever that argument does: .cached(salt=...)"
+    )

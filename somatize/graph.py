@@ -153,6 +153,8 @@ class Graph:
                 "its output would change under the cache. Declare it .frozen().cached(), "
                 "or do not cache it"
             )
+        if s.cached and s.salt is None and (why := caching.unkeyable(node)) is not None:
+            raise caching.refusal(nid, nid, why)
         if s.device is None or s.device == was or s.host is not None:
             return
         try:
@@ -177,6 +179,7 @@ class Graph:
             return
         if a == b or self._reaches(b, a):
             raise ValueError(f"the edge {a!r} -> {b!r} would close a cycle")
+        self._stale_from(a, b)
         self._succ[a].append(b)
         self._pred[b].append(a)
         self._edges.append((a, b))
@@ -194,6 +197,38 @@ class Graph:
                     todo.append(nxt)
         return False
 
+    def _around(self, start: str, links: dict[str, list[str]]) -> list[str]:
+        """`start` and every node `links` lead to from it, each once, nearest first."""
+        found, seen = [start], {start}
+        for here in found:  # grows as it goes
+            for nxt in links[here]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    found.append(nxt)
+        return found
+
+    def _stale_from(self, a: str, b: str) -> None:
+        """Refuse a cached node at or after `b` fed, at or before `a`, by a node whose change
+        its key would not see: one with trainable state that is not frozen, or one with a
+        constructor argument no key can take in (unless the cached node has a salt)."""
+        cached = [n for n in self._around(b, self._succ) if self._settings[n].cached]
+        if not cached:
+            return
+        for up in self._around(a, self._pred):
+            s, node = self._settings[up], self._impl[up]
+            after = [c for c in cached if c != up]
+            if after and not s.frozen and _hooks.trainable(node):
+                raise ValueError(
+                    f"node {after[0]!r} is .cached() but is fed by node {up!r}, which holds "
+                    f"trainable state and is not .frozen(): the value kept for {after[0]!r} "
+                    f"would still be served after the weights of {up!r} change. Declare the "
+                    f"part before it frozen, (prefix).frozen() >> ..., or do not cache "
+                    f"{after[0]!r}"
+                )
+            unsalted = [c for c in after if self._settings[c].salt is None]
+            if unsalted and (why := caching.unkeyable(node)) is not None:
+                raise caching.refusal(unsalted[0], up, why)
+
     def declare(self, id: str, **said: Any) -> None:
         """Say something more of a node already in the graph (`frozen=True`, `salt=...`).
 
@@ -204,14 +239,21 @@ class Graph:
         if not allowed.issuperset(said):
             raise ValueError(f"declare() takes {sorted(allowed)}, not {sorted(said)}")
         new = replace(s, **said)
+        self._settings[id] = new  # as the check of what it feeds and is fed by sees it
+        try:
+            self._stale_from(id, id)
+        finally:
+            self._settings[id] = s
         self._settle(id, self._impl[id], new, s.device)
         self._settings[id] = new
         self._plan = None
 
     def invalidate(self) -> None:
         """Drop the compiled plan, so the next forward compiles it again (after a node's
-        `forward` was wrapped or unwrapped in place, for example)."""
+        `forward` was wrapped or unwrapped in place, for example), and work cache keys out
+        again (after a frozen node's weights were changed by hand)."""
         self._plan = None
+        caching.state_changed()
 
     def __getstate__(self) -> dict[str, Any]:
         # the compiled plan is this process's (it points back at the graph weakly): the copy

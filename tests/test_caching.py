@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _nodes import Add, Same
@@ -172,3 +174,185 @@ def test_a_cached_value_the_store_lost_is_reported_naming_the_node_and_the_fix(s
         g.forward(1, store=store)
     assert any("'count'" in note for note in info.value.__notes__)
     assert Graph.somatize(Add(1) >> Count().cached(salt="again")).forward(1, store=store) == 4
+
+
+# -- what a key takes in ------------------------------------------------------------------
+
+
+class Apply(Node):
+    """Calls `fn` on its input."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def forward(self, input, ctx):
+        return self.fn(input)
+
+
+class Tok:
+    """Something like a tokenizer: an object with no codec, its vocabulary a dict."""
+
+    def __init__(self, vocab: dict) -> None:
+        self.vocab = vocab
+
+    def __call__(self, text: str) -> list:
+        return [self.vocab.get(w, 0) for w in text.split()]
+
+
+def cached_run(node, x, store):
+    return facts_of(Graph.somatize(node.cached()), x, store)
+
+
+def make(k):
+    def add(v):
+        return v + k
+
+    return add
+
+
+def test_a_function_argument_is_keyed_by_its_code_defaults_and_closure(store):
+    def scale(v, by=2):
+        return v * by
+
+    def scale_3(v, by=3):
+        return v * by
+
+    assert cached_run(Apply(lambda v: v + 1), 10, store) == (11, {"apply": "miss"})
+    assert cached_run(Apply(lambda v: v * 2), 10, store) == (20, {"apply": "miss"})
+    assert cached_run(Apply(make(1)), 10, store) == (11, {"apply": "miss"})
+    assert cached_run(Apply(make(5)), 10, store) == (15, {"apply": "miss"})
+    assert cached_run(Apply(scale), 10, store) == (20, {"apply": "miss"})
+    assert cached_run(Apply(scale_3), 10, store) == (30, {"apply": "miss"})
+    assert cached_run(Node.of(lambda v: v - 1), 3, store)[0] == 2
+    assert cached_run(Node.of(lambda v: v * 3), 3, store)[0] == 9
+    # what it computes, not which object it is: another closure over the same value hits
+    assert cached_run(Apply(make(5)), 10, store) == (15, {"apply": "hit"})
+
+
+def test_an_object_argument_is_keyed_by_its_type_and_its_state(store):
+    assert cached_run(Apply(Tok({"a": 1})), "a", store) == ([1], {"apply": "miss"})
+    assert cached_run(Apply(Tok({"a": 7})), "a", store) == ([7], {"apply": "miss"})
+    assert cached_run(Apply(Tok({"a": 7}).__call__), "a", store)[0] == [7]
+    assert cached_run(Apply(Tok({"a": 7})), "a", store) == ([7], {"apply": "hit"})
+
+
+def test_an_argument_no_key_can_read_is_refused_when_built_unless_salted(store):
+    import threading
+
+    class Guarded:
+        """Hands its input on, holding a lock: state nowhere Python can read it."""
+
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def __call__(self, v):
+            return v
+
+    lock = Guarded()
+    with pytest.raises(ValueError, match=r"node 'apply' .*argument 'fn.lock'.*salt=") as info:
+        Graph.somatize(Apply(lock).cached())
+    assert "_thread.lock" in str(info.value)
+    with pytest.raises(ValueError, match=r"node 'count' .*'fn.lock' of node 'apply'"):
+        Graph.somatize(Apply(lock) >> Count().cached())  # fed by it, at any depth
+    with pytest.raises(ValueError, match=r"node 'count' .*of node 'apply'"):
+        Graph.somatize(Apply(lock) >> Add() >> Count().cached())
+    g = Graph.somatize(Apply(lock) >> Add())
+    with pytest.raises(ValueError, match=r"node 'add'.*of node 'apply'"):
+        g.declare("add", cached=True)
+    assert g.cached() == {}  # the refusal left it as it was
+    ok = Graph.somatize(Node.of(lambda v: v) >> Apply(lock) >> Count().cached(salt="lock v1"))
+    assert ok.forward(2, store=store) == 4
+    Graph.somatize(Apply(lock) >> Count())  # nothing cached: nothing to refuse
+
+
+def test_a_module_level_functions_key_is_the_same_in_another_process(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "keyed.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            from somatize import Graph, Node
+
+            def double(v, by={"k": 2, "j": [1, 2]}):
+                return v * by["k"]
+
+            class Apply(Node):
+                def __init__(self, fn):
+                    self.fn = fn
+
+                def forward(self, input, ctx):
+                    return self.fn(input)
+
+            said = []
+            g = Graph.somatize(Apply(double).cached())
+            out = g.forward(21, store=sys.argv[1], watching=said.append)
+            print(out, [f.get("cache") for f in said if f["fact"] == "ran"])
+            """
+        )
+    )
+    answers = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        ran = subprocess.run(
+            [sys.executable, str(tmp_path / "keyed.py"), str(tmp_path / "store")],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=120,
+        )
+        assert ran.returncode == 0, ran.stderr
+        answers.append(ran.stdout.strip())
+    assert answers == ["42 ['miss']", "42 ['hit']"]
+
+
+# -- what a key cannot see ----------------------------------------------------------------
+
+
+def test_a_cached_node_fed_by_a_trainable_unfrozen_one_is_refused_when_built():
+    with pytest.raises(ValueError, match=r"node 'same' .*node 'lin'.*frozen\(\)"):
+        Graph.somatize(Lin() >> Same().cached())
+    with pytest.raises(ValueError, match=r"node 'count' .*node 'lin'"):
+        Graph.somatize(Lin() >> (Same() | Add()) >> Count().cached())
+    g = Graph()
+    g.node("lin", Lin())
+    g.node("same", Same())
+    g.node("count", Count().cached())
+    g.edge("same", "count")
+    with pytest.raises(ValueError, match=r"node 'count' .*node 'lin'"):
+        g.edge("lin", "same")
+    assert g.edges() == [("same", "count")]  # the refused edge was not added
+    Graph.somatize(Lin().frozen() >> Same().cached())  # frozen before it: fine
+    Graph.somatize((Lin() >> Same()).frozen() >> Count().cached())
+    Graph.somatize(Lin() | Same().cached())  # beside it, not fed by it: fine
+    frozen = Graph.somatize(Lin().frozen() >> Same().cached())
+    with pytest.raises(ValueError, match=r"node 'same' .*node 'lin'"):
+        frozen.declare("lin", frozen=False)
+    assert frozen.frozen() == {"lin": None}
+
+
+def test_a_trainer_load_reaches_the_key_of_a_frozen_cached_node(store):
+    from torch.nn.functional import mse_loss
+
+    from somatize.torch import Trainer, parameters
+
+    torch.manual_seed(0)
+    g = Graph.somatize(Lin().frozen().cached() >> Lin().named("head"))
+    t = Trainer(g, objective=mse_loss, optimizer=torch.optim.SGD(parameters(g), lr=0.1))
+    x = torch.randn(4, 3)
+    g.forward(x, store=store)  # keeps lin(x) for these weights
+    new = {k: torch.full_like(v, 0.5) for k, v in t.export()["lin"].items()}
+    t.load({"lin": new})
+    said = []
+    with torch.no_grad():
+        cached, fresh = g.forward(x, store=store, watching=said.append), g.forward(x)
+    assert {f["node"]: f.get("cache") for f in said if f["fact"] == "ran"}["lin"] == "miss"
+    assert torch.equal(cached, fresh)
+    with torch.no_grad():  # changed by hand: g.invalidate() says so
+        g.implementation("lin").lin.bias.add_(1.0)
+    g.invalidate()
+    _, said = facts_of(g, x, store)
+    assert said["lin"] == "miss"

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from somatize import _hooks
+from somatize import _hooks, caching
 from somatize.torch.codec import _plain
 from somatize.torch.training.params import state_of as _own  # the weights as they are
 
@@ -84,6 +84,7 @@ def stage_state(
         with torch.no_grad():
             for k, v in staged.items():
                 own[k].copy_(v)
+        caching.state_changed()  # a frozen node's new digest reaches the cache keys
         return previous
 
     return commit

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from somatize import caching
 from somatize.torch._modules import join, named_modules_of
 from somatize.torch.placement import modules_of
 
@@ -71,6 +72,7 @@ def freeze(graph: Any, *node_ids: str) -> None:
             for module in modules_of(graph.implementation(nid)):
                 module.requires_grad_(False)
                 module.eval()
+    caching.state_changed()
 
 
 def state_of(node: Any) -> dict[str, torch.Tensor]:
