@@ -6,7 +6,8 @@ of graphs (and trainers' stages) for the clients that have its token.
 The token is read from `--token-file PATH` or `$SOMATIZE_TOKEN` (a `--token` on the command
 line works too, and is visible to every local user). `--import MODULE` (again for more) names
 the modules whose node classes this worker may build when a client sends a node by name;
-`--accept-code` lets trusted clients send nodes as code instead. See `docs/remote.md`.
+`--accept-code` lets trusted clients send nodes as code instead. Ctrl-C stops it at once with
+exit code 0. See `docs/remote.md`.
 """
 
 from __future__ import annotations
@@ -168,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     context = zmq.Context()
     sock = bind(context, endpoint, max_message=a.max_message, curve_secret=curve)
-    guard = Guard(sock, most_pending=a.max_pending)
+    guard = Guard(sock, most_pending=a.max_pending, most_bytes=a.max_message)
     where = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     if a.parent is not None:
         name = "somatize-parent-watch"
@@ -190,8 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         serve(sock, server, guard)
     except KeyboardInterrupt:
         pass
-    finally:
-        sock.disable_monitor()
+    finally:  # nothing left to wait on: the guard's socket closed, nothing lingers
+        guard.close()
         sock.close(0)
         context.term()
 

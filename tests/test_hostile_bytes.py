@@ -264,3 +264,34 @@ def test_the_deepest_value_allowed_reads_back_on_a_thread_with_a_2_mib_stack() -
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert done.stdout.decode().split() == ["tuple", "refused"]
+
+
+# -- what a token holder sends a worker --------------------------------------------------------
+
+
+def test_a_token_holders_text_that_is_not_utf8_is_answered_with_an_error_and_the_worker_serves():
+    import zmq
+
+    from somatize import Broker, Worker
+    from somatize.remote import seal, wire
+
+    worker = Worker.spawn(send=["_remote_nodes"])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 15000)
+        sock.connect(worker.address)
+        sock.send(seal.SALT_ASK)
+        salt = sock.recv_multipart()[1]
+        sealer = seal.Seal(seal.derive(worker.token, salt))
+        lone = msgpack.ExtType(5, msgpack.packb("\udcff", unicode_errors="surrogatepass"))
+        definition = {"key": "k", "module": lone, "qualname": "Plus"}
+        for hostile in ({"op": "hello", "rid": lone}, {"op": "define", "define": [definition]}):
+            sock.send_multipart(sealer.seal([msgpack.packb(hostile)]))
+            answer = wire.decode(sealer.open(sock.recv_multipart()))  # within 15 s
+            assert answer["ok"] is False and "not UTF-8" in answer["error"]["message"]
+        with Broker.embedded({"w": Worker.at(worker.address, token=worker.token)}) as b:
+            assert b.request("w", {"op": "hello"}, deadline=15)["pid"] == worker.pid
+    finally:
+        sock.close(0)
+        worker.stop()

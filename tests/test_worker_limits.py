@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -94,6 +95,59 @@ def test_strangers_cannot_make_a_worker_hold_memory_and_a_client_is_told_its_lim
             s.close()
     finally:
         worker.stop()
+
+
+def _peak(pid: int) -> int:
+    """The most memory process `pid` has held at once (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) << 10
+    raise AssertionError("no VmHWM")
+
+
+def test_strangers_sending_a_message_that_never_ends_are_cut_before_the_worker_holds_it():
+    worker = Worker.spawn(["--max-message", "16MiB", "--max-pending", "4"], send=[NODES])
+    try:
+        before = max(_rss(worker.pid), _peak(worker.pid))
+        sent = [0] * 4
+        frame = b"\x03" + struct.pack(">Q", 4 << 20) + bytes(4 << 20)  # 4 MiB, "more" set
+
+        def stranger(i: int) -> None:  # 1 GiB of frames under the limit, never the last
+            s = _zmtp(worker.address)
+            try:
+                while sent[i] < 1 << 30:
+                    s.sendall(frame)
+                    sent[i] += 4 << 20
+            except OSError:  # cut: what should happen
+                pass
+            finally:
+                s.close()
+
+        threads = [threading.Thread(target=stranger, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        grown = _peak(worker.pid) - before
+        assert grown < (16 << 20) + (256 << 20), f"the worker held {grown >> 20} MiB at most"
+        assert max(sent) < 1 << 30, f"a stranger sent {[n >> 20 for n in sent]} MiB uncut"
+        assert _hello(worker)["pid"] == worker.pid  # a client is still served
+    finally:
+        worker.stop()
+
+
+def test_ctrl_c_stops_a_worker_at_once_with_exit_code_0():
+    for _ in range(5):
+        process = _by_hand("--quiet", token="sigint-token", stderr=subprocess.DEVNULL)
+        try:
+            address = process.stdout.readline().split()[3].decode()
+            assert _hello(Worker.at(address, token="sigint-token"))["pid"] == process.pid
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=10) == 0
+        finally:
+            process.kill()
+            process.wait()
 
 
 def test_a_worker_out_of_descriptors_stays_responsive_and_does_not_spin():

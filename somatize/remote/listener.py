@@ -2,13 +2,15 @@
 and the loop that hands each message to the `Server`.
 
 ZeroMQ refuses a frame larger than `max_message` when its size is announced (nothing is
-allocated for it) and queues at most `QUEUED` messages per connection. The guard cuts a
-connection that has not sent a message that verifies: the one waiting longest when more than
-`most_pending` are open (so that a client that has just connected gets in), any after
-`PENDING_WITHIN` seconds, and one a second after it sent a message that does not verify. The
-limit of open files is raised to its hard limit, at most half of what is left may be pending,
-and running out of descriptors cuts the stranger waiting longest (logged at most every ten
-seconds), never spun on.
+allocated for it) and queues at most `QUEUED` messages per connection; it holds a message's
+frames until its last one has come, however many. The guard cuts a connection that has not
+sent a message that verifies: the one waiting longest when more than `most_pending` are open
+(so that a client that has just connected gets in), any after `PENDING_WITHIN` seconds, one a
+second after it sent a message that does not verify, and, while such connections have sent
+more than `most_bytes` together (on Linux, which counts a connection's bytes), the one that
+sent most. The limit of open files is raised to its hard limit, at most half of what is left
+may be pending, and running out of descriptors cuts the stranger waiting longest (logged at
+most every ten seconds), never spun on.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import resource
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -77,6 +80,22 @@ def _spare_descriptors() -> int:
     return max(0, soft - used) if soft != resource.RLIM_INFINITY else 1 << 16
 
 
+def _received(fd: int) -> int:
+    """The bytes that TCP connection `fd` has received (Linux's tcp_info), 0 where unknown.
+    No new descriptor is needed for it."""
+    try:
+        s = socket.socket(fileno=fd)
+    except OSError:
+        return 0
+    try:
+        info = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", -1), 256)
+    except OSError:
+        return 0
+    finally:
+        s.detach()  # the descriptor stays libzmq's
+    return struct.unpack_from("=Q", info, 128)[0] if len(info) >= 136 else 0  # bytes_received
+
+
 def _cut(fd: int) -> None:
     """End the TCP connection on descriptor `fd` (libzmq's: it sees the end and closes it).
     No new descriptor is needed for it, which matters when they have run out."""
@@ -92,8 +111,12 @@ def _cut(fd: int) -> None:
 class Guard:
     """Watches the connections of `sock` on a thread of its own (see the module's doc)."""
 
-    def __init__(self, sock: zmq.Socket, *, most_pending: int = 64) -> None:
+    def __init__(
+        self, sock: zmq.Socket, *, most_pending: int = 64, most_bytes: int | None = None
+    ) -> None:
+        self.sock = sock
         self.most_pending = max(1, min(int(most_pending), _spare_descriptors() // 2))
+        self.most_bytes = most_bytes
         self.lock = threading.Lock()
         self.pending: dict[int, float] = {}  # descriptor: when it was accepted
         self.closed: list[int] = []  # descriptors gone since the loop last asked
@@ -117,17 +140,28 @@ class Guard:
             found, self.closed = self.closed, []
         return found
 
+    def close(self, within: float = 2.0) -> None:
+        """Stop watching: the thread ends (within `within` seconds) and closes its socket, or
+        does so when the context is terminated, so that terminating it never waits on it."""
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.thread.join(within)
+
     def _watch(self) -> None:
         monitor = self.monitor
-        while True:
-            if monitor.poll(250):
-                event = recv_monitor_message(monitor)
-                kind, value = event["event"], event["value"]
-                if kind == zmq.EVENT_MONITOR_STOPPED:
-                    break
-                self._event(kind, value)
-            self._sweep()
-        monitor.close(0)
+        try:
+            while True:
+                if monitor.poll(25 if self.pending else 250):  # often while strangers send
+                    event = recv_monitor_message(monitor)
+                    kind, value = event["event"], event["value"]
+                    if kind == zmq.EVENT_MONITOR_STOPPED:
+                        break
+                    self._event(kind, value)
+                self._sweep()
+        except zmq.ZMQError:  # the context was terminated first
+            pass
+        finally:
+            monitor.close(0)
 
     def _event(self, kind: int, fd: int) -> None:
         cut = None
@@ -166,8 +200,25 @@ class Guard:
             old = [fd for fd, at in self.pending.items() if now - at > PENDING_WITHIN]
             for fd in old:
                 del self.pending[fd]
-        for fd in old:
+            strangers = list(self.pending)
+        for fd in old + self._heaviest(strangers):
             _cut(fd)
+
+    def _heaviest(self, strangers: list[int]) -> list[int]:
+        """Those of `strangers` that sent most, taken off the pending (to be cut) until the
+        rest have sent at most `most_bytes` together (and a MiB for ZeroMQ's own words)."""
+        if self.most_bytes is None or not strangers:
+            return []
+        sent = {fd: _received(fd) for fd in strangers}
+        over = sum(sent.values()) - self.most_bytes - (1 << 20)
+        heaviest = []
+        for fd in sorted(sent, key=sent.__getitem__, reverse=True):
+            if over <= 0:
+                break
+            over -= sent[fd]
+            heaviest.append(fd)
+        with self.lock:  # not one that verified meanwhile
+            return [fd for fd in heaviest if self.pending.pop(fd, None) is not None]
 
 
 def serve(sock: zmq.Socket, server: Any, guard: Guard) -> None:
@@ -184,7 +235,11 @@ def serve(sock: zmq.Socket, server: Any, guard: Guard) -> None:
                 continue
             peer = frames[0]  # a ROUTER's: the peer's identity, then at least one frame
             fd = _source(peer)
-            reply, verified = server.handle(frames[1:], fd)
+            try:
+                reply, verified = server.handle(frames[1:], fd)
+            except Exception:  # a bug answering it: this message goes unanswered, not the rest
+                log.exception("could not answer a message")
+                continue
             if verified is not None and fd is not None:
                 guard.verified(fd, verified)
             if reply is not None:
