@@ -794,13 +794,14 @@ def test_micro_hands_a_none_target_flags_and_a_broadcast_tensor_to_every_piece_w
     _same_grads(*results, tol=4 * 8 * 16 * torch.finfo(torch.float64).eps)
 
 
-def test_micro_cuts_a_list_of_strings_as_one_item_per_example():
+@pytest.mark.parametrize("words", [False, True], ids=["strings", "lists of words"])
+def test_micro_cuts_a_list_of_strings_as_one_item_per_example(words):
     def encode(texts):
-        return torch.tensor(
-            [[len(s), s.count("a"), s.count(" ")] for s in texts], dtype=torch.float64
-        )
+        rows = [["".join(s).count(c) for c in ("a", "b")] + [len(s)] for s in texts]
+        return torch.tensor(rows, dtype=torch.float64)
 
     x = ["a b", "aa", "c d e", "banana", "", "a a a", "xyz", "ab ab"]
+    x = [s.split() for s in x] if words else x
     y = torch.randn(8, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     results = []
     for micro in (1, 4):

@@ -1,12 +1,13 @@
 """A batch cut into `micro` equal pieces along its batch dimension, input and target alike.
 
 The batch size is the first first dimension other than 1 met in the input (then the target),
-in order: a tensor's, or the length of a list of plain values (strings, numbers). Then, inside
-dicts, lists and tuples, whatever their depth:
+in order: a tensor's, or the length of a list of plain values (strings, numbers, lists of
+them: token ids). Then, inside dicts, lists and tuples, whatever their depth:
 - a tensor whose first dimension is the batch size is cut, one whose first dimension is 1 (a
   broadcast `position_ids` of shape (1, S)) or that has none is handed to every piece whole;
 - a list of plain values is cut (one item per example); its length has to be the batch size;
-- None, a bool, a number, a string (a `use_cache=False`) is handed to every piece as it is;
+- None, a bool, a number, a string (a `use_cache=False`), a tuple of those is handed to every
+  piece as it is;
 - anything else, a tensor of another first dimension or a list of another length is refused
   before anything runs, with the path of the value (`input['position_ids']`) and its shape."""
 
@@ -40,8 +41,16 @@ def pieces(x: Any, y: Any, k: int) -> tuple[list, list]:
 
 
 def rows(value: Any) -> bool:
-    """Whether `value` is a list of plain values, one per example (strings for a tokenizer)."""
-    return type(value) is list and bool(value) and all(isinstance(v, PLAIN) for v in value)
+    """Whether `value` is a list of plain values, one per example (strings for a tokenizer,
+    lists of token ids)."""
+    return type(value) is list and bool(value) and all(plain(v) for v in value)
+
+
+def plain(value: Any) -> bool:
+    """Whether `value` is a plain value, or a list or tuple of them (no tensor inside)."""
+    return isinstance(value, PLAIN) or (
+        isinstance(value, (list, tuple)) and all(plain(v) for v in value)
+    )
 
 
 def size(value: Any, path: str) -> tuple[int, str] | None:
