@@ -75,7 +75,9 @@ def count(value: Any, name: str, meaning: str) -> int:
 def batch_first(graph: Graph, micro: int) -> None:
     """Refuses `micro` > 1 on a graph holding an RNN, LSTM, GRU or Transformer layer built
     with `batch_first=False`: it takes (time, batch, ...), and the pieces, cut along the first
-    dimension, would be stretches of time, each starting from a fresh state."""
+    dimension, would be stretches of time, each starting from a fresh state. A bare
+    nn.MultiheadAttention is not looked at: the models that hold one time first (DETR, CLIP)
+    turn a batch-first input around before it, and cutting that input is right."""
     found = _time_first(graph) if micro > 1 else None
     if found is not None:
         nid, where, module = found

@@ -89,7 +89,7 @@ def cut(value: Any, k: int, n: int, path: str, where: str) -> list:
         raise ValueError(
             f"micro={k} cuts a batch along its first dimension, and {path} has shape "
             f"{tuple(value.shape)}: its first dimension differs from {batch}, and is not 1. "
-            f"Give it one row per example, or a first dimension of 1 to share it (a sequence "
+            "Give it one row per example, or a first dimension of 1 to share it (a sequence "
             "laid out (time, batch, ...) would be cut along time: put the batch first), "
             "or micro=1"
         )
