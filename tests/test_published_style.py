@@ -832,6 +832,23 @@ def test_a_frozen_node_with_a_count_of_no_dimensions_is_digested_and_cached(tmp_
     assert g.frozen()["sequential"] not in (None, digest)
 
 
+def test_a_plain_node_holding_a_bare_parameter_is_refused_by_the_tools_naming_it():
+    class Scale(Node):
+        def __init__(self) -> None:
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, input, ctx):
+            return input * self.w
+
+    g = Graph.somatize(Scale() >> Encoder())
+    said = r"a Scale holds an nn.Parameter as 'w', outside any module.*Scale\(Node, nn.Module\)"
+    for tool in (parameters, lambda g: freeze(g, "scale")):
+        with pytest.raises(TypeError, match=said):
+            tool(g)
+    with pytest.raises(TypeError, match=said):
+        Graph.somatize(Scale().cached())
+
+
 def test_a_trainer_settles_what_was_declared_frozen():
     torch.manual_seed(0)
     g = Graph.somatize(Encoder().frozen() >> Head())
