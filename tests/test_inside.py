@@ -800,3 +800,45 @@ def test_a_recurrent_layer_is_labelled_by_the_width_it_gives_out():
     assert inside.layer("gru").label == "GRU 48→8"
     projected = architecture(nn.LSTM(4, 6, proj_size=3), torch.randn(5, 2, 4))["lstm"]
     assert projected.layers[0].label == "LSTM 4→3"
+
+
+class _Gated(nn.Module):
+    """Two linear layers behind a branch on the data: fx cannot follow it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h) if h.sum() >= 0 else h
+
+
+def test_a_node_that_runs_at_a_host_is_read_from_its_copy_here_with_or_without_a_broker():
+    from somatize import Broker, Worker
+    from somatize.torch import probe
+
+    torch.manual_seed(0)
+    body, head, x = _Gated(), nn.Linear(8, 3), torch.randn(3, 4)
+    here = Graph.somatize(Node.of(body) >> Node.of(head).named("head"))
+    there = Graph.somatize(Node.of(body).at("gpu") >> Node.of(head).named("head"))
+    want = {n: inside.to_json() for n, inside in architecture(here, x).items()}
+    assert set(want) == {"_gated", "head"} and want["_gated"]["how"] == "traced"
+    probed = probe(here, x)
+    assert {n: i.to_json() for n, i in architecture(there, x).items()} == want
+    with Broker.embedded({"gpu": Worker.spawn(["--threads", "1"], mode="network")}) as b:
+        drawn = architecture(there, x, broker=b)
+        assert {n: inside.to_json() for n, inside in drawn.items()} == want
+        got = probe(there, x, broker=b)
+    assert set(got) == set(probed) and "_gated.a" in got
+    for where, numbers in probed.items():
+        assert got[where] == pytest.approx(numbers, rel=1e-6), where
+
+
+def test_a_node_at_a_host_whose_copy_here_cannot_run_is_named():
+    with torch.device("meta"):
+        body = nn.Linear(4, 8)
+    g = Graph.somatize(Node.of(body).at("gpu") >> Node.of(nn.Linear(8, 3)).named("head"))
+    with pytest.raises(RuntimeError) as info:
+        architecture(g, torch.randn(3, 4))
+    assert any("node 'linear' runs .at('gpu')" in said for said in info.value.__notes__)

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from somatize import run
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import in_one_line, note
@@ -134,8 +135,41 @@ def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) 
     return next(iter(architecture(module, example, most=most, depth=depth).values()), None)
 
 
+def run_here(graph: Any, example: Any, told: list | None = None) -> Any:
+    """Run `graph` on `example` in this process, as a look runs it: a node that runs
+    `.at(host)` is run from its copy here (the module declared here, the one sent to the host)
+    on the device that copy is on, handed what the graph's run hands it, so that the look
+    reads it as it reads any other node. `told` hears the run's facts, as `watching=` would."""
+    plan = run.Plan(graph)
+    steps = tuple(
+        step if step[4].host is None else (*step[:3], _here(step[3], step[4]), step[4], None)
+        for step in plan.steps
+    )
+    return run.run_plan(plan, example, told or [], steps)
+
+
+_HERE = (
+    "node {!r} runs .at({!r}), and a look (architecture, probe, proxies) runs it here, from "
+    "the copy declared here, on the device that copy is on: give it a copy that runs here "
+    "(its weights loaded, on a device this machine has), or look at the graph without it"
+)
+
+
+def _here(call: Any, ctx: Any) -> Any:
+    """A remote node's step run here, its error saying so."""
+
+    def here(x: Any, c: Any) -> Any:
+        try:
+            return call(x, c)
+        except Exception as e:
+            note(e, _HERE.format(ctx.id, ctx.host))
+            raise
+
+    return here
+
+
 def _capture(
-    graph: Any, roots: dict[str, nn.Module], example: Any, broker: Any, plans: dict[str, Any]
+    graph: Any, roots: dict[str, nn.Module], example: Any, plans: dict[str, Any]
 ) -> tuple[dict[str, _Call], dict[str, dict[str, list[Any]]]]:
     """Run the graph once: what reached each node's module, as its exact arguments. Modules
     fx can follow have what the submodules their fx graph calls gave back recorded (`by_fx`
@@ -176,7 +210,7 @@ def _capture(
         with untouched(list(roots.values())), torch.no_grad(), Tap(graph, None, through):
             for reading in readings:
                 reading.arm()
-            graph.forward(example, broker=broker)
+            run_here(graph, example)
     except RuntimeError as e:  # a value read on the meta device: say what to give instead
         on_meta = [n for n, m in roots.items() if any(t.is_meta for t in m.parameters())]
         if on_meta and "meta" in str(e):
@@ -217,6 +251,10 @@ def architecture(
     and reshapes; a module called twice is a box per call. `graph` may be a bare module (a
     graph of one node, named by its class), and an `Opaque` example is unwrapped first. The
     net is left exactly as it was.
+
+    The graph runs in this process: a node that runs `.at(host)` is read from its copy here
+    (the declaration that was sent), on what the run hands it, so `broker` is not needed; it
+    is accepted as the published signature has it.
     """
     graph = as_graph(graph)
     example = unwrap(example)
@@ -224,14 +262,12 @@ def architecture(
     roots = {node: root for node, root in found.items() if root is not None}
     Held(list(roots.values())).refuse()  # before fx or a hook touches anything
     plans = _plan(roots, depth)
-    calls, outputs = (
-        _capture(graph, roots, example, broker, plans) if example is not None else ({}, {})
-    )
+    calls, outputs = _capture(graph, roots, example, plans) if example is not None else ({}, {})
     out: dict[str, Inside] = {}
     for node, root in roots.items():
         call = calls.get(node)
         if example is not None and call is None:
-            continue  # never reached (a branch not taken, or run elsewhere)
+            continue  # never reached (a branch not taken)
         got = _raw(root, call, outputs.pop(node, None), plans.get(node), depth)
         if got is None:
             continue

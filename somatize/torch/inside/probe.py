@@ -27,6 +27,7 @@ from somatize.torch.audit._measures import _wide, floats_in, norm, read, sums_of
 from somatize.torch.audit._place import _saturation
 from somatize.torch.inside._forward import Calls
 from somatize.torch.inside._trace import Opening
+from somatize.torch.inside.architecture import run_here
 
 __all__ = ["probe"]
 
@@ -184,7 +185,9 @@ def probe(
     Recorder or anything callable: it hears the forward's `ran` and `finished`, then one flat
     `health` fact per place (step 0). Deterministic, and side-effect free; the net is left as
     it was. A model that refuses, in train mode, an input asking for its gradient (transformers'
-    Wav2Vec2) is probed after `model.eval()`, and its error says so.
+    Wav2Vec2) is probed after `model.eval()`, and its error says so. The graph runs here, as
+    `architecture` runs it: a node `.at(host)` is probed in its copy here (`broker` is not
+    needed).
     """
     if not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
         raise ValueError(f"probes is a number of directions ≥ 1, not {probes!r}")
@@ -229,7 +232,7 @@ def probe(
             for h in hooks:
                 h.arm()
             with Tap(g, heard):
-                result = g.forward(x, broker=broker, watching=told)
+                result = run_here(g, x, told)
         except Exception as e:
             note(e, _LEAFED)
             raise

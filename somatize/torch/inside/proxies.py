@@ -47,6 +47,7 @@ from somatize.node import unwrap
 from somatize.run import in_one_line, note, warn
 from somatize.torch._modules import Held, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
+from somatize.torch.inside.architecture import run_here
 from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["EVERY", "proxy", "proxies"]
@@ -107,8 +108,12 @@ class _Subject:
         for p in self.params:
             p.grad = None
 
+    def forward(self, x: Any) -> Any:
+        """The graph's output, run here (a node `.at(host)` from its copy here)."""
+        return run_here(self.graph, x)
+
     def run(self, x: Any) -> list[torch.Tensor]:
-        out = tensors_in(self.graph.forward(x))
+        out = tensors_in(self.forward(x))
         if not out:
             raise _NotHere("the graph gave back no tensor to score")
         return out
@@ -134,7 +139,7 @@ def _hooked(modules: list[nn.Module], fn: Callable) -> Iterator[None]:
 
 
 def _loss(s: _Subject, example: Any, target: Any, objective: Callable) -> torch.Tensor:
-    out = s.graph.forward(example)
+    out = s.forward(example)
     loss = objective(out, target)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"objective(output, target) gave {loss!r}, not a scalar tensor")
