@@ -816,7 +816,7 @@ class _Gated(nn.Module):
 
 def test_a_node_that_runs_at_a_host_is_read_from_its_copy_here_with_or_without_a_broker():
     from somatize import Broker, Worker
-    from somatize.torch import probe
+    from somatize.torch import probe, proxies
 
     torch.manual_seed(0)
     body, head, x = _Gated(), nn.Linear(8, 3), torch.randn(3, 4)
@@ -833,6 +833,11 @@ def test_a_node_that_runs_at_a_host_is_read_from_its_copy_here_with_or_without_a
     assert set(got) == set(probed) and "_gated.a" in got
     for where, numbers in probed.items():
         assert got[where] == pytest.approx(numbers, rel=1e-6), where
+    with pytest.warns(UserWarning, match="naswot"):
+        scored = proxies(here, x)
+    assert set(scored) == {"synflow", "zen", "jacob_cov"}  # no activation module: no naswot
+    with pytest.warns(UserWarning, match="naswot"):
+        assert proxies(there, x) == pytest.approx(scored, rel=1e-6)
 
 
 def test_a_node_at_a_host_whose_copy_here_cannot_run_is_named():
