@@ -323,6 +323,68 @@ def test_a_group_moves_the_node_only_where_it_closes_and_update_applies_a_half_o
     assert [not seen[k + 1].equal(seen[k]) for k in range(4)] == [False, True, False, True]
 
 
+def still(kind, *, every=1, own=None, objective=None):
+    """The technique with an `every` of its own (`own`) or the Trainer's, everything else held
+    still (the Trainer's optimizer at lr=0): only what the technique moves moves."""
+    g = middle() if kind == "synthetic" else first(kind)
+    trains = {"mid" if kind == "synthetic" else "a": technique(kind, every=own)}
+    opt = SGD(parameters(g, without=trains), lr=0.0)
+    objective = objective or objective_of(kind)
+    return Trainer(g, objective=objective, optimizer=opt, trains=trains, every=every)
+
+
+def exported_close(got, expected):
+    assert got.keys() == expected.keys()
+    for n in expected:
+        assert got[n].keys() == expected[n].keys(), n
+        for k in expected[n]:
+            close(got[n][k], expected[n][k], n=expected[n][k].numel() * 6)
+
+
+@pytest.mark.parametrize("kind", ["split", "greedy", "synthetic", "ff"])
+def test_a_group_of_its_own_is_a_mean_as_the_trainers_is(kind):
+    # every=2 of its own, under a Trainer stepping every batch: two steps are one on the two
+    # batches joined (ForwardForward pairs rows within what it is handed, so for it the same
+    # two steps under Trainer(every=2)); two groups, so a Synthetic moves with a taught guess
+    batches = batches_of(kind)
+    own = still(kind, own=2)
+    for b in batches:
+        own.step(b)
+    if kind == "ff":
+        reference = still(kind, every=2)
+        for b in batches:
+            reference.step(b)
+    else:
+        reference = still(kind)
+        for k in range(0, 4, 2):
+            reference.step(joined(batches[k], batches[k + 1]))
+    nid = "mid" if kind == "synthetic" else "a"
+    fresh = still(kind).export()[nid]["lin.weight"]
+    assert not reference.export()[nid]["lin.weight"].equal(fresh)  # it moved
+    exported_close(own.export(), reference.export())
+
+
+@pytest.mark.parametrize("kind", ["split", "greedy", "synthetic", "ff"])
+def test_update_applies_a_group_of_its_own_left_open(kind):
+    # under Trainer(every=1) only the technique's own group is open: update() applies it as
+    # it applies the Trainer's (what accumulated over the group's every), and says so
+    batches = batches_of(kind, 3)
+    own, outer = still(kind, own=2), still(kind, every=2)
+    nid = "mid" if kind == "synthetic" else "a"
+    for t in (own, outer):
+        for b in batches:  # a group, then one step of the next (a Synthetic's guess taught)
+            t.step(b)
+    before = own.export()[nid]["lin.weight"]
+    assert own.update() is True and outer.update() is True
+    assert not own.export()[nid]["lin.weight"].equal(before)
+    exported_close(own.export(), outer.export())
+    assert own.update() is False
+
+    fitted = still(kind, own=2)  # an epoch of 3 batches ends with its group applied
+    fitted.fit(batches)
+    exported_close(fitted.export(), own.export())
+
+
 def test_a_node_before_one_that_gives_nothing_back_is_a_cut():
     g = middle()
     trains = {"mid": Greedy(SGD, head=nn.Linear(4, 2, dtype=F64), lr=0.1)}
@@ -478,3 +540,36 @@ def test_a_technique_on_a_worker_trains_to_the_weights_it_trains_to_here(kind, w
         here.step(b)
         there.step(b)
     same(there.export(), here.export(), tol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["split", "synthetic"])
+def test_a_group_of_its_own_on_a_worker_is_the_mean_it_is_here(kind, workers):
+    # what a worker is told carries the Trainer's every beside the technique's own
+    nid = "mid" if kind == "synthetic" else "a"
+
+    def run(host=None):
+        torch.manual_seed(0)
+        if kind == "synthetic":
+            mid = Layer(4, 4).named("mid")
+            g = Graph.somatize(
+                Layer(3, 4).named("front")
+                >> (mid.at(host) if host else mid)
+                >> Layer(4, 2, False).named("head")
+            )
+        else:
+            a = Layer(3, 4).named("a")
+            g = Graph.somatize((a.at(host) if host else a) >> Layer(4, 2, False).named("head"))
+        trains = {nid: technique(kind, every=2)}
+        t = Trainer(
+            g,
+            objective=mse_loss,
+            optimizer=SGD(parameters(g, without=trains), lr=0.1),
+            trains=trains,
+            broker=workers["project"] if host else None,
+        )
+        for b in batches_of(kind, 5):
+            t.step(b)
+        assert t.update() is True
+        return t.export()
+
+    exported_close(run("far"), run())

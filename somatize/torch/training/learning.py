@@ -30,6 +30,7 @@ __all__ = [
     "leafed",
     "grad_of",
     "pairs",
+    "scaled",
     "BROUGHT",
 ]
 
@@ -90,6 +91,11 @@ def gradient(value: Any, device: str | None = None) -> torch.Tensor | None:
     else:
         return None
     return total if device is None else move(total, device)
+
+
+def scaled(value: Any, by: float) -> Any:
+    """`value` with every tensor in it multiplied by `by` (None stays None)."""
+    return mapped(value, lambda t: t * by)
 
 
 def leafed(value: Any, asking: bool | None = None) -> Any:
@@ -154,8 +160,10 @@ class Learning(Node):
     optimizer is built when first needed, over `training()`, wherever the node ended up.
 
     `optimizer` is a factory such as `torch.optim.SGD`, called with the parameters and `how`;
-    `every` is how many steps go into one update (left out, the Trainer's). Refused: an
-    optimizer that cannot be called, an `every` that is not a positive int.
+    `every` is how many steps go into one update (left out, the Trainer's). A group of its own
+    is a mean, as the Trainer's is: its `every` steps move the node as one step on those
+    batches joined would. Refused: an optimizer that cannot be called, an `every` that is not
+    a positive int.
 
     Class attributes say what a technique asks of the Trainer: `needs_target` (it is told the
     objective and handed each step's `target`), `wants_signal` (False: it learns from something
@@ -185,6 +193,7 @@ class Learning(Node):
         self.how = dict(how)
         self.declared = every
         self.every = every if every is not None else 1
+        self.outer = self.every  # the Trainer's every, which each arriving gradient is divided by
         self.pieces = 1
         self.objective: Any = None
         self.target: Any = None
@@ -220,16 +229,20 @@ class Learning(Node):
         return self
 
     def told(self) -> dict[str, Any]:
-        """What the Trainer told it, to travel to a worker with it: `every`, `pieces` and, for a
-        technique that `needs_target`, the objective."""
-        said: dict[str, Any] = {"every": self.every, "pieces": self.pieces}
+        """What the Trainer told it, to travel to a worker with it: `every`, `pieces`, the
+        Trainer's own every (`outer`) and, for a technique that `needs_target`, the objective."""
+        said: dict[str, Any] = {"every": self.every, "pieces": self.pieces, "outer": self.outer}
         if self.needs_target:
             said["objective"] = self.objective
         return said
 
-    def tell(self, *, every: int, pieces: int = 1, objective: Any = None) -> Learning:
-        """Take what the Trainer told it (`told()` on the other side)."""
+    def tell(
+        self, *, every: int, pieces: int = 1, objective: Any = None, outer: int | None = None
+    ) -> Learning:
+        """Take what the Trainer told it (`told()` on the other side); `outer`, the Trainer's
+        every, is `every` unless said."""
         self.every = every
+        self.outer = every if outer is None else outer
         self.pieces = pieces
         if objective is not None:
             self.objective = objective
@@ -277,6 +290,14 @@ class Learning(Node):
         """How many pieces go into one update: `every` steps of `pieces` pieces each. A
         technique with a loss of its own divides it by this, as the Trainer divides its own."""
         return self.every * self.pieces
+
+    @property
+    def share(self) -> float:
+        """What a gradient arriving is multiplied by to count in this technique's own group:
+        the Trainer divides each step's loss by its `every`, and a group of the technique's
+        own is a mean over its `every` instead (1.0 when the two agree). What it gives back
+        upstream is divided by it again, to count in the Trainer's group."""
+        return self.outer / self.every
 
     def opens(self) -> bool:
         """Whether this step starts a group, which is where gradients are cleared."""
@@ -402,6 +423,11 @@ class Split(Learning):
 
     def learn(self, signal: torch.Tensor | None, ctx: Any) -> Any:
         """Backward through the node from `signal`, step when the group closes, and give back
-        dL/d(what the node was given)."""
+        dL/d(what the node was given). With an `every` of its own the signal counts in its
+        group by `share`, and what goes back is in the Trainer's group again."""
         held = self.waiting() if signal is not None else None
-        return grad_of(self.stepped(lambda: backward_from(held, signal)))
+        share = self.share
+        if share == 1.0:
+            return grad_of(self.stepped(lambda: backward_from(held, signal)))
+        signal = scaled(signal, share)
+        return scaled(grad_of(self.stepped(lambda: backward_from(held, signal))), 1 / share)

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from somatize.torch.placement import modules_of
-from somatize.torch.training.learning import Learning, grad_of
+from somatize.torch.training.learning import Learning, grad_of, scaled
 
 __all__ = ["Synthetic", "Guesser"]
 
@@ -56,9 +56,11 @@ class Synthetic(Learning):
     with it, and a step when the group closes; the gradient of the input under the guess goes
     upstream. When the true gradient arrives the guesser learns from it, its loss `½‖guess −
     true‖²` over the batch, stepped when the group closes. Node and guesser share one optimizer,
-    each stepped at its own moment. On a worker the node's update is made while the forward
-    runs there; the true gradient, when it comes, teaches only the guesser. The guesser is
-    exported with the node under `learning/guesser.…`, and loading those builds it.
+    each stepped at its own moment. With an `every` of its own the true gradient is taught in
+    that group's terms (`Learning.share`), and what goes upstream in the Trainer's. On a
+    worker the node's update is made while the forward runs there; the true gradient, when it
+    comes, teaches only the guesser. The guesser is exported with the node under
+    `learning/guesser.…`, and loading those builds it.
 
     Refused: a node that produces something other than one floating tensor with a batch
     dimension (there is no shape to guess a gradient of).
@@ -122,9 +124,12 @@ class Synthetic(Learning):
             for p in guesser:
                 p.grad = None
         guess, self._guess = self._guess, None
+        share = self.share  # the true gradient, and so the guess, in its own group's terms
         if signal is not None and guess is not None:
+            true = signal.to(guess.dtype) * share
             # the gradient of ½‖guess − true‖² with respect to the guess is guess − true
-            torch.autograd.backward([guess], [guess.detach() - signal.to(guess.dtype)])
+            torch.autograd.backward([guess], [guess.detach() - true])
         if self.closes():
             _step_only(optimizer, guesser)
-        return grad_of(self.done())
+        back = grad_of(self.done())
+        return back if share == 1.0 else scaled(back, 1 / share)

@@ -145,7 +145,9 @@ class Trainer:
         freeze(graph)
         for nid, learning in trains.items():
             learning.of(graph.implementation(nid)).accumulating(self.every)
-            learning.tell(every=learning.every, pieces=self.micro, objective=objective)
+            learning.tell(
+                every=learning.every, pieces=self.micro, objective=objective, outer=self.every
+            )
         self.graph = graph
         self.objective = objective
         self.optimizer = optimizer
@@ -155,6 +157,7 @@ class Trainer:
         self._scale = float(self.every * self.micro)
         self._count = 0
         self._steps = 0
+        self._updated = 0  # the steps taken when update() last closed every group
         p = self._parallel
         self._stages = Stages(
             graph,
@@ -281,12 +284,17 @@ class Trainer:
 
     def update(self) -> bool:
         """Applies what has been accumulated and starts a new group, for the group a run ends
-        in the middle of (across a cut, an empty envelope says so). Does nothing, and answers
-        False, if none is open."""
-        if self._count == 0:
+        in the middle of: the Trainer's, and that of a Learning with an `every` of its own
+        (across a cut, an empty envelope says so). Does nothing, and answers False, if none is
+        open."""
+        since = self._steps - self._updated  # every group opened afresh there
+        theirs = any(since % learning.every for learning in self.trains.values())
+        if self._count == 0 and not theirs:
             return False
+        self._updated = self._steps
         (self._parallel or self._stages).update()
-        self._apply(self._steps - 1)
+        if self._count:
+            self._apply(self._steps - 1)
         run.flush(self.watching)
         return True
 
