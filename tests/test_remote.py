@@ -342,6 +342,38 @@ def test_a_restarted_worker_gets_what_it_held_and_never_trains_on_from_older_wei
         standing.stop()
 
 
+def test_state_lost_names_the_nodes_not_what_trains_them_there():
+    from somatize.torch import Greedy, Trainer, parameters
+
+    standing = Standing("--accept-code")  # Greedy's head travels as code
+    standing.start()
+    try:
+        broker = Broker.embedded({"gpu": standing.worker()})
+        torch.manual_seed(0)
+        g = Graph.somatize(
+            Lin(4, 8).named("enc").frozen() >> Lin(8, 8).named("body").at("gpu")
+            >> Lin(8, 2).named("head")
+        )
+        trains = {"body": Greedy(torch.optim.SGD, head=torch.nn.Linear(8, 2), lr=0.1)}
+        t = Trainer(
+            g,
+            objective=torch.nn.functional.mse_loss,
+            optimizer=torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+            trains=trains,
+            broker=broker,
+        )
+        data = _batches(3)
+        t.step(data[0])
+        standing.restart()
+        with pytest.raises(StateLost) as lost:
+            _again(lambda: t.step(data[1]))
+        assert lost.value.nodes == ["body"]  # its Greedy (head and all) lost with it
+        assert "['body']" in str(lost.value) and "body/learning" not in str(lost.value)
+        broker.close()
+    finally:
+        standing.stop()
+
+
 @pytest.mark.parametrize("every", [1, 2])
 def test_split_training_across_a_worker_equals_training_here(two, every):
     here = _split_trainer(None, every=every)

@@ -134,13 +134,15 @@ class Broker:
                 for n, held in self._held.values()
                 if n in lost and "/" not in n
             }
+            # a Learning is held as '<node>/learning': it is named by the node it trains
+            nodes = sorted({n.partition("/")[0] for n in lost})
             raise StateLost(
                 f"the worker for host {host!r} was restarted (or forgot this client's session) "
-                f"after node(s) {lost} had learnt there, and what they learnt since their "
+                f"after node(s) {nodes} had learnt there, and what they learnt since their "
                 "weights were last read back (Trainer.export) is lost; nothing was trained from "
                 "older weights. Resume with Trainer.load(weights) from weights you kept, or "
                 "Trainer.load(error.exported) from the last ones this client read back",
-                lost,
+                nodes,
                 exported,
             )
         conn = self.connection(host)
