@@ -457,6 +457,28 @@ def test_export_carries_what_it_brought_and_load_takes_it_back(kind):
         same(t2.export(), before, tol=0)  # refused whole
 
 
+def test_what_one_technique_brought_is_refused_by_another_naming_the_keys():
+    t = trainer("synthetic")  # it trains "mid", and brings a guesser
+    t.step(data(1)[0])
+    exported = t.export()
+    g = middle()
+    trains = {"mid": Split(SGD, lr=0.1)}
+    split = Trainer(
+        g, objective=mse_loss, optimizer=SGD(parameters(g, without=trains)), trains=trains
+    )
+    before = split.export()
+    with pytest.raises(ValueError) as refused:
+        split.load(exported)
+    said = str(refused.value)
+    assert "'learning/guesser.weight'" in said and "Split" in said and "''" not in said
+    assert "node 'mid'" in said
+    same(split.export(), before, tol=0)
+
+    bad = {"mid": {**exported["mid"], "learning/guesser.bias": torch.zeros(7, dtype=F64)}}
+    with pytest.raises(ValueError, match=r"Synthetic training node 'mid'.*guesser\.bias"):
+        trainer("synthetic").load(bad)
+
+
 @pytest.mark.parametrize("kind", ["greedy", "synthetic", "ff"])
 def test_an_audit_sees_the_node_a_technique_trains_like_any_other(kind):
     heard = []

@@ -38,14 +38,30 @@ def learnt(trainer: Any, nid: str) -> dict[str, torch.Tensor]:
 
 def parted(trainer: Any, nid: str, given: dict[str, Any]) -> tuple[dict, dict]:
     """`given` (the weights for node `nid`) as `(the node's own, its Learning's)`, the second
-    without the `learning/` prefix; those of a Learning the node does not have are refused,
-    naming the keys. Nothing is copied here."""
+    without the `learning/` prefix; those of a Learning the node does not have, or that its
+    Learning did not bring, are refused, naming the keys. Nothing is copied here."""
     own = {k: v for k, v in given.items() if not str(k).startswith(BROUGHT)}
     theirs = {k[len(BROUGHT) :]: v for k, v in given.items() if str(k).startswith(BROUGHT)}
-    if theirs and trainer.trains.get(nid) is None:
+    if not theirs:
+        return own, theirs
+    learning = trainer.trains.get(nid)
+    held = sorted(BROUGHT + k for k in theirs)
+    if learning is None:
         raise ValueError(
-            f"node {nid!r}: the weights hold {sorted(BROUGHT + k for k in theirs)}, what a "
-            f"Learning brought, and nothing trains {nid!r} in this Trainer: leave those keys "
-            "out, or train the node with trains= as when they were exported; nothing was loaded"
+            f"node {nid!r}: the weights hold {held}, what a Learning brought, and nothing "
+            f"trains {nid!r} in this Trainer: leave those keys out, or train the node with "
+            "trains= as when they were exported; nothing was loaded"
+        )
+    learning.receiving(theirs)  # what it builds lazily (a guesser) is built at the shapes sent
+    has = sorted(BROUGHT + k for k in state_of(learning))
+    unknown = sorted(set(held) - set(has))
+    if unknown:
+        name = type(learning).__name__
+        brings = f"brings {has}" if has else "brings nothing of its own"
+        raise ValueError(
+            f"node {nid!r}: the weights hold {unknown}, what the Learning that trained it "
+            f"brought (a Greedy's head, a Synthetic's guesser), and the {name} that trains it "
+            f"here {brings}: train {nid!r} with the technique they were exported from, or "
+            "leave those keys out; nothing was loaded"
         )
     return own, theirs

@@ -391,7 +391,7 @@ class Trainer:
                 entries.append((*self.broker.placement(self.graph, nid), given))
             if theirs:
                 learning, host = brought.there(self, nid)
-                name = f"node {nid!r}'s {type(learning).__name__}"
+                name = f"the {type(learning).__name__} training node {nid!r}"
                 commits.append(stage_state(learning, theirs, name=name))
                 if host is not None:
                     entries.append((host, f"{nid}/learning", learning, None, theirs))
