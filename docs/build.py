@@ -82,6 +82,17 @@ def _coalesced(outputs: list[dict]) -> list[dict]:
     return merged
 
 
+def _faced(outputs: list[dict]) -> list[dict]:
+    """Without a figure's live view where its static face, an output of its own, follows it:
+    the face stands for it."""
+    kept = []
+    for k, out in enumerate(outputs):
+        after = outputs[k + 1].get("data", {}) if k + 1 < len(outputs) else {}
+        if not (WIDGET in out.get("data", {}) and _FACE.search(_text(after.get("text/html", "")))):
+            kept.append(out)
+    return kept
+
+
 def _fence(text: str, lang: str = "text") -> str:
     text = text.rstrip("\n")
     return f"```{lang}\n{text}\n```\n" if text else ""
@@ -102,7 +113,7 @@ def guide(notebook: Path, pictures: dict[Path, str] | None = None) -> str:
         elif cell["cell_type"] == "code" and source.strip():
             lines = [ln for ln in source.splitlines() if not ln.startswith("# NBVAL_")]
             parts.append(_fence("\n".join(lines), "python"))
-            outputs = _coalesced(cell.get("outputs", []))
+            outputs = _faced(_coalesced(cell.get("outputs", [])))
             parts.extend(filter(None, (_output(o, pictures, notebook.stem) for o in outputs)))
     return "\n".join(parts)
 

@@ -7,11 +7,12 @@ made.
 Each notebook runs top to bottom in a fresh kernel (over local sockets, not TCP), from this
 folder, and is written back with its outputs but without the widgets' saved state
 (`metadata.widgets`: each widget's whole bundle and data, which JupyterLab redraws from a live
-kernel anyway). What a figure shows without a kernel is its static face, which is in its
-output: the picture as it was when the cell that changed it last ended (a live audit after its
-fit). nbval does not compare widget outputs, and `sanitize.cfg` sets the faces aside (their
-numbers are a training's, which another CPU rounds otherwise), so the notebooks stay tests.
-Prints how long each one took.
+kernel anyway; without it, nbconvert's HTML asks no widget manager of the network). What a
+figure shows without a kernel is its static face, an output of its own under the widget's:
+the picture as it was when the cell that changed it last ended (a live audit after its fit).
+nbval does not compare widget outputs, and `sanitize.cfg` sets the faces aside (their numbers
+are a training's, which another CPU rounds otherwise), so the notebooks stay tests. Prints how
+long each one took.
 """
 
 from __future__ import annotations

@@ -287,9 +287,10 @@ def test_in_a_kernel_a_shown_audit_fills_during_a_fit_and_its_face_catches_up(tm
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.strip()) for c in NOTEBOOK])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    shown = nb.cells[0].outputs[0]
-    assert shown.output_type == "display_data"  # shown with a display id, updated later
-    assert shown.data["text/plain"] == "shown first: a live audit of the watched places' health, step by step"
+    live, shown = nb.cells[0].outputs  # the live view and its line, then the face on its own
+    assert "application/vnd.jupyter.widget-view+json" in live.data and "text/html" not in live.data
+    assert live.data["text/plain"] == "shown first: a live audit of the watched places' health, step by step"
+    assert shown.output_type == "display_data" and list(shown.data) == ["text/html"]  # updated later
     assert re.search(r'alt="shown first: \d+ places, 12 steps"', shown.data["text/html"])
     face = base64.b64decode(re.search(r'base64,([^"]+)"', shown.data["text/html"]).group(1)).decode()
     assert "waiting for health facts" not in face and "update_ratio" in face

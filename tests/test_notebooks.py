@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,3 +71,26 @@ def test_a_guide_holds_the_code_and_its_outputs_and_no_nbval_markers():
     text = build.guide(ROOT / "notebooks" / "03_split_learning.ipynb")
     assert "Worker.spawn" in text and "NBVAL" not in text
     assert "step for step the same losses as in one process: True" in text
+
+
+def test_a_figure_run_by_nbconvert_has_its_picture_in_the_html(tmp_path):
+    """`jupyter nbconvert --execute` keeps the widgets' state, so its HTML has each widget's
+    view (a widget manager from the network draws it); the face, an output of its own, is
+    there too. (tests/browser/test_pages.py opens such a page offline.)"""
+    import nbformat
+
+    source = 'from somatize.figures import LiveAudit\nLiveAudit(title="by nbconvert")'
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "figure.ipynb"
+    nbformat.write(nb, path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for how in (["--to", "notebook", "--execute", "--inplace"], ["--to", "html"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "jupyter", "nbconvert", *how, str(path)],
+            capture_output=True, text=True, timeout=180, env=env,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+    page = (tmp_path / "figure.html").read_text(encoding="utf-8")
+    assert "application/vnd.jupyter.widget-state+json" in page  # the widget's view is there
+    assert page.count('<img alt="by nbconvert: ') == 1  # and its picture

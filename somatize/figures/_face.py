@@ -1,7 +1,12 @@
 """The static face every figure carries beside its live view: `text/html` (its picture as an
 image, an SVG in a data URI, which a sanitizer keeps for an untrusted notebook) and a
 `text/plain` line, for wherever no widget is drawn (nbconvert, GitHub, a notebook reopened).
-A figure shown with a display id has its face brought up to date at the end of every cell.
+
+Shown in a notebook, a figure is two outputs: the live view (and its line), then the face
+alone, with a style that hides it once the live view is drawn in the same page. A saved
+notebook that keeps the widgets' state (`jupyter nbconvert --execute` does) is converted to
+HTML as the widget's view, which needs a widget manager from the network: the face, an output
+of its own, is drawn there anyway. The face is brought up to date at the end of every cell.
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ from somatize.figures._page import jsonable, page
 
 START = '<div class="smz-face" style="max-width:100%;overflow-x:auto">'
 END = "</div><!--/smz-face-->"
+# Hides a face shown on its own, and its output, once the live view (which carries the class
+# smz-live-<model id>) is drawn anywhere in the page; where styles are dropped, it shows.
+_HIDDEN = (
+    "<style>body:has(.smz-live-{key}) .jp-OutputArea-child:has([data-smz-for='{key}']),"
+    " body:has(.smz-live-{key}) [data-smz-for='{key}'] {{display:none}}</style>"
+)
 
 
 class Face:
@@ -53,11 +64,22 @@ class Face:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
+        live = f"smz-live-{self.model_id}"
+        if live not in self._dom_classes:  # type: ignore[attr-defined]
+            self.add_class(live)  # type: ignore[attr-defined]
         data, meta = self._repr_mimebundle_()
-        handle = display(data, metadata=meta, raw=True, display_id=True)
+        live_view = {k: v for k, v in data.items() if k != "text/html"}
+        display(live_view, metadata=meta, raw=True)
+        handle = display(self._alone(), raw=True, display_id=True)
         if handle is not None:
             self.__dict__.setdefault("_face_handles", []).append(handle)
             _refresh_after_cells(self)
+
+    def _alone(self) -> dict[str, str]:
+        """The face last drawn as an output of its own, hidden where the live view is drawn."""
+        key = self.model_id  # type: ignore[attr-defined]
+        tagged = START[:-1] + f' data-smz-for="{key}">' + _HIDDEN.format(key=key)
+        return {"text/html": tagged + self.__dict__["_face_shown"] + END}
 
     def refresh(self) -> bool:
         """Bring the face of every place this figure was shown up to date, if it changed;
@@ -67,11 +89,11 @@ class Face:
             return False
         self.settle()
         shown = self.__dict__.get("_face_shown")
-        data, meta = self._repr_mimebundle_()  # draws the face once, and keeps it
+        self._repr_mimebundle_()  # draws the face once, and keeps it
         if self.__dict__["_face_shown"] == shown:
             return False
         for handle in handles:
-            handle.update(data, metadata=meta, raw=True)
+            handle.update(self._alone(), raw=True)
         return True
 
     def settle(self) -> None:

@@ -1,8 +1,9 @@
 """The figures in a real JupyterLab: a server on 127.0.0.1, notebooks opened in headless
 Chromium. Live: cells run with Shift+Enter, the graph's fold reaches the kernel and comes back
 redrawn, the audit fills while the fit cell is still running and a metric chosen meanwhile
-is drawn at once, the table sorts. Saved: a notebook run and saved, reopened in a JupyterLab
-that has no kernel to give it, shows every figure's static face."""
+is drawn at once, the table sorts. The static face beside each live view is hidden. Saved: a
+notebook run and saved, reopened in a JupyterLab that has no kernel to give it, shows every
+figure's static face."""
 
 from __future__ import annotations
 
@@ -187,6 +188,9 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
         cell = _run(page, 0)
         cell.locator(".smz-graph svg .smz-node").first.wait_for(timeout=60_000)
         assert cell.locator(".smz-node").count() == 4 and cell.locator(".smz-kind-conv").count() == 2
+        # its static face, an output of its own for a saved notebook, gives way to the live view
+        assert cell.locator(".smz-face").count() == 1 and cell.locator(".smz-face").is_hidden()
+        assert cell.locator(".jp-OutputArea-child").nth(1).is_hidden()
         cell.locator(".smz-foldable").click()
         page.wait_for_function("() => document.querySelectorAll('.smz-graph .smz-kind-conv').length === 4", timeout=20_000)
         cell.screenshot(path=str(artifacts / "lab-graph.png"))
@@ -221,10 +225,12 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
         # the table sorts on a header click
         table = _run(page, 5)
         table.locator(".smz-table tbody tr").first.wait_for(timeout=30_000)
-        rows = lambda: table.locator("tbody tr").evaluate_all("rs => rs.map(r => r.dataset.row)")  # noqa: E731
+        rows = lambda: table.locator(".smz-table tbody tr").evaluate_all("rs => rs.map(r => r.dataset.row)")  # noqa: E731
         assert rows() == ["wide", "deep", "tiny"]
-        table.locator("thead th[data-col='params']").click()
-        table.locator("thead th[data-col='params']").click()
+        assert table.locator(".smz-face").is_hidden()
+        assert page.locator(".smz-face").evaluate_all("fs => fs.filter(f => f.offsetParent).length") == 0
+        table.locator(".smz-table thead th[data-col='params']").click()
+        table.locator(".smz-table thead th[data-col='params']").click()
         assert rows() == ["tiny", "deep", "wide"]
         table.screenshot(path=str(artifacts / "lab-table.png"))
     finally:
