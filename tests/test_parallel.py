@@ -72,6 +72,18 @@ class Branchy(Node, nn.Module):
         return torch.tanh(self.b(y)) if x.sum() > 0 else y
 
 
+class Spare(Node, nn.Module):
+    """A layer holding a parameter its forward never uses."""
+
+    def __init__(self, i: int, o: int) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(i, o, dtype=torch.float64)
+        self.spare = nn.Linear(o, o, dtype=torch.float64)
+
+    def forward(self, x, ctx):
+        return torch.tanh(self.lin(x))
+
+
 class Fails(Node, nn.Module):
     """A layer that, on rank 1, exits (or stalls) on its fourth forward."""
 
@@ -105,6 +117,14 @@ def mixed(seed=100):
     )
 
 
+def spared(seed=100, where="enc"):
+    """mlp with node `where` holding a parameter it never uses."""
+    torch.manual_seed(seed)
+    a = (Spare if where == "a" else Layer)(4, 8).named("a")
+    enc = (Spare if where == "enc" else Layer)(8, 8).named("enc")
+    return Graph.somatize(a >> enc >> Layer(8, 2, False).named("head"))
+
+
 def branchy(seed=100):
     torch.manual_seed(seed)
     return Graph.somatize(Branchy().named("br") >> Layer(4, 2, False).named("head"))
@@ -134,6 +154,8 @@ FITS = {  # name: (graph, Trainer's keywords), each to end as one process on who
     "split2": (mlp, {"split": True, "every": 2}),
     "split3": (mlp, {"split": True, "every": 3}),  # and its group of 1 closed by update()
     "split_own2": (mlp, {"split": 2}),  # with an every of its own
+    "split_unused": (spared, {"split": True}),  # a parameter its forward does not use
+    "split_unused2": (spared, {"split": 2}),
     "greedy": (mlp, {"technique": "greedy"}),  # a node and the head it brought, averaged
     "greedy2": (mlp, {"technique": "greedy", "every": 2}),
     "fsdp1": (mixed, {"parallel": "fsdp"}),
@@ -276,6 +298,15 @@ def refusals(out):
         trainer(cached(), store=out / f"store{rank}", parallel="ddp")
     except ValueError as error:
         said["store"] = str(error)
+    unused = trainer(spared(where="a"), technique="greedy", parallel="ddp")
+    before = unused.export()
+    try:  # Greedy's own loss: averaged without DDP's walk for unused parameters
+        unused.step(next(iter(mine())))
+    except ValueError as error:
+        said["unused"] = str(error)
+    said["unmoved"] = all(
+        torch.equal(before[n][k], t) for n, s in unused.export().items() for k, t in s.items()
+    )
     t = trainer(cached(), store=Store(out / "store"), parallel="ddp")
     t.fit(mine())
     keep(out, "cached", t.export(), **said)
@@ -465,6 +496,11 @@ def test_ranks_that_differ_or_do_not_share_a_store_refuse_together(ranks):
         assert "Rank(s) [1] hold another graph" in said["graph"]
         assert "'enc'" in said["store"] and "[1]" in said["store"]
     assert "node 'head'" in told(ranks, "cached", 1)["graph"]  # rank 1 says where
+    for rank in (0, 1):  # a Greedy's node that leaves a parameter unused: before it moves
+        said = told(ranks, "cached", rank)
+        assert "node 'a'" in said["unused"] and "Greedy" in said["unused"]
+        assert "['a.spare.weight', 'a.spare.bias']" in said["unused"]
+        assert said["unmoved"] is True
     expected = one_process(cached(), dataset())
     for rank in (0, 1):
         close(got(ranks, "cached", rank), expected)

@@ -24,7 +24,7 @@ from torch import nn
 from somatize.torch.placement import modules_of, place
 from somatize.torch.training import _ranks, _weights
 from somatize.torch.training._ranks import RankLost
-from somatize.torch.training.params import state_of
+from somatize.torch.training.params import named, state_of
 from somatize.torch.training.stages import Local
 
 __all__ = ["MODES", "Parallel", "RankLost", "parallel_of"]
@@ -218,6 +218,7 @@ class Parallel:
         self._of: dict[int, Any] = {}  # id(part) -> its replica
         self._replicas: list[Any] = []  # in the order they were made: the same on every rank
         self._open: set[int] = set()  # replicas whose group is open and not averaged yet
+        self._unwatched: dict[int, Callable] = {}  # id(part) -> its check, until hooked
         self.sync = True
         self._parts = _Parts(self)
 
@@ -257,8 +258,10 @@ class Parallel:
             modules = [m for nid in part.ids for m in modules_of(part.nodes[nid])]
             learning = part.learning
             extra: list[nn.Parameter] = []
+            brought: list[nn.Module] = []
             if learning is not None:
-                modules += [m for m in modules_of(learning) if m not in modules]
+                brought = [m for m in modules_of(learning) if m not in modules]
+                modules += brought
                 have = {id(p) for m in modules for p in m.parameters()}
                 extra = [p for p in learning.training() if id(p) not in have]
             params = [p for m in modules for p in m.parameters()] + extra
@@ -271,9 +274,15 @@ class Parallel:
                         "without trains="
                     )
             # a Learning moves every parameter it has; in the Trainer's part a branch may not run
-            replica = self._ddp(modules, extra, part.forward, find_unused=learning is None)
+            # DDP finds what a step left unused by walking back from what the forward produced:
+            # Split's backward starts there; one that learns from a loss of its own, or moves
+            # modules it brought, is averaged without the walk, and checked (`_every_used`)
+            walks = learning is None or (learning.wants_signal and not brought and not extra)
+            replica = self._ddp(modules, extra, part.forward, find_unused=walks)
             if replica is not None:
                 self._of[id(part)] = replica
+                if not walks:
+                    self._unwatched[id(part)] = _every_used(part, replica, named(stages.graph))
 
     def _ddp(
         self, modules: list[nn.Module], extra: list[nn.Parameter], run: Callable, find_unused: bool
@@ -348,6 +357,29 @@ class Parallel:
             return _sharded.gathered(state)
 
 
+def _every_used(part: Any, replica: Any, names: dict[int, str]) -> Callable:
+    """A step pre-hook for the optimizer of `part`'s Learning: a parameter of its replica that
+    got no gradient is refused before that optimizer moves, since DDP (without the walk that
+    finds unused ones) waits for it and leaves the rest of its bucket unaveraged."""
+    nid, learning = part.trained, part.learning
+
+    def check(optimizer: Any, args: Any, kwargs: Any) -> None:
+        unused = [q for q in replica.parameters() if q.requires_grad and q.grad is None]
+        if unused:
+            other = f"a parameter its {type(learning).__name__} brought"
+            said = [names.get(id(q), other) for q in unused]
+            raise ValueError(
+                f"node {nid!r} is trained by {type(learning).__name__} under parallel='ddp', and "
+                f"its parameter(s) {said} got no gradient in this step; its optimizer did not "
+                "move. DDP averages the node a Learning trains without find_unused_parameters "
+                "(docs/parallel.md), so it has to use every parameter it holds every step: "
+                "take the unused ones out of the node, or .requires_grad_(False) on them "
+                "before the Trainer is built, or train without parallel="
+            )
+
+    return check
+
+
 class _Parts(Local):
     """The transport of every part under `parallel=`: a part with something to average runs
     through its replica, any other as it would here."""
@@ -367,6 +399,14 @@ class _Parts(Local):
         # a Learning with an `every` of its own closes its own groups; any other, the Trainer's
         sync = p.sync if learning is None or learning.declared is None else learning.closes()
         return p._run(replica, sync, inputs, store=store, watching=watching)
+
+    def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
+        """`part.backward`; the first time, the check that a Learning averaged without DDP's
+        walk used every parameter goes on its optimizer (built by now where the node is)."""
+        check = self.parallel._unwatched.pop(id(part), None)
+        if check is not None:
+            part.learning.optimizer.register_step_pre_hook(check)
+        return part.backward(envelopes)
 
 
 def _modules(graph: Any) -> list[nn.Module]:
