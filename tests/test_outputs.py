@@ -12,10 +12,13 @@ import pytest
 import torch
 import transformers
 from torch import nn
+from transformers.cache_utils import DynamicCache
 
 from somatize import Broker, Graph, Node, Store, Worker
-from somatize.codecs import Malformed, decode, encode
+from somatize.codecs import Malformed, NoCodec, decode, encode
 from somatize.torch._outputs import KIND
+
+CACHE = "transformers.Cache"
 
 
 def small_config(**more) -> transformers.BertConfig:
@@ -73,15 +76,16 @@ def test_a_cached_frozen_backbone_is_read_back_from_the_store_not_run_again(tmp_
     assert torch.equal(first, second)
 
 
-def forged(module: str, name: str, fields: list) -> bytes:
-    """The bytes of a kept ModelOutput, naming whatever the writer chose."""
+def forged(module: str, name: str, fields: list, kind: str = KIND) -> bytes:
+    """The bytes of a kept ModelOutput (or a value of another `kind` written down here),
+    naming whatever the writer chose."""
     from transformers.modeling_outputs import BaseModelOutput
 
     good = encode(BaseModelOutput(last_hidden_state=torch.zeros(1)))  # what the codec writes
-    kind, _ = msgpack.unpackb(msgpack.unpackb(good, raw=False).data, raw=False)
-    assert kind == KIND
+    said, _ = msgpack.unpackb(msgpack.unpackb(good, raw=False).data, raw=False)
+    assert said == KIND
     payload = encode([module, name, fields])
-    envelope = msgpack.packb([KIND, payload], use_bin_type=True)
+    envelope = msgpack.packb([kind, payload], use_bin_type=True)
     return msgpack.packb(msgpack.ExtType(3, envelope), use_bin_type=True)
 
 
@@ -287,3 +291,89 @@ def test_a_process_without_transformers_loaded_refuses_an_output_and_imports_not
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("ok")
+
+
+def cache(*layers) -> DynamicCache:
+    return DynamicCache([(torch.randn(*shape), torch.randn(*shape)) for shape in layers])
+
+
+def test_a_kept_cache_comes_back_as_itself_and_one_no_constructor_rebuilds_is_refused(tmp_path):
+    from transformers.cache_utils import EncoderDecoderCache, StaticCache
+
+    store = Store(tmp_path)
+    kept = EncoderDecoderCache(cache((2, 2, 5, 8), (2, 2, 5, 8)), cache((2, 2, 3, 8)))
+    store.keep("cache", kept)
+    back = store.recall("cache")
+    assert type(back) is EncoderDecoderCache and type(back.cross_attention_cache) is DynamicCache
+    assert back.get_seq_length() == 5 and back.is_updated == kept.is_updated
+    for a, b in zip(back, kept, strict=True):
+        assert all(x is y is None or torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    static = StaticCache(config=small_config(), max_cache_len=8)
+    with pytest.raises(NoCodec, match=r"StaticCache .* Pass use_cache=False"):
+        store.keep("static", static)
+
+
+DYNAMIC = ("transformers.cache_utils", "DynamicCache")
+
+
+@pytest.mark.parametrize(
+    ("kind", "module", "name", "fields", "why"),
+    [
+        (CACHE, *DYNAMIC, [["layers", [[torch.zeros(2, 3)] * 2]], ["lazy", False]], "not two"),
+        (CACHE, *DYNAMIC, [["layers", [[torch.zeros(1, 1, 1, 1), "x"]]], ["lazy", False]],
+         "not tensors"),
+        (CACHE, *DYNAMIC, [["layers", []], ["lazy", 1]], r"\['lazy', bool\]"),
+        (CACHE, *DYNAMIC, [["layers", [[None, None]]], ["lazy", True]], "is empty"),
+        (CACHE, "transformers.cache_utils", "StaticCache", [], "not a ModelOutput class"),
+        (CACHE, "transformers.cache_utils", "EncoderDecoderCache",
+         [["self_attention_cache", 1], ["cross_attention_cache", 2]], "not dynamic"),
+        (KIND, *DYNAMIC, [["layers", []], ["lazy", False]], "not a transformers.ModelOutput"),
+        (CACHE, "transformers.modeling_outputs", "BaseModelOutput", [], "not a transformers.Cache"),
+        ("transformers.BatchEncoding", *DYNAMIC, [["layers", []], ["lazy", False]],
+         "not a transformers.BatchEncoding"),
+    ],
+)
+def test_kept_cache_bytes_that_do_not_hold_a_cache_are_refused(kind, module, name, fields, why):
+    with pytest.raises(Malformed, match=why):
+        decode(forged(module, name, fields, kind))
+
+
+def tokenized() -> transformers.BatchEncoding:
+    return transformers.BatchEncoding(batch())  # what a tokenizer hands back
+
+
+def test_a_tokenizers_batch_encoding_is_kept_and_keys_a_cached_backbone(tmp_path):
+    store = Store(tmp_path)
+    store.keep("batch", tokenized())
+    back = store.recall("batch")
+    assert type(back) is transformers.BatchEncoding and list(back) == list(batch())
+    assert torch.equal(back.input_ids, batch()["input_ids"])  # by attribute, as a batch is read
+
+    bert = small_bert()
+    calls = []
+    bert.register_forward_hook(lambda m, a, o: calls.append(1))
+    g = Graph.somatize(Node.of(bert).named("bert").frozen().cached())
+    first = g.forward(tokenized(), store=store)
+    second = g.forward(tokenized(), store=Store(tmp_path))
+    assert len(calls) == 1 and same_output(first, second)
+
+
+def class_name(value) -> str:
+    """What a worker was handed, said by its class."""
+    return type(value).__name__
+
+
+def test_a_tokenizers_batch_encoding_crosses_to_a_worker_as_itself():
+    bert = small_bert()
+    with torch.no_grad():
+        here = bert(**batch())
+    broker = Broker.embedded({"gpu": Worker.spawn(["--threads", "1"], mode="network")})
+    try:
+        g = Graph.somatize(Node.of(bert).named("bert").at("gpu"))
+        there = g.forward(tokenized(), broker=broker)
+        seen = Graph.somatize(Node.of(class_name).at("gpu")).forward(tokenized(), broker=broker)
+    finally:
+        broker.close()
+    tol = 4 * here.last_hidden_state.shape[-1] * torch.finfo(torch.float32).eps
+    assert torch.allclose(there.last_hidden_state, here.last_hidden_state, rtol=tol, atol=tol)
+    assert seen == "BatchEncoding"

@@ -1,49 +1,94 @@
-"""How a transformers `ModelOutput` is written down: `[module, class name, [[field, value], ...]]`,
-its fields in order (tensors by their own codec; on the wire, framed as every tensor there), read
-back as the same class with the same fields. It is what a `Node.of(model)` hands on, what a
-cached frozen backbone keeps and what comes back from a worker.
+"""How transformers' values are written down: a `ModelOutput`, a key/value cache in it
+(`somatize.torch._caches`), and a tokenizer's `BatchEncoding` or a processor's `BatchFeature`.
+Each is `[module, class name, [[field, value], ...]]` (tensors by their own codec; on the wire,
+framed as every tensor there), read back as the same class with the same fields. It is what a
+`Node.of(model)` hands on, what a cached frozen backbone keeps, what comes back from a worker,
+and what a tokenizer hands a graph. A batch's fields are its data: the tokenizer's alignment
+(`encodings`, which `word_ids()` reads) is not written down, and a batch comes back without it.
 
-Reading names a class, so it may name only a `ModelOutput` subclass defined at the top of a
-transformers module this process has already imported (nothing is imported, no module
-`__getattr__` runs); anything else is refused whole (`Malformed`). The codec is registered the
-first time a value or bytes of this kind meet no codec while transformers is loaded
-(`late_codecs`); a codec the user registered for these classes is found before, and wins.
+Reading names a class, so it may name only a `ModelOutput` subclass, `BatchEncoding`,
+`BatchFeature`, `DynamicCache` or `EncoderDecoderCache`, defined at the top of a transformers
+module; anything else is refused whole (`Malformed`). A module named by the bytes is never
+imported (no module `__getattr__` runs): an output's must be loaded already. The four others'
+modules are fixed here, and imported where transformers is installed (a worker sent a batch
+before it loaded its model). The codecs are registered the first time a value or bytes of
+these kinds meet no codec while transformers is loaded (`late_codecs`); a codec the user
+registered for one of these classes (or a class it derives from) is found before, and wins.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
-from somatize import _hooks
+from somatize import _hooks, codecs
 from somatize.codecs import Malformed, codec, decode, encode
+from somatize.torch import _caches
 
 KIND = "transformers.ModelOutput"
 
-_registered = False
+_BATCHES = {
+    "transformers.BatchEncoding": ("transformers.tokenization_utils_base", "BatchEncoding"),
+    "transformers.BatchFeature": ("transformers.feature_extraction_utils", "BatchFeature"),
+}
+_FIXED = {*_BATCHES.values(), *_caches.NAMES}
+"""What may be imported to be built (where transformers is installed and not loaded yet)."""
+_registered: set[str] = set()
+
+
+def _import(module: str) -> None:
+    """Import `module`, one of `_FIXED`'s; `Malformed` where transformers is not installed."""
+    try:
+        importlib.import_module(module)
+    except ImportError as error:
+        raise Malformed(
+            f"a {module} value arrived, and transformers is not installed here: {error}"
+        ) from None
+
+
+def _loaded(module: str, name: str) -> type | None:
+    """The class `module.name` if this process has imported that module, else None."""
+    found = sys.modules.get(module)
+    cls = vars(found).get(name) if found is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def _families() -> dict[str, type]:
+    """`{kind: class}` of what is written down here, for the modules loaded now."""
+    from transformers.utils import ModelOutput
+
+    found: dict[str, Any] = {KIND: ModelOutput}
+    caches = _caches._classes()
+    if caches is not None:
+        found["transformers.Cache"] = caches.Cache
+    for kind, (module, name) in _BATCHES.items():
+        found[kind] = _loaded(module, name)
+    return {kind: cls for kind, cls in found.items() if cls is not None}
 
 
 def fields_of(value: Any) -> list | None:
-    """`[module, class name, [[field, value], ...]]` for a `ModelOutput`, None for anything
-    else: what the store's codec writes down, and what the wire sends with the tensors in
-    it framed (so they keep `requires_grad`, as every tensor on the wire does)."""
+    """`[module, class name, [[field, value], ...]]` for a value written down here, None for
+    anything else: what the store's codec writes down, and what the wire sends with the tensors
+    in it framed (so they keep `requires_grad`, as every tensor on the wire does). A cache no
+    public constructor rebuilds is refused (`NoCodec`)."""
     if "transformers" not in sys.modules:
         return None
-    from transformers.utils import ModelOutput
-
-    if not isinstance(value, ModelOutput):
-        return None
+    families = _families()
     cls = type(value)
-    return [cls.__module__, cls.__qualname__, [[k, v] for k, v in value.items()]]
+    if isinstance(value, families[KIND]) or cls in families.values():
+        fields = [[k, v] for k, v in value.items()]
+    elif _caches.is_cache(value):
+        fields = _caches.fields_of(value)
+    else:
+        return None
+    return [cls.__module__, cls.__qualname__, fields]
 
 
-def from_fields(got: Any) -> Any:
-    """The `ModelOutput` that `fields_of` described, refusing (`Malformed`) any other name,
-    and any at all where transformers is not loaded (it is not imported for anybody)."""
-    if "transformers" not in sys.modules:
-        raise Malformed(f"a {KIND} arrived, and this process has not loaded transformers")
-    from transformers.utils import ModelOutput
-
+def from_fields(got: Any, kind: str | None = None) -> Any:
+    """The value that `fields_of` described (of `kind`, when given), refusing (`Malformed`)
+    any other name, and any at all where transformers is not loaded (it is not imported for
+    anybody)."""
     if not (isinstance(got, list) and len(got) == 3):
         raise Malformed(f"a {KIND} is [module, class, fields], not {type(got).__name__}")
     module, name, fields = got
@@ -51,37 +96,57 @@ def from_fields(got: Any) -> Any:
         raise Malformed(f"a {KIND} is [module, class, fields] of str, str and list")
     if not module.startswith("transformers.") or "." in name:
         raise Malformed(f"a {KIND} names {module}.{name}, which is not a transformers output")
-    found = sys.modules.get(module)
-    cls = vars(found).get(name) if found is not None else None
-    if not (isinstance(cls, type) and issubclass(cls, ModelOutput)):
+    if (module, name) in _FIXED and module not in sys.modules:
+        _import(module)  # one we name (a batch a worker is sent), never one the bytes name
+    if "transformers" not in sys.modules:
+        raise Malformed(f"a {kind or KIND} arrived, and this process has not loaded transformers")
+    families = _families()
+    cls = _loaded(module, name)
+    output = cls is not None and issubclass(cls, families[KIND])
+    if not (output or cls in families.values() or _caches.is_cache_class(cls)):
         raise Malformed(
-            f"a {KIND} names {module}.{name}, which is not a ModelOutput class this process "
-            f"has imported: import {module} first"
+            f"a {kind or KIND} names {module}.{name}, which is not a ModelOutput class (nor a "
+            f"cache or a batch) this process has imported: import {module} first"
         )
+    if kind and not issubclass(cls, families[kind]):
+        raise Malformed(f"a {kind} names {module}.{name}, which is not a {kind}")
     if not all(isinstance(f, list) and len(f) == 2 and type(f[0]) is str for f in fields):
         raise Malformed(f"the fields of a {KIND} are [name, value] pairs")
     try:
-        return cls(**dict(fields))
-    except TypeError as error:
+        if output:
+            return cls(**dict(fields))
+        if _caches.is_cache_class(cls):
+            return _caches.build(cls, dict(fields))
+        return cls(dict(fields))
+    except (TypeError, ValueError) as error:
         raise Malformed(f"a {KIND} {name} could not be built from its fields: {error}") from None
 
 
-def late_codecs() -> bool:
-    """Register the `ModelOutput` codec if transformers is loaded and it is not yet; whether
-    this call registered it."""
-    global _registered
-    if _registered or "transformers" not in sys.modules:
-        return False
-    from transformers.utils import ModelOutput
+def _taken(cls: type) -> bool:
+    """Whether a codec is registered for `cls` or a class it derives from (the user's)."""
+    return any(c in codecs._by_type for c in cls.__mro__[:-1])  # no public lookup in core
 
-    codec(
-        KIND,
-        ModelOutput,
-        dump=lambda value: encode(fields_of(value)),
-        load=lambda data: from_fields(decode(data)),
-    )
-    _registered = True
-    return True
+
+def late_codecs() -> bool:
+    """Register the codecs of the transformers classes loaded now that have none yet (the
+    user's own, registered before, stays); whether this call registered any."""
+    if "transformers" not in sys.modules:
+        return False
+    for module, _ in _BATCHES.values():  # small, once transformers is: a batch recalled
+        importlib.import_module(module)  # in a process that has made none yet is read back
+    fresh = False
+    for kind, cls in _families().items():
+        if kind in _registered or _taken(cls):
+            continue
+        codec(
+            kind,
+            cls,
+            dump=lambda value: encode(fields_of(value)),
+            load=lambda data, kind=kind: from_fields(decode(data), kind),
+        )
+        _registered.add(kind)
+        fresh = True
+    return fresh
 
 
 _hooks.register(late_codecs=late_codecs, fields_of=fields_of, from_fields=from_fields)
