@@ -345,8 +345,13 @@ def test_zen_is_left_out_where_the_output_does_not_move_with_a_float_mask():
         )
     )
     tokens = {"input_ids": torch.randint(0, 100, (2, 16)), "attention_mask": torch.ones(2, 16)}
-    with pytest.warns(UserWarning, match=r"zen could not be taken.*\(attention_mask\)"):
+    with pytest.warns(UserWarning) as said:
         got = proxies(bert, tokens)
+    for of in ("zen", "jacob_cov"):  # each left out, saying why
+        assert any(
+            f"{of} could not be taken" in str(w.message) and "(attention_mask)" in str(w.message)
+            for w in said
+        )
     assert "zen" not in got and {"synflow", "naswot"} <= set(got)
     assert all(math.isfinite(v) for v in got.values())
     with pytest.raises(ValueError, match="output did not move"):

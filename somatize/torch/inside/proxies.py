@@ -242,7 +242,13 @@ def _jacob_cov(s: _Subject, example: Any, **_: Any) -> float:
     if first.dim() < 1 or first.shape[0] < 2:
         raise _NotHere("jacob_cov compares samples, and this example has fewer than two")
     y = sum(t.sum() for t in s.run(x))
-    (j,) = torch.autograd.grad(y, [first])
+    (j,) = torch.autograd.grad(y, [first], allow_unused=True)
+    if j is None or not j.any():
+        raise _NotHere(
+            f"jacob_cov reads the gradient at the example's first floating tensor "
+            f"({_named_floats(example)}), and the output is not computed from it (a float mask "
+            "is read as a mask): jacob_cov cannot be taken on this example"
+        )
     j = j.reshape(j.shape[0], -1).double()
     v = torch.linalg.eigvalsh(torch.nan_to_num(torch.corrcoef(j), nan=0.0))
     k = 1e-5
