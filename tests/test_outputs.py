@@ -348,6 +348,10 @@ def test_a_tokenizers_batch_encoding_is_kept_and_keys_a_cached_backbone(tmp_path
     back = store.recall("batch")
     assert type(back) is transformers.BatchEncoding and list(back) == list(batch())
     assert torch.equal(back.input_ids, batch()["input_ids"])  # by attribute, as a batch is read
+    pixels = torch.randn(2, 3, 4, 4)
+    store.keep("features", transformers.BatchFeature({"pixel_values": pixels}))
+    back = store.recall("features")  # what an image processor hands back
+    assert type(back) is transformers.BatchFeature and torch.equal(back.pixel_values, pixels)
 
     bert = small_bert()
     calls = []

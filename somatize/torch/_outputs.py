@@ -76,10 +76,10 @@ def fields_of(value: Any) -> list | None:
         return None
     families = _families()
     cls = type(value)
-    if isinstance(value, families[KIND]) or cls in families.values():
-        fields = [[k, v] for k, v in value.items()]
-    elif _caches.is_cache(value):
+    if _caches.is_cache(value):
         fields = _caches.fields_of(value)
+    elif isinstance(value, families[KIND]) or cls in families.values():  # an output, a batch
+        fields = [[k, v] for k, v in value.items()]
     else:
         return None
     return [cls.__module__, cls.__qualname__, fields]
@@ -87,8 +87,8 @@ def fields_of(value: Any) -> list | None:
 
 def from_fields(got: Any, kind: str | None = None) -> Any:
     """The value that `fields_of` described (of `kind`, when given), refusing (`Malformed`)
-    any other name, and any at all where transformers is not loaded (it is not imported for
-    anybody)."""
+    any other name, and an output where transformers is not loaded (a module the bytes name is
+    imported for nobody)."""
     if not (isinstance(got, list) and len(got) == 3):
         raise Malformed(f"a {KIND} is [module, class, fields], not {type(got).__name__}")
     module, name, fields = got
