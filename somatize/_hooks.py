@@ -47,14 +47,27 @@ def state_of(node: Any) -> dict[str, Any]:
     return {}
 
 
-def stage_state(node: Any, state: dict[str, Any]) -> Callable[[], dict[str, Any]]:
+def stage_state(
+    node: Any, state: dict[str, Any], *, dtypes: bool = False
+) -> Callable[[], dict[str, Any]]:
     """Check `state` (as `state_of` gives it) against the node and make the copies it would
-    load (cast to the node's dtypes), changing nothing; the function given back copies them in
-    and answers the values it replaced (so a caller can put them back; calling it at once
-    loads `state`). A mismatch is refused before anything."""
+    load (cast to the node's dtypes; with `dtypes`, the node's tensors take those of `state`),
+    changing nothing; the function given back copies them in and answers the values it
+    replaced (so a caller can put them back; calling it at once loads `state`). A mismatch is
+    refused before anything."""
     if state:
         raise ValueError(f"{type(node).__name__} holds no weights to load (torch is not loaded)")
     return dict
+
+
+def modes_of(node: Any) -> str | None:
+    """Each of the node's modules' train/eval mode (`"1"`, `"0"`), or None when it holds none:
+    what a worker's copy of it is told when it changes."""
+    return None
+
+
+def set_modes(node: Any, modes: str) -> None:
+    """Put the node's modules in the modes `modes_of` gave for its copy elsewhere."""
 
 
 def serve(server: Any, session: Any, op: str, message: dict) -> Any:

@@ -126,3 +126,15 @@ class Boxes(Node):
 
     def forward(self, x: Any, ctx: Any) -> Any:
         return Box(x)
+
+
+class Normed(Node, nn.Module):
+    """A linear layer then a batch norm: what it gives depends on its train or eval mode."""
+
+    def __init__(self, n: int = 4) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(n, n)
+        self.norm = nn.BatchNorm1d(n)
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return self.norm(self.lin(x))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import zmq
-from _remote_nodes import Box, Boxes, Fails, Hooked, Lin, Pid, Plus, Sleeps, Sum
+from _remote_nodes import Box, Boxes, Fails, Hooked, Lin, Normed, Pid, Plus, Sleeps, Sum
 
 from somatize import Broker, Graph, NoCodec, Node, Opaque, Worker
 from somatize.remote import StateLost, WorkerLost, seal, wire
@@ -598,3 +598,75 @@ def test_a_learning_s_objective_from_a_sent_module_travels_by_value_as_nodes_do(
     finally:
         broker.close()
         sys.modules.pop(name, None)
+
+
+def _float64_forward(node: Any, x: torch.Tensor) -> torch.Tensor:
+    """What `node` gives for `x` computed in float64 on a copy here (the node is untouched)."""
+    import copy
+
+    with torch.no_grad():
+        return copy.deepcopy(node).double().forward(x.double(), None)
+
+
+@pytest.mark.parametrize("mode, dtype", [("project", torch.float64), ("network", torch.bfloat16)])
+def test_a_node_keeps_its_dtypes_on_its_worker_tensor_by_tensor(mode, dtype):
+    worker = Worker.spawn(["--threads", "1"], mode=mode, send=[NODES])
+    broker = Broker.embedded({"gpu": worker})
+    try:
+        torch.manual_seed(0)
+        node = Normed(4).to(dtype)  # its count of batches (int64) stays int64
+        sent = {k: v.detach().clone() for k, v in node.state_dict().items()}
+        g = Graph.somatize(node.named("body").at("gpu"))
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1)).to(dtype)
+        want = _float64_forward(node, x)
+        y = g.forward(x, broker=broker)
+        assert y.dtype == dtype
+        # kernels in `dtype`: a linear of 4 terms and a batch norm of 6 rows, each rounded
+        eps = torch.finfo(dtype).eps
+        assert torch.allclose(y.double(), want, rtol=0, atol=32 * eps * float(want.abs().max()))
+        got = broker.weights(g, "body")
+        assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in sent.items()}
+        assert torch.equal(got["lin.weight"], sent["lin.weight"])  # never rounded on the way
+        assert int(got["norm.num_batches_tracked"]) == 1  # it ran in train mode there
+    finally:
+        broker.close()
+
+
+def test_eval_and_train_reach_the_worker_on_the_next_forward(two):
+    from somatize.torch import Split, Trainer, parameters
+
+    torch.manual_seed(0)
+    node = Normed(4)
+    g = Graph.somatize(node.named("norm").at("a"))
+    x = 3 * torch.randn(8, 4, generator=torch.Generator().manual_seed(2)) + 1
+    g.forward(x, broker=two)  # train mode: batch statistics, and the running ones move
+    learnt = two.weights(g, "norm")  # the copy here is brought up to the worker's
+    assert int(learnt["norm.num_batches_tracked"]) == 1
+    node.eval()
+    y = g.forward(x, broker=two)
+    want = _float64_forward(node, x)  # eval mode: the running statistics, row by row
+    eps = torch.finfo(torch.float32).eps
+    assert torch.allclose(y.double(), want, rtol=0, atol=32 * eps * float(want.abs().max()))
+    assert torch.allclose(g.forward(x[:2], broker=two), y[:2], rtol=0, atol=32 * eps)
+    still = two.weights(g, "norm")
+    assert all(torch.equal(still[k], learnt[k]) for k in learnt)  # inference moved nothing
+    node.train()
+    g.forward(x, broker=two)
+    moved = two.weights(g, "norm")
+    assert int(moved["norm.num_batches_tracked"]) == 2
+    assert not torch.equal(moved["norm.running_mean"], learnt["norm.running_mean"])
+    # a trainer's step runs the node as it is here too: eval, then train again
+    node.eval()
+    g.forward(x, broker=two)
+    node.train()
+    trains = {"norm": Split(torch.optim.SGD, lr=0.1)}
+    tg = Graph.somatize(node.named("norm").at("a") >> Lin(4, 2).named("head"))
+    t = Trainer(
+        tg,
+        objective=torch.nn.functional.mse_loss,
+        optimizer=torch.optim.SGD(parameters(tg, without=trains), lr=0.1),
+        trains=trains,
+        broker=two,
+    )
+    t.step((x, torch.zeros(8, 2)))
+    assert int(t.export()["norm"]["norm.num_batches_tracked"]) == 3

@@ -59,6 +59,7 @@ class Broker:
         self._stateful: set[str] = set()
         self._learnt: set[tuple[str, str]] = set()  # (host, key) learnt since last read
         self._lost: dict[str, str] = {}  # key: host, for what a worker lost after learning
+        self._told: dict[tuple[str, str], str] = {}  # (host, key): the modes its copy has
         self._slices: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
         self.closed = False
 
@@ -147,6 +148,7 @@ class Broker:
             )
         conn = self.connection(host)
         self._held[key] = (nid, node)
+        self._told.pop((host, key), None)  # the copy built there is told its modes after
         d = describe(node, nid, key, device, self.mode(host), conn, host)
         if d["state"]:
             self._stateful.add(key)
@@ -158,11 +160,15 @@ class Broker:
         `(key, describe)` for what the worker keeps under `key` (a forward slice, a trainer's
         stage part): `describe()` goes along as `"described"` while it does not hold it. A
         worker that answers `Unknown` (restarted, or its session expired) is sent again, once,
-        what it needs."""
+        what it needs. The modules' train/eval modes go along for the nodes whose modes
+        changed since that worker was last told (`model.eval()` here reaches its copy there)."""
         key, describe = kept
         for attempt in (0, 1):
             defs = [d for n, node, device in nodes if (d := self.definition(host, n, node, device))]
             sent, held = {**message, "define": defs}, [d["key"] for d in defs]
+            modes = self._changed(host, nodes)
+            if modes:
+                sent["modes"] = modes
             if key is not None:
                 sent.update(kept=key, described=None if self.holds(host, key) else describe())
                 held.append(key)
@@ -173,7 +179,17 @@ class Broker:
                     raise
                 continue
             self.defined(host, held)
+            self._told.update(((host, k), said) for k, said in modes.items())
             return got
+
+    def _changed(self, host: str, nodes: list[tuple]) -> dict[str, str]:
+        """`{key: modes}` of those of `nodes` whose modes `host`'s worker was not told yet."""
+        changed = {}
+        for _, node, _ in nodes:
+            modes = _hooks.modes_of(node)
+            if modes is not None and self._told.get((host, k := self.key(node))) != modes:
+                changed[k] = modes
+        return changed
 
     def portable(self, host: str, value: Any) -> Any:
         """`value` as it travels to `host`'s worker beside a node (a Learning's objective): as

@@ -218,6 +218,11 @@ class Server:
             if key in session.nodes:  # replaced: what was built on the old one is stale
                 session.kept.clear()
             session.nodes[key] = self.rebuild(d)
+        modes = m.get("modes") or {}  # the nodes whose train/eval modes changed (Broker.send)
+        if type(modes) is not dict:
+            raise wire.Malformed(f"modes that are not a dict: {modes!r:.60}")
+        for key, said in modes.items():
+            _hooks.set_modes(session.node(key), said)
         if op == "run":  # a forward slice, run without autograd
             served = session.keep(m, "forward slice", lambda d: ServedSlice(d, session.nodes))
             return run_served(served, m.get("given"), m.get("input"), m.get("watching") is True)
@@ -273,7 +278,8 @@ class Server:
 
     def rebuild(self, d: dict[str, Any]) -> Any:
         """A node from its definition: its class (by name, from what this worker may build;
-        or as code, only with `--accept-code`), its constructor arguments and its weights."""
+        or as code, only with `--accept-code`), its constructor arguments and its weights (with
+        their dtypes)."""
         nid = d.get("id")
         if d.get("code") is not None:
             cls, args = self.unpickled(d["code"], nid)
@@ -282,7 +288,7 @@ class Server:
             args = self.allowed.resolved(d.get("args") or {}, nid)
         node = construct(cls, args)
         if d.get("state"):
-            _hooks.stage_state(node, d["state"])()
+            _hooks.stage_state(node, d["state"], dtypes=True)()  # each tensor's, as sent
         if d.get("device") is not None:
             _hooks.place(node, d["device"])
         return node

@@ -34,13 +34,15 @@ def state_of(node: Any) -> dict[str, torch.Tensor]:
 
 
 def stage_state(
-    node: Any, state: dict[str, Any], name: str | None = None
+    node: Any, state: dict[str, Any], name: str | None = None, *, dtypes: bool = False
 ) -> Callable[[], dict[str, torch.Tensor]]:
     """Check `state` (some or all of the node's keys) and cast copies of it to the node's
     dtypes and devices, as `load_state_dict(strict=False)` would load it; nothing is changed
     until the function given back is called, which copies them in and answers the values they
-    replaced. An unknown key, a shape that differs or a tensor without plain numbers (meta,
-    sparse) is refused whole, naming the node (`name`, else its class)."""
+    replaced. With `dtypes`, each tensor of the node takes the dtype `state` gives it instead
+    (a node a worker rebuilt from its constructor arguments becomes what was sent: a float64
+    one stays float64). An unknown key, a shape that differs or a tensor without plain numbers
+    (meta, sparse) is refused whole, naming the node (`name`, else its class)."""
     from somatize.torch.training.learning import Learning
 
     name = name or type(node).__name__
@@ -75,7 +77,8 @@ def stage_state(
                 "on a real device); nothing was loaded"
             )
         try:
-            staged[key] = value.detach().to(device=mine.device, dtype=mine.dtype, copy=True)
+            dtype = value.dtype if dtypes else mine.dtype
+            staged[key] = value.detach().to(device=mine.device, dtype=dtype, copy=True)
         except (RuntimeError, TypeError) as error:
             raise ValueError(f"{name}, {key!r}: {error}; nothing was loaded") from error
 
@@ -83,11 +86,52 @@ def stage_state(
         previous = {k: own[k].detach().clone() for k in staged}
         with torch.no_grad():
             for k, v in staged.items():
-                own[k].copy_(v)
+                if own[k].dtype == v.dtype:
+                    own[k].copy_(v)
+                else:  # the tensor itself takes the dtype (a Parameter stays the same object)
+                    own[k].data = v
         caching.state_changed()  # a frozen node's new digest reaches the cache keys
         return previous
 
     return commit
+
+
+def modes_of(node: Any) -> str | None:
+    """Each module's train/eval mode in the node, in `modules()` order: `"1"` training, `"0"`
+    in eval mode; None for a node holding no module, or a Learning (it keeps its own)."""
+    from somatize.torch.training.learning import Learning
+
+    if isinstance(node, Learning):
+        return None
+    found = _modules(node)
+    return "".join("1" if m.training else "0" for m in found) if found else None
+
+
+def set_modes(node: Any, modes: Any) -> None:
+    """Put the node's modules in the modes `modes_of` gave for its copy elsewhere (each
+    module's own flag, as `module.train(mode)` leaves it). Modes that do not match the
+    modules held here are refused, naming the node's class."""
+    found = _modules(node)
+    if type(modes) is not str or len(modes) != len(found) or modes.strip("01"):
+        raise ValueError(
+            f"a {type(node).__name__} here holds {len(found)} module(s), and its copy's modes "
+            f"are {modes!r:.80}: its modules differ from the copy's (build them all in its "
+            "__init__, from its constructor arguments)"
+        )
+    for module, mode in zip(found, modes, strict=True):
+        training = mode == "1"
+        if module.training is not training:  # nn.Module.__setattr__ is slow: only if moved
+            module.training = training
+
+
+def _modules(node: Any) -> list[torch.nn.Module]:
+    from somatize.torch.placement import modules_of
+
+    found: dict[int, torch.nn.Module] = {}
+    for module in modules_of(node):
+        for sub in module.modules():
+            found.setdefault(id(sub), sub)
+    return list(found.values())
 
 
 def tensor_frame(value: Any) -> tuple[list, Any] | None:
@@ -185,6 +229,8 @@ def serve(server: Any, session: Any, op: str, message: dict) -> Any:
 _hooks.register(
     state_of=state_of,
     stage_state=stage_state,
+    modes_of=modes_of,
+    set_modes=set_modes,
     serve=serve,
     tensor_frame=tensor_frame,
     frame_tensor=frame_tensor,
