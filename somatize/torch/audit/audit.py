@@ -122,13 +122,17 @@ class Audit:
         """Hooks every node of this graph, and — with `inside=` — what is in it.
 
         What comes back is keyed by node, and by `node.path.to.submodule` for anything inside
-        one. Refuses a second graph before `release()`, and groups or places that name
-        nothing there.
+        one. A node that runs on a worker (`.at(host)`) is left out, with one warning naming
+        it: the copy here never runs nor learns. Refuses a second graph before `release()`,
+        and groups or places that name nothing there.
         """
         if self._graph is not None:
             raise RuntimeError("this Audit already watches a graph: release() it first")
         g = as_graph(graph)
-        held_by = {node: named_modules_of(g.implementation(node)) for node in g.nodes()}
+        away = g.hosts()  # run on a worker: the copy here neither runs nor learns
+        held_by = {
+            node: named_modules_of(g.implementation(node)) for node in g.nodes() if node not in away
+        }
         Held([m for held in held_by.values() for _, m in held]).refuse(
             "an Audit measures weights that are there when it starts watching", reads="an Audit"
         )
@@ -150,11 +154,23 @@ class Audit:
         if not isinstance(self.inside, (type(None), bool, int)):
             missing = sorted(names_of(self.inside) - set(by_where))
             if missing:
-                raise ValueError(f"Audit(inside=...) names {missing}, which are not in this graph")
+                raise ValueError(
+                    f"Audit(inside=...) names {missing}, which are not in this graph"
+                    f"{_elsewhere(missing, away)}"
+                )
         missing = sorted(set(self.groups) - set(by_where))
         if missing:
             raise ValueError(
                 f"Audit(groups=...) names {missing}; the places are {sorted(by_where)[:12]}"
+                f"{_elsewhere(missing, away)}"
+            )
+        if away:
+            said = ", ".join(f"{n!r} (host {h!r})" for n, h in sorted(away.items()))
+            warn(
+                f"this Audit leaves out node(s) {said}: they run and learn on a worker, and the "
+                "audit measures weights, gradients and activations in this process, where the "
+                "copy of such a node never runs nor moves (its numbers would say STALLED of a "
+                "node that is learning). To audit it, train it in one process (without .at)"
             )
         for where, parts in self.groups.items():
             by_where[where].groups = parts
@@ -352,6 +368,12 @@ def _moved(
     if snapshot and place.big >= 0:
         stable = stable_rank(deltas[place.big])
     return moved, stable
+
+
+def _elsewhere(names: list[str], away: dict[str, str]) -> str:
+    """What to add to a refusal of `names` when some are in a node that runs on a worker."""
+    far = sorted({n.split(".")[0] for n in names} & set(away))
+    return f" (node(s) {far} run on a worker, which the audit does not watch)" if far else ""
 
 
 def _finite(norms: list[float], tensors: list[torch.Tensor]) -> list[float]:
