@@ -706,3 +706,26 @@ def test_an_audit_leaves_out_a_node_that_learns_on_a_worker_and_says_so(two):
     with pytest.raises(ValueError, match=r"\['body'\] run on a worker"):
         trainer(Audit(groups=groups))
 
+
+def test_a_trainer_refuses_a_cached_node_on_a_worker_as_graph_forward_does(two, tmp_path):
+    # the Trainer sent such a node its values every step and cached nothing, saying nothing
+    from somatize import Store
+    from somatize.torch import Trainer, parameters
+
+    g = Graph.somatize(Lin(4, 8).named("enc").at("a").frozen().cached() >> Lin(8, 2).named("head"))
+    x, y = _batches(1)[0]
+    with pytest.raises(ValueError) as by_graph:
+        g.forward(x, broker=two, store=tmp_path)
+    t = Trainer(
+        g,
+        objective=torch.nn.functional.mse_loss,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        store=tmp_path,
+        broker=two,
+    )
+    with pytest.raises(ValueError) as by_trainer:
+        t.step((x, y))
+    assert "not supported yet" in str(by_graph.value)
+    assert str(by_trainer.value) == str(by_graph.value)  # the same refusal, in the same words
+    assert "node 'enc' is .cached() and runs on host 'a'" in by_trainer.value.__notes__
+    assert Store(tmp_path).bound() == []

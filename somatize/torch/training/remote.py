@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from somatize import _hooks
+from somatize import _hooks, run
 from somatize.node import Settings
 from somatize.remote.errors import Unknown
 from somatize.torch.training.learning import OutOfStep, envelope
@@ -34,8 +34,11 @@ class Remote:
     ) -> dict[str, Any]:
         """Run `part` on its worker; answer `{exit: value}` (tensors keep `requires_grad`). A
         worker that no longer holds the part is sent it again, once (`StateLost` if it had learnt
-        there since its weights were last read back)."""
+        there since its weights were last read back). A `.cached()` node in it, with a `store`,
+        is refused as `Graph.forward` refuses it, before anything is sent."""
         broker, host = self.broker, self.host
+        if store is not None:
+            _refuse_cached(broker, part, host, store)
         message = {
             "op": "stage.forward",
             "inputs": inputs,
@@ -100,6 +103,18 @@ class Remote:
             "last": part.last,
             "learning": learning,
         }
+
+
+def _refuse_cached(broker: Any, part: Any, host: str, store: Any) -> None:
+    """A part holding a `.cached()` node, run with a store: `broker.forward`'s own refusal (a
+    graph with `.at(host)` nodes is not cached yet), with a note naming the node."""
+    cached = [n for n in part.ids if part.settings[n].cached]
+    if cached:
+        try:
+            broker.forward(run.Plan(part.graph), store=store)  # refuses before it runs
+        except ValueError as refused:
+            refused.add_note(f"node {cached[0]!r} is .cached() and runs on host {host!r}")
+            raise
 
 
 def _held(part: Any) -> list[tuple[str, Any, str | None]]:
