@@ -729,3 +729,40 @@ def test_a_trainer_refuses_a_cached_node_on_a_worker_as_graph_forward_does(two, 
     assert str(by_trainer.value) == str(by_graph.value)  # the same refusal, in the same words
     assert "node 'enc' is .cached() and runs on host 'a'" in by_trainer.value.__notes__
     assert Store(tmp_path).bound() == []
+
+
+class Unbox(Node):
+    """Takes the value out of a `Box` (runs here, never sent)."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return x.x
+
+
+def test_a_value_no_codec_writes_down_in_a_trainer_s_stage_is_no_codec_naming_its_node(two):
+    from somatize.torch import Trainer, parameters
+
+    what = "register it with somatize.codec\\(kind, type"
+
+    def step(g: Graph, x: Any) -> None:
+        opt = torch.optim.SGD(parameters(g), lr=0.1)
+        t = Trainer(g, objective=torch.nn.functional.mse_loss, optimizer=opt, broker=two)
+        t.step((x, torch.zeros(6, 2)))
+
+    x = _batches(1)[0][0]
+    # made on a worker: named by the node whose output it is (was "the answer to ...")
+    g = Graph.somatize(
+        Lin(4, 8).named("enc") >> Boxes().named("boxes").at("a") >> Unbox() >> Lin(8, 2)
+    )
+    with pytest.raises(NoCodec, match=f"Box in the output of node 'boxes';.*{what}") as caught:
+        step(g, x)
+    assert "host 'a'" in "\n".join(caught.value.__notes__)
+    # sent to a worker: named by the node that made it and the node it was sent to
+    g = Graph.somatize(
+        Lin(4, 8).named("enc") >> Boxes().named("here") >> Plus(1).named("there").at("b")
+    )
+    sent = "Box in the output of node 'here', sent to node 'there' on host 'b';"
+    with pytest.raises(NoCodec, match=f"{sent}.*{what}"):
+        step(g, x)
+    g = Graph.somatize(Plus(1).named("first").at("a") >> Unbox() >> Lin(4, 2).named("head"))
+    with pytest.raises(NoCodec, match="Box in the graph's input, sent to node 'first' on host"):
+        step(g, Box(x))

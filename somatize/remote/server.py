@@ -156,11 +156,11 @@ class Server:
             return self._failed(rid, problem), True
 
     def _unwritable(self, m: dict[str, Any], value: Any, error: NoCodec) -> NoCodec:
-        """The `NoCodec` of an answer no codec writes down; a forward slice's names the node
-        whose output it was."""
+        """The `NoCodec` of an answer no codec writes down; a forward slice's, or a trainer's
+        stage part's forward, names the node whose output it was."""
         session = self.sessions.get(str(m.get("session", "")))
         served = session.kept.get(m.get("kept")) if session is not None else None
-        if m["op"] == "run" and isinstance(served, ServedSlice):
+        if m["op"] in ("run", "stage.forward") and hasattr(served, "unwritable"):
             return served.unwritable(value, error)
         return error
 

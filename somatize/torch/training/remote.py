@@ -13,10 +13,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from somatize import _hooks, run
+from somatize.codecs import NoCodec
 from somatize.node import Settings
+from somatize.remote import wire
 from somatize.remote.errors import Unknown
 from somatize.torch.training.learning import OutOfStep, envelope
-from somatize.torch.training.stages import Part
+from somatize.torch.training.stages import INPUT, TARGET, Part
 
 __all__ = ["Remote", "serve_stage"]
 
@@ -45,7 +47,10 @@ class Remote:
             "watching": watching is not None,  # else the worker runs it unwatched
         }
         held = _held(part)
-        got = broker.send(host, held, message, (part.key, lambda: self._describe(part)))
+        try:
+            got = broker.send(host, held, message, (part.key, lambda: self._describe(part)))
+        except NoCodec as error:
+            raise _unsent(part, inputs, host, error) from None
         broker.learnt(host, held)
         if watching is not None:
             for fact in got["facts"]:
@@ -103,6 +108,20 @@ class Remote:
             "last": part.last,
             "learning": learning,
         }
+
+
+def _unsent(part: Any, inputs: dict[str, Any], host: str, error: NoCodec) -> NoCodec:
+    """The `NoCodec` of a value sent to `part` that no codec writes down, naming the node that
+    made it and the node it was sent to; `error` when it was another."""
+    reader = {TARGET: part.trained}
+    for source, node in part.entering:
+        reader.setdefault(source, node)
+    said = {INPUT: "the graph's input", TARGET: "the target"}
+    parts = []
+    for s, value in inputs.items():
+        whose = said.get(s, f"the output of node {s!r}")
+        parts.append((f"{whose}, sent to node {reader[s]!r} on host {host!r}", value))
+    return wire.unwritable(parts, error)
 
 
 def _refuse_cached(broker: Any, part: Any, host: str, store: Any) -> None:

@@ -218,6 +218,14 @@ class Part:
             self._inputs = self._outputs = None
         return {s: envelope(g, closing) for s, g in owed.items() if s != INPUT}
 
+    def unwritable(self, answer: dict[str, Any], error: Any) -> Any:
+        """The `NoCodec` of a `stage.forward` answer (`{"outs": {exit: value}, ...}`) that could
+        not be written down with `error`, naming the node whose output no codec writes down."""
+        from somatize.remote import wire
+
+        outs = answer["outs"].items()
+        return wire.unwritable(((f"the output of node {n!r}", v) for n, v in outs), error)
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_inputs"] = state["_outputs"] = None
