@@ -60,14 +60,15 @@ def stage_state(
     return dict
 
 
-def modes_of(node: Any) -> str | None:
-    """Each of the node's modules' train/eval mode (`"1"`, `"0"`), or None when it holds none:
-    what a worker's copy of it is told when it changes."""
+def modes(node: Any) -> Callable[[], list[bool]] | None:
+    """A function that reads the train/eval mode of each module the node holds (`True`:
+    training), or None for a node holding none: what its copy on a worker is told when they
+    change."""
     return None
 
 
 def set_modes(node: Any, modes: str) -> None:
-    """Put the node's modules in the modes `modes_of` gave for its copy elsewhere."""
+    """Put the node's modules in the modes `modes(node)` read from its copy elsewhere."""
 
 
 def serve(server: Any, session: Any, op: str, message: dict) -> Any:

@@ -59,7 +59,8 @@ class Broker:
         self._stateful: set[str] = set()
         self._learnt: set[tuple[str, str]] = set()  # (host, key) learnt since last read
         self._lost: dict[str, str] = {}  # key: host, for what a worker lost after learning
-        self._told: dict[tuple[str, str], str] = {}  # (host, key): the modes its copy has
+        self._read: dict[str, Callable[[], Any] | None] = {}  # key: reads its modes here
+        self._told: dict[tuple[str, str], Any] = {}  # (host, key): the modes its copy has
         self._slices: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
         self.closed = False
 
@@ -148,6 +149,7 @@ class Broker:
             )
         conn = self.connection(host)
         self._held[key] = (nid, node)
+        self._read[key] = _hooks.modes(node)
         self._told.pop((host, key), None)  # the copy built there is told its modes after
         d = describe(node, nid, key, device, self.mode(host), conn, host)
         if d["state"]:
@@ -182,13 +184,13 @@ class Broker:
             self._told.update(((host, k), said) for k, said in modes.items())
             return got
 
-    def _changed(self, host: str, nodes: list[tuple]) -> dict[str, str]:
+    def _changed(self, host: str, nodes: list[tuple]) -> dict[str, Any]:
         """`{key: modes}` of those of `nodes` whose modes `host`'s worker was not told yet."""
         changed = {}
         for _, node, _ in nodes:
-            modes = _hooks.modes_of(node)
-            if modes is not None and self._told.get((host, k := self.key(node))) != modes:
-                changed[k] = modes
+            read = self._read.get(key := self.key(node))
+            if read is not None and self._told.get((host, key)) != (modes := read()):
+                changed[key] = modes
         return changed
 
     def portable(self, host: str, value: Any) -> Any:
@@ -330,6 +332,7 @@ class Broker:
             conn.close()
         self._connections.clear()
         self._held.clear()
+        self._read.clear()
         for worker in self.workers.values():
             worker.stop()
         self.closed = True

@@ -96,30 +96,28 @@ def stage_state(
     return commit
 
 
-def modes_of(node: Any) -> str | None:
-    """Each module's train/eval mode in the node, in `modules()` order: `"1"` training, `"0"`
-    in eval mode; None for a node holding no module, or a Learning (it keeps its own)."""
+def modes(node: Any) -> Callable[[], list[bool]] | None:
+    """A function that reads each module's train/eval mode in the node (`.training`, in
+    `modules()` order, over the modules it holds now), or None for a node holding no module,
+    or a Learning (it keeps its own)."""
     from somatize.torch.training.learning import Learning
 
-    if isinstance(node, Learning):
-        return None
-    found = _modules(node)
-    return "".join("1" if m.training else "0" for m in found) if found else None
+    found = None if isinstance(node, Learning) else _modules(node)
+    return (lambda: [m.training for m in found]) if found else None
 
 
 def set_modes(node: Any, modes: Any) -> None:
-    """Put the node's modules in the modes `modes_of` gave for its copy elsewhere (each
+    """Put the node's modules in the modes `modes(node)` read from its copy elsewhere (each
     module's own flag, as `module.train(mode)` leaves it). Modes that do not match the
     modules held here are refused, naming the node's class."""
     found = _modules(node)
-    if type(modes) is not str or len(modes) != len(found) or modes.strip("01"):
+    if type(modes) is not list or len(modes) != len(found) or {*map(type, modes)} - {bool}:
         raise ValueError(
             f"a {type(node).__name__} here holds {len(found)} module(s), and its copy's modes "
             f"are {modes!r:.80}: its modules differ from the copy's (build them all in its "
             "__init__, from its constructor arguments)"
         )
-    for module, mode in zip(found, modes, strict=True):
-        training = mode == "1"
+    for module, training in zip(found, modes, strict=True):
         if module.training is not training:  # nn.Module.__setattr__ is slow: only if moved
             module.training = training
 
@@ -229,7 +227,7 @@ def serve(server: Any, session: Any, op: str, message: dict) -> Any:
 _hooks.register(
     state_of=state_of,
     stage_state=stage_state,
-    modes_of=modes_of,
+    modes=modes,
     set_modes=set_modes,
     serve=serve,
     tensor_frame=tensor_frame,
