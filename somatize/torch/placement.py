@@ -31,10 +31,10 @@ def named_modules_of(node: Any) -> list[tuple[str, nn.Module]]:
     for name, value in vars(node).items():
         listed = isinstance(value, (list, tuple))
         for i, item in enumerate(value if listed else [value]):
-            where = f"{name}.{i}" if listed else name
             if isinstance(item, nn.Module):
-                found.setdefault(id(item), (where, item))
-            elif isinstance(item, nn.Parameter):
+                found.setdefault(id(item), (f"{name}.{i}" if listed else name, item))
+            elif isinstance(item, torch.Tensor) and isinstance(item, nn.Parameter):  # (fast first)
+                where = f"{name}.{i}" if listed else name
                 raise TypeError(
                     f"a {kind_name(node)} holds an nn.Parameter as {where!r}, outside any "
                     "module, where no tool sees it (parameters, export, freeze, .on): make the "
