@@ -672,6 +672,16 @@ def test_eval_and_train_reach_the_worker_on_the_next_forward(two):
     assert int(t.export()["norm"]["norm.num_batches_tracked"]) == 3
 
 
+
+def test_modes_that_do_not_match_a_node_s_modules_are_refused_naming_it(two):
+    node = Normed(4)
+    g = Graph.somatize(node.named("norm").at("a"))
+    x = torch.randn(3, 4)
+    first = g.forward(x, broker=two)
+    with pytest.raises(ValueError, match=r"a Normed here holds 3 module\(s\).*\[True\]"):
+        two.request("a", {"op": "define", "modes": {two.key(node): [True]}})
+    assert torch.equal(g.forward(x, broker=two), first)  # nothing changed there
+
 def test_an_audit_leaves_out_a_node_that_learns_on_a_worker_and_says_so(two):
     # the copy here of a node trained on a worker never moves: judged, it read as STALLED
     from somatize.torch import Audit, Split, Trainer, parameters
