@@ -138,3 +138,14 @@ class Normed(Node, nn.Module):
 
     def forward(self, x: Any, ctx: Any) -> Any:
         return self.norm(self.lin(x))
+
+
+class Rectified(Node, nn.Module):
+    """A linear layer then a ReLU (with a very negative bias, a dead one)."""
+
+    def __init__(self, i: int = 4, o: int = 4) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(i, o)
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return self.lin(x).relu()

@@ -112,6 +112,9 @@ class Audit:
         # θ as the measured step found it, until `moved`, and the facts waiting for it
         self._copy: list[torch.Tensor] | None = None
         self._waiting: list[tuple[bool, list[tuple[Place, dict[str, Any]]]]] = []
+        #: nodes that run on a worker and are measured there (a Trainer's stage says so)
+        self.elsewhere: set[str] = set()
+        self._far: list[dict[str, Any]] = []  # their facts, come back from the worker
 
     def __repr__(self) -> str:
         watching = f", watching {len(self._places)} places" if self._graph is not None else ""
@@ -164,8 +167,9 @@ class Audit:
                 f"Audit(groups=...) names {missing}; the places are {sorted(by_where)[:12]}"
                 f"{_elsewhere(missing, away)}"
             )
-        if away:
-            said = ", ".join(f"{n!r} (host {h!r})" for n, h in sorted(away.items()))
+        unheard = {n: h for n, h in away.items() if n not in self.elsewhere}
+        if unheard:
+            said = ", ".join(f"{n!r} (host {h!r})" for n, h in sorted(unheard.items()))
             warn(
                 f"this Audit leaves out node(s) {said}: they run and learn on a worker, and the "
                 "audit measures weights, gradients and activations in this process, where the "
@@ -227,6 +231,41 @@ class Audit:
             for h in self._handles:
                 h.remove()
             self._handles = []
+
+    # -- a node measured on its worker -------------------------------------------------------
+    def settings(self, nodes: Iterable[str]) -> dict[str, Any]:
+        """The arguments of an Audit like this one for `nodes` alone: what a worker that runs
+        them builds its own from (`inside=` places and `groups=` of other nodes left out)."""
+        nodes = set(nodes)
+        inside = self.inside
+        if not isinstance(inside, (type(None), bool, int)):
+            inside = [w for w in names_of(inside) if w.split(".")[0] in nodes]
+        return {
+            "every": self.every,
+            "snapshot": self.snapshot,
+            "channels": self.channels,
+            "window": self.window,
+            "inside": inside,
+            "most": self.most,
+            "groups": {w: g for w, g in self.groups.items() if w.split(".")[0] in nodes},
+        }
+
+    def at(self, step: int) -> None:
+        """On a worker: the Trainer's step the next forward belongs to (measured or not by
+        this audit's cadence)."""
+        if step != self.step:
+            self.step = step
+            self._arm(step % self.every == 0)
+
+    def heard(self, facts: list[dict[str, Any]]) -> None:
+        """Facts measured on a worker, complete (update_ratio and all): `arrived` hands them
+        on."""
+        self._far += facts
+
+    def arrived(self) -> list[dict[str, Any]]:
+        """The facts `heard` since the last time it was asked."""
+        far, self._far = self._far, []
+        return far
 
     # -- forward: what came out -----------------------------------------------------------
     def _on_node(self, node: str, input: Any, ctx: Any, out: Any) -> None:

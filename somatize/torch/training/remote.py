@@ -30,6 +30,7 @@ class Remote:
         broker.worker(host)  # a host nobody knows is refused here, naming it
         self.broker = broker
         self.host = host
+        self.audit: Any = None  # the Trainer's Audit: the parts' nodes are measured there
 
     def forward(
         self, part: Any, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
@@ -46,6 +47,8 @@ class Remote:
             "inputs": inputs,
             "watching": watching is not None,  # else the worker runs it unwatched
         }
+        if self.audit is not None:
+            message["step"] = self.audit.step  # the step its Audit there measures, or not
         held = _held(part)
         try:
             got = broker.send(host, held, message, (part.key, lambda: self._describe(part)))
@@ -71,7 +74,9 @@ class Remote:
                 "weights were last read back is lost too (StateLost says so at the next step)"
             ) from lost
         self.broker.learnt(self.host, _held(part))
-        return {s: envelope(g, closing) for s, (g, closing) in got.items()}
+        if got["facts"] and self.audit is not None:
+            self.audit.heard(got["facts"])
+        return {s: envelope(g, closing) for s, (g, closing) in got["owed"].items()}
 
     def _refuse_untrained(self, part: Any) -> None:
         from somatize.torch.training.trainer import NoGradient
@@ -107,6 +112,7 @@ class Remote:
             "trained": part.trained,
             "last": part.last,
             "learning": learning,
+            "audit": None if self.audit is None else self.audit.settings(part.ids),
         }
 
 
@@ -150,14 +156,51 @@ def serve_stage(server: Any, session: Any, op: str, m: dict) -> Any:
     if op not in ("stage.forward", "stage.backward"):
         raise ValueError(f"unknown request {op!r}")
     part = session.keep(m, "stage part", lambda d: _rebuilt(server, session, d))
+    audited = part.audit
     if op == "stage.forward":
+        if audited is not None:
+            audited.at(m["step"])
         facts: list[dict] = []
         watching = facts.append if m.get("watching", True) else None
         outs = part.forward(m["inputs"], watching=watching)
         return {"outs": outs, "facts": facts}
     envelopes = {n: envelope(g, closing) for n, (g, closing) in m["envelopes"].items()}
     back = part.backward(envelopes)
-    return {s: [e.gradient, bool(e.closing)] for s, e in back.items()}
+    closed = audited is not None and any(e.closing for e in envelopes.values())
+    return {
+        "owed": {s: [e.gradient, bool(e.closing)] for s, e in back.items()},
+        "facts": audited.closed() if closed else [],
+    }
+
+
+class _Audited:
+    """A worker's Audit of the nodes of a part (`ids`): a step is observed once it is over
+    (the next step's forward, or the group's end) and the facts go back, update_ratio and
+    all, when the group closes and its Learning has stepped."""
+
+    def __init__(self, audit: Any, ids: Any) -> None:
+        self.audit = audit
+        self.ids = set(ids)
+        self.pending = False  # a forward of the audit's step ran, and it is not observed yet
+        self.facts: list[dict[str, Any]] = []
+
+    def at(self, step: int) -> None:
+        if self.pending and step != self.audit.step:
+            self._observe()
+        self.audit.at(step)
+        self.pending = True
+
+    def _observe(self) -> None:
+        # (its Inlets and Outlets, named by what they carry, are watched too: not said)
+        self.facts += [f for f in self.audit.observed() if f["node"] in self.ids]
+        self.pending = False
+
+    def closed(self) -> list[dict[str, Any]]:
+        if self.pending:
+            self._observe()
+        self.audit.moved()
+        facts, self.facts = self.facts, []
+        return facts
 
 
 def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Part:
@@ -179,7 +222,7 @@ def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Part:
         else:
             told = server.allowed.resolved(told, nid)
         learning.of(mine[d["trained"]]).tell(**told)
-    return Part(
+    part = Part(
         view,
         d["ids"],
         stage=d["stage"],
@@ -189,3 +232,8 @@ def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Part:
         last=d["last"],
         whole=False,
     )
+    if d.get("audit") is not None:
+        from somatize.torch.audit.audit import Audit
+
+        part.audit = _Audited(Audit(**d["audit"]).watch(part.graph), part.ids)
+    return part

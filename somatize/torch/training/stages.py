@@ -127,6 +127,7 @@ class Part:
         self.leaf_of: dict[str, str] = {}
         self.ctx: Any = None
         self._crossing = any(s != INPUT for s in self.sources)  # values to leaf on the way in
+        self.audit: Any = None  # on a worker, what measures its nodes there (remote.serve_stage)
         self.graph = graph if whole else self._small_graph()
 
     # -- the graph it runs ---------------------------------------------------------------
@@ -329,6 +330,14 @@ class Stages:
                 run.tell(watchers, fact)
 
         return relay
+
+    def audited(self, audit: Any) -> None:
+        """Hand `audit` to every transport that runs a part elsewhere and measures it there
+        (`Remote`), and tell the audit those nodes are measured there."""
+        for part, transport, _ in self._route:
+            if part.host is not None and hasattr(transport, "audit"):
+                transport.audit = audit
+                audit.elsewhere.update(part.ids)
 
     def recompile(self) -> None:
         """Drop every part's compiled plan, so the next forward sees the nodes as they are

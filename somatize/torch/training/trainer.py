@@ -169,6 +169,8 @@ class Trainer:
             p.around(self._stages, optimizer)
             held = _checks.held_by(graph, optimizer, trains)  # FSDP's are new parameters
         self._unproven = held  # the nodes not yet seen to get a gradient
+        if audit is not None:
+            self._stages.audited(audit)  # a node on a worker is measured there
         self.audit = audit.watch(graph) if audit is not None else None
         self._health: list[dict] = []  # the audit's facts, until the update they wait for
         self.live: Any = None
@@ -251,6 +253,9 @@ class Trainer:
         self._count = 0
         if self.audit is not None:
             self.audit.moved()
+            far = self.audit.arrived()  # the facts of the nodes measured on a worker
+            if self.watching:
+                self._health += far
         if self._health:
             run.tell(self.watching, *self._health)
             self._health = []
