@@ -48,6 +48,9 @@ class Graph:
         self._edges: list[tuple[str, str]] = []
         self._counts: dict[str, int] = {}
         self._plan: Any = None
+        # per node, for `_refuse_stale`: `caching.unkeyable`, and what `_nearest` found
+        self._unkeyed: dict[str, caching.Unkeyable | None] = {}
+        self._above: tuple[dict[str, str | None], dict[str, str | None]] = ({}, {})
 
     # -- building ------------------------------------------------------------------------
     @classmethod
@@ -177,25 +180,15 @@ class Graph:
                 raise ValueError(f"no node {end!r} in this graph; it has {list(self._impl)}")
         if b in self._succ[a]:
             return
-        if a == b or self._reaches(b, a):
+        down = self._around(b, self._succ)
+        if a in down:
             raise ValueError(f"the edge {a!r} -> {b!r} would close a cycle")
-        self._stale_from(a, b)
+        self._refuse_stale(a, [n for n in down if self._settings[n].cached])
+        self._forget_above(down)
         self._succ[a].append(b)
         self._pred[b].append(a)
         self._edges.append((a, b))
         self._plan = None
-
-    def _reaches(self, start: str, goal: str) -> bool:
-        todo, seen = [start], {start}
-        while todo:
-            here = todo.pop()
-            if here == goal:
-                return True
-            for nxt in self._succ[here]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return False
 
     def _around(self, start: str, links: dict[str, list[str]]) -> list[str]:
         """`start` and every node `links` lead to from it, each once, nearest first."""
@@ -207,27 +200,49 @@ class Graph:
                     found.append(nxt)
         return found
 
-    def _stale_from(self, a: str, b: str) -> None:
-        """Refuse a cached node at or after `b` fed, at or before `a`, by a node whose change
-        its key would not see: one with trainable state that is not frozen, or one with a
-        constructor argument no key can take in (unless the cached node has a salt)."""
-        cached = [n for n in self._around(b, self._succ) if self._settings[n].cached]
+    def _refuse_stale(self, a: str, cached: list[str]) -> None:
+        """Refuse a node of `cached` (none at or above `a`) that `a` feeds if a node at or above
+        `a` could change unseen by its key: trainable state not frozen, or a constructor
+        argument no key can take in (unless the cached node has a salt)."""
         if not cached:
             return
-        for up in self._around(a, self._pred):
-            s, node = self._settings[up], self._impl[up]
-            after = [c for c in cached if c != up]
-            if after and not s.frozen and _hooks.trainable(node):
-                raise ValueError(
-                    f"node {after[0]!r} is .cached() but is fed by node {up!r}, which holds "
-                    f"trainable state and is not .frozen(): the value kept for {after[0]!r} "
-                    f"would still be served after the weights of {up!r} change. Declare the "
-                    f"part before it frozen, (prefix).frozen() >> ..., or do not cache "
-                    f"{after[0]!r}"
-                )
-            unsalted = [c for c in after if self._settings[c].salt is None]
-            if unsalted and (why := caching.unkeyable(node)) is not None:
-                raise caching.refusal(unsalted[0], up, why)
+        if (up := self._nearest(a, 0)) is not None:
+            raise ValueError(
+                f"node {cached[0]!r} is .cached() but is fed by node {up!r}, which holds "
+                f"trainable state and is not .frozen(): the value kept for {cached[0]!r} "
+                f"would still be served after the weights of {up!r} change. Declare the "
+                f"part before it frozen, (prefix).frozen() >> ..., or do not cache "
+                f"{cached[0]!r}"
+            )
+        unsalted = [c for c in cached if self._settings[c].salt is None]
+        if unsalted and (up := self._nearest(a, 1)) is not None:
+            raise caching.refusal(unsalted[0], up, self._unkeyed[up])
+
+    def _nearest(self, start: str, which: int) -> str | None:
+        """A node at or above `start`, itself first, with trainable state it is not frozen on
+        (`which` 0) or an argument no key can take in (1), or None; kept per node until an edge
+        or a declaration above it changes, so building a graph asks each node once."""
+        above, todo = self._above[which], [start]
+        while todo:
+            here = todo[-1]
+            if here in above:
+                todo.pop()
+            elif waiting := [p for p in self._pred[here] if p not in above]:
+                todo += waiting
+            else:
+                todo.pop()
+                node, s = self._impl[here], self._settings[here]
+                if which and here not in self._unkeyed:
+                    self._unkeyed[here] = caching.unkeyable(node)
+                offends = self._unkeyed[here] if which else not s.frozen and _hooks.trainable(node)
+                found = [above[p] for p in self._pred[here] if above[p] is not None]
+                above[here] = here if offends else next(iter(found), None)
+        return above[start]
+
+    def _forget_above(self, nodes: list[str]) -> None:
+        for above in self._above:
+            for n in nodes:
+                above.pop(n, None)
 
     def declare(self, id: str, **said: Any) -> None:
         """Say something more of a node already in the graph (`frozen=True`, `salt=...`).
@@ -239,21 +254,25 @@ class Graph:
         if not allowed.issuperset(said):
             raise ValueError(f"declare() takes {sorted(allowed)}, not {sorted(said)}")
         new = replace(s, **said)
+        down = self._around(id, self._succ)
         self._settings[id] = new  # as the check of what it feeds and is fed by sees it
+        self._forget_above(down)
         try:
-            self._stale_from(id, id)
+            self._refuse_stale(id, [n for n in down[1:] if self._settings[n].cached])
+            for p in self._pred[id] if new.cached else ():
+                self._refuse_stale(p, [id])
         finally:
             self._settings[id] = s
+            self._forget_above(down)
         self._settle(id, self._impl[id], new, s.device)
         self._settings[id] = new
         self._plan = None
 
     def invalidate(self) -> None:
         """Drop the compiled plan, so the next forward compiles it again (after a node's
-        `forward` was wrapped or unwrapped in place, for example), and work cache keys out
-        again (after a frozen node's weights were changed by hand)."""
+        `forward` was wrapped or unwrapped in place, for example), and with it the cache keys
+        (after a frozen node's weights were changed by hand)."""
         self._plan = None
-        caching.state_changed()
 
     def __getstate__(self) -> dict[str, Any]:
         # the compiled plan is this process's (it points back at the graph weakly): the copy
