@@ -48,7 +48,8 @@ def _cpu(pid: int) -> float:
 
 
 def _zmtp(address: str) -> socket.socket:
-    """A TCP connection that has said ZMTP 3.0's greeting and READY as a DEALER, by hand."""
+    """A TCP connection that has said ZMTP 3.0's greeting and READY as a DEALER, by hand, and
+    heard the worker's (what it sends next is a message, not a part of the handshake)."""
     host, port = address.removeprefix("tcp://").rsplit(":", 1)
     s = socket.create_connection((host, int(port)), timeout=5)
     greeting = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32)
@@ -56,6 +57,12 @@ def _zmtp(address: str) -> socket.socket:
     prop = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
     body = b"\x05READY" + prop
     s.sendall(b"\x04" + bytes([len(body)]) + body)
+    heard = b""
+    while b"READY" not in heard:
+        more = s.recv(1024)
+        if not more:
+            raise ConnectionResetError("the worker closed the connection in its handshake")
+        heard += more
     return s
 
 
@@ -106,32 +113,40 @@ def _peak(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
-def test_strangers_sending_a_message_that_never_ends_are_cut_before_the_worker_holds_it():
+@pytest.mark.parametrize(
+    "size, strangers, each",
+    [(4 << 20, 4, 1 << 30), (0, 2, 32 << 20)],  # frames of 4 MiB; empty frames (64 B each held)
+    ids=["large-frames", "empty-frames"],
+)
+def test_strangers_sending_a_message_that_never_ends_are_cut_before_the_worker_holds_it(
+    size: int, strangers: int, each: int
+):
     worker = Worker.spawn(["--max-message", "16MiB", "--max-pending", "4"], send=[NODES])
     try:
         before = max(_rss(worker.pid), _peak(worker.pid))
-        sent = [0] * 4
-        frame = b"\x03" + struct.pack(">Q", 4 << 20) + bytes(4 << 20)  # 4 MiB, "more" set
+        sent = [0] * strangers
+        said = b"\x03" + struct.pack(">Q", size) if size > 255 else b"\x01" + bytes([size])
+        frames = (said + bytes(size)) * max(1, (1 << 20) // (size + 9))
 
-        def stranger(i: int) -> None:  # 1 GiB of frames under the limit, never the last
+        def stranger(i: int) -> None:  # frames under the limit, "more" set: never the last
             s = _zmtp(worker.address)
             try:
-                while sent[i] < 1 << 30:
-                    s.sendall(frame)
-                    sent[i] += 4 << 20
+                while sent[i] < each:
+                    s.sendall(frames)
+                    sent[i] += len(frames)
             except OSError:  # cut: what should happen
                 pass
             finally:
                 s.close()
 
-        threads = [threading.Thread(target=stranger, args=(i,)) for i in range(4)]
+        threads = [threading.Thread(target=stranger, args=(i,)) for i in range(strangers)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(60)
+            t.join(120)
         grown = _peak(worker.pid) - before
         assert grown < (16 << 20) + (256 << 20), f"the worker held {grown >> 20} MiB at most"
-        assert max(sent) < 1 << 30, f"a stranger sent {[n >> 20 for n in sent]} MiB uncut"
+        assert max(sent) < each, f"strangers sent {[n >> 20 for n in sent]} MiB uncut"
         assert _hello(worker)["pid"] == worker.pid  # a client is still served
     finally:
         worker.stop()

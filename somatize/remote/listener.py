@@ -7,10 +7,11 @@ frames until its last one has come, however many. The guard cuts a connection th
 sent a message that verifies: the one waiting longest when more than `most_pending` are open
 (so that a client that has just connected gets in), any after `PENDING_WITHIN` seconds, one a
 second after it sent a message that does not verify, and, while such connections have sent
-more than `most_bytes` together (on Linux, which counts a connection's bytes), the one that
-sent most. The limit of open files is raised to its hard limit, at most half of what is left
-may be pending, and running out of descriptors cuts the stranger waiting longest (logged at
-most every ten seconds), never spun on.
+more than `most_bytes` together or the process holds `most_bytes` more than when they had sent
+next to nothing (empty frames take 32 times what they cost to send), the one that sent most
+(on Linux, which counts both). The limit of open files is raised to its hard limit, at most
+half of what is left may be pending, and running out of descriptors cuts the stranger waiting
+longest (logged at most every ten seconds), never spun on.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ QUEUED = 2
 
 PENDING_WITHIN = 10.0
 """Seconds a connection may stay open without sending a message that verifies."""
+
+_QUIET = 1 << 20  # bytes strangers may send together without being weighed (hellos, salts)
 
 _EVENTS = (
     zmq.EVENT_ACCEPTED
@@ -96,6 +99,15 @@ def _received(fd: int) -> int:
     return struct.unpack_from("=Q", info, 128)[0] if len(info) >= 136 else 0  # bytes_received
 
 
+def _resident() -> int | None:
+    """The memory this process holds (Linux's /proc), None where unknown."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _cut(fd: int) -> None:
     """End the TCP connection on descriptor `fd` (libzmq's: it sees the end and closes it).
     No new descriptor is needed for it, which matters when they have run out."""
@@ -117,6 +129,7 @@ class Guard:
         self.sock = sock
         self.most_pending = max(1, min(int(most_pending), _spare_descriptors() // 2))
         self.most_bytes = most_bytes
+        self.rest = _resident()  # this process's memory while strangers send next to nothing
         self.lock = threading.Lock()
         self.pending: dict[int, float] = {}  # descriptor: when it was accepted
         self.closed: list[int] = []  # descriptors gone since the loop last asked
@@ -205,17 +218,25 @@ class Guard:
             _cut(fd)
 
     def _heaviest(self, strangers: list[int]) -> list[int]:
-        """Those of `strangers` that sent most, taken off the pending (to be cut) until the
-        rest have sent at most `most_bytes` together (and a MiB for ZeroMQ's own words)."""
-        if self.most_bytes is None or not strangers:
+        """Those of `strangers` that sent most, taken off the pending (to be cut), while they
+        have sent more than `most_bytes` together, or this process holds `most_bytes` more
+        than when they had sent next to nothing (ZeroMQ keeps a frame in 64 bytes or more:
+        empty frames take 32 times what they cost to send)."""
+        if self.most_bytes is None:
             return []
         sent = {fd: _received(fd) for fd in strangers}
-        over = sum(sent.values()) - self.most_bytes - (1 << 20)
+        held = _resident()
+        if sum(sent.values()) <= _QUIET:  # the worker's own memory, as it is at rest
+            self.rest = held
+            return []
+        over = sum(sent.values()) - self.most_bytes
+        grown = held - self.rest - self.most_bytes if held and self.rest else 0
         heaviest = []
         for fd in sorted(sent, key=sent.__getitem__, reverse=True):
-            if over <= 0:
+            if over <= 0 and grown <= 0:
                 break
             over -= sent[fd]
+            grown -= 32 * sent[fd]  # at most; what it held is seen going at the next look
             heaviest.append(fd)
         with self.lock:  # not one that verified meanwhile
             return [fd for fd in heaviest if self.pending.pop(fd, None) is not None]
