@@ -18,6 +18,7 @@ registered for one of these classes (or a class it derives from) is found before
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from typing import Any
@@ -133,7 +134,8 @@ def late_codecs() -> bool:
     if "transformers" not in sys.modules:
         return False
     for module, _ in _BATCHES.values():  # small, once transformers is: a batch recalled
-        importlib.import_module(module)  # in a process that has made none yet is read back
+        with contextlib.suppress(ImportError):  # in a process that has made none yet is read
+            importlib.import_module(module)
     fresh = False
     for kind, cls in _families().items():
         if kind in _registered or _taken(cls):
