@@ -766,6 +766,10 @@ def test_a_dead_node_on_a_worker_is_dead_to_the_audit(two):
     body_seen = seen_in(heard)["body"]
     assert body_seen["dead_channels"] == 8
     assert "DEAD" in verdict(body_seen)
+    t.close()  # training goes on, unaudited here and there
+    told = len(heard)
+    t.fit(_batches(2))
+    assert not [f for f in heard[told:] if f.get("fact") == "health"]
 
 
 def test_an_audit_by_hand_leaves_out_a_node_on_a_worker_and_says_so():

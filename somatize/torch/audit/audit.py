@@ -212,6 +212,7 @@ class Audit:
         self._graph = None
         self._copy = None
         self._waiting = []
+        self._far = []
         for place in self._places:
             place.clear()
 
@@ -250,17 +251,25 @@ class Audit:
             "groups": {w: g for w, g in self.groups.items() if w.split(".")[0] in nodes},
         }
 
-    def at(self, step: int) -> None:
+    @property
+    def watching(self) -> bool:
+        """Whether it watches a graph (between `watch` and `release`)."""
+        return self._graph is not None
+
+    def at(self, step: int | None) -> None:
         """On a worker: the Trainer's step the next forward belongs to (measured or not by
-        this audit's cadence)."""
-        if step != self.step:
+        this audit's cadence); None once the Trainer's audit no longer watches."""
+        if step is None:
+            self._arm(False)
+        elif step != self.step:
             self.step = step
             self._arm(step % self.every == 0)
 
     def heard(self, facts: list[dict[str, Any]]) -> None:
         """Facts measured on a worker, complete (update_ratio and all): `arrived` hands them
-        on."""
-        self._far += facts
+        on (dropped once released)."""
+        if self._graph is not None:
+            self._far += facts
 
     def arrived(self) -> list[dict[str, Any]]:
         """The facts `heard` since the last time it was asked."""

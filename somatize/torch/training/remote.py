@@ -47,8 +47,8 @@ class Remote:
             "inputs": inputs,
             "watching": watching is not None,  # else the worker runs it unwatched
         }
-        if self.audit is not None:
-            message["step"] = self.audit.step  # the step its Audit there measures, or not
+        if self.audit is not None:  # the step its Audit there measures (None: no longer)
+            message["step"] = self.audit.step if self.audit.watching else None
         held = _held(part)
         try:
             got = broker.send(host, held, message, (part.key, lambda: self._describe(part)))
@@ -184,11 +184,11 @@ class _Audited:
         self.pending = False  # a forward of the audit's step ran, and it is not observed yet
         self.facts: list[dict[str, Any]] = []
 
-    def at(self, step: int) -> None:
+    def at(self, step: int | None) -> None:
         if self.pending and step != self.audit.step:
             self._observe()
         self.audit.at(step)
-        self.pending = True
+        self.pending = step is not None
 
     def _observe(self) -> None:
         # (its Inlets and Outlets, named by what they carry, are watched too: not said)
