@@ -8,7 +8,6 @@ A node that is not cached still passes a key on, so a cached node after it keeps
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import inspect
 import json
@@ -44,9 +43,10 @@ _changes = 0  # how many times a node's state was changed through the library
 
 
 def state_changed() -> None:
-    """Say that a node's state changed (`Trainer.load`, `freeze`, `g.invalidate()`): the keys
-    of every plan, worked out once per plan, are worked out again at its next cached walk, so
-    that a frozen node's new state digest reaches them."""
+    """Say that a node's state changed (`Trainer.load`, `freeze`): the keys of every plan,
+    worked out once per plan, are worked out again at its next cached walk, so that a frozen
+    node's new state digest reaches them. (`g.invalidate()` drops its graph's plan, and with
+    it the keys.)"""
     global _changes
     _changes += 1
 
@@ -185,15 +185,6 @@ DEPTH = 32
 """How deep a key looks into a constructor argument (containers, an object's attributes, a
 function's closure) before it gives up on it."""
 
-BUDGET = 1_000_000
-"""How many values a key looks at in one node's constructor arguments before it gives up."""
-
-
-_DESCRIPTORS = (
-    types.MethodDescriptorType,
-    types.WrapperDescriptorType,
-    types.ClassMethodDescriptorType,
-)
 _SAID_BY_REPR = {"torch.dtype", "torch.device", "torch.layout", "torch.memory_format"}
 """Types of values that hold no attributes, whose repr says all there is to them."""
 
@@ -209,20 +200,17 @@ class Unkeyable(Exception):
 
 
 class _Keying:
-    """One node's arguments on their way to a key: how many values are left to look at, the
-    containers on the way down (a cycle is said as one, not followed), and whether a module's
-    state is digested (not when the node's own state digest is in its key already)."""
+    """One node's arguments on their way to a key: the containers on the way down (a cycle is
+    said as one, not followed), whether a module's state is digested (not for `unkeyable`),
+    and the modules whose state is in the key already (`covered`: those the node's own state
+    digest reads, and the submodules of a module digested on the way down)."""
 
-    __slots__ = ("left", "path", "digesting")
+    __slots__ = ("path", "digesting", "covered")
 
-    def __init__(self, digesting: bool) -> None:
-        self.left = BUDGET
+    def __init__(self, digesting: bool, covered: frozenset[int] = frozenset()) -> None:
         self.path: list[int] = []
         self.digesting = digesting
-
-
-def _json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
+        self.covered = covered
 
 
 def _type_name(kind: type) -> str:
@@ -231,13 +219,11 @@ def _type_name(kind: type) -> str:
 
 def _canonical(value: Any, where: str, k: _Keying, depth: int = 0) -> Any:
     """A JSON-able stand-in for `value` that is the same for equal values in any process (no
-    address, no hash, no ordering that is not the value's own); `Unkeyable` where there is
-    none that says everything that decides what the value is."""
+    address, no hash, no ordering that is not the value's own: a dict's or a set's items are
+    sorted by the repr of theirs, lists of plain values); `Unkeyable` where there is none that
+    says everything that decides what the value is."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    k.left -= 1
-    if k.left < 0:
-        raise Unkeyable(where, f"it holds more than {BUDGET} values")
     if depth > DEPTH:
         raise Unkeyable(where, f"it is nested more than {DEPTH} deep")
     if id(value) in k.path:  # a cycle: where it goes back to, counted from here
@@ -262,18 +248,14 @@ def _inner(value: Any, where: str, k: _Keying, depth: int) -> Any:
             [deeper(a, f"{where} (a key)"), deeper(b, f"{where}[{a!r:.40}]")]
             for a, b in value.items()
         ]
-        return [_type_name(kind), sorted(pairs, key=_json)]
+        return [_type_name(kind), sorted(pairs, key=repr)]
     if isinstance(value, (set, frozenset)):
         return [
             _type_name(kind),
-            sorted((deeper(v, f"{where} (an item)") for v in value), key=_json),
+            sorted((deeper(v, f"{where} (an item)") for v in value), key=repr),
         ]
-    if isinstance(value, (bytes, bytearray)):
-        return ["bytes", hashlib.sha256(value).hexdigest()]
     if isinstance(value, complex):
         return ["complex", value.real, value.imag]
-    if isinstance(value, enum.Enum):
-        return ["enum", _type_name(kind), value.name]
     if isinstance(value, (range, slice)):
         return [kind.__name__, deeper([value.start, value.stop, value.step], where)]
     if isinstance(value, os.PathLike):
@@ -296,12 +278,10 @@ def _inner(value: Any, where: str, k: _Keying, depth: int) -> Any:
         if owner is None or isinstance(owner, (type, types.ModuleType)):
             return ["builtin", getattr(value, "__module__", None), value.__qualname__]
         return ["builtin", value.__qualname__, deeper(owner, f"{where}'s self")]
-    if isinstance(value, _DESCRIPTORS):  # str.upper, object.__init__
-        return ["descriptor", _type_name(value.__objclass__), value.__name__]
     if _type_name(kind) in _SAID_BY_REPR:
         return ["repr", _type_name(kind), repr(value)]
     named = _by_name(value)
-    if named is not None:  # a singleton its module holds (a ufunc, a torch op)
+    if named is not None:  # a singleton its module holds (a ufunc, a torch op, str.upper)
         return named
     if callable(getattr(value, "state_dict", None)) and hasattr(value, "_modules"):
         return _module(value, where, k, deeper)
@@ -347,8 +327,12 @@ def _function(fn: types.FunctionType, where: str, deeper: Callable) -> list:
 
 def _by_name(value: Any) -> list | None:
     """`["named", module, qualname]` for a value its module holds under that name (a numpy
-    ufunc, a torch op), None for anything else."""
-    module = sys.modules.get(getattr(value, "__module__", None) or "")
+    ufunc, a torch op; a method of a builtin class by its class's module), None for anything
+    else."""
+    name = getattr(value, "__module__", None) or getattr(
+        getattr(value, "__objclass__", None), "__module__", None
+    )
+    module = sys.modules.get(name or "")
     qual = getattr(value, "__qualname__", None) or getattr(value, "__name__", None)
     if module is None or not isinstance(qual, str):
         return None
@@ -367,12 +351,15 @@ def _module(module: Any, where: str, k: _Keying, deeper: Callable) -> list:
     said = {n: v for n, v in vars(module).items() if not _HOOKS.match(n)}
     for held in ("_parameters", "_buffers"):  # its state: in the digest, or in the node's
         said[held] = sorted(said.get(held) or ())
-    state = _hooks.state_digest(Wrapped(module)) if k.digesting else None
-    digesting, k.digesting = k.digesting, False  # the state above covers its submodules'
+    digested = k.digesting and id(module) not in k.covered
+    state = _hooks.state_digest(Wrapped(module)) if digested else None
+    covered = k.covered
+    if digested:  # its state covers its submodules' (not a module it holds in a dict)
+        k.covered = covered | {id(m) for m in module.modules()}
     try:
         return ["module", _type_name(type(module)), deeper(said, where), state]
     finally:
-        k.digesting = digesting
+        k.covered = covered
 
 
 def _object(value: Any, where: str, deeper: Callable) -> list:
@@ -416,7 +403,7 @@ def declaration_key(node: Any, salt: Any, state: str | None) -> str:
     that be only under a salt."""
     cls = type(node)
     try:
-        said_args = _arguments(node, _Keying(digesting=state is None))
+        said_args = _arguments(node, _Keying(True, _covered(node) if state else frozenset()))
     except Unkeyable as e:
         said_args = ["unkeyed", e.where]
     said = {
@@ -426,6 +413,16 @@ def declaration_key(node: Any, salt: Any, state: str | None) -> str:
         "state": state,
     }
     return _mix(json.dumps(said, sort_keys=True))
+
+
+def _covered(node: Any) -> frozenset[int]:
+    """The modules (ids) the node's own state digest reads: those torch's `modules_of` finds
+    and theirs. A module the node holds anywhere else (in a dict, in an object) is digested
+    where its argument is keyed."""
+    placement = sys.modules.get("somatize.torch.placement")  # loaded: the digest is torch's
+    if placement is None:
+        return frozenset()
+    return frozenset(id(m) for top in placement.modules_of(node) for m in top.modules())
 
 
 def code_version(node: Any) -> str:

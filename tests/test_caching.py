@@ -108,6 +108,40 @@ def test_frozen_state_is_part_of_the_key(store):
     assert torch.allclose(y2, y1 + 1.0)
 
 
+class Heads(Node):
+    """Runs `enc` (a module it holds), then `heads["head"]` (one held in a dict)."""
+
+    def __init__(self, enc: nn.Module, heads: dict) -> None:
+        self.enc, self.heads = enc, heads
+
+    def forward(self, input, ctx):
+        return self.heads["head"](self.enc(input))
+
+
+class Routed(nn.Module):
+    """A module that holds a layer in a dict, outside its state_dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=torch.float64)
+        self.extra = {"head": nn.Linear(3, 3, dtype=torch.float64)}
+
+    def forward(self, input):
+        return self.extra["head"](self.lin(input))
+
+
+def test_a_module_held_in_a_dict_is_in_the_key_of_a_frozen_node(store):
+    node = Heads(Routed(), {"head": nn.Linear(3, 3, dtype=torch.float64)})
+    x = torch.ones(1, 3, dtype=torch.float64)
+    facts_of(Graph.somatize(node.frozen().cached()), x, store)
+    for layer in (node.heads["head"], node.enc.extra["head"]):  # the node's, its module's
+        with torch.no_grad():
+            layer.bias.add_(1.0)
+        out, said = facts_of(Graph.somatize(node.frozen().cached()), x, store)
+        assert said["heads"] == "miss"
+        assert torch.allclose(out, node.forward(x, None), rtol=1e-12, atol=1e-12)
+
+
 def test_a_value_with_no_codec_is_an_error_naming_node_type_and_codec(store):
     class Thing:
         pass
