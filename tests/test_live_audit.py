@@ -195,8 +195,47 @@ def test_two_runs_are_drawn_side_by_side():
     assert len(root.findall(f".//{SVG}path[@class='smz-loss']")) == 2  # a curve per run
     texts = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
     assert "run sgd" in texts and f"{stalled[0]} ×20" in texts
+    assert "update_ratio" in texts and "not measured" in texts  # its health parts
+    labels = [t.text for t in root.iter(f"{SVG}text") if t.find(f"{SVG}title") is not None]
+    assert {"adam 1.05", "sgd 2.3"} <= set(labels)  # the unnamed run is named by the title
     with pytest.raises(ValueError, match="run is named"):
         audit.run("")
+
+
+def face_of(audit):
+    """The picture its HTML face shows (what a page with no kernel sees), parsed."""
+    data, _ = audit._repr_mimebundle_()
+    shown = re.search(r'base64,([^"]+)"', data["text/html"]).group(1)
+    return ET.fromstring(base64.b64decode(shown))
+
+
+def test_an_audit_of_losses_only_draws_a_loss_figure_each_curve_named_at_its_end():
+    audit = LiveAudit(title="one curve per way", flags=False)
+    long = "a rather long name for a way of training, cut on the right"
+    ends = {"backprop": 0.0068, "Split": 0.0068, "Greedy": 0.0199, long: 0.111}
+    for way, end in ends.items():
+        watcher = audit.run(way)
+        for step in range(1, 21):
+            watcher({"fact": "loss", "step": step, "value": 2.0 * (end / 2.0) ** (step / 20)})
+    root = face_of(audit)
+    texts = [t for t in root.iter(f"{SVG}text")]
+    said = " ".join("".join(t.itertext()) for t in texts)
+    for health_part in ("waiting for health facts", "no metric yet", "not measured", "no number"):
+        assert health_part not in said
+    assert len(root.findall(f".//{SVG}path[@class='smz-loss']")) == 4
+    labels = {}
+    for t in texts:
+        tip = t.find(f"{SVG}title")
+        if tip is not None:
+            labels[tip.text.split(": step")[0]] = t
+    assert set(labels) == set(ends)  # each run's full name, in its label's tooltip
+    assert labels["backprop"].text == "backprop 0.0068" and labels["Greedy"].text == "Greedy 0.0199"
+    cut = labels[long].text
+    assert cut.startswith("a rather long") and cut.endswith("… 0.111") and len(cut) < len(long)
+    ys = sorted(float(t.get("y")) for t in labels.values())
+    # two runs end at the same loss, yet their labels do not overlap
+    assert min(b - a for a, b in zip(ys[:-1], ys[1:], strict=True)) >= 11
+    assert [t.text for t in texts if t.text == "step"]  # the steps have their own axis
 
 
 def test_the_default_metric_is_the_update_ratio_where_it_is_measured():

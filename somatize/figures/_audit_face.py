@@ -1,6 +1,8 @@
 """The live audit's picture as SVG, in the layout the page draws live (`widgets/audit.js`):
 the loss plot above, the heatmap of one metric below (a row per place and run, a column per
 step, binned past 240), flags in a lane under their cells, a legend for every colour and mark.
+An audit that holds only losses (no place watched) is drawn as the loss plot alone, with its
+own step axis; with several runs each curve is named at its end.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def picture(
     rows = [(w, r) for w in history.places() for r in runs if w in history.runs[r].places]
     many = len(runs) > 1
     label_w = min(220.0, max([90.0] + [text_width(w, 11) + 14 for w, _ in rows])) + 14 * many
-    x0, x1 = label_w, width - 110.0
+    named = _run_labels(history, runs, title) if many else {}
+    right = max([110.0] + [text_width(t, 10) + 14 for t in named.values()])
+    x0, x1 = label_w, width - right
     steps = sorted({s for r in history.runs.values() for p in r.places.values() for s in p.steps})
     every_step = steps + [s for r in history.runs.values() for s in r.loss_steps]
     s_lo, s_hi = (min(every_step), max(every_step)) if every_step else (0, 1)
@@ -93,17 +97,22 @@ def picture(
 
     y = 8.0
     out.append(svg_text("8", y + 12, title, 13, INK, bold=True))
-    about = METRICS.get(metric, "")
+    about = METRICS.get(metric, "") if rows else ""
     at = 8 + text_width(title, 13, True) + 14
-    out.append(svg_text(at, y + 12, metric or "no metric yet", fill=INK, bold=True))
-    at += text_width(metric or "no metric yet", 11, True) + 10
+    if rows:  # the metric the heatmap shows: none without places
+        out.append(svg_text(at, y + 12, metric or "no metric yet", fill=INK, bold=True))
+        at += text_width(metric or "no metric yet", 11, True) + 10
     said = lines(about, width - at - 8) if about else []
     for k, line in enumerate(said):
         out.append(svg_text(at, y + 12 + 14 * k, line))
     y += 24 + 14 * max(0, len(said) - 1)
     # the loss plot ends where the columns do, so its curves fill it; its labels go after it
     ends = x0 + len(bins) * cw if bins else x1
-    y = _loss(out, history, runs, sx, x0, ends, y, log, smoothing, width)
+    y = _loss(out, history, runs, sx, x0, ends, y, log, smoothing, width, named, title)
+    if not rows:  # losses only: a step axis under the loss plot, and nothing of health
+        if every_step:
+            _step_axis(out, sorted(set(every_step)), sx, x0, ends, y - 10)
+        return svg_open(width, y + 16, "smz-audit-svg") + "".join(out) + "</svg>"
     scale = Scale(v for r in history.runs.values() for p in r.places.values()
                   for v in p.columns.get(metric, ()))
     top = y + 6
@@ -156,27 +165,62 @@ def picture(
             out.append(svg_text(ends + 6, ry + 10, fits(text, width - ends - 8, 10), 10, colour))
     for fill, paths in [*levels.items(), *marks.items()]:
         out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
-    y = top + max(1, len(rows)) * ROW
-    if not rows:
-        out.append(svg_text(x0 + 8, top + 11, "waiting for health facts…", fill=WAITING))
-    if bins:
-        axis = f'x1="{x0:.1f}" x2="{ends:.1f}" y1="{y + 2:.1f}" y2="{y + 2:.1f}"'
-        out.append(f'<line {axis} stroke="{LINE}"/>')
-        last_x = -1e9
-        for t in ticks(bins[0][0], bins[-1][-1], 7, whole=True):
-            tx = sx(min(steps, key=lambda s: abs(s - t)))
-            if tx - last_x >= 36:  # labels that would touch are left out
-                out.append(svg_text(tx, y + 14, number(t), 10, anchor="middle"))
-                last_x = tx
-        out.append(svg_text(x0 - 6, y + 14, "step", 10, anchor="end"))
+    y = top + len(rows) * ROW
+    _step_axis(out, steps, sx, x0, ends, y)
     y += 26
     y = _legend(out, y, scale, metric, families, runs if many else [], width)
     return svg_open(width, y, "smz-audit-svg") + "".join(out) + "</svg>"
 
 
-def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
+def _step_axis(out, steps, sx, x0, x1, y) -> None:
+    """A step axis from x0 to x1 at y + 2, its labels under it (at the steps nearest round
+    numbers; labels that would touch are left out)."""
+    out.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{y + 2:.1f}" y2="{y + 2:.1f}" '
+               f'stroke="{LINE}"/>')
+    last_x = -1e9
+    for t in ticks(steps[0], steps[-1], 7, whole=True):
+        tx = sx(min(steps, key=lambda s: abs(s - t)))
+        if tx - last_x >= 36:
+            out.append(svg_text(tx, y + 14, number(t), 10, anchor="middle"))
+            last_x = tx
+    out.append(svg_text(x0 - 6, y + 14, "step", 10, anchor="end"))
+
+
+def _run_labels(history, runs, title) -> dict[str, str]:
+    """What names each run's curve at its end: the run's name (the unnamed run's is the
+    title), cut from the right to 130 px, and its last loss."""
+    out = {}
+    for run in runs:
+        values = history.runs[run].loss_values
+        if values:
+            name = run or title or "this run"
+            while len(name) > 1 and text_width(name + "…", 10) > 130:
+                name = name[:-1]
+            cut = name if name == (run or title or "this run") else name + "…"
+            out[run] = f"{cut} {number(values[-1])}"
+    return out
+
+
+def _spread(ys: list[float], gap: float, lo: float, hi: float) -> list[float]:
+    """Label baselines moved apart to be `gap` apart at least, each as near its wish as
+    that allows, kept within [lo, hi] while there is room."""
+    order = sorted(range(len(ys)), key=ys.__getitem__)
+    out = list(ys)
+    prev = -math.inf
+    for k in order:  # down, past the one above
+        out[k] = max(out[k], prev + gap, lo)
+        prev = out[k]
+    nxt = math.inf
+    for k in reversed(order):  # then up, off the bottom and the one below
+        out[k] = min(out[k], nxt - gap, hi)
+        nxt = out[k]
+    return out
+
+
+def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width, named, title) -> float:
     """The loss plot from x0 to x1, with its axes, and the last loss of each run after it
-    (within `width`); answers where the next part starts."""
+    (within `width`): with `named` runs, each run's label (its full name in a tooltip) at its
+    curve's end, moved apart from the others; answers where the next part starts."""
     h = 130.0
     series = [(r, history.runs[r].loss_steps, history.runs[r].loss_values) for r in runs]
     series = [s for s in series if s[1]]
@@ -218,6 +262,7 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
         drawn = [k for k in keep if math.isfinite(values[k]) and (values[k] > 0 or not log)]
         return _polyline([(sx(steps[k]), sy(values[k])) for k in drawn])
 
+    ends = []
     for n, (run, steps, values) in enumerate(series):
         colour = RUN_COLOURS[runs.index(run) % len(RUN_COLOURS)]
         keep = range(0, len(steps), max(1, len(steps) // 1500))
@@ -226,12 +271,23 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width) -> float:
                 f'<path class="smz-loss-raw" d="{curve(steps, values, keep)}" fill="none" '
                 f'stroke="{colour}" stroke-opacity="0.28" stroke-width="1"/>'
             )
-        line = curve(steps, smoothed(values, smoothing), keep)
+        smooth = smoothed(values, smoothing)
+        line = curve(steps, smooth, keep)
         out.append(
             f'<path class="smz-loss" d="{line}" fill="none" stroke="{colour}" stroke-width="1.8"/>'
         )
-        label = f"{run + ': ' if run else ''}step {steps[-1]}: {number(values[-1])}"
-        out.append(svg_text(x1 + 6, y + 12 + 13 * n, fits(label, width - x1 - 14, 10), 10, colour))
+        if not named:
+            label = f"{run + ': ' if run else ''}step {steps[-1]}: {number(values[-1])}"
+            label = fits(label, width - x1 - 14, 10)
+            out.append(svg_text(x1 + 6, y + 12 + 13 * n, label, 10, colour))
+            continue
+        drawn = [v for v in smooth if math.isfinite(v) and (v > 0 or not log)]
+        wish = sy(drawn[-1]) + 3.5 if drawn else y + 12
+        ends.append((run, colour, wish, steps[-1], values[-1]))
+    at = _spread([e[2] for e in ends], 12.0, y + 9, y + h + 3)
+    for (run, colour, _, step, value), ty in zip(ends, at, strict=True):
+        tip = f"{run or title}: step {step}: {number(value)}"
+        out.append(svg_text(x1 + 6, ty, named[run], 10, colour, title=tip))
     return y + h + 8
 
 
