@@ -18,6 +18,18 @@ function flatNote(lo, hi, mean) {
   return `flat: it spans ${number(hi - lo)}, ${number((100 * (hi - lo)) / Math.abs(mean))}% of its mean`;
 }
 
+// label baselines moved apart to be `gap` apart at least, each as near its wish as that
+// allows, kept within [lo, hi] while there is room (as _audit_face._spread does)
+function spread(ys, gap, lo, hi) {
+  const order = ys.map((_, i) => i).sort((a, b) => ys[a] - ys[b]);
+  const out = [...ys];
+  let prev = -Infinity;
+  for (const k of order) prev = out[k] = Math.max(out[k], prev + gap, lo);
+  let next = Infinity;
+  for (const k of [...order].reverse()) next = out[k] = Math.min(out[k], next - gap, hi);
+  return out;
+}
+
 // the rows: each place, once per run that has it
 function rowsOf(s) {
   const places = [];
@@ -78,7 +90,23 @@ function render({ model, el: host }) {
     select.value = chosen();
   }
 
-  function drawLoss(width, x0, x1, sx) {
+  // with several runs, what names each curve at its end: its name cut on the right to 130 px,
+  // and its last loss (as _audit_face._run_labels says)
+  function runLabels(ctx) {
+    const out = new Map();
+    if (s.runs.size < 2) return out;
+    ctx.font = `10px ${FONT_FAMILY}`;
+    for (const [name, r] of s.runs) {
+      if (!r.lossValues.length) continue;
+      const full = runLabel(name);
+      let cut = full;
+      while (cut.length > 1 && ctx.measureText(`${cut}…`).width > 130) cut = cut.slice(0, -1);
+      out.set(name, `${cut === full ? full : `${cut}…`} ${number(r.lossValues[r.lossValues.length - 1])}`);
+    }
+    return out;
+  }
+
+  function drawLoss(width, x0, x1, sx, named) {
     const h = 130;
     const runs = [...s.runs.entries()].filter(([, r]) => r.lossSteps.length);
     const all = runs.flatMap(([, r]) => r.lossValues.filter(Number.isFinite));
@@ -111,6 +139,7 @@ function render({ model, el: host }) {
       svg += `<text x="${x0 - 5}" y="${(y + 3.5).toFixed(1)}" font-size="10" fill="#5d6575" text-anchor="end">${esc(label)}</text>`;
     });
     const names = [...s.runs.keys()];
+    const ends = [];
     runs.forEach(([name, r], n) => {
       const colour = RUNS[names.indexOf(name) % RUNS.length];
       const stride = Math.max(1, Math.floor(r.lossSteps.length / 1500));
@@ -127,8 +156,18 @@ function render({ model, el: host }) {
       if (weight > 0) svg += `<path class="smz-loss-raw" d="${path(r.lossValues)}" fill="none" stroke="${colour}" stroke-opacity="0.28" stroke-width="1"/>`;
       svg += `<path class="smz-loss" d="${path(sm)}" fill="none" stroke="${colour}" stroke-width="1.8"/>`;
       const last = r.lossValues[r.lossValues.length - 1];
-      const label = `${names.length > 1 ? `${runLabel(name)}: ` : ""}step ${r.lossSteps[r.lossSteps.length - 1]}: ${number(last)}`;
-      svg += `<text x="${x1 + 6}" y="${12 + 13 * n}" font-size="10" fill="${colour}">${esc(label)}</text>`;
+      const step = r.lossSteps[r.lossSteps.length - 1];
+      if (named.size) {
+        const drawn = sm.filter((v) => Number.isFinite(v) && (v > 0 || !log));
+        const wish = drawn.length ? sy(drawn[drawn.length - 1]) + 3.5 : 12;
+        ends.push({ colour, wish, text: named.get(name), tip: `${runLabel(name)}: step ${step}: ${number(last)}` });
+        return;
+      }
+      svg += `<text x="${x1 + 6}" y="${12 + 13 * n}" font-size="10" fill="${colour}">${esc(`step ${step}: ${number(last)}`)}</text>`;
+    });
+    spread(ends.map((e) => e.wish), 12, 9.5, h + 3.5).forEach((y, i) => {
+      const e = ends[i];
+      svg += `<text x="${x1 + 6}" y="${y.toFixed(1)}" font-size="10" fill="${e.colour}">${esc(e.text)}<title>${esc(e.tip)}</title></text>`;
     });
     svg += `<line class="smz-cross" x1="0" x2="0" y1="0" y2="${h}" stroke="#868e96" stroke-dasharray="3 3" visibility="hidden"/></svg>`;
     lossBox.innerHTML = svg;
@@ -152,7 +191,13 @@ function render({ model, el: host }) {
     for (const r of rows) labelW = Math.max(labelW, Math.min(220, ctx0.measureText(r.where).width + 14));
     if (many) labelW += 14;
     const x0 = labelW;
-    const x1 = width - 110;
+    const named = runLabels(ctx0); // measured at their 10 px
+    let right = 110;
+    for (const text of named.values()) right = Math.max(right, ctx0.measureText(text).width + 14);
+    const x1 = width - right;
+    // an audit of losses only (no place watched) draws the loss plot alone: no metric, no legend
+    root.querySelector(".smz-metric").parentElement.hidden = !rows.length;
+    root.querySelector(".smz-about").hidden = !rows.length;
     // the steps every place saw, in order; binned to two pixels a column at least
     const stepSet = new Set();
     for (const r of rows) for (const st of r.place.steps) stepSet.add(st);
@@ -174,7 +219,7 @@ function render({ model, el: host }) {
       const fr = (st - steps[0]) / Math.max(1, steps[steps.length - 1] - steps[0]);
       return x0 + cw / 2 + fr * (nb - 1) * cw;
     };
-    drawLoss(width, x0, x1, sx);
+    drawLoss(width, x0, x1, sx, named);
     // the heatmap: a value per bin (its last), flags joined
     const cells = rows.map((r) => {
       const col = r.place.cols.get(metric);
@@ -198,7 +243,7 @@ function render({ model, el: host }) {
     const kind = s.kinds[metric];
     const sc = scaleOf(values);
     const top = 6;
-    const H = top + Math.max(1, rows.length) * ROW + 24;
+    const H = rows.length ? top + rows.length * ROW + 24 : 20;
     const dpr = window.devicePixelRatio || 1;
     canvas.width = Math.round(width * dpr);
     canvas.height = Math.round(H * dpr);
@@ -250,25 +295,23 @@ function render({ model, el: host }) {
         ctx.font = `11px ${FONT_FAMILY}`;
       }
     });
-    const yb = top + Math.max(1, rows.length) * ROW;
+    // the step axis: under the heatmap, or (losses only) right under the loss plot
+    const yb = rows.length ? top + rows.length * ROW : -2;
+    const axis = rows.length ? steps : [...new Set([...s.runs.values()].flatMap((r) => r.lossSteps))].sort((a, b) => a - b);
     ctx.fillStyle = "#5d6575";
     ctx.font = `10px ${FONT_FAMILY}`;
-    if (steps.length) {
+    if (axis.length) {
       ctx.textAlign = "center";
       let lastX = -1e9;
-      for (const t of ticks(steps[0], steps[steps.length - 1], 7, false, true)) {
-        let near = steps[0];
-        for (const st of steps) if (Math.abs(st - t) < Math.abs(near - t)) near = st;
+      for (const t of ticks(axis[0], axis[axis.length - 1], 7, false, true)) {
+        let near = axis[0];
+        for (const st of axis) if (Math.abs(st - t) < Math.abs(near - t)) near = st;
         if (sx(near) - lastX < 36) continue; // labels that would touch are left out
         ctx.fillText(number(t), sx(near), yb + 14);
         lastX = sx(near);
       }
       ctx.textAlign = "right";
       ctx.fillText("step", x0 - 6, yb + 14);
-    } else {
-      ctx.textAlign = "left";
-      ctx.fillStyle = "#8a93a6";
-      ctx.fillText("waiting for health facts…", x0 + 8, top + 11);
     }
     grid = { rows, cells, x0, top, cw, nb, per, steps, metric, labelW };
     root.dataset.grid = `${x0} ${top} ${cw} ${ROW} ${nb}`; // where the cells are, for a test
@@ -280,14 +323,16 @@ function render({ model, el: host }) {
     } else if (kind === "bool") {
       h += `<span class="smz-key"><span class="smz-swatch" style="background:${viridis(0)}"></span>false <span class="smz-swatch" style="background:${viridis(1)}"></span>true</span>`;
     }
-    h += `<span class="smz-key"><span class="smz-swatch" style="background:${ABSENT};border:1px solid #ced4da"></span>not measured</span>`;
-    h += `<span class="smz-key"><span class="smz-swatch" style="background:${NO_NUMBER}"></span>no number (NaN, ∞)</span>`;
-    for (const f of Object.keys(FAMILY)) if (families.has(f)) h += `<span class="smz-key" title="a step the health verdict flagged"><span class="smz-lane" style="background:${FAMILY[f]}"></span>flag: ${f}</span>`;
-    if (many) names.forEach((n, k) => (h += `<span class="smz-key"><span class="smz-swatch" style="background:${RUNS[k % RUNS.length]}"></span>run ${esc(runLabel(n))}</span>`));
+    if (rows.length) {
+      h += `<span class="smz-key"><span class="smz-swatch" style="background:${ABSENT};border:1px solid #ced4da"></span>not measured</span>`;
+      h += `<span class="smz-key"><span class="smz-swatch" style="background:${NO_NUMBER}"></span>no number (NaN, ∞)</span>`;
+      for (const f of Object.keys(FAMILY)) if (families.has(f)) h += `<span class="smz-key" title="a step the health verdict flagged"><span class="smz-lane" style="background:${FAMILY[f]}"></span>flag: ${f}</span>`;
+      if (many) names.forEach((n, k) => (h += `<span class="smz-key"><span class="smz-swatch" style="background:${RUNS[k % RUNS.length]}"></span>run ${esc(runLabel(n))}</span>`));
+    }
     legend.innerHTML = h;
     const flagged = cells.reduce((a, c) => a + c.flags.filter(Boolean).length, 0);
     const held = s.binnedFrom > steps.length ? ` (binned from ${s.binnedFrom})` : "";
-    status.textContent = `${new Set(rows.map((r) => r.where)).size} places · ${steps.length} steps${held}${flagged ? ` · ${flagged} flagged` : ""}`;
+    status.textContent = !rows.length ? "" : `${new Set(rows.map((r) => r.where)).size} places · ${steps.length} steps${held}${flagged ? ` · ${flagged} flagged` : ""}`;
     root.dataset.cells = String(cells.reduce((a, c) => a + c.vals.filter((v) => v !== undefined).length, 0));
     root.dataset.coloured = String(values.length);
     root.dataset.metric = metric;

@@ -178,6 +178,27 @@ def test_an_audit_saved_with_no_kernel_draws_its_record(page, served, artifacts)
     page.screenshot(path=str(artifacts / "audit-saved.png"), full_page=True)
 
 
+def test_an_audit_of_losses_only_draws_the_loss_plot_alone_each_curve_named(page, served, artifacts):
+    audit = LiveAudit(interval=0.05, title="losses", flags=False)
+    for way, end in {"backprop": 0.0068, "Split": 0.0068, "ForwardForward": 0.175}.items():
+        watcher = audit.run(way)
+        for step in range(1, 21):
+            watcher({"fact": "loss", "value": 2.0 * (end / 2.0) ** (step / 20), "step": step})
+    _open(page, served, "losses", audit)
+    page.wait_for_function("() => document.querySelectorAll('.smz-loss').length === 3")
+    shown = page.locator(".smz-audit").inner_text()
+    assert "waiting" not in shown and "not measured" not in shown and "places" not in shown
+    assert not page.locator(".smz-metric").is_visible()  # no metric: there is no heatmap
+    labels = page.locator(".smz-loss-svg text:has(title)")
+    tips = labels.evaluate_all("ts => ts.map(t => t.querySelector('title').textContent)")
+    assert sorted(t.split(": step")[0] for t in tips) == ["ForwardForward", "Split", "backprop"]
+    ys = sorted(labels.evaluate_all("ts => ts.map(t => Number(t.getAttribute('y')))"))
+    assert min(b - a for a, b in zip(ys[:-1], ys[1:], strict=True)) >= 11  # equal losses, apart
+    assert "backprop 0.0068" in labels.evaluate_all("ts => ts.map(t => t.firstChild.textContent)")
+    page.screenshot(path=str(artifacts / "audit-losses.png"), full_page=True)
+    assert page.errors == []
+
+
 def _wide_table():
     names = ["tiny", "wide", "deep", "flat", "resnet-ish", "transformer-small", "mlp-128"]
     cols = {"params": [1200, 56000, 8000, 300, 11e6, 2.3e6, 17000]}
