@@ -236,6 +236,8 @@ def test_an_audit_of_losses_only_draws_a_loss_figure_each_curve_named_at_its_end
     # two runs end at the same loss, yet their labels do not overlap
     assert min(b - a for a, b in zip(ys[:-1], ys[1:], strict=True)) >= 11
     assert [t.text for t in texts if t.text == "step"]  # the steps have their own axis
+    data, _ = audit._repr_mimebundle_()
+    assert 'alt="one curve per way: loss only, 20 steps, 4 runs"' in data["text/html"]
 
 
 def test_the_default_metric_is_the_update_ratio_where_it_is_measured():

@@ -276,7 +276,10 @@ class LiveAudit(Face, anywidget.AnyWidget):
             places = len(self._history.places())
             steps = len({s for r in runs for p in r.places.values() for s in p.steps})
             more = f", {len(runs)} runs" if len(runs) > 1 else ""
-        return image(self.svg(), f"{self.title}: {places} places, {steps} steps{more}")
+            if not places:  # losses only: drawn as a loss figure
+                steps = len({s for r in runs for s in r.loss_steps})
+        held = f"{places} places" if places else "loss only"
+        return image(self.svg(), f"{self.title}: {held}, {steps} steps{more}")
 
 
 class _RunWatcher:
