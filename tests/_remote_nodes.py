@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from somatize import Node
+from somatize import Node, codec
 
 
 class Lin(Node, nn.Module):
@@ -126,6 +126,24 @@ class Boxes(Node):
 
     def forward(self, x: Any, ctx: Any) -> Any:
         return Box(x)
+
+
+class Fragile:
+    """A value its codec writes down and cannot read back."""
+
+
+def _unreadable(data: bytes) -> Fragile:
+    raise ValueError("a Fragile cannot be read back")
+
+
+codec("fragile", Fragile, dump=lambda value: b"", load=_unreadable)
+
+
+class Breaks(Node):
+    """Hands back a `Fragile`, which the worker writes down and nobody reads back."""
+
+    def forward(self, x: Any, ctx: Any) -> Any:
+        return Fragile()
 
 
 class Normed(Node, nn.Module):

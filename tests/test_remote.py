@@ -18,6 +18,7 @@ import zmq
 from _remote_nodes import (
     Box,
     Boxes,
+    Breaks,
     Fails,
     Hooked,
     Lin,
@@ -31,6 +32,7 @@ from _remote_nodes import (
 
 from somatize import Broker, Graph, NoCodec, Node, Opaque, Worker
 from somatize.remote import StateLost, WorkerLost, seal, wire
+from somatize.remote.wire import Malformed
 
 NODES = "_remote_nodes"
 
@@ -129,6 +131,17 @@ def test_a_value_no_codec_writes_down_is_no_codec_naming_its_node_either_way(two
     with pytest.raises(NoCodec, match="Box in the graph's input, sent to node 'first' on host 'a'"):
         g.forward(Box(1), broker=two)
     assert g.forward(1, broker=two) == 2  # nothing was left half done
+
+
+def test_an_answer_that_cannot_be_read_here_is_an_error_at_once_not_a_wait():
+    worker = Worker.spawn(["--threads", "1"], send=[NODES], deadline=60.0)
+    with Broker.embedded({"a": worker}) as broker:
+        g = Graph.somatize(Breaks().named("breaks").at("a"))
+        began = time.monotonic()
+        with pytest.raises(Malformed, match="answer of .* cannot be read here.*Fragile cannot"):
+            g.forward(1, broker=broker)
+        assert time.monotonic() - began < 30.0  # it waited out the deadline before
+        assert Graph.somatize(Plus(1).at("a")).forward(1, broker=broker) == 2
 
 
 def test_an_unknown_host_is_refused_naming_it(two):

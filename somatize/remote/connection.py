@@ -167,9 +167,14 @@ class Connection:
                 why = bytes(frames[2].buffer).decode(errors="replace")
                 return False, (bytes(frames[1].buffer), why)
             try:
-                reply = wire.decode(self.seal.open(frames))
-            except (seal.Refused, wire.Malformed):
+                body = self.seal.open(frames)
+            except seal.Refused:
                 continue  # not sealed with this key (or from before): not our answer
+            try:
+                reply = wire.decode(body)
+            except wire.Malformed as error:  # sealed by the worker: an answer, unreadable here
+                said = f"the answer of {self.where()} cannot be read here: {error}"
+                raise wire.Malformed(said) from None
             if type(reply) is not dict or reply.get("rid") not in (rid, None):
                 continue  # the late answer to a request that was given up on
             self.incarnation = reply.get("worker")
