@@ -31,6 +31,11 @@ def state_digest(node: Any) -> str | None:
     return None
 
 
+def state_modules(node: Any) -> list[Any]:
+    """Every module whose state `state_digest` reads for this node (its modules and theirs)."""
+    return []
+
+
 def trainable(node: Any) -> bool:
     """Whether the node holds parameters that an optimizer could move."""
     return False

@@ -416,13 +416,9 @@ def declaration_key(node: Any, salt: Any, state: str | None) -> str:
 
 
 def _covered(node: Any) -> frozenset[int]:
-    """The modules (ids) the node's own state digest reads: those torch's `modules_of` finds
-    and theirs. A module the node holds anywhere else (in a dict, in an object) is digested
+    """The modules (ids) the node's own state digest reads. A module the node holds anywhere else (in a dict, in an object) is digested
     where its argument is keyed."""
-    placement = sys.modules.get("somatize.torch.placement")  # loaded: the digest is torch's
-    if placement is None:
-        return frozenset()
-    return frozenset(id(m) for top in placement.modules_of(node) for m in top.modules())
+    return frozenset(id(m) for m in _hooks.state_modules(node))
 
 
 def code_version(node: Any) -> str:

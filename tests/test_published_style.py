@@ -832,6 +832,33 @@ def test_a_frozen_node_with_a_count_of_no_dimensions_is_digested_and_cached(tmp_
     assert g.frozen()["sequential"] not in (None, digest)
 
 
+def test_modules_a_plain_node_holds_in_a_dict_are_its_modules_for_every_tool():
+    class Heads(Node):
+        def __init__(self) -> None:
+            self.heads = {"a": nn.Linear(3, 2), "b": nn.Linear(3, 2)}
+
+        def forward(self, input, ctx):
+            return self.heads["a"](input) + self.heads["b"](input)
+
+    g = Graph.somatize(Heads())
+    node = g.implementation("heads")
+    assert len(parameters(g)) == 4
+    t = Trainer(g, objective=mse_loss, optimizer=SGD(parameters(g), lr=0.1))
+    assert sorted(t.export()["heads"]) == [
+        "heads.a.bias",
+        "heads.a.weight",
+        "heads.b.bias",
+        "heads.b.weight",
+    ]
+    before = node.heads["b"].weight.detach().clone()
+    t.step((torch.randn(4, 3), torch.randn(4, 2)))
+    assert not torch.equal(node.heads["b"].weight, before)  # it trains
+    with pytest.raises(ValueError, match="'heads' is .cached\\(\\) but holds trainable state"):
+        Graph.somatize(Heads().cached())
+    freeze(g, "heads")
+    assert not node.heads["a"].weight.requires_grad and g.frozen()["heads"].startswith("sha256:")
+
+
 def test_a_plain_node_holding_a_bare_parameter_is_refused_by_the_tools_naming_it():
     class Scale(Node):
         def __init__(self) -> None:

@@ -21,20 +21,27 @@ __all__ = ["entry", "modules_of", "named_modules_of", "move", "place", "state_di
 
 def named_modules_of(node: Any) -> list[tuple[str, nn.Module]]:
     """The modules a node is made of, named: `("", node)` when the node is one, else each
-    module it holds as an attribute (`net`, or `blocks.0` for one in a list), each once. A
-    module stood in a graph as it is (`Node.of`) is the node."""
+    module it holds as an attribute (`net`; `blocks.0` for one in a list, `heads.a` for one
+    in a dict), each once. A module stood in a graph as it is (`Node.of`) is the node."""
     if isinstance(node, Wrapped):
         return [("", node.held)] if isinstance(node.held, nn.Module) else []
     if isinstance(node, nn.Module):
         return [("", node)]
     found: dict[int, tuple[str, nn.Module]] = {}  # by module object: each once
     for name, value in vars(node).items():
-        listed = isinstance(value, (list, tuple))
-        for i, item in enumerate(value if listed else [value]):
+        if name == "_somatize_args":  # what it was built with: what it holds is below
+            continue
+        if isinstance(value, (list, tuple)):
+            items: Any = enumerate(value)
+        elif isinstance(value, dict):
+            items = value.items()
+        else:
+            items = [(None, value)]
+        for key, item in items:
             if isinstance(item, nn.Module):
-                found.setdefault(id(item), (f"{name}.{i}" if listed else name, item))
+                found.setdefault(id(item), (name if key is None else f"{name}.{key}", item))
             elif isinstance(item, torch.Tensor) and isinstance(item, nn.Parameter):  # (fast first)
-                where = f"{name}.{i}" if listed else name
+                where = name if key is None else f"{name}.{key}"
                 raise TypeError(
                     f"a {kind_name(node)} holds an nn.Parameter as {where!r}, outside any "
                     "module, where no tool sees it (parameters, export, freeze, .on): make the "
@@ -87,6 +94,11 @@ def state_digest(node: Any) -> str | None:
     return "sha256:" + h.hexdigest() if anything else None
 
 
+def state_modules(node: Any) -> list[nn.Module]:
+    """Every module whose state `state_digest` reads: the node's modules and theirs."""
+    return [m for top in modules_of(node) for m in top.modules()]
+
+
 def trainable(node: Any) -> bool:
     """Whether any parameter the node holds would get a gradient."""
     return any(p.requires_grad for m in modules_of(node) for p in m.parameters())
@@ -97,4 +109,11 @@ def entry(node: Any) -> Any:
     return node if isinstance(node, nn.Module) else node.forward
 
 
-_hooks.register(move=move, place=place, state_digest=state_digest, trainable=trainable, entry=entry)
+_hooks.register(
+    move=move,
+    place=place,
+    state_digest=state_digest,
+    state_modules=state_modules,
+    trainable=trainable,
+    entry=entry,
+)
