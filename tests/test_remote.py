@@ -389,6 +389,8 @@ def test_state_lost_names_the_nodes_not_what_trains_them_there():
         )
         data = _batches(3)
         t.step(data[0])
+        kept = t.export()["body"]  # read back: the node's weights and its Greedy's head
+        t.step(data[1])  # learnt there since: lost with the worker
         standing.restart()
         deadline = time.monotonic() + 60  # the old connection found down, however slowly
         while True:
@@ -404,6 +406,13 @@ def test_state_lost_names_the_nodes_not_what_trains_them_there():
                 pytest.fail("a step from older weights")
         assert lost.nodes == ["body"]  # its Greedy (head and all) lost with it
         assert "['body']" in str(lost) and "body/learning" not in str(lost)
+        # what was read back, the head it brought included, keyed as Trainer.export keys it
+        assert sorted(lost.exported) == ["body"]
+        assert sorted(lost.exported["body"]) == sorted(kept) and "learning/head.weight" in kept
+        for key, value in kept.items():
+            assert torch.equal(lost.exported["body"][key], value)
+        t.load(lost.exported)
+        t.step(data[2])  # resumed from them
         broker.close()
     finally:
         standing.stop()

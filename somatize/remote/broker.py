@@ -131,13 +131,14 @@ class Broker:
             return None
         if key in self._lost:
             lost = sorted(n for k, (n, _) in self._held.items() if self._lost.get(k) == host)
-            exported = {  # the nodes' own, keyed as Trainer.export keys them
-                n: _hooks.state_of(held)
-                for n, held in self._held.values()
-                if n in lost and "/" not in n
-            }
-            # a Learning is held as '<node>/learning': it is named by the node it trains
-            nodes = sorted({n.partition("/")[0] for n in lost})
+            exported: dict[str, dict] = {}  # keyed as Trainer.export keys them: a Learning
+            for n, held in self._held.values():  # is held as '<node>/learning', and what it
+                if n in lost:  # brought is exported with that node under 'learning/<key>'
+                    nid, _, part = n.partition("/")
+                    state = _hooks.state_of(held)
+                    said = {f"{part}/{k}": v for k, v in state.items()} if part else state
+                    exported.setdefault(nid, {}).update(said)
+            nodes = sorted(exported)
             raise StateLost(
                 f"the worker for host {host!r} was restarted (or forgot this client's session) "
                 f"after node(s) {nodes} had learnt there, and what they learnt since their "
