@@ -334,6 +334,17 @@ class _Takes:
             return tuple(input), {}
         return (input,), {}
 
+    def whole(self, input: Mapping) -> str:
+        """Why a mapping went as the one argument, and what to give instead."""
+        keys = sorted(map(str, input))
+        takes = ", ".join(sorted(self.named)) + (", **kwargs" if self.any_name else "")
+        return (
+            f"it was given a {type(input).__name__} with keys {keys[:8]} as its one argument: "
+            f"its forward takes ({takes}), which does not name them all; give it the names "
+            f"its forward takes, or put a node before it that picks one out "
+            f"(Node.of(lambda batch: batch[{keys[0]!r}]))"
+        )
+
 
 class Wrapped(Node):
     """A module or a plain function standing in a graph as it is (what `Node.of` makes).
@@ -358,7 +369,12 @@ class Wrapped(Node):
         takes as keywords, a tuple as the arguments of a forward that needs several,
         anything else as the one argument."""
         args, kwargs = self.takes.arguments(input)
-        return self.held(*args, **kwargs)
+        try:
+            return self.held(*args, **kwargs)
+        except Exception as error:
+            if not kwargs and isinstance(input, Mapping) and input:  # said why it went whole
+                error.add_note(self.takes.whole(input))
+            raise
 
     def __repr__(self) -> str:
         return f"Node.of({kind_name(self)})"

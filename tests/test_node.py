@@ -210,3 +210,17 @@ def test_as_graph_is_the_one_way_a_tool_takes_a_graph_or_a_module():
     assert as_graph(Keyed()).nodes() == ["keyed"]
     with pytest.raises(TypeError, match="Graph"):
         as_graph("not a graph")
+
+
+def test_a_mapping_its_forward_does_not_name_goes_whole_and_a_failure_says_why():
+    def embed(input_ids):
+        return sum(input_ids)
+
+    g = Graph.somatize(Node.of(embed))
+    assert g.forward({"input_ids": [1, 2]}) == 3  # named: passed as keywords
+    with pytest.raises(TypeError) as caught:
+        g.forward({"ids": [1, 2]})  # not named: the dict is the one argument, and fails
+    said = "\n".join(caught.value.__notes__)
+    assert "a dict with keys ['ids'] as its one argument" in said
+    assert "its forward takes (input_ids)" in said and "batch['ids']" in said
+    assert "node 'embed'" in said
