@@ -740,6 +740,8 @@ def test_inside_by_depth_and_by_name_and_refusals():
     named.release()
     with pytest.raises(ValueError, match="not in this graph"):
         Audit(inside=["resnet.nope"]).watch(g)
+    with pytest.raises(ValueError, match=r"\['layer4.1.conv2'\].*say \['resnet.layer4.1.conv2'\]"):
+        Audit(inside=["layer4.1.conv2"]).watch(g)  # without its node: the place is suggested
     for bad in ({"every": 0}, {"snapshot": 1.5}, {"window": True}, {"most": 0}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Audit(**bad)

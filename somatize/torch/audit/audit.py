@@ -158,7 +158,8 @@ class Audit:
             missing = sorted(names_of(self.inside) - set(by_where))
             if missing:
                 raise ValueError(
-                    f"Audit(inside=...) names {missing}, which are not in this graph"
+                    f"Audit(inside=...) names {missing}, which are not in this graph: a place "
+                    f"is named node.path.to.module{_like(missing, held_by)}"
                     f"{_elsewhere(missing, away)}"
                 )
         missing = sorted(set(self.groups) - set(by_where))
@@ -416,6 +417,18 @@ def _moved(
     if snapshot and place.big >= 0:
         stable = stable_rank(deltas[place.big])
     return moved, stable
+
+
+def _like(missing: list[str], held_by: dict[str, list]) -> str:
+    """The places whose names end as a missing one does (`features.0`: `audio.features.0`)."""
+    found = [
+        ".".join(filter(None, (node, name, path)))
+        for node, held in held_by.items()
+        for name, top in held
+        for path, _ in top.named_modules()
+    ]
+    like = [w for w in found if any(w.endswith("." + m) for m in missing)]
+    return f" (say {like[:4]})" if like else ""
 
 
 def _elsewhere(names: list[str], away: dict[str, str]) -> str:
