@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -41,9 +43,15 @@ def test_tensors_inside_containers_are_moved_to_the_node_device():
 
 def test_module_nodes_are_moved_when_the_graph_is_built_both_ways():
     a, b = Lin(), Holder()
-    Graph.somatize(a.on("meta") >> b.on("meta"))
+    with pytest.warns(UserWarning) as said:
+        Graph.somatize(a.on("meta") >> b.on("meta"))
+    assert [str(w.message).split(" placed")[0] for w in said] == ["a Lin", "a Holder"]
+    assert all(".on('meta') loses its weights' values" in str(w.message) for w in said)
     assert a.lin.weight.device.type == "meta"
     assert b.net[0].weight.device.type == "meta"
+    with warnings.catch_warnings():  # already there: nothing is lost, nothing said
+        warnings.simplefilter("error")
+        Graph.somatize(a.on("meta") >> b.on("meta"))
 
 
 def test_autograd_history_crosses_edges():

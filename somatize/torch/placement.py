@@ -7,6 +7,7 @@ node count: a node that *is* an `nn.Module`, and a plain node holding modules as
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any
 
 import torch
@@ -77,7 +78,17 @@ def place(node: Any, device: str) -> None:
             f"a {kind_name(node)} is placed .on({device!r}), and this machine has no MPS "
             "(torch.backends.mps.is_available() is False): place it .on('cpu')"
         )
-    for module in modules_of(node):
+    modules = modules_of(node)
+    if kind == "meta" and any(
+        t.device.type != "meta" for m in modules for t in m.state_dict().values()
+    ):
+        warnings.warn(
+            f"a {kind_name(node)} placed .on('meta') loses its weights' values: its modules "
+            "(your own, not a copy) are moved to the meta device, which keeps only shapes; "
+            "build the model on meta instead (with torch.device('meta'): ...)",
+            stacklevel=2,
+        )
+    for module in modules:
         module.to(device)
 
 
