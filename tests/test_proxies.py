@@ -356,3 +356,28 @@ def test_zen_is_left_out_where_the_output_does_not_move_with_a_float_mask():
     assert all(math.isfinite(v) for v in got.values())
     with pytest.raises(ValueError, match="output did not move"):
         proxy(bert, tokens, "zen")
+
+
+def test_a_net_of_dead_units_scores_worst_on_zen_and_jacob_cov_rather_than_being_left_out():
+    # every ReLU of the first layer dead: the output is computed from the input and does not
+    # move with it. That is the worst score there is, not a score that cannot be taken
+    def net(bias):
+        torch.manual_seed(0)
+        m = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 4),
+        )
+        with torch.no_grad():
+            m[0].bias.fill_(bias)
+        return m
+
+    x = torch.randn(6, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    healthy, dead = proxies(net(0.0), x), proxies(net(-100.0), x)
+    assert {"zen", "jacob_cov"} <= set(dead)
+    assert dead["zen"] == -math.inf < healthy["zen"]
+    assert math.isfinite(dead["jacob_cov"]) and dead["jacob_cov"] < healthy["jacob_cov"]

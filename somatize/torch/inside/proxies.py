@@ -8,11 +8,13 @@ Each is a zero-cost proxy from the literature, taken on the whole graph as it ru
   experts; a NaN where float64 meets a float32 constant) is scored in float32.
 - zen: log E_i Σ_j |f(x)_ij − f(x + αε)_ij| + Σ_BN ½ log mean_c σ²_c, x and ε standard
   normal, α = 0.01, σ²_c the batch variance of what reaches each batch norm (Lin et al. 2021).
-  Not taken where the output does not move with what it perturbs (a float attention mask).
+  Not taken where the output is not computed from what it perturbs (a float attention mask);
+  −∞ (log 0, the worst) where it is and does not move (every unit dead).
 - naswot: log |det K| with K_ij = c_i·c_j + (1−c_i)·(1−c_j), c_i the binary code of which
   activation outputs are positive for sample i (Mellor et al. 2021).
 - jacob_cov: −Σ_k log(λ_k + 1e-5) + 1/(λ_k + 1e-5), λ the eigenvalues of the correlation
-  matrix of the per-sample input gradients of the summed output (Mellor et al. 2020).
+  matrix of the per-sample input gradients of the summed output (Mellor et al. 2020); gradients
+  that are all zero (every unit dead) are scored as such, the worst there is.
 - snip: Σ |θ·∂L/∂θ| (Lee et al. 2019). Logarithm.
 - grasp: −Σ θ·(H ∂L/∂θ), H the Hessian of the loss (Wang et al. 2020). As is: it has a sign.
   Attention runs through torch's math kernel of `scaled_dot_product_attention` here: the
@@ -206,6 +208,8 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
         float(((a - b).abs().flatten(1).sum(1) if a.dim() > 1 else (a - b).abs()).mean())
         for a, b in zip(f1, f2, strict=True)
     )
+    if not total > 0 and _computed_from(s, example):
+        return -math.inf  # log 0: the output is computed from the input and does not move
     if not total > 0:  # log 0: what it moved is not what the output is computed from
         raise _NotHere(
             f"zen moves the example's floating tensors ({_named_floats(example)}) and the "
@@ -218,6 +222,18 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
             "none across the batch (log 0): give more samples"
         )
     return math.log(total) + sum(0.5 * math.log(v) for v in variances)
+
+
+def _computed_from(s: _Subject, example: Any) -> bool:
+    """Whether the output is computed from the example's floating tensors (a backward from it
+    reaches them), however little it moves with them: a net of dead units is, the output of a
+    model given a float attention mask is not computed from the mask."""
+    leaf = {id(t): t.detach().clone().requires_grad_(True) for t in _floats(example, "zen")}
+    y = sum(t.sum() for t in s.run(_map(example, lambda t: leaf.get(id(t), t))))
+    if not (isinstance(y, torch.Tensor) and y.requires_grad):
+        return False
+    got = torch.autograd.grad(y, list(leaf.values()), allow_unused=True)
+    return any(g is not None for g in got)
 
 
 def _naswot(s: _Subject, example: Any, **_: Any) -> float:
@@ -242,8 +258,8 @@ def _jacob_cov(s: _Subject, example: Any, **_: Any) -> float:
     if first.dim() < 1 or first.shape[0] < 2:
         raise _NotHere("jacob_cov compares samples, and this example has fewer than two")
     y = sum(t.sum() for t in s.run(x))
-    (j,) = torch.autograd.grad(y, [first], allow_unused=True)
-    if j is None or not j.any():
+    (j,) = torch.autograd.grad(y, [first], allow_unused=True) if y.requires_grad else (None,)
+    if j is None:  # zero (dead units) is a score, the worst one; no path is none
         raise _NotHere(
             f"jacob_cov reads the gradient at the example's first floating tensor "
             f"({_named_floats(example)}), and the output is not computed from it (a float mask "
