@@ -113,6 +113,20 @@ def test_saturation_is_seen_at_init():
     assert got["sequential.0"]["sat_frac_max"] == 0.0  # a linear layer does not saturate
 
 
+def test_a_dead_layer_is_flagged_dead_and_the_layer_after_it_not_overflowing():
+    from somatize.health import verdict
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        net[0].bias.fill_(-100.0)  # every unit of the ReLU dead at init
+    got = probe(net, torch.randn(8, 4))
+    assert [str(f) for f in verdict(got["sequential.1"])] == ["DEAD"]
+    # the next layer is given zeros: no gain against them, and nothing overflowed
+    assert "signal_gain" not in got["sequential.2"]
+    assert not any(str(f) in ("INF", "NAN") for f in verdict(got["sequential.2"]))
+
+
 def test_depth_and_most_choose_the_places():
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16), 2, enable_nested_tensor=False)
     x = torch.randn(5, 2, 8)

@@ -1,7 +1,7 @@
 """What a graph looks like at initialisation, place by place: `probe`.
 
 For each node, and each layer `architecture` would draw inside it: `signal_gain` (RMS of what
-comes out over RMS of what goes in), `jacobian_gain` and `jacobian_spread` (per sample,
+comes out over RMS of what goes in; none where that is all zeros), `jacobian_gain` and `jacobian_spread` (per sample,
 ‖Jᵀu‖/‖u‖ for the random cotangent u that reaches that place's output, averaged over the
 samples, and its coefficient of variation across them), `zero_frac_max` and `sat_frac_max`
 (the share of the output that is zero, and saturated where a sigmoid or a tanh saturates),
@@ -145,9 +145,9 @@ def _numbers(
     a = out.detach()
     n: dict[str, Any] = {}
     rms = known.rms(out)
-    if inp is not None:
-        before = known.rms(inp)
-        n["signal_gain"] = rms / before if before > 0 else float("inf")
+    before = known.rms(inp) if inp is not None else 0.0
+    if before > 0:  # a gain against an input of zeros (a dead layer before) means nothing
+        n["signal_gain"] = rms / before
     size = a.numel()
     total, zeros, *saturated = read(sums_of(a, saturates))
     n["zero_frac_max"] = zeros / size if size else 0.0
