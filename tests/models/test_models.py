@@ -303,3 +303,14 @@ def test_a_meta_model_that_reads_a_value_of_its_input_is_refused_naming_what_to_
     assert "input_ids without an attention_mask" in said
     drawn = architecture(model, {"input_ids": ids})["bertmodel"]  # what it says works
     assert drawn.params == zoo.unique_params(model) and all(p.is_meta for p in model.parameters())
+
+
+def test_gpt2s_conv1d_is_sized_in_its_figure_as_a_linear_layer_is():
+    case = zoo.gpt2()
+    g = Graph.somatize(case.model)
+    (node,) = g.nodes()
+    inside = architecture(g, case.example)[node]
+    assert inside.layer("transformer.h.0.attn.c_attn").label == "Conv1D 32→96"
+    assert inside.layer("transformer.h.0.mlp.c_proj").label == "Conv1D 128→32"
+    svg = g.figure(inside={node: inside}).svg()
+    assert "Conv1D 32→96" in svg and "Linear 32→96" in svg  # the lm_head, as torch's

@@ -188,4 +188,22 @@ def label_of(module: nn.Module) -> str:
         return said + (", bidirectional" if ways == 2 else "")
     if isinstance(module, nn.modules.dropout._DropoutNd):
         return f"{name} {module.p:g}"
-    return name
+    return _sized(module, name)
+
+
+def _sized(module: nn.Module, name: str) -> str:
+    """A learned layer of someone else's (GPT-2's `Conv1D`) sized as a Linear is, `in→out`:
+    its one matrix and the bias that says which of its sides is the output."""
+    if parts_of(module) or kind_of(module) != "learned":
+        return name
+    held = dict(module.named_parameters(recurse=False))
+    weight, bias = held.get("weight"), held.get("bias")
+    if weight is None or weight.dim() != 2:
+        return name
+    rows, cols = weight.shape
+    if bias is not None and bias.dim() == 1 and rows != cols:
+        if len(bias) == rows:
+            return f"{name} {cols}→{rows}"
+        if len(bias) == cols:
+            return f"{name} {rows}→{cols}"
+    return f"{name} {rows}→{cols}" if rows == cols else name
