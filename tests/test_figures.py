@@ -326,6 +326,19 @@ def test_the_table_puts_measured_next_to_the_names_and_ranks_and_correlates():
         CompareTable({"a": 1})
 
 
+def test_a_proxy_of_minus_infinity_is_coloured_the_worst_of_its_column():
+    # naswot's and zen's log 0 (every unit dead) is the worst score there is, and says so
+    df = pd.DataFrame({"proxy:naswot": [157.0, float("-inf"), 100.0]}, index=list("abc"))
+    html = CompareTable(df).face()
+
+    def colour(row):
+        cell = rf'<tr data-row="{row}">.*?<td data-col="proxy:naswot"[^>]*style="([^"]*)"'
+        return re.search(cell, html).group(1)
+
+    assert "rgba(224,49,49" in colour("b") and "rgba(47,158,68" in colour("a")
+    assert "rgba(224,49,49" not in colour("c")
+
+
 def test_every_number_in_the_table_is_written_one_way_and_every_column_explained():
     table = CompareTable(_table(), measured={"w": 0.1, "x": 0.2, "y": 0.3, "z": 0.4})
     body = table.face().split("<tbody>")[1].split("</tbody>")[0]
