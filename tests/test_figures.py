@@ -273,6 +273,12 @@ def test_compare_says_which_candidate_a_proxy_was_left_out_of():
     assert told and all(t.startswith("candidate 'linear': proxies: naswot") for t in told)
     assert math.isnan(df.loc["linear", "proxy:naswot"])
     assert math.isfinite(df.loc["relu", "proxy:naswot"])
+    # the columns are in one order whichever candidate comes first: naswot among the proxies
+    first = compare({"linear": linear, "relu": relu}, torch.randn(6, 4))
+    assert list(first.columns) == list(df.columns)
+    assert [c for c in df.columns if c.startswith("proxy:")] == [
+        "proxy:synflow", "proxy:zen", "proxy:naswot", "proxy:jacob_cov"
+    ]
 
 
 def test_compare_holds_probe_summaries_and_proxies_and_loss_proxies_with_a_target():

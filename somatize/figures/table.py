@@ -111,7 +111,7 @@ def compare(
     no candidates, a measured value for a candidate that is not there."""
     import pandas as pd
 
-    from somatize.torch import parameters, probe, proxies
+    from somatize.torch import EVERY, parameters, probe, proxies
 
     named = _named(candidates)
     if not named:
@@ -143,6 +143,10 @@ def compare(
         row.update(looked)
         rows[name] = row
     df = pd.DataFrame.from_dict(rows, orient="index")
+    # the same columns in the same order whichever candidate a proxy was left out of
+    first = ["params", "measured", *(f"{PROXY}{p}" for p in EVERY)]
+    probed = sorted(c for c in df.columns if c.startswith(PROBE) and c != f"{PROBE}flags")
+    df = df[[c for c in first if c in df.columns] + probed + [f"{PROBE}flags"]]
     df.index.name = "candidate"
     return df
 
