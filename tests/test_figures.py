@@ -365,6 +365,11 @@ def test_a_wide_table_keeps_to_1400_px_and_hides_the_rest_behind_a_toggle():
     assert 'class="smz-toggle" data-group="probe"' in table.face()
     table.shown = ["probe"]
     assert table.hidden() == [] and "smz-toggle" not in table.face()
+    # a candidate the health verdict flags says so in view: its flags are never tucked away
+    wide["probe:flags"] = ["", "DEAD@body.1", "", "", "", ""]
+    flagged = CompareTable(wide, measured=dict(zip(wide.index, range(6), strict=True)))
+    assert flagged.hidden() and "probe:flags" not in flagged.hidden()
+    assert "probe:flags" in CompareTable(_table(6, probe=24).assign(**{"probe:flags": ""})).hidden()
 
 
 def test_bundles_are_built_and_shipped():
@@ -479,3 +484,65 @@ def test_a_node_that_is_one_module_is_drawn_at_its_own_name():
     # the node's number paints its one layer too: a probe's "head" lands on that box
     assert _fill(fig.svg(), "l:head:").startswith("rgb(")
     assert not _fill(fig.svg(), "l:enc:").startswith("rgb(")
+
+
+def _points(d: str, steps: int = 16) -> list[tuple[float, float]]:
+    """Points along an SVG path of M, L, Q and C commands, each curve sampled."""
+    out: list[tuple[float, float]] = []
+    for op, args in re.findall(r"([MLQC])([^MLQC]*)", d):
+        nums = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", args)]
+        pts = list(zip(nums[::2], nums[1::2], strict=True))
+        if op in "ML":
+            out += pts
+            continue
+        ctrl = [out[-1], *pts]
+        for k in range(1, steps + 1):
+            t, ps = k / steps, ctrl
+            while len(ps) > 1:  # de Casteljau
+                pairs = zip(ps, ps[1:], strict=False)
+                ps = [(a[0] + t * (b[0] - a[0]), a[1] + t * (b[1] - a[1])) for a, b in pairs]
+            out.append(ps[0])
+    return out
+
+
+class Attn(nn.Module):
+    """Three projections side by side, then one out: a block wider and taller than a layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+        self.mix = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.out(self.mix(self.q(x) * self.k(x) + self.v(x)))
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.attn = Attn()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.attn(self.norm(x)))
+
+
+def test_a_residual_goes_round_the_tall_block_beside_it_and_through_no_layer():
+    from somatize.torch import architecture
+
+    g = Graph.somatize(Node.of(nn.Sequential(nn.Linear(4, 4), Residual())))
+    svg = g.figure(inside=architecture(g, torch.randn(2, 4))).svg()
+    drawn = {k: v for k, v in boxes(svg).items() if k.startswith("l:")}
+    skip = r'class="smz-edge smz-skip" d="([^"]+)"[^>]*data-from="([^"]+)" data-to="([^"]+)"'
+    skips = re.findall(skip, svg)
+    assert skips
+    for d, src, dst in skips:
+        for x, y in _points(d):
+            inside = [
+                k
+                for k, (bx, by, w, h) in drawn.items()
+                if bx + 1 < x < bx + w - 1 and by + 1 < y < by + h - 1 and k not in (src, dst)
+            ]
+            assert not inside, (x, y, inside)

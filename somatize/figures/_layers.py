@@ -131,6 +131,8 @@ def place(
             shifts.append((oa if j == 0 else 0.0, ob if j == len(c) - 2 else 0.0))
     _order(layers, links)
     depth = [max((i.depth for i in layer), default=0.0) for layer in layers]
+    for i in every[len(items) :]:  # a waypoint runs the whole layer, so an edge curves only
+        i.depth = depth[i.layer]  # between layers, never across a tall box beside it
     lengths = [d + (between if d > 0 else 8.0) for d in depth]
     # bands: as few as keep each within the room along, and none when that would make the
     # whole wider than the room across (then it is long, and scrolls)
