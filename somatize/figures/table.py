@@ -27,6 +27,7 @@ __all__ = ["CompareTable", "compare"]
 
 PROBE = "probe:"
 PROXY = "proxy:"
+FLAGS = f"{PROBE}flags"
 # what each proxy says, in one sentence, for its column's tooltip
 PROXIES = {
     "synflow": "Synaptic flow: how much signal can flow through the weights' magnitudes at all "
@@ -86,7 +87,7 @@ def _probe_summary(numbers: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         f"{PROBE}{m}": statistics.median(vs) for m, vs in sorted(by_metric.items())
     }
-    out[f"{PROBE}flags"] = ", ".join(flags)
+    out[FLAGS] = ", ".join(flags)
     return out
 
 
@@ -145,8 +146,8 @@ def compare(
     df = pd.DataFrame.from_dict(rows, orient="index")
     # the same columns in the same order whichever candidate a proxy was left out of
     first = ["params", "measured", *(f"{PROXY}{p}" for p in EVERY)]
-    probed = sorted(c for c in df.columns if c.startswith(PROBE) and c != f"{PROBE}flags")
-    df = df[[c for c in first if c in df.columns] + probed + [f"{PROBE}flags"]]
+    probed = sorted(c for c in df.columns if c.startswith(PROBE) and c != FLAGS)
+    df = df[[c for c in first if c in df.columns] + probed + [FLAGS]]
     df.index.name = "candidate"
     return df
 
@@ -256,8 +257,9 @@ class CompareTable(Face, anywidget.AnyWidget):
                              "ascending": self.ascending, "scatter": self.scatter})
 
     def hidden(self) -> list[str]:
-        """The columns behind a toggle: past 1400 px, the probe's first, then the others
-        past what fits, unless their group was opened (`shown`)."""
+        """The columns behind a toggle: past 1400 px, the probe's first (but `probe:flags`
+        where any candidate is flagged), then the others past what fits, unless their group
+        was opened (`shown`)."""
         t = self.table
         names = max([80.0] + [text_width(n, 12, True) + 18 for n in t["index"]])
         widths = {}
@@ -267,13 +269,17 @@ class CompareTable(Face, anywidget.AnyWidget):
             widths[c] = max([head] + [text_width(x, 12) for x in texts]) + 18
         # a group opened by hand is room given: it does not push others behind a toggle
         total = names + sum(w for c, w in widths.items() if t["groups"][c] not in self.shown)
+        # what the health verdict says of a candidate is the probe column never tucked away
+        j = t["columns"].index(FLAGS) if FLAGS in t["columns"] else -1
+        kept = {FLAGS} if j >= 0 and any(row[j] for row in t["values"]) else set()
         out: list[str] = []
         for group in ("probe", "other", "proxy"):
             if total <= WIDEST:
                 break
             if group in self.shown:
                 continue
-            for c in reversed([c for c in t["columns"] if t["groups"][c] == group]):
+            hideable = [c for c in t["columns"] if t["groups"][c] == group and c not in kept]
+            for c in reversed(hideable):
                 if total <= WIDEST and group != "probe":
                     break
                 out.append(c)
@@ -311,7 +317,7 @@ def _explain(columns: Any, measured: str) -> dict[str, str]:
             out[c] = "What was measured after training (accuracy, say): the yardstick for the rest."
         elif c == "params":
             out[c] = "How many parameters the candidate trains."
-        elif c == f"{PROBE}flags":
+        elif c == FLAGS:
             out[c] = "What somatize.health.verdict says of the probe at any place (FLAG@where)."
         elif c.startswith(PROXY):
             out[c] = PROXIES.get(c[len(PROXY) :], "A zero-cost proxy score; higher is better.")
@@ -325,7 +331,7 @@ def _flagged(df: Any) -> dict[str, list[str]]:
     """Probe cells whose value the health verdict flags, as {"row|column": flags}."""
     out = {}
     for c in df.columns:
-        if not c.startswith(PROBE) or c == f"{PROBE}flags":
+        if not c.startswith(PROBE) or c == FLAGS:
             continue
         for row, v in df[c].items():
             if finite(v):
