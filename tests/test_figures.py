@@ -546,3 +546,26 @@ def test_a_residual_goes_round_the_tall_block_beside_it_and_through_no_layer():
                 if bx + 1 < x < bx + w - 1 and by + 1 < y < by + h - 1 and k not in (src, dst)
             ]
             assert not inside, (x, y, inside)
+
+
+class Patches(nn.Module):
+    """A ViT's patch embedding: a strided conv, its grid flattened, then transposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(3, 8, 4, stride=4)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(self.proj(x).flatten(2).transpose(1, 2))
+
+
+def test_a_conv_grid_flattened_keeps_its_channels_named_first():
+    from somatize.torch import architecture
+
+    g = Graph.somatize(Node.of(Patches()))
+    svg = g.figure(inside=architecture(g, torch.randn(2, 3, 8, 8))).svg()
+    texts = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text")]
+    assert "2 batch · 8 ch · 2 h · 2 w" in texts  # the conv
+    assert "2 batch · 8 ch · 4 len" in texts  # its grid flattened: 8 channels of 4 places
+    assert "2 batch · 4 len · 8 dim" in texts  # the linear, on the patches as a sequence

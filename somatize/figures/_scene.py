@@ -151,10 +151,16 @@ class _Inside:
         fed = {b: a for a, b in reversed(edges)}
         shapes = {la["path"]: la.get("shape") for la in self.layers}
         self.first: dict[str, bool] = {}
+        grid: set[str] = set()  # outputs that are images, channels on dim 1 (a conv's, ...)
         for la in self.layers:
             path, by = la["path"], fed.get(la["path"], "")
-            before = self.first.get(by, False) and shapes.get(by) == la.get("shape")
-            self.first[path] = channels_first(la.get("kind"), la.get("label"), before)
+            shape, kind = la.get("shape") or [], la.get("kind")
+            if len(shape) in (4, 5) and (kind == "conv" or (by in grid and kind != "learned")):
+                grid.add(path)
+            # a grid flattened to (N, C, h·w) keeps its channels first (a ViT's patches)
+            flat = by in grid and len(shape) == 3 and list(shapes[by][:2]) == list(shape[:2])
+            before = self.first.get(by, False) and shapes.get(by) == shape
+            self.first[path] = channels_first(kind, la.get("label"), before or flat)
 
     def boxes(self) -> list[Box]:
         out: list[Box] = []
