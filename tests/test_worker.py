@@ -75,6 +75,21 @@ def test_a_sealed_message_that_is_not_a_request_is_answered_with_what_is_wrong(s
     assert answer["error"]["qualname"] == "Malformed"
 
 
+def test_an_error_whose_text_is_not_utf8_is_still_answered(server, monkeypatch):
+    undecodable = b"/data/\xff.pt".decode("utf-8", "surrogateescape")  # as os names a file
+
+    def fails(m: dict, connection: Any = None) -> Any:
+        raise FileNotFoundError(f"no such file: {undecodable}")
+
+    monkeypatch.setattr(server, "answer", fails)
+    answer = Client(server).ask({"op": "hello"})  # rid 1
+    assert answer["rid"] == 1 and not answer["ok"]
+    assert answer["error"]["qualname"] == "FileNotFoundError"
+    assert answer["error"]["message"] == "no such file: /data/\\udcff.pt"
+    monkeypatch.undo()
+    assert Client(server).ask({"op": "hello"})["ok"]  # and it answers the next
+
+
 def test_a_replayed_request_is_refused_and_not_run_again(server):
     client = Client(server)
     define = {"op": "define", "define": [definition(Lin, nid="lin", i=3, o=3)]}

@@ -165,8 +165,15 @@ class Server:
         return error
 
     def _failed(self, rid: Any, error: BaseException) -> list[Any]:
+        """The answer that says `error`; where that cannot be written down (text that is not
+        UTF-8 in its message, say), the same said in plain text, which always can."""
         reply = {"rid": rid, "ok": False, "worker": self.incarnation, "error": said(error)}
-        return self.seal.seal(wire.encode(reply))
+        try:
+            return self.seal.seal(wire.encode(reply))
+        except Exception:
+            plain = {k: _plain(v) for k, v in reply["error"].items()}
+            reply = {**reply, "rid": rid if type(rid) is int else None, "error": plain}
+            return self.seal.seal(wire.encode(reply))
 
     # -- sessions -----------------------------------------------------------------------------
     def session(self, name: Any, connection: int | None) -> Session:
@@ -304,6 +311,13 @@ class Server:
         import cloudpickle
 
         return cloudpickle.loads(code)
+
+
+def _plain(text: Any) -> Any:
+    """`text` (a str, or a list of them) as UTF-8 can carry it: what it cannot, escaped."""
+    if type(text) is list:
+        return [_plain(t) for t in text]
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def said(error: BaseException) -> dict[str, Any]:
