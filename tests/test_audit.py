@@ -905,6 +905,22 @@ def test_a_1d_convs_channels_are_dim_1_after_its_norm_activation_and_pool_a_sequ
         audio.bn.weight[:3], audio.bn.bias[:3] = 0.0, -1.0
         sequence.l.bias[:2], sequence.l.bias[2:] = -100.0, 100.0
     g = Graph.somatize(audio.named("audio") >> sequence.named("seq"))
+    last = _second_step(g)
+    for where in ("audio", "audio.conv", "audio.bn", "audio.act", "audio.pool"):
+        assert _by(last, where)["channels"] == 8, where  # not the 20 (or 5) positions
+    for where in ("audio", "audio.act", "audio.pool"):
+        n = _by(last, where)
+        assert n["dead_channels"] == 3 and "DEAD_CHANNELS(3)" in verdict(n), where
+    bn = _by(last, "audio.bn")  # a weight of 0 passes no gradient back to its channel
+    assert bn["input_channels"] == 8 and bn["ignored_channels"] == 3
+    assert _by(last, "audio.act")["input_channels"] == 8
+    r = _by(last, "seq.r")
+    assert r["channels"] == 6 and r["dead_channels"] == 2 and r["input_channels"] == 6
+
+
+def _second_step(g: Graph) -> list[dict]:
+    """The health facts of the second step of a channel audit of `g` (inside too), on a batch
+    of 16 two-channel sequences of 20, at a learning rate of 0."""
     heard = []
     t = Trainer(
         g,
@@ -917,17 +933,7 @@ def test_a_1d_convs_channels_are_dim_1_after_its_norm_activation_and_pool_a_sequ
     x, y = torch.randn(16, 2, 20, generator=gen), torch.randint(0, 3, (16,), generator=gen)
     t.fit([(x, y)] * 2)
     t.close()
-    last = [f for f in heard if f.get("fact") == "health" and f["step"] == 1]
-    for where in ("audio", "audio.conv", "audio.bn", "audio.act", "audio.pool"):
-        assert _by(last, where)["channels"] == 8, where  # not the 20 (or 5) positions
-    for where in ("audio", "audio.act", "audio.pool"):
-        n = _by(last, where)
-        assert n["dead_channels"] == 3 and "DEAD_CHANNELS(3)" in verdict(n), where
-    bn = _by(last, "audio.bn")  # a weight of 0 passes no gradient back to its channel
-    assert bn["input_channels"] == 8 and bn["ignored_channels"] == 3
-    assert _by(last, "audio.act")["input_channels"] == 8
-    r = _by(last, "seq.r")
-    assert r["channels"] == 6 and r["dead_channels"] == 2 and r["input_channels"] == 6
+    return [f for f in heard if f.get("fact") == "health" and f["step"] == 1]
 
 
 def test_channels_are_where_each_layer_puts_them_a_1d_pool_after_a_transpose_included():
@@ -946,19 +952,7 @@ def test_channels_are_where_each_layer_puts_them_a_1d_pool_after_a_transpose_inc
 
     torch.manual_seed(0)
     g = Graph.somatize(Node.of(Listen()).named("listen") >> Head().named("head"))
-    heard = []
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.0),
-        auditing=Audit(channels=True, inside=True),
-        watching=heard.append,
-    )
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(16, 2, 20, generator=gen), torch.randint(0, 3, (16,), generator=gen)
-    t.fit([(x, y)] * 2)
-    t.close()
-    last = [f for f in heard if f.get("fact") == "health" and f["step"] == 1]
+    last = _second_step(g)
     for where, channels in {"conv": 8, "lrn": 8, "act": 8, "lin": 6, "pool": 6}.items():
         assert _by(last, f"listen.{where}")["channels"] == channels, where  # not 20 or 10
 
