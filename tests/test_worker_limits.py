@@ -33,12 +33,14 @@ def _by_hand(*args: str, token: str | None = None, **popen) -> subprocess.Popen:
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, **popen)
 
 
-def _rss(pid: int) -> int:
+def _memory(pid: int, field: str = "VmRSS") -> int:
+    """A memory figure of process `pid` from /proc (VmRSS: held now; VmHWM: the most held at
+    once), in bytes."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) << 10
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def _cpu(pid: int) -> float:
@@ -77,7 +79,7 @@ def _hello(worker: Worker) -> dict:
 def test_strangers_cannot_make_a_worker_hold_memory_and_a_client_is_told_its_limit():
     worker = Worker.spawn(["--max-message", "16MiB", "--max-pending", "4"], send=[NODES])
     try:
-        before = _rss(worker.pid)
+        before = _memory(worker.pid)
         held = []
         for announced in [256 << 20] * 8 + [15 << 20] * 8:  # over the limit, then just under
             try:
@@ -88,7 +90,7 @@ def test_strangers_cannot_make_a_worker_hold_memory_and_a_client_is_told_its_lim
             except OSError:  # cut before it finished sending: what should happen
                 pass
         time.sleep(1.0)
-        grown = _rss(worker.pid) - before
+        grown = _memory(worker.pid) - before
         assert grown < 64 << 20, f"the worker grew by {grown >> 20} MiB for strangers"
         from _remote_nodes import Plus
 
@@ -104,15 +106,6 @@ def test_strangers_cannot_make_a_worker_hold_memory_and_a_client_is_told_its_lim
         worker.stop()
 
 
-def _peak(pid: int) -> int:
-    """The most memory process `pid` has held at once (VmHWM), in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) << 10
-    raise AssertionError("no VmHWM")
-
-
 @pytest.mark.parametrize(
     "size, strangers, each",
     [(4 << 20, 4, 1 << 30), (0, 2, 32 << 20)],  # frames of 4 MiB; empty frames (64 B each held)
@@ -123,7 +116,7 @@ def test_strangers_sending_a_message_that_never_ends_are_cut_before_the_worker_h
 ):
     worker = Worker.spawn(["--max-message", "16MiB", "--max-pending", "4"], send=[NODES])
     try:
-        before = max(_rss(worker.pid), _peak(worker.pid))
+        before = max(_memory(worker.pid), _memory(worker.pid, "VmHWM"))
         sent = [0] * strangers
         said = b"\x03" + struct.pack(">Q", size) if size > 255 else b"\x01" + bytes([size])
         frames = (said + bytes(size)) * max(1, (1 << 20) // (size + 9))
@@ -144,7 +137,7 @@ def test_strangers_sending_a_message_that_never_ends_are_cut_before_the_worker_h
             t.start()
         for t in threads:
             t.join(120)
-        grown = _peak(worker.pid) - before
+        grown = _memory(worker.pid, "VmHWM") - before
         assert grown < (16 << 20) + (256 << 20), f"the worker held {grown >> 20} MiB at most"
         assert max(sent) < each, f"strangers sent {[n >> 20 for n in sent]} MiB uncut"
         assert _hello(worker)["pid"] == worker.pid  # a client is still served
