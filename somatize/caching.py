@@ -416,8 +416,8 @@ def declaration_key(node: Any, salt: Any, state: str | None) -> str:
 
 
 def _covered(node: Any) -> frozenset[int]:
-    """The modules (ids) the node's own state digest reads. A module the node holds anywhere else (in a dict, in an object) is digested
-    where its argument is keyed."""
+    """The modules (ids) the node's own state digest reads. A module the node holds anywhere
+    else (in a dict, in an object) is digested where its argument is keyed."""
     return frozenset(id(m) for m in _hooks.state_modules(node))
 
 
@@ -427,7 +427,7 @@ def code_version(node: Any) -> str:
     try:
         text = inspect.getsource(cls)
     except (OSError, TypeError):
-        text = f"{cls.__module__}.{cls.__qualname__}"
+        text = _type_name(cls)
     return _mix(text)[:16]
 
 

@@ -235,8 +235,8 @@ class Graph:
                 if which and here not in self._unkeyed:
                     self._unkeyed[here] = caching.unkeyable(node)
                 offends = self._unkeyed[here] if which else not s.frozen and _hooks.trainable(node)
-                found = [above[p] for p in self._pred[here] if above[p] is not None]
-                above[here] = here if offends else next(iter(found), None)
+                found = next((above[p] for p in self._pred[here] if above[p] is not None), None)
+                above[here] = here if offends else found
         return above[start]
 
     def _forget_above(self, nodes: list[str]) -> None:

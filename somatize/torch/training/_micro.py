@@ -74,14 +74,15 @@ def cut(value: Any, k: int, n: int, path: str, where: str) -> list:
     """`value` as `k` pieces of a batch of `n` (read at `where`); `path` names it."""
     if isinstance(value, torch.Tensor) and (not value.dim() or value.shape[0] in (1, n)):
         return list(value.split(n // k)) if value.dim() and value.shape[0] == n else [value] * k
-    if rows(value) and len(value) == n:
+    listed = rows(value)
+    if listed and len(value) == n:
         return [value[i * (n // k) : (i + 1) * (n // k)] for i in range(k)]
     if isinstance(value, PLAIN):
         return [value] * k
     if isinstance(value, Mapping):
         parts = {key: cut(v, k, n, f"{path}[{key!r}]", where) for key, v in value.items()}
         return [refilled(value, {key: parts[key][i] for key in parts}) for i in range(k)]
-    if isinstance(value, (list, tuple)) and not rows(value):
+    if isinstance(value, (list, tuple)) and not listed:
         parts = [cut(v, k, n, f"{path}[{i}]", where) for i, v in enumerate(value)]
         return [refilled(value, [c[i] for c in parts]) for i in range(k)]
     batch = f"the batch size, {n} (the first dimension of {where})"
@@ -93,7 +94,7 @@ def cut(value: Any, k: int, n: int, path: str, where: str) -> list:
             "laid out (time, batch, ...) would be cut along time: put the batch first), "
             "or micro=1"
         )
-    if rows(value):
+    if listed:
         raise ValueError(
             f"micro={k} cuts a list of plain values as one item per example, and {path} is a "
             f"list of {len(value)}, not {batch}: give one item per example, a tuple to hand "

@@ -94,8 +94,9 @@ def gradient(value: Any, device: str | None = None) -> torch.Tensor | None:
 
 
 def scaled(value: Any, by: float) -> Any:
-    """`value` with every tensor in it multiplied by `by` (None stays None)."""
-    return mapped(value, lambda t: t * by)
+    """`value` with every tensor in it multiplied by `by` (None stays None); `value` itself
+    when `by` is 1."""
+    return value if by == 1.0 else mapped(value, lambda t: t * by)
 
 
 def leafed(value: Any, asking: bool | None = None) -> Any:
@@ -427,7 +428,5 @@ class Split(Learning):
         group by `share`, and what goes back is in the Trainer's group again."""
         held = self.waiting() if signal is not None else None
         share = self.share
-        if share == 1.0:
-            return grad_of(self.stepped(lambda: backward_from(held, signal)))
         signal = scaled(signal, share)
         return scaled(grad_of(self.stepped(lambda: backward_from(held, signal))), 1 / share)

@@ -132,4 +132,4 @@ class Synthetic(Learning):
         if self.closes():
             _step_only(optimizer, guesser)
         back = grad_of(self.done())
-        return back if share == 1.0 else scaled(back, 1 / share)
+        return scaled(back, 1 / share)
