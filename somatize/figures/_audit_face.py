@@ -193,10 +193,10 @@ def _run_labels(history, runs, title) -> dict[str, str]:
     for run in runs:
         values = history.runs[run].loss_values
         if values:
-            name = run or title or "this run"
+            name = full = run or title or "this run"
             while len(name) > 1 and text_width(name + "…", 10) > 130:
                 name = name[:-1]
-            cut = name if name == (run or title or "this run") else name + "…"
+            cut = name if name == full else name + "…"
             out[run] = f"{cut} {number(values[-1])}"
     return out
 

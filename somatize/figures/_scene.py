@@ -13,7 +13,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from somatize.figures._shapes import channels_first, family, shape_text
+from somatize._channels import channels_first
+from somatize.figures._shapes import family, shape_text
 from somatize.figures._svg import number, text_width
 
 NODE_TOP = 42  # an open node's title and subtitle, above its layers

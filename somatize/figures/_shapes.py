@@ -10,8 +10,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from somatize._channels import channels_first as channels_first  # (where the scene asks)
-
 HUES = {
     "conv": "#1a9c8c",
     "attention": "#8d5bd6",

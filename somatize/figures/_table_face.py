@@ -43,7 +43,7 @@ def rank_colour(t: float, alpha: float = 0.55) -> str:
 def ranks(values: list[Any], higher: bool) -> list[float | None]:
     """Each value's rank in its column from 0 (worst) to 1 (best), ties sharing one; an
     infinity ranks too (a proxy's log 0 is the worst score there is), a NaN does not."""
-    nums = [(float(v), i) for i, v in enumerate(values) if finite(v) or _infinite(v)]
+    nums = [(float(v), i) for i, v in enumerate(values) if finite(v) or v in (math.inf, -math.inf)]
     out: list[float | None] = [None] * len(values)
     if len(nums) < 2:
         return out
@@ -53,10 +53,6 @@ def ranks(values: list[Any], higher: bool) -> list[float | None]:
         r = (lo + hi) / 2 / (len(ordered) - 1)
         out[i] = r if higher else 1 - r
     return out
-
-
-def _infinite(v: Any) -> bool:
-    return isinstance(v, float) and math.isinf(v)
 
 
 _SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as they come through JSON
