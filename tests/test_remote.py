@@ -716,7 +716,6 @@ def test_eval_and_train_reach_the_worker_on_the_next_forward(two):
     assert int(t.export()["norm"]["norm.num_batches_tracked"]) == 3
 
 
-
 def test_modes_that_do_not_match_a_node_s_modules_are_refused_naming_it(two):
     node = Normed(4)
     g = Graph.somatize(node.named("norm").at("a"))
@@ -725,6 +724,7 @@ def test_modes_that_do_not_match_a_node_s_modules_are_refused_naming_it(two):
     with pytest.raises(ValueError, match=r"a Normed here holds 3 module\(s\).*\[True\]"):
         two.request("a", {"op": "define", "modes": {two.key(node): [True]}})
     assert torch.equal(g.forward(x, broker=two), first)  # nothing changed there
+
 
 def _audited(broker: Broker | None, body: Any, every: int = 1, micro: int = 1) -> tuple:
     """enc >> body >> head, body trained by a Split (on host "a" with a broker), audited every

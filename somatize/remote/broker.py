@@ -334,6 +334,7 @@ class Broker:
         self._connections.clear()
         self._held.clear()
         self._read.clear()
+        self._told.clear()
         for worker in self.workers.values():
             worker.stop()
         self.closed = True
