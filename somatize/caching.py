@@ -72,7 +72,8 @@ def _mix(*parts: str) -> str:
 
 
 def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], Any]]) -> Any:
-    """Run `plan` on `input`, looking `.cached()` nodes up in `store` and keeping what they make."""
+    """Run `plan` on `input`, looking `.cached()` nodes up in `store` and keeping what they make.
+    Keys come from the declarations and the input's digest alone, so one pass works them out."""
     said: dict[str, str] = {}  # node id: "hit", "miss" or "partial", as its step found it
 
     def relay(fact: dict) -> None:
@@ -80,13 +81,6 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
             fact["cache"] = said[fact["node"]]
         tell(told, fact)
 
-    steps = _cached_steps(plan, input, store, said)
-    return run_plan(plan, input, [relay] if told else [], steps)
-
-
-def _cached_steps(plan: Plan, input: Any, store: Any, said: dict[str, str]) -> tuple:
-    """`plan.steps`, each `.cached()` node's call looking it up in `store` first. Keys come
-    from the declarations and the input's digest alone, so one pass works them all out."""
     g = plan.graph
     decl = declarations(plan)
     keys: list[str] = [""] * len(plan.steps)
@@ -113,7 +107,7 @@ def _cached_steps(plan: Plan, input: Any, store: Any, said: dict[str, str]) -> t
     except BaseException as e:
         _noted(e, plan, i, device)
         raise
-    return tuple(steps)
+    return run_plan(plan, input, [relay] if told else [], tuple(steps))
 
 
 def _name(key: str) -> str:
@@ -201,9 +195,9 @@ class Unkeyable(Exception):
 
 class _Keying:
     """One node's arguments on their way to a key: the containers on the way down (a cycle is
-    said as one, not followed), whether a module's state is digested (not for `unkeyable`),
-    and the modules whose state is in the key already (`covered`: those the node's own state
-    digest reads, and the submodules of a module digested on the way down)."""
+    said as one, not followed; how many says how deep), whether a module's state is digested
+    (not for `unkeyable`), and the modules whose state is in the key already (`covered`: those
+    the node's own state digest reads, and the submodules of a module digested on the way)."""
 
     __slots__ = ("path", "digesting", "covered")
 
@@ -212,52 +206,45 @@ class _Keying:
         self.digesting = digesting
         self.covered = covered
 
+    def said(self, value: Any, where: str) -> Any:
+        """A JSON-able stand-in for `value` that is the same for equal values in any process
+        (no address, no hash, no ordering that is not the value's own: a dict's or a set's
+        items are sorted by the repr of theirs, lists of plain values); `Unkeyable` where there
+        is none that says everything that decides what the value is."""
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if len(self.path) > DEPTH:
+            raise Unkeyable(where, f"it is nested more than {DEPTH} deep")
+        if id(value) in self.path:  # a cycle: where it goes back to, counted from here
+            return ["back", len(self.path) - self.path.index(id(value))]
+        self.path.append(id(value))
+        try:
+            return _inner(value, where, self)
+        finally:
+            self.path.pop()
+
 
 def _type_name(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _canonical(value: Any, where: str, k: _Keying, depth: int = 0) -> Any:
-    """A JSON-able stand-in for `value` that is the same for equal values in any process (no
-    address, no hash, no ordering that is not the value's own: a dict's or a set's items are
-    sorted by the repr of theirs, lists of plain values); `Unkeyable` where there is none that
-    says everything that decides what the value is."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if depth > DEPTH:
-        raise Unkeyable(where, f"it is nested more than {DEPTH} deep")
-    if id(value) in k.path:  # a cycle: where it goes back to, counted from here
-        return ["back", len(k.path) - k.path.index(id(value))]
-    k.path.append(id(value))
-    try:
-        return _inner(value, where, k, depth + 1)
-    finally:
-        k.path.pop()
-
-
-def _inner(value: Any, where: str, k: _Keying, depth: int) -> Any:
+def _inner(value: Any, where: str, k: _Keying) -> Any:
     kind = type(value)
-
-    def deeper(v: Any, at: str) -> Any:
-        return _canonical(v, at, k, depth)
-
     if isinstance(value, (list, tuple)):
-        return [_type_name(kind), [deeper(v, f"{where}[{i}]") for i, v in enumerate(value)]]
+        return [_type_name(kind), [k.said(v, f"{where}[{i}]") for i, v in enumerate(value)]]
     if isinstance(value, dict):
         pairs = [
-            [deeper(a, f"{where} (a key)"), deeper(b, f"{where}[{a!r:.40}]")]
+            [k.said(a, f"{where} (a key)"), k.said(b, f"{where}[{a!r:.40}]")]
             for a, b in value.items()
         ]
         return [_type_name(kind), sorted(pairs, key=repr)]
     if isinstance(value, (set, frozenset)):
-        return [
-            _type_name(kind),
-            sorted((deeper(v, f"{where} (an item)") for v in value), key=repr),
-        ]
+        items = [k.said(v, f"{where} (an item)") for v in value]
+        return [_type_name(kind), sorted(items, key=repr)]
     if isinstance(value, complex):
         return ["complex", value.real, value.imag]
     if isinstance(value, (range, slice)):
-        return [kind.__name__, deeper([value.start, value.stop, value.step], where)]
+        return [kind.__name__, k.said([value.start, value.stop, value.step], where)]
     if isinstance(value, os.PathLike):
         return ["path", _type_name(kind), str(os.fspath(value))]
     if isinstance(value, type):
@@ -265,46 +252,45 @@ def _inner(value: Any, where: str, k: _Keying, depth: int) -> Any:
     if isinstance(value, types.ModuleType):
         return ["module", value.__name__]
     if isinstance(value, types.CodeType):
-        return _code(value, where, deeper)
+        return _code(value, where, k)
     if isinstance(value, types.FunctionType):
-        return _function(value, where, deeper)
+        return _function(value, where, k)
     if isinstance(value, types.MethodType):
-        return ["method", deeper(value.__func__, where), deeper(value.__self__, f"{where}'s self")]
+        return ["method", k.said(value.__func__, where), k.said(value.__self__, f"{where}'s self")]
     if isinstance(value, partial):
-        parts = [value.func, value.args, value.keywords]
-        return ["partial", deeper(parts, where)]
+        return ["partial", k.said([value.func, value.args, value.keywords], where)]
     if isinstance(value, types.BuiltinFunctionType):  # len, torch.relu, [].append
         owner = value.__self__
         if owner is None or isinstance(owner, (type, types.ModuleType)):
             return ["builtin", getattr(value, "__module__", None), value.__qualname__]
-        return ["builtin", value.__qualname__, deeper(owner, f"{where}'s self")]
+        return ["builtin", value.__qualname__, k.said(owner, f"{where}'s self")]
     if _type_name(kind) in _SAID_BY_REPR:
         return ["repr", _type_name(kind), repr(value)]
     named = _by_name(value)
     if named is not None:  # a singleton its module holds (a ufunc, a torch op, str.upper)
         return named
     if callable(getattr(value, "state_dict", None)) and hasattr(value, "_modules"):
-        return _module(value, where, k, deeper)
+        return _module(value, where, k)
     try:
         return ["value", _type_name(kind), digest(encode(value))]
     except NoCodec:
         pass
-    return _object(value, where, deeper)
+    return _object(value, where, k)
 
 
-def _code(code: types.CodeType, where: str, deeper: Callable) -> list:
+def _code(code: types.CodeType, where: str, k: _Keying) -> list:
     """What a function's code computes: its bytecode, its constants (nested code too) and
     the names it reads; not where it sits in its file."""
     return [
         "code",
         hashlib.sha256(code.co_code).hexdigest(),
-        deeper(list(code.co_consts), where),
+        k.said(list(code.co_consts), where),
         list(code.co_names),
         [code.co_argcount, code.co_kwonlyargcount, code.co_flags],
     ]
 
 
-def _function(fn: types.FunctionType, where: str, deeper: Callable) -> list:
+def _function(fn: types.FunctionType, where: str, k: _Keying) -> list:
     """A function by what decides what it computes: its code, its defaults and the values its
     closure holds (the globals it reads are not in it)."""
     closure = []
@@ -314,13 +300,13 @@ def _function(fn: types.FunctionType, where: str, deeper: Callable) -> list:
         except ValueError:  # a cell not filled yet
             closure.append([name, ["empty"]])
             continue
-        closure.append([name, deeper(held, f"{where}'s {name}")])
+        closure.append([name, k.said(held, f"{where}'s {name}")])
     return [
         "function",
         fn.__module__,
         fn.__qualname__,
-        _code(fn.__code__, where, deeper),
-        deeper([fn.__defaults__, fn.__kwdefaults__], f"{where}'s defaults"),
+        _code(fn.__code__, where, k),
+        k.said([fn.__defaults__, fn.__kwdefaults__], f"{where}'s defaults"),
         closure,
     ]
 
@@ -345,7 +331,7 @@ def _by_name(value: Any) -> list | None:
 _HOOKS = re.compile(r"^_.*hook")
 
 
-def _module(module: Any, where: str, k: _Keying, deeper: Callable) -> list:
+def _module(module: Any, where: str, k: _Keying) -> list:
     """A torch module by its class, its attributes (submodules too, but not the hooks hung on
     it, whose keys are counters of this process) and the digest of its state."""
     said = {n: v for n, v in vars(module).items() if not _HOOKS.match(n)}
@@ -357,12 +343,12 @@ def _module(module: Any, where: str, k: _Keying, deeper: Callable) -> list:
     if digested:  # its state covers its submodules' (not a module it holds in a dict)
         k.covered = covered | {id(m) for m in module.modules()}
     try:
-        return ["module", _type_name(type(module)), deeper(said, where), state]
+        return ["module", _type_name(type(module)), k.said(said, where), state]
     finally:
         k.covered = covered
 
 
-def _object(value: Any, where: str, deeper: Callable) -> list:
+def _object(value: Any, where: str, k: _Keying) -> list:
     """An object by its class and its attributes (`vars`, and `__slots__` that are set)."""
     kind = type(value)
     said = dict(getattr(value, "__dict__", None) or {})
@@ -379,13 +365,13 @@ def _object(value: Any, where: str, deeper: Callable) -> list:
     return [
         "object",
         _type_name(kind),
-        [[n, deeper(v, f"{where}.{n}")] for n, v in sorted(said.items())],
+        [[n, k.said(v, f"{where}.{n}")] for n, v in sorted(said.items())],
     ]
 
 
 def _arguments(node: Any, k: _Keying) -> list:
     args = getattr(node, "_somatize_args", {})
-    return [[name, _canonical(v, name, k)] for name, v in sorted(args.items())]
+    return [[name, k.said(v, name)] for name, v in sorted(args.items())]
 
 
 def unkeyable(node: Any) -> Unkeyable | None:
@@ -401,24 +387,20 @@ def declaration_key(node: Any, salt: Any, state: str | None) -> str:
     """What a node *is*, for a cache: its class, its constructor arguments, salt, frozen state.
     An argument that cannot be keyed (`unkeyable`) is said by where it is alone: a graph lets
     that be only under a salt."""
-    cls = type(node)
+    # a module the node's own state digest reads is in the key already; one it holds
+    # anywhere else (in a dict, in an object) is digested where its argument is keyed
+    covered = frozenset(id(m) for m in _hooks.state_modules(node)) if state else frozenset()
     try:
-        said_args = _arguments(node, _Keying(True, _covered(node) if state else frozenset()))
+        said_args = _arguments(node, _Keying(True, covered))
     except Unkeyable as e:
         said_args = ["unkeyed", e.where]
     said = {
-        "class": _type_name(cls),
+        "class": _type_name(type(node)),
         "args": said_args,
-        "salt": _canonical(salt, "salt", _Keying(digesting=True)),
+        "salt": _Keying(digesting=True).said(salt, "salt"),
         "state": state,
     }
     return _mix(json.dumps(said, sort_keys=True))
-
-
-def _covered(node: Any) -> frozenset[int]:
-    """The modules (ids) the node's own state digest reads. A module the node holds anywhere
-    else (in a dict, in an object) is digested where its argument is keyed."""
-    return frozenset(id(m) for m in _hooks.state_modules(node))
 
 
 def code_version(node: Any) -> str:
