@@ -96,15 +96,6 @@ class Plan:
         return f"Plan({len(self.steps)} steps)"
 
 
-def step_of(slot: int, mode: int, src: Any, node: Any, ctx: Ctx, mapped: Any) -> tuple:
-    """The engine's step `(slot, mode, src, fn, ctx, device)` that runs `node` as `ctx` says:
-    `fn` is what `_hooks.entry` answers (a module's `__call__`, so that its hooks fire), made
-    to take a list and give one back as long when the node is `mapped`."""
-    call = _hooks.entry(node)
-    fn = _mapping(ctx.id, call) if mapped else call
-    return (slot, mode, src, fn, ctx, ctx.device)
-
-
 def not_a_list(nid: str, x: Any) -> TypeError:
     """The error for a `.mapped()` node handed something that is not a list."""
     return TypeError(
@@ -113,22 +104,27 @@ def not_a_list(nid: str, x: Any) -> TypeError:
     )
 
 
-def _mapping(nid: str, forward: Callable) -> Callable:
-    """A mapped node's forward, checked: a list in, a list as long out."""
+def step_of(slot: int, mode: int, src: Any, node: Any, ctx: Ctx, mapped: Any) -> tuple:
+    """The engine's step `(slot, mode, src, fn, ctx, device)` that runs `node` as `ctx` says:
+    `fn` is what `_hooks.entry` answers (a module's `__call__`, so that its hooks fire), made
+    to take a list and give one back as long when the node is `mapped`."""
+    call = _hooks.entry(node)
+    if not mapped:
+        return (slot, mode, src, call, ctx, ctx.device)
 
-    def mapped(x: Any, ctx: Ctx) -> list:
+    def each(x: Any, ctx: Ctx) -> list:
         if not isinstance(x, list):
-            raise not_a_list(nid, x)
-        out = forward(x, ctx)
+            raise not_a_list(ctx.id, x)
+        out = call(x, ctx)
         if not isinstance(out, list) or len(out) != len(x):
             got = len(out) if isinstance(out, list) else type(out).__name__
             raise ValueError(
-                f"node {nid!r} is .mapped(): handed {len(x)} items it gave back {got}; "
+                f"node {ctx.id!r} is .mapped(): handed {len(x)} items it gave back {got}; "
                 "it must return a list as long as the list it was handed"
             )
         return out
 
-    return mapped
+    return (slot, mode, src, each, ctx, ctx.device)
 
 
 def watchers(watching: Any) -> list[Callable[[dict], Any]]:
