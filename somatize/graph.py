@@ -468,10 +468,8 @@ class Graph:
             fig = self.figure()
         except ImportError:
             return {"text/plain": repr(self)}
-        bundle = fig._repr_mimebundle_(include=include, exclude=exclude)
-        if isinstance(bundle, tuple):
-            return {**bundle[0], "text/plain": repr(self)}, bundle[1]
-        return {**(bundle or {}), "text/plain": repr(self)}
+        data, meta = fig._repr_mimebundle_(include=include, exclude=exclude)
+        return {**data, "text/plain": repr(self)}, meta
 
 
 def broker_for(hosts: dict[str, str], broker: Any, passing: str) -> None:
