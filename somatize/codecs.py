@@ -240,19 +240,16 @@ def _path_to(value: Any, bad: Any, path: str = "") -> str | None:
     """Where inside `value` the object `bad` sits, as `[0]['key']`, or None."""
     if value is bad:
         return path
+    inside: list[tuple[str, Any]] = []
     if type(value) in (list, tuple):
-        for i, item in enumerate(value):
-            found = _path_to(item, bad, f"{path}[{i}]")
-            if found is not None:
-                return found
+        inside = [(f"[{i}]", item) for i, item in enumerate(value)]
     elif type(value) is dict:
         for key, item in value.items():
-            found = _path_to(key, bad, f"{path} key {key!r}")
-            if found is not None:
-                return found
-            found = _path_to(item, bad, f"{path}[{key!r}]")
-            if found is not None:
-                return found
+            inside += [(f" key {key!r}", key), (f"[{key!r}]", item)]
+    for at, item in inside:
+        found = _path_to(item, bad, path + at)
+        if found is not None:
+            return found
     return None
 
 
