@@ -367,6 +367,25 @@ def test_a_restarted_worker_gets_what_it_held_and_never_trains_on_from_older_wei
         standing.stop()
 
 
+def test_the_first_request_after_a_restart_may_be_as_large_as_the_worker_takes():
+    """A worker weighs what a connection that has not yet proven itself sends: after the
+    restart, the client proves itself (a small sealed hello) before its large message."""
+    standing = Standing("--max-message", "1MiB")
+    standing.start()
+    try:
+        broker = Broker.embedded({"gpu": standing.worker()})
+        g = Graph.somatize(Sum().at("gpu"))
+        parts = {f"p{i}": torch.full((250_000,), float(i)) for i in range(64)}  # 64 MB
+        want = torch.full((250_000,), 2016.0)
+        assert torch.equal(g.forward(parts, broker=broker), want)
+        standing.restart()
+        assert torch.equal(_again(lambda: g.forward(parts, broker=broker)), want)
+        assert hello(broker, "gpu")["pid"] == standing.process.pid
+        broker.close()
+    finally:
+        standing.stop()
+
+
 def test_state_lost_names_the_nodes_not_what_trains_them_there():
     from somatize.torch import Greedy, OutOfStep, Trainer, parameters
 

@@ -48,6 +48,7 @@ class Connection:
         self.salt: bytes | None = None
         self.hello: dict[str, Any] | None = None
         self.incarnation: str | None = None
+        self.proven = False  # whether this connection's worker has verified a message of ours
         self._rid = itertools.count(secrets.randbits(40) << 20)
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -94,6 +95,7 @@ class Connection:
                 )
             elif event == zmq.EVENT_DISCONNECTED and self.up:
                 self.up = False
+                self.proven = False
                 self.down_since = time.monotonic()
                 return True
         return False
@@ -124,38 +126,44 @@ class Connection:
         deadline = self.worker.deadline if deadline is None else deadline
         with self.lock:
             self._events()  # lost between requests, it may be back: this request will tell
-            rid = next(self._rid)
-            message = {**message, "rid": rid}  # the caller's dict left alone
-            if session is not None:
-                message["session"] = session
-            frames = wire.encode(message, where=f"a request to {self.where()}")
-            most = (self.hello or {}).get("max_message")
-            largest = max(memoryview(f).nbytes for f in frames)
-            if most and largest > most:
-                raise ValueError(
-                    f"a request to {self.where()} holds a frame of {largest} bytes, and that "
-                    f"worker takes frames of at most {most} (start it with a larger "
-                    "--max-message, or send smaller tensors)"
-                )
-            for _attempt in range(3):
-                if self.seal is None:
-                    self._agree(deadline)
-                self.sock.send_multipart(self.seal.seal(frames), copy=False)
-                answered, value = self._wait(rid, deadline)
-                if answered:
-                    return value
-                salt, reason = value
-                # a new worker at that address, or it waited too long in the worker's queue
-                # (or the clocks moved apart): agree on the key again, seal anew
-                if not (reason == "stale" or (reason == "seal" and salt != self.salt)):
-                    break
-                self.seal = None
-            if reason == "seal":
-                raise PermissionError(
-                    f"{self.where()} refused the request: the token does not match "
-                    "(Worker.at(..., token=...) or SOMATIZE_TOKEN must be the worker's)"
-                )
-            raise PermissionError(f"{self.where()} refused the request as {reason}")
+            if not self.proven and message.get("op") != "hello":
+                # the worker weighs what an unproven connection sends: a small sealed hello
+                self.hello = self._exchange({"op": "hello"}, deadline, None)
+            return self._exchange(message, deadline, session)
+
+    def _exchange(self, message: dict[str, Any], deadline: float, session: Any) -> Any:
+        rid = next(self._rid)
+        message = {**message, "rid": rid}  # the caller's dict left alone
+        if session is not None:
+            message["session"] = session
+        frames = wire.encode(message, where=f"a request to {self.where()}")
+        most = (self.hello or {}).get("max_message")
+        largest = max(memoryview(f).nbytes for f in frames)
+        if most and largest > most:
+            raise ValueError(
+                f"a request to {self.where()} holds a frame of {largest} bytes, and that "
+                f"worker takes frames of at most {most} (start it with a larger "
+                "--max-message, or send smaller tensors)"
+            )
+        for _attempt in range(3):
+            if self.seal is None:
+                self._agree(deadline)
+            self.sock.send_multipart(self.seal.seal(frames), copy=False)
+            answered, value = self._wait(rid, deadline)
+            if answered:
+                return value
+            salt, reason = value
+            # a new worker at that address, or it waited too long in the worker's queue
+            # (or the clocks moved apart): agree on the key again, seal anew
+            if not (reason == "stale" or (reason == "seal" and salt != self.salt)):
+                break
+            self.seal = None
+        if reason == "seal":
+            raise PermissionError(
+                f"{self.where()} refused the request: the token does not match "
+                "(Worker.at(..., token=...) or SOMATIZE_TOKEN must be the worker's)"
+            )
+        raise PermissionError(f"{self.where()} refused the request as {reason}")
 
     def _wait(self, rid: int, deadline: float) -> tuple[bool, Any]:
         """Wait for the answer to `rid`: `(True, value)`, or `(False, (salt, reason))` when
@@ -178,6 +186,7 @@ class Connection:
             if type(reply) is not dict or reply.get("rid") not in (rid, None):
                 continue  # the late answer to a request that was given up on
             self.incarnation = reply.get("worker")
+            self.proven = True
             if reply.get("ok") is True:
                 return True, reply.get("value")
             raise rebuilt(reply.get("error") or {}, self.where())
