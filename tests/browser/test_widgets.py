@@ -258,3 +258,56 @@ def test_the_browser_writes_numbers_as_the_kernel_does(page, served):
     kernel = dict(re.findall(r'<tr data-row="(r\d+)">.*?<td data-col="proxy:v"[^>]*>([^<]*)</td>', body))
     got = page.evaluate("async (vs) => { const m = await import('/common.js'); return vs.map((v) => m.number(v)); }", values)
     assert got == [kernel[f"r{k}"] for k in range(len(values))]
+
+
+def _text_models():
+    """The columns compare() gave a tester's text models (naswot left out of the LSTM), and a
+    candidate with a longer name."""
+    nan = math.nan
+    cols = {
+        "params": [11714, 36866, 30786, 5510],
+        "proxy:synflow": [4.64, 5.71, 5.85, 13.6],
+        "proxy:naswot": [nan, 100.2, 113.2, 164.0],
+        "proxy:snip": [0.244, 0.931, 1.53, 0.515],
+        "proxy:grasp": [-0.0983, -10.8, -52.3, -0.77],
+        "proxy:grad_norm": [-1.36, 1.18, 1.63, -0.264],
+        "proxy:fisher": [-10.5, -7.69, -7.06, 1.04],
+        "probe:jacobian_gain": [0.375, 1.0, 0.554, 0.31],
+        "probe:jacobian_spread": [0.11, 0.0246, 0.0632, 0.2],
+        "probe:sat_frac_max": [0.0, 0.0, 0.0, 0.0],
+        "probe:signal_gain": [0.462, 0.289, 0.513, 0.35],
+        "probe:zero_frac_max": [0.0, 0.0, 0.0, 0.02],
+        "probe:flags": ["", "", "", ""],
+    }
+    names = ["lstm", "bert", "gpt2", "dead relu cnn"]
+    return CompareTable(pd.DataFrame(cols, index=pd.Index(names, name="candidate")))
+
+
+_FIT = """() => { const s = document.querySelector('.smz-scroll');
+  return {over: s.scrollWidth - s.clientWidth,
+          right: s.querySelector('table').getBoundingClientRect().right,
+          cut: [...document.querySelectorAll('tbody th.smz-index')]
+                 .filter((h) => h.scrollWidth > h.clientWidth).map((h) => h.textContent)}; }"""
+
+
+def test_the_table_fits_1400_px_with_its_names_whole_live_and_in_its_static_face(chromium, served):
+    root, base = served
+    table = _text_models()
+    # the static face as a viewer without a doctype shows it (tables there drop the font
+    # they sit in) and as JupyterLab's rendered HTML does (its own table font and padding)
+    (root / "face-quirks.html").write_text(table.face())
+    lab = ("<style>table{font-size:13px;table-layout:fixed;line-height:normal}"
+           "td,th{padding:.5em;white-space:normal;line-height:normal;max-width:none}</style>")
+    (root / "face-lab.html").write_text(f"<!doctype html>{lab}<div>{table.face()}</div>")
+    table.save_html(root / "live-text.html")
+    context = chromium.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    try:
+        for name in ("face-quirks", "face-lab", "live-text"):
+            page.goto(f"{base}/{name}.html")
+            page.wait_for_selector("tbody th.smz-index")
+            fit = page.evaluate(_FIT)
+            assert fit["over"] <= 0 and fit["right"] <= 1400, (name, fit)
+            assert fit["cut"] == [], (name, fit)
+    finally:
+        context.close()
