@@ -301,16 +301,16 @@ class _Takes:
             sig = _signature(forward if callable(forward) else fn)
         except (TypeError, ValueError):
             sig = inspect.Signature()
-        by_name = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-        params = [p for p in sig.parameters.values() if p.kind in by_name]
-        self.named = frozenset(p.name for p in params)
-        self.required = frozenset(p.name for p in params if p.default is p.empty)
-        self.any_name = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
-        by_place = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-        placed = [p for p in sig.parameters.values() if p.kind in by_place]
+        params = sig.parameters.values()
+        kinds = {p.kind for p in params}
+        named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        placed = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.named = frozenset(p.name for p in named)
+        self.required = frozenset(p.name for p in named if p.default is p.empty)
+        self.any_name = inspect.Parameter.VAR_KEYWORD in kinds
         self.places = len(placed)
         self.needs = sum(1 for p in placed if p.default is p.empty)
-        self.any_number = any(p.kind is p.VAR_POSITIONAL for p in sig.parameters.values())
+        self.any_number = inspect.Parameter.VAR_POSITIONAL in kinds
 
     def arguments(self, input: Any) -> tuple[tuple, dict]:
         """How the forward is called on `input`: by name, a mapping of names all of which it
