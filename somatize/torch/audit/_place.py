@@ -150,12 +150,9 @@ class Place:
                 self.alive.clear()  # the place changed width: its window starts again
             self.alive.append(act > _DEAD_EPS)
             alive = torch.stack(list(self.alive)).any(0)
-            self._channels = act.numel()
             tensors += [torch.count_nonzero(~alive), _under(act)]
         if self.in_grads:
-            g = _mean(self.in_grads)
-            self._inputs = g.numel()
-            tensors.append(_under(g))
+            tensors.append(_under(_mean(self.in_grads)))
 
     def spoilt(self, values: list[float]) -> list[int]:
         """The ids of this step's outputs that held a NaN or an inf (their Σ|a| is not a finite
@@ -207,11 +204,8 @@ class Place:
         k += len(self.out_grads)
         if self.sums or weights:
             seen = [total, *n.values()]
-            nan = inf = False
-            if not isfinite(sum(map(abs, seen))):  # (the sum of magnitudes: one check)
-                nan = any(map(math.isnan, seen))
-                inf = any(map(math.isinf, seen))
-            n["nan"], n["inf"] = nan, inf
+            n["nan"] = nan = any(map(math.isnan, seen))
+            n["inf"] = inf = any(map(math.isinf, seen))
             if nan or inf:
                 n["inherited"] = self._came_in(bad_out, bad_grad, out_grads, spoilt)
             else:
@@ -219,11 +213,12 @@ class Place:
         if out_grads:
             n["out_grad_norm"] = sqrt(sum(v * v for v in out_grads))
         if self.activity:
-            n["channels"] = self._channels
+            n["channels"] = self.alive[-1].numel()
             n["dead_channels"], n["dormant_channels"] = int(values[k]), int(values[k + 1])
             k += 2
         if self.in_grads:
-            n["input_channels"], n["ignored_channels"] = self._inputs, int(values[k])
+            n["input_channels"] = self.in_grads[0].numel()
+            n["ignored_channels"] = int(values[k])
         if self.groups is not None and self.rows is not None:
             n["cka"] = self._leak()
         if snapshot and self.rows is not None:

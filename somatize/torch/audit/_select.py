@@ -1,13 +1,5 @@
-"""Which modules inside a node an `Audit(inside=...)` watches, and which it leaves out.
-
-A module that only passes its input on (`nn.Identity`) is never a place of its own. With
-`inside=True` the places are the finest cut through the node's module tree that fits in
-`most`: the coarsest level first (the node's children), then each of those opened into its
-children in order while the count stays within `most`, level by level, so the whole net is
-covered before any part of it is watched more finely. With a depth, every module down to that
-depth, coarsest first, up to `most`. What a finer watch would have added is left out, and
-said.
-"""
+"""Which modules inside a node an `Audit(inside=...)` watches (never an `nn.Identity`, which
+only passes its input on), and which it leaves out past `most`."""
 
 from __future__ import annotations
 
@@ -51,6 +43,9 @@ def _leaves(path: str, module: nn.Module, seen: set[int] | None = None) -> list[
 
 
 def _finest_cut(held: Named, most: int) -> tuple[Named, list[str]]:
+    """The coarsest level, then each place opened into its children in order while the count
+    stays within `most`, level by level: the whole net is covered before any part of it is
+    watched more finely."""
     seen: set[int] = set()
     cut = _roots(held, seen)
     left: list[str] = []
@@ -82,12 +77,13 @@ def _down_to(held: Named, depth: int, most: int) -> tuple[Named, list[str]]:
     for _ in range(depth):
         found += level
         level = [kid for path, m in level for kid in _children(path, m, seen)]
-    order = {path: i for i, (path, _) in enumerate(_preorder(held))}
+    order = {path: i for i, (path, _) in enumerate(preorder(held))}
     kept = sorted(found[:most], key=lambda pm: order.get(pm[0], len(order)))
     return kept, [path for path, _ in found[most:]]
 
 
-def _preorder(held: Named) -> Named:
+def preorder(held: Named) -> Named:
+    """Every module under what a node holds, by path, parents first."""
     out: Named = []
     for name, module in held:
         for path, m in module.named_modules():
@@ -107,7 +103,7 @@ def choose(node: str, held: Named, inside: object, most: int) -> tuple[Named, li
     if isinstance(inside, int):
         return _down_to(held, inside, most)
     named = names_of(inside)
-    return [(p, m) for p, m in _preorder(held) if f"{node}.{p}" in named], []
+    return [(p, m) for p, m in preorder(held) if f"{node}.{p}" in named], []
 
 
 def names_of(inside: object) -> set[str]:

@@ -36,7 +36,7 @@ from somatize.run import warn
 from somatize.torch._modules import Held, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, stable_rank, wide_norm
 from somatize.torch.audit._place import Place, layouts
-from somatize.torch.audit._select import choose, names_of
+from somatize.torch.audit._select import choose, names_of, preorder
 
 __all__ = ["Audit"]
 
@@ -375,15 +375,12 @@ class Audit:
         if copy is None or not waiting:
             return
         with torch.no_grad():
-            same = [True] * len(copy)
-            for i, (c, q) in enumerate(zip(copy, self._flat, strict=True)):
-                if c.shape != q.shape:
-                    same[i] = False  # given memory of another shape between: nothing to compare
-                    continue
-                try:
+            # a weight given another shape or device between has nothing to compare with
+            same: list[bool] = []
+            for c, q in zip(copy, self._flat, strict=True):
+                same.append(c.shape == q.shape and c.device == q.device)
+                if same[-1]:
                     c.sub_(q)  # −Δθ
-                except RuntimeError:  # moved to another device between
-                    same[i] = False
             squares = [v * v for v in _finite(read([norm(d) for d in copy]), copy)]
             ranked = any(snapshot for snapshot, _ in waiting)
             moves: dict[Place, tuple[float | None, float | None]] = {}
@@ -421,12 +418,7 @@ def _moved(
 
 def _like(missing: list[str], held_by: dict[str, list]) -> str:
     """The places whose names end as a missing one does (`features.0`: `audio.features.0`)."""
-    found = [
-        ".".join(filter(None, (node, name, path)))
-        for node, held in held_by.items()
-        for name, top in held
-        for path, _ in top.named_modules()
-    ]
+    found = [f"{node}.{path}" for node, held in held_by.items() for path, _ in preorder(held)]
     like = [w for w in found if any(w.endswith("." + m) for m in missing)]
     return f" (say {like[:4]})" if like else ""
 
