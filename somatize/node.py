@@ -373,7 +373,7 @@ class Wrapped(Node):
             return self.held(*args, **kwargs)
         except Exception as error:
             if not kwargs and isinstance(input, Mapping) and input:  # said why it went whole
-                error.add_note(self.takes.whole(input))
+                note(error, self.takes.whole(input))
             raise
 
     def __repr__(self) -> str:
@@ -389,6 +389,15 @@ def kind_name(node: Any) -> str:
             return re.sub(r"\W", "", held.__name__) or "function"
         return type(held).__name__
     return type(node).__name__
+
+
+def note(error: BaseException, text: str) -> BaseException:
+    """Add `text` to `error` as a PEP 678 note, once: the `__notes__` list that Python 3.11
+    and later print under the traceback (set here as `add_note` would, which 3.10 lacks)."""
+    notes = getattr(error, "__notes__", None)
+    if notes is None or text not in notes:
+        error.__notes__ = [*(notes or []), text]  # type: ignore[attr-defined]
+    return error
 
 
 def takes_ctx(node: Any) -> bool:

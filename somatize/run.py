@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from somatize import _hooks
-from somatize.node import Opaque, kind_name
+from somatize.node import Opaque, kind_name, note
 
 __all__ = ["Ctx", "Plan", "run_plan", "walk", "watchers"]
 
@@ -139,15 +139,6 @@ def watchers(watching: Any) -> list[Callable[[dict], Any]]:
                 f"{type(w).__name__} {w!r:.60} cannot be called with a fact"
             )
     return listed
-
-
-def note(error: BaseException, text: str) -> BaseException:
-    """Add `text` to `error` as a PEP 678 note, once: the `__notes__` list that Python 3.11
-    and later print under the traceback (set here as `add_note` would, which 3.10 lacks)."""
-    notes = getattr(error, "__notes__", None)
-    if notes is None or text not in notes:
-        error.__notes__ = [*(notes or []), text]  # type: ignore[attr-defined]
-    return error
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
