@@ -6,25 +6,6 @@ JSON as itself; `.name` is the flag without its count and `.n` the count, when i
 
 from __future__ import annotations
 
-__all__ = [
-    "Flag",
-    "NAN",
-    "INF",
-    "VANISHING",
-    "EXPLODING",
-    "DEAD",
-    "SATURATED",
-    "STALLED",
-    "OVERSTEPPING",
-    "LEAKAGE",
-    "NARROWING",
-    "DEAD_CHANNELS",
-    "IGNORED_CHANNELS",
-    "FAMILIES",
-    "about",
-    "family",
-]
-
 
 class Flag(str):
     """One finding about one place: `Flag("DEAD")`, `Flag("DEAD_CHANNELS", 3)`.

@@ -6,8 +6,6 @@ which uses the same names where the quantity is the same.
 
 from __future__ import annotations
 
-__all__ = ["METRICS", "FACT_KEYS"]
-
 #: the keys of a health fact that are not numbers about its place
 FACT_KEYS = frozenset({"fact", "node", "inside", "step", "where", "numbers"})
 

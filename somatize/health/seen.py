@@ -56,10 +56,7 @@ def _summary(values: Iterable[Any]) -> Any:
         return any(values)
     if type(last) is int:
         return last
-    try:
-        finite = list(filter(math.isfinite, values))
-    except TypeError:  # something that is not a number among them
-        finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    finite = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
     return statistics.median(finite) if finite else last
 
 
