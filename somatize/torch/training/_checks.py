@@ -78,25 +78,20 @@ def batch_first(graph: Graph, micro: int) -> None:
     dimension, would be stretches of time, each starting from a fresh state. A bare
     nn.MultiheadAttention is not looked at: the models that hold one time first (DETR, CLIP)
     turn a batch-first input around before it, and cutting that input is right."""
-    found = _time_first(graph) if micro > 1 else None
-    if found is not None:
-        nid, where, module = found
-        raise ValueError(
-            f"micro={micro} cuts a batch along its first dimension, and node {nid!r} "
-            f"{f'holds at {where!r}' if where else 'is'} an nn.{type(module).__name__} built with "
-            "batch_first=False, which takes (time, batch, ...): its pieces would be stretches "
-            "of time. Build it with batch_first=True and put the batch first, or use micro=1"
-        )
-
-
-def _time_first(graph: Graph) -> tuple[str, str, torch.nn.Module] | None:
-    """`(node, path, module)` of the first module of the graph that takes its batch second."""
+    if micro == 1:
+        return
     for nid in graph.nodes():
         for name, held in named_modules_of(graph.implementation(nid)):
             for inner, m in held.named_modules():
                 if isinstance(m, _TIME) and not getattr(m, "self_attn", m).batch_first:
-                    return nid, ".".join(p for p in (name, inner) if p), m
-    return None
+                    where = ".".join(p for p in (name, inner) if p)
+                    raise ValueError(
+                        f"micro={micro} cuts a batch along its first dimension, and node "
+                        f"{nid!r} {f'holds at {where!r}' if where else 'is'} an "
+                        f"nn.{type(m).__name__} built with batch_first=False, which takes "
+                        "(time, batch, ...): its pieces would be stretches of time. Build it "
+                        "with batch_first=True and put the batch first, or use micro=1"
+                    )
 
 
 _TIME = (torch.nn.RNNBase, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)

@@ -25,7 +25,6 @@ from somatize.torch.placement import modules_of, place
 from somatize.torch.training import _ranks, _weights
 from somatize.torch.training._ranks import RankLost
 from somatize.torch.training.params import named, state_of
-from somatize.torch.training.stages import Local
 
 __all__ = ["MODES", "Parallel", "RankLost", "parallel_of"]
 
@@ -380,7 +379,7 @@ def _every_used(part: Any, replica: Any, names: dict[int, str]) -> Callable:
     return check
 
 
-class _Parts(Local):
+class _Parts:
     """The transport of every part under `parallel=`: a part with something to average runs
     through its replica, any other as it would here."""
 

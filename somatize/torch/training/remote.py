@@ -1,10 +1,11 @@
 """A trainer's stage on a worker: the remote transport of `somatize.torch.training.stages`.
 
-`Remote(broker, host)` answers the two calls `stages.Local` answers. The first forward sends
-the part (its nodes, settings, edges and Learning) and the worker rebuilds it; then a forward
-sends values and a backward envelopes, one round trip each. The worker keeps the activation in
-between, so a restarted one answers `OutOfStep`; every step marks the part's nodes as learnt
-there, so a worker that lost them is `StateLost` rather than sent older weights from here.
+`Remote(broker, host)` answers the two calls `stages.Part` answers in this process. The first
+forward sends the part (its nodes, settings, edges and Learning) and the worker rebuilds it;
+then a forward sends values and a backward envelopes, one round trip each. The worker keeps
+the activation in between, so a restarted one answers `OutOfStep`; every step marks the part's
+nodes as learnt there, so a worker that lost them is `StateLost` rather than sent older
+weights from here.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and a node's stage is the most cuts on any path behind it. The nodes of one stag
 make a `Part`, which runs a small graph of its own (the graph itself is never touched). A
 forward runs the parts stage by stage; a backward is `loss.backward()` in the last one, then
 the gradient owed at each cut travels back, in reverse, inside an `Envelope`. A part runs here
-(`Local`) or on a worker (`somatize.torch.training.remote`) through the same two calls.
+or on a worker (`somatize.torch.training.remote`) through the same two calls.
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ __all__ = [
     "TARGET",
     "Part",
     "Stages",
-    "Local",
-    "LOCAL",
     "Inlet",
     "Outlet",
 ]
@@ -80,6 +78,11 @@ class Part:
     a node id or `INPUT`) and `leaving` (edges `(node, destination)` to outside, `destination` a
     node id or `LOSS`). `sources` are the distinct sources of its inputs, `exits` the distinct
     nodes whose values leave; a Learning that `needs_target` is handed it under `TARGET`.
+
+    The class is also the transport of a part run in this process: a transport answers
+    `forward(part, {source: value}, store=, watching=)` with `{exit: value}` and
+    `backward(part, {exit: Envelope})` with `{source: Envelope}`, which `Part.forward` and
+    `Part.backward` are; a remote one (`Remote`) runs them on a copy of the part its worker keeps.
     """
 
     def __init__(
@@ -227,38 +230,11 @@ class Part:
         outs = answer["outs"].items()
         return wire.unwritable(((f"the output of node {n!r}", v) for n, v in outs), error)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_inputs"] = state["_outputs"] = None
-        return state
-
     def __repr__(self) -> str:
         at = f" at {self.host!r}" if self.host else ""
         by = f" trained by {self.learning!r}" if self.learning is not None else ""
         return f"Part(stage {self.stage}{at}: {', '.join(self.ids)}{by})"
 
-
-class Local:
-    """Runs a part in this process: the transport of a part whose host is None.
-
-    A transport answers `forward(part, {source: value}, store=, watching=)` with `{exit:
-    value}` and `backward(part, {exit: Envelope})` with `{source: Envelope}`; a remote one
-    (`Remote`) runs them on a copy of the part its worker keeps.
-    """
-
-    def forward(
-        self, part: Part, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
-    ) -> dict[str, Any]:
-        """`part.forward`, here."""
-        return part.forward(inputs, store=store, watching=watching)
-
-    def backward(self, part: Part, envelopes: dict[str, Any]) -> dict[str, Any]:
-        """`part.backward`, here."""
-        return part.backward(envelopes)
-
-
-LOCAL = Local()
-"""The transport of every part whose host is None."""
 
 _HERE = (None, None)
 
@@ -267,7 +243,7 @@ class Stages:
     """A graph cut into parts, run forward stage by stage and backward in reverse.
 
     `trains` is `{node id: Learning}`; `transport(host)` answers how a part at that host runs
-    (None: in this process; by default everything runs here). `watching` is told what the parts
+    (None: in this process, as by default everything runs). `watching` is told what the parts
     run as one forward, and while somebody watches `crossed()` counts the bytes that went from
     part to part. With no cut there is one part, the graph itself, run by `graph.forward`.
     """
@@ -310,7 +286,7 @@ class Stages:
                 )
             )
         self.whole = whole
-        where = transport or (lambda host: LOCAL)
+        where = transport or (lambda host: None)
         last = next((p for p in self.parts if p.last), None)
         self.leaves = tuple(graph.leaves())
         self.sunk = tuple(n for n in self.leaves if last is None or n not in last.ids)
@@ -318,7 +294,8 @@ class Stages:
         self.watchers = list(watching or [])
         self._bytes = [0, 0]  # forward, backward: what crossed from part to part, when watched
         self._route = tuple(
-            (p, where(p.host), self._relay(p) if self.watchers else None) for p in self.parts
+            (p, where(p.host) or Part, self._relay(p) if self.watchers else None)
+            for p in self.parts
         )
 
     def _relay(self, part: Part) -> Callable[[dict], None]:

@@ -23,7 +23,7 @@ from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import freeze, named, state_of
 from somatize.torch.training.remote import Remote
-from somatize.torch.training.stages import LOCAL, Stages
+from somatize.torch.training.stages import Stages
 
 __all__ = ["Trainer", "Result", "NoGradient"]
 
@@ -162,7 +162,7 @@ class Trainer:
         self._stages = Stages(
             graph,
             trains,
-            transport=(lambda h: LOCAL if h is None else remotes[h]) if p is None else p.transport,
+            transport=remotes.get if p is None else p.transport,
             watching=told,
         )
         if p is not None:  # DDP (FSDP) around the stages, rank 0's weights on every rank
