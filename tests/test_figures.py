@@ -281,6 +281,24 @@ def test_compare_says_which_candidate_a_proxy_was_left_out_of():
     ]
 
 
+def test_the_table_says_why_a_proxy_was_left_out_in_its_cell_and_under_the_table():
+    torch.manual_seed(0)
+    relu = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    linear = nn.Sequential(nn.Linear(4, 2))  # no activation layer for naswot to read
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        df = compare({"relu": relu, "linear": linear}, torch.randn(6, 4))
+    why = df.attrs["left_out"]["linear"]["proxy:naswot"]
+    assert "activation layers" in why and "relu" not in df.attrs["left_out"]
+    html = CompareTable(df).face()
+    cell = re.search(r'<tr data-row="linear">.*?(<td data-col="proxy:naswot"[^>]*>)', html).group(1)
+    assert f"left out: {why}" in cell
+    note = re.search(r'<div class="smz-left-out".*?</div></div>', html).group(0)
+    assert "linear" in note and "naswot" in note and why in note
+    # a table of what compare() did not make has no such note
+    assert "smz-left-out" not in CompareTable(_table()).face()
+
+
 def test_compare_holds_probe_summaries_and_proxies_and_loss_proxies_with_a_target():
     torch.manual_seed(0)
     a = Graph.somatize(Lin(4, 8).named("a") >> Lin(8, 3).named("b"))

@@ -26,6 +26,7 @@ from somatize.figures._svg import (
 )
 
 WIDEST = 1400.0
+NAMES = 220.0  # the widest a candidate's name is shown (cut with "…" past it)
 FLAGGED = "rgba(224,49,49,0.22)"  # a probe cell's tint when the health verdict flags it
 
 _BASE = "padding:4px 8px;border-bottom:1px solid #e1e4ea;white-space:nowrap;"
@@ -60,7 +61,7 @@ _SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as they come
 
 def html(table: dict[str, Any]) -> str:
     """The table's HTML (see the module's docstring). `table` is what CompareTable holds:
-    index, columns, values, groups, hidden, explain, higher, flagged, correlations,
+    index, columns, values, groups, hidden, explain, higher, flagged, left_out, correlations,
     measured, sort_by, ascending, scatter."""
     cols, index = table["columns"], table["index"]
     values = [[_SPECIAL.get(v, v) if isinstance(v, str) else v for v in r] for r in table["values"]]
@@ -68,13 +69,14 @@ def html(table: dict[str, Any]) -> str:
     groups, hidden = table["groups"], set(table["hidden"])
     explain, higher = table["explain"], table["higher"]
     order = _order(table)
-    name_w = min(220.0, max(80.0, *[text_width(n, 12, True) + 20 for n in index]))
-    name = f"{_STICKY}text-align:left;max-width:{name_w:.0f}px;"
+    name = f"{_STICKY}text-align:left;max-width:{NAMES:.0f}px;"
     head = "border-bottom:2px solid #c4c9d4"
     out = [
         f'<div class="smz-table-face" style="font-family:{esc(FONT)};font-size:12px;color:{INK}">',
+        # its own font size: a page without a doctype or JupyterLab's would set another one
         '<div class="smz-scroll" style="max-width:100%;overflow-x:auto"><table style="'
-        'border-collapse:separate;border-spacing:0;font-variant-numeric:tabular-nums">',
+        f'font-size:12px;color:{INK};border-collapse:separate;border-spacing:0;'
+        'font-variant-numeric:tabular-nums">',
         "<thead><tr>",
         _cell("th", f' rowspan="2" class="smz-index" data-col="{esc(table["index_name"])}"',
               name + head, esc(table["index_name"])),
@@ -113,11 +115,15 @@ def html(table: dict[str, Any]) -> str:
             tip = f"{c}: {shown}"
             rank = colour.get(c, [None] * len(index))[i]
             flags = table["flagged"].get(f"{index[i]}|{c}")
+            why = table["left_out"].get(index[i], {}).get(c)
             if rank is not None:
                 style += f"background:{rank_colour(rank)};"
             elif flags:
                 style += f"background:{FLAGGED};"
                 tip += " — flagged " + ", ".join(flags)
+            if why:
+                style += "cursor:help;text-decoration:underline dotted;"
+                tip = f"{c}: left out: {why}"
             sort = f' data-v="{float(v)!r}"' if finite(v) else ""
             attrs = f' data-col="{esc(c)}"{sort} title="{esc(tip)}"'
             out.append(_cell("td", attrs, style, esc(shown), c in hidden))
@@ -139,7 +145,8 @@ def html(table: dict[str, Any]) -> str:
             out.append(_cell("td", f' data-col="{esc(c)}"', style, text, c in hidden))
         out.append("</tr></tfoot>")
     below = '<div class="smz-below" style="display:flex;flex-wrap:wrap;gap:24px;margin-top:8px">'
-    out += ["</table></div>", _tools(table), below, _scatters(table), _legend(table)]
+    out += ["</table></div>", _left_out(table), _tools(table)]
+    out += [below, _scatters(table), _legend(table)]
     out.append("</div></div>")
     return "".join(out)
 
@@ -173,6 +180,17 @@ def _order(table: dict[str, Any]) -> list[int]:
     if key == table["index_name"]:
         rows.sort(key=lambda i: index[i], reverse=not table["ascending"])
     return rows
+
+
+def _left_out(table: dict[str, Any]) -> str:
+    """A line per proxy left out of a candidate, saying why."""
+    lines = "".join(
+        f"<div><b>{esc(row)}</b> · {esc(c.split(':', 1)[-1])} left out: {esc(why)}</div>"
+        for row, said in table["left_out"].items()
+        for c, why in said.items()
+    )
+    style = f"margin-top:6px;color:{MUTED};font-size:11px;line-height:1.5"
+    return f'<div class="smz-left-out" style="{style}">{lines}</div>' if lines else ""
 
 
 def _tools(table: dict[str, Any]) -> str:

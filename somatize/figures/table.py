@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import math
+import re
 import statistics
 import warnings
 from collections.abc import Mapping
@@ -18,13 +19,17 @@ import traitlets
 from somatize.figures._face import Face
 from somatize.figures._page import STATIC, jsonable
 from somatize.figures._svg import finite, number, svg_open, text_width
-from somatize.figures._table_face import WIDEST, html
+from somatize.figures._table_face import NAMES, WIDEST, html
 from somatize.graph import as_graph
 from somatize.health import METRICS, verdict
 from somatize.run import warn
 
 __all__ = ["CompareTable", "compare"]
 
+# what somatize.torch.proxies warns of a proxy it could not take: its name, and why
+_LEFT_OUT = re.compile(
+    r"proxies: (\w+) could not be taken on this graph and is left out \((.*)\)", re.S
+)
 PROBE = "probe:"
 PROXY = "proxy:"
 FLAGS = f"{PROBE}flags"
@@ -107,9 +112,10 @@ def compare(
     `somatize.torch.proxies` could take with what it was given; higher is better),
     `probe:<metric>` (the median over places of what `somatize.torch.probe` measured at
     initialisation), `probe:flags` (what `somatize.health.verdict` says of any place), and
-    `measured` when given (`{candidate: number}`, e.g. accuracy after training); a proxy
-    left out of a candidate is NaN in its row, and warned with the candidate's name. Refused:
-    no candidates, a measured value for a candidate that is not there."""
+    `measured` when given (`{candidate: number}`, e.g. accuracy after training). A proxy
+    left out of a candidate is NaN in its row, warned with the candidate's name, and why is
+    in `df.attrs["left_out"]` (`{candidate: {column: why}}`, which `CompareTable` shows).
+    Refused: no candidates, a measured value for a candidate that is not there."""
     import pandas as pd
 
     from somatize.torch import EVERY, parameters, probe, proxies
@@ -124,7 +130,8 @@ def compare(
                 f"measured= names {', '.join(map(repr, unknown))}, not among the candidates "
                 f"({', '.join(map(repr, named))})"
             )
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
+    left_out: dict[str, dict[str, str]] = {}
     for name, graph in named.items():
         graph = as_graph(graph)  # a bare module is a graph of one node
         try:  # the proxies first: they refuse a candidate that cannot be looked at, clearly
@@ -134,8 +141,11 @@ def compare(
                 looked = _probe_summary(probe(graph, example))
         except ValueError as error:
             raise ValueError(f"candidate {name!r}: {error}") from None
-        for w in said:  # what was left out of which candidate
+        for w in said:  # what was left out of which candidate, and why
             warn(f"candidate {name!r}: {w.message}", w.category)
+            out = _LEFT_OUT.fullmatch(str(w.message))
+            if out:
+                left_out.setdefault(name, {})[f"{PROXY}{out[1]}"] = out[2]
         row: dict[str, Any] = {"params": sum(p.numel() for p in parameters(graph))}
         if measured is not None:
             value = measured.get(name)
@@ -149,6 +159,7 @@ def compare(
     probed = sorted(c for c in df.columns if c.startswith(PROBE) and c != FLAGS)
     df = df[[c for c in first if c in df.columns] + probed + [FLAGS]]
     df.index.name = "candidate"
+    df.attrs["left_out"] = left_out
     return df
 
 
@@ -187,7 +198,9 @@ class CompareTable(Face, anywidget.AnyWidget):
     their column (best green); a probe value the health verdict flags is tinted red; with a
     measured column, a last row holds each column's Spearman rank correlation with it, and a
     scatter plots any score (chosen from a menu) against it. Every number is written one way;
-    every column is explained in its header's tooltip and under the table. Refused: a
+    every column is explained in its header's tooltip and under the table, and why a proxy
+    was left out of a candidate (`df.attrs["left_out"]`, as `compare` gives it) in its empty
+    cell's tooltip and in a note under the table. Refused: a
     measured column the DataFrame does not have, measured values for rows it does not have."""
 
     _bundle = "table"
@@ -247,6 +260,7 @@ class CompareTable(Face, anywidget.AnyWidget):
             "correlations": correlations,
             "explain": _explain(df.columns, column),
             "flagged": _flagged(df),
+            "left_out": _left_out(df),
         }
         super().__init__(table=table, sort_by=column, scatter=best)
         self._draw()
@@ -261,14 +275,16 @@ class CompareTable(Face, anywidget.AnyWidget):
         where any candidate is flagged), then the others past what fits, unless their group
         was opened (`shown`)."""
         t = self.table
-        names = max([80.0] + [text_width(n, 12, True) + 18 for n in t["index"]])
+        names = min(NAMES, max(text_width(n, 12, True) for n in [*t["index"], "candidate"]))
         widths = {}
         for j, c in enumerate(t["columns"]):
             texts = [row[j] if isinstance(row[j], str) else number(row[j]) for row in t["values"]]
-            head = text_width(c.split(":", 1)[-1] + " ▼", 12, True)
+            head = text_width(c.split(":", 1)[-1], 12, True)
             widths[c] = max([head] + [text_width(x, 12) for x in texts]) + 18
-        # a group opened by hand is room given: it does not push others behind a toggle
-        total = names + sum(w for c, w in widths.items() if t["groups"][c] not in self.shown)
+        # a group opened by hand is room given: it does not push others behind a toggle;
+        # the sorted column's arrow is on one header at a time
+        total = names + 18 + text_width(" ▼", 12, True)
+        total += sum(w for c, w in widths.items() if t["groups"][c] not in self.shown)
         # what the health verdict says of a candidate is the probe column never tucked away
         j = t["columns"].index(FLAGS) if FLAGS in t["columns"] else -1
         kept = {FLAGS} if j >= 0 and any(row[j] for row in t["values"]) else set()
@@ -303,7 +319,8 @@ class CompareTable(Face, anywidget.AnyWidget):
         t = self.table
         rows = len(t["index"]) + (1 if t["measured"] else 0)
         below = max(270 if t["measured"] else 0, 22 + 17 * len(t["explain"]))
-        height = 70 + 26 * rows + 30 + below
+        notes = sum(len(said) for said in t["left_out"].values())
+        height = 70 + 26 * rows + 30 + 17 * notes + below
         return (
             f'{svg_open(WIDEST, height)}<foreignObject width="{WIDEST:.0f}" height="{height}">'
             f'<div xmlns="http://www.w3.org/1999/xhtml">{self.drawing}</div></foreignObject></svg>'
@@ -339,3 +356,14 @@ def _flagged(df: Any) -> dict[str, list[str]]:
                 if flags:
                     out[f"{row}|{c}"] = flags
     return out
+
+
+def _left_out(df: Any) -> dict[str, dict[str, str]]:
+    """Why a column was left out of a row, as compare() put it in `df.attrs`, for the rows
+    and columns the table has."""
+    said = dict(df.attrs.get("left_out") or {})
+    return {
+        str(row): {str(c): str(why) for c, why in dict(said[row]).items() if c in df.columns}
+        for row in df.index
+        if said.get(row)
+    }
