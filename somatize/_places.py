@@ -259,19 +259,16 @@ class Remote:
                     self.fs.rm_file(aside)
                 raise
 
-    def _exists(self, final: str) -> bool:
-        self.fs.invalidate_cache(final)
-        return self.fs.exists(final)
-
     def create(self, path: str, data: bytes) -> bool:
         final = self.where(path)
         with self.lock:
-            if self._exists(final):
-                return False
             if not self.whole:
                 self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
             wait = _FIRST_WAIT
             for attempt in range(_TRIES):
+                self.fs.invalidate_cache(final)  # another process may have claimed it since
+                if self.fs.exists(final):
+                    return False
                 try:
                     with self.fs.open(final, "xb") as file:
                         file.write(data)
@@ -294,10 +291,6 @@ class Remote:
                         ) from error
                 time.sleep(wait)  # another conditional write of this name is in flight
                 wait = min(2 * wait, _LONGEST_WAIT)
-                if self._exists(final):
-                    return False
-            if self._exists(final):
-                return False
             self.write(path, data)
             return True
 
