@@ -58,11 +58,7 @@ DEPTH = 32
 """How deep tuples and registered values may nest inside one another, in `encode` and `decode`."""
 
 
-class _Nesting(threading.local):
-    depth = 0  # how many extension levels the current thread is inside
-
-
-_nesting = _Nesting()
+_nesting = threading.local()  # .depth: how many extension levels this thread is inside
 
 
 class Malformed(ValueError):
@@ -209,7 +205,7 @@ def _default(value: Any) -> msgpack.ExtType:
 def deeper(reading: bool) -> Iterator[None]:
     """One more level of nesting on this thread while inside, refused past `DEPTH` (`Malformed`
     when `reading`, else `ValueError`): a store's values and the wire's messages alike."""
-    depth = _nesting.depth
+    depth = getattr(_nesting, "depth", 0)
     if depth > DEPTH:
         doing = "read back" if reading else "written down"
         raise (Malformed if reading else ValueError)(
