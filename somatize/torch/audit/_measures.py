@@ -61,12 +61,7 @@ def norm(t: torch.Tensor) -> torch.Tensor:
     """‖t‖ as a one-number tensor, accumulated in float32 or wider (called under no_grad).
     Values so large that their norm overflows read inf: `wide_norm` tells them from an
     infinity."""
-    if t.dtype is torch.float32 and t.layout is torch.strided:
-        return torch.linalg.vector_norm(t)
-    t = _values(t)
-    return torch.linalg.vector_norm(
-        t, dtype=torch.float64 if t.dtype is torch.float64 else torch.float32
-    )
+    return torch.linalg.vector_norm(_values(t), dtype=_wide(t))
 
 
 def wide_norm(t: torch.Tensor) -> float:

@@ -109,22 +109,17 @@ class Place:
 
     # -- in the forward, and the backward ---------------------------------------------------
     def saw(self, input: Any, out: Any, step: int, channels: bool, snapshot: bool) -> None:
-        """What came out of the place on a measured step (and what went in): its sums left as
-        tensors; with `channels` its channels' activity and a hook on its input's gradient;
-        for declared groups, a copy of up to 128 samples for a CKA; on a `snapshot` step
-        those rows and a tensor hook for the gradient that will come back to its output."""
-        t = out if type(out) is torch.Tensor else next(iter(floats_in(out)), None)
-        if t is None or not t.is_floating_point():
+        """What came out of the place on a measured step (and the ids of what went in), left as
+        tensors, and tensor hooks for the gradients that will come back."""
+        t = next(iter(floats_in(out)), None)
+        if t is None:
             return
         self.step = step
         a = t.detach()
         self.sums.append(sums_of(a, self.saturates))
         self.size += a.numel()
         self.outs.append(id(t))
-        if type(input) is torch.Tensor:
-            self.ins.add(id(input))
-        else:
-            self.ins.update(map(id, floats_in(input)))
+        self.ins.update(map(id, floats_in(input)))
         # (a hook holds the place by a weak reference: held, it would keep the weights alive)
         if snapshot and t.requires_grad:
             t.register_hook(_hear(weakref.ref(self), step, "out_grads", None))
@@ -220,20 +215,17 @@ class Place:
             n["input_channels"] = self.in_grads[0].numel()
             n["ignored_channels"] = int(values[k])
         if self.groups is not None and self.rows is not None:
-            n["cka"] = self._leak()
+            n["cka"] = self._leak(self.rows, self.groups)
         if snapshot and self.rows is not None:
             n["effective_rank"] = effective_rank(self.rows)
             n["rank_room"] = min(self.rows.shape)
         return n
 
     def _came_in(self, out: bool, grad: bool, out_grads: list[float], spoilt: set[int]) -> bool:
-        """Whether the NaN or inf seen here came from elsewhere: in its output from an input
-        that another place gave it spoilt (an input no watched place gave, the data, counts
-        as finite: a NaN in the data reads as arising at the first place given it), or in
-        its gradient from the gradient arriving at its output (known on a snapshot step;
-        otherwise taken to have come from an output that was not finite, when there was
-        one). Decided when it first appears here and kept while it lasts, so the place where
-        it arose stays the one flagged after it has spread."""
+        """Whether the NaN or inf seen here came in: its output's through an input another place
+        gave spoilt (the data counts as finite), its gradient's through its output's gradient
+        (known on a snapshot step, else guessed from any spoilt output). Kept while it lasts,
+        so the place where it arose stays the one flagged after it has spread."""
         if self.inherited is None:
             if out:
                 self.inherited = not self.ins.isdisjoint(spoilt)
@@ -245,13 +237,11 @@ class Place:
                 self.inherited = False
         return self.inherited
 
-    def _leak(self) -> float:
+    def _leak(self, rows: torch.Tensor, groups: dict[str, list[int]]) -> float:
         """The largest linear CKA between two of the declared channel groups."""
-        rows = self.rows
-        assert rows is not None and self.groups is not None
         width = rows.shape[1]
         best = 0.0
-        for a, b in itertools.combinations(self.groups.values(), 2):
+        for a, b in itertools.combinations(groups.values(), 2):
             if max(a + b) >= width:
                 raise ValueError(
                     f"groups[{self.where!r}] names channel {max(a + b)}, and that place has "
