@@ -114,7 +114,6 @@ class Recorder:
         self._facts: list[dict[str, Any]] = []
         self._ran: set[Any] = set()
         self._finished = False
-        self._broke = False
         self._dirty = False
 
     def __repr__(self) -> str:
@@ -133,14 +132,13 @@ class Recorder:
         kind = fact["fact"]
         copied = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in fact.items()}
         with self._lock:
+            # a node ran twice: the forward before never finished, it broke
             again = kind == "ran" and not self._finished and fact.get("node") in self._ran
-            if again:  # a node ran twice: the forward before never finished, it broke
-                self._broke = True
             if (kind in ("ran", "finished") and self._finished) or again:
-                self._write()
+                self._write(broke=again)
                 self._forward += 1
                 self._facts, self._ran = [], set()
-                self._finished = self._broke = False
+                self._finished = False
             if kind == "ran":
                 self._ran.add(fact.get("node"))
             self._facts.append(copied)
@@ -165,14 +163,14 @@ class Recorder:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _write(self) -> None:
+    def _write(self, broke: bool = False) -> None:
         if not self._dirty or not self._facts:
             return
         finished = [f for f in self._facts if f.get("fact") == "finished"]
         meta: list[tuple[str, Any]] = [
             ("run", self.run),
             ("forward", self._forward),
-            ("state", "ok" if finished else "broke" if self._broke else "unfinished"),
+            ("state", "ok" if finished else "broke" if broke else "unfinished"),
             ("nodes", sum(1 for f in self._facts if f.get("fact") == "ran")),
             ("took_us", finished[-1].get("took_us") if finished else None),
         ]
