@@ -38,16 +38,6 @@ _FIXED = {*_BATCHES.values(), *_caches.NAMES}
 _registered: set[str] = set()
 
 
-def _import(module: str) -> None:
-    """Import `module`, one of `_FIXED`'s; `Malformed` where transformers is not installed."""
-    try:
-        importlib.import_module(module)
-    except ImportError as error:
-        raise Malformed(
-            f"a {module} value arrived, and transformers is not installed here: {error}"
-        ) from None
-
-
 def _loaded(module: str, name: str) -> type | None:
     """The class `module.name` if this process has imported that module, else None."""
     found = sys.modules.get(module)
@@ -98,7 +88,12 @@ def from_fields(got: Any, kind: str | None = None) -> Any:
     if not module.startswith("transformers.") or "." in name:
         raise Malformed(f"a {KIND} names {module}.{name}, which is not a transformers output")
     if (module, name) in _FIXED and module not in sys.modules:
-        _import(module)  # one we name (a batch a worker is sent), never one the bytes name
+        try:  # one we name (a batch a worker is sent), never one the bytes name
+            importlib.import_module(module)
+        except ImportError as error:
+            raise Malformed(
+                f"a {module} value arrived, and transformers is not installed here: {error}"
+            ) from None
     if "transformers" not in sys.modules:
         raise Malformed(f"a {kind or KIND} arrived, and this process has not loaded transformers")
     families = _families()
@@ -123,11 +118,6 @@ def from_fields(got: Any, kind: str | None = None) -> Any:
         raise Malformed(f"a {KIND} {name} could not be built from its fields: {error}") from None
 
 
-def _taken(cls: type) -> bool:
-    """Whether a codec is registered for `cls` or a class it derives from (the user's)."""
-    return any(c in codecs._by_type for c in cls.__mro__[:-1])  # no public lookup in core
-
-
 def late_codecs() -> bool:
     """Register the codecs of the transformers classes loaded now that have none yet (the
     user's own, registered before, stays); whether this call registered any."""
@@ -138,7 +128,8 @@ def late_codecs() -> bool:
             importlib.import_module(module)
     fresh = False
     for kind, cls in _families().items():
-        if kind in _registered or _taken(cls):
+        # the user's codec for it or a class it derives from wins (no public lookup in core)
+        if kind in _registered or any(c in codecs._by_type for c in cls.__mro__[:-1]):
             continue
         codec(
             kind,

@@ -4,13 +4,12 @@ mode for the torch functions between them, following each tensor to the layer th
 from __future__ import annotations
 
 import weakref
-from collections.abc import Collection
 from typing import Any
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from somatize.torch._modules import parts_of, tensors_in
+from somatize.torch._modules import tensors_in
 from somatize.torch.inside._trace import (
     Opening,
     Raw,
@@ -26,21 +25,6 @@ from somatize.torch.inside._trace import (
 from somatize.torch.inside.kinds import function_name
 
 
-class _Functions(TorchFunctionMode):
-    """Every torch function called between the drawn modules: drawn, or passing its input's
-    producers on. Off inside a closed module (the Reading leaves the mode there)."""
-
-    def __init__(self, reading: Reading) -> None:
-        super().__init__()
-        self.reading = reading
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        result = func(*args, **kwargs)
-        self.reading.function(func, (args, kwargs), result)
-        return result
-
-
 class Calls:
     """Hooks on the drawn modules of a root (its layers and the blocks around them) that say
     which path each call is made under and which call of that path it is.
@@ -48,23 +32,12 @@ class Calls:
     A module tied in two places is one object at two paths: a call is put at the path inside
     the block that is running. `enter(path, call, args, kwargs)` hears a layer's call begin
     and `leave(path, call, (args, kwargs), output)` hears it end; nothing inside a layer is
-    heard, nor anything while `live` is False. With `blocks` False the blocks are hooked only
-    when a module is tied (their hooks say which path it is called under); with `only`, a
-    module with no children at none of those paths is not hooked."""
+    heard, nor anything while `live` is False."""
 
-    def __init__(
-        self,
-        opening: Opening,
-        enter: Any,
-        leave: Any,
-        blocks: bool = True,
-        only: Collection[str] | None = None,
-    ) -> None:
+    def __init__(self, opening: Opening, enter: Any, leave: Any) -> None:
         self.opening = opening
         self.enter = enter
         self.leave = leave
-        self.blocks = blocks
-        self.only = only
         self.live = True
         self.stack: list[str] = []
         self.calls: dict[str, int] = {}
@@ -76,22 +49,10 @@ class Calls:
         aliases: dict[int, tuple[nn.Module, list[tuple[str, bool]]]] = {}  # by module object
         for path, module, shut in self.opening.drawn():
             aliases.setdefault(id(module), (module, []))[1].append((path, shut))
-        tied = any(len(paths) > 1 for _, paths in aliases.values())
         for module, paths in aliases.values():
-            if not (self.blocks or tied or any(shut for _, shut in paths)):
-                continue
-            if (
-                self.only is not None
-                and not any(path in self.only for path, _ in paths)
-                and not parts_of(module)
-            ):
-                continue  # nobody listens, and no other drawn module can be called inside it
-            self.handles.append(
-                module.register_forward_pre_hook(self._pre(paths), with_kwargs=True)
-            )
-            self.handles.append(
-                module.register_forward_hook(self._post(paths), with_kwargs=True)
-            )
+            pre = module.register_forward_pre_hook(self._pre(paths), with_kwargs=True)
+            post = module.register_forward_hook(self._post(paths), with_kwargs=True)
+            self.handles += [pre, post]
         return self
 
     def within(self) -> dict[str, int]:
@@ -141,14 +102,17 @@ class Calls:
         return hook
 
 
-class Reading:
+class Reading(TorchFunctionMode):
     """A read by a real forward that rides along a forward somebody else runs (the graph's
-    own): `arm()` hooks what is drawn and turns the function mode on for the root's first call
-    (off while a layer runs: nothing inside a layer is a layer), `disarm()` takes it all off,
-    `result()` answers what was seen."""
+    own): `arm()` hooks what is drawn and turns this function mode on for the root's first
+    call (off while a layer runs: nothing inside a layer is a layer), so every torch function
+    between the drawn modules is heard; `disarm()` takes it all off, `result()` answers what
+    was seen. `why` says why torch.fx could not read the root instead."""
 
-    def __init__(self, root: nn.Module, depth: int) -> None:
+    def __init__(self, root: nn.Module, depth: int, why: str | None = None) -> None:
+        super().__init__()
         self.root = root
+        self.why = why
         self.opening = Opening(root, depth)
         self.hooks = Calls(self.opening, self._layer_in, self._layer_out)
         self.hooks.live = False
@@ -160,7 +124,6 @@ class Reading:
         self.by: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
         self.edges: dict[tuple[str, str], None] = {}
         self.handles: list[Any] = []
-        self.mode = _Functions(self)
         self.on = False  # the mode is on the stack
         self.calls = 0
         self.passing: frozenset[str] | None = None  # what an Identity being run hands on
@@ -196,10 +159,14 @@ class Reading:
             if p != layer.path:
                 self.edges[(p, layer.path)] = None
 
-    def function(self, func: Any, given: Any, result: Any) -> None:
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        """Each torch function called: a layer, or passing its input's producers on."""
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        given = (args, kwargs)
         tracked, made = self.producers(given)
         if not tracked:
-            return  # on constants only: not the data
+            return result  # on constants only: not the data
         name = function_name(func)
         outs = tensors_in(result)
         if drawn(name) and outs and outs[0].is_floating_point() and not joins_nothing(name, given):
@@ -210,6 +177,7 @@ class Reading:
             self.mark(outs, frozenset((layer.path,)))
         else:
             self.mark(outs, made)
+        return result
 
     def _layer_in(self, path: str, call: int, args: tuple, kwargs: dict) -> None:
         self._mode(False)
@@ -233,9 +201,9 @@ class Reading:
     def _mode(self, on: bool) -> None:
         if on != self.on:
             if on:
-                self.mode.__enter__()
+                self.__enter__()
             else:
-                self.mode.__exit__(None, None, None)
+                self.__exit__(None, None, None)
             self.on = on
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:

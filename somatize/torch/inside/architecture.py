@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import asdict, dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,22 +63,15 @@ class Inside:
 _Call = tuple[tuple, dict]  # the exact (args, kwargs) a module was called with
 
 
-class _Read(NamedTuple):
-    """fx refused this module: the reading that rides along the graph's run, and why."""
-
-    reading: Reading
-    why: str
-
-
 def _raw(
     module: nn.Module, call: _Call | None, recorded: dict | None, plan: Any, depth: int
 ) -> tuple[Traced, str, str | None] | None:
     """The layers of `module`, how they were read and why not by fx (None where nothing was):
-    `plan` is what `_plan` found before the graph ran (an fx trace, or the `_Read` that rode
+    `plan` is what `_plan` found before the graph ran (an fx trace, or the `Reading` that rode
     along the run), `call` what reached the module there and `recorded` what its submodules
     gave back (a module without any: the shape of what it gave back, at "")."""
-    if isinstance(plan, _Read):  # read in the graph's run: nothing runs again
-        return (plan.reading.result(), "traced", plan.why) if plan.reading.calls else None
+    if isinstance(plan, Reading):  # read in the graph's run: nothing runs again
+        return (plan.result(), "traced", plan.why) if plan.calls else None
     if not parts_of(module):  # one layer, whatever its forward does inside
         out = Traced()
         Opening(module, 0).add_leaf(out, "").shape = (recorded or {}).get("")
@@ -95,7 +88,7 @@ def _raw(
 
 def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
     """Before the graph runs: each node's module traced by fx, or — where fx refuses — a
-    `_Read` to be armed for the run, so no module is run a second time."""
+    `Reading` to be armed for the run, so no module is run a second time."""
     plans: dict[str, Any] = {}
     for node, module in roots.items():
         if not parts_of(module):
@@ -109,7 +102,7 @@ def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
                 why = in_one_line(e)
                 if not isinstance(module, Holder):
                     _REFUSED.setdefault(module, {})[depth] = why
-        plans[node] = _Read(Reading(module, depth), why)
+        plans[node] = Reading(module, depth, why)
     return plans
 
 
@@ -131,7 +124,6 @@ def traced(module: Any, example: Any = None, *, depth: int = 0, most: int = 48) 
     """
     if not isinstance(module, nn.Module):
         return None
-    # read as `architecture` reads the graph of this one module
     return next(iter(architecture(module, example, most=most, depth=depth).values()), None)
 
 
@@ -187,8 +179,8 @@ def _capture(
 
         handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         plan = plans.get(node)
-        if isinstance(plan, _Read):
-            continue  # read by its Reading: nothing to record
+        if isinstance(plan, Reading):
+            continue  # nothing to record
         mine = outputs[node] = {}
         if plan is None:  # childless: one layer, and only its output's shape is kept
 
@@ -205,7 +197,7 @@ def _capture(
 
             handles.append(opening.named[path].register_forward_hook(record))
     through = {n: m for n, m in roots.items() if isinstance(m, Holder)}
-    readings = [p.reading for p in plans.values() if isinstance(p, _Read)]
+    readings = [p for p in plans.values() if isinstance(p, Reading)]
     try:
         with untouched(list(roots.values())), torch.no_grad(), Tap(graph, None, through):
             for reading in readings:

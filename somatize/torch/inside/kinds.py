@@ -140,9 +140,7 @@ def kind_of(what: Any) -> str:
             if _named(ancestry, pattern):
                 return kind
         return "other"
-    if callable(what) or isinstance(what, str):
-        return _FUNCTIONS.get(function_name(what), "other")
-    return "other"
+    return _FUNCTIONS.get(function_name(what), "other")
 
 
 def recognised(module: nn.Module) -> bool:

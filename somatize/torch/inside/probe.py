@@ -219,7 +219,7 @@ def probe(
             if call == 1 and path in places:
                 places[path].saw(given, output, known)
 
-        hooks.append(Calls(opening, lambda *_: None, leave, blocks=False, only=places))
+        hooks.append(Calls(opening, lambda *_: None, leave))
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
         nodes[node].saw(input, out, known)
