@@ -130,13 +130,18 @@ def collapse(
         for p in opened:
             if level(p) == deepest:
                 boxes.update(_calls_of(p, layers, into))
-        layers = _closed(layers, boxes, into)
+        kept: dict[str, Raw] = {}  # a block's first box where it stood, a later one where it ran
+        for path, f in layers.items():
+            if path in into:
+                kept.setdefault(into[path], boxes[into[path]])
+            else:
+                kept[path] = boxes.get(path, f)
+        layers = kept
         moved = ((into.get(a, a), into.get(b, b)) for a, b in edges)
         edges = list(dict.fromkeys((a, b) for a, b in moved if a != b))
     hidden = max(0, len(layers) - most)
     if hidden:
-        kept = list(layers)[:most]
-        layers = {p: layers[p] for p in kept}
+        layers = dict(list(layers.items())[:most])
         for f in layers.values():
             f.made_of = [c for c in f.made_of if c in layers]
         edges = [(a, b) for a, b in edges if a in layers and b in layers]
@@ -161,17 +166,3 @@ def _calls_of(block: str, layers: dict[str, Raw], into: dict[str, str]) -> dict[
         boxes[box].shape = inner.shape or boxes[box].shape  # its last layer's
     return boxes
 
-
-def _closed(
-    layers: dict[str, Raw], boxes: dict[str, Raw], into: dict[str, str]
-) -> dict[str, Raw]:
-    """`layers` with the closed blocks' layers gone (`into` says which box each went into):
-    a block's first box stands where the block stood, each later one where its first layer
-    ran."""
-    out: dict[str, Raw] = {}
-    for path, f in layers.items():
-        if path in into:
-            out.setdefault(into[path], boxes[into[path]])
-        else:
-            out[path] = boxes.get(path, f)
-    return out

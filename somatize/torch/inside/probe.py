@@ -111,7 +111,18 @@ class _Place:
         inp, out = _first(given), _first(made)
         if out is None:
             return
-        self.numbers = _numbers(inp, out, self.saturates, known)
+        a = out.detach()
+        n = self.numbers = {}
+        before = known.rms(inp) if inp is not None else 0.0
+        if before > 0:  # a gain against an input of zeros (a dead layer before) means nothing
+            n["signal_gain"] = known.rms(out) / before
+        size = a.numel()
+        total, zeros, *saturated = read(sums_of(a, self.saturates))
+        n["zero_frac_max"] = zeros / size if size else 0.0
+        n["sat_frac_max"] = saturated[0] / size if size and saturated else 0.0
+        finite = math.isfinite(total)  # a NaN or an inf anywhere shows in Σ|a|
+        n["nan"] = False if finite else bool(a.isnan().any())
+        n["inf"] = False if finite else bool(a.isinf().any())
         if inp is not None and inp.dim() and out.dim() and inp.shape[0] == out.shape[0]:
             self.rows = out.shape[0]
         if out.requires_grad:
@@ -137,25 +148,6 @@ class _Place:
                     var = math.fsum((r - mean) ** 2 for r in ratio) / len(ratio)
                     n["jacobian_spread"] = math.sqrt(var) / mean if mean > 0 else 0.0
         return n
-
-
-def _numbers(
-    inp: torch.Tensor | None, out: torch.Tensor, saturates: str | None, known: _Tensors
-) -> dict:
-    a = out.detach()
-    n: dict[str, Any] = {}
-    rms = known.rms(out)
-    before = known.rms(inp) if inp is not None else 0.0
-    if before > 0:  # a gain against an input of zeros (a dead layer before) means nothing
-        n["signal_gain"] = rms / before
-    size = a.numel()
-    total, zeros, *saturated = read(sums_of(a, saturates))
-    n["zero_frac_max"] = zeros / size if size else 0.0
-    n["sat_frac_max"] = saturated[0] / size if size and saturated else 0.0
-    finite = math.isfinite(total)  # a NaN or an inf anywhere shows in Σ|a|
-    n["nan"] = False if finite else bool(a.isnan().any())
-    n["inf"] = False if finite else bool(a.isinf().any())
-    return n
 
 
 def probe(
