@@ -66,6 +66,7 @@ class ForwardForward(Learning):
 
     needs_target = True
     wants_signal = False
+
     def __init__(
         self,
         optimizer: Callable[..., Any],

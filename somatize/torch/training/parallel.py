@@ -146,21 +146,16 @@ def _fsdp_refusals(trains: dict[str, Any], optimizer: Any, audit: Any) -> None:
         )
 
 
-def _difference(theirs: dict[str, Any], mine: dict[str, Any]) -> str | None:
-    for what in ("parallel", "every", "micro", "trains"):
-        if theirs[what] != mine[what]:
-            return f"{what}={mine[what]!r} here, {theirs[what]!r} on rank 0"
-    differs = _weights.difference(mine["nodes"], theirs["nodes"])
-    if differs is None and list(mine["nodes"].items()) != list(theirs["nodes"].items()):
-        differs = "it holds the nodes and weights rank 0 holds, in another order"
-    return differs
-
-
 def _same_everywhere(graph: Any, mode: str, trains: dict, every: int, micro: int) -> None:
     nodes = _weights.manifest({nid: state_of(graph.implementation(nid)) for nid in graph.nodes()})
     mine = dict(parallel=mode, every=every, micro=micro, trains=sorted(trains), nodes=nodes)
     theirs = _ranks.from_rank0(mine if dist.get_rank() == 0 else None)
-    differs = _difference(theirs, mine)
+    fields = [k for k in mine if k != "nodes" and theirs[k] != mine[k]]
+    differs = _weights.difference(nodes, theirs["nodes"])
+    if fields:
+        differs = f"{fields[0]}={mine[fields[0]]!r} here, {theirs[fields[0]]!r} on rank 0"
+    elif differs is None and list(nodes.items()) != list(theirs["nodes"].items()):
+        differs = "it holds the nodes and weights rank 0 holds, in another order"
     odd = _ranks.refusing(differs is None)
     if odd:
         here = f"rank {dist.get_rank()} differs from rank 0: {differs}. " if differs else ""

@@ -79,7 +79,8 @@ class Remote:
             self.audit.heard(got["facts"])
         return {s: envelope(g, closing) for s, (g, closing) in got["owed"].items()}
 
-    def _refuse_untrained(self, part: Any) -> None:
+    def _describe(self, part: Any) -> dict[str, Any]:
+        # asked whenever the part is sent, so once a worker: refuse a node nothing trains there
         from somatize.torch.training.trainer import NoGradient
 
         idle = [
@@ -95,9 +96,6 @@ class Remote:
                 f"Train it where it runs, Trainer(..., trains={{{n!r}: Split(SGD, lr=...)}}) "
                 "with the optimizer over parameters(g, without=trains), or declare it .frozen()"
             )
-
-    def _describe(self, part: Any) -> dict[str, Any]:
-        self._refuse_untrained(part)  # asked whenever the part is sent, so once a worker
         broker = self.broker
         learning = None
         if part.learning is not None:

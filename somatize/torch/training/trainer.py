@@ -169,13 +169,12 @@ class Trainer:
             p.around(self._stages, optimizer)
             held = _checks.held_by(graph, optimizer, trains)  # FSDP's are new parameters
         self._unproven = held  # the nodes not yet seen to get a gradient
-        if audit is not None:
-            self._stages.audited(audit)  # a node on a worker is measured there
-        self.audit = audit.watch(graph) if audit is not None else None
         self._health: list[dict] = []  # the audit's facts, until the update they wait for
         self.live: Any = None
-        self._release = None
-        if self.audit is not None:
+        self.audit = self._release = None
+        if audit is not None:
+            self._stages.audited(audit)  # a node on a worker is measured there
+            self.audit = audit.watch(graph)
             self._stages.recompile()
             self._release = weakref.finalize(self, _released, self.audit, self._stages)
 
