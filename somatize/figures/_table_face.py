@@ -41,9 +41,9 @@ def rank_colour(t: float, alpha: float = 0.55) -> str:
     return f"rgba({c[0]},{c[1]},{c[2]},{alpha})"
 
 
-def ranks(values: list[Any], higher: bool) -> list[float | None]:
-    """Each value's rank in its column from 0 (worst) to 1 (best), ties sharing one; an
-    infinity ranks too (a proxy's log 0 is the worst score there is), a NaN does not."""
+def ranks(values: list[Any]) -> list[float | None]:
+    """Each value's rank in its column from 0 (lowest: worst) to 1 (best), ties sharing one;
+    an infinity ranks too (a proxy's log 0 is the worst score there is), a NaN does not."""
     nums = [(float(v), i) for i, v in enumerate(values) if finite(v) or v in (math.inf, -math.inf)]
     out: list[float | None] = [None] * len(values)
     if len(nums) < 2:
@@ -51,8 +51,7 @@ def ranks(values: list[Any], higher: bool) -> list[float | None]:
     ordered = sorted(v for v, _ in nums)
     for v, i in nums:
         lo, hi = bisect_left(ordered, v), bisect_right(ordered, v) - 1
-        r = (lo + hi) / 2 / (len(ordered) - 1)
-        out[i] = r if higher else 1 - r
+        out[i] = (lo + hi) / 2 / (len(ordered) - 1)
     return out
 
 
@@ -61,13 +60,13 @@ _SPECIAL = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}  # as they come
 
 def html(table: dict[str, Any]) -> str:
     """The table's HTML (see the module's docstring). `table` is what CompareTable holds:
-    index, columns, values, groups, hidden, explain, higher, flagged, left_out, correlations,
+    index, columns, values, groups, hidden, explain, flagged, left_out, correlations,
     measured, sort_by, ascending, scatter."""
     cols, index = table["columns"], table["index"]
     values = [[_SPECIAL.get(v, v) if isinstance(v, str) else v for v in r] for r in table["values"]]
     table = {**table, "values": values}
     groups, hidden = table["groups"], set(table["hidden"])
-    explain, higher = table["explain"], table["higher"]
+    explain = table["explain"]
     order = _order(table)
     name = f"{_STICKY}text-align:left;max-width:{NAMES:.0f}px;"
     head = "border-bottom:2px solid #c4c9d4"
@@ -98,10 +97,10 @@ def html(table: dict[str, Any]) -> str:
         attrs += f' title="{esc(explain.get(c, ""))}"'
         out.append(_cell("th", attrs, style, label, c in hidden))
     out.append("</tr></thead><tbody>")
-    colour = {
-        c: ranks([row[j] for row in values], bool(higher.get(c)))
+    colour = {  # every proxy and measured: higher is better
+        c: ranks([row[j] for row in values])
         for j, c in enumerate(cols)
-        if higher.get(c) is not None
+        if groups[c] in ("measured", "proxy")
     }
     for i in order:
         row = esc(index[i])

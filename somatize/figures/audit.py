@@ -12,6 +12,7 @@ metric at once, even while the kernel is busy with the fit.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -111,7 +112,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
         """A watcher whose facts are drawn as the run `name`, beside this audit's others."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a run is named by a non-empty string, not {name!r}")
-        return _RunWatcher(self, name)
+        return functools.partial(self._take, run=name)
 
     def _take(self, fact: dict[str, Any], run: str) -> None:
         kind = fact.get("fact") if isinstance(fact, dict) else None
@@ -281,16 +282,3 @@ class LiveAudit(Face, anywidget.AnyWidget):
             more = f", {len(runs)} runs" if len(runs) > 1 else ""
         held = f"{places} places" if places else "loss only"
         return image(self.svg(), f"{self.title}: {held}, {steps} steps{more}")
-
-
-class _RunWatcher:
-    """What `LiveAudit.run(name)` answers: a watcher whose facts are that run's."""
-
-    def __init__(self, audit: LiveAudit, name: str) -> None:
-        self.audit, self.name = audit, name
-
-    def __call__(self, fact: dict[str, Any]) -> None:
-        self.audit._take(fact, self.name)
-
-    def __repr__(self) -> str:
-        return f"<run {self.name!r} of {self.audit.title!r}>"

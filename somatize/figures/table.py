@@ -124,12 +124,7 @@ def compare(
     if not named:
         raise ValueError("compare() needs at least one candidate: {name: graph} or [graph, ...]")
     if measured is not None:
-        unknown = [k for k in measured if k not in named]
-        if unknown:
-            raise ValueError(
-                f"measured= names {', '.join(map(repr, unknown))}, not among the candidates "
-                f"({', '.join(map(repr, named))})"
-            )
+        measured = _measured(list(named), measured)
     rows: dict[str, dict[str, Any]] = {}
     left_out: dict[str, dict[str, str]] = {}
     for name, graph in named.items():
@@ -147,13 +142,12 @@ def compare(
             if out:
                 left_out.setdefault(name, {})[f"{PROXY}{out[1]}"] = out[2]
         row: dict[str, Any] = {"params": sum(p.numel() for p in parameters(graph))}
-        if measured is not None:
-            value = measured.get(name)
-            row["measured"] = float(value) if value is not None else math.nan
         row.update({f"{PROXY}{k}": float(v) for k, v in scores.items()})
         row.update(looked)
         rows[name] = row
     df = pd.DataFrame.from_dict(rows, orient="index")
+    if measured is not None:
+        df["measured"] = measured
     # the same columns in the same order whichever candidate a proxy was left out of
     first = ["params", "measured", *(f"{PROXY}{p}" for p in EVERY)]
     probed = sorted(c for c in df.columns if c.startswith(PROBE) and c != FLAGS)
@@ -163,18 +157,28 @@ def compare(
     return df
 
 
-def _correlations(df: Any, measured: str) -> dict[str, float | None]:
+def _measured(names: list[Any], measured: Any) -> Any:
+    """`measured` ({candidate: number}) as a float Series over `names`, NaN where not given;
+    refused for a name not among them."""
     import pandas as pd
 
+    values = pd.Series(dict(measured), dtype=float)
+    unknown = [k for k in values.index if k not in names]
+    if unknown:
+        raise ValueError(
+            f"measured= names {', '.join(map(repr, unknown))}, not among the candidates "
+            f"({', '.join(map(repr, names))})"
+        )
+    return values.reindex(names)
+
+
+def _correlations(df: Any, measured: str) -> dict[str, float | None]:
+    """Each numeric column's Spearman rank correlation with `measured` over the rows that
+    have both (an infinity ranks); None under 3 such rows or where either is constant."""
     out: dict[str, float | None] = {}
-    for column in df.columns:
-        if column == measured:
-            continue
-        pair = df[[column, measured]].apply(pd.to_numeric, errors="coerce").dropna()
-        if len(pair) < 3 or pair[column].nunique() < 2 or pair[measured].nunique() < 2:
-            out[column] = None
-            continue
-        rho = pair[column].rank().corr(pair[measured].rank())
+    for column in df.columns.drop(measured):
+        pair = df[[column, measured]].dropna()
+        rho = pair[column].rank().corr(pair[measured].rank()) if len(pair) >= 3 else math.nan
         out[column] = float(rho) if math.isfinite(rho) else None
     return out
 
@@ -200,8 +204,8 @@ class CompareTable(Face, anywidget.AnyWidget):
     scatter plots any score (chosen from a menu) against it. Every number is written one way;
     every column is explained in its header's tooltip and under the table, and why a proxy
     was left out of a candidate (`df.attrs["left_out"]`, as `compare` gives it) in its empty
-    cell's tooltip and in a note under the table. Refused: a
-    measured column the DataFrame does not have, measured values for rows it does not have."""
+    cell's tooltip and in a note under the table. Refused: a measured column the DataFrame
+    does not have, measured values for rows it does not have."""
 
     _bundle = "table"
     _esm = STATIC / "table.js"
@@ -215,47 +219,34 @@ class CompareTable(Face, anywidget.AnyWidget):
     scatter = traitlets.Unicode("").tag(sync=True)
     drawing = traitlets.Unicode("").tag(sync=True)
 
-    def __init__(self, df: Any, *, measured: Any = None, higher_better: Any = None) -> None:
+    def __init__(self, df: Any, *, measured: Any = None) -> None:
         import pandas as pd
 
         if not isinstance(df, pd.DataFrame):
             raise TypeError(f"CompareTable shows a pandas DataFrame, not {type(df).__name__}")
         df = df.copy()
         df.columns = [str(c) for c in df.columns]
-        column = ""
-        if isinstance(measured, str):
-            if measured not in df.columns:
-                raise ValueError(
-                    f"measured={measured!r} is not a column of this table "
-                    f"({', '.join(map(str, df.columns))})"
-                )
-            column = measured
-        elif measured is not None:
-            values = pd.Series(dict(measured), dtype=float)
-            unknown = [k for k in values.index if k not in df.index]
-            if unknown:
-                raise ValueError(
-                    f"measured= names {', '.join(map(repr, unknown))}, not rows of this table"
-                )
-            column = "measured"
-            df[column] = values.reindex(df.index)
-        elif "measured" in df.columns:
-            column = "measured"
+        if measured is not None and not isinstance(measured, str):
+            df["measured"] = _measured(list(df.index), measured)
+        column = measured if isinstance(measured, str) else "measured"
+        if measured is None and column not in df.columns:
+            column = ""
+        elif column not in df.columns:
+            raise ValueError(
+                f"measured={column!r} is not a column of this table "
+                f"({', '.join(map(str, df.columns))})"
+            )
         groups = {c: _group(c, column) for c in df.columns}
         df = df[sorted(df.columns, key=lambda c: _ORDER.index(groups[c]))]  # stable: in order
-        higher = {c: (True if groups[c] in ("measured", "proxy") else None) for c in df.columns}
-        higher.update(dict(higher_better or {}))
         correlations = _correlations(df.select_dtypes("number"), column) if column else {}
         scored = [c for c in df.columns if groups[c] == "proxy" and correlations.get(c) is not None]
         best = max(scored, key=lambda c: abs(correlations[c]), default="")
-        self.frame = df
         table = {
             "index": [str(i) for i in df.index],
             "index_name": str(df.index.name or "candidate"),
             "columns": list(df.columns),
             "values": jsonable(df.astype(object).where(df.notna(), None).values.tolist()),
             "groups": groups,
-            "higher": higher,
             "measured": column,
             "correlations": correlations,
             "explain": _explain(df.columns, column),
