@@ -140,14 +140,14 @@ class Place:
             tensors += sums
         tensors += self.out_grads
         if self.activity:
-            act = _mean(self.activity)
+            act = torch.stack(self.activity).mean(0)  # over the calls
             if self.alive and self.alive[0].shape != act.shape:
                 self.alive.clear()  # the place changed width: its window starts again
             self.alive.append(act > _DEAD_EPS)
             alive = torch.stack(list(self.alive)).any(0)
             tensors += [torch.count_nonzero(~alive), _under(act)]
         if self.in_grads:
-            tensors.append(_under(_mean(self.in_grads)))
+            tensors.append(_under(torch.stack(self.in_grads).mean(0)))
 
     def spoilt(self, values: list[float]) -> list[int]:
         """The ids of this step's outputs that held a NaN or an inf (their Σ|a| is not a finite
@@ -249,10 +249,6 @@ class Place:
                 )
             best = max(best, cka(rows[:, a], rows[:, b]))
         return best
-
-
-def _mean(per_call: list[torch.Tensor]) -> torch.Tensor:
-    return per_call[0] if len(per_call) == 1 else torch.stack(per_call).mean(0)
 
 
 def _under(per_channel: torch.Tensor) -> torch.Tensor:

@@ -383,13 +383,10 @@ class Audit:
                     c.sub_(q)  # −Δθ
             squares = [v * v for v in _finite(read([norm(d) for d in copy]), copy)]
             ranked = any(snapshot for snapshot, _ in waiting)
-            moves: dict[Place, tuple[float | None, float | None]] = {}
+            places = dict.fromkeys(place for _, got in waiting for place, _ in got)
+            moves = {place: _moved(place, copy, squares, same, ranked) for place in places}
             for snapshot, got in waiting:
                 for place, n in got:
-                    if place not in moves:
-                        moves[place] = _moved(place, copy, squares, same, ranked)
-                        if moves[place][0]:
-                            place.has_moved = True
                     delta, stable = moves[place]
                     was = n.get("param_norm")
                     if delta is None or not was:
@@ -403,13 +400,15 @@ def _moved(
     place: Place, deltas: list[torch.Tensor], squares: list[float], same: list[bool], snapshot: bool
 ) -> tuple[float | None, float | None]:
     """‖Δθ‖ of a place (None: no ratio this time) and, on a snapshot, the stable rank of the
-    update to its largest weight (None when that is not a matrix)."""
+    update to its largest weight (None when that is not a matrix); notes that it has moved."""
     index = place.index
     if not all([same[i] for i in index]):
         return None, None  # a weight was given other memory between: nothing to compare
     moved = math.sqrt(sum([squares[i] for i in index]))
     if moved == 0.0 and place.has_moved:
         return None, None  # waiting for an update of its own
+    if moved:  # (a NaN too)
+        place.has_moved = True
     stable = None
     if snapshot and place.big >= 0:
         stable = stable_rank(deltas[place.big])
