@@ -58,9 +58,7 @@ def _gone(machine: str, pid: str, age: float, older_than: float) -> bool:
     touched, however old); a writer elsewhere is gone once silent past `older_than` s."""
     if not (machine == MACHINE and pid.isdigit()):
         return age > older_than
-    if int(pid) == os.getpid():
-        return False
-    try:
+    try:  # signal 0 only asks whether the process is there (this one is)
         os.kill(int(pid), 0)
     except ProcessLookupError:
         return True
