@@ -145,6 +145,79 @@ def test_strangers_sending_a_message_that_never_ends_are_cut_before_the_worker_h
         worker.stop()
 
 
+def _say(s: socket.socket, frames: list[bytes], more: bool = False) -> None:
+    """`frames` as one ZMTP message (its last frame's "more" set with `more`)."""
+    for i, frame in enumerate(frames):
+        flags = 1 if more or i < len(frames) - 1 else 0
+        size = struct.pack(">Q", len(frame)) if len(frame) > 255 else bytes([len(frame)])
+        s.sendall(bytes([flags | (2 if len(frame) > 255 else 0)]) + size + frame)
+
+
+def _heard(s: socket.socket) -> list[bytes]:
+    """The next ZMTP message the worker sends on `s`."""
+
+    def read(n: int) -> bytes:
+        got = b""
+        while len(got) < n:
+            more = s.recv(n - len(got))
+            if not more:
+                raise ConnectionResetError("the worker closed the connection")
+            got += more
+        return got
+
+    frames = []
+    while True:
+        flags = read(1)[0]
+        size = struct.unpack(">Q", read(8))[0] if flags & 2 else read(1)[0]
+        frames.append(read(size))
+        if not flags & 1:
+            return frames
+
+
+def test_a_token_holders_message_past_the_limit_is_refused_and_one_that_never_ends_is_cut():
+    from _remote_nodes import Sum
+
+    from somatize.remote import seal, wire
+
+    worker = Worker.spawn(["--max-message", "16MiB"], send=[NODES])
+    try:
+        b = Broker.embedded({"w": Worker.at(worker.address, token=worker.token)})
+        g = Graph.somatize(Sum().at("w"))
+        parts = {f"p{i}": torch.ones(1 << 20) for i in range(5)}  # 4 MiB frames, 20 MiB in all
+        with pytest.raises(ValueError, match=r"at most 16777216, all frames counted.*--max-mess"):
+            g.forward(parts, broker=b)  # refused before it is sent
+        assert torch.equal(g.forward({"p": torch.ones(3)}, broker=b), torch.ones(3))
+        b.close()
+        # a token holder that does not ask first is told, and its message is not read
+        s = _zmtp(worker.address)
+        _say(s, [seal.SALT_ASK])
+        _, salt, _ = _heard(s)
+        sealer = seal.Seal(seal.derive(worker.token, salt))
+        _say(s, sealer.seal(wire.encode({"op": "hello", "rid": 1})))  # proven: a client now
+        assert wire.decode(sealer.open(_heard(s)))["ok"]
+        _say(s, sealer.seal([*wire.encode({"op": "hello", "rid": 2}), *[bytes(8 << 20)] * 3]))
+        answer = wire.decode(sealer.open(_heard(s)))
+        assert not answer["ok"] and "at most 16777216" in answer["error"]["message"]
+        # ... and one whose message never ends is cut before the worker holds it
+        before = max(_memory(worker.pid), _memory(worker.pid, "VmHWM"))
+        sent = 0
+        try:
+            _say(s, sealer.seal(wire.encode({"op": "hello", "rid": 3})), more=True)
+            while sent < 1 << 30:
+                _say(s, [bytes(4 << 20)] * 4, more=True)
+                sent += 16 << 20
+        except OSError:  # cut: what should happen
+            pass
+        finally:
+            s.close()
+        grown = _memory(worker.pid, "VmHWM") - before
+        assert sent < 1 << 30, f"a token holder sent {sent >> 20} MiB uncut"
+        assert grown < 256 << 20, f"the worker held {grown >> 20} MiB at most"
+        assert _hello(worker)["pid"] == worker.pid  # a client is still served
+    finally:
+        worker.stop()
+
+
 def test_ctrl_c_stops_a_worker_at_once_with_exit_code_0():
     for _ in range(5):
         process = _by_hand("--quiet", token="sigint-token", stderr=subprocess.DEVNULL)

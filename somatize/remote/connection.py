@@ -138,12 +138,12 @@ class Connection:
             message["session"] = session
         frames = wire.encode(message, where=f"a request to {self.where()}")
         most = (self.hello or {}).get("max_message")
-        largest = max(memoryview(f).nbytes for f in frames)
-        if most and largest > most:
+        size = sum(memoryview(f).nbytes for f in frames)
+        if most and size > most:
             raise ValueError(
-                f"a request to {self.where()} holds a frame of {largest} bytes, and that "
-                f"worker takes frames of at most {most} (start it with a larger "
-                "--max-message, or send smaller tensors)"
+                f"a request to {self.where()} is {size} bytes in {len(frames)} frames, and that "
+                f"worker takes messages of at most {most}, all frames counted (start it with a "
+                "larger --max-message, or send smaller tensors)"
             )
         for _attempt in range(3):
             if self.seal is None:

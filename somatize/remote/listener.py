@@ -132,6 +132,8 @@ class Guard:
         self.rest = _resident()  # this process's memory while strangers send next to nothing
         self.lock = threading.Lock()
         self.pending: dict[int, float] = {}  # descriptor: when it was accepted
+        self.proven: dict[int, int] = {}  # a client's descriptor: bytes it had sent when last
+        # answered
         self.closed: list[int] = []  # descriptors gone since the loop last asked
         self._told = -float("inf")
         self.monitor = sock.get_monitor_socket(_EVENTS)
@@ -141,9 +143,11 @@ class Guard:
     def verified(self, fd: int, ok: bool) -> None:
         """A message from `fd` verified (`ok`: it is a client's, never cut) or did not (cut it
         a second from now, time for the refusal to reach it, unless it is a client's)."""
+        sent = _received(fd) if ok else 0
         with self.lock:
-            if fd in self.pending and ok:
-                del self.pending[fd]
+            if ok:
+                self.pending.pop(fd, None)
+                self.proven[fd] = sent
             elif fd in self.pending:
                 self.pending[fd] = min(self.pending[fd], time.monotonic() - PENDING_WITHIN + 1)
 
@@ -185,6 +189,7 @@ class Guard:
                 self.pending[fd] = time.monotonic()
             elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 self.pending.pop(fd, None)
+                self.proven.pop(fd, None)
                 self.closed.append(fd)
             elif kind == zmq.EVENT_ACCEPT_FAILED:  # `fd` is the errno here
                 now = time.monotonic()
@@ -214,8 +219,28 @@ class Guard:
             for fd in old:
                 del self.pending[fd]
             strangers = list(self.pending)
-        for fd in old + self._heaviest(strangers):
+            clients = dict(self.proven)
+        for fd in old + self._heaviest(strangers) + self._endless(clients):
             _cut(fd)
+
+    def _endless(self, clients: dict[int, int]) -> list[int]:
+        """Those of `clients` that sent more since their last answer than the messages a
+        connection may have waiting can hold (`most_bytes` each, all frames counted), taken
+        off the proven (to be cut)."""
+        if self.most_bytes is None:
+            return []
+        most = (QUEUED + 1) * self.most_bytes + _QUIET
+        over = [fd for fd, base in clients.items() if _received(fd) - base > most]
+        if over:
+            log.warning(
+                "cut %d client(s) that sent over %d bytes without a message ending: a message "
+                "is at most --max-message (%d bytes), all frames counted",
+                len(over),
+                most,
+                self.most_bytes,
+            )
+        with self.lock:
+            return [fd for fd in over if self.proven.pop(fd, None) is not None]
 
     def _heaviest(self, strangers: list[int]) -> list[int]:
         """Those of `strangers` that sent most, taken off the pending (to be cut), while they

@@ -132,6 +132,13 @@ class Server:
             self.drops.drop(f"{refused} (nothing in it was read)")
             return seal.refusal(self.salt, refused.reason), False
         try:
+            size = sum(wire._buffer(f).nbytes for f in body)
+            if self.max_message is not None and size > self.max_message:
+                raise ValueError(
+                    f"a message of {size} bytes, and this worker takes at most "
+                    f"{self.max_message}, all frames counted: start it with a larger "
+                    "--max-message, or send smaller tensors"
+                )
             message = wire.decode(body)
             if type(message) is not dict or type(message.get("op")) is not str:
                 raise wire.Malformed("a sealed message that is not a request (no 'op')")
