@@ -16,10 +16,9 @@ from somatize.torch.inside._trace import (
     Traced,
     call_path,
     drawn,
+    finish,
     function_layer,
     joins_nothing,
-    ordered,
-    prune,
     shape_of,
 )
 from somatize.torch.inside.kinds import function_name
@@ -230,9 +229,7 @@ class Reading(TorchFunctionMode):
 
     def result(self) -> Traced:
         """What the root's first call was seen to be made of."""
-        self.out.edges = list(self.edges)
-        ordered(self.out, self.order)
-        prune(self.out, self.ends)
+        finish(self.out, self.edges, self.order, self.ends)
         self.by = {}
         return self.out
 

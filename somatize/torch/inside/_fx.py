@@ -16,9 +16,8 @@ from somatize.torch.inside._trace import (
     Traced,
     block_call,
     drawn,
+    finish,
     function_layer,
-    ordered,
-    prune,
     shape_of,
 )
 from somatize.torch.inside.kinds import function_name
@@ -95,10 +94,8 @@ def by_fx(
             for p in sorted(producers[i]):
                 if p != layer.path:
                     edges[(p, layer.path)] = None
-    out.edges = list(edges)
     ends = {p for n in graph.nodes if n.op == "output" for p in producers[n]}
-    ordered(out, [made[n].path for n in graph.nodes if n in made])
-    prune(out, ends)
+    finish(out, edges, [made[n].path for n in graph.nodes if n in made], ends)
     return out
 
 

@@ -213,21 +213,12 @@ def function_layer(
     return layer
 
 
-def prune(out: Traced, ends: set[str]) -> None:
-    """Take off the functions whose result reaches nothing drawn and is not what the module
-    gave back: a number read for a decision (`x.mean() > 0`) is not a layer of the net."""
-    while True:
-        kept = {a for a, _ in out.edges} | ends  # what feeds a layer, and what was given back
-        dead = {p for p, x in out.layers.items() if x.function and p not in kept}
-        if not dead:
-            return
-        out.layers = {p: x for p, x in out.layers.items() if p not in dead}
-        out.edges = [(a, b) for a, b in out.edges if a not in dead and b not in dead]
-
-
-def ordered(out: Traced, order: list[str]) -> None:
-    """Layers in the order they ran, each block just before its first layer; block shapes
-    are the shape of the last layer inside them."""
+def finish(out: Traced, edges: Any, order: list[str], ends: set[str]) -> None:
+    """`out` with its edges, its layers in the order they ran (each block just before its
+    first layer, and as wide as its last one), and without the functions whose result reaches
+    nothing drawn and is not what the module gave back (`ends`): a number read for a decision
+    (`x.mean() > 0`) is not a layer of the net."""
+    out.edges = list(edges)
     ranked: dict[str, None] = {}
     for path in order:
         chain = []
@@ -244,3 +235,10 @@ def ordered(out: Traced, order: list[str]) -> None:
         while block is not None and out.layers[block].shape is None:
             out.layers[block].shape = shape
             block = out.layers[block].block
+    while True:
+        kept = {a for a, _ in out.edges} | ends  # what feeds a layer, and what was given back
+        dead = {p for p, x in out.layers.items() if x.function and p not in kept}
+        if not dead:
+            return
+        out.layers = {p: x for p, x in out.layers.items() if p not in dead}
+        out.edges = [(a, b) for a, b in out.edges if a not in dead and b not in dead]

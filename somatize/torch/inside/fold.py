@@ -165,4 +165,3 @@ def _calls_of(block: str, layers: dict[str, Raw], into: dict[str, str]) -> dict[
                 parent.made_of.append(box)
         boxes[box].shape = inner.shape or boxes[box].shape  # its last layer's
     return boxes
-
