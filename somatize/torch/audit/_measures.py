@@ -91,9 +91,7 @@ def channel_view(t: torch.Tensor, first: bool) -> torch.Tensor:
     the last dim otherwise (a sequence's features)."""
     if t.dim() <= 1:
         return t.reshape(1, -1)
-    if t.dim() == 2:
-        return t
-    if first or t.dim() >= 4:
+    if t.dim() >= 4 or (first and t.dim() == 3):
         return t.movedim(1, -1).reshape(-1, t.shape[1])
     return t.reshape(-1, t.shape[-1])
 
@@ -101,7 +99,7 @@ def channel_view(t: torch.Tensor, first: bool) -> torch.Tensor:
 def activity(t: torch.Tensor, first: bool) -> torch.Tensor:
     """Each channel's mean |value| over samples (and positions), in float32 or wider."""
     view = channel_view(t.detach(), first)
-    return view.abs().mean(0, dtype=_wide(view) or view.dtype)
+    return view.abs().mean(0, dtype=_wide(view))
 
 
 def rows_of(t: torch.Tensor, first: bool) -> torch.Tensor | None:
