@@ -587,3 +587,104 @@ def test_a_conv_grid_flattened_keeps_its_channels_named_first():
     assert "2 batch · 8 ch · 2 h · 2 w" in texts  # the conv
     assert "2 batch · 8 ch · 4 len" in texts  # its grid flattened: 8 channels of 4 places
     assert "2 batch · 4 len · 8 dim" in texts  # the linear, on the patches as a sequence
+
+
+class SelfOut(nn.Module):
+    """BERT's self-output: a projection, then the residual added and normed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, h, x):
+        return self.norm(self.dense(h) + x)
+
+
+class Attention(nn.Module):
+    """BERT's attention: a wide block, then one that adds what entered both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn, self.out = Attn(), SelfOut()
+
+    def forward(self, x):
+        return self.out(self.attn(x), x)
+
+
+class Layer(nn.Module):
+    """A transformer layer: attention, then an MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = Attention()
+        self.up, self.act, self.down = nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(self.attention(x))))
+
+
+def _drawn(module: nn.Module, x: torch.Tensor, **kw) -> tuple[str, dict, list]:
+    """A module's figure: its SVG, its boxes (blocks' frames too) and its edges (d, from, to)."""
+    from somatize.torch import architecture
+
+    g = Graph.somatize(Node.of(module))
+    svg = g.figure(inside=architecture(g, x), **kw).svg()
+    frames = {
+        g.get("data-id"): tuple(float(v) for v in g.get("data-box").split())
+        for g in ET.fromstring(svg).iter(f"{SVG}g")
+        if g.get("data-box")
+    }
+    edge = r'class="smz-edge[^"]*" d="([^"]+)"[^>]*data-from="([^"]+)" data-to="([^"]+)"'
+    return svg, frames, re.findall(edge, svg)
+
+
+def test_a_block_is_drawn_down_one_column_however_low_the_room():
+    _, drawn, edges = _drawn(nn.Sequential(Layer(), Layer()), torch.randn(2, 3, 4), height=400)
+    assert any(k.startswith("b:") for k in drawn)
+    inner = [(a, b) for _, a, b in edges if a.startswith("l:") and b.startswith("l:")]
+    assert len(inner) > 10
+    for a, b in inner:  # every edge inside the folded layer goes down, none round a column
+        assert drawn[b][1] >= drawn[a][1] + drawn[a][3], (a, b)
+
+
+class Closed(nn.Module):
+    """A block past the depth drawn: a plain container inside it is closed into one box."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.block(x))
+
+
+@pytest.mark.parametrize("block", [Attention, Closed])
+def test_an_edge_into_a_block_keeps_off_the_frames_and_boxes_it_passes(block):
+    _, drawn, edges = _drawn(nn.Sequential(nn.Linear(4, 4), block()), torch.randn(2, 4))
+    frames = [v for k, v in drawn.items() if k.startswith("b:")]
+    assert frames and edges
+    for d, src, dst in edges:
+        points = _points(d)
+        for x, y, w, _ in frames:  # no run along a frame's top border (a crossing is fine)
+            along = [
+                abs(q[0] - p[0])
+                for p, q in zip(points, points[1:], strict=False)
+                if all(x < r[0] < x + w and abs(r[1] - y) < 4 for r in (p, q))
+            ]
+            assert sum(along) < 12, (src, dst, sum(along))
+        for px, py in points:  # beside a box or frame it passes, a gap as between boxes
+            for k, (x, y, w, h) in drawn.items():
+                beside = y + 1 < py < y + h - 1 and not x < px < x + w
+                if k not in (src, dst) and beside:
+                    assert min(abs(px - x), abs(px - x - w)) >= 12, (src, dst, k, px, py)
+
+
+def test_a_closed_plain_container_is_named_by_where_it_is():
+    from somatize.torch import architecture
+
+    g = Graph.somatize(Node.of(nn.Sequential(nn.Linear(4, 4), Closed())))
+    inside = architecture(g, torch.randn(2, 4), most=5)
+    svg = g.figure(inside=inside).svg()
+    texts = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text")]
+    assert "block: Sequential" in texts and "Sequential" not in texts

@@ -92,15 +92,15 @@ class _Placed:
 def place(
     items: list[Item],
     edges: list[tuple[str, str]],
-    gaps: tuple[float, float],
+    gaps: tuple[float, float, float],
     room: float,
     offsets: dict,
     across_room: float | None = None,
 ) -> _Placed:
     """Items in layers along a container, ordered and placed across: `gaps` (between
-    layers, between items), `room` the length along to wrap at, `across_room` the width
+    layers, between items, after a port's layer), `room` the length along to wrap at, `across_room` the width
     across the bands may not pass (None: any), `offsets` where the edges meet containers."""
-    between, across = gaps
+    between, across, ports = gaps
     by_key = {i.key: i for i in items}
     edges = list(dict.fromkeys((a, b) for a, b in edges if a != b))
     _layers_of(items, edges, by_key)
@@ -133,7 +133,7 @@ def place(
     depth = [max((i.depth for i in layer), default=0.0) for layer in layers]
     for i in every[len(items) :]:  # a waypoint runs the whole layer, so an edge curves only
         i.depth = depth[i.layer]  # between layers, never across a tall box beside it
-    lengths = [d + (between if d > 0 else 8.0) for d in depth]
+    lengths = [d + (between if d > 0 else ports) for d in depth]
     # bands: as few as keep each within the room along, and none when that would make the
     # whole wider than the room across (then it is long, and scrolls)
     k = _bands_needed(lengths, room)
@@ -296,7 +296,7 @@ def _offsets(layer: list[Item], gap: float) -> list[float]:
     out, total = [0.0] * len(layer), 0.0
     for n in range(1, len(layer)):
         a, b = layer[n - 1], layer[n]
-        total += (a.span + b.span) / 2 + (8.0 if a.box is None or b.box is None else gap)
+        total += (a.span + b.span) / 2 + (8.0 if a.box is None and b.box is None else gap)
         out[n] = total
     return out
 

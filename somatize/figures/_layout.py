@@ -6,6 +6,7 @@ first (or last) layer of its own; its parts, one per container crossed, are join
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from somatize.figures._layers import Item, place
@@ -61,9 +62,12 @@ class _Layout:
             for key in ends:  # a port where the edge enters or leaves from outside
                 items.setdefault(key, Item(key, 0.0, 0.0))
             pairs.append((*ends, s, d))
-        gaps = (40.0, 20.0) if box.kind in ("root", "group") else (22.0, 16.0)
+        # (between layers, between items, after a port: room for an edge to curve down)
+        gaps = (40.0, 20.0, 8.0) if box.kind in ("root", "group") else (22.0, 16.0, 22.0)
         top, right, bottom, left = box.pad
         room = self.room[1] - top - bottom if box.down else self.room[0] - left - right
+        if box.kind == "block":  # a block is read down one column; only what holds it wraps
+            room = math.inf
         ports = [
             (self.port(items[a].box, d, True), self.port(items[b].box, s, False))
             for a, b, s, d in pairs

@@ -214,7 +214,12 @@ class _Inside:
         if not own and not kids:  # what it holds is not drawn (past the depth): one box
             entry = next((la for la in self.layers if la["path"] == b), None)
             entry = entry or {"path": b, "kind": "block"}
-            return [self._layer({**entry, "label": blk["label"]}, old, new)]
+            label = blk["label"]
+            if plain:  # named by where it is: "Sequential" alone says nothing
+                parts = b.split(".")
+                tail = max((k for k, p in enumerate(parts) if not p.isdigit()), default=0)
+                label = f"{'.'.join(parts[tail:])}: {label}"
+            return [self._layer({**entry, "label": label}, old, new)]
         if blk["times"] == 1 and (plain or (not own and len(kids) == 1)):
             out = [self._layer(la, old, new) for la in own]  # drawn as what it holds
             for k in kids:
