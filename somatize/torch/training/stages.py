@@ -287,9 +287,9 @@ class Stages:
             )
         self.whole = whole
         where = transport or (lambda host: None)
-        last = next((p for p in self.parts if p.last), None)
         self.leaves = tuple(graph.leaves())
-        self.sunk = tuple(n for n in self.leaves if last is None or n not in last.ids)
+        # the leaves outside the last part, whose values cross a cut to reach the loss
+        self.sunk = tuple(n for n in self.leaves if (stage[n], pair[n]) != (sink, _HERE))
         self._sunk: dict[str, Any] = {}
         self.watchers = list(watching or [])
         self._bytes = [0, 0]  # forward, backward: what crossed from part to part, when watched
