@@ -80,19 +80,18 @@ def picture(
     every_step = steps + [s for r in history.runs.values() for s in r.loss_steps]
     s_lo, s_hi = (min(every_step), max(every_step)) if every_step else (0, 1)
     per = max(1, math.ceil(len(steps) / MOST_COLUMNS))
-    bins = [steps[k : k + per] for k in range(0, len(steps), per)]
+    columns = -(-len(steps) // per)
     column_of = {s: k // per for k, s in enumerate(steps)}
-    cw = (x1 - x0) / max(60, len(bins))
+    cw = (x1 - x0) / max(60, columns)
 
     def sx(step: float) -> float:
         # a step's place on the shared axis: the middle of its column
-        if not bins:
+        if not steps:
             return x0 + (step - s_lo) / max(1, s_hi - s_lo) * (x1 - x0)
         k = column_of.get(step)
         if k is None:  # a loss step between health steps: along the same scale
-            first, last = bins[0][0], bins[-1][-1]
-            f = (step - first) / max(1, last - first)
-            return x0 + cw / 2 + f * (len(bins) - 1) * cw
+            f = (step - steps[0]) / max(1, steps[-1] - steps[0])
+            return x0 + cw / 2 + f * (columns - 1) * cw
         return x0 + (k + 0.5) * cw
 
     y = 8.0
@@ -107,7 +106,7 @@ def picture(
         out.append(svg_text(at, y + 12 + 14 * k, line))
     y += 24 + 14 * max(0, len(said) - 1)
     # the loss plot ends where the columns do, so its curves fill it; its labels go after it
-    ends = x0 + len(bins) * cw if bins else x1
+    ends = x0 + columns * cw if steps else x1
     y = _loss(out, history, runs, sx, x0, ends, y, log, smoothing, width, named, title)
     if not rows:  # losses only: a step axis under the loss plot, and nothing of health
         if every_step:

@@ -23,7 +23,7 @@ import traitlets
 
 from somatize import health
 from somatize.figures._face import Face, image
-from somatize.figures._history import STEPS, History, message, record, step_of
+from somatize.figures._history import History, message, record, step_of
 from somatize.figures._page import STATIC
 
 __all__ = ["LiveAudit"]
@@ -116,17 +116,13 @@ class LiveAudit(Face, anywidget.AnyWidget):
 
     def _take(self, fact: dict[str, Any], run: str) -> None:
         kind = fact.get("fact") if isinstance(fact, dict) else None
-        if kind == "health":
-            # checked here, so a bad fact is refused in the caller's thread; read later
-            step = fact.get("step")
-            if type(fact.get("node")) is not str or type(step) is not int or step not in STEPS:
-                health.where_of(fact)
-                step_of(fact)
-        elif kind == "loss":
-            if fact.get("step") is not None:
-                step_of(fact)
-        else:
+        if kind not in ("health", "loss"):
             return
+        # checked here, so a bad fact is refused in the caller's thread; read later
+        if kind == "health" and type(fact.get("node")) is not str:
+            health.where_of(fact)
+        if kind == "health" or fact.get("step") is not None:
+            step_of(fact)
         item = (run, fact.copy())  # the caller may reuse its dict
         with self._intake:
             self._queue.append(item)
