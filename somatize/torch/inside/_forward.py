@@ -122,7 +122,6 @@ class Reading(TorchFunctionMode):
         # it lives): nothing is kept alive that the forward would have let go
         self.by: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
         self.edges: dict[tuple[str, str], None] = {}
-        self.handles: list[Any] = []
         self.on = False  # the mode is on the stack
         self.calls = 0
         self.passing: frozenset[str] | None = None  # what an Identity being run hands on
@@ -130,9 +129,10 @@ class Reading(TorchFunctionMode):
 
     def arm(self) -> Reading:
         """Hooks on; the root's next call is read."""
-        self.handles.append(self.root.register_forward_pre_hook(self._enter, with_kwargs=True))
-        self.hooks.arm()
-        self.handles.append(self.root.register_forward_hook(self._leave))
+        self.hooks.arm().handles += [
+            self.root.register_forward_pre_hook(self._enter, with_kwargs=True),
+            self.root.register_forward_hook(self._leave),
+        ]
         return self
 
     def producers(self, value: Any) -> tuple[bool, frozenset[str]]:
@@ -219,13 +219,11 @@ class Reading(TorchFunctionMode):
             self.ends = set(self.producers(output)[1])
 
     def disarm(self) -> None:
-        """Every hook off, and the function mode too if the root's call never came back."""
+        """Every hook off (the root's are among `hooks`'), and the function mode too if the
+        root's call never came back."""
         self._mode(False)
         self.hooks.live = False
         self.hooks.disarm()
-        for h in self.handles:
-            h.remove()
-        self.handles = []
 
     def result(self) -> Traced:
         """What the root's first call was seen to be made of."""

@@ -110,12 +110,9 @@ class _Subject:
         for p in self.params:
             p.grad = None
 
-    def forward(self, x: Any) -> Any:
-        """The graph's output, run here (a node `.at(host)` from its copy here)."""
-        return run_here(self.graph, x)
-
     def run(self, x: Any) -> list[torch.Tensor]:
-        out = tensors_in(self.forward(x))
+        """The tensors of the graph's output, run here (a node `.at(host)` from its copy here)."""
+        out = tensors_in(run_here(self.graph, x))
         if not out:
             raise _NotHere("the graph gave back no tensor to score")
         return out
@@ -141,8 +138,7 @@ def _hooked(modules: list[nn.Module], fn: Callable) -> Iterator[None]:
 
 
 def _loss(s: _Subject, example: Any, target: Any, objective: Callable) -> torch.Tensor:
-    out = s.forward(example)
-    loss = objective(out, target)
+    loss = objective(run_here(s.graph, example), target)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"objective(output, target) gave {loss!r}, not a scalar tensor")
     return loss
