@@ -169,15 +169,12 @@ class Place:
         weights and of their gradients (those that have one). `spoilt`: the ids of the
         outputs, of any place, that were not finite this step."""
         n: dict[str, Any] = {}
-        sqrt, isfinite = math.sqrt, math.isfinite
         k = self._at
-        bad_grad = bad_out = False
         total = 0.0
         if weights:
-            n["param_norm"] = was = sqrt(sum(weights))
+            n["param_norm"] = was = math.sqrt(sum(weights))
             if grads:
-                n["grad_norm"] = g = sqrt(sum(grads))
-                bad_grad = not isfinite(g)
+                n["grad_norm"] = math.sqrt(sum(grads))
             self.norms.append((step, was))
             (s0, v0), (s1, v1) = self.norms[0], self.norms[-1]
             if s1 > s0:
@@ -194,7 +191,6 @@ class Place:
             self.saturated.append(saturated / size)
             n["zero_frac_max"] = max(self.zero)
             n["sat_frac_max"] = max(self.saturated)
-            bad_out = not isfinite(total)
         out_grads = values[k : k + len(self.out_grads)]
         k += len(self.out_grads)
         if self.sums or weights:
@@ -202,11 +198,11 @@ class Place:
             n["nan"] = nan = any(map(math.isnan, seen))
             n["inf"] = inf = any(map(math.isinf, seen))
             if nan or inf:
-                n["inherited"] = self._came_in(bad_out, bad_grad, out_grads, spoilt)
+                n["inherited"] = self._came_in(total, n.get("grad_norm", 0.0), out_grads, spoilt)
             else:
                 self.inherited = None
         if out_grads:
-            n["out_grad_norm"] = sqrt(sum(v * v for v in out_grads))
+            n["out_grad_norm"] = math.sqrt(sum(v * v for v in out_grads))
         if self.activity:
             n["channels"] = self.alive[-1].numel()
             n["dead_channels"], n["dormant_channels"] = int(values[k]), int(values[k + 1])
@@ -221,15 +217,16 @@ class Place:
             n["rank_room"] = min(self.rows.shape)
         return n
 
-    def _came_in(self, out: bool, grad: bool, out_grads: list[float], spoilt: set[int]) -> bool:
-        """Whether the NaN or inf seen here came in: its output's through an input another place
-        gave spoilt (the data counts as finite), its gradient's through its output's gradient
-        (known on a snapshot step, else guessed from any spoilt output). Kept while it lasts,
-        so the place where it arose stays the one flagged after it has spread."""
+    def _came_in(self, total: float, grad: float, out_grads: list[float], spoilt: set[int]) -> bool:
+        """Whether the NaN or inf seen here (in Σ|a| of its output, `total`, or in ‖∇θ‖, `grad`)
+        came in: its output's through an input another place gave spoilt (the data counts as
+        finite), its gradient's through its output's gradient (known on a snapshot step, else
+        guessed from any spoilt output). Kept while it lasts, so the place where it arose
+        stays the one flagged after it has spread."""
         if self.inherited is None:
-            if out:
+            if not math.isfinite(total):
                 self.inherited = not self.ins.isdisjoint(spoilt)
-            elif grad:
+            elif not math.isfinite(grad):
                 self.inherited = (
                     any(not math.isfinite(v) for v in out_grads) if out_grads else bool(spoilt)
                 )
