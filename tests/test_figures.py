@@ -295,6 +295,11 @@ def test_the_table_says_why_a_proxy_was_left_out_in_its_cell_and_under_the_table
     assert f"left out: {why}" in cell
     note = re.search(r'<div class="smz-left-out".*?</div></div>', html).group(0)
     assert "linear" in note and "naswot" in note and why in note
+    # left out of every candidate, a proxy has no column, and the note still says why
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone = compare({"linear": linear}, torch.randn(6, 4))
+    assert "proxy:naswot" not in alone.columns and why in CompareTable(alone).face()
     # a table of what compare() did not make has no such note
     assert "smz-left-out" not in CompareTable(_table()).face()
 

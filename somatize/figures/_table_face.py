@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
+from collections import Counter
 from itertools import groupby
 from typing import Any
 
@@ -173,9 +174,8 @@ def _order(table: dict[str, Any]) -> list[int]:
     if key in table["columns"]:
         j = table["columns"].index(key)
         fin = [i for i in rows if finite(values[i][j])]
-        rest = [i for i in rows if i not in fin]
         fin.sort(key=lambda i: values[i][j], reverse=not table["ascending"])
-        return fin + rest
+        return fin + [i for i in rows if not finite(values[i][j])]
     if key == table["index_name"]:
         rows.sort(key=lambda i: index[i], reverse=not table["ascending"])
     return rows
@@ -194,17 +194,14 @@ def _left_out(table: dict[str, Any]) -> str:
 
 def _tools(table: dict[str, Any]) -> str:
     """The toggles for hidden groups (live only: a page with no script shows them inert)."""
-    hidden = [c for c in table["columns"] if c in set(table["hidden"])]
+    hidden = Counter(table["groups"].get(c, "other") for c in table["hidden"])
     if not hidden:
         return ""
-    by: dict[str, list[str]] = {}
-    for c in hidden:
-        by.setdefault(table["groups"].get(c, "other"), []).append(c)
     buttons = "".join(
         f'<button class="smz-toggle" data-group="{esc(g)}" '
         'style="font:inherit;font-size:11px;margin-right:6px">'
-        f"▸ {esc(_GROUPS.get(g, (g, ''))[0].split(' · ')[0])} ({len(cs)} more)</button>"
-        for g, cs in by.items()
+        f"▸ {esc(_GROUPS.get(g, (g, ''))[0].split(' · ')[0])} ({n} more)</button>"
+        for g, n in hidden.items()
     )
     style = f"margin-top:6px;color:{MUTED};font-size:11px"
     return f'<div class="smz-tools" style="{style}">{buttons}</div>'

@@ -350,11 +350,11 @@ def _flagged(df: Any) -> dict[str, list[str]]:
 
 
 def _left_out(df: Any) -> dict[str, dict[str, str]]:
-    """Why a column was left out of a row, as compare() put it in `df.attrs`, for the rows
-    and columns the table has."""
+    """Why a column was left out of a row (as compare() puts it in `df.attrs`; a column left
+    out of every row is not in the table, and said too), for the rows the table has."""
     said = dict(df.attrs.get("left_out") or {})
     return {
-        str(row): {str(c): str(why) for c, why in dict(said[row]).items() if c in df.columns}
+        str(row): {str(c): str(why) for c, why in dict(said[row]).items()}
         for row in df.index
         if said.get(row)
     }
