@@ -174,21 +174,18 @@ class Part:
         become leaves here, so the gradient owed to each source can be read off them later; around
         a trained node its Learning's two positions run."""
         learning = self.learning
+        device = None if learning is None else self.settings[self.trained].device
+        if learning is None and self._crossing:
+            inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
+        elif self.asks_target:
+            inputs = dict(inputs)
+            target = inputs.pop(TARGET, None)
+            learning.target = target if device is None else _hooks.move(target, device)
+        x = inputs[self.sources[0]] if self.raw else inputs
         if learning is None:
-            if self._crossing:
-                inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
             self._inputs = inputs
-            x = inputs[self.sources[0]] if self.raw else inputs
         else:
-            device = self.settings[self.trained].device
-            if self.asks_target:
-                inputs = dict(inputs)
-                target = inputs.pop(TARGET, None)
-                learning.target = target if device is None else _hooks.move(target, device)
-            x = inputs[self.sources[0]] if self.raw else inputs
-            if device is not None:
-                x = _hooks.move(x, device)
-            x = learning.beside()[0].forward(x, self.ctx)
+            x = learning.entering(x if device is None else _hooks.move(x, device), self.ctx)
         out = self.graph.forward(x, store=store, watching=watching)
         if len(self.exits) == 1:
             outs = {self.exits[0]: out}
