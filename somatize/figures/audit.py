@@ -92,7 +92,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
             raise ValueError(f"interval= is seconds between sends and must be > 0, not {interval}")
         super().__init__(metric=metric, title=title, explain=_explanations())
         self.interval = float(interval)
-        self._chosen = bool(metric)
+        self._auto = ""  # the metric this audit chose itself
         self._history = History(flags)
         self._queue: list[tuple] = []
         self._intake = threading.Lock()  # the queue: held for an append
@@ -159,17 +159,9 @@ class LiveAudit(Face, anywidget.AnyWidget):
         seen = list(self._history.metrics)
         if seen != list(self.metrics):
             self.metrics = seen
-        if not self._chosen:
-            best = next((m for m in (*PREFERRED, *seen) if m in self._history.metrics), "")
-            if best and best != self.metric:
-                self._auto = best
-                self.metric = best
-            self._chosen = best == PREFERRED[0]
-
-    @traitlets.observe("metric")
-    def _metric_set(self, change: Any) -> None:
-        if change["new"] != getattr(self, "_auto", None):
-            self._chosen = True  # someone chose: no longer ours to change
+        if self.metric == self._auto:  # nobody chose another: still ours to choose
+            best = next((m for m in PREFERRED if m in seen), seen[0] if seen else "")
+            self.metric = self._auto = best
 
     def _rounds(self) -> None:
         quiet = 0
