@@ -229,7 +229,6 @@ def _rebuilt(server: Any, session: Any, d: dict[str, Any]) -> Part:
         learning=learning,
         trained=d["trained"],
         last=d["last"],
-        whole=False,
     )
     if d.get("audit") is not None:
         from somatize.torch.audit.audit import Audit

@@ -266,7 +266,7 @@ class Stages:
         grouped: dict[tuple, list[str]] = {}
         for n in order:
             grouped.setdefault((stage[n], pair[n]), []).append(n)
-        whole = len(grouped) == 1 and (sink, _HERE) in grouped
+        self.whole = len(grouped) == 1 and (sink, _HERE) in grouped
         self.graph = graph
         self.parts: list[Part] = []
         for (s, (host, trained)), ids in sorted(grouped.items(), key=lambda kv: kv[0][0]):
@@ -279,10 +279,9 @@ class Stages:
                     learning=trains.get(trained),
                     trained=trained,
                     last=(s, (host, trained)) == (sink, _HERE),
-                    whole=whole,
+                    whole=self.whole,
                 )
             )
-        self.whole = whole
         where = transport or (lambda host: None)
         self.leaves = tuple(graph.leaves())
         # the leaves outside the last part, whose values cross a cut to reach the loss
