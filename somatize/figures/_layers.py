@@ -38,53 +38,41 @@ class _Placed:
         """Each edge's way at this level: out of its source, through its waypoints, into its
         target, spread where several leave or enter one box; `ports` are where each pair's ends
         cross a container's border, off its centre (None: no port there)."""
-        outs: dict[str, list[int]] = {}
-        ins: dict[str, list[int]] = {}
-        for k, (a, b, _, _) in enumerate(pairs):
-            outs.setdefault(a, []).append(k)
-            ins.setdefault(b, []).append(k)
-        start: dict[int, float] = {}
-        stop: dict[int, float] = {}
-        for table, into, far in ((outs, start, True), (ins, stop, False)):
-            for key, ks in table.items():
+        ends: list[dict[int, float]] = [{}, {}]  # where each pair leaves, and enters
+        for side, at_end in enumerate(ends):
+            by_box: dict[str, list[int]] = {}
+            for k, pair in enumerate(pairs):
+                by_box.setdefault(pair[side], []).append(k)
+            for key, ks in by_box.items():
                 item = items[key]
-                side = 0 if far else 1
-                fixed = {k: item.u + ports[k][side] for k in ks if ports[k][side] is not None}
-                free = [k for k in ks if k not in fixed]
-                slots = list(dict.fromkeys(pairs[k][:2] for k in free))
-                slots.sort(key=lambda p: self.paths[p][1 if far else -2].u)
-                width = min(item.span * 0.6, 12.0 * (len(slots) - 1))
-                at = {
-                    p: item.u + (width * (n / (len(slots) - 1) - 0.5) if len(slots) > 1 else 0.0)
-                    for n, p in enumerate(slots)
-                }
-                into.update({k: at[pairs[k][:2]] for k in free})
-                into.update(fixed)
+                free = dict.fromkeys(pairs[k][:2] for k in ks if ports[k][side] is None)
+                slots = sorted(free, key=lambda p: self.paths[p][(1, -2)[side]].u)
+                n = len(slots) - 1
+                width = min(item.span * 0.6, 12.0 * n)
+                at = {p: item.u + (width * (j / n - 0.5) if n else 0.0) for j, p in enumerate(slots)}
+                for k in ks:
+                    port = ports[k][side]
+                    at_end[k] = at[pairs[k][:2]] if port is None else item.u + port
         out = []
         lanes: dict[tuple[int, int], list[tuple[str, str]]] = {}  # who crosses each gap
         for k, (a, b, _, _) in enumerate(pairs):
             chain = self.paths[(a, b)]
-            first, last = chain[0], chain[-1]
-            way = [(start[k], first.v + first.depth, False)]
-            prev = first
-            for item in chain[1:]:
-                u = stop[k] if item is last else item.u
+            way = [(ends[0][k], chain[0].v + chain[0].depth, False)]
+            for prev, item in zip(chain, chain[1:], strict=False):
+                u = ends[1][k] if item is chain[-1] else item.u
                 if item.chunk != prev.chunk:
                     crossing = lanes.setdefault((prev.chunk, item.chunk), [])
                     if (a, b) not in crossing:
                         crossing.append((a, b))
-                    gap = crossing.index((a, b))
-                    lane = self.chunks[item.chunk][0] - 20 + 5 * gap
-                    below, above = self.end + 12 + 5 * gap, self.lead - 12 - 5 * gap
-                    x0 = way[-1][0]
-                    way += [(x0, below, False), (lane, below, False), (lane, above, False)]
-                    way.append((u, above, False))
-                    way.append((u, item.v, False))
+                    gap = 5 * crossing.index((a, b))
+                    lane = self.chunks[item.chunk][0] - 20 + gap
+                    below, above = self.end + 12 + gap, self.lead - 12 - gap
+                    turns = [(way[-1][0], below), (lane, below), (lane, above), (u, above)]
+                    way += [(x, y, False) for x, y in [*turns, (u, item.v)]]
                 else:
                     way.append((u, item.v, True))
-                if item is not last:
+                if item is not chain[-1]:
                     way.append((u, item.v + item.depth, False))
-                prev = item
             out.append(way)
         return out
 
@@ -182,7 +170,6 @@ def _layers_of(items: list[Item], edges, by_key) -> None:
     order: list[str] = []  # depth first, in the order given: finishing order, reversed
     state: dict[str, int] = {}
     pred: dict[str, list[str]] = {k: [] for k in inner}
-    kept_succ: dict[str, list[str]] = {k: [] for k in inner}
     for k0 in inner:
         if k0 in state:
             continue
@@ -197,7 +184,6 @@ def _layers_of(items: list[Item], edges, by_key) -> None:
                 stack.pop()
             elif state.get(nxt) != 1:  # an edge back to the path walked is dropped
                 pred[nxt].append(k)
-                kept_succ[k].append(nxt)
                 if nxt not in state:
                     state[nxt] = 1
                     stack.append((nxt, iter(succ[nxt])))
@@ -205,8 +191,8 @@ def _layers_of(items: list[Item], edges, by_key) -> None:
     for k in reversed(order):  # a topological order of what was kept
         layer[k] = 1 + max((layer[p] for p in pred[k]), default=-1)
     for k in order:  # sinks first: each source pulled down to just above what it feeds
-        if not pred[k] and kept_succ[k]:
-            layer[k] = min(layer[s] for s in kept_succ[k]) - 1
+        if not pred[k] and succ[k]:  # (a source's edges are all kept: it starts a walk)
+            layer[k] = min(layer[s] for s in succ[k]) - 1
     low = min(layer.values(), default=0)
     ports = any(i.key.startswith("in:") for i in items)
     top = max((v - low for v in layer.values()), default=-1) + (1 if ports else 0)
