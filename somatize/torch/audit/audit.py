@@ -344,9 +344,7 @@ class Audit:
             place.queue(tensors)
         values = read(tensors)
         squares = [v * v for v in _finite(values[: len(normed)], normed)]
-        spoilt: set[int] = set()  # the outputs that were not finite (found only if any was)
-        if not all(map(math.isfinite, values)):
-            spoilt = {o for place in self._places for o in place.spoilt(values)}
+        spoilt = {o for place in self._places for o in place.spoilt(values)}  # not finite
         out = []
         for place in self._places:
             index = place.index
