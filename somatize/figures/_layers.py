@@ -49,7 +49,9 @@ class _Placed:
                 slots = sorted(free, key=lambda p: self.paths[p][(1, -2)[side]].u)
                 n = len(slots) - 1
                 width = min(item.span * 0.6, 12.0 * n)
-                at = {p: item.u + (width * (j / n - 0.5) if n else 0.0) for j, p in enumerate(slots)}
+                at = {
+                    p: item.u + (width * (j / n - 0.5) if n else 0.0) for j, p in enumerate(slots)
+                }
                 for k in ks:
                     port = ports[k][side]
                     at_end[k] = at[pairs[k][:2]] if port is None else item.u + port
@@ -86,8 +88,9 @@ def place(
     across_room: float | None = None,
 ) -> _Placed:
     """Items in layers along a container, ordered and placed across: `gaps` (between
-    layers, between items, after a port's layer), `room` the length along to wrap at, `across_room` the width
-    across the bands may not pass (None: any), `offsets` where the edges meet containers."""
+    layers, between items, after a port's layer), `room` the length along to wrap at,
+    `across_room` the width across the bands may not pass (None: any), `offsets` where the
+    edges meet containers."""
     between, across, ports = gaps
     by_key = {i.key: i for i in items}
     edges = list(dict.fromkeys((a, b) for a, b in edges if a != b))

@@ -30,14 +30,14 @@ class _Layout:
         self.room = room
         self.levels: dict[str, _Level] = {}
         self.parent = {child.id: box for box in walk(root) for child in box.children}
+        self.boxes = {box.id: box for box in walk(root)}
         self._arrange(root, root.edges)
 
     def _child_of(self, box: Box, key: str) -> Box | None:
         """The child of `box` that is `key` or holds it; None if `key` is not under `box`."""
-        chain = [key, *(b.id for b in self._ups(key))]
-        if box.id not in chain[1:]:
-            return None
-        return next(c for c in box.children if c.id == chain[chain.index(box.id) - 1])
+        while key in self.parent and self.parent[key] is not box:
+            key = self.parent[key].id
+        return self.boxes[key] if key in self.parent else None
 
     def _arrange(self, box: Box, edges: list[tuple[str, str]]) -> None:
         """Lay out `box`'s children (theirs first) with the edges of the world it is in: the
@@ -76,11 +76,11 @@ class _Layout:
         for (a, b, _, _), (oa, ob) in zip(pairs, ports, strict=True):
             offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
         mean = {
-            k: (sum(o[0] for o in v) / len(v), sum(o[1] for o in v) / len(v))
+            k: tuple(sum(side) / len(v) for side in zip(*v, strict=True))
             for k, v in offsets.items()
         }
         across_room = self.room[0] - left - right if box.down else None  # a root's rows scroll down
-        links = [(p[0], p[1]) for p in pairs]
+        links = [p[:2] for p in pairs]
         placed = place(list(items.values()), links, gaps, room, mean, across_room)
         extent_u, extent_v = placed.extent
         w, h = (extent_u, extent_v) if box.down else (extent_v, extent_u)
