@@ -181,9 +181,8 @@ class _Inside:
             text += f"  ×{times}"
         around = _enclosing(self.blocks, layer.get("block"))
         attention = any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
-        first = self.first.get(layer["path"], False)
-        kind, label = layer.get("kind"), layer.get("label")
-        sub = shape_text(layer.get("shape"), kind, label, attention, first)
+        kind, label, shape = layer.get("kind"), layer.get("label"), layer.get("shape")
+        sub = shape_text(shape, kind, label, attention, self.first.get(layer["path"], False))
         w = max(text_width(text, 12, True), text_width(sub, 11) if sub else 0) + 36
         where = f"{self.node}.{path}" if path else self.node  # "": the node is the one layer
         box = Box(
@@ -194,11 +193,10 @@ class _Inside:
             w=max(64.0, round(w)),
             h=38.0 if sub else 26.0,
             where=where,
-            family=family(layer.get("kind"), layer.get("label")),
+            family=family(kind, label),
         )
-        shape = layer.get("shape")
         box.tip = [
-            ("kind", str(layer.get("kind") or "?")),
+            ("kind", str(kind or "?")),
             ("path", where),
             ("shape", f"[{', '.join(map(str, shape))}]" if isinstance(shape, list) else "unknown"),
             ("parameters", number(layer.get("params") or 0)),
@@ -228,6 +226,7 @@ class _Inside:
         key = f"{self.node}:{b}"
         opened = blk["times"] > 1 and key in self.expanded
         names = [b, *blk["repeats"]]
+        foldable = blk["times"] > 1
         made, copies = [], []
         for k in range(blk["times"] if opened else 1):
             path = _swap(names[k] if k < len(names) else f"{b}~{k}", old, new)  # names[0] is b
@@ -235,8 +234,7 @@ class _Inside:
             if opened:
                 label = f"{blk['label']}  {k + 1}/{blk['times']}"
             else:
-                label = blk["label"] + (f"  ×{blk['times']}" if blk["times"] > 1 else "")
-            foldable = blk["times"] > 1
+                label = blk["label"] + (f"  ×{blk['times']}" if foldable else "")
             box = Box(
                 id=f"b:{self.node}:{path}#{k}",
                 kind="block",
