@@ -12,6 +12,7 @@ of its own, is drawn there anyway. The face is brought up to date at the end of 
 from __future__ import annotations
 
 import base64
+import warnings
 import weakref
 from html import escape
 from pathlib import Path
@@ -57,8 +58,7 @@ class Face:
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
         bundle = super()._repr_mimebundle_(**kwargs)  # type: ignore[misc]
         data, meta = bundle if isinstance(bundle, tuple) else (bundle or {}, {})
-        face = self.face()
-        self.__dict__["_face_shown"] = face
+        face = self.__dict__["_face_shown"] = self.face()
         return {**data, "text/plain": self.plain(), "text/html": START + face + END}, meta
 
     def _ipython_display_(self) -> None:
@@ -135,7 +135,5 @@ def _after_cell(*_: Any) -> None:
         try:
             figure.refresh()
         except Exception as err:  # a figure that cannot draw must not break the next cell
-            import warnings
-
             name = type(figure).__name__
             warnings.warn(f"{name}'s static face was not refreshed: {err}", stacklevel=1)

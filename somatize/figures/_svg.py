@@ -122,12 +122,10 @@ def number(value: Any) -> str:
         return "–"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if not isinstance(value, (int, float)):
-        try:
-            value = float(value)
-        except (TypeError, ValueError):
-            return str(value)
-    v = float(value)
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return str(value)
     if math.isnan(v):
         return "NaN"
     if math.isinf(v):
