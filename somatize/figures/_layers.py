@@ -26,75 +26,72 @@ class Item:
     chunk: int = 0
 
 
-@dataclass
-class _Placed:
-    extent: tuple[float, float]
-    chunks: list[tuple[float, float]]  # (start, end) across, per band
-    end: float  # the far end of the longest band, along
-    lead: float  # where the bands start, along (after the lanes above them)
-    paths: dict[tuple[str, str], list[Item]]
-
-    def ways(self, pairs, items, ports) -> list[list[tuple[float, float, bool]]]:
-        """Each edge's way at this level: out of its source, through its waypoints, into its
-        target, spread where several leave or enter one box; `ports` are where each pair's ends
-        cross a container's border, off its centre (None: no port there)."""
-        ends: list[dict[int, float]] = [{}, {}]  # where each pair leaves, and enters
-        for side, at_end in enumerate(ends):
-            by_box: dict[str, list[int]] = {}
-            for k, pair in enumerate(pairs):
-                by_box.setdefault(pair[side], []).append(k)
-            for key, ks in by_box.items():
-                item = items[key]
-                free = dict.fromkeys(pairs[k][:2] for k in ks if ports[k][side] is None)
-                slots = sorted(free, key=lambda p: self.paths[p][(1, -2)[side]].u)
-                n = len(slots) - 1
-                width = min(item.span * 0.6, 12.0 * n)
-                at = {
-                    p: item.u + (width * (j / n - 0.5) if n else 0.0) for j, p in enumerate(slots)
-                }
-                for k in ks:
-                    port = ports[k][side]
-                    at_end[k] = at[pairs[k][:2]] if port is None else item.u + port
-        out = []
-        lanes: dict[tuple[int, int], list[tuple[str, str]]] = {}  # who crosses each gap
-        for k, (a, b, _, _) in enumerate(pairs):
-            chain = self.paths[(a, b)]
-            way = [(ends[0][k], chain[0].v + chain[0].depth, False)]
-            for prev, item in zip(chain, chain[1:], strict=False):
-                u = ends[1][k] if item is chain[-1] else item.u
-                if item.chunk != prev.chunk:
-                    crossing = lanes.setdefault((prev.chunk, item.chunk), [])
-                    if (a, b) not in crossing:
-                        crossing.append((a, b))
-                    gap = 5 * crossing.index((a, b))
-                    lane = self.chunks[item.chunk][0] - 20 + gap
-                    below, above = self.end + 12 + gap, self.lead - 12 - gap
-                    turns = [(way[-1][0], below), (lane, below), (lane, above), (u, above)]
-                    way += [(x, y, False) for x, y in [*turns, (u, item.v)]]
-                else:
-                    way.append((u, item.v, True))
-                if item is not chain[-1]:
-                    way.append((u, item.v + item.depth, False))
-            out.append(way)
-        return out
+def _ways(pairs, items, ports, paths, bands) -> list[list[tuple[float, float, bool]]]:
+    """Each edge's way at this level: out of its source, through its waypoints, into its
+    target, spread where several leave or enter one box; between bands, along the lanes
+    past their ends (`bands`: each band's extent across, the longest's end along, where
+    they start along)."""
+    chunks, end, lead = bands
+    ends: list[dict[int, float]] = [{}, {}]  # where each pair leaves, and enters
+    for side, at_end in enumerate(ends):
+        by_box: dict[str, list[int]] = {}
+        for k, pair in enumerate(pairs):
+            by_box.setdefault(pair[side], []).append(k)
+        for key, ks in by_box.items():
+            item = items[key]
+            free = dict.fromkeys(pairs[k][:2] for k in ks if ports[k][side] is None)
+            slots = sorted(free, key=lambda p: paths[p][(1, -2)[side]].u)
+            n = len(slots) - 1
+            width = min(item.span * 0.6, 12.0 * n)
+            at = {p: item.u + (width * (j / n - 0.5) if n else 0.0) for j, p in enumerate(slots)}
+            for k in ks:
+                port = ports[k][side]
+                at_end[k] = at[pairs[k][:2]] if port is None else item.u + port
+    out = []
+    lanes: dict[tuple[int, int], list[tuple[str, str]]] = {}  # who crosses each gap
+    for k, (a, b, _, _) in enumerate(pairs):
+        chain = paths[(a, b)]
+        way = [(ends[0][k], chain[0].v + chain[0].depth, False)]
+        for prev, item in zip(chain, chain[1:], strict=False):
+            u = ends[1][k] if item is chain[-1] else item.u
+            if item.chunk != prev.chunk:
+                crossing = lanes.setdefault((prev.chunk, item.chunk), [])
+                if (a, b) not in crossing:
+                    crossing.append((a, b))
+                gap = 5 * crossing.index((a, b))
+                lane = chunks[item.chunk][0] - 20 + gap
+                below, above = end + 12 + gap, lead - 12 - gap
+                turns = [(way[-1][0], below), (lane, below), (lane, above), (u, above)]
+                way += [(x, y, False) for x, y in [*turns, (u, item.v)]]
+            else:
+                way.append((u, item.v, True))
+            if item is not chain[-1]:
+                way.append((u, item.v + item.depth, False))
+        out.append(way)
+    return out
 
 
 def place(
     items: list[Item],
-    edges: list[tuple[str, str]],
+    pairs: list[tuple[str, str, str, str]],
+    ports: list[tuple[float | None, float | None]],
     gaps: tuple[float, float, float],
     room: float,
-    offsets: dict,
     across_room: float | None = None,
-) -> _Placed:
-    """Items in layers along a container, ordered and placed across: `gaps` (between
-    layers, between items, after a port's layer), `room` the length along to wrap at,
-    `across_room` the width across the bands may not pass (None: any), `offsets` where the
-    edges meet containers."""
-    between, across, ports = gaps
+) -> tuple[tuple[float, float], list[list[tuple[float, float, bool]]]]:
+    """Items in layers along a container, ordered and placed across; answers the extent and
+    each pair's way. `pairs` are (source, target, edge's source, edge's target) at this level,
+    `ports` where each pair's ends cross a container's border, off its centre (None: no port
+    there); `gaps` (between layers, between items, after a port's layer), `room` the length
+    along to wrap at, `across_room` the width across the bands may not pass (None: any)."""
+    between, across, after_port = gaps
     by_key = {i.key: i for i in items}
-    edges = list(dict.fromkeys((a, b) for a, b in edges if a != b))
-    _layers_of(items, edges, by_key)
+    offsets: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for (a, b, _, _), (oa, ob) in zip(pairs, ports, strict=True):
+        offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
+    edges = [(a, b) for a, b in offsets if a != b]
+    _layers_of(items, edges)
+    _layers_of(items, edges)
     # waypoints for edges that skip layers
     paths: dict[tuple[str, str], list[Item]] = {}
     every = list(items)
@@ -113,7 +110,7 @@ def place(
     # chained that way would walk off to one side
     shifts = []
     for (a, b), c in paths.items():
-        oa, ob = offsets.get((a, b), (0.0, 0.0))
+        oa, ob = (sum(side) / len(offsets[a, b]) for side in zip(*offsets[a, b], strict=True))
         if abs(oa) > by_key[a].span / 4 or abs(ob) > by_key[b].span / 4:
             oa = ob = 0.0
         if by_key[a].layer > by_key[b].layer:
@@ -124,20 +121,21 @@ def place(
     depth = [max((i.depth for i in layer), default=0.0) for layer in layers]
     for i in every[len(items) :]:  # a waypoint runs the whole layer, so an edge curves only
         i.depth = depth[i.layer]  # between layers, never across a tall box beside it
-    lengths = [d + (between if d > 0 else ports) for d in depth]
+    lengths = [d + (between if d > 0 else after_port) for d in depth]
     # bands: as few as keep each within the room along, and none when that would make the
     # whole wider than the room across (then it is long, and scrolls)
     k = _bands_needed(lengths, room)
     while True:
         bands = _bands(lengths, k)
-        placed = _arrange_bands(layers, bands, lengths, depth, links, shifts, across, paths)
-        if k == 1 or across_room is None or placed.extent[0] <= across_room:
-            return placed
+        extent, *placed = _arrange_bands(layers, bands, lengths, depth, links, shifts, across)
+        if k == 1 or across_room is None or extent[0] <= across_room:
+            return extent, _ways(pairs, by_key, ports, paths, placed)
         k -= 1
 
 
-def _arrange_bands(layers, bands, lengths, depth, links, shifts, across, paths) -> _Placed:
-    """The layers placed along, band by band, and across, each band beside the last."""
+def _arrange_bands(layers, bands, lengths, depth, links, shifts, across) -> tuple:
+    """The layers placed along, band by band, and across, each band beside the last: the
+    extent, each band's (start, end) across, the longest's end along, where they start."""
     lead = 24.0 if len(bands) > 1 else 0.0  # room for the lanes between bands
     end = 0.0
     for c, (lo, hi) in enumerate(bands):
@@ -158,11 +156,10 @@ def _arrange_bands(layers, bands, lengths, depth, links, shifts, across, paths) 
                 i.u += offset - left
         chunks.append((offset, offset + right - left))
         offset += right - left + 44.0
-    extent = (offset - 44.0, end + lead)
-    return _Placed(extent, chunks, end, lead, paths)
+    return (offset - 44.0, end + lead), chunks, end, lead
 
 
-def _layers_of(items: list[Item], edges, by_key) -> None:
+def _layers_of(items: list[Item], edges) -> None:
     """Layers by the longest path from the sources (a source just above what it feeds), an
     edge that closes a cycle left out; ports in a first and a last layer of their own."""
     inner = [i.key for i in items if not i.key.startswith(("in:", "out:"))]
@@ -196,16 +193,15 @@ def _layers_of(items: list[Item], edges, by_key) -> None:
     for k in order:  # sinks first: each source pulled down to just above what it feeds
         if not pred[k] and succ[k]:  # (a source's edges are all kept: it starts a walk)
             layer[k] = min(layer[s] for s in succ[k]) - 1
-    low = min(layer.values(), default=0)
-    ports = any(i.key.startswith("in:") for i in items)
-    top = max((v - low for v in layer.values()), default=-1) + (1 if ports else 0)
+    shift = int(any(i.key.startswith("in:") for i in items)) - min(layer.values(), default=0)
+    last = max(layer.values(), default=-1) + shift + 1
     for i in items:
         if i.key.startswith("in:"):
             i.layer = 0
         elif i.key.startswith("out:"):
-            i.layer = top + 1
+            i.layer = last
         else:
-            i.layer = layer[i.key] - low + (1 if ports else 0)
+            i.layer = layer[i.key] + shift
 
 
 def _order(layers: list[list[Item]], links: list[tuple[Item, Item]]) -> None:

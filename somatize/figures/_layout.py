@@ -72,17 +72,9 @@ class _Layout:
             (self.port(items[a].box, d, True), self.port(items[b].box, s, False))
             for a, b, s, d in pairs
         ]
-        offsets: dict[tuple[str, str], list[tuple[float, float]]] = {}
-        for (a, b, _, _), (oa, ob) in zip(pairs, ports, strict=True):
-            offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
-        mean = {
-            k: tuple(sum(side) / len(v) for side in zip(*v, strict=True))
-            for k, v in offsets.items()
-        }
         across_room = self.room[0] - left - right if box.down else None  # a root's rows scroll down
-        links = [p[:2] for p in pairs]
-        placed = place(list(items.values()), links, gaps, room, mean, across_room)
-        extent_u, extent_v = placed.extent
+        placed = place(list(items.values()), pairs, ports, gaps, room, across_room)
+        (extent_u, extent_v), ways = placed
         w, h = (extent_u, extent_v) if box.down else (extent_v, extent_u)
         box.w = max(box.w, w + left + right)
         box.h = h + top + bottom
@@ -103,7 +95,6 @@ class _Layout:
                     item.box.x, item.box.y = cx, cy - item.box.h / 2
             else:
                 level.ports[key] = (cx, cy)
-        ways = placed.ways(pairs, items, ports)
         for (_, _, s, d), way in zip(pairs, ways, strict=True):
             level.parts[(s, d)] = [(*real(u, v), curve) for u, v, curve in way]
 
