@@ -290,13 +290,13 @@ class _Inside:
 
 
 def branch_groups(order: list[str], edges: list[tuple[str, str]]) -> list[dict]:
-    """Branches that leave one node and meet again at one node: {from, to, members}."""
+    """Branches that leave one node and meet again at one node: {from, to, members}
+    (`edges` between nodes of `order`)."""
     succ: dict[str, list[str]] = {n: [] for n in order}
     pred: dict[str, list[str]] = {n: [] for n in order}
     for a, b in edges:
-        if a in succ and b in pred:
-            succ[a].append(b)
-            pred[b].append(a)
+        succ[a].append(b)
+        pred[b].append(a)
     groups, taken = [], set()
     for f in order:
         outs = succ[f]
@@ -323,7 +323,7 @@ def scene(plan: dict, insides: dict, opened: list[str], expanded: list[str]) -> 
     """The root box: the graph's nodes (and groups of branches), each open node holding its
     layers; `edges` on the root and on each open node."""
     nodes = {str(n["id"]): n for n in plan.get("nodes", [])}
-    order = [str(n["id"]) for n in plan.get("nodes", [])]
+    order = list(nodes)
     edges = [(str(a), str(b)) for a, b in plan.get("edges", []) if a in nodes and b in nodes]
     root = Box(id="root", kind="root", down=False, pad=(12.0, 12.0, 12.0, 12.0))
     root.edges = [(f"n:{a}", f"n:{b}") for a, b in edges]
