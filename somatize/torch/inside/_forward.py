@@ -231,12 +231,3 @@ class Reading(TorchFunctionMode):
         self.by = {}
         return self.out
 
-
-def by_forward(root: nn.Module, depth: int, args: tuple, kwargs: dict | None) -> Traced:
-    """A real forward with hooks on what is drawn and a function mode for what is between."""
-    reading = Reading(root, depth).arm()
-    try:
-        root(*args, **(kwargs or {}))
-    finally:
-        reading.disarm()
-    return reading.result()

@@ -1,12 +1,7 @@
-"""Reading a module with torch.fx: symbolically, then once through the traced graph on the
-arguments it was really called with, for shapes and dtypes."""
+"""Reading a module with torch.fx, symbolically: what `architecture` draws without an example."""
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
-import torch
 import torch.fx as fx
 from torch import nn
 
@@ -18,7 +13,6 @@ from somatize.torch.inside._trace import (
     drawn,
     finish,
     function_layer,
-    shape_of,
 )
 from somatize.torch.inside.kinds import function_name
 
@@ -39,20 +33,9 @@ def fx_trace(root: nn.Module, depth: int) -> tuple[fx.Graph, Opening]:
     return _Tracer(opening).trace(root), opening
 
 
-def by_fx(
-    root: nn.Module,
-    trace: tuple[fx.Graph, Opening],
-    args: tuple | None,
-    kwargs: dict | None,
-    recorded: dict[str, list[Any]] | None,
-) -> Traced:
-    """`trace` (what `fx_trace` answered) read, then (with args) run once for shapes and dtypes.
-
-    `recorded` holds what each submodule gave back when the graph ran, in call order; a layer
-    found there is not run again. Raises whatever running the trace raises.
-    """
+def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
+    """`trace` (what `fx_trace` answered) read: its layers and edges, without shapes."""
     graph, opening = trace
-    values = _values(graph, root, args, kwargs or {}, recorded or {}) if args is not None else {}
     out = Traced()
     made: dict[fx.Node, Raw] = {}
     data: set[fx.Node] = set()
@@ -72,11 +55,7 @@ def by_fx(
             if not any(i in data for i in n.all_input_nodes):
                 continue  # works on constants only: not the data
             data.add(n)
-            value = values.get(n)
-            floating = value is None or (
-                isinstance(value, torch.Tensor) and value.is_floating_point()
-            )
-            if not drawn(function_name(n.target)) or not floating:
+            if not drawn(function_name(n.target)):
                 continue
             within = _within(n)
             block = next(reversed(within), None)
@@ -88,8 +67,6 @@ def by_fx(
         producers[n] = {made[n].path} if n in made else set(inputs)
     edges: dict[tuple[str, str], None] = {}
     for n, layer in made.items():
-        if layer.shape is None and n in values:
-            layer.shape = shape_of(values[n])
         for i in n.all_input_nodes:
             for p in sorted(producers[i]):
                 if p != layer.path:
@@ -104,35 +81,3 @@ def _within(n: fx.Node, itself: str | None = None) -> dict[str, int]:
     blocks = (block_call(key) for key in n.meta.get("nn_module_stack") or {})
     return {path: call for path, call in blocks if path != itself}
 
-
-def _values(
-    graph: fx.Graph, root: nn.Module, args: tuple, kwargs: dict, recorded: dict
-) -> dict[fx.Node, Any]:
-    """What every node of the fx graph holds on these arguments; a submodule's value is taken
-    from what it gave back in the graph's run when that was recorded, not run again."""
-    env: dict[fx.Node, Any] = {}
-    given = list(args)
-    taken: dict[str, int] = {}
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            if given:
-                value = given.pop(0)
-            else:
-                value = kwargs.get(str(n.target).lstrip("*"), n.args[0] if n.args else None)
-        elif n.op == "output":
-            break
-        else:
-            a, k = fx.node.map_arg((n.args, n.kwargs), lambda x: env[x])
-            if n.op == "get_attr":
-                value = functools.reduce(getattr, str(n.target).split("."), root)
-            elif n.op == "call_module":
-                known = recorded.get(n.target) or []
-                i = taken.get(n.target, 0)
-                taken[n.target] = i + 1
-                value = known[i] if i < len(known) else root.get_submodule(n.target)(*a, **k)
-            elif n.op == "call_function":
-                value = n.target(*a, **k)
-            else:
-                value = getattr(a[0], n.target)(*a[1:], **k)
-        env[n] = value
-    return env

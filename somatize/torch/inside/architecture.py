@@ -19,7 +19,7 @@ from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import in_one_line, note
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
-from somatize.torch.inside._forward import Reading, by_forward
+from somatize.torch.inside._forward import Reading
 from somatize.torch.inside._fx import by_fx, fx_trace
 from somatize.torch.inside._trace import Layer, Opening, Traced, params_of, shape_of
 from somatize.torch.inside.fold import collapse, fold
@@ -60,49 +60,38 @@ class Inside:
         return f"Inside({len(self.layers)} layers, {len(self.edges)} edges, {self.how})"
 
 
-_Call = tuple[tuple, dict]  # the exact (args, kwargs) a module was called with
-
-
-def _raw(
-    module: nn.Module, call: _Call | None, recorded: dict | None, plan: Any, depth: int
-) -> tuple[Traced, str, str | None] | None:
+def _raw(module: nn.Module, plan: Any, shape: Any) -> tuple[Traced, str, str | None] | None:
     """The layers of `module`, how they were read and why not by fx (None where nothing was):
-    `plan` is what `_plan` found before the graph ran (an fx trace, or the `Reading` that rode
-    along the run), `call` what reached the module there and `recorded` what its submodules
-    gave back (a module without any: the shape of what it gave back, at "")."""
+    `plan` is what `_plan` found before the graph ran (the `Reading` that rode along the run,
+    or without an example an fx trace), `shape` that of what the module gave back."""
     if isinstance(plan, Reading):  # read in the graph's run: nothing runs again
-        return (plan.result(), "traced", plan.why) if plan.calls else None
+        how = "symbolic" if plan.why is None else "traced"
+        return (plan.result(), how, plan.why) if plan.calls else None
     if not parts_of(module):  # one layer, whatever its forward does inside
         out = Traced()
-        Opening(module, 0).add_leaf(out, "").shape = (recorded or {}).get("")
+        Opening(module, 0).add_leaf(out, "").shape = shape
         return out, "symbolic", None
-    with untouched([module]), torch.no_grad():
-        try:
-            return by_fx(module, plan, *(call or (None, None)), recorded), "symbolic", None
-        except Exception as e:  # noqa: BLE001  (the trace ran wrong on real values: say why)
-            why = in_one_line(e)
-        if call is None:
-            return None
-        return by_forward(module, depth, *call), "traced", why
+    return None if plan is None else (by_fx(plan), "symbolic", None)
 
 
-def _plan(roots: dict[str, nn.Module], depth: int) -> dict[str, Any]:
-    """Before the graph runs: each node's module traced by fx, or — where fx refuses — a
-    `Reading` to be armed for the run, so no module is run a second time."""
+def _plan(roots: dict[str, nn.Module], depth: int, example: Any) -> dict[str, Any]:
+    """Before the graph runs: each node's module traced by fx, or why fx refuses it; with an
+    example, a `Reading` to be armed for the run instead (saying why fx refused, if it did),
+    so no module is run a second time."""
     plans: dict[str, Any] = {}
     for node, module in roots.items():
         if not parts_of(module):
             continue
         why = _REFUSED.get(module, {}).get(depth)
+        trace = None
         if why is None:
             try:
-                plans[node] = fx_trace(module, depth)
-                continue
+                trace = fx_trace(module, depth)
             except Exception as e:  # noqa: BLE001
                 why = in_one_line(e)
                 if not isinstance(module, Holder):
                     _REFUSED.setdefault(module, {})[depth] = why
-        plans[node] = Reading(module, depth, why)
+        plans[node] = trace if example is None else Reading(module, depth, why)
     return plans
 
 
@@ -160,42 +149,18 @@ def _here(call: Any, ctx: Any) -> Any:
     return here
 
 
-def _capture(
-    graph: Any, roots: dict[str, nn.Module], example: Any, plans: dict[str, Any]
-) -> tuple[dict[str, _Call], dict[str, dict[str, list[Any]]]]:
-    """Run the graph once: what reached each node's module, as its exact arguments. Modules
-    fx can follow have what the submodules their fx graph calls gave back recorded (`by_fx`
-    runs the rest of the graph on it, for the shapes; nothing else is kept), a module without
-    submodules the shape of what it gave back; those it cannot are read by their `Reading`,
-    armed for this run. A plain node's modules are run through their `Holder`, so it is read
-    as a module is."""
-    seen: dict[str, _Call] = {}
-    outputs: dict[str, dict[str, list[Any]]] = {}
+def _capture(graph: Any, roots: dict[str, nn.Module], example: Any, plans: dict) -> dict:
+    """Run the graph once, each node's `Reading` armed: {node: the shape of what its module
+    gave back}, for each node the run reached. A plain node's modules are run through their
+    `Holder`, so it is read as a module is."""
+    reached: dict[str, Any] = {}
     handles = []
     for node, module in roots.items():
 
-        def hook(m: nn.Module, args: tuple, kwargs: dict, key=node) -> None:
-            seen.setdefault(key, (args, kwargs))
+        def hook(m: nn.Module, args: tuple, out: Any, key=node) -> None:
+            reached.setdefault(key, shape_of(out))
 
-        handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-        plan = plans.get(node)
-        if isinstance(plan, Reading):
-            continue  # nothing to record
-        mine = outputs[node] = {}
-        if plan is None:  # childless: one layer, and only its output's shape is kept
-
-            def shape(m: nn.Module, args: tuple, out: Any, into=mine) -> None:
-                into.setdefault("", shape_of(out))
-
-            handles.append(module.register_forward_hook(shape))
-            continue
-        fx_graph, opening = plan
-        for path in {n.target for n in fx_graph.nodes if n.op == "call_module"}:
-
-            def record(m: nn.Module, args: tuple, out: Any, into=mine, path=path) -> None:
-                into.setdefault(path, []).append(out)
-
-            handles.append(opening.named[path].register_forward_hook(record))
+        handles.append(module.register_forward_hook(hook))
     through = {n: m for n, m in roots.items() if isinstance(m, Holder)}
     readings = [p for p in plans.values() if isinstance(p, Reading)]
     try:
@@ -213,7 +178,7 @@ def _capture(
             reading.disarm()
         for h in handles:
             h.remove()
-    return seen, outputs
+    return reached
 
 
 _META = (
@@ -234,9 +199,10 @@ def architecture(
 
     With an example the graph is run once, and each module a node holds is read on exactly
     what reached it: a fan-in node gets the dict of its predecessors' values, as it would.
-    torch.fx is asked first, module by module, and where it cannot follow the forward a real
-    forward with hooks answers instead (the Inside says which, and why). Without an example
-    only what fx can answer symbolically is there, without shapes. Nodes holding no module
+    torch.fx is asked first, module by module (the Inside says whether it could follow the
+    forward, and why not), and the layers, edges and shapes are read off that one run by hooks
+    and a function mode, whatever fx said. Without an example only what fx can answer
+    symbolically is there, without shapes. Nodes holding no module
     (a plain function, a tokenizer) are not in the answer. A composite torch ships is one box
     unless `depth=` opens it; blocks that are the same block fold to one `×N`; past `most`
     layers a node's deepest blocks are closed. Edges follow the data through indexing, views
@@ -253,14 +219,13 @@ def architecture(
     found = {node: root_of(graph.implementation(node)) for node in graph.nodes()}
     roots = {node: root for node, root in found.items() if root is not None}
     Held(list(roots.values())).refuse()  # before fx or a hook touches anything
-    plans = _plan(roots, depth)
-    calls, outputs = _capture(graph, roots, example, plans) if example is not None else ({}, {})
+    plans = _plan(roots, depth, example)
+    reached = _capture(graph, roots, example, plans) if example is not None else {}
     out: dict[str, Inside] = {}
     for node, root in roots.items():
-        call = calls.get(node)
-        if example is not None and call is None:
+        if example is not None and node not in reached:
             continue  # never reached (a branch not taken)
-        got = _raw(root, call, outputs.pop(node, None), plans.get(node), depth)
+        got = _raw(root, plans.get(node), reached.get(node))
         if got is None:
             continue
         raw, how, why = got
