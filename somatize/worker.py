@@ -112,7 +112,8 @@ def parser() -> argparse.ArgumentParser:
         type=_size,
         default=1 << 30,
         metavar="BYTES",
-        help="refuse a message larger than this, all frames counted (default 1GiB)",
+        help="refuse a frame larger than this, before reading it, and a message four times as "
+        "large (default 1GiB)",
     )
     p.add_argument(
         "--max-pending",
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
     log.info(
-        "serving on %s: sessions expire after %g s unused; messages over %d bytes refused; "
+        "serving on %s: sessions expire after %g s unused; frames over %d bytes refused; "
         "builds %s%s",
         where,
         a.session_timeout,

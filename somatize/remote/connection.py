@@ -138,12 +138,18 @@ class Connection:
             message["session"] = session
         frames = wire.encode(message, where=f"a request to {self.where()}")
         most = (self.hello or {}).get("max_message")
-        size = sum(memoryview(f).nbytes for f in frames)
-        if most and size > most:
+        sizes = [memoryview(f).nbytes for f in frames]
+        if most and max(sizes) > most:
             raise ValueError(
-                f"a request to {self.where()} is {size} bytes in {len(frames)} frames, and that "
-                f"worker takes messages of at most {most}, all frames counted (start it with a "
-                "larger --max-message, or send smaller tensors)"
+                f"a request to {self.where()} holds a frame of {max(sizes)} bytes, and that "
+                f"worker takes frames of at most {most} (start it with a larger "
+                "--max-message, or send smaller tensors)"
+            )
+        if most and sum(sizes) > wire.MOST_MESSAGE * most:
+            raise ValueError(
+                f"a request to {self.where()} is {sum(sizes)} bytes in {len(frames)} frames, "
+                f"and that worker takes messages of at most {wire.MOST_MESSAGE * most} (four "
+                "times its --max-message): start it with a larger one, or send less at once"
             )
         for _attempt in range(3):
             if self.seal is None:

@@ -30,6 +30,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from somatize.remote import wire
+
 __all__ = ["QUEUED", "PENDING_WITHIN", "Guard", "bind", "serve"]
 
 log = logging.getLogger("somatize.worker")
@@ -83,19 +85,24 @@ def _spare_descriptors() -> int:
     return max(0, soft - used) if soft != resource.RLIM_INFINITY else 1 << 16
 
 
-def _received(fd: int) -> int:
-    """The bytes that TCP connection `fd` has received (Linux's tcp_info), 0 where unknown.
-    No new descriptor is needed for it."""
+@contextlib.contextmanager
+def _borrowed(fd: int):
+    """Descriptor `fd` as a socket, without a new descriptor (which matters when they have run
+    out); it stays libzmq's."""
+    s = socket.socket(fileno=fd)
     try:
-        s = socket.socket(fileno=fd)
-    except OSError:
-        return 0
-    try:
-        info = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", -1), 256)
-    except OSError:
-        return 0
+        yield s
     finally:
-        s.detach()  # the descriptor stays libzmq's
+        s.detach()
+
+
+def _received(fd: int) -> int:
+    """The bytes that TCP connection `fd` has received (Linux's tcp_info), 0 where unknown."""
+    try:
+        with _borrowed(fd) as s:
+            info = s.getsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_INFO", -1), 256)
+    except OSError:
+        return 0
     return struct.unpack_from("=Q", info, 128)[0] if len(info) >= 136 else 0  # bytes_received
 
 
@@ -109,23 +116,15 @@ def _resident() -> int | None:
 
 
 def _cut(fd: int) -> None:
-    """End the TCP connection on descriptor `fd` (libzmq's: it sees the end and closes it).
-    No new descriptor is needed for it, which matters when they have run out."""
-    try:
-        s = socket.socket(fileno=fd)
-    except OSError:
-        return
-    with contextlib.suppress(OSError):
+    """End the TCP connection on descriptor `fd` (libzmq sees the end and closes it)."""
+    with contextlib.suppress(OSError), _borrowed(fd) as s:
         s.shutdown(socket.SHUT_RDWR)
-    s.detach()  # the descriptor stays libzmq's
 
 
 class Guard:
     """Watches the connections of `sock` on a thread of its own (see the module's doc)."""
 
-    def __init__(
-        self, sock: zmq.Socket, *, most_pending: int = 64, most_bytes: int | None = None
-    ) -> None:
+    def __init__(self, sock: zmq.Socket, *, most_pending: int, most_bytes: int) -> None:
         self.sock = sock
         self.most_pending = max(1, min(int(most_pending), _spare_descriptors() // 2))
         self.most_bytes = most_bytes
@@ -225,19 +224,17 @@ class Guard:
 
     def _endless(self, clients: dict[int, int]) -> list[int]:
         """Those of `clients` that sent more since their last answer than the messages a
-        connection may have waiting can hold (`most_bytes` each, all frames counted), taken
-        off the proven (to be cut)."""
-        if self.most_bytes is None:
-            return []
-        most = (QUEUED + 1) * self.most_bytes + _QUIET
+        connection may have waiting can hold (`wire.MOST_MESSAGE` times `most_bytes` each),
+        taken off the proven (to be cut)."""
+        most = QUEUED * wire.MOST_MESSAGE * self.most_bytes + _QUIET
         over = [fd for fd, base in clients.items() if _received(fd) - base > most]
         if over:
             log.warning(
                 "cut %d client(s) that sent over %d bytes without a message ending: a message "
-                "is at most --max-message (%d bytes), all frames counted",
+                "is at most %d bytes (four times --max-message)",
                 len(over),
                 most,
-                self.most_bytes,
+                wire.MOST_MESSAGE * self.most_bytes,
             )
         with self.lock:
             return [fd for fd in over if self.proven.pop(fd, None) is not None]
@@ -247,8 +244,6 @@ class Guard:
         have sent more than `most_bytes` together, or this process holds `most_bytes` more
         than when they had sent next to nothing (ZeroMQ keeps a frame in 64 bytes or more:
         empty frames take 32 times what they cost to send)."""
-        if self.most_bytes is None:
-            return []
         sent = {fd: _received(fd) for fd in strangers}
         held = _resident()
         if sum(sent.values()) <= _QUIET:  # the worker's own memory, as it is at rest

@@ -133,11 +133,12 @@ class Server:
             return seal.refusal(self.salt, refused.reason), False
         try:
             size = sum(wire._buffer(f).nbytes for f in body)
-            if self.max_message is not None and size > self.max_message:
+            most = wire.MOST_MESSAGE * (self.max_message or 0)
+            if self.max_message is not None and size > most:
                 raise ValueError(
-                    f"a message of {size} bytes, and this worker takes at most "
-                    f"{self.max_message}, all frames counted: start it with a larger "
-                    "--max-message, or send smaller tensors"
+                    f"a message of {size} bytes, and this worker takes at most {most}, all "
+                    "frames counted (four times its --max-message): start it with a larger "
+                    "one, or send less at once"
                 )
             message = wire.decode(body)
             if type(message) is not dict or type(message.get("op")) is not str:

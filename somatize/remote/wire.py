@@ -30,10 +30,14 @@ import msgpack
 from somatize import _hooks, codecs
 from somatize.codecs import Malformed
 
-__all__ = ["Malformed", "Named", "encode", "decode", "unwritable", "MOST_FRAMES"]
+__all__ = ["Malformed", "Named", "encode", "decode", "unwritable", "MOST_FRAMES", "MOST_MESSAGE"]
 
 MOST_FRAMES = 4096
 """The most frames one message may have (its header and its tensors)."""
+
+MOST_MESSAGE = 4
+"""A message is at most this many times as large as the largest frame a worker takes
+(`--max-message`), all frames counted."""
 
 _TENSOR, _NAMED, _VALUE, _FIELDS = 3, 4, 5, 6  # 1 and 2 are codecs.PLAIN: a tuple, a big int
 
