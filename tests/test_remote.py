@@ -367,10 +367,11 @@ def test_a_restarted_worker_gets_what_it_held_and_never_trains_on_from_older_wei
         standing.stop()
 
 
-def test_the_first_request_after_a_restart_may_be_as_large_as_the_worker_takes():
-    """A worker weighs what a connection that has not yet proven itself sends: after the
-    restart, the client proves itself (a small sealed hello) before its large message."""
-    standing = Standing("--max-message", "1MiB")
+def test_the_first_request_after_a_restart_may_be_as_large_as_a_client_s():
+    """A worker weighs what a connection that has not yet proven itself sends (a stranger's
+    messages together at most --max-message): after the restart, the client proves itself
+    (a small sealed hello) before its large message."""
+    standing = Standing("--max-message", "16MiB")
     standing.start()
     try:
         broker = Broker.embedded({"gpu": standing.worker()})
@@ -733,6 +734,32 @@ def test_eval_and_train_reach_the_worker_on_the_next_forward(two):
     )
     t.step((x, torch.zeros(8, 2)))
     assert int(t.export()["norm"]["norm.num_batches_tracked"]) == 3
+
+
+def test_a_node_cast_here_after_it_was_sent_is_cast_on_its_worker_with_what_it_learnt(two):
+    torch.manual_seed(0)
+    node = Normed(4)
+    g = Graph.somatize(node.named("norm").at("a"))
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(3))
+    assert g.forward(x, broker=two).dtype == torch.float32
+    node.double()
+    y = g.forward(x.double(), broker=two)
+    assert y.dtype == torch.float64
+    got = two.weights(g, "norm")
+    assert got["lin.weight"].dtype == torch.float64
+    # a trainer's step learnt there since its weights were read back: cast, not forgotten
+    t = _split_trainer(Broker.embedded({"gpu": two.workers["a"]}))  # never closed: it stops "a"
+    data = _batches(3)
+    t.step(data[0])
+    kept = t.export()["body"]
+    t.step(data[1])  # learnt on the worker only
+    for n in t.graph.nodes():
+        t.graph.implementation(n).double()
+    learnt = t.export()["body"]
+    assert learnt["lin.weight"].dtype == torch.float64
+    assert not torch.equal(learnt["lin.weight"], kept["lin.weight"].double())
+    t.step(tuple(v.double() for v in data[2]))
+    assert t.export()["body"]["lin.weight"].dtype == torch.float64
 
 
 def test_modes_that_do_not_match_a_node_s_modules_are_refused_naming_it(two):

@@ -61,6 +61,8 @@ class Broker:
         self._lost: dict[str, str] = {}  # key: host, for what a worker lost after learning
         self._read: dict[str, Callable[[], Any] | None] = {}  # key: reads its modes here
         self._told: dict[tuple[str, str], Any] = {}  # (host, key): the modes its copy has
+        self._built: dict[tuple[str, str], tuple[list, list]] = {}  # (host, key): parameters
+        # here, and their dtypes when its copy there was built
         self._slices: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
         self.closed = False
 
@@ -152,6 +154,8 @@ class Broker:
         self._held[key] = (nid, node)
         self._read[key] = _hooks.modes(node)
         self._told.pop((host, key), None)  # the copy built there is told its modes after
+        params = [p for m in _hooks.state_modules(node) for p in m.parameters(recurse=False)]
+        self._built[(host, key)] = (params, [p.dtype for p in params])
         d = describe(node, nid, key, device, self.mode(host), conn, host)
         if d["state"]:
             self._stateful.add(key)
@@ -164,8 +168,11 @@ class Broker:
         stage part): `describe()` goes along as `"described"` while it does not hold it. A
         worker that answers `Unknown` (restarted, or its session expired) is sent again, once,
         what it needs. The modules' train/eval modes go along for the nodes whose modes
-        changed since that worker was last told (`model.eval()` here reaches its copy there)."""
+        changed since that worker was last told (`model.eval()` here reaches its copy there),
+        and a node whose dtypes changed here (`.double()`) is built there anew."""
         key, describe = kept
+        for nid, node, _ in nodes:
+            self._recast(host, nid, node)
         for attempt in (0, 1):
             defs = [d for n, node, device in nodes if (d := self.definition(host, n, node, device))]
             sent, held = {**message, "define": defs}, [d["key"] for d in defs]
@@ -184,6 +191,24 @@ class Broker:
             self.defined(host, held)
             self._told.update(((host, k), said) for k, said in modes.items())
             return got
+
+    def _recast(self, host: str, nid: str, node: Any) -> None:
+        """A node whose dtypes changed here since its copy was built on `host`'s worker
+        (`.double()`, `.to(dtype)`) is built there anew, with its Learning (held as
+        '<node>/learning'); what they learnt there is read back first, and what the worker
+        kept built on its nodes is described again."""
+        key = self.key(node)
+        params, dtypes = self._built.get((host, key), ((), []))
+        if [p.dtype for p in params] == dtypes or not self.holds(host, key):
+            return
+        again = {key} | {k for k, (n, _) in self._held.items() if n.startswith(f"{nid}/")}
+        for k in sorted(again):
+            if (host, k) in self._learnt:
+                got = self.request(host, {"op": "state", "key": k})
+                _hooks.stage_state(self._held[k][1], got)()
+                self._learnt.discard((host, k))
+        known = self._defined[host]  # a node replaced there drops what was built on it
+        self._defined[host] = {k: v for k, v in known.items() if k in self._held and k not in again}
 
     def _changed(self, host: str, nodes: list[tuple]) -> dict[str, Any]:
         """`{key: modes}` of those of `nodes` whose modes `host`'s worker was not told yet."""
@@ -335,6 +360,7 @@ class Broker:
         self._held.clear()
         self._read.clear()
         self._told.clear()
+        self._built.clear()
         for worker in self.workers.values():
             worker.stop()
         self.closed = True
