@@ -137,18 +137,9 @@ class Worker:
         worker.address = worker.child.address
         return worker
 
-    @classmethod
-    def generic(
-        cls,
-        *,
-        mode: str | None = None,
-        send: Iterable[Any] = (),
-        python: str | None = None,
-        **spawn: Any,
-    ) -> Worker:
-        """Start `python -m somatize.worker` (this interpreter unless `python` names another)
-        as a child, as `spawn` does with the same keywords."""
-        return cls.spawn(mode=mode, send=send, python=python, **spawn)
+    generic = spawn
+    """`spawn` with no `argv`: `python -m somatize.worker` (this interpreter unless `python`
+    names another), with the same keywords."""
 
     def stop(self) -> None:
         """Stop a spawned worker (and everything in its process group); no-op for `at`."""
