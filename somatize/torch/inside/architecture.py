@@ -95,8 +95,8 @@ def _plan(roots: dict[str, nn.Module], depth: int, example: Any) -> dict[str, An
     return plans
 
 
-# Modules fx refused, by depth, and why. Only refusals are remembered: a real forward reads any
-# module right, so one that has since become traceable is at worst read the slower way.
+# Modules fx refused, by depth, and why. Only refusals are remembered: one that has since
+# become traceable is at worst read as if fx still refused it.
 _REFUSED: weakref.WeakKeyDictionary[nn.Module, dict[int, str]] = weakref.WeakKeyDictionary()
 
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -126,15 +126,12 @@ class _Subject:
         return _hooked(layers, fn)
 
 
-@contextlib.contextmanager
-def _hooked(modules: list[nn.Module], fn: Callable) -> Iterator[None]:
+def _hooked(modules: list[nn.Module], fn: Callable) -> contextlib.ExitStack:
     """`fn` a forward hook on each of `modules` while inside."""
-    hooks = [m.register_forward_hook(fn) for m in modules]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
+    hooks = contextlib.ExitStack()
+    for m in modules:
+        hooks.enter_context(m.register_forward_hook(fn))  # (a handle removes it on exit)
+    return hooks
 
 
 def _loss(s: _Subject, example: Any, target: Any, objective: Callable) -> torch.Tensor:
