@@ -58,14 +58,12 @@ def _finest_cut(held: Named, most: int) -> tuple[Named, list[str]]:
         deeper: Named = []
         for path, module in level:
             kids = _children(path, module, seen)
-            if not kids:
-                continue
-            if len(cut) - 1 + len(kids) > most:
+            if kids and len(cut) - 1 + len(kids) > most:
                 left += _leaves(path, module)
-                continue
-            at = next(i for i, (p, _) in enumerate(cut) if p == path)
-            cut[at : at + 1] = kids
-            deeper += kids
+            elif kids:
+                at = [p for p, _ in cut].index(path)
+                cut[at : at + 1] = kids
+                deeper += kids
         level = deeper
     return cut, left
 
