@@ -59,15 +59,21 @@ def _values(t: torch.Tensor) -> torch.Tensor:
 
 def norm(t: torch.Tensor) -> torch.Tensor:
     """‖t‖ as a one-number tensor, accumulated in float32 or wider (called under no_grad).
-    Values so large that their norm overflows read inf: `wide_norm` tells them from an
+    Values so large that their norm overflows read inf: `squared_norms` tells them from an
     infinity."""
     return torch.linalg.vector_norm(_values(t), dtype=_wide(t))
 
 
-def wide_norm(t: torch.Tensor) -> float:
-    """`norm` accumulated in float64: for a tensor whose `norm` read inf, whether it holds an
-    infinity or only large values."""
-    return float(torch.linalg.vector_norm(_values(t.detach()), dtype=torch.float64))
+def squared_norms(norms: list[float], tensors: list[torch.Tensor]) -> list[float]:
+    """‖t‖² of each of `tensors` from its `norm` as read, one that read inf taken again in
+    float64: an inf then means an infinity (or a NaN, a NaN), not values too large to square
+    in float32."""
+    out = []
+    for v, t in zip(norms, tensors, strict=True):
+        if math.isinf(v):
+            v = float(torch.linalg.vector_norm(_values(t.detach()), dtype=torch.float64))
+        out.append(v * v)
+    return out
 
 
 def read(tensors: list[torch.Tensor]) -> list[float]:

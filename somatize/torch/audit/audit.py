@@ -34,7 +34,7 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.run import warn
 from somatize.torch._modules import Held, Tap, named_modules_of
-from somatize.torch.audit._measures import norm, read, stable_rank, wide_norm
+from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
 from somatize.torch.audit._place import Place, layouts
 from somatize.torch.audit._select import choose, names_of, preorder
 
@@ -343,7 +343,7 @@ class Audit:
         for place in self._places:
             place.queue(tensors)
         values = read(tensors)
-        squares = [v * v for v in _finite(values[: len(normed)], normed)]
+        squares = squared_norms(values[: len(normed)], normed)
         spoilt = {o for place in self._places for o in place.spoilt(values)}  # not finite
         out = []
         for place in self._places:
@@ -379,7 +379,7 @@ class Audit:
                 same.append(c.shape == q.shape and c.device == q.device)
                 if same[-1]:
                     c.sub_(q)  # −Δθ
-            squares = [v * v for v in _finite(read([norm(d) for d in copy]), copy)]
+            squares = squared_norms(read([norm(d) for d in copy]), copy)
             ranked = any(snapshot for snapshot, _ in waiting)
             places = dict.fromkeys(place for _, got in waiting for place, _ in got)
             moves = {place: _moved(place, copy, squares, same, ranked) for place in places}
@@ -424,9 +424,3 @@ def _elsewhere(names: list[str], away: dict[str, str]) -> str:
     """What to add to a refusal of `names` when some are in a node that runs on a worker."""
     far = sorted({n.split(".")[0] for n in names} & set(away))
     return f" (node(s) {far} run on a worker, which the audit does not watch)" if far else ""
-
-
-def _finite(norms: list[float], tensors: list[torch.Tensor]) -> list[float]:
-    """`norms` of `tensors`, those that overflowed to inf taken again in float64: an inf
-    then means an infinity (or a NaN, a NaN), not values too large to square in float32."""
-    return [wide_norm(t) if math.isinf(v) else v for v, t in zip(norms, tensors, strict=True)]
