@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from somatize import _hooks, caching
+from somatize.torch._modules import Held
 from somatize.torch.codec import _plain
+from somatize.torch.placement import modules_of
 from somatize.torch.training.params import state_of as _own  # the weights as they are
 
 _DTYPES = {
@@ -123,13 +125,7 @@ def set_modes(node: Any, modes: Any) -> None:
 
 
 def _modules(node: Any) -> list[torch.nn.Module]:
-    from somatize.torch.placement import modules_of
-
-    found: dict[int, torch.nn.Module] = {}
-    for module in modules_of(node):
-        for sub in module.modules():
-            found.setdefault(id(sub), sub)
-    return list(found.values())
+    return Held(modules_of(node)).modules
 
 
 def tensor_frame(value: Any) -> tuple[list, Any] | None:
