@@ -56,11 +56,11 @@ def tmp_name(path: str) -> str:
 def _gone(machine: str, pid: str, age: float, older_than: float) -> bool:
     """Whether a writer is gone. On this machine its pid says (a live writer's file is never
     touched, however old); a writer elsewhere is gone once silent past `older_than` s."""
-    if not (machine == MACHINE and pid.isdigit()):
+    if not (machine == MACHINE and pid.isascii() and pid.isdigit()):
         return age > older_than
     try:  # signal 0 only asks whether the process is there (this one is)
         os.kill(int(pid), 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no process has a pid past a C long
         return True
     except OSError:  # someone else's process: alive
         pass

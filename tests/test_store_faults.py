@@ -93,6 +93,29 @@ def test_clean_never_touches_a_live_writers_file(tmp_path: Path) -> None:
     assert temp_files(tmp_path) == []
 
 
+def test_clean_takes_a_temp_file_whose_pid_no_process_can_have(tmp_path: Path) -> None:
+    """A temp file named by this machine but with a pid past any pid (or not an ASCII number),
+    as a damaged or hostile store may hold: clean removes it once old, and does not crash."""
+    store = Store(tmp_path)
+    proc = writer(tmp_path)
+    try:
+        live = stopped_mid_write(proc, tmp_path)
+        assert live, "the writer was never caught mid-write in a minute"
+        machine = live[0].name.split("-")[-3]  # the writer's name says this machine
+        folder = live[0].parent
+    finally:
+        stop(proc)
+    store.clean(older_than=0)
+    odd = []
+    for pid in ("9" * 30, "\u00b2", "\u0663"):
+        path = folder / f".tmp-x-{machine}-{pid}-abcdef012345"
+        path.write_bytes(b"left")
+        os.utime(path, (time.time() - 7200, time.time() - 7200))
+        odd.append(path)
+    assert store.clean(older_than=3600) == {"files": 3, "bytes": 12}
+    assert not any(p.exists() for p in odd)
+
+
 def test_without_hard_links_a_claimer_killed_mid_claim_leaves_the_name_claimable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
