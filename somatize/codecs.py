@@ -296,8 +296,13 @@ def _ext_hook(code: int, data: bytes) -> Any:
         return found.load(payload)
     except (Malformed, NoCodec):
         raise
-    except Exception as error:
-        raise Malformed(f"codec {kind!r} could not load its bytes: {error!r}") from error
+    except Exception as error:  # its text may quote the payload back: say its start only
+        said = str(error)
+        if len(said) > 300:
+            said = f"{said[:300]}… ({len(said):,} characters)"
+        raise Malformed(
+            f"codec {kind!r} could not load its bytes: {type(error).__name__}: {said}"
+        ) from error
 
 
 def _envelope(data: bytes) -> tuple[str, bytes]:

@@ -187,6 +187,24 @@ def test_a_tuple_whose_items_are_not_a_list_is_malformed_in_a_store_as_on_the_wi
             wire.decode([data])
 
 
+def test_a_codec_that_cannot_load_is_malformed_in_a_message_of_bounded_size() -> None:
+    from somatize.codecs import Malformed
+
+    class Frame:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+    def load(data: bytes) -> Frame:  # as pyarrow does, its error quotes what it was given
+        raise TypeError(f"cannot construct a FileSource from {data!r}")
+
+    codec("test-frame", Frame, dump=lambda f: f.data, load=load)
+    with pytest.raises(Malformed) as refused:
+        decode(encode(Frame(bytes(range(256)) * 4096)))  # 1 MiB
+    said = str(refused.value)
+    assert len(said) < 1000, len(said)
+    assert "'test-frame'" in said and "TypeError: cannot construct a FileSource" in said
+
+
 def test_decode_names_a_kind_nobody_registered() -> None:
     class Gone:
         pass
