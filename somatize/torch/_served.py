@@ -104,7 +104,7 @@ def modes(node: Any) -> Callable[[], list[bool]] | None:
     or a Learning (it keeps its own)."""
     from somatize.torch.training.learning import Learning
 
-    found = None if isinstance(node, Learning) else _modules(node)
+    found = None if isinstance(node, Learning) else Held(modules_of(node)).modules
     return (lambda: [m.training for m in found]) if found else None
 
 
@@ -112,7 +112,7 @@ def set_modes(node: Any, modes: Any) -> None:
     """Put the node's modules in the modes `modes(node)` read from its copy elsewhere (each
     module's own flag, as `module.train(mode)` leaves it). Modes that do not match the
     modules held here are refused, naming the node's class."""
-    found = _modules(node)
+    found = Held(modules_of(node)).modules
     if type(modes) is not list or len(modes) != len(found) or {*map(type, modes)} - {bool}:
         raise ValueError(
             f"a {type(node).__name__} here holds {len(found)} module(s), and its copy's modes "
@@ -122,10 +122,6 @@ def set_modes(node: Any, modes: Any) -> None:
     for module, training in zip(found, modes, strict=True):
         if module.training is not training:  # nn.Module.__setattr__ is slow: only if moved
             module.training = training
-
-
-def _modules(node: Any) -> list[torch.nn.Module]:
-    return Held(modules_of(node)).modules
 
 
 def tensor_frame(value: Any) -> tuple[list, Any] | None:

@@ -124,7 +124,6 @@ class Reading(TorchFunctionMode):
         self.edges: dict[tuple[str, str], None] = {}
         self.on = False  # the mode is on the stack
         self.calls = 0
-        self.passing: frozenset[str] | None = None  # what an Identity being run hands on
         self.ends: set[str] = set()  # the layers that made what the root gave back
 
     def arm(self) -> Reading:
@@ -180,16 +179,13 @@ class Reading(TorchFunctionMode):
 
     def _layer_in(self, path: str, call: int, args: tuple, kwargs: dict) -> None:
         self._mode(False)
-        made = self.producers((args, kwargs))[1]
-        if isinstance(self.opening.named[path], nn.Identity):  # (`named` holds the root at "")
-            self.passing = made
-            return
-        self._ran(self.opening.add_leaf(self.out, path, call), made)
+        if not isinstance(self.opening.named[path], nn.Identity):  # (it hands its input on)
+            made = self.producers((args, kwargs))[1]
+            self._ran(self.opening.add_leaf(self.out, path, call), made)
 
     def _layer_out(self, path: str, call: int, given: Any, output: Any) -> None:
-        if self.passing is not None:
-            self.mark(output, self.passing)
-            self.passing = None
+        if isinstance(self.opening.named[path], nn.Identity):
+            self.mark(output, self.producers(given)[1])
         else:
             layer = self.out.layers[call_path(path, call)]
             if layer.shape is None:
