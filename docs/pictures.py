@@ -3,7 +3,7 @@
     python docs/pictures.py            # run the README's code, draw docs/pictures/*.svg, badge
     python docs/pictures.py --check    # exit 1 if the README's badge is not the setting's
 
-The README's first two python blocks (the ten lines, then the three figures) run here as one
+The README's first two python blocks (a graph trained, then the three figures) run here as one
 script; each figure it makes is written with `save_svg`: graph.svg, audit.svg, table.svg. The
 badge's path is `[project.urls] Repository` in pyproject.toml, the one place it is set; the
 README's badge (between `<!-- binder -->` markers) is written from it.

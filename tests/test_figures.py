@@ -410,7 +410,7 @@ def test_the_readmes_three_figures_run_and_its_pictures_and_badge_are_there():
     pictures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pictures)
     readme = (root / "README.md").read_text()
-    assert len(pictures.blocks(readme)[1].strip().splitlines()) <= 10  # ten lines
+    assert len(pictures.blocks(readme)[1].strip().splitlines()) <= 10  # figures in ten lines
     made = pictures.figures(readme)
     assert set(made) == {"graph", "audit", "table"}
     assert len(made["audit"].frame()) > 0 and {"n:encoder", "n:head"} <= set(boxes(made["graph"].svg()))
