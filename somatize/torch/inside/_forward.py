@@ -11,11 +11,11 @@ from torch.overrides import TorchFunctionMode
 
 from somatize.torch._modules import tensors_in
 from somatize.torch.inside._trace import (
+    UNDRAWN,
     Opening,
     Raw,
     Traced,
     call_path,
-    drawn,
     finish,
     function_layer,
     joins_nothing,
@@ -167,7 +167,8 @@ class Reading(TorchFunctionMode):
             return result  # on constants only: not the data
         name = function_name(func)
         outs = tensors_in(result)
-        if drawn(name) and outs and outs[0].is_floating_point() and not joins_nothing(name, given):
+        floating = bool(outs) and outs[0].is_floating_point()
+        if floating and name not in UNDRAWN and not joins_nothing(name, given):
             block = self.hooks.stack[-1] if self.hooks.stack else None
             layer = function_layer(self.opening, self.out, block, func, self.counts)
             layer.shape = list(outs[0].shape)

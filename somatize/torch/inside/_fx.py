@@ -6,11 +6,11 @@ import torch.fx as fx
 from torch import nn
 
 from somatize.torch.inside._trace import (
+    UNDRAWN,
     Opening,
     Raw,
     Traced,
     block_call,
-    drawn,
     finish,
     function_layer,
 )
@@ -55,7 +55,7 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
             if not any(i in data for i in n.all_input_nodes):
                 continue  # works on constants only: not the data
             data.add(n)
-            if not drawn(function_name(n.target)):
+            if function_name(n.target) in UNDRAWN:
                 continue
             within = _within(n)
             block = next(reversed(within), None)

@@ -20,30 +20,20 @@ from torch import nn
 from somatize.torch._modules import parts_of, tensors_in
 from somatize.torch.inside.kinds import function_name, kind_of, label_of, recognised
 
-# Calls that carry a value along without computing anything anybody would draw: their output
-# is made by whoever made their input.
-_PASS = frozenset(
+# Calls that are never a layer: those that carry a value along without computing anything
+# anybody would draw (their output is made by whoever made their input), and those on masks,
+# counters and shapes, even on the data.
+UNDRAWN = frozenset(
     "getattr getitem setitem size dim type to float double half bfloat16 int long bool "
     "contiguous detach clone numel get requires_grad is_floating_point is_nested ndim shape "
     "device dtype set view view_as reshape reshape_as transpose permute swapaxes t squeeze "
     "unsqueeze expand expand_as narrow select split chunk unbind flip repeat tile "
-    "movedim unflatten masked_fill where index_select gather as_strided".split()
-)
-# Calls on masks, counters and shapes: never a layer, even on the data.
-_BOOKKEEPING = frozenset(
+    "movedim unflatten masked_fill where index_select gather as_strided "
     "eq ne gt ge lt le logical_and logical_or logical_not logical_xor and or not xor invert "
     "assert isfinite isnan isinf any all nonzero argmax argmin arange zeros ones full empty "
     "zeros_like ones_like full_like empty_like triu tril cumsum item tolist "
     "new_zeros new_ones new_full new_empty sum".split()
 )
-
-
-def drawn(name: str) -> bool:
-    """Whether a function of this name can be a layer (it is neither passing data along nor
-    bookkeeping)."""
-    return name not in _PASS and name not in _BOOKKEEPING
-
-
 _JOINS = frozenset(("cat", "concat", "concatenate", "stack", "hstack", "vstack"))
 
 
