@@ -26,25 +26,20 @@ import torch
 
 from somatize.codecs import Malformed, NoCodec
 
-MODULE = "transformers.cache_utils"
+MODULE = "transformers.cache_utils"  # read where this process loaded it: never imported here
 NAMES = ((MODULE, "DynamicCache"), (MODULE, "EncoderDecoderCache"))
-
-
-def _classes() -> Any:
-    """transformers' `cache_utils` when this process has loaded it (nothing is imported)."""
-    return sys.modules.get(MODULE)
 
 
 def is_cache(value: Any) -> bool:
     """Whether `value` is a transformers `Cache` (of any kind)."""
-    found = _classes()
+    found = sys.modules.get(MODULE)
     return found is not None and isinstance(value, found.Cache)
 
 
 def fields_of(cache: Any) -> list:
     """`[[field, value], ...]` for a cache `build` can rebuild; `NoCodec` for any other, saying
     what to do."""
-    found = _classes()
+    found = sys.modules.get(MODULE)
     kind = type(cache)
     if kind is found.EncoderDecoderCache:
         return [
@@ -90,7 +85,7 @@ def _layer(i: int, pair: Any) -> tuple[Any, Any]:
 
 def build(cls: type, fields: dict[str, Any]) -> Any:
     """The cache `fields_of` described, as `cls` (one of the two it writes down)."""
-    found = _classes()
+    found = sys.modules.get(MODULE)
     if cls is found.EncoderDecoderCache:
         if set(fields) != {"self_attention_cache", "cross_attention_cache"}:
             raise Malformed(f"an EncoderDecoderCache holds two caches, not {sorted(fields)}")
@@ -116,5 +111,5 @@ def build(cls: type, fields: dict[str, Any]) -> Any:
 
 def is_cache_class(cls: type) -> bool:
     """Whether `cls` is one of the two cache classes written down here."""
-    found = _classes()
+    found = sys.modules.get(MODULE)
     return found is not None and cls in (found.DynamicCache, found.EncoderDecoderCache)

@@ -50,7 +50,7 @@ def _families() -> dict[str, type]:
     from transformers.utils import ModelOutput
 
     found: dict[str, Any] = {KIND: ModelOutput}
-    caches = _caches._classes()
+    caches = sys.modules.get(_caches.MODULE)
     if caches is not None:
         found["transformers.Cache"] = caches.Cache
     for kind, (module, name) in _BATCHES.items():
