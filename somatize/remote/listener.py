@@ -1,17 +1,11 @@
 """The worker's socket: limits applied before a message is read, a guard on its connections,
 and the loop that hands each message to the `Server`.
 
-ZeroMQ refuses a frame larger than `max_message` when its size is announced (nothing is
-allocated for it) and queues at most `QUEUED` messages per connection; it holds a message's
-frames until its last one has come, however many. The guard cuts a connection that has not
-sent a message that verifies: the one waiting longest when more than `most_pending` are open
-(so that a client that has just connected gets in), any after `PENDING_WITHIN` seconds, one a
-second after it sent a message that does not verify, and, while such connections have sent
-more than `most_bytes` together or the process holds `most_bytes` more than when they had sent
-next to nothing (empty frames take 32 times what they cost to send), the one that sent most
-(on Linux, which counts both). The limit of open files is raised to its hard limit, at most
-half of what is left may be pending, and running out of descriptors cuts the stranger waiting
-longest (logged at most every ten seconds), never spun on.
+ZeroMQ refuses a frame larger than `max_message` when its size is announced, queues at most
+`QUEUED` messages per connection, and holds a message's frames until its last one has come.
+So the `Guard` cuts connections that have not sent a message that verifies (strangers), the
+way docs/remote.md ("Limits before a message is read") says, and clients whose message never
+ends; out of descriptors, it cuts the stranger waiting longest, never spun on.
 """
 
 from __future__ import annotations
@@ -140,8 +134,8 @@ class Guard:
         self.thread.start()
 
     def verified(self, fd: int, ok: bool) -> None:
-        """A message from `fd` verified (`ok`: it is a client's, never cut) or did not (cut it
-        a second from now, time for the refusal to reach it, unless it is a client's)."""
+        """A message from `fd` verified (`ok`: it is a client's) or did not (a stranger's is
+        cut a second from now, time for the refusal to reach it)."""
         sent = _received(fd) if ok else 0
         with self.lock:
             if ok:
@@ -167,7 +161,8 @@ class Guard:
         monitor = self.monitor
         try:
             while True:
-                if monitor.poll(25 if self.pending else 250):  # often while strangers send
+                watched = self.pending or self.proven  # looked at often: what they send
+                if monitor.poll(25 if watched else 250):
                     event = recv_monitor_message(monitor)
                     kind, value = event["event"], event["value"]
                     if kind == zmq.EVENT_MONITOR_STOPPED:
@@ -206,7 +201,6 @@ class Guard:
             _cut(cut)
 
     def _longest(self) -> int | None:
-        """The stranger waiting longest, taken off the pending (to be cut), if there is one."""
         fd = min(self.pending, key=self.pending.__getitem__, default=None)
         self.pending.pop(fd, None)
         return fd
