@@ -184,7 +184,7 @@ def test_a_token_holders_message_past_the_limit_is_refused_and_one_that_never_en
         b = Broker.embedded({"w": Worker.at(worker.address, token=worker.token)})
         g = Graph.somatize(Sum().at("w"))
         parts = {f"p{i}": torch.ones(1 << 20) for i in range(17)}  # 4 MiB frames, 68 MiB
-        with pytest.raises(ValueError, match=r"at most 67108864 \(four times its --max-message"):
+        with pytest.raises(ValueError, match=r"messages of at most 67108864.*--max-message"):
             g.forward(parts, broker=b)  # refused before it is sent
         assert torch.equal(g.forward({"p": torch.ones(3)}, broker=b), torch.ones(3))
         b.close()

@@ -62,9 +62,7 @@ class Connection:
             sock.curve_serverkey = worker.server_key.encode()
             sock.curve_publickey = public
             sock.curve_secretkey = secret
-        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-        for failed in _FAILED:
-            events |= failed
+        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_FAILED)  # bits
         # an address of its own: pyzmq's default is named after the socket's descriptor, which
         # a new socket reuses while a closed one's monitor may not be reaped yet
         self.monitor = sock.get_monitor_socket(
@@ -139,17 +137,12 @@ class Connection:
         frames = wire.encode(message, where=f"a request to {self.where()}")
         most = (self.hello or {}).get("max_message")
         sizes = [memoryview(f).nbytes for f in frames]
-        if most and max(sizes) > most:
+        if most and (max(sizes) > most or sum(sizes) > wire.MOST_MESSAGE * most):
             raise ValueError(
-                f"a request to {self.where()} holds a frame of {max(sizes)} bytes, and that "
-                f"worker takes frames of at most {most} (start it with a larger "
-                "--max-message, or send smaller tensors)"
-            )
-        if most and sum(sizes) > wire.MOST_MESSAGE * most:
-            raise ValueError(
-                f"a request to {self.where()} is {sum(sizes)} bytes in {len(frames)} frames, "
-                f"and that worker takes messages of at most {wire.MOST_MESSAGE * most} (four "
-                "times its --max-message): start it with a larger one, or send less at once"
+                f"a request to {self.where()} holds a frame of {max(sizes)} bytes and "
+                f"{sum(sizes)} in all, and that worker takes frames of at most {most} and "
+                f"messages of at most {wire.MOST_MESSAGE * most} (start it with a larger "
+                "--max-message, or send less at once)"
             )
         for _attempt in range(3):
             if self.seal is None:
