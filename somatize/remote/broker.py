@@ -175,10 +175,8 @@ class Broker:
             self._recast(host, nid, node)
         for attempt in (0, 1):
             defs = [d for n, node, device in nodes if (d := self.definition(host, n, node, device))]
-            sent, held = {**message, "define": defs}, [d["key"] for d in defs]
             modes = self._changed(host, nodes)
-            if modes:
-                sent["modes"] = modes
+            sent, held = {**message, "define": defs, "modes": modes}, [d["key"] for d in defs]
             if key is not None:
                 sent.update(kept=key, described=None if self.holds(host, key) else describe())
                 held.append(key)

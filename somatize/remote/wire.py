@@ -79,23 +79,19 @@ class _Writer:
         if type(value) is Named:
             return msgpack.ExtType(_NAMED, self.pack([value.module, value.qualname]))
         if isinstance(value, type) or isinstance(value, _FUNCTIONS):
-            return msgpack.ExtType(_NAMED, self.pack(_name_of(value)))
+            module = getattr(value, "__module__", None)
+            qualname = getattr(value, "__qualname__", None)
+            if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
+                raise codecs.NoCodec(
+                    f"{value!r:.60} is defined inside a function (or has no module) and cannot "
+                    "cross by name: define it at module level, or send it as code to a worker "
+                    "that accepts code (mode='network')"
+                )
+            return msgpack.ExtType(_NAMED, self.pack([module, qualname]))
         fields = _hooks.fields_of(value)
         if fields is not None:
             return msgpack.ExtType(_FIELDS, self.pack(fields))
         return msgpack.ExtType(_VALUE, codecs.encode(value, where=self.where))
-
-
-def _name_of(value: Any) -> list[str]:
-    module = getattr(value, "__module__", None)
-    qualname = getattr(value, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(qualname, str) or "<" in qualname:
-        raise codecs.NoCodec(
-            f"{value!r:.60} is defined inside a function (or has no module) and cannot cross "
-            "by name: define it at module level, or send it as code to a worker that accepts "
-            "code (mode='network')"
-        )
-    return [module, qualname]
 
 
 def encode(message: Any, *, where: str | None = None) -> list[Any]:
