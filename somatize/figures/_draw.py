@@ -201,8 +201,8 @@ class _Painter:
 
     def edge(self, points: list[Point], skip: bool, s: str, d: str) -> str:
         colour, name = (SKIP, "skip") if skip else (EDGE, "edge")
-        down = not s.startswith("n:")
         cls = "smz-edge smz-skip" if skip else "smz-edge"
+        down = not s.startswith("n:")  # an open node's layers run down, the graph's nodes right
         return (
             f'<path class="{cls}" d="{_path(points, down)}" fill="none" stroke="{colour}" '
             f'stroke-width="{1.6 if skip else 1.3}" marker-end="url(#smz-arrow-{name})" '
@@ -245,11 +245,10 @@ def _frame(box: Box) -> str:
 def _path(points: list[Point], down: bool) -> str:
     """A route as SVG path data: S-curves between layers, straight lines (rounded at their
     corners) elsewhere."""
-    x0, y0, _ = points[0]
-    d = [f"M{x0:.1f},{y0:.1f}"]
+    d = [f"M{points[0][0]:.1f},{points[0][1]:.1f}"]
     n = len(points)
     for k in range(1, n):
-        (px, py, _), (x, y, curve) = points[k - 1][:3], points[k]
+        (px, py, _), (x, y, curve) = points[k - 1], points[k]
         if curve and (abs(px - x) > 0.5 and abs(py - y) > 0.5):
             if down:
                 my = (py + y) / 2
