@@ -53,7 +53,6 @@ class Broker:
         self.workers = dict(workers)
         self.session = secrets.token_hex(8)
         self._connections: dict[str, Connection] = {}
-        self._modes: dict[str, str] = {}
         self._defined: dict[str, dict[str, str | None]] = {}  # host: {key: incarnation}
         self._held: dict[str, tuple[str, Any]] = {}  # key: (node id, node), kept so no id is reused
         self._stateful: set[str] = set()
@@ -93,7 +92,7 @@ class Broker:
                 conn = worker.connect(host)
                 try:
                     conn.hello = conn.request({"op": "hello"}, deadline=worker.connect_within + 5)
-                    self._modes[host] = worker.travels(conn.hello, conn.where())
+                    conn.mode = worker.travels(conn.hello, conn.where())
                     break
                 except BaseException as error:
                     conn.close()
@@ -101,11 +100,6 @@ class Broker:
                         raise
             self._connections[host] = conn
         return conn
-
-    def mode(self, host: str) -> str:
-        """How nodes travel to `host`'s worker: `"project"` or `"network"` (`Worker`)."""
-        self.connection(host)
-        return self._modes[host]
 
     def request(self, host: str, message: dict[str, Any], **kw: Any) -> Any:
         """Send one request (sealed, under this broker's session) to `host`'s worker."""
@@ -156,7 +150,7 @@ class Broker:
         self._told.pop((host, key), None)  # the copy built there is told its modes after
         params = [p for m in _hooks.state_modules(node) for p in m.parameters(recurse=False)]
         self._built[(host, key)] = (params, [p.dtype for p in params])
-        d = describe(node, nid, key, device, self.mode(host), conn, host)
+        d = describe(node, nid, key, device, conn, host)
         if d["state"]:
             self._stateful.add(key)
         return d
@@ -221,9 +215,8 @@ class Broker:
         """`value` as it travels to `host`'s worker beside a node (a Learning's objective): as
         code, `{"code": ...}` written as a node's is (`describe`), to a worker that takes code;
         else as it is, where a class or function goes by name."""
-        if self.mode(host) != "network":
-            return value
-        return {"code": as_code(value, self.connection(host))}
+        conn = self.connection(host)
+        return {"code": as_code(value, conn)} if conn.mode == "network" else value
 
     def holds(self, host: str, key: str) -> bool:
         """Whether `host`'s worker holds `key` (a node, a slice, or a trainer's stage part) as
@@ -374,15 +367,15 @@ class Broker:
 
 
 def describe(
-    node: Any, nid: str, key: str, device: Any, mode: str, conn: Connection, host: str
+    node: Any, nid: str, key: str, device: Any, conn: Connection, host: str
 ) -> dict[str, Any]:
-    """How `node` travels in `mode`: its class by name (from a module the worker imports) or
+    """How `node` travels to `conn`'s worker (its `mode`): its class by name (from a module the worker imports) or
     as code, its constructor arguments and its weights. Refused before anything is sent: a
     class the worker could not build, arguments that cannot be written down."""
     cls = type(node)
     args = getattr(node, "_somatize_args", {})
     d = {"key": key, "id": nid, "device": device, "state": _hooks.state_of(node)}
-    if mode == "network":
+    if conn.mode == "network":
         d["code"] = as_code((cls, args), conn)
         return d
     if isinstance(node, Wrapped):

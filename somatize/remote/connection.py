@@ -47,6 +47,7 @@ class Connection:
         self.seal: seal.Seal | None = None
         self.salt: bytes | None = None
         self.hello: dict[str, Any] | None = None
+        self.mode: str | None = None  # how nodes travel there (`Worker.travels`)
         self.incarnation: str | None = None
         self.proven = False  # whether this connection's worker has verified a message of ours
         self._rid = itertools.count(secrets.randbits(40) << 20)

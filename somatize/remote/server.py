@@ -103,7 +103,7 @@ class Server:
         accept_code: bool = False,
         allowed: Allowed | None = None,
         session_timeout: float = 3600.0,
-        max_message: int | None = None,
+        max_message: int = 1 << 30,
     ) -> None:
         self.salt = os.urandom(16)
         self.seal = seal.Seal(seal.derive(token, self.salt))
@@ -133,8 +133,8 @@ class Server:
             return seal.refusal(self.salt, refused.reason), False
         try:
             size = sum(wire._buffer(f).nbytes for f in body)
-            most = wire.MOST_MESSAGE * (self.max_message or 0)
-            if self.max_message is not None and size > most:
+            most = wire.MOST_MESSAGE * self.max_message
+            if size > most:
                 raise ValueError(
                     f"a message of {size} bytes, and this worker takes at most {most}, all "
                     "frames counted (four times its --max-message): start it with a larger "
