@@ -15,7 +15,7 @@ from typing import Any
 
 from somatize import _hooks, run
 from somatize.codecs import NoCodec
-from somatize.node import Settings
+from somatize.node import Settings, note
 from somatize.remote import wire
 from somatize.remote.errors import Unknown
 from somatize.torch.training.learning import OutOfStep, envelope
@@ -137,7 +137,7 @@ def _refuse_cached(broker: Any, part: Any, host: str, store: Any) -> None:
         try:
             broker.forward(run.Plan(part.graph), store=store)  # refuses before it runs
         except ValueError as refused:
-            refused.add_note(f"node {cached[0]!r} is .cached() and runs on host {host!r}")
+            note(refused, f"node {cached[0]!r} is .cached() and runs on host {host!r}")
             raise
 
 
