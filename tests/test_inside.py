@@ -847,3 +847,67 @@ def test_a_node_at_a_host_whose_copy_here_cannot_run_is_named():
     with pytest.raises(RuntimeError) as info:
         architecture(g, torch.randn(3, 4))
     assert any("node 'linear' runs .at('gpu')" in said for said in info.value.__notes__)
+
+
+class Routed(nn.Module):
+    """A top-1 mixture of experts: the gate's argmax picks the rows each expert gets."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 3)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        w, idx = torch.softmax(self.gate(x), -1).max(-1)
+        out = torch.zeros_like(x)
+        for j, ex in enumerate(self.experts):
+            rows = torch.where(idx == j)[0]
+            y = ex(torch.index_select(x, 0, rows)) * w[rows, None]
+            out = out.index_add(0, rows, y)
+        return out
+
+
+class Picked(nn.Module):
+    """fx reads it: values picked along an argmax of scores."""
+
+    def __init__(self):
+        super().__init__()
+        self.score, self.value, self.out = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(1, 2)
+
+    def forward(self, x):
+        return self.out(torch.gather(self.value(x), 1, torch.argmax(self.score(x), -1, True)))
+
+
+def test_an_index_routes_the_data_and_does_not_feed_it():
+    torch.manual_seed(0)
+    x = torch.randn(12, 8)
+    routed = architecture(Routed(), x)["routed"]
+    experts = [p for p in routed.inputs if p.startswith("experts.")]
+    assert experts, routed.inputs  # the tokens enter the experts from the node's input
+    assert not [e for e in routed.edges if e[1].startswith("experts.")], routed.edges
+    assert ("max", "mul") in routed.edges  # the gate's weights scale what an expert gave
+    for example in (None, torch.randn(4, 8)):
+        picked = architecture(Picked(), example)["picked"]
+        assert picked.how == "symbolic"
+        assert ("value", "out") in picked.edges and ("score", "out") not in picked.edges
+        assert sorted(picked.inputs) == ["score", "value"]
+
+
+class Dense(nn.Module):
+    """Each layer reads the concatenation of the input and all earlier outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Conv2d(4 + 2 * i, 2, 3, padding=1) for i in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.cat([x, torch.relu(layer(x))], 1)
+        return x
+
+
+def test_the_layers_reading_the_nodes_input_are_said():
+    for example in (None, torch.randn(1, 4, 6, 6)):
+        inside = architecture(Dense(), example)["dense"]
+        assert inside.inputs == ["layers.0", "cat"], inside.to_json()
+        assert all(a in {x.path for x in inside.layers} for a, _ in inside.edges)

@@ -11,6 +11,8 @@ from torch.overrides import TorchFunctionMode
 
 from somatize.torch._modules import tensors_in
 from somatize.torch.inside._trace import (
+    FRESH,
+    INPUT,
     UNDRAWN,
     Opening,
     Raw,
@@ -134,16 +136,21 @@ class Reading(TorchFunctionMode):
         ]
         return self
 
-    def producers(self, value: Any) -> tuple[bool, frozenset[str]]:
-        """Whether anything in `value` is the data, and which layers made it."""
+    def producers(self, value: Any, data_only: bool = False) -> tuple[bool, frozenset[str]]:
+        """Whether anything in `value` is the data, and which layers made it. `data_only`: an
+        integer or boolean tensor (an index, a mask) given besides a floating one decides
+        where the data goes, not what it is, and its producers are left out."""
         found: set[str] = set()
-        tracked = False
+        index: set[str] = set()
+        tracked = floating = False
         for t in tensors_in(value):
             known = self.by.get(id(t))
             if known is not None and known[0]() is t:
                 tracked = True
-                found |= known[1]
-        return tracked, frozenset(found)
+                real = t.is_floating_point() or t.is_complex()
+                floating |= real
+                (found if real or not data_only else index).update(known[1])
+        return tracked, frozenset(found if floating else found | index)
 
     def mark(self, value: Any, made: frozenset[str]) -> None:
         for t in tensors_in(value):
@@ -162,10 +169,10 @@ class Reading(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         given = (args, kwargs)
-        tracked, made = self.producers(given)
-        if not tracked:
-            return result  # on constants only: not the data
+        tracked, made = self.producers(given, data_only=True)
         name = function_name(func)
+        if not tracked or name in FRESH:
+            return result  # on constants only, or none of the data's values: not the data
         outs = tensors_in(result)
         floating = bool(outs) and outs[0].is_floating_point()
         if floating and name not in UNDRAWN and not joins_nothing(name, given):
@@ -205,7 +212,7 @@ class Reading(TorchFunctionMode):
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.calls += 1
         if self.calls == 1:
-            self.mark((args, kwargs), frozenset())  # the data, made by no layer
+            self.mark((args, kwargs), frozenset((INPUT,)))  # the data, made by no layer
             self.hooks.live = True
             self._mode(True)
 

@@ -6,6 +6,10 @@ import torch.fx as fx
 from torch import nn
 
 from somatize.torch.inside._trace import (
+    FRESH,
+    INDEX_KEYWORDS,
+    INDEXES,
+    INPUT,
     UNDRAWN,
     Opening,
     Raw,
@@ -52,8 +56,8 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
             made[n] = opening.add_leaf(out, n.target, k)
             made[n].within = _within(n, n.target)
         elif n.op in ("call_function", "call_method"):
-            if not any(i in data for i in n.all_input_nodes):
-                continue  # works on constants only: not the data
+            if not any(i in data for i in n.all_input_nodes) or function_name(n.target) in FRESH:
+                continue  # works on constants only, or on none of the data's values
             data.add(n)
             if function_name(n.target) in UNDRAWN:
                 continue
@@ -62,18 +66,36 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
             made[n] = function_layer(opening, out, block, n.target, counts)
             made[n].within = within
     producers: dict[fx.Node, set[str]] = {}  # the layers that made each node's value
+    given: dict[fx.Node, set[str]] = {}  # the layers that made what each node computes with
     for n in graph.nodes:  # (in order: a node's inputs come before it)
-        inputs = (p for i in n.all_input_nodes for p in producers[i])
-        producers[n] = {made[n].path} if n in made else set(inputs)
+        given[n] = _given(n, producers)
+        producers[n] = {made[n].path} if n in made else given[n]
+        if n.op == "placeholder":
+            producers[n] = {INPUT}
     edges: dict[tuple[str, str], None] = {}
     for n, layer in made.items():
-        for i in n.all_input_nodes:
-            for p in sorted(producers[i]):
-                if p != layer.path:
-                    edges[(p, layer.path)] = None
+        for p in sorted(given[n]):
+            if p != layer.path:
+                edges[(p, layer.path)] = None
     ends = {p for n in graph.nodes if n.op == "output" for p in producers[n]}
     finish(out, edges, [made[n].path for n in graph.nodes if n in made], ends)
     return out
+
+
+def _given(n: fx.Node, producers: dict[fx.Node, set[str]]) -> set[str]:
+    """The layers that made what `n` computes with: an index or a mask it is handed besides
+    the data (`INDEXES`) decides where the data goes, and is left out."""
+    everything = {p for i in n.all_input_nodes for p in producers[i]}
+    calls = n.op in ("call_function", "call_method")
+    at = INDEXES.get(function_name(n.target)) if calls else None
+    if at is None:
+        return everything
+    index: list[fx.Node] = []
+    where = [n.args[at]] if len(n.args) > at else []
+    where += [v for k, v in n.kwargs.items() if k in INDEX_KEYWORDS]
+    fx.node.map_arg(where, index.append)
+    rest = {p for i in n.all_input_nodes if i not in index for p in producers[i]}
+    return rest or everything
 
 
 def _within(n: fx.Node, itself: str | None = None) -> dict[str, int]:

@@ -5,9 +5,13 @@ granularity (a module with no children is one layer, a composite torch ships is 
 
 Edges follow the data: an op that only carries data along (indexing, a view, a cast, an
 `nn.Identity`) hands its input's producers on; a function is a layer only when it computes a
-floating tensor from the data, never on masks and counters. A module called twice is a box per
-call (`relu`, `relu#2`), and each layer knows which call of each block around it it ran in
-(`Raw.within`).
+floating tensor from the data, never on masks and counters. An index or a mask handed to a
+call besides the data (a top-k's indices in `index_select(h, 0, rows)`, an argmax in `gather`)
+decides where the data goes, not what it is: its producers are not the result's, so a router
+feeds the weights it computes, and the experts are fed by the tokens. The node's own input is
+made by `INPUT` (the root's path, `""`): an edge from it says which layers read what the node
+was given. A module called twice is a box per call (`relu`, `relu#2`), and each layer knows
+which call of each block around it it ran in (`Raw.within`).
 """
 
 from __future__ import annotations
@@ -31,9 +35,24 @@ UNDRAWN = frozenset(
     "movedim unflatten masked_fill where index_select gather as_strided "
     "eq ne gt ge lt le logical_and logical_or logical_not logical_xor and or not xor invert "
     "assert isfinite isnan isinf any all nonzero argmax argmin arange zeros ones full empty "
-    "zeros_like ones_like full_like empty_like triu tril cumsum item tolist "
-    "new_zeros new_ones new_full new_empty sum".split()
+    "triu tril cumsum item tolist sum".split()
 )
+# Calls that make a new tensor shaped like the data, none of its values: not the data.
+FRESH = frozenset(
+    "zeros_like ones_like full_like empty_like rand_like randn_like randint_like "
+    "new_zeros new_ones new_full new_empty new_tensor".split()
+)
+# Where a call takes an index or a mask (by position, and by keyword): it decides where the
+# data goes, not what it is, so its producers are not the result's when data is given besides.
+# A top-k's indices routing tokens to experts do not feed the experts: the tokens do.
+INDEXES = {
+    "gather": 2, "index_select": 2, "index_add": 2, "index_copy": 2, "index_fill": 2,
+    "index_put": 1, "scatter": 2, "scatter_add": 2, "scatter_reduce": 2, "take_along_dim": 1,
+    "masked_fill": 1, "masked_scatter": 1, "masked_select": 1, "getitem": 1, "setitem": 1,
+    "where": 0,
+}
+INDEX_KEYWORDS = frozenset(("index", "indices", "mask", "condition"))
+INPUT = ""  # what made the node's own input, in edges: the root, at path ""
 _JOINS = frozenset(("cat", "concat", "concatenate", "stack", "hstack", "vstack"))
 
 

@@ -8,7 +8,7 @@ repeated blocks folded to one `×N`.
 from __future__ import annotations
 
 import weakref
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from somatize.run import in_one_line, note
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
 from somatize.torch.inside._forward import Reading
 from somatize.torch.inside._fx import by_fx, fx_trace
-from somatize.torch.inside._trace import Layer, Opening, Traced, params_of, shape_of
+from somatize.torch.inside._trace import INPUT, Layer, Opening, Traced, params_of, shape_of
 from somatize.torch.inside.fold import collapse, fold
 from somatize.torch.inside.kinds import kind_of
 
@@ -35,7 +35,10 @@ class Inside:
     `how` is "symbolic" when torch.fx followed the forward and "traced" when a real forward
     with hooks had to; `why` says why fx could not (None when it could). `hidden` counts the
     layers left out to stay under `most`. `params` is how many parameters the node holds,
-    each counted once however often it is tied or its block repeats.
+    each counted once however often it is tied or its block repeats. `inputs` are the layers
+    that read what the node was given (each concat of a dense block, each branch of an
+    inception block, the first layer of a chain), in the order they ran: `edges` are between
+    layers only.
     """
 
     layers: list[Layer]
@@ -44,6 +47,7 @@ class Inside:
     why: str | None = None
     hidden: int = 0
     params: int = 0
+    inputs: list[str] = field(default_factory=list)
 
     def layer(self, path: str) -> Layer:
         """The layer at `path`; KeyError naming the paths there are if there is none."""
@@ -233,5 +237,7 @@ def architecture(
         folded, edges, hidden = collapse(folded, edges, most)
         kept = [k.name for k in fields(Layer)]  # what a tracer's layer says that a figure draws
         layers = [Layer(**{k: getattr(r, k) for k in kept}) for r in folded.values()]
-        out[node] = Inside(layers, edges, how, why, hidden, params_of(root))
+        inputs = [b for a, b in edges if a == INPUT]
+        edges = [(a, b) for a, b in edges if a != INPUT]
+        out[node] = Inside(layers, edges, how, why, hidden, params_of(root), inputs)
     return out
