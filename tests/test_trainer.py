@@ -11,7 +11,7 @@ from _nodes import Layer
 from torch import nn
 
 from somatize import Graph, Node, Store
-from somatize.torch import Learning, NoGradient, Result, Split, Trainer, parameters
+from somatize.torch import Learning, NoGradient, Result, Split, Trainer, freeze, parameters
 
 mse = nn.functional.mse_loss
 SGD = torch.optim.SGD
@@ -903,3 +903,33 @@ def test_micro_refuses_a_time_first_lstm_held_inside_a_node_and_names_where():
     g = Graph.somatize(Tagger().named("tagger"))
     with pytest.raises(ValueError, match=r"node 'tagger' holds at 'rnn' an nn\.LSTM"):
         Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), micro=2)
+
+
+def test_micro_refuses_a_batchnorm_being_trained_and_takes_one_in_a_frozen_node():
+    class Normed(Node):
+        def __init__(self):
+            f64 = torch.float64
+            self.net = nn.Sequential(
+                nn.Linear(4, 6, dtype=f64), nn.BatchNorm1d(6, dtype=f64), nn.Linear(6, 2, dtype=f64)
+            )
+
+        def forward(self, x, ctx):
+            return self.net(x)
+
+    def graph():
+        torch.manual_seed(0)
+        return Graph.somatize(Normed().named("body") >> Layer(2, 2, False).named("out"))
+
+    g = graph()
+    said = r"node 'body' holds at 'net.1' an nn\.BatchNorm1d.*micro=1"
+    with pytest.raises(ValueError, match=said):
+        Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), micro=2)
+    # frozen, it runs in eval mode on its running statistics: each row on its own, so the
+    # pieces give the gradient of the whole batch
+    ((x, y),) = batches(n=1, size=8)
+    results = []
+    for micro in (1, 4):
+        g = graph()
+        freeze(g, "body")
+        results.append(_grads_after_one_step(g, (x, y), mse, micro))
+    _same_grads(*results, tol=8 * 16 * torch.finfo(torch.float64).eps)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from somatize.graph import Graph, broker_for
 from somatize.run import watchers
@@ -73,28 +74,43 @@ def count(value: Any, name: str, meaning: str) -> int:
 
 
 def batch_first(graph: Graph, micro: int) -> None:
-    """Refuses `micro` > 1 on a graph holding an RNN, LSTM, GRU or Transformer layer built
-    with `batch_first=False`: it takes (time, batch, ...), and the pieces, cut along the first
-    dimension, would be stretches of time, each starting from a fresh state. A bare
-    nn.MultiheadAttention is not looked at: the models that hold one time first (DETR, CLIP)
-    turn a batch-first input around before it, and cutting that input is right."""
+    """Refuses `micro` > 1 on a graph holding a layer whose output for one example depends on
+    the others in the batch, so pieces would not give the update the whole batch gives: an RNN,
+    LSTM, GRU or Transformer layer built with `batch_first=False` (it takes (time, batch, ...):
+    the pieces would be stretches of time, each from a fresh state), and a BatchNorm in a node
+    not declared `.frozen()` (each piece would be normalised by its own statistics; a frozen
+    node's runs in eval mode on its running ones). A bare nn.MultiheadAttention is not looked
+    at: the models that hold one time first (DETR, CLIP) turn a batch-first input around
+    before it, and cutting that input is right."""
     if micro == 1:
         return
     for nid in graph.nodes():
+        frozen = graph.setting(nid).frozen
         for name, held in named_modules_of(graph.implementation(nid)):
             for inner, m in held.named_modules():
+                where = ".".join(p for p in (name, inner) if p)
+                at = f"holds at {where!r}" if where else "is"
+                if isinstance(m, _BATCH) and not (frozen and m.track_running_stats):
+                    raise ValueError(
+                        f"micro={micro} cuts a batch into pieces, and node {nid!r} {at} an "
+                        f"nn.{type(m).__name__}, which normalises each piece by the statistics "
+                        "of that piece: the update would not be that of the whole batch. Use "
+                        "micro=1, or declare the node .frozen() if it is not trained (it then "
+                        "runs in eval mode, on its running statistics)"
+                    )
                 if isinstance(m, _TIME) and not getattr(m, "self_attn", m).batch_first:
-                    where = ".".join(p for p in (name, inner) if p)
                     raise ValueError(
                         f"micro={micro} cuts a batch along its first dimension, and node "
-                        f"{nid!r} {f'holds at {where!r}' if where else 'is'} an "
-                        f"nn.{type(m).__name__} built with batch_first=False, which takes "
-                        "(time, batch, ...): its pieces would be stretches of time. Build it "
+                        f"{nid!r} {at} an nn.{type(m).__name__} built with batch_first=False, "
+                        "which takes (time, batch, ...): its pieces would be stretches of time. "
+                        "Build it "
                         "with batch_first=True and put the batch first, or use micro=1"
                     )
 
 
 _TIME = (torch.nn.RNNBase, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
+_BATCH = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_BATCH += (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
 
 
 def trains_of(graph: Graph, trains: Any) -> dict[str, Learning]:

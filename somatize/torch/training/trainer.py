@@ -89,7 +89,8 @@ class Trainer:
     node, a node with no parameters, or holding no Learning; a node both frozen and trained;
     an optimizer holding parameters of a node in `trains`, or sharing none with the graph;
     nothing to train with (no optimizer and no `trains`); bad `every`, `micro`; `micro` > 1 on a
-    graph holding an RNN or Transformer layer built with `batch_first=False`; a `watching=`
+    graph holding an RNN or Transformer layer built with `batch_first=False`, or a BatchNorm
+    in a node not declared `.frozen()` (pieces would be normalised apart); a `watching=`
     or `auditing=` that cannot be used (a `TypeError` that is also a `ValueError`);
     `.at(host)` nodes without a broker. A refused Trainer changes nothing.
     """
