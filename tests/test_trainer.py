@@ -933,3 +933,44 @@ def test_micro_refuses_a_batchnorm_being_trained_and_takes_one_in_a_frozen_node(
         freeze(g, "body")
         results.append(_grads_after_one_step(g, (x, y), mse, micro))
     _same_grads(*results, tol=8 * 16 * torch.finfo(torch.float64).eps)
+
+
+class Normed(Node, nn.Module):
+    """A float64 linear layer, then a BatchNorm: what it computes depends on its mode."""
+
+    def __init__(self, i: int, o: int) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(i, o, dtype=torch.float64)
+        self.norm = nn.BatchNorm1d(o, dtype=torch.float64)
+
+    def forward(self, x, ctx):
+        return self.norm(self.lin(x))
+
+
+def test_a_step_puts_the_nodes_it_trains_back_in_train_mode_after_a_validation_pass():
+    torch.manual_seed(0)
+    g = Graph.somatize(
+        Normed(4, 4).named("stem").frozen()
+        >> Normed(4, 4).named("left_out")
+        >> Normed(4, 4).named("body")
+        >> Layer(4, 2, False).named("head")
+    )
+    held = [p for n in ("body", "head") for p in g.implementation(n).parameters()]
+    t = Trainer(g, objective=mse, optimizer=SGD(held, lr=0.1))
+    data = batches(n=2, size=8)
+    t.fit(data)
+    nodes = {n: g.implementation(n) for n in g.nodes()}
+    for node in nodes.values():  # a validation pass, the torch way
+        node.eval()
+    body = nodes["body"].norm
+    before = body.running_mean.clone()
+    t.fit(data)
+    assert nodes["body"].training and body.training and nodes["head"].training
+    assert not torch.equal(body.running_mean, before)  # batch statistics, as training takes
+    assert not nodes["stem"].training and not nodes["left_out"].training  # not trained here
+    # a submodule set to eval inside a node in train mode is the user's choice: kept
+    body.eval()
+    kept = body.running_mean.clone()
+    t.step(data[0])
+    assert nodes["body"].training and not body.training
+    assert torch.equal(body.running_mean, kept)

@@ -13,7 +13,7 @@ from somatize import caching
 from somatize.torch._modules import join, named_modules_of
 from somatize.torch.placement import modules_of
 
-__all__ = ["parameters", "freeze", "state_of", "owners", "named"]
+__all__ = ["parameters", "freeze", "state_of", "owners", "named", "trained"]
 
 
 def parameters(graph: Any, without: Container[str] = ()) -> list[nn.Parameter]:
@@ -55,6 +55,16 @@ def owners(graph: Any) -> dict[int, str]:
     """`{id(parameter): node id}`: which node each parameter of the graph belongs to (first)."""
     # a node id holds no "." (g.node and .named refuse one): it is the name's first part
     return {pid: name.partition(".")[0] for pid, name in named(graph).items()}
+
+
+def trained(graph: Any, optimizer: Any, trains: Container[str]) -> list[nn.Module]:
+    """The modules of the nodes a run trains: those the optimizer holds a parameter of, and
+    those in `trains`, each once."""
+    owner = owners(graph)
+    groups = [] if optimizer is None else optimizer.param_groups
+    held = {owner.get(id(p)) for group in groups for p in group["params"]}
+    nodes = [nid for nid in graph.nodes() if nid in held or nid in trains]
+    return list(dict.fromkeys(m for nid in nodes for m in modules_of(graph.implementation(nid))))
 
 
 def freeze(graph: Any, *node_ids: str) -> None:

@@ -21,7 +21,7 @@ from somatize.torch.training._micro import pieces
 from somatize.torch.training._progress import Progress, in_notebook, person_watching
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
-from somatize.torch.training.params import freeze, named, state_of
+from somatize.torch.training.params import freeze, named, state_of, trained
 from somatize.torch.training.remote import Remote
 from somatize.torch.training.stages import Stages
 
@@ -156,6 +156,8 @@ class Trainer:
         self.broker = broker
         self.watching = told
         self._scale = float(self.every * self.micro)
+        self._groups = -1  # how many param groups the optimizer had when `_trained` was read
+        self._trained: list = []  # the modules of the nodes this run trains
         self._count = 0
         self._steps = 0
         self._updated = 0  # the steps taken when update() last closed every group
@@ -186,10 +188,16 @@ class Trainer:
         backward only). An `Opaque` in the batch is taken off first. Refused before anything
         runs: under `micro` > 1, a batch that cannot be cut (docs/training.md says what is cut);
         `NoGradient` before the optimizer moves if a node it holds parameters of got no
-        gradient at all."""
+        gradient at all.
+
+        A node it trains (the optimizer holds its parameters, or `trains` names it) that is in
+        eval mode, as `net.eval()` for a validation pass leaves it, is put back in train mode
+        first (`module.train()`); a submodule set to eval in a node in train mode, a frozen
+        node and one the optimizer does not hold are left as they are."""
         x, y = _checks.pair_of(unwrap(batch))
         micro = self.micro
         xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
+        self._train_mode()
         if self._count == 0 and self.optimizer is not None:
             self.optimizer.zero_grad()
         closing = self._count + 1 >= self.every
@@ -227,6 +235,16 @@ class Trainer:
             self._apply(step)
         run.flush(self.watching)
         return value
+
+    def _train_mode(self) -> None:
+        """Puts the nodes this run trains that are in eval mode in train mode."""
+        groups = 0 if self.optimizer is None else len(self.optimizer.param_groups)
+        if groups != self._groups:  # read again when a param group is added mid-run
+            self._groups = groups
+            self._trained = trained(self.graph, self.optimizer, self.trains)
+        for module in self._trained:
+            if not module.training:
+                module.train()
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         loss = self.objective(output, target)
