@@ -3,7 +3,9 @@ deterministic; and the network left exactly as it was."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -79,7 +81,7 @@ def test_synflow_is_taken_in_float32_where_the_net_will_not_run_in_float64():
     assert proxy(cast, x, "synflow") == pytest.approx(proxy(net, x, "synflow"), rel=16 * eps)
     assert net[0].weight.dtype == torch.float32 and net[0].weight[0, 1] == -1.0
     broken = nn.Sequential(nn.Linear(2, 2), _NaN())
-    told = r"synflow .* neither in float64 \(.*nan.*\) nor in float32"
+    told = r"synflow runs the net on an input of ones.* node 'sequential' gave nan"
     with pytest.warns(UserWarning, match=told):
         got = proxies(broken, x)
     assert "synflow" not in got
@@ -315,7 +317,6 @@ class _Tagger(nn.Module):
 
 
 def test_a_packed_sequence_is_perturbed_as_itself():
-    import warnings
 
     torch.manual_seed(0)
     packed = nn.utils.rnn.pack_padded_sequence(
@@ -381,3 +382,84 @@ def test_a_net_of_dead_units_scores_worst_on_zen_and_jacob_cov_rather_than_being
     assert {"zen", "jacob_cov"} <= set(dead)
     assert dead["zen"] == -math.inf < healthy["zen"]
     assert math.isfinite(dead["jacob_cov"]) and dead["jacob_cov"] < healthy["jacob_cov"]
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    features: torch.Tensor
+
+
+class _Fields(nn.Module):
+    """Gives back a dataclass, as many hand-written models do."""
+
+    def __init__(self, dataclass=True):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.head = nn.Linear(8, 2)
+        self.dataclass = dataclass
+
+    def forward(self, x):
+        f = self.body(x)
+        return _Out(self.head(f), f) if self.dataclass else {"logits": self.head(f), "features": f}
+
+
+def test_a_dataclass_output_is_scored_and_probed_as_the_same_dict_is():
+    from somatize.torch import probe
+
+    torch.manual_seed(0)
+    net, x = _Fields(), torch.randn(5, 4)
+    as_dict = _Fields(dataclass=False)
+    as_dict.load_state_dict(net.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is left out
+        got = proxies(net, x)
+    assert got == proxies(as_dict, x) and set(got) == {"synflow", "zen", "naswot", "jacob_cov"}
+    gains = probe(net, x)["_fields"]
+    assert gains["jacobian_gain"] == probe(as_dict, x)["_fields"]["jacobian_gain"] > 0
+
+
+class _Standardise(nn.Module):
+    def forward(self, x):
+        return (x - x.mean()) / x.std()
+
+
+def test_synflow_says_which_node_gave_a_nan_on_its_input_of_ones():
+    g = Graph.somatize(Node.of(_Standardise()).named("norm") >> Node.of(nn.Linear(4, 2)))
+    with pytest.warns(UserWarning) as said:
+        got = proxies(g, torch.randn(3, 4))
+    assert "synflow" not in got and "zen" in got
+    text = " ".join(str(w.message) for w in said if "synflow" in str(w.message))
+    assert "input of ones" in text and "node 'norm' gave nan" in text and "_NotHere" not in text
+
+
+class _Routed(nn.Module):
+    """Each sample goes to one of two experts: an expert sees only some of the rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        for j, ex in enumerate(self.experts):
+            rows = torch.where((x[:, 0] > 0) == bool(j))[0]
+            out = out.index_add(0, rows, ex(x[rows]))
+        return out
+
+
+class _Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(F.relu(self.a(x)))
+
+
+def test_naswot_says_why_it_cannot_be_taken_and_what_to_do():
+    x = torch.tensor([[1.0, 0, 0, 0], [-1, 0, 0, 0], [2, 0, 0, 0]])
+    with pytest.raises(ValueError, match=r"'_routed.experts.1.1' saw 2 .* cannot be lined up"):
+        proxy(_Routed(), x, "naswot")
+    with pytest.raises(ValueError, match=r"activation called as a function \(F.relu"):
+        proxy(_Functional(), x, "naswot")

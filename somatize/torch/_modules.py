@@ -8,6 +8,7 @@ a proxy may swap weights for their magnitudes. `untouched` puts all of it back, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -69,11 +70,14 @@ def parts_of(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:
-    """Every tensor inside a value (mappings, lists, tuples, an `Opaque`), in order."""
+    """Every tensor inside a value (mappings, a `ModelOutput` among them, lists, tuples, a
+    dataclass's fields, an `Opaque`), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, Opaque):
         return tensors_in(value.value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in tensors_in(getattr(value, f.name))]
     if isinstance(value, Mapping):
         return [t for v in value.values() for t in tensors_in(v)]
     if isinstance(value, (list, tuple)):

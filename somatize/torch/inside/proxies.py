@@ -47,7 +47,7 @@ except ImportError:  # torch 2.2: grasp is left out where the fused kernels run,
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import in_one_line, note, warn
-from somatize.torch._modules import Held, parts_of, root_of, tensors_in, untouched
+from somatize.torch._modules import Held, Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.inside.architecture import run_here
 from somatize.torch.inside.kinds import kind_of
@@ -101,6 +101,15 @@ class _Subject:
         self.params = self.held.params
         self.every = self.held.modules
 
+    def name(self, module: nn.Module) -> str:
+        """Where `module` is in the graph, said for a message: `node.path.to.it`."""
+        for node in self.graph.nodes():
+            root = root_of(self.graph.implementation(node))
+            for path, m in root.named_modules() if root is not None else ():
+                if m is module:
+                    return repr(f"{node}.{path}" if path else node)
+        return type(module).__name__
+
     def quiet(self) -> None:
         """Every module in evaluation mode but batch norm (batch statistics), nothing in
         place, every parameter differentiable and without a gradient yet."""
@@ -122,8 +131,18 @@ class _Subject:
         cannot be taken where there is none."""
         layers = [m for m in self.every if not parts_of(m) and kind_of(m) in kinds]
         if not layers:
+            if "activation" in kinds:
+                raise _NotHere(_NO_ACTIVATION % of)
             raise _NotHere(f"{of} reads {' and '.join(kinds)} layers, and this graph has none")
         return _hooked(layers, fn)
+
+
+_NO_ACTIVATION = (
+    "%s reads the activation layers held as modules (nn.ReLU, nn.GELU, ...), and this graph "
+    "holds none: an activation called as a function (F.relu, torch.gelu, x.relu()), a box in "
+    "the figure all the same, is not hooked; hold it as a module (self.act = nn.ReLU()) to "
+    "take it"
+)
 
 
 def _hooked(modules: list[nn.Module], fn: Callable) -> contextlib.ExitStack:
@@ -151,13 +170,16 @@ def _through(x: Any, *_: Any, **__: Any) -> Any:
 
 
 def _synflow(s: _Subject, example: Any, **_: Any) -> float:
-    why = []
+    why: list[Exception] = []
     for dtype in (torch.float64, torch.float32):
         try:
             return _synflow_in(s, example, dtype)
         except Exception as e:  # noqa: BLE001  (a net that will not run in it: told below)
-            why.append(in_one_line(e))
-    raise _NotHere(f"synflow ran the net neither in float64 ({why[0]}) nor in float32 ({why[1]})")
+            why.append(e)
+    if isinstance(why[1], _NotHere):
+        raise why[1]  # it ran in float32 and gave no score: it says why, and where
+    said = [str(e) if isinstance(e, _NotHere) else in_one_line(e) for e in why]
+    raise _NotHere(f"synflow ran the net neither in float64 ({said[0]}) nor in float32 ({said[1]})")
 
 
 def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
@@ -169,17 +191,32 @@ def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
     bn = [m for m in s.every if isinstance(m, _BN)]
     for m in bn:
         object.__setattr__(m, "forward", _through)
+    broke: list[str] = []  # the first node that gave a nan or an inf
+
+    def seen(node: str, given: Any, ctx: Any, out: Any) -> None:
+        floats = [t for t in tensors_in(out) if t.is_floating_point()]
+        if not broke and not all(bool(t.isfinite().all()) for t in floats):
+            broke.append(node)
+
     try:
         ones = _map(example, lambda t: torch.ones_like(t, dtype=dtype))
-        r = sum(t.to(dtype).sum() for t in s.run(ones))
+        with Tap(s.graph, seen):
+            r = sum(t.to(dtype).sum() for t in s.run(ones))
         grads = _grads(r, s.params)
     finally:
         for m in bn:
             object.__delattr__(m, "forward")
     score = sum(float((p.detach() * g).abs().sum()) for p, g in zip(s.params, grads, strict=True))
     if not math.isfinite(score):
-        raise ValueError(f"the score is {score} in {str(dtype).removeprefix('torch.')}")
+        raise _NotHere(_SYNFLOW_NAN % (f"node {broke[0]!r} gave" if broke else "the score is", score))
     return _log(score)
+
+
+_SYNFLOW_NAN = (
+    "synflow runs the net on an input of ones, every weight made positive, and %s %s there "
+    "(a standardisation (x - mean) / std divides by the zero std of a constant input; a "
+    "product of large weights overflows): synflow cannot be taken on this graph"
+)
 
 
 def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
@@ -235,12 +272,21 @@ def _naswot(s: _Subject, example: Any, **_: Any) -> float:
     def code(m: nn.Module, i: tuple, o: Any) -> None:
         for t in tensors_in(o)[:1]:
             codes.append((t.detach().reshape(t.shape[0], -1) > 0).double())
+            if t.shape[0] != codes[0].shape[0]:
+                raise _NotHere(_ROWS % (codes[0].shape[0], s.name(m), t.shape[0]))
 
     with s.hooked("naswot", ("activation",), code), torch.no_grad():
         s.run(example)
     c = torch.cat(codes, dim=1)
     k = c @ c.T + (1 - c) @ (1 - c).T
     return float(torch.linalg.slogdet(k).logabsdet)
+
+
+_ROWS = (
+    "naswot compares the samples' activation codes, row by row: the first activation layer saw "
+    "%d rows and %s saw %d (tokens routed to experts, or rows dropped), so the samples' codes "
+    "cannot be lined up and naswot cannot be taken on this graph"
+)
 
 
 def _jacob_cov(s: _Subject, example: Any, **_: Any) -> float:
