@@ -537,6 +537,25 @@ def test_load_checks_everything_before_copying_anything():
     same(t.export(), good, tol=0)
 
 
+@pytest.mark.parametrize("kind", [Layer, Holder])
+def test_load_takes_a_subset_unless_strict_which_names_every_node_and_key_left_out(kind):
+    t = plain(mlp(kind))
+    good = plain(mlp(kind, seed=5)).export()
+    before = t.export()
+    key = next(iter(good["enc"]))
+    gappy = {"a": good["a"], "enc": {k: v for k, v in good["enc"].items() if k != key}}
+    with pytest.raises(ValueError, match=rf"out 'enc': {re.escape(key)}; node 'head'; nothing"):
+        t.load(gappy, strict=True)
+    same(t.export(), before, tol=0)
+    t.load(gappy)  # a subset: what is left out keeps its weights
+    now = t.export()
+    assert torch.equal(now["enc"][key], before["enc"][key])
+    assert all(torch.equal(now["head"][k], v) for k, v in before["head"].items())
+    same({"a": now["a"]}, {"a": good["a"]}, tol=0)
+    t.load(good, strict=True)
+    same(t.export(), good, tol=0)
+
+
 # -- caching ------------------------------------------------------------------------------
 
 

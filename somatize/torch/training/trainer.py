@@ -19,7 +19,7 @@ from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
 from somatize.torch.training._progress import Progress, in_notebook, person_watching
-from somatize.torch.training.learning import Learning
+from somatize.torch.training.learning import BROUGHT, Learning
 from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import freeze, named, state_of, trained
 from somatize.torch.training.remote import Remote
@@ -385,12 +385,15 @@ class Trainer:
                 out[nid] = {k: t.detach().clone() for k, t in state.items()}
         return out
 
-    def load(self, weights: Weights) -> None:
+    def load(self, weights: Weights, *, strict: bool = False) -> None:
         """The mirror of `export`, all or nothing: every node named has to be here and hold
-        weights, and every key given has to be one of its keys with the same shape (a subset is
-        fine, as `load_state_dict(strict=False)` takes; cast to the node's dtype). All is checked
-        and copied aside first, on workers too, and only then copied in; a refusal, or a worker that
-        dies on the way, leaves every weight as it was."""
+        weights, and every key given has to be one of its keys with the same shape (cast to the
+        node's dtype). A subset is taken, as `load_state_dict(strict=False)` takes it: the nodes
+        and keys left out keep the weights they have (`StateLost.exported` holds only the nodes
+        a worker lost). `strict=True` refuses weights that leave out a node with weights or a
+        key of one, naming them. All is checked and copied aside first, on workers too, and only
+        then copied in; a refusal, or a worker that dies on the way, leaves every weight as it
+        was."""
         if self._parallel is not None:  # rank 0's weights, on every rank
             weights = self._parallel.incoming(self.graph, weights)
         if not isinstance(weights, dict):
@@ -419,6 +422,9 @@ class Trainer:
                 if host is not None:
                     entries.append((host, f"{nid}/learning", learning, None, theirs))
 
+        if strict:
+            self._whole(weights)
+
         def commit() -> None:
             for done in commits:
                 done()
@@ -430,6 +436,25 @@ class Trainer:
             self.broker.write(entries, then=commit)
         else:
             commit()
+
+    def _whole(self, weights: Weights) -> None:
+        """Refuses weights that leave out a node with weights, or a key of one (what a Learning
+        brought included): `load(strict=True)`."""
+        left = []
+        for nid in self.graph.nodes():
+            keys = set(state_of(self.graph.implementation(nid)))
+            if nid in self.trains:
+                keys |= {BROUGHT + k for k in state_of(self.trains[nid])}
+            if keys and nid not in weights:
+                left.append(f"node {nid!r}")
+            elif keys - set(weights.get(nid, keys)):
+                left.append(f"{nid!r}: {', '.join(sorted(keys - set(weights[nid])))}")
+        if left:
+            raise ValueError(
+                f"load(strict=True) takes every node and key, and the weights leave out "
+                f"{'; '.join(left)}; nothing was loaded (strict=False loads a subset: what is "
+                "left out keeps the weights it has)"
+            )
 
     def close(self) -> None:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is garbage);
