@@ -693,3 +693,64 @@ def test_a_closed_plain_container_is_named_by_where_it_is():
     svg = g.figure(inside=inside).svg()
     texts = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text")]
     assert "block: Sequential" in texts and "Sequential" not in texts
+
+
+class Twice(nn.Module):
+    """Two 3×3 convs, each with a ReLU after it: a U-Net's step."""
+
+    def __init__(self, i: int, o: int) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv2d(i, o, 3, padding=1), nn.Conv2d(o, o, 3, padding=1)
+
+    def forward(self, x):
+        return nn.functional.relu(self.b(nn.functional.relu(self.a(x))))
+
+
+class UNet(nn.Module):
+    """Down twice, up twice, each level's output concatenated into the way up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inc, self.down1, self.down2 = Twice(3, 4), Twice(4, 8), Twice(8, 8)
+        self.up1, self.up2, self.out = Twice(16, 4), Twice(8, 4), nn.Conv2d(4, 2, 1)
+        self.pool, self.grow = nn.MaxPool2d(2), nn.Upsample(scale_factor=2)
+
+    def forward(self, x):
+        a = self.inc(x)
+        b = self.down1(self.pool(a))
+        c = self.down2(self.pool(b))
+        d = self.up1(torch.cat([self.grow(c), b], 1))
+        return self.out(self.up2(torch.cat([self.grow(d), a], 1)))
+
+
+class Dense(nn.Module):
+    """A DenseNet block: each layer reads every output before it, concatenated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(4 + 2 * k, 2, 3, padding=1) for k in range(4))
+
+    def forward(self, x):
+        seen = [x]
+        for conv in self.convs:
+            seen.append(torch.relu(conv(torch.cat(seen, 1))))
+        return torch.cat(seen, 1)
+
+
+def test_skip_connections_run_beside_one_column_and_leave_their_source_as_one_line():
+    # a U-Net taller than the room: read down one column, each skip beside it, never round
+    # the columns of a wrapped drawing (down, across the bottom, over the top, down again)
+    _, drawn, edges = _drawn(UNet(), torch.randn(1, 3, 8, 8), height=640)
+    assert sum(k.startswith("l:") for k in drawn) > 25
+    assert sum(b.startswith("l:") for _, _, b in edges) > 25
+    for _, a, b in edges:
+        assert drawn[b][1] >= drawn[a][1] + drawn[a][3], (a, b)
+    assert float(ET.fromstring(_drawn(UNet(), torch.randn(1, 3, 8, 8))[0]).get("width")) < 500
+    # a DenseNet block: what one layer sends to every concat after it leaves as one line
+    _, drawn, edges = _drawn(Dense(), torch.randn(1, 4, 8, 8), height=400)
+    starts: dict[str, set] = {}
+    for d, a, b in edges:
+        assert drawn[b][1] >= drawn[a][1] + drawn[a][3], (a, b)
+        starts.setdefault(a, set()).add(tuple(round(v) for v in _points(d)[0]))
+    fanned = [a for _, a, _ in edges if sum(e[1] == a for e in edges) > 2]
+    assert fanned and all(len(starts[a]) == 1 for a in fanned), starts

@@ -1,8 +1,8 @@
 """One container's children in layers, by Sugiyama's method kept small: layers by the longest
-path (an edge closing a cycle left out), a waypoint in every layer an edge skips, an order that
-crosses few edges (barycentre sweeps), positions across pulled towards what each box is joined
-to (least squares, waypoints giving way), and a container longer than its room cut into bands
-side by side. Coordinates are a container's own: `u` across its direction, `v` along it.
+path (an edge closing a cycle left out), a waypoint in every layer an edge skips (shared by
+what one source sends on), an order that crosses few edges (barycentre sweeps), positions
+across pulled towards what each box is joined to (least squares, waypoints giving way), and a
+container longer than its room cut into bands side by side where one edge alone crosses. Coordinates are a container's own: `u` across its direction, `v` along it.
 """
 
 from __future__ import annotations
@@ -39,14 +39,15 @@ def _ways(pairs, items, ports, paths, bands) -> list[list[tuple[float, float, bo
             by_box.setdefault(pair[side], []).append(k)
         for key, ks in by_box.items():
             item = items[key]
-            free = dict.fromkeys(pairs[k][:2] for k in ks if ports[k][side] is None)
-            slots = sorted(free, key=lambda p: paths[p][(1, -2)[side]].u)
+            near = {k: paths[pairs[k][:2]][(1, -2)[side]] for k in ks}  # the next on the way
+            free = {id(near[k]): near[k].u for k in ks if ports[k][side] is None}
+            slots = sorted(free, key=free.get)
             n = len(slots) - 1
-            width = min(item.span * 0.6, 12.0 * n)
+            width = min(item.span * 0.6, 12.0 * n) if side else 0.0  # leaving: one point
             at = {p: item.u + (width * (j / n - 0.5) if n else 0.0) for j, p in enumerate(slots)}
             for k in ks:
                 port = ports[k][side]
-                at_end[k] = at[pairs[k][:2]] if port is None else item.u + port
+                at_end[k] = at[id(near[k])] if port is None else item.u + port
     out = []
     lanes: dict[tuple[int, int], list[tuple[str, str]]] = {}  # who crosses each gap
     for k, (a, b, _, _) in enumerate(pairs):
@@ -92,15 +93,25 @@ def place(
     edges = [(a, b) for a, b in offsets if a != b]
     _layers_of(items, edges)
     _layers_of(items, edges)
-    # waypoints for edges that skip layers
+    # waypoints for edges that skip layers: one per layer for what one source sends down
+    # (a tensor read further on runs as one line beside what it skips, branching off)
+    sent: dict[tuple[str, str], set[str]] = {}
+    for a, b, s, _ in pairs:
+        sent.setdefault((a, b), set()).add(s)
     paths: dict[tuple[str, str], list[Item]] = {}
-    every = list(items)
-    for n, (a, b) in enumerate(edges):
+    waypoints: dict[tuple, Item] = {}
+    for a, b in edges:
         ia, ib = by_key[a], by_key[b]
         lo, hi = sorted((ia.layer, ib.layer))
-        dummies = [Item(f"~{n}.{k}", 4.0, 0.0, layer=k) for k in range(lo + 1, hi)]
-        every += dummies
-        paths[(a, b)] = [ia, *(dummies if ia.layer <= ib.layer else reversed(dummies)), ib]
+        down = ia.layer <= ib.layer
+        dummies = []
+        for k in range(lo + 1, hi):
+            key = (frozenset(sent[a, b]), k) if down else (a, b, k)
+            if key not in waypoints:
+                waypoints[key] = Item(f"~{len(waypoints)}", 4.0, 0.0, layer=k)
+            dummies.append(waypoints[key])
+        paths[(a, b)] = [ia, *(dummies if down else reversed(dummies)), ib]
+    every = [*items, *waypoints.values()]
     layers: list[list[Item]] = [[] for _ in range(max(i.layer for i in every) + 1)]
     for i in every:
         layers[i.layer].append(i)
@@ -123,10 +134,18 @@ def place(
         i.depth = depth[i.layer]  # between layers, never across a tall box beside it
     lengths = [d + (between if d > 0 else after_port) for d in depth]
     # bands: as few as keep each within the room along, and none when that would make the
-    # whole wider than the room across (then it is long, and scrolls)
-    k = _bands_needed(lengths, room)
+    # whole wider than the room across (then it is long, and scrolls); cut only where one
+    # edge crosses (between stages): a skip, a concat or a second input from further up
+    # runs beside the column, not round the bands
+    crossing = [0] * len(layers)  # how many edges cross into each layer
+    for a, b in edges:
+        lo, hi = sorted((by_key[a].layer, by_key[b].layer))
+        for n in range(lo + 1, hi + 1):
+            crossing[n] += 1
+    cuts = {n for n, many in enumerate(crossing) if many <= 1}
+    k = _bands_needed(lengths, room, cuts)
     while True:
-        bands = _bands(lengths, k)
+        bands = _bands(lengths, k, cuts)
         extent, *placed = _arrange_bands(layers, bands, lengths, depth, links, shifts, across)
         if k == 1 or across_room is None or extent[0] <= across_room:
             return extent, _ways(pairs, by_key, ports, paths, placed)
@@ -304,25 +323,29 @@ def _fit(layer: list[Item], want: list[tuple[float, float]], gap: float) -> None
             n += 1
 
 
-def _bands_needed(lengths: list[float], room: float) -> int:
-    """How many bands keep each within `room`: 1 for few layers, or one layer alone longer
-    than the room (less the lanes between bands, which run past both ends)."""
+def _bands_needed(lengths: list[float], room: float, cuts: set[int]) -> int:
+    """How many bands keep each within `room` (less the lanes between bands, which run past
+    both ends; a layer alone longer than it aside), cut only before the layers in `cuts`:
+    1 for few layers, or when no such cuts can."""
     total = sum(lengths)
     if total <= room or len(lengths) < 4:
         return 1
     room = max(room - 48.0, max(lengths))
     k = math.ceil(total / room)
-    while k < len(lengths) and max(sum(lengths[a:b]) for a, b in _bands(lengths, k)) > room * 1.02:
+    while max(sum(lengths[a:b]) for a, b in _bands(lengths, k, cuts)) > room * 1.02:
+        if k >= len(lengths):
+            return 1
         k += 1
     return k
 
 
-def _bands(lengths: list[float], k: int) -> list[tuple[int, int]]:
-    """Consecutive layers cut into `k` bands (or fewer) about as long as each other."""
+def _bands(lengths: list[float], k: int, cuts: set[int]) -> list[tuple[int, int]]:
+    """Consecutive layers cut into `k` bands (or fewer) about as long as each other, cut
+    only before the layers in `cuts`."""
     goal = sum(lengths) / k
     bands, lo, run = [], 0, 0.0
     for n, length in enumerate(lengths):
-        if run and run + length > goal * 1.08 and len(bands) < k - 1:
+        if run and run + length > goal * 1.08 and len(bands) < k - 1 and n in cuts:
             bands.append((lo, n))
             lo, run = n, 0.0
         run += length

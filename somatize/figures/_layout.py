@@ -18,7 +18,7 @@ Point = tuple[float, float, bool]  # x, y, and whether the way to it curves (bet
 @dataclass
 class _Level:
     """What laying out one container left behind: where its ports are (by `in:source` and
-    `out:target`) and each edge's part of the way at this level (in the container's
+    `out:source`: what one box sends out leaves by one port) and each edge's part of the way at this level (in the container's
     coordinates)."""
 
     ports: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -58,7 +58,7 @@ class _Layout:
             a, b = self._child_of(box, s), self._child_of(box, d)
             if a is None and b is None or a is b:
                 continue
-            ends = (f"in:{s}" if a is None else a.id, f"out:{d}" if b is None else b.id)
+            ends = (f"in:{s}" if a is None else a.id, f"out:{s}" if b is None else b.id)
             for key in ends:  # a port where the edge enters or leaves from outside
                 items.setdefault(key, Item(key, 0.0, 0.0))
             pairs.append((*ends, s, d))
@@ -69,7 +69,7 @@ class _Layout:
         if box.kind == "block":  # a block is read down one column; only what holds it wraps
             room = math.inf
         ports = [
-            (self.port(items[a].box, d, True), self.port(items[b].box, s, False))
+            (self.port(items[a].box, s, True), self.port(items[b].box, s, False))
             for a, b, s, d in pairs
         ]
         across_room = self.room[0] - left - right if box.down else None  # a root's rows scroll down
