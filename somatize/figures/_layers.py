@@ -2,7 +2,8 @@
 path (an edge closing a cycle left out), a waypoint in every layer an edge skips (shared by
 what one source sends on), an order that crosses few edges (barycentre sweeps), positions
 across pulled towards what each box is joined to (least squares, waypoints giving way), and a
-container longer than its room cut into bands side by side where one edge alone crosses. Coordinates are a container's own: `u` across its direction, `v` along it.
+container longer than its room cut into bands side by side where one edge alone crosses.
+Coordinates are a container's own: `u` across its direction, `v` along it.
 """
 
 from __future__ import annotations
