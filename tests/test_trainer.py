@@ -993,3 +993,49 @@ def test_a_step_puts_the_nodes_it_trains_back_in_train_mode_after_a_validation_p
     t.step(data[0])
     assert nodes["body"].training and not body.training
     assert torch.equal(body.running_mean, kept)
+
+
+def test_ctrl_c_in_a_fit_drops_the_open_group_and_keeps_the_losses_it_took():
+    data = batches(n=8)
+
+    class Stopped(list):  # Ctrl-C while the 7th batch is being read
+        def __iter__(self):
+            for i, batch in enumerate(data):
+                if i == 6:
+                    raise KeyboardInterrupt
+                yield batch
+
+    t = plain(mlp(), every=4)
+    with pytest.raises(KeyboardInterrupt):
+        t.fit(Stopped(data))
+    assert len(t.result.history) == 6  # the losses so far, kept
+    assert all(p.grad is None or not p.grad.any() for p in parameters(t.graph))
+    at = t.export()
+    t.fit(data)  # starts a new group: as a fresh run from the weights the stop left
+    fresh = plain(mlp(seed=3), every=4)
+    fresh.load(at)
+    fresh.fit(data)
+    same(t.export(), fresh.export())
+
+    # a step that raises half way (in the objective of its second piece) drops its group too
+    calls = []
+
+    def failing(out, target):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return mse(out, target)
+
+    g = mlp()
+    t = Trainer(g, objective=failing, optimizer=SGD(parameters(g), lr=0.1), every=2, micro=2)
+    t.step(data[0])
+    with pytest.raises(KeyboardInterrupt):
+        t.step(data[1])
+    at = t.export()
+    t.step(data[2])
+    t.step(data[3])
+    fresh = plain(mlp(seed=3), every=2, micro=2)
+    fresh.load(at)
+    fresh.step(data[2])
+    fresh.step(data[3])
+    same(t.export(), fresh.export())

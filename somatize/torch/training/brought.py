@@ -1,5 +1,6 @@
 """What a Learning brought (a head, a guesser), exported and loaded with the node it trains
-under keys prefixed `learning/`, from and to the worker that holds it when it is there."""
+under keys prefixed `learning/`, from and to the worker that holds it when it is there; and
+whether weights to load hold every key (`load(strict=True)`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from somatize.torch.training.learning import BROUGHT
 from somatize.torch.training.params import state_of
 
-__all__ = ["learnt", "parted", "there"]
+__all__ = ["learnt", "parted", "there", "whole"]
 
 
 def there(trainer: Any, nid: str) -> tuple[Any, str | None]:
@@ -65,3 +66,23 @@ def parted(trainer: Any, nid: str, given: dict[str, Any]) -> tuple[dict, dict]:
             "leave those keys out; nothing was loaded"
         )
     return own, theirs
+
+
+def whole(trainer: Any, weights: dict[str, dict]) -> None:
+    """Refuses weights that leave out a node with weights, or a key of one (what its Learning
+    brought included), naming them: `load(strict=True)`. Nothing is copied here."""
+    left = []
+    for nid in trainer.graph.nodes():
+        keys = set(state_of(trainer.graph.implementation(nid)))
+        if nid in trainer.trains:
+            keys |= {BROUGHT + k for k in state_of(trainer.trains[nid])}
+        if keys and nid not in weights:
+            left.append(f"node {nid!r}")
+        elif keys - set(weights.get(nid, keys)):
+            left.append(f"{nid!r}: {', '.join(sorted(keys - set(weights[nid])))}")
+    if left:
+        raise ValueError(
+            f"load(strict=True) takes every node and key, and the weights leave out "
+            f"{'; '.join(left)}; nothing was loaded (strict=False loads a subset: what is "
+            "left out keeps the weights it has)"
+        )

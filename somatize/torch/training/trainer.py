@@ -19,7 +19,7 @@ from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
 from somatize.torch.training._progress import Progress, in_notebook, person_watching
-from somatize.torch.training.learning import BROUGHT, Learning
+from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import freeze, named, state_of, trained
 from somatize.torch.training.remote import Remote
@@ -174,6 +174,7 @@ class Trainer:
         self._unproven = held  # the nodes not yet seen to get a gradient
         self._health: list[dict] = []  # the audit's facts, until the update they wait for
         self.live: Any = None
+        self.result = Result()  # the latest fit's, filled in as it goes
         self.audit = self._release = None
         if audit is not None:
             self._stages.audited(audit)  # a node on a worker is measured there
@@ -197,6 +198,14 @@ class Trainer:
         x, y = _checks.pair_of(unwrap(batch))
         micro = self.micro
         xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
+        try:
+            return self._step(xs, ys)
+        except BaseException:  # an error, or Ctrl-C, half way through: its group is dropped
+            self._drop()
+            raise
+
+    def _step(self, xs: Any, ys: Any) -> float:
+        micro = self.micro
         self._train_mode()
         if self._count == 0 and self.optimizer is not None:
             self.optimizer.zero_grad()
@@ -235,6 +244,13 @@ class Trainer:
             self._apply(step)
         run.flush(self.watching)
         return value
+
+    def _drop(self) -> None:
+        """Forgets the Trainer's open group: its gradients are cleared and the next step opens
+        a new one."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+        self._count = 0
 
     def _train_mode(self) -> None:
         """Puts the nodes this run trains that are in eval mode in train mode."""
@@ -324,7 +340,13 @@ class Trainer:
     def fit(self, data: Iterable[Batch], epochs: int = 1) -> Result:
         """Takes one step per batch, for as many epochs as you say, and applies a group left half
         open at the end of each; `data` is walked once per epoch, so with more than one it has to be
-        re-iterable (a generator is refused). A progress bar shows when a person is watching."""
+        re-iterable (a generator is refused). A progress bar shows when a person is watching.
+
+        The Result is `self.result` as well, filled in step by step: a fit stopped by an error or
+        Ctrl-C leaves the losses it took there. Such a fit, or a step that raises once it has
+        begun, drops the group it leaves open (the gradients it accumulated are cleared: the
+        next step starts a new group, as the next fit would); a node trained by a Learning
+        keeps the group of its own until its next update."""
         if type(epochs) is not int or epochs < 0:
             raise ValueError(
                 f"epochs is how many times to walk the data, an int >= 0, not {epochs!r}"
@@ -334,7 +356,8 @@ class Trainer:
                 f"fit walks the data once per epoch, and a {type(data).__name__} is exhausted "
                 "by the first: pass a list, a DataLoader, or anything iterable again"
             )
-        history: list[float] = []
+        self.result = Result()
+        history = self.result.history
         self._show_audit()
         bar = None
         if person_watching() and (self._parallel is None or self._parallel.rank == 0):
@@ -347,10 +370,13 @@ class Trainer:
                     if bar is not None:
                         bar.step(history[-1])
                 self.update()
+        except BaseException:  # Ctrl-C between two steps: the group it leaves open is dropped
+            self._drop()
+            raise
         finally:
             if bar is not None:
                 bar.close(history)
-        return Result(history)
+        return self.result
 
     def _show_audit(self) -> None:
         """In a notebook an audited run shows a `LiveAudit` (once, as `self.live`), unless one is
@@ -423,7 +449,7 @@ class Trainer:
                     entries.append((host, f"{nid}/learning", learning, None, theirs))
 
         if strict:
-            self._whole(weights)
+            brought.whole(self, weights)
 
         def commit() -> None:
             for done in commits:
@@ -436,25 +462,6 @@ class Trainer:
             self.broker.write(entries, then=commit)
         else:
             commit()
-
-    def _whole(self, weights: Weights) -> None:
-        """Refuses weights that leave out a node with weights, or a key of one (what a Learning
-        brought included): `load(strict=True)`."""
-        left = []
-        for nid in self.graph.nodes():
-            keys = set(state_of(self.graph.implementation(nid)))
-            if nid in self.trains:
-                keys |= {BROUGHT + k for k in state_of(self.trains[nid])}
-            if keys and nid not in weights:
-                left.append(f"node {nid!r}")
-            elif keys - set(weights.get(nid, keys)):
-                left.append(f"{nid!r}: {', '.join(sorted(keys - set(weights[nid])))}")
-        if left:
-            raise ValueError(
-                f"load(strict=True) takes every node and key, and the weights leave out "
-                f"{'; '.join(left)}; nothing was loaded (strict=False loads a subset: what is "
-                "left out keeps the weights it has)"
-            )
 
     def close(self) -> None:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is garbage);
