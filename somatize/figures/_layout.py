@@ -18,8 +18,8 @@ Point = tuple[float, float, bool]  # x, y, and whether the way to it curves (bet
 @dataclass
 class _Level:
     """What laying out one container left behind: where its ports are (by `in:source` and
-    `out:source`: what one box sends out leaves by one port) and each edge's part of the way at this level (in the container's
-    coordinates)."""
+    `out:source`: what one box sends out leaves by one port) and each edge's part of the way
+    at this level (in the container's coordinates)."""
 
     ports: dict[str, tuple[float, float]] = field(default_factory=dict)
     parts: dict[tuple[str, str], list[Point]] = field(default_factory=dict)
