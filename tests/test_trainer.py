@@ -860,7 +860,7 @@ def test_micro_refusals_name_the_value_its_shape_and_what_to_do_before_anything_
             ValueError,
             r"3 examples \(the first dimension of input\['x'\]\).*batch size that 2 divides",
         ),
-        ({"x": torch.randn(1, 4)}, None, ValueError, "neither the input nor the target"),
+        ({"x": torch.randn(1, 4)}, None, ValueError, "this one holds a single example"),
     ]
     for inp, target, kind, said in cases:
         with pytest.raises(kind, match=said):
@@ -1039,3 +1039,21 @@ def test_ctrl_c_in_a_fit_drops_the_open_group_and_keeps_the_losses_it_took():
     fresh.step(data[2])
     fresh.step(data[3])
     same(t.export(), fresh.export())
+
+
+def test_micro_refuses_a_dataloader_whose_last_batch_it_cannot_cut_before_the_first_step():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = (torch.cat([b[i] for b in batches(n=12, size=6)])[:70] for i in (0, 1))
+    g = mlp()
+    t = Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), micro=4)
+    before = t.export()
+    loader = DataLoader(TensorDataset(x, y), batch_size=16)  # 4 of 16, then one of 6
+    said = r"batches of 16 examples and a last one of 6 \(70 in all\): pass drop_last=True"
+    with pytest.raises(ValueError, match=said):
+        t.fit(loader)
+    same(t.export(), before, tol=0)  # refused before the first step
+    result = t.fit(DataLoader(TensorDataset(x, y), batch_size=16, drop_last=True), epochs=2)
+    assert len(result.history) == 8
+    with pytest.raises(ValueError, match=r"2 examples .*drop_last=True"):
+        t.step((x[:2], y[:2]))  # a batch handed to step says it as well

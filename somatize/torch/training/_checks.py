@@ -108,6 +108,27 @@ def batch_first(graph: Graph, micro: int) -> None:
                     )
 
 
+def ragged(data: Any, micro: int) -> None:
+    """Refuses, before the first step, a DataLoader (anything with a `batch_size`, a `sampler`
+    with a length and `drop_last`) with a batch that `micro` does not divide: its batch size,
+    or the smaller last batch `drop_last=False` leaves."""
+    size = getattr(data, "batch_size", None)
+    if micro == 1 or type(size) is not int:
+        return
+    try:
+        n = len(data.sampler)
+    except (AttributeError, TypeError):
+        return
+    last = 0 if getattr(data, "drop_last", True) else n % size
+    if size % micro or last % micro:
+        raise ValueError(
+            f"micro={micro} cuts each batch into {micro} equal pieces, and this "
+            f"{type(data).__name__} gives batches of {size} examples"
+            f"{f' and a last one of {last} ({n} in all)' if last % micro else ''}: "
+            f"pass drop_last=True, a batch_size that {micro} divides, or micro=1"
+        )
+
+
 _TIME = (torch.nn.RNNBase, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
 _BATCH = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _BATCH += (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)

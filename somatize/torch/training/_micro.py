@@ -31,11 +31,13 @@ def pieces(x: Any, y: Any, k: int) -> tuple[list, list]:
         said = (
             f"this one has {n} examples (the first dimension of {where})"
             if n
-            else "neither the input nor the target holds a tensor or list of more than one row"
+            else "this one holds a single example (no tensor or list in it has a first "
+            "dimension other than 1)"
         )
         raise ValueError(
             f"micro={k} cuts a batch into {k} equal pieces along its batch dimension, and "
-            f"{said}: use a batch size that {k} divides, or micro=1"
+            f"{said}: use a batch size that {k} divides (a DataLoader's last batch is smaller "
+            "unless drop_last=True), or micro=1"
         )
     return cut(x, k, n, "input", where), cut(y, k, n, "target", where)
 

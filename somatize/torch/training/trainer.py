@@ -340,7 +340,9 @@ class Trainer:
     def fit(self, data: Iterable[Batch], epochs: int = 1) -> Result:
         """Takes one step per batch, for as many epochs as you say, and applies a group left half
         open at the end of each; `data` is walked once per epoch, so with more than one it has to be
-        re-iterable (a generator is refused). A progress bar shows when a person is watching.
+        re-iterable (a generator is refused). Under `micro` > 1 a DataLoader with a batch it
+        does not divide (the last, without `drop_last=True`) is refused before the first step.
+        A progress bar shows when a person is watching.
 
         The Result is `self.result` as well, filled in step by step: a fit stopped by an error or
         Ctrl-C leaves the losses it took there. Such a fit, or a step that raises once it has
@@ -356,6 +358,7 @@ class Trainer:
                 f"fit walks the data once per epoch, and a {type(data).__name__} is exhausted "
                 "by the first: pass a list, a DataLoader, or anything iterable again"
             )
+        _checks.ragged(data, self.micro)
         self.result = Result()
         history = self.result.history
         self._show_audit()
