@@ -1057,3 +1057,13 @@ def test_micro_refuses_a_dataloader_whose_last_batch_it_cannot_cut_before_the_fi
     assert len(result.history) == 8
     with pytest.raises(ValueError, match=r"2 examples .*drop_last=True"):
         t.step((x[:2], y[:2]))  # a batch handed to step says it as well
+
+
+def test_a_step_with_grad_mode_off_says_so_and_changes_nothing():
+    t = plain(mlp())
+    before = t.export()
+    for off in (torch.no_grad, torch.inference_mode, lambda: torch.set_grad_enabled(False)):
+        with off(), pytest.raises(RuntimeError, match=r"grad mode is off.*torch.no_grad\(\)"):
+            t.step(batches(1)[0])
+    same(t.export(), before, tol=0)
+    assert t.step(batches(1)[0]) > 0  # and out of it, it steps

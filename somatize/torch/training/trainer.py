@@ -187,14 +187,20 @@ class Trainer:
         """One step: forward, loss, backward, and update when the group closes; answers the loss
         of the whole batch (the mean over `micro` pieces; divided by `every * micro` for the
         backward only). An `Opaque` in the batch is taken off first. Refused before anything
-        runs: under `micro` > 1, a batch that cannot be cut (docs/training.md says what is cut);
-        `NoGradient` before the optimizer moves if a node it holds parameters of got no
-        gradient at all.
+        runs: grad mode off (under `torch.no_grad()`); under `micro` > 1, a batch that cannot
+        be cut (docs/training.md says what is cut). `NoGradient` before the optimizer moves if
+        a node it holds parameters of got no gradient at all.
 
         A node it trains (the optimizer holds its parameters, or `trains` names it) that is in
         eval mode, as `net.eval()` for a validation pass leaves it, is put back in train mode
         first (`module.train()`); a submodule set to eval in a node in train mode, a frozen
         node and one the optimizer does not hold are left as they are."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "a step needs gradients, and grad mode is off here (inside torch.no_grad() or "
+                "torch.inference_mode(), or after torch.set_grad_enabled(False), as a "
+                "validation cell may leave it): step outside it, or torch.set_grad_enabled(True)"
+            )
         x, y = _checks.pair_of(unwrap(batch))
         micro = self.micro
         xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
