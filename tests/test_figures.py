@@ -754,3 +754,19 @@ def test_skip_connections_run_beside_one_column_and_leave_their_source_as_one_li
         starts.setdefault(a, set()).add(tuple(round(v) for v in _points(d)[0]))
     fanned = [a for _, a, _ in edges if sum(e[1] == a for e in edges) > 2]
     assert fanned and all(len(starts[a]) == 1 for a in fanned), starts
+
+
+def test_an_open_nodes_colour_is_on_its_title_and_its_frame_stays_light():
+    # a coloured open node painted whole would take the contrast from its edges and frames
+    colour = {"enc": 0.0, "enc.conv": 1.0, "head": 0.5}
+    svg = graph_figure(fd.plan(), inside=fd.insides(), colour=colour).svg()
+    root = ET.fromstring(svg)
+    enc = next(g for g in root.iter(f"{SVG}g") if g.get("data-id") == "n:enc")
+    frame, head = enc.findall(f"{SVG}rect")[:2]
+    assert not frame.get("fill").startswith("rgb(") and head.get("fill").startswith("rgb(")
+    x, y, w, _ = (float(frame.get(k)) for k in ("x", "y", "width", "height"))
+    assert float(head.get("width")) > w - 4 and float(head.get("height")) < 48  # its title
+    title = next(t for t in enc.iter(f"{SVG}text") if t.text == "enc")
+    assert title.get("fill") == "#fff"  # readable on the dark end of the scale
+    assert _fill(svg, "l:enc:conv").startswith("rgb(")  # its layers take their own colours
+    assert _fill(svg, "n:head").startswith("rgb(")  # a closed node is painted whole

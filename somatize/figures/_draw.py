@@ -136,12 +136,20 @@ class _Painter:
         col = self.fill(box.where)
         frozen = ("frozen", "frozen") in box.pills
         opened = bool(box.children)
-        bg, ink = col if col else ("#f6f7fa", "#1f2430")
+        bg, ink = col if col and not opened else ("#f6f7fa", "#1f2430")
         cx, anchor = (x + 12, "start") if opened else (x + w / 2, "middle")
         parts = [
             f'<g class="smz-node{" smz-open" if opened else ""}"{self.attrs(box)}>{self.tip(box)}',
             f'<rect {_frame(box)} rx="8" fill="{bg}" stroke="{"#2a9fd6" if frozen else "#9aa3b5"}" '
             f'stroke-width="{2 if frozen else 1.2}"/>',
+        ]
+        if col and opened:  # its colour on its title only: its layers and edges keep contrast
+            bg, ink = col
+            parts.append(
+                f'<rect class="smz-head" x="{x + 1:.1f}" y="{y + 1:.1f}" width="{w - 2:.1f}" '
+                f'height="40" rx="8" fill="{bg}"/>'
+            )
+        parts += [
             svg_text(cx, y + 19, box.label, 13, ink, bold=True, anchor=anchor, cls="smz-title"),
             svg_text(cx, y + 34, box.sub, fill=ink if col else MUTED, anchor=anchor),
         ]
