@@ -1067,3 +1067,21 @@ def test_a_step_with_grad_mode_off_says_so_and_changes_nothing():
             t.step(batches(1)[0])
     same(t.export(), before, tol=0)
     assert t.step(batches(1)[0]) > 0  # and out of it, it steps
+
+
+def test_a_frozen_node_is_trained_again_the_way_the_refusal_says():
+    g = mlp()
+    freeze(g, "enc")
+    t = plain(g)
+    t.fit(batches(2))
+    enc = g.implementation("enc")
+    enc.requires_grad_(True)  # not enough: it is still declared frozen
+    assert len(parameters(g)) == 4
+    with pytest.raises(ValueError, match=r"g\.declare\('enc', frozen=False\).*requires_grad_"):
+        Trainer(g, objective=mse, optimizer=SGD([*parameters(g), *enc.parameters()], lr=0.1))
+    g.declare("enc", frozen=False)
+    assert len(parameters(g)) == 6
+    t = plain(g)
+    before = t.export()["enc"]
+    t.fit(batches(2))
+    assert enc.training and not torch.equal(t.export()["enc"]["lin.weight"], before["lin.weight"])

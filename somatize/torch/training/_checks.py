@@ -155,7 +155,8 @@ def trains_of(graph: Graph, trains: Any) -> dict[str, Learning]:
         if graph.setting(nid).frozen:
             raise ValueError(
                 f"node {nid!r} is declared .frozen() and is in trains=: a node cannot be "
-                "both; drop .frozen() or take it out of trains="
+                "both; take it out of trains=, or drop .frozen() (on a graph already built: "
+                f"g.declare({nid!r}, frozen=False) and module.requires_grad_(True))"
             )
         if not trainable(graph.implementation(nid)):
             raise ValueError(
@@ -214,7 +215,9 @@ def held_by(
             raise ValueError(
                 f"the optimizer holds parameters of node {nid!r}, which is declared "
                 ".frozen(): a node cannot be both frozen and trained. Build the optimizer "
-                "over parameters(g), which leaves frozen nodes out"
+                "over parameters(g), which leaves frozen nodes out; or, to train it again, "
+                f"g.declare({nid!r}, frozen=False) and turn its requires_grad back on "
+                "(module.requires_grad_(True)) first"
             )
     found: dict[str, list[torch.Tensor]] = {}
     for p in held:
