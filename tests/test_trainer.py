@@ -1085,3 +1085,9 @@ def test_a_frozen_node_is_trained_again_the_way_the_refusal_says():
     before = t.export()["enc"]
     t.fit(batches(2))
     assert enc.training and not torch.equal(t.export()["enc"]["lin.weight"], before["lin.weight"])
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_naming_it():
+    g = mlp()
+    with pytest.raises(TypeError, match=r"LBFGS\.step needs a closure.*SGD, Adam"):
+        Trainer(g, objective=mse, optimizer=torch.optim.LBFGS(parameters(g)))

@@ -3,6 +3,7 @@ every function here only reads, and the Trainer changes things only when all hav
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -196,6 +197,13 @@ def held_by(
             f"optimizer= takes a torch optimizer built over the graph's parameters "
             f"(torch.optim.Adam(parameters(g), lr=1e-3)), not {type(optimizer).__name__}"
         )
+    if _needs_closure(optimizer.step):
+        raise TypeError(
+            f"{type(optimizer).__name__}.step needs a closure that runs the forward and backward "
+            "again, several times per update, and a Trainer's step runs them once per batch: "
+            "use an optimizer whose step takes none (SGD, Adam, AdamW, ...), or write that "
+            "loop by hand over g.forward"
+        )
     held = [p for group in optimizer.param_groups for p in group["params"]]
     owner = owners(graph)
     mine = [owner[id(p)] for p in held if id(p) in owner]
@@ -224,6 +232,16 @@ def held_by(
         if id(p) in owner and p.requires_grad:
             found.setdefault(owner[id(p)], []).append(p)
     return found
+
+
+def _needs_closure(step: Any) -> bool:
+    """Whether an optimizer's `step` cannot be called without arguments (LBFGS's closure)."""
+    try:
+        said = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: it is called, and says itself
+        return False
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.kind in kinds and p.default is inspect.Parameter.empty for p in said)
 
 
 def audit_of(auditing: Any) -> Any:

@@ -87,7 +87,8 @@ class Trainer:
 
     Refused, each saying what to do: a graph with no parameter to train; `trains` naming no
     node, a node with no parameters, or holding no Learning; a node both frozen and trained;
-    an optimizer holding parameters of a node in `trains`, or sharing none with the graph;
+    an optimizer holding parameters of a node in `trains`, sharing none with the graph, or
+    whose `step` needs a closure (LBFGS);
     nothing to train with (no optimizer and no `trains`); bad `every`, `micro`; `micro` > 1 on a
     graph holding an RNN or Transformer layer built with `batch_first=False`, or a BatchNorm
     in a node not declared `.frozen()` (pieces would be normalised apart); a `watching=`
