@@ -1091,3 +1091,30 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_naming_it():
     g = mlp()
     with pytest.raises(TypeError, match=r"LBFGS\.step needs a closure.*SGD, Adam"):
         Trainer(g, objective=mse, optimizer=torch.optim.LBFGS(parameters(g)))
+
+
+def test_gradient_clipping_as_the_docs_show_runs_once_per_update_as_a_hand_loop_does():
+    from torch.nn.utils import clip_grad_norm_
+
+    data = batches(n=6)
+    g = mlp()
+    opt = SGD(parameters(g), lr=0.1)
+    clipped = []
+
+    def clip(optimizer, args, kwargs):
+        clipped.append(clip_grad_norm_(parameters(g), max_norm=0.05))
+
+    opt.register_step_pre_hook(clip)
+    Trainer(g, objective=mse, optimizer=opt, every=2).fit(data)
+    assert len(clipped) == 3 and all(n > 0.05 for n in clipped)  # it clipped, once per update
+
+    by_hand = mlp()
+    params = parameters(by_hand)
+    hand = SGD(params, lr=0.1)
+    for i in range(0, 6, 2):
+        hand.zero_grad()
+        for x, y in data[i : i + 2]:
+            (mse(by_hand.forward(x), y) / 2).backward()
+        clip_grad_norm_(params, max_norm=0.05)
+        hand.step()
+    same(weights(g), weights(by_hand))
