@@ -770,3 +770,35 @@ def test_an_open_nodes_colour_is_on_its_title_and_its_frame_stays_light():
     assert title.get("fill") == "#fff"  # readable on the dark end of the scale
     assert _fill(svg, "l:enc:conv").startswith("rgb(")  # its layers take their own colours
     assert _fill(svg, "n:head").startswith("rgb(")  # a closed node is painted whole
+
+
+class SharedEncoder(nn.Module):
+    """One encoder called on two inputs: the same weights twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, a, b):
+        return self.head(torch.cat([self.enc(a), self.enc(b)], -1))
+
+
+def test_a_module_called_twice_says_so_on_each_box_and_names_the_other():
+    from somatize.torch import architecture
+
+    g = Graph.somatize(Node.of(SharedEncoder()).named("net"))
+    svg = g.figure(inside=architecture(g, (torch.randn(2, 4), torch.randn(2, 4)))).svg()
+    tips = {
+        g.get("data-id"): g.find(f"{SVG}title").text
+        for g in ET.fromstring(svg).iter(f"{SVG}g")
+        if g.get("data-id", "").startswith("l:")
+    }
+    first = next(t for k, t in tips.items() if k.startswith("l:net:enc.0") and "#" not in k)
+    again = next(t for k, t in tips.items() if k.startswith("l:net:enc.0#"))
+    assert first.startswith("Linear 4→8 · call 1/2") and again.startswith("Linear 4→8 · call 2/2")
+    assert "same module as: net.enc.0#2 (weights shared)" in first
+    assert "same module as: net.enc.0 (weights shared)" in again
+    texts = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text")]
+    assert "Linear 4→8 · call 2/2" in texts  # seen on the picture, not only on hover
+    assert not any("call" in t for k, t in tips.items() if "head" in k)

@@ -9,6 +9,7 @@ as what it holds. Each box knows its tooltip and what a click on it changes.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from somatize.figures._svg import number, text_width
 
 NODE_TOP = 42  # an open node's title and subtitle, above its layers
 PILL_H = 18
+CALL = re.compile(r"#\d+(?=\.|$)")  # a module's later call: `enc.0#2`
 
 
 @dataclass
@@ -140,6 +142,9 @@ class _Inside:
         self.expanded = set(expanded)
         self.ids: dict[str, str] = {}  # drawn path -> box id
         self.copies: list[tuple[str, list[tuple[str, str]]]] = []  # block, [(from, to)] per copy
+        self.calls: dict[str, list[str]] = {}  # each module's calls, in the order they ran
+        for layer in self.layers:
+            self.calls.setdefault(CALL.sub("", layer["path"]), []).append(layer["path"])
         edges = [(str(a), str(b)) for a, b in inside.get("edges", [])]
         drawn = [la for la in self.layers if la["path"] not in self.blocks]
         if not edges and len(drawn) > 1:  # no edges said: a chain of the top-level layers
@@ -179,6 +184,9 @@ class _Inside:
         times = int(layer.get("times") or 1)  # said once per level: its own repeats
         if times > 1:
             text += f"  ×{times}"
+        calls = self.calls.get(CALL.sub("", layer["path"]), [])
+        if len(calls) > 1:  # one module called again: its weights are the same
+            text += f" · call {calls.index(layer['path']) + 1}/{len(calls)}"
         around = _enclosing(self.blocks, layer.get("block"))
         attention = any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
         kind, label, shape = layer.get("kind"), layer.get("label"), layer.get("shape")
@@ -201,6 +209,9 @@ class _Inside:
             ("shape", f"[{', '.join(map(str, shape))}]" if isinstance(shape, list) else "unknown"),
             ("parameters", number(layer.get("params") or 0)),
         ]
+        if len(calls) > 1:
+            others = ", ".join(f"{self.node}.{c}" for c in calls if c != layer["path"])
+            box.tip.append(("same module as", f"{others} (weights shared)"))
         self.ids[path] = box.id
         return box
 
