@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from somatize import Graph, Node
-from somatize.torch import freeze, parameters
+from somatize.torch import freeze, named_parameters, parameters
 from somatize.torch.training.params import state_of
 
 
@@ -97,3 +97,29 @@ def test_state_of_reads_both_kinds_with_buffers():
         "blocks.1.bias",
     }
     assert state_of(Plain()) == {}
+
+
+def test_named_parameters_names_each_parameter_by_its_node_and_key_for_groups_by_name():
+    shared = nn.Linear(2, 2)
+    g = Graph.somatize(
+        Is().named("a") >> Holds(shared).named("b") >> Holds(shared).named("c") >> Plain()
+    )
+    freeze(g, "a")
+    named = named_parameters(g)
+    assert [p for _, p in named] == parameters(g)  # the same, in the same order
+    assert [n for n, _ in named] == [
+        "b.net.weight",
+        "b.net.bias",
+        "b.blocks.0.weight",
+        "b.blocks.0.bias",
+        "b.blocks.1.weight",
+        "b.blocks.1.bias",  # the module b and c share goes by its first
+        "c.net.weight",
+        "c.net.bias",
+        "c.blocks.0.weight",
+        "c.blocks.0.bias",
+    ]
+    assert [n for n, _ in named_parameters(g, without=["b"])][0] == "c.net.weight"
+    decay = [p for n, p in named if not n.endswith("bias")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}], lr=1e-3)
+    assert len(opt.param_groups[0]["params"]) == 5

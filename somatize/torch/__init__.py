@@ -37,7 +37,7 @@ _PROVIDED = {
     "training.forward_forward": "ForwardForward",
     "training.federated": "fedavg gather",
     "training.parallel": "RankLost",
-    "training.params": "parameters freeze",
+    "training.params": "parameters named_parameters freeze",
     "training.shard": "shard",
     "audit.audit": "Audit",
     "inside.architecture": "architecture traced kind_of Inside",

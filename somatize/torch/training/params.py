@@ -13,7 +13,7 @@ from somatize import caching
 from somatize.torch._modules import join, named_modules_of
 from somatize.torch.placement import modules_of
 
-__all__ = ["parameters", "freeze", "state_of", "owners", "named", "trained"]
+__all__ = ["parameters", "named_parameters", "freeze", "state_of", "owners", "named", "trained"]
 
 
 def parameters(graph: Any, without: Container[str] = ()) -> list[nn.Parameter]:
@@ -38,6 +38,18 @@ def parameters(graph: Any, without: Container[str] = ()) -> list[nn.Parameter]:
         if p.requires_grad
     )
     return list(dict.fromkeys(found))  # each once, in declaration order
+
+
+def named_parameters(graph: Any, without: Container[str] = ()) -> list[tuple[str, nn.Parameter]]:
+    """`parameters(graph, without)` as `(qualified name, parameter)` pairs, the node id before
+    the key its node gives it (`enc.net.0.weight`), for param groups chosen by name::
+
+        named = named_parameters(g)
+        AdamW([{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.1},
+               {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}])
+    """
+    names = named(graph)
+    return [(names[id(p)], p) for p in parameters(graph, without)]
 
 
 def named(graph: Any) -> dict[int, str]:
