@@ -683,7 +683,7 @@ def test_a_forward_taking_any_name_is_read_on_a_dict_as_keywords():
     batch = {"x": torch.randn(3, 4), "mask": torch.ones(3, 4)}
     assert architecture(_Batched(), batch)["_batched"].layer("l").shape == [3, 2]
     assert traced(_Batched(), batch).layer("l").shape == [3, 2]
-    assert set(probe(_Batched(), batch)) == {"_batched", "_batched.l"}
+    assert set(probe(_Batched(), batch)) == {"_batched", "_batched.mul", "_batched.l"}
 
 
 class _Masked(nn.Module):

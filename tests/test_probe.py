@@ -146,7 +146,9 @@ def test_the_places_past_most_leave_the_others_as_they_were():
     net = nn.Sequential(nn.Linear(4, 8), relu, nn.Linear(8, 8), relu, nn.Linear(8, 3), nn.Tanh())
     x = torch.randn(6, 4)
     every = probe(net, x)
-    assert len(every) == 6  # the net and its five modules (the ReLU is one, called twice)
+    # the net and its six boxes, as architecture draws them: the ReLU's second call is its own
+    assert list(every)[2:5] == ["sequential.1", "sequential.2", "sequential.1#2"]
+    assert len(every) == 7
     for most in (1, 2, 3, 4):
         some = probe(net, x, most=most)
         assert list(some) == list(every)[: most + 1]
@@ -172,7 +174,7 @@ def test_a_dict_of_keywords_and_a_mask_are_measured_as_given():
     ids = torch.tensor([[1, 2, 3], [4, 5, 0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     got = probe(Masked(), {"input_ids": ids, "attention_mask": mask})
-    assert set(got) == {"masked", "masked.emb", "masked.out"}
+    assert list(got) == ["masked", "masked.emb", "masked.mul", "masked.div", "masked.out"]
     emb = got["masked.emb"]
     assert "signal_gain" not in emb  # its input holds no floating tensor
     assert got["masked.out"]["jacobian_gain"] > 0 and "jacobian_spread" in got["masked.out"]
@@ -300,3 +302,38 @@ def test_a_node_is_given_no_gain_against_a_float_mask_its_output_is_not_computed
     assert "signal_gain" not in got["bertmodel"] and "jacobian_gain" not in got["bertmodel"]
     dense = got["bertmodel.encoder.layer.0.intermediate.dense"]
     assert dense["signal_gain"] > 0 and dense["jacobian_gain"] > 0  # inside, gains as before
+
+
+class Functional(nn.Module):
+    """A layer called twice, functions between: y = cat(2·relu(2x), x), then y += 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4, bias=False)
+        with torch.no_grad():
+            self.lin.weight.copy_(2 * torch.eye(4))
+
+    def forward(self, x):
+        y = torch.cat([self.lin(torch.relu(self.lin(x))), x], 1)
+        y += 1  # in place: what it read is gone
+        return y
+
+
+def test_every_box_architecture_draws_is_probed_but_an_in_place_one():
+    from somatize.torch import architecture
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    got = probe(Functional(), x)
+    drawn = [f"functional.{la.path}" for la in architecture(Functional(), x)["functional"].layers]
+    assert drawn == ["functional.lin", "functional.relu", "functional.lin#2", "functional.cat",
+                     "functional.add"]
+    assert list(got) == ["functional", *drawn[:-1]]
+    eps = torch.finfo(torch.float32).eps
+    assert got["functional.lin#2"]["jacobian_gain"] == pytest.approx(2.0, rel=8 * eps)
+    assert got["functional.lin#2"]["signal_gain"] == pytest.approx(2.0, rel=8 * eps)
+    assert got["functional.relu"]["zero_frac_max"] == float((x <= 0).double().mean())
+    x64 = x.double()
+    cat = torch.cat([4 * x64.clamp(min=0), x64], 1)
+    want = float(cat.pow(2).mean().sqrt() / (4 * x64.clamp(min=0)).pow(2).mean().sqrt())
+    assert got["functional.cat"]["signal_gain"] == pytest.approx(want, rel=16 * eps)

@@ -3,7 +3,9 @@ mode for the torch functions between them, following each tensor to the layer th
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -108,12 +110,17 @@ class Reading(TorchFunctionMode):
     own): `arm()` hooks what is drawn and turns this function mode on for the root's first
     call (off while a layer runs: nothing inside a layer is a layer), so every torch function
     between the drawn modules is heard; `disarm()` takes it all off, `result()` answers what
-    was seen. `why` says why torch.fx could not read the root instead."""
+    was seen. `why` says why torch.fx could not read the root instead. `heard`, when given,
+    is told `(box, module, given, output)` as each box's call ends (a function's module is
+    None): a probe measures each box there."""
 
-    def __init__(self, root: nn.Module, depth: int, why: str | None = None) -> None:
+    def __init__(
+        self, root: nn.Module, depth: int, why: str | None = None, heard: Any = None
+    ) -> None:
         super().__init__()
         self.root = root
         self.why = why
+        self.heard = heard
         self.opening = Opening(root, depth)
         self.hooks = Calls(self.opening, self._layer_in, self._layer_out)
         self.hooks.live = False
@@ -181,6 +188,8 @@ class Reading(TorchFunctionMode):
             layer.shape = list(outs[0].shape)
             self._ran(layer, made)
             self.mark(outs, frozenset((layer.path,)))
+            if self.heard is not None:
+                self.heard(layer.path, None, given, result)
         else:
             self.mark(outs, made)
         return result
@@ -199,7 +208,19 @@ class Reading(TorchFunctionMode):
             if layer.shape is None:
                 layer.shape = shape_of(output)
             self.mark(output, frozenset((layer.path,)))
+            if self.heard is not None:
+                self.heard(layer.path, self.opening.named[path], given, output)
         self._mode(True)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing heard while inside: the function mode off, and back on after if it was."""
+        was = self.on
+        self._mode(False)
+        try:
+            yield
+        finally:
+            self._mode(was)
 
     def _mode(self, on: bool) -> None:
         if on != self.on:

@@ -102,4 +102,3 @@ def _within(n: fx.Node, itself: str | None = None) -> dict[str, int]:
     """The blocks a node ran inside, outermost first, each with the call of it (from 1)."""
     blocks = (block_call(key) for key in n.meta.get("nn_module_stack") or {})
     return {path: call for path, call in blocks if path != itself}
-

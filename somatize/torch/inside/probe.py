@@ -1,8 +1,10 @@
 """What a graph looks like at initialisation, place by place: `probe`.
 
-For each node, and each layer `architecture` would draw inside it: `signal_gain` (RMS of what
-comes out over RMS of what goes in; none where that is all zeros), `jacobian_gain` and `jacobian_spread` (per sample,
-‖Jᵀu‖/‖u‖ for the random cotangent u that reaches that place's output, averaged over the
+For each node, and each box `architecture` would draw inside it (modules, the functions
+between them, each call; not an in-place operation, whose input is gone): `signal_gain`
+(RMS of what comes out over RMS of what goes in; none where that is all zeros),
+`jacobian_gain` and `jacobian_spread` (per sample, ‖Jᵀu‖/‖u‖ for the random cotangent u
+that reaches that place's output, averaged over the
 samples, and its coefficient of variation across them), `zero_frac_max` and `sat_frac_max`
 (the share of the output that is zero, and saturated where a sigmoid or a tanh saturates),
 and `nan` / `inf`. Each number is taken as the one forward and the one backward pass the
@@ -11,6 +13,7 @@ place, so nothing is held past the moment it is measured; no parameter gradient 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import Any
@@ -21,12 +24,11 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
-from somatize.torch._modules import Tap, parts_of, root_of, tensors_in, untouched
+from somatize.torch._modules import Holder, Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import _wide, floats_in, norm, read, sums_of
 from somatize.torch.audit._place import _saturation
-from somatize.torch.inside._forward import Calls
-from somatize.torch.inside._trace import Opening
+from somatize.torch.inside._forward import Reading
 from somatize.torch.inside.architecture import run_here
 
 __all__ = ["probe"]
@@ -37,6 +39,12 @@ _LEAFED = (
     "measures each place's Jacobian); a model that refuses such an input in train mode "
     "(setting requires_grad on a view of it) is probed in eval mode: model.eval()"
 )
+
+
+def _in_place(given: Any, output: Any) -> bool:
+    """Whether a call gave back a tensor it was given (`x += y`, `x.relu_()`): what it read is
+    gone, so there is no gain to measure."""
+    return any(o is t for o in tensors_in(output) for t in tensors_in(given))
 
 
 def _first(value: Any) -> torch.Tensor | None:
@@ -163,8 +171,10 @@ def probe(
     """What this graph looks like at initialisation, as {where: numbers}.
 
     `where` is a node, or `node.path.to.submodule` — the same keys the audit uses and the
-    same scope the figure draws (`depth` opens composites as in `architecture`, at most `most`
-    layers per node), so a finding from a probe lands on the box a finding from a run would.
+    same boxes the figure draws (`depth` opens composites as in `architecture`; the functions
+    between modules, `relu`, `cat`, and a module's later calls, `pool#2`, are places too; an
+    in-place operation is not; the first `most` boxes per node that ran), so a finding from a
+    probe lands on the box a finding from a run would.
     Each place's numbers are `signal_gain`, `jacobian_gain`, `jacobian_spread`,
     `zero_frac_max`, `sat_frac_max`, `nan` and `inf` (see the module's docstring), the shape
     `somatize.health.seen` returns from a store, which `somatize.health.verdict` reads.
@@ -195,35 +205,37 @@ def probe(
     roots = {node: root_of(g.implementation(node)) for node in g.nodes()}
     nodes = {n: _Place(n, None, [r] if r is not None else []) for n, r in roots.items()}
     inner: dict[str, dict[str, _Place]] = {}
-    hooks: list[Calls] = []
+    hooks: list[Reading] = []
     known = _Tensors()
     for node, root in roots.items():
         if root is None or not parts_of(root):
             continue
-        # the layers `architecture` draws inside it (the first `most`), by path
-        opening = Opening(root, depth)
+        # the boxes `architecture` draws inside it (the first `most` that ran), each as it ran
         places = inner[node] = {}
-        for path, module, shut in opening.drawn():
-            if shut and not isinstance(module, nn.Identity) and len(places) < most:
-                places[path] = _Place(node, path, [module])
 
-        def leave(path: str, call: int, given: Any, output: Any, places=places) -> None:
-            if call == 1 and path in places:
+        def box(path: str, module: Any, given: Any, output: Any, node=node, places=places) -> None:
+            if path not in places and len(places) < most and not _in_place(given, output):
+                places[path] = _Place(node, path, [module] if module is not None else [])
+            if path in places:
                 places[path].saw(given, output, known)
 
-        hooks.append(Calls(opening, lambda *_: None, leave))
+        hooks.append(Reading(root, depth, heard=box))
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
-        nodes[node].saw(input, out, known)
+        with contextlib.ExitStack() as quiet:  # (its own measuring is no layer of a node's)
+            for reading in hooks:
+                quiet.enter_context(reading.paused())
+            nodes[node].saw(input, out, known)
 
     modules = [r for r in roots.values() if r is not None]
+    through = {n: r for n, r in roots.items() if isinstance(r, Holder)}  # (its hooks fire)
     x = mapped(example, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
     with untouched(modules, reads="probe") as held, torch.enable_grad():
         try:
             held.differentiable()
             for h in hooks:
                 h.arm()
-            with Tap(g, heard):
+            with Tap(g, heard, through):
                 result = run_here(g, x, told)
         except Exception as e:
             note(e, _LEAFED)

@@ -208,7 +208,8 @@ def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
             object.__delattr__(m, "forward")
     score = sum(float((p.detach() * g).abs().sum()) for p, g in zip(s.params, grads, strict=True))
     if not math.isfinite(score):
-        raise _NotHere(_SYNFLOW_NAN % (f"node {broke[0]!r} gave" if broke else "the score is", score))
+        where = f"node {broke[0]!r} gave" if broke else "the score is"
+        raise _NotHere(_SYNFLOW_NAN % (where, score))
     return _log(score)
 
 
