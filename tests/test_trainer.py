@@ -1118,3 +1118,30 @@ def test_gradient_clipping_as_the_docs_show_runs_once_per_update_as_a_hand_loop_
         clip_grad_norm_(params, max_norm=0.05)
         hand.step()
     same(weights(g), weights(by_hand))
+
+
+def test_load_refuses_tied_weights_given_two_values_and_takes_one_key_for_both():
+    class Tied(Node, nn.Module):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.emb = nn.Linear(4, 4, bias=False, dtype=torch.float64)
+            self.out = nn.Linear(4, 4, bias=False, dtype=torch.float64)
+            self.out.weight = self.emb.weight  # as GPT-2's lm_head is its wte
+
+        def forward(self, x, ctx):
+            return self.out(torch.tanh(self.emb(x)))
+
+    torch.manual_seed(0)
+    g = Graph.somatize(Tied().named("lm"))
+    t = plain(g)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    t.fit([(x, x)])
+    before = t.export()
+    assert set(before["lm"]) == {"emb.weight", "out.weight"}
+    differ = {"lm": {"emb.weight": torch.zeros(4, 4), "out.weight": torch.ones(4, 4)}}
+    with pytest.raises(ValueError, match=r"'emb.weight' and 'out.weight' are one tensor.*nothing"):
+        t.load(differ)
+    same(t.export(), before, tol=0)
+    t.load({"lm": {"out.weight": torch.ones(4, 4)}})
+    lm = g.implementation("lm")
+    assert lm.out.weight is lm.emb.weight and torch.equal(lm.emb.weight, torch.ones(4, 4).double())

@@ -43,8 +43,9 @@ def stage_state(
     until the function given back is called, which copies them in and answers the values they
     replaced. With `dtypes`, each tensor of the node takes the dtype `state` gives it instead
     (a node a worker rebuilt from its constructor arguments becomes what was sent: a float64
-    one stays float64). An unknown key, a shape that differs or a tensor without plain numbers
-    (meta, sparse) is refused whole, naming the node (`name`, else its class)."""
+    one stays float64). An unknown key, a shape that differs, a tensor without plain numbers
+    (meta, sparse) or two keys of one tensor (tied weights) given different values is refused
+    whole, naming the node (`name`, else its class)."""
     from somatize.torch.training.learning import Learning
 
     name = name or type(node).__name__
@@ -83,6 +84,14 @@ def stage_state(
             staged[key] = value.detach().to(device=mine.device, dtype=dtype, copy=True)
         except (RuntimeError, TypeError) as error:
             raise ValueError(f"{name}, {key!r}: {error}; nothing was loaded") from error
+    tied: dict[int, str] = {}  # keys of one tensor (GPT-2's lm_head.weight is wte.weight)
+    for key in staged:
+        first = tied.setdefault(id(own[key]), key)
+        if first != key and not torch.equal(staged[first], staged[key]):
+            raise ValueError(
+                f"{name}: {first!r} and {key!r} are one tensor (tied weights), and the weights "
+                "give them different values: give both the same, or only one; nothing was loaded"
+            )
 
     def commit() -> dict[str, torch.Tensor]:
         previous = {k: own[k].detach().clone() for k in staged}
