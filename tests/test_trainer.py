@@ -1145,3 +1145,25 @@ def test_load_refuses_tied_weights_given_two_values_and_takes_one_key_for_both()
     t.load({"lm": {"out.weight": torch.ones(4, 4)}})
     lm = g.implementation("lm")
     assert lm.out.weight is lm.emb.weight and torch.equal(lm.emb.weight, torch.ones(4, 4).double())
+
+
+def test_a_compiled_nodes_weights_go_by_the_keys_of_the_module_it_compiled():
+    from somatize.torch import named_parameters
+
+    def graph(compiled):
+        torch.manual_seed(0)
+        node = Layer(4, 2, False)
+        if compiled:
+            node.lin = torch.compile(node.lin, backend="eager")
+        return Graph.somatize(node.named("lin"))
+
+    g = graph(True)
+    t = plain(g)
+    t.fit(batches(2))
+    out = t.export()
+    assert set(out["lin"]) == {"lin.weight", "lin.bias"}
+    assert [n for n, _ in named_parameters(g)] == ["lin.lin.weight", "lin.lin.bias"]
+    twin = plain(graph(False))
+    twin.load(out, strict=True)  # into the eager twin, and back
+    same(twin.export(), out, tol=0)
+    t.load(twin.export())

@@ -59,8 +59,14 @@ def named(graph: Any) -> dict[int, str]:
     for nid in graph.nodes():
         for name, module in named_modules_of(graph.implementation(nid)):
             for key, p in module.named_parameters():
-                found.setdefault(id(p), join(nid, name, key))
+                found.setdefault(id(p), eager(join(nid, name, key)))
     return found
+
+
+def eager(key: str) -> str:
+    """A key without the `_orig_mod` torch.compile puts in it, as the module it compiled names
+    it: a compiled node's weights load into its eager twin, and back."""
+    return ".".join(part for part in key.split(".") if part != "_orig_mod")
 
 
 def owners(graph: Any) -> dict[int, str]:
@@ -99,9 +105,10 @@ def freeze(graph: Any, *node_ids: str) -> None:
 
 def state_of(node: Any) -> dict[str, torch.Tensor]:
     """The node's state as `{key: tensor}` (parameters and buffers, the tensors themselves): a
-    module's own `state_dict` keys, or a holder's prefixed by the attribute (`net.0.weight`)."""
+    module's own `state_dict` keys, or a holder's prefixed by the attribute (`net.0.weight`),
+    a compiled module's as the module it compiled names them (no `_orig_mod.`)."""
     return {
-        join(name, key): tensor
+        eager(join(name, key)): tensor
         for name, module in named_modules_of(node)
         for key, tensor in module.state_dict(keep_vars=True).items()
     }
