@@ -28,34 +28,34 @@ class Item:
 
 
 def _ways(pairs, items, ports, paths, bands) -> list[list[tuple[float, float, bool]]]:
-    """Each edge's way at this level: out of its source, through its waypoints, into its
-    target, spread where several leave or enter one box; between bands, along the lanes
-    past their ends (`bands`: each band's extent across, the longest's end along, where
-    they start along)."""
+    """Each edge's way at this level: out of its source (one point: what it sends on runs as
+    one line until it branches), through its waypoints, into its target, spread where several
+    enter one box; between bands, along the lanes past their ends (`bands`: each band's
+    extent across, the longest's end along, where they start along)."""
     chunks, end, lead = bands
-    ends: list[dict[int, float]] = [{}, {}]  # where each pair leaves, and enters
-    for side, at_end in enumerate(ends):
-        by_box: dict[str, list[int]] = {}
-        for k, pair in enumerate(pairs):
-            by_box.setdefault(pair[side], []).append(k)
-        for key, ks in by_box.items():
-            item = items[key]
-            near = {k: paths[pairs[k][:2]][(1, -2)[side]] for k in ks}  # the next on the way
-            free = {id(near[k]): near[k].u for k in ks if ports[k][side] is None}
-            slots = sorted(free, key=free.get)
-            n = len(slots) - 1
-            width = min(item.span * 0.6, 12.0 * n) if side else 0.0  # leaving: one point
-            at = {p: item.u + (width * (j / n - 0.5) if n else 0.0) for j, p in enumerate(slots)}
-            for k in ks:
-                port = ports[k][side]
-                at_end[k] = at[id(near[k])] if port is None else item.u + port
+    leave = [items[a].u + (port or 0.0) for (a, *_), (port, _) in zip(pairs, ports, strict=True)]
+    enter: dict[int, float] = {}
+    by_box: dict[str, list[int]] = {}
+    for k, pair in enumerate(pairs):
+        by_box.setdefault(pair[1], []).append(k)
+    for key, ks in by_box.items():
+        item = items[key]
+        near = {k: paths[pairs[k][:2]][-2] for k in ks}  # where each comes from
+        free = {id(near[k]): near[k].u for k in ks if ports[k][1] is None}
+        slots = sorted(free, key=free.get)
+        n = len(slots) - 1
+        width = min(item.span * 0.6, 12.0 * n)
+        at = {p: item.u + (width * (j / n - 0.5) if n else 0.0) for j, p in enumerate(slots)}
+        for k in ks:
+            port = ports[k][1]
+            enter[k] = at[id(near[k])] if port is None else item.u + port
     out = []
     lanes: dict[tuple[int, int], list[tuple[str, str]]] = {}  # who crosses each gap
     for k, (a, b, _, _) in enumerate(pairs):
         chain = paths[(a, b)]
-        way = [(ends[0][k], chain[0].v + chain[0].depth, False)]
+        way = [(leave[k], chain[0].v + chain[0].depth, False)]
         for prev, item in zip(chain, chain[1:], strict=False):
-            u = ends[1][k] if item is chain[-1] else item.u
+            u = enter[k] if item is chain[-1] else item.u
             if item.chunk != prev.chunk:
                 crossing = lanes.setdefault((prev.chunk, item.chunk), [])
                 if (a, b) not in crossing:
