@@ -801,4 +801,6 @@ def test_a_module_called_twice_says_so_on_each_box_and_names_the_other():
     assert "same module as: net.enc.0 (weights shared)" in again
     texts = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text")]
     assert "Linear 4→8 · call 2/2" in texts  # seen on the picture, not only on hover
+    relu = next(t for k, t in tips.items() if k.startswith("l:net:enc.1#"))
+    assert relu.endswith("same module as: net.enc.1")  # no weights to share
     assert not any("call" in t for k, t in tips.items() if "head" in k)

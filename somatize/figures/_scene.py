@@ -211,7 +211,8 @@ class _Inside:
         ]
         if len(calls) > 1:
             others = ", ".join(f"{self.node}.{c}" for c in calls if c != layer["path"])
-            box.tip.append(("same module as", f"{others} (weights shared)"))
+            shared = " (weights shared)" if layer.get("params") else ""
+            box.tip.append(("same module as", others + shared))
         self.ids[path] = box.id
         return box
 
