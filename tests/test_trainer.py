@@ -1091,6 +1091,9 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_naming_it():
     g = mlp()
     with pytest.raises(TypeError, match=r"LBFGS\.step needs a closure.*SGD, Adam"):
         Trainer(g, objective=mse, optimizer=torch.optim.LBFGS(parameters(g)))
+    opt = SGD(parameters(g), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=2)  # wraps opt.step: still taken
+    Trainer(g, objective=mse, optimizer=opt).step(batches(1)[0])
 
 
 def test_gradient_clipping_as_the_docs_show_runs_once_per_update_as_a_hand_loop_does():

@@ -197,7 +197,7 @@ def held_by(
             f"optimizer= takes a torch optimizer built over the graph's parameters "
             f"(torch.optim.Adam(parameters(g), lr=1e-3)), not {type(optimizer).__name__}"
         )
-    if _needs_closure(optimizer.step):
+    if _needs_closure(optimizer):
         raise TypeError(
             f"{type(optimizer).__name__}.step needs a closure that runs the forward and backward "
             "again, several times per update, and a Trainer's step runs them once per batch: "
@@ -234,10 +234,11 @@ def held_by(
     return found
 
 
-def _needs_closure(step: Any) -> bool:
-    """Whether an optimizer's `step` cannot be called without arguments (LBFGS's closure)."""
+def _needs_closure(optimizer: Any) -> bool:
+    """Whether an optimizer's `step` cannot be called without arguments (LBFGS's closure):
+    read on its class, as a scheduler wraps the instance's."""
     try:
-        said = inspect.signature(step).parameters.values()
+        said = list(inspect.signature(type(optimizer).step).parameters.values())[1:]  # self
     except (TypeError, ValueError):  # no signature to read: it is called, and says itself
         return False
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
