@@ -76,12 +76,12 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
         return [value]
     if isinstance(value, Opaque):
         return tensors_in(value.value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for f in dataclasses.fields(value) for t in tensors_in(getattr(value, f.name))]
     if isinstance(value, Mapping):
         return [t for v in value.values() for t in tensors_in(v)]
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in tensors_in(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in tensors_in(getattr(value, f.name))]
     return []
 
 

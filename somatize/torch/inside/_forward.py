@@ -121,7 +121,7 @@ class Reading(TorchFunctionMode):
         self.root = root
         self.why = why
         self.heard = heard
-        self.opening = Opening(root, depth)
+        self.opening = Opening(root, depth, bare=heard is not None)
         self.hooks = Calls(self.opening, self._layer_in, self._layer_out)
         self.hooks.live = False
         self.out = Traced()

@@ -145,9 +145,10 @@ class Opening:
     """Which modules of a root are opened and which are drawn as one layer, and the
     parameters under each (a weight tied in two places counted once under their parent)."""
 
-    def __init__(self, root: nn.Module, depth: int) -> None:
+    def __init__(self, root: nn.Module, depth: int, bare: bool = False) -> None:
         self.root = root
         self.depth = depth
+        self.bare = bare  # only where each layer is (what a probe needs), nothing it is
         self.named = dict(root.named_modules(remove_duplicate=False))
 
     def closed(self, path: str) -> bool:
@@ -179,6 +180,8 @@ class Opening:
 
     def _raw(self, path: str, block: str | None, label: str | None = None) -> Raw:
         m = self.named[path]
+        if self.bare:
+            return Raw(path, "", "", block=block)
         return Raw(
             path, kind_of(m), label or label_of(m), None, params_of(m), block,
             config=config_of(m), composite=bool(parts_of(m)),
