@@ -735,6 +735,16 @@ plain = Trainer(g, objective=nn.functional.mse_loss, optimizer=torch.optim.SGD(p
 plain.fit(data)
 print(plain.live)
 """,
+    """
+from somatize.figures import LiveAudit
+
+mine = LiveAudit(title="mine")
+display(mine)
+watched = Trainer(g, objective=nn.functional.mse_loss, auditing=True, watching=mine.run("sgd"),
+                  optimizer=torch.optim.SGD(parameters(g), lr=0.1))
+watched.fit(data)
+print(watched.live)
+""",
 ]
 
 
@@ -756,6 +766,11 @@ def test_in_a_notebook_a_fit_shows_its_bar_and_leaves_a_line_and_an_audited_one_
     plain = nb.cells[1].outputs  # nothing audited, nothing drawn: the bar's line, and None
     assert [o.get("data", {}).get("text/plain", "")[:17] for o in plain[:-1]] == ["training: 3 steps"]
     assert plain[-1]["text"].strip() == "None"
+    # a run of the user's own LiveAudit watching: that one is drawn, no second one beside it
+    watched = nb.cells[2].outputs
+    faces = [o for o in watched if "smz-face" in o.get("data", {}).get("text/html", "")]
+    assert len(faces) == 1 and "mine" in faces[0]["data"]["text/html"]
+    assert watched[-1]["text"].strip() == "None"
 
 
 # -- micro: what is cut, what goes to every piece whole, what is refused ---------------------

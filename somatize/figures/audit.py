@@ -112,7 +112,9 @@ class LiveAudit(Face, anywidget.AnyWidget):
         """A watcher whose facts are drawn as the run `name`, beside this audit's others."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a run is named by a non-empty string, not {name!r}")
-        return functools.partial(self._take, run=name)
+        watcher = functools.partial(self._take, run=name)
+        watcher.audit = self  # type: ignore[attr-defined]  # a Trainer sees a LiveAudit watching
+        return watcher
 
     def _take(self, fact: dict[str, Any], run: str) -> None:
         kind = fact.get("fact") if isinstance(fact, dict) else None
