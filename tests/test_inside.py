@@ -911,3 +911,13 @@ def test_the_layers_reading_the_nodes_input_are_said():
         inside = architecture(Dense(), example)["dense"]
         assert inside.inputs == ["layers.0", "cat"], inside.to_json()
         assert all(a in {x.path for x in inside.layers} for a, _ in inside.edges)
+
+
+def test_the_figure_draws_the_nodes_input_to_each_layer_that_reads_it():
+    import re
+
+    g = Graph.somatize(Dense())
+    svg = g.figure(inside=architecture(g, torch.randn(1, 4, 6, 6))).svg()
+    into = re.findall(r'data-from="i:dense" data-to="([^"]+)"', svg)
+    assert sorted(into) == ["l:dense:cat", "l:dense:layers.0"]
+    assert 'data-id="i:dense"' in svg and ">input<" in svg

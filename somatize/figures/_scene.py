@@ -20,6 +20,7 @@ from somatize.figures._svg import number, text_width
 
 NODE_TOP = 42  # an open node's title and subtitle, above its layers
 PILL_H = 18
+INPUT = "<input>"  # what an open node was given, among its layers' edges
 CALL = re.compile(r"#\d+(?=\.|$)")  # a module's later call: `enc.0#2`
 
 
@@ -167,9 +168,12 @@ class _Inside:
             flat = by in grid and len(shape) == 3 and list(shapes[by][:2]) == list(shape[:2])
             before = self.first.get(by, False) and shapes.get(by) == shape
             self.first[path] = channels_first(kind, la.get("label"), before or flat)
+        # the layers that read what the node was given, joined to a box that stands for it
+        self.inputs = [str(p) for p in inside.get("inputs") or []]
+        self.edges += [(INPUT, p) for p in self.inputs]
 
     def boxes(self) -> list[Box]:
-        out: list[Box] = []
+        out: list[Box] = [self._input()] if self.inputs else []
         for layer in self.layers:
             if layer["path"] not in self.blocks and layer.get("block") not in self.blocks:
                 out.append(self._layer(layer, "", ""))
@@ -177,6 +181,15 @@ class _Inside:
             if blk["parent"] is None:
                 out.extend(self._block(b, "", ""))
         return out
+
+    def _input(self) -> Box:
+        """What the node was given, a box with an edge to each layer that reads it: the
+        branches of an inception block start from it, each concat of a dense block joins it."""
+        box = Box(id=f"i:{self.node}", kind="layer", label="input", family="input")
+        box.w, box.h = max(64.0, round(text_width("input", 12, True) + 36)), 26.0
+        box.tip = [("", f"what {self.node} was given"), ("read by", ", ".join(self.inputs))]
+        self.ids[INPUT] = box.id
+        return box
 
     def _layer(self, layer: dict, old: str, new: str) -> Box:
         path = _swap(layer["path"], old, new)

@@ -24,6 +24,7 @@ HUES = {
     "op": "#5f6b7d",
     "block": "#8a6fd1",
     "other": "#6c7a96",
+    "input": "#4a5568",
 }
 
 # kinds drawn as the family of their name; a regulariser as dropout
