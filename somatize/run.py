@@ -144,11 +144,11 @@ def watchers(watching: Any) -> list[Callable[[dict], Any]]:
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """`warnings.warn(message, category)` said at the first line outside somatize on the way
-    up (the user's call, a notebook cell), wherever in somatize it is raised: the place a
-    warning names is one the user can act on, and Python's default filter tells it once per
-    call site of theirs."""
+def warn(message: str | Warning, category: type[Warning] = UserWarning) -> None:
+    """`warnings.warn(message, category)` (a Warning instance is its own category) said at the
+    first line outside somatize on the way up (the user's call, a notebook cell), wherever in
+    somatize it is raised: the place a warning names is one the user can act on, and Python's
+    default filter tells it once per call site of theirs."""
     level = 1
     frame = inspect.currentframe()
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):

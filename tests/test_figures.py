@@ -21,6 +21,7 @@ from torch import nn
 from somatize import Graph, Node
 from somatize.figures import CompareTable, GraphFigure, compare, graph_figure
 from somatize.figures._page import STATIC
+from somatize.torch import ProxyLeftOut
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -271,6 +272,8 @@ def test_compare_says_which_candidate_a_proxy_was_left_out_of():
         df = compare({"relu": relu, "linear": linear}, torch.randn(6, 4))
     told = [str(w.message) for w in said if "naswot" in str(w.message)]
     assert told and all(t.startswith("candidate 'linear': proxies: naswot") for t in told)
+    left = [w.message for w in said if w.category is ProxyLeftOut]
+    assert [(w.candidate, w.proxy) for w in left] == [("linear", "naswot")]
     assert math.isnan(df.loc["linear", "proxy:naswot"])
     assert math.isfinite(df.loc["relu", "proxy:naswot"])
     # the columns are in one order whichever candidate comes first: naswot among the proxies

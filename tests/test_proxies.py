@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from somatize import Graph, Node
+from somatize.torch import ProxyLeftOut
 from somatize.torch.inside.proxies import EVERY, proxies, proxy
 
 
@@ -353,6 +354,12 @@ def test_zen_is_left_out_where_the_output_does_not_move_with_a_float_mask():
             f"{of} could not be taken" in str(w.message) and "(attention_mask)" in str(w.message)
             for w in said
         )
+    left = {w.message.proxy: w.message.why for w in said if w.category is ProxyLeftOut}
+    assert {"zen", "jacob_cov"} <= set(left) and "attention_mask" in left["zen"]
+    with warnings.catch_warnings():  # what was left out can be silenced alone
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", ProxyLeftOut)
+        assert proxies(bert, tokens) == pytest.approx(got, rel=1e-5)
     assert "zen" not in got and {"synflow", "naswot"} <= set(got)
     assert all(math.isfinite(v) for v in got.values())
     with pytest.raises(ValueError, match="output did not move"):

@@ -1,13 +1,12 @@
 """Candidates compared before anyone trains them: a DataFrame first, a table widget second.
 
-    df = compare({"wide": g1, "deep": g2}, x, target=y, objective=loss)
-    CompareTable(df, measured={"wide": 0.91, "deep": 0.87})
+df = compare({"wide": g1, "deep": g2}, x, target=y, objective=loss)
+CompareTable(df, measured={"wide": 0.91, "deep": 0.87})
 """
 
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import warnings
 from collections.abc import Mapping
@@ -27,9 +26,6 @@ from somatize.run import warn
 __all__ = ["CompareTable", "compare"]
 
 # what somatize.torch.proxies warns of a proxy it could not take: its name, and why
-_LEFT_OUT = re.compile(
-    r"proxies: (\w+) could not be taken on this graph and is left out \((.*)\)", re.S
-)
 PROBE = "probe:"
 PROXY = "proxy:"
 FLAGS = f"{PROBE}flags"
@@ -118,7 +114,7 @@ def compare(
     Refused: no candidates, a measured value for a candidate that is not there."""
     import pandas as pd
 
-    from somatize.torch import EVERY, parameters, probe, proxies
+    from somatize.torch import EVERY, ProxyLeftOut, parameters, probe, proxies
 
     named = _named(candidates)
     if not named:
@@ -137,10 +133,12 @@ def compare(
         except ValueError as error:
             raise ValueError(f"candidate {name!r}: {error}") from None
         for w in said:  # what was left out of which candidate, and why
-            warn(f"candidate {name!r}: {w.message}", w.category)
-            out = _LEFT_OUT.fullmatch(str(w.message))
-            if out:
-                left_out.setdefault(name, {})[f"{PROXY}{out[1]}"] = out[2]
+            out = w.message
+            if isinstance(out, ProxyLeftOut):
+                warn(ProxyLeftOut(out.proxy, out.why, candidate=name))
+                left_out.setdefault(name, {})[f"{PROXY}{out.proxy}"] = out.why
+            else:
+                warn(f"candidate {name!r}: {out}", w.category)
         row: dict[str, Any] = {"params": sum(p.numel() for p in parameters(graph))}
         row.update({f"{PROXY}{k}": float(v) for k, v in scores.items()})
         row.update(looked)
@@ -258,8 +256,15 @@ class CompareTable(Face, anywidget.AnyWidget):
         self.observe(lambda _: self._draw(), ["table", "sort_by", "ascending", "shown", "scatter"])
 
     def _draw(self) -> None:
-        self.drawing = html({**self.table, "hidden": self.hidden(), "sort_by": self.sort_by,
-                             "ascending": self.ascending, "scatter": self.scatter})
+        self.drawing = html(
+            {
+                **self.table,
+                "hidden": self.hidden(),
+                "sort_by": self.sort_by,
+                "ascending": self.ascending,
+                "scatter": self.scatter,
+            }
+        )
 
     def hidden(self) -> list[str]:
         """The columns behind a toggle: past 1400 px, the probe's first (but `probe:flags`

@@ -42,7 +42,7 @@ _PROVIDED = {
     "audit.audit": "Audit",
     "inside.architecture": "architecture traced kind_of Inside",
     "inside.probe": "probe",
-    "inside.proxies": "proxies proxy EVERY",
+    "inside.proxies": "proxies proxy EVERY ProxyLeftOut",
 }
 _where = {name: module for module, names in _PROVIDED.items() for name in names.split()}
 

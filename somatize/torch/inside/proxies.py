@@ -52,7 +52,20 @@ from somatize.torch._values import mapped
 from somatize.torch.inside.architecture import run_here
 from somatize.torch.inside.kinds import kind_of
 
-__all__ = ["EVERY", "proxy", "proxies"]
+__all__ = ["EVERY", "ProxyLeftOut", "proxy", "proxies"]
+
+
+class ProxyLeftOut(UserWarning):
+    """The warning `proxies` gives for a proxy it could not take on a graph and left out of
+    its answer: `proxy` names it, `why` says why and `candidate` names the candidate when
+    `compare` gives it, so a caller can read them or filter these warnings alone
+    (`warnings.simplefilter("ignore", ProxyLeftOut)`)."""
+
+    def __init__(self, proxy: str, why: str, candidate: str | None = None) -> None:
+        said = f"proxies: {proxy} could not be taken on this graph and is left out ({why})"
+        super().__init__(said if candidate is None else f"candidate {candidate!r}: {said}")
+        self.proxy, self.why, self.candidate = proxy, why, candidate
+
 
 _LOSS = frozenset({"snip", "grasp", "grad_norm", "fisher"})
 _BN = nn.modules.batchnorm._BatchNorm
@@ -404,8 +417,8 @@ def proxies(
 
     Without a target and an objective the four that read a loss are not in the answer, rather
     than being in it as None: a score that is missing and a score that is bad have to look
-    different. A proxy this graph cannot give is missing too, with a warning that names it
-    and says why; the others are still taken. `graph` may be a bare module, and an `Opaque`
+    different. A proxy this graph cannot give is missing too, with a `ProxyLeftOut` warning
+    that names it and says why; the others are still taken. `graph` may be a bare module, and an `Opaque`
     example or target is unwrapped first.
     """
     s = _Subject(graph)
@@ -419,5 +432,5 @@ def proxies(
             out[of] = _take(s, example, of, target, objective)
         except Exception as e:  # noqa: BLE001  (each proxy fails its own way; it is said)
             why = str(e) if isinstance(e, _NotHere) else in_one_line(e)  # _NotHere: one line
-            warn(f"proxies: {of} could not be taken on this graph and is left out ({why})")
+            warn(ProxyLeftOut(of, why))
     return out
