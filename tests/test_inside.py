@@ -921,3 +921,7 @@ def test_the_figure_draws_the_nodes_input_to_each_layer_that_reads_it():
     into = re.findall(r'data-from="i:dense" data-to="([^"]+)"', svg)
     assert sorted(into) == ["l:dense:cat", "l:dense:layers.0"]
     assert 'data-id="i:dense"' in svg and ">input<" in svg
+    # a node whose input one layer reads needs no box for it: the edge into the node says it
+    g = Graph.somatize(nn.Sequential(nn.Linear(4, 3), nn.ReLU()))
+    svg = g.figure(inside=architecture(g, torch.randn(2, 4))).svg()
+    assert 'data-id="i:' not in svg and ">input<" not in svg

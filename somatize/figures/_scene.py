@@ -169,7 +169,9 @@ class _Inside:
             before = self.first.get(by, False) and shapes.get(by) == shape
             self.first[path] = channels_first(kind, la.get("label"), before or flat)
         # the layers that read what the node was given, joined to a box that stands for it
-        self.inputs = [str(p) for p in inside.get("inputs") or []]
+        # where more than one reads it (with one, the edge into the node says where it goes)
+        inputs = [str(p) for p in inside.get("inputs") or []]
+        self.inputs = inputs if len(inputs) > 1 else []
         self.edges += [(INPUT, p) for p in self.inputs]
 
     def boxes(self) -> list[Box]:
