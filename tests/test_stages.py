@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from _nodes import Layer
@@ -192,3 +194,94 @@ def test_a_mapping_that_is_not_a_dict_carries_its_gradient_back_across_a_cut():
     for n, w in t1.export().items():
         for k, v in w.items():
             assert torch.allclose(v, t2.export()[n][k], atol=1e-12), (n, k)
+
+
+class Embed(nn.Module):
+    """GPT-2's token and position embeddings, as a user cuts them out of the model."""
+
+    def __init__(self, wte, wpe):
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, ids):
+        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+
+
+class Blocks(nn.Module):
+    """GPT-2's blocks and final norm."""
+
+    def __init__(self, h, ln_f):
+        super().__init__()
+        self.h, self.ln_f = h, ln_f
+
+    def forward(self, x):
+        for block in self.h:
+            out = block(x)
+            x = out[0] if isinstance(out, tuple) else out
+        return self.ln_f(x)
+
+
+def _gpt2_in_three(host=None):
+    """A transformers GPT-2 (small config, random init, float64, no dropout) cut in three:
+    embeddings and blocks here, the LM head (its weight is the embedding's: tied) at `host`."""
+    from models import zoo
+
+    m = zoo.gpt2().model.double()
+    for module in m.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    tr = m.transformer
+    head = Node.of(m.lm_head).named("head")
+    return m, Graph.somatize(
+        Node.of(Embed(tr.wte, tr.wpe)).named("emb")
+        >> Node.of(Blocks(tr.h, tr.ln_f)).named("blocks")
+        >> (head.at(host) if host else head)
+    )
+
+
+def _token_loss(logits, y):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _tokens(n=3):
+    gen = torch.Generator().manual_seed(3)
+    return [(torch.randint(1, 96, (2, 8), generator=gen),) * 2 for _ in range(n)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+def test_tied_weights_across_a_cut_are_refused_naming_both_and_untied_they_train_as_torch():
+    broker = Broker.embedded({"far": Worker.spawn(["--threads", "1"], mode="network")})
+    try:
+        for host, where in ((None, "'head' here, by Split"), ("far", "on host 'far'")):
+            m, g = _gpt2_in_three(host)
+            before = {k: v.clone() for k, v in m.state_dict().items()}
+            trains = {"head": Split(SGD, lr=0.1)}
+            opt = SGD(parameters(g, without=trains), lr=0.1)
+            with pytest.raises(ValueError, match=r"'emb' \(wte.weight\) and node 'head' \(weight"):
+                Trainer(g, objective=_token_loss, optimizer=opt, trains=trains, broker=broker)
+            with pytest.raises(ValueError, match=f"tied weights.*{where}.*nn.Parameter"):
+                Trainer(g, objective=_token_loss, optimizer=opt, trains=trains, broker=broker)
+            assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+        # untied as the error says, the cut trains as plain torch in one process does
+        m, g = _gpt2_in_three("far")
+        m.lm_head.weight = nn.Parameter(m.lm_head.weight.detach().clone())
+        reference = copy.deepcopy(m)
+        trains = {"head": Split(SGD, lr=0.1)}
+        t = Trainer(
+            g,
+            objective=_token_loss,
+            optimizer=SGD(parameters(g, without=trains), lr=0.1),
+            trains=trains,
+            broker=broker,
+        )
+        by_hand = SGD(reference.parameters(), lr=0.1)
+        for ids, y in _tokens():
+            by_hand.zero_grad()
+            loss = _token_loss(reference(input_ids=ids).logits, y)
+            loss.backward()
+            by_hand.step()
+            assert t.step((ids, y)) == pytest.approx(loss.item(), rel=1e-12)
+        learnt = t.export()["head"]["weight"]
+        assert torch.allclose(learnt, reference.lm_head.weight, rtol=0, atol=1e-12)
+    finally:
+        broker.close()

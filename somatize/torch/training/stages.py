@@ -16,11 +16,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import torch
+
 from somatize import _hooks, run
 from somatize.graph import Graph
 from somatize.node import Node, Piece, Settings
 from somatize.torch._modules import tensors_in
 from somatize.torch.training.learning import backward_from, envelope, grad_of, gradient, leafed
+from somatize.torch.training.params import state_of
 
 __all__ = [
     "INPUT",
@@ -30,6 +33,7 @@ __all__ = [
     "Stages",
     "Inlet",
     "Outlet",
+    "untied",
 ]
 
 INPUT = "<input>"
@@ -236,6 +240,39 @@ class Part:
 _HERE = (None, None)
 
 
+def _trained_how(part: Part) -> str:
+    where = "here" if part.host is None else f"on host {part.host!r}"
+    by = "the Trainer's optimizer" if part.learning is None else type(part.learning).__name__
+    return f"{where}, by {by}"
+
+
+def untied(parts: list[Part]) -> None:
+    """Refuse one trainable parameter held by nodes of parts with different (host, Learning)
+    pairs (tied weights, GPT-2's `wte` and `lm_head`, on two sides of a cut): each side would
+    update it on its own (on a worker, a copy of its own), so the tie would not hold and the
+    training would not be the one process's. A `ValueError` naming both nodes and keys."""
+    seen: dict[int, tuple[Part, str, str]] = {}
+    for part in parts:
+        for nid in part.ids:
+            for key, t in state_of(part.nodes[nid]).items():
+                if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
+                    continue
+                first = seen.setdefault(id(t), (part, nid, key))
+                other, oid, okey = first
+                if (other.host, other.trained) == (part.host, part.trained):
+                    continue
+                raise ValueError(
+                    f"node {oid!r} ({okey}) and node {nid!r} ({key}) hold one parameter (tied "
+                    f"weights), and a cut runs between them: {oid!r} is trained "
+                    f"{_trained_how(other)}, {nid!r} {_trained_how(part)}. Each side would "
+                    "update it on its own (a worker, a copy of its own), so the tie would not "
+                    "hold and training would differ from one process. Keep tied weights on "
+                    "one side of every cut (one host, trained by one thing), or untie them: "
+                    "give one of the two a copy of its own, "
+                    "module.weight = nn.Parameter(module.weight.detach().clone())"
+                )
+
+
 class Stages:
     """A graph cut into parts, run forward stage by stage and backward in reverse.
 
@@ -282,6 +319,8 @@ class Stages:
                     whole=self.whole,
                 )
             )
+        if not self.whole:
+            untied(self.parts)
         where = transport or (lambda host: None)
         self.leaves = tuple(graph.leaves())
         # the leaves outside the last part, whose values cross a cut to reach the loss
