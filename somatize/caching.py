@@ -1,7 +1,7 @@
 """Running a plan against a store: `.cached()` nodes are looked up before they compute.
 
 A node's key is its declaration (class, constructor arguments, salt, the digest of its state
-when frozen) and the keys of its inputs; the graph's input is keyed by the digest of its bytes.
+when frozen), the train/eval mode of each module it holds and the keys of its inputs; the graph's input is keyed by the digest of its bytes.
 A node that is not cached still passes a key on, so a cached node after it keeps working. A
 `.mapped().cached()` node is keyed item by item and handed only the items that are missing.
 """
@@ -36,9 +36,9 @@ __all__ = [
     "state_changed",
 ]
 
-_declared: weakref.WeakKeyDictionary[Plan, tuple[int, dict[str, tuple[str, str]]]] = (
-    weakref.WeakKeyDictionary()
-)
+_declared: weakref.WeakKeyDictionary[
+    Plan, tuple[int, dict[str, tuple[str, str, Callable[[], list[bool]] | None]]]
+] = weakref.WeakKeyDictionary()
 _changes = 0  # how many times a node's state was changed through the library
 
 
@@ -51,9 +51,10 @@ def state_changed() -> None:
     _changes += 1
 
 
-def declarations(plan: Plan) -> dict[str, tuple[str, str]]:
-    """`{id: (declaration key, code version)}`, worked out once per plan and again after
-    `state_changed`."""
+def declarations(plan: Plan) -> dict[str, tuple[str, str, Callable[[], list[bool]] | None]]:
+    """`{id: (declaration key, code version, modes)}`, worked out once per plan and again
+    after `state_changed`; `modes` reads the train/eval mode of each module the node holds
+    (None for a node holding none), which goes in the key at every forward."""
     seen, known = _declared.get(plan, (-1, {}))
     if seen != _changes:
         g = plan.graph
@@ -62,7 +63,11 @@ def declarations(plan: Plan) -> dict[str, tuple[str, str]]:
             s = g.setting(nid)
             node = g.implementation(nid)
             state = _hooks.state_digest(node) if s.frozen else None
-            known[nid] = (declaration_key(node, s.salt, state), code_version(node))
+            known[nid] = (
+                declaration_key(node, s.salt, state),
+                code_version(node),
+                _hooks.modes(node),
+            )
         _declared[plan] = (_changes, known)
     return known
 
@@ -73,7 +78,8 @@ def _mix(*parts: str) -> str:
 
 def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], Any]]) -> Any:
     """Run `plan` on `input`, looking `.cached()` nodes up in `store` and keeping what they make.
-    Keys come from the declarations and the input's digest alone, so one pass works them out."""
+    Keys come from the declarations, the modules' train/eval modes now and the input's digest
+    alone, so one pass works them out."""
     said: dict[str, str] = {}  # node id: "hit", "miss" or "partial", as its step found it
 
     def relay(fact: dict) -> None:
@@ -97,7 +103,9 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
                 in_key = input_key
             else:
                 in_key = _mix(*(f"{p}={keys[j]}" for p, j in src))
-            mine, code = decl[ctx.id]
+            mine, code, modes = decl[ctx.id]
+            if modes is not None:  # train and eval compute different things (dropout, norms)
+                mine = _mix(mine, "".join("t" if m else "e" for m in modes()))
             keys[i] = key = _mix(mine, in_key)
             s = g.setting(ctx.id)
             if s.cached:
@@ -181,6 +189,11 @@ function's closure) before it gives up on it."""
 
 _SAID_BY_REPR = {"torch.dtype", "torch.device", "torch.layout", "torch.memory_format"}
 """Types of values that hold no attributes, whose repr says all there is to them."""
+
+_OF_THIS_PROCESS = {"_original_object_hash"}
+"""Attributes that hold a `hash()` of this process (str hashes are salted per process), left
+out of an object's key: transformers' `GenerationConfig`, in every generative model, keeps
+one, which would make its key differ in every process."""
 
 
 class Unkeyable(Exception):
@@ -351,7 +364,8 @@ def _module(module: Any, where: str, k: _Keying) -> list:
 def _object(value: Any, where: str, k: _Keying) -> list:
     """An object by its class and its attributes (`vars`, and `__slots__` that are set)."""
     kind = type(value)
-    said = dict(getattr(value, "__dict__", None) or {})
+    held = getattr(value, "__dict__", None) or {}
+    said = {n: v for n, v in held.items() if n not in _OF_THIS_PROCESS}
     slots = [s for c in kind.__mro__ for s in getattr(c, "__slots__", ()) if s != "__dict__"]
     for name in slots:
         if name != "__weakref__" and hasattr(value, name):

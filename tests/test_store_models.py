@@ -1,0 +1,104 @@
+"""A real transformers model kept in a real store, as a researcher would: a `Node.of(model)`
+cached, its output recalled in a fresh process, its key the same in every process and
+different between train and eval mode."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import somatize.torch  # noqa: F401  (tensor codec)
+from somatize import Graph, Node, Store
+from somatize.torch import freeze
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+
+GPT2 = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+def gpt2():
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+ids = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(2))
+"""
+
+
+def _gpt2() -> tuple[torch.nn.Module, torch.Tensor]:
+    space: dict = {}
+    exec(GPT2, space)
+    return space["gpt2"](), space["ids"]
+
+
+def _caching(g: Graph, x, store: Store):
+    said: list = []
+    out = g.forward(x, store=store, watching=said.append)
+    return out, [f.get("cache") for f in said if f["fact"] == "ran"]
+
+
+def test_a_generative_models_cached_output_is_found_by_another_process(tmp_path: Path) -> None:
+    # a generative model holds a GenerationConfig, which keeps a hash() of its process:
+    # a key that read it would differ in every process, and no cached value would be found
+    script = tmp_path / "run.py"
+    script.write_text(
+        GPT2
+        + textwrap.dedent(
+            """
+            import sys
+            from somatize import Graph, Node, Store
+            from somatize.torch import freeze
+
+            g = Graph.somatize(Node.of(gpt2()).frozen().cached())
+            freeze(g)
+            said = []
+            out = g.forward({"input_ids": ids}, store=Store(sys.argv[1]), watching=said.append)
+            torch.save(out.logits, sys.argv[2])
+            print([f.get("cache") for f in said if f["fact"] == "ran"])
+            """
+        )
+    )
+    answers = []
+    for seed in ("1", "2"):
+        ran = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "store"), str(tmp_path / f"{seed}.pt")],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            timeout=240,
+        )
+        assert ran.returncode == 0, ran.stderr
+        answers.append(ran.stdout.strip())
+    assert answers == ["['miss']", "['hit']"]
+    first, second = torch.load(tmp_path / "1.pt"), torch.load(tmp_path / "2.pt")
+    assert first.dtype == second.dtype == torch.float32
+    assert torch.equal(first, second)  # recalled bit for bit
+
+
+def test_train_and_eval_mode_keep_different_values(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    model, ids = _gpt2()  # dropout 0.1 in its config: train mode draws a mask
+    g = Graph.somatize(Node.of(model).frozen().cached())
+    freeze(g)  # eval mode
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    evaluated, said = _caching(g, {"input_ids": ids}, store)
+    assert said == ["miss"] and torch.equal(evaluated.logits, want)
+    assert _caching(g, {"input_ids": ids}, store)[1] == ["hit"]
+    model.train()
+    trained, said = _caching(g, {"input_ids": ids}, store)
+    assert said == ["miss"]  # not the eval value handed back
+    assert not torch.equal(trained.logits, want)
+    model.eval()
+    again, said = _caching(g, {"input_ids": ids}, store)
+    assert said == ["hit"] and torch.equal(again.logits, want)
+    model.transformer.drop.train()  # one module's mode is enough to miss
+    assert _caching(g, {"input_ids": ids}, store)[1] == ["miss"]
