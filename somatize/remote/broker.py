@@ -1,7 +1,8 @@
 """The broker: which worker each host name lives on, what it holds, and running a plan there.
 
 A node reaches a worker the first time it is needed (`Worker`'s mode says how), with its
-weights; from then on the worker's copy is the one that runs and learns. A worker that was
+weights; from then on the worker's copy is the one that runs and learns, until `close()`
+reads back what it learnt. A worker that was
 restarted, or forgot this broker's session, holds none of it any more: a node that had learnt
 nothing there since its weights were last read back or sent is sent again from the copy here;
 one that had is `StateLost`, so training never goes on silently from older weights.
@@ -25,6 +26,7 @@ from somatize.remote.client import Worker
 from somatize.remote.connection import Connection
 from somatize.remote.errors import StateLost, Unknown, WorkerLost
 from somatize.remote.slices import cut, run_plan
+from somatize.run import warn
 
 __all__ = ["Broker"]
 
@@ -108,6 +110,15 @@ class Broker:
             return conn.request(message, session=self.session, **kw)
         except Unknown:
             self.forget(host)
+            raise
+        except WorkerLost as error:
+            if behind := self._behind(host):
+                error.add_note(
+                    f"node(s) {behind} had learnt there since their weights were last read "
+                    "back (Trainer.export): if that worker does not come back, it is lost, and "
+                    "the copies here hold what was last read back or sent. Resume with "
+                    "Trainer.load(weights) from weights you kept"
+                )
             raise
         finally:
             known = self._defined.get(host)
@@ -339,10 +350,45 @@ class Broker:
         return known
 
     # -- the end ------------------------------------------------------------------------------
+    def _behind(self, host: str | None = None) -> list[str]:
+        """The ids of the nodes that learnt on `host`'s worker (any, for None) since their
+        weights were last read back: the copies here are behind them."""
+        keys = {k for h, k in self._learnt if host in (None, h)}
+        return sorted({self._held[k][0].partition("/")[0] for k in keys if k in self._held})
+
+    def _bring_back(self) -> None:
+        """Read back what nodes learnt on their workers since it was last read back, so the
+        copies here hold it once the workers forget them; a worker that cannot answer is
+        warned about, naming the nodes whose learning is lost with it."""
+        lost: list[str] = []
+        gone: set[str] = set()
+        for host, key in sorted(self._learnt):
+            nid, node = self._held.get(key, (key, None))
+            try:
+                if host in gone:
+                    raise WorkerLost(host)
+                got = self.request(host, {"op": "state", "key": key})
+                _hooks.stage_state(node, got)()
+            except Exception:  # gone, restarted, or refusing: what it learnt is not here
+                gone.add(host)
+                lost.append(nid.partition("/")[0])
+        self._learnt.clear()
+        if lost:
+            warn(
+                f"closing the broker: node(s) {sorted(set(lost))} had learnt on a worker "
+                "that could not give it back (gone or restarted), so the copies here hold "
+                "what was last read back or sent; load weights you kept (Trainer.load)",
+                RuntimeWarning,
+            )
+
     def close(self) -> None:
-        """Tell each worker to forget this broker's nodes, close, and stop spawned workers."""
+        """Read back what nodes learnt on the workers since it was last read back (the copies
+        here then hold it: `Trainer.export` and the graph here go on from it), tell each
+        worker to forget this broker's nodes, close, and stop spawned workers. A worker that
+        cannot give back what its nodes learnt is a `RuntimeWarning` naming them."""
         if self.closed:
             return
+        self._bring_back()
         for conn in self._connections.values():
             with contextlib.suppress(Exception):  # a worker that is gone has nothing to forget
                 conn.request({"op": "close", "session": self.session}, deadline=2.0)

@@ -1,0 +1,177 @@
+"""A real model split across a real worker process, as a user would: transformers' BERT cut
+after its embeddings, its encoder trained on a worker by `Split`, against the same training
+written in plain torch in one process (float64)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+from somatize import Broker, Graph, Node, Worker
+from somatize.remote import WorkerLost
+from somatize.torch import Split, Trainer, parameters
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+
+VOCAB, HIDDEN = 96, 32
+
+
+class Embeddings(nn.Module):
+    """BERT's embeddings on token ids (the part that stays with the data)."""
+
+    def __init__(self, emb):
+        super().__init__()
+        self.emb = emb
+
+    def forward(self, ids):
+        return self.emb(input_ids=ids)
+
+
+class Encoder(nn.Module):
+    """BERT's encoder, giving its last hidden state (the part on the worker)."""
+
+    def __init__(self, enc):
+        super().__init__()
+        self.enc = enc
+
+    def forward(self, h):
+        return self.enc(h).last_hidden_state
+
+
+def _bert():
+    """A BERT from a small config at random init, float64, dropout off (so that the run is
+    the same whatever the random stream), and a token head."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertModel(config).double(), nn.Linear(HIDDEN, VOCAB, dtype=torch.float64)
+
+
+def _loss(logits, y):
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _batches(n=4):
+    gen = torch.Generator().manual_seed(2)
+    return [
+        (
+            torch.randint(1, VOCAB, (3, 8), generator=gen),
+            torch.randint(0, VOCAB, (3, 8), generator=gen),
+        )
+        for _ in range(n)
+    ]
+
+
+def _split(bert, head, broker):
+    """The graph cut after the embeddings, the encoder on host "w" trained by Split(Adam),
+    the rest by Adam here."""
+    g = Graph.somatize(
+        Node.of(Embeddings(bert.embeddings)).named("emb")
+        >> Node.of(Encoder(bert.encoder)).named("enc").at("w")
+        >> Node.of(head).named("head")
+    )
+    trains = {"enc": Split(torch.optim.Adam, lr=1e-2)}
+    t = Trainer(
+        g,
+        objective=_loss,
+        optimizer=torch.optim.Adam(parameters(g, without=trains), lr=1e-2),
+        trains=trains,
+        broker=broker,
+    )
+    return g, t
+
+
+def _by_hand(bert, head, batches):
+    """The same training in plain torch, in one process: its losses."""
+    opt = torch.optim.Adam(
+        [*bert.embeddings.parameters(), *bert.encoder.parameters(), *head.parameters()], lr=1e-2
+    )
+    losses = []
+    for ids, y in batches:
+        opt.zero_grad()
+        loss = _loss(head(bert.encoder(bert.embeddings(input_ids=ids)).last_hidden_state), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _close(a, b):
+    return torch.allclose(a, b, rtol=0, atol=1e-10)
+
+
+def test_bert_split_after_its_embeddings_trains_on_a_worker_as_plain_torch_in_one_process():
+    bert, head = _bert()
+    ref_bert, ref_head = copy.deepcopy(bert), copy.deepcopy(head)
+    broker = Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")})
+    try:
+        g, t = _split(bert, head, broker)
+        batches = _batches()
+        losses = [t.step(b) for b in batches]
+        assert losses == pytest.approx(_by_hand(ref_bert, ref_head, batches), rel=1e-12)
+        learnt = t.export()["enc"]
+        for key, want in ref_bert.encoder.state_dict().items():
+            assert _close(learnt[f"enc.{key}"], want), key
+    finally:
+        broker.close()
+
+
+def test_closing_the_broker_brings_back_what_the_worker_learnt():
+    bert, head = _bert()
+    ref_bert, ref_head = copy.deepcopy(bert), copy.deepcopy(head)
+    batches = _batches()
+    with Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as broker:
+        g, t = _split(bert, head, broker)
+        before = copy.deepcopy(bert.encoder.state_dict())
+        for b in batches:
+            t.step(b)
+        # the copy here did not learn while the worker's did
+        assert all(torch.equal(v, bert.encoder.state_dict()[k]) for k, v in before.items())
+    _by_hand(ref_bert, ref_head, batches)
+    for key, want in ref_bert.encoder.state_dict().items():  # no export was asked for
+        assert _close(bert.encoder.state_dict()[key], want), key
+    ids = batches[0][0]
+    with Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as again:
+        out = g.forward(ids, broker=again)  # a new worker is sent what was learnt
+    want = ref_head(ref_bert.encoder(ref_bert.embeddings(input_ids=ids)).last_hidden_state)
+    assert _close(out, want)
+
+
+def test_a_worker_killed_after_training_names_the_nodes_whose_learning_went_with_it():
+    bert, head = _bert()
+    worker = Worker.spawn(["--threads", "1"], mode="network")
+    broker = Broker.embedded({"w": worker})
+    try:
+        g, t = _split(bert, head, broker)
+        batches = _batches()
+        t.step(batches[0])
+        kept = t.export()
+        t.step(batches[1])
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.process.wait(10)
+        with pytest.raises(WorkerLost) as lost:
+            t.step(batches[2])
+        said = "\n".join(getattr(lost.value, "__notes__", []))
+        assert "['enc'] had learnt there" in said and "Trainer.load" in said
+        with pytest.warns(RuntimeWarning, match=r"\['enc'\] had learnt on a worker"):
+            broker.close()
+        # the copy here holds what was last read back
+        for key, v in kept["enc"].items():
+            assert torch.equal(bert.encoder.state_dict()[key.removeprefix("enc.")], v), key
+    finally:
+        broker.close()
