@@ -152,6 +152,19 @@ class _Missing(Exception):
         self.value = value
 
 
+class _Failed(Exception):
+    """Internal: a codec's `dump` failed on `value` (or wrote more than one value may hold);
+    `encode` raises `error` again, of its type, saying where the value was."""
+
+    def __init__(self, value: Any, kind: str, error: BaseException) -> None:
+        super().__init__(kind)
+        self.value, self.kind, self.error = value, kind, error
+
+
+MOST = 2**32 - 1
+"""The most bytes one value may take (msgpack's bound on a bytes, str or extension)."""
+
+
 PLAIN = (_TUPLE, _BIGINT)
 """The extension codes of a tuple and of an int beyond 64 bits: the same in a store and on
 the wire (`somatize.remote.wire`), both written by `plain_ext` and read by `plain_value`."""
@@ -187,12 +200,22 @@ def _default(value: Any) -> msgpack.ExtType:
     found = _codec_for(value)
     if found is None:
         raise _Missing(value)
-    data = found.dump(value)
+    try:
+        data = found.dump(value)
+    except Exception as error:  # a meta tensor, a sparse one, the codec's own refusal
+        raise _Failed(value, found.kind, error) from error
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(
             f"codec {found.kind!r}: dump returned {type(data).__name__}, not bytes, "
             f"for a {type(value).__qualname__}"
         )
+    size = memoryview(data).nbytes
+    if size > MOST:
+        too_big = ValueError(
+            f"it is {size:,} bytes written down, more than one value may take ({MOST:,}): "
+            f"keep it in pieces under several names (a tensor: torch.chunk)"
+        )
+        raise _Failed(value, found.kind, too_big)
     if found.kind in _KNOWN:
         return msgpack.ExtType(_KNOWN[found.kind], bytes(data))
     envelope = [found.kind, bytes(data)]  # plain: no level of nesting of its own
@@ -256,6 +279,7 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
     which value had the type nobody registered. Refuses (with `NoCodec`) any value, at any
     depth, whose type is neither plain nor registered.
     """
+    whose = f" in {where}" if where else ""
     try:
         return _pack(value)
     except _Missing as missing:
@@ -263,11 +287,30 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
         kind = type(bad)
         inside = _path_to(value, bad)
         said = f" at {inside.strip()}" if inside else ""
-        whose = f" in {where}" if where else ""
         raise NoCodec(
             f"no codec for {kind.__module__}.{kind.__qualname__}{whose}{said}; plain values "
             f"(None, bool, int, float, str, bytes, list, tuple, dict) need none, anything else "
             f"needs one: register it with somatize.codec(kind, type, dump=..., load=...)"
+        ) from None
+    except _Failed as failed:
+        inside = _path_to(value, failed.value)
+        said = f" at {inside.strip()}" if inside else ""
+        text = (
+            f"codec {failed.kind!r} cannot write down the {type(failed.value).__qualname__}"
+            f"{whose}{said}: {failed.error}"
+        )
+        try:
+            told = type(failed.error)(text)
+        except Exception:  # an exception class that takes other arguments: a note instead
+            failed.error.add_note(text)
+            raise failed.error from None
+        raise told from failed.error
+    except ValueError as error:  # msgpack's bound on one bytes, str, list or dict
+        if "too large" not in str(error):
+            raise
+        raise ValueError(
+            f"a value{whose} is too large to write down ({error}): one bytes, str, list or "
+            f"dict holds at most {MOST:,} bytes or items; keep it in pieces under several names"
         ) from None
 
 

@@ -134,7 +134,9 @@ def test_codec_takes_the_spec_s_parameter_names_by_keyword() -> None:
         def __init__(self, x: int) -> None:
             self.x = x
 
-    codec(kind="test-kw", type=Named, dump=lambda n: str(n.x).encode(), load=lambda b: Named(int(b)))
+    codec(
+        kind="test-kw", type=Named, dump=lambda n: str(n.x).encode(), load=lambda b: Named(int(b))
+    )
     assert decode(encode(Named(7))).x == 7
     with pytest.raises(TypeError, match="type must be a class"):
         codec(kind="test-kw2", type="Named", dump=bytes, load=bytes)  # type: ignore[arg-type]
@@ -306,6 +308,37 @@ def test_tensors_that_have_no_plain_numbers_are_refused_clearly() -> None:
         encode(torch.eye(3).to_sparse())
     with pytest.raises(TypeError, match="meta"):
         encode(torch.empty(2, device="meta"))
+
+
+def test_a_tensor_refused_deep_in_a_value_is_named_with_where_it_sits(tmp_path) -> None:
+    from somatize import Graph, Node, Store
+
+    store = Store(tmp_path / "store")
+    with pytest.raises(TypeError, match=r"kept as 'out' at \['h'\]\[1\]: .*meta device.*real"):
+        store.keep("out", {"h": [1, torch.empty(2, device="meta")]})
+    with pytest.raises(TypeError, match=r"kept as 'out' at \[0\]: .*sparse.*to_dense"):
+        store.keep("out", (torch.eye(2).to_sparse(), 1))
+    assert store.names() == []  # nothing written
+
+    class Shapes(Node):
+        def forward(self, input, ctx):
+            return {"hidden": torch.empty(input, 4, device="meta")}
+
+    with pytest.raises(TypeError, match=r"node 'shapes' at \['hidden'\]: .*meta device"):
+        Graph.somatize(Shapes().cached()).forward(3, store=store)
+    assert store.names() == []
+
+
+def test_a_value_too_large_for_one_msgpack_value_is_refused_naming_it() -> None:
+    import numpy as np
+
+    class Huge:
+        pass
+
+    # 4 GiB that are never touched (np.zeros asks the system for zeroed pages lazily)
+    codec("test-huge", Huge, dump=lambda v: memoryview(np.zeros(2**32, np.uint8)), load=bytes)
+    with pytest.raises(ValueError, match=r"node 'big' at \['w'\]: it is 4,294,967,296 bytes"):
+        encode({"w": Huge()}, where="node 'big'")
 
 
 def test_tensor_bytes_decode_without_importing_somatize_torch_first() -> None:

@@ -43,7 +43,10 @@ def _plain(
     if tensor.is_quantized:
         raise TypeError(f"a quantized tensor cannot {cannot}; .dequantize() it first")
     if tensor.is_meta:
-        raise TypeError(f"a tensor on the meta device has no numbers to {none}")
+        raise TypeError(
+            f"a tensor on the meta device has no numbers to {none} (it keeps only a shape): "
+            "compute it on a real device, or build its model outside torch.device('meta')"
+        )
     plain = tensor.detach().cpu()
     if plain.is_conj():
         plain = plain.resolve_conj()
