@@ -206,7 +206,9 @@ def test_step_returns_the_whole_loss_and_fit_a_result_that_prints_in_one_line():
     assert Result([]).loss is None
     said = repr(result)
     first, last = result.history[0], result.history[-1]
-    assert said == f"Result(8 steps, loss {first:.3g} → {last:.3g})" and "\n" not in said
+    took = sum(result.seconds)
+    assert said == f"Result(8 steps, loss {first:.3g} → {last:.3g}, {took:.3g} s)"
+    assert "\n" not in said and len(result.seconds) == 8 and len(result.epochs) == 2
     assert repr(Result([])) == "Result(0 steps)" and repr(Result([0.5])).startswith("Result(1 step,")
     assert str(Result(list(map(float, range(1000))))).count(",") == 1  # not every loss
 

@@ -4,6 +4,7 @@ every function here only reads, and the Trainer changes things only when all hav
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,9 +13,10 @@ from torch import nn
 
 from somatize.graph import Graph, broker_for
 from somatize.run import watchers
+from somatize.torch._modules import join
 from somatize.torch.placement import named_modules_of, trainable
 from somatize.torch.training.learning import Learning
-from somatize.torch.training.params import owners
+from somatize.torch.training.params import eager, owners
 
 
 class Unusable(TypeError, ValueError):
@@ -266,3 +268,62 @@ def hosts_of(graph: Graph, broker: Any) -> dict[str, str]:
     hosts = {n: h for n, h in graph.hosts().items() if h}
     broker_for(hosts, broker, "Trainer(..., broker=Broker.embedded({%s: Worker.at(...)}))")
     return hosts
+
+
+def _not_finite(graph: Graph) -> tuple[list[str], list[str]]:
+    """The qualified names of the graph's parameters, and of its floating buffers, that hold a
+    NaN or an infinity."""
+    params: list[str] = []
+    buffers: list[str] = []
+    for nid in graph.nodes():
+        for name, module in named_modules_of(graph.implementation(nid)):
+            for found, tensors in (
+                (params, module.named_parameters()),
+                (buffers, module.named_buffers()),
+            ):
+                found += [
+                    eager(join(nid, name, key))
+                    for key, t in tensors
+                    if t.is_floating_point() and not torch.isfinite(t).all()
+                ]
+    return list(dict.fromkeys(params)), list(dict.fromkeys(buffers))
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def finite(loss: torch.Tensor, graph: Graph, step: int, piece: int | None) -> None:
+    """Under `Trainer(finite=True)`: refuses a loss that is NaN or infinite, before its
+    backward, so that neither its gradient nor its update reaches the weights; says whether
+    the weights were already so (an update before put it there) or this batch made it, and
+    which buffers the forward has already spoilt (a BatchNorm's running statistics)."""
+    value = loss.item()
+    if math.isfinite(value):
+        return
+    where = f"step {step}" if piece is None else f"step {step} (piece {piece} of its batch)"
+    params, buffers = _not_finite(graph)
+    if params:
+        why = (
+            f"The weights were not finite already ({_listed(params)}): an update before this "
+            "step put that there, from a gradient that was not finite though its loss was. To "
+            "stop at such a gradient, before the optimizer moves, add torch's own check to the "
+            "optimizer: optimizer.register_step_pre_hook(lambda o, a, k: "
+            "clip_grad_norm_(parameters(g), float('inf'), error_if_nonfinite=True))"
+        )
+    else:
+        why = (
+            "The weights are finite, as the last update left them: this batch made it. Look "
+            "at the batch (a NaN or an infinity in it?), or lower the learning rate"
+        )
+    if buffers:
+        why += (
+            f". Buffers are not finite ({_listed(buffers)}): a forward updates them as it runs "
+            "(a BatchNorm's running statistics take in every batch), and no optimizer does; "
+            "load them from weights exported before"
+        )
+    raise FloatingPointError(
+        f"{where}: the loss is {value}, and finite=True stops there, before its backward (the "
+        f"group this step was in is dropped). {why}; the losses up to here are in "
+        "Trainer.result.history"
+    )

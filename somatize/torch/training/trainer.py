@@ -4,9 +4,9 @@ another host is a cut, run stage by stage (`somatize.torch.training.stages`)."""
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
 from somatize.torch.training._progress import Progress, in_notebook, person_watching
+from somatize.torch.training._result import Result
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import freeze, named, state_of, trained
@@ -37,27 +38,6 @@ class NoGradient(RuntimeError):
     qualified names (`body.pooler.dense.weight`). A cut on purpose is said by taking those
     parameters out of the optimizer (`parameters(g, without=...)`) or declaring the node
     `.frozen()`."""
-
-
-@dataclass(repr=False)
-class Result:
-    """What a training run leaves behind: the loss, step by step, in `history`. It prints as
-    one line (`Result(40 steps, loss 2.31 → 0.412)`), so `t.fit(...)` ending a cell does not
-    print every loss."""
-
-    history: list[float] = field(default_factory=list)
-
-    @property
-    def loss(self) -> float | None:
-        """The last loss, or None if not a single step was taken."""
-        return self.history[-1] if self.history else None
-
-    def __repr__(self) -> str:
-        n = len(self.history)
-        if not n:
-            return "Result(0 steps)"
-        steps = "1 step" if n == 1 else f"{n} steps"
-        return f"Result({steps}, loss {self.history[0]:.3g} → {self.history[-1]:.3g})"
 
 
 def _released(audit: Any, stages: Stages) -> None:
@@ -83,7 +63,11 @@ class Trainer:
     measured step went into); one with a `flush()` is flushed after each step. In a notebook an
     audited `fit` shows a `LiveAudit`, kept as `t.live`, unless one is already watching.
     `parallel="ddp"` (or `"fsdp"`), in a script torchrun starts once per rank, trains
-    data-parallel: each rank steps on its own data, rank 0 tells the facts.
+    data-parallel: each rank steps on its own data, rank 0 tells the facts. `finite=True`
+    stops at a loss that is NaN or infinite: a `FloatingPointError` before its backward, the
+    weights as the last update left them. Under `torch.autocast` each forward starts from the
+    weights as they are (autocast's cache of cast weights is cleared), so a whole `fit` may be
+    wrapped in one.
 
     Refused, each saying what to do: a graph with no parameter to train; `trains` naming no
     node, a node with no parameters, or holding no Learning; a node both frozen and trained;
@@ -110,12 +94,17 @@ class Trainer:
         watching: Any = None,
         auditing: Any = None,
         parallel: str | None = None,
+        finite: bool = False,
     ) -> None:
         graph = as_graph(graph)  # a bare module is a graph of one node; anything else refused
         if not callable(objective):
             raise TypeError(
                 f"objective is called as objective(output, target) and gives the loss; "
                 f"{type(objective).__name__} {objective!r:.60} cannot be called"
+            )
+        if type(finite) is not bool:
+            raise TypeError(
+                f"finite is True (stop at a loss that is NaN or infinite) or False, not {finite!r}"
             )
         self.every = _checks.count(every, "every", "how many steps go into one update")
         self.micro = _checks.count(
@@ -156,6 +145,7 @@ class Trainer:
         self.trains = trains
         self.broker = broker
         self.watching = told
+        self.finite = finite
         self._scale = float(self.every * self.micro)
         self._groups = -1  # how many param groups the optimizer had when `_trained` was read
         self._trained: list = []  # the modules of the nodes this run trains
@@ -226,7 +216,10 @@ class Trainer:
             sync = closing and k == micro - 1
             if parallel is not None:  # a piece that does not close runs under no_sync
                 parallel.sync = sync
+            torch.clear_autocast_cache()  # under autocast, the weights as they are now
             loss = self._loss(runs.forward(x, store=self.store, target=y), y)
+            if self.finite:
+                _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
             runs.backward(loss / scale if scale != 1.0 else loss, sync)
             if micro > 1:
                 total += loss.detach()
@@ -373,13 +366,19 @@ class Trainer:
         if person_watching() and (self._parallel is None or self._parallel.rank == 0):
             total = epochs * len(data) if hasattr(data, "__len__") else None
             bar = Progress(total)
+        seconds, means = self.result.seconds, self.result.epochs
         try:
             for _ in range(epochs):
+                began = len(history)
                 for batch in data:
+                    start = time.perf_counter()
                     history.append(self.step(batch))
+                    seconds.append(time.perf_counter() - start)
                     if bar is not None:
                         bar.step(history[-1])
                 self.update()
+                if len(history) > began:
+                    means.append(sum(history[began:]) / (len(history) - began))
         except BaseException:  # Ctrl-C between two steps: the group it leaves open is dropped
             self._drop()
             raise
