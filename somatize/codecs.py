@@ -20,6 +20,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import hashlib
+import importlib
 import io
 import math
 import sys
@@ -53,6 +54,11 @@ _CODEC = 3
 # `somatize.torch` (`_hooks.ready`), so it can be recalled without importing it first.
 _KNOWN = {"torch.Tensor": 16, "numpy": 17}
 _KNOWN_KIND = {code: kind for kind, code in _KNOWN.items()}
+
+_LIBRARIES = {"transformers.": "transformers"}
+"""Kinds whose codecs `somatize.torch` registers once a library is loaded (a model's output),
+by their prefix, and that library: imported, where it is installed, when bytes of such a kind
+are read in a process that has not loaded it yet (a fixed name, never one the bytes give)."""
 
 DEPTH = 32
 """How deep tuples and registered values may nest inside one another, in `encode` and `decode`."""
@@ -325,7 +331,11 @@ def _ext_hook(code: int, data: bytes) -> Any:
         raise Malformed(f"unknown msgpack extension type {code} in encoded bytes")
     found = _by_kind.get(kind, _NUMPY if kind == "numpy" else None)
     if found is None:  # registered by somatize.torch, or for a library loaded since
-        _hooks.ready(torch_needed=kind == "torch.Tensor")
+        library = next((lib for pre, lib in _LIBRARIES.items() if kind.startswith(pre)), None)
+        _hooks.ready(torch_needed=kind == "torch.Tensor" or library is not None)
+        if library is not None and library not in sys.modules:
+            with contextlib.suppress(ImportError):  # not installed: NoCodec below says so
+                importlib.import_module(library)
         _hooks.late_codecs()
         found = _by_kind.get(kind)
     if found is None:

@@ -102,3 +102,46 @@ def test_train_and_eval_mode_keep_different_values(tmp_path: Path) -> None:
     assert said == ["hit"] and torch.equal(again.logits, want)
     model.transformer.drop.train()  # one module's mode is enough to miss
     assert _caching(g, {"input_ids": ids}, store)[1] == ["miss"]
+
+
+def test_a_models_output_kept_here_is_recalled_whole_by_a_process_that_imported_nothing(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "store")
+    model, ids = _gpt2()
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids)  # CausalLMOutputWithCrossAttentions holding a DynamicCache
+    store.keep("gpt2", out)
+    store.keep("mixed", {"half": out.logits.half(), "bf16": out.logits.bfloat16()[:, ::2]})
+    script = textwrap.dedent(
+        """
+        import sys
+        from somatize import Store
+
+        store = Store(sys.argv[1])
+        out, mixed = store.recall("gpt2"), store.recall("mixed")
+        import torch
+
+        layers = [[layer.keys, layer.values] for layer in out.past_key_values.layers]
+        torch.save([type(out).__name__, type(out.past_key_values).__name__, out.logits,
+                    layers, mixed], sys.argv[2])
+        """
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "store"), str(tmp_path / "got.pt")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert ran.returncode == 0, ran.stderr
+    kind, cache, logits, layers, mixed = torch.load(tmp_path / "got.pt", weights_only=False)
+    assert (kind, cache) == ("CausalLMOutputWithCrossAttentions", "DynamicCache")
+    assert torch.equal(logits, out.logits)
+    kept = [[layer.keys, layer.values] for layer in out.past_key_values.layers]
+    assert len(layers) == len(kept) == 2
+    for (k, v), (k0, v0) in zip(layers, kept, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert mixed["half"].dtype == torch.float16 and mixed["bf16"].dtype == torch.bfloat16
+    assert torch.equal(mixed["half"], out.logits.half())
+    assert torch.equal(mixed["bf16"], out.logits.bfloat16()[:, ::2])

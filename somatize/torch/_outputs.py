@@ -35,6 +35,10 @@ _BATCHES = {
 }
 _FIXED = {*_BATCHES.values(), *_caches.NAMES}
 """What may be imported to be built (where transformers is installed and not loaded yet)."""
+_SMALL = (*(m for m, _ in _BATCHES.values()), _caches.MODULE, "transformers.modeling_outputs")
+"""Modules imported once transformers is loaded: the batches', the caches' and the outputs
+every model shares (`BaseModelOutput`, `CausalLMOutput`, ...), so that a value kept in another
+process reads back here; a model's own outputs (`CLIPOutput`) need its module imported."""
 _registered: set[str] = set()
 
 
@@ -123,7 +127,7 @@ def late_codecs() -> bool:
     user's own, registered before, stays); whether this call registered any."""
     if "transformers" not in sys.modules:
         return False
-    for module, _ in _BATCHES.values():  # small, once transformers is: a batch recalled
+    for module in _SMALL:  # small, once transformers is: a batch or an output recalled
         with contextlib.suppress(ImportError):  # in a process that has made none yet is read
             importlib.import_module(module)
     fresh = False
