@@ -13,7 +13,7 @@ import pytest
 import torch
 from models import zoo
 
-from somatize import Graph
+from somatize import Graph, Node
 from somatize.torch import Trainer, named_parameters, parameters
 
 BF16_EPS = 2.0**-8  # bfloat16's spacing at 1: a loss computed in it is good to a few of these
@@ -158,3 +158,34 @@ def test_a_run_stopped_and_resumed_from_a_checkpoint_ends_as_the_run_that_never_
     for node, state in t.export().items():
         for key, value in state.items():
             assert torch.allclose(value, ended[node][key], rtol=0, atol=16 * F32_EPS), key
+
+
+def test_a_frozen_backbone_is_unfrozen_the_way_the_docs_say_and_two_optimizers_are_refused():
+    case = zoo.bert()
+    bert = case.model
+    head = torch.nn.Linear(32, 3)
+    g = Graph.somatize(
+        Node.of(bert).named("enc").frozen()
+        >> Node.of(lambda out: out.last_hidden_state[:, 0]).named("cls")
+        >> Node.of(head).named("head")
+    )
+    data = [(case.example, torch.tensor([0, 2]))] * 3
+    loss = torch.nn.functional.cross_entropy
+    two = [torch.optim.SGD(bert.parameters(), lr=0.1), torch.optim.Adam(head.parameters())]
+    with pytest.raises(TypeError, match=r"one torch optimizer, not a list of 2.*Split"):
+        Trainer(g, objective=loss, optimizer=two)
+    opt = torch.optim.AdamW(parameters(g), lr=1e-2)
+    t = Trainer(g, objective=loss, optimizer=opt)
+    before = {k: v.clone() for k, v in bert.state_dict().items()}
+    t.fit(data)
+    assert not bert.training and all(
+        torch.equal(v, before[k]) for k, v in bert.state_dict().items()
+    )
+
+    g.declare("enc", frozen=False)
+    bert.requires_grad_(True)
+    opt.add_param_group({"params": parameters(g, without=["head"]), "lr": 1e-3})
+    t.fit(data)
+    assert bert.training
+    moved = bert.embeddings.word_embeddings.weight - before["embeddings.word_embeddings.weight"]
+    assert moved.abs().max() > 1e-4  # Adam's first steps move a weight by about lr each

@@ -194,6 +194,14 @@ def held_by(
                 "or trains= for the nodes trained where they run"
             )
         return {}
+    if isinstance(optimizer, (list, tuple)):
+        raise TypeError(
+            f"optimizer= takes one torch optimizer, not a {type(optimizer).__name__} of "
+            f"{len(optimizer)}: give parts of the graph their own learning rate or weight decay "
+            "with param groups in one, and train a node that needs another kind of optimizer "
+            "beside the rest, trains={node: Split(torch.optim.SGD, lr=...)}, which in one "
+            "process trains as plain backpropagation does"
+        )
     if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
         raise TypeError(
             f"optimizer= takes a torch optimizer built over the graph's parameters "
