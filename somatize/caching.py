@@ -43,12 +43,30 @@ _changes = 0  # how many times a node's state was changed through the library
 
 
 def state_changed() -> None:
-    """Say that a node's state changed (`Trainer.load`, `freeze`): the keys of every plan,
-    worked out once per plan, are worked out again at its next cached walk, so that a frozen
-    node's new state digest reaches them. (`g.invalidate()` drops its graph's plan, and with
-    it the keys.)"""
+    """Say that a node's state changed (`Trainer.load`, `freeze`, a `load_state_dict` into a
+    module of a frozen node): the keys of every plan, worked out once per plan, are worked out
+    again at its next cached walk, so that a frozen node's new state digest reaches them.
+    (`g.invalidate()` drops its graph's plan, and with it the keys: what to call after
+    changing weights in place by hand.)"""
     global _changes
     _changes += 1
+
+
+_watched: weakref.WeakSet[Any] = weakref.WeakSet()  # modules whose loads say state_changed
+
+
+def _loaded(module: Any, incompatible: Any) -> None:
+    """A module a frozen node holds had a state dict loaded into it (torch's post hook)."""
+    state_changed()
+
+
+def _watch(node: Any) -> None:
+    """Hang `_loaded` on every module whose state the node's digest reads (once per module),
+    so that `module.load_state_dict(...)` reaches the keys as `Trainer.load` does."""
+    for module in _hooks.state_modules(node):
+        if module not in _watched:
+            module.register_load_state_dict_post_hook(_loaded)
+            _watched.add(module)
 
 
 def declarations(plan: Plan) -> dict[str, tuple[str, str, Callable[[], list[bool]] | None]]:
@@ -63,6 +81,8 @@ def declarations(plan: Plan) -> dict[str, tuple[str, str, Callable[[], list[bool
             s = g.setting(nid)
             node = g.implementation(nid)
             state = _hooks.state_digest(node) if s.frozen else None
+            if state is not None:
+                _watch(node)
             known[nid] = (
                 declaration_key(node, s.salt, state),
                 code_version(node),

@@ -145,3 +145,35 @@ def test_a_models_output_kept_here_is_recalled_whole_by_a_process_that_imported_
     assert mixed["half"].dtype == torch.float16 and mixed["bf16"].dtype == torch.bfloat16
     assert torch.equal(mixed["half"], out.logits.half())
     assert torch.equal(mixed["bf16"], out.logits.bfloat16()[:, ::2])
+
+
+def test_loading_weights_into_a_frozen_cached_model_misses_and_computes_anew(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "store")
+    model, ids = _gpt2()
+    g = Graph.somatize(Node.of(model).frozen().cached())
+    freeze(g)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert _caching(g, {"input_ids": ids}, store)[1] == ["miss"]
+    assert _caching(g, {"input_ids": ids}, store)[1] == ["hit"]
+    changed = {k: v + 0.01 if v.is_floating_point() else v for k, v in before.items()}
+    model.load_state_dict(changed)  # a new checkpoint into the same backbone
+    out, said = _caching(g, {"input_ids": ids}, store)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    assert said == ["miss"] and torch.equal(out.logits, want)
+    model.transformer.h[0].load_state_dict(  # a submodule's load reaches the key too
+        {k[len("transformer.h.0.") :]: v for k, v in before.items() if ".h.0." in k}
+    )
+    assert _caching(g, {"input_ids": ids}, store)[1] == ["miss"]
+    model.load_state_dict(before)  # the first weights again: what they made is found
+    out, said = _caching(g, {"input_ids": ids}, store)
+    with torch.no_grad():
+        assert said == ["hit"] and torch.equal(out.logits, model(input_ids=ids).logits)
+    with torch.no_grad():  # changed in place by hand: the graph is told with invalidate()
+        model.lm_head.weight[0, 0] += 1.0
+    g.invalidate()
+    out, said = _caching(g, {"input_ids": ids}, store)
+    with torch.no_grad():
+        assert said == ["miss"] and torch.equal(out.logits, model(input_ids=ids).logits)
