@@ -7,6 +7,7 @@ tests/browser/."""
 from __future__ import annotations
 
 import base64
+import itertools
 import math
 import re
 import warnings
@@ -807,3 +808,122 @@ def test_a_module_called_twice_says_so_on_each_box_and_names_the_other():
     relu = next(t for k, t in tips.items() if k.startswith("l:net:enc.1#"))
     assert relu.endswith("same module as: net.enc.1")  # no weights to share
     assert not any("call" in t for k, t in tips.items() if "head" in k)
+
+
+class EncoderDecoder(nn.Module):
+    """A linear layer and a block held under two names each, in the encoder and the decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        lin, block = nn.Linear(4, 4), Mlp()
+        self.enc = nn.Sequential(lin, nn.ReLU(), block)
+        self.dec = nn.Sequential(lin, nn.Tanh(), block)
+
+    def forward(self, x):
+        return self.dec(self.enc(x))
+
+
+class Mlp(nn.Module):
+    """Two linear layers, a GELU between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.act, self.b = nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(self.act(self.a(x)))
+
+
+def _tips(svg: str) -> dict[str, str]:
+    """Every box's tooltip, by its id."""
+    return {
+        g.get("data-id"): g.find(f"{SVG}title").text
+        for g in ET.fromstring(svg).iter(f"{SVG}g")
+        if g.get("data-id") and g.find(f"{SVG}title") is not None
+    }
+
+
+def test_a_module_held_under_two_names_is_marked_as_one_module_called_twice():
+    from somatize.torch import architecture
+
+    g = Graph.somatize(Node.of(EncoderDecoder()).named("net"))
+    svg = g.figure(inside=architecture(g, torch.randn(2, 4))).svg()
+    tips = _tips(svg)
+    first, again = tips["l:net:enc.0"], tips["l:net:dec.0"]
+    assert first.startswith("Linear 4→4 · call 1/2") and again.startswith("Linear 4→4 · call 2/2")
+    assert "same module as: net.dec.0 (weights shared)" in first
+    assert "same module as: net.enc.0 (weights shared)" in again
+    texts = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text")]
+    assert "Linear 4→4 · call 2/2" in texts  # on the picture, not only on hover
+    block = next(t for k, t in tips.items() if k.startswith("b:net:dec.2"))
+    assert "same module as: net.enc.2 (weights shared)" in block  # a block held twice too
+    assert tips["l:net:dec.2.a"].startswith("Linear 4→16 · call 2/2")
+    assert "same module" not in tips["l:net:dec.1"]  # the decoder's own Tanh
+    # two modules holding one weight (GPT-2's head and its token embedding): each names the
+    # other, and neither is a call of the other
+    from _nodes import Tied
+
+    g = Graph.somatize(Node.of(Tied()))
+    tips = _tips(g.figure(inside=architecture(g, torch.tensor([[1, 2, 3]]))).svg())
+    assert tips["l:tied:lm_head"].endswith("weights shared with: tied.wte")
+    assert tips["l:tied:wte"].endswith("weights shared with: tied.lm_head")
+    assert "shared" not in tips["l:tied:body"] and "call" not in tips["l:tied:lm_head"]
+
+
+def test_a_closed_containers_tooltip_says_what_it_holds():
+    from somatize.torch import architecture
+
+    g = Graph.somatize(Node.of(nn.Sequential(nn.Linear(4, 4), Closed())).named("net"))
+    tips = _tips(g.figure(inside=architecture(g, torch.randn(2, 4), most=5)).svg())
+    held = tips["l:net:1.block"].replace("\u00a0", " ")  # (each kept on one line)
+    assert held.endswith("holds: 0: Linear, 1: ReLU, 2: Linear")
+    assert "holds" not in tips["l:net:0"]
+    many = nn.Sequential(nn.Linear(4, 4), nn.Sequential(*(nn.Linear(4, 4) for _ in range(12))))
+    g = Graph.somatize(Node.of(many).named("net"))
+    tips = _tips(g.figure(inside=architecture(g, torch.randn(2, 4), most=2)).svg())
+    listed = ", ".join(f"{k}:\u00a0Linear" for k in range(8))
+    assert tips["l:net:1"].endswith(f"holds: {listed}, … and 4 more")
+
+
+def _end(svg: str, src: str, dst: str) -> tuple[float, float]:
+    """Where the edge from `src` to `dst` ends."""
+    edge = rf'class="smz-edge[^"]*" d="([^"]+)"[^>]*data-from="{src}" data-to="{dst}"'
+    return _points(re.search(edge, svg).group(1))[-1]
+
+
+def _on_top(point, box) -> bool:
+    x, y, w, _ = box
+    return x < point[0] < x + w and abs(point[1] - y) < 2
+
+
+def test_an_edge_into_an_open_node_reaches_the_layer_that_reads_what_it_is_given():
+    from somatize.torch import architecture
+
+    a = Node.of(nn.Sequential(nn.Linear(4, 8), nn.ReLU())).named("a")
+    b = Node.of(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))).named("b")
+    g = Graph.somatize(a >> b >> Node.of(nn.Linear(2, 2)).named("c"))
+    inside = architecture(g, torch.randn(2, 4))
+    svg = g.figure(inside=inside).svg()
+    drawn = boxes(svg)
+    assert _on_top(_end(svg, "n:a", "n:b"), drawn["l:b:0"])  # into its first layer, from above
+    assert _on_top(_end(svg, "n:b", "n:c"), drawn["l:c:"])  # a node that is one layer
+    layers = [v for k, v in drawn.items() if k.startswith("l:")]
+    assert not any(overlap(p, q) for p, q in itertools.combinations(layers, 2))
+    closed = g.figure(inside=inside, opened=["a"]).svg()  # b closed: its frame's side
+    x, y, _, h = boxes(closed)["n:b"]
+    end = _end(closed, "n:a", "n:b")
+    assert abs(end[0] - x) < 2 and y < end[1] < y + h
+    # more than one layer reads it: the edge reaches the input box they start from, also
+    # where the node is one of two branches
+    stem = Node.of(nn.Conv2d(3, 4, 1)).named("stem")
+    conv = Node.of(nn.Sequential(nn.Conv2d(4, 12, 3, padding=1), nn.ReLU())).named("conv")
+    g = Graph.somatize(stem >> (Node.of(Dense()).named("dense") | conv) >> Sum().named("sum"))
+    svg = g.figure(inside=architecture(g, torch.randn(1, 3, 8, 8))).svg()
+    assert 'class="smz-group"' in svg  # the two drawn in a frame
+    drawn = {
+        k: tuple(float(v) for v in e.get("data-box").split())
+        for e in ET.fromstring(svg).iter(f"{SVG}g")
+        if (k := e.get("data-id", "")).startswith(("n:", "l:", "i:"))
+    }
+    assert _on_top(_end(svg, "n:stem", "n:dense"), drawn["i:dense"])
+    assert _on_top(_end(svg, "n:stem", "n:conv"), drawn["l:conv:0"])

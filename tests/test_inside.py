@@ -925,3 +925,70 @@ def test_the_figure_draws_the_nodes_input_to_each_layer_that_reads_it():
     g = Graph.somatize(nn.Sequential(nn.Linear(4, 3), nn.ReLU()))
     svg = g.figure(inside=architecture(g, torch.randn(2, 4))).svg()
     assert 'data-id="i:' not in svg and ">input<" not in svg
+
+
+class EncoderDecoder(nn.Module):
+    """One linear layer and one block held under two names each: in the encoder and in the
+    decoder (`self.dec = nn.Sequential(lin, ...)` with the encoder's `lin`)."""
+
+    def __init__(self):
+        super().__init__()
+        lin, block = nn.Linear(4, 4), Adder(4)
+        self.enc = nn.Sequential(lin, nn.ReLU(), block)
+        self.dec = nn.Sequential(lin, nn.Tanh(), block)
+
+    def forward(self, x):
+        return self.dec(self.enc(x))
+
+
+class Adder(nn.Module):
+    """x + b(relu(a(x)))."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def test_a_module_held_under_two_names_says_which_box_it_is_the_same_as():
+    net = EncoderDecoder()
+    inside = traced(net, torch.randn(2, 4))
+    same = {x.path: x.same_as for x in inside.layers if x.same_as}
+    assert same == {"dec.0": "enc.0", "dec.2": "enc.2", "dec.2.a": "enc.2.a", "dec.2.b": "enc.2.b"}
+    assert inside.layer("enc.0").same_as is None and inside.layer("dec.1").same_as is None
+    assert inside.params == sum(p.numel() for p in net.parameters())  # each weight once
+    assert inside.to_json()["layers"][0]["same_as"] is None  # in the JSON a figure reads
+    # a later call of one name is a call, not a second name
+    assert all(x.same_as is None for x in traced(Looped(), torch.randn(2, 4)).layers)
+
+
+def test_a_box_drawn_closed_says_what_it_holds_and_an_open_one_nothing():
+    net = nn.Sequential(nn.Linear(4, 8), nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)]))
+    net.append(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))
+    x = torch.randn(2, 3, 4)
+    opened = traced(net, x)
+    assert opened.layer("1").made_of and opened.layer("1").holds == []  # drawn: it says
+    assert opened.layer("0").holds == []  # no children
+    assert opened.layer("2").holds[:2] == ["self_attn: MultiheadAttention", "linear1: Linear"]
+    closed = traced(net, x, most=3)
+    assert [x.path for x in closed.layers] == ["0", "1", "2"]
+    assert closed.layer("1").holds == ["0: Linear", "1: Linear", "2: Linear"]
+
+
+def test_a_module_holding_a_weight_another_holds_says_which():
+    from transformers import T5Config, T5Model
+
+    inside = traced(Tied(), torch.tensor([[1, 2, 3]]))
+    tied = {x.path: x.tied_to for x in inside.layers}
+    assert tied == {"wte": None, "body": None, "lm_head": "wte"}  # GPT-2's head and embedding
+    assert all(x.same_as is None for x in inside.layers)  # two modules, not one
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    t5 = T5Model(config)  # its encoder's and decoder's embeddings hold one weight
+    ids = torch.randint(0, 50, (1, 5))
+    inside = traced(t5, {"input_ids": ids, "decoder_input_ids": ids}, most=200)
+    tied = {x.path: x.tied_to for x in inside.layers if x.tied_to}
+    assert tied == {"decoder.embed_tokens": "encoder.embed_tokens"}
+    assert inside.params == sum(p.numel() for p in t5.parameters())

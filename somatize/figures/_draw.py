@@ -210,9 +210,8 @@ class _Painter:
     def edge(self, points: list[Point], skip: bool, s: str, d: str) -> str:
         colour, name = (SKIP, "skip") if skip else (EDGE, "edge")
         cls = "smz-edge smz-skip" if skip else "smz-edge"
-        down = not s.startswith("n:")  # an open node's layers run down, the graph's nodes right
         return (
-            f'<path class="{cls}" d="{_path(points, down)}" fill="none" stroke="{colour}" '
+            f'<path class="{cls}" d="{_path(points)}" fill="none" stroke="{colour}" '
             f'stroke-width="{1.6 if skip else 1.3}" marker-end="url(#smz-arrow-{name})" '
             f'data-from="{esc(s)}" data-to="{esc(d)}"/>'
         )
@@ -250,15 +249,15 @@ def _frame(box: Box) -> str:
     return f'x="{box.x:.1f}" y="{box.y:.1f}" width="{box.w:.1f}" height="{box.h:.1f}"'
 
 
-def _path(points: list[Point], down: bool) -> str:
-    """A route as SVG path data: S-curves between layers, straight lines (rounded at their
-    corners) elsewhere."""
+def _path(points: list[Point]) -> str:
+    """A route as SVG path data: S-curves between layers (down an open node, across the
+    graph), straight lines (rounded at their corners) elsewhere."""
     d = [f"M{points[0][0]:.1f},{points[0][1]:.1f}"]
     n = len(points)
     for k in range(1, n):
         (px, py, _), (x, y, curve) = points[k - 1], points[k]
         if curve and (abs(px - x) > 0.5 and abs(py - y) > 0.5):
-            if down:
+            if curve == "v":
                 my = (py + y) / 2
                 d.append(f"C{px:.1f},{my:.1f} {x:.1f},{my:.1f} {x:.1f},{y:.1f}")
             else:

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from somatize.figures._layers import Item, place
 from somatize.figures._scene import Box, walk
 
-Point = tuple[float, float, bool]  # x, y, and whether the way to it curves (between layers)
+# x, y, and how the way to it curves (between layers): "v" down, "h" across, "" straight
+Point = tuple[float, float, str]
 
 
 @dataclass
@@ -41,9 +42,10 @@ class _Layout:
 
     def _arrange(self, box: Box, edges: list[tuple[str, str]]) -> None:
         """Lay out `box`'s children (theirs first) with the edges of the world it is in: the
-        graph's, or an open node's own."""
+        graph's, or an open node's own and those that come into it (to its `entry`)."""
         if box.edges or box.kind in ("root", "node"):
-            edges = box.edges
+            into = [(s, d) for s, d in edges if d == box.id and box.entry]
+            edges = [*box.edges, *into]
         for child in box.children:
             if child.children:
                 self._arrange(child, edges)
@@ -55,7 +57,7 @@ class _Layout:
         }
         pairs: list[tuple[str, str, str, str]] = []  # level source, level target, edge
         for s, d in edges:
-            a, b = self._child_of(box, s), self._child_of(box, d)
+            a, b = self._child_of(box, s), self._child_of(box, self._target(d))
             if a is None and b is None or a is b:
                 continue
             ends = (f"in:{s}" if a is None else a.id, f"out:{s}" if b is None else b.id)
@@ -95,8 +97,15 @@ class _Layout:
                     item.box.x, item.box.y = cx, cy - item.box.h / 2
             else:
                 level.ports[key] = (cx, cy)
+        bend = "v" if box.down else "h"
         for (_, _, s, d), way in zip(pairs, ways, strict=True):
-            level.parts[(s, d)] = [(*real(u, v), curve) for u, v, curve in way]
+            level.parts[(s, d)] = [(*real(u, v), bend if curve else "") for u, v, curve in way]
+
+    def _target(self, key: str) -> str:
+        """Where an edge to `key` ends: an open node's entry (the box inside that reads what
+        the node is given), anything else itself."""
+        box = self.boxes.get(key)
+        return box.entry if box is not None and box.entry else key
 
     def port(self, box: Box | None, key: str, out: bool) -> float | None:
         """Where an edge to (or from) `key` crosses the border of `box`, across its
@@ -130,7 +139,7 @@ class _Layout:
 
     def _chain(self, s: str, d: str) -> list[Box]:
         """The containers an edge passes through, from the source's side to the target's."""
-        up_s, up_d = self._ups(s), self._ups(d)
+        up_s, up_d = self._ups(s), self._ups(self._target(d))
         ids_d = [b.id for b in up_d]
         k = next(k for k, b in enumerate(up_s) if b.id in ids_d)  # the nearest box around both
         return [*up_s[: k + 1], *reversed(up_d[: ids_d.index(up_s[k].id)])]

@@ -22,6 +22,7 @@ NODE_TOP = 42  # an open node's title and subtitle, above its layers
 PILL_H = 18
 INPUT = "<input>"  # what an open node was given, among its layers' edges
 CALL = re.compile(r"#\d+(?=\.|$)")  # a module's later call: `enc.0#2`
+HOLDS = 8  # the children a closed composite's tooltip names
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Box:
     family: str = ""
     pills: list[tuple[str, str]] = field(default_factory=list)
     stack: bool = False  # a folded block: its copies drawn behind it
+    entry: str = ""  # an open node: the box inside where an edge into the node arrives
     x: float = 0.0
     y: float = 0.0
 
@@ -127,6 +129,12 @@ def inside_params(inside: dict) -> int:
     return total
 
 
+def _module(layer: dict) -> str:
+    """Which module a box is of: its path less its call (`enc.0#2`), or the first box of the
+    module it is the same as (held under two names)."""
+    return CALL.sub("", str(layer.get("same_as") or layer["path"]))
+
+
 def _swap(path: str, old: str, new: str) -> str:
     if old and (path == old or path.startswith(old + ".")):
         return new + path[len(old) :]
@@ -143,9 +151,12 @@ class _Inside:
         self.expanded = set(expanded)
         self.ids: dict[str, str] = {}  # drawn path -> box id
         self.copies: list[tuple[str, list[tuple[str, str]]]] = []  # block, [(from, to)] per copy
-        self.calls: dict[str, list[str]] = {}  # each module's calls, in the order they ran
+        self.calls: dict[str, list[str]] = {}  # each module's boxes, in the order they ran
+        self.ties: dict[str, list[str]] = {}  # the boxes of other modules holding one weight
         for layer in self.layers:
-            self.calls.setdefault(CALL.sub("", layer["path"]), []).append(layer["path"])
+            self.calls.setdefault(_module(layer), []).append(layer["path"])
+            tie = str(layer.get("tied_to") or layer["path"])
+            self.ties.setdefault(tie, []).append(layer["path"])
         edges = [(str(a), str(b)) for a, b in inside.get("edges", [])]
         drawn = [la for la in self.layers if la["path"] not in self.blocks]
         if not edges and len(drawn) > 1:  # no edges said: a chain of the top-level layers
@@ -169,10 +180,18 @@ class _Inside:
             before = self.first.get(by, False) and shapes.get(by) == shape
             self.first[path] = channels_first(kind, la.get("label"), before or flat)
         # the layers that read what the node was given, joined to a box that stands for it
-        # where more than one reads it (with one, the edge into the node says where it goes)
+        # where more than one reads it (with one, an edge into the node goes on into it)
         inputs = [str(p) for p in inside.get("inputs") or []]
         self.inputs = inputs if len(inputs) > 1 else []
         self.edges += [(INPUT, p) for p in self.inputs]
+        if not inputs and len(drawn) == 1:  # (a node that is one layer reads it there)
+            inputs = [drawn[0]["path"]]
+        self.reader = inputs[0] if len(inputs) == 1 else INPUT  # where the node's input goes
+
+    def entry(self) -> str:
+        """The box an edge into the node reaches (once `boxes` has drawn them): the input box,
+        or the one layer reading what the node was given; "" where the inside does not say."""
+        return self.ids.get(self.reader, "")
 
     def boxes(self) -> list[Box]:
         out: list[Box] = [self._input()] if self.inputs else []
@@ -199,8 +218,8 @@ class _Inside:
         times = int(layer.get("times") or 1)  # said once per level: its own repeats
         if times > 1:
             text += f"  ×{times}"
-        calls = self.calls.get(CALL.sub("", layer["path"]), [])
-        if len(calls) > 1:  # one module called again: its weights are the same
+        calls = self.calls.get(_module(layer), [])
+        if len(calls) > 1:  # one module called again (maybe by another name): the same weights
             text += f" · call {calls.index(layer['path']) + 1}/{len(calls)}"
         around = _enclosing(self.blocks, layer.get("block"))
         attention = any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
@@ -224,12 +243,34 @@ class _Inside:
             ("shape", f"[{', '.join(map(str, shape))}]" if isinstance(shape, list) else "unknown"),
             ("parameters", number(layer.get("params") or 0)),
         ]
-        if len(calls) > 1:
-            others = ", ".join(f"{self.node}.{c}" for c in calls if c != layer["path"])
-            shared = " (weights shared)" if layer.get("params") else ""
-            box.tip.append(("same module as", others + shared))
+        box.tip += self._same(layer)
+        holds = [str(h).replace(": ", ":\u00a0") for h in layer.get("holds") or []]  # one line
+        if holds:  # a composite drawn closed: what it holds, since it is not drawn
+            more = f", … and {len(holds) - HOLDS} more" if len(holds) > HOLDS + 1 else ""
+            box.tip.append(("holds", ", ".join(holds[: HOLDS if more else None]) + more))
         self.ids[path] = box.id
         return box
+
+    def _same(self, layer: dict) -> list[tuple[str, str]]:
+        """The tooltip's lines naming the other boxes of the same module (its other calls,
+        the boxes where it runs under another name) and those of other modules holding one of
+        its weights (tied)."""
+        out, path = [], layer["path"]
+        calls = self.calls.get(_module(layer), [])
+        if len(calls) > 1:
+            others = ", ".join(f"{self.node}.{c}" for c in calls if c != path)
+            shared = " (weights shared)" if layer.get("params") else ""
+            out.append(("same module as", others + shared))
+        ties = self.ties.get(str(layer.get("tied_to") or path), [])
+        if len(ties) > 1:
+            out.append(
+                ("weights shared with", ", ".join(f"{self.node}.{t}" for t in ties if t != path))
+            )
+        return out
+
+    def _own(self, b: str) -> dict:
+        """The block `b`'s own entry among the layers (made up where it has none)."""
+        return next((la for la in self.layers if la["path"] == b), {"path": b, "kind": "block"})
 
     def _block(self, b: str, old: str, new: str) -> list[Box]:
         blk = self.blocks[b]
@@ -237,8 +278,7 @@ class _Inside:
         kids = [k for k, v in self.blocks.items() if v["parent"] == b]
         plain = blk["label"] in ("Sequential", "ModuleList", "ModuleDict")
         if not own and not kids:  # what it holds is not drawn (past the depth): one box
-            entry = next((la for la in self.layers if la["path"] == b), None)
-            entry = entry or {"path": b, "kind": "block"}
+            entry = self._own(b)
             label = blk["label"]
             if plain:  # named by where it is: "Sequential" alone says nothing
                 parts = b.split(".")
@@ -271,7 +311,7 @@ class _Inside:
                 click=("expanded", key) if foldable else None,
                 stack=foldable and not opened,
             )
-            box.tip = [("block", f"{self.node}.{path}")]
+            box.tip = [("block", f"{self.node}.{path}"), *self._same(self._own(b))]
             if foldable:
                 box.tip.append(("", f"×{blk['times']}: click to {'fold' if opened else 'unfold'}"))
             box.children = [self._layer(la, frm, to) for la in own]
@@ -402,5 +442,6 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
         world = _Inside(nid, inside, expanded)
         box.children = world.boxes()
         box.edges = world.routed()
+        box.entry = world.entry()
         box.pad = (NODE_TOP + (PILL_H if pills else 0), 12.0, 12.0, 12.0)
     return box

@@ -85,7 +85,14 @@ class Layer:
     `times` how many copies of it this box stands for at its own level (a block ×2 inside a
     stage ×3 says 2: what a layer stands for in all is the product along its blocks),
     `repeats` the paths it hides. A module called more than once is a box per call, the
-    later ones at `path#2`, `path#3`, ...
+    later ones at `path#2`, `path#3`, ...; a module held under two names (one layer in an
+    encoder's and a decoder's `Sequential`) that ran under both is a box at each, and
+    `same_as` says, on every box but the first, the first box of that module (None on a
+    module held once). `tied_to` is the first box of another module holding a weight this
+    one holds (GPT-2's head and its token embedding, T5's decoder embedding and its
+    encoder's), None where none does. `holds` is what a composite drawn as one box holds (a
+    container closed by `most`, a `TransformerEncoderLayer` below `depth`): its children as
+    `name: Class`, in declaration order; empty for anything drawn open or with no children.
     """
 
     path: str
@@ -97,6 +104,9 @@ class Layer:
     times: int = 1
     repeats: list[str] = field(default_factory=list)
     made_of: list[str] = field(default_factory=list)
+    same_as: str | None = None
+    tied_to: str | None = None
+    holds: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -182,9 +192,10 @@ class Opening:
         m = self.named[path]
         if self.bare:
             return Raw(path, "", "", block=block)
+        parts = parts_of(m)
         return Raw(
-            path, kind_of(m), label or label_of(m), None, params_of(m), block,
-            config=config_of(m), composite=bool(parts_of(m)),
+            path, kind_of(m), label or label_of(m), None, params_of(m), block, config=config_of(m),
+            composite=bool(parts), holds=[f"{name}: {type(c).__name__}" for name, c in parts],
         )
 
     def add_block(self, out: Traced, path: str) -> None:

@@ -21,7 +21,15 @@ from somatize.run import in_one_line, note
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
 from somatize.torch.inside._forward import Reading
 from somatize.torch.inside._fx import by_fx, fx_trace
-from somatize.torch.inside._trace import INPUT, Layer, Opening, Traced, params_of, shape_of
+from somatize.torch.inside._trace import (
+    INPUT,
+    Layer,
+    Opening,
+    Raw,
+    Traced,
+    params_of,
+    shape_of,
+)
 from somatize.torch.inside.fold import collapse, fold
 from somatize.torch.inside.kinds import kind_of
 
@@ -194,6 +202,30 @@ _META = (
 )
 
 
+def _same_and_closed(root: nn.Module, layers: dict[str, Raw]) -> None:
+    """Each box of a module held under two names and drawn at both says which box it is the
+    same module as (the first); each box drawn as one holding a weight that an earlier such
+    box of another module holds says which box (tied); only what is drawn closed says what
+    it holds."""
+    named = dict(root.named_modules(remove_duplicate=False))
+    first: dict[int, str] = {}  # module object -> its first box
+    owner: dict[int, str] = {}  # parameter -> the first box drawn as one holding it
+    for path, layer in layers.items():
+        if layer.made_of:  # drawn open: what it holds is drawn, and says what it shares
+            layer.holds = []
+        module = None if layer.function else named.get(path.partition("#")[0])
+        if module is None:
+            continue
+        at = first.setdefault(id(module), path)
+        if at.partition("#")[0] != path.partition("#")[0]:  # (a later call is no alias)
+            layer.same_as = at
+        if at == path and not layer.made_of:  # (the same module's boxes say so already)
+            for p in module.parameters():
+                other = owner.setdefault(id(p), path)
+                if other != path and layer.tied_to is None:
+                    layer.tied_to = other
+
+
 def architecture(
     graph: Any, example: Any = None, *, most: int = 48, depth: int = 0, broker: Any = None
 ) -> dict[str, Inside]:
@@ -235,6 +267,7 @@ def architecture(
         raw, how, why = got
         folded, edges = fold(raw)
         folded, edges, hidden = collapse(folded, edges, most)
+        _same_and_closed(root, folded)
         kept = [k.name for k in fields(Layer)]  # what a tracer's layer says that a figure draws
         layers = [Layer(**{k: getattr(r, k) for k in kept}) for r in folded.values()]
         inputs = [b for a, b in edges if a == INPUT]
