@@ -906,6 +906,10 @@ def test_an_edge_into_an_open_node_reaches_the_layer_that_reads_what_it_is_given
     svg = g.figure(inside=inside).svg()
     drawn = boxes(svg)
     assert _on_top(_end(svg, "n:a", "n:b"), drawn["l:b:0"])  # into its first layer, from above
+    edge = r'class="smz-edge[^"]*" d="([^"]+)"[^>]*data-from="n:a" data-to="n:b"'
+    x, y, _, _ = drawn["n:b"]
+    inside_b = [q for q in _points(re.search(edge, svg).group(1)) if q[0] > x + 1]
+    assert inside_b and all(q[1] > y + 44 for q in inside_b)  # clear of its title and subtitle
     assert _on_top(_end(svg, "n:b", "n:c"), drawn["l:c:"])  # a node that is one layer
     layers = [v for k, v in drawn.items() if k.startswith("l:")]
     assert not any(overlap(p, q) for p, q in itertools.combinations(layers, 2))

@@ -409,6 +409,8 @@ def scene(plan: dict, insides: dict, opened: list[str], expanded: list[str]) -> 
             frames[m] = frame
     for nid in order:
         box = _node(nid, nodes[nid], insides.get(nid), nid in opened, expanded)
+        if box.entry and any(b == nid for _, b in edges):  # an edge comes in under its title
+            box.pad = (box.pad[0] + 6.0, *box.pad[1:])
         frames.get(nid, root).children.append(box)
     return root
 
