@@ -248,6 +248,25 @@ def test_a_worker_killed_mid_forward_is_an_error_naming_the_host_quickly():
         spawned.stop()
 
 
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1", "node3:70000", "node3:7000x", "http://node3:7000", ":7000", ""]
+)
+def test_an_address_a_worker_cannot_have_is_refused_when_it_is_declared(address):
+    with pytest.raises(ValueError, match=r"'host:port'.*1 to 65535.*not " + repr(address)):
+        Worker.at(address, token="t")
+    assert Worker.at("tcp://node3:7000").address == Worker.at("node3:7000").address
+
+
+def test_a_worker_nobody_answers_for_is_worker_lost_after_one_wait_not_two():
+    worker = Worker.at(f"127.0.0.1:{_free_port()}", token="t", send=[NODES])
+    worker.connect_within = 2.0  # seconds before nothing answering is WorkerLost
+    g = Graph.somatize(Lin(4, 4).at("gpu"))
+    began = time.monotonic()
+    with pytest.raises(WorkerLost, match="nothing answers for host 'gpu'"):
+        g.forward(torch.randn(2, 4), broker=Broker.embedded({"gpu": worker}))
+    assert time.monotonic() - began < 2 * worker.connect_within  # it waited once
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -396,7 +415,8 @@ def test_state_lost_names_the_nodes_not_what_trains_them_there():
         broker = Broker.embedded({"gpu": standing.worker()})
         torch.manual_seed(0)
         g = Graph.somatize(
-            Lin(4, 8).named("enc").frozen() >> Lin(8, 8).named("body").at("gpu")
+            Lin(4, 8).named("enc").frozen()
+            >> Lin(8, 8).named("body").at("gpu")
             >> Lin(8, 2).named("head")
         )
         trains = {"body": Greedy(torch.optim.SGD, head=torch.nn.Linear(8, 2), lr=0.1)}

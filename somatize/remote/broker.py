@@ -98,7 +98,9 @@ class Broker:
                     break
                 except BaseException as error:
                     conn.close()
-                    if attempt or not isinstance(error, WorkerLost):
+                    # once more only for a connection cut on the way: one never reached
+                    # would make the caller wait for nothing twice
+                    if attempt or not isinstance(error, WorkerLost) or not conn.reached:
                         raise
             self._connections[host] = conn
         return conn

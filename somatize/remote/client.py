@@ -29,10 +29,32 @@ from somatize.remote.allowed import version_of
 from somatize.remote.connection import Connection
 from somatize.remote.spawn import Child, command_line
 
-__all__ = ["Worker", "MODES"]
+__all__ = ["Worker", "MODES", "endpoint"]
 
 MODES = ("project", "network")
 """How nodes travel to a worker (see the module's doc)."""
+
+
+def endpoint(address: Any) -> str:
+    """The ZeroMQ endpoint of a worker's address: "host:port" or "tcp://host:port" (a port
+    from 1 to 65535, as the worker printed it), or an "ipc://path"; anything else is a
+    `ValueError` naming it, when the `Worker` is declared rather than at its first use."""
+    said = (
+        f"a worker's address is 'host:port' (or 'tcp://host:port'), the port a number from 1 "
+        "to 65535, as the worker prints it ('somatize worker ready tcp://HOST:PORT'), not "
+        f"{address!r}"
+    )
+    if not isinstance(address, str) or not address:
+        raise ValueError(said)
+    scheme, sep, rest = address.partition("://")
+    if not sep:
+        scheme, rest = "tcp", address
+    if scheme == "ipc" and rest:
+        return address
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(said)
+    return f"tcp://{rest}"
 
 
 class Worker:
@@ -52,11 +74,9 @@ class Worker:
         server_key: str | None = None,
         deadline: float = 300.0,
     ) -> None:
-        if not isinstance(address, str) or not address:
-            raise ValueError(f"a worker's address is 'host:port', not {address!r}")
         if mode is not None and mode not in MODES:
             raise ValueError(f"mode is 'project' or 'network' (or left out), not {mode!r}")
-        self.address = address if "://" in address else f"tcp://{address}"
+        self.address = endpoint(address)
         self.mode = mode
         self.send: list[str] = []
         for m in send or ():
@@ -120,8 +140,9 @@ class Worker:
         this interpreter exits (and stops itself if this process dies without saying so).
         """
         token = token or secrets.token_hex(32)
-        # mode and send checked before anything starts; the address is the child's once ready
-        worker = cls("127.0.0.1:0", mode=mode, send=send, token=token, deadline=deadline)
+        # mode and send checked before anything starts; the address (a stand-in here) is the
+        # child's once it is ready
+        worker = cls("127.0.0.1:1", mode=mode, send=send, token=token, deadline=deadline)
         command = command_line(argv, python=python, quiet=quiet, mode=mode, send=worker.send)
         child_env = dict(os.environ if env is None else env)
         child_env["SOMATIZE_TOKEN"] = token

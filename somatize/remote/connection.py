@@ -72,6 +72,7 @@ class Connection:
         sock.connect(worker.address)
         self.sock = sock
         self.up = False
+        self.reached = False  # the worker was reached at least once (a handshake succeeded)
         self.down_since = time.monotonic()
 
     def where(self) -> str:
@@ -83,7 +84,7 @@ class Connection:
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.up = True
+                self.up = self.reached = True
             elif event in _FAILED:
                 raise PermissionError(
                     f"{self.where()}: the worker's CURVE key is not the one given "
