@@ -23,7 +23,8 @@ from typing import Any
 from somatize import _hooks
 from somatize.codecs import NoCodec, decode, digest, encode
 from somatize.node import Opaque, Wrapped
-from somatize.run import ONE, ROOT, Plan, _noted, not_a_list, run_plan, tell, warn
+from somatize.run import ONE, ROOT, Plan, _noted, in_one_line, not_a_list, run_plan, tell, warn
+from somatize.store import CorruptBinding, CorruptBlob
 
 __all__ = [
     "walk_cached",
@@ -143,20 +144,28 @@ def _name(key: str) -> str:
 
 
 def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
-    bound = store.resolve(name)
-    if bound is None:
+    """`(True, value)` kept under `name`, or `(False, None)`: nothing kept, or what was kept
+    cannot be read back (its blob lost or damaged, its binding torn), which is warned about
+    and then computed and kept again, repairing the store."""
+    try:
+        bound = store.resolve(name)
+        if bound is None:
+            return False, None
+        data = store.get(bound.digest)
+        if data is None:
+            raise LookupError(f"it points at {bound.digest}, which the store no longer holds")
+    except (LookupError, CorruptBlob, CorruptBinding) as error:
+        warn(
+            f"node {nid!r}: its cached value {name} cannot be read back ({in_one_line(error)}); "
+            "it is computed again and kept anew",
+            RuntimeWarning,
+        )
         return False, None
     kept = bound.get("code")
     if kept is not None and kept != code:
         warn(
             f"node {nid!r}: the cached value was kept by another version of its code "
             f"({kept} != {code}); pass .cached(salt=...) with a new salt to recompute"
-        )
-    data = store.get(bound.digest)
-    if data is None:
-        raise LookupError(
-            f"node {nid!r}: its cached value {name} points at {bound.digest}, which the store "
-            "no longer holds: give the node a new salt, .cached(salt=...), to compute it again"
         )
     return True, decode(data)
 

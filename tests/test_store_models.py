@@ -177,3 +177,23 @@ def test_loading_weights_into_a_frozen_cached_model_misses_and_computes_anew(
     out, said = _caching(g, {"input_ids": ids}, store)
     with torch.no_grad():
         assert said == ["miss"] and torch.equal(out.logits, model(input_ids=ids).logits)
+
+
+def test_a_damaged_cached_output_is_computed_again_and_the_store_repaired(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    model, ids = _gpt2()
+    g = Graph.somatize(Node.of(model).frozen().cached())
+    freeze(g)
+    first, _ = _caching(g, {"input_ids": ids}, store)
+    (kept,) = store.bound("cache")
+    hexed = kept.digest.split(":")[1]
+    blob = tmp_path / "store" / "blobs" / "sha256" / hexed[:2] / hexed[2:]
+    damaged = bytearray(blob.read_bytes())
+    damaged[len(damaged) // 2] ^= 1  # one bit flipped on disk
+    blob.write_bytes(bytes(damaged))
+    with pytest.warns(RuntimeWarning, match=r"node 'gpt2lmheadmodel'.*corrupt.*computed again"):
+        again, said = _caching(g, {"input_ids": ids}, store)
+    assert said == ["miss"] and torch.equal(again.logits, first.logits)
+    assert store.get(kept.digest) is not None  # the blob was put again, whole
+    out, said = _caching(g, {"input_ids": ids}, store)
+    assert said == ["hit"] and torch.equal(out.logits, first.logits)
