@@ -326,8 +326,13 @@ def test_every_box_architecture_draws_is_probed_but_an_in_place_one():
     x = torch.randn(6, 4)
     got = probe(Functional(), x)
     drawn = [f"functional.{la.path}" for la in architecture(Functional(), x)["functional"].layers]
-    assert drawn == ["functional.lin", "functional.relu", "functional.lin#2", "functional.cat",
-                     "functional.add"]
+    assert drawn == [
+        "functional.lin",
+        "functional.relu",
+        "functional.lin#2",
+        "functional.cat",
+        "functional.add",
+    ]
     assert list(got) == ["functional", *drawn[:-1]]
     eps = torch.finfo(torch.float32).eps
     assert got["functional.lin#2"]["jacobian_gain"] == pytest.approx(2.0, rel=8 * eps)
@@ -337,3 +342,42 @@ def test_every_box_architecture_draws_is_probed_but_an_in_place_one():
     cat = torch.cat([4 * x64.clamp(min=0), x64], 1)
     want = float(cat.pow(2).mean().sqrt() / (4 * x64.clamp(min=0)).pow(2).mean().sqrt())
     assert got["functional.cat"]["signal_gain"] == pytest.approx(want, rel=16 * eps)
+
+
+class Scale(nn.Module):
+    """x times a weight per feature, element by element (so 0·inf is NaN on every CPU)."""
+
+    def __init__(self, *w: float):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(w))
+
+    def forward(self, x):
+        return x * self.w
+
+
+def test_a_nan_and_an_inf_are_told_apart_where_they_arise():
+    inf = float("inf")
+    net = nn.Sequential(Scale(inf, 1.0, 1.0), nn.ReLU(), Scale(0.0, inf, 1.0), Scale(1.0, 0.0, 1.0))
+    got = probe(net, torch.rand(4, 3) + 0.5)  # positive: the inf goes through the ReLU
+    said = {where: (numbers["nan"], numbers["inf"]) for where, numbers in got.items()}
+    assert said == {
+        "sequential": (True, False),  # what the last layer gave
+        "sequential.0": (False, True),
+        "sequential.1": (False, True),
+        "sequential.2": (True, True),  # 0·inf is NaN, inf·x stays inf beside it
+        "sequential.3": (True, False),  # inf·0 is NaN too
+    }
+
+
+class Same(Node):
+    """Hands its input on as it is."""
+
+    def forward(self, x, ctx):
+        return x
+
+
+def test_a_node_that_hands_its_input_on_has_gains_of_one():
+    got = probe(Graph.somatize(Double() >> Same()), torch.randn(6, 4))
+    same = got["same"]
+    assert (same["signal_gain"], same["jacobian_gain"], same["jacobian_spread"]) == (1, 1, 0)
+    assert got["double.l"]["signal_gain"] > 1  # (the place before it measured as ever)

@@ -26,8 +26,8 @@ from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
 from somatize.torch._modules import Holder, Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
-from somatize.torch.audit._measures import _wide, floats_in, norm, read, sums_of
-from somatize.torch.audit._place import _saturation
+from somatize.torch.audit._measures import norm, read, sums_of, wide
+from somatize.torch.audit._place import saturation
 from somatize.torch.inside._forward import Reading
 from somatize.torch.inside.architecture import run_here
 
@@ -41,60 +41,59 @@ _LEAFED = (
 )
 
 
-def _in_place(given: Any, output: Any) -> bool:
-    """Whether a call gave back a tensor it was given (`x += y`, `x.relu_()`): what it read is
-    gone, so there is no gain to measure."""
-    return any(o is t for o in tensors_in(output) for t in tensors_in(given))
-
-
-def _first(value: Any) -> torch.Tensor | None:
-    return next(iter(floats_in(value)), None)
+def _first(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The first floating-point tensor of `tensors`, if any."""
+    return next((t for t in tensors if t.is_floating_point()), None)
 
 
 def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
     """‖g‖ of each sample (a row of the first dimension), or of the whole when `rows` is 0,
     accumulated in float32 or wider."""
     if rows:
-        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1, dtype=_wide(g)).tolist()
+        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1, dtype=wide(g)).tolist()
     return [float(norm(g))]
 
 
-class _Tensors:
-    """What is known of each tensor a place reads or makes, once however many places share it:
-    its RMS, and the per-sample norms of its gradient, heard by one hook as the backward
-    passes. Held by weak reference: nothing is kept alive that the forward would let go."""
+class _Seen:
+    """What is known of one tensor a place reads or makes, once however many places share it:
+    its RMS (None until taken), and the per-sample norms of its gradient, keyed by how many
+    rows they are taken over, filled by one hook as the backward passes. It holds the tensor
+    by weak reference: nothing is kept alive that the forward would let go."""
 
-    def __init__(self) -> None:
-        self.by: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
-        self.sources: list[torch.Tensor] = []  # where a gradient has to be asked for
+    __slots__ = ("ref", "size", "rms", "rows")
 
-    def of(self, t: torch.Tensor) -> dict[str, Any]:
-        entry = self.by.get(id(t))
-        if entry is None or entry[0]() is not t:
-            entry = (weakref.ref(t), {"rms": None, "rows": {}})
-            self.by[id(t)] = entry
-        return entry[1]
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t)
+        self.size = t.numel()
+        self.rms: float | None = None
+        self.rows: dict[int, Any] = {}
 
-    def rms(self, t: torch.Tensor) -> float:
-        known = self.of(t)
-        if known["rms"] is None:
-            n = t.numel()
-            known["rms"] = float(norm(t.detach())) / n**0.5 if n else 0.0
-        return known["rms"]
-
-    def grads(self, t: torch.Tensor, rows: int) -> dict[int, Any]:
-        """Where the per-sample norms of `t`'s gradient will be, keyed by `rows`."""
-        known = self.of(t)
-        norms = known["rows"]
+    def grads(self, rows: int) -> dict[int, Any]:
+        """Where the per-sample norms of the tensor's gradient will be, keyed by `rows`."""
+        norms = self.rows
         if not norms:
 
             def heard(g: torch.Tensor, norms: dict[int, Any] = norms) -> None:
                 for r in norms:
                     norms[r] = _per_sample(g, r)
 
-            t.register_hook(heard)
+            self.ref().register_hook(heard)  # (alive: the place measuring it holds it)
         norms.setdefault(rows, None)
         return norms
+
+
+class _Tensors:
+    """What is known of each tensor the places read or make (`_Seen`), by id."""
+
+    def __init__(self) -> None:
+        self.by: dict[int, _Seen] = {}
+        self.sources: list[torch.Tensor] = []  # where a gradient has to be asked for
+
+    def of(self, t: torch.Tensor) -> _Seen:
+        seen = self.by.get(id(t))
+        if seen is None or seen.ref() is not t:  # (an id is only that tensor's while it lives)
+            seen = self.by[id(t)] = _Seen(t)
+        return seen
 
 
 class _Place:
@@ -107,25 +106,32 @@ class _Place:
         self.node = node
         self.inside = inside
         self.where = f"{node}.{inside}" if inside else node
-        self.saturates = _saturation(modules)
+        self.saturates = saturation(modules)
         self.numbers: dict[str, Any] | None = None
         self.rows = 0
-        self.g_in: dict[int, Any] = {}  # by rows, as `_Tensors.grads` keeps them
+        self.g_in: dict[int, Any] = {}  # by rows, as `_Seen.grads` keeps them
         self.g_out: dict[int, Any] = {}
 
-    def saw(self, given: Any, made: Any, known: _Tensors) -> None:
-        if self.numbers is not None:
-            return  # the first call is the place's
+    def saw(self, given: list[torch.Tensor], made: list[torch.Tensor], known: _Tensors) -> None:
+        """Measure the call that made the tensors `made` of the tensors `given`: Σ|a|, the
+        zeros (and the saturated) of its output and the norm of its input and of its output,
+        each not taken yet, all read at once."""
         inp, out = _first(given), _first(made)
         if out is None:
             return
         a = out.detach()
-        n = self.numbers = {}
-        before = known.rms(inp) if inp is not None else 0.0
-        if before > 0:  # a gain against an input of zeros (a dead layer before) means nothing
-            n["signal_gain"] = known.rms(out) / before
         size = a.numel()
-        total, zeros, *saturated = read(sums_of(a, self.saturates))
+        o = known.of(out)
+        i = known.of(inp) if inp is not None else None
+        sums = sums_of(a, self.saturates)
+        fresh = [s for s in (i, o) if s is not None and s.rms is None]  # no RMS taken yet
+        values = read(sums + [norm(s.ref().detach()) for s in fresh])  # one read per place
+        for s, v in zip(fresh, values[len(sums) :], strict=True):
+            s.rms = v / s.size**0.5 if s.size else 0.0
+        n = self.numbers = {}
+        if i is not None and i.rms > 0:  # a gain against zeros (a dead layer before) means nothing
+            n["signal_gain"] = o.rms / i.rms
+        total, zeros, *saturated = values[: len(sums)]
         n["zero_frac_max"] = zeros / size if size else 0.0
         n["sat_frac_max"] = saturated[0] / size if size and saturated else 0.0
         finite = math.isfinite(total)  # a NaN or an inf anywhere shows in Σ|a|
@@ -134,9 +140,9 @@ class _Place:
         if inp is not None and inp.dim() and out.dim() and inp.shape[0] == out.shape[0]:
             self.rows = out.shape[0]
         if out.requires_grad:
-            self.g_out = known.grads(out, self.rows)
-            if inp is not None and inp.requires_grad:
-                self.g_in = known.grads(inp, self.rows)
+            self.g_out = o.grads(self.rows)
+            if i is not None and inp.requires_grad:
+                self.g_in = i.grads(self.rows)
             else:
                 known.sources.append(out)  # the gradient starts nowhere before: ask for it here
 
@@ -214,10 +220,19 @@ def probe(
         places = inner[node] = {}
 
         def box(path: str, module: Any, given: Any, output: Any, node=node, places=places) -> None:
-            if path not in places and len(places) < most and not _in_place(given, output):
-                places[path] = _Place(node, path, [module] if module is not None else [])
-            if path in places:
-                places[path].saw(given, output, known)
+            place = places.get(path)
+            if place is None:
+                if len(places) >= most:
+                    return
+                ins, outs = tensors_in(given), tensors_in(output)
+                if any(o is t for o in outs for t in ins):
+                    return  # in place (`x += y`, `x.relu_()`): what it read is gone
+                place = places[path] = _Place(node, path, [module] if module is not None else [])
+            elif place.numbers is None:  # (its first call gave nothing to measure)
+                ins, outs = tensors_in(given), tensors_in(output)
+            else:
+                return  # the first call is the place's
+            place.saw(ins, outs, known)
 
         hooks.append(Reading(root, depth, heard=box))
 
@@ -225,7 +240,8 @@ def probe(
         with contextlib.ExitStack() as quiet:  # (its own measuring is no layer of a node's)
             for reading in hooks:
                 quiet.enter_context(reading.paused())
-            nodes[node].saw(input, out, known)
+            if nodes[node].numbers is None:  # the first call is the place's
+                nodes[node].saw(tensors_in(input), tensors_in(out), known)
 
     modules = [r for r in roots.values() if r is not None]
     through = {n: r for n, r in roots.items() if isinstance(r, Holder)}  # (its hooks fire)
