@@ -306,6 +306,8 @@ def _inner(value: Any, where: str, k: _Keying) -> Any:
         if owner is None or isinstance(owner, (type, types.ModuleType)):
             return ["builtin", getattr(value, "__module__", None), value.__qualname__]
         return ["builtin", value.__qualname__, k.said(owner, f"{where}'s self")]
+    if isinstance(value, weakref.ref):  # an RNN's _flat_weight_refs: what it points at
+        return ["weakref", k.said(value(), f"{where} (what it refers to)")]
     if _type_name(kind) in _SAID_BY_REPR:
         return ["repr", _type_name(kind), repr(value)]
     named = _by_name(value)

@@ -197,3 +197,30 @@ def test_a_damaged_cached_output_is_computed_again_and_the_store_repaired(tmp_pa
     assert store.get(kept.digest) is not None  # the blob was put again, whole
     out, said = _caching(g, {"input_ids": ids}, store)
     assert said == ["hit"] and torch.equal(out.logits, first.logits)
+
+
+@pytest.mark.parametrize("kind", [torch.nn.LSTM, torch.nn.GRU])
+def test_a_torch_rnn_is_cached_and_its_nested_tuple_output_comes_back_as_it_was(
+    tmp_path: Path, kind: type
+) -> None:
+    # an RNN holds weak references to its weights (_flat_weight_refs): keyed by what they
+    # point at, not refused as state a key cannot read
+    store = Store(tmp_path / "store")
+    torch.manual_seed(0)
+    rnn = kind(4, 6, batch_first=True)
+    g = Graph.somatize(Node.of(rnn).frozen().cached())
+    freeze(g)
+    x = torch.randn(2, 5, 4, dtype=torch.float32)
+    first, said = _caching(g, x, store)
+    assert said == ["miss"]
+    again, said = _caching(g, x, store)
+    assert said == ["hit"]
+    assert type(again) is tuple and len(again) == 2
+    assert type(again[1]) is type(first[1])  # (h, c) stays a tuple, a GRU's h a tensor
+    with torch.no_grad():
+        want = rnn(x)
+    assert torch.equal(again[0], want[0])
+    if kind is torch.nn.LSTM:
+        assert all(torch.equal(a, b) for a, b in zip(again[1], want[1], strict=True))
+    else:
+        assert torch.equal(again[1], want[1])
