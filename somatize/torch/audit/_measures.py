@@ -26,7 +26,7 @@ def floats_in(value: Any) -> list[torch.Tensor]:
     return [t for t in tensors_in(value) if t.is_floating_point()]
 
 
-def _wide(t: torch.Tensor) -> torch.dtype | None:
+def wide(t: torch.Tensor) -> torch.dtype | None:
     """The dtype a reduction over `t` accumulates in: float32 for half precisions."""
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None
 
@@ -61,7 +61,7 @@ def norm(t: torch.Tensor) -> torch.Tensor:
     """‖t‖ as a one-number tensor, accumulated in float32 or wider (called under no_grad).
     Values so large that their norm overflows read inf: `squared_norms` tells them from an
     infinity."""
-    return torch.linalg.vector_norm(_values(t), dtype=_wide(t))
+    return torch.linalg.vector_norm(_values(t), dtype=wide(t))
 
 
 def squared_norms(norms: list[float], tensors: list[torch.Tensor]) -> list[float]:
@@ -105,7 +105,7 @@ def channel_view(t: torch.Tensor, first: bool) -> torch.Tensor:
 def activity(t: torch.Tensor, first: bool) -> torch.Tensor:
     """Each channel's mean |value| over samples (and positions), in float32 or wider."""
     view = channel_view(t.detach(), first)
-    return view.abs().mean(0, dtype=_wide(view))
+    return view.abs().mean(0, dtype=wide(view))
 
 
 def rows_of(t: torch.Tensor, first: bool) -> torch.Tensor | None:

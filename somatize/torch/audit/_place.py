@@ -28,7 +28,7 @@ from somatize.torch.audit._measures import (
 from somatize.torch.inside.kinds import kind_of, label_of
 
 
-def _saturation(modules: list[nn.Module]) -> str | None:
+def saturation(modules: list[nn.Module]) -> str | None:
     """How the place made of `modules` saturates, read off the last leaf module it holds (in
     the order they were declared, which is the order most forwards apply them): "sigmoid"
     (flat near 0 and 1) or "tanh" (flat near ±1) when that is such an activation, else None."""
@@ -80,7 +80,7 @@ class Place:
         self.where = node if inside is None else f"{node}.{inside}"
         trained = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
         self.params: list[nn.Parameter] = list(trained.values())
-        self.saturates = _saturation(modules)
+        self.saturates = saturation(modules)
         self.first = first
         self.index: list[int] = []
         self.big = -1  # where its largest weight sits in that list, if it is a matrix or more
