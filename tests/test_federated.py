@@ -335,3 +335,147 @@ def test_three_processes_federate_for_three_rounds_and_agree(tmp_path):
     averagers = {dict(store.resolve(f"fed/round/{r}/average").meta)["by"] for r in range(3)}
     assert averagers <= {0, 1, 2}
     assert len(store.names("fed/round/2/client")) == 3
+
+
+def test_clients_of_which_some_give_no_size_are_weighed_the_same_and_each_is_told(tmp_path):
+    import warnings
+
+    store = Store(tmp_path / "s")
+    answers: dict[int, dict] = {}
+    sizes = [100, None, 1]
+
+    def client(k):
+        answers[k] = gather(
+            store,
+            export(float(k)),
+            run="r",
+            round=0,
+            clients=3,
+            mine=k,
+            size=sizes[k],
+            asking=0.02,
+        )
+
+    with warnings.catch_warnings(record=True) as caught:  # the whole process's, every client's
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for k in range(3):  # the plain mean of 0, 1 and 2, not 100:1 between 0 and 2
+        assert torch.allclose(answers[k]["enc"]["w"], torch.full((2, 2), 1.0))
+    said = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert len(said) == 3 and all("client(s) [1] gave no size" in m for m in said), said
+    assert dict(store.resolve("r/round/0/average").meta)["unsized"] == [1]
+
+
+RESNET_CLIENT = textwrap.dedent(
+    """
+    import sys, torch
+    from torch import nn
+
+    torch.set_default_dtype(torch.float64)
+    SIZES, ROUNDS = [48, 16, 8], 2
+
+    class Block(nn.Module):  # torchvision's BasicBlock, small
+        def __init__(self, c):
+            super().__init__()
+            self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+            self.bn1 = nn.BatchNorm2d(c)
+            self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+            self.bn2 = nn.BatchNorm2d(c)
+            self.relu = nn.ReLU()
+        def forward(self, x):
+            return self.relu(x + self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x))))))
+
+    class ResNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False),
+                                      nn.BatchNorm2d(6), nn.ReLU())
+            self.blocks = nn.Sequential(Block(6), Block(6))
+            self.fc = nn.Linear(6, 4)
+        def forward(self, x):
+            return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
+
+    def data(k):
+        gen = torch.Generator().manual_seed(100 + k)
+        x = torch.randn(SIZES[k], 3, 6, 6, generator=gen)
+        y = torch.randint(0, 4, (SIZES[k],), generator=gen)
+        return [(x[i:i + 8], y[i:i + 8]) for i in range(0, SIZES[k], 8)]
+
+    def build():
+        torch.manual_seed(0)  # every client starts from the same weights
+        return ResNet()
+
+    if __name__ == "__main__":
+        from somatize import Graph, Store
+        from somatize.torch import Trainer, gather, parameters
+        where, mine = sys.argv[1], int(sys.argv[2])
+        store, g = Store(where), Graph.somatize(build())
+        t = Trainer(g, objective=nn.functional.cross_entropy,
+                    optimizer=torch.optim.SGD(parameters(g), lr=0.05, momentum=0.9))
+        losses = []
+        for r in range(ROUNDS):
+            losses += t.fit(data(mine)).history
+            t.load(gather(store, t.export(), run="fed", round=r, clients=3, mine=mine,
+                          size=SIZES[mine], within=60, asking=0.05))
+        store.keep(f"final/{mine}", {"losses": {"all": torch.tensor(losses)}, **t.export()})
+    """
+)
+
+
+def test_a_resnet_federated_over_three_processes_with_unequal_data_is_fedavg_in_plain_torch(
+    tmp_path,
+):
+    import importlib.util
+
+    script = tmp_path / "resnet_client.py"
+    script.write_text(RESNET_CLIENT)
+    where = tmp_path / "shared"
+    root = str(Path(__file__).resolve().parents[1])
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(where), str(k)],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for k in range(3)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0, out.decode()
+    spec = importlib.util.spec_from_file_location("resnet_client", script)
+    c = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(c)
+    # the same rounds by hand: local epochs, then the average of the state dicts by size
+    models = [c.build() for _ in range(3)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    losses: list[list[float]] = [[], [], []]
+    for _ in range(c.ROUNDS):
+        for k, (m, opt) in enumerate(zip(models, opts, strict=True)):
+            for x, y in c.data(k):
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(m(x), y)
+                loss.backward()
+                opt.step()
+                losses[k].append(loss.item())
+        states = [m.state_dict() for m in models]
+        average = {
+            key: sum(s[key] * n for s, n in zip(states, c.SIZES, strict=True)) / sum(c.SIZES)
+            if v.is_floating_point()
+            else v
+            for key, v in states[0].items()
+        }
+        for m in models:
+            m.load_state_dict(average)
+    store = Store(where)
+    for k in range(3):
+        final = store.recall(f"final/{k}")
+        assert final["losses"]["all"].tolist() == pytest.approx(losses[k], rel=1e-12)
+        (nid,) = (n for n in final if n != "losses")
+        for key, want in models[0].state_dict().items():
+            got = final[nid][key]
+            assert torch.allclose(got, want, rtol=0, atol=1e-12), (k, key)

@@ -158,6 +158,16 @@ def _said(run: str, round: int, left_out: Any) -> None:
         )
 
 
+def _unweighted(run: str, round: int, unsized: Any, clients: int) -> None:
+    if unsized and len(unsized) < clients:
+        warn(
+            f"gather: round {round} of run {run!r} was averaged with every client weighing the "
+            f"same, since client(s) {unsized} gave no size and the others did; give every "
+            "client's size= (how many samples it saw), or none",
+            RuntimeWarning,
+        )
+
+
 def gather(
     store: Any,
     what: Any,
@@ -187,7 +197,9 @@ def gather(
     than failing the round, since anyone able to write to the store can damage one: every
     client gets the same average and a `RuntimeWarning` naming who was left out and why, and
     the average's meta says so (`averaged`, `left_out`). An average that is itself unusable is
-    a `ValueError` at once, naming it.
+    a `ValueError` at once, naming it. Clients of which some gave `size` and some did not are
+    averaged weighing the same, with a `RuntimeWarning` on every client naming those without
+    (`unsized` in the meta).
     """
     store = store_of(store)
     if not isinstance(run, str) or not run or "/" in run:
@@ -222,11 +234,12 @@ def gather(
         left_out = [[k, why] for k, (_, _, why) in enumerate(read) if why]
         averaged = [k for k, (_, _, why) in enumerate(read) if not why]
         sizes = [read[k][1] for k in averaged]
-        result = fedavg([read[k][0] for k in averaged], None if None in sizes else sizes)
-        store.keep(
-            average, result, meta=[("by", mine), ("averaged", averaged), ("left_out", left_out)]
-        )
+        unsized = [k for k in averaged if read[k][1] is None]
+        result = fedavg([read[k][0] for k in averaged], None if unsized else sizes)
+        meta = [("by", mine), ("averaged", averaged), ("left_out", left_out)]
+        store.keep(average, result, meta=[*meta, ("unsized", unsized)])
         _said(run, round, left_out)
+        _unweighted(run, round, unsized, len(averaged))
         return result
     while store.resolve(average) is None:
         if time.monotonic() >= deadline:
@@ -243,5 +256,7 @@ def gather(
             f"gather: the average of round {round} of run {run!r} ({average!r}) cannot be "
             f"loaded: {why}; it was damaged or written by someone else"
         )
-    _said(run, round, store.resolve(average).get("left_out"))
+    bound = store.resolve(average)
+    _said(run, round, bound.get("left_out"))
+    _unweighted(run, round, bound.get("unsized"), len(bound.get("averaged") or ()))
     return result
