@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from somatize import _hooks
-from somatize.node import Opaque, kind_name, note
+from somatize.node import Opaque, Wrapped, kind_name, note
 
 __all__ = ["Ctx", "Plan", "run_plan", "walk", "watchers"]
 
@@ -107,15 +107,22 @@ def not_a_list(nid: str, x: Any) -> TypeError:
 def step_of(slot: int, mode: int, src: Any, node: Any, ctx: Ctx, mapped: Any) -> tuple:
     """The engine's step `(slot, mode, src, fn, ctx, device)` that runs `node` as `ctx` says:
     `fn` is what `_hooks.entry` answers (a module's `__call__`, so that its hooks fire), made
-    to take a list and give one back as long when the node is `mapped`."""
+    to take a list and give one back as long when the node is `mapped`: a node of its own is
+    handed the list, a module or function standing as it is (`Node.of`) is called on each
+    item."""
     call = _hooks.entry(node)
     if not mapped:
         return (slot, mode, src, call, ctx, ctx.device)
+    whole = call
+    if isinstance(node, Wrapped):  # it takes one item (a batch), as it would unmapped
+
+        def whole(items: list, ctx: Ctx) -> list:
+            return [call(item, ctx) for item in items]
 
     def each(x: Any, ctx: Ctx) -> list:
         if not isinstance(x, list):
             raise not_a_list(ctx.id, x)
-        out = call(x, ctx)
+        out = whole(x, ctx)
         if not isinstance(out, list) or len(out) != len(x):
             got = len(out) if isinstance(out, list) else type(out).__name__
             raise ValueError(

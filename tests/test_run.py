@@ -98,6 +98,20 @@ def test_mapped_without_a_store_checks_lengths():
         Graph.somatize(Same().mapped()).forward(3)
 
 
+def test_a_function_standing_as_it_is_and_mapped_is_called_on_each_item():
+    seen = []
+
+    def double(v):
+        seen.append(v)
+        return v * 2
+
+    assert Graph.somatize(Node.of(double).mapped()).forward([1, 2, 3]) == [2, 4, 6]
+    assert seen == [1, 2, 3]
+    assert Graph.somatize(Node.of(double).mapped()).forward([]) == []
+    with pytest.raises(TypeError, match="'double'.*not a list"):
+        Graph.somatize(Node.of(double).mapped()).forward(3)
+
+
 def test_a_remote_node_without_a_broker_is_refused_naming_it():
     with pytest.raises(ValueError, match="'same'.*'gpu'.*broker"):
         Graph.somatize(Same().at("gpu")).forward(1)

@@ -224,3 +224,24 @@ def test_a_torch_rnn_is_cached_and_its_nested_tuple_output_comes_back_as_it_was(
         assert all(torch.equal(a, b) for a, b in zip(again[1], want[1], strict=True))
     else:
         assert torch.equal(again[1], want[1])
+
+
+def test_a_mapped_cached_model_is_called_on_each_missing_item_alone(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    model, ids = _gpt2()
+    handed: list = []
+    model.register_forward_hook(
+        lambda m, args, kwargs, out: handed.append(kwargs), with_kwargs=True
+    )
+    g = Graph.somatize(Node.of(model).frozen().cached().mapped())
+    freeze(g)
+    items = [{"input_ids": ids[:1]}, {"input_ids": ids[1:]}]
+    first, said = _caching(g, items, store)
+    assert said == ["miss"] and len(first) == 2 and len(handed) == 2
+    more = [*items, {"input_ids": ids[:1, :4]}]
+    out, said = _caching(g, more, store)
+    assert said == ["partial"] and len(handed) == 3  # the new item alone
+    assert torch.equal(handed[-1]["input_ids"], ids[:1, :4])
+    with torch.no_grad():
+        for got, item in zip(out, more, strict=True):
+            assert torch.equal(got.logits, model(**item).logits)
