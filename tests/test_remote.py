@@ -267,6 +267,36 @@ def test_a_worker_nobody_answers_for_is_worker_lost_after_one_wait_not_two():
     assert time.monotonic() - began < 2 * worker.connect_within  # it waited once
 
 
+def test_code_from_a_module_the_worker_cannot_import_says_to_send_it_and_sent_it_runs(tmp_path):
+    spawned = Worker.spawn(["--threads", "1"], mode="network")  # its import path is set now
+    (tmp_path / "later_nodes.py").write_text(
+        "from somatize import Node\n\n"
+        "class Scale(Node):\n"
+        "    def __init__(self, k):\n"
+        "        self.k = k\n\n"
+        "    def forward(self, x, ctx):\n"
+        "        return x * self.k\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import later_nodes
+
+        g = Graph.somatize(later_nodes.Scale(3).at("w"))
+        plain = Worker.at(spawned.address, token=spawned.token, mode="network")
+        with Broker.embedded({"w": plain}) as b:
+            with pytest.raises(ModuleNotFoundError, match=r"'later_nodes'.*send=\['later_nodes'"):
+                g.forward(2, broker=b)
+        sending = Worker.at(
+            spawned.address, token=spawned.token, mode="network", send=["later_nodes"]
+        )
+        with Broker.embedded({"w": sending}) as b:
+            assert g.forward(2, broker=b) == 6
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("later_nodes", None)
+        spawned.stop()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

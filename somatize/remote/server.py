@@ -318,7 +318,17 @@ class Server:
             )
         import cloudpickle
 
-        return cloudpickle.loads(code)
+        try:
+            return cloudpickle.loads(code)
+        except ModuleNotFoundError as error:
+            name = error.name or str(error)
+            raise ModuleNotFoundError(
+                f"node {nid!r} was sent as code that refers to module {name!r}, which this "
+                f"worker cannot import: name it in the client's send= (Worker.at(..., "
+                f"send=[{name!r}]), Worker.spawn(mode='network', send=[{name!r}])) so that "
+                "its code travels along, or install it where the worker runs",
+                name=error.name,
+            ) from error
 
 
 def _plain(text: Any) -> Any:
