@@ -84,6 +84,14 @@ def declarations(plan: Plan) -> dict[str, tuple[str, str, Callable[[], list[bool
             state = _hooks.state_digest(node) if s.frozen else None
             if state is not None:
                 _watch(node)
+                if _hooks.trainable(node):
+                    warn(
+                        f"node {nid!r} is declared .frozen() and is not settled: its "
+                        "parameters still ask for gradients, its modules may be in train mode "
+                        "(dropout, batch-norm statistics), and what is cached is what it "
+                        "computes so; call somatize.torch.freeze(g) first (eval mode, no "
+                        "gradients)"
+                    )
             known[nid] = (
                 declaration_key(node, s.salt, state),
                 code_version(node),

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -245,3 +246,15 @@ def test_a_mapped_cached_model_is_called_on_each_missing_item_alone(tmp_path: Pa
     with torch.no_grad():
         for got, item in zip(out, more, strict=True):
             assert torch.equal(got.logits, model(**item).logits)
+
+
+def test_a_frozen_node_not_settled_is_warned_about_when_cached(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    model, ids = _gpt2()  # random init: train mode, every parameter asking for a gradient
+    g = Graph.somatize(Node.of(model).frozen().cached())
+    with pytest.warns(UserWarning, match=r"'gpt2lmheadmodel' is declared \.frozen\(\).*freeze"):
+        g.forward({"input_ids": ids}, store=store)
+    freeze(g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _caching(g, {"input_ids": ids}, store)[1] == ["miss"]  # eval: its own value
