@@ -258,3 +258,40 @@ def test_a_frozen_node_not_settled_is_warned_about_when_cached(tmp_path: Path) -
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _caching(g, {"input_ids": ids}, store)[1] == ["miss"]  # eval: its own value
+
+
+def test_an_output_class_of_ones_own_is_refused_when_kept_not_when_read_back(
+    tmp_path: Path,
+) -> None:
+    from dataclasses import dataclass
+
+    from transformers.utils import ModelOutput
+
+    import somatize
+    from somatize import NoCodec
+
+    @dataclass
+    class Scores(ModelOutput):
+        logits: torch.Tensor | None = None
+        extra: torch.Tensor | None = None
+
+    class Head(Node):
+        def forward(self, input, ctx):
+            return Scores(logits=input * 2)
+
+    store = Store(tmp_path / "store")
+    g = Graph.somatize(Head().cached())
+    with pytest.raises(NoCodec, match=r"node 'head': .*Scores is a ModelOutput of your own"):
+        g.forward(torch.ones(2), store=store)
+    assert store.names() == []  # nothing kept that would fail every later forward
+    somatize.codec(  # what the error suggests
+        "test.Scores",
+        Scores,
+        dump=lambda o: somatize.codecs.encode(dict(o)),
+        load=lambda b: Scores(**somatize.codecs.decode(b)),
+    )
+    assert _caching(g, torch.ones(2), store)[1] == ["miss"]
+    out, said = _caching(g, torch.ones(2), store)
+    assert (
+        said == ["hit"] and type(out) is Scores and torch.equal(out.logits, torch.full((2,), 2.0))
+    )

@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from somatize import _hooks, codecs
-from somatize.codecs import Malformed, codec, decode, encode
+from somatize.codecs import Malformed, NoCodec, codec, decode, encode
 from somatize.torch import _caches
 
 KIND = "transformers.ModelOutput"
@@ -77,6 +77,17 @@ def fields_of(value: Any) -> list | None:
         fields = [[k, v] for k, v in value.items()]
     else:
         return None
+    if (
+        not cls.__module__.startswith("transformers.")
+        or _loaded(cls.__module__, cls.__name__) is not cls
+    ):
+        raise NoCodec(
+            f"a {cls.__module__}.{cls.__qualname__} is a ModelOutput of your own: reading one "
+            f"back builds only transformers' own classes by name, so it would be kept and "
+            f"never read back. Register a codec for it, e.g. somatize.codec("
+            f"'{cls.__name__}', {cls.__name__}, dump=lambda o: somatize.codecs.encode("
+            f"dict(o)), load=lambda b: {cls.__name__}(**somatize.codecs.decode(b)))"
+        )
     return [cls.__module__, cls.__qualname__, fields]
 
 
