@@ -203,10 +203,12 @@ def main() -> None:
         notes=(
             "Targets: architecture ≤ torchview on every model; probe ≤ 5× a forward on the "
             f"CNNs ({', '.join(sorted(CNNS))}). CPU ms, one thread, medians of calls timed "
-            "in turns; a ratio is the median of the rounds' ratios. The small "
-            "configs' forwards take a millisecond or two, where the probe's fixed cost (a "
-            "hook and a few reductions per place) shows most; ResNet-18 at 224 is the size "
-            "the cost was first seen at."
+            "in turns; a ratio is the median of the rounds' ratios. A probe is a forward "
+            "and a backward (about two forwards) and a fixed cost: the net set aside and put "
+            "back, every box it draws hooked and read as architecture reads it, and a few "
+            "reductions per place (about 40 µs). The small configs' forwards take a "
+            "millisecond or two, where that fixed cost shows most; ResNet-18 at 224 is the "
+            "size the cost was first seen at."
         ),
     )
     report(
