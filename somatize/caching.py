@@ -457,12 +457,14 @@ def declaration_key(node: Any, salt: Any, state: str | None) -> str:
 
 
 def code_version(node: Any) -> str:
-    """A digest of the source of the node's class: noted beside a kept value."""
-    cls = type(node)
+    """A digest of the source of the node's class (for `Node.of(x)`, of `x`'s class, or of
+    the function itself): noted beside a kept value."""
+    held = node.held if isinstance(node, Wrapped) else node
+    what = held if isinstance(held, (types.FunctionType, types.MethodType)) else type(held)
     try:
-        text = inspect.getsource(cls)
+        text = inspect.getsource(what)
     except (OSError, TypeError):
-        text = _type_name(cls)
+        text = f"{what.__module__}.{what.__qualname__}"
     return _mix(text)[:16]
 
 

@@ -295,3 +295,44 @@ def test_an_output_class_of_ones_own_is_refused_when_kept_not_when_read_back(
     assert (
         said == ["hit"] and type(out) is Scores and torch.equal(out.logits, torch.full((2,), 2.0))
     )
+
+
+def test_a_wrapped_modules_code_change_is_warned_about_on_a_hit(tmp_path: Path) -> None:
+    # the code version noted beside a kept value is the wrapped module's class's, not
+    # Node.of's own (which never changes when the user edits their model)
+    net = tmp_path / "netmod.py"
+    script = tmp_path / "run.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import torch
+            from netmod import Net
+            from somatize import Graph, Node
+
+            said = []
+            g = Graph.somatize(Node.of(Net()).cached())
+            out = g.forward(torch.ones(2), store=sys.argv[1], watching=said.append)
+            print(out.tolist(), [f.get("cache") for f in said if f["fact"] == "ran"])
+            """
+        )
+    )
+    ran = []
+    for k in (2, 3):
+        net.write_text(
+            "import torch\n\n\nclass Net(torch.nn.Module):\n"
+            f"    def forward(self, x):\n        return x * {k}\n"
+        )
+        done = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "store")],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        ran.append(done)
+    assert ran[0].stdout.strip() == "[2.0, 2.0] ['miss']"
+    assert "another version of its code" not in ran[0].stderr
+    assert ran[1].stdout.strip() == "[2.0, 2.0] ['hit']"  # the key is the same: told, not hidden
+    assert "node 'net': the cached value was kept by another version" in ran[1].stderr
