@@ -105,7 +105,8 @@ def _meta_pairs(meta: Any, name: str) -> list[tuple[str, Any]]:
 class Store:
     """Bytes kept by content, and names that point at them; see the module docstring.
 
-    `where` is a directory (created if missing) or an fsspec URL; `storage_options` go to
+    `where` is a directory (created if missing; `~` is the home directory, as in a shell)
+    or an fsspec URL; `storage_options` go to
     fsspec (say `endpoint_url=` or `key=` for s3). Safe to share between
     threads; processes sharing a directory (or a bucket) see each other's writes.
     """
@@ -116,7 +117,7 @@ class Store:
         if "://" not in text:
             if storage_options:
                 raise TypeError(f"storage options are for fsspec URLs, not the directory {text!r}")
-            self._place: Local | Remote = Local(text)
+            self._place: Local | Remote = Local(os.path.expanduser(text))  # "~/runs" as a shell
             return
         import fsspec
 

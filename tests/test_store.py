@@ -35,6 +35,18 @@ def test_a_directory_is_created_and_repr_says_where(tmp_path: Path) -> None:
     assert repr(Store("memory://here")) == "Store('memory://here')"
 
 
+def test_a_directory_under_the_home_directory_is_named_as_in_a_shell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    s = Store("~/runs")
+    s.keep("x", 1)
+    assert (tmp_path / "home" / "runs" / "blobs").is_dir()
+    assert not (tmp_path / "~").exists()  # no directory called '~' where the script ran
+    assert s.where == "~/runs" and Store("~/runs").recall("x") == 1
+
+
 def test_put_and_get_by_content(store: Store) -> None:
     key = store.put(b"hello")
     assert key == digest(b"hello") and key.startswith("sha256:")
