@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from somatize.codecs import encode
+from somatize.run import warn
 from somatize.store import Store, store_of
 
 if TYPE_CHECKING:
@@ -111,6 +113,15 @@ class Recorder:
         self.run = _check_run(run)
         self._lock = threading.Lock()
         self._forward = 0
+        self._number: int | None = None  # the record name this forward claimed, once written
+        held = [f[1] for name in self.store.names(f"run/{run}") if (f := _forward_of(name))]
+        self._next = max(held) + 1 if held else 0  # where to start claiming
+        if held:
+            warn(
+                f"run {self.run!r} already holds {len(held)} record(s) in {self.store!r}: "
+                f"this recorder's are numbered after them, in the same run; pass another "
+                f"run= (or none, for a fresh one) to keep two runs apart"
+            )
         self._facts: list[dict[str, Any]] = []
         self._ran: set[Any] = set()
         self._finished = False
@@ -121,7 +132,7 @@ class Recorder:
 
     @property
     def forwards(self) -> int:
-        """How many forwards this recorder has seen begin (the next one is numbered this)."""
+        """How many forwards this recorder has seen begin."""
         with self._lock:
             return self._forward + (1 if self._facts else 0)
 
@@ -137,6 +148,7 @@ class Recorder:
             if (kind in ("ran", "finished") and self._finished) or again:
                 self._write(broke=again)
                 self._forward += 1
+                self._number = None
                 self._facts, self._ran = [], set()
                 self._finished = False
             if kind == "ran":
@@ -166,10 +178,23 @@ class Recorder:
     def _write(self, broke: bool = False) -> None:
         if not self._dirty or not self._facts:
             return
+        if self._number is None:  # the first write of this forward: claim a free number,
+            key = self.store.put(encode(self._facts, where=f"the record of run {self.run!r}"))
+            number = self._next  # so that no other recorder of this run writes over it
+            while not self.store.claim(f"run/{self.run}/{number}", key, self._meta(number, broke)):
+                number += 1
+            self._number, self._next, self._dirty = number, number + 1, False
+            return
+        name = f"run/{self.run}/{self._number}"
+        self.store.keep(name, self._facts, meta=self._meta(self._number, broke))
+        self._dirty = False
+
+    def _meta(self, number: int, broke: bool) -> list[tuple[str, Any]]:
+        """The meta of this forward's record, numbered `number` in its run."""
         finished = [f for f in self._facts if f.get("fact") == "finished"]
         meta: list[tuple[str, Any]] = [
             ("run", self.run),
-            ("forward", self._forward),
+            ("forward", number),
             ("state", "ok" if finished else "broke" if broke else "unfinished"),
             ("nodes", sum(1 for f in self._facts if f.get("fact") == "ran")),
             ("took_us", finished[-1].get("took_us") if finished else None),
@@ -182,8 +207,7 @@ class Recorder:
             if clash:
                 raise ValueError(f"summarising may not overwrite the record's own meta {clash}")
             meta.extend(extra.items())
-        self.store.keep(f"run/{self.run}/{self._forward}", self._facts, meta=meta)
-        self._dirty = False
+        return meta
 
 
 # -- reading a run back -----------------------------------------------------------------

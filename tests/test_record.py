@@ -333,3 +333,64 @@ def test_runs_forwards_nodes_and_curve_are_dataframes(tmp_path: Path) -> None:
     with pytest.raises(LookupError, match="tuesday"):
         rec.forwards(store, "thursday")
     assert rec.runs(Store(tmp_path / "empty"))["run"].tolist() == []
+
+
+def test_a_run_recorded_again_is_added_after_what_it_holds_never_written_over(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "store")
+    first = Recorder(store, run="baseline", summarising=["loss"])
+    for i in range(5):
+        step(first, i)
+    with pytest.warns(UserWarning, match=r"run 'baseline' already holds 5 record\(s\).*run="):
+        again = Recorder(store, run="baseline", summarising=["loss"])
+    for i in range(3):
+        step(again, 10 + i)
+    frame = rec.forwards(store, "baseline")
+    assert frame["forward"].tolist() == list(range(8))
+    assert frame["loss.value"].tolist() == [1 / (i + 1) for i in (0, 1, 2, 3, 4, 10, 11, 12)]
+    assert rec.runs(store)["forwards"].tolist() == [8]
+
+
+def test_two_processes_recording_one_run_at_once_keep_every_record(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import sys
+        from somatize import Recorder, Store
+
+        store, me = Store(sys.argv[1]), sys.argv[2]
+        print("ready", flush=True)
+        sys.stdin.readline()  # both start writing at once
+        r = Recorder(store, run="shared")
+        for i in range(40):
+            r({"fact": "ran", "node": me, "began_us": 0.0, "took_us": float(i)})
+            r({"fact": "finished", "took_us": 1.0})
+        r.close()
+        """
+    )
+    where = str(tmp_path / "store")
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, where, who],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for who in ("a", "b")
+    ]
+    for child in children:
+        assert child.stdout.readline().strip() == "ready"
+    for child in children:
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    for child in children:
+        child.wait(timeout=120)
+        assert child.returncode == 0
+    kept = rec.records(Store(where), "shared")
+    assert [forward for forward, _ in kept] == list(range(80))
+    said = sorted((facts[0]["node"], facts[0]["took_us"]) for _, facts in kept)
+    assert said == sorted((who, float(i)) for who in "ab" for i in range(40))
