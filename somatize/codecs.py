@@ -18,6 +18,7 @@ a numpy header that promises more numbers than follow, and a codec whose `load` 
 from __future__ import annotations
 
 import builtins
+import collections
 import contextlib
 import hashlib
 import importlib
@@ -48,6 +49,7 @@ __all__ = [
 _TUPLE = 1
 _BIGINT = 2
 _CODEC = 3
+_ORDERED = 4  # a collections.OrderedDict (a state_dict), its items as [key, value] pairs
 
 # Kinds that ship with somatize carry their kind in the extension code itself, so their bytes
 # are handed to `load` without being unpacked and copied once more. Decoding a tensor imports
@@ -203,6 +205,8 @@ def _default(value: Any) -> msgpack.ExtType:
     plain = plain_ext(value, _pack)
     if plain is not None:
         return plain
+    if type(value) is collections.OrderedDict:  # a state_dict; not its subclasses (outputs)
+        return msgpack.ExtType(_ORDERED, _pack([[k, v] for k, v in value.items()]))
     found = _codec_for(value)
     if found is None:
         raise _Missing(value)
@@ -323,6 +327,14 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
 def _ext_hook(code: int, data: bytes) -> Any:
     if code in PLAIN:
         return plain_value(code, data, _unpack)
+    if code == _ORDERED:
+        items = _unpack(data)
+        if type(items) is not list or not all(type(i) is list and len(i) == 2 for i in items):
+            raise Malformed("an OrderedDict that does not hold [key, value] pairs")
+        try:
+            return collections.OrderedDict(items)
+        except TypeError as error:  # a key that cannot be one (a list, a dict)
+            raise Malformed(f"an OrderedDict with a key that cannot be one: {error}") from None
     if code == _CODEC:
         kind, payload = _envelope(data)
     elif code in _KNOWN_KIND:

@@ -357,3 +357,26 @@ def test_tensor_bytes_decode_without_importing_somatize_torch_first() -> None:
     )
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().split() == ["torch.int16", "[0,", "1,", "2]"]
+
+
+def test_an_ordered_dict_comes_back_as_one_in_its_order() -> None:
+    import collections
+
+    import msgpack
+
+    value = collections.OrderedDict([("b", 1), ((1, 2), [3.5, None]), ("a", {"x": (4,)})])
+    back = decode(encode(value))
+    assert type(back) is collections.OrderedDict and list(back.items()) == list(value.items())
+    assert type(back[(1, 2)]) is list and type(back["a"]["x"]) is tuple
+    assert encode(value) == encode(collections.OrderedDict(value))  # the same bytes
+    assert decode(encode({"o": collections.OrderedDict()})) == {"o": collections.OrderedDict()}
+
+    class Sorted(collections.OrderedDict):  # a subclass is not written down as its base
+        pass
+
+    with pytest.raises(NoCodec, match="Sorted"):
+        encode(Sorted(a=1))
+    for items in ([1, 2], [[1, 2, 3]], [[[1], 2]], "pairs"):  # hostile: refused, not a crash
+        data = msgpack.packb(msgpack.ExtType(4, msgpack.packb(items)))
+        with pytest.raises(ValueError, match="OrderedDict"):
+            decode(data)

@@ -336,3 +336,19 @@ def test_a_wrapped_modules_code_change_is_warned_about_on_a_hit(tmp_path: Path) 
     assert "another version of its code" not in ran[0].stderr
     assert ran[1].stdout.strip() == "[2.0, 2.0] ['hit']"  # the key is the same: told, not hidden
     assert "node 'net': the cached value was kept by another version" in ran[1].stderr
+
+
+def test_a_state_dict_is_kept_and_loads_into_a_fresh_model(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    model, ids = _gpt2()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # not the seed's weights
+    store.keep("weights", model.state_dict())  # an OrderedDict of tensors
+    back = Store(tmp_path / "store").recall("weights")
+    assert type(back) is type(model.state_dict()) and list(back) == list(model.state_dict())
+    fresh, _ = _gpt2()
+    fresh.load_state_dict(back)
+    model.eval(), fresh.eval()
+    with torch.no_grad():
+        assert torch.equal(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
