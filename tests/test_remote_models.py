@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from somatize import Broker, Graph, Node, Worker
-from somatize.remote import WorkerLost
+from somatize.remote import StateLost, WorkerLost
 from somatize.torch import Split, Trainer, parameters
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
@@ -131,23 +131,35 @@ def test_bert_split_after_its_embeddings_trains_on_a_worker_as_plain_torch_in_on
         broker.close()
 
 
-def test_closing_the_broker_brings_back_what_the_worker_learnt():
+def test_closing_the_broker_says_what_was_not_read_back_and_no_broker_goes_on_from_it():
+    import warnings
+
     bert, head = _bert()
     ref_bert, ref_head = copy.deepcopy(bert), copy.deepcopy(head)
     batches = _batches()
-    with Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as broker:
-        g, t = _split(bert, head, broker)
-        before = copy.deepcopy(bert.encoder.state_dict())
-        for b in batches:
-            t.step(b)
-        # the copy here did not learn while the worker's did
-        assert all(torch.equal(v, bert.encoder.state_dict()[k]) for k, v in before.items())
-    _by_hand(ref_bert, ref_head, batches)
-    for key, want in ref_bert.encoder.state_dict().items():  # no export was asked for
-        assert _close(bert.encoder.state_dict()[key], want), key
+    before = copy.deepcopy(bert.encoder.state_dict())
+    with pytest.warns(RuntimeWarning, match=r"\['enc'\] learnt on a worker.*Trainer.export"):
+        with Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as b:
+            g, t = _split(bert, head, b)
+            t.step(batches[0])
+    # the copy here never learnt, and a new broker does not send it on as if it had
+    assert all(torch.equal(v, bert.encoder.state_dict()[k]) for k, v in before.items())
     ids = batches[0][0]
     with Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as again:
-        out = g.forward(ids, broker=again)  # a new worker is sent what was learnt
+        with pytest.raises(StateLost, match="node 'enc' holds weights that learnt on host 'w'"):
+            g.forward(ids, broker=again)
+    # read back before closing: nothing to say, and the copy here is what was learnt
+    bert, head = copy.deepcopy(ref_bert), copy.deepcopy(ref_head)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        with Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as b:
+            g, t = _split(bert, head, b)
+            for batch in batches:
+                t.step(batch)
+            t.export()
+    _by_hand(ref_bert, ref_head, batches)
+    with Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as again:
+        out = g.forward(ids, broker=again)  # a new worker is sent what was read back
     want = ref_head(ref_bert.encoder(ref_bert.embeddings(input_ids=ids)).last_hidden_state)
     assert _close(out, want)
 
@@ -168,10 +180,42 @@ def test_a_worker_killed_after_training_names_the_nodes_whose_learning_went_with
             t.step(batches[2])
         said = "\n".join(getattr(lost.value, "__notes__", []))
         assert "['enc'] had learnt there" in said and "Trainer.load" in said
-        with pytest.warns(RuntimeWarning, match=r"\['enc'\] had learnt on a worker"):
+        with pytest.warns(RuntimeWarning, match=r"\['enc'\] learnt on a worker"):
             broker.close()
         # the copy here holds what was last read back
         for key, v in kept["enc"].items():
             assert torch.equal(bert.encoder.state_dict()[key.removeprefix("enc.")], v), key
     finally:
         broker.close()
+    # a new worker, through a new broker, is not sent the copy here as if it were current
+    with Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as again:
+        t = _split(bert, head, again)[1]
+        with pytest.raises(StateLost, match="node 'enc' holds weights that learnt on host 'w'"):
+            t.step(batches[2])
+        with pytest.raises(StateLost):  # refused again: nothing goes on from it silently
+            g.forward(batches[2][0], broker=again)
+        try:
+            t.step(batches[2])
+        except StateLost as error:
+            lost_too = error.exported
+        t.load(lost_too)
+        assert all(torch.equal(lost_too["enc"][k], v) for k, v in kept["enc"].items())
+        t.step(batches[2])  # resumed from the last weights read back
+        t.export()  # and read back, so closing loses nothing
+
+
+def test_a_node_that_learnt_through_one_broker_is_not_sent_on_by_another_until_read_back():
+    bert, head = _bert()
+    batches = _batches(2)
+    with (
+        Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as one,
+        Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as other,
+    ):
+        g, t = _split(bert, head, one)
+        t.step(batches[0])
+        ids = batches[1][0]
+        with pytest.raises(StateLost, match="through another broker"):
+            g.forward(ids, broker=other)  # it would run the encoder as it was before the step
+        t.export()  # read back: the copy here is current
+        with torch.no_grad():
+            assert _close(g.forward(ids, broker=other), g.forward(ids, broker=one))

@@ -1,8 +1,7 @@
 """The broker: which worker each host name lives on, what it holds, and running a plan there.
 
 A node reaches a worker the first time it is needed (`Worker`'s mode says how), with its
-weights; from then on the worker's copy is the one that runs and learns, until `close()`
-reads back what it learnt. A worker that was
+weights; from then on the worker's copy is the one that runs and learns. A worker that was
 restarted, or forgot this broker's session, holds none of it any more: a node that had learnt
 nothing there since its weights were last read back or sent is sent again from the copy here;
 one that had is `StateLost`, so training never goes on silently from older weights.
@@ -20,7 +19,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.codecs import NoCodec
 from somatize.node import Wrapped, kind_name
-from somatize.remote import wire
+from somatize.remote import ahead, wire
 from somatize.remote.allowed import version_of
 from somatize.remote.client import Worker
 from somatize.remote.connection import Connection
@@ -157,6 +156,7 @@ class Broker:
                 nodes,
                 exported,
             )
+        ahead.refuse_behind(nid, node, self.session)
         conn = self.connection(host)
         self._held[key] = (nid, node)
         self._read[key] = _hooks.modes(node)
@@ -247,8 +247,12 @@ class Broker:
         """Note that these nodes (each `(nid, node, device)`, as `send` takes them) may have
         learnt on `host`'s worker (a trainer's step ran there), so that losing them is
         `StateLost`, not a silent restart from older weights."""
-        keys = (self.key(node) for _, node, _ in nodes)
-        self._learnt.update((host, k) for k in keys if k in self._stateful)
+        for nid, node, _ in nodes:
+            key = self.key(node)
+            if key in self._stateful and (host, key) not in self._learnt:
+                self._learnt.add((host, key))
+                if "/" not in nid:  # a graph's node (a Learning lives with its Trainer)
+                    ahead.mark(nid, node, self.session, host)
 
     def resume(self, node: Any) -> None:
         """Go on from the copy here of `node` (what was last read back or sent) on a worker
@@ -275,6 +279,7 @@ class Broker:
         got = self.send(host, [(nid, node, device)], {"op": "state", "key": key})
         _hooks.stage_state(node, got)()
         self._learnt.discard((host, key))
+        ahead.unmark(node)
         return got
 
     def write(self, entries: list[tuple], *, then: Callable[[], Any]) -> None:
@@ -285,10 +290,17 @@ class Broker:
         lid = secrets.token_hex(6)
         hosts: list[str] = []
         lost = dict(self._lost)
+        # the caller says where to resume from: no longer behind, unless this fails
+        marks = [m for _, _, node, _, _ in entries for m in ahead.unmark(node)]
+
+        def undo() -> None:
+            self._lost = lost
+            ahead.remark(marks)
+
         try:
             for host, nid, node, device, state in entries:
                 key = self.key(node)
-                self._lost.pop(key, None)  # the caller says where to resume from
+                self._lost.pop(key, None)
                 defs = [d for d in [self.definition(host, nid, node, device)] if d]
                 message = {"op": "load", "phase": "stage", "load": lid, "key": key}
                 self.request(host, {**message, "state": state, "define": defs})
@@ -296,7 +308,7 @@ class Broker:
                 if host not in hosts:
                     hosts.append(host)
         except BaseException:
-            self._lost = lost
+            undo()
             self._each(hosts, lid, "drop")
             raise
         committed = []
@@ -306,7 +318,7 @@ class Broker:
                 committed.append(host)
             then()
         except BaseException:
-            self._lost = lost
+            undo()
             self._each(committed, lid, "undo")
             self._each([h for h in hosts if h not in committed], lid, "drop")
             raise
@@ -358,39 +370,21 @@ class Broker:
         keys = {k for h, k in self._learnt if host in (None, h)}
         return sorted({self._held[k][0].partition("/")[0] for k in keys if k in self._held})
 
-    def _bring_back(self) -> None:
-        """Read back what nodes learnt on their workers since it was last read back, so the
-        copies here hold it once the workers forget them; a worker that cannot answer is
-        warned about, naming the nodes whose learning is lost with it."""
-        lost: list[str] = []
-        gone: set[str] = set()
-        for host, key in sorted(self._learnt):
-            nid, node = self._held.get(key, (key, None))
-            try:
-                if host in gone:
-                    raise WorkerLost(host)
-                got = self.request(host, {"op": "state", "key": key})
-                _hooks.stage_state(node, got)()
-            except Exception:  # gone, restarted, or refusing: what it learnt is not here
-                gone.add(host)
-                lost.append(nid.partition("/")[0])
-        self._learnt.clear()
-        if lost:
-            warn(
-                f"closing the broker: node(s) {sorted(set(lost))} had learnt on a worker "
-                "that could not give it back (gone or restarted), so the copies here hold "
-                "what was last read back or sent; load weights you kept (Trainer.load)",
-                RuntimeWarning,
-            )
-
     def close(self) -> None:
-        """Read back what nodes learnt on the workers since it was last read back (the copies
-        here then hold it: `Trainer.export` and the graph here go on from it), tell each
-        worker to forget this broker's nodes, close, and stop spawned workers. A worker that
-        cannot give back what its nodes learnt is a `RuntimeWarning` naming them."""
+        """Tell each worker to forget this broker's nodes, close, and stop spawned workers.
+        Nodes that learnt on a worker since their weights were last read back
+        (`Trainer.export`) lose it: a `RuntimeWarning` names them, and another broker refuses
+        to send them on from their copies here (`StateLost`)."""
         if self.closed:
             return
-        self._bring_back()
+        if behind := self._behind():
+            warn(
+                f"closing the broker: node(s) {behind} learnt on a worker since their weights "
+                "were last read back, and the worker forgets them now: what they learnt is "
+                "lost, and the copies here hold what was last read back or sent. Read it back "
+                "before closing (Trainer.export) to keep it",
+                RuntimeWarning,
+            )
         for conn in self._connections.values():
             with contextlib.suppress(Exception):  # a worker that is gone has nothing to forget
                 conn.request({"op": "close", "session": self.session}, deadline=2.0)

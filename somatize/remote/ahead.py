@@ -1,0 +1,62 @@
+"""Which weights learnt on a worker since they were last read back, whichever broker sent
+them there: the copies here are behind, so another broker must not send them on as they are
+(it would train or run on from older weights, silently). Followed by parameter, so a graph
+built anew around the same modules is caught too."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from somatize import _hooks
+from somatize.remote.errors import StateLost
+
+__all__ = ["mark", "unmark", "remark", "refuse_behind"]
+
+_AHEAD: dict[int, tuple[weakref.ref, str, str, str]] = {}
+"""`{id(parameter): (a weak reference to it, the broker's session, the host, the node id)}`."""
+
+
+def _params(node: Any) -> list[Any]:
+    return [p for m in _hooks.state_modules(node) for p in m.parameters()]
+
+
+def mark(nid: str, node: Any, session: str, host: str) -> None:
+    """Note that node `nid` learnt on `host`'s worker through the broker of `session`."""
+    for p in _params(node):
+        i = id(p)
+        _AHEAD[i] = (weakref.ref(p, lambda _gone, i=i: _AHEAD.pop(i, None)), session, host, nid)
+
+
+def unmark(node: Any) -> list[tuple[int, tuple]]:
+    """Forget that `node`'s weights are ahead of their copies here (they were read back, or
+    loaded); what was noted, for `remark`."""
+    found = []
+    for p in _params(node):
+        entry = _AHEAD.get(id(p))
+        if entry is not None and entry[0]() is p:
+            found.append((id(p), _AHEAD.pop(id(p))))
+    return found
+
+
+def remark(marks: list[tuple[int, tuple]]) -> None:
+    """Put back what `unmark` answered (a load that failed)."""
+    _AHEAD.update(marks)
+
+
+def refuse_behind(nid: str, node: Any, session: str) -> None:
+    """`StateLost` for node `nid` when a weight of it learnt on a worker through another
+    broker than the one of `session` and was not read back: the copy here is behind it."""
+    for p in _params(node):
+        entry = _AHEAD.get(id(p))
+        if entry is not None and entry[0]() is p and entry[1] != session:
+            raise StateLost(
+                f"node {nid!r} holds weights that learnt on host {entry[2]!r} (as node "
+                f"{entry[3]!r}) through another broker, and what they learnt was not read back "
+                "(Trainer.export, or closing that broker) before the worker lost it or this "
+                "broker asked: the copy here is behind, and nothing was sent. Read it back "
+                "through that broker; or resume from the copy here, "
+                "Trainer.load(error.exported), or from weights you kept, Trainer.load(weights)",
+                [nid],
+                {nid: _hooks.state_of(node)},
+            )
