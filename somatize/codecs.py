@@ -272,7 +272,7 @@ def _path_to(value: Any, bad: Any, path: str = "") -> str | None:
     inside: list[tuple[str, Any]] = []
     if type(value) in (list, tuple):
         inside = [(f"[{i}]", item) for i, item in enumerate(value)]
-    elif type(value) is dict:
+    elif type(value) in (dict, collections.OrderedDict):
         for key, item in value.items():
             inside += [(f" key {key!r}", key), (f"[{key!r}]", item)]
     for at, item in inside:
