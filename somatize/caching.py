@@ -57,13 +57,14 @@ _watched: weakref.WeakSet[Any] = weakref.WeakSet()  # modules whose loads say st
 
 
 def _loaded(module: Any, incompatible: Any) -> None:
-    """A module a frozen node holds had a state dict loaded into it (torch's post hook)."""
+    """A module a node of a cached run holds had a state dict loaded (torch's post hook)."""
     state_changed()
 
 
 def _watch(node: Any) -> None:
-    """Hang `_loaded` on every module whose state the node's digest reads (once per module),
-    so that `module.load_state_dict(...)` reaches the keys as `Trainer.load` does."""
+    """Hang `_loaded` on every module the node holds (once per module), so that
+    `module.load_state_dict(...)` reaches the keys (its frozen digest, or its modules keyed as
+    its arguments) as `Trainer.load` does."""
     for module in _hooks.state_modules(node):
         if module not in _watched:
             module.register_load_state_dict_post_hook(_loaded)
@@ -82,16 +83,15 @@ def declarations(plan: Plan) -> dict[str, tuple[str, str, Callable[[], list[bool
             s = g.setting(nid)
             node = g.implementation(nid)
             state = _hooks.state_digest(node) if s.frozen else None
-            if state is not None:
-                _watch(node)
-                if _hooks.trainable(node):
-                    warn(
-                        f"node {nid!r} is declared .frozen() and is not settled: its "
-                        "parameters still ask for gradients, its modules may be in train mode "
-                        "(dropout, batch-norm statistics), and what is cached is what it "
-                        "computes so; call somatize.torch.freeze(g) first (eval mode, no "
-                        "gradients)"
-                    )
+            _watch(node)  # its modules' state is in a key: its digest, or keyed as arguments
+            if state is not None and _hooks.trainable(node):
+                warn(
+                    f"node {nid!r} is declared .frozen() and is not settled: its "
+                    "parameters still ask for gradients, its modules may be in train mode "
+                    "(dropout, batch-norm statistics), and what is cached is what it "
+                    "computes so; call somatize.torch.freeze(g) first (eval mode, no "
+                    "gradients)"
+                )
             known[nid] = (
                 declaration_key(node, s.salt, state),
                 code_version(node),

@@ -352,3 +352,17 @@ def test_a_state_dict_is_kept_and_loads_into_a_fresh_model(tmp_path: Path) -> No
     model.eval(), fresh.eval()
     with torch.no_grad():
         assert torch.equal(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_loading_weights_into_a_module_cached_without_frozen_misses(tmp_path: Path) -> None:
+    # a module with no parameter asking for a gradient may be cached without .frozen(): its
+    # state is keyed as the argument of Node.of, and a load_state_dict reaches that key too
+    store = Store(tmp_path / "store")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3).requires_grad_(False).eval()
+    g = Graph.somatize(Node.of(lin).cached())
+    x = torch.ones(1, 3)
+    assert _caching(g, x, store)[1] == ["miss"]
+    lin.load_state_dict({"weight": torch.eye(3), "bias": torch.zeros(3)})
+    out, said = _caching(g, x, store)
+    assert said == ["miss"] and torch.equal(out, x)
