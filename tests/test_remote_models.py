@@ -219,3 +219,28 @@ def test_a_node_that_learnt_through_one_broker_is_not_sent_on_by_another_until_r
         t.export()  # read back: the copy here is current
         with torch.no_grad():
             assert _close(g.forward(ids, broker=other), g.forward(ids, broker=one))
+
+
+def test_a_frozen_node_on_a_worker_learnt_nothing_and_goes_on_through_another_broker():
+    bert, head = _bert()
+    g = Graph.somatize(
+        Node.of(Embeddings(bert.embeddings)).named("emb")
+        >> Node.of(Encoder(bert.encoder)).named("enc").at("w").frozen()
+        >> Node.of(head).named("head").at("w")
+    )
+    ids = _batches(1)[0][0]
+    spawn = ["--threads", "1"]
+    with (
+        Broker.embedded({"w": Worker.spawn(spawn, mode="network")}) as one,
+        Broker.embedded({"w": Worker.spawn(spawn, mode="network")}) as other,
+    ):
+        trains = {"head": Split(torch.optim.SGD, lr=0.1)}
+        opt = torch.optim.SGD(parameters(g, without=trains), lr=0.1)
+        t = Trainer(g, objective=_loss, optimizer=opt, trains=trains, broker=one)
+        t.step(_batches(1)[0])
+        with pytest.raises(StateLost) as lost:  # the frozen encoder is sent; the head is not
+            g.forward(ids, broker=other)
+        assert lost.value.nodes == ["head"]
+        t.export()
+        with torch.no_grad():
+            assert _close(g.forward(ids, broker=other), g.forward(ids, broker=one))

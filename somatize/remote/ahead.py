@@ -24,6 +24,8 @@ def _params(node: Any) -> list[Any]:
 def mark(nid: str, node: Any, session: str, host: str) -> None:
     """Note that node `nid` learnt on `host`'s worker through the broker of `session`."""
     for p in _params(node):
+        if not p.requires_grad:  # a frozen weight learns nothing there
+            continue
         i = id(p)
         _AHEAD[i] = (weakref.ref(p, lambda _gone, i=i: _AHEAD.pop(i, None)), session, host, nid)
 
