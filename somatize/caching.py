@@ -385,7 +385,11 @@ _HOOKS = re.compile(r"^_.*hook")
 
 def _module(module: Any, where: str, k: _Keying) -> list:
     """A torch module by its class, its attributes (submodules too, but not the hooks hung on
-    it, whose keys are counters of this process) and the digest of its state."""
+    it, whose keys are counters of this process) and the digest of its state; a compiled one
+    (`torch.compile(model)`) as "compiled" and the module it compiled."""
+    compiled = getattr(module, "_orig_mod", None)
+    if type(module).__name__ == "OptimizedModule" and compiled is not None:
+        return ["compiled", k.said(compiled, f"{where} (the module it compiled)")]
     said = {n: v for n, v in vars(module).items() if not _HOOKS.match(n)}
     for held in ("_parameters", "_buffers"):  # its state: in the digest, or in the node's
         said[held] = sorted(said.get(held) or ())

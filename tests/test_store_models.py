@@ -366,3 +366,22 @@ def test_loading_weights_into_a_module_cached_without_frozen_misses(tmp_path: Pa
     lin.load_state_dict({"weight": torch.eye(3), "bias": torch.zeros(3)})
     out, said = _caching(g, x, store)
     assert said == ["miss"] and torch.equal(out, x)
+
+
+def test_a_compiled_model_is_cached_keyed_by_the_model_it_compiled(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh())
+    compiled = torch.compile(net, backend="eager")  # a torch.compile wrapper, as any backend's
+    g = Graph.somatize(Node.of(compiled).frozen().cached())
+    freeze(g)
+    x = torch.randn(2, 3)
+    first, said = _caching(g, x, store)
+    assert said == ["miss"]
+    again, said = _caching(g, x, store)
+    assert said == ["hit"] and torch.equal(again, first)
+    eager = Graph.somatize(Node.of(net).frozen().cached())  # the same weights, not compiled:
+    assert _caching(eager, x, store)[1] == ["miss"]  # its own value, not the compiled one's
+    net.load_state_dict({k: v + 1 for k, v in net.state_dict().items()})
+    out, said = _caching(g, x, store)  # the weights it compiled changed: computed anew
+    assert said == ["miss"] and torch.equal(out, net(x))
