@@ -1,9 +1,10 @@
 """Running a plan against a store: `.cached()` nodes are looked up before they compute.
 
 A node's key is its declaration (class, constructor arguments, salt, the digest of its state
-when frozen), the train/eval mode of each module it holds and the keys of its inputs; the graph's input is keyed by the digest of its bytes.
-A node that is not cached still passes a key on, so a cached node after it keeps working. A
-`.mapped().cached()` node is keyed item by item and handed only the items that are missing.
+when frozen), the train/eval mode of each module it holds and the keys of its inputs; the
+graph's input is keyed by the digest of its bytes. A node that is not cached still passes a
+key on, so a cached node after it keeps working. A `.mapped().cached()` node is keyed item by
+item and handed only the items that are missing.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ _changes = 0  # how many times a node's state was changed through the library
 
 def state_changed() -> None:
     """Say that a node's state changed (`Trainer.load`, `freeze`, a `load_state_dict` into a
-    module of a frozen node): the keys of every plan, worked out once per plan, are worked out
+    module a node of a cached run holds): the keys of every plan, worked out once per plan, are worked out
     again at its next cached walk, so that a frozen node's new state digest reaches them.
     (`g.invalidate()` drops its graph's plan, and with it the keys: what to call after
     changing weights in place by hand.)"""
