@@ -1,6 +1,8 @@
-"""A real transformers model kept in a real store, as a researcher would: a `Node.of(model)`
-cached, its output recalled in a fresh process, its key the same in every process and
-different between train and eval mode."""
+"""Real models kept in a real store, as a researcher would: a `Node.of(model)` cached (GPT-2,
+an LSTM and a GRU, a compiled net), its output recalled bit for bit in a fresh process, its
+key the same in every process and changed by what changes what it computes (train or eval
+mode, a load_state_dict), a damaged value computed again, a mapped model run on the missing
+items alone, a state_dict kept and loaded, an output class of one's own refused when kept."""
 
 from __future__ import annotations
 
