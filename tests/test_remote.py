@@ -444,8 +444,8 @@ def test_state_lost_names_the_nodes_not_what_trains_them_there():
     try:
         broker = Broker.embedded({"gpu": standing.worker()})
         torch.manual_seed(0)
-        g = Graph.somatize(
-            Lin(4, 8).named("enc").frozen()
+        g = Graph.somatize(  # a frozen node there too: it learnt nothing, so it is not lost
+            Lin(4, 8).named("enc").frozen().at("gpu")
             >> Lin(8, 8).named("body").at("gpu")
             >> Lin(8, 2).named("head")
         )

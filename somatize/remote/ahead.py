@@ -18,7 +18,7 @@ _AHEAD: dict[int, tuple[weakref.ref, str, str, str]] = {}
 
 
 def _params(node: Any) -> list[Any]:
-    return [p for m in _hooks.state_modules(node) for p in m.parameters()]
+    return [p for m in _hooks.state_modules(node) for p in m.parameters(recurse=False)]
 
 
 def mark(nid: str, node: Any, session: str, host: str) -> None:

@@ -249,10 +249,13 @@ class Broker:
         `StateLost`, not a silent restart from older weights."""
         for nid, node, _ in nodes:
             key = self.key(node)
-            if key in self._stateful and (host, key) not in self._learnt:
+            if key not in self._stateful or (host, key) in self._learnt:
+                continue
+            if "/" in nid:  # a Learning (its optimizer's state) lives with its Trainer
                 self._learnt.add((host, key))
-                if "/" not in nid:  # a graph's node (a Learning lives with its Trainer)
-                    ahead.mark(nid, node, self.session, host)
+            elif _learns(node):  # a frozen node learns nothing there
+                self._learnt.add((host, key))
+                ahead.mark(nid, node, self.session, host)
 
     def resume(self, node: Any) -> None:
         """Go on from the copy here of `node` (what was last read back or sent) on a worker
@@ -406,6 +409,15 @@ class Broker:
 
     def __repr__(self) -> str:
         return "Broker(" + ", ".join(f"{h!r}: {w!r}" for h, w in self.workers.items()) + ")"
+
+
+def _learns(node: Any) -> bool:
+    """Whether a step can change `node`'s state: a parameter that gets a gradient, or a
+    module in train mode holding buffers (a BatchNorm's running statistics)."""
+    if _hooks.trainable(node):
+        return True
+    modules = _hooks.state_modules(node)
+    return any(m.training and next(m.buffers(recurse=False), None) is not None for m in modules)
 
 
 def describe(
