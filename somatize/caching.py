@@ -68,7 +68,10 @@ def _watch(node: Any) -> None:
     its arguments) as `Trainer.load` does."""
     for module in _hooks.state_modules(node):
         if module not in _watched:
-            module.register_load_state_dict_post_hook(_loaded)
+            try:
+                module.register_load_state_dict_post_hook(_loaded)
+            except RuntimeError:  # a TorchScript module takes no hooks: g.invalidate() for it
+                pass
             _watched.add(module)
 
 

@@ -387,3 +387,18 @@ def test_a_compiled_model_is_cached_keyed_by_the_model_it_compiled(tmp_path: Pat
     net.load_state_dict({k: v + 1 for k, v in net.state_dict().items()})
     out, said = _caching(g, x, store)  # the weights it compiled changed: computed anew
     assert said == ["miss"] and torch.equal(out, net(x))
+
+
+def test_a_torchscript_model_is_cached_under_a_salt(tmp_path: Path) -> None:
+    # its state lives in C++ (no key reads it: a salt says which it is), and it takes no hooks
+    store = Store(tmp_path / "store")
+    torch.manual_seed(0)
+    scripted = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Tanh()))
+    for p in scripted.parameters():
+        p.requires_grad = False
+    g = Graph.somatize(Node.of(scripted).frozen().cached(salt="v1"))
+    x = torch.randn(2, 3)
+    first, said = _caching(g, x, store)
+    assert said == ["miss"]
+    again, said = _caching(g, x, store)
+    assert said == ["hit"] and torch.equal(again, first) and torch.equal(again, scripted(x))
