@@ -74,12 +74,14 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     dataclass's fields, an `Opaque`), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if isinstance(value, Opaque):
-        return tensors_in(value.value)
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in tensors_in(v)]
+    if value is None or isinstance(value, (int, float, str)):  # (the most common others)
+        return []
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensors_in(v)]
+    if isinstance(value, Opaque):
+        return tensors_in(value.value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [t for f in dataclasses.fields(value) for t in tensors_in(getattr(value, f.name))]
     return []
@@ -155,6 +157,8 @@ class Held:
 
     def _holding(self, which: Callable[[torch.Tensor], bool]) -> str | None:
         """'Model holds a.weight, b.bias' for the first root holding such tensors, if any."""
+        if not any(which(p) for p in self.params) and not any(which(b) for *_, b in self.buffers):
+            return None  # (the names are looked for only when there is something to name)
         for m in self.roots:
             named = itertools.chain(m.named_parameters(), m.named_buffers())
             names = [name for name, t in named if which(t)]

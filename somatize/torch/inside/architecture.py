@@ -78,7 +78,7 @@ def _raw(module: nn.Module, plan: Any, shape: Any) -> tuple[Traced, str, str | N
     or without an example an fx trace), `shape` that of what the module gave back."""
     if isinstance(plan, Reading):  # read in the graph's run: nothing runs again
         how = "symbolic" if plan.why is None else "traced"
-        return (plan.result(), how, plan.why) if plan.calls else None
+        return (plan.result(), how, plan.why) if plan.runs else None
     if not parts_of(module):  # one layer, whatever its forward does inside
         out = Traced()
         Opening(module, 0).add_leaf(out, "").shape = shape

@@ -28,7 +28,7 @@ from somatize.torch._modules import Holder, Tap, parts_of, root_of, tensors_in, 
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import norm, read, sums_of, wide
 from somatize.torch.audit._place import saturation
-from somatize.torch.inside._forward import Reading
+from somatize.torch.inside._forward import Boxes
 from somatize.torch.inside.architecture import run_here
 
 __all__ = ["probe"]
@@ -211,7 +211,7 @@ def probe(
     roots = {node: root_of(g.implementation(node)) for node in g.nodes()}
     nodes = {n: _Place(n, None, [r] if r is not None else []) for n, r in roots.items()}
     inner: dict[str, dict[str, _Place]] = {}
-    hooks: list[Reading] = []
+    hooks: list[Boxes] = []
     known = _Tensors()
     for node, root in roots.items():
         if root is None or not parts_of(root):
@@ -219,22 +219,19 @@ def probe(
         # the boxes `architecture` draws inside it (the first `most` that ran), each as it ran
         places = inner[node] = {}
 
-        def box(path: str, module: Any, given: Any, output: Any, node=node, places=places) -> None:
+        def box(path: str, module: Any, ins: list, outs: list, node=node, places=places) -> None:
             place = places.get(path)
             if place is None:
                 if len(places) >= most:
                     return
-                ins, outs = tensors_in(given), tensors_in(output)
                 if any(o is t for o in outs for t in ins):
                     return  # in place (`x += y`, `x.relu_()`): what it read is gone
                 place = places[path] = _Place(node, path, [module] if module is not None else [])
-            elif place.numbers is None:  # (its first call gave nothing to measure)
-                ins, outs = tensors_in(given), tensors_in(output)
-            else:
-                return  # the first call is the place's
+            elif place.numbers is not None:
+                return  # the first call is the place's (unless it gave nothing to measure)
             place.saw(ins, outs, known)
 
-        hooks.append(Reading(root, depth, heard=box))
+        hooks.append(Boxes(root, depth, heard=box))
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
         with contextlib.ExitStack() as quiet:  # (its own measuring is no layer of a node's)
