@@ -37,12 +37,15 @@ def _size(text: str) -> int:
 
 
 def _endpoint(listen: str) -> str:
-    if "://" in listen:
+    if "://" in listen and not listen.startswith("tcp://"):
         return listen
-    host, _, port = listen.rpartition(":")
-    if not host or not port:
-        raise SystemExit(f"--listen takes HOST:PORT (say 127.0.0.1:7000), not {listen!r}")
-    return f"tcp://{host}:{'*' if port == '0' else port}"
+    host, _, port = listen.removeprefix("tcp://").rpartition(":")
+    if not host or not (port == "*" or port.isdigit() and int(port) < 65536):
+        raise SystemExit(
+            f"--listen takes HOST:PORT, the port a number from 0 (any free one) to 65535 "
+            f"(say 127.0.0.1:7000), not {listen!r}"
+        )
+    return f"tcp://{host}:{'*' if port in ('0', '*') else int(port)}"
 
 
 def _watch_parent(parent: int) -> None:

@@ -388,3 +388,15 @@ def test_the_token_is_the_command_lines_else_the_first_line_of_its_file_else_the
                     _hello(Worker.at(spawned.address, token=other))
         finally:
             spawned.stop()
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "127.0.0.1:abc", "127.0.0.1"])
+def test_a_worker_told_to_listen_where_it_cannot_says_so_and_does_not_start(listen):
+    env = {**os.environ, "SOMATIZE_TOKEN": "t", "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-m", "somatize.worker", "--listen", listen]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    # not another port than the one asked for (ZeroMQ takes 99999 as 99999 - 65536)
+    assert done.returncode != 0 and "ready" not in done.stdout
+    assert f"port a number from 0 (any free one) to 65535 (say 127.0.0.1:7000), not {listen!r}" in (
+        done.stderr
+    )
