@@ -351,7 +351,9 @@ class Wrapped(Node):
 
     Every tool treats the module it holds as the node itself: its parameters are the node's,
     its submodules are the places `node.path.to.layer` inside it, and its default id is its
-    class name lower-cased (a function's name, for a function).
+    class name lower-cased (a function's name, for a function). `held` is the module or
+    function itself: `g.implementation(id).held` is the model one built (to unfreeze it,
+    call `.requires_grad_(True)` on it, say).
     """
 
     def __init__(self, held: Any) -> None:
