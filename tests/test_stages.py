@@ -285,3 +285,34 @@ def test_tied_weights_across_a_cut_are_refused_naming_both_and_untied_they_train
         assert torch.allclose(learnt, reference.lm_head.weight, rtol=0, atol=1e-12)
     finally:
         broker.close()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+def test_tied_weights_on_one_side_of_the_cuts_train_as_torch_with_the_blocks_on_a_worker():
+    from models import zoo
+
+    m = zoo.gpt2().model.double()
+    for module in m.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    reference = copy.deepcopy(m)
+    tr = m.transformer
+    g = Graph.somatize(  # embedding and head here (one weight), the blocks on a worker
+        Node.of(Embed(tr.wte, tr.wpe)).named("emb")
+        >> Node.of(Blocks(tr.h, tr.ln_f)).named("blocks").at("far")
+        >> Node.of(m.lm_head).named("head")
+    )
+    with Broker.embedded({"far": Worker.spawn(["--threads", "1"], mode="network")}) as broker:
+        trains = {"blocks": Split(SGD, lr=0.1)}
+        opt = SGD(parameters(g, without=trains), lr=0.1)
+        t = Trainer(g, objective=_token_loss, optimizer=opt, trains=trains, broker=broker)
+        by_hand = SGD(reference.parameters(), lr=0.1)
+        for ids, y in _tokens():
+            by_hand.zero_grad()
+            loss = _token_loss(reference(input_ids=ids).logits, y)
+            loss.backward()
+            by_hand.step()
+            assert t.step((ids, y)) == pytest.approx(loss.item(), rel=1e-12)
+        t.export()
+    assert m.lm_head.weight is tr.wte.weight  # still one weight, moved once per step
+    assert torch.allclose(tr.wte.weight, reference.transformer.wte.weight, rtol=0, atol=1e-12)
