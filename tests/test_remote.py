@@ -376,6 +376,7 @@ def _batches(n: int = 10) -> list:
     return [(torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)) for _ in range(n)]
 
 
+@pytest.mark.filterwarnings("ignore:closing the broker:RuntimeWarning")  # on purpose
 def test_a_restarted_worker_gets_what_it_held_and_never_trains_on_from_older_weights():
     from somatize.torch import OutOfStep
 
@@ -436,6 +437,7 @@ def test_the_first_request_after_a_restart_may_be_as_large_as_a_client_s():
         standing.stop()
 
 
+@pytest.mark.filterwarnings("ignore:closing the broker:RuntimeWarning")  # on purpose
 def test_state_lost_names_the_nodes_not_what_trains_them_there():
     from somatize.torch import Greedy, OutOfStep, Trainer, parameters
 
