@@ -375,7 +375,6 @@ RESNET_CLIENT = textwrap.dedent(
     import sys, torch
     from torch import nn
 
-    torch.set_default_dtype(torch.float64)
     SIZES, ROUNDS = [48, 16, 8], 2
 
     class Block(nn.Module):  # torchvision's BasicBlock, small
@@ -401,13 +400,13 @@ RESNET_CLIENT = textwrap.dedent(
 
     def data(k):
         gen = torch.Generator().manual_seed(100 + k)
-        x = torch.randn(SIZES[k], 3, 6, 6, generator=gen)
+        x = torch.randn(SIZES[k], 3, 6, 6, generator=gen, dtype=torch.float64)
         y = torch.randint(0, 4, (SIZES[k],), generator=gen)
         return [(x[i:i + 8], y[i:i + 8]) for i in range(0, SIZES[k], 8)]
 
     def build():
         torch.manual_seed(0)  # every client starts from the same weights
-        return ResNet()
+        return ResNet().double()
 
     if __name__ == "__main__":
         from somatize import Graph, Store
@@ -421,7 +420,8 @@ RESNET_CLIENT = textwrap.dedent(
             losses += t.fit(data(mine)).history
             t.load(gather(store, t.export(), run="fed", round=r, clients=3, mine=mine,
                           size=SIZES[mine], within=60, asking=0.05))
-        store.keep(f"final/{mine}", {"losses": {"all": torch.tensor(losses)}, **t.export()})
+        losses = {"all": torch.tensor(losses, dtype=torch.float64)}
+        store.keep(f"final/{mine}", {"losses": losses, **t.export()})
     """
 )
 
