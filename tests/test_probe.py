@@ -381,3 +381,58 @@ def test_a_node_that_hands_its_input_on_has_gains_of_one():
     same = got["same"]
     assert (same["signal_gain"], same["jacobian_gain"], same["jacobian_spread"]) == (1, 1, 0)
     assert got["double.l"]["signal_gain"] > 1  # (the place before it measured as ever)
+
+
+class _Dec(nn.Module):
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.lin = lin
+        self.skip = nn.Identity()
+
+    def forward(self, x):
+        return torch.sigmoid(self.lin(x)) + self.skip(x)
+
+
+class Shared(nn.Module):
+    """One Linear held in two blocks and called in each, an Identity handing its input on,
+    and functions inside a block and after it."""
+
+    def __init__(self):
+        super().__init__()
+        lin = nn.Linear(4, 4)
+        self.enc = nn.Sequential(lin, nn.Tanh())
+        self.dec = _Dec(lin)
+
+    def forward(self, x):
+        return self.dec(self.enc(x)) * 2
+
+
+def test_a_module_held_in_two_blocks_is_probed_at_each_box_architecture_draws():
+    from somatize.torch import architecture
+
+    torch.manual_seed(0)
+    net, x = Shared(), torch.randn(6, 4)
+    inside = architecture(net, x)["shared"]
+    boxes = [f"shared.{la.path}" for la in inside.layers if not la.made_of]
+    assert boxes == [
+        "shared.enc.0",
+        "shared.enc.1",
+        "shared.dec.lin",
+        "shared.dec.sigmoid",
+        "shared.dec.add",
+        "shared.mul",
+    ]
+    got = probe(net, x)
+    assert list(got) == ["shared", *boxes]
+    # dec.lin is the Linear's second call, on what enc gave (not its first, on x)
+    lin = net.dec.lin
+    w, b = lin.weight.detach().double(), lin.bias.detach().double()
+    h = torch.tanh(x.double() @ w.T + b)
+    rms = lambda t: float(t.pow(2).mean().sqrt())  # noqa: E731
+    eps = torch.finfo(torch.float32).eps
+    assert got["shared.dec.lin"]["signal_gain"] == pytest.approx(
+        rms(h @ w.T + b) / rms(h), rel=64 * eps
+    )
+    assert got["shared.enc.0"]["signal_gain"] == pytest.approx(
+        rms(x.double() @ w.T + b) / rms(x.double()), rel=64 * eps
+    )
