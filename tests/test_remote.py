@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -47,7 +48,9 @@ def two():
     b = Worker.spawn(["--threads", "1"], send=[NODES])
     broker = Broker.embedded({"a": a, "b": b})
     yield broker
-    broker.close()
+    with warnings.catch_warnings():  # what the tests' nodes learnt there is not wanted
+        warnings.simplefilter("ignore", RuntimeWarning)
+        broker.close()
 
 
 def hello(broker: Broker, host: str) -> dict:
