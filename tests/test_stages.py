@@ -316,3 +316,25 @@ def test_tied_weights_on_one_side_of_the_cuts_train_as_torch_with_the_blocks_on_
         t.export()
     assert m.lm_head.weight is tr.wte.weight  # still one weight, moved once per step
     assert torch.allclose(tr.wte.weight, reference.transformer.wte.weight, rtol=0, atol=1e-12)
+
+
+def test_a_trainer_refused_for_tied_weights_across_a_cut_changed_nothing_before_it_refused():
+    # the tie check runs with the other checks: a frozen node is not yet settled, no Learning
+    # is bound, so the same graph and trains, untied, build a Trainer as if nothing happened
+    torch.manual_seed(0)
+    stem, body, head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    head.weight = stem.weight  # tied, and head is trained by Split: a cut between them
+    g = Graph.somatize(
+        Node.of(stem).named("stem") >> Node.of(body).named("body").frozen() >> Node.of(head)
+    )
+    trains = {"linear": Split(torch.optim.SGD, lr=0.1)}
+    opt = torch.optim.SGD(parameters(g, without=trains), lr=0.1)
+    with pytest.raises(ValueError, match=r"'stem' \(weight\) and node 'linear' \(weight\)"):
+        Trainer(g, objective=nn.functional.mse_loss, optimizer=opt, trains=trains)
+    assert body.training and all(p.requires_grad for p in body.parameters())  # not settled
+    head.weight = nn.Parameter(stem.weight.detach().clone())
+    opt = torch.optim.SGD(parameters(g, without=trains), lr=0.1)
+    t = Trainer(g, objective=nn.functional.mse_loss, optimizer=opt, trains=trains)
+    assert not body.training and not any(p.requires_grad for p in body.parameters())
+    x = torch.randn(3, 4)
+    assert t.step((x, x)) > 0

@@ -240,37 +240,42 @@ class Part:
 _HERE = (None, None)
 
 
-def _trained_how(part: Part) -> str:
-    where = "here" if part.host is None else f"on host {part.host!r}"
-    by = "the Trainer's optimizer" if part.learning is None else type(part.learning).__name__
-    return f"{where}, by {by}"
+def untied(graph: Graph, trains: dict[str, Any]) -> None:
+    """Refuse one trainable parameter held by two nodes that a cut parts (tied weights,
+    GPT-2's `wte` and `lm_head`, on another host or trained by another thing than each
+    other): each side would update it on its own (on a worker, a copy of its own), so the tie
+    would not hold and the training would not be the one process's. A `ValueError` naming
+    both nodes and keys; called by the Trainer before it changes anything."""
+    hosts = graph.hosts()
 
+    def how(nid: str) -> str:
+        host, learning = hosts.get(nid), trains.get(nid)
+        where = "here" if host is None else f"on host {host!r}"
+        by = "the Trainer's optimizer" if learning is None else type(learning).__name__
+        return f"{where}, by {by}"
 
-def untied(parts: list[Part]) -> None:
-    """Refuse one trainable parameter held by nodes of parts with different (host, Learning)
-    pairs (tied weights, GPT-2's `wte` and `lm_head`, on two sides of a cut): each side would
-    update it on its own (on a worker, a copy of its own), so the tie would not hold and the
-    training would not be the one process's. A `ValueError` naming both nodes and keys."""
-    seen: dict[int, tuple[Part, str, str]] = {}
-    for part in parts:
-        for nid in part.ids:
-            for key, t in state_of(part.nodes[nid]).items():
-                if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
-                    continue
-                first = seen.setdefault(id(t), (part, nid, key))
-                other, oid, okey = first
-                if (other.host, other.trained) == (part.host, part.trained):
-                    continue
-                raise ValueError(
-                    f"node {oid!r} ({okey}) and node {nid!r} ({key}) hold one parameter (tied "
-                    f"weights), and a cut runs between them: {oid!r} is trained "
-                    f"{_trained_how(other)}, {nid!r} {_trained_how(part)}. Each side would "
-                    "update it on its own (a worker, a copy of its own), so the tie would not "
-                    "hold and training would differ from one process. Keep tied weights on "
-                    "one side of every cut (one host, trained by one thing), or untie them: "
-                    "give one of the two a copy of its own, "
-                    "module.weight = nn.Parameter(module.weight.detach().clone())"
-                )
+    def side(nid: str) -> tuple[str | None, str | None]:
+        return hosts.get(nid), nid if nid in trains else None
+
+    seen: dict[int, tuple[str, str]] = {}
+    for nid in graph.topological_sort():
+        if graph.setting(nid).frozen:  # frozen, it learns nothing on either side
+            continue
+        for key, t in state_of(graph.implementation(nid)).items():
+            if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
+                continue
+            oid, okey = seen.setdefault(id(t), (nid, key))
+            if side(oid) == side(nid):  # one host, trained by one thing
+                continue
+            raise ValueError(
+                f"node {oid!r} ({okey}) and node {nid!r} ({key}) hold one parameter (tied "
+                f"weights), and a cut runs between them: {oid!r} is trained {how(oid)}, "
+                f"{nid!r} {how(nid)}. Each side would update it on its own (a worker, a copy "
+                "of its own), so the tie would not hold and training would differ from one "
+                "process. Keep tied weights on one side of every cut (one host, trained by "
+                "one thing), or untie them: give one of the two a copy of its own, "
+                "module.weight = nn.Parameter(module.weight.detach().clone())"
+            )
 
 
 class Stages:
@@ -319,8 +324,6 @@ class Stages:
                     whole=self.whole,
                 )
             )
-        if not self.whole:
-            untied(self.parts)
         where = transport or (lambda host: None)
         self.leaves = tuple(graph.leaves())
         # the leaves outside the last part, whose values cross a cut to reach the loss

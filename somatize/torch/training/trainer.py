@@ -24,7 +24,7 @@ from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import freeze, named, state_of, trained
 from somatize.torch.training.remote import Remote
-from somatize.torch.training.stages import Stages
+from somatize.torch.training.stages import Stages, untied
 
 __all__ = ["Trainer", "Result", "NoGradient"]
 
@@ -131,6 +131,7 @@ class Trainer:
             told, audit = [], None  # rank 0 tells the facts
         hosts = _checks.hosts_of(graph, broker)
         remotes = {host: Remote(broker, host) for host in sorted(set(hosts.values()))}
+        untied(graph, trains)
 
         # Everything is checked: from here on, things change.
         freeze(graph)
