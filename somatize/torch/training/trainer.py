@@ -114,6 +114,7 @@ class Trainer:
         told = _checks.watchers_of(watching)
         _checks.something_to_train(graph)
         trains = _checks.trains_of(graph, trains)
+        untied(graph, trains)  # before what the optimizer holds: a tie makes that misleading
         held = _checks.held_by(graph, optimizer, trains)
         audit = _checks.audit_of(auditing)
         self.store = None if store is None else store_of(store)
@@ -131,7 +132,6 @@ class Trainer:
             told, audit = [], None  # rank 0 tells the facts
         hosts = _checks.hosts_of(graph, broker)
         remotes = {host: Remote(broker, host) for host in sorted(set(hosts.values()))}
-        untied(graph, trains)
 
         # Everything is checked: from here on, things change.
         freeze(graph)
