@@ -4,9 +4,11 @@ Each client trains, exports (`Trainer.export`), puts its round into a shared sto
 `gather`, and gets the same average back; exactly one of them computes it::
 
     for r in range(rounds):
-        trainer.fit(my_data)
+        trainer.fit(loader)
         trainer.load(gather(store, trainer.export(), run="fed", round=r,
-                            clients=3, mine=k, size=len(my_data)))
+                            clients=3, mine=k, size=len(loader.dataset)))
+
+`size` is how many samples the client trained on (`len(loader)` would count batches).
 """
 
 from __future__ import annotations
