@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -209,7 +210,9 @@ def test_step_returns_the_whole_loss_and_fit_a_result_that_prints_in_one_line():
     took = sum(result.seconds)
     assert said == f"Result(8 steps, loss {first:.3g} → {last:.3g}, {took:.3g} s)"
     assert "\n" not in said and len(result.seconds) == 8 and len(result.epochs) == 2
-    assert repr(Result([])) == "Result(0 steps)" and repr(Result([0.5])).startswith("Result(1 step,")
+    assert repr(Result([])) == "Result(0 steps)" and repr(Result([0.5])).startswith(
+        "Result(1 step,"
+    )
     assert str(Result(list(map(float, range(1000))))).count(",") == 1  # not every loss
 
 
@@ -309,7 +312,9 @@ def test_a_graph_with_nothing_to_train_and_trains_naming_a_node_without_paramete
         Trainer(g, objective=mse, optimizer=SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
     g = Graph.somatize(Layer(4, 4).named("a") >> Free().named("twice") >> Layer(4, 2).named("b"))
     with pytest.raises(ValueError, match="'twice'.*no parameter"):
-        Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), trains={"twice": Split(SGD)})
+        Trainer(
+            g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), trains={"twice": Split(SGD)}
+        )
 
 
 def test_an_optimizer_over_a_subset_trains_that_subset_as_torch_would():
@@ -397,10 +402,15 @@ def test_with_micro_an_input_and_a_target_of_other_lengths_are_refused_before_an
     heard = []
     g = mlp()
     # a loss that broadcasts (8, 2) against (1, 2) would give a number, and a wrong one
-    t = Trainer(g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), micro=2, watching=heard.append)
+    t = Trainer(
+        g, objective=mse, optimizer=SGD(parameters(g), lr=0.1), micro=2, watching=heard.append
+    )
     before = t.export()
     x = torch.randn(8, 4, dtype=torch.float64)
-    for y in (torch.randn(2, 2, dtype=torch.float64), {"y": torch.randn(4, 2, dtype=torch.float64)}):
+    for y in (
+        torch.randn(2, 2, dtype=torch.float64),
+        {"y": torch.randn(4, 2, dtype=torch.float64)},
+    ):
         with pytest.raises(ValueError, match=r"target(\['y'\])? has shape \((2|4), 2\).* 8 \("):
             t.step((x, y))
     same(t.export(), before, tol=0)
@@ -754,19 +764,31 @@ def test_in_a_notebook_a_fit_shows_its_bar_and_leaves_a_line_and_an_audited_one_
     import nbformat
     from nbclient import NotebookClient
 
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.strip()) for c in KERNEL_CELLS])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nb = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(c.strip()) for c in KERNEL_CELLS]
+    )
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     outputs = nb.cells[0].outputs
     faces = [o for o in outputs if "smz-face" in o.get("data", {}).get("text/html", "")]
     assert len(faces) == 1  # the audit shown once, and filled by both fits
     lines = [o.data["text/plain"] for o in outputs if o.get("data", {}).keys() == {"text/plain"}]
     # each bar, once its fit ended, is the line saying what the fit did (what a saved notebook keeps)
-    assert len(lines) == 2 and all(re.fullmatch(r"training: \d+ steps, loss \S+ → \S+, [\d.]+ s", x) for x in lines)
+    assert len(lines) == 2 and all(
+        re.fullmatch(r"training: \d+ steps, loss \S+ → \S+, [\d.]+ s", x) for x in lines
+    )
     assert lines[0].startswith("training: 6 steps") and lines[1].startswith("training: 3 steps")
     assert outputs[-1]["text"].strip() == "LiveAudit 9"
     plain = nb.cells[1].outputs  # nothing audited, nothing drawn: the bar's line, and None
-    assert [o.get("data", {}).get("text/plain", "")[:17] for o in plain[:-1]] == ["training: 3 steps"]
+    assert [o.get("data", {}).get("text/plain", "")[:17] for o in plain[:-1]] == [
+        "training: 3 steps"
+    ]
     assert plain[-1]["text"].strip() == "None"
     # a run of the user's own LiveAudit watching: that one is drawn, no second one beside it
     watched = nb.cells[2].outputs
@@ -1187,3 +1209,28 @@ def test_a_compiled_nodes_weights_go_by_the_keys_of_the_module_it_compiled():
     twin.load(out, strict=True)  # into the eager twin, and back
     same(twin.export(), out, tol=0)
     t.load(twin.export())
+
+
+_NORM = nn.LayerNorm(4)  # a module a notebook holds as a global, called by a function node
+
+
+def _normed(o):
+    return _NORM(o)
+
+
+def test_a_function_node_calling_a_module_it_reaches_by_name_is_warned_of_when_nothing_trains_it():
+    torch.manual_seed(0)
+    scale = nn.Linear(4, 4)  # in the closure of the lambda
+    for fn, name, module in ((lambda o: scale(o), "scale", scale), (_normed, "_NORM", _NORM)):
+        g = Graph.somatize(Node.of(nn.Linear(4, 4)) >> Node.of(fn).named("post"))
+        with pytest.warns(UserWarning, match=rf"node 'post' is a function that calls '{name}'"):
+            Trainer(g, objective=nn.functional.mse_loss, optimizer=SGD(parameters(g), lr=0.1))
+        outside = list(module.parameters())
+        with warnings.catch_warnings():  # the optimizer holds them: they do train
+            warnings.simplefilter("error")
+            opt = SGD([*parameters(g), *outside], lr=0.1)
+            t = Trainer(g, objective=nn.functional.mse_loss, optimizer=opt)
+            before = [p.detach().clone() for p in outside]
+            x = torch.randn(3, 4)
+            t.step((x, x))
+        assert all(not torch.equal(a, p) for a, p in zip(before, outside, strict=True))

@@ -3,6 +3,7 @@ every function here only reads, and the Trainer changes things only when all hav
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Mapping
@@ -12,7 +13,8 @@ import torch
 from torch import nn
 
 from somatize.graph import Graph, broker_for
-from somatize.run import watchers
+from somatize.node import Wrapped
+from somatize.run import warn, watchers
 from somatize.torch._modules import join
 from somatize.torch.placement import named_modules_of, trainable
 from somatize.torch.training.learning import Learning
@@ -253,6 +255,45 @@ def _needs_closure(optimizer: Any) -> bool:
         return False
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     return any(p.kind in kinds and p.default is inspect.Parameter.empty for p in said)
+
+
+def _reached(fn: Any) -> dict[str, nn.Module]:
+    """The modules a function reaches by name: its closure's cells and the globals its code
+    names (a lambda in a notebook calling `layernorm(...)`)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    found: dict[str, Any] = {}
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=True):
+        with contextlib.suppress(ValueError):  # a cell not filled yet
+            found[name] = cell.cell_contents
+    scope = getattr(fn, "__globals__", {})
+    found.update({k: scope[k] for k in code.co_names if k in scope})
+    return {k: v for k, v in found.items() if isinstance(v, nn.Module)}
+
+
+def closed_over(graph: Graph, optimizer: Any) -> None:
+    """Warn of a function node that calls a module it reaches by name (its closure, its
+    globals) whose parameters ask for a gradient and that the optimizer does not hold: they
+    are not the node's, so they would never move, and nothing else would say so."""
+    held = set()
+    if optimizer is not None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for nid in graph.topological_sort():
+        node = graph.implementation(nid)
+        if not isinstance(node, Wrapped) or isinstance(node.held, nn.Module):
+            continue
+        for name, module in _reached(node.held).items():
+            left = [p for p in module.parameters() if p.requires_grad and id(p) not in held]
+            if left:
+                warn(
+                    f"node {nid!r} is a function that calls {name!r} "
+                    f"({type(module).__name__}), whose {len(left)} parameter(s) ask for a "
+                    "gradient; they are not the node's, so parameters(g) leaves them out and "
+                    "the Trainer trains none of them. Hold the module in the node "
+                    "(Node.of(module), or a module of your own around it), or turn their "
+                    f"gradients off ({name}.requires_grad_(False)) if it is meant to stay"
+                )
 
 
 def audit_of(auditing: Any) -> Any:

@@ -116,6 +116,7 @@ class Trainer:
         trains = _checks.trains_of(graph, trains)
         untied(graph, trains)  # before what the optimizer holds: a tie makes that misleading
         held = _checks.held_by(graph, optimizer, trains)
+        _checks.closed_over(graph, optimizer)
         audit = _checks.audit_of(auditing)
         self.store = None if store is None else store_of(store)
         self._parallel = parallel_of(
