@@ -309,9 +309,11 @@ CLIENT = textwrap.dedent(
 )
 
 
-def test_three_processes_federate_for_three_rounds_and_agree(tmp_path):
-    script = tmp_path / "client.py"
-    script.write_text(CLIENT)
+def _three_clients(tmp_path, name, code, *, timeout):
+    """Run `code` as three client processes (argv: the shared store's path, the client's
+    number), each to the end; answers the script and the store's path."""
+    script = tmp_path / name
+    script.write_text(code)
     where = tmp_path / "shared"
     root = str(Path(__file__).resolve().parents[1])
     procs = [
@@ -324,8 +326,13 @@ def test_three_processes_federate_for_three_rounds_and_agree(tmp_path):
         for k in range(3)
     ]
     for p in procs:
-        out, _ = p.communicate(timeout=120)
+        out, _ = p.communicate(timeout=timeout)
         assert p.returncode == 0, out.decode()
+    return script, where
+
+
+def test_three_processes_federate_for_three_rounds_and_agree(tmp_path):
+    script, where = _three_clients(tmp_path, "client.py", CLIENT, timeout=120)
     store = Store(where)
     finals = [store.recall(f"final/{k}") for k in range(3)]
     for k in (1, 2):
@@ -431,22 +438,7 @@ def test_a_resnet_federated_over_three_processes_with_unequal_data_is_fedavg_in_
 ):
     import importlib.util
 
-    script = tmp_path / "resnet_client.py"
-    script.write_text(RESNET_CLIENT)
-    where = tmp_path / "shared"
-    root = str(Path(__file__).resolve().parents[1])
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(where), str(k)],
-            cwd=root,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for k in range(3)
-    ]
-    for p in procs:
-        out, _ = p.communicate(timeout=180)
-        assert p.returncode == 0, out.decode()
+    script, where = _three_clients(tmp_path, "resnet_client.py", RESNET_CLIENT, timeout=180)
     spec = importlib.util.spec_from_file_location("resnet_client", script)
     c = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(c)

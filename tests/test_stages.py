@@ -248,6 +248,17 @@ def _tokens(n=3):
     return [(torch.randint(1, 96, (2, 8), generator=gen),) * 2 for _ in range(n)]
 
 
+def _steps_as_torch(t, reference):
+    """Three steps of `t` beside plain SGD on `reference` (float64): the same losses."""
+    by_hand = SGD(reference.parameters(), lr=0.1)
+    for ids, y in _tokens():
+        by_hand.zero_grad()
+        loss = _token_loss(reference(input_ids=ids).logits, y)
+        loss.backward()
+        by_hand.step()
+        assert t.step((ids, y)) == pytest.approx(loss.item(), rel=1e-12)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
 def test_tied_weights_across_a_cut_are_refused_naming_both_and_untied_they_train_as_torch():
     broker = Broker.embedded({"far": Worker.spawn(["--threads", "1"], mode="network")})
@@ -274,13 +285,7 @@ def test_tied_weights_across_a_cut_are_refused_naming_both_and_untied_they_train
             trains=trains,
             broker=broker,
         )
-        by_hand = SGD(reference.parameters(), lr=0.1)
-        for ids, y in _tokens():
-            by_hand.zero_grad()
-            loss = _token_loss(reference(input_ids=ids).logits, y)
-            loss.backward()
-            by_hand.step()
-            assert t.step((ids, y)) == pytest.approx(loss.item(), rel=1e-12)
+        _steps_as_torch(t, reference)
         learnt = t.export()["head"]["weight"]
         assert torch.allclose(learnt, reference.lm_head.weight, rtol=0, atol=1e-12)
     finally:
@@ -306,13 +311,7 @@ def test_tied_weights_on_one_side_of_the_cuts_train_as_torch_with_the_blocks_on_
         trains = {"blocks": Split(SGD, lr=0.1)}
         opt = SGD(parameters(g, without=trains), lr=0.1)
         t = Trainer(g, objective=_token_loss, optimizer=opt, trains=trains, broker=broker)
-        by_hand = SGD(reference.parameters(), lr=0.1)
-        for ids, y in _tokens():
-            by_hand.zero_grad()
-            loss = _token_loss(reference(input_ids=ids).logits, y)
-            loss.backward()
-            by_hand.step()
-            assert t.step((ids, y)) == pytest.approx(loss.item(), rel=1e-12)
+        _steps_as_torch(t, reference)
         t.export()
     assert m.lm_head.weight is tr.wte.weight  # still one weight, moved once per step
     assert torch.allclose(tr.wte.weight, reference.transformer.wte.weight, rtol=0, atol=1e-12)
