@@ -55,9 +55,9 @@ def refuse_behind(nid: str, node: Any, session: str) -> None:
             raise StateLost(
                 f"node {nid!r} holds weights that learnt on host {entry[2]!r} (as node "
                 f"{entry[3]!r}) through another broker, and what they learnt was not read back "
-                "(Trainer.export, or closing that broker) before the worker lost it or this "
-                "broker asked: the copy here is behind, and nothing was sent. Read it back "
-                "through that broker; or resume from the copy here, "
+                "(Trainer.export) before the worker lost it or this broker asked: the copy "
+                "here is behind, and nothing was sent. Read it back through that broker "
+                "while it is open; or resume from the copy here, "
                 "Trainer.load(error.exported), or from weights you kept, Trainer.load(weights)",
                 [nid],
                 {nid: _hooks.state_of(node)},
