@@ -46,8 +46,9 @@ _changes = 0  # how many times a node's state was changed through the library
 
 def state_changed() -> None:
     """Say that a node's state changed (`Trainer.load`, `freeze`, a `load_state_dict` into a
-    module a node of a cached run holds): the keys of every plan, worked out once per plan, are worked out
-    again at its next cached walk, so that a frozen node's new state digest reaches them.
+    module a node of a cached run holds): the keys of every plan, worked out once per plan,
+    are worked out again at its next cached walk, so that a frozen node's new state digest
+    reaches them.
     (`g.invalidate()` drops its graph's plan, and with it the keys: what to call after
     changing weights in place by hand.)"""
     global _changes
