@@ -71,7 +71,8 @@ def test_greedy_steps_the_node_and_its_head_on_its_own_loss_and_gives_nothing_ba
     learning.target = y
     _, out = positions(learning, node, x)
     h = x @ W.T + b
-    assert not out.requires_grad and torch.equal(out, h)  # handed on detached
+    assert not out.requires_grad  # handed on detached
+    close(out, h)  # what the node computed (addmm rounds otherwise than x @ W.T + b)
     back = learning.forward(envelope(None, closing=True), None)
     assert back.gradient is None and back.closing
 
