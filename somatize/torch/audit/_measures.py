@@ -1,5 +1,6 @@
-"""The numbers an `Audit` takes, as plain functions of tensors that keep no state (`_place.py`
-keeps what a place carries from step to step)."""
+"""The numbers an `Audit` takes, as plain functions of tensors that keep no state, and `Copy`,
+its copy of the weights a measured step began with (`_place.py` keeps what a place carries
+from step to step)."""
 
 from __future__ import annotations
 
@@ -58,10 +59,10 @@ def _values(t: torch.Tensor) -> torch.Tensor:
 
 
 def norm(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖ as a one-number tensor, accumulated in float32 or wider (called under no_grad).
-    Values so large that their norm overflows read inf: `squared_norms` tells them from an
+    """‖t‖ as a one-number tensor, accumulated in float32 or wider, of `t` detached (it records
+    nothing for autograd, under no_grad or not). Values so large that their norm overflows read inf: `squared_norms` tells them from an
     infinity."""
-    return torch.linalg.vector_norm(_values(t), dtype=wide(t))
+    return torch.linalg.vector_norm(_values(t.detach()), dtype=wide(t))
 
 
 def squared_norms(norms: list[float], tensors: list[torch.Tensor]) -> list[float]:
@@ -240,8 +241,10 @@ class Copy:
         self.norms: list[torch.Tensor] = []
 
     def take(self, params: list[torch.Tensor]) -> None:
-        """Copy the weights as they are now, and take ‖θ‖ of each run (under no_grad)."""
+        """Copy the weights as they are now, and take ‖θ‖ of each run (detached: nothing is
+        recorded for autograd, with no `torch.no_grad()` to enter and leave)."""
         for w, q in zip(self.weights, params, strict=True):
+            q = q.detach()
             w.copy_(q if q.layout is torch.strided else q.to_dense())
         self.norms = [norm(v) for v in self.views]
 
@@ -251,5 +254,5 @@ class Copy:
         same = [a == b for a, b in zip(self.layout, now, strict=True)]
         for w, q, s in zip(self.weights, params, same, strict=True):
             if s:
-                w.sub_(q)
+                w.sub_(q.detach())
         return same

@@ -308,8 +308,7 @@ class Audit:
             self._copy = Copy(flat, [p.index for p in self._places])
             for place, runs in zip(self._places, self._copy.runs, strict=True):
                 place.runs = runs
-        with torch.no_grad():
-            self._copy.take(flat)
+        self._copy.take(flat)
         self._taken = True
 
     # -- after backward: the step's numbers ------------------------------------------------
@@ -331,8 +330,7 @@ class Audit:
             if snapshot:
                 self._bucket = step // self.snapshot
             self._begin()  # if nothing of this graph ran here (or nothing was heard)
-            with torch.no_grad():
-                measured = self._measure(step, snapshot)
+            measured = self._measure(step, snapshot)  # (of detached tensors: no no_grad)
             facts = [fact for _, fact in measured]
             waits = [(p, f) for p, f in measured if p.index]
             if waits:
@@ -393,22 +391,21 @@ class Audit:
         copy = self._copy
         if not taken or copy is None or not waiting:
             return
-        with torch.no_grad():
-            # a weight given another shape, dtype or device between has nothing to compare with
-            same = copy.minus(self._flat, layout(self._flat))  # the copy now holds −Δθ
-            squares = squared_norms(read([norm(d) for d in copy.views]), copy.views)
-            ranked = any(snapshot for snapshot, _ in waiting)
-            places = dict.fromkeys(place for _, got in waiting for place, _ in got)
-            moves = {place: _moved(place, copy, squares, same, ranked) for place in places}
-            for snapshot, got in waiting:
-                for place, n in got:
-                    delta, stable = moves[place]
-                    was = n.get("param_norm")
-                    if delta is None or not was:
-                        continue
-                    n["update_ratio"] = delta / was
-                    if snapshot and stable is not None:
-                        n["update_stable_rank"] = stable
+        # a weight given another shape, dtype or device between has nothing to compare with
+        same = copy.minus(self._flat, layout(self._flat))  # the copy now holds −Δθ
+        squares = squared_norms(read([norm(d) for d in copy.views]), copy.views)
+        ranked = any(snapshot for snapshot, _ in waiting)
+        places = dict.fromkeys(place for _, got in waiting for place, _ in got)
+        moves = {place: _moved(place, copy, squares, same, ranked) for place in places}
+        for snapshot, got in waiting:
+            for place, n in got:
+                delta, stable = moves[place]
+                was = n.get("param_norm")
+                if delta is None or not was:
+                    continue
+                n["update_ratio"] = delta / was
+                if snapshot and stable is not None:
+                    n["update_stable_rank"] = stable
 
 
 def _moved(
