@@ -1,6 +1,5 @@
-"""The numbers an `Audit` takes, as plain functions of tensors that keep no state, and `Copy`,
-its copy of the weights a measured step began with (`_place.py` keeps what a place carries
-from step to step)."""
+"""The numbers an `Audit` takes, as plain functions of tensors that keep no state (`_place.py`
+keeps what a place carries from step to step)."""
 
 from __future__ import annotations
 
@@ -59,10 +58,10 @@ def _values(t: torch.Tensor) -> torch.Tensor:
 
 
 def norm(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖ as a one-number tensor, accumulated in float32 or wider, of `t` detached (it records
-    nothing for autograd, under no_grad or not). Values so large that their norm overflows read inf: `squared_norms` tells them from an
+    """‖t‖ as a one-number tensor, accumulated in float32 or wider (called under no_grad).
+    Values so large that their norm overflows read inf: `squared_norms` tells them from an
     infinity."""
-    return torch.linalg.vector_norm(_values(t.detach()), dtype=wide(t))
+    return torch.linalg.vector_norm(_values(t), dtype=wide(t))
 
 
 def squared_norms(norms: list[float], tensors: list[torch.Tensor]) -> list[float]:
@@ -189,70 +188,3 @@ def cka(x: torch.Tensor, y: torch.Tensor) -> float:
     xy = float((y.T @ x).pow(2).sum())
     den = float((x.T @ x).pow(2).sum().sqrt() * (y.T @ y).pow(2).sum().sqrt())
     return xy / den if den > 0 and math.isfinite(den) else 0.0
-
-
-def layout(params: list[torch.Tensor]) -> list[tuple[Any, ...]]:
-    """What a copy of `params` is laid out by: each one's shape, dtype and device."""
-    return [(q.shape, q.dtype, q.device) for q in params]
-
-
-class Copy:
-    """θ, the weights as a measured step found them, copied into one flat tensor per device
-    (made once for as long as the weights keep their `layout`), with a view of each weight and
-    of each run of weights that sit side by side in it: a place's ‖θ‖ and ‖θ′ − θ‖ are then
-    one norm per run, not one per weight. `runs[k]`: where the runs of `places[k]` (lists of
-    indices into `params`) are in `views`; `norms`: ‖θ‖ of each of `views`, taken with the
-    copy (while it is fresh in the cache)."""
-
-    def __init__(self, params: list[torch.Tensor], places: list[list[int]]) -> None:
-        self.layout = layout(params)
-        by: dict[torch.device, list[int]] = {}
-        for i, q in enumerate(params):
-            by.setdefault(q.device, []).append(i)
-        self.buffers: list[torch.Tensor] = []
-        self.weights: list[torch.Tensor] = [torch.empty(0)] * len(params)
-        span: dict[int, tuple[int, int, int]] = {}  # a weight's buffer, start, stop
-        for device, members in by.items():
-            dtype = params[members[0]].dtype
-            for i in members:
-                dtype = torch.promote_types(dtype, params[i].dtype)
-            flat = torch.empty(sum(params[i].numel() for i in members), dtype=dtype, device=device)
-            at = 0
-            for i in members:
-                span[i] = (len(self.buffers), at, at + params[i].numel())
-                self.weights[i] = flat[at : span[i][2]].view(params[i].shape)
-                at = span[i][2]
-            self.buffers.append(flat)
-        self.views: list[torch.Tensor] = []
-        found: dict[tuple[int, int, int], int] = {}
-        self.runs: list[list[int]] = []
-        for index in places:
-            mine: list[list[int]] = []
-            for b, start, stop in sorted(span[i] for i in index):
-                if mine and mine[-1][0] == b and mine[-1][2] == start:
-                    mine[-1][2] = stop
-                else:
-                    mine.append([b, start, stop])
-            for b, start, stop in mine:
-                if (b, start, stop) not in found:
-                    found[b, start, stop] = len(self.views)
-                    self.views.append(self.buffers[b][start:stop])
-            self.runs.append([found[b, start, stop] for b, start, stop in mine])
-        self.norms: list[torch.Tensor] = []
-
-    def take(self, params: list[torch.Tensor]) -> None:
-        """Copy the weights as they are now, and take ‖θ‖ of each run (detached: nothing is
-        recorded for autograd, with no `torch.no_grad()` to enter and leave)."""
-        for w, q in zip(self.weights, params, strict=True):
-            q = q.detach()
-            w.copy_(q if q.layout is torch.strided else q.to_dense())
-        self.norms = [norm(v) for v in self.views]
-
-    def minus(self, params: list[torch.Tensor], now: list[tuple[Any, ...]]) -> list[bool]:
-        """Leave θ − θ′ in the copy, for each weight still laid out as it was (`now`: their
-        `layout` at this moment); which were."""
-        same = [a == b for a, b in zip(self.layout, now, strict=True)]
-        for w, q, s in zip(self.weights, params, same, strict=True):
-            if s:
-                w.sub_(q.detach())
-        return same

@@ -84,7 +84,6 @@ class Place:
         self.first = first
         self.index: list[int] = []
         self.big = -1  # where its largest weight sits in that list, if it is a matrix or more
-        self.runs: list[int] = []  # where its weights' runs are in the audit's copy of θ
         self.groups: dict[str, list[int]] | None = None
         # across measured steps
         self.zero: deque[float] = deque(maxlen=window)
@@ -160,22 +159,22 @@ class Place:
     def numbers(
         self,
         values: list[float],
-        weights: float | None,
-        grads: float | None,
+        weights: list[float],
+        grads: list[float],
         step: int,
         snapshot: bool,
         spoilt: set[int],
     ) -> dict[str, Any]:
-        """This step's numbers, from what `queue` put in `values` (read), ‖θ‖² of its weights
-        and ‖∇θ‖² of those that have a gradient (None: it has no weights, no gradients).
-        `spoilt`: the ids of the outputs, of any place, that were not finite this step."""
+        """This step's numbers, from what `queue` put in `values` (read), the ‖·‖² of its
+        weights and of their gradients (those that have one). `spoilt`: the ids of the
+        outputs, of any place, that were not finite this step."""
         n: dict[str, Any] = {}
         k = self._at
         total = 0.0
-        if weights is not None:
-            n["param_norm"] = was = math.sqrt(weights)
-            if grads is not None:
-                n["grad_norm"] = math.sqrt(grads)
+        if weights:
+            n["param_norm"] = was = math.sqrt(sum(weights))
+            if grads:
+                n["grad_norm"] = math.sqrt(sum(grads))
             self.norms.append((step, was))
             (s0, v0), (s1, v1) = self.norms[0], self.norms[-1]
             if s1 > s0:
@@ -194,12 +193,10 @@ class Place:
             n["sat_frac_max"] = max(self.saturated)
         out_grads = values[k : k + len(self.out_grads)]
         k += len(self.out_grads)
-        if self.sums or weights is not None:
+        if self.sums or weights:
             seen = [total, *n.values()]
-            nan = inf = False
-            if not math.isfinite(sum(seen)):  # (a sum too large for a float looks closer)
-                nan, inf = any(map(math.isnan, seen)), any(map(math.isinf, seen))
-            n["nan"], n["inf"] = nan, inf
+            n["nan"] = nan = any(map(math.isnan, seen))
+            n["inf"] = inf = any(map(math.isinf, seen))
             if nan or inf:
                 n["inherited"] = self._came_in(total, n.get("grad_norm", 0.0), out_grads, spoilt)
             else:

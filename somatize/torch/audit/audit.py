@@ -4,14 +4,13 @@ One flat `health` fact per watched place and measured step, in the published lay
 ``{"fact": "health", "node": id, "inside": path or None, "step": k, <metric>: value, ...}``
 (`somatize.health.METRICS` says what each metric is). What is measured, and when:
 
-- **a measured step's first output**: θ, the weights as the step finds them, is copied (into
-  memory made once while the weights keep their shapes) and ‖θ‖ taken of the copy; the update
-  is taken against it whatever moves the weights after (the Trainer's optimizer, or a node's
-  own `Learning` stepping inside backward), so every optimizer is measured alike.
+- **a measured step's first output**: θ, the weights as the step finds them, is copied; the
+  update is taken against it whatever moves the weights after (the Trainer's optimizer, or a
+  node's own `Learning` stepping inside backward), so every optimizer is measured alike.
 - **each output, in the forward**: Σ|a|, the zero and saturated counts; with `channels`, each
   channel's activity and a hook on the input's gradient; on snapshot steps (and for grouped
   places) up to 128 samples copied, and a tensor hook that will hear ‖∂L/∂output‖.
-- **after backward** (`observed`): ‖∇θ‖, everything above read at once, the facts
+- **after backward** (`observed`): ‖θ‖ and ‖∇θ‖, everything above read at once, the facts
   built (zero and saturated fractions as the max over the last `window` measured steps).
 - **after the optimizer stepped** (`moved`): update_ratio from the copy, and on a snapshot
   step update_stable_rank of the update to the place's largest weight.
@@ -35,7 +34,7 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.run import warn
 from somatize.torch._modules import Held, Tap, named_modules_of
-from somatize.torch.audit._measures import Copy, layout, norm, read, squared_norms, stable_rank
+from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
 from somatize.torch.audit._place import Place, layouts
 from somatize.torch.audit._select import choose, names_of, preorder
 
@@ -110,10 +109,8 @@ class Audit:
         self._bucket = -1  # the last `snapshot` steps a snapshot was taken in
         self._measuring = False
         self._snap = False
-        # θ as the measured step found it (made once, taken again each measured step; `_taken`
-        # until `moved`), and the facts waiting for it
-        self._copy: Copy | None = None
-        self._taken = False
+        # θ as the measured step found it, until `moved`, and the facts waiting for it
+        self._copy: list[torch.Tensor] | None = None
         self._waiting: list[tuple[bool, list[tuple[Place, dict[str, Any]]]]] = []
         #: nodes that run on a worker and are measured there (a Trainer's stage says so)
         self.elsewhere: set[str] = set()
@@ -215,7 +212,6 @@ class Audit:
             self._tap = None
         self._graph = None
         self._copy = None
-        self._taken = False
         self._waiting = []
         self._far = []
         for place in self._places:
@@ -284,10 +280,8 @@ class Audit:
     # -- forward: what came out -----------------------------------------------------------
     def _on_node(self, node: str, input: Any, ctx: Any, out: Any) -> None:
         place = self._nodes.get(node)
-        if place is not None and self._measuring and torch.is_grad_enabled():
-            if not self._taken:
-                self._begin()
-            place.saw(input, out, self.step, self.channels, self._snap)
+        if place is not None:
+            self._saw(place, input, out)
 
     def _heard(self, place: Place, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self._saw(place, (args, kwargs), out)
@@ -299,17 +293,10 @@ class Audit:
 
     def _begin(self) -> None:
         """θ as this measured step finds it, copied once, kept until `moved` (under gradient
-        accumulation the steps of one group share one copy and one update). The copy's memory
-        is made again only when a weight changed shape, dtype or device."""
-        if self._taken or not self._flat:
-            return
-        flat = self._flat
-        if self._copy is None or self._copy.layout != layout(flat):
-            self._copy = Copy(flat, [p.index for p in self._places])
-            for place, runs in zip(self._places, self._copy.runs, strict=True):
-                place.runs = runs
-        self._copy.take(flat)
-        self._taken = True
+        accumulation the steps of one group share one copy and one update)."""
+        if self._copy is None and self._flat:
+            with torch.no_grad():
+                self._copy = [q.clone() for q in self._flat]
 
     # -- after backward: the step's numbers ------------------------------------------------
     def observed(self, graph: Any = None) -> list[dict[str, Any]]:
@@ -330,7 +317,8 @@ class Audit:
             if snapshot:
                 self._bucket = step // self.snapshot
             self._begin()  # if nothing of this graph ran here (or nothing was heard)
-            measured = self._measure(step, snapshot)  # (of detached tensors: no no_grad)
+            with torch.no_grad():
+                measured = self._measure(step, snapshot)
             facts = [fact for _, fact in measured]
             waits = [(p, f) for p, f in measured if p.index]
             if waits:
@@ -341,34 +329,28 @@ class Audit:
 
     def _measure(self, step: int, snapshot: bool) -> list[tuple[Place, dict[str, Any]]]:
         """Every place's numbers for this step, from one read of everything left as tensors:
-        ‖θ‖ of each run of weights (on the copy: the weights the step ran with), ‖∇θ‖ of each
-        weight that has a gradient, and what each place heard."""
-        copy = self._copy if self._taken else None
-        runs = copy.views if copy is not None else []
-        grads = [q.grad for q in self._flat]
-        had = [g for g in grads if g is not None]
-        tensors = (copy.norms if copy is not None else []) + [norm(g) for g in had]
+        ‖θ‖ of each weight (on the copy: the weights the step ran with), ‖∇θ‖ of each that
+        has a gradient, and what each place heard."""
+        flat = self._flat
+        normed = list(self._copy if self._copy is not None else flat)  # what is normed, in order
+        grad_at = [-1] * len(flat)
+        for i, q in enumerate(flat):
+            g = q.grad
+            if g is not None:
+                grad_at[i] = len(normed)
+                normed.append(g)
+        tensors = [norm(t) for t in normed]
         for place in self._places:
             place.queue(tensors)
         values = read(tensors)
-        r, h = len(runs), len(runs) + len(had)
-        squares = squared_norms(values[:r], runs)
-        gs = iter(squared_norms(values[r:h], had))
-        grad_sq = [None if g is None else next(gs) for g in grads]
-        # the ids of the outputs that were not a finite number (none when every value is)
-        spoilt = (
-            set()
-            if math.isfinite(sum(values[h:]))
-            else {o for place in self._places for o in place.spoilt(values)}
-        )
+        squares = squared_norms(values[: len(normed)], normed)
+        spoilt = {o for place in self._places for o in place.spoilt(values)}  # not finite
         out = []
         for place in self._places:
-            weights = grad = None
-            if place.index:
-                weights = sum([squares[i] for i in place.runs]) if copy is not None else 0.0
-                got = [v for v in (grad_sq[i] for i in place.index) if v is not None]
-                grad = sum(got) if got else None
-            n = place.numbers(values, weights, grad, step, snapshot, spoilt)
+            index = place.index
+            weights = [squares[i] for i in index]
+            grads = [squares[grad_at[i]] for i in index if grad_at[i] >= 0]
+            n = place.numbers(values, weights, grads, step, snapshot, spoilt)
             place.clear()
             if n:
                 fact = {"fact": "health", "node": place.node, "inside": place.inside, "step": step}
@@ -386,43 +368,48 @@ class Audit:
         exactly as they were, where some update has moved them before (a node trained by its
         own `Split(every=k)`), gets no ratio that step rather than a 0 that reads as STALLED.
         Nothing to do, and nothing done, when no measured step waits for an update."""
-        taken, self._taken = self._taken, False
+        copy, self._copy = self._copy, None
         waiting, self._waiting = self._waiting, []
-        copy = self._copy
-        if not taken or copy is None or not waiting:
+        if copy is None or not waiting:
             return
-        # a weight given another shape, dtype or device between has nothing to compare with
-        same = copy.minus(self._flat, layout(self._flat))  # the copy now holds −Δθ
-        squares = squared_norms(read([norm(d) for d in copy.views]), copy.views)
-        ranked = any(snapshot for snapshot, _ in waiting)
-        places = dict.fromkeys(place for _, got in waiting for place, _ in got)
-        moves = {place: _moved(place, copy, squares, same, ranked) for place in places}
-        for snapshot, got in waiting:
-            for place, n in got:
-                delta, stable = moves[place]
-                was = n.get("param_norm")
-                if delta is None or not was:
-                    continue
-                n["update_ratio"] = delta / was
-                if snapshot and stable is not None:
-                    n["update_stable_rank"] = stable
+        with torch.no_grad():
+            # a weight given another shape or device between has nothing to compare with
+            same: list[bool] = []
+            for c, q in zip(copy, self._flat, strict=True):
+                same.append(c.shape == q.shape and c.device == q.device)
+                if same[-1]:
+                    c.sub_(q)  # −Δθ
+            squares = squared_norms(read([norm(d) for d in copy]), copy)
+            ranked = any(snapshot for snapshot, _ in waiting)
+            places = dict.fromkeys(place for _, got in waiting for place, _ in got)
+            moves = {place: _moved(place, copy, squares, same, ranked) for place in places}
+            for snapshot, got in waiting:
+                for place, n in got:
+                    delta, stable = moves[place]
+                    was = n.get("param_norm")
+                    if delta is None or not was:
+                        continue
+                    n["update_ratio"] = delta / was
+                    if snapshot and stable is not None:
+                        n["update_stable_rank"] = stable
 
 
 def _moved(
-    place: Place, copy: Copy, squares: list[float], same: list[bool], snapshot: bool
+    place: Place, deltas: list[torch.Tensor], squares: list[float], same: list[bool], snapshot: bool
 ) -> tuple[float | None, float | None]:
     """‖Δθ‖ of a place (None: no ratio this time) and, on a snapshot, the stable rank of the
     update to its largest weight (None when that is not a matrix); notes that it has moved."""
-    if not all([same[i] for i in place.index]):
+    index = place.index
+    if not all([same[i] for i in index]):
         return None, None  # a weight was given other memory between: nothing to compare
-    moved = math.sqrt(sum([squares[i] for i in place.runs]))
+    moved = math.sqrt(sum([squares[i] for i in index]))
     if moved == 0.0 and place.has_moved:
         return None, None  # waiting for an update of its own
     if moved:  # (a NaN too)
         place.has_moved = True
     stable = None
     if snapshot and place.big >= 0:
-        stable = stable_rank(copy.weights[place.big])
+        stable = stable_rank(deltas[place.big])
     return moved, stable
 
 
