@@ -5,12 +5,11 @@ An MLP of three nodes (64 → 256 → 256 → 10, ReLU) on 64-sample batches, 60
 thread: a 0.6 ms step, close to the worst case for what a measured step adds. Budget (a
 ceiling): every=1 at most 1.5× a plain fit, every=10 at most 1.15×. Each ratio is the median
 over interleaved repeats of a fit's CPU time against the plain fit of its own repeat, with its
-quartiles (how far two runs of this bench land apart on this machine). What a measured step
-must do in torch alone (θ copied, Σ|a| and the zeros of each output, ‖θ‖, ‖∇θ‖, θ′ − θ and its
-norms: ~36 small ops) costs ~0.36–0.40× a plain step on an Intel Xeon, with the snapshot
-(one in this fit) ~0.05 more, before any Python; that machine reads every=1 at ~1.65, an AMD
-EPYC 1.46. The same kinds under Adam, and on a small CNN (`--cnn`), are context: every
-optimizer is measured the same way.
+quartiles (how far two runs of this bench land apart on this machine). Most of what a
+measured step adds is torch's own small ops (θ copied, Σ|a| and the zeros of each output,
+‖θ‖, ‖∇θ‖, θ′ − θ and its norms), whose cost per op differs from CPU to CPU, so the ratio does
+too. The same kinds under Adam, and on a small CNN (`--cnn`), are context: every optimizer is
+measured the same way.
 
     python bench/audit.py [--cnn] [--results]
 """

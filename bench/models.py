@@ -204,13 +204,10 @@ def main() -> None:
             "Targets: architecture ≤ torchview on every model; probe ≤ 5× a forward on the "
             f"CNNs ({', '.join(sorted(CNNS))}). CPU ms, one thread, medians of calls timed "
             "in turns; a ratio is the median of the rounds' ratios. A probe is a forward "
-            "and a backward (1.6-1.95 forwards on the small CNNs) and a fixed cost: a hook "
-            "pair on every box it draws, put on and taken off each call, and the function "
-            "mode between them (about 0.7 forwards there, with nothing read), where each box "
-            "is followed (not what it is: that is architecture's), a few reductions per "
-            "place (about 30-40 µs: 1-1.4 forwards), and the net set aside and put back "
-            "(about 0.35). The small configs' forwards take a millisecond or two, where that "
-            "fixed cost shows most; ResNet-18 at 224 is the size the cost was first seen at."
+            "and a backward and a fixed cost: a hook pair on every box it draws, put on and "
+            "taken off each call, a few reductions per place, and the net set aside and put "
+            "back. The small configs' forwards take a millisecond or two, where that fixed "
+            "cost shows most; ResNet-18 at 224 is the size the cost was first seen at."
         ),
     )
     report(
