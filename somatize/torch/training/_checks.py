@@ -18,7 +18,7 @@ from somatize.run import warn, watchers
 from somatize.torch._modules import join
 from somatize.torch.placement import named_modules_of, trainable
 from somatize.torch.training.learning import Learning
-from somatize.torch.training.params import eager, owners
+from somatize.torch.training.params import owners, state_of
 
 
 class Unusable(TypeError, ValueError):
@@ -321,21 +321,13 @@ def hosts_of(graph: Graph, broker: Any) -> dict[str, str]:
 
 def _not_finite(graph: Graph) -> tuple[list[str], list[str]]:
     """The qualified names of the graph's parameters, and of its floating buffers, that hold a
-    NaN or an infinity."""
-    params: list[str] = []
-    buffers: list[str] = []
+    NaN or an infinity: its nodes' state as `export` gives it, a tied tensor by its first key."""
+    found: dict[int, tuple[bool, str]] = {}
     for nid in graph.nodes():
-        for name, module in named_modules_of(graph.implementation(nid)):
-            for found, tensors in (
-                (params, module.named_parameters()),
-                (buffers, module.named_buffers()),
-            ):
-                found += [
-                    eager(join(nid, name, key))
-                    for key, t in tensors
-                    if t.is_floating_point() and not torch.isfinite(t).all()
-                ]
-    return list(dict.fromkeys(params)), list(dict.fromkeys(buffers))
+        for key, t in state_of(graph.implementation(nid)).items():
+            if id(t) not in found and t.is_floating_point() and not torch.isfinite(t).all():
+                found[id(t)] = (isinstance(t, nn.Parameter), join(nid, key))
+    return [n for p, n in found.values() if p], [n for p, n in found.values() if not p]
 
 
 def _listed(names: list[str]) -> str:
