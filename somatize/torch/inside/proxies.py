@@ -75,6 +75,12 @@ class _NotHere(ValueError):
     """This proxy cannot be taken on this graph with this example."""
 
 
+def _why(error: Exception) -> str:
+    """Why a proxy was not taken, in one line: a `_NotHere` says it itself (one line already),
+    anything else by its class and its message's first line."""
+    return str(error) if isinstance(error, _NotHere) else in_one_line(error)
+
+
 def _log(x: float) -> float:
     if x > 0:
         return math.log(x)
@@ -191,8 +197,9 @@ def _synflow(s: _Subject, example: Any, **_: Any) -> float:
             why.append(e)
     if isinstance(why[1], _NotHere):
         raise why[1]  # it ran in float32 and gave no score: it says why, and where
-    said = [str(e) if isinstance(e, _NotHere) else in_one_line(e) for e in why]
-    raise _NotHere(f"synflow ran the net neither in float64 ({said[0]}) nor in float32 ({said[1]})")
+    raise _NotHere(
+        f"synflow ran the net neither in float64 ({_why(why[0])}) nor in float32 ({_why(why[1])})"
+    )
 
 
 def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
@@ -431,6 +438,5 @@ def proxies(
         try:
             out[of] = _take(s, example, of, target, objective)
         except Exception as e:  # noqa: BLE001  (each proxy fails its own way; it is said)
-            why = str(e) if isinstance(e, _NotHere) else in_one_line(e)  # _NotHere: one line
-            warn(ProxyLeftOut(of, why))
+            warn(ProxyLeftOut(of, _why(e)))
     return out
