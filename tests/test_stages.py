@@ -221,15 +221,21 @@ class Blocks(nn.Module):
         return self.ln_f(x)
 
 
-def _gpt2_in_three(host=None):
-    """A transformers GPT-2 (small config, random init, float64, no dropout) cut in three:
-    embeddings and blocks here, the LM head (its weight is the embedding's: tied) at `host`."""
+def _gpt2():
+    """A transformers GPT-2 (small config, random init, float64, no dropout), its LM head's
+    weight the embedding's (tied)."""
     from models import zoo
 
     m = zoo.gpt2().model.double()
     for module in m.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+    return m
+
+
+def _gpt2_in_three(host=None):
+    """`_gpt2()` cut in three: embeddings and blocks here, the LM head at `host`."""
+    m = _gpt2()
     tr = m.transformer
     head = Node.of(m.lm_head).named("head")
     return m, Graph.somatize(
@@ -294,12 +300,7 @@ def test_tied_weights_across_a_cut_are_refused_naming_both_and_untied_they_train
 
 @pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
 def test_tied_weights_on_one_side_of_the_cuts_train_as_torch_with_the_blocks_on_a_worker():
-    from models import zoo
-
-    m = zoo.gpt2().model.double()
-    for module in m.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
+    m = _gpt2()
     reference = copy.deepcopy(m)
     tr = m.transformer
     g = Graph.somatize(  # embedding and head here (one weight), the blocks on a worker
