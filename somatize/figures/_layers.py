@@ -93,7 +93,6 @@ def place(
         offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
     edges = [(a, b) for a, b in offsets if a != b]
     _layers_of(items, edges)
-    _layers_of(items, edges)
     # waypoints for edges that skip layers: one per layer for what one source sends down
     # (a tensor read further on runs as one line beside what it skips, branching off)
     sent: dict[tuple[str, str], set[str]] = {}
