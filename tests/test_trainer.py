@@ -1234,3 +1234,28 @@ def test_a_function_node_calling_a_module_it_reaches_by_name_is_warned_of_when_n
             x = torch.randn(3, 4)
             t.step((x, x))
         assert all(not torch.equal(a, p) for a, p in zip(before, outside, strict=True))
+
+
+def test_a_function_node_calling_a_module_of_another_node_is_not_warned_of():
+    # the module is that node's: frozen it stays, trained by a Split it trains there
+    torch.manual_seed(0)
+    stem = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    last = stem[1]
+    head = nn.Linear(4, 4)
+    g = Graph.somatize(
+        Node.of(stem).named("stem").frozen()
+        >> Node.of(lambda o: last(o) + o).named("post")
+        >> Node.of(nn.Linear(4, 4)).named("mid")
+        >> Node.of(head).named("head")
+        >> Node.of(lambda o: head(o)).named("again")
+    )
+    trains = {"head": Split(SGD, lr=0.1)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = SGD(parameters(g, without=trains), lr=0.1)
+        t = Trainer(g, objective=nn.functional.mse_loss, optimizer=opt, trains=trains)
+    x = torch.randn(3, 4)
+    kept, before = [p.detach().clone() for p in last.parameters()], head.weight.detach().clone()
+    t.step((x, x))
+    assert all(torch.equal(a, p) for a, p in zip(kept, last.parameters(), strict=True))
+    assert not torch.equal(head.weight, before)  # trained by its Split

@@ -275,10 +275,11 @@ def _reached(fn: Any) -> dict[str, nn.Module]:
 def closed_over(graph: Graph, optimizer: Any) -> None:
     """Warn of a function node that calls a module it reaches by name (its closure, its
     globals) whose parameters ask for a gradient and that the optimizer does not hold: they
-    are not the node's, so they would never move, and nothing else would say so."""
-    held = set()
+    are no node's, so they would never move, and nothing else would say so. Parameters of a
+    node of the graph (frozen, or trained by a Learning) are that node's, and its checks'."""
+    held = set(owners(graph))
     if optimizer is not None:
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        held |= {id(p) for group in optimizer.param_groups for p in group["params"]}
     for nid in graph.topological_sort():
         node = graph.implementation(nid)
         if not isinstance(node, Wrapped) or isinstance(node.held, nn.Module):
@@ -289,7 +290,7 @@ def closed_over(graph: Graph, optimizer: Any) -> None:
                 warn(
                     f"node {nid!r} is a function that calls {name!r} "
                     f"({type(module).__name__}), whose {len(left)} parameter(s) ask for a "
-                    "gradient; they are not the node's, so parameters(g) leaves them out and "
+                    "gradient; they are no node's, so parameters(g) leaves them out and "
                     "the Trainer trains none of them. Hold the module in the node "
                     "(Node.of(module), or a module of your own around it), or turn their "
                     f"gradients off ({name}.requires_grad_(False)) if it is meant to stay"
