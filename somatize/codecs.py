@@ -33,6 +33,7 @@ from typing import Any
 import msgpack
 
 from somatize import _hooks
+from somatize.node import note
 
 __all__ = [
     "DEPTH",
@@ -312,8 +313,7 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
         try:
             told = type(failed.error)(text)
         except Exception:  # an exception class that takes other arguments: a note instead
-            failed.error.add_note(text)
-            raise failed.error from None
+            raise note(failed.error, text) from None
         raise told from failed.error
     except ValueError as error:  # msgpack's bound on one bytes, str, list or dict
         if "too large" not in str(error):

@@ -18,7 +18,7 @@ from typing import Any
 
 from somatize import _hooks
 from somatize.codecs import NoCodec
-from somatize.node import Wrapped, kind_name
+from somatize.node import Wrapped, kind_name, note
 from somatize.remote import ahead, wire
 from somatize.remote.allowed import version_of
 from somatize.remote.client import Worker
@@ -114,11 +114,12 @@ class Broker:
             raise
         except WorkerLost as error:
             if behind := self._behind(host):
-                error.add_note(
+                note(
+                    error,
                     f"node(s) {behind} had learnt there since their weights were last read "
                     "back (Trainer.export): if that worker does not come back, it is lost, and "
                     "the copies here hold what was last read back or sent. Resume with "
-                    "Trainer.load(weights) from weights you kept"
+                    "Trainer.load(weights) from weights you kept",
                 )
             raise
         finally:
