@@ -178,9 +178,11 @@ def probe(
 
     `where` is a node, or `node.path.to.submodule` — the same keys the audit uses and the
     same boxes the figure draws (`depth` opens composites as in `architecture`; the functions
-    between modules, `relu`, `cat`, and a module's later calls, `pool#2`, are places too; an
-    in-place operation is not; the first `most` boxes per node that ran), so a finding from a
-    probe lands on the box a finding from a run would.
+    between modules, `relu`, `cat`, and a module's later calls, `pool#2`, are places too; a
+    call that gives back a tensor it was handed is not: an in-place operation (`x += y`,
+    `nn.ReLU(inplace=True)`) and, as it cannot be told from one, a module handing its input
+    back as it is (a `Dropout` in eval mode); the first `most` boxes per node that ran), so
+    a finding from a probe lands on the box a finding from a run would.
     Each place's numbers are `signal_gain`, `jacobian_gain`, `jacobian_spread`,
     `zero_frac_max`, `sat_frac_max`, `nan` and `inf` (see the module's docstring), the shape
     `somatize.health.seen` returns from a store, which `somatize.health.verdict` reads.
@@ -225,7 +227,9 @@ def probe(
                 if len(places) >= most:
                     return
                 if any(o is t for o in outs for t in ins):
-                    return  # in place (`x += y`, `x.relu_()`): what it read is gone
+                    # in place (`x += y`, `x.relu_()`): what it read is gone; a module
+                    # giving its input back as it is (Dropout in eval) looks the same
+                    return
                 place = places[path] = _Place(node, path, [module] if module is not None else [])
             elif place.numbers is not None:
                 return  # the first call is the place's (unless it gave nothing to measure)
