@@ -11,19 +11,20 @@ from typing import Any
 from somatize import _hooks
 from somatize.remote.errors import StateLost
 
-__all__ = ["mark", "unmark", "remark", "refuse_behind"]
+__all__ = ["params", "mark", "unmark", "remark", "refuse_behind"]
 
 _AHEAD: dict[int, tuple[weakref.ref, str, str, str]] = {}
 """`{id(parameter): (a weak reference to it, the broker's session, the host, the node id)}`."""
 
 
-def _params(node: Any) -> list[Any]:
+def params(node: Any) -> list[Any]:
+    """The parameters of each module the node holds (`_hooks.state_modules`), in order."""
     return [p for m in _hooks.state_modules(node) for p in m.parameters(recurse=False)]
 
 
 def mark(nid: str, node: Any, session: str, host: str) -> None:
     """Note that node `nid` learnt on `host`'s worker through the broker of `session`."""
-    for p in _params(node):
+    for p in params(node):
         if not p.requires_grad:  # a frozen weight learns nothing there
             continue
         i = id(p)
@@ -34,7 +35,7 @@ def unmark(node: Any) -> list[tuple[int, tuple]]:
     """Forget that `node`'s weights are ahead of their copies here (they were read back, or
     loaded); what was noted, for `remark`."""
     found = []
-    for p in _params(node):
+    for p in params(node):
         entry = _AHEAD.get(id(p))
         if entry is not None and entry[0]() is p:
             found.append((id(p), _AHEAD.pop(id(p))))
@@ -49,7 +50,7 @@ def remark(marks: list[tuple[int, tuple]]) -> None:
 def refuse_behind(nid: str, node: Any, session: str) -> None:
     """`StateLost` for node `nid` when a weight of it learnt on a worker through another
     broker than the one of `session` and was not read back: the copy here is behind it."""
-    for p in _params(node):
+    for p in params(node):
         entry = _AHEAD.get(id(p))
         if entry is not None and entry[0]() is p and entry[1] != session:
             raise StateLost(

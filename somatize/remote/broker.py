@@ -162,7 +162,7 @@ class Broker:
         self._held[key] = (nid, node)
         self._read[key] = _hooks.modes(node)
         self._told.pop((host, key), None)  # the copy built there is told its modes after
-        params = [p for m in _hooks.state_modules(node) for p in m.parameters(recurse=False)]
+        params = ahead.params(node)
         self._built[(host, key)] = (params, [p.dtype for p in params])
         d = describe(node, nid, key, device, conn, host)
         if d["state"]:
