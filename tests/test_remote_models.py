@@ -10,6 +10,7 @@ import signal
 
 import pytest
 import torch
+from models import zoo
 from torch import nn
 
 from somatize import Broker, Graph, Node, Worker
@@ -18,7 +19,7 @@ from somatize.torch import Split, Trainer, parameters
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
 
-VOCAB, HIDDEN = 96, 32
+VOCAB, HIDDEN = zoo.VOCAB, 32  # the suite's BERT: its vocabulary, its width
 
 
 class Embeddings(nn.Module):
@@ -44,22 +45,10 @@ class Encoder(nn.Module):
 
 
 def _bert():
-    """A BERT from a small config at random init, float64, dropout off (so that the run is
-    the same whatever the random stream), and a token head."""
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertModel(config).double(), nn.Linear(HIDDEN, VOCAB, dtype=torch.float64)
+    """The suite's BERT (tests/models/zoo.py) with dropout off (so that the run is the same
+    whatever the random stream), in float64, and a token head."""
+    model = zoo.bert(dropout=0.0).model.double()
+    return model, nn.Linear(HIDDEN, VOCAB, dtype=torch.float64)
 
 
 def _loss(logits, y):

@@ -92,10 +92,14 @@ def _image(seed: int, size: int = 32) -> torch.Tensor:
     return torch.randn(BATCH, 3, size, size, generator=g)
 
 
-def bert() -> Case:
+def bert(*, dropout: float | None = None) -> Case:
+    """BERT at random init (seed 0); `dropout` sets both its hidden and attention dropout
+    (0.0: a run that is the same whatever the random stream), None keeps BERT's own."""
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
+    drops = ("hidden_dropout_prob", "attention_probs_dropout_prob")
+    drops = {} if dropout is None else dict.fromkeys(drops, dropout)
     config = BertConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -103,6 +107,7 @@ def bert() -> Case:
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=32,
+        **drops,
     )
     model = BertModel(config)
     target = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(1))
