@@ -382,3 +382,22 @@ def test_an_ordered_dict_comes_back_as_one_in_its_order() -> None:
         data = msgpack.packb(msgpack.ExtType(4, msgpack.packb(items)))
         with pytest.raises(ValueError, match="OrderedDict"):
             decode(data)
+
+
+def test_a_codec_error_that_takes_other_arguments_is_raised_as_it_is_with_a_note() -> None:
+    class Refusal(Exception):
+        def __init__(self, code: int, why: str) -> None:
+            super().__init__(code, why)
+
+    class Odd:
+        pass
+
+    def dump(value: Odd) -> bytes:
+        raise Refusal(7, "cannot")
+
+    codec("test-odd", Odd, dump=dump, load=lambda b: Odd())
+    with pytest.raises(Refusal) as refused:  # not rebuilt with the text: a note says where
+        encode({"w": [Odd()]}, where="node 'n'")
+    assert refused.value.args == (7, "cannot")
+    (said,) = refused.value.__notes__
+    assert "codec 'test-odd'" in said and "node 'n' at ['w'][0]" in said
