@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import zoo
 
 import somatize.torch  # noqa: F401  (tensor codec)
 from somatize import Graph, Node, Store
@@ -22,24 +23,11 @@ from somatize.torch import freeze
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
 
-GPT2 = """
-import torch
-from transformers import GPT2Config, GPT2LMHeadModel
-
-def gpt2():
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=2, n_positions=32,
-                        bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config)
-
-ids = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(2))
-"""
-
 
 def _gpt2() -> tuple[torch.nn.Module, torch.Tensor]:
-    space: dict = {}
-    exec(GPT2, space)
-    return space["gpt2"](), space["ids"]
+    """The suite's GPT-2 (tests/models/zoo.py) at random init, and its token ids."""
+    case = zoo.gpt2()
+    return case.model, case.example["input_ids"]
 
 
 def _caching(g: Graph, x, store: Store):
@@ -53,16 +41,21 @@ def test_a_generative_models_cached_output_is_found_by_another_process(tmp_path:
     # a key that read it would differ in every process, and no cached value would be found
     script = tmp_path / "run.py"
     script.write_text(
-        GPT2
-        + textwrap.dedent(
+        textwrap.dedent(
             """
             import sys
+
+            import torch
+            from models import zoo
+
             from somatize import Graph, Node, Store
             from somatize.torch import freeze
 
-            g = Graph.somatize(Node.of(gpt2()).frozen().cached())
+            case = zoo.gpt2()
+            g = Graph.somatize(Node.of(case.model).frozen().cached())
             freeze(g)
             said = []
+            ids = case.example["input_ids"]
             out = g.forward({"input_ids": ids}, store=Store(sys.argv[1]), watching=said.append)
             torch.save(out.logits, sys.argv[2])
             print([f.get("cache") for f in said if f["fact"] == "ran"])
@@ -75,7 +68,7 @@ def test_a_generative_models_cached_output_is_found_by_another_process(tmp_path:
             [sys.executable, str(script), str(tmp_path / "store"), str(tmp_path / f"{seed}.pt")],
             capture_output=True,
             text=True,
-            env={**os.environ, "PYTHONHASHSEED": seed},
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)},
             timeout=240,
         )
         assert ran.returncode == 0, ran.stderr
