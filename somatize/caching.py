@@ -279,7 +279,8 @@ class _Keying:
             self.path.pop()
 
 
-def _type_name(kind: type) -> str:
+def _type_name(kind: type | Callable) -> str:
+    """A class's (or a function's) name with its module's: `torch.nn.modules.linear.Linear`."""
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
@@ -473,7 +474,7 @@ def code_version(node: Any) -> str:
     try:
         text = inspect.getsource(what)
     except (OSError, TypeError):
-        text = f"{what.__module__}.{what.__qualname__}"
+        text = _type_name(what)
     return _mix(text)[:16]
 
 
