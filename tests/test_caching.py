@@ -11,6 +11,7 @@ from torch import nn
 
 import somatize.torch  # noqa: F401  (tensor codec)
 from somatize import Graph, NoCodec, Node, Store
+from somatize.torch import freeze
 
 
 class Count(Node):
@@ -101,11 +102,16 @@ def test_a_trainable_unfrozen_cached_node_is_refused_when_built():
 def test_frozen_state_is_part_of_the_key(store):
     a = Lin()
     x = torch.ones(1, 3)
-    y1 = Graph.somatize(a.frozen().cached()).forward(x, store=store)
+
+    def run():
+        g = Graph.somatize(a.frozen().cached())
+        freeze(g)  # settled: eval mode, no gradients (else a warning says it is not)
+        return g.forward(x, store=store)
+
+    y1 = run()
     with torch.no_grad():
         a.lin.bias.add_(1.0)
-    y2 = Graph.somatize(a.frozen().cached()).forward(x, store=store)
-    assert torch.allclose(y2, y1 + 1.0)
+    assert torch.allclose(run(), y1 + 1.0)
 
 
 class Heads(Node):
