@@ -118,8 +118,7 @@ def test_strangers_sending_a_message_that_never_ends_are_cut_before_the_worker_h
     try:
         before = max(_memory(worker.pid), _memory(worker.pid, "VmHWM"))
         sent = [0] * strangers
-        said = b"\x03" + struct.pack(">Q", size) if size > 255 else b"\x01" + bytes([size])
-        frames = (said + bytes(size)) * max(1, (1 << 20) // (size + 9))
+        frames = _framed([bytes(size)] * max(1, (1 << 20) // (size + 9)), more=True)
 
         def stranger(i: int) -> None:  # frames under the limit, "more" set: never the last
             s = _zmtp(worker.address)
@@ -145,12 +144,20 @@ def test_strangers_sending_a_message_that_never_ends_are_cut_before_the_worker_h
         worker.stop()
 
 
-def _say(s: socket.socket, frames: list[bytes], more: bool = False) -> None:
-    """`frames` as one ZMTP message (its last frame's "more" set with `more`)."""
+def _framed(frames: list[bytes], more: bool = False) -> bytes:
+    """`frames` as the bytes of one ZMTP message (its last frame's "more" set with `more`)."""
+    said = []
     for i, frame in enumerate(frames):
+        n = memoryview(frame).nbytes
         flags = 1 if more or i < len(frames) - 1 else 0
-        size = struct.pack(">Q", len(frame)) if len(frame) > 255 else bytes([len(frame)])
-        s.sendall(bytes([flags | (2 if len(frame) > 255 else 0)]) + size + frame)
+        size = struct.pack(">Q", n) if n > 255 else bytes([n])
+        said += [bytes([flags | (2 if n > 255 else 0)]), size, frame]
+    return b"".join(said)
+
+
+def _say(s: socket.socket, frames: list[bytes], more: bool = False) -> None:
+    """Send `frames` as one ZMTP message on `s` (`_framed`)."""
+    s.sendall(_framed(frames, more))
 
 
 def _heard(s: socket.socket) -> list[bytes]:
