@@ -153,19 +153,14 @@ def _codec_for(value: Any) -> _Codec | None:
     return None
 
 
-class _Missing(Exception):
-    """Internal: raised inside msgpack's `default` and turned into a NoCodec by `encode`."""
-
-    def __init__(self, value: Any) -> None:
-        super().__init__(type(value))
-        self.value = value
-
-
 class _Failed(Exception):
-    """Internal: a codec's `dump` failed on `value` (or wrote more than one value may hold);
-    `encode` raises `error` again, of its type, saying where the value was."""
+    """Internal: no codec knows `value` (`kind` None: `encode` raises a NoCodec), or codec
+    `kind`'s `dump` failed on it with `error` (or wrote more than one value may hold), which
+    `encode` raises again, of its type, saying where the value was."""
 
-    def __init__(self, value: Any, kind: str, error: BaseException) -> None:
+    def __init__(
+        self, value: Any, kind: str | None = None, error: BaseException | None = None
+    ) -> None:
         super().__init__(kind)
         self.value, self.kind, self.error = value, kind, error
 
@@ -210,7 +205,7 @@ def _default(value: Any) -> msgpack.ExtType:
         return msgpack.ExtType(_ORDERED, _pack([[k, v] for k, v in value.items()]))
     found = _codec_for(value)
     if found is None:
-        raise _Missing(value)
+        raise _Failed(value)
     try:
         data = found.dump(value)
     except Exception as error:  # a meta tensor, a sparse one, the codec's own refusal
@@ -293,19 +288,16 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
     whose = f" in {where}" if where else ""
     try:
         return _pack(value)
-    except _Missing as missing:
-        bad = missing.value
-        kind = type(bad)
-        inside = _path_to(value, bad)
-        said = f" at {inside.strip()}" if inside else ""
-        raise NoCodec(
-            f"no codec for {kind.__module__}.{kind.__qualname__}{whose}{said}; plain values "
-            f"(None, bool, int, float, str, bytes, list, tuple, dict) need none, anything else "
-            f"needs one: register it with somatize.codec(kind, type, dump=..., load=...)"
-        ) from None
     except _Failed as failed:
         inside = _path_to(value, failed.value)
         said = f" at {inside.strip()}" if inside else ""
+        if failed.kind is None:
+            kind = type(failed.value)
+            raise NoCodec(
+                f"no codec for {kind.__module__}.{kind.__qualname__}{whose}{said}; plain values "
+                f"(None, bool, int, float, str, bytes, list, tuple, dict) need none, anything "
+                f"else needs one: register it with somatize.codec(kind, type, dump=..., load=...)"
+            ) from None
         text = (
             f"codec {failed.kind!r} cannot write down the {type(failed.value).__qualname__}"
             f"{whose}{said}: {failed.error}"
