@@ -37,22 +37,15 @@ class Flag(str):
         return (Flag, (self.name, self.n))
 
 
-_FAMILY = {
-    "NAN": "numeric",
-    "INF": "numeric",
-    "VANISHING": "signal",
-    "EXPLODING": "signal",
-    "DEAD": "activation",
-    "SATURATED": "activation",
-    "STALLED": "step",
-    "OVERSTEPPING": "step",
-    "DEAD_CHANNELS": "capacity",
-    "IGNORED_CHANNELS": "capacity",
-    "LEAKAGE": "capacity",
-    "NARROWING": "capacity",
+_FLAGS_OF = {
+    "numeric": ("NAN", "INF"),
+    "signal": ("VANISHING", "EXPLODING"),
+    "activation": ("DEAD", "SATURATED"),
+    "step": ("STALLED", "OVERSTEPPING"),
+    "capacity": ("DEAD_CHANNELS", "IGNORED_CHANNELS", "LEAKAGE", "NARROWING"),
 }
-
-FAMILIES = ("numeric", "signal", "activation", "step", "capacity")
+FAMILIES = tuple(_FLAGS_OF)
+_FAMILY = {name: fam for fam, names in _FLAGS_OF.items() for name in names}
 
 _ABOUT = {
     "NAN": "A value here became NaN: look for a division by zero, a log of a non-positive "
