@@ -18,7 +18,7 @@ from somatize.run import warn, watchers
 from somatize.torch._modules import join
 from somatize.torch.placement import named_modules_of, trainable
 from somatize.torch.training.learning import Learning
-from somatize.torch.training.params import owners, state_of
+from somatize.torch.training.params import holds, owners, state_of
 
 
 class Unusable(TypeError, ValueError):
@@ -216,7 +216,7 @@ def held_by(
             "use an optimizer whose step takes none (SGD, Adam, AdamW, ...), or write that "
             "loop by hand over g.forward"
         )
-    held = [p for group in optimizer.param_groups for p in group["params"]]
+    held = holds(optimizer)
     owner = owners(graph)
     mine = [owner[id(p)] for p in held if id(p) in owner]
     if not mine:
@@ -277,9 +277,7 @@ def closed_over(graph: Graph, optimizer: Any) -> None:
     globals) whose parameters ask for a gradient and that the optimizer does not hold: they
     are no node's, so they would never move, and nothing else would say so. Parameters of a
     node of the graph (frozen, or trained by a Learning) are that node's, and its checks'."""
-    held = set(owners(graph))
-    if optimizer is not None:
-        held |= {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held = set(owners(graph)) | {id(p) for p in holds(optimizer)}
     for nid in graph.topological_sort():
         node = graph.implementation(nid)
         if not isinstance(node, Wrapped) or isinstance(node.held, nn.Module):

@@ -75,12 +75,18 @@ def owners(graph: Any) -> dict[int, str]:
     return {pid: name.partition(".")[0] for pid, name in named(graph).items()}
 
 
+def holds(optimizer: Any) -> list[torch.Tensor]:
+    """The parameters an optimizer holds, group by group (none for no optimizer)."""
+    if optimizer is None:
+        return []
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
 def trained(graph: Any, optimizer: Any, trains: Container[str]) -> list[nn.Module]:
     """The modules of the nodes a run trains: those the optimizer holds a parameter of, and
     those in `trains`, each once."""
     owner = owners(graph)
-    groups = [] if optimizer is None else optimizer.param_groups
-    held = {owner.get(id(p)) for group in groups for p in group["params"]}
+    held = {owner.get(id(p)) for p in holds(optimizer)}
     nodes = [nid for nid in graph.nodes() if nid in held or nid in trains]
     return list(dict.fromkeys(m for nid in nodes for m in modules_of(graph.implementation(nid))))
 

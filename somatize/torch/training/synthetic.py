@@ -11,6 +11,7 @@ from torch import nn
 
 from somatize.torch.placement import modules_of
 from somatize.torch.training.learning import Learning, grad_of, scaled
+from somatize.torch.training.params import holds
 
 __all__ = ["Synthetic", "Guesser"]
 
@@ -36,11 +37,10 @@ def _step_only(optimizer: Any, params: Iterable[torch.Tensor]) -> None:
     grad is one torch's optimizers skip) and put back."""
     keep = {id(p) for p in params}
     aside = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in keep and p.grad is not None:
-                aside.append((p, p.grad))
-                p.grad = None
+    for p in holds(optimizer):
+        if id(p) not in keep and p.grad is not None:
+            aside.append((p, p.grad))
+            p.grad = None
     try:
         optimizer.step()
     finally:
