@@ -18,7 +18,7 @@ from somatize.run import warn, watchers
 from somatize.torch._modules import join
 from somatize.torch.placement import named_modules_of, trainable
 from somatize.torch.training.learning import Learning
-from somatize.torch.training.params import holds, owners, state_of
+from somatize.torch.training.params import holds, owners, parameters, state_of
 
 
 class Unusable(TypeError, ValueError):
@@ -61,11 +61,10 @@ def pair_of(batch: Any) -> tuple[Any, Any]:
 
 def something_to_train(graph: Graph) -> None:
     """Refuses a graph none of whose nodes holds a parameter that could be trained."""
-    nodes = graph.nodes()
-    if any(not graph.setting(n).frozen and trainable(graph.implementation(n)) for n in nodes):
+    if parameters(graph):
         return
     raise ValueError(
-        f"no node of this graph ({', '.join(nodes)}) holds a parameter that asks for a "
+        f"no node of this graph ({', '.join(graph.nodes())}) holds a parameter that asks for a "
         "gradient (frozen nodes hold none): there is nothing to train. Give a node an "
         "nn.Module with parameters, or leave the graph to Graph.forward"
     )
@@ -80,20 +79,17 @@ def count(value: Any, name: str, meaning: str) -> int:
 
 def batch_first(graph: Graph, micro: int) -> None:
     """Refuses `micro` > 1 on a graph holding a layer whose output for one example depends on
-    the others in the batch, so pieces would not give the update the whole batch gives: an RNN,
-    LSTM, GRU or Transformer layer built with `batch_first=False` (it takes (time, batch, ...):
-    the pieces would be stretches of time, each from a fresh state), and a BatchNorm in a node
-    not declared `.frozen()` (each piece would be normalised by its own statistics; a frozen
-    node's runs in eval mode on its running ones). A bare nn.MultiheadAttention is not looked
-    at: the models that hold one time first (DETR, CLIP) turn a batch-first input around
-    before it, and cutting that input is right."""
+    the others in the batch: a time-first RNN or Transformer layer, or a BatchNorm in a node
+    not declared `.frozen()`. A bare nn.MultiheadAttention is not looked at: the models that
+    hold one time first (DETR, CLIP) turn a batch-first input around before it, and cutting
+    that input is right."""
     if micro == 1:
         return
     for nid in graph.nodes():
         frozen = graph.setting(nid).frozen
         for name, held in named_modules_of(graph.implementation(nid)):
             for inner, m in held.named_modules():
-                where = ".".join(p for p in (name, inner) if p)
+                where = join(name, inner)
                 at = f"holds at {where!r}" if where else "is"
                 if isinstance(m, _BATCH) and not (frozen and m.track_running_stats):
                     raise ValueError(
@@ -108,8 +104,7 @@ def batch_first(graph: Graph, micro: int) -> None:
                         f"micro={micro} cuts a batch along its first dimension, and node "
                         f"{nid!r} {at} an nn.{type(m).__name__} built with batch_first=False, "
                         "which takes (time, batch, ...): its pieces would be stretches of time. "
-                        "Build it "
-                        "with batch_first=True and put the batch first, or use micro=1"
+                        "Build it with batch_first=True and put the batch first, or use micro=1"
                     )
 
 
