@@ -15,7 +15,6 @@ from typing import Any
 from somatize import _hooks, caching, run
 from somatize.node import (
     DEVICE,
-    Branches,
     Chain,
     Expr,
     Node,
@@ -78,21 +77,17 @@ class Graph:
             nid = self._add(node, settings)
             return [nid], [nid]
         mine = expr._settings.under(outer)
-        if isinstance(expr, Chain):
-            entries, exits = self._lay(expr.parts[0], mine)
-            for part in expr.parts[1:]:
-                first, last = self._lay(part, mine)
+        entries: list[str] = []
+        exits: list[str] = []
+        for part in expr.parts:
+            first, last = self._lay(part, mine)
+            if isinstance(expr, Chain):  # every exit so far feeds every entry of this part
                 for a in exits:
                     for b in first:
                         self.edge(a, b)
-                exits = last
-            return entries, exits
-        assert isinstance(expr, Branches)
-        entries, exits = [], []
-        for part in expr.parts:
-            first, last = self._lay(part, mine)
-            entries += first
-            exits += last
+                entries, exits = entries or first, last
+            else:  # side by side
+                entries, exits = entries + first, exits + last
         return entries, exits
 
     def node(self, *args: Any) -> str:
