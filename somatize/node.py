@@ -81,13 +81,6 @@ def unwrap(value: Any) -> Any:
     return value
 
 
-def _refuse(other: Any, op: str) -> TypeError:
-    return TypeError(
-        f"cannot use {type(other).__name__} {other!r:.60} with {op!r} in a graph expression: "
-        "only Nodes (and expressions of them) can be chained with >> or put side by side with |"
-    )
-
-
 class Expr:
     """A declared piece of a graph: a node, a chain, or branches, with what was said of it."""
 
@@ -95,20 +88,16 @@ class Expr:
 
     # -- composition -----------------------------------------------------------------------
     def __rshift__(self, other: Any) -> Expr:
-        if not isinstance(other, Expr):
-            raise _refuse(other, ">>")
-        return Chain(_parts(self, Chain) + _parts(other, Chain))
+        return _joined(Chain, self, other)
 
     def __rrshift__(self, other: Any) -> Expr:
-        raise _refuse(other, ">>")
+        return _joined(Chain, other, self)
 
     def __or__(self, other: Any) -> Expr:
-        if not isinstance(other, Expr):
-            raise _refuse(other, "|")
-        return Branches(_parts(self, Branches) + _parts(other, Branches))
+        return _joined(Branches, self, other)
 
     def __ror__(self, other: Any) -> Expr:
-        raise _refuse(other, "|")
+        return _joined(Branches, other, self)
 
     # -- declarations ----------------------------------------------------------------------
     def _said(self, **change: Any) -> Expr:
@@ -157,10 +146,20 @@ class Expr:
         raise NotImplementedError
 
 
-def _parts(expr: Expr, kind: type) -> list[Expr]:
-    if type(expr) is kind and expr._settings == Settings():
-        return list(expr.parts)  # type: ignore[attr-defined]
-    return [expr]
+def _joined(kind: type[_Group], a: Any, b: Any) -> Expr:
+    """`a` and `b` as one `kind` (a chain, or branches), an undeclared one of them given by
+    its parts; anything that is not an expression is refused."""
+    parts: list[Expr] = []
+    for expr in (a, b):
+        if not isinstance(expr, Expr):
+            raise TypeError(
+                f"cannot use {type(expr).__name__} {expr!r:.60} with {kind.sign!r} in a graph "
+                "expression: only Nodes (and expressions of them) can be chained with >> or "
+                "put side by side with |"
+            )
+        undeclared = type(expr) is kind and expr._settings == Settings()
+        parts += expr.parts if undeclared else [expr]  # type: ignore[attr-defined]
+    return kind(parts)
 
 
 class Piece(Expr):
