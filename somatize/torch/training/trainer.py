@@ -156,10 +156,7 @@ class Trainer:
         self._updated = 0  # the steps taken when update() last closed every group
         p = self._parallel
         self._stages = Stages(
-            graph,
-            trains,
-            transport=remotes.get if p is None else p.transport,
-            watching=told,
+            graph, trains, transport=remotes.get if p is None else p.transport, watching=told
         )
         if p is not None:  # DDP (FSDP) around the stages, rank 0's weights on every rank
             p.around(self._stages, optimizer)
@@ -361,26 +358,24 @@ class Trainer:
                 "by the first: pass a list, a DataLoader, or anything iterable again"
             )
         _checks.ragged(data, self.micro)
-        self.result = Result()
-        history = self.result.history
+        result = self.result = Result()
+        history = result.history
         self._show_audit()
         bar = None
         if person_watching() and (self._parallel is None or self._parallel.rank == 0):
-            total = epochs * len(data) if hasattr(data, "__len__") else None
-            bar = Progress(total)
-        seconds, means = self.result.seconds, self.result.epochs
+            bar = Progress(epochs * len(data) if hasattr(data, "__len__") else None)
         try:
             for _ in range(epochs):
                 began = len(history)
                 for batch in data:
                     start = time.perf_counter()
                     history.append(self.step(batch))
-                    seconds.append(time.perf_counter() - start)
+                    result.seconds.append(time.perf_counter() - start)
                     if bar is not None:
                         bar.step(history[-1])
                 self.update()
                 if len(history) > began:
-                    means.append(sum(history[began:]) / (len(history) - began))
+                    result.epochs.append(sum(history[began:]) / (len(history) - began))
         except BaseException:  # Ctrl-C between two steps: the group it leaves open is dropped
             self._drop()
             raise
