@@ -7,7 +7,6 @@ first (or last) layer of its own; its parts, one per container crossed, are join
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 from somatize.figures._layers import Item, place
 from somatize.figures._scene import Box, walk
@@ -16,20 +15,14 @@ from somatize.figures._scene import Box, walk
 Point = tuple[float, float, str]
 
 
-@dataclass
-class _Level:
-    """What laying out one container left behind: where its ports are (by `in:source` and
-    `out:source`: what one box sends out leaves by one port) and each edge's part of the way
-    at this level (in the container's coordinates)."""
-
-    ports: dict[str, tuple[float, float]] = field(default_factory=dict)
-    parts: dict[tuple[str, str], list[Point]] = field(default_factory=dict)
-
-
 class _Layout:
     def __init__(self, root: Box, room: tuple[float, float]) -> None:
         self.room = room
-        self.levels: dict[str, _Level] = {}
+        # what laying out each container left behind, in its coordinates: where its ports are
+        # (by `in:source` and `out:source`: what one box sends out leaves by one port) and
+        # each edge's part of the way at its level
+        self.ports: dict[str, dict[str, tuple[float, float]]] = {}
+        self.parts: dict[str, dict[tuple[str, str], list[Point]]] = {}
         self.parent = {child.id: box for box in walk(root) for child in box.children}
         self.boxes = {box.id: box for box in walk(root)}
         self._arrange(root, root.edges)
@@ -51,7 +44,8 @@ class _Layout:
                 self._arrange(child, edges)
         if not box.children:
             return
-        level = self.levels[box.id] = _Level()
+        border = self.ports[box.id] = {}
+        parts = self.parts[box.id] = {}
         items = {
             c.id: Item(c.id, *((c.w, c.h) if box.down else (c.h, c.w)), box=c) for c in box.children
         }
@@ -96,10 +90,10 @@ class _Layout:
                 else:
                     item.box.x, item.box.y = cx, cy - item.box.h / 2
             else:
-                level.ports[key] = (cx, cy)
+                border[key] = (cx, cy)
         bend = "v" if box.down else "h"
         for (_, _, s, d), way in zip(pairs, ways, strict=True):
-            level.parts[(s, d)] = [(*real(u, v), bend if curve else "") for u, v, curve in way]
+            parts[(s, d)] = [(*real(u, v), bend if curve else "") for u, v, curve in way]
 
     def _target(self, key: str) -> str:
         """Where an edge to `key` ends: an open node's entry (the box inside that reads what
@@ -110,8 +104,8 @@ class _Layout:
     def port(self, box: Box | None, key: str, out: bool) -> float | None:
         """Where an edge to (or from) `key` crosses the border of `box`, across its
         parent's direction and in its frame offset from the box's centre, if it has one."""
-        level = self.levels.get(box.id) if box is not None else None
-        at = level.ports.get(f"{'out' if out else 'in'}:{key}") if level else None
+        side = f"{'out' if out else 'in'}:{key}"
+        at = self.ports.get(box.id, {}).get(side) if box is not None else None
         if at is None:
             return None
         return (at[0] - box.w / 2) if self.parent[box.id].down else (at[1] - box.h / 2)
@@ -131,7 +125,7 @@ class _Layout:
                 points: list[Point] = []
                 for box in self._chain(s, d):
                     ox, oy = origin[box.id]
-                    part = self.levels[box.id].parts.get((s, d), [])
+                    part = self.parts[box.id].get((s, d), [])
                     points.extend((x + ox, y + oy, c) for x, y, c in part)
                 if points:
                     routes[(s, d)] = points
