@@ -86,13 +86,13 @@ class _Painter:
             f'fill="{c}"/></marker>'
             for name, c in (("edge", EDGE), ("skip", SKIP))
         )
-        return "".join([
-            svg_open(w, h, "smz-graph-svg", f"<defs>{arrows}</defs>"), '<g class="smz-containers">',
-            *boxes, '</g><g class="smz-edges">',
-            *edges, '</g><g class="smz-layers">', *layers,
-            f'</g><g class="smz-legend" transform="translate(0,{self.root.h:.0f})">', *legend,
-            "</g></svg>",
-        ])
+        legend_at = f"translate(0,{self.root.h:.0f})"
+        return (
+            f"{svg_open(w, h, 'smz-graph-svg', f'<defs>{arrows}</defs>')}"
+            f'<g class="smz-containers">{"".join(boxes)}</g><g class="smz-edges">{"".join(edges)}'
+            f'</g><g class="smz-layers">{"".join(layers)}</g>'
+            f'<g class="smz-legend" transform="{legend_at}">{"".join(legend)}</g></svg>'
+        )
 
     def tip(self, box: Box) -> str:
         lines = [box.label.lstrip("▸▾ ")] + [f"{k}: {v}" if k else v for k, v in box.tip]
