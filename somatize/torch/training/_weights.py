@@ -17,12 +17,10 @@ from somatize.torch.training import _ranks
 from somatize.torch.training.params import state_of
 
 _DTYPES = {
-    str(d): d
-    for d in (
-        torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-        torch.complex128, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.bool,
-    )
+    f"torch.{name}": getattr(torch, name)
+    for name in (
+        "float16 bfloat16 float32 float64 complex64 complex128 uint8 int8 int16 int32 int64 bool"
+    ).split()
 }
 """The dtypes rank 0's weights are sent in, by `str(dtype)`, and the only ones a rank takes
 from rank 0's description: a list of its own, not the wire's, which may grow apart."""

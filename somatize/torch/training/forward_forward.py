@@ -92,23 +92,20 @@ class ForwardForward(Learning):
     def _loss(self, ctx: Any) -> torch.Tensor:
         given, target = self.given, self.target
         where = ctx.id.split("/")[0] if ctx is not None else "the node"
-        if not isinstance(given, torch.Tensor) or not given.is_floating_point() or (
-            given.dim() < 1 or given.shape[0] < 2
-        ):
+        rows = given.shape[0] if isinstance(given, torch.Tensor) and given.dim() else 0
+        if rows < 2 or not given.is_floating_point():
             shape = tuple(given.shape) if isinstance(given, torch.Tensor) else None
             raise TypeError(
                 f"ForwardForward makes its negatives from the batch node {where!r} is given, "
                 f"one floating tensor of at least two rows; it was given "
                 f"{type(given).__name__}{'' if shape is None else f' {shape}'}"
             )
-        if not isinstance(target, torch.Tensor) or target.dim() < 1 or (
-            target.shape[0] != given.shape[0]
-        ):
+        if not isinstance(target, torch.Tensor) or target.dim() < 1 or target.shape[0] != rows:
             raise TypeError(
                 f"ForwardForward pairs each row of the batch node {where!r} is given with a row "
                 f"of another target, and the target is {type(target).__name__}"
                 + (f" {tuple(target.shape)}" if isinstance(target, torch.Tensor) else "")
-                + f" for {given.shape[0]} rows: give a tensor with one target per row"
+                + f" for {rows} rows: give a tensor with one target per row"
             )
         node = self.node
         negative = unwrap(type(node).forward(node, negatives(given.detach(), target), ctx))
