@@ -304,10 +304,11 @@ def records(
 
 
 def _typed(values: list[Any]) -> Any:
-    """A pandas Series for one column, keeping Python types: bools as bools, ints as ints."""
+    """A pandas Series for one column, keeping Python types: bools as bools, ints as ints
+    (a numpy scalar as the number it holds, an array as it is)."""
     import pandas as pd
 
-    values = [v.item() if type(v).__module__ == "numpy" else v for v in values]
+    values = [v.item() if type(v).__module__ == "numpy" and v.ndim == 0 else v for v in values]
     present = [v for v in values if v is not None]
     missing = len(present) < len(values)
     if present and all(type(v) is bool for v in present):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -116,6 +117,23 @@ def test_facts_read_back_with_their_types(tmp_path: Path) -> None:
     assert health["where"].tolist() == ["enc.fc"] * 3
     assert health["dead_channels"].tolist() == [0, 1, 2]
     assert health["nan"].tolist() == [False, False, False]
+
+
+def test_numpy_values_read_back_scalars_as_numbers_and_arrays_as_they_are(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path)
+    with Recorder(store, run="np") as recorder:
+        recorder({"fact": "ran", "node": "enc", "began_us": 0.0, "took_us": 1.0})
+        recorder({"fact": "finished", "took_us": 2.0})
+        recorder({"fact": "loss", "value": np.float32(0.5), "step": np.int64(3)})
+        recorder({"fact": "probe", "value": np.array([1.0, 2.0]), "step": 4})
+    table = rec.facts(store, "np")
+    assert table["step"].tolist()[2:] == [3, 4]
+    loss, probe = table["value"].tolist()[2:]
+    assert loss == 0.5 and type(loss) is float
+    assert isinstance(probe, np.ndarray) and probe.tolist() == [1.0, 2.0]
+    assert rec.curve(store, "np", "probe")["value"].tolist()[0].tolist() == [1.0, 2.0]
 
 
 def test_losses_are_the_loss_curve(tmp_path: Path) -> None:
