@@ -144,6 +144,8 @@ class Graph:
                 f"node {nid!r} is placed .on({s.device!r}), which is not a device: use "
                 "'cpu', 'cuda', 'cuda:N', 'mps' or 'meta'"
             )
+        if s.host is not None and not (isinstance(s.host, str) and s.host):
+            raise ValueError(f"node {nid!r}: a host is a non-empty name, not {s.host!r}")
         _hooks.ready()
         if s.cached and not s.frozen and _hooks.trainable(node):
             raise ValueError(

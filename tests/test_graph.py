@@ -76,7 +76,9 @@ def test_readers():
 
 
 def test_devices_and_hosts_list_only_the_nodes_that_were_placed():
-    g = Graph.somatize(Add().on("cpu") >> (Add().named("l").at("far") | Same().named("r")) >> Join())
+    g = Graph.somatize(
+        Add().on("cpu") >> (Add().named("l").at("far") | Same().named("r")) >> Join()
+    )
     assert g.devices() == {"add": "cpu"}
     assert g.hosts() == {"l": "far"}
     g.declare("r", device="meta", host="near")
@@ -136,6 +138,10 @@ def test_declare_says_more_of_a_node_and_a_refusal_changes_nothing():
     with pytest.raises(ValueError, match="'gpu7'"):
         g.declare("add", device="gpu7")
     assert g.devices() == {}
+    for host in ("", 5):  # as .at() refuses it
+        with pytest.raises(ValueError, match="node 'add': a host is a non-empty name"):
+            g.declare("add", host=host)
+    assert g.hosts() == {}
     with pytest.raises(ValueError, match="declare"):
         g.declare("add", name="other")
     with pytest.raises(KeyError):
