@@ -315,11 +315,11 @@ class Functional(nn.Module):
 
     def forward(self, x):
         y = torch.cat([self.lin(torch.relu(self.lin(x))), x], 1)
-        y += 1  # in place: what it read is gone
+        y += 1  # in place: measured against y as the cat made it
         return y
 
 
-def test_every_box_architecture_draws_is_probed_but_an_in_place_one():
+def test_every_box_architecture_draws_is_probed_an_in_place_one_on_what_it_read():
     from somatize.torch import architecture
 
     torch.manual_seed(0)
@@ -333,7 +333,7 @@ def test_every_box_architecture_draws_is_probed_but_an_in_place_one():
         "functional.cat",
         "functional.add",
     ]
-    assert list(got) == ["functional", *drawn[:-1]]
+    assert list(got) == ["functional", *drawn]
     eps = torch.finfo(torch.float32).eps
     assert got["functional.lin#2"]["jacobian_gain"] == pytest.approx(2.0, rel=8 * eps)
     assert got["functional.lin#2"]["signal_gain"] == pytest.approx(2.0, rel=8 * eps)
@@ -342,6 +342,13 @@ def test_every_box_architecture_draws_is_probed_but_an_in_place_one():
     cat = torch.cat([4 * x64.clamp(min=0), x64], 1)
     want = float(cat.pow(2).mean().sqrt() / (4 * x64.clamp(min=0)).pow(2).mean().sqrt())
     assert got["functional.cat"]["signal_gain"] == pytest.approx(want, rel=16 * eps)
+    rms = cat.pow(2).mean().sqrt()
+    add = got["functional.add"]  # y += 1: against y as it was read, the identity's gain
+    assert add["signal_gain"] == pytest.approx(
+        float((cat + 1).pow(2).mean().sqrt() / rms), rel=16 * eps
+    )
+    assert add["jacobian_gain"] == pytest.approx(1.0, rel=8 * eps)
+    assert add["jacobian_spread"] == pytest.approx(0.0, abs=8 * eps)
 
 
 class Scale(nn.Module):
@@ -436,3 +443,109 @@ def test_a_module_held_in_two_blocks_is_probed_at_each_box_architecture_draws():
     assert got["shared.enc.0"]["signal_gain"] == pytest.approx(
         rms(x.double() @ w.T + b) / rms(x.double()), rel=64 * eps
     )
+
+
+class TorchvisionBlock(nn.Module):
+    """torchvision's ResNet BasicBlock as it is written: one ReLU(inplace=True) called twice,
+    and the input added in place (`out += identity`)."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        identity = x
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = self.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
+def test_a_torchvision_resnet_block_colours_every_box_by_hand_in_float64():
+    from somatize import Graph
+    from somatize.torch import architecture
+
+    torch.manual_seed(0)
+    block, x = TorchvisionBlock(), torch.randn(3, 4, 6, 6)
+    got = probe(block, x)
+    boxes = ["conv1", "bn1", "relu", "conv2", "bn2", "add", "relu#2"]
+    inside = architecture(block, x)
+    assert [la.path for la in inside["torchvisionblock"].layers] == boxes
+    assert list(got) == ["torchvisionblock", *(f"torchvisionblock.{b}" for b in boxes)]
+    gains = {where: numbers["signal_gain"] for where, numbers in got.items()}
+    Graph.somatize(block).figure(inside=inside, colour=gains)  # every box has its colour
+    # by hand, in float64, on the same weights (batch norm on the batch's statistics)
+    ref = TorchvisionBlock()
+    ref.load_state_dict(block.state_dict())
+    ref.double()
+    x64 = x.double()
+    with torch.no_grad():
+        c1 = ref.conv1(x64)
+        b1 = ref.bn1(c1)
+        r1 = torch.relu(b1)
+        c2 = ref.conv2(r1)
+        b2 = ref.bn2(c2)
+        s = b2 + x64
+        r2 = torch.relu(s)
+    pairs = {
+        "conv1": (x64, c1),
+        "bn1": (c1, b1),
+        "relu": (b1, r1),
+        "conv2": (r1, c2),
+        "bn2": (c2, b2),
+        "add": (b2, s),  # against what it read, before it was written over
+        "relu#2": (s, r2),  # against the sum, not what bn2 gave
+    }
+    rms = lambda t: float(t.pow(2).mean().sqrt())  # noqa: E731
+    eps = torch.finfo(torch.float32).eps
+    for box, (before, after) in pairs.items():
+        numbers = got[f"torchvisionblock.{box}"]
+        # float32 through at most five layers of 36-term sums, each normalised by batch norm
+        assert numbers["signal_gain"] == pytest.approx(rms(after) / rms(before), rel=64 * eps)
+    add, relu = got["torchvisionblock.add"], got["torchvisionblock.relu#2"]
+    assert add["jacobian_gain"] == pytest.approx(1.0, rel=8 * eps)  # d(b2 + x)/d(b2) = I
+    assert 0 < relu["jacobian_gain"] < 1  # a ReLU's Jacobian keeps part of the cotangent
+    zeros = float((s <= 0).double().mean())
+    assert relu["zero_frac_max"] == pytest.approx(zeros, abs=2 / s.numel())  # a tie may flip
+
+
+class Twice(nn.Module):
+    """Doubles what it is handed, in place, and hands it back."""
+
+    def forward(self, x):
+        return x.mul_(2)
+
+
+class Rewrites(nn.Module):
+    """A Linear, a module doubling its input in place, a dropout (in eval, it hands its
+    input back as it is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.twice = Twice()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.twice(self.lin(x).clone()))  # (the clone is no box)
+
+
+def test_a_module_writing_over_its_input_or_handing_it_back_is_measured_on_what_it_read():
+    torch.manual_seed(0)
+    net = Rewrites().eval()
+    got = probe(net, torch.randn(6, 4))
+    assert list(got) == ["rewrites", "rewrites.lin", "rewrites.twice", "rewrites.drop"]
+    eps = torch.finfo(torch.float32).eps
+    for box, gain in (("twice", 2.0), ("drop", 1.0)):
+        numbers = got[f"rewrites.{box}"]
+        assert numbers["signal_gain"] == pytest.approx(gain, rel=8 * eps)
+        assert numbers["jacobian_gain"] == pytest.approx(gain, rel=8 * eps)
+        assert numbers["jacobian_spread"] == pytest.approx(0.0, abs=8 * eps)

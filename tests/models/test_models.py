@@ -314,3 +314,33 @@ def test_gpt2s_conv1d_is_sized_in_its_figure_as_a_linear_layer_is():
     assert inside.layer("transformer.h.0.mlp.c_proj").label == "Conv1D 128→32"
     svg = g.figure(inside={node: inside}).svg()
     assert "Conv1D 32→96" in svg and "Linear 32→96" in svg  # the lm_head, as torch's
+
+
+def test_probe_reads_a_resnet_layer_adding_its_shortcut_in_place_by_hand_in_float64():
+    # transformers' ResNet adds the shortcut in place (`hidden_state += residual`), then
+    # applies its activation: the add is measured against the branch as it was, and the
+    # activation against the sum (not against the branch the sum was written over)
+    case = zoo.resnet()
+    model, x = case.model, case.example
+    got = probe(model, x)
+    ref = zoo.resnet().model.double()  # the same weights (seeded), in float64
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+    layers = [n for n, m in ref.named_modules() if type(m).__name__ == "ResNetBasicLayer"]
+    for name in layers:
+        m, at = ref.get_submodule(name), seen.setdefault(name, {})
+        m.layer.register_forward_hook(lambda _m, _a, out, at=at: at.update(branch=out.clone()))
+        m.activation.register_forward_hook(lambda _m, a, out, at=at: at.update(sum=a[0], out=out))
+    with torch.no_grad():
+        ref(x.double())
+    rms = lambda t: float(t.pow(2).mean().sqrt())  # noqa: E731
+    eps = torch.finfo(torch.float32).eps
+    assert len(layers) == 3
+    for name in layers:
+        at, where = seen[name], f"resnetforimageclassification.{name}"
+        add, act = got[f"{where}.add"], got[f"{where}.activation"]
+        # float32 through a dozen layers of at most 144-term sums, batch norm between them
+        want = rms(at["sum"]) / rms(at["branch"])
+        assert add["signal_gain"] == pytest.approx(want, rel=256 * eps)
+        assert add["jacobian_gain"] == pytest.approx(1.0, rel=8 * eps)  # d(b + r)/db = I
+        want = rms(at["out"]) / rms(at["sum"])
+        assert act["signal_gain"] == pytest.approx(want, rel=256 * eps)

@@ -1,8 +1,9 @@
 """Reading a module by a real forward: hooks on the modules that are drawn, and a function
 mode for the torch functions between them, following each tensor to the layer that made it.
 
-`Boxes` hears where each box is as the forward runs (what a probe measures); `Reading` builds,
-from the same run, architecture's picture of what each box is and how they are joined."""
+`Boxes` hears where each box is as the forward runs (a probe measures each box there);
+`Reading` builds, from the same run, architecture's picture of what each box is and how they
+are joined."""
 
 from __future__ import annotations
 
@@ -37,21 +38,17 @@ class Boxes(TorchFunctionMode):
     (its layers and the blocks around them, once per module object) and turns this function
     mode on for the root's first call (off while a layer runs: nothing inside a layer is a
     layer), so every torch function between the drawn modules is heard; `disarm()` takes it
-    all off. `heard`, when given, is told `(box, module, given, made)` as each box's first
-    and later calls end, `given` and `made` the tensors it was handed and gave back (a
-    function's module is None): a probe measures each box there.
+    all off. A subclass hears each box's calls begin (`_began`, a closed module's) and end
+    (`_ended`, `_function`).
 
     A module tied in two places is one object at two paths: a call is put at the path inside
     the block that is running. Each tensor is followed to the boxes that made it (`made_by`),
     by id with a weak reference (an id is only that tensor's while it lives): nothing is kept
     alive that the forward would have let go."""
 
-    def __init__(
-        self, root: nn.Module, depth: int, heard: Any = None, *, bare: bool = True
-    ) -> None:
+    def __init__(self, root: nn.Module, depth: int, *, bare: bool = True) -> None:
         super().__init__()
         self.root = root
-        self.heard = heard
         self.opening = Opening(root, depth, bare=bare)
         self.out = Traced()  # the boxes named so far (a function's name counts those before)
         self.counts: dict[str, int] = {}
@@ -124,7 +121,7 @@ class Boxes(TorchFunctionMode):
                 self.inside = 1
                 self._mode(False)
                 if not hands_on:
-                    self._began(path, call, args, kwargs)
+                    self._began(path, call, module, tensors_in((args, kwargs)))
             else:
                 self.stack.append(path)
 
@@ -140,7 +137,7 @@ class Boxes(TorchFunctionMode):
                         self._mark(outs, self.made_by(tensors_in((args, kwargs)))[1])
                     else:
                         box = call_path(path, self.calls[path])
-                        self._ended(box, module, (args, kwargs), outs)
+                        self._ended(box, module, tensors_in((args, kwargs)), outs)
                     self._mode(True)
                 return
             if self.stack and any(self.stack[-1] == p for p, _ in paths):
@@ -152,17 +149,22 @@ class Boxes(TorchFunctionMode):
         here = self.stack[-1] if self.stack else ""
         return next((p for p in paths if p[0].rpartition(".")[0] == here), paths[0])
 
-    def _began(self, path: str, call: int, args: tuple, kwargs: dict) -> None:
-        """The `call`-th call of the closed module at `path` begins (the mode is off)."""
+    def _began(self, path: str, call: int, module: nn.Module, given: list[torch.Tensor]) -> None:
+        """The `call`-th call of the closed module at `path` begins, handed the tensors `given`
+        (the mode is off)."""
 
-    def _ended(self, box: str, module: nn.Module, given: Any, outs: list[torch.Tensor]) -> None:
-        """A closed module's call, the box `box`, gave back `outs` (the mode is still off)."""
+    def _ended(
+        self, box: str, module: nn.Module, given: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> None:
+        """A closed module's call, the box `box`, handed `given`, gave back `outs` (the mode
+        is still off)."""
         self._mark(outs, frozenset((box,)))
-        if self.heard is not None:
-            self.heard(box, module, tensors_in(given), outs)
 
-    def _function(self, layer: Raw, made: frozenset[str], outs: list[torch.Tensor]) -> None:
-        """A function between the drawn modules was a layer, on what `made` made."""
+    def _function(
+        self, layer: Raw, made: frozenset[str], ins: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> None:
+        """A function between the drawn modules was a layer, on `ins`, which the boxes in
+        `made` made; it gave back `outs`."""
 
     def _gave(self, outs: list[torch.Tensor]) -> None:
         """The root's first call gave back `outs`."""
@@ -181,10 +183,8 @@ class Boxes(TorchFunctionMode):
         if floating and name not in UNDRAWN and not joins_nothing(name, ins):
             block = self.stack[-1] if self.stack else None
             layer = function_layer(self.opening, self.out, block, func, self.counts)
-            self._function(layer, made, outs)
+            self._function(layer, made, ins, outs)
             self._mark(outs, frozenset((layer.path,)))
-            if self.heard is not None:
-                self.heard(layer.path, None, ins, outs)
         else:
             self._mark(outs, made)
         return result
@@ -247,17 +247,20 @@ class Reading(Boxes):
             if p != layer.path:
                 self.edges[(p, layer.path)] = None
 
-    def _began(self, path: str, call: int, args: tuple, kwargs: dict) -> None:
-        made = self.made_by(tensors_in((args, kwargs)))[1]
-        self._ran(self.opening.add_leaf(self.out, path, call), made)
+    def _began(self, path: str, call: int, module: nn.Module, given: list[torch.Tensor]) -> None:
+        self._ran(self.opening.add_leaf(self.out, path, call), self.made_by(given)[1])
 
-    def _ended(self, box: str, module: nn.Module, given: Any, outs: list[torch.Tensor]) -> None:
+    def _ended(
+        self, box: str, module: nn.Module, given: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> None:
         layer = self.out.layers[box]
         if layer.shape is None and outs:
             layer.shape = list(outs[0].shape)
         super()._ended(box, module, given, outs)
 
-    def _function(self, layer: Raw, made: frozenset[str], outs: list[torch.Tensor]) -> None:
+    def _function(
+        self, layer: Raw, made: frozenset[str], ins: list[torch.Tensor], outs: list[torch.Tensor]
+    ) -> None:
         layer.shape = list(outs[0].shape)
         self._ran(layer, made)
 

@@ -1,7 +1,7 @@
 """What a graph looks like at initialisation, place by place: `probe`.
 
 For each node, and each box `architecture` would draw inside it (modules, the functions
-between them, each call; not an in-place operation, whose input is gone): `signal_gain`
+between them, each call): `signal_gain`
 (RMS of what comes out over RMS of what goes in; none where that is all zeros),
 `jacobian_gain` and `jacobian_spread` (per sample, ‖Jᵀu‖/‖u‖ for the random cotangent u
 that reaches that place's output, averaged over the
@@ -29,6 +29,7 @@ from somatize.torch._values import mapped
 from somatize.torch.audit._measures import norm, read, sums_of, wide
 from somatize.torch.audit._place import saturation
 from somatize.torch.inside._forward import Boxes
+from somatize.torch.inside._trace import call_path
 from somatize.torch.inside.architecture import run_here
 
 __all__ = ["probe"]
@@ -55,31 +56,34 @@ def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
 
 
 class _Seen:
-    """What is known of one tensor a place reads or makes, once however many places share it:
-    its RMS (None until taken), and the per-sample norms of its gradient, keyed by how many
-    rows they are taken over, filled by one hook as the backward passes. It holds the tensor
-    by weak reference: nothing is kept alive that the forward would let go."""
+    """What is known of one tensor a place reads or makes, as it was when first seen, once
+    however many places share it: its norm (taken then, read later) and RMS (None until
+    read), and the per-sample norms of its gradient, keyed by how many rows they are taken
+    over, filled by a hook as the backward passes (put on then: a tensor written over in
+    place later still hears the gradient of what it was). It holds the tensor by weak
+    reference: nothing is kept alive that the forward would let go."""
 
-    __slots__ = ("ref", "size", "rms", "rows")
+    __slots__ = ("ref", "size", "norm", "rms", "rows")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.ref = weakref.ref(t)
         self.size = t.numel()
+        self.norm = norm(t.detach())
         self.rms: float | None = None
         self.rows: dict[int, Any] = {}
+        if t.requires_grad:
+            rows = self.rows
+
+            def heard(g: torch.Tensor) -> None:
+                for r in rows:
+                    rows[r] = _per_sample(g, r)
+
+            t.register_hook(heard)
 
     def grads(self, rows: int) -> dict[int, Any]:
         """Where the per-sample norms of the tensor's gradient will be, keyed by `rows`."""
-        norms = self.rows
-        if not norms:
-
-            def heard(g: torch.Tensor, norms: dict[int, Any] = norms) -> None:
-                for r in norms:
-                    norms[r] = _per_sample(g, r)
-
-            self.ref().register_hook(heard)  # (alive: the place measuring it holds it)
-        norms.setdefault(rows, None)
-        return norms
+        self.rows.setdefault(rows, None)
+        return self.rows
 
 
 class _Tensors:
@@ -89,11 +93,23 @@ class _Tensors:
         self.by: dict[int, _Seen] = {}
         self.sources: list[torch.Tensor] = []  # where a gradient has to be asked for
 
-    def of(self, t: torch.Tensor) -> _Seen:
+    def known(self, t: torch.Tensor) -> _Seen | None:
+        """What was seen of `t`, if anything (an id is only that tensor's while it lives)."""
         seen = self.by.get(id(t))
-        if seen is None or seen.ref() is not t:  # (an id is only that tensor's while it lives)
+        return seen if seen is not None and seen.ref() is t else None
+
+    def of(self, t: torch.Tensor, *, afresh: bool = False) -> _Seen:
+        """What is known of `t`; `afresh`, of what it holds now (a call gave it back)."""
+        seen = None if afresh else self.known(t)
+        if seen is None:
             seen = self.by[id(t)] = _Seen(t)
         return seen
+
+    def forget(self, tensors: list[torch.Tensor]) -> None:
+        """A call gave `tensors` back, one it was handed perhaps written over in place: what
+        was known of them is no longer what they hold."""
+        for t in tensors:
+            self.by.pop(id(t), None)
 
 
 class _Place:
@@ -115,17 +131,25 @@ class _Place:
     def saw(self, given: list[torch.Tensor], made: list[torch.Tensor], known: _Tensors) -> None:
         """Measure the call that made the tensors `made` of the tensors `given`: Σ|a|, the
         zeros (and the saturated) of its output and the norm of its input and of its output,
-        each not taken yet, all read at once."""
+        each not read yet, all read at once. A call that gave back a tensor it was handed
+        (written over in place, or handed on as it is) is measured against that tensor as it
+        was seen before the call, and left out where it was not (what it read is gone)."""
         inp, out = _first(given), _first(made)
         if out is None:
             return
+        i = None
+        if inp is not None:
+            i = known.known(inp)
+            if i is None and any(inp is t for t in made):
+                known.forget(made)
+                return
+            i = i or known.of(inp)
+        o = known.of(out, afresh=True)
         a = out.detach()
         size = a.numel()
-        o = known.of(out)
-        i = known.of(inp) if inp is not None else None
         sums = sums_of(a, self.saturates)
-        fresh = [s for s in (i, o) if s is not None and s.rms is None]  # no RMS taken yet
-        values = read(sums + [norm(s.ref().detach()) for s in fresh])  # one read per place
+        fresh = [s for s in (i, o) if s is not None and s.rms is None]  # no RMS read yet
+        values = read(sums + [s.norm for s in fresh])  # one read per place
         for s, v in zip(fresh, values[len(sums) :], strict=True):
             s.rms = v / s.size**0.5 if s.size else 0.0
         n = self.numbers = {}
@@ -164,6 +188,46 @@ class _Place:
         return n
 
 
+class _Probing(Boxes):
+    """The boxes `architecture` draws inside one node's root, the first `most` that ran, each
+    a place measured on its first call as it ends; a closed module's input is first seen as
+    its call begins (a module may write over it in place)."""
+
+    def __init__(self, node: str, root: nn.Module, depth: int, most: int, known: _Tensors):
+        super().__init__(root, depth)
+        self.node = node
+        self.most = most
+        self.known = known
+        self.places: dict[str, _Place] = {}
+
+    def _place(self, box: str, module: nn.Module | None) -> _Place | None:
+        """The place `box`'s call is measured at, if it is."""
+        place = self.places.get(box)
+        if place is None and len(self.places) < self.most:
+            modules = [module] if module is not None else []
+            place = self.places[box] = _Place(self.node, box, modules)
+        return place if place is not None and place.numbers is None else None
+
+    def _heard(self, box: str, module: Any, given: list, outs: list) -> None:
+        place = self._place(box, module)
+        if place is None:
+            self.known.forget(outs)
+        else:
+            place.saw(given, outs, self.known)
+
+    def _began(self, path: str, call: int, module: nn.Module, given: list[torch.Tensor]) -> None:
+        inp = _first(given)
+        if inp is not None and self._place(call_path(path, call), module) is not None:
+            self.known.of(inp)
+
+    def _ended(self, box: str, module: nn.Module, given: list, outs: list) -> None:
+        super()._ended(box, module, given, outs)
+        self._heard(box, module, given, outs)
+
+    def _function(self, layer: Any, made: frozenset, ins: list, outs: list) -> None:
+        self._heard(layer.path, None, ins, outs)
+
+
 def probe(
     graph: Any,
     example: Any,
@@ -178,11 +242,13 @@ def probe(
 
     `where` is a node, or `node.path.to.submodule` — the same keys the audit uses and the
     same boxes the figure draws (`depth` opens composites as in `architecture`; the functions
-    between modules, `relu`, `cat`, and a module's later calls, `pool#2`, are places too; a
-    call that gives back a tensor it was handed is not: an in-place operation (`x += y`,
-    `nn.ReLU(inplace=True)`) and, as it cannot be told from one, a module handing its input
-    back as it is (a `Dropout` in eval mode); the first `most` boxes per node that ran), so
-    a finding from a probe lands on the box a finding from a run would.
+    between modules, `relu`, `cat`, and a module's later calls, `pool#2`, are places too;
+    the first `most` boxes per node that ran), so a finding from a probe lands on the box a
+    finding from a run would. A call that writes over what it read (`out += identity`,
+    `x.relu_()`, a module changing its input in place) or hands its input back (a `Dropout`
+    in eval mode) is measured against its input as it was before the call (a module's is
+    read as its call begins), and the boxes after it against what it gave; only an in-place
+    function on a tensor no box made (the model's input, a slice) is not, its input gone.
     Each place's numbers are `signal_gain`, `jacobian_gain`, `jacobian_spread`,
     `zero_frac_max`, `sat_frac_max`, `nan` and `inf` (see the module's docstring), the shape
     `somatize.health.seen` returns from a store, which `somatize.health.verdict` reads.
@@ -212,30 +278,12 @@ def probe(
             )
     roots = {node: root_of(g.implementation(node)) for node in g.nodes()}
     nodes = {n: _Place(n, None, [r] if r is not None else []) for n, r in roots.items()}
-    inner: dict[str, dict[str, _Place]] = {}
-    hooks: list[Boxes] = []
     known = _Tensors()
-    for node, root in roots.items():
-        if root is None or not parts_of(root):
-            continue
-        # the boxes `architecture` draws inside it (the first `most` that ran), each as it ran
-        places = inner[node] = {}
-
-        def box(path: str, module: Any, ins: list, outs: list, node=node, places=places) -> None:
-            place = places.get(path)
-            if place is None:
-                if len(places) >= most:
-                    return
-                if any(o is t for o in outs for t in ins):
-                    # in place (`x += y`, `x.relu_()`): what it read is gone; a module
-                    # giving its input back as it is (Dropout in eval) looks the same
-                    return
-                place = places[path] = _Place(node, path, [module] if module is not None else [])
-            elif place.numbers is not None:
-                return  # the first call is the place's (unless it gave nothing to measure)
-            place.saw(ins, outs, known)
-
-        hooks.append(Boxes(root, depth, heard=box))
+    hooks = [
+        _Probing(node, root, depth, most, known)
+        for node, root in roots.items()
+        if root is not None and parts_of(root)
+    ]
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
         with contextlib.ExitStack() as quiet:  # (its own measuring is no layer of a node's)
@@ -272,6 +320,7 @@ def probe(
     answer: dict[str, dict[str, Any]] = {}
     facts = []  # the same, as health facts for `watching`
     one = False
+    inner = {h.node: h.places for h in hooks}
     for node, place in nodes.items():
         for p in [place, *inner.get(node, {}).values()]:
             if p.numbers is not None:
