@@ -256,15 +256,8 @@ class CompareTable(Face, anywidget.AnyWidget):
         self.observe(lambda _: self._draw(), ["table", "sort_by", "ascending", "shown", "scatter"])
 
     def _draw(self) -> None:
-        self.drawing = html(
-            {
-                **self.table,
-                "hidden": self.hidden(),
-                "sort_by": self.sort_by,
-                "ascending": self.ascending,
-                "scatter": self.scatter,
-            }
-        )
+        view = {k: getattr(self, k) for k in ("sort_by", "ascending", "scatter")}
+        self.drawing = html({**self.table, **view, "hidden": self.hidden()})
 
     def hidden(self) -> list[str]:
         """The columns behind a toggle: past 1400 px, the probe's first (but `probe:flags`
