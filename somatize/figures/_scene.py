@@ -188,11 +188,6 @@ class _Inside:
             inputs = [drawn[0]["path"]]
         self.reader = inputs[0] if len(inputs) == 1 else INPUT  # where the node's input goes
 
-    def entry(self) -> str:
-        """The box an edge into the node reaches (once `boxes` has drawn them): the input box,
-        or the one layer reading what the node was given; "" where the inside does not say."""
-        return self.ids.get(self.reader, "")
-
     def boxes(self) -> list[Box]:
         out: list[Box] = [self._input()] if self.inputs else []
         for layer in self.layers:
@@ -290,10 +285,9 @@ class _Inside:
             for k in kids:
                 out.extend(self._block(k, old, new))
             return out
-        key = f"{self.node}:{b}"
-        opened = blk["times"] > 1 and key in self.expanded
-        names = [b, *blk["repeats"]]
+        key, names = f"{self.node}:{b}", [b, *blk["repeats"]]
         foldable = blk["times"] > 1
+        opened = foldable and key in self.expanded
         made, copies = [], []
         for k in range(blk["times"] if opened else 1):
             path = _swap(names[k] if k < len(names) else f"{b}~{k}", old, new)  # names[0] is b
@@ -444,6 +438,6 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
         world = _Inside(nid, inside, expanded)
         box.children = world.boxes()
         box.edges = world.routed()
-        box.entry = world.entry()
+        box.entry = world.ids.get(world.reader, "")  # "" where the inside does not say
         box.pad = (NODE_TOP + (PILL_H if pills else 0), 12.0, 12.0, 12.0)
     return box
