@@ -284,6 +284,8 @@ class Store:
         store nothing is written aside, so there is nothing to clean (a big object's
         unfinished multipart upload is the bucket lifecycle's to abort). Refuses a negative
         `older_than`."""
+        if not isinstance(older_than, (int, float)):
+            raise TypeError(f"older_than is seconds >= 0, not {older_than!r}")
         if isinstance(older_than, bool) or not older_than >= 0:
             raise ValueError(f"older_than is seconds >= 0, not {older_than!r}")
         return self._place.clean(float(older_than))

@@ -354,3 +354,13 @@ def test_names_too_long_for_a_file_or_a_key_are_refused(store: Store) -> None:
     with pytest.raises(ValueError, match="name .* too long"):
         store.keep("/".join(["segment"] * 200), 1)
     assert store.names() == []
+
+
+def test_clean_refuses_an_age_that_is_not_seconds_by_what_was_passed(store: Store) -> None:
+    for bad in ("5", None):
+        with pytest.raises(TypeError, match=f"older_than is seconds >= 0, not {bad!r}"):
+            store.clean(older_than=bad)
+    for bad in (-1, float("nan"), True):
+        with pytest.raises(ValueError, match="older_than is seconds >= 0"):
+            store.clean(older_than=bad)
+    assert store.clean(older_than=0) == {"files": 0, "bytes": 0}
