@@ -61,15 +61,8 @@ def parallel_of(
     every: int,
     micro: int,
 ) -> Parallel | None:
-    """`Trainer(parallel=)` checked, the group joined, and every rank found to train the same.
-
-    Refused before anything changes, naming the node: a mode not in `MODES`; a node `.at(host)`
-    (every rank would train it at once); a `.cached()` node without a store every rank sees
-    (rank 0 keeps a token there and every rank looks for it); a node on a `cuda:N` other than
-    this rank's GPU; a Learning that `moves_at_forward` (Synthetic); under "fsdp", `trains=`,
-    auditing, and an optimizer that already has state. A rank whose graph or Trainer (nodes,
-    weights' shapes, `every`, `micro`, `trains`) differs from rank 0's makes every rank refuse.
-    """
+    """`Trainer(parallel=)` checked, the group joined, and every rank found to train the same;
+    what is refused before anything changes is listed in docs/parallel.md."""
     if mode is None:
         return None
     if mode not in MODES:
