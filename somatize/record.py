@@ -146,6 +146,7 @@ class Recorder:
             # a node ran twice: the forward before never finished, it broke
             again = kind == "ran" and not self._finished and fact.get("node") in self._ran
             if (kind in ("ran", "finished") and self._finished) or again:
+                self._dirty |= again  # written as unfinished (a flush), it now reads broke
                 self._write(broke=again)
                 self._forward += 1
                 self._number = None

@@ -309,6 +309,20 @@ def test_a_forward_that_broke_is_its_own_record(tmp_path: Path) -> None:
     assert rec.runs(store)["broke"].tolist() == [1]
 
 
+def test_a_broken_forward_flushed_as_unfinished_reads_broke_once_the_next_begins(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path)
+    graph = Graph.somatize(Inc().named("inc") >> Fragile().named("fragile"))
+    with Recorder(store, run="b") as recorder:
+        with pytest.raises(ValueError, match="too big"):
+            graph.forward(20, watching=recorder)
+    assert store.resolve("run/b/0").get("state") == "unfinished"  # nothing came after it yet
+    assert graph.forward(2, watching=recorder) == 3
+    recorder.close()
+    assert rec.forwards(store, "b")["state"].tolist() == ["broke", "ok"]
+
+
 def test_runs_forwards_nodes_and_curve_are_dataframes(tmp_path: Path) -> None:
     store = Store(tmp_path)
     recorder = Recorder(store, run="tuesday", summarising=["loss"])
