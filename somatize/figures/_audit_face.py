@@ -112,8 +112,7 @@ def picture(
         if every_step:
             _step_axis(out, sorted(set(every_step)), sx, x0, ends, y - 10)
         return svg_open(width, y + 16, "smz-audit-svg") + "".join(out) + "</svg>"
-    scale = Scale(v for r in history.runs.values() for p in r.places.values()
-                  for v in p.columns.get(metric, ()))
+    scale = Scale(v for w, r in rows for v in history.runs[r].places[w].columns.get(metric, ()))
     top = y + 6
     families: dict[str, None] = {}
     levels: dict[str, list[str]] = {}
@@ -174,8 +173,8 @@ def picture(
 def _step_axis(out, steps, sx, x0, x1, y) -> None:
     """A step axis from x0 to x1 at y + 2, its labels under it (at the steps nearest round
     numbers; labels that would touch are left out)."""
-    out.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{y + 2:.1f}" y2="{y + 2:.1f}" '
-               f'stroke="{LINE}"/>')
+    at = f"{y + 2:.1f}"
+    out.append(f'<line x1="{x0:.1f}" x2="{x1:.1f}" y1="{at}" y2="{at}" stroke="{LINE}"/>')
     last_x = -1e9
     for t in ticks(steps[0], steps[-1], 7, whole=True):
         tx = sx(min(steps, key=lambda s: abs(s - t)))
@@ -259,7 +258,8 @@ def _loss(out, history, runs, sx, x0, x1, y, log, smoothing, width, named, title
 
     def curve(steps: list[int], values: list[float], keep: range) -> str:
         drawn = [k for k in keep if math.isfinite(values[k]) and (values[k] > 0 or not log)]
-        return _polyline([(sx(steps[k]), sy(values[k])) for k in drawn])
+        points = [f"{sx(steps[k]):.1f},{sy(values[k]):.1f}" for k in drawn]
+        return "M" + "L".join(points) if points else ""
 
     ends = []
     for n, (run, steps, values) in enumerate(series):
@@ -296,10 +296,6 @@ def flat_note(lo: float, hi: float, mean: float) -> str:
     if mean == 0 or (hi - lo) >= 0.05 * abs(mean):
         return ""
     return f"flat: it spans {number(hi - lo)}, {number(100 * (hi - lo) / abs(mean))}% of its mean"
-
-
-def _polyline(points: list[tuple[float, float]]) -> str:
-    return "".join(f"{'M' if k == 0 else 'L'}{x:.1f},{y:.1f}" for k, (x, y) in enumerate(points))
 
 
 def _legend(out, y, scale, metric, families, runs, width) -> float:
