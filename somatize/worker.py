@@ -36,18 +36,6 @@ def _size(text: str) -> int:
     return int(found.group(1)) * _UNITS[found.group(2).lower()]
 
 
-def _endpoint(listen: str) -> str:
-    if "://" in listen and not listen.startswith("tcp://"):
-        return listen
-    host, _, port = listen.removeprefix("tcp://").rpartition(":")
-    if not host or not (port == "*" or port.isdigit() and int(port) < 65536):
-        raise SystemExit(
-            f"--listen takes HOST:PORT, the port a number from 0 (any free one) to 65535 "
-            f"(say 127.0.0.1:7000), not {listen!r}"
-        )
-    return f"tcp://{host}:{'*' if port in ('0', '*') else int(port)}"
-
-
 def _watch_parent(parent: int) -> None:
     """Stop this process once the process that spawned it is gone."""
     while os.getppid() == parent:
@@ -139,7 +127,15 @@ def main(argv: list[str] | None = None) -> None:
         stream=sys.stderr,
         format="somatize.worker %(levelname)s %(message)s",
     )
-    endpoint = _endpoint(a.listen)
+    from somatize.remote.client import endpoint
+
+    try:
+        listen = endpoint(a.listen, listen=True)
+    except ValueError:
+        raise SystemExit(
+            f"--listen takes HOST:PORT, the port a number from 0 (any free one) to 65535 "
+            f"(say 127.0.0.1:7000), not {a.listen!r}"
+        ) from None
     if a.session_timeout <= 0:
         raise SystemExit("--session-timeout is a number of seconds > 0")
     token = _secret(a.token, a.token_file, "SOMATIZE_TOKEN", "--token")
@@ -172,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         max_message=a.max_message,
     )
     context = zmq.Context()
-    sock = bind(context, endpoint, max_message=a.max_message, curve_secret=curve)
+    sock = bind(context, listen, max_message=a.max_message, curve_secret=curve)
     guard = Guard(sock, most_pending=a.max_pending, most_bytes=a.max_message)
     where = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     if a.parent is not None:

@@ -252,7 +252,8 @@ def test_a_worker_killed_mid_forward_is_an_error_naming_the_host_quickly():
 
 
 @pytest.mark.parametrize(
-    "address", ["127.0.0.1", "node3:70000", "node3:7000x", "http://node3:7000", ":7000", ""]
+    "address",
+    ["127.0.0.1", "node3:70000", "node3:7000x", "http://node3:7000", ":7000", "", "node3:0"],
 )
 def test_an_address_a_worker_cannot_have_is_refused_when_it_is_declared(address):
     with pytest.raises(ValueError, match=r"'host:port'.*1 to 65535.*not " + repr(address)):

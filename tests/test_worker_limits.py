@@ -397,7 +397,9 @@ def test_the_token_is_the_command_lines_else_the_first_line_of_its_file_else_the
             spawned.stop()
 
 
-@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "127.0.0.1:abc", "127.0.0.1"])
+@pytest.mark.parametrize(
+    "listen", ["127.0.0.1:99999", "127.0.0.1:abc", "127.0.0.1", "http://127.0.0.1:7000"]
+)
 def test_a_worker_told_to_listen_where_it_cannot_says_so_and_does_not_start(listen):
     env = {**os.environ, "SOMATIZE_TOKEN": "t", "PYTHONPATH": os.pathsep.join(sys.path)}
     command = [sys.executable, "-m", "somatize.worker", "--listen", listen]

@@ -35,10 +35,11 @@ MODES = ("project", "network")
 """How nodes travel to a worker (see the module's doc)."""
 
 
-def endpoint(address: Any) -> str:
+def endpoint(address: Any, *, listen: bool = False) -> str:
     """The ZeroMQ endpoint of a worker's address: "host:port" or "tcp://host:port" (a port
     from 1 to 65535, as the worker printed it), or an "ipc://path"; anything else is a
-    `ValueError` naming it, when the `Worker` is declared rather than at its first use."""
+    `ValueError` naming it, when the `Worker` is declared rather than at its first use. With
+    `listen` (where a worker listens), port 0 or "*" is any free one."""
     said = (
         f"a worker's address is 'host:port' (or 'tcp://host:port'), the port a number from 1 "
         "to 65535, as the worker prints it ('somatize worker ready tcp://HOST:PORT'), not "
@@ -52,9 +53,10 @@ def endpoint(address: Any) -> str:
     if scheme == "ipc" and rest:
         return address
     host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    free = listen and port in ("0", "*")  # where a worker listens: any free port
+    if scheme != "tcp" or not host or not (free or port.isdigit() and 0 < int(port) < 65536):
         raise ValueError(said)
-    return f"tcp://{rest}"
+    return f"tcp://{host}:{'*' if free else int(port)}"
 
 
 class Worker:
