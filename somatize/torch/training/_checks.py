@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from somatize.graph import Graph, broker_for
+from somatize.graph import Graph
 from somatize.node import Wrapped
 from somatize.run import warn, watchers
 from somatize.torch._modules import join
@@ -304,13 +304,6 @@ def audit_of(auditing: Any) -> Any:
             f"auditing= takes an Audit (or True for the default one), not {type(auditing).__name__}"
         )
     return auditing
-
-
-def hosts_of(graph: Graph, broker: Any) -> dict[str, str]:
-    """`{node: host}` for the `.at(host)` nodes; refused without a broker that says where."""
-    hosts = {n: h for n, h in graph.hosts().items() if h}
-    broker_for(hosts, broker, "Trainer(..., broker=Broker.embedded({%s: Worker.at(...)}))")
-    return hosts
 
 
 def _not_finite(graph: Graph) -> tuple[list[str], list[str]]:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from somatize import run
-from somatize.graph import Graph, as_graph
+from somatize.graph import Graph, as_graph, broker_for
 from somatize.node import unwrap
 from somatize.store import store_of
 from somatize.torch._served import stage_state
@@ -131,7 +131,8 @@ class Trainer:
         )
         if self._parallel is not None and self._parallel.rank != 0:
             told, audit = [], None  # rank 0 tells the facts
-        hosts = _checks.hosts_of(graph, broker)
+        hosts = {nid: host for nid, host in graph.hosts().items() if host}
+        broker_for(hosts, broker, "Trainer(..., broker=Broker.embedded({%s: Worker.at(...)}))")
         remotes = {host: Remote(broker, host) for host in sorted(set(hosts.values()))}
 
         # Everything is checked: from here on, things change.
