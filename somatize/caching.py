@@ -415,7 +415,7 @@ def _object(value: Any, where: str, k: _Keying) -> list:
     kind = type(value)
     held = getattr(value, "__dict__", None) or {}
     said = {n: v for n, v in held.items() if n not in _OF_THIS_PROCESS}
-    slots = [s for c in kind.__mro__ for s in getattr(c, "__slots__", ()) if s != "__dict__"]
+    slots = _slots(kind)
     for name in slots:
         if name != "__weakref__" and hasattr(value, name):
             said[name] = getattr(value, name)
@@ -430,6 +430,18 @@ def _object(value: Any, where: str, k: _Keying) -> list:
         _type_name(kind),
         [[n, k.said(v, f"{where}.{n}")] for n, v in sorted(said.items())],
     ]
+
+
+def _slots(kind: type) -> list[str]:
+    """The attributes the slots of `kind` and its bases hold (`__slots__` a tuple, or one bare
+    string; a private `__x` as Python keeps it, `_Kind__x`), but `__dict__`."""
+    names = []
+    for c in kind.__mro__:
+        declared = vars(c).get("__slots__", ())
+        for s in (declared,) if isinstance(declared, str) else declared:
+            private = s.startswith("__") and not s.endswith("__") and c.__name__.strip("_")
+            names.append(f"_{c.__name__.lstrip('_')}{s}" if private else s)
+    return [s for s in names if s != "__dict__"]
 
 
 def _arguments(node: Any, k: _Keying) -> list:

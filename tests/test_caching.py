@@ -278,6 +278,38 @@ def test_an_object_argument_is_keyed_by_its_type_and_its_state(store):
     assert cached_run(Apply(Tok({"a": 7})), "a", store) == ([7], {"apply": "hit"})
 
 
+class Scale:
+    """Multiplies by `by`, kept in its one slot, named by a bare string as Python allows."""
+
+    __slots__ = "by"
+
+    def __init__(self, by: int) -> None:
+        self.by = by
+
+    def __call__(self, v):
+        return v * self.by
+
+
+class Shift:
+    """Adds `by`, kept in a private slot (Python keeps it as `_Shift__by`)."""
+
+    __slots__ = ("__by",)
+
+    def __init__(self, by: int) -> None:
+        self.__by = by
+
+    def __call__(self, v):
+        return v + self.__by
+
+
+def test_an_object_whose_slots_are_one_string_or_private_is_keyed_by_what_they_hold(store):
+    assert cached_run(Apply(Scale(2)), 10, store) == (20, {"apply": "miss"})
+    assert cached_run(Apply(Scale(3)), 10, store) == (30, {"apply": "miss"})
+    assert cached_run(Apply(Scale(3)), 10, store) == (30, {"apply": "hit"})
+    assert cached_run(Apply(Shift(1)), 10, store) == (11, {"apply": "miss"})
+    assert cached_run(Apply(Shift(2)), 10, store) == (12, {"apply": "miss"})
+
+
 def test_an_argument_no_key_can_read_is_refused_when_built_unless_salted(store):
     import threading
 
