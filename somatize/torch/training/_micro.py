@@ -1,15 +1,6 @@
-"""A batch cut into `micro` equal pieces along its batch dimension, input and target alike.
-
-The batch size is the first first dimension other than 1 met in the input (then the target),
-in order: a tensor's, or the length of a list of plain values (strings, numbers, lists of
-them: token ids). Then, inside dicts, lists and tuples, whatever their depth:
-- a tensor whose first dimension is the batch size is cut, one whose first dimension is 1 (a
-  broadcast `position_ids` of shape (1, S)) or that has none is handed to every piece whole;
-- a list of plain values is cut (one item per example); its length has to be the batch size;
-- None, a bool, a number, a string (a `use_cache=False`), a tuple of those is handed to every
-  piece as it is;
-- anything else, a tensor of another first dimension or a list of another length is refused
-  before anything runs, with the path of the value (`input['position_ids']`) and its shape."""
+"""A batch cut into `micro` equal pieces along its batch dimension, input and target alike:
+what is cut, what every piece is handed whole and what is refused is in docs/training.md
+(`micro=k`), as `size` and `cut` do it."""
 
 from __future__ import annotations
 
