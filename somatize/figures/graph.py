@@ -119,8 +119,8 @@ class GraphFigure(Face, anywidget.AnyWidget):
     _bundle = "graph"
     _esm = STATIC / "graph.js"
     _css = STATIC / "graph.css"
-    _saved = ("plan", "inside", "opened", "expanded", "colour", "colour_label", "height", "width",
-              "name", "drawing")
+    _drawn = ("plan", "inside", "opened", "expanded", "colour", "colour_label", "height", "width")
+    _saved = (*_drawn, "name", "drawing")
 
     plan = traitlets.Dict().tag(sync=True)
     inside = traitlets.Dict().tag(sync=True)
@@ -136,16 +136,12 @@ class GraphFigure(Face, anywidget.AnyWidget):
     def __init__(self, **traits: Any) -> None:
         super().__init__(**traits)
         self._draw()
-        self.observe(
-            lambda _: self._draw(),
-            ["plan", "inside", "opened", "expanded", "colour", "colour_label", "width", "height"],
-        )
+        self.observe(lambda _: self._draw(), list(self._drawn))
 
     def _draw(self) -> None:
         room = (max(320.0, self.width - 24.0), max(240.0, self.height - 40.0))
         self.drawing = picture(
-            self.plan, self.inside, list(self.opened), list(self.expanded), self.colour,
-            self.colour_label, room,
+            self.plan, self.inside, self.opened, self.expanded, self.colour, self.colour_label, room
         )
 
     def recolour(self, colour: Any = None, label: str | None = None) -> None:
