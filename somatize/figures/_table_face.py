@@ -67,19 +67,18 @@ def html(table: dict[str, Any]) -> str:
     values = [[_SPECIAL.get(v, v) if isinstance(v, str) else v for v in r] for r in table["values"]]
     table = {**table, "values": values}
     groups, hidden = table["groups"], set(table["hidden"])
-    explain = table["explain"]
     order = _order(table)
     name = f"{_STICKY}text-align:left;max-width:{NAMES:.0f}px;"
+    heading = esc(table["index_name"])  # over the names
     head = "border-bottom:2px solid #c4c9d4"
     out = [
         f'<div class="smz-table-face" style="font-family:{esc(FONT)};font-size:12px;color:{INK}">',
         # its own font size: a page without a doctype or JupyterLab's would set another one
         '<div class="smz-scroll" style="max-width:100%;overflow-x:auto"><table style="'
-        f'font-size:12px;color:{INK};border-collapse:separate;border-spacing:0;'
+        f"font-size:12px;color:{INK};border-collapse:separate;border-spacing:0;"
         'font-variant-numeric:tabular-nums">',
         "<thead><tr>",
-        _cell("th", f' rowspan="2" class="smz-index" data-col="{esc(table["index_name"])}"',
-              name + head, esc(table["index_name"])),
+        _cell("th", f' rowspan="2" class="smz-index" data-col="{heading}"', name + head, heading),
     ]
     for group, run in groupby(cols, key=lambda c: groups.get(c, "")):
         run = list(run)
@@ -95,7 +94,7 @@ def html(table: dict[str, Any]) -> str:
         style = f"text-align:right;cursor:pointer;{head};"
         style += "color:#2f6fdf;" if c == table["measured"] else ""
         label = esc(c.split(":", 1)[-1]) + arrow
-        attrs += f' title="{esc(explain.get(c, ""))}"'
+        attrs += f' title="{esc(table["explain"].get(c, ""))}"'
         out.append(_cell("th", attrs, style, label, c in hidden))
     out.append("</tr></thead><tbody>")
     colour = {  # every proxy and measured: higher is better
@@ -161,9 +160,7 @@ def _cell(tag: str, attrs: str, style: str, content: str, hidden: bool = False) 
 _GROUPS = {  # a group's heading and its tooltip; any other group is headed by its name
     "measured": ("measured", "what you measured after training (higher is better)"),
     "proxy": ("proxy scores · higher is better", "cheap scores taken before training"),
-    "probe": (
-        "probe at initialisation · median over places", "what somatize.torch.probe measured"
-    ),
+    "probe": ("probe at initialisation · median over places", "what somatize.torch.probe measured"),
 }
 
 
@@ -299,8 +296,10 @@ def _legend(table: dict[str, Any]) -> str:
     keys = [
         f'<span><span style="{swatch}vertical-align:-1px;background:{colour}"></span>{text}</span>'
         for colour, text in [
-            (rank_colour(1), "best in its column"), (rank_colour(0.5), "middle"),
-            (rank_colour(0), "worst"), (FLAGGED, "probe value the health verdict flags"),
+            (rank_colour(1), "best in its column"),
+            (rank_colour(0.5), "middle"),
+            (rank_colour(0), "worst"),
+            (FLAGGED, "probe value the health verdict flags"),
         ]
     ]
     rows = "".join(
@@ -311,5 +310,5 @@ def _legend(table: dict[str, Any]) -> str:
     return (
         f'<div class="smz-legend" style="flex:1 1 420px;font-size:11px;color:{MUTED};'
         'line-height:1.5"><div style="display:flex;gap:14px;flex-wrap:wrap;margin-bottom:4px">'
-        f'{"".join(keys)}</div>{rows}</div>'
+        f"{''.join(keys)}</div>{rows}</div>"
     )
