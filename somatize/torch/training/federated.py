@@ -146,7 +146,10 @@ def _read(store: Any, name: str, mine: Export) -> tuple[Export | None, Any, str 
     return (None, None, why) if why else (value, size, None)
 
 
-def _said(run: str, round: int, left_out: Any) -> None:
+def _warn(run: str, round: int, meta: Any) -> None:
+    """Tell a client what the average of a round (`meta`: what is kept beside it) left out
+    and why, and that it weighed every client the same, some having given no size."""
+    left_out, unsized = meta.get("left_out"), meta.get("unsized")
     if left_out:
         entries = left_out if isinstance(left_out, list) else [left_out]
         who = "; ".join(
@@ -158,10 +161,7 @@ def _said(run: str, round: int, left_out: Any) -> None:
             f"client(s) whose record could not be used ({who}); fix or restart them",
             RuntimeWarning,
         )
-
-
-def _unweighted(run: str, round: int, unsized: Any, clients: int) -> None:
-    if unsized and len(unsized) < clients:
+    if unsized and len(unsized) < len(meta.get("averaged") or ()):
         warn(
             f"gather: round {round} of run {run!r} was averaged with every client weighing the "
             f"same, since client(s) {unsized} gave no size and the others did; give every "
@@ -238,10 +238,9 @@ def gather(
         sizes = [read[k][1] for k in averaged]
         unsized = [k for k in averaged if read[k][1] is None]
         result = fedavg([read[k][0] for k in averaged], None if unsized else sizes)
-        meta = [("by", mine), ("averaged", averaged), ("left_out", left_out)]
-        store.keep(average, result, meta=[*meta, ("unsized", unsized)])
-        _said(run, round, left_out)
-        _unweighted(run, round, unsized, len(averaged))
+        meta = {"by": mine, "averaged": averaged, "left_out": left_out, "unsized": unsized}
+        store.keep(average, result, meta=list(meta.items()))
+        _warn(run, round, meta)
         return result
     while store.resolve(average) is None:
         if time.monotonic() >= deadline:
@@ -258,7 +257,5 @@ def gather(
             f"gather: the average of round {round} of run {run!r} ({average!r}) cannot be "
             f"loaded: {why}; it was damaged or written by someone else"
         )
-    bound = store.resolve(average)
-    _said(run, round, bound.get("left_out"))
-    _unweighted(run, round, bound.get("unsized"), len(bound.get("averaged") or ()))
+    _warn(run, round, store.resolve(average))
     return result
