@@ -179,18 +179,14 @@ class Held:
 
 
 @contextlib.contextmanager
-def untouched(modules: list[nn.Module], *, reads: str | None = None) -> Iterator[Held]:
-    """Whatever happens inside, the modules come out exactly as they went in.
+def untouched(held: Held) -> Iterator[None]:
+    """Whatever happens inside, the modules `held` (refused first where no look can run
+    them: `Held.refuse`) come out exactly as they went in.
 
     Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
     buffers, `inplace` flags, and the global random state. Inside, the global generator is
-    seeded with 0, so a dropout draws the same masks every call. A net holding a lazy
-    module's weights not made yet, or a compiled module, is refused (`Held.refuse`; with
-    `reads`, a net on the meta device too). It gives what the modules hold (`Held`), for
-    whoever wants to change it in the meantime.
+    seeded with 0, so a dropout draws the same masks every call.
     """
-    held = Held(modules)
-    held.refuse(reads=reads)
     modes = [(m, m.training) for m in held.modules]
     inplace = [(m, flag) for m in held.modules if (flag := _in_place(m)) is not None]
     params = [(p, p.data, p.grad, p.requires_grad) for p in held.params]
@@ -202,7 +198,7 @@ def untouched(modules: list[nn.Module], *, reads: str | None = None) -> Iterator
         torch.default_generator.manual_seed(0)
         if torch.cuda.is_initialized():
             torch.cuda.manual_seed_all(0)
-        yield held
+        yield
     finally:
         torch.set_rng_state(rng)
         with torch.no_grad():

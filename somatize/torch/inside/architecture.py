@@ -161,7 +161,9 @@ def _here(call: Any, ctx: Any) -> Any:
     return here
 
 
-def _capture(graph: Any, roots: dict[str, nn.Module], example: Any, plans: dict) -> dict:
+def _capture(
+    graph: Any, held: Held, roots: dict[str, nn.Module], example: Any, plans: dict
+) -> dict:
     """Run the graph once, each node's `Reading` armed: {node: the shape of what its module
     gave back}, for each node the run reached. A plain node's modules are run through their
     `Holder`, so it is read as a module is."""
@@ -176,7 +178,7 @@ def _capture(graph: Any, roots: dict[str, nn.Module], example: Any, plans: dict)
     through = {n: m for n, m in roots.items() if isinstance(m, Holder)}
     readings = [p for p in plans.values() if isinstance(p, Reading)]
     try:
-        with untouched(list(roots.values())), torch.no_grad(), Tap(graph, None, through):
+        with untouched(held), torch.no_grad(), Tap(graph, None, through):
             for reading in readings:
                 reading.arm()
             run_here(graph, example)
@@ -254,9 +256,10 @@ def architecture(
     example = unwrap(example)
     found = {node: root_of(graph.implementation(node)) for node in graph.nodes()}
     roots = {node: root for node, root in found.items() if root is not None}
-    Held(list(roots.values())).refuse()  # before fx or a hook touches anything
+    held = Held(list(roots.values()))
+    held.refuse()  # before fx or a hook touches anything
     plans = _plan(roots, depth, example)
-    reached = _capture(graph, roots, example, plans) if example is not None else {}
+    reached = _capture(graph, held, roots, example, plans) if example is not None else {}
     out: dict[str, Inside] = {}
     for node, root in roots.items():
         if example is not None and node not in reached:

@@ -1,14 +1,13 @@
 """What a graph looks like at initialisation, place by place: `probe`.
 
 For each node, and each box `architecture` would draw inside it (modules, the functions
-between them, each call): `signal_gain`
-(RMS of what comes out over RMS of what goes in; none where that is all zeros),
-`jacobian_gain` and `jacobian_spread` (per sample, ‖Jᵀu‖/‖u‖ for the random cotangent u
-that reaches that place's output, averaged over the
-samples, and its coefficient of variation across them), `zero_frac_max` and `sat_frac_max`
-(the share of the output that is zero, and saturated where a sigmoid or a tanh saturates),
-and `nan` / `inf`. Each number is taken as the one forward and the one backward pass the
-place, so nothing is held past the moment it is measured; no parameter gradient is made.
+between them, each call): `signal_gain` (RMS of what comes out over RMS of what goes in; none
+where that is all zeros), `jacobian_gain` and `jacobian_spread` (per sample, ‖Jᵀu‖/‖u‖ for the
+random cotangent u that reaches that place's output, averaged over the samples, and its
+coefficient of variation across them), `zero_frac_max` and `sat_frac_max` (the share of the
+output that is zero, and saturated where a sigmoid or a tanh saturates), and `nan` / `inf`.
+Each number is taken as the one forward and the one backward pass the place, so nothing is
+held past the moment it is measured; no parameter gradient is made.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
-from somatize.torch._modules import Holder, Tap, parts_of, root_of, tensors_in, untouched
+from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import norm, read, sums_of, wide
 from somatize.torch.audit._place import saturation
@@ -295,7 +294,9 @@ def probe(
     modules = [r for r in roots.values() if r is not None]
     through = {n: r for n, r in roots.items() if isinstance(r, Holder)}  # (its hooks fire)
     x = mapped(example, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
-    with untouched(modules, reads="probe") as held, torch.enable_grad():
+    held = Held(modules)
+    held.refuse(reads="probe")
+    with untouched(held), torch.enable_grad():
         try:
             held.differentiable()
             for h in hooks:
@@ -309,13 +310,13 @@ def probe(
             for h in hooks:
                 h.disarm()
         outs = [t for t in tensors_in(result) if t.is_floating_point() and t.requires_grad]
-        leaves = [t for t in tensors_in(x) if t.requires_grad]
-        ends = list({id(t): t for t in leaves + known.sources}.values())
+        ends = {id(t): t for t in [*tensors_in(x), *known.sources] if t.requires_grad}
+        ends = list(ends.values())
         if outs and ends:
             gen = torch.Generator().manual_seed(0)
             cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
             torch.autograd.grad(outs, ends, grad_outputs=cot, allow_unused=True)
-        del outs, ends, leaves, result, x
+        del outs, ends, result, x
         known.sources.clear()
     answer: dict[str, dict[str, Any]] = {}
     facts = []  # the same, as health facts for `watching`

@@ -389,7 +389,7 @@ EVERY: tuple[str, ...] = tuple(_PROXIES)
 
 
 def _take(s: _Subject, example: Any, of: str, target: Any, objective: Any) -> float:
-    with untouched(s.modules), torch.enable_grad():
+    with untouched(s.held), torch.enable_grad():
         s.quiet()
         gen = torch.Generator().manual_seed(0)
         return _PROXIES[of](s, example, gen=gen, target=target, objective=objective)
