@@ -11,7 +11,7 @@ from collections import Counter
 from itertools import groupby
 from typing import Any
 
-from somatize.figures._face import image
+from somatize.figures._page import image
 from somatize.figures._svg import (
     FONT,
     INK,

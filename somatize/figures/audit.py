@@ -22,9 +22,8 @@ import anywidget
 import traitlets
 
 from somatize import health
-from somatize.figures._face import Face, image
 from somatize.figures._history import History, message, record, step_of
-from somatize.figures._page import STATIC
+from somatize.figures._page import STATIC, Face, image
 
 __all__ = ["LiveAudit"]
 
@@ -41,6 +40,7 @@ def _explanations() -> dict[str, dict[str, str]]:
         "families": {n: health.family(flag) for n, flag in said.items()},
     }
 
+
 # the metric shown first: the update ratio ‖Δθ‖/‖θ‖ has no units, so one colour scale fits
 # every layer, and it says at once whether a layer learns (too small: stalled; too large:
 # overstepping); a gradient norm spans decades between layers and its scale hides most rows
@@ -48,6 +48,7 @@ PREFERRED = ("update_ratio", "grad_norm")
 # the share of the time the sender thread may spend judging while facts come (it shares the
 # interpreter with the training); what it has not reached is judged when the cell ends
 JUDGING = 0.03
+
 
 class LiveAudit(Face, anywidget.AnyWidget):
     """A live picture of a run's health: the loss above (real axes, a log scale and
@@ -251,8 +252,9 @@ class LiveAudit(Face, anywidget.AnyWidget):
 
         with self._lock:
             self._drain(judge=None)
-            return picture(self._history, self.metric, self.title,
-                           log=self.log_loss, smoothing=self.smoothing)
+            return picture(
+                self._history, self.metric, self.title, log=self.log_loss, smoothing=self.smoothing
+            )
 
     def plain(self) -> str:
         """One line saying what it is; the same from the start to the end of a fit (a saved

@@ -16,8 +16,7 @@ import anywidget
 import traitlets
 
 from somatize.figures._draw import picture
-from somatize.figures._face import Face, image
-from somatize.figures._page import STATIC, jsonable
+from somatize.figures._page import STATIC, Face, image, jsonable
 from somatize.graph import as_graph
 
 __all__ = ["GraphFigure", "graph_figure"]

@@ -15,8 +15,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from somatize.figures._face import Face
-from somatize.figures._page import STATIC, jsonable
+from somatize.figures._page import STATIC, Face, jsonable
 from somatize.figures._svg import finite, number, svg_open, text_width
 from somatize.figures._table_face import NAMES, WIDEST, html
 from somatize.graph import as_graph
