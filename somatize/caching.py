@@ -324,6 +324,9 @@ def _inner(value: Any, where: str, k: _Keying) -> Any:
         return ["weakref", k.said(value(), f"{where} (what it refers to)")]
     if _type_name(kind) in _SAID_BY_REPR:
         return ["repr", _type_name(kind), repr(value)]
+    wrapped = getattr(value, "__wrapped__", None)
+    if isinstance(wrapped, types.FunctionType):  # functools.lru_cache(f), np.mean: what f is
+        return ["wrapper", _type_name(kind), k.said(wrapped, f"{where} (what it wraps)")]
     named = _by_name(value)
     if named is not None:  # a singleton its module holds (a ufunc, a torch op, str.upper)
         return named

@@ -310,6 +310,19 @@ def test_an_object_whose_slots_are_one_string_or_private_is_keyed_by_what_they_h
     assert cached_run(Apply(Shift(2)), 10, store) == (12, {"apply": "miss"})
 
 
+def test_a_wrapped_function_is_keyed_by_the_function_it_wraps(store, monkeypatch):
+    import functools
+    import sys
+    import types
+
+    held = types.ModuleType("held_by_name")  # its module holds it by name, as a library would
+    monkeypatch.setitem(sys.modules, "held_by_name", held)
+    for by, said in ((2, "miss"), (3, "miss"), (3, "hit")):
+        exec(f"def scale(v):\n    return v * {by}\n", held.__dict__)
+        held.scale = functools.lru_cache(held.scale)
+        assert cached_run(Apply(held.scale), 10, store) == (10 * by, {"apply": said})
+
+
 def test_an_argument_no_key_can_read_is_refused_when_built_unless_salted(store):
     import threading
 
