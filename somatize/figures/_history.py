@@ -76,10 +76,6 @@ class Place:
         self.steps.append(step)
         self.flags.append(_NONE)
 
-    def numbers(self, row: int) -> dict[str, Any]:
-        """The numbers of one row, as they were given."""
-        return {k: c[row] for k, c in self.columns.items() if c[row] is not None}
-
 
 @dataclass(slots=True)
 class Run:
@@ -144,8 +140,8 @@ class History:
             for where, place in run.places.items():
                 while place.judged < len(place.steps):
                     r = place.judged
-                    step = place.steps[r]
-                    fact = {"fact": "health", "node": where, "step": step, **place.numbers(r)}
+                    numbers = {k: c[r] for k, c in place.columns.items() if c[r] is not None}
+                    fact = {"fact": "health", "node": where, "step": place.steps[r], **numbers}
                     place.flags[r] = [str(f) for f in judge.add(fact)]
                     place.judged = r + 1
                     judged = True
@@ -172,37 +168,30 @@ class History:
         return out
 
 
-def floats(values: list[Any]) -> array:
-    """A column as float64: a bool as 0 or 1, None as NaN (told apart by `absent`)."""
-    out = array("d")
+def _numbers(values: list[Any], buffers: list | None) -> Any:
+    """Values as float64 (a bool as 0 or 1, None as NaN, told apart by `absent`): a
+    little-endian buffer appended to `buffers` (`{"buffer": its index}`), or with no buffers
+    as JSON holds them (NaN and infinities as "nan", "inf", "-inf", None as null)."""
+    part = array("d")
     for v in values:
         try:
-            out.append(math.nan if v is None else float(v))
+            part.append(math.nan if v is None else float(v))
         except OverflowError:  # an int past a float's range
-            out.append(math.inf if v > 0 else -math.inf)
-    return out
-
-
-def binary(values: list[Any], buffers: list) -> dict[str, int]:
-    """Values as a little-endian float64 buffer appended to `buffers`."""
-    part = floats(values)
+            part.append(math.inf if v > 0 else -math.inf)
+    if buffers is None:
+        return [
+            None if given is None else v if math.isfinite(v) else str(v)
+            for given, v in zip(values, part.tolist(), strict=True)
+        ]
     if sys.byteorder == "big":
         part.byteswap()
     buffers.append(memoryview(part).cast("B"))
     return {"buffer": len(buffers) - 1}
 
 
-def plain_numbers(values: list[Any]) -> list[Any]:
-    """Numbers as JSON holds them: NaN and infinities as "nan", "inf", "-inf", None as null,
-    a bool as 0 or 1."""
-    return [
-        None if given is None else v if math.isfinite(v) else str(v)
-        for given, v in zip(values, floats(values).tolist(), strict=True)
-    ]
-
-
 def _column(values: list[Any], buffers: list | None) -> dict[str, Any]:
-    c = binary(values, buffers) if buffers is not None else {"values": plain_numbers(values)}
+    numbers = _numbers(values, buffers)
+    c = numbers if buffers is not None else {"values": numbers}
     if None in values:
         c["absent"] = [i for i, v in enumerate(values) if v is None]
     return c
@@ -222,8 +211,7 @@ def message(history: History, sent: dict, buffers: list | None, everything: bool
         entry: dict[str, Any] = {"run": name, "places": []}
         if hi > lo:
             values = run.loss_values[lo:hi]
-            values = binary(values, buffers) if buffers is not None else plain_numbers(values)
-            entry["loss"] = {"steps": run.loss_steps[lo:hi], "values": values}
+            entry["loss"] = {"steps": run.loss_steps[lo:hi], "values": _numbers(values, buffers)}
         for where, place in run.places.items():
             lo = 0 if everything else sent.get((name, where), 0)
             hi = len(place.steps)
