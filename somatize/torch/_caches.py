@@ -93,8 +93,6 @@ def build(cls: type, fields: dict[str, Any]) -> Any:
         if not all(type(c) is found.DynamicCache for c in caches):
             raise Malformed("an EncoderDecoderCache read back holds caches that are not dynamic")
         return cls(*caches)
-    if cls is not found.DynamicCache:
-        raise Malformed(f"a {cls.__name__} is not a cache this codec writes down")
     layers, lazy = fields.get("layers"), fields.get("lazy")
     if set(fields) != {"layers", "lazy"} or type(layers) is not list or type(lazy) is not bool:
         raise Malformed("a DynamicCache is [['layers', [[keys, values], ...]], ['lazy', bool]]")
