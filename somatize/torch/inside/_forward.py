@@ -46,10 +46,12 @@ class Boxes(TorchFunctionMode):
     by id with a weak reference (an id is only that tensor's while it lives): nothing is kept
     alive that the forward would have let go."""
 
-    def __init__(self, root: nn.Module, depth: int, *, bare: bool = True) -> None:
+    bare = True  # only where each box is, nothing it is (a `Reading` says what it is)
+
+    def __init__(self, root: nn.Module, depth: int) -> None:
         super().__init__()
         self.root = root
-        self.opening = Opening(root, depth, bare=bare)
+        self.opening = Opening(root, depth, bare=self.bare)
         self.out = Traced()  # the boxes named so far (a function's name counts those before)
         self.counts: dict[str, int] = {}
         self.by: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
@@ -228,20 +230,18 @@ class Reading(Boxes):
     the root gave back. `why` says why torch.fx could not read the root instead; `result()`
     answers what was seen."""
 
+    bare = False
+
     def __init__(self, root: nn.Module, depth: int, why: str | None = None) -> None:
-        super().__init__(root, depth, bare=False)
+        super().__init__(root, depth)
         self.why = why
         self.order: list[str] = []
         self.edges: dict[tuple[str, str], None] = {}
         self.ends: set[str] = set()  # the layers that made what the root gave back
 
-    def within(self) -> dict[str, int]:
-        """Which call (from 1) of each block open now the running call is in."""
-        return {path: self.calls.get(path, 1) for path in self.stack}
-
     def _ran(self, layer: Raw, made: frozenset[str]) -> None:
         """`layer` ran now, on what the layers in `made` made."""
-        layer.within = self.within()
+        layer.within = {path: self.calls.get(path, 1) for path in self.stack}  # their calls
         self.order.append(layer.path)
         for p in sorted(made):  # (a set: in path order, the same in every process)
             if p != layer.path:
