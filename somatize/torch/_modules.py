@@ -245,14 +245,14 @@ class Tap:
     hooks on a node that *is* a module never fire; an instance attribute shadowing `forward`
     is seen both by a freshly compiled plan and by `__call__`. The graph's compiled plan is
     set aside while tapped and given back after. `live` False: the wrappers stay, and tell
-    nothing (an Audit's unmeasured steps pay one attribute read per node). `through` maps
-    a node to what is called in its place (a `Holder`, so its module hooks fire).
+    nothing (an Audit's unmeasured steps pay one attribute read per node). Of `roots` (each
+    node's `root_of`), a node read as a `Holder` is called through it, so its hooks fire.
     """
 
-    def __init__(self, graph: Any, on_node: Any, through: dict[str, Any] | None = None) -> None:
+    def __init__(self, graph: Any, on_node: Any, roots: dict[str, Any] | None = None) -> None:
         self.graph = graph
         self.on_node = on_node
-        self.through = through or {}
+        self.through = {n: r for n, r in (roots or {}).items() if isinstance(r, Holder)}
         self.live = True
         self._undo: list[tuple[Any, bool, Any]] = []
         self._plan: Any = None

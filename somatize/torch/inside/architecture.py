@@ -175,10 +175,9 @@ def _capture(
             reached.setdefault(key, shape_of(out))
 
         handles.append(module.register_forward_hook(hook))
-    through = {n: m for n, m in roots.items() if isinstance(m, Holder)}
     readings = [p for p in plans.values() if isinstance(p, Reading)]
     try:
-        with untouched(held), torch.no_grad(), Tap(graph, None, through):
+        with untouched(held), torch.no_grad(), Tap(graph, None, roots):
             for reading in readings:
                 reading.arm()
             run_here(graph, example)

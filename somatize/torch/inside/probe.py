@@ -23,7 +23,7 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
-from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, tensors_in, untouched
+from somatize.torch._modules import Held, Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import norm, read, sums_of, wide
 from somatize.torch.audit._place import saturation
@@ -292,7 +292,6 @@ def probe(
                 nodes[node].saw(tensors_in(input), tensors_in(out), known)
 
     modules = [r for r in roots.values() if r is not None]
-    through = {n: r for n, r in roots.items() if isinstance(r, Holder)}  # (its hooks fire)
     x = mapped(example, lambda t: t.detach().requires_grad_() if t.is_floating_point() else t)
     held = Held(modules)
     held.refuse(reads="probe")
@@ -301,7 +300,7 @@ def probe(
             held.differentiable()
             for h in hooks:
                 h.arm()
-            with Tap(g, heard, through):
+            with Tap(g, heard, roots):
                 result = run_here(g, x, told)
         except Exception as e:
             note(e, _LEAFED)
