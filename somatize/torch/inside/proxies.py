@@ -113,8 +113,8 @@ class _Subject:
 
     def __init__(self, graph: Any) -> None:
         self.graph = as_graph(graph)
-        roots = [root_of(self.graph.implementation(n)) for n in self.graph.nodes()]
-        self.modules = [m for m in roots if m is not None]
+        self.roots = {n: root_of(self.graph.implementation(n)) for n in self.graph.nodes()}
+        self.modules = [m for m in self.roots.values() if m is not None]
         self.held = Held(self.modules)
         self.held.refuse(reads="proxies")  # the net, not one proxy: refused, not left out
         self.params = self.held.params
@@ -122,8 +122,7 @@ class _Subject:
 
     def name(self, module: nn.Module) -> str:
         """Where `module` is in the graph, said for a message: `node.path.to.it`."""
-        for node in self.graph.nodes():
-            root = root_of(self.graph.implementation(node))
+        for node, root in self.roots.items():
             for path, m in root.named_modules() if root is not None else ():
                 if m is module:
                     return repr(f"{node}.{path}" if path else node)
@@ -241,7 +240,7 @@ _SYNFLOW_NAN = (
 
 
 def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
-    _floats(example, "zen")
+    floats = _floats(example, "zen")
     x = _map(example, lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype))
     mixed = _map(x, lambda t: t + 0.01 * torch.randn(t.shape, generator=gen, dtype=t.dtype))
     variances: list[float] = []
@@ -259,7 +258,7 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
         float(((a - b).abs().flatten(1).sum(1) if a.dim() > 1 else (a - b).abs()).mean())
         for a, b in zip(f1, f2, strict=True)
     )
-    if not total > 0 and _computed_from(s, example):
+    if not total > 0 and any(g is not None for g in _input_grads(s, example, floats)):
         return -math.inf  # log 0: the output is computed from the input and does not move
     if not total > 0:  # log 0: what it moved is not what the output is computed from
         raise _NotHere(
@@ -275,16 +274,15 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
     return math.log(total) + sum(0.5 * math.log(v) for v in variances)
 
 
-def _computed_from(s: _Subject, example: Any) -> bool:
-    """Whether the output is computed from the example's floating tensors (a backward from it
-    reaches them), however little it moves with them: a net of dead units is, the output of a
-    model given a float attention mask is not computed from the mask."""
-    leaf = {id(t): t.detach().clone().requires_grad_(True) for t in _floats(example, "zen")}
+def _input_grads(s: _Subject, example: Any, xs: list[torch.Tensor]) -> list[Any]:
+    """The gradient of the summed output at each of `xs`, the example's floating tensors;
+    None at one it is not computed from (a backward from it does not reach it), however
+    little it moves with it: a net of dead units is, a float attention mask is not."""
+    leaf = {id(t): t.detach().clone().requires_grad_(True) for t in xs}
     y = sum(t.sum() for t in s.run(_map(example, lambda t: leaf.get(id(t), t))))
     if not (isinstance(y, torch.Tensor) and y.requires_grad):
-        return False
-    got = torch.autograd.grad(y, list(leaf.values()), allow_unused=True)
-    return any(g is not None for g in got)
+        return [None] * len(xs)
+    return list(torch.autograd.grad(y, list(leaf.values()), allow_unused=True))
 
 
 def _naswot(s: _Subject, example: Any, **_: Any) -> float:
@@ -312,13 +310,9 @@ _ROWS = (
 
 def _jacob_cov(s: _Subject, example: Any, **_: Any) -> float:
     xs = _floats(example, "jacob_cov")
-    leaf = {id(t): t.detach().clone().requires_grad_(True) for t in xs}
-    x = _map(example, lambda t: leaf.get(id(t), t))
-    first = leaf[id(xs[0])]
-    if first.dim() < 1 or first.shape[0] < 2:
+    if xs[0].dim() < 1 or xs[0].shape[0] < 2:
         raise _NotHere("jacob_cov compares samples, and this example has fewer than two")
-    y = sum(t.sum() for t in s.run(x))
-    (j,) = torch.autograd.grad(y, [first], allow_unused=True) if y.requires_grad else (None,)
+    j = _input_grads(s, example, xs)[0]
     if j is None:  # zero (dead units) is a score, the worst one; no path is none
         raise _NotHere(
             f"jacob_cov reads the gradient at the example's first floating tensor "
