@@ -293,7 +293,9 @@ def _inner(value: Any, where: str, k: _Keying) -> Any:
             [k.said(a, f"{where} (a key)"), k.said(b, f"{where}[{a!r:.40}]")]
             for a, b in value.items()
         ]
-        return [_type_name(kind), sorted(pairs, key=repr)]
+        said = [_type_name(kind), sorted(pairs, key=repr)]
+        factory = getattr(value, "default_factory", None)  # a defaultdict's answer when missing
+        return said if factory is None else [*said, k.said(factory, f"{where}.default_factory")]
     if isinstance(value, (set, frozenset)):
         items = [k.said(v, f"{where} (an item)") for v in value]
         return [_type_name(kind), sorted(items, key=repr)]

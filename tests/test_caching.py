@@ -302,6 +302,14 @@ class Shift:
         return v + self.__by
 
 
+def test_a_defaultdicts_default_is_in_the_key(store):
+    from collections import defaultdict
+
+    for unknown, said in ((0, "miss"), (9, "miss"), (9, "hit")):
+        vocab = defaultdict(lambda unknown=unknown: unknown, {"a": 1})
+        assert cached_run(Apply(vocab.__getitem__), "b", store) == (unknown, {"apply": said})
+
+
 def test_an_object_whose_slots_are_one_string_or_private_is_keyed_by_what_they_hold(store):
     assert cached_run(Apply(Scale(2)), 10, store) == (20, {"apply": "miss"})
     assert cached_run(Apply(Scale(3)), 10, store) == (30, {"apply": "miss"})
