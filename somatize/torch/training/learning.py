@@ -18,6 +18,7 @@ import torch
 from somatize.node import Node
 from somatize.torch._values import mapped
 from somatize.torch.placement import modules_of, move, place
+from somatize.torch.training.params import trainable_in
 
 __all__ = [
     "Learning",
@@ -127,7 +128,7 @@ def grad_of(value: Any) -> Any:
 def pairs(value: Any, grad: Any, outs: list, grads: list) -> None:
     """Collect (tensor, its gradient) wherever both exist and the tensor asks for one."""
     # not nested in backward_from: a recursive closure is a reference cycle that keeps the
-    # step's tensors until the garbage collector runs (a Split step ~20% slower)
+    # step's tensors until the garbage collector runs
     if grad is None:
         return
     if isinstance(value, torch.Tensor):
@@ -263,9 +264,7 @@ class Learning(Node):
                 f"this {type(self).__name__} trains no node yet: it is given one by "
                 "Trainer(trains={node_id: ...})"
             )
-        modules = [*modules_of(self.node), *modules_of(self)]
-        found = dict.fromkeys(p for m in modules for p in m.parameters())  # each once, in order
-        return [p for p in found if p.requires_grad]
+        return trainable_in([*modules_of(self.node), *modules_of(self)])
 
     def receiving(self, state: Mapping[str, Any]) -> None:
         """Made ready to be handed `state` (the keys of what it brought): a technique that

@@ -29,15 +29,14 @@ def parameters(graph: Any, without: Container[str] = ()) -> list[nn.Parameter]:
     and parameters whose `requires_grad` is off. A node holding no module is skipped, so a
     tokenizer does not stop being a node for having nothing to train.
     """
-    found = (
-        p
-        for nid in graph.nodes()
-        if nid not in without and not graph.setting(nid).frozen
-        for m in modules_of(graph.implementation(nid))
-        for p in m.parameters()
-        if p.requires_grad
-    )
-    return list(dict.fromkeys(found))  # each once, in declaration order
+    nodes = [nid for nid in graph.nodes() if nid not in without and not graph.setting(nid).frozen]
+    return trainable_in([m for nid in nodes for m in modules_of(graph.implementation(nid))])
+
+
+def trainable_in(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of these modules that ask for a gradient, each once, in order."""
+    found = dict.fromkeys(p for m in modules for p in m.parameters())
+    return [p for p in found if p.requires_grad]
 
 
 def named_parameters(graph: Any, without: Container[str] = ()) -> list[tuple[str, nn.Parameter]]:

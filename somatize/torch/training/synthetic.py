@@ -11,7 +11,7 @@ from torch import nn
 
 from somatize.torch.placement import modules_of
 from somatize.torch.training.learning import Learning, grad_of, scaled
-from somatize.torch.training.params import holds
+from somatize.torch.training.params import holds, trainable_in
 
 __all__ = ["Synthetic", "Guesser"]
 
@@ -98,7 +98,7 @@ class Synthetic(Learning):
         elif self._optimizer is None:
             self.guesser.to(device=out.device)  # built by a load, before any output
         optimizer = self.optimizer
-        own = [p for m in modules_of(self.node) for p in m.parameters() if p.requires_grad]
+        own = trainable_in(modules_of(self.node))
         if self.opens():
             for p in own:
                 p.grad = None
