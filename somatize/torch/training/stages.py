@@ -111,29 +111,21 @@ class Part:
         self.last = last
         self.nodes = {n: graph.implementation(n) for n in ids}
         self.settings = {n: replace(graph.setting(n), host=None) for n in ids}
-        entering: list[tuple[str, str]] = []
-        leaving: list[tuple[str, str]] = []
         self.preds = {n: graph.predecessors(n) for n in ids}
         self.succ = {n: graph.successors(n) for n in ids}
-        for n in ids:
-            if not self.preds[n]:
-                entering.append((INPUT, n))
-            entering += [(p, n) for p in self.preds[n] if p not in inside]
-            succ = self.succ[n]
-            leaving += [(n, s) for s in succ if s not in inside]
-            if not succ:
-                leaving.append((n, LOSS))
-        self.entering = tuple(entering)
-        self.leaving = tuple(leaving)
-        self.sources = tuple(dict.fromkeys(s for s, _ in entering))
-        self.exits = tuple(dict.fromkeys(n for n, _ in leaving))
+        # a root reads the graph's input, a leaf goes to the loss
+        self.entering = tuple(
+            (p, n) for n in ids for p in self.preds[n] or [INPUT] if p not in inside
+        )
+        self.leaving = tuple((n, s) for n in ids for s in self.succ[n] or [LOSS] if s not in inside)
+        self.sources = tuple(dict.fromkeys(s for s, _ in self.entering))
+        self.exits = tuple(dict.fromkeys(n for n, _ in self.leaving))
         self.asks_target = bool(learning is not None and learning.needs_target)
         self._inputs: dict[str, Any] | None = None
         self._outputs: dict[str, Any] | None = None
         self.raw = True  # its graph takes the value of its one source as it is
         self.leaf_of: dict[str, str] = {}
         self.ctx: Any = None
-        self._crossing = any(s != INPUT for s in self.sources)  # values to leaf on the way in
         self.audit: Any = None  # on a worker, what measures its nodes there (remote.serve_stage)
         self.graph = graph if whole else self._small_graph()
 
@@ -179,7 +171,7 @@ class Part:
         a trained node its Learning's two positions run."""
         learning = self.learning
         device = None if learning is None else self.settings[self.trained].device
-        if learning is None and self._crossing:
+        if learning is None:
             inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
         elif self.asks_target:
             inputs = dict(inputs)
