@@ -119,9 +119,13 @@ class History:
         self.metrics.update(dict.fromkeys(numbers))
         self.version += 1
 
-    def loss(self, run: str, step: int | None, value: float) -> None:
-        r = self.run(run)
-        r.loss_steps.append(len(r.loss_steps) if step is None else step)
+    def loss(self, run: str, fact: Mapping[str, Any]) -> None:
+        try:  # a value that is no number: NaN
+            value = float(fact.get("value"))
+        except (TypeError, ValueError):
+            value = math.nan
+        step, r = fact.get("step"), self.run(run)
+        r.loss_steps.append(len(r.loss_steps) if step is None else int(step))
         r.loss_values.append(value)
         self.version += 1
 

@@ -22,6 +22,7 @@ import anywidget
 import traitlets
 
 from somatize import health
+from somatize.figures._audit_face import picture
 from somatize.figures._history import History, message, record, step_of
 from somatize.figures._page import STATIC, Face, image
 
@@ -147,12 +148,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
             if fact["fact"] == "health":
                 history.health(run, fact)
             else:
-                try:
-                    value = float(fact.get("value"))
-                except (TypeError, ValueError):
-                    value = float("nan")
-                step = fact.get("step")
-                history.loss(run, None if step is None else int(step), value)
+                history.loss(run, fact)
         if queue:
             self._choose()
         judged = history.judge(None if judge is None else time.perf_counter() + judge)
@@ -248,8 +244,6 @@ class LiveAudit(Face, anywidget.AnyWidget):
 
     def svg(self) -> str:
         """The audit as SVG text: what it has seen of the chosen metric."""
-        from somatize.figures._audit_face import picture
-
         with self._lock:
             self._drain(judge=None)
             return picture(
