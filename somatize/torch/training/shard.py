@@ -50,12 +50,7 @@ def shard(
     if type(rank) is not int or not 0 <= rank < world_size:
         raise ValueError(f"shard(rank={rank!r}): a rank of 0 to {world_size - 1}")
     sampler = DistributedSampler(
-        data,
-        num_replicas=world_size,
-        rank=rank,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
+        data, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
     )
     mine = list(sampler)
     if isinstance(data, (list, tuple)):
