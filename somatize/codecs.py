@@ -307,7 +307,12 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
         except Exception:  # an exception class that takes other arguments: a note instead
             raise note(failed.error, text) from None
         raise told from failed.error
-    except ValueError as error:  # msgpack's bound on one bytes, str, list or dict
+    except ValueError as error:  # msgpack's bounds: one bytes, str, list or dict; nesting
+        if "recursion limit" in str(error):
+            raise ValueError(
+                f"a value{whose} nests lists or dicts more than 1024 deep, which msgpack "
+                f"refuses to write down; flatten it"
+            ) from None
         if "too large" not in str(error):
             raise
         raise ValueError(

@@ -341,6 +341,15 @@ def test_a_value_too_large_for_one_msgpack_value_is_refused_naming_it() -> None:
         encode({"w": Huge()}, where="node 'big'")
 
 
+def test_lists_or_dicts_nested_past_msgpacks_bound_are_refused_naming_the_value() -> None:
+    for make in (lambda v: [v], lambda v: {"a": v}):
+        value: Any = 0
+        for _ in range(2000):
+            value = make(value)
+        with pytest.raises(ValueError, match="node 'deep' nests lists or dicts more than 1024"):
+            encode(value, where="node 'deep'")
+
+
 def test_tensor_bytes_decode_without_importing_somatize_torch_first() -> None:
     data = encode(torch.arange(3, dtype=torch.int16))
     script = textwrap.dedent(
