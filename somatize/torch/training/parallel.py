@@ -15,6 +15,7 @@ import os
 import re
 import uuid
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -207,14 +208,15 @@ class Parallel:
         self._open: set[int] = set()  # replicas whose group is open and not averaged yet
         self._unwatched: dict[int, Callable] = {}  # id(part) -> its check, until hooked
         self.sync = True
-        self._parts = _Parts(self)
+        self._parts = SimpleNamespace(forward=self._part_forward, backward=self._part_backward)
 
     def __repr__(self) -> str:
         return f"Parallel({self.mode!r}, rank {self.rank} of {dist.get_world_size()})"
 
     # -- made once ------------------------------------------------------------------------
-    def transport(self, host: str | None) -> _Parts:
-        """How each part of the stages runs (here, through its replica): what `Stages` asks."""
+    def transport(self, host: str | None) -> Any:
+        """How each part of the stages runs, what `Stages` asks: a part with something to
+        average through its replica, any other as it would here."""
         return self._parts
 
     def around(self, stages: Any, optimizer: Any) -> None:
@@ -291,6 +293,25 @@ class Parallel:
                 return replica(*args, **kw)
         return replica(*args, **kw)
 
+    def _part_forward(
+        self, part: Any, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
+    ) -> dict[str, Any]:
+        replica = self._of.get(id(part))
+        if replica is None:
+            return part.forward(inputs, store=store, watching=watching)
+        learning = part.learning
+        # a Learning with an `every` of its own closes its own groups; any other, the Trainer's
+        sync = self.sync if learning is None or learning.declared is None else learning.closes()
+        return self._run(replica, sync, inputs, store=store, watching=watching)
+
+    def _part_backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
+        """`part.backward`; the first time, the check that a Learning averaged without DDP's
+        walk used every parameter goes on its optimizer (built by now where the node is)."""
+        check = self._unwatched.pop(id(part), None)
+        if check is not None:
+            part.learning.optimizer.register_step_pre_hook(check)
+        return part.backward(envelopes)
+
     def forward(self, x: Any, **how: Any) -> Any:
         """The stages' forward (`how` is what it takes besides the input: `store=`, ...),
         through DDP (FSDP)."""
@@ -365,35 +386,6 @@ def _every_used(part: Any, replica: Any, names: dict[int, str]) -> Callable:
             )
 
     return check
-
-
-class _Parts:
-    """The transport of every part under `parallel=`: a part with something to average runs
-    through its replica, any other as it would here."""
-
-    def __init__(self, parallel: Parallel) -> None:
-        self.parallel = parallel
-
-    def forward(
-        self, part: Any, inputs: dict[str, Any], *, store: Any = None, watching: Any = None
-    ) -> dict[str, Any]:
-        """`part.forward`, through the part's DDP when it has one."""
-        p = self.parallel
-        replica = p._of.get(id(part))
-        if replica is None:
-            return part.forward(inputs, store=store, watching=watching)
-        learning = part.learning
-        # a Learning with an `every` of its own closes its own groups; any other, the Trainer's
-        sync = p.sync if learning is None or learning.declared is None else learning.closes()
-        return p._run(replica, sync, inputs, store=store, watching=watching)
-
-    def backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
-        """`part.backward`; the first time, the check that a Learning averaged without DDP's
-        walk used every parameter goes on its optimizer (built by now where the node is)."""
-        check = self.parallel._unwatched.pop(id(part), None)
-        if check is not None:
-            part.learning.optimizer.register_step_pre_hook(check)
-        return part.backward(envelopes)
 
 
 def _modules(graph: Any) -> list[nn.Module]:
