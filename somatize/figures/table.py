@@ -138,10 +138,8 @@ def compare(
                 left_out.setdefault(name, {})[f"{PROXY}{out.proxy}"] = out.why
             else:
                 warn(f"candidate {name!r}: {out}", w.category)
-        row: dict[str, Any] = {"params": sum(p.numel() for p in parameters(graph))}
-        row.update({f"{PROXY}{k}": float(v) for k, v in scores.items()})
-        row.update(looked)
-        rows[name] = row
+        proxied = {f"{PROXY}{k}": float(v) for k, v in scores.items()}
+        rows[name] = {"params": sum(p.numel() for p in parameters(graph)), **proxied, **looked}
     df = pd.DataFrame.from_dict(rows, orient="index")
     if measured is not None:
         df["measured"] = measured
