@@ -89,15 +89,14 @@ def place(
     between, across, after_port = gaps
     by_key = {i.key: i for i in items}
     offsets: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    for (a, b, _, _), (oa, ob) in zip(pairs, ports, strict=True):
+    sent: dict[tuple[str, str], set[str]] = {}  # the edges' sources each pair carries
+    for (a, b, s, _), (oa, ob) in zip(pairs, ports, strict=True):
         offsets.setdefault((a, b), []).append((oa or 0.0, ob or 0.0))
+        sent.setdefault((a, b), set()).add(s)
     edges = [(a, b) for a, b in offsets if a != b]
     _layers_of(items, edges)
     # waypoints for edges that skip layers: one per layer for what one source sends down
     # (a tensor read further on runs as one line beside what it skips, branching off)
-    sent: dict[tuple[str, str], set[str]] = {}
-    for a, b, s, _ in pairs:
-        sent.setdefault((a, b), set()).add(s)
     paths: dict[tuple[str, str], list[Item]] = {}
     waypoints: dict[tuple, Item] = {}
     for a, b in edges:
@@ -128,7 +127,14 @@ def place(
             oa, ob = ob, oa
         for j in range(len(c) - 1):
             shifts.append((oa if j == 0 else 0.0, ob if j == len(c) - 2 else 0.0))
-    _order(layers, links)
+    # each item's neighbours in the layers above and below, and the offset between the points
+    # where their link meets them
+    up: dict[int, list[tuple[Item, float]]] = {}
+    down: dict[int, list[tuple[Item, float]]] = {}
+    for (a, b), (oa, ob) in zip(links, shifts, strict=True):
+        down.setdefault(id(a), []).append((b, ob - oa))
+        up.setdefault(id(b), []).append((a, oa - ob))
+    _order(layers, links, up, down)
     depth = [max((i.depth for i in layer), default=0.0) for layer in layers]
     for i in every[len(items) :]:  # a waypoint runs the whole layer, so an edge curves only
         i.depth = depth[i.layer]  # between layers, never across a tall box beside it
@@ -146,13 +152,13 @@ def place(
     k = _bands_needed(lengths, room, cuts)
     while True:
         bands = _bands(lengths, k, cuts)
-        extent, *placed = _arrange_bands(layers, bands, lengths, depth, links, shifts, across)
+        extent, *placed = _arrange_bands(layers, bands, lengths, depth, (up, down), across)
         if k == 1 or across_room is None or extent[0] <= across_room:
             return extent, _ways(pairs, by_key, ports, paths, placed)
         k -= 1
 
 
-def _arrange_bands(layers, bands, lengths, depth, links, shifts, across) -> tuple:
+def _arrange_bands(layers, bands, lengths, depth, near, across) -> tuple:
     """The layers placed along, band by band, and across, each band beside the last: the
     extent, each band's (start, end) across, the longest's end along, where they start."""
     lead = 24.0 if len(bands) > 1 else 0.0  # room for the lanes between bands
@@ -167,7 +173,7 @@ def _arrange_bands(layers, bands, lengths, depth, links, shifts, across) -> tupl
     chunks, offset = [], 0.0
     for lo, hi in bands:
         band = layers[lo:hi]
-        _positions(band, links, shifts, across)
+        _positions(band, *near, across)
         left = min((i.u - i.span / 2 for layer in band for i in layer), default=0.0)
         right = max((i.u + i.span / 2 for layer in band for i in layer), default=0.0)
         for layer in band:
@@ -223,23 +229,18 @@ def _layers_of(items: list[Item], edges) -> None:
             i.layer = layer[i.key] + shift
 
 
-def _order(layers: list[list[Item]], links: list[tuple[Item, Item]]) -> None:
+def _order(layers: list[list[Item]], links: list[tuple[Item, Item]], up, down) -> None:
     """An order within each layer that crosses few edges: barycentre sweeps down and up,
     the best seen kept."""
-    up: dict[int, list[Item]] = {}
-    down: dict[int, list[Item]] = {}
-    for a, b in links:
-        down.setdefault(id(a), []).append(b)
-        up.setdefault(id(b), []).append(a)
     pos = {id(i): float(k) for layer in layers for k, i in enumerate(layer)}
 
-    def sweep(seq: range, near: dict[int, list[Item]]) -> None:
+    def sweep(seq: range, near: dict[int, list[tuple[Item, float]]]) -> None:
         for k in seq:
             layer = layers[k]
             keys = {}
             for n, i in enumerate(layer):
                 ns = near.get(id(i), [])
-                keys[id(i)] = sum(pos[id(x)] for x in ns) / len(ns) if ns else pos[id(i)]
+                keys[id(i)] = sum(pos[id(x)] for x, _ in ns) / len(ns) if ns else pos[id(i)]
                 keys[id(i)] += n * 1e-6
             layer.sort(key=lambda i: keys[id(i)])
             for n, i in enumerate(layer):
@@ -265,14 +266,9 @@ def _crossings(layers: list[list[Item]], links: list[tuple[Item, Item]]) -> int:
     return sum((a - c) * (b - d) < 0 for two in pairs for (a, b), (c, d) in two)
 
 
-def _positions(layers: list[list[Item]], links, shifts, gap: float) -> None:
+def _positions(layers: list[list[Item]], up, down, gap: float) -> None:
     """Centres across: each box pulled towards what it is joined to (where the edge meets
     it: a container's port is off its centre), spacing kept."""
-    up: dict[int, list[tuple[Item, float]]] = {}
-    down: dict[int, list[tuple[Item, float]]] = {}
-    for (a, b), (oa, ob) in zip(links, shifts, strict=True):
-        down.setdefault(id(a), []).append((b, ob - oa))
-        up.setdefault(id(b), []).append((a, oa - ob))
     for layer in layers:
         for i, u in zip(layer, _offsets(layer, gap), strict=True):
             i.u = u
