@@ -337,14 +337,17 @@ def facts(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
     """Every fact of `run`, one row each: fact, forward, node, began_us, took_us, value,
     step, where, then a column per other key a fact carried (a health fact's `inside` and its
     numbers, named by the metric). `where` is filled for a health fact that has none, as
-    `node` or `node.inside`. Records written before health facts were flat, with the
-    numbers under "numbers", read the same (a metric named like a column is `numbers.<m>`).
-    Missing cells are NA."""
+    `node` or `node.inside`. A fact's own `forward` (a crossed fact's bytes) is
+    `<fact>.forward`, beside the record's. Records written before health facts were flat,
+    with the numbers under "numbers", read the same (a metric named like a column is
+    `numbers.<m>`). Missing cells are NA."""
     rows = []
     for index, forward in records(store, run):
         for fact in forward:
             numbers = fact.get("numbers")
             row = {k: v for k, v in fact.items() if k != "numbers" or not isinstance(v, Mapping)}
+            if "forward" in row:
+                row[f"{fact.get('fact')}.forward"] = row.pop("forward")
             row["forward"] = index
             if fact.get("fact") == "health" and row.get("where") is None:
                 node, inside = fact.get("node"), fact.get("inside")

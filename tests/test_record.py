@@ -136,6 +136,19 @@ def test_numpy_values_read_back_scalars_as_numbers_and_arrays_as_they_are(
     assert rec.curve(store, "np", "probe")["value"].tolist()[0].tolist() == [1.0, 2.0]
 
 
+def test_a_facts_own_forward_is_kept_beside_the_records(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    with Recorder(store, run="cut") as recorder:
+        for i in range(2):
+            step(recorder, i, health=False)
+            recorder({"fact": "crossed", "step": i, "forward": 1000 + i, "backward": 7})
+    table = rec.facts(store, "cut")
+    crossed = table[table["fact"] == "crossed"]
+    assert crossed["forward"].tolist() == [0, 1]  # the record it is in
+    assert crossed["crossed.forward"].tolist() == [1000, 1001]  # the bytes it says went forward
+    assert crossed["backward"].tolist() == [7, 7]
+
+
 def test_losses_are_the_loss_curve(tmp_path: Path) -> None:
     store = Store(tmp_path)
     recorder = Recorder(store, run="curve")
