@@ -69,9 +69,8 @@ class _Layout:
             for a, b, s, d in pairs
         ]
         across_room = self.room[0] - left - right if box.down else None  # a root's rows scroll down
-        placed = place(list(items.values()), pairs, ports, gaps, room, across_room)
-        (extent_u, extent_v), ways = placed
-        w, h = (extent_u, extent_v) if box.down else (extent_v, extent_u)
+        extent, ways = place(list(items.values()), pairs, ports, gaps, room, across_room)
+        w, h = extent if box.down else extent[::-1]
         box.w = max(box.w, w + left + right)
         box.h = h + top + bottom
         shift_u, shift_v = (left, top) if box.down else (top, left)
@@ -84,13 +83,12 @@ class _Layout:
 
         for key, item in items.items():
             cx, cy = real(item.u, item.v)
-            if item.box is not None:
-                if box.down:
-                    item.box.x, item.box.y = cx - item.box.w / 2, cy
-                else:
-                    item.box.x, item.box.y = cx, cy - item.box.h / 2
-            else:
+            if item.box is None:
                 border[key] = (cx, cy)
+            elif box.down:
+                item.box.x, item.box.y = cx - item.box.w / 2, cy
+            else:
+                item.box.x, item.box.y = cx, cy - item.box.h / 2
         bend = "v" if box.down else "h"
         for (_, _, s, d), way in zip(pairs, ways, strict=True):
             parts[(s, d)] = [(*real(u, v), bend if curve else "") for u, v, curve in way]
