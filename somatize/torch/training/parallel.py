@@ -229,14 +229,15 @@ class Parallel:
                     if device == "cuda":
                         place(graph.implementation(nid), "cuda")
             _weights.broadcast_states(graph)
+            modules = [m for nid in graph.nodes() for m in modules_of(graph.implementation(nid))]
             if self.mode == "fsdp":
                 from somatize.torch.training import _sharded
 
-                root = _Replica(_modules(graph), [], stages.forward)
+                root = _Replica(modules, [], stages.forward)
                 self._whole = _sharded.shard(root, graph, optimizer, cuda=self.cuda)
                 self._replicas.append(self._whole)
             elif stages.whole:
-                self._whole = self._ddp(_modules(graph), [], stages.forward, find_unused=True)
+                self._whole = self._ddp(modules, [], stages.forward, find_unused=True)
             else:
                 self._by_part(stages)
         self._stages = stages
@@ -386,8 +387,3 @@ def _every_used(part: Any, replica: Any, names: dict[int, str]) -> Callable:
             )
 
     return check
-
-
-def _modules(graph: Any) -> list[nn.Module]:
-    """The modules of every node of the graph, node by node."""
-    return [m for nid in graph.nodes() for m in modules_of(graph.implementation(nid))]
