@@ -132,20 +132,15 @@ class Part:
     # -- the graph it runs ---------------------------------------------------------------
     def _small_graph(self) -> Graph:
         inside = set(self.ids)
-        outside = {n for n in self.ids for p in self.preds[n] if p not in inside}
         # Handed one value that its nodes take as their only input: no Inlet needed.
-        self.raw = len(self.sources) == 1 and all(len(self.preds[n]) <= 1 for n in outside)
+        self.raw = len(self.sources) == 1 and all(len(self.preds[n]) <= 1 for _, n in self.entering)
         sub = Graph()
         if not self.raw:
             for s in self.sources:
                 sub.node(s, Inlet(s))
-        for n in self.ids:
+        for n in self.ids:  # in the order they run: what a node reads is there before it
             sub.node(n, Piece(self.nodes[n], replace(self.settings[n], name=None)))
-        for n in self.ids:
-            preds = self.preds[n]
-            if not preds and not self.raw:
-                sub.edge(INPUT, n)
-            for p in preds:
+            for p in self.preds[n] or [INPUT]:
                 if p in inside or not self.raw:
                     sub.edge(p, n)
         leaf_of: dict[str, str] = {}
@@ -292,14 +287,13 @@ class Stages:
         order = graph.topological_sort()
         pair = {n: (hosts.get(n), n if n in trains else None) for n in order}
         stage: dict[str, int] = {}
+        grouped: dict[tuple, list[str]] = {}
         for n in order:
             stage[n] = max(
                 (stage[p] + (pair[p] != pair[n]) for p in graph.predecessors(n)), default=0
             )
-        sink = max(stage[n] + (pair[n] != _HERE) for n in graph.leaves())
-        grouped: dict[tuple, list[str]] = {}
-        for n in order:
             grouped.setdefault((stage[n], pair[n]), []).append(n)
+        sink = max(stage[n] + (pair[n] != _HERE) for n in graph.leaves())
         self.whole = len(grouped) == 1 and (sink, _HERE) in grouped
         self.graph = graph
         self.parts: list[Part] = []
