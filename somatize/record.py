@@ -184,10 +184,10 @@ class Recorder:
             number = self._next  # so that no other recorder of this run writes over it
             while not self.store.claim(f"run/{self.run}/{number}", key, self._meta(number, broke)):
                 number += 1
-            self._number, self._next, self._dirty = number, number + 1, False
-            return
-        name = f"run/{self.run}/{self._number}"
-        self.store.keep(name, self._facts, meta=self._meta(self._number, broke))
+            self._number, self._next = number, number + 1
+        else:
+            name = f"run/{self.run}/{self._number}"
+            self.store.keep(name, self._facts, meta=self._meta(self._number, broke))
         self._dirty = False
 
     def _meta(self, number: int, broke: bool) -> list[tuple[str, Any]]:
