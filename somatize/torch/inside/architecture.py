@@ -164,20 +164,17 @@ def _here(call: Any, ctx: Any) -> Any:
 def _capture(
     graph: Any, held: Held, roots: dict[str, nn.Module], example: Any, plans: dict
 ) -> dict:
-    """Run the graph once, each node's `Reading` armed: {node: the shape of what its module
-    gave back}, for each node the run reached. A plain node's modules are run through their
+    """Run the graph once, each node's `Reading` armed: {node: the shape of what it gave
+    back}, for each node the run reached. A plain node's modules are run through their
     `Holder`, so it is read as a module is."""
     reached: dict[str, Any] = {}
-    handles = []
-    for node, module in roots.items():
 
-        def hook(m: nn.Module, args: tuple, out: Any, key=node) -> None:
-            reached.setdefault(key, shape_of(out))
+    def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
+        reached.setdefault(node, shape_of(out))
 
-        handles.append(module.register_forward_hook(hook))
     readings = [p for p in plans.values() if isinstance(p, Reading)]
     try:
-        with untouched(held), torch.no_grad(), Tap(graph, None, roots):
+        with untouched(held), torch.no_grad(), Tap(graph, heard, roots):
             for reading in readings:
                 reading.arm()
             run_here(graph, example)
@@ -189,8 +186,6 @@ def _capture(
     finally:
         for reading in readings:
             reading.disarm()
-        for h in handles:
-            h.remove()
     return reached
 
 
