@@ -78,13 +78,6 @@ def _enclosing(blocks: dict[str, dict], b: Any) -> Iterator[str]:
         b = blocks[b]["parent"]
 
 
-def _pills(node: dict) -> list[tuple[str, str]]:
-    out = [("device", str(node["device"]))] if node.get("device") else []
-    if node.get("host"):
-        out.append(("host", f"@{node['host']}"))
-    return out + [(mark, mark) for mark in ("cached", "frozen", "mapped") if node.get(mark)]
-
-
 def pill_width(text: str) -> float:
     """How wide a badge is drawn."""
     return text_width(text, 9.5, True) + 12
@@ -410,7 +403,10 @@ def scene(plan: dict, insides: dict, opened: list[str], expanded: list[str]) -> 
 
 
 def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: list[str]) -> Box:
-    pills = _pills(node)
+    pills = [("device", str(node["device"]))] if node.get("device") else []  # its badges
+    if node.get("host"):
+        pills.append(("host", f"@{node['host']}"))
+    pills += [(mark, mark) for mark in ("cached", "frozen", "mapped") if node.get(mark)]
     params = inside_params(inside) if inside else None
     kind = str(node.get("kind") or "")
     sub = kind + (f" · {number(params)} params" if params else "")
