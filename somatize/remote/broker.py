@@ -139,14 +139,13 @@ class Broker:
         if key in self._defined.get(host, {}):
             return None
         if key in self._lost:
-            lost = sorted(n for k, (n, _) in self._held.items() if self._lost.get(k) == host)
             exported: dict[str, dict] = {}  # keyed as Trainer.export keys them: a Learning
-            for n, held in self._held.values():  # is held as '<node>/learning', and what it
-                if n in lost:  # brought is exported with that node under 'learning/<key>'
-                    nid, _, part = n.partition("/")
+            for k, (n, held) in self._held.items():  # is held as '<node>/learning', and what
+                if self._lost.get(k) == host:  # it brought is exported under 'learning/<key>'
+                    node_id, _, part = n.partition("/")
                     state = _hooks.state_of(held)
-                    said = {f"{part}/{k}": v for k, v in state.items()} if part else state
-                    exported.setdefault(nid, {}).update(said)
+                    said = {f"{part}/{name}": v for name, v in state.items()} if part else state
+                    exported.setdefault(node_id, {}).update(said)
             nodes = sorted(exported)
             raise StateLost(
                 f"the worker for host {host!r} was restarted (or forgot this client's session) "
