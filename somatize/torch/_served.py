@@ -175,9 +175,7 @@ def frame_tensor(head: list, buffer: Any) -> torch.Tensor:
     else:
         if view.readonly:
             view = memoryview(bytearray(view))
-        made = torch.frombuffer(view, dtype=dtype)
-        if len(shape) != 1:
-            made = made.reshape(shape)
+        made = torch.frombuffer(view, dtype=dtype).reshape(shape)
     return made.requires_grad_(True) if grad else made
 
 
