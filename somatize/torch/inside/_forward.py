@@ -27,6 +27,7 @@ from somatize.torch.inside._trace import (
     call_path,
     finish,
     function_layer,
+    function_path,
     joins_nothing,
 )
 from somatize.torch.inside.kinds import function_name
@@ -46,14 +47,11 @@ class Boxes(TorchFunctionMode):
     by id with a weak reference (an id is only that tensor's while it lives): nothing is kept
     alive that the forward would have let go."""
 
-    bare = True  # only where each box is, nothing it is (a `Reading` says what it is)
-
     def __init__(self, root: nn.Module, depth: int) -> None:
         super().__init__()
         self.root = root
-        self.opening = Opening(root, depth, bare=self.bare)
-        self.out = Traced()  # the boxes named so far (a function's name counts those before)
-        self.counts: dict[str, int] = {}
+        self.opening = Opening(root, depth)
+        self.counts: dict[str, int] = {}  # each function's calls in each block so far
         self.by: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
         self.live = False  # the root's first call is running
         self.on = False  # the mode is on the stack
@@ -163,10 +161,10 @@ class Boxes(TorchFunctionMode):
         self._mark(outs, frozenset((box,)))
 
     def _function(
-        self, layer: Raw, made: frozenset[str], ins: list[torch.Tensor], outs: list[torch.Tensor]
+        self, box: str, block: str | None, fn: Any, made: frozenset[str], ins: list, outs: list
     ) -> None:
-        """A function between the drawn modules was a layer, on `ins`, which the boxes in
-        `made` made; it gave back `outs`."""
+        """A call of the function `fn` between the drawn modules, inside `block`, was the box
+        `box`, on `ins`, which the boxes in `made` made; it gave back `outs`."""
 
     def _gave(self, outs: list[torch.Tensor]) -> None:
         """The root's first call gave back `outs`."""
@@ -184,9 +182,9 @@ class Boxes(TorchFunctionMode):
         floating = bool(outs) and outs[0].is_floating_point()
         if floating and name not in UNDRAWN and not joins_nothing(name, ins):
             block = self.stack[-1] if self.stack else None
-            layer = function_layer(self.opening, self.out, block, func, self.counts)
-            self._function(layer, made, ins, outs)
-            self._mark(outs, frozenset((layer.path,)))
+            path = function_path(block, func, self.counts)
+            self._function(path, block, func, made, ins, outs)
+            self._mark(outs, frozenset((path,)))
         else:
             self._mark(outs, made)
         return result
@@ -230,11 +228,10 @@ class Reading(Boxes):
     the root gave back. `why` says why torch.fx could not read the root instead; `result()`
     answers what was seen."""
 
-    bare = False
-
     def __init__(self, root: nn.Module, depth: int, why: str | None = None) -> None:
         super().__init__(root, depth)
         self.why = why
+        self.out = Traced()  # the boxes, as layers
         self.order: list[str] = []
         self.edges: dict[tuple[str, str], None] = {}
         self.ends: set[str] = set()  # the layers that made what the root gave back
@@ -259,8 +256,9 @@ class Reading(Boxes):
         super()._ended(box, module, given, outs)
 
     def _function(
-        self, layer: Raw, made: frozenset[str], ins: list[torch.Tensor], outs: list[torch.Tensor]
+        self, box: str, block: str | None, fn: Any, made: frozenset[str], ins: list, outs: list
     ) -> None:
+        layer = function_layer(self.opening, self.out, block, fn, box)
         layer.shape = list(outs[0].shape)
         self._ran(layer, made)
 

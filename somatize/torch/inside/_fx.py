@@ -17,6 +17,7 @@ from somatize.torch.inside._trace import (
     block_call,
     finish,
     function_layer,
+    function_path,
 )
 from somatize.torch.inside.kinds import function_name
 
@@ -63,7 +64,8 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
                 continue
             within = _within(n)
             block = next(reversed(within), None)
-            made[n] = function_layer(opening, out, block, n.target, counts)
+            path = function_path(block, n.target, counts)
+            made[n] = function_layer(opening, out, block, n.target, path)
             made[n].within = within
     producers: dict[fx.Node, set[str]] = {}  # the layers that made each node's value
     given: dict[fx.Node, set[str]] = {}  # the layers that made what each node computes with

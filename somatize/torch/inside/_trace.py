@@ -155,10 +155,9 @@ class Opening:
     """Which modules of a root are opened and which are drawn as one layer, and the
     parameters under each (a weight tied in two places counted once under their parent)."""
 
-    def __init__(self, root: nn.Module, depth: int, bare: bool = False) -> None:
+    def __init__(self, root: nn.Module, depth: int) -> None:
         self.root = root
         self.depth = depth
-        self.bare = bare  # only where each layer is (what a probe needs), nothing it is
         self.named = dict(root.named_modules(remove_duplicate=False))
 
     def closed(self, path: str) -> bool:
@@ -190,8 +189,6 @@ class Opening:
 
     def _raw(self, path: str, block: str | None, label: str | None = None) -> Raw:
         m = self.named[path]
-        if self.bare:
-            return Raw(path, "", "", block=block)
         parts = parts_of(m)
         return Raw(
             path, kind_of(m), label or label_of(m), None, params_of(m), block, config=config_of(m),
@@ -221,17 +218,21 @@ class Opening:
         return layer
 
 
-def function_layer(
-    opening: Opening, out: Traced, block: str | None, fn: Any, counts: dict[str, int]
-) -> Raw:
-    """The box of a call of `fn` inside `block` (a block of `out` from then on)."""
+def function_path(block: str | None, fn: Any, counts: dict[str, int]) -> str:
+    """The box of the next call of `fn` inside `block`: `add`, then `add_1`, ... (`counts`
+    keeps how many there were)."""
+    key = f"{block}.{function_name(fn)}" if block else function_name(fn)
+    n = counts.get(key, 0)
+    counts[key] = n + 1
+    return key if n == 0 else f"{key}_{n}"
+
+
+def function_layer(opening: Opening, out: Traced, block: str | None, fn: Any, path: str) -> Raw:
+    """The layer of the box `path`, a call of `fn` inside `block` (a block of `out` from then
+    on)."""
     if block:
         opening.add_block(out, block)
     name = function_name(fn)
-    key = f"{block}.{name}" if block else name
-    n = counts.get(key, 0)
-    counts[key] = n + 1
-    path = key if n == 0 else f"{key}_{n}"
     out.layers[path] = layer = Raw(path, kind_of(name), name, None, 0, block, function=True)
     return layer
 

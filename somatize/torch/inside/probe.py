@@ -223,8 +223,8 @@ class _Probing(Boxes):
         super()._ended(box, module, given, outs)
         self._heard(box, module, given, outs)
 
-    def _function(self, layer: Any, made: frozenset, ins: list, outs: list) -> None:
-        self._heard(layer.path, None, ins, outs)
+    def _function(self, box: str, block: Any, fn: Any, made: frozenset, ins: list, outs: list):
+        self._heard(box, None, ins, outs)
 
 
 def probe(
