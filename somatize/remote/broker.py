@@ -61,8 +61,7 @@ class Broker:
         self._lost: dict[str, str] = {}  # key: host, for what a worker lost after learning
         self._read: dict[str, Callable[[], Any] | None] = {}  # key: reads its modes here
         self._told: dict[tuple[str, str], Any] = {}  # (host, key): the modes its copy has
-        self._built: dict[tuple[str, str], tuple[list, list]] = {}  # (host, key): parameters
-        # here, and their dtypes when its copy there was built
+        self._built: dict[tuple[str, str], tuple[list, list]] = {}  # (host, key): (params, dtypes)
         self._slices: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
         self.closed = False
 

@@ -125,8 +125,7 @@ class Guard:
         self.rest = _resident()  # this process's memory while strangers send next to nothing
         self.lock = threading.Lock()
         self.pending: dict[int, float] = {}  # descriptor: when it was accepted
-        self.proven: dict[int, int] = {}  # a client's descriptor: bytes it had sent when last
-        # answered
+        self.proven: dict[int, int] = {}  # a client's descriptor: bytes sent when last answered
         self.closed: list[int] = []  # descriptors gone since the loop last asked
         self._told = -float("inf")
         self.monitor = sock.get_monitor_socket(_EVENTS)
