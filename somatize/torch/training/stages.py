@@ -167,15 +167,13 @@ class Part:
         learning = self.learning
         device = None if learning is None else self.settings[self.trained].device
         if learning is None:
-            inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
+            self._inputs = inputs = {s: v if s == INPUT else leafed(v) for s, v in inputs.items()}
         elif self.asks_target:
             inputs = dict(inputs)
             target = inputs.pop(TARGET, None)
             learning.target = target if device is None else _hooks.move(target, device)
         x = inputs[self.sources[0]] if self.raw else inputs
-        if learning is None:
-            self._inputs = inputs
-        else:
+        if learning is not None:
             x = learning.entering(x if device is None else _hooks.move(x, device), self.ctx)
         out = self.graph.forward(x, store=store, watching=watching)
         if len(self.exits) == 1:
@@ -372,10 +370,8 @@ class Stages:
             if watchers:
                 self._bytes[0] += sum(nbytes(v) for s, v in inputs.items() if s != INPUT)
             values.update(transport.forward(part, inputs, store=store, watching=relay))
-        if self.sunk:
-            sunk = self._sunk
-            for n in self.sunk:
-                values[n] = sunk[n] = leafed(values[n])
+        for n in self.sunk:
+            values[n] = self._sunk[n] = leafed(values[n])
         if watchers:
             run.tell(watchers, run.finished(began))
         if len(self.leaves) == 1:
