@@ -107,7 +107,6 @@ class Boxes(TorchFunctionMode):
     def _hooks(self, module: nn.Module, paths: list[tuple[str, bool]]) -> tuple[Any, Any]:
         """The pre- and post-hook of a module drawn at `paths`."""
         one = paths[0] if len(paths) == 1 else None
-        hands_on = isinstance(module, nn.Identity)  # no box: its output is its input
 
         def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
             if not self.live:
@@ -120,8 +119,7 @@ class Boxes(TorchFunctionMode):
             if shut:
                 self.inside = 1
                 self._mode(False)
-                if not hands_on:
-                    self._began(path, call, module, tensors_in((args, kwargs)))
+                self._began(path, call, module, tensors_in((args, kwargs)))
             else:
                 self.stack.append(path)
 
@@ -132,12 +130,8 @@ class Boxes(TorchFunctionMode):
                 self.inside -= 1
                 if not self.inside:
                     path, _ = one or self._pick(paths)
-                    outs = tensors_in(output)
-                    if hands_on:
-                        self._mark(outs, self.made_by(tensors_in((args, kwargs)))[1])
-                    else:
-                        box = call_path(path, self.calls[path])
-                        self._ended(box, module, tensors_in((args, kwargs)), outs)
+                    box = call_path(path, self.calls[path])
+                    self._ended(box, module, tensors_in((args, kwargs)), tensors_in(output))
                     self._mode(True)
                 return
             if self.stack and any(self.stack[-1] == p for p, _ in paths):

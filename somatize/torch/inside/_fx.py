@@ -28,7 +28,7 @@ class _Tracer(fx.Tracer):
         self.opening = opening
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return self.opening.closed(qualname)
+        return self.opening.closed(qualname) and not isinstance(m, nn.Identity)  # (no box)
 
 
 def fx_trace(root: nn.Module, depth: int) -> tuple[fx.Graph, Opening]:
@@ -51,8 +51,6 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
             data.add(n)
         elif n.op == "call_module":
             data.add(n)
-            if isinstance(opening.named[n.target], nn.Identity):
-                continue
             calls[n.target] = k = calls.get(n.target, 0) + 1
             made[n] = opening.add_leaf(out, n.target, k)
             made[n].within = _within(n, n.target)

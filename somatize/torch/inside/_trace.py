@@ -173,11 +173,14 @@ class Opening:
 
     def drawn(self) -> list[tuple[str, nn.Module, bool]]:
         """Every (path, module, closed) that is a layer or a block, in declaration order,
-        every path a module is reachable under (a tied module is at each of its paths)."""
+        every path a module is reachable under (a tied module is at each of its paths). An
+        `nn.Identity` is neither: what it gives back is what it was given."""
         found: list[tuple[str, nn.Module, bool]] = []
 
         def visit(path: str, module: nn.Module) -> None:
             for name, child in parts_of(module):
+                if isinstance(child, nn.Identity):
+                    continue
                 p = f"{path}.{name}" if path else name
                 shut = self.closed(p)
                 found.append((p, child, shut))
