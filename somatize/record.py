@@ -92,7 +92,7 @@ class Recorder:
     names facts to summarise, `["loss"]`: every record's meta then carries `loss.value`, the
     value of the last loss fact of that forward (None if it had none). It may instead be a
     callable, given the facts of each forward, returning a dict of extra meta (refused if it
-    would overwrite run, forward, state, nodes or took_us). A record is written when its
+    would overwrite run, forward, state, nodes, took_us or when). A record is written when its
     forward's "finished" fact arrives; facts that come after it (the Trainer's loss, updated,
     health) join the same forward and are written at the next forward's first fact, at
     `flush()`, or at `close()`. A forward whose node raised never finishes: its record says
@@ -204,7 +204,7 @@ class Recorder:
             extra = self.summarising(list(self._facts))
             if not isinstance(extra, Mapping):
                 raise TypeError(f"summarising returned {type(extra).__name__}, not a dict")
-            clash = sorted(set(extra) & {key for key, _ in meta})
+            clash = sorted(set(extra) & {"when", *(key for key, _ in meta)})  # when: forwards()
             if clash:
                 raise ValueError(f"summarising may not overwrite the record's own meta {clash}")
             meta.extend(extra.items())

@@ -174,6 +174,9 @@ def test_summarising_adds_meta_and_may_not_overwrite(tmp_path: Path) -> None:
     bad = Recorder(store, run="bad", summarising=lambda facts: {"state": "mine"})
     with pytest.raises(ValueError, match="state"):
         bad({"fact": "finished", "took_us": 1.0})
+    when = Recorder(store, run="when", summarising=lambda facts: {"when": "tuesday"})
+    with pytest.raises(ValueError, match=r"may not overwrite the record's own meta \['when'\]"):
+        when({"fact": "finished", "took_us": 1.0})  # forwards() has a column of that name
 
 
 def test_runs_are_listed_oldest_first_and_unknown_runs_refused(tmp_path: Path) -> None:
