@@ -91,7 +91,7 @@ def _meta_pairs(meta: Any, name: str) -> list[tuple[str, Any]]:
     pairs: list[tuple[str, Any]] = []
     for item in items:
         try:
-            key, value = item
+            key, value = None if isinstance(item, (str, bytes)) else item  # not "ab" as a, b
         except (TypeError, ValueError):
             raise TypeError(
                 f"meta of {name!r} is a dict or (key, value) pairs; got the item {item!r}"

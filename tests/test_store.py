@@ -141,6 +141,9 @@ def test_refused_values_and_meta_leave_the_store_as_it_was(store: Store) -> None
         store.bind("x", store.put(b"2"), {"bad": object()})
     with pytest.raises(ValueError, match="digest"):
         store.bind("x", "sha256:nothex")
+    for meta in (["ab"], "ab", [b"ab"]):  # a two-letter string is not a (key, value) pair
+        with pytest.raises(TypeError, match="meta of 'x' is a dict or"):
+            store.bind("x", store.put(b"2"), meta)
     assert store.recall("x") == 1
 
 
