@@ -2,8 +2,8 @@
 
 The client cuts a plan where the host changes (`cut`) and runs the slices in order
 (`run_plan`): a remote one in one round trip, carrying the values it reads from outside and
-bringing back those read after it. A worker keeps a slice as a `ServedSlice` under its id, so
-a repeated forward sends only the id and the values.
+bringing back those read after it. A worker keeps a slice as a `ServedSlice` under its key,
+so a repeated forward sends only the key and the values.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from somatize.run import MANY, ONE, ROOT, Ctx, _result, finished, step_of, tell,
 
 __all__ = ["Slice", "cut", "run_plan", "ServedSlice", "run_served"]
 
-_sids = itertools.count(1)
+_keys = itertools.count(1)  # a key is never reused in this process, as an id() could be
 
 
 @dataclass
@@ -35,8 +35,7 @@ class Slice:
     reads: list[int] = field(default_factory=list)  # slots it reads from outside itself
     roots: bool = False  # whether it reads the graph's input
     wanted: set[int] = field(default_factory=set)  # its slots read after it, or leaves
-    # the id a worker keeps it under, never reused in this process (an id() could be)
-    sid: str = field(default_factory=lambda: f"s{next(_sids)}")
+    key: str = field(default_factory=lambda: f"s{next(_keys)}")  # a worker keeps it under this
 
 
 def cut(plan: Any) -> list[Slice]:
@@ -113,7 +112,7 @@ def _run_there(
     nodes = [(ctx.id, graph.implementation(ctx.id), device) for *_, ctx, device in one.steps]
     try:
         got = broker.send(
-            one.host, nodes, message, (one.sid, lambda: _described(broker, plan, one))
+            one.host, nodes, message, (one.key, lambda: _described(broker, plan, one))
         )
     except NoCodec as error:
         raise _unsent(plan, one, message, error) from None
