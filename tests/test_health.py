@@ -58,6 +58,10 @@ def test_thresholds_defaults_and_refusals():
         Thresholds(grad_hgih=3)
     with pytest.raises(TypeError, match="number"):
         Thresholds(grad_high="big")
+    with pytest.raises(
+        TypeError, match=r"thresholds is a Thresholds\(...\), not \{'grad_high': 10\}"
+    ):
+        verdict({"grad_norm": 1.0}, {"grad_high": 10})
 
 
 @pytest.mark.parametrize(
@@ -162,6 +166,13 @@ def test_flags_are_strings_with_a_family_and_advice():
         Flag("DEAD_CHANNELS")
     with pytest.raises(ValueError, match="takes no count"):
         Flag("DEAD", 2)
+    with pytest.raises(
+        ValueError, match=r"DEAD_CHANNELS takes a count, e.g. DEAD_CHANNELS\(3\), not 'x'"
+    ):
+        Flag("DEAD_CHANNELS(x)")
+    for bad in (5, None):
+        with pytest.raises(TypeError, match=f"a flag is a name such as 'DEAD'.*not {bad!r}"):
+            about(bad)
 
 
 # -- facts, and one rule over time -----------------------------------------------------------

@@ -18,9 +18,14 @@ class Flag(str):
     n: int | None
 
     def __new__(cls, name: str, n: int | None = None) -> Flag:
+        if not isinstance(name, str):
+            raise TypeError(f"a flag is a name such as 'DEAD' or 'DEAD_CHANNELS(3)', not {name!r}")
         if "(" in name and n is None:
             name, _, rest = name.partition("(")
-            n = int(rest.rstrip(")"))
+            count = rest.rstrip(")")
+            if not count.isdigit():
+                raise ValueError(f"{name} takes a count, e.g. {name}(3), not {count!r}")
+            n = int(count)
         if name not in _FAMILY:
             raise ValueError(f"unknown flag {name!r}; the flags are {sorted(_FAMILY)}")
         counted = name in ("DEAD_CHANNELS", "IGNORED_CHANNELS")

@@ -111,6 +111,8 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     if not isinstance(numbers, Mapping):
         raise TypeError(f"verdict reads a dict of numbers, not {type(numbers).__name__}")
     t = thresholds or _DEFAULT
+    if not isinstance(t, Thresholds):
+        raise TypeError(f"thresholds is a Thresholds(...), not {thresholds!r}")
     values = [v for k, v in numbers.items() if k not in FACT_KEYS and isinstance(v, float)]
     nan = numbers.get("nan") is True or any(math.isnan(v) for v in values)
     inf = numbers.get("inf") is True or any(math.isinf(v) for v in values)
