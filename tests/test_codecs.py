@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from somatize.codecs import NoCodec, codec, codecs_registered, decode, digest, encode
+from somatize.codecs import Malformed, NoCodec, codec, codecs_registered, decode, digest, encode
 
 
 def same(a: Any, b: Any) -> bool:
@@ -171,6 +171,10 @@ def test_decode_refuses_what_is_not_an_encoded_value() -> None:
         decode(encode([1, 2, 3])[:-1])
     with pytest.raises(ValueError):
         decode(b"\xc1")
+    for data in (5, "[1]", None):
+        with pytest.raises(Malformed, match=f"the bytes encode wrote, not a {type(data).__name__}"):
+            decode(data)
+    assert decode(bytearray(encode([1]))) == decode(memoryview(encode([1]))) == [1]
 
 
 def test_a_tuple_whose_items_are_not_a_list_is_malformed_in_a_store_as_on_the_wire() -> None:
