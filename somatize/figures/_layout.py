@@ -46,9 +46,11 @@ class _Layout:
             return
         border = self.ports[box.id] = {}
         parts = self.parts[box.id] = {}
-        items = {
-            c.id: Item(c.id, *((c.w, c.h) if box.down else (c.h, c.w)), box=c) for c in box.children
-        }
+
+        def flip(a: float, b: float) -> tuple[float, float]:  # (across, along) as (x, y), and back
+            return (a, b) if box.down else (b, a)
+
+        items = {c.id: Item(c.id, *flip(c.w, c.h), box=c) for c in box.children}
         pairs: list[tuple[str, str, str, str]] = []  # level source, level target, edge
         for s, d in edges:
             a, b = self._child_of(box, s), self._child_of(box, self._target(d))
@@ -70,19 +72,15 @@ class _Layout:
         ]
         across_room = self.room[0] - left - right if box.down else None  # a root's rows scroll down
         extent, ways = place(list(items.values()), pairs, ports, gaps, room, across_room)
-        w, h = extent if box.down else extent[::-1]
+        w, h = flip(*extent)
         box.w = max(box.w, w + left + right)
         box.h = h + top + bottom
-        shift_u, shift_v = (left, top) if box.down else (top, left)
+        shift_u, shift_v = flip(left, top)
         # center the content when the box is wider than it (a long label)
         if box.down:
             shift_u += (box.w - left - right - w) / 2
-
-        def real(u: float, v: float) -> tuple[float, float]:
-            return (u + shift_u, v + shift_v) if box.down else (v + shift_v, u + shift_u)
-
         for key, item in items.items():
-            cx, cy = real(item.u, item.v)
+            cx, cy = flip(item.u + shift_u, item.v + shift_v)
             if item.box is None:
                 border[key] = (cx, cy)
             elif box.down:
@@ -91,7 +89,9 @@ class _Layout:
                 item.box.x, item.box.y = cx, cy - item.box.h / 2
         bend = "v" if box.down else "h"
         for (_, _, s, d), way in zip(pairs, ways, strict=True):
-            parts[(s, d)] = [(*real(u, v), bend if curve else "") for u, v, curve in way]
+            parts[(s, d)] = [
+                (*flip(u + shift_u, v + shift_v), bend if curve else "") for u, v, curve in way
+            ]
 
     def _target(self, key: str) -> str:
         """Where an edge to `key` ends: an open node's entry (the box inside that reads what
