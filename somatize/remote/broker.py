@@ -291,14 +291,10 @@ class Broker:
         put back and nothing has changed."""
         lid = secrets.token_hex(6)
         hosts: list[str] = []
+        committed: list[str] = []
         lost = dict(self._lost)
         # the caller says where to resume from: no longer behind, unless this fails
         marks = [m for _, _, node, _, _ in entries for m in ahead.unmark(node)]
-
-        def undo() -> None:
-            self._lost = lost
-            ahead.remark(marks)
-
         try:
             for host, nid, node, device, state in entries:
                 key = self.key(node)
@@ -309,18 +305,13 @@ class Broker:
                 self.defined(host, [d["key"] for d in defs])
                 if host not in hosts:
                     hosts.append(host)
-        except BaseException:
-            undo()
-            self._each(hosts, lid, "drop")
-            raise
-        committed = []
-        try:
             for host in hosts:
                 self.request(host, {"op": "load", "phase": "commit", "load": lid})
                 committed.append(host)
             then()
-        except BaseException:
-            undo()
+        except BaseException:  # what was committed is put back, what was staged dropped
+            self._lost = lost
+            ahead.remark(marks)
             self._each(committed, lid, "undo")
             self._each([h for h in hosts if h not in committed], lid, "drop")
             raise
