@@ -115,6 +115,43 @@ def test_synthetic_moves_the_node_with_the_guess_before_the_true_gradient_arrive
     assert torch.equal(node.lin.weight.detach(), moved)  # the true gradient teaches the guesser
 
 
+class Score(Node, nn.Module):
+    """One number per example: an output of shape (batch,)."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(3, 1, dtype=F64)
+
+    def forward(self, x, ctx):
+        return self.lin(x).squeeze(-1)
+
+
+def test_synthetic_guesses_the_gradient_of_one_number_per_example():
+    torch.manual_seed(0)
+    node = Score()
+    learning = Synthetic(SGD, lr=0.1).of(node).tell(every=1)
+    learning.receiving({"guesser.weight": torch.zeros(1, 1, dtype=F64)})
+    with torch.no_grad():
+        learning.guesser.weight.fill_(0.5)
+        learning.guesser.bias.fill_(-0.25)
+    W, b = node.lin.weight.detach().clone(), node.lin.bias.detach().clone()
+    ((x, true),) = data(1, rows=5, o=1)
+    true = true.squeeze(-1)
+    x.requires_grad_(True)
+    _, out = positions(learning, node, x)
+    h = (x.detach() @ W.T + b).squeeze(-1)
+    guess = 0.5 * h - 0.25
+    assert out.shape == (5,)
+    close(node.lin.weight.detach(), W - 0.1 * guess[None] @ x.detach())
+    close(node.lin.bias.detach(), b - 0.1 * guess.sum(0, keepdim=True))
+
+    back = learning.forward(envelope(true, closing=True), None)
+    close(back.gradient, guess[:, None] @ W)
+    miss = guess - true
+    close(learning.guesser.weight.detach(), torch.tensor([[0.5]], dtype=F64) - 0.1 * miss @ h)
+    close(learning.guesser.bias.detach(), torch.tensor([-0.25], dtype=F64) - 0.1 * miss.sum(0))
+
+
 def test_a_synthetic_guesser_is_built_from_the_first_output_and_moves_nothing_at_first():
     torch.manual_seed(0)
     node = Layer(3, 4)

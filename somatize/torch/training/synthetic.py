@@ -27,9 +27,7 @@ class Guesser(nn.Linear):
 
     def forward(self, output: torch.Tensor) -> torch.Tensor:
         """The guessed gradient, in the shape of `output`."""
-        if output.dim() == 2:
-            return super().forward(output)
-        return super().forward(output.flatten(1)).view_as(output)
+        return super().forward(output.reshape(len(output), -1)).view_as(output)
 
 
 def _step_only(optimizer: Any, params: Iterable[torch.Tensor]) -> None:
