@@ -58,19 +58,14 @@ def state_changed() -> None:
 _watched: weakref.WeakSet[Any] = weakref.WeakSet()  # modules whose loads say state_changed
 
 
-def _loaded(module: Any, incompatible: Any) -> None:
-    """A module a node of a cached run holds had a state dict loaded (torch's post hook)."""
-    state_changed()
-
-
 def _watch(node: Any) -> None:
-    """Hang `_loaded` on every module the node holds (once per module), so that
-    `module.load_state_dict(...)` reaches the keys (its frozen digest, or its modules keyed as
-    its arguments) as `Trainer.load` does."""
+    """Hang a post hook that says `state_changed` on every module the node holds (once per
+    module), so that `module.load_state_dict(...)` reaches the keys (its frozen digest, or its
+    modules keyed as its arguments) as `Trainer.load` does."""
     for module in _hooks.state_modules(node):
         if module not in _watched:
             try:
-                module.register_load_state_dict_post_hook(_loaded)
+                module.register_load_state_dict_post_hook(lambda m, loaded: state_changed())
             except RuntimeError:  # a TorchScript module takes no hooks: g.invalidate() for it
                 pass
             _watched.add(module)
