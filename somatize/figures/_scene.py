@@ -266,13 +266,12 @@ class _Inside:
         kids = [k for k, v in self.blocks.items() if v["parent"] == b]
         plain = blk["label"] in ("Sequential", "ModuleList", "ModuleDict")
         if not own and not kids:  # what it holds is not drawn (past the depth): one box
-            entry = self._own(b)
             label = blk["label"]
             if plain:  # named by where it is: "Sequential" alone says nothing
                 parts = b.split(".")
                 tail = max((k for k, p in enumerate(parts) if not p.isdigit()), default=0)
                 label = f"{'.'.join(parts[tail:])}: {label}"
-            return [self._layer({**entry, "label": label}, old, new)]
+            return [self._layer({**self._own(b), "label": label}, old, new)]
         if blk["times"] == 1 and (plain or (not own and len(kids) == 1)):
             out = [self._layer(la, old, new) for la in own]  # drawn as what it holds
             for k in kids:
@@ -285,10 +284,8 @@ class _Inside:
         for k in range(blk["times"] if opened else 1):
             path = _swap(names[k] if k < len(names) else f"{b}~{k}", old, new)  # names[0] is b
             frm, to = (old, new) if k == 0 else (b, path)
-            if opened:
-                label = f"{blk['label']}  {k + 1}/{blk['times']}"
-            else:
-                label = blk["label"] + (f"  ×{blk['times']}" if foldable else "")
+            count = f"{k + 1}/{blk['times']}" if opened else f"×{blk['times']}" if foldable else ""
+            label = f"{blk['label']}  {count}" if count else blk["label"]
             box = Box(
                 id=f"b:{self.node}:{path}#{k}",
                 kind="block",
