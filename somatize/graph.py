@@ -258,11 +258,11 @@ class Graph:
             self._refuse_stale(id, [n for n in down[1:] if self._settings[n].cached])
             for p in self._pred[id] if new.cached else ():
                 self._refuse_stale(p, [id])
-        finally:
+            self._settle(id, self._impl[id], new, s.device)
+        except BaseException:
             self._settings[id] = s
             self._forget_above(down)
-        self._settle(id, self._impl[id], new, s.device)
-        self._settings[id] = new
+            raise
         self._plan = None
 
     def invalidate(self) -> None:
