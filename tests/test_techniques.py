@@ -201,6 +201,53 @@ def test_forward_forward_scores_its_goodness_against_blends_of_two_classes():
     assert 0 < loss < 2  # the rule above is the loss's gradient, and the loss is a number
 
 
+def test_forward_forward_scores_one_number_per_example_and_refuses_what_is_no_tensor():
+    torch.manual_seed(0)
+    node = Score()  # no activation: the goodness of a row is the square of its one number
+    W, b = node.lin.weight.detach().clone(), node.lin.bias.detach().clone()
+    x = torch.randn(4, 3, dtype=F64)
+    theta = 0.5
+    learning = ForwardForward(SGD, lr=0.1, threshold=theta).of(node).tell(every=1)
+    learning.target = torch.tensor([0, 0, 1, 2])
+    _, out = positions(learning, node, x)
+    assert out.shape == (4,)
+    learning.forward(envelope(None, closing=True), None)
+    negative = 0.5 * (x + x[torch.tensor([2, 2, 3, 0])])
+
+    def dz(inputs, sign):
+        a = inputs @ W.T + b
+        g = a.pow(2).mean(1)
+        return (sign * torch.sigmoid(sign * (g - theta)) / 8)[:, None] * 2 * a
+
+    zp, zn = dz(x, -1.0), dz(negative, 1.0)
+    close(node.lin.weight.detach(), W - 0.1 * (zp.T @ x + zn.T @ negative))
+    close(node.lin.bias.detach(), b - 0.1 * (zp.sum(0) + zn.sum(0)))
+
+    class Pair(Node, nn.Module):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.lin = nn.Linear(3, 2, dtype=F64)
+
+        def forward(self, x, ctx):
+            return {"a": self.lin(x), "b": x}
+
+    class Pick(Node, nn.Module):
+        def __init__(self):
+            nn.Module.__init__(self)
+            self.lin = nn.Linear(2, 2, dtype=F64)
+
+        def forward(self, x, ctx):
+            return self.lin(x["a"])
+
+    g = Graph.somatize(Pair().named("pair") >> Pick().named("out"))
+    trains = {"pair": ForwardForward(SGD, lr=0.1)}
+    t = Trainer(g, objective=mse_loss, optimizer=SGD(parameters(g, without=trains)), trains=trains)
+    before = g.implementation("pair").lin.weight.detach().clone()
+    with pytest.raises(TypeError, match="goodness of what node 'pair' produces.*produced dict"):
+        t.step(data(1)[0])
+    assert torch.equal(g.implementation("pair").lin.weight.detach(), before)
+
+
 def test_what_each_technique_refuses():
     with pytest.raises(TypeError, match="nn.Module"):
         Greedy(SGD, head="linear")

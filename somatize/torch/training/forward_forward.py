@@ -40,7 +40,7 @@ def negatives(given: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def goodness(output: torch.Tensor) -> torch.Tensor:
     """The goodness of each row: the mean of the squares of its activities."""
-    return output.flatten(1).square().mean(dim=1)
+    return output.reshape(len(output), -1).square().mean(dim=1)
 
 
 class ForwardForward(Learning):
@@ -61,7 +61,8 @@ class ForwardForward(Learning):
     (`NoGradient` for one held by the Trainer's optimizer).
 
     Refused: a `threshold` that is not a positive number; a node given anything but one
-    floating tensor of at least two rows, or a target without a row for each.
+    floating tensor of at least two rows, or a target without a row for each; a node that
+    produces anything but one floating tensor with a row per example.
     """
 
     needs_target = True
@@ -107,8 +108,16 @@ class ForwardForward(Learning):
                 + (f" {tuple(target.shape)}" if isinstance(target, torch.Tensor) else "")
                 + f" for {rows} rows: give a tensor with one target per row"
             )
+        held = self.held
+        if not isinstance(held, torch.Tensor) or held.dim() < 1 or not held.is_floating_point():
+            what = f" {tuple(held.shape)} of {held.dtype}" if isinstance(held, torch.Tensor) else ""
+            raise TypeError(
+                f"ForwardForward scores the goodness of what node {where!r} produces, one "
+                f"floating tensor with a row per example; it produced {type(held).__name__}"
+                f"{what}: train it with Greedy or Split, or make it produce one tensor"
+            )
         node = self.node
         negative = unwrap(type(node).forward(node, negatives(given.detach(), target), ctx))
-        high = functional.softplus(self.threshold - goodness(self.held))
+        high = functional.softplus(self.threshold - goodness(held))
         low = functional.softplus(goodness(negative) - self.threshold)
         return torch.cat([high, low]).mean()
