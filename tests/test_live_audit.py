@@ -278,6 +278,21 @@ def test_the_face_draws_the_chosen_metric_its_meaning_every_mark_and_real_axes()
     assert base64.b64decode(shown).decode() == audit.svg()
 
 
+def test_a_count_past_a_floats_range_is_drawn_as_no_number_as_the_page_gets_it():
+    audit = LiveAudit(metric="tokens", flags=False)
+    audit(health("enc", 0, tokens=10**400))  # an int a float cannot hold
+    audit(health("enc", 1, tokens=3))
+    audit(health("enc", 2, tokens=5))
+    assert audit.frame()["tokens"].tolist() == [10**400, 3, 5]  # kept as it was given
+    root = ET.fromstring(audit.svg())
+    fills = [p.get("fill") for p in root.iter(f"{SVG}path") if p.get("d", "").startswith("M")]
+    assert fills.count("#e03131") == 1  # its cell: no number, as the page draws "inf"
+    text = " ".join("".join(t.itertext()) for t in root.iter(f"{SVG}text"))
+    assert "tokens 3" in text and "5" in text  # the colour scale spans the numbers
+    audit.settle()
+    assert audit.record["runs"][0]["places"][0]["columns"]["tokens"]["values"] == ["inf", 3.0, 5.0]
+
+
 def test_a_page_with_no_kernel_draws_from_a_thinned_record():
     audit = LiveAudit(interval=0.05)
     for step in range(3000):

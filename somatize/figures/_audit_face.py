@@ -17,6 +17,7 @@ from somatize.figures._svg import (
     LINE,
     Scale,
     colour_bar,
+    finite,
     fits,
     lines,
     number,
@@ -146,7 +147,7 @@ def picture(
                 fill = ABSENT
             elif isinstance(value, bool):
                 fill = viridis(1.0 if value else 0.0)
-            elif not math.isfinite(value):
+            elif not finite(value):
                 fill = NO_NUMBER
             else:
                 fill = viridis(round(scale.t(value) * 63) / 63)

@@ -47,8 +47,13 @@ def text_width(text: str, px: float = 12, bold: bool = False) -> float:
 
 
 def finite(v: Any) -> bool:
-    """Whether `v` is a number (not a bool) and finite."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """Whether `v` is a number (not a bool) and finite: an int a float cannot hold is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def esc(text: Any) -> str:
@@ -57,8 +62,17 @@ def esc(text: Any) -> str:
 
 
 def svg_text(
-    x: float | str, y: float | str, content: Any, px: float = 11, fill: str = MUTED, *,
-    bold: bool = False, italic: bool = False, anchor: str = "", cls: str = "", title: str = "",
+    x: float | str,
+    y: float | str,
+    content: Any,
+    px: float = 11,
+    fill: str = MUTED,
+    *,
+    bold: bool = False,
+    italic: bool = False,
+    anchor: str = "",
+    cls: str = "",
+    title: str = "",
 ) -> str:
     """An SVG `<text>` at (x, y) (a number written to one decimal, a string as it is), its
     content escaped; `cls` goes before x, `title` is a tooltip."""
@@ -165,8 +179,16 @@ def _trim(text: str) -> str:
 
 
 VIRIDIS = [  # sampled at ten points
-    (68, 1, 84), (72, 40, 120), (62, 74, 137), (49, 104, 142), (38, 130, 142),
-    (31, 158, 137), (53, 183, 121), (109, 205, 89), (180, 222, 44), (253, 231, 37),
+    (68, 1, 84),
+    (72, 40, 120),
+    (62, 74, 137),
+    (49, 104, 142),
+    (38, 130, 142),
+    (31, 158, 137),
+    (53, 183, 121),
+    (109, 205, 89),
+    (180, 222, 44),
+    (253, 231, 37),
 ]
 
 
