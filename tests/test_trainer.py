@@ -593,13 +593,11 @@ def test_a_frozen_cached_encoder_runs_once_per_distinct_batch(tmp_path):
 # -- progress -----------------------------------------------------------------------------
 
 
-def test_a_progress_bar_only_when_a_person_watches(monkeypatch, capfd):
-    import sys
-
-    plain(mlp()).fit(batches(2))
-    assert capfd.readouterr().err == ""  # stderr is not a terminal here: no bar
+def on_a_terminal(monkeypatch, run):
+    """`run()` with stderr a terminal of 100 columns: what it answers, and what it showed."""
     import fcntl
     import struct
+    import sys
     import termios
 
     master, slave = os.openpty()
@@ -607,7 +605,7 @@ def test_a_progress_bar_only_when_a_person_watches(monkeypatch, capfd):
     try:
         with os.fdopen(slave, "w") as tty:
             monkeypatch.setattr(sys, "stderr", tty)
-            plain(mlp()).fit(batches(2))
+            answer = run()
             tty.flush()
             monkeypatch.undo()
         os.set_blocking(master, False)
@@ -620,10 +618,32 @@ def test_a_progress_bar_only_when_a_person_watches(monkeypatch, capfd):
             if not chunk:
                 break
             read += chunk
-        shown = read.decode(errors="replace")
+        return answer, read.decode(errors="replace")
     finally:
         os.close(master)
+
+
+def test_a_progress_bar_only_when_a_person_watches(monkeypatch, capfd):
+    plain(mlp()).fit(batches(2))
+    assert capfd.readouterr().err == ""  # stderr is not a terminal here: no bar
+    _, shown = on_a_terminal(monkeypatch, lambda: plain(mlp()).fit(batches(2)))
     assert "training" in shown and "2/2" in shown  # a terminal on stderr: a bar
+
+
+def test_a_person_watching_a_fit_over_data_without_a_length_sees_a_bar_without_a_total(
+    monkeypatch,
+):
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class Stream(IterableDataset):  # no __len__: a DataLoader over it has none either
+        def __iter__(self):
+            return iter([(x[0], y[0]) for x, y in batches(4, size=1)])
+
+    data = DataLoader(Stream(), batch_size=2)
+    result, shown = on_a_terminal(monkeypatch, lambda: plain(mlp()).fit(data, epochs=2))
+    expected = plain(mlp()).fit(list(data), epochs=2)
+    assert len(result.history) == 4 and result.history == pytest.approx(expected.history)
+    assert "training" in shown and "4step" in shown  # four steps counted, of no total
 
 
 # -- auditing -----------------------------------------------------------------------------

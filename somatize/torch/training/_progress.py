@@ -37,10 +37,14 @@ def summary(history: list[float], total: int | None, seconds: float) -> str:
 
 
 class Progress:
-    """A bar over `total` steps (None: not known) for a person watching, a widget in a
+    """A bar over the steps of `epochs` walks of `data` for a person watching, a widget in a
     notebook: `step(loss)` after each, `close(history)` at the end, whatever happened."""
 
-    def __init__(self, total: int | None) -> None:
+    def __init__(self, data: Any, epochs: int) -> None:
+        try:
+            total: int | None = epochs * len(data)
+        except TypeError:  # no length: a generator, a DataLoader over an IterableDataset
+            total = None
         self.total = total
         self.began = time.perf_counter()
         self.shown: Any = None  # the notebook output the bar is in

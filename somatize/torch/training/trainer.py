@@ -364,7 +364,7 @@ class Trainer:
         self._show_audit()
         bar = None
         if person_watching() and (self._parallel is None or self._parallel.rank == 0):
-            bar = Progress(epochs * len(data) if hasattr(data, "__len__") else None)
+            bar = Progress(data, epochs)
         try:
             for _ in range(epochs):
                 began = len(history)
