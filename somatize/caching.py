@@ -9,6 +9,7 @@ item and handed only the items that are missing.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import inspect
 import json
@@ -259,8 +260,9 @@ class _Keying:
     def said(self, value: Any, where: str) -> Any:
         """A JSON-able stand-in for `value` that is the same for equal values in any process
         (no address, no hash, no ordering that is not the value's own: a dict's or a set's
-        items are sorted by the repr of theirs, lists of plain values); `Unkeyable` where there
-        is none that says everything that decides what the value is."""
+        items are sorted by the repr of theirs, lists of plain values; an OrderedDict's stay in
+        its order); `Unkeyable` where there is none that says everything that decides what the
+        value is."""
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if len(self.path) > DEPTH:
@@ -288,7 +290,8 @@ def _inner(value: Any, where: str, k: _Keying) -> Any:
             [k.said(a, f"{where} (a key)"), k.said(b, f"{where}[{a!r:.40}]")]
             for a, b in value.items()
         ]
-        said = [_type_name(kind), sorted(pairs, key=repr)]
+        ordered = isinstance(value, collections.OrderedDict)  # its order is in its equality
+        said = [_type_name(kind), pairs if ordered else sorted(pairs, key=repr)]
         factory = getattr(value, "default_factory", None)  # a defaultdict's answer when missing
         return said if factory is None else [*said, k.said(factory, f"{where}.default_factory")]
     if isinstance(value, (set, frozenset)):

@@ -310,6 +310,19 @@ def test_a_defaultdicts_default_is_in_the_key(store):
         assert cached_run(Apply(vocab.__getitem__), "b", store) == (unknown, {"apply": said})
 
 
+def test_an_ordered_dicts_order_is_in_the_key_as_in_its_equality(store):
+    from collections import OrderedDict
+
+    for order, said in (("ab", "miss"), ("ba", "miss"), ("ba", "hit")):
+        layers = OrderedDict((name, 1) for name in order)
+        assert cached_run(Apply(lambda v, layers=layers: [v, *layers]), 0, store) == (
+            [0, *order],
+            {"apply": said},
+        )
+    assert cached_run(Apply(lambda v, d={"a": 1, "b": 2}: v), 0, store)[1] == {"apply": "miss"}
+    assert cached_run(Apply(lambda v, d={"b": 2, "a": 1}: v), 0, store)[1] == {"apply": "hit"}
+
+
 def test_an_object_whose_slots_are_one_string_or_private_is_keyed_by_what_they_hold(store):
     assert cached_run(Apply(Scale(2)), 10, store) == (20, {"apply": "miss"})
     assert cached_run(Apply(Scale(3)), 10, store) == (30, {"apply": "miss"})
