@@ -178,18 +178,8 @@ def _trim(text: str) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
-VIRIDIS = [  # sampled at ten points
-    (68, 1, 84),
-    (72, 40, 120),
-    (62, 74, 137),
-    (49, 104, 142),
-    (38, 130, 142),
-    (31, 158, 137),
-    (53, 183, 121),
-    (109, 205, 89),
-    (180, 222, 44),
-    (253, 231, 37),
-]
+_VIRIDIS = "440154 482878 3e4a89 31688e 26828e 1f9e89 35b779 6dcd59 b4de2c fde725"
+VIRIDIS = [tuple(bytes.fromhex(rgb)) for rgb in _VIRIDIS.split()]  # sampled at ten points
 
 
 def viridis(t: float) -> str:
