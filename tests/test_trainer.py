@@ -696,6 +696,19 @@ def test_fit_applies_a_half_open_group_at_the_end_of_each_epoch():
     assert t.update() is False
 
 
+def test_fit_walks_the_data_once_per_epoch_and_starts_no_other_walk():
+    walks = []
+
+    class Data:  # re-iterable, as a DataLoader is: each walk starts afresh (its workers, too)
+        def __iter__(self):
+            walks.append(1)
+            return iter(batches(3))
+
+    t = plain(mlp())
+    assert len(t.fit(Data(), epochs=2).history) == 6
+    assert len(walks) == 2
+
+
 # -- the optimizer moves as torch's own call moves it -----------------------------------------
 
 

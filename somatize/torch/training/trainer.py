@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -353,7 +353,7 @@ class Trainer:
             raise ValueError(
                 f"epochs is how many times to walk the data, an int >= 0, not {epochs!r}"
             )
-        if epochs > 1 and iter(data) is data:
+        if epochs > 1 and isinstance(data, Iterator):
             raise TypeError(
                 f"fit walks the data once per epoch, and a {type(data).__name__} is exhausted "
                 "by the first: pass a list, a DataLoader, or anything iterable again"
