@@ -129,5 +129,4 @@ class Synthetic(Learning):
             torch.autograd.backward([guess], [guess.detach() - true])
         if self.closes():
             _step_only(optimizer, guesser)
-        back = grad_of(self.done())
-        return scaled(back, 1 / share)
+        return scaled(grad_of(self.done()), 1 / share)
