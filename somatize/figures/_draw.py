@@ -18,7 +18,6 @@ from somatize.figures._svg import (
     colour_bar,
     esc,
     finite,
-    ink_on,
     number,
     svg_open,
     svg_text,
@@ -64,7 +63,7 @@ class _Painter:
         if not finite(v) or self.scale.empty:
             return None
         t = self.scale.t(v)
-        return viridis(t), ink_on(t)
+        return viridis(t), "#111" if t > 0.55 else "#fff"  # text dark on the bright end
 
     def svg(self) -> str:
         boxes, layers = [], []

@@ -192,19 +192,13 @@ def viridis(t: float) -> str:
     return f"rgb({c[0]},{c[1]},{c[2]})"
 
 
-def ink_on(t: float) -> str:
-    """Readable text on a viridis fill: dark on the bright end, light on the dark end."""
-    return "#111" if t > 0.55 else "#fff"
-
-
 class Scale:
     """Numbers to [0, 1]: linear, or logarithmic when they are all positive and span more
     than two decades. Non-numbers and infinities are left out of the range."""
 
     def __init__(self, values: Iterable[Any]) -> None:
         xs = [float(v) for v in values if finite(v)]
-        self.lo = min(xs) if xs else 0.0
-        self.hi = max(xs) if xs else 0.0
+        self.lo, self.hi = (min(xs), max(xs)) if xs else (0.0, 0.0)
         self.empty = not xs
         self.log = bool(xs) and self.lo > 0 and self.hi / self.lo > 100
         self._f = math.log10 if self.log else float
