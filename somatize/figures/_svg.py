@@ -35,14 +35,11 @@ _WIDTHS = {False: [int(w) for w in _NORMAL.split()], True: [int(w) for w in _BOL
 
 def text_width(text: str, px: float = 12, bold: bool = False) -> float:
     """How wide `text` is drawn at `px` pixels (DejaVu Sans; others are narrower)."""
-    table = _WIDTHS[bold]
-    total = 0
-    for ch in str(text):
-        c = ord(ch)
-        if 32 <= c < 127:
-            total += table[c - 32]
-        else:
-            total += 84 if ch in "×→←" else 70 if bold else 64
+    table, other = _WIDTHS[bold], (70 if bold else 64)
+    total = sum(
+        table[ord(ch) - 32] if " " <= ch <= "~" else 84 if ch in "×→←" else other
+        for ch in str(text)
+    )
     return total * px / 100
 
 
