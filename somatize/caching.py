@@ -225,7 +225,14 @@ DEPTH = 32
 """How deep a key looks into a constructor argument (containers, an object's attributes, a
 function's closure) before it gives up on it."""
 
-_SAID_BY_REPR = {"torch.dtype", "torch.device", "torch.layout", "torch.memory_format"}
+_SAID_BY_REPR = {
+    "builtins.ellipsis",  # x[..., 0]
+    "builtins.NotImplementedType",
+    "torch.dtype",
+    "torch.device",
+    "torch.layout",
+    "torch.memory_format",
+}
 """Types of values that hold no attributes, whose repr says all there is to them."""
 
 _OF_THIS_PROCESS = {"_original_object_hash"}

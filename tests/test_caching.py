@@ -271,6 +271,17 @@ def test_a_function_argument_is_keyed_by_its_code_defaults_and_closure(store):
     assert cached_run(Apply(make(5)), 10, store) == (15, {"apply": "hit"})
 
 
+def test_a_function_that_indexes_with_an_ellipsis_is_keyed_not_refused(store):
+    last = Apply(lambda t: t[..., -1]).cached()  # its code holds `...`: a constant like 1
+    first = Apply(lambda t: t[..., 0]).cached()
+    x = torch.arange(6.0).reshape(2, 3)
+    out, said = facts_of(Graph.somatize(last), x, store)
+    assert said == {"apply": "miss"} and out.tolist() == [2.0, 5.0]
+    out, said = facts_of(Graph.somatize(first), x, store)
+    assert said == {"apply": "miss"} and out.tolist() == [0.0, 3.0]
+    assert facts_of(Graph.somatize(last), x, store)[1] == {"apply": "hit"}
+
+
 def test_an_object_argument_is_keyed_by_its_type_and_its_state(store):
     assert cached_run(Apply(Tok({"a": 1})), "a", store) == ([1], {"apply": "miss"})
     assert cached_run(Apply(Tok({"a": 7})), "a", store) == ([7], {"apply": "miss"})
