@@ -228,6 +228,11 @@ function's closure) before it gives up on it."""
 _SAID_BY_REPR = {
     "builtins.ellipsis",  # x[..., 0]
     "builtins.NotImplementedType",
+    "datetime.date",
+    "datetime.datetime",
+    "datetime.time",
+    "datetime.timedelta",
+    "decimal.Decimal",
     "torch.dtype",
     "torch.device",
     "torch.layout",
@@ -310,6 +315,8 @@ def _inner(value: Any, where: str, k: _Keying) -> Any:
         return [kind.__name__, k.said([value.start, value.stop, value.step], where)]
     if isinstance(value, os.PathLike):
         return ["path", _type_name(kind), str(os.fspath(value))]
+    if isinstance(value, re.Pattern):  # a tokenizer's; its repr cuts a long pattern short
+        return ["pattern", k.said(value.pattern, where), value.flags]
     if isinstance(value, type):
         return ["class", _type_name(value)]
     if isinstance(value, types.ModuleType):

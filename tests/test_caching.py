@@ -282,6 +282,36 @@ def test_a_function_that_indexes_with_an_ellipsis_is_keyed_not_refused(store):
     assert facts_of(Graph.somatize(last), x, store)[1] == {"apply": "hit"}
 
 
+class Words:
+    """Splits text with a compiled pattern, keeping what fell after `since` (a date)."""
+
+    def __init__(self, pattern: str, since) -> None:
+        import re
+
+        self.pattern = re.compile(pattern)
+        self.since = since
+
+    def __call__(self, text: str) -> list:
+        return [str(self.since), *self.pattern.findall(text)]
+
+
+def test_patterns_and_dates_are_keyed_by_what_they_are_not_refused(store):
+    import datetime
+
+    day = datetime.date(2024, 1, 1)
+    long = "x" * 300
+    runs = [
+        (Words(r"\w+", day), ["2024-01-01", "a", "b"], "miss"),
+        (Words(r"\w", day), ["2024-01-01", "a", "b"], "miss"),
+        (Words(r"\w+", day + datetime.timedelta(days=1)), ["2024-01-02", "a", "b"], "miss"),
+        (Words(long + "|a", day), ["2024-01-01", "a"], "miss"),
+        (Words(long + "|b", day), ["2024-01-01", "b"], "miss"),  # past what its repr says
+        (Words(r"\w+", datetime.date(2024, 1, 1)), ["2024-01-01", "a", "b"], "hit"),
+    ]
+    for words, out, said in runs:
+        assert cached_run(Apply(words), "a b", store) == (out, {"apply": said})
+
+
 def test_an_object_argument_is_keyed_by_its_type_and_its_state(store):
     assert cached_run(Apply(Tok({"a": 1})), "a", store) == ([1], {"apply": "miss"})
     assert cached_run(Apply(Tok({"a": 7})), "a", store) == ([7], {"apply": "miss"})
