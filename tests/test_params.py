@@ -123,3 +123,25 @@ def test_named_parameters_names_each_parameter_by_its_node_and_key_for_groups_by
     decay = [p for n, p in named if not n.endswith("bias")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}], lr=1e-3)
     assert len(opt.param_groups[0]["params"]) == 5
+
+
+def test_parameters_of_a_bare_module_as_the_trainer_takes_one():
+    from somatize.torch import Trainer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    assert parameters(model) == list(model.parameters())
+    assert [n for n, _ in named_parameters(model)] == [
+        "sequential.0.weight",
+        "sequential.0.bias",
+        "sequential.2.weight",
+        "sequential.2.bias",
+    ]
+    before = model[0].weight.detach().clone()
+    t = Trainer(
+        model,
+        objective=nn.functional.mse_loss,
+        optimizer=torch.optim.SGD(parameters(model), lr=0.1),
+    )
+    t.step((torch.randn(5, 3), torch.randn(5, 2)))
+    assert not torch.equal(model[0].weight.detach(), before)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from somatize import caching
+from somatize.graph import as_graph
 from somatize.torch._modules import join, named_modules_of
 from somatize.torch.placement import modules_of
 
@@ -27,8 +28,10 @@ def parameters(graph: Any, without: Container[str] = ()) -> list[nn.Parameter]:
 
     Left out as well, because no optimizer could move them: the nodes declared `.frozen()`,
     and parameters whose `requires_grad` is off. A node holding no module is skipped, so a
-    tokenizer does not stop being a node for having nothing to train.
+    tokenizer does not stop being a node for having nothing to train. A bare module is taken
+    as the Trainer takes it, a graph of that one node.
     """
+    graph = as_graph(graph)
     nodes = [nid for nid in graph.nodes() if nid not in without and not graph.setting(nid).frozen]
     return trainable_in([m for nid in nodes for m in modules_of(graph.implementation(nid))])
 
@@ -47,6 +50,7 @@ def named_parameters(graph: Any, without: Container[str] = ()) -> list[tuple[str
         AdamW([{"params": [p for n, p in named if not n.endswith("bias")], "weight_decay": 0.1},
                {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0}])
     """
+    graph = as_graph(graph)
     names = named(graph)
     return [(names[id(p)], p) for p in parameters(graph, without)]
 
