@@ -915,6 +915,84 @@ def test_dead_channels_over_the_window_and_input_channels_a_node_ignores():
     assert "input_channels" not in n  # its input is the data: no gradient reaches it
 
 
+class InPlaceNet(nn.Module):
+    """A stem and torchvision's basic block as they are written: each ReLU in place (the
+    block's called twice), the block's input added in place to what its bn2 gave."""
+
+    def __init__(self, inplace):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=inplace)
+        self.block = nn.ModuleDict(
+            {
+                "conv1": nn.Conv2d(8, 8, 3, padding=1, bias=False),
+                "bn1": nn.BatchNorm2d(8),
+                "relu": nn.ReLU(inplace=inplace),
+                "conv2": nn.Conv2d(8, 8, 3, padding=1, bias=False),
+                "bn2": nn.BatchNorm2d(8),
+            }
+        )
+        self.fc = nn.Linear(8, 3)
+        self.inplace = inplace
+        with torch.no_grad():
+            self.bn1.bias[:3] = -50.0  # three channels the stem's ReLU never lets through
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        b = self.block
+        out = b["relu"](b["bn1"](b["conv1"](x)))
+        out = b["bn2"](b["conv2"](out))
+        if self.inplace:
+            out += x
+        else:
+            out = out + x
+        return self.fc(b["relu"](out).mean((2, 3)))
+
+
+def test_outputs_written_over_in_place_after_a_place_gave_them_are_measured_as_given():
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))  # 128 rows
+    y = torch.tensor([0, 2])
+    told = {}
+    for inplace in (True, False):
+        torch.manual_seed(0)
+        model = InPlaceNet(inplace)
+        # what each module gave, per call, copied in float64 as it gave it
+        gave = {n: [] for n, m in model.named_modules() if n and not isinstance(m, nn.ModuleDict)}
+        for name, calls in gave.items():
+            model.get_submodule(name).register_forward_hook(
+                lambda m, i, o, calls=calls: calls.append(o.detach().double())
+            )
+        heard = []
+        t = Trainer(
+            model,
+            objective=F.cross_entropy,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            auditing=Audit(inside=True, channels=True, snapshot=1, most=64),
+            watching=heard.append,
+        )
+        t.step((x, y))
+        t.close()
+        told[inplace] = {f["inside"]: f for f in heard if f["fact"] == "health"}
+    assert set(told[True]) == {None, *gave}
+    for where, outs in gave.items():
+        n = told[True][where]
+        a = torch.cat([o.flatten() for o in outs])
+        assert n["act_abs_mean"] == pytest.approx(float(a.abs().mean()), rel=rtol(a.numel()))
+        assert n["zero_frac_max"] == pytest.approx(float((a.abs() <= 1e-7).double().mean()))
+        views = [o.movedim(1, -1).reshape(-1, o.shape[1]) for o in outs]  # (samples, channels)
+        channel = torch.stack([v.abs().mean(0) for v in views]).mean(0)
+        assert n["dead_channels"] == int((channel <= 1e-7).sum()), where
+        rows = views[0]  # the first call's, every row (128 at most)
+        assert n["effective_rank"] == pytest.approx(_entropy_rank(rows), rel=rtol(128 * 8, 16))
+        # and written over in place or not, every number is the same
+        for key, value in told[False][where].items():
+            same = pytest.approx(value, rel=rtol(a.numel())) if type(value) is float else value
+            assert n[key] == same, (where, key)
+    # the gradient reaching the stem ReLU's three dead input channels is 0: it ignores them
+    assert told[True]["relu"]["dead_channels"] == told[True]["relu"]["ignored_channels"] == 3
+
+
 def test_a_1d_convs_channels_are_dim_1_after_its_norm_activation_and_pool_a_sequences_last():
     """(N, C, L) out of a Conv1d keeps its channels on dim 1 through the BatchNorm1d, the ReLU
     and the pool after it, each its own place; a sequence's (N, T, D) keeps them last."""

@@ -8,8 +8,9 @@ One flat `health` fact per watched place and measured step, in the published lay
   update is taken against it whatever moves the weights after (the Trainer's optimizer, or a
   node's own `Learning` stepping inside backward), so every optimizer is measured alike.
 - **each output, in the forward**: Σ|a|, the zero and saturated counts; with `channels`, each
-  channel's activity and a hook on the input's gradient; on snapshot steps (and for grouped
-  places) up to 128 samples copied, and a tensor hook that will hear ‖∂L/∂output‖.
+  channel's activity and a hook on the input's gradient (a module's put on before it runs, so
+  an input it writes over is heard as given); on snapshot steps (and for grouped places) up
+  to 128 samples copied, and a tensor hook that will hear ‖∂L/∂output‖.
 - **after backward** (`observed`): ‖θ‖ and ‖∇θ‖, everything above read at once, the facts
   built (zero and saturated fractions as the max over the last `window` measured steps).
 - **after the optimizer stepped** (`moved`): update_ratio from the copy, and on a snapshot
@@ -229,6 +230,13 @@ class Audit:
                 m.register_forward_hook(functools.partial(self._heard, place), with_kwargs=True)
                 for m, place in self._inner
             ]
+            if self.channels:
+                self._handles += [
+                    m.register_forward_pre_hook(
+                        functools.partial(self._before, place), with_kwargs=True
+                    )
+                    for m, place in self._inner
+                ]
         elif not measuring and self._handles:
             for h in self._handles:
                 h.remove()
@@ -282,9 +290,18 @@ class Audit:
         place = self._nodes.get(node)
         if place is not None:
             self._saw(place, input, out)
+            # (told of once it has run: an input it wrote over in place is heard as written)
+            self._given(place, input)
+
+    def _before(self, place: Place, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._given(place, (args, kwargs))
 
     def _heard(self, place: Place, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self._saw(place, (args, kwargs), out)
+
+    def _given(self, place: Place, input: Any) -> None:
+        if self.channels and self._measuring and torch.is_grad_enabled():
+            place.given(input, self.step)
 
     def _saw(self, place: Place, input: Any, out: Any) -> None:
         if self._measuring and torch.is_grad_enabled():
