@@ -246,11 +246,14 @@ class Store:
     def keep(self, name: str, value: Any, meta: Any = None) -> str:
         """Write `value` down through the codecs, bind `name` to it, and answer its digest.
         An `Opaque` (anywhere in it) is kept as the value it wraps, as an edge unwraps it.
-        Refuses (with `NoCodec`, before writing anything) a value no codec can write."""
-        _name_path(name)
+        Refuses a bad name or meta as `bind` does, and (with `NoCodec`) a value no codec can
+        write, all before writing anything: a refused keep leaves no blob behind."""
+        path = _name_path(name)
         data = encode(unwrap(value), where=f"the value kept as {name!r}")
-        key = self.put(data)
-        self.bind(name, key, meta)
+        key = _digest_of(data)
+        binding = self._binding(name, key, meta)  # refuses bad meta before the blob is put
+        self.put(data)
+        self._place.write(path, binding)
         return key
 
     def recall(self, name: str) -> Any:

@@ -147,6 +147,16 @@ def test_refused_values_and_meta_leave_the_store_as_it_was(store: Store) -> None
     assert store.recall("x") == 1
 
 
+def test_keep_refusing_its_meta_leaves_no_blob_behind(store: Store) -> None:
+    value = {"weights": list(range(50))}
+    key = digest(encode(value))
+    for meta in ({"bad": object()}, ["ab"], {1: "not a str key"}):
+        with pytest.raises((NoCodec, TypeError), match="meta"):
+            store.keep("x", value, meta)
+        assert store.get(key) is None and store.resolve("x") is None
+    assert store.keep("x", value, {"ok": 1}) == key and store.get(key) == encode(value)
+
+
 def test_a_blob_that_does_not_hash_to_its_name_is_never_returned(tmp_path: Path) -> None:
     store = Store(tmp_path)
     key = store.keep("v", list(range(100)))
