@@ -125,13 +125,15 @@ class Place:
             t.register_hook(_hear(weakref.ref(self), step, "out_grads", None))
         if channels:
             self.activity.append(activity(a, self.first))
+            if self.inside is None:  # a node, told of once it ran (a module's: `Audit._before`)
+                self.given(input, step)
         if (snapshot or self.groups is not None) and self.rows is None:
             self.rows = rows_of(a, self.first)
 
     def given(self, input: Any, step: int) -> None:
         """A tensor hook on the first input a gradient will reach, for each channel's mean
-        |∂L/∂input|: registered before the place runs (a module's), it hears the gradient of
-        the input as given, even where the place writes over it (`nn.ReLU(inplace=True)`)."""
+        |∂L/∂input|: put on before a module runs, it hears the gradient of the input as given,
+        even where the module writes over it (`nn.ReLU(inplace=True)`)."""
         x = next((x for x in floats_in(input) if x.requires_grad), None)
         if x is not None and x.dim() >= 2:
             x.register_hook(_hear(weakref.ref(self), step, "in_grads", self.first))

@@ -290,18 +290,13 @@ class Audit:
         place = self._nodes.get(node)
         if place is not None:
             self._saw(place, input, out)
-            # (told of once it has run: an input it wrote over in place is heard as written)
-            self._given(place, input)
 
     def _before(self, place: Place, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._given(place, (args, kwargs))
+        if self._measuring and torch.is_grad_enabled():  # (on with `channels` only)
+            place.given((args, kwargs), self.step)
 
     def _heard(self, place: Place, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         self._saw(place, (args, kwargs), out)
-
-    def _given(self, place: Place, input: Any) -> None:
-        if self.channels and self._measuring and torch.is_grad_enabled():
-            place.given(input, self.step)
 
     def _saw(self, place: Place, input: Any, out: Any) -> None:
         if self._measuring and torch.is_grad_enabled():
