@@ -81,6 +81,7 @@ class Place:
         trained = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
         self.params: list[nn.Parameter] = list(trained.values())
         self.saturates = saturation(modules)
+        self.width = 2 if self.saturates is None else 3  # Σ|a|, zeros (and saturated), per call
         self.first = first
         self.index: list[int] = []
         self.big = -1  # where its largest weight sits in that list, if it is a matrix or more
@@ -97,7 +98,7 @@ class Place:
 
     def clear(self) -> None:
         """Forget this step's tensors (once `numbers` has made numbers of them)."""
-        self.sums: list[list[torch.Tensor]] = []
+        self.sums: list[torch.Tensor] = []  # `width` one-number tensors per call
         self.size = 0
         self.outs: list[int] = []  # the id of each output heard this step, per call
         self.ins: set[int] = set()  # the ids of the tensors it was given this step
@@ -116,7 +117,7 @@ class Place:
             return
         self.step = step
         a = t.detach()
-        self.sums.append(sums_of(a, self.saturates))
+        self.sums += sums_of(a, self.saturates)
         self.size += a.numel()
         self.outs.append(id(t))
         self.ins.update(map(id, floats_in(input)))
@@ -143,9 +144,7 @@ class Place:
         """Put this step's one-number tensors at the end of `tensors`, to be read with
         everyone else's."""
         self._at = len(tensors)
-        for sums in self.sums:
-            tensors += sums
-        tensors += self.out_grads
+        tensors += self.sums + self.out_grads
         if self.activity:
             act = torch.stack(self.activity).mean(0)  # over the calls
             if self.alive and self.alive[0].shape != act.shape:
@@ -159,8 +158,7 @@ class Place:
     def spoilt(self, values: list[float]) -> list[int]:
         """The ids of this step's outputs that held a NaN or an inf (their Σ|a| is not a finite
         number), from what `queue` put in `values`."""
-        width = len(self.sums[0]) if self.sums else 0
-        at = self._at
+        at, width = self._at, self.width
         return [o for k, o in enumerate(self.outs) if not math.isfinite(values[at + k * width])]
 
     def numbers(
@@ -187,8 +185,8 @@ class Place:
             if s1 > s0:
                 n["param_norm_slope"] = (v1 - v0) / (s1 - s0)
         if self.sums:
-            width = len(self.sums[0])  # Σ|a|, zeros (and saturated), per call
-            heard = values[k : k + width * len(self.sums)]
+            width = self.width
+            heard = values[k : k + len(self.sums)]
             k += len(heard)
             total, zeros = sum(heard[::width], 0.0), sum(heard[1::width], 0.0)
             saturated = sum(heard[2::width], 0.0) if width > 2 else 0.0
