@@ -248,17 +248,35 @@ def deeper(reading: bool) -> Iterator[None]:
         _nesting.depth = depth
 
 
+class _TooDeep(ValueError):
+    """Lists or dicts nested more than 1024 deep, which msgpack will not read back."""
+
+
 def _pack(value: Any) -> bytes:
-    """msgpack of `value` with this module's options. Refuses tuples nested past `DEPTH`
-    (what `decode` would refuse to read back)."""
+    """msgpack of `value` with this module's options. Refuses what `decode` would refuse to
+    read back: tuples nested past `DEPTH`, lists or dicts nested more than 1024 deep."""
+    options = dict(default=_default, strict_types=True, use_bin_type=True)
     with deeper(reading=False):
-        return msgpack.packb(
-            value,
-            default=_default,
-            strict_types=True,
-            use_bin_type=True,
-            unicode_errors="surrogatepass",
-        )
+        # msgpack writes 1025 nested lists or dicts if the innermost is empty, but reads at
+        # most 1024. Inside one more list it writes nothing that sits 1024 levels down:
+        packer = msgpack.Packer(**options, unicode_errors="surrogatepass", autoreset=False)
+        try:
+            packer.pack([value])
+            return bytes(packer.getbuffer()[1:])  # the value's bytes, after the list's header
+        except _TooDeep:  # refused inside a tuple or a registered value
+            raise
+        except ValueError as error:
+            if "recursion limit" not in str(error):
+                raise
+        # Something sits 1024 levels down: a list or dict there is read by no one.
+        try:
+            data = msgpack.packb(value, **options, unicode_errors="surrogatepass")
+            msgpack.unpackb(data, raw=False, strict_map_key=False, unicode_errors="surrogatepass")
+        except ValueError as error:  # msgpack.StackError, reading, is one too
+            if not isinstance(error, msgpack.StackError) and "recursion limit" not in str(error):
+                raise
+            raise _TooDeep("lists or dicts nested more than 1024 deep") from None
+        return data
 
 
 def _path_to(value: Any, bad: Any, path: str = "") -> str | None:
@@ -308,7 +326,7 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
             raise note(failed.error, text) from None
         raise told from failed.error
     except ValueError as error:  # msgpack's bounds: one bytes, str, list or dict; nesting
-        if "recursion limit" in str(error):
+        if isinstance(error, _TooDeep):
             raise ValueError(
                 f"a value{whose} nests lists or dicts more than 1024 deep, which msgpack "
                 f"refuses to write down; flatten it"

@@ -354,6 +354,22 @@ def test_lists_or_dicts_nested_past_msgpacks_bound_are_refused_naming_the_value(
             encode(value, where="node 'deep'")
 
 
+def test_what_encode_writes_near_msgpacks_bound_decode_reads_back() -> None:
+    # A list or dict counts as one level, an empty one too; what sits innermost is a leaf.
+    for make in (lambda v: [v], lambda v: {"a": v}):
+        for leaf, levels_of_its_own in ((0, 0), ("x", 0), ((), 0), ([], 1), ({}, 1)):
+            for levels in range(1020, 1030):
+                value: Any = leaf
+                for _ in range(levels - levels_of_its_own):
+                    value = make(value)
+                if levels > 1024:
+                    with pytest.raises(ValueError, match="'deep' nests lists or dicts more than"):
+                        encode(value, where="node 'deep'")
+                else:  # == on values this deep passes Python's recursion limit: compare bytes
+                    data = encode(value)
+                    assert encode(decode(data)) == data, (leaf, levels)
+
+
 def test_tensor_bytes_decode_without_importing_somatize_torch_first() -> None:
     data = encode(torch.arange(3, dtype=torch.int16))
     script = textwrap.dedent(
