@@ -78,6 +78,7 @@ class Place:
         self.node = node
         self.inside = inside
         self.where = node if inside is None else f"{node}.{inside}"
+        self.module = None if inside is None else modules[0]  # the module hooked, inside a node
         trained = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
         self.params: list[nn.Parameter] = list(trained.values())
         self.saturates = saturation(modules)

@@ -104,7 +104,6 @@ class Audit:
         self._tap: Tap | None = None
         self._places: list[Place] = []
         self._nodes: dict[str, Place] = {}
-        self._inner: list[tuple[nn.Module, Place]] = []
         self._handles: list[Any] = []
         self._flat: list[nn.Parameter] = []
         self._bucket = -1  # the last `snapshot` steps a snapshot was taken in
@@ -141,7 +140,6 @@ class Audit:
             "an Audit measures weights that are there when it starts watching", reads="an Audit"
         )
         places: list[Place] = []
-        inner: list[tuple[nn.Module, Place]] = []
         left: list[str] = []
         for node, held in held_by.items():
             modules = [m for _, m in held]
@@ -150,9 +148,8 @@ class Audit:
             places.append(Place(node, None, modules, self.window, last))
             chosen, missed = choose(node, held, self.inside, self.most)
             for path, module in chosen:
-                place = Place(node, path, [module], self.window, first.get(id(module), False))
-                places.append(place)
-                inner.append((module, place))
+                is_first = first.get(id(module), False)
+                places.append(Place(node, path, [module], self.window, is_first))
             left += [f"{node}.{p}" for p in missed]
         by_where = {p.where: p for p in places}
         if not isinstance(self.inside, (type(None), bool, int)):
@@ -182,10 +179,11 @@ class Audit:
             by_where[where].groups = parts
         if left:
             warn(
-                f"Audit(inside={self.inside!r}) watches {len(inner)} places inside the nodes "
-                f"(most={self.most} per node); {len(left)} more are seen only through the "
-                f"modules that hold them ({', '.join(left[:4])}{', …' if len(left) > 4 else ''}): "
-                "raise most= to watch them one by one (the list is in audit.left_out)"
+                f"Audit(inside={self.inside!r}) watches {len(places) - len(held_by)} places "
+                f"inside the nodes (most={self.most} per node); {len(left)} more are seen only "
+                f"through the modules that hold them ({', '.join(left[:4])}"
+                f"{', …' if len(left) > 4 else ''}): raise most= to watch them one by one (the "
+                "list is in audit.left_out)"
             )
         slot: dict[int, int] = {}  # every place's weights once (a layer's are its node's)
         for place in places:
@@ -195,7 +193,6 @@ class Audit:
         self._flat = list({id(q): q for place in places for q in place.params}.values())
         self._places = places
         self._nodes = {p.node: p for p in places if p.inside is None}
-        self._inner = inner
         self.places = [p.where for p in places]
         self.left_out = left
         self._graph = g
@@ -207,7 +204,6 @@ class Audit:
         """Takes the hooks off. A hook nobody removed is a graph nobody can garbage-collect,
         and a second watch would double every count."""
         self._arm(False)
-        self._inner = []
         if self._tap is not None:
             self._tap.off()
             self._tap = None
@@ -215,8 +211,8 @@ class Audit:
         self._copy = None
         self._waiting = []
         self._far = []
-        for place in self._places:
-            place.clear()
+        self._places = []
+        self._nodes = {}
 
     def _arm(self, measuring: bool) -> None:
         """Module hooks are on only for a measured step: a module with no hooks takes torch's
@@ -226,16 +222,17 @@ class Audit:
         if self._tap is not None:
             self._tap.live = measuring
         if measuring and not self._handles:
+            inner = [(p.module, p) for p in self._places if p.module is not None]
             self._handles = [
                 m.register_forward_hook(functools.partial(self._heard, place), with_kwargs=True)
-                for m, place in self._inner
+                for m, place in inner
             ]
             if self.channels:
                 self._handles += [
                     m.register_forward_pre_hook(
                         functools.partial(self._before, place), with_kwargs=True
                     )
-                    for m, place in self._inner
+                    for m, place in inner
                 ]
         elif not measuring and self._handles:
             for h in self._handles:
