@@ -333,6 +333,48 @@ def loses(out):
         os._exit(3)
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """This rank's share of the first `n` batches, as a stream (a DataLoader of it has no
+    length)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        yield from list(mine())[: self.n]
+
+
+@scenario
+def uneven(out):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))  # a hang ends
+    rank = int(os.environ["RANK"])
+    said, steps = {}, {}
+    t = trainer(mlp(), parallel="ddp")
+    before = t.export()
+    try:  # rank 1 has a batch less, and both have a length: refused before any step
+        t.fit(list(mine())[: 5 - rank])
+    except ValueError as error:
+        said["sized"] = str(error)
+    unmoved = all(torch.equal(before[n][k], v) for n, s in t.export().items() for k, v in s.items())
+    for name, n in (("stream", 5 - rank), ("generator", 4 + rank)):  # found at the end
+        data = DataLoader(Stream(n), batch_size=None)
+        if name == "generator":
+            data = iter(data)
+        try:
+            t.fit(data)
+        except ValueError as error:
+            said[name] = str(error)
+        steps[name] = len(t.result.history)
+    t.fit(DataLoader(Stream(5), batch_size=None), epochs=2)  # as many: trained in step
+    steps["even"] = len(t.result.history)
+    dist.barrier()  # and nothing left waiting on either rank
+    keep(out, "uneven", t.export(), unmoved=unmoved, steps=steps, **said)
+
+
 def _main(out: str, names: list[str]) -> None:
     for name in names:
         SCENARIOS[name](Path(out))
@@ -519,6 +561,24 @@ def test_a_rank_lost_makes_the_other_fail_clearly_within_the_timeout(tmp_path):
         assert "another rank stopped answering" in said["error"]
         assert said["took"] < (1 if how == "exits" else 5) + 10  # and a margin for a busy host
     assert lost["exits"][1][0] == 17  # rank 1 did exit, with its own code
+
+
+def test_ranks_with_uneven_batches_are_refused_on_every_rank_not_left_waiting(tmp_path):
+    for code, text in launch(tmp_path, ["uneven"], grace=15):
+        assert code == 0, text[-4000:]
+    for rank in (0, 1):
+        said = told(tmp_path, "uneven", rank)
+        assert "(rank 0 5, rank 1 4 batches)" in said["sized"]
+        assert "nothing was trained" in said["sized"] and said["unmoved"] is True
+        assert (
+            "rank(s) [1] ran out of batches after 4 while rank(s) [0] had more" in (said["stream"])
+        )
+        assert (
+            "rank(s) [0] ran out of batches after 4 while rank(s) [1] had more"
+            in (said["generator"])
+        )
+        assert said["steps"] == {"stream": 4, "generator": 4, "even": 10}
+    close(got(tmp_path, "uneven", 0), got(tmp_path, "uneven", 1), tol=0)
 
 
 # -- in this process ----------------------------------------------------------------------

@@ -97,14 +97,18 @@ def from_rank0(value: Any = None) -> Any:
     return json.loads(buf.cpu().numpy().tobytes())
 
 
+def gathered(value: int) -> list[int]:
+    """Every rank's `value` (an int), in rank order, the same list on every rank."""
+    mine = torch.tensor([value], dtype=torch.int64, device=device())
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [int(v.item()) for v in every]
+
+
 def refusing(ok: bool) -> list[int]:
     """Every rank says whether it agrees; answers the ranks that did not (the same list on
     every rank), so all of them can refuse together rather than some waiting on the rest."""
-    where = device()
-    mine = torch.tensor([0 if ok else 1], dtype=torch.int32, device=where)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return [r for r, flag in enumerate(every) if int(flag.item())]
+    return [r for r, flag in enumerate(gathered(0 if ok else 1)) if flag]
 
 
 def _lost(error: BaseException) -> bool:

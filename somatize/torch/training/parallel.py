@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -285,6 +285,28 @@ class Parallel:
         return ddp
 
     # -- every step -----------------------------------------------------------------------
+    def even(self, data: Any) -> Any:
+        """`data` as `fit` walks it, every rank taking as many batches (collective: every rank
+        fits). Where every rank's data has a length, the lengths are compared now, and ones
+        that differ are refused on every rank, naming each rank's count, before any step;
+        otherwise the walk answered has the ranks agree before each batch that each has one."""
+        try:
+            n = len(data)
+        except TypeError:  # no length: a generator, a DataLoader over an IterableDataset
+            n = -1
+        with _ranks.answering("comparing how many batches each rank has"):
+            lengths = _ranks.gathered(n)
+        if min(lengths) < 0:
+            return _InStep(data)
+        if len(set(lengths)) > 1:
+            each = ", ".join(f"rank {r} {k}" for r, k in enumerate(lengths))
+            raise ValueError(
+                f"parallel={self.mode!r} takes one step on every rank at once, and the ranks' "
+                f"data differ in length ({each} batches), so the longer would wait for ever "
+                f"in a step the others never take; nothing was trained. {_EVEN}"
+            )
+        return data
+
     def _run(self, replica: Any, sync: bool, *args: Any, **kw: Any) -> Any:
         (self._open.discard if sync else self._open.add)(id(replica))
         if self.mode == "fsdp":
@@ -364,6 +386,41 @@ class Parallel:
 
         with _ranks.answering("gathering the weights for export"):
             return _sharded.gathered(state)
+
+
+_EVEN = (
+    "Give each rank its share with somatize.torch.shard (every rank gets as many samples), "
+    "and the same batch_size and drop_last on every rank"
+)
+
+
+class _InStep:
+    """Data without a length, walked by every rank in step: before each batch the ranks say
+    whether they have one, and stop together; some with one and some without is refused on
+    every rank, naming them, rather than leave those with one waiting for ever."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+
+    def __iter__(self) -> Iterator[Any]:
+        batches = iter(self.data)
+        taken = 0
+        while True:
+            batch = next(batches, _InStep)  # the class itself: no batch left
+            with _ranks.answering("agreeing that every rank has another batch"):
+                have = _ranks.gathered(batch is not _InStep)
+            if not any(have):
+                return
+            if not all(have):
+                out = [r for r, h in enumerate(have) if not h]
+                more = [r for r, h in enumerate(have) if h]
+                raise ValueError(
+                    f"data parallel takes one step on every rank at once, and rank(s) {out} "
+                    f"ran out of batches after {taken} while rank(s) {more} had more; the "
+                    f"steps taken stand, the group left open is dropped. {_EVEN}"
+                )
+            taken += 1
+            yield batch
 
 
 def _every_used(part: Any, replica: Any, names: dict[int, str]) -> Callable:

@@ -359,16 +359,18 @@ class Trainer:
                 "by the first: pass a list, a DataLoader, or anything iterable again"
             )
         _checks.ragged(data, self.micro)
+        p = self._parallel  # every rank takes as many steps, checked (collective)
+        walked = data if p is None else p.even(data)
         result = self.result = Result()
         history = result.history
         self._show_audit()
         bar = None
-        if person_watching() and (self._parallel is None or self._parallel.rank == 0):
+        if person_watching() and (p is None or p.rank == 0):
             bar = Progress(data, epochs)
         try:
             for _ in range(epochs):
                 began = len(history)
-                for batch in data:
+                for batch in walked:
                     start = time.perf_counter()
                     history.append(self.step(batch))
                     result.seconds.append(time.perf_counter() - start)
