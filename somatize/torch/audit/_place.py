@@ -175,7 +175,7 @@ class Place:
         weights and of their gradients (those that have one). `spoilt`: the ids of the
         outputs, of any place, that were not finite this step."""
         n: dict[str, Any] = {}
-        k = self._at
+        got = itertools.islice(values, self._at, None)  # what `queue` put there, in order
         total = 0.0
         if weights:
             n["param_norm"] = was = math.sqrt(sum(weights))
@@ -187,8 +187,7 @@ class Place:
                 n["param_norm_slope"] = (v1 - v0) / (s1 - s0)
         if self.sums:
             width = self.width
-            heard = values[k : k + len(self.sums)]
-            k += len(heard)
+            heard = list(itertools.islice(got, len(self.sums)))
             total, zeros = sum(heard[::width], 0.0), sum(heard[1::width], 0.0)
             saturated = sum(heard[2::width], 0.0) if width > 2 else 0.0
             size = self.size or 1
@@ -197,8 +196,7 @@ class Place:
             self.saturated.append(saturated / size)
             n["zero_frac_max"] = max(self.zero)
             n["sat_frac_max"] = max(self.saturated)
-        out_grads = values[k : k + len(self.out_grads)]
-        k += len(self.out_grads)
+        out_grads = list(itertools.islice(got, len(self.out_grads)))
         if self.sums or weights:
             seen = [total, *n.values()]
             n["nan"] = nan = any(map(math.isnan, seen))
@@ -211,11 +209,10 @@ class Place:
             n["out_grad_norm"] = math.sqrt(sum(v * v for v in out_grads))
         if self.activity:
             n["channels"] = self.alive[-1].numel()
-            n["dead_channels"], n["dormant_channels"] = int(values[k]), int(values[k + 1])
-            k += 2
+            n["dead_channels"], n["dormant_channels"] = int(next(got)), int(next(got))
         if self.in_grads:
             n["input_channels"] = self.in_grads[0].numel()
-            n["ignored_channels"] = int(values[k])
+            n["ignored_channels"] = int(next(got))
         if self.groups is not None and self.rows is not None:
             n["cka"] = self._leak(self.rows, self.groups)
         if snapshot and self.rows is not None:
