@@ -92,7 +92,8 @@ class Recorder:
     names facts to summarise, `["loss"]`: every record's meta then carries `loss.value`, the
     value of the last loss fact of that forward (None if it had none). It may instead be a
     callable, given the facts of each forward, returning a dict of extra meta (refused if it
-    would overwrite run, forward, state, nodes, took_us or when). A record is written when its
+    would overwrite run, forward, state, nodes, took_us or when); it may read the recorder
+    (`forwards`), and may not feed or flush it (a `RuntimeError`). A record is written when its
     forward's "finished" fact arrives; facts that come after it (the Trainer's loss, updated,
     health) join the same forward and are written at the next forward's first fact, at
     `flush()`, or at `close()`. A forward whose node raised never finishes: its record says
@@ -111,7 +112,8 @@ class Recorder:
         if run is None:  # a fresh time-based id
             run = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
         self.run = _check_run(run)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a summariser, called under it, may read `forwards`
+        self._summarising = False  # True while the summariser runs (in the lock's thread)
         self._forward = 0
         self._number: int | None = None  # the record name this forward claimed, once written
         held = [f[1] for name in self.store.names(f"run/{run}") if (f := _forward_of(name))]
@@ -143,6 +145,7 @@ class Recorder:
         kind = fact["fact"]
         copied = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in fact.items()}
         with self._lock:
+            self._not_summarising("fed it a fact")
             # a node ran twice: the forward before never finished, it broke
             again = kind == "ran" and not self._finished and fact.get("node") in self._ran
             if (kind in ("ran", "finished") and self._finished) or again:
@@ -164,7 +167,18 @@ class Recorder:
         """Write the current forward's record if facts arrived since it was last written.
         A forward that has not finished yet is written with state "unfinished"."""
         with self._lock:
+            self._not_summarising("flushed it")
             self._write()
+
+    def _not_summarising(self, did: str) -> None:
+        """Refuse a summariser that writes to the recorder whose record it is summarising."""
+        if self._summarising:
+            raise RuntimeError(
+                f"the summarising= callable of run {self.run!r} {did} while the record it "
+                f"summarises was being written; it is given the forward's facts and answers "
+                f"a dict of meta: read what it needs from the facts, and feed the recorder "
+                f"from outside it"
+            )
 
     def close(self) -> None:
         """Flush; the recorder may still be used afterwards (it carries on numbering)."""
@@ -201,7 +215,11 @@ class Recorder:
             ("took_us", finished[-1].get("took_us") if finished else None),
         ]
         if self.summarising is not None:
-            extra = self.summarising(list(self._facts))
+            self._summarising = True
+            try:
+                extra = self.summarising(list(self._facts))
+            finally:
+                self._summarising = False
             if not isinstance(extra, Mapping):
                 raise TypeError(f"summarising returned {type(extra).__name__}, not a dict")
             clash = sorted(set(extra) & {"when", *(key for key, _ in meta)})  # when: forwards()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -177,6 +179,50 @@ def test_summarising_adds_meta_and_may_not_overwrite(tmp_path: Path) -> None:
     when = Recorder(store, run="when", summarising=lambda facts: {"when": "tuesday"})
     with pytest.raises(ValueError, match=r"may not overwrite the record's own meta \['when'\]"):
         when({"fact": "finished", "took_us": 1.0})  # forwards() has a column of that name
+
+
+def within(seconds: float, work: Callable[[], Any]) -> Any:
+    """What `work()` answers (or raises), run in a thread that must end within `seconds`."""
+    answer: list[Any] = []
+
+    def run() -> None:
+        try:
+            answer.append((True, work()))
+        except BaseException as error:  # handed to the test's thread
+            answer.append((False, error))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert answer, f"still running after {seconds} s: a deadlock"
+    ok, value = answer[0]
+    if not ok:
+        raise value
+    return value
+
+
+def test_a_summariser_may_read_its_recorder_and_may_not_feed_it(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    graph = Graph.somatize(Inc().named("inc") >> Double().named("dbl"))
+    recorder = Recorder(
+        store,
+        run="read",
+        summarising=lambda facts: {"seen": recorder.forwards, "as": repr(recorder)},
+    )
+    for x in range(3):
+        assert within(10, lambda x=x: graph.forward(x, watching=recorder)) == (x + 1) * 2
+    within(10, recorder.close)
+    table = rec.forwards(store, "read")
+    assert table["seen"].tolist() == [1, 2, 3] and "forwards=3" in table["as"].iloc[-1]
+
+    def feeding(feed: Callable[[Recorder], Any]) -> Recorder:
+        fed = Recorder(store, run="fed", summarising=lambda facts: feed(fed) or {})
+        return fed
+
+    for feed in (lambda r: r.flush(), lambda r: r({"fact": "loss", "value": 1.0})):
+        fed = feeding(feed)
+        with pytest.raises(RuntimeError, match=r"summarising= callable of run 'fed'.*facts"):
+            within(10, lambda fed=fed: graph.forward(1, watching=fed))
 
 
 def test_runs_are_listed_oldest_first_and_unknown_runs_refused(tmp_path: Path) -> None:
