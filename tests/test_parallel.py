@@ -271,8 +271,12 @@ def weights(out):
 
 @scenario
 def audit(out):
+    import warnings
+
     facts = []
-    t = trainer(mlp(), parallel="ddp", auditing=True, watching=facts.append)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        t = trainer(mlp(), parallel="ddp", auditing=True, watching=facts.append)
     t.step(next(iter(mine())))
     heard = []  # across a cut, what crossed it is told as it is in one process
     trainer(mlp(), split=True, parallel="ddp", watching=heard.append).step(next(iter(mine())))
@@ -283,6 +287,7 @@ def audit(out):
         kinds=sorted({f["fact"] for f in facts}),
         grad_norm=grad_norm(facts, "enc"),
         crossed=[f for f in heard if f["fact"] == "crossed"],
+        warned=[str(w.message) for w in warned if "parallel=" in str(w.message)],
     )
 
 
@@ -519,8 +524,19 @@ def test_load_puts_rank_0s_weights_on_every_rank_and_a_refusal_is_everyones(rank
 
 
 def test_rank_0_tells_the_facts_and_the_gradient_numbers_are_averaged(ranks):
-    assert told(ranks, "audit", 1) == {"told": 0, "kinds": [], "grad_norm": None, "crossed": []}
+    one = told(ranks, "audit", 1)
+    assert {**one, "warned": []} == {
+        "told": 0,
+        "kinds": [],
+        "grad_norm": None,
+        "crossed": [],
+        "warned": [],
+    }
+    [said] = one["warned"]  # and rank 1 said that what it was given tells nothing there
+    assert said.startswith("rank 1 of 2: the watching= and auditing= given")
+    assert "rank 0 only" in said
     zero = told(ranks, "audit", 0)
+    assert zero["warned"] == []
     assert {"loss", "health", "updated"} <= set(zero["kinds"])
     facts = []
     t = trainer(mlp(), auditing=True, watching=facts.append)

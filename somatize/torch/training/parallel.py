@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from somatize import run
 from somatize.torch.placement import modules_of, place
 from somatize.torch.training import _ranks, _weights
 from somatize.torch.training._ranks import RankLost
@@ -214,6 +215,23 @@ class Parallel:
         return f"Parallel({self.mode!r}, rank {self.rank} of {dist.get_world_size()})"
 
     # -- made once ------------------------------------------------------------------------
+    def watchers(self, told: list, audit: Any) -> tuple[list, Any]:
+        """What tells the facts here, of the `watching=` and `auditing=` a Trainer was given:
+        on rank 0 both, on any other rank neither, with a warning naming the rank where
+        something was given."""
+        if self.rank == 0:
+            return told, audit
+        given = [n for n, it in (("watching=", told), ("auditing=", audit is not None)) if it]
+        if given:
+            run.warn(
+                f"rank {self.rank} of {dist.get_world_size()}: the {' and '.join(given)} given "
+                "to this Trainer are left out here: under parallel= rank 0 alone measures and "
+                "tells the facts (docs/parallel.md), and this rank tells nothing. Give them on "
+                "rank 0 only (watching=w if torch.distributed.get_rank() == 0 else None) to "
+                "say so; this rank's own loss is what t.step returns"
+            )
+        return [], None
+
     def transport(self, host: str | None) -> Any:
         """How each part of the stages runs, what `Stages` asks: a part with something to
         average through its replica, any other as it would here."""

@@ -129,8 +129,8 @@ class Trainer:
             every=self.every,
             micro=self.micro,
         )
-        if self._parallel is not None and self._parallel.rank != 0:
-            told, audit = [], None  # rank 0 tells the facts
+        if self._parallel is not None:  # rank 0 tells the facts; another warns of any given
+            told, audit = self._parallel.watchers(told, audit)
         hosts = {nid: host for nid, host in graph.hosts().items() if host}
         broker_for(hosts, broker, "Trainer(..., broker=Broker.embedded({%s: Worker.at(...)}))")
         remotes = {host: Remote(broker, host) for host in sorted(set(hosts.values()))}
