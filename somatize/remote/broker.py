@@ -54,7 +54,7 @@ class Broker:
         self.workers = dict(workers)
         self.session = secrets.token_hex(8)
         self._connections: dict[str, Connection] = {}
-        self._defined: dict[str, dict[str, str | None]] = {}  # host: {key: incarnation}
+        self._defined: dict[str, set[str]] = {}  # host: the keys its worker holds
         self._held: dict[str, tuple[str, Any]] = {}  # key: (node id, node), kept so no id is reused
         self._stateful: set[str] = set()
         self._learnt: set[tuple[str, str]] = set()  # (host, key) learnt since last read
@@ -106,6 +106,7 @@ class Broker:
     def request(self, host: str, message: dict[str, Any], **kw: Any) -> Any:
         """Send one request (sealed, under this broker's session) to `host`'s worker."""
         conn = self.connection(host)
+        incarnation = conn.incarnation  # the worker's, as the connection's hello said
         try:
             return conn.request(message, session=self.session, **kw)
         except Unknown:
@@ -122,8 +123,7 @@ class Broker:
                 )
             raise
         finally:
-            known = self._defined.get(host)
-            if known and next(iter(known.values())) != conn.incarnation:
+            if conn.incarnation != incarnation:
                 self.forget(host)  # a restarted worker holds none of it any more
 
     # -- nodes --------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ class Broker:
         """What a worker needs to build `node`, or None if it holds it already. A node whose
         learnt weights that worker lost is `StateLost` (see the module's doc)."""
         key = self.key(node)
-        if key in self._defined.get(host, {}):
+        if key in self._defined.get(host, ()):
             return None
         if key in self._lost:
             exported: dict[str, dict] = {}  # keyed as Trainer.export keys them: a Learning
@@ -212,7 +212,7 @@ class Broker:
                 _hooks.stage_state(self._held[k][1], got)()
                 self._learnt.discard((host, k))
         known = self._defined[host]  # a node replaced there drops what was built on it
-        self._defined[host] = {k: v for k, v in known.items() if k in self._held and k not in again}
+        self._defined[host] = {k for k in known if k in self._held and k not in again}
 
     def _changed(self, host: str, nodes: list[tuple]) -> dict[str, Any]:
         """`{key: modes}` of those of `nodes` whose modes `host`'s worker was not told yet."""
@@ -237,10 +237,7 @@ class Broker:
 
     def defined(self, host: str, keys: list[str]) -> None:
         """Note that `host`'s worker now holds what goes by these keys."""
-        conn = self._connections[host]
-        known = self._defined.setdefault(host, {})
-        for key in keys:
-            known[key] = conn.incarnation
+        self._defined.setdefault(host, set()).update(keys)
 
     def learnt(self, host: str, nodes: list[tuple]) -> None:
         """Note that these nodes (each `(nid, node, device)`, as `send` takes them) may have
@@ -264,7 +261,7 @@ class Broker:
     def forget(self, host: str) -> None:
         """`host`'s worker holds nothing of this broker's any more (it was restarted, or the
         session expired): what had learnt there is lost, the rest is sent again."""
-        for key in self._defined.pop(host, {}):
+        for key in self._defined.pop(host, ()):
             if (host, key) in self._learnt:
                 self._learnt.discard((host, key))
                 self._lost[key] = host
