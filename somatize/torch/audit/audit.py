@@ -222,18 +222,15 @@ class Audit:
         if self._tap is not None:
             self._tap.live = measuring
         if measuring and not self._handles:
-            inner = [(p.module, p) for p in self._places if p.module is not None]
-            self._handles = [
-                m.register_forward_hook(functools.partial(self._heard, place), with_kwargs=True)
-                for m, place in inner
-            ]
-            if self.channels:
-                self._handles += [
-                    m.register_forward_pre_hook(
-                        functools.partial(self._before, place), with_kwargs=True
-                    )
-                    for m, place in inner
-                ]
+            for place in self._places:
+                module = place.module
+                if module is None:  # a node: its Tap tells
+                    continue
+                heard = functools.partial(self._heard, place)
+                self._handles.append(module.register_forward_hook(heard, with_kwargs=True))
+                if self.channels:
+                    before = functools.partial(self._before, place)
+                    self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         elif not measuring and self._handles:
             for h in self._handles:
                 h.remove()
