@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -212,6 +213,49 @@ def test_seen_in_summarises_each_metric_by_its_type():
     assert got == {"a": {"grad_norm": 2.0, "nan": True}, "a.l": {"dead_channels": 1}}
     assert type(got["a"]["nan"]) is bool and type(got["a.l"]["dead_channels"]) is int
     assert seen_in(facts, last=1)["a"] == {"grad_norm": 2.0, "nan": False}
+
+
+def test_an_int_past_a_floats_range_is_judged_as_an_infinity_is():
+    for huge, inf in ((10**400, math.inf), (-(10**400), -math.inf)):
+        assert verdict({"grad_norm": huge}) == verdict({"grad_norm": inf}) == [INF]
+        assert verdict({"param_norm": 1.0, "grad_norm": huge, "inherited": True}) == []
+        assert verdict({"dead_channels": huge, "channels": 8}) == [INF]
+    # summarised by the type of its latest value: an int as a count (that value, INF), a
+    # float as a measure (the median of the finite values, 10**400 left out as an inf is)
+    grads = [1.0, 10**400, 2.0, 3.0]
+    states = [v.add(_fact("a", k, grad_norm=g)) for v in [Verdicts()] for k, g in enumerate(grads)]
+    assert states == [[], [INF], [], []]
+    assert seen_in([_fact("a", k, grad_norm=g) for k, g in enumerate(grads)]) == {
+        "a": {"grad_norm": 2.0}
+    }
+
+
+def test_a_live_audit_judging_an_int_past_a_floats_range_keeps_sending():
+    from somatize.figures import LiveAudit
+
+    class Kept(LiveAudit):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.sent = []
+
+        def send(self, content, buffers=None):
+            self.sent.append(content)
+
+    audit = Kept(interval=0.05)
+    audit(_fact("enc", 0, grad_norm=10**400))
+    audit(_fact("enc", 1, grad_norm=0.5))
+    audit.sync()  # judged and sent in this thread: it raised here as in the sender's
+    assert audit.frame()["flags"].tolist() == [["INF"], []]
+    steps = [s for c in audit.sent for r in c["runs"] for p in r["places"] for s in p["steps"]]
+    assert steps == [0, 1]
+    audit(_fact("enc", 3, grad_norm=10**400))
+    audit(_fact("enc", 4, grad_norm=10**400))
+    deadline = time.monotonic() + 10  # the sender thread judges and sends them on its own
+    while time.monotonic() < deadline and len(steps) < 4:
+        time.sleep(0.05)
+        steps = [s for c in audit.sent for r in c["runs"] for p in r["places"] for s in p["steps"]]
+    assert steps == [0, 1, 3, 4]
+    assert audit.frame()["flags"].tolist() == [["INF"], [], ["INF"], ["INF"]]
 
 
 def test_verdicts_as_facts_arrive_are_the_rule_diagnose_reads_a_run_by():

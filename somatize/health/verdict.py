@@ -83,9 +83,19 @@ class Thresholds:
 _DEFAULT = Thresholds()
 
 
+def _number(v: Any) -> float | None:
+    """`v` as a float if it is a number (not a bool), an int past a float's range as an
+    infinity of its sign (not finite, as a NaN or inf is); None for anything else."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        return float(v)
+    except OverflowError:  # 10**400: no float holds it
+        return math.inf if v > 0 else -math.inf
+
+
 def _num(numbers: Mapping[str, Any], key: str) -> float | None:
-    v = numbers.get(key)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    return _number(numbers.get(key))
 
 
 def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) -> list[Flag]:
@@ -113,7 +123,7 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     t = thresholds or _DEFAULT
     if not isinstance(t, Thresholds):
         raise TypeError(f"thresholds is a Thresholds(...), not {thresholds!r}")
-    values = [v for k, v in numbers.items() if k not in FACT_KEYS and isinstance(v, float)]
+    values = [n for k, v in numbers.items() if k not in FACT_KEYS and (n := _number(v)) is not None]
     nan = numbers.get("nan") is True or any(math.isnan(v) for v in values)
     inf = numbers.get("inf") is True or any(math.isinf(v) for v in values)
     if nan or inf:
