@@ -1292,3 +1292,26 @@ def test_a_function_node_calling_a_module_of_another_node_is_not_warned_of():
     t.step((x, x))
     assert all(torch.equal(a, p) for a, p in zip(kept, last.parameters(), strict=True))
     assert not torch.equal(head.weight, before)  # trained by its Split
+
+
+def test_steps_set_on_resuming_go_on_and_a_bad_one_or_an_open_group_is_refused():
+    facts = []
+    t = plain(mlp(), every=2, watching=facts.append)
+    t.steps = 6  # a run resumed after 6 steps
+    t.fit(batches(3))
+    assert [f["step"] for f in facts if f["fact"] in ("loss", "updated")] == [6, 7, 7, 8, 8]
+    assert t.steps == 9 and "steps=9" in repr(t)
+    for bad in (-1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match=r"t.steps is how many steps .* int >= 0"):
+            t.steps = bad
+    t.step(batches(1)[0])  # a group of 2 left open
+    with pytest.raises(RuntimeError, match=r"group .* is open here: call t.update\(\) first"):
+        t.steps = 0
+    assert t.steps == 10
+    t.update()
+    t.steps = 0
+    assert t.step(batches(1)[0]) > 0 and facts[-1] == {
+        "fact": "loss",
+        "value": facts[-1]["value"],
+        "step": 0,
+    }

@@ -14,7 +14,7 @@ import torch
 from models import zoo
 
 from somatize import Graph, Node
-from somatize.torch import Trainer, named_parameters, parameters
+from somatize.torch import Audit, Trainer, named_parameters, parameters
 
 BF16_EPS = 2.0**-8  # bfloat16's spacing at 1: a loss computed in it is good to a few of these
 F32_EPS = torch.finfo(torch.float32).eps
@@ -105,9 +105,9 @@ def test_result_has_each_steps_time_and_each_epochs_mean_for_a_per_epoch_schedul
     assert opt.param_groups[0]["lr"] == 0.05
 
 
-def _gpt2_run():
+def _gpt2_run(watching=None):
     """GPT-2 (dropout on), AdamW with no weight decay on biases and norms, a warmup and cosine
-    schedule stepped at each update, two steps to an update."""
+    schedule stepped at each update, two steps to an update; audited one step in three."""
     case = zoo.gpt2()
     g = Graph.somatize(case.model)
     named = named_parameters(g)
@@ -122,7 +122,11 @@ def _gpt2_run():
         opt, lambda s: min(1.0, (s + 1) / 2) * 0.5 * (1 + math.cos(math.pi * s / 8))
     )
     opt.register_step_post_hook(lambda *a: schedule.step())
-    return g, opt, schedule, Trainer(g, objective=case.objective, optimizer=opt, every=2)
+    audit = Audit(every=3)
+    t = Trainer(
+        g, objective=case.objective, optimizer=opt, every=2, watching=watching, auditing=audit
+    )
+    return g, opt, schedule, t
 
 
 def test_a_run_stopped_and_resumed_from_a_checkpoint_ends_as_the_run_that_never_stopped():
@@ -130,12 +134,13 @@ def test_a_run_stopped_and_resumed_from_a_checkpoint_ends_as_the_run_that_never_
     ids = torch.randint(1, zoo.VOCAB, (8, 4, zoo.SEQ), generator=gen)
     data = [({"input_ids": i}, i.roll(-1, 1)) for i in ids]
 
-    _, _, schedule, t = _gpt2_run()
+    facts = {"straight": [], "first": [], "resumed": []}
+    _, _, schedule, t = _gpt2_run(facts["straight"].append)
     torch.manual_seed(42)  # dropout's
     straight = t.fit(data).history
     ended, lr = t.export(), schedule.get_last_lr()
 
-    _, opt, schedule, t = _gpt2_run()
+    _, opt, schedule, t = _gpt2_run(facts["first"].append)
     torch.manual_seed(42)
     first = t.fit(data[:4]).history
     checkpoint = {
@@ -143,15 +148,24 @@ def test_a_run_stopped_and_resumed_from_a_checkpoint_ends_as_the_run_that_never_
         "optimizer": opt.state_dict(),
         "schedule": schedule.state_dict(),
         "rng": torch.get_rng_state(),
+        "steps": t.steps,
     }
     del t, opt, schedule
 
-    _, opt, schedule, t = _gpt2_run()  # as a fresh process builds it
+    _, opt, schedule, t = _gpt2_run(facts["resumed"].append)  # as a fresh process builds it
     t.load(checkpoint["weights"], strict=True)
     opt.load_state_dict(checkpoint["optimizer"])
     schedule.load_state_dict(checkpoint["schedule"])
     torch.set_rng_state(checkpoint["rng"])
+    t.steps = checkpoint["steps"]
     resumed = first + t.fit(data[4:]).history
+
+    def steps(run, fact):
+        return [f["step"] for f in facts[run] if f["fact"] == fact]
+
+    for fact in ("loss", "updated", "health"):  # the steps go on, the audit's cadence too
+        assert steps("first", fact) + steps("resumed", fact) == steps("straight", fact), fact
+    assert set(steps("straight", "health")) == {0, 3, 6} and checkpoint["steps"] == 4
 
     assert straight[-1] != straight[0] and schedule.get_last_lr() == pytest.approx(lr)
     assert resumed == pytest.approx(straight, rel=16 * F32_EPS)

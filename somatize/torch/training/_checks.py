@@ -77,6 +77,17 @@ def count(value: Any, name: str, meaning: str) -> int:
     return value
 
 
+def resumable(steps: Any, open_group: bool) -> None:
+    """`t.steps = n`: an int >= 0, set while no group is open."""
+    if type(steps) is not int or steps < 0:
+        raise ValueError(f"t.steps is how many steps the run has taken, an int >= 0, not {steps!r}")
+    if open_group:
+        raise RuntimeError(
+            "t.steps is set between updates, and a group of accumulated steps is open here: "
+            "call t.update() first (a checkpoint is saved between updates too)"
+        )
+
+
 def batch_first(graph: Graph, micro: int) -> None:
     """Refuses `micro` > 1 on a graph holding a layer whose output for one example depends on
     the others in the batch: a time-first RNN or Transformer layer, or a BatchNorm in a node

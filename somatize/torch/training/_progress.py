@@ -26,6 +26,22 @@ def person_watching() -> bool:
         return False
 
 
+def live_shown(watching: list) -> Any:
+    """In a notebook, a `LiveAudit` shown for an audited run, unless one is among `watching`
+    already; None otherwise."""
+    if not in_notebook():
+        return None
+    from IPython.display import display
+
+    from somatize.figures import LiveAudit
+
+    if any(isinstance(getattr(w, "audit", w), LiveAudit) for w in watching):
+        return None
+    live = LiveAudit()
+    display(live)
+    return live
+
+
 def summary(history: list[float], total: int | None, seconds: float) -> str:
     """What a fit did, in one line: its steps (of how many, if it stopped short), the first
     and the last loss, and how long it took."""

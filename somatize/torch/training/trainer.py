@@ -18,7 +18,7 @@ from somatize.store import store_of
 from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
-from somatize.torch.training._progress import Progress, in_notebook, person_watching
+from somatize.torch.training._progress import Progress, live_shown, person_watching
 from somatize.torch.training._result import Result
 from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
@@ -326,9 +326,7 @@ class Trainer:
         in the middle of: the Trainer's, and that of a Learning with an `every` of its own
         (across a cut, an empty envelope says so). Does nothing, and answers False, if none is
         open."""
-        since = self._steps - self._updated  # every group opened afresh there
-        theirs = any(since % learning.every for learning in self.trains.values())
-        if self._count == 0 and not theirs:
+        if not self._open():
             return False
         self._updated = self._steps
         (self._parallel or self._stages).update()
@@ -336,6 +334,26 @@ class Trainer:
             self._apply(self._steps - 1)
         run.flush(self.watching)
         return True
+
+    def _open(self) -> bool:
+        """Whether a group is open: the Trainer's, or that of a Learning with an `every` of its
+        own (counted from where `update()` last closed every group)."""
+        since = self._steps - self._updated
+        return self._count > 0 or any(since % learning.every for learning in self.trains.values())
+
+    @property
+    def steps(self) -> int:
+        """How many steps this run has taken: the `step` its next facts say (`loss`, the audit's
+        `health`). Saved with a checkpoint and set on resuming, `t.steps = n`, the steps go on
+        from there, not from 0 again. Refused while a group is open (save between updates)."""
+        return self._steps
+
+    @steps.setter
+    def steps(self, n: int) -> None:
+        _checks.resumable(n, self._open())
+        self._steps = self._updated = n
+        if self.audit is not None:  # its cadence (`every`, `snapshot`) goes on from there too
+            self.audit.at(n)
 
     def fit(self, data: Iterable[Batch], epochs: int = 1) -> Result:
         """Takes one step per batch, for as many epochs as you say, and applies a group left half
@@ -363,7 +381,10 @@ class Trainer:
         walked = data if p is None else p.even(data)
         result = self.result = Result()
         history = result.history
-        self._show_audit()
+        if self.audit is not None and self.live is None:  # once, kept as `self.live`
+            self.live = live_shown(self.watching)
+            if self.live is not None:
+                self.watching = [*self.watching, self.live]
         bar = None
         if person_watching() and (p is None or p.rank == 0):
             bar = Progress(data, epochs)
@@ -386,21 +407,6 @@ class Trainer:
             if bar is not None:
                 bar.close(history)
         return self.result
-
-    def _show_audit(self) -> None:
-        """In a notebook an audited run shows a `LiveAudit` (once, as `self.live`), unless one is
-        already watching."""
-        if self.audit is None or self.live is not None or not in_notebook():
-            return
-        from IPython.display import display
-
-        from somatize.figures import LiveAudit
-
-        if any(isinstance(getattr(w, "audit", w), LiveAudit) for w in self.watching):
-            return
-        self.live = LiveAudit()
-        display(self.live)
-        self.watching = [*self.watching, self.live]
 
     # -- weights --------------------------------------------------------------------------
     def export(self) -> Weights:
