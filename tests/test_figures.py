@@ -73,11 +73,18 @@ def boxes(svg: str) -> dict[str, tuple[float, float, float, float]]:
 
 def pictured(html: str) -> str:
     """The SVG a face holds as an image (a data URI)."""
-    return base64.b64decode(re.search(r'src="data:image/svg\+xml;base64,([^"]+)"', html).group(1)).decode()
+    return base64.b64decode(
+        re.search(r'src="data:image/svg\+xml;base64,([^"]+)"', html).group(1)
+    ).decode()
 
 
 def overlap(a, b) -> bool:
-    return a[0] < b[0] + b[2] - 0.5 and b[0] < a[0] + a[2] - 0.5 and a[1] < b[1] + b[3] - 0.5 and b[1] < a[1] + a[3] - 0.5
+    return (
+        a[0] < b[0] + b[2] - 0.5
+        and b[0] < a[0] + a[2] - 0.5
+        and a[1] < b[1] + b[3] - 0.5
+        and b[1] < a[1] + a[3] - 0.5
+    )
 
 
 # -- graph figure -------------------------------------------------------------------------
@@ -281,7 +288,10 @@ def test_compare_says_which_candidate_a_proxy_was_left_out_of():
     first = compare({"linear": linear, "relu": relu}, torch.randn(6, 4))
     assert list(first.columns) == list(df.columns)
     assert [c for c in df.columns if c.startswith("proxy:")] == [
-        "proxy:synflow", "proxy:zen", "proxy:naswot", "proxy:jacob_cov"
+        "proxy:synflow",
+        "proxy:zen",
+        "proxy:naswot",
+        "proxy:jacob_cov",
     ]
 
 
@@ -338,7 +348,9 @@ def test_the_table_puts_measured_next_to_the_names_and_ranks_and_correlates():
     cols = table.table["columns"]
     assert cols[0] == "measured" and cols[1] == "params"
     assert cols.index("proxy:a") < cols.index("probe:zero_frac_max")
-    assert table.sort_by == "measured" and table.table["correlations"]["proxy:a"] == pytest.approx(1.0)
+    assert table.sort_by == "measured" and table.table["correlations"]["proxy:a"] == pytest.approx(
+        1.0
+    )
     html = table.face()
     rows = re.findall(r'<tr data-row="(\w)"', html)
     assert rows == ["z", "y", "x", "w"]  # by measured, best first
@@ -379,7 +391,9 @@ def test_every_number_in_the_table_is_written_one_way_and_every_column_explained
     assert sorted(cells) == sorted(["−6.5M", "−6.4M", "0.706", "−∞"])
     other = CompareTable(pd.DataFrame({"proxy:c": [1234, 3.2e-4, 0, 999.96]}, index=list("abcd")))
     body = other.face().split("<tbody>")[1]
-    assert sorted(re.findall(r'<td data-col="proxy:c"[^>]*>([^<]*)</td>', body)) == sorted(["1.23k", "3.2e-4", "0", "1k"])
+    assert sorted(re.findall(r'<td data-col="proxy:c"[^>]*>([^<]*)</td>', body)) == sorted(
+        ["1.23k", "3.2e-4", "0", "1k"]
+    )
     for column in table.table["columns"]:
         assert re.search(rf'<th data-col="{re.escape(column)}"[^>]*title="[^"]+"', table.face())
 
@@ -417,9 +431,14 @@ def test_the_readmes_three_figures_run_and_its_pictures_and_badge_are_there():
     assert len(pictures.blocks(readme)[1].strip().splitlines()) <= 10  # figures in ten lines
     made = pictures.figures(readme)
     assert set(made) == {"graph", "audit", "table"}
-    assert len(made["audit"].frame()) > 0 and {"n:encoder", "n:head"} <= set(boxes(made["graph"].svg()))
+    assert len(made["audit"].frame()) > 0 and {"n:encoder", "n:head"} <= set(
+        boxes(made["graph"].svg())
+    )
     for kind in made:
-        assert f"(docs/pictures/{kind}.svg)" in readme and (root / "docs" / "pictures" / f"{kind}.svg").exists()
+        assert (
+            f"(docs/pictures/{kind}.svg)" in readme
+            and (root / "docs" / "pictures" / f"{kind}.svg").exists()
+        )
     assert pictures.main(["--check"]) == 0  # the badge is the one pyproject.toml sets
     assert "OWNER" not in readme
 
@@ -435,18 +454,42 @@ def test_a_tied_weight_is_counted_once_and_attention_axes_are_heads_and_sequence
     fig = graph_figure(net, inside=inside)  # a bare module is a graph of one node
     texts = [t.text for t in ET.fromstring(fig.svg()).iter(f"{SVG}text")]
     assert total == 64 and any(t and f"{total} params" in t for t in texts)  # not 108
-    layer = {"kind": "attention", "label": "SelfAttention", "shape": [2, 8, 16], "params": 0, "times": 1, "repeats": []}
+    layer = {
+        "kind": "attention",
+        "label": "SelfAttention",
+        "shape": [2, 8, 16],
+        "params": 0,
+        "times": 1,
+        "repeats": [],
+    }
     attn = {
         "layers": [
             {**layer, "path": "attn", "block": None},
             {**layer, "path": "attn.sdpa", "label": "sdpa", "shape": [2, 2, 8, 8], "block": "attn"},
-            {**layer, "path": "attn.view", "kind": "shaping", "label": "view", "shape": [2, 8, 2, 8], "block": "attn"},
-            {**layer, "path": "conv", "kind": "conv", "label": "Conv2d", "shape": [2, 3, 8, 8], "block": None},
+            {
+                **layer,
+                "path": "attn.view",
+                "kind": "shaping",
+                "label": "view",
+                "shape": [2, 8, 2, 8],
+                "block": "attn",
+            },
+            {
+                **layer,
+                "path": "conv",
+                "kind": "conv",
+                "label": "Conv2d",
+                "shape": [2, 3, 8, 8],
+                "block": None,
+            },
         ],
         "edges": [["attn.sdpa", "attn.view"], ["attn.view", "conv"]],
     }
     plan = {"nodes": [fd._node("enc", "Holds")], "edges": [], "order": ["enc"]}
-    texts = [t.text for t in ET.fromstring(graph_figure(plan, inside={"enc": attn}).svg()).iter(f"{SVG}text")]
+    texts = [
+        t.text
+        for t in ET.fromstring(graph_figure(plan, inside={"enc": attn}).svg()).iter(f"{SVG}text")
+    ]
     assert "2 batch · 2 heads · 8 seq · 8 dim" in texts  # attention's own output
     assert "2 batch · 8 d1 · 2 d2 · 8 d3" in texts  # inside attention: not an image
     assert "2 batch · 3 ch · 8 h · 8 w" in texts
@@ -467,7 +510,9 @@ def test_a_1d_convs_channels_stay_on_dim_1_through_what_follows_it_and_a_sequenc
     assert texts(conv, torch.randn(4, 2, 20))[1:] == ["4 batch · 8 ch · 20 len"] * 4
     seq = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), Conv1D(5, 6), nn.LayerNorm(5))
     assert texts(seq, torch.randn(4, 20, 8))[1:] == [
-        "4 batch · 20 len · 6 dim", "4 batch · 20 len · 6 dim", *["4 batch · 20 len · 5 dim"] * 2
+        "4 batch · 20 len · 6 dim",
+        "4 batch · 20 len · 6 dim",
+        *["4 batch · 20 len · 5 dim"] * 2,
     ]
 
 
@@ -482,7 +527,9 @@ def test_axes_are_named_by_the_audits_rule_a_local_response_norm_and_a_pool_incl
     svg = graph_figure(net, inside=architecture(net, torch.randn(4, 2, 20))).svg()
     texts = [t.text for t in ET.fromstring(svg).iter(f"{SVG}text") if t.text and "·" in t.text]
     assert texts[1:] == [
-        *["4 batch · 8 ch · 20 len"] * 3, "4 batch · 20 len · 6 dim", "4 batch · 6 ch · 10 len"
+        *["4 batch · 8 ch · 20 len"] * 3,
+        "4 batch · 20 len · 6 dim",
+        "4 batch · 6 ch · 10 len",
     ]
 
 
@@ -493,9 +540,11 @@ def test_a_layer_is_drawn_by_what_it_computes_with_not_by_its_name(tmp_path):
     from somatize.torch import architecture
 
     g = Graph.somatize(nn.Sequential(Conv1D(8, 4), nn.ReLU()))
-    svg = graph_figure(g, inside=architecture(g, torch.randn(2, 4), depth=1)).save_svg(
-        tmp_path / "g.svg"
-    ).read_text()
+    svg = (
+        graph_figure(g, inside=architecture(g, torch.randn(2, 4), depth=1))
+        .save_svg(tmp_path / "g.svg")
+        .read_text()
+    )
     assert "smz-kind-linear" in svg and "smz-kind-conv" not in svg
 
 

@@ -57,7 +57,9 @@ def test_200_nodes_fit_the_width_pan_zoom_and_show_a_minimap(page, served, artif
     height = float(fig.svg().split('height="')[1].split('"')[0])
     assert fitted["w"] >= width - 1 and fitted["h"] >= height - 1 and fitted["scale"] < 0.3
     page.locator(".smz-width").click()
-    page.wait_for_function("() => Number(document.querySelector('.smz-graph').dataset.scale) >= 0.9")
+    page.wait_for_function(
+        "() => Number(document.querySelector('.smz-graph').dataset.scale) >= 0.9"
+    )
     viewport = page.locator(".smz-viewport").bounding_box()  # where it is now, after the fit
     # a drag pans, Ctrl with the wheel zooms where the pointer is
     page.mouse.move(viewport["x"] + 600, viewport["y"] + 300)
@@ -74,7 +76,9 @@ def test_200_nodes_fit_the_width_pan_zoom_and_show_a_minimap(page, served, artif
     assert page.errors == []
 
 
-def test_the_live_graph_is_the_drawing_the_kernel_made_and_clicks_change_its_traits(page, served, artifacts):
+def test_the_live_graph_is_the_drawing_the_kernel_made_and_clicks_change_its_traits(
+    page, served, artifacts
+):
     plan = fd.plan(enc={"device": "cpu"}, right={"host": "gpu-box"}, head={"cached": True})
     fig = graph_figure(plan, inside=fd.insides())
     _open(page, served, "graph", fig)
@@ -121,13 +125,24 @@ def _facts(step):
     for k, node in enumerate(("enc", "left", "head")):
         grad = 10 ** (-1 - k) * (1 + 0.3 * math.sin(step / 3))
         nan = node == "left" and step >= 12  # this place breaks at step 12
-        out.append({"fact": "health", "node": node, "inside": None, "step": step,
-                    "grad_norm": math.nan if nan else grad, "update_ratio": 1e-3 * (k + 1),
-                    "zero_frac_max": 0.1 * k, "nan": nan})
+        out.append(
+            {
+                "fact": "health",
+                "node": node,
+                "inside": None,
+                "step": step,
+                "grad_norm": math.nan if nan else grad,
+                "update_ratio": 1e-3 * (k + 1),
+                "zero_frac_max": 0.1 * k,
+                "nan": nan,
+            }
+        )
     return out
 
 
-def test_the_audit_fills_from_messages_and_a_metric_switch_redraws_from_what_it_has(page, served, artifacts):
+def test_the_audit_fills_from_messages_and_a_metric_switch_redraws_from_what_it_has(
+    page, served, artifacts
+):
     audit = Relay(interval=0.05)
     _open(page, served, "audit", audit)
     assert page.evaluate("window.smzSent") == [{"kind": "hello"}]
@@ -138,7 +153,12 @@ def test_the_audit_fills_from_messages_and_a_metric_switch_redraws_from_what_it_
     for msg in audit.outbox:
         page.evaluate(_DELIVER, msg)
     page.wait_for_function("() => document.querySelector('.smz-audit').dataset.cells === '90'")
-    assert page.locator(".smz-metric option").all_inner_texts() == ["grad_norm", "update_ratio", "zero_frac_max", "nan"]
+    assert page.locator(".smz-metric option").all_inner_texts() == [
+        "grad_norm",
+        "update_ratio",
+        "zero_frac_max",
+        "nan",
+    ]
     assert page.evaluate("document.querySelector('.smz-audit').dataset.metric") == "update_ratio"
     legend = page.locator(".smz-audit-legend").inner_text()
     assert "not measured" in legend and "flag: numeric" in legend
@@ -154,14 +174,23 @@ def test_the_audit_fills_from_messages_and_a_metric_switch_redraws_from_what_it_
     page.set_viewport_size({"width": 1000, "height": 430})
     page.locator("canvas.smz-heat").scroll_into_view_if_needed()
     page.wait_for_timeout(100)
-    x0, top, cw, row, nb = map(float, page.evaluate("document.querySelector('.smz-audit').dataset.grid").split())
+    x0, top, cw, row, nb = map(
+        float, page.evaluate("document.querySelector('.smz-audit').dataset.grid").split()
+    )
     canvas = page.locator("canvas.smz-heat").bounding_box()
-    page.mouse.move(canvas["x"] + x0 + (nb - 0.5) * cw, canvas["y"] + top + row + 5)  # left, last step
+    page.mouse.move(
+        canvas["x"] + x0 + (nb - 0.5) * cw, canvas["y"] + top + row + 5
+    )  # left, last step
     tip = page.locator(".smz-audit-tip")
     tip.wait_for(state="visible")
     assert "the size of the gradient" in tip.inner_text() and "NAN" in tip.inner_text()
     box = tip.bounding_box()
-    assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= 1000 and box["y"] + box["height"] <= 430
+    assert (
+        box["x"] >= 0
+        and box["y"] >= 0
+        and box["x"] + box["width"] <= 1000
+        and box["y"] + box["height"] <= 430
+    )
     page.locator(".smz-log").check()
     assert "(log)" in page.locator(".smz-loss-svg").inner_html()
     assert page.errors == []
@@ -174,11 +203,16 @@ def test_an_audit_saved_with_no_kernel_draws_its_record(page, served, artifacts)
             audit(fact)
     _open(page, served, "saved", audit)
     page.wait_for_function("() => document.querySelector('.smz-audit').dataset.cells === '120'")
-    assert page.locator(".smz-loss").count() == 1 and "waiting" not in page.locator(".smz-audit").inner_text()
+    assert (
+        page.locator(".smz-loss").count() == 1
+        and "waiting" not in page.locator(".smz-audit").inner_text()
+    )
     page.screenshot(path=str(artifacts / "audit-saved.png"), full_page=True)
 
 
-def test_an_audit_of_losses_only_draws_the_loss_plot_alone_each_curve_named(page, served, artifacts):
+def test_an_audit_of_losses_only_draws_the_loss_plot_alone_each_curve_named(
+    page, served, artifacts
+):
     audit = LiveAudit(interval=0.05, title="losses", flags=False)
     for way, end in {"backprop": 0.0068, "Split": 0.0068, "ForwardForward": 0.175}.items():
         watcher = audit.run(way)
@@ -202,12 +236,16 @@ def test_an_audit_of_losses_only_draws_the_loss_plot_alone_each_curve_named(page
 def _wide_table():
     names = ["tiny", "wide", "deep", "flat", "resnet-ish", "transformer-small", "mlp-128"]
     cols = {"params": [1200, 56000, 8000, 300, 11e6, 2.3e6, 17000]}
-    for k, p in enumerate(["synflow", "zen", "naswot", "jacob_cov", "snip", "grasp", "grad_norm", "fisher"]):
+    for k, p in enumerate(
+        ["synflow", "zen", "naswot", "jacob_cov", "snip", "grasp", "grad_norm", "fisher"]
+    ):
         cols["proxy:" + p] = [math.sin(k + i) * 10 for i in range(7)]
     for k in range(16):
         cols[f"probe:metric_{k:02d}"] = [0.1 * i for i in range(7)]
     df = pd.DataFrame(cols, index=pd.Index(names, name="candidate"))
-    return CompareTable(df, measured=dict(zip(names, [0.6, 0.95, 0.9, 0.4, 0.97, 0.93, 0.8], strict=True)))
+    return CompareTable(
+        df, measured=dict(zip(names, [0.6, 0.95, 0.9, 0.4, 0.97, 0.93, 0.8], strict=True))
+    )
 
 
 def test_the_table_fits_1400_px_keeps_its_names_in_view_and_sorts(chromium, served, artifacts):
@@ -217,7 +255,9 @@ def test_the_table_fits_1400_px_keeps_its_names_in_view_and_sorts(chromium, serv
     page.on("pageerror", lambda e: errors.append(str(e)))
     try:
         _open(page, served, "table", _wide_table())
-        heads = page.locator("thead th[data-col]").evaluate_all("hs => hs.filter(h => h.offsetParent).map(h => h.dataset.col)")
+        heads = page.locator("thead th[data-col]").evaluate_all(
+            "hs => hs.filter(h => h.offsetParent).map(h => h.dataset.col)"
+        )
         assert heads[:3] == ["candidate", "measured", "params"]  # measured next to the names
         assert page.locator(".smz-scroll").bounding_box()["width"] <= 1400
         table = page.locator(".smz-table table").bounding_box()
@@ -226,10 +266,20 @@ def test_the_table_fits_1400_px_keeps_its_names_in_view_and_sorts(chromium, serv
         assert rows()[:2] == ["resnet-ish", "wide"]
         page.screenshot(path=str(artifacts / "table-1400.png"), full_page=True)
         page.locator("thead th[data-col='params']").click()
-        assert rows() == ["resnet-ish", "transformer-small", "wide", "mlp-128", "deep", "tiny", "flat"]
+        assert rows() == [
+            "resnet-ish",
+            "transformer-small",
+            "wide",
+            "mlp-128",
+            "deep",
+            "tiny",
+            "flat",
+        ]
         page.locator("thead th[data-col='params']").click()
         assert rows()[0] == "flat"
-        assert page.evaluate("[window.smzModel.get('sort_by'), window.smzModel.get('ascending')]") == ["params", True]
+        assert page.evaluate(
+            "[window.smzModel.get('sort_by'), window.smzModel.get('ascending')]"
+        ) == ["params", True]
         # the probe's columns behind a toggle; opened, the table scrolls and the names stay
         page.locator(".smz-toggle").click()
         assert page.locator("td[data-col='probe:metric_15']").first.is_visible()
@@ -251,12 +301,36 @@ def test_the_browser_writes_numbers_as_the_kernel_does(page, served):
     shutil.copy(WIDGETS / "common.js", root / "common.js")
     (root / "numbers.html").write_text("<!doctype html><body>numbers</body>")
     page.goto(f"{base}/numbers.html")
-    values = [1, -1, 0.125, 2.5e-5, 9.996e-5, 0.7062, -6.5e6, 999.96, 1234, 0.001, 12.345, 3e14, 1e-300, 0.0015, 2.675, -0.5]
+    values = [
+        1,
+        -1,
+        0.125,
+        2.5e-5,
+        9.996e-5,
+        0.7062,
+        -6.5e6,
+        999.96,
+        1234,
+        0.001,
+        12.345,
+        3e14,
+        1e-300,
+        0.0015,
+        2.675,
+        -0.5,
+    ]
     # the kernel's way: what a comparison table writes in its cells
-    table = CompareTable(pd.DataFrame({"proxy:v": values}, index=[f"r{k}" for k in range(len(values))]))
+    table = CompareTable(
+        pd.DataFrame({"proxy:v": values}, index=[f"r{k}" for k in range(len(values))])
+    )
     body = table.face().split("<tbody>")[1]
-    kernel = dict(re.findall(r'<tr data-row="(r\d+)">.*?<td data-col="proxy:v"[^>]*>([^<]*)</td>', body))
-    got = page.evaluate("async (vs) => { const m = await import('/common.js'); return vs.map((v) => m.number(v)); }", values)
+    kernel = dict(
+        re.findall(r'<tr data-row="(r\d+)">.*?<td data-col="proxy:v"[^>]*>([^<]*)</td>', body)
+    )
+    got = page.evaluate(
+        "async (vs) => { const m = await import('/common.js'); return vs.map((v) => m.number(v)); }",
+        values,
+    )
     assert got == [kernel[f"r{k}"] for k in range(len(values))]
 
 
@@ -295,14 +369,18 @@ _FIT = """() => { const s = document.querySelector('.smz-scroll');
                  .filter((h) => h.scrollWidth > h.clientWidth).map((h) => h.textContent)}; }"""
 
 
-def test_the_table_fits_1400_px_names_whole_and_says_why_live_and_in_its_static_face(chromium, served):
+def test_the_table_fits_1400_px_names_whole_and_says_why_live_and_in_its_static_face(
+    chromium, served
+):
     root, base = served
     table = _text_models()
     # the static face as a viewer without a doctype shows it (tables there drop the font
     # they sit in) and as JupyterLab's rendered HTML does (its own table font and padding)
     (root / "face-quirks.html").write_text(table.face())
-    lab = ("<style>table{font-size:13px;table-layout:fixed;line-height:normal}"
-           "td,th{padding:.5em;white-space:normal;line-height:normal;max-width:none}</style>")
+    lab = (
+        "<style>table{font-size:13px;table-layout:fixed;line-height:normal}"
+        "td,th{padding:.5em;white-space:normal;line-height:normal;max-width:none}</style>"
+    )
     (root / "face-lab.html").write_text(f"<!doctype html>{lab}<div>{table.face()}</div>")
     table.save_html(root / "live-text.html")
     context = chromium.new_context(viewport={"width": 1400, "height": 900})
@@ -318,6 +396,8 @@ def test_the_table_fits_1400_px_names_whole_and_says_why_live_and_in_its_static_
             cell = page.locator("tr[data-row='lstm'] td[data-col='proxy:naswot']")
             assert NO_RELU in cell.get_attribute("title")
             note = page.locator(".smz-left-out")
-            assert note.is_visible() and NO_RELU in note.inner_text() and "lstm" in note.inner_text()
+            assert (
+                note.is_visible() and NO_RELU in note.inner_text() and "lstm" in note.inner_text()
+            )
     finally:
         context.close()
