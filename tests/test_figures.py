@@ -980,3 +980,81 @@ def test_an_edge_into_an_open_node_reaches_the_layer_that_reads_what_it_is_given
     }
     assert _on_top(_end(svg, "n:stem", "n:dense"), drawn["i:dense"])
     assert _on_top(_end(svg, "n:stem", "n:conv"), drawn["l:conv:0"])
+
+
+def _start(svg: str, src: str, dst: str) -> tuple[float, float]:
+    """Where the edge from `src` to `dst` starts."""
+    edge = rf'class="smz-edge[^"]*" d="([^"]+)"[^>]*data-from="{src}" data-to="{dst}"'
+    return _points(re.search(edge, svg).group(1))[0]
+
+
+def _on_bottom(point, box) -> bool:
+    x, y, w, h = box
+    return x < point[0] < x + w and abs(point[1] - y - h) < 2
+
+
+class FirstToken(nn.Module):
+    """A classifier on the first token of the hidden states an encoder gave back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 3)
+
+    def forward(self, out):
+        return self.fc(out.last_hidden_state[:, 0])
+
+
+def test_an_edge_out_of_an_open_node_leaves_from_the_layer_that_gives_its_output():
+    from models import zoo
+    from transformers import BertModel
+
+    from somatize.torch import architecture
+
+    case = zoo.bert()
+    encoder = BertModel(case.model.config, add_pooling_layer=False)  # gives its last LayerNorm's
+    g = Graph.somatize(Node.of(encoder).named("enc") >> Node.of(FirstToken()).named("head"))
+    inside = architecture(g, case.example)
+    svg = g.figure(inside=inside).svg()
+    drawn = boxes(svg)
+    start, end = _start(svg, "n:enc", "n:head"), _end(svg, "n:enc", "n:head")
+    assert _on_bottom(start, drawn["l:enc:encoder.layer.0.output.LayerNorm"])  # its block ×2
+    assert _on_top(end, drawn["l:head:fc"])
+    edge = r'class="smz-edge[^"]*" d="([^"]+)"[^>]*data-from="n:enc" data-to="n:head"'
+    layers = {k: v for k, v in drawn.items() if k.startswith("l:")}
+    for px, py in _points(re.search(edge, svg).group(1)):  # through no other layer
+        assert not [
+            k
+            for k, (x, y, w, h) in layers.items()
+            if x + 1 < px < x + w - 1 and y + 1 < py < y + h - 1
+        ]
+    # unfolded: from the second copy's, which reads the first copy's
+    svg = g.figure(inside=inside, expanded=["enc:encoder.layer.0"]).svg()
+    assert _on_bottom(
+        _start(svg, "n:enc", "n:head"), boxes(svg)["l:enc:encoder.layer.1.output.LayerNorm"]
+    )
+    into = 'data-from="l:enc:encoder.layer.0.output.LayerNorm" data-to="l:enc:encoder.layer.1.attention.self.query"'
+    assert into in svg
+    # the block closed (past `most`): from its box; the node closed: from its frame's side
+    svg = g.figure(inside=architecture(g, case.example, most=4)).svg()
+    assert _on_bottom(_start(svg, "n:enc", "n:head"), boxes(svg)["l:enc:encoder"])
+    svg = g.figure(inside=inside, opened=["head"]).svg()
+    x, y, w, h = boxes(svg)["n:enc"]
+    start = _start(svg, "n:enc", "n:head")
+    assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+    # with its pooler, BERT's last layer is the pooler's Tanh
+    g = Graph.somatize(Node.of(case.model).named("enc") >> Node.of(FirstToken()).named("head"))
+    svg = g.figure(inside=architecture(g, case.example)).svg()
+    assert _on_bottom(_start(svg, "n:enc", "n:head"), boxes(svg)["l:enc:pooler.activation"])
+    # a chain's last layer, sending to two branches at one point; a node that is one layer
+    a = Node.of(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))).named("a")
+    b, c = (
+        Node.of(nn.Sequential(nn.Linear(8, 8), nn.ReLU())).named("b"),
+        Node.of(nn.Linear(8, 8)).named("c"),
+    )
+    g = Graph.somatize(a >> (b | c) >> Sum().named("sum"))
+    svg = g.figure(inside=architecture(g, torch.randn(2, 4))).svg()
+    drawn = boxes(svg)
+    assert _start(svg, "n:a", "n:b") == _start(svg, "n:a", "n:c")
+    assert _on_bottom(_start(svg, "n:a", "n:b"), drawn["l:a:2"])
+    assert _on_bottom(_start(svg, "n:b", "n:sum"), drawn["l:b:1"])
+    assert _on_bottom(_start(svg, "n:c", "n:sum"), drawn["l:c:"])

@@ -35,10 +35,13 @@ class _Layout:
 
     def _arrange(self, box: Box, edges: list[tuple[str, str]]) -> None:
         """Lay out `box`'s children (theirs first) with the edges of the world it is in: the
-        graph's, or an open node's own and those that come into it (to its `entry`)."""
+        graph's, or an open node's own and those that come into it (to its `entry`) or leave
+        it (from its `exit`)."""
         if box.edges or box.kind in ("root", "node"):
-            into = [(s, d) for s, d in edges if d == box.id and box.entry]
-            edges = [*box.edges, *into]
+            ends = [
+                (s, d) for s, d in edges if d == box.id and box.entry or s == box.id and box.exit
+            ]
+            edges = [*box.edges, *ends]
         for child in box.children:
             if child.children:
                 self._arrange(child, edges)
@@ -53,7 +56,7 @@ class _Layout:
         items = {c.id: Item(c.id, *flip(c.w, c.h), box=c) for c in box.children}
         pairs: list[tuple[str, str, str, str]] = []  # level source, level target, edge
         for s, d in edges:
-            a, b = self._child_of(box, s), self._child_of(box, self._target(d))
+            a, b = self._child_of(box, self._end(s, True)), self._child_of(box, self._end(d))
             if a is None and b is None or a is b:
                 continue
             ends = (f"in:{s}" if a is None else a.id, f"out:{s}" if b is None else b.id)
@@ -93,11 +96,12 @@ class _Layout:
                 (*flip(u + shift_u, v + shift_v), bend if curve else "") for u, v, curve in way
             ]
 
-    def _target(self, key: str) -> str:
-        """Where an edge to `key` ends: an open node's entry (the box inside that reads what
-        the node is given), anything else itself."""
+    def _end(self, key: str, leaving: bool = False) -> str:
+        """Where an edge to `key` ends (or, `leaving`, one from it starts): an open node's
+        entry, the box inside that reads what the node is given (its exit, the one that gives
+        what it gives back); anything else itself."""
         box = self.boxes.get(key)
-        return box.entry if box is not None and box.entry else key
+        return (box.exit if leaving else box.entry) or key if box is not None else key
 
     def port(self, box: Box | None, key: str, out: bool) -> float | None:
         """Where an edge to (or from) `key` crosses the border of `box`, across its
@@ -131,7 +135,7 @@ class _Layout:
 
     def _chain(self, s: str, d: str) -> list[Box]:
         """The containers an edge passes through, from the source's side to the target's."""
-        up_s, up_d = self._ups(s), self._ups(self._target(d))
+        up_s, up_d = self._ups(self._end(s, True)), self._ups(self._end(d))
         ids_d = [b.id for b in up_d]
         k = next(k for k, b in enumerate(up_s) if b.id in ids_d)  # the nearest box around both
         return [*up_s[: k + 1], *reversed(up_d[: ids_d.index(up_s[k].id)])]

@@ -21,6 +21,7 @@ from somatize.figures._svg import number, text_width
 NODE_TOP = 42  # an open node's title and subtitle, above its layers
 PILL_H = 18
 INPUT = "<input>"  # what an open node was given, among its layers' edges
+OUTPUT = "<output>"  # what it gives back, there
 CALL = re.compile(r"#\d+(?=\.|$)")  # a module's later call: `enc.0#2`
 HOLDS = 8  # the children a closed composite's tooltip names
 
@@ -48,6 +49,7 @@ class Box:
     pills: list[tuple[str, str]] = field(default_factory=list)
     stack: bool = False  # a folded block: its copies drawn behind it
     entry: str = ""  # an open node: the box inside where an edge into the node arrives
+    exit: str = ""  # and the one an edge out of it leaves, which gives what it gives back
     x: float = 0.0
     y: float = 0.0
 
@@ -180,6 +182,12 @@ class _Inside:
         if not inputs and len(drawn) == 1:  # (a node that is one layer reads it there)
             inputs = [drawn[0]["path"]]
         self.reader = inputs[0] if len(inputs) == 1 else INPUT  # where the node's input goes
+        # where the node's output is made: the last box that ran feeding no other (a block
+        # drawn closed is one box), else the last box
+        held = {la.get("block") for la in self.layers}
+        shown = [la["path"] for la in self.layers if la["path"] not in held]
+        sent = {a for a, _ in edges}
+        self.giver = next((p for p in reversed(shown) if p not in sent), shown[-1] if shown else "")
 
     def boxes(self) -> list[Box]:
         out: list[Box] = [self._input()] if self.inputs else []
@@ -311,7 +319,7 @@ class _Inside:
     def routed(self) -> list[tuple[str, str]]:
         """The edges between drawn boxes; an expanded block's copies chained one after the
         other (what entered the block enters the first, what left it leaves the last)."""
-        out = list(self.edges)
+        out = [*self.edges, (self.giver, OUTPUT)]  # (what leaves the last copy, as any edge)
         for b, copies in self.copies:
             inside = {
                 la["path"]
@@ -336,6 +344,7 @@ class _Inside:
                 else:
                     nxt.append((x, y))
             out = nxt
+        self.exit = next((self.ids.get(x, "") for x, y in out if y == OUTPUT), "")
         drawn = ((self.ids.get(x), self.ids.get(y)) for x, y in out)
         return list(dict.fromkeys((a, b) for a, b in drawn if a and b and a != b))
 
@@ -432,5 +441,6 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
         box.children = world.boxes()
         box.edges = world.routed()
         box.entry = world.ids.get(world.reader, "")  # "" where the inside does not say
+        box.exit = world.exit
         box.pad = (NODE_TOP + (PILL_H if pills else 0), 12.0, 12.0, 12.0)
     return box

@@ -96,6 +96,7 @@ def test_the_live_graph_is_the_drawing_the_kernel_made_and_clicks_change_its_tra
     assert page.locator(".smz-graph title").count() == 0  # no native tooltip beside ours
     page.locator(".smz-foldable").click()
     assert page.evaluate("window.smzModel.get('expanded')") == ["enc:blocks.0"]
+    page.locator(".smz-fit").click()  # all of it in view, the branches below enc included
     page.locator(".smz-node[data-id='n:left'] .smz-title").click()
     assert page.evaluate("window.smzModel.get('opened')") == ["enc", "right"]
     assert page.errors == []
