@@ -14,6 +14,7 @@ from somatize.torch import (
     NoGradient,
     OutOfStep,
     Split,
+    Synthetic,
     Trainer,
     envelope,
     gradient,
@@ -168,3 +169,40 @@ def test_a_technique_that_gives_nothing_back_starves_upstream_and_says_so():
     before = g.implementation("head").lin.weight.clone()
     t.step(batch())
     assert not g.implementation("head").lin.weight.equal(before)
+
+
+def test_a_refused_load_leaves_a_synthetic_without_the_guesser_it_would_have_built():
+    def synthetic():
+        g = chain()
+        trains = {"enc": Synthetic(SGD, lr=0.1)}
+        opt = SGD(parameters(g, without=trains), lr=0.1)
+        return Trainer(g, objective=mse, optimizer=opt, trains=trains)
+
+    trained = synthetic()
+    trained.fit([batch(0), batch(1)])
+    saved = trained.export()
+    assert "learning/guesser.weight" in saved["enc"]
+    wrong = {**saved, "head": {"lin.weight": torch.zeros(1, dtype=torch.float64)}}
+
+    def keys(t):
+        return {n: sorted(s) for n, s in t.export().items()}
+
+    t = synthetic()  # fresh: its guesser is built at the first output, or by a load
+    before = keys(t)
+    assert "learning/guesser.weight" not in before["enc"]
+    with pytest.raises(ValueError, match=r"strict=True.*leave out node 'a'"):
+        t.load({"enc": saved["enc"]}, strict=True)
+    assert keys(t) == before  # no guesser built by the refused call
+    with pytest.raises(ValueError, match=r"node 'head', 'lin.weight'.*shape"):
+        t.load(wrong)
+    assert keys(t) == before
+    t.load(saved, strict=True)
+    assert torch.equal(
+        t.export()["enc"]["learning/guesser.weight"], saved["enc"]["learning/guesser.weight"]
+    )
+    with pytest.raises(ValueError, match="shape"):
+        t.load(wrong)  # a guesser loaded before the refusal is kept, as it was
+    assert torch.equal(
+        t.export()["enc"]["learning/guesser.weight"], saved["enc"]["learning/guesser.weight"]
+    )
+    assert t.step(batch(2)) > 0

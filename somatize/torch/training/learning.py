@@ -8,8 +8,9 @@ back in an `Envelope` into dL/d(input), or None. `Split` is split learning; `Gre
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 from somatize.node import Node
 from somatize.torch._values import mapped
 from somatize.torch.placement import modules_of, move, place
-from somatize.torch.training.params import trainable_in
+from somatize.torch.training.params import state_of, trainable_in
 
 __all__ = [
     "Learning",
@@ -270,6 +271,11 @@ class Learning(Node):
         """Made ready to be handed `state` (the keys of what it brought): a technique that
         builds what it brings lazily builds it here, at the shapes given. Nothing by default."""
 
+    def unreceived(self) -> None:
+        """Lets go of what `receiving` built, for a load that was refused (`unbuilt_if_refused`
+        calls it on a Learning that brought nothing before the load); built again when it is
+        needed. Nothing by default."""
+
     @property
     def optimizer(self) -> Any:
         """Its optimizer, built the first time it is asked for, over `training()` wherever it
@@ -401,6 +407,20 @@ class Learning(Node):
         how = "".join(f", {k}={v!r}" for k, v in self.how.items())
         every = f", every={self.declared}" if self.declared is not None else ""
         return f"{type(self).__name__}({name}{every}{how})"
+
+
+@contextlib.contextmanager
+def unbuilt_if_refused(learnings: Iterable[Learning]) -> Iterator[None]:
+    """Around a load: a Learning that brought nothing before it, and built what it brings to
+    be loaded into (`receiving`), lets go of that again if the load is refused, so that a
+    refused load leaves it as it was."""
+    lazy = [learning for learning in learnings if not state_of(learning)]
+    try:
+        yield
+    except BaseException:
+        for learning in lazy:
+            learning.unreceived()
+        raise
 
 
 class Enters(Node):

@@ -79,6 +79,10 @@ class Synthetic(Learning):
         if self.guesser is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
             self.guesser = Guesser(weight.shape[1], dtype=weight.dtype)
 
+    def unreceived(self) -> None:
+        """Lets go of the guesser a refused load built: built again at the first output."""
+        self.guesser = None
+
     def kept(self, ctx: Any) -> None:
         """The node's update, with the guess, the moment its output is kept."""
         out = self.held
