@@ -170,7 +170,6 @@ def stable_rank(d: torch.Tensor) -> float:
     """‖D‖_F² / ‖D‖_2² of an update (flattened past its first dimension): about how many
     directions it moves the weight in; 1 / σ_max² of D scaled to norm 1. 0 for no update, and
     for one holding an inf or a NaN."""
-    d = d.detach()
     if d.layout is not torch.strided:
         d = d.to_dense()
     unit, scale = _unit(d.reshape(d.shape[0], -1))
