@@ -1058,3 +1058,18 @@ def test_an_edge_out_of_an_open_node_leaves_from_the_layer_that_gives_its_output
     assert _on_bottom(_start(svg, "n:a", "n:b"), drawn["l:a:2"])
     assert _on_bottom(_start(svg, "n:b", "n:sum"), drawn["l:b:1"])
     assert _on_bottom(_start(svg, "n:c", "n:sum"), drawn["l:c:"])
+
+
+def test_a_colour_past_what_a_float_holds_is_drawn_as_infinity_is():
+    g = small_graph()
+    huge = g.figure(colour={"enc": 10**400, "left": 1.0, "right": -(10**400), "join": 2.0})
+    assert huge.colour == {"enc": "inf", "left": 1.0, "right": "-inf", "join": 2.0}
+    inf = graph_figure(g, colour={"enc": math.inf, "left": 1.0, "right": -math.inf, "join": 2.0})
+    assert huge.svg() == inf.svg()  # unpainted, its tooltip saying ∞, the scale from 1 to 2
+    assert _fill(huge.svg(), "n:enc") == _fill(graph_figure(g).svg(), "n:enc")
+    assert _fill(huge.svg(), "n:join").startswith("rgb(")
+    huge.recolour({"left": 10**400})
+    assert huge.colour == {"left": "inf"} and "left\ncolour: ∞" in huge.svg()
+    with pytest.raises(TypeError, match=r"colour\['enc'\] is 'high'; colours are numbers"):
+        huge.recolour({"enc": "high"})
+    assert huge.colour == {"left": "inf"}

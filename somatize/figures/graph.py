@@ -92,6 +92,8 @@ def _colours(plan: dict[str, Any], colour: Any) -> dict[str, Any]:
             )
         try:
             number = float(value)
+        except OverflowError:  # an int a float cannot hold: past the scale's end, as inf is
+            number = math.inf if value > 0 else -math.inf
         except (TypeError, ValueError):
             raise TypeError(
                 f"colour[{key!r}] is {value!r}; colours are numbers (take one metric "
@@ -187,7 +189,8 @@ def graph_figure(
 
     `inside` is `{node: Inside}` (what `somatize.torch.architecture(g, x)` returns, or the
     insides' `.to_json()` dicts); every node given one opens into its layers, unless `opened`
-    lists which do. `colour` is `{where: number}` keyed by `node` or `node.path.to.layer`.
+    lists which do. `colour` is `{where: number}` keyed by `node` or `node.path.to.layer`
+    (NaN, ∞ and an int past what a float holds, read as ∞, leave their box unpainted).
     `expanded` lists folded blocks to show unfolded, as `"node:block.path"`. `width` and
     `height` are the output area's, in pixels, which the drawing is laid out to fit (a graph
     longer than the width wraps into rows, a network deeper than the height into columns); the
