@@ -217,8 +217,9 @@ class Graph:
 
     def _nearest(self, start: str, which: int) -> str | None:
         """A node at or above `start`, itself first, with trainable state it is not frozen on
-        (`which` 0) or an argument no key can take in (1), or None; kept per node until an edge
-        or a declaration above it changes, so building a graph asks each node once."""
+        (`which` 0) or an argument no key can take in (1), or None. Kept per node until an edge
+        or a declaration above it changes (for 0, the nearest that holds modules and is not
+        frozen: whether any is trainable is read each time, `requires_grad` may change)."""
         above, todo = self._above[which], [start]
         while todo:
             here = todo[-1]
@@ -231,10 +232,13 @@ class Graph:
                 node, s = self._impl[here], self._settings[here]
                 if which and here not in self._unkeyed:
                     self._unkeyed[here] = caching.unkeyable(node)
-                offends = self._unkeyed[here] if which else not s.frozen and _hooks.trainable(node)
+                bad = self._unkeyed[here] if which else not s.frozen and _hooks.state_modules(node)
                 found = next((above[p] for p in self._pred[here] if above[p] is not None), None)
-                above[here] = here if offends else found
-        return above[start]
+                above[here] = here if bad else found
+        if which or above[start] is None:
+            return above[start]
+        up = self._around(start, self._pred)
+        return next((n for n in up if above[n] == n and _hooks.trainable(self._impl[n])), None)
 
     def _forget_above(self, nodes: list[str]) -> None:
         for above in self._above:

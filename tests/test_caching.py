@@ -483,6 +483,28 @@ def test_a_cached_node_fed_by_a_trainable_unfrozen_one_is_refused_when_built():
     assert frozen.frozen() == {"lin": None}
 
 
+def test_which_nodes_are_trainable_is_read_at_each_edge_not_once_per_graph(store):
+    lin = Lin()
+    lin.requires_grad_(False)  # weights set aside: caching below it is allowed
+    g = Graph()
+    g.node("lin", lin)
+    g.node("first", Count().cached())
+    g.node("second", Count(3).cached())
+    g.edge("lin", "first")
+    lin.requires_grad_(True)  # to fine-tune it after all
+    with pytest.raises(ValueError, match=r"node 'second' .*node 'lin'.*frozen\(\)"):
+        g.edge("lin", "second")  # as a graph built now refuses it
+    with pytest.raises(ValueError, match=r"node 'count' .*node 'lin'"):
+        Graph.somatize(lin >> Count(3).cached())
+    assert g.edges() == [("lin", "first")]
+    lin.requires_grad_(False)  # set aside again: accepted, as a graph built now accepts it
+    g.edge("lin", "second")
+    Graph.somatize(lin >> Count(3).cached())
+    x = torch.ones(2, 3)
+    out = g.forward(x, store=store)
+    torch.testing.assert_close(out["second"], lin.lin(x) * 3)  # float32 tolerances
+
+
 def test_a_trainer_load_reaches_the_key_of_a_frozen_cached_node(store):
     from torch.nn.functional import mse_loss
 
