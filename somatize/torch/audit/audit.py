@@ -338,7 +338,7 @@ class Audit:
         ‖θ‖ of each weight (on the copy: the weights the step ran with), ‖∇θ‖ of each that
         has a gradient, and what each place heard."""
         flat = self._flat
-        normed = list(self._copy if self._copy is not None else flat)  # what is normed, in order
+        normed = list(self._copy or [])  # θ as `_begin` copied it, then each ∇θ there is
         grad_at = [-1] * len(flat)
         for i, q in enumerate(flat):
             g = q.grad
