@@ -193,23 +193,26 @@ class Recorder:
     def _write(self, broke: bool = False) -> None:
         if not self._dirty or not self._facts:
             return
+        meta = self._meta(broke)  # the summariser asked once, and refused before any write
         if self._number is None:  # the first write of this forward: claim a free number,
-            key = self.store.put(encode(self._facts, where=f"the record of run {self.run!r}"))
+            data = encode(self._facts, where=f"the record of run {self.run!r}")
+            encode(meta, where=f"the meta of run {self.run!r}")  # refused here, not after a put
+            key = self.store.put(data)
             number = self._next  # so that no other recorder of this run writes over it
-            while not self.store.claim(f"run/{self.run}/{number}", key, self._meta(number, broke)):
+            while not self.store.claim(f"run/{self.run}/{number}", key, meta):
                 number += 1
+                meta[1] = ("forward", number)
             self._number, self._next = number, number + 1
         else:
-            name = f"run/{self.run}/{self._number}"
-            self.store.keep(name, self._facts, meta=self._meta(self._number, broke))
+            self.store.keep(f"run/{self.run}/{self._number}", self._facts, meta=meta)
         self._dirty = False
 
-    def _meta(self, number: int, broke: bool) -> list[tuple[str, Any]]:
-        """The meta of this forward's record, numbered `number` in its run."""
+    def _meta(self, broke: bool) -> list[tuple[str, Any]]:
+        """The meta of this forward's record, numbered `_number` (or `_next`, to claim)."""
         finished = [f for f in self._facts if f.get("fact") == "finished"]
         meta: list[tuple[str, Any]] = [
             ("run", self.run),
-            ("forward", number),
+            ("forward", self._next if self._number is None else self._number),
             ("state", "ok" if finished else "broke" if broke else "unfinished"),
             ("nodes", sum(1 for f in self._facts if f.get("fact") == "ran")),
             ("took_us", finished[-1].get("took_us") if finished else None),

@@ -13,7 +13,7 @@ import pytest
 
 from somatize import Graph, Node, Recorder, Store, health
 from somatize import record as rec
-from somatize.codecs import decode, encode
+from somatize.codecs import NoCodec, decode, digest, encode
 
 
 class Inc(Node):
@@ -179,6 +179,28 @@ def test_summarising_adds_meta_and_may_not_overwrite(tmp_path: Path) -> None:
     when = Recorder(store, run="when", summarising=lambda facts: {"when": "tuesday"})
     with pytest.raises(ValueError, match=r"may not overwrite the record's own meta \['when'\]"):
         when({"fact": "finished", "took_us": 1.0})  # forwards() has a column of that name
+
+
+def test_a_refused_summary_leaves_nothing_in_the_store(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    finished = {"fact": "finished", "took_us": 1.0}
+    kept = digest(encode([finished]))  # what the record would hold
+    asked = []
+
+    def summary(facts: list[dict[str, Any]]) -> dict[str, Any]:
+        asked.append(len(facts))
+        return {"best": 1}
+
+    for said, error in (({"state": "mine"}, ValueError), ({"bad": object()}, NoCodec)):
+        refused = Recorder(store, run="refused", summarising=lambda facts, said=said: said)
+        with pytest.raises(error, match="state|meta"):
+            refused(dict(finished))
+        assert store.get(kept) is None and store.names() == []
+    taken = Recorder(store, run="taken", summarising=summary)
+    store.keep("run/taken/0", [])  # another writer claims forward 0 first: 1 is claimed
+    taken(dict(finished))
+    bound = store.resolve("run/taken/1")
+    assert bound.get("forward") == 1 and bound.get("best") == 1 and asked == [1]  # asked once
 
 
 def within(seconds: float, work: Callable[[], Any]) -> Any:
