@@ -33,9 +33,8 @@ def _roots(held: Named, seen: set[int]) -> Named:
     return out
 
 
-def _leaves(path: str, module: nn.Module, seen: set[int] | None = None) -> list[str]:
-    """The layers under `module` (each module once), by path."""
-    seen = set() if seen is None else seen
+def _leaves(path: str, module: nn.Module, seen: set[int]) -> list[str]:
+    """The layers under `module` (each module once, of those not in `seen`), by path."""
     out = []
     for p, part in _children(path, module, seen):
         out += _leaves(p, part, seen) if parts_of(part) else [p]
@@ -51,7 +50,7 @@ def _finest_cut(held: Named, most: int) -> tuple[Named, list[str]]:
     left: list[str] = []
     if len(cut) > most:
         for path, m in cut[most:]:
-            left += [path] + _leaves(path, m)
+            left += [path] + _leaves(path, m, set())
         return cut[:most], left
     level = list(cut)
     while level:
@@ -59,7 +58,7 @@ def _finest_cut(held: Named, most: int) -> tuple[Named, list[str]]:
         for path, module in level:
             kids = _children(path, module, seen)
             if kids and len(cut) - 1 + len(kids) > most:
-                left += _leaves(path, module)
+                left += _leaves(path, module, set())
             elif kids:
                 at = [p for p, _ in cut].index(path)
                 cut[at : at + 1] = kids
