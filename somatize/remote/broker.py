@@ -55,6 +55,7 @@ class Broker:
         self.session = secrets.token_hex(8)
         self._connections: dict[str, Connection] = {}
         self._defined: dict[str, set[str]] = {}  # host: the keys its worker holds
+        self._incarnation: dict[str, str | None] = {}  # host: its worker's when they were sent
         self._held: dict[str, tuple[str, Any]] = {}  # key: (node id, node), kept so no id is reused
         self._stateful: set[str] = set()
         self._learnt: set[tuple[str, str]] = set()  # (host, key) learnt since last read
@@ -106,7 +107,6 @@ class Broker:
     def request(self, host: str, message: dict[str, Any], **kw: Any) -> Any:
         """Send one request (sealed, under this broker's session) to `host`'s worker."""
         conn = self.connection(host)
-        incarnation = conn.incarnation  # the worker's, as the connection's hello said
         try:
             return conn.request(message, session=self.session, **kw)
         except Unknown:
@@ -123,7 +123,7 @@ class Broker:
                 )
             raise
         finally:
-            if conn.incarnation != incarnation:
+            if self._incarnation.get(host, conn.incarnation) != conn.incarnation:
                 self.forget(host)  # a restarted worker holds none of it any more
 
     # -- nodes --------------------------------------------------------------------------------
@@ -238,6 +238,7 @@ class Broker:
     def defined(self, host: str, keys: list[str]) -> None:
         """Note that `host`'s worker now holds what goes by these keys."""
         self._defined.setdefault(host, set()).update(keys)
+        self._incarnation[host] = self._connections[host].incarnation
 
     def learnt(self, host: str, nodes: list[tuple]) -> None:
         """Note that these nodes (each `(nid, node, device)`, as `send` takes them) may have
