@@ -32,6 +32,36 @@ def test_fedavg_weighs_by_size_and_keeps_counts_from_the_first():
     assert torch.equal(fedavg([export(1.0), export(3.0)])["enc"]["w"], torch.full((2, 2), 2.0))
 
 
+def test_sizes_may_be_numpy_numbers_as_a_dataset_length_often_is(tmp_path):
+    import numpy as np
+
+    avg = fedavg([export(1.0, 3), export(4.0, 7)], sizes=np.array([2, 1]))
+    assert torch.equal(avg["enc"]["w"], torch.full((2, 2), 2.0))
+    assert torch.equal(
+        fedavg([export(1.0), export(4.0)], sizes=[np.float32(2.0), np.int64(1)])["enc"]["w"],
+        torch.full((2, 2), 2.0),
+    )
+    with pytest.raises(ValueError, match=r"sizes\[1\].*>= 0"):
+        fedavg([export(1.0), export(4.0)], sizes=np.array([1.0, np.nan]))
+    store = Store(tmp_path / "s")
+    answers: dict[int, dict] = {}
+
+    def client(k):
+        size = np.int64(2) if k == 0 else np.float64(1.0)
+        answers[k] = gather(
+            store, export(1.0 + 3 * k), run="r", round=0, clients=2, mine=k, size=size, asking=0.02
+        )
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in range(2):  # weighed 2:1, as plain Python sizes are
+        assert torch.equal(answers[k]["enc"]["w"], torch.full((2, 2), 2.0))
+    assert type(dict(store.resolve("r/round/0/client/0").meta)["size"]) is int
+
+
 def test_fedavg_averages_in_float64_and_casts_back():
     # In float16 the running sum of these would round: 2048 + 1 is 2048 there.
     exports = [export(2048.0, dtype=torch.float16)] + [export(2050.0, dtype=torch.float16)] * 3

@@ -14,6 +14,7 @@ Each client trains, exports (`Trainer.export`), puts its round into a shared sto
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -47,7 +48,8 @@ def _not_an_export(value: Any, like: Export | None = None) -> str | None:
 
 
 def _bad_size(s: Any) -> bool:
-    return isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0 or s == math.inf
+    """Whether `s` is not a sample count: a finite real number >= 0 (numpy's too), not a bool."""
+    return isinstance(s, bool) or not isinstance(s, numbers.Real) or not s >= 0 or s == math.inf
 
 
 def _check_sizes(sizes: Sequence[float] | None, n: int) -> list[float]:
@@ -213,6 +215,8 @@ def gather(
         raise ValueError(f"gather: mine is which client this is, 0 to {clients - 1}, not {mine!r}")
     if size is not None and _bad_size(size):
         raise ValueError(f"gather: size is how many samples this client saw, >= 0, not {size!r}")
+    if size is not None:  # kept beside the export as a plain Python number
+        size = int(size) if isinstance(size, numbers.Integral) else float(size)
     what = unwrap(what)
     why = _not_an_export(what)
     if why:
