@@ -992,3 +992,46 @@ def test_a_module_holding_a_weight_another_holds_says_which():
     tied = {x.path: x.tied_to for x in inside.layers if x.tied_to}
     assert tied == {"decoder.embed_tokens": "encoder.embed_tokens"}
     assert inside.params == sum(p.numel() for p in t5.parameters())
+
+
+class Pair(nn.Module):
+    """Gives back a tuple: one layer's output, its own input unchanged, another's."""
+
+    def __init__(self, branchy: bool = False):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.branchy = branchy
+
+    def forward(self, x):
+        b = self.b(x) if not self.branchy or bool(x.sum() > -1e9) else None  # fx cannot know
+        return b, x, self.a(x)
+
+
+@pytest.mark.parametrize("branchy, how", [(False, "symbolic"), (True, "traced")])
+def test_the_layers_that_made_the_nodes_output_are_said_in_its_order(branchy, how):
+    for example in (None, torch.randn(2, 4)) if how == "symbolic" else (torch.randn(2, 4),):
+        inside = architecture(Pair(branchy), example)["pair"]
+        assert inside.how == how
+        assert inside.outputs == ["b", "a"], inside.to_json()  # what it passed on: no layer's
+        assert inside.to_json()["outputs"] == ["b", "a"]
+        assert {p for e in inside.edges for p in e} <= {x.path for x in inside.layers}
+    one = architecture(nn.Linear(4, 4), torch.randn(2, 4))["linear"]  # a node that is one layer
+    assert one.inputs == one.outputs == [""]
+    cut = architecture(nn.Sequential(*[nn.Linear(4, 4) for _ in range(5)]), None, most=3)
+    assert cut["sequential"].hidden == 2 and cut["sequential"].outputs == []  # its maker cut
+
+
+def test_the_layers_that_made_a_real_models_output_are_said():
+    from models import zoo
+
+    bert = zoo.bert()  # gives back last_hidden_state and pooler_output
+    inside = traced(bert.model, bert.example)
+    last = "encoder.layer.0.output.LayerNorm"  # the first copy of the folded layer ×2
+    assert inside.outputs == [last, "pooler.activation"]
+    assert inside.layer(last).repeats == ["encoder.layer.1.output.LayerNorm"]
+    assert traced(bert.model, bert.example, most=4).outputs == ["encoder", "pooler"]  # closed
+    gpt2 = zoo.gpt2()  # logits; its cache is no tensor a forward gives back as such
+    assert traced(gpt2.model, gpt2.example).outputs == ["lm_head"]
+    cnn = zoo.smallnet()
+    for example in (None, cnn.example):
+        assert traced(cnn.model, example).outputs == ["fc"]

@@ -228,7 +228,7 @@ class Reading(Boxes):
         self.out = Traced()  # the boxes, as layers
         self.order: list[str] = []
         self.edges: dict[tuple[str, str], None] = {}
-        self.ends: set[str] = set()  # the layers that made what the root gave back
+        self.ends: list[str] = []  # the layers that made what the root gave back, in order
 
     def _ran(self, layer: Raw, made: frozenset[str]) -> None:
         """`layer` ran now, on what the layers in `made` made."""
@@ -257,7 +257,7 @@ class Reading(Boxes):
         self._ran(layer, made)
 
     def _gave(self, outs: list[torch.Tensor]) -> None:
-        self.ends = set(self.made_by(outs)[1])
+        self.ends = [p for t in outs for p in sorted(self.made_by([t])[1])]
 
     def result(self) -> Traced:
         """What the root's first call was seen to be made of."""

@@ -77,7 +77,11 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
         for p in sorted(given[n]):
             if p != layer.path:
                 edges[(p, layer.path)] = None
-    ends = {p for n in graph.nodes if n.op == "output" for p in producers[n]}
+    given_back: list[fx.Node] = []  # what the forward returns, in its order
+    for n in graph.nodes:
+        if n.op == "output":
+            fx.node.map_arg(n.args, given_back.append)
+    ends = [p for n in given_back for p in sorted(producers[n])]
     finish(out, edges, [made[n].path for n in graph.nodes if n in made], ends)
     return out
 

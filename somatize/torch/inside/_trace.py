@@ -10,8 +10,9 @@ call besides the data (a top-k's indices in `index_select(h, 0, rows)`, an argma
 decides where the data goes, not what it is: its producers are not the result's, so a router
 feeds the weights it computes, and the experts are fed by the tokens. The node's own input is
 made by `INPUT` (the root's path, `""`): an edge from it says which layers read what the node
-was given. A module called twice is a box per call (`relu`, `relu#2`), and each layer knows
-which call of each block around it it ran in (`Raw.within`).
+was given, an edge to `OUTPUT` which made what it gave back (in that value's order). A module
+called twice is a box per call (`relu`, `relu#2`), and each layer knows which call of each
+block around it it ran in (`Raw.within`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ INDEXES = {
 }
 INDEX_KEYWORDS = frozenset(("index", "indices", "mask", "condition"))
 INPUT = ""  # what made the node's own input, in edges: the root, at path ""
+OUTPUT = "<output>"  # what the node gave back, in edges: no module's path
 _JOINS = frozenset(("cat", "concat", "concatenate", "stack", "hstack", "vstack"))
 
 
@@ -240,12 +242,13 @@ def function_layer(opening: Opening, out: Traced, block: str | None, fn: Any, pa
     return layer
 
 
-def finish(out: Traced, edges: Any, order: list[str], ends: set[str]) -> None:
-    """`out` with its edges, its layers in the order they ran (each block just before its
-    first layer, and as wide as its last one), and without the functions whose result reaches
-    nothing drawn and is not what the module gave back (`ends`): a number read for a decision
-    (`x.mean() > 0`) is not a layer of the net."""
-    out.edges = list(edges)
+def finish(out: Traced, edges: Any, order: list[str], ends: list[str]) -> None:
+    """`out` with its edges, an edge to `OUTPUT` from each layer that made what the module
+    gave back (`ends`, in its order; what it passed on from its input is made by none), its
+    layers in the order they ran (each block just before its first layer, and as wide as its
+    last one), and without the functions whose result reaches nothing drawn and is not what
+    the module gave back: a number read for a decision (`x.mean() > 0`) is not a layer."""
+    out.edges = [*edges, *((p, OUTPUT) for p in dict.fromkeys(ends) if p != INPUT)]
     ranked: dict[str, None] = {}
     for path in order:
         chain = []
@@ -263,7 +266,7 @@ def finish(out: Traced, edges: Any, order: list[str], ends: set[str]) -> None:
             out.layers[block].shape = shape
             block = out.layers[block].block
     while True:
-        kept = {a for a, _ in out.edges} | ends  # what feeds a layer, and what was given back
+        kept = {a for a, _ in out.edges}  # what feeds a layer, or what was given back
         dead = {p for p, x in out.layers.items() if x.function and p not in kept}
         if not dead:
             return

@@ -23,6 +23,7 @@ from somatize.torch.inside._forward import Reading
 from somatize.torch.inside._fx import by_fx, fx_trace
 from somatize.torch.inside._trace import (
     INPUT,
+    OUTPUT,
     Layer,
     Opening,
     Raw,
@@ -45,8 +46,11 @@ class Inside:
     layers left out to stay under `most`. `params` is how many parameters the node holds,
     each counted once however often it is tied or its block repeats. `inputs` are the layers
     that read what the node was given (each concat of a dense block, each branch of an
-    inception block, the first layer of a chain), in the order they ran: `edges` are between
-    layers only.
+    inception block, the first layer of a chain), in the order they ran; `outputs` are the
+    layers that made the tensors of what it gave back, in that value's order (a BertModel's
+    last `LayerNorm`, for `last_hidden_state`, then its pooler's `Tanh`; a folded block's
+    first copy's layer stands for its last's): `edges` are between layers only. A node that
+    is one layer says its path, `""`, in both.
     """
 
     layers: list[Layer]
@@ -56,6 +60,7 @@ class Inside:
     hidden: int = 0
     params: int = 0
     inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
 
     def layer(self, path: str) -> Layer:
         """The layer at `path`; KeyError naming the paths there are if there is none."""
@@ -80,7 +85,7 @@ def _raw(module: nn.Module, plan: Any, shape: Any) -> tuple[Traced, str, str | N
         how = "symbolic" if plan.why is None else "traced"
         return (plan.result(), how, plan.why) if plan.runs else None
     if not parts_of(module):  # one layer, whatever its forward does inside
-        out = Traced()
+        out = Traced(edges=[(INPUT, ""), ("", OUTPUT)])  # (it reads the input, and gives back)
         Opening(module, 0).add_leaf(out, "").shape = shape
         return out, "symbolic", None
     return None if plan is None else (by_fx(plan), "symbolic", None)
@@ -267,7 +272,9 @@ def architecture(
         _same_and_closed(root, folded)
         kept = [k.name for k in fields(Layer)]  # what a tracer's layer says that a figure draws
         layers = [Layer(**{k: getattr(r, k) for k in kept}) for r in folded.values()]
-        inputs = [b for a, b in edges if a == INPUT]
-        edges = [(a, b) for a, b in edges if a != INPUT]
-        out[node] = Inside(layers, edges, how, why, hidden, params_of(root), inputs)
+        outputs = [a for a, b in edges if b == OUTPUT]
+        inputs = [b for a, b in edges if a == INPUT and b != OUTPUT]
+        edges = [(a, b) for a, b in edges if a != INPUT and b != OUTPUT]
+        params = params_of(root)
+        out[node] = Inside(layers, edges, how, why, hidden, params, inputs, outputs)
     return out

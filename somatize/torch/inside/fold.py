@@ -10,7 +10,7 @@ import functools
 from dataclasses import replace
 from typing import Any
 
-from somatize.torch.inside._trace import INPUT, Raw, Traced, call_path
+from somatize.torch.inside._trace import INPUT, OUTPUT, Raw, Traced, call_path
 
 __all__ = ["fold", "collapse"]
 
@@ -144,7 +144,9 @@ def collapse(
         layers = dict(list(layers.items())[:most])
         for f in layers.values():
             f.made_of = [c for c in f.made_of if c in layers]
-        edges = [(a, b) for a, b in edges if (a in layers or a == INPUT) and b in layers]
+        edges = [
+            (a, b) for a, b in edges if (a in layers or a == INPUT) and (b in layers or b == OUTPUT)
+        ]
     return layers, edges, hidden
 
 
