@@ -1041,10 +1041,17 @@ def test_an_edge_out_of_an_open_node_leaves_from_the_layer_that_gives_its_output
     x, y, w, h = boxes(svg)["n:enc"]
     start = _start(svg, "n:enc", "n:head")
     assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
-    # with its pooler, BERT's last layer is the pooler's Tanh
+    # with its pooler, BERT gives back last_hidden_state, then pooler_output (its Tanh's, the
+    # last layer that ran): the edge leaves from what made the first
     g = Graph.somatize(Node.of(case.model).named("enc") >> Node.of(FirstToken()).named("head"))
-    svg = g.figure(inside=architecture(g, case.example)).svg()
-    assert _on_bottom(_start(svg, "n:enc", "n:head"), boxes(svg)["l:enc:pooler.activation"])
+    inside = architecture(g, case.example)
+    assert inside["enc"].outputs == ["encoder.layer.0.output.LayerNorm", "pooler.activation"]
+    svg = g.figure(inside=inside).svg()
+    drawn = boxes(svg)
+    assert _on_bottom(
+        _start(svg, "n:enc", "n:head"), drawn["l:enc:encoder.layer.0.output.LayerNorm"]
+    )
+    assert not _on_bottom(_start(svg, "n:enc", "n:head"), drawn["l:enc:pooler.activation"])
     # a chain's last layer, sending to two branches at one point; a node that is one layer
     a = Node.of(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))).named("a")
     b, c = (
@@ -1073,3 +1080,52 @@ def test_a_colour_past_what_a_float_holds_is_drawn_as_infinity_is():
     with pytest.raises(TypeError, match=r"colour\['enc'\] is 'high'; colours are numbers"):
         huge.recolour({"enc": "high"})
     assert huge.colour == {"left": "inf"}
+
+
+class LastToken(nn.Module):
+    """A classifier on the logits a language model gave for its last token."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(vocab, 3)
+
+    def forward(self, out):
+        return self.fc(out.logits[:, -1])
+
+
+class Pair(nn.Module):
+    """Gives back two layers' outputs, the first made by a layer that ran before the second."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.first(x), self.second(x)
+
+
+def test_an_edge_out_of_an_open_node_leaves_from_the_layer_that_made_the_first_output():
+    from models import zoo
+
+    from somatize.torch import architecture
+
+    gpt2 = zoo.gpt2()  # logits (its head's, tied to the token embedding) >> a classifier
+    g = Graph.somatize(
+        Node.of(gpt2.model).named("lm") >> Node.of(LastToken(zoo.VOCAB)).named("head")
+    )
+    inside = architecture(g, gpt2.example)
+    assert inside["lm"].outputs == ["lm_head"]
+    svg = g.figure(inside=inside).svg()
+    assert _on_bottom(_start(svg, "n:lm", "n:head"), boxes(svg)["l:lm:lm_head"])
+    cnn = zoo.smallnet()  # a plain CNN: its linear head
+    g = Graph.somatize(Node.of(cnn.model).named("cnn") >> Node.of(nn.Linear(5, 2)).named("out"))
+    inside = architecture(g, cnn.example)
+    assert inside["cnn"].outputs == ["fc"] and inside["out"].outputs == [""]
+    svg = g.figure(inside=inside).svg()
+    assert _on_bottom(_start(svg, "n:cnn", "n:out"), boxes(svg)["l:cnn:fc"])
+    # a tuple: from the layer that made its first tensor, though another ran after it
+    g = Graph.somatize(Node.of(Pair()).named("pair") >> Node.of(nn.Bilinear(4, 4, 2)).named("b"))
+    inside = architecture(g, torch.randn(2, 4))
+    assert inside["pair"].outputs == ["first", "second"]
+    svg = g.figure(inside=inside).svg()
+    assert _on_bottom(_start(svg, "n:pair", "n:b"), boxes(svg)["l:pair:first"])

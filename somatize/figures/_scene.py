@@ -182,12 +182,14 @@ class _Inside:
         if not inputs and len(drawn) == 1:  # (a node that is one layer reads it there)
             inputs = [drawn[0]["path"]]
         self.reader = inputs[0] if len(inputs) == 1 else INPUT  # where the node's input goes
-        # where the node's output is made: the last box that ran feeding no other (a block
-        # drawn closed is one box), else the last box
+        # where an edge out of the node leaves: the layer that made the first tensor of what it
+        # gave back (the graph hands on all of it, not knowing what the next node reads); an
+        # inside that does not say: the last box that ran feeding no other, else the last box
         held = {la.get("block") for la in self.layers}
         shown = [la["path"] for la in self.layers if la["path"] not in held]
         sent = {a for a, _ in edges}
-        self.giver = next((p for p in reversed(shown) if p not in sent), shown[-1] if shown else "")
+        guess = next((p for p in reversed(shown) if p not in sent), shown[-1] if shown else "")
+        self.giver = next((str(p) for p in inside.get("outputs") or []), guess)
 
     def boxes(self) -> list[Box]:
         out: list[Box] = [self._input()] if self.inputs else []
