@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from somatize import _hooks, caching, run
+from somatize import _hooks, _keys, caching, run
 from somatize.node import (
     DEVICE,
     Chain,
@@ -47,8 +47,8 @@ class Graph:
         self._edges: list[tuple[str, str]] = []
         self._counts: dict[str, int] = {}
         self._plan: Any = None
-        # per node, for `_refuse_stale`: `caching.unkeyable`, and what `_nearest` found
-        self._unkeyed: dict[str, caching.Unkeyable | None] = {}
+        # per node, for `_refuse_stale`: `_keys.unkeyable`, and what `_nearest` found
+        self._unkeyed: dict[str, _keys.Unkeyable | None] = {}
         self._above: tuple[dict[str, str | None], dict[str, str | None]] = ({}, {})
 
     # -- building ------------------------------------------------------------------------
@@ -153,8 +153,8 @@ class Graph:
                 "its output would change under the cache. Declare it .frozen().cached(), "
                 "or do not cache it"
             )
-        if s.cached and s.salt is None and (why := caching.unkeyable(node)) is not None:
-            raise caching.refusal(nid, nid, why)
+        if s.cached and s.salt is None and (why := _keys.unkeyable(node)) is not None:
+            raise _keys.refusal(nid, nid, why)
         if s.device is None or s.device == was or s.host is not None:
             return
         try:
@@ -213,7 +213,7 @@ class Graph:
             )
         unsalted = [c for c in cached if self._settings[c].salt is None]
         if unsalted and (up := self._nearest(a, 1)) is not None:
-            raise caching.refusal(unsalted[0], up, self._unkeyed[up])
+            raise _keys.refusal(unsalted[0], up, self._unkeyed[up])
 
     def _nearest(self, start: str, which: int) -> str | None:
         """A node at or above `start`, itself first, with trainable state it is not frozen on
@@ -231,7 +231,7 @@ class Graph:
                 todo.pop()
                 node, s = self._impl[here], self._settings[here]
                 if which and here not in self._unkeyed:
-                    self._unkeyed[here] = caching.unkeyable(node)
+                    self._unkeyed[here] = _keys.unkeyable(node)
                 bad = self._unkeyed[here] if which else not s.frozen and _hooks.state_modules(node)
                 found = next((above[p] for p in self._pred[here] if above[p] is not None), None)
                 above[here] = here if bad else found

@@ -13,7 +13,16 @@ import pytest
 from somatize import _hooks
 
 PACKAGE = Path(__file__).resolve().parent.parent / "somatize"
-CORE = ["node.py", "graph.py", "run.py", "caching.py", "store.py", "codecs.py", "record.py"]
+CORE = [
+    "node.py",
+    "graph.py",
+    "run.py",
+    "caching.py",
+    "_keys.py",
+    "store.py",
+    "codecs.py",
+    "record.py",
+]
 
 
 def imported(path: Path) -> set[str]:

@@ -8,7 +8,16 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "somatize"
-CORE = ["node.py", "graph.py", "run.py", "caching.py", "store.py", "codecs.py", "record.py"]
+CORE = [
+    "node.py",
+    "graph.py",
+    "run.py",
+    "caching.py",
+    "_keys.py",
+    "store.py",
+    "codecs.py",
+    "record.py",
+]
 
 
 def top_level_imports(path: Path) -> set[str]:
