@@ -154,10 +154,14 @@ class Store:
             raise TypeError(f"put takes bytes, not {type(data).__name__}; use keep for values")
         data = bytes(data)
         key = _digest_of(data)
+        self._put(key, data)
+        return key
+
+    def _put(self, key: str, data: bytes) -> None:
+        """Keep `data`, whose digest is `key`, unless the same bytes are there already."""
         path = self._blob_path(key)
         if self._place.read(path) != data:
             self._place.write(path, data)
-        return key
 
     def get(self, digest: str) -> bytes | None:
         """The bytes whose digest is `digest`, or None if this store has none. Raises
@@ -252,7 +256,7 @@ class Store:
         data = encode(unwrap(value), where=f"the value kept as {name!r}")
         key = _digest_of(data)
         binding = self._binding(name, key, meta)  # refuses bad meta before the blob is put
-        self.put(data)
+        self._put(key, data)  # hashed once, above
         self._place.write(path, binding)
         return key
 
