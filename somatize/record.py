@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from somatize.codecs import encode
 from somatize.run import warn
-from somatize.store import Store, store_of
+from somatize.store import Store, _meta_pairs, store_of
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -196,7 +196,12 @@ class Recorder:
         meta = self._meta(broke)  # the summariser asked once, and refused before any write
         if self._number is None:  # the first write of this forward: claim a free number,
             data = encode(self._facts, where=f"the record of run {self.run!r}")
-            encode(meta, where=f"the meta of run {self.run!r}")  # refused here, not after a put
+            # the meta refused here as claim would refuse it (pairs, str keys, a codec for
+            # each value), not after the record's blob is put
+            encode(
+                _meta_pairs(meta, f"run/{self.run}/{self._next}"),
+                where=f"the meta of run {self.run!r}",
+            )
             key = self.store.put(data)
             number = self._next  # so that no other recorder of this run writes over it
             while not self.store.claim(f"run/{self.run}/{number}", key, meta):

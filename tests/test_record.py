@@ -191,7 +191,8 @@ def test_a_refused_summary_leaves_nothing_in_the_store(tmp_path: Path) -> None:
         asked.append(len(facts))
         return {"best": 1}
 
-    for said, error in (({"state": "mine"}, ValueError), ({"bad": object()}, NoCodec)):
+    refusals = (({"state": "mine"}, ValueError), ({"bad": object()}, NoCodec), ({5: 1}, TypeError))
+    for said, error in refusals:
         refused = Recorder(store, run="refused", summarising=lambda facts, said=said: said)
         with pytest.raises(error, match="state|meta"):
             refused(dict(finished))
