@@ -318,9 +318,11 @@ class _Inside:
             self.copies.append((b, copies))
         return made
 
-    def routed(self) -> list[tuple[str, str]]:
-        """The edges between drawn boxes; an expanded block's copies chained one after the
-        other (what entered the block enters the first, what left it leaves the last)."""
+    def routed(self) -> tuple[list[tuple[str, str]], str]:
+        """The edges between drawn boxes, an expanded block's copies chained one after the
+        other (what entered the block enters the first, what left it leaves the last); and
+        the box an edge out of the node leaves from (its `giver`'s, the last copy's where it
+        is in an expanded block; "" where none is drawn)."""
         out = [*self.edges, (self.giver, OUTPUT)]  # (what leaves the last copy, as any edge)
         for b, copies in self.copies:
             inside = {
@@ -346,9 +348,9 @@ class _Inside:
                 else:
                     nxt.append((x, y))
             out = nxt
-        self.exit = next((self.ids.get(x, "") for x, y in out if y == OUTPUT), "")
+        leaves = next((self.ids.get(x, "") for x, y in out if y == OUTPUT), "")
         drawn = ((self.ids.get(x), self.ids.get(y)) for x, y in out)
-        return list(dict.fromkeys((a, b) for a, b in drawn if a and b and a != b))
+        return list(dict.fromkeys((a, b) for a, b in drawn if a and b and a != b)), leaves
 
 
 def branch_groups(order: list[str], edges: list[tuple[str, str]]) -> list[dict]:
@@ -441,8 +443,7 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
     if opened and inside:
         world = _Inside(nid, inside, expanded)
         box.children = world.boxes()
-        box.edges = world.routed()
+        box.edges, box.exit = world.routed()
         box.entry = world.ids.get(world.reader, "")  # "" where the inside does not say
-        box.exit = world.exit
         box.pad = (NODE_TOP + (PILL_H if pills else 0), 12.0, 12.0, 12.0)
     return box
