@@ -263,9 +263,7 @@ def _pack(value: Any) -> bytes:
         try:
             packer.pack([value])
             return bytes(packer.getbuffer()[1:])  # the value's bytes, after the list's header
-        except _TooDeep:  # refused inside a tuple or a registered value
-            raise
-        except ValueError as error:
+        except ValueError as error:  # a _TooDeep from inside a tuple or a registered value too
             if "recursion limit" not in str(error):
                 raise
         # Something sits 1024 levels down: a list or dict there is read by no one.
