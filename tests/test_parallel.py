@@ -586,6 +586,8 @@ def test_ranks_with_uneven_batches_are_refused_on_every_rank_not_left_waiting(tm
         said = told(tmp_path, "uneven", rank)
         assert "(rank 0 5, rank 1 4 batches)" in said["sized"]
         assert "nothing was trained" in said["sized"] and said["unmoved"] is True
+        for name in ("sized", "stream", "generator"):  # each names the mode refused
+            assert said[name].startswith("parallel='ddp' takes one step on every rank"), name
         assert (
             "rank(s) [1] ran out of batches after 4 while rank(s) [0] had more" in (said["stream"])
         )

@@ -315,7 +315,7 @@ class Parallel:
         with _ranks.answering("comparing how many batches each rank has"):
             lengths = _ranks.gathered(n)
         if min(lengths) < 0:
-            return _InStep(data)
+            return _InStep(data, self.mode)
         if len(set(lengths)) > 1:
             each = ", ".join(f"rank {r} {k}" for r, k in enumerate(lengths))
             raise ValueError(
@@ -417,8 +417,9 @@ class _InStep:
     whether they have one, and stop together; some with one and some without is refused on
     every rank, naming them, rather than leave those with one waiting for ever."""
 
-    def __init__(self, data: Any) -> None:
+    def __init__(self, data: Any, mode: str) -> None:
         self.data = data
+        self.mode = mode
 
     def __iter__(self) -> Iterator[Any]:
         batches = iter(self.data)
@@ -433,9 +434,9 @@ class _InStep:
                 out = [r for r, h in enumerate(have) if not h]
                 more = [r for r, h in enumerate(have) if h]
                 raise ValueError(
-                    f"data parallel takes one step on every rank at once, and rank(s) {out} "
-                    f"ran out of batches after {taken} while rank(s) {more} had more; the "
-                    f"steps taken stand, the group left open is dropped. {_EVEN}"
+                    f"parallel={self.mode!r} takes one step on every rank at once, and "
+                    f"rank(s) {out} ran out of batches after {taken} while rank(s) {more} had "
+                    f"more; the steps taken stand, the group left open is dropped. {_EVEN}"
                 )
             taken += 1
             yield batch
