@@ -260,8 +260,9 @@ class Audit:
         return self._graph is not None
 
     def at(self, step: int | None) -> None:
-        """On a worker: the Trainer's step the next forward belongs to (measured or not by
-        this audit's cadence); None once the Trainer's audit no longer watches."""
+        """The Trainer's step the next forward belongs to (measured or not by this audit's
+        cadence): told on a worker each step, and here when a resumed run sets `t.steps`;
+        None once the Trainer's audit no longer watches."""
         if step is None:
             self._arm(False)
         elif step != self.step:
