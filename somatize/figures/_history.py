@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from somatize.figures._svg import as_float
 from somatize.health import Verdicts, where_of
 from somatize.health import numbers_of as health_numbers
 from somatize.health.metrics import FACT_KEYS
@@ -178,10 +179,7 @@ def _numbers(values: list[Any], buffers: list | None) -> Any:
     as JSON holds them (NaN and infinities as "nan", "inf", "-inf", None as null)."""
     part = array("d")
     for v in values:
-        try:
-            part.append(math.nan if v is None else float(v))
-        except OverflowError:  # an int past a float's range
-            part.append(math.inf if v > 0 else -math.inf)
+        part.append(math.nan if v is None else as_float(v))
     if buffers is None:
         return [
             None if given is None else v if math.isfinite(v) else str(v)

@@ -43,14 +43,20 @@ def text_width(text: str, px: float = 12, bold: bool = False) -> float:
     return total * px / 100
 
 
+def as_float(v: Any) -> float:
+    """`v` as a float, an int a float cannot hold (10**400) as the infinity of its sign;
+    TypeError or ValueError for what is no number."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
 def finite(v: Any) -> bool:
     """Whether `v` is a number (not a bool) and finite: an int a float cannot hold is not."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
+    return math.isfinite(as_float(v))
 
 
 def esc(text: Any) -> str:

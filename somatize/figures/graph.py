@@ -17,6 +17,7 @@ import traitlets
 
 from somatize.figures._draw import picture
 from somatize.figures._page import STATIC, Face, image, jsonable
+from somatize.figures._svg import as_float
 from somatize.graph import as_graph
 
 __all__ = ["GraphFigure", "graph_figure"]
@@ -91,9 +92,7 @@ def _colours(plan: dict[str, Any], colour: Any) -> dict[str, Any]:
                 f"node.path.to.layer inside one (nodes: {', '.join(sorted(ids))})"
             )
         try:
-            number = float(value)
-        except OverflowError:  # an int a float cannot hold: past the scale's end, as inf is
-            number = math.inf if value > 0 else -math.inf
+            number = as_float(value)  # an int a float cannot hold: past the scale's end, as inf
         except (TypeError, ValueError):
             raise TypeError(
                 f"colour[{key!r}] is {value!r}; colours are numbers (take one metric "
