@@ -206,22 +206,22 @@ class Recorder:
             number = self._next  # so that no other recorder of this run writes over it
             while not self.store.claim(f"run/{self.run}/{number}", key, meta):
                 number += 1
-                meta[1] = ("forward", number)
+                meta["forward"] = number
             self._number, self._next = number, number + 1
         else:
             self.store.keep(f"run/{self.run}/{self._number}", self._facts, meta=meta)
         self._dirty = False
 
-    def _meta(self, broke: bool) -> list[tuple[str, Any]]:
+    def _meta(self, broke: bool) -> dict[str, Any]:
         """The meta of this forward's record, numbered `_number` (or `_next`, to claim)."""
         finished = [f for f in self._facts if f.get("fact") == "finished"]
-        meta: list[tuple[str, Any]] = [
-            ("run", self.run),
-            ("forward", self._next if self._number is None else self._number),
-            ("state", "ok" if finished else "broke" if broke else "unfinished"),
-            ("nodes", sum(1 for f in self._facts if f.get("fact") == "ran")),
-            ("took_us", finished[-1].get("took_us") if finished else None),
-        ]
+        meta: dict[str, Any] = {
+            "run": self.run,
+            "forward": self._next if self._number is None else self._number,
+            "state": "ok" if finished else "broke" if broke else "unfinished",
+            "nodes": sum(1 for f in self._facts if f.get("fact") == "ran"),
+            "took_us": finished[-1].get("took_us") if finished else None,
+        }
         if self.summarising is not None:
             self._summarising = True
             try:
@@ -230,10 +230,10 @@ class Recorder:
                 self._summarising = False
             if not isinstance(extra, Mapping):
                 raise TypeError(f"summarising returned {type(extra).__name__}, not a dict")
-            clash = sorted(set(extra) & {"when", *(key for key, _ in meta)})  # when: forwards()
+            clash = sorted(set(extra) & {"when", *meta})  # when: forwards() adds it
             if clash:
                 raise ValueError(f"summarising may not overwrite the record's own meta {clash}")
-            meta.extend(extra.items())
+            meta.update(extra)
         return meta
 
 
