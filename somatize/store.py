@@ -17,6 +17,7 @@ as bindings, and values decode through `somatize.codecs`' bounds. Layout on disk
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 import re
 import time
@@ -291,7 +292,7 @@ class Store:
         store nothing is written aside, so there is nothing to clean (a big object's
         unfinished multipart upload is the bucket lifecycle's to abort). Refuses a negative
         `older_than`."""
-        if not isinstance(older_than, (int, float)):
+        if not isinstance(older_than, numbers.Real):  # numpy's numbers too, as before
             raise TypeError(f"older_than is seconds >= 0, not {older_than!r}")
         if isinstance(older_than, bool) or not older_than >= 0:
             raise ValueError(f"older_than is seconds >= 0, not {older_than!r}")

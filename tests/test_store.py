@@ -13,6 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _children import WRITER
 
@@ -377,3 +378,4 @@ def test_clean_refuses_an_age_that_is_not_seconds_by_what_was_passed(store: Stor
         with pytest.raises(ValueError, match="older_than is seconds >= 0"):
             store.clean(older_than=bad)
     assert store.clean(older_than=0) == {"files": 0, "bytes": 0}
+    assert store.clean(older_than=np.int64(3600)) == {"files": 0, "bytes": 0}  # a real number
