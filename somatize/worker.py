@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         listen = endpoint(a.listen, listen=True)
     except ValueError:
         raise SystemExit(
-            f"--listen takes HOST:PORT, the port a number from 0 (any free one) to 65535 "
-            f"(say 127.0.0.1:7000), not {a.listen!r}"
+            f"--listen takes HOST:PORT (or ipc://PATH), the port a number from 0 (any free "
+            f"one) to 65535 (say 127.0.0.1:7000), not {a.listen!r}"
         ) from None
     if a.session_timeout <= 0:
         raise SystemExit("--session-timeout is a number of seconds > 0")
