@@ -414,8 +414,12 @@ def decode(data: bytes) -> Any:
     that pass one of the bounds in this module's docstring, and (with `NoCodec`) a kind that
     no codec is registered for. Never runs code carried by the bytes; never crashes on them.
     """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise Malformed(f"decode reads the bytes encode wrote, not a {type(data).__name__}")
+    try:
+        memoryview(data)  # bytes, or anything holding them (bytearray, mmap, a numpy buffer)
+    except TypeError:
+        raise Malformed(
+            f"decode reads the bytes encode wrote, not a {type(data).__name__}"
+        ) from None
     try:
         return _unpack(data)
     except (NoCodec, Malformed):

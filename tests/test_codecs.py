@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import mmap
 import subprocess
 import sys
+import tempfile
 import textwrap
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -175,6 +178,13 @@ def test_decode_refuses_what_is_not_an_encoded_value() -> None:
         with pytest.raises(Malformed, match=f"the bytes encode wrote, not a {type(data).__name__}"):
             decode(data)
     assert decode(bytearray(encode([1]))) == decode(memoryview(encode([1]))) == [1]
+    # what holds the bytes is read as they are: a numpy buffer, a file mapped into memory
+    assert decode(np.frombuffer(encode([1, "x"]), dtype=np.uint8)) == [1, "x"]
+    with tempfile.TemporaryFile() as f:
+        f.write(encode({"a": 2.5}))
+        f.flush()
+        with mmap.mmap(f.fileno(), 0) as mapped:
+            assert decode(mapped) == {"a": 2.5}
 
 
 def test_a_tuple_whose_items_are_not_a_list_is_malformed_in_a_store_as_on_the_wire() -> None:
