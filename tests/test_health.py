@@ -230,6 +230,18 @@ def test_an_int_past_a_floats_range_is_judged_as_an_infinity_is():
     }
 
 
+def test_numpy_numbers_are_judged_as_python_numbers_are():
+    import numpy as np
+
+    for grad in (3e4, math.inf, math.nan, 0.5):  # each held exactly enough in float16
+        for kind in (np.float32, np.float64, np.float16):
+            assert verdict({"grad_norm": kind(grad)}) == verdict({"grad_norm": float(grad)})
+    assert verdict({"dead_channels": np.int64(8), "channels": 8}) == verdict(
+        {"dead_channels": 8, "channels": 8}
+    )
+    assert verdict({"grad_norm": True}) == verdict({})  # a bool is no measure
+
+
 def test_a_live_audit_judging_an_int_past_a_floats_range_keeps_sending():
     from somatize.figures import LiveAudit
 

@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from somatize.figures._svg import as_float
 from somatize.health import Verdicts, where_of
 from somatize.health import numbers_of as health_numbers
 from somatize.health.metrics import FACT_KEYS
+from somatize.health.verdict import as_float
 
 _PLAIN = (float, int, bool)
 STEPS = range(-(1 << 63), 1 << 63)  # a step is an int that fits in 64 bits

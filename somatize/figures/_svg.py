@@ -11,6 +11,8 @@ from decimal import ROUND_HALF_UP, Decimal
 from html import escape
 from typing import Any
 
+from somatize.health.verdict import as_float
+
 FONT = "system-ui, -apple-system, 'Segoe UI', 'DejaVu Sans', sans-serif"
 INK = "#1f2430"
 MUTED = "#5d6575"
@@ -41,15 +43,6 @@ def text_width(text: str, px: float = 12, bold: bool = False) -> float:
         for ch in str(text)
     )
     return total * px / 100
-
-
-def as_float(v: Any) -> float:
-    """`v` as a float, an int a float cannot hold (10**400) as the infinity of its sign;
-    TypeError or ValueError for what is no number."""
-    try:
-        return float(v)
-    except OverflowError:
-        return math.inf if v > 0 else -math.inf
 
 
 def finite(v: Any) -> bool:

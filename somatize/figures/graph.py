@@ -17,8 +17,8 @@ import traitlets
 
 from somatize.figures._draw import picture
 from somatize.figures._page import STATIC, Face, image, jsonable
-from somatize.figures._svg import as_float
 from somatize.graph import as_graph
+from somatize.health.verdict import as_float
 
 __all__ = ["GraphFigure", "graph_figure"]
 

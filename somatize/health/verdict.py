@@ -8,6 +8,7 @@ ignored.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -83,15 +84,21 @@ class Thresholds:
 _DEFAULT = Thresholds()
 
 
-def _number(v: Any) -> float | None:
-    """`v` as a float if it is a number (not a bool), an int past a float's range as an
-    infinity of its sign (not finite, as a NaN or inf is); None for anything else."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
+def as_float(v: Any) -> float:
+    """`v` as a float, an int a float cannot hold (10**400) as the infinity of its sign (not
+    finite, as a NaN or inf is); TypeError or ValueError for what is no number."""
     try:
         return float(v)
-    except OverflowError:  # 10**400: no float holds it
+    except OverflowError:
         return math.inf if v > 0 else -math.inf
+
+
+def _number(v: Any) -> float | None:
+    """`v` as a float (`as_float`) if it is a real number (not a bool), numpy's too; None for
+    anything else."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    return as_float(v)
 
 
 def _num(numbers: Mapping[str, Any], key: str) -> float | None:
