@@ -267,8 +267,11 @@ def _records(store: Store, run: str) -> list[tuple[int, str]]:
 def _when(seconds: Any) -> Any:
     import pandas as pd
 
-    # a time no clock gives (1e300 s, NaN) reads as NaT, not as an error for the whole table
-    return pd.to_datetime(pd.Series(seconds, dtype="float64"), unit="s", utc=True, errors="coerce")
+    # a time no clock gives (1e300 s, NaN) reads as NaT, not as an error for the whole table:
+    # one past what a timestamp holds is NaT before pandas sees it (pandas 2 raises on it)
+    seconds = pd.Series(seconds, dtype="float64")
+    seconds = seconds.where(seconds.abs() < pd.Timestamp.max.timestamp())
+    return pd.to_datetime(seconds, unit="s", utc=True, errors="coerce")
 
 
 def runs(store: Store | str | os.PathLike[str]) -> pd.DataFrame:

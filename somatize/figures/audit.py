@@ -25,6 +25,7 @@ from somatize import health
 from somatize.figures._audit_face import picture
 from somatize.figures._history import History, message, record, step_of
 from somatize.figures._page import STATIC, Face, image
+from somatize.health.verdict import as_float
 
 __all__ = ["LiveAudit"]
 
@@ -234,7 +235,11 @@ class LiveAudit(Face, anywidget.AnyWidget):
                     data["where"] = [where] * len(place.steps)
                     data["step"] = list(place.steps)
                     for metric, column in place.columns.items():
-                        data[metric] = [math.nan if v is None else v for v in column]
+                        values = [math.nan if v is None else v for v in column]
+                        # an int a float cannot hold (10**400) is kept as given: pandas 3 makes
+                        # such a list objects by itself, pandas 2 (Python 3.10's) raises
+                        past = any(isinstance(v, int) and math.isinf(as_float(v)) for v in values)
+                        data[metric] = pd.Series(values, dtype=object) if past else values
                     data["flags"] = [list(f) for f in place.flags]
                     parts.append(pd.DataFrame(data))
         if not parts:
