@@ -173,7 +173,9 @@ def _correlations(df: Any, measured: str) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for column in df.columns.drop(measured):
         pair = df[[column, measured]].dropna()
-        rho = pair[column].rank().corr(pair[measured].rank()) if len(pair) >= 3 else math.nan
+        # a constant column has no correlation: not asked of pandas (older numpy warns on it)
+        varies = len(pair) >= 3 and (pair.nunique() > 1).all()
+        rho = pair[column].rank().corr(pair[measured].rank()) if varies else math.nan
         out[column] = float(rho) if math.isfinite(rho) else None
     return out
 
