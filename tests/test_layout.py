@@ -7,17 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "somatize"
-CORE = [
-    "node.py",
-    "graph.py",
-    "run.py",
-    "caching.py",
-    "_keys.py",
-    "store.py",
-    "codecs.py",
-    "record.py",
-]
+from test_hooks import CORE, PACKAGE  # the core: one list of its modules
 
 
 def top_level_imports(path: Path) -> set[str]:

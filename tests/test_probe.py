@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from models.zoo import BasicBlock
 from torch import nn
 
 from somatize import Graph, Node, Opaque
@@ -445,17 +446,12 @@ def test_a_module_held_in_two_blocks_is_probed_at_each_box_architecture_draws():
     )
 
 
-class TorchvisionBlock(nn.Module):
+class TorchvisionBlock(BasicBlock):
     """torchvision's ResNet BasicBlock as it is written: one ReLU(inplace=True) called twice,
-    and the input added in place (`out += identity`)."""
+    and the input added in place (`out += identity`), where the zoo's block adds out of place."""
 
     def __init__(self, c: int = 4):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
+        super().__init__(c)
 
     def forward(self, x):
         identity = x

@@ -201,6 +201,17 @@ def test_forward_forward_scores_its_goodness_against_blends_of_two_classes():
     assert 0 < loss < 2  # the rule above is the loss's gradient, and the loss is a number
 
 
+class Pair(Node, nn.Module):
+    """A layer whose output is a dict of two tensors: no technique's one tensor."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(3, 2, dtype=F64)
+
+    def forward(self, x, ctx):
+        return {"a": self.lin(x), "b": x}
+
+
 def test_forward_forward_scores_one_number_per_example_and_refuses_what_is_no_tensor():
     torch.manual_seed(0)
     node = Score()  # no activation: the goodness of a row is the square of its one number
@@ -222,14 +233,6 @@ def test_forward_forward_scores_one_number_per_example_and_refuses_what_is_no_te
     zp, zn = dz(x, -1.0), dz(negative, 1.0)
     close(node.lin.weight.detach(), W - 0.1 * (zp.T @ x + zn.T @ negative))
     close(node.lin.bias.detach(), b - 0.1 * (zp.sum(0) + zn.sum(0)))
-
-    class Pair(Node, nn.Module):
-        def __init__(self):
-            nn.Module.__init__(self)
-            self.lin = nn.Linear(3, 2, dtype=F64)
-
-        def forward(self, x, ctx):
-            return {"a": self.lin(x), "b": x}
 
     class Pick(Node, nn.Module):
         def __init__(self):
@@ -258,14 +261,6 @@ def test_what_each_technique_refuses():
         learning = Greedy(SGD, head=nn.Linear(2, 2, dtype=F64)).of(Layer(3, 2)).tell(every=1)
         positions(learning, learning.node, torch.ones(2, 3, dtype=F64))
         learning.forward(envelope(None, True), None)
-
-    class Pair(Node, nn.Module):
-        def __init__(self):
-            nn.Module.__init__(self)
-            self.lin = nn.Linear(3, 2, dtype=F64)
-
-        def forward(self, x, ctx):
-            return {"a": self.lin(x), "b": x}
 
     torch.manual_seed(0)
     g = Graph.somatize(Pair().named("pair") >> Layer(2, 2).named("head"))
