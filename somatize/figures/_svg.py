@@ -11,7 +11,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from html import escape
 from typing import Any
 
-from somatize.health.verdict import as_float
+from somatize.health.verdict import number as numeric
 
 FONT = "system-ui, -apple-system, 'Segoe UI', 'DejaVu Sans', sans-serif"
 INK = "#1f2430"
@@ -46,10 +46,10 @@ def text_width(text: str, px: float = 12, bold: bool = False) -> float:
 
 
 def finite(v: Any) -> bool:
-    """Whether `v` is a number (not a bool) and finite: an int a float cannot hold is not."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    return math.isfinite(as_float(v))
+    """Whether `v` is a number (not a bool) and finite, as health reads one (`verdict.number`): an int
+    a float cannot hold is not."""
+    n = numeric(v)
+    return n is not None and math.isfinite(n)
 
 
 def esc(text: Any) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 
 from somatize.health.flags import Flag
 from somatize.health.metrics import FACT_KEYS
-from somatize.health.verdict import Thresholds, _number, verdict
+from somatize.health.verdict import Thresholds, number, verdict
 
 __all__ = ["WINDOW", "Verdicts", "diagnose", "numbers_of", "seen", "seen_in", "where_of"]
 
@@ -56,7 +56,7 @@ def _summary(values: Iterable[Any]) -> Any:
         return any(values)
     if type(last) is int:
         return last
-    finite = [v for v in values if (n := _number(v)) is not None and math.isfinite(n)]
+    finite = [v for v in values if (n := number(v)) is not None and math.isfinite(n)]
     return statistics.median(finite) if finite else last
 
 

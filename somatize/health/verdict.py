@@ -93,7 +93,7 @@ def as_float(v: Any) -> float:
         return math.inf if v > 0 else -math.inf
 
 
-def _number(v: Any) -> float | None:
+def number(v: Any) -> float | None:
     """`v` as a float (`as_float`) if it is a real number (not a bool), numpy's too; None for
     anything else."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
@@ -102,7 +102,7 @@ def _number(v: Any) -> float | None:
 
 
 def _num(numbers: Mapping[str, Any], key: str) -> float | None:
-    return _number(numbers.get(key))
+    return number(numbers.get(key))
 
 
 def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) -> list[Flag]:
@@ -130,7 +130,7 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     t = thresholds or _DEFAULT
     if not isinstance(t, Thresholds):
         raise TypeError(f"thresholds is a Thresholds(...), not {thresholds!r}")
-    values = [n for k, v in numbers.items() if k not in FACT_KEYS and (n := _number(v)) is not None]
+    values = [n for k, v in numbers.items() if k not in FACT_KEYS and (n := number(v)) is not None]
     nan = numbers.get("nan") is True or any(math.isnan(v) for v in values)
     inf = numbers.get("inf") is True or any(math.isinf(v) for v in values)
     if nan or inf:
