@@ -844,15 +844,18 @@ def test_an_evaluation_between_steps_is_not_heard_and_nothing_of_it_is_kept():
 
 def test_release_takes_every_hook_off_and_a_second_watch_is_refused():
     g = _graph()
-    audit = Audit(inside=True).watch(g)
+    audit = Audit(inside=True, channels=True).watch(g)
     with pytest.raises(RuntimeError, match="release"):
         audit.watch(g)
+    _loop(g, audit, 1)  # hooks on, heard, and on again for the next step
     audit.release()
-    node = g.implementation("layer")
-    assert "forward" not in vars(node)
-    assert not node.l._forward_hooks and not node.r._forward_hooks
+    assert "forward" not in vars(g.implementation("layer"))
     with pytest.raises(RuntimeError, match="watch"):
         audit.observed(g)
+    gone = weakref.ref(audit)
+    del audit
+    gc.collect()
+    assert gone() is None  # a hook left on a module or a node of g would hold it alive
     again = Audit().watch(g)
     facts, _ = _loop(g, again, 1)
     again.release()
@@ -1199,12 +1202,15 @@ def test_a_lazy_module_not_made_yet_is_refused_until_it_has_run_once():
 def test_a_compiled_module_is_refused_before_anything_is_hooked():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 4))
-    audit = Audit(inside=True)
+    refused = Audit(inside=True, channels=True)
     with pytest.raises(ValueError, match=r"compiled module .*give it the module that was"):
-        audit.watch(Graph.somatize(torch.compile(net)))
-    assert audit.places == []
-    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in net.modules())
-    audit.watch(Graph.somatize(net))  # the module that was compiled is watched
+        refused.watch(Graph.somatize(torch.compile(net)))
+    assert refused.places == []
+    gone = weakref.ref(refused)
+    del refused
+    gc.collect()
+    assert gone() is None  # a hook it had put on net's modules would hold it alive
+    audit = Audit(inside=True).watch(Graph.somatize(net))  # the module that was compiled
     assert "sequential.2" in audit.places
 
 

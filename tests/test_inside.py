@@ -4,6 +4,7 @@ reaches each node, ×N folding, depth, most."""
 from __future__ import annotations
 
 import gc
+import io
 import json
 import operator
 import weakref
@@ -629,9 +630,9 @@ def test_a_compiled_module_is_refused_naming_the_fix_and_left_as_it_was(look, wh
         given, said = torch.jit.script(net), "TorchScript module"
     with pytest.raises(ValueError, match=said + r" .*give it the module that was"):
         fn(given, x)
-    hooks = [(len(m._forward_hooks), len(m._forward_pre_hooks)) for m in net.modules()]
-    assert hooks == [(0, 0)] * 4 and all(p.grad is None for p in net.parameters())
+    assert all(p.grad is None for p in net.parameters())
     assert torch.equal(net(x), want)
+    torch.save(net, io.BytesIO())  # a hook a look left on it (a closure) would not pickle
     assert fn(net, x)  # the module that was compiled answers
 
 

@@ -4,6 +4,7 @@ side-effect free."""
 
 from __future__ import annotations
 
+import io
 import warnings
 
 import pytest
@@ -86,7 +87,6 @@ def test_no_side_effects_and_the_same_answer_twice():
     before = [{k: v.clone() for k, v in m.state_dict().items()} for m in mods]
     grads = [p.grad for m in mods for p in m.parameters()]
     asks = [p.requires_grad for m in mods for p in m.parameters()]
-    hooks = [(len(s._forward_hooks), len(s._forward_pre_hooks)) for m in mods for s in m.modules()]
     rng = torch.get_rng_state()
     first = probe(g, x)
     assert probe(g, x) == first
@@ -95,9 +95,7 @@ def test_no_side_effects_and_the_same_answer_twice():
         assert m.training
     assert [p.grad for m in mods for p in m.parameters()] == grads
     assert [p.requires_grad for m in mods for p in m.parameters()] == asks
-    assert hooks == [
-        (len(s._forward_hooks), len(s._forward_pre_hooks)) for m in mods for s in m.modules()
-    ]
+    torch.save(mods, io.BytesIO())  # whole: a hook probe had left on them would not pickle
     assert mods[0].r.inplace
     assert torch.equal(rng, torch.get_rng_state())
     assert "forward" not in vars(mods[0])
