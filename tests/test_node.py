@@ -36,7 +36,7 @@ def test_a_non_node_in_an_expression_is_a_type_error_naming_its_type():
         Add() | (lambda x: x)
 
 
-def test_constructor_arguments_are_bound_to_the_signature():
+def test_constructor_arguments_are_bound_to_the_signature(store):
     class Layer(Node):
         def __init__(self, in_: int, out: int = 3) -> None:
             pass
@@ -44,8 +44,17 @@ def test_constructor_arguments_are_bound_to_the_signature():
         def forward(self, input, ctx):
             return input
 
-    assert Layer(64, 32)._somatize_args == Layer(in_=64, out=32)._somatize_args
-    assert Layer(64)._somatize_args == {"in_": 64, "out": 3}
+    def cache(node):  # a cached node's run: a hit where one declared the same was kept
+        said = []
+        Graph.somatize(node.cached()).forward(1, store=store, watching=said.append)
+        return [f["cache"] for f in said if f["fact"] == "ran"]
+
+    assert cache(Layer(64, 32)) == ["miss"]
+    assert cache(Layer(in_=64, out=32)) == ["hit"]  # the same declaration
+    assert cache(Layer(out=32, in_=64)) == ["hit"]
+    assert cache(Layer(64, out=31)) == ["miss"]  # another one
+    assert cache(Layer(64)) == ["miss"]
+    assert cache(Layer(64, 3)) == ["hit"]  # the default, bound as if given
 
 
 def test_declarations_return_new_pieces_and_leave_the_node_alone():
