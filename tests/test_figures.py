@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from somatize import Graph, Node
-from somatize.figures import CompareTable, GraphFigure, compare, graph_figure
-from somatize.figures._page import STATIC
+from somatize.figures import CompareTable, GraphFigure, LiveAudit, compare, graph_figure
 from somatize.torch import ProxyLeftOut
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -69,6 +68,12 @@ def boxes(svg: str) -> dict[str, tuple[float, float, float, float]]:
         if key.startswith(("n:", "l:")):
             out[key] = tuple(float(v) for v in g.get("data-box").split())
     return out
+
+
+def bundled(page: str) -> dict[str, str]:
+    """The browser halves a saved page carries, by name (each inlined, base64)."""
+    found = re.findall(r'<script type="text/plain" data-smz-module="(\w+)">([^<]*)</script>', page)
+    return {name: base64.b64decode(code).decode() for name, code in found}
 
 
 def pictured(html: str) -> str:
@@ -221,10 +226,10 @@ def test_200_nodes_wrap_into_rows_as_wide_as_the_room_and_none_overlap():
 
 
 def test_a_deep_network_wraps_into_columns_that_fit_the_height():
-    layers = [fd._layer(f"l{k}", "learned", f"Linear 64→64 #{k}", [8, 64], 4160) for k in range(40)]
-    inside = {"layers": layers, "edges": [[f"l{k}", f"l{k + 1}"] for k in range(39)]}
-    plan = {"nodes": [fd._node("net", "Net")], "edges": [], "order": ["net"]}
-    fig = graph_figure(plan, inside={"net": inside}, height=640)
+    from somatize.torch import architecture
+
+    net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(40)])
+    fig = graph_figure(net, inside=architecture(net, torch.randn(8, 64)), height=640)
     drawn = boxes(fig.svg())
     assert len([k for k in drawn if k.startswith("l:")]) == 40
     columns = {round(b[0]) for k, b in drawn.items() if k.startswith("l:")}
@@ -237,7 +242,8 @@ def test_saved_html_is_standalone_and_offline(tmp_path):
     text = fig.save_html(tmp_path / "g.html").read_text()
     assert '"blocks.0.conv"' in text and "smz-graph-svg" in text
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", text)  # nothing fetched
-    assert len(text) > (STATIC / "graph.js").stat().st_size
+    js = bundled(text)  # the browser half, inside the page
+    assert list(js) == ["graph"] and len(js["graph"]) > 1000 and "render" in js["graph"]
 
 
 # -- comparison ---------------------------------------------------------------------------
@@ -413,10 +419,17 @@ def test_a_wide_table_keeps_to_1400_px_and_hides_the_rest_behind_a_toggle():
     assert "probe:flags" in CompareTable(_table(6, probe=24).assign(**{"probe:flags": ""})).hidden()
 
 
-def test_bundles_are_built_and_shipped():
-    for name in ("graph", "audit", "table"):
-        assert (STATIC / f"{name}.js").stat().st_size > 1000
-        assert (STATIC / f"{name}.css").exists()
+def test_bundles_are_built_and_shipped(tmp_path):
+    figures = {
+        "graph": graph_figure(small_graph()),
+        "audit": LiveAudit(interval=0.05),
+        "table": CompareTable(_table()),
+    }
+    for name, fig in figures.items():
+        page = fig.save_html(tmp_path / f"{name}.html").read_text()
+        js = bundled(page)[name]
+        assert len(js) > 1000 and "export" in js and "render" in js
+        assert f".smz-{name} " in re.search(r"<style>(.*?)</style>", page, re.S).group(1)
 
 
 def test_the_readmes_three_figures_run_and_its_pictures_and_badge_are_there():
@@ -485,10 +498,10 @@ def test_a_tied_weight_is_counted_once_and_attention_axes_are_heads_and_sequence
         ],
         "edges": [["attn.sdpa", "attn.view"], ["attn.view", "conv"]],
     }
-    plan = {"nodes": [fd._node("enc", "Holds")], "edges": [], "order": ["enc"]}
+    g = Graph.somatize(Node.of(nn.Identity()).named("enc"))
     texts = [
         t.text
-        for t in ET.fromstring(graph_figure(plan, inside={"enc": attn}).svg()).iter(f"{SVG}text")
+        for t in ET.fromstring(graph_figure(g, inside={"enc": attn}).svg()).iter(f"{SVG}text")
     ]
     assert "2 batch · 2 heads · 8 seq · 8 dim" in texts  # attention's own output
     assert "2 batch · 8 d1 · 2 d2 · 8 d3" in texts  # inside attention: not an image
