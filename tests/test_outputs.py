@@ -16,8 +16,8 @@ from transformers.cache_utils import DynamicCache
 
 from somatize import Broker, Graph, Node, Store, Worker
 from somatize.codecs import Malformed, NoCodec, decode, encode
-from somatize.torch._outputs import KIND
 
+KIND = "transformers.ModelOutput"  # what the codec writes an output as (`forged` checks it)
 CACHE = "transformers.Cache"
 
 
@@ -236,12 +236,14 @@ def test_a_tokenizers_batch_encoding_is_cut_into_micro_batches_as_itself():
     for micro in (1, 2):
         torch.manual_seed(0)
         model = transformers.BertForSequenceClassification(config)
-        model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[0]),
-                                        with_kwargs=True)
+        model.register_forward_pre_hook(
+            lambda m, a, kw: seen.append(kw["input_ids"].shape[0]), with_kwargs=True
+        )
         g = Graph.somatize(model)
         opt = torch.optim.SGD(parameters(g), lr=0.1)
-        histories.append(Trainer(g, objective=objective, optimizer=opt, micro=micro)
-                         .fit([(x, y)] * 3).history)
+        histories.append(
+            Trainer(g, objective=objective, optimizer=opt, micro=micro).fit([(x, y)] * 3).history
+        )
     assert seen == [4, 4, 4] + [2] * 6  # the pieces reached the model as keywords, halved
     tol = 16 * config.hidden_size * torch.finfo(torch.float32).eps
     assert histories[1] == pytest.approx(histories[0], rel=tol)
@@ -252,12 +254,19 @@ def test_a_model_that_computes_its_own_loss_trains_on_batch_none_and_a_bare_dict
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_embd=32, n_layer=1, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        vocab_size=50,
+        n_positions=16,
+        bos_token_id=0,
         eos_token_id=0,
     )
     g = Graph.somatize(transformers.GPT2LMHeadModel(config))
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(3))
-    t = Trainer(g, objective=lambda out, _: out.loss, optimizer=torch.optim.SGD(parameters(g), lr=0.5))
+    t = Trainer(
+        g, objective=lambda out, _: out.loss, optimizer=torch.optim.SGD(parameters(g), lr=0.5)
+    )
     with pytest.raises(TypeError, match=r"\(batch, None\), with objective=lambda out, _: out.loss"):
         t.step({"input_ids": ids, "labels": ids})
     with pytest.raises(TypeError, match=r"not a BatchEncoding of input_ids, labels: yield pairs"):
@@ -320,17 +329,30 @@ DYNAMIC = ("transformers.cache_utils", "DynamicCache")
     ("kind", "module", "name", "fields", "why"),
     [
         (CACHE, *DYNAMIC, [["layers", [[torch.zeros(2, 3)] * 2]], ["lazy", False]], "not two"),
-        (CACHE, *DYNAMIC, [["layers", [[torch.zeros(1, 1, 1, 1), "x"]]], ["lazy", False]],
-         "not tensors"),
+        (
+            CACHE,
+            *DYNAMIC,
+            [["layers", [[torch.zeros(1, 1, 1, 1), "x"]]], ["lazy", False]],
+            "not tensors",
+        ),
         (CACHE, *DYNAMIC, [["layers", []], ["lazy", 1]], r"\['lazy', bool\]"),
         (CACHE, *DYNAMIC, [["layers", [[None, None]]], ["lazy", True]], "is empty"),
         (CACHE, "transformers.cache_utils", "StaticCache", [], "not a ModelOutput class"),
-        (CACHE, "transformers.cache_utils", "EncoderDecoderCache",
-         [["self_attention_cache", 1], ["cross_attention_cache", 2]], "not dynamic"),
+        (
+            CACHE,
+            "transformers.cache_utils",
+            "EncoderDecoderCache",
+            [["self_attention_cache", 1], ["cross_attention_cache", 2]],
+            "not dynamic",
+        ),
         (KIND, *DYNAMIC, [["layers", []], ["lazy", False]], "not a transformers.ModelOutput"),
         (CACHE, "transformers.modeling_outputs", "BaseModelOutput", [], "not a transformers.Cache"),
-        ("transformers.BatchEncoding", *DYNAMIC, [["layers", []], ["lazy", False]],
-         "not a transformers.BatchEncoding"),
+        (
+            "transformers.BatchEncoding",
+            *DYNAMIC,
+            [["layers", []], ["lazy", False]],
+            "not a transformers.BatchEncoding",
+        ),
     ],
 )
 def test_kept_cache_bytes_that_do_not_hold_a_cache_are_refused(kind, module, name, fields, why):
