@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from somatize import Graph, Node
-from somatize.health import verdict
+from somatize.health import Thresholds, verdict
 from somatize.node import Opaque
 from somatize.torch import Audit, Split, Trainer, parameters
 
@@ -994,6 +994,94 @@ def test_outputs_written_over_in_place_after_a_place_gave_them_are_measured_as_g
             assert n[key] == same, (where, key)
     # the gradient reaching the stem ReLU's three dead input channels is 0: it ignores them
     assert told[True]["relu"]["dead_channels"] == told[True]["relu"]["ignored_channels"] == 3
+
+
+class Gives(Node, nn.Module):
+    """A linear layer whose first three output channels never come on; keeps the gradient of
+    what it gave, heard by a hook put on it as it gave it."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 8)
+        self.grads = []
+        with torch.no_grad():
+            self.l.bias[:3] = -100.0
+
+    def forward(self, x, ctx):
+        h = self.l(x)
+        h.register_hook(lambda g: self.grads.append(g.detach().double()))
+        return h
+
+
+class EatsModule(Node, nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, ctx):
+        return self.fc(x.relu_())
+
+
+class EatsPlain(Node):
+    def __init__(self):
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, ctx):
+        return self.fc(x.relu_())
+
+
+def _clip(x):
+    return x.relu_()
+
+
+@pytest.mark.parametrize(
+    "eats",
+    [
+        EatsModule,
+        EatsPlain,
+        lambda: Node.of(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 8))),
+        lambda: Node.of(_clip),
+    ],
+    ids=["module", "plain", "wrapped", "function"],
+)
+def test_a_node_that_writes_over_its_input_hears_the_gradient_of_the_input_as_given(eats):
+    torch.manual_seed(0)
+    gives = Gives()
+    g = Graph.somatize(gives.named("gives") >> eats().named("eats") >> Head(8))
+    audit = Audit(channels=True).watch(g)
+    facts, _ = _loop(g, audit, 3)
+    audit.release()
+    tau = Thresholds().dormant_tau
+    said = []
+    for grad in gives.grads:  # (samples, channels): each channel's mean |∂L/∂input|
+        channel = grad.abs().mean(0)
+        said.append(int((channel <= tau * channel.mean()).sum()) if channel.mean() > 0 else 0)
+    # the three channels the ReLU shuts get no gradient as given (written over, they would)
+    assert len(said) == 3 and all(k >= 3 for k in said)
+    for step, k in zip(facts, said, strict=True):
+        n = _by(step, "eats")
+        assert n["input_channels"] == 8 and n["ignored_channels"] == k
+
+
+def test_a_module_standing_as_two_nodes_is_heard_as_each_node():
+    """Weights tied across nodes (`Node.of` the same module twice): each node's numbers are of
+    its own output, not of every call of the module they share."""
+    torch.manual_seed(0)
+    tied = nn.Linear(4, 4)
+    a, b = Node.of(tied).named("a"), Node.of(tied).named("b")
+    g = Graph.somatize(a >> Node.of(nn.ReLU()).named("relu") >> b >> Head(4))
+    x, _ = _data()
+    with torch.no_grad():  # what each gives, in float64
+        w, bias = tied.weight.double(), tied.bias.double()
+        gave_a = F.linear(x.double(), w, bias)
+        gave_b = F.linear(gave_a.relu(), w, bias)
+    audit = Audit(channels=True).watch(g)
+    facts, _ = _loop(g, audit, 1)
+    audit.release()
+    for node, gave in (("a", gave_a), ("b", gave_b)):
+        n = _by(facts[0], node)
+        assert n["act_abs_mean"] == pytest.approx(float(gave.abs().mean()), rel=rtol(gave.numel()))
+    assert float(gave_a.abs().mean()) != pytest.approx(float(gave_b.abs().mean()))
 
 
 def test_a_1d_convs_channels_are_dim_1_after_its_norm_activation_and_pool_a_sequences_last():

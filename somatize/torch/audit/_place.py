@@ -69,19 +69,17 @@ def layouts(modules: list[nn.Module]) -> dict[int, bool]:
 
 class Place:
     """A node (`inside` None) or a module inside one (`inside` its dotted path under the
-    node). `params`: the weights it trains, each once; `index`: where they sit in the audit's
-    flat list of weights; `first`: its 3-d outputs hold their channels first (`layouts`)."""
+    node). `module`: the one hooked, a node's what it is called through (itself, or a
+    `Holder`); `params`: the weights it trains, each once; `index`: where they sit in the
+    audit's flat list of weights; `first`: its 3-d outputs hold their channels first."""
 
-    def __init__(
-        self, node: str, inside: str | None, modules: list[nn.Module], window: int, first: bool
-    ) -> None:
+    def __init__(self, node: str, inside: str | None, module: nn.Module, window: int, first: bool):
         self.node = node
         self.inside = inside
         self.where = node if inside is None else f"{node}.{inside}"
-        self.module = None if inside is None else modules[0]  # the module hooked, inside a node
-        trained = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}
-        self.params: list[nn.Parameter] = list(trained.values())
-        self.saturates = saturation(modules)
+        self.module = module
+        self.params = [p for p in module.parameters() if p.requires_grad]  # (each once)
+        self.saturates = saturation([module])
         self.width = 2 if self.saturates is None else 3  # Σ|a|, zeros (and saturated), per call
         self.first = first
         self.index: list[int] = []
@@ -127,15 +125,13 @@ class Place:
             t.register_hook(_hear(weakref.ref(self), step, "out_grads", None))
         if channels:
             self.activity.append(activity(a, self.first))
-            if self.inside is None:  # a node, told of once it ran (a module's: `Audit._before`)
-                self.given(input, step)
         if (snapshot or self.groups is not None) and self.rows is None:
             self.rows = rows_of(a, self.first)
 
     def given(self, input: Any, step: int) -> None:
         """A tensor hook on the first input a gradient will reach, for each channel's mean
-        |∂L/∂input|: put on before a module runs, it hears the gradient of the input as given,
-        even where the module writes over it (`nn.ReLU(inplace=True)`)."""
+        |∂L/∂input|: put on before the place runs, it hears the gradient of the input as given,
+        even where the place writes over it (`nn.ReLU(inplace=True)`, a node's `x.relu_()`)."""
         x = next((x for x in floats_in(input) if x.requires_grad), None)
         if x is not None and x.dim() >= 2:
             x.register_hook(_hear(weakref.ref(self), step, "in_grads", self.first))

@@ -8,18 +8,19 @@ One flat `health` fact per watched place and measured step, in the published lay
   update is taken against it whatever moves the weights after (the Trainer's optimizer, or a
   node's own `Learning` stepping inside backward), so every optimizer is measured alike.
 - **each output, in the forward**: Σ|a|, the zero and saturated counts; with `channels`, each
-  channel's activity and a hook on the input's gradient (a module's put on before it runs, so
-  an input it writes over is heard as given); on snapshot steps (and for grouped places) up
-  to 128 samples copied, and a tensor hook that will hear ‖∂L/∂output‖.
+  channel's activity and a hook on the input's gradient (put on before the place runs, so an
+  input it writes over is heard as given); on snapshot steps (and for grouped places) up to
+  128 samples copied, and a tensor hook that will hear ‖∂L/∂output‖.
 - **after backward** (`observed`): ‖θ‖ and ‖∇θ‖, everything above read at once, the facts
   built (zero and saturated fractions as the max over the last `window` measured steps).
 - **after the optimizer stepped** (`moved`): update_ratio from the copy, and on a snapshot
   step update_stable_rank of the update to the place's largest weight.
 
-Forward hooks and tensor hooks only, never full backward hooks (those break on in-place ReLU);
-module hooks are on only during measured steps. A forward under `torch.no_grad()` (an
-evaluation between steps) is not heard; of what a place was given only the tensors' ids are
-kept.
+Module hooks (a node's on the module it is or holds as it is, or on a `Holder` of those a
+plain node holds, which the `Tap` calls it through) and tensor hooks only, never full backward
+hooks (those break on in-place ReLU); module hooks are on only during measured steps. A forward
+under `torch.no_grad()` (an evaluation between steps) is not heard; of what a place was given
+only the tensors' ids are kept.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ import torch
 from torch import nn
 
 from somatize.graph import as_graph
+from somatize.node import Wrapped
 from somatize.run import warn
-from somatize.torch._modules import Held, Tap, named_modules_of
+from somatize.torch._modules import Held, Holder, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
 from somatize.torch.audit._place import Place, layouts
 from somatize.torch.audit._select import choose, names_of, preorder
@@ -103,7 +105,6 @@ class Audit:
         self._graph: Any = None
         self._tap: Tap | None = None
         self._places: list[Place] = []
-        self._nodes: dict[str, Place] = {}
         self._handles: list[Any] = []
         self._flat: list[nn.Parameter] = []
         self._bucket = -1  # the last `snapshot` steps a snapshot was taken in
@@ -141,15 +142,16 @@ class Audit:
         )
         places: list[Place] = []
         left: list[str] = []
+        roots = {n: _through(g.implementation(n)) for n in held_by}
         for node, held in held_by.items():
             modules = [m for _, m in held]
             first = layouts(modules)  # a node gives what the last module it holds gives
             last = first[id(modules[-1])] if modules else False
-            places.append(Place(node, None, modules, self.window, last))
+            places.append(Place(node, None, roots[node], self.window, last))
             chosen, missed = choose(node, held, self.inside, self.most)
             for path, module in chosen:
                 is_first = first.get(id(module), False)
-                places.append(Place(node, path, [module], self.window, is_first))
+                places.append(Place(node, path, module, self.window, is_first))
             left += [f"{node}.{p}" for p in missed]
         by_where = {p.where: p for p in places}
         if not isinstance(self.inside, (type(None), bool, int)):
@@ -192,11 +194,10 @@ class Audit:
             place.big = slot[id(big)] if big is not None and big.dim() >= 2 else -1
         self._flat = list({id(q): q for place in places for q in place.params}.values())
         self._places = places
-        self._nodes = {p.node: p for p in places if p.inside is None}
         self.places = [p.where for p in places]
         self.left_out = left
         self._graph = g
-        self._tap = Tap(g, self._on_node).on()
+        self._tap = Tap(g, None, roots).on()
         self._arm(self.step % self.every == 0)
         return self
 
@@ -212,21 +213,16 @@ class Audit:
         self._waiting = []
         self._far = []
         self._places = []
-        self._nodes = {}
 
     def _arm(self, measuring: bool) -> None:
         """Module hooks are on only for a measured step: a module with no hooks takes torch's
-        fast path, so an unmeasured step pays one attribute read per node."""
+        fast path, so an unmeasured step pays no more than a plain node's call through its
+        `Holder`."""
         self._measuring = measuring
         self._snap = measuring and self.step // self.snapshot != self._bucket
-        if self._tap is not None:
-            self._tap.live = measuring
         if measuring and not self._handles:
             for place in self._places:
-                module = place.module
-                if module is None:  # a node: its Tap tells
-                    continue
-                heard = functools.partial(self._heard, place)
+                module, heard = place.module, functools.partial(self._heard, place)
                 self._handles.append(module.register_forward_hook(heard, with_kwargs=True))
                 if self.channels:
                     before = functools.partial(self._before, place)
@@ -281,22 +277,14 @@ class Audit:
         return far
 
     # -- forward: what came out -----------------------------------------------------------
-    def _on_node(self, node: str, input: Any, ctx: Any, out: Any) -> None:
-        place = self._nodes.get(node)
-        if place is not None:
-            self._saw(place, input, out)
-
     def _before(self, place: Place, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._measuring and torch.is_grad_enabled():  # (on with `channels` only)
             place.given((args, kwargs), self.step)
 
     def _heard(self, place: Place, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        self._saw(place, (args, kwargs), out)
-
-    def _saw(self, place: Place, input: Any, out: Any) -> None:
         if self._measuring and torch.is_grad_enabled():
             self._begin()
-            place.saw(input, out, self.step, self.channels, self._snap)
+            place.saw((args, kwargs), out, self.step, self.channels, self._snap)
 
     def _begin(self) -> None:
         """θ as this measured step finds it, copied once, kept until `moved` (under gradient
@@ -418,6 +406,25 @@ def _moved(
     if snapshot and place.big >= 0:
         stable = stable_rank(deltas[place.big])
     return moved, stable
+
+
+class _Of:
+    """A `Node.of(module)` as a plain node holding that module (as `held`): a `Holder` of its
+    own is what it is called through, the same module standing as two nodes or more."""
+
+    def __init__(self, node: Wrapped) -> None:
+        self.held, self.node = node.held, node
+
+    def forward(self, input: Any, ctx: Any) -> Any:
+        return type(self.node).forward(self.node, input, ctx)
+
+
+def _through(node: Any) -> nn.Module:
+    """The module a node is called through, whose hooks hear it before it runs (its input as
+    given) and after: the node when it is a module, else a `Holder` the `Tap` calls."""
+    if isinstance(node, nn.Module):
+        return node
+    return Holder(_Of(node) if isinstance(node, Wrapped) else node)
 
 
 def _like(missing: list[str], held_by: dict[str, list]) -> str:
