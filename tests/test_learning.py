@@ -206,3 +206,22 @@ def test_a_refused_load_leaves_a_synthetic_without_the_guesser_it_would_have_bui
         t.export()["enc"]["learning/guesser.weight"], saved["enc"]["learning/guesser.weight"]
     )
     assert t.step(batch(2)) > 0
+
+
+def test_strict_counts_the_keys_of_the_guesser_a_load_would_build():
+    g = chain()
+    trains = {"enc": Synthetic(SGD, lr=0.1)}
+    t = Trainer(
+        g, objective=mse, optimizer=SGD(parameters(g, without=trains), lr=0.1), trains=trains
+    )
+    weight = torch.full((3, 3), 0.5, dtype=torch.float64)
+    before = t.export()  # no guesser yet: built at the first output, or by a load
+    weights = {**before, "enc": {**before["enc"], "learning/guesser.weight": weight}}
+    with pytest.raises(ValueError, match=r"strict=True.*'enc': learning/guesser\.bias"):
+        t.load(weights, strict=True)  # the guesser it builds holds a bias, left out
+    assert sorted(t.export()["enc"]) == sorted(before["enc"])  # none built
+    t.load(weights)  # a subset: the bias is the one a guesser is built with
+    got = t.export()["enc"]
+    assert torch.equal(got["learning/guesser.weight"], weight)
+    assert torch.equal(got["learning/guesser.bias"], torch.zeros(3, dtype=torch.float64))
+    assert t.step(batch(2)) > 0

@@ -23,6 +23,7 @@ from somatize.torch import (
     envelope,
     parameters,
 )
+from somatize.torch.training.synthetic import Guesser
 
 SGD = torch.optim.SGD
 F64 = torch.float64
@@ -66,7 +67,7 @@ def test_greedy_steps_the_node_and_its_head_on_its_own_loss_and_gives_nothing_ba
     head = nn.Linear(2, 2, dtype=F64)
     W, b = node.lin.weight.detach().clone(), node.lin.bias.detach().clone()
     V, c = head.weight.detach().clone(), head.bias.detach().clone()
-    (x, y), = data(1, rows=5)
+    ((x, y),) = data(1, rows=5)
     learning = Greedy(SGD, head=head, lr=0.1).of(node).tell(every=1, objective=mse_loss)
     learning.target = y
     _, out = positions(learning, node, x)
@@ -90,13 +91,13 @@ def test_synthetic_moves_the_node_with_the_guess_before_the_true_gradient_arrive
     torch.manual_seed(0)
     node = Layer(3, 2, act=False)
     learning = Synthetic(SGD, lr=0.1).of(node).tell(every=1)
-    learning.receiving({"guesser.weight": torch.zeros(2, 2, dtype=F64)})  # built at that shape
+    learning.guesser = Guesser(2, dtype=F64)  # as a load of one of that shape builds it
     with torch.no_grad():
         learning.guesser.weight.copy_(torch.randn(2, 2, dtype=F64))
         learning.guesser.bias.copy_(torch.randn(2, dtype=F64))
     W, b = node.lin.weight.detach().clone(), node.lin.bias.detach().clone()
     M, m = learning.guesser.weight.detach().clone(), learning.guesser.bias.detach().clone()
-    (x, true), = data(1, rows=5)
+    ((x, true),) = data(1, rows=5)
     x.requires_grad_(True)  # something upstream asks for dL/d(input)
     _, out = positions(learning, node, x)
     h = x.detach() @ W.T + b
@@ -130,7 +131,7 @@ def test_synthetic_guesses_the_gradient_of_one_number_per_example():
     torch.manual_seed(0)
     node = Score()
     learning = Synthetic(SGD, lr=0.1).of(node).tell(every=1)
-    learning.receiving({"guesser.weight": torch.zeros(1, 1, dtype=F64)})
+    learning.guesser = Guesser(1, dtype=F64)
     with torch.no_grad():
         learning.guesser.weight.fill_(0.5)
         learning.guesser.bias.fill_(-0.25)
@@ -158,7 +159,7 @@ def test_a_synthetic_guesser_is_built_from_the_first_output_and_moves_nothing_at
     learning = Synthetic(SGD, lr=0.1).of(node).tell(every=1)
     assert learning.guesser is None
     before = node.lin.weight.detach().clone()
-    (x, _), = data(1, rows=5)
+    ((x, _),) = data(1, rows=5)
     positions(learning, node, x)
     assert learning.guesser.weight.shape == (4, 4) and learning.guesser.weight.dtype == F64
     assert torch.equal(node.lin.weight.detach(), before)  # a guess of zero
@@ -195,8 +196,12 @@ def test_forward_forward_scores_its_goodness_against_blends_of_two_classes():
     close(node.lin.weight.detach(), W - 0.1 * (zp.T @ x + zn.T @ negative))
     close(node.lin.bias.detach(), b - 0.1 * (zp.sum(0) + zn.sum(0)))
     loss = softplus(
-        torch.cat([theta - torch.tanh(x @ W.T + b).pow(2).mean(1),
-                   torch.tanh(negative @ W.T + b).pow(2).mean(1) - theta])
+        torch.cat(
+            [
+                theta - torch.tanh(x @ W.T + b).pow(2).mean(1),
+                torch.tanh(negative @ W.T + b).pow(2).mean(1) - theta,
+            ]
+        )
     ).mean()
     assert 0 < loss < 2  # the rule above is the loss's gradient, and the loss is a number
 
@@ -472,8 +477,10 @@ def test_a_node_before_one_that_gives_nothing_back_is_a_cut():
     with pytest.raises(NoGradient, match=r"front\.lin\.weight"):
         t.step(data(1)[0])
     g = middle()
-    trains = {"front": Greedy(SGD, head=nn.Linear(4, 2, dtype=F64), lr=0.1),
-              "mid": Greedy(SGD, head=nn.Linear(4, 2, dtype=F64), lr=0.1)}
+    trains = {
+        "front": Greedy(SGD, head=nn.Linear(4, 2, dtype=F64), lr=0.1),
+        "mid": Greedy(SGD, head=nn.Linear(4, 2, dtype=F64), lr=0.1),
+    }
     t = Trainer(g, objective=mse_loss, optimizer=SGD(parameters(g, without=trains)), trains=trains)
     for b in data(2):
         t.step(b)  # greedy all the way down: every node learns
@@ -511,11 +518,14 @@ def test_export_carries_what_it_brought_and_load_takes_it_back(kind):
         t1.step(b)
     exported = t1.export()
     brought = {k for k in exported[nid] if k.startswith("learning/")}
-    assert brought == {
-        "greedy": {"learning/head.weight", "learning/head.bias"},
-        "synthetic": {"learning/guesser.weight", "learning/guesser.bias"},
-        "ff": set(),
-    }[kind]
+    assert (
+        brought
+        == {
+            "greedy": {"learning/head.weight", "learning/head.bias"},
+            "synthetic": {"learning/guesser.weight", "learning/guesser.bias"},
+            "ff": set(),
+        }[kind]
+    )
     t2 = trainer(kind, objective=objective)  # fresh: a Synthetic has no guesser yet
     t2.load(exported)
     same(t2.export(), exported, tol=0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,15 +46,15 @@ def stage_state(
     (a node a worker rebuilt from its constructor arguments becomes what was sent: a float64
     one stays float64). An unknown key, a shape that differs, a tensor without plain numbers
     (meta, sparse) or two keys of one tensor (tied weights) given different values is refused
-    whole, naming the node (`name`, else its class)."""
+    whole, naming the node (`name`, else its class). What a Learning builds lazily (`receiving`)
+    is set on it only by that function: a refused or dropped load leaves it unbuilt."""
     from somatize.torch.training.learning import Learning
 
     name = name or type(node).__name__
     if not isinstance(state, dict):
         raise TypeError(f"{name}: weights are {{key: tensor}}, not {type(state).__name__}")
-    if isinstance(node, Learning):
-        node.receiving(state)  # what it builds lazily (a guesser) is built at the shapes sent
-    own = _own(node)
+    parts = node.receiving(state) if isinstance(node, Learning) else {}
+    own = {**_own(node), **_own(SimpleNamespace(**parts))}
     unknown = sorted(set(state) - set(own))
     if unknown:
         raise ValueError(
@@ -94,6 +95,8 @@ def stage_state(
             )
 
     def commit() -> dict[str, torch.Tensor]:
+        for attribute, part in parts.items():  # built for this load: held once it commits
+            setattr(node, attribute, part)
         previous = {k: own[k].detach().clone() for k in staged}
         with torch.no_grad():
             for k, v in staged.items():

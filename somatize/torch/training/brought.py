@@ -4,6 +4,7 @@ whether weights to load hold every key (`load(strict=True)`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ def parted(trainer: Any, nid: str, given: dict[str, Any]) -> tuple[dict, dict]:
     without the `learning/` prefix; those of a Learning the node does not have, or that its
     Learning did not bring, are refused, naming the keys. Nothing is copied here."""
     own = {k: v for k, v in given.items() if not str(k).startswith(BROUGHT)}
-    theirs = {k[len(BROUGHT) :]: v for k, v in given.items() if str(k).startswith(BROUGHT)}
+    theirs = _theirs(given)
     if not theirs:
         return own, theirs
     learning = trainer.trains.get(nid)
@@ -53,8 +54,7 @@ def parted(trainer: Any, nid: str, given: dict[str, Any]) -> tuple[dict, dict]:
             f"trains {nid!r} in this Trainer: leave those keys out, or train the node with "
             "trains= as when they were exported; nothing was loaded"
         )
-    learning.receiving(theirs)  # what it builds lazily (a guesser) is built at the shapes sent
-    has = sorted(BROUGHT + k for k in state_of(learning))
+    has = sorted(BROUGHT + k for k in _brings(learning, given))
     unknown = sorted(set(held) - set(has))
     if unknown:
         name = type(learning).__name__
@@ -75,7 +75,7 @@ def whole(trainer: Any, weights: dict[str, dict]) -> None:
     for nid in trainer.graph.nodes():
         keys = set(state_of(trainer.graph.implementation(nid)))
         if nid in trainer.trains:
-            keys |= {BROUGHT + k for k in state_of(trainer.trains[nid])}
+            keys |= {BROUGHT + k for k in _brings(trainer.trains[nid], weights.get(nid, {}))}
         if keys and nid not in weights:
             left.append(f"node {nid!r}")
         elif keys - set(weights.get(nid, keys)):
@@ -86,3 +86,15 @@ def whole(trainer: Any, weights: dict[str, dict]) -> None:
             f"{'; '.join(left)}; nothing was loaded (strict=False loads a subset: what is "
             "left out keeps the weights it has)"
         )
+
+
+def _brings(learning: Any, given: dict[str, Any]) -> set[str]:
+    """The keys (without `learning/`) `learning` holds once loaded from `given`, a node's weights:
+    what it brought, and what it would build for them (`receiving`, here on the meta device)."""
+    with torch.device("meta"):  # built only to be named: no memory, no numbers
+        parts = learning.receiving(_theirs(given))
+    return {*state_of(learning), *state_of(SimpleNamespace(**parts))}
+
+
+def _theirs(given: dict[str, Any]) -> dict[str, Any]:
+    return {k[len(BROUGHT) :]: v for k, v in given.items() if str(k).startswith(BROUGHT)}

@@ -8,9 +8,8 @@ back in an `Envelope` into dL/d(input), or None. `Split` is split learning; `Gre
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 from somatize.node import Node
 from somatize.torch._values import mapped
 from somatize.torch.placement import modules_of, move, place
-from somatize.torch.training.params import state_of, trainable_in
+from somatize.torch.training.params import trainable_in
 
 __all__ = [
     "Learning",
@@ -267,14 +266,12 @@ class Learning(Node):
             )
         return trainable_in([*modules_of(self.node), *modules_of(self)])
 
-    def receiving(self, state: Mapping[str, Any]) -> None:
-        """Made ready to be handed `state` (the keys of what it brought): a technique that
-        builds what it brings lazily builds it here, at the shapes given. Nothing by default."""
-
-    def unreceived(self) -> None:
-        """Lets go of what `receiving` built, for a load that was refused (`unbuilt_if_refused`
-        calls it on a Learning that brought nothing before the load); built again when it is
-        needed. Nothing by default."""
+    def receiving(self, state: Mapping[str, Any]) -> dict[str, torch.nn.Module]:
+        """What it would be handed `state` (the keys of what it brought) in, by attribute name,
+        besides what it holds: a technique that builds what it brings lazily builds it here,
+        at the shapes given, and does not hold it yet; a load sets it on only when it commits,
+        so a refused one leaves nothing built (`stage_state`). Nothing by default."""
+        return {}
 
     @property
     def optimizer(self) -> Any:
@@ -407,20 +404,6 @@ class Learning(Node):
         how = "".join(f", {k}={v!r}" for k, v in self.how.items())
         every = f", every={self.declared}" if self.declared is not None else ""
         return f"{type(self).__name__}({name}{every}{how})"
-
-
-@contextlib.contextmanager
-def unbuilt_if_refused(learnings: Iterable[Learning]) -> Iterator[None]:
-    """Around a load: a Learning that brought nothing before it, and built what it brings to
-    be loaded into (`receiving`), lets go of that again if the load is refused, so that a
-    refused load leaves it as it was."""
-    lazy = [learning for learning in learnings if not state_of(learning)]
-    try:
-        yield
-    except BaseException:
-        for learning in lazy:
-            learning.unreceived()
-        raise
 
 
 class Enters(Node):

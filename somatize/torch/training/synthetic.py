@@ -73,15 +73,13 @@ class Synthetic(Learning):
         self.guesser: Guesser | None = None
         self._guess: torch.Tensor | None = None
 
-    def receiving(self, state: Mapping[str, Any]) -> None:
-        """Builds the guesser at the shape of the `guesser.weight` given, if not built yet."""
+    def receiving(self, state: Mapping[str, Any]) -> dict[str, nn.Module]:
+        """A guesser at the shape of the `guesser.weight` given, to be set on when the load
+        commits, if none is built yet."""
         weight = state.get("guesser.weight")
         if self.guesser is None and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-            self.guesser = Guesser(weight.shape[1], dtype=weight.dtype)
-
-    def unreceived(self) -> None:
-        """Lets go of the guesser a refused load built: built again at the first output."""
-        self.guesser = None
+            return {"guesser": Guesser(weight.shape[1], dtype=weight.dtype)}
+        return {}
 
     def kept(self, ctx: Any) -> None:
         """The node's update, with the guess, the moment its output is kept."""

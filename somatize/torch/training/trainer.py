@@ -20,7 +20,7 @@ from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
 from somatize.torch.training._progress import Progress, live_shown, person_watching
 from somatize.torch.training._result import Result
-from somatize.torch.training.learning import Learning, unbuilt_if_refused
+from somatize.torch.training.learning import Learning
 from somatize.torch.training.parallel import parallel_of
 from somatize.torch.training.params import freeze, named, state_of, trained
 from somatize.torch.training.remote import Remote
@@ -439,47 +439,44 @@ class Trainer:
             weights = self._parallel.incoming(self.graph, weights)
         if not isinstance(weights, dict):
             raise TypeError(f"load takes {{node: {{key: tensor}}}}, not {type(weights).__name__}")
-        with unbuilt_if_refused(self.trains.values()):  # a guesser a refusal built, let go
-            commits = []
-            entries: list[tuple] = []  # (host, id, node or Learning, device, state), for workers
-            for nid, given in weights.items():
-                node = self.graph.implementation(nid) if nid in self.graph else None
-                if node is None or not state_of(node):
-                    has = [n for n in self.graph.nodes() if state_of(self.graph.implementation(n))]
-                    raise ValueError(
-                        f"the weights name node {nid!r}, which this graph "
-                        f"{'does not have' if node is None else 'holds no weights in'}; "
-                        f"the nodes with weights are {has}; nothing was loaded"
-                    )
-                if not isinstance(given, dict):
-                    raise ValueError(
-                        f"node {nid!r}: weights are {{key: tensor}}, not {given!r:.60}"
-                    )
-                given, theirs = brought.parted(self, nid, given)
-                commits.append(stage_state(node, given, name=f"node {nid!r}"))
-                if self.graph.setting(nid).host:
-                    entries.append((*self.broker.placement(self.graph, nid), given))
-                if theirs:
-                    learning, host = brought.there(self, nid)
-                    name = f"the {type(learning).__name__} training node {nid!r}"
-                    commits.append(stage_state(learning, theirs, name=name))
-                    if host is not None:
-                        entries.append((host, f"{nid}/learning", learning, None, theirs))
+        commits = []
+        entries: list[tuple] = []  # (host, id, node or Learning, device, state), for workers
+        for nid, given in weights.items():
+            node = self.graph.implementation(nid) if nid in self.graph else None
+            if node is None or not state_of(node):
+                has = [n for n in self.graph.nodes() if state_of(self.graph.implementation(n))]
+                raise ValueError(
+                    f"the weights name node {nid!r}, which this graph "
+                    f"{'does not have' if node is None else 'holds no weights in'}; "
+                    f"the nodes with weights are {has}; nothing was loaded"
+                )
+            if not isinstance(given, dict):
+                raise ValueError(f"node {nid!r}: weights are {{key: tensor}}, not {given!r:.60}")
+            given, theirs = brought.parted(self, nid, given)
+            commits.append(stage_state(node, given, name=f"node {nid!r}"))
+            if self.graph.setting(nid).host:
+                entries.append((*self.broker.placement(self.graph, nid), given))
+            if theirs:
+                learning, host = brought.there(self, nid)
+                name = f"the {type(learning).__name__} training node {nid!r}"
+                commits.append(stage_state(learning, theirs, name=name))
+                if host is not None:
+                    entries.append((host, f"{nid}/learning", learning, None, theirs))
 
-            if strict:
-                brought.whole(self, weights)
+        if strict:
+            brought.whole(self, weights)
 
-            def commit() -> None:
-                for done in commits:
-                    done()
+        def commit() -> None:
+            for done in commits:
+                done()
 
-            if entries:
-                for nid in weights:  # what trains it there goes on from its copy here
-                    if nid in self.trains and self.graph.setting(nid).host:
-                        self.broker.resume(self.trains[nid])
-                self.broker.write(entries, then=commit)
-            else:
-                commit()
+        if entries:
+            for nid in weights:  # what trains it there goes on from its copy here
+                if nid in self.trains and self.graph.setting(nid).host:
+                    self.broker.resume(self.trains[nid])
+            self.broker.write(entries, then=commit)
+        else:
+            commit()
 
     def close(self) -> None:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is garbage);

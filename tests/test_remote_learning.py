@@ -1,0 +1,101 @@
+"""A Learning on a worker in a real process on 127.0.0.1 and its loads: what a Synthetic builds
+lazily (its guesser) is built by a load only when that load commits, there as here."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from _remote_nodes import Lin
+from test_remote import Standing, _again
+
+from somatize import Broker, Graph, Worker
+from somatize.remote import WorkerLost
+from somatize.torch import Synthetic, Trainer, parameters
+
+NODES = "_remote_nodes"
+SGD = torch.optim.SGD
+
+
+@pytest.fixture(scope="module")
+def one():
+    broker = Broker.embedded({"a": Worker.spawn(["--threads", "1"], send=[NODES])})
+    yield broker
+    with warnings.catch_warnings():  # what the tests' nodes learnt there is not wanted
+        warnings.simplefilter("ignore", RuntimeWarning)
+        broker.close()
+
+
+def test_a_worker_s_synthetic_builds_its_guesser_only_when_a_load_commits(one):
+    broker = one  # host "a"
+    learning = Synthetic(SGD, lr=0.1)  # sent with no guesser: built there at the first output
+    key = broker.key(learning)
+    good = {"guesser.weight": torch.full((4, 4), 0.5), "guesser.bias": torch.full((4,), 0.25)}
+    bad = {**good, "guesser.bias": torch.zeros(3)}
+
+    def stage(lid: str, state: dict) -> None:
+        message = {"op": "load", "phase": "stage", "load": lid, "key": key, "state": state}
+        broker.send("a", [("mid/learning", learning, None)], message)
+
+    def held() -> dict:
+        return broker.request("a", {"op": "state", "key": key})
+
+    with pytest.raises(ValueError, match=r"'guesser\.bias'.*shape \(3,\).*nothing was loaded"):
+        stage("refused", bad)
+    assert held() == {}  # the refused stage built no guesser there
+    stage("dropped", good)
+    broker.request("a", {"op": "load", "phase": "drop", "load": "dropped"})
+    assert held() == {}  # staged and dropped (another worker failed): nothing built
+    stage("taken", good)
+    assert held() == {}  # staged: nothing changes before the commit
+    broker.request("a", {"op": "load", "phase": "commit", "load": "taken"})
+    got = held()
+    assert sorted(got) == ["guesser.bias", "guesser.weight"]
+    assert all(torch.equal(got[k], good[k]) for k in good)
+
+
+def _trainer(broker: Broker) -> Trainer:
+    """on_b (frozen, on host "b") >> mid (on "a", trained by a Synthetic) >> head (here)."""
+    torch.manual_seed(0)
+    g = Graph.somatize(
+        Lin(4, 4).named("on_b").at("b").frozen()
+        >> Lin(4, 8).named("mid").at("a")
+        >> Lin(8, 2).named("head")
+    )
+    trains = {"mid": Synthetic(SGD, lr=0.1)}
+    opt = SGD(parameters(g, without=trains), lr=0.1)
+    return Trainer(
+        g, objective=torch.nn.functional.mse_loss, optimizer=opt, trains=trains, broker=broker
+    )
+
+
+def test_a_load_a_dead_worker_refuses_leaves_a_synthetic_there_and_here_as_it_was(one):
+    b = Standing()  # started again by hand once the load is refused
+    b.start()
+    on_b = b.worker()
+    on_b.connect_within = 1.0  # its loss is seen in a second
+    broker = Broker.embedded({"a": one.workers["a"], "b": on_b})
+    try:
+        gen = torch.Generator().manual_seed(1)
+        batch = (torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen))
+        trained = _trainer(broker)
+        trained.step(batch)  # its guesser is built on "a", at the first output
+        saved = trained.export()
+        assert "learning/guesser.weight" in saved["mid"]
+        fresh = _trainer(broker)  # its Synthetic has not gone to "a" yet, and has no guesser
+        before = {"trained": saved, "fresh": fresh.export()}
+        assert not any(k.startswith("learning/") for k in before["fresh"]["mid"])
+        b.stop()
+        halves = {n: {k: torch.full_like(v, 0.5) for k, v in saved[n].items()} for n in saved}
+        weights = {"mid": halves["mid"], "on_b": halves["on_b"]}  # "b" is met second
+        for t in (trained, fresh):
+            with pytest.raises(WorkerLost):
+                t.load(weights)
+        b.start()  # "on_b" learnt nothing there: it is sent again
+        for name, t in (("trained", trained), ("fresh", fresh)):
+            now, was = _again(t.export), before[name]
+            assert {n: sorted(w) for n, w in now.items()} == {n: sorted(w) for n, w in was.items()}
+            assert all(torch.equal(now[n][k], was[n][k]) for n in was for k in was[n])
+    finally:
+        b.stop()
