@@ -142,12 +142,14 @@ class Audit:
         )
         places: list[Place] = []
         left: list[str] = []
-        roots = {n: _through(g.implementation(n)) for n in held_by}
         for node, held in held_by.items():
             modules = [m for _, m in held]
             first = layouts(modules)  # a node gives what the last module it holds gives
             last = first[id(modules[-1])] if modules else False
-            places.append(Place(node, None, roots[node], self.window, last))
+            called = g.implementation(node)  # hooked, heard before it runs (input as given)
+            if not isinstance(called, nn.Module):  # a Holder of its modules, which the Tap calls
+                called = Holder(_Of(called) if isinstance(called, Wrapped) else called)
+            places.append(Place(node, None, called, self.window, last))
             chosen, missed = choose(node, held, self.inside, self.most)
             for path, module in chosen:
                 is_first = first.get(id(module), False)
@@ -197,7 +199,7 @@ class Audit:
         self.places = [p.where for p in places]
         self.left_out = left
         self._graph = g
-        self._tap = Tap(g, None, roots).on()
+        self._tap = Tap(g, None, {p.node: p.module for p in places if p.inside is None}).on()
         self._arm(self.step % self.every == 0)
         return self
 
@@ -409,22 +411,14 @@ def _moved(
 
 
 class _Of:
-    """A `Node.of(module)` as a plain node holding that module (as `held`): a `Holder` of its
-    own is what it is called through, the same module standing as two nodes or more."""
+    """A `Node.of(module)` as a plain node holding that module (as `held`), for a `Holder` of
+    its own to be what it is called through: the same module may stand as two nodes."""
 
     def __init__(self, node: Wrapped) -> None:
         self.held, self.node = node.held, node
 
     def forward(self, input: Any, ctx: Any) -> Any:
         return type(self.node).forward(self.node, input, ctx)
-
-
-def _through(node: Any) -> nn.Module:
-    """The module a node is called through, whose hooks hear it before it runs (its input as
-    given) and after: the node when it is a module, else a `Holder` the `Tap` calls."""
-    if isinstance(node, nn.Module):
-        return node
-    return Holder(_Of(node) if isinstance(node, Wrapped) else node)
 
 
 def _like(missing: list[str], held_by: dict[str, list]) -> str:
