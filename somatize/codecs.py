@@ -198,11 +198,11 @@ def plain_value(code: int, data: bytes, unpack: Callable[[Any], Any]) -> Any:
 
 
 def _default(value: Any) -> msgpack.ExtType:
-    plain = plain_ext(value, _pack)
+    plain = plain_ext(value, pack)
     if plain is not None:
         return plain
     if type(value) is collections.OrderedDict:  # a state_dict; not its subclasses (outputs)
-        return msgpack.ExtType(_ORDERED, _pack([[k, v] for k, v in value.items()]))
+        return msgpack.ExtType(_ORDERED, pack([[k, v] for k, v in value.items()]))
     found = _codec_for(value)
     if found is None:
         raise _Failed(value)
@@ -237,7 +237,7 @@ def deeper(reading: bool) -> Iterator[None]:
     depth = getattr(_nesting, "depth", 0)
     if depth > DEPTH:
         doing = "read back" if reading else "written down"
-        raise (Malformed if reading else ValueError)(
+        raise (Malformed if reading else _TooDeep)(
             f"tuples (or registered values) nested more than {DEPTH} deep cannot be {doing} "
             f"(somatize.codecs.DEPTH); flatten the value, or use lists, which nest without it"
         )
@@ -249,31 +249,43 @@ def deeper(reading: bool) -> Iterator[None]:
 
 
 class _TooDeep(ValueError):
-    """Lists or dicts nested more than 1024 deep, which msgpack will not read back."""
+    """A value nested past a bound that `decode` reads: `encode` says whose it was."""
 
 
-def _pack(value: Any) -> bytes:
-    """msgpack of `value` with this module's options. Refuses what `decode` would refuse to
-    read back: tuples nested past `DEPTH`, lists or dicts nested more than 1024 deep."""
-    options = dict(default=_default, strict_types=True, use_bin_type=True)
+def pack(value: Any, default: Callable = _default, text: str = "surrogatepass") -> bytes:
+    """msgpack of `value`, `default` writing what msgpack does not know (`text`: how str is);
+    one level of nesting. Refuses (`ValueError`) what `unpack` would not read back: nesting
+    past `DEPTH` or msgpack's 1024. A store's values and the wire's messages alike."""
+    options = dict(strict_types=True, use_bin_type=True, unicode_errors=text)
+    given: collections.deque = collections.deque()
+
+    def asked(item: Any) -> Any:  # what `default` gives, kept in the order msgpack asks
+        given.append(default(item))
+        return given[-1]
+
     with deeper(reading=False):
         # msgpack writes 1025 nested lists or dicts if the innermost is empty, but reads at
         # most 1024. Inside one more list it writes nothing that sits 1024 levels down:
-        packer = msgpack.Packer(**options, unicode_errors="surrogatepass", autoreset=False)
+        packer = msgpack.Packer(default=asked, autoreset=False, **options)
         try:
             packer.pack([value])
             return bytes(packer.getbuffer()[1:])  # the value's bytes, after the list's header
         except ValueError as error:  # a _TooDeep from inside a tuple or a registered value too
             if "recursion limit" not in str(error):
                 raise
-        # Something sits 1024 levels down: a list or dict there is read by no one.
+        # Something sits 1024 levels down: a list or dict there is read by no one. Asked again
+        # in the same order, `default` gives what it gave (a dump, a wire's frame) once only.
         try:
-            data = msgpack.packb(value, **options, unicode_errors="surrogatepass")
-            msgpack.unpackb(data, raw=False, strict_map_key=False, unicode_errors="surrogatepass")
+            data = msgpack.packb(
+                value, default=lambda v: given.popleft() if given else default(v), **options
+            )
+            msgpack.unpackb(data, raw=True, strict_map_key=False)
         except ValueError as error:  # msgpack.StackError, reading, is one too
             if not isinstance(error, msgpack.StackError) and "recursion limit" not in str(error):
                 raise
-            raise _TooDeep("lists or dicts nested more than 1024 deep") from None
+            raise _TooDeep(
+                "lists or dicts nested more than 1024 deep cannot be written down; flatten it"
+            ) from None
         return data
 
 
@@ -303,7 +315,7 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
     """
     whose = f" in {where}" if where else ""
     try:
-        return _pack(value)
+        return pack(value)
     except _Failed as failed:
         inside = _path_to(value, failed.value)
         said = f" at {inside.strip()}" if inside else ""
@@ -323,12 +335,9 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
         except Exception:  # an exception class that takes other arguments: a note instead
             raise note(failed.error, text) from None
         raise told from failed.error
-    except ValueError as error:  # msgpack's bounds: one bytes, str, list or dict; nesting
-        if isinstance(error, _TooDeep):
-            raise ValueError(
-                f"a value{whose} nests lists or dicts more than 1024 deep, which msgpack "
-                f"refuses to write down; flatten it"
-            ) from None
+    except _TooDeep as error:  # nested past a bound decode reads
+        raise ValueError(f"{where or 'a value'}: {error}") from None
+    except ValueError as error:  # msgpack's bounds: one bytes, str, list or dict
         if "too large" not in str(error):
             raise
         raise ValueError(
@@ -339,9 +348,9 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
 
 def _ext_hook(code: int, data: bytes) -> Any:
     if code in PLAIN:
-        return plain_value(code, data, _unpack)
+        return plain_value(code, data, unpack)
     if code == _ORDERED:
-        items = _unpack(data)
+        items = unpack(data)
         if type(items) is not list or not all(type(i) is list and len(i) == 2 for i in items):
             raise Malformed("an OrderedDict that does not hold [key, value] pairs")
         try:
@@ -394,17 +403,18 @@ def _envelope(data: bytes) -> tuple[str, bytes]:
     return kind, payload
 
 
-def _unpack(data: Any) -> Any:
-    """The value `_pack` wrote. Every call counts as one level of nesting on this thread,
-    refused past `DEPTH`."""
+def unpack(data: Any, hook: Callable = _ext_hook, text: str = "surrogatepass") -> Any:
+    """The value `pack` wrote, `hook` reading its extension types back; one level of nesting,
+    refused past `DEPTH`. Lists or dicts nested more than 1024 deep are `Malformed`."""
     with deeper(reading=True):
-        return msgpack.unpackb(
-            data,
-            ext_hook=_ext_hook,
-            raw=False,
-            strict_map_key=False,
-            unicode_errors="surrogatepass",
-        )
+        try:
+            return msgpack.unpackb(
+                data, ext_hook=hook, raw=False, strict_map_key=False, unicode_errors=text
+            )
+        except msgpack.StackError:
+            raise Malformed(
+                "lists or dicts nested more than 1024 deep cannot be read back (msgpack's bound)"
+            ) from None
 
 
 def decode(data: bytes) -> Any:
@@ -421,14 +431,9 @@ def decode(data: bytes) -> Any:
             f"decode reads the bytes encode wrote, not a {type(data).__name__}"
         ) from None
     try:
-        return _unpack(data)
+        return unpack(data)
     except (NoCodec, Malformed):
         raise
-    except msgpack.StackError:
-        raise Malformed(
-            f"these {len(data)} bytes nest lists or dicts more than 1024 deep, which msgpack "
-            f"refuses to read"
-        ) from None
     except (msgpack.UnpackException, ValueError, TypeError) as error:
         raise Malformed(f"these {len(data)} bytes are not an encoded value: {error}") from error
 

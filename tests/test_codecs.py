@@ -360,7 +360,7 @@ def test_lists_or_dicts_nested_past_msgpacks_bound_are_refused_naming_the_value(
         value: Any = 0
         for _ in range(2000):
             value = make(value)
-        with pytest.raises(ValueError, match="node 'deep' nests lists or dicts more than 1024"):
+        with pytest.raises(ValueError, match="node 'deep': lists or dicts nested more than 1024"):
             encode(value, where="node 'deep'")
 
 
@@ -373,7 +373,7 @@ def test_what_encode_writes_near_msgpacks_bound_decode_reads_back() -> None:
                 for _ in range(levels - levels_of_its_own):
                     value = make(value)
                 if levels > 1024:
-                    with pytest.raises(ValueError, match="'deep' nests lists or dicts more than"):
+                    with pytest.raises(ValueError, match="'deep': lists or dicts nested more than"):
                         encode(value, where="node 'deep'")
                 else:  # == on values this deep passes Python's recursion limit: compare bytes
                     data = encode(value)

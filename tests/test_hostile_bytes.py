@@ -92,8 +92,8 @@ def test_what_encode_writes_is_what_decode_reads_and_no_deeper() -> None:
         value = (value,)
     assert len(repr(value)) > DEPTH
     encode(value)
-    with pytest.raises(ValueError, match="more than 32 deep"):
-        encode((value,))
+    with pytest.raises(ValueError, match=r"^node 'deep': tuples .*more than 32 deep"):
+        encode((value,), where="node 'deep'")  # named, as lists or dicts too deep are
 
 
 def test_lengths_longer_than_their_bytes_are_refused(decoder: Decoder) -> None:

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from _children import tuples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from somatize import NoCodec
-from somatize.codecs import DEPTH
+from somatize import Broker, NoCodec, Worker
+from somatize.codecs import DEPTH, codec, decode, encode
 from somatize.remote import seal, wire
 
 KEY = bytes(range(32))
@@ -156,12 +157,108 @@ def test_text_that_is_not_utf8_is_malformed_wherever_it_hides(header):
 def test_too_many_frames_and_too_deep_a_nesting_are_malformed():
     with pytest.raises(wire.Malformed, match="frames"):
         wire.decode([msgpack.packb(None)] * (wire.MOST_FRAMES + 1))
-    deep: tuple | None = None
-    for _ in range(DEPTH + 1):
-        deep = (deep,)
-    with pytest.raises(wire.Malformed, match="nested"):
-        wire.decode(wire.encode(deep))
-    assert wire.decode(wire.encode(deep[0])) == deep[0]  # as deep as allowed: fine
+    with pytest.raises(wire.Malformed, match=f"nested more than {DEPTH} deep"):
+        wire.decode([tuples(DEPTH + 1)])  # what encode refuses to write, sent by hand
+    assert wire.decode([tuples(DEPTH)]) == tuples_of(DEPTH)  # as deep as allowed: fine
+    for hostile in (b"\x91" * 5000 + b"\xc0", msgpack.packb(msgpack.ExtType(1, b"\x91" * 5000))):
+        with pytest.raises(wire.Malformed, match="lists or dicts nested more than 1024 deep"):
+            wire.decode([hostile])  # said as codecs.decode says it
+
+
+def tuples_of(depth, leaf=None):
+    """`leaf` inside `depth` tuples."""
+    for _ in range(depth):
+        leaf = (leaf,)
+    return leaf
+
+
+def lists_of(depth, leaf=0):
+    """`leaf` inside `depth` lists."""
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+class Boxed:
+    """A registered value (by codecs.encode inside the wire): a level of nesting of its own."""
+
+    def __init__(self, inside):
+        self.inside = inside
+
+
+codec("test-wire-boxed", Boxed, dump=lambda b: encode(b.inside), load=lambda d: Boxed(decode(d)))
+
+
+@pytest.mark.parametrize(
+    "value, frames",
+    [
+        (tuples_of(DEPTH), 1),
+        (tuples_of(DEPTH + 1), None),
+        (tuples_of(DEPTH - 1, torch.ones(2)), 2),  # a tensor's head is one level more
+        (tuples_of(DEPTH, torch.ones(2)), None),
+        (tuples_of(15, Boxed(tuples_of(15))), 1),  # the wire's levels and the codec's, added
+        (tuples_of(20, Boxed(tuples_of(20))), None),
+        (lists_of(1024, 0), 1),
+        (lists_of(1025, 0), None),
+        (lists_of(1023, []), 1),  # an empty list is a level too: 1024 of them
+        (lists_of(1024, []), None),  # 1025, which msgpack writes and will not read
+        (lists_of(1023, {}), 1),
+        (lists_of(1024, {}), None),
+        ((lists_of(1022, []),), 1),  # a tuple's items are one list: 1024 again
+        ((lists_of(1023, []),), None),
+        # a tensor 1025 levels down, another before it: one frame each, though msgpack is
+        # asked twice (1025 levels down, something might be a list it would not read)
+        ({"t": torch.ones(2), "x": lists_of(1023, torch.ones(3))}, 3),
+    ],
+    ids=(
+        "tuples tuples+1 tensor tensor+1 boxed boxed+ lists lists+1 empty-list empty-list+1 "
+        "empty-dict empty-dict+1 tuple tuple+1 tensor-in-lists"
+    ).split(),
+)
+def test_what_the_wire_writes_it_reads_back_and_what_it_would_not_read_it_refuses(value, frames):
+    if frames is None:
+        with pytest.raises(ValueError, match="deep.*flatten") as refused:
+            wire.encode(value)
+        assert not isinstance(refused.value, wire.Malformed)  # the sender's, before sending
+        return
+    sent = wire.encode(value)
+    assert len(sent) == frames
+    back = wire.decode(received(sent))
+    assert wire.encode(back)[0] == sent[0]  # == on values this deep passes Python's limit
+
+
+def test_a_worker_answers_hostile_nesting_with_the_bound_and_serves_the_next_call():
+    worker = Worker.spawn(["--threads", "1"])
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 15000)
+        sock.connect(worker.address)
+        sock.send(seal.SALT_ASK)
+        sealer = seal.Seal(seal.derive(worker.token, sock.recv_multipart()[1]))
+        hostile = {
+            f"more than {DEPTH} deep": tuples(200),
+            "more than 1024 deep": b"\x91" * 5000 + b"\xc0",
+            "lists or dicts nested more than 1024": msgpack.packb(
+                msgpack.ExtType(1, b"\x91" * 5000)
+            ),
+        }
+        for said, data in hostile.items():
+            header = b"\x83" + b"".join(map(msgpack.packb, ["op", "hello", "rid", 7, "x"])) + data
+            sock.send_multipart(sealer.seal([header]))
+            answer = wire.decode(sealer.open(sock.recv_multipart()))  # within 15 s
+            assert answer["ok"] is False and answer["error"]["qualname"] == "Malformed"
+            assert said in answer["error"]["message"], answer["error"]["message"]
+        with Broker.embedded({"w": Worker.at(worker.address, token=worker.token)}) as b:
+            before = b.request("w", {"op": "hello"}, deadline=15)
+            assert before["pid"] == worker.pid
+            with pytest.raises(ValueError, match="cannot be written down"):  # refused here
+                b.request("w", {"op": "hello", "x": tuples_of(DEPTH + 1)}, deadline=15)
+            after = b.request("w", {"op": "hello"}, deadline=15)
+            assert after["served"] == before["served"] + 1  # the refused one never reached it
+    finally:
+        sock.close(0)
+        worker.stop()
 
 
 def test_a_hostile_nesting_is_an_error_and_the_process_lives():
@@ -169,15 +266,16 @@ def test_a_hostile_nesting_is_an_error_and_the_process_lives():
     # so that a crash is a failed test, not a dead test run.
     code = textwrap.dedent(
         """
+        import msgpack
         from somatize.remote import wire
-        v = None
+        data = msgpack.packb(None)
         for _ in range(195):
-            v = (v,)
-        for frames in (wire.encode(v), [bytes([0x91]) * 5000 + bytes([0xC0])]):
+            data = msgpack.packb(msgpack.ExtType(1, bytes([0x91]) + data))
+        for frames in ([data], [bytes([0x91]) * 5000 + bytes([0xC0])]):
             try:
                 wire.decode(frames)
             except wire.Malformed as e:
-                print("malformed", "nested" in str(e))
+                print("malformed", "32 deep" in str(e), "1024 deep" in str(e))
         """
     )
     done = subprocess.run(
@@ -188,7 +286,7 @@ def test_a_hostile_nesting_is_an_error_and_the_process_lives():
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["malformed", "True", "malformed", "False"]
+    assert done.stdout.split() == ["malformed", "True", "False", "malformed", "False", "True"]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))

@@ -64,8 +64,8 @@ class _Writer:
         self.frames: list[Any] = []
         self.where = where
 
-    def pack(self, value: Any) -> bytes:
-        return msgpack.packb(value, default=self.default, use_bin_type=True, strict_types=True)
+    def pack(self, value: Any) -> bytes:  # refuses what `decode` would: as a store does
+        return codecs.pack(value, self.default, text="strict")
 
     def default(self, value: Any) -> Any:
         plain = codecs.plain_ext(value, self.pack)
@@ -98,7 +98,7 @@ def encode(message: Any, *, where: str | None = None) -> list[Any]:
     """`message` as frames: its msgpack header, then one buffer per tensor in it.
 
     `where` says whose value it is, so that a value nobody can write down is a `NoCodec`
-    naming it.
+    naming it. Nesting that `decode` refuses is refused here (`ValueError`), as a store does.
     """
     _hooks.ready()  # torch loaded: its tensors are framed by somatize.torch
     writer = _Writer(where)
@@ -125,9 +125,8 @@ class _Reader:
         self.frames = frames
         self.used: set[int] = set()
 
-    def unpack(self, data: Any) -> Any:
-        with codecs.deeper(reading=True):  # counted with any codecs.decode inside it
-            return msgpack.unpackb(data, ext_hook=self.hook, raw=False, strict_map_key=False)
+    def unpack(self, data: Any) -> Any:  # nesting counted with any codecs.decode inside it
+        return codecs.unpack(data, self.hook, text="strict")
 
     def hook(self, code: int, data: bytes) -> Any:
         if code in codecs.PLAIN:
