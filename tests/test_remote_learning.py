@@ -99,3 +99,26 @@ def test_a_load_a_dead_worker_refuses_leaves_a_synthetic_there_and_here_as_it_wa
             assert all(torch.equal(now[n][k], was[n][k]) for n in was for k in was[n])
     finally:
         b.stop()
+
+
+def test_strict_counts_the_guesser_a_synthetic_built_on_its_worker(one):
+    torch.manual_seed(0)
+    g = Graph.somatize(Lin(4, 8).named("mid").at("a") >> Lin(8, 2).named("head"))
+    trains = {"mid": Synthetic(SGD, lr=0.1)}
+    opt = SGD(parameters(g, without=trains), lr=0.1)
+    t = Trainer(g, objective=torch.nn.functional.mse_loss, optimizer=opt, trains=trains, broker=one)
+    gen = torch.Generator().manual_seed(2)
+    t.step((torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)))
+    # its guesser was built on "a", at the first output; the weights below leave it out
+    plain = {
+        "mid": one.weights(g, "mid"),
+        "head": {k: v.detach() for k, v in g.implementation("head").state_dict().items()},
+    }
+    with pytest.raises(ValueError, match=r"strict=True.*'mid': learning/guesser\.bias"):
+        t.load(plain, strict=True)
+    before = t.export()
+    assert "learning/guesser.weight" in before["mid"]
+    t.load(plain)  # a subset: the guesser keeps what it learnt
+    now = t.export()
+    assert all(torch.equal(now[n][k], before[n][k]) for n in before for k in before[n])
+    t.load(before, strict=True)

@@ -70,11 +70,13 @@ def parted(trainer: Any, nid: str, given: dict[str, Any]) -> tuple[dict, dict]:
 
 def whole(trainer: Any, weights: dict[str, dict]) -> None:
     """Refuses weights that leave out a node with weights, or a key of one (what its Learning
-    brought included), naming them: `load(strict=True)`. Nothing is copied here."""
+    brought included, as its worker holds it: the copy here is brought up to it), naming them:
+    `load(strict=True)`. Nothing is loaded here."""
     left = []
     for nid in trainer.graph.nodes():
         keys = set(state_of(trainer.graph.implementation(nid)))
         if nid in trainer.trains:
+            keys |= set(learnt(trainer, nid))  # a guesser built there at its first output
             keys |= {BROUGHT + k for k in _brings(trainer.trains[nid], weights.get(nid, {}))}
         if keys and nid not in weights:
             left.append(f"node {nid!r}")
