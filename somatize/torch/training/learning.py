@@ -268,9 +268,10 @@ class Learning(Node):
 
     def receiving(self, state: Mapping[str, Any]) -> dict[str, torch.nn.Module]:
         """What it would be handed `state` (the keys of what it brought) in, by attribute name,
-        besides what it holds: a technique that builds what it brings lazily builds it here,
-        at the shapes given, and does not hold it yet; a load sets it on only when it commits,
-        so a refused one leaves nothing built (`stage_state`). Nothing by default."""
+        besides what it holds: a technique that builds what it brings lazily builds it here, at
+        the shapes given, without holding it (a load sets it on only when it commits, so a
+        refused one leaves nothing built; built on the meta device too, to name its keys).
+        Nothing by default."""
         return {}
 
     @property
