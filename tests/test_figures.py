@@ -1117,7 +1117,7 @@ class Pair(nn.Module):
         return self.first(x), self.second(x)
 
 
-def test_an_edge_out_of_an_open_node_leaves_from_the_layer_that_made_the_first_output():
+def test_an_edge_out_of_an_open_node_leaves_from_the_layer_that_made_its_output():
     from models import zoo
 
     from somatize.torch import architecture
@@ -1136,9 +1136,132 @@ def test_an_edge_out_of_an_open_node_leaves_from_the_layer_that_made_the_first_o
     assert inside["cnn"].outputs == ["fc"] and inside["out"].outputs == [""]
     svg = g.figure(inside=inside).svg()
     assert _on_bottom(_start(svg, "n:cnn", "n:out"), boxes(svg)["l:cnn:fc"])
-    # a tuple: from the layer that made its first tensor, though another ran after it
+    # a tuple that a Bilinear reads all of: two layers made it, so from the node's frame (its
+    # side, as a closed node's), not from the first of them
     g = Graph.somatize(Node.of(Pair()).named("pair") >> Node.of(nn.Bilinear(4, 4, 2)).named("b"))
     inside = architecture(g, torch.randn(2, 4))
     assert inside["pair"].outputs == ["first", "second"]
     svg = g.figure(inside=inside).svg()
-    assert _on_bottom(_start(svg, "n:pair", "n:b"), boxes(svg)["l:pair:first"])
+    x, y, w, h = boxes(svg)["n:pair"]
+    start = _start(svg, "n:pair", "n:b")
+    assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+
+
+class Pooled(nn.Module):
+    """A classifier on the pooled output an encoder gave back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 2)
+
+    def forward(self, out):
+        return self.fc(out.pooler_output)
+
+
+class TwoHeads(nn.Module):
+    """A body and two heads on it, giving back both heads' outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3), nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.a(h), self.b(h)
+
+
+class Take(nn.Module):
+    """A classifier on part `k` of what it is given (`k` None: all of it, concatenated)."""
+
+    def __init__(self, k: int | None, n: int) -> None:
+        super().__init__()
+        self.k, self.fc = k, nn.Linear(n, 2)
+
+    def forward(self, pair):
+        return self.fc(torch.cat(pair, -1) if self.k is None else pair[self.k])
+
+
+class Second(Node):
+    """The second part of what it is given: a function, holding no module to read."""
+
+    def forward(self, input, ctx):
+        return input[1]
+
+
+class Crossed(Node):
+    """A node holding a layer, fed by two: the second part of `p`'s and the first of `q`'s."""
+
+    def __init__(self) -> None:
+        self.fc = nn.Linear(5 + 3, 2)
+
+    def forward(self, input, ctx):
+        return self.fc(torch.cat([input["p"][1], input["q"][0]], -1))
+
+
+def test_each_edge_out_of_an_open_node_leaves_from_the_layer_that_made_what_its_end_reads():
+    from models import zoo
+
+    from somatize.torch import architecture
+
+    case = zoo.bert()  # with its pooler: last_hidden_state to one head, pooler_output to another
+    norm, tanh = "encoder.layer.0.output.LayerNorm", "pooler.activation"
+    g = Graph.somatize(
+        Node.of(case.model).named("enc")
+        >> (Node.of(FirstToken()).named("tok") | Node.of(Pooled()).named("pool"))
+    )
+    inside = architecture(g, case.example)
+    assert inside["enc"].outputs == [norm, tanh]
+    assert inside["enc"].read_by == {"tok": [norm], "pool": [tanh]}
+    assert inside["tok"].read_by == {} and inside["pool"].read_by == {}  # (leaves)
+    svg = g.figure(inside=inside).svg()
+    drawn = boxes(svg)
+    assert _on_bottom(_start(svg, "n:enc", "n:tok"), drawn[f"l:enc:{norm}"])
+    assert _on_bottom(_start(svg, "n:enc", "n:pool"), drawn[f"l:enc:{tanh}"])
+    # its block unfolded: the last copy's LayerNorm, and still the pooler's Tanh
+    svg = g.figure(inside=inside, expanded=["enc:encoder.layer.0"]).svg()
+    drawn = boxes(svg)
+    last = "l:enc:encoder.layer.1.output.LayerNorm"
+    assert _on_bottom(_start(svg, "n:enc", "n:tok"), drawn[last])
+    assert _on_bottom(_start(svg, "n:enc", "n:pool"), drawn[f"l:enc:{tanh}"])
+    # two heads on one body: each node after it reads one head's, one reads both, and what a
+    # plain function reads is not seen
+    g = Graph.somatize(
+        Node.of(TwoHeads()).named("two")
+        >> (
+            Node.of(Take(0, 3)).named("first")
+            | Node.of(Take(1, 5)).named("second")
+            | Node.of(Take(None, 8)).named("both")
+            | Second().named("fn")
+        )
+    )
+    inside = architecture(g, torch.randn(2, 4))
+    assert inside["two"].outputs == ["a", "b"]
+    assert inside["two"].read_by == {"first": ["a"], "second": ["b"], "both": ["a", "b"]}
+    svg = g.figure(inside=inside).svg()
+    drawn = boxes(svg)
+    assert _on_bottom(_start(svg, "n:two", "n:first"), drawn["l:two:a"])
+    assert _on_bottom(_start(svg, "n:two", "n:second"), drawn["l:two:b"])
+    x, y, w, h = drawn["n:two"]
+    sides = []  # where each crosses the node's side: on a lane of its own, not along one line
+    for end in ("n:first", "n:second"):
+        d = re.search(rf'd="([^"]+)"[^>]*data-from="n:two" data-to="{end}"', svg).group(1)
+        sides.append({py for px, py in _points(d) if abs(px - x - w) < 1 and y < py < y + h})
+    assert sides[0] and sides[1] and not sides[0] & sides[1]
+    for end in ("n:both", "n:fn"):  # two layers made what it reads (or may read): the frame
+        start = _start(svg, "n:two", end)
+        assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+    assert architecture(g)["two"].read_by == {}  # without an example nothing is seen read
+    # an inside that does not say what made its output (one written by hand): the frame too
+    said = {k: v for k, v in inside["two"].to_json().items() if k not in ("outputs", "read_by")}
+    svg = g.figure(inside={"two": said}).svg()
+    x, y, w, h = boxes(svg)["n:two"]
+    start = _start(svg, "n:two", "n:first")
+    assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+    # a node fed by two: what it read of each
+    p, q = Node.of(TwoHeads()).named("p"), Node.of(TwoHeads()).named("q")
+    g = Graph.somatize((p | q) >> Crossed().named("x"))
+    inside = architecture(g, torch.randn(2, 4))
+    assert inside["p"].read_by == {"x": ["b"]} and inside["q"].read_by == {"x": ["a"]}
+    svg = g.figure(inside=inside).svg()
+    assert _on_bottom(_start(svg, "n:p", "n:x"), boxes(svg)["l:p:b"])
+    assert _on_bottom(_start(svg, "n:q", "n:x"), boxes(svg)["l:q:a"])

@@ -36,10 +36,12 @@ class _Layout:
     def _arrange(self, box: Box, edges: list[tuple[str, str]]) -> None:
         """Lay out `box`'s children (theirs first) with the edges of the world it is in: the
         graph's, or an open node's own and those that come into it (to its `entry`) or leave
-        it (from its `exit`)."""
+        it (from its `exit` to where they go)."""
         if box.edges or box.kind in ("root", "node"):
             ends = [
-                (s, d) for s, d in edges if d == box.id and box.entry or s == box.id and box.exit
+                (s, d)
+                for s, d in edges
+                if d == box.id and box.entry or s == box.id and box.exit.get(d)
             ]
             edges = [*box.edges, *ends]
         for child in box.children:
@@ -54,15 +56,16 @@ class _Layout:
             return (a, b) if box.down else (b, a)
 
         items = {c.id: Item(c.id, *flip(c.w, c.h), box=c) for c in box.children}
-        pairs: list[tuple[str, str, str, str]] = []  # level source, level target, edge
+        pairs: list[tuple[str, str, str, str]] = []  # level source, level target, edge (exit, end)
         for s, d in edges:
-            a, b = self._child_of(box, self._end(s, True)), self._child_of(box, self._end(d))
+            src = self._end(s, d)
+            a, b = self._child_of(box, src), self._child_of(box, self._end(d))
             if a is None and b is None or a is b:
                 continue
-            ends = (f"in:{s}" if a is None else a.id, f"out:{s}" if b is None else b.id)
+            ends = (f"in:{src}" if a is None else a.id, f"out:{src}" if b is None else b.id)
             for key in ends:  # a port where the edge enters or leaves from outside
                 items.setdefault(key, Item(key, 0.0, 0.0))
-            pairs.append((*ends, s, d))
+            pairs.append((*ends, src, d))
         # (between layers, between items, after a port: room for an edge to curve down)
         gaps = (40.0, 20.0, 8.0) if box.kind in ("root", "group") else (22.0, 16.0, 22.0)
         top, right, bottom, left = box.pad
@@ -90,18 +93,27 @@ class _Layout:
                 item.box.x, item.box.y = cx - item.box.w / 2, cy
             else:
                 item.box.x, item.box.y = cx, cy - item.box.h / 2
+        # an open node's exits each on a lane of its own along its bottom, the rightmost
+        # highest: no two edges run to its side along one line
+        outs = sorted((k for k in border if k.startswith("out:")), key=lambda k: -border[k][0])
+        drop = {k: 8.0 * n for n, k in enumerate(outs)} if box.kind == "node" else {}
+        box.h += 8.0 * max(len(drop) - 1, 0)
         bend = "v" if box.down else "h"
-        for (_, _, s, d), way in zip(pairs, ways, strict=True):
+        for (_, b, s, d), way in zip(pairs, ways, strict=True):
             parts[(s, d)] = [
                 (*flip(u + shift_u, v + shift_v), bend if curve else "") for u, v, curve in way
             ]
+            if b in drop:  # (a node is laid out down: x, y)
+                x, y, c = parts[(s, d)][-1]
+                parts[(s, d)][-1] = (x, y + drop[b], c)
+        border.update({k: (border[k][0], border[k][1] + dv) for k, dv in drop.items()})
 
-    def _end(self, key: str, leaving: bool = False) -> str:
-        """Where an edge to `key` ends (or, `leaving`, one from it starts): an open node's
-        entry, the box inside that reads what the node is given (its exit, the one that gives
-        what it gives back); anything else itself."""
+    def _end(self, key: str, to: str = "") -> str:
+        """Where an edge to `key` ends (or, `to` given, one from it to `to` starts): an open
+        node's entry, the box inside that reads what the node is given (its exit to `to`, the
+        one that made what `to` reads); anything else, and a node without one, itself."""
         box = self.boxes.get(key)
-        return (box.exit if leaving else box.entry) or key if box is not None else key
+        return (box.exit.get(to) if to else box.entry) or key if box is not None else key
 
     def port(self, box: Box | None, key: str, out: bool) -> float | None:
         """Where an edge to (or from) `key` crosses the border of `box`, across its
@@ -127,7 +139,7 @@ class _Layout:
                 points: list[Point] = []
                 for box in self._chain(s, d):
                     ox, oy = origin[box.id]
-                    part = self.parts[box.id].get((s, d), [])
+                    part = self.parts[box.id].get((self._end(s, d), d), [])
                     points.extend((x + ox, y + oy, c) for x, y, c in part)
                 if points:
                     routes[(s, d)] = points
@@ -135,7 +147,7 @@ class _Layout:
 
     def _chain(self, s: str, d: str) -> list[Box]:
         """The containers an edge passes through, from the source's side to the target's."""
-        up_s, up_d = self._ups(self._end(s, True)), self._ups(self._end(d))
+        up_s, up_d = self._ups(self._end(s, d)), self._ups(self._end(d))
         ids_d = [b.id for b in up_d]
         k = next(k for k, b in enumerate(up_s) if b.id in ids_d)  # the nearest box around both
         return [*up_s[: k + 1], *reversed(up_d[: ids_d.index(up_s[k].id)])]

@@ -49,7 +49,7 @@ class Box:
     pills: list[tuple[str, str]] = field(default_factory=list)
     stack: bool = False  # a folded block: its copies drawn behind it
     entry: str = ""  # an open node: the box inside where an edge into the node arrives
-    exit: str = ""  # and the one an edge out of it leaves, which gives what it gives back
+    exit: dict[str, str] = field(default_factory=dict)  # and where one to each box leaves
     x: float = 0.0
     y: float = 0.0
 
@@ -139,7 +139,7 @@ def _swap(path: str, old: str, new: str) -> str:
 class _Inside:
     """One open node's layers as boxes, and the edges between them."""
 
-    def __init__(self, node: str, inside: dict, expanded: list[str]) -> None:
+    def __init__(self, node: str, inside: dict, expanded: list[str], after: list[str]) -> None:
         self.node = node
         self.layers = [dict(layer, path=str(layer["path"])) for layer in inside.get("layers", [])]
         self.blocks = _blocks(self.layers)
@@ -182,14 +182,12 @@ class _Inside:
         if not inputs and len(drawn) == 1:  # (a node that is one layer reads it there)
             inputs = [drawn[0]["path"]]
         self.reader = inputs[0] if len(inputs) == 1 else INPUT  # where the node's input goes
-        # where an edge out of the node leaves: the layer that made the first tensor of what it
-        # gave back (the graph hands on all of it, not knowing what the next node reads); an
-        # inside that does not say: the last box that ran feeding no other, else the last box
-        held = {la.get("block") for la in self.layers}
-        shown = [la["path"] for la in self.layers if la["path"] not in held]
-        sent = {a for a, _ in edges}
-        guess = next((p for p in reversed(shown) if p not in sent), shown[-1] if shown else "")
-        self.giver = next((str(p) for p in inside.get("outputs") or []), guess)
+        # where an edge out of the node to each node `after` it leaves: the one layer that made
+        # what that node read (`read_by`), where not seen what the node gave back (`outputs`);
+        # None, the node's frame, where that is several layers, or none, or not said
+        read, gave = inside.get("read_by") or {}, inside.get("outputs") or []
+        made = {f"n:{n}": {str(p) for p in read.get(n, gave)} for n in after}
+        self.givers = {n: next(iter(m)) if len(m) == 1 else None for n, m in made.items()}
 
     def boxes(self) -> list[Box]:
         out: list[Box] = [self._input()] if self.inputs else []
@@ -318,12 +316,12 @@ class _Inside:
             self.copies.append((b, copies))
         return made
 
-    def routed(self) -> tuple[list[tuple[str, str]], str]:
+    def routed(self) -> tuple[list[tuple[str, str]], dict[str, str]]:
         """The edges between drawn boxes, an expanded block's copies chained one after the
         other (what entered the block enters the first, what left it leaves the last); and
-        the box an edge out of the node leaves from (its `giver`'s, the last copy's where it
-        is in an expanded block; "" where none is drawn)."""
-        out = [*self.edges, (self.giver, OUTPUT)]  # (what leaves the last copy, as any edge)
+        the box an edge out of the node to each node after it leaves from, by that node's box
+        (its giver's, the last copy's where it is in an expanded block; "" where none is drawn)."""
+        out = [*self.edges, *((g, OUTPUT + n) for n, g in self.givers.items() if g is not None)]
         for b, copies in self.copies:
             inside = {
                 la["path"]
@@ -348,7 +346,7 @@ class _Inside:
                 else:
                     nxt.append((x, y))
             out = nxt
-        leaves = next((self.ids.get(x, "") for x, y in out if y == OUTPUT), "")
+        leaves = {y[len(OUTPUT) :]: self.ids.get(x, "") for x, y in out if y.startswith(OUTPUT)}
         drawn = ((self.ids.get(x), self.ids.get(y)) for x, y in out)
         return list(dict.fromkeys((a, b) for a, b in drawn if a and b and a != b)), leaves
 
@@ -405,14 +403,17 @@ def scene(plan: dict, insides: dict, opened: list[str], expanded: list[str]) -> 
         for m in grp["members"]:
             frames[m] = frame
     for nid in order:
-        box = _node(nid, nodes[nid], insides.get(nid), nid in opened, expanded)
+        after = [b for a, b in edges if a == nid]
+        box = _node(nid, nodes[nid], insides.get(nid), nid in opened, expanded, after)
         if box.entry and any(b == nid for _, b in edges):  # an edge comes in under its title
             box.pad = (box.pad[0] + 6.0, *box.pad[1:])
         frames.get(nid, root).children.append(box)
     return root
 
 
-def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: list[str]) -> Box:
+def _node(
+    nid: str, node: dict, inside: dict | None, opened: bool, expanded: list[str], after: list[str]
+) -> Box:
     pills = [("device", str(node["device"]))] if node.get("device") else []  # its badges
     if node.get("host"):
         pills.append(("host", f"@{node['host']}"))
@@ -441,7 +442,7 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, expanded: lis
         box.click = ("opened", nid)
         box.tip.append(("", f"click to {'close' if opened else 'open'}"))
     if opened and inside:
-        world = _Inside(nid, inside, expanded)
+        world = _Inside(nid, inside, expanded, after)
         box.children = world.boxes()
         box.edges, box.exit = world.routed()
         box.entry = world.ids.get(world.reader, "")  # "" where the inside does not say

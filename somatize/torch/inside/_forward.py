@@ -53,6 +53,7 @@ class Boxes(TorchFunctionMode):
         self.opening = Opening(root, depth)
         self.counts: dict[str, int] = {}  # each function's calls in each block so far
         self.by: dict[int, tuple[weakref.ref, frozenset[str]]] = {}
+        self.given: dict[str, weakref.ref] = {}  # each tensor the root was given, by its own mark
         self.live = False  # the root's first call is running
         self.on = False  # the mode is on the stack
         self.runs = 0  # the root's calls
@@ -204,7 +205,9 @@ class Boxes(TorchFunctionMode):
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self.runs += 1
         if self.runs == 1:
-            self._mark(tensors_in((args, kwargs)), frozenset((INPUT,)))  # made by no layer
+            for k, t in enumerate(tensors_in((args, kwargs))):  # made by no layer, each marked
+                self.given[f"<{k}>"] = weakref.ref(t)
+                self._mark([t], frozenset((INPUT, f"<{k}>")))
             self.live = True
             self._mode(True)
 
@@ -229,14 +232,20 @@ class Reading(Boxes):
         self.order: list[str] = []
         self.edges: dict[tuple[str, str], None] = {}
         self.ends: list[str] = []  # the layers that made what the root gave back, in order
+        self.read: set[str] = set()  # the marks of the tensors given that a layer read
 
     def _ran(self, layer: Raw, made: frozenset[str]) -> None:
         """`layer` ran now, on what the layers in `made` made."""
         layer.within = {path: self.calls.get(path, 1) for path in self.stack}  # their calls
         self.order.append(layer.path)
-        for p in sorted(made):  # (a set: in path order, the same in every process)
+        self.read |= made & self.given.keys()
+        for p in sorted(made - self.given.keys()):  # (a set: in path order, in every process)
             if p != layer.path:
                 self.edges[(p, layer.path)] = None
+
+    def seen(self) -> list[torch.Tensor]:
+        """The tensors the root's first call was given that a layer read, while they live."""
+        return [t for m in sorted(self.read) if (t := self.given[m]()) is not None]
 
     def _began(self, path: str, call: int, module: nn.Module, given: list[torch.Tensor]) -> None:
         self._ran(self.opening.add_leaf(self.out, path, call), self.made_by(given)[1])
@@ -257,7 +266,7 @@ class Reading(Boxes):
         self._ran(layer, made)
 
     def _gave(self, outs: list[torch.Tensor]) -> None:
-        self.ends = [p for t in outs for p in sorted(self.made_by([t])[1])]
+        self.ends = [p for t in outs for p in sorted(self.made_by([t])[1] - self.given.keys())]
 
     def result(self) -> Traced:
         """What the root's first call was seen to be made of."""

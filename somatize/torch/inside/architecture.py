@@ -50,7 +50,9 @@ class Inside:
     layers that made the tensors of what it gave back, in that value's order (a BertModel's
     last `LayerNorm`, for `last_hidden_state`, then its pooler's `Tanh`; a folded block's
     first copy's layer stands for its last's): `edges` are between layers only. A node that
-    is one layer says its path, `""`, in both.
+    is one layer says its path, `""`, in both. `read_by` names, for each node after it seen
+    reading what it gave (a module, in a graph run on an example), those of `outputs` that
+    made the tensors that node's layers read: `{"pool": ["pooler.activation"]}`.
     """
 
     layers: list[Layer]
@@ -61,6 +63,7 @@ class Inside:
     params: int = 0
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    read_by: dict[str, list[str]] = field(default_factory=dict)
 
     def layer(self, path: str) -> Layer:
         """The layer at `path`; KeyError naming the paths there are if there is none."""
@@ -168,14 +171,20 @@ def _here(call: Any, ctx: Any) -> Any:
 
 def _capture(
     graph: Any, held: Held, roots: dict[str, nn.Module], example: Any, plans: dict
-) -> dict:
+) -> tuple[dict, dict]:
     """Run the graph once, each node's `Reading` armed: {node: the shape of what it gave
-    back}, for each node the run reached. A plain node's modules are run through their
-    `Holder`, so it is read as a module is."""
+    back}, for each node the run reached, and {node: {node after it: the layers of the
+    first that made the tensors the second's layers read}}. A plain node's modules are run
+    through their `Holder`, so it is read as a module is."""
     reached: dict[str, Any] = {}
+    sent: dict[str, dict[str, set[str]]] = {}
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
         reached.setdefault(node, shape_of(out))
+        for t in plans[node].seen() if isinstance(plans.get(node), Reading) else []:
+            for before in graph.predecessors(node):
+                if isinstance(up := plans.get(before), Reading) and (made := up.made_by([t]))[0]:
+                    sent.setdefault(before, {}).setdefault(node, set()).update(made[1])
 
     readings = [p for p in plans.values() if isinstance(p, Reading)]
     try:
@@ -191,7 +200,7 @@ def _capture(
     finally:
         for reading in readings:
             reading.disarm()
-    return reached
+    return reached, sent
 
 
 _META = (
@@ -258,7 +267,7 @@ def architecture(
     held = Held(list(roots.values()))
     held.refuse()  # before fx or a hook touches anything
     plans = _plan(roots, depth, example)
-    reached = _capture(graph, held, roots, example, plans) if example is not None else {}
+    reached, sent = ({}, {}) if example is None else _capture(graph, held, roots, example, plans)
     out: dict[str, Inside] = {}
     for node, root in roots.items():
         if example is not None and node not in reached:
@@ -267,14 +276,17 @@ def architecture(
         if got is None:
             continue
         raw, how, why = got
+        sends = sent.get(node, {})  # each node after it, by an edge to OUTPUT + its name
+        raw.edges += [(p, OUTPUT + n) for n, made in sends.items() for p in made if p in raw.layers]
         folded, edges = fold(raw)
         folded, edges, hidden = collapse(folded, edges, most)
         _same_and_closed(root, folded)
         kept = [k.name for k in fields(Layer)]  # what a tracer's layer says that a figure draws
         layers = [Layer(**{k: getattr(r, k) for k in kept}) for r in folded.values()]
         outputs = [a for a, b in edges if b == OUTPUT]
+        read_by = {n: [p for p in outputs if (p, OUTPUT + n) in edges] for n in sends}
         inputs = [b for a, b in edges if a == INPUT and b != OUTPUT]
-        edges = [(a, b) for a, b in edges if a != INPUT and b != OUTPUT]
+        edges = [(a, b) for a, b in edges if a != INPUT and not b.startswith(OUTPUT)]
         params = params_of(root)
-        out[node] = Inside(layers, edges, how, why, hidden, params, inputs, outputs)
+        out[node] = Inside(layers, edges, how, why, hidden, params, inputs, outputs, read_by)
     return out

@@ -144,9 +144,8 @@ def collapse(
         layers = dict(list(layers.items())[:most])
         for f in layers.values():
             f.made_of = [c for c in f.made_of if c in layers]
-        edges = [
-            (a, b) for a, b in edges if (a in layers or a == INPUT) and (b in layers or b == OUTPUT)
-        ]
+        left = {*layers, INPUT}  # edges between them stay, and from them to OUTPUT (+ a node)
+        edges = [(a, b) for a, b in edges if a in left and (b in left or b.startswith(OUTPUT))]
     return layers, edges, hidden
 
 
