@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 from dataclasses import replace
+from types import NoneType
 from typing import Any
 
 from somatize import _hooks, _keys, caching, run
@@ -380,25 +381,21 @@ class Graph:
         """The graph as data: nodes with what was declared of them, edges, roots, leaves, order."""
         order = self.topological_sort()
         step = {n: k for k, n in enumerate(order)}
-        nodes = []
-        for n in self._impl:
-            s = self._settings[n]
-            nodes.append(
-                {
-                    "id": n,
-                    "kind": kind_name(self._impl[n]),
-                    "device": s.device,
-                    "host": s.host,
-                    "frozen": bool(s.frozen),
-                    "cached": bool(s.cached),
-                    "salt": s.salt
-                    if s.salt is None or isinstance(s.salt, (str, int, float))
-                    else repr(s.salt),
-                    "mapped": bool(s.mapped),
-                    "predecessors": list(self._pred[n]),
-                    "step": step[n],
-                }
-            )
+        nodes = [
+            {
+                "id": n,
+                "kind": kind_name(self._impl[n]),
+                "device": s.device,
+                "host": s.host,
+                "frozen": bool(s.frozen),
+                "cached": bool(s.cached),
+                "salt": s.salt if isinstance(s.salt, (str, int, float, NoneType)) else repr(s.salt),
+                "mapped": bool(s.mapped),
+                "predecessors": list(self._pred[n]),
+                "step": step[n],
+            }
+            for n, s in self._settings.items()
+        ]
         return {
             "nodes": nodes,
             "edges": [list(e) for e in self._edges],
