@@ -48,9 +48,9 @@ class Graph:
         self._edges: list[tuple[str, str]] = []
         self._counts: dict[str, int] = {}
         self._plan: Any = None
-        # per node, for `_refuse_stale`: `_keys.unkeyable`, and what `_nearest` found
-        self._unkeyed: dict[str, _keys.Unkeyable | None] = {}
-        self._above: tuple[dict[str, str | None], dict[str, str | None]] = ({}, {})
+        self._unkeyed: dict[str, _keys.Unkeyable | None] = {}  # per node, `_keys.unkeyable`
+        self._above: tuple[dict[str, Any], ...] = ({}, {}, {})  # what `_nearest` found
+        self._laying = False  # while `somatize` lays an expression
 
     # -- building ------------------------------------------------------------------------
     @classmethod
@@ -69,7 +69,9 @@ class Graph:
                 )
             expression = Node.of(expression)
         g = cls()
+        g._laying = True
         g._lay(expression, Settings())
+        g._laying = False
         return g
 
     def _lay(self, expr: Expr, outer: Settings) -> tuple[list[str], list[str]]:
@@ -202,9 +204,7 @@ class Graph:
         """Refuse a node of `cached` (none at or above `a`) that `a` feeds if a node at or above
         `a` could change unseen by its key: trainable state not frozen, or a constructor
         argument no key can take in (unless the cached node has a salt)."""
-        if not cached:
-            return
-        if (up := self._nearest(a, 0)) is not None:
+        if cached and (up := self._nearest(a, 2 * self._laying)) is not None:
             raise ValueError(
                 f"node {cached[0]!r} is .cached() but is fed by node {up!r}, which holds "
                 f"trainable state and is not .frozen(): the value kept for {cached[0]!r} "
@@ -218,9 +218,10 @@ class Graph:
 
     def _nearest(self, start: str, which: int) -> str | None:
         """A node at or above `start`, itself first, with trainable state it is not frozen on
-        (`which` 0) or an argument no key can take in (1), or None. Kept per node until an edge
-        or a declaration above it changes (for 0, the nearest that holds modules and is not
-        frozen: whether any is trainable is read each time, `requires_grad` may change)."""
+        (`which` 0 or 2: the nearest, first in `_around`'s order) or an argument no key can take
+        in (1: first found depth first), or None, kept per node until an edge or a declaration
+        above it changes. 0 keeps the nearest holding modules and reads which are trainable each
+        call (`requires_grad` may change); 2, while `somatize` lays (none changes), reads once."""
         above, todo = self._above[which], [start]
         while todo:
             here = todo[-1]
@@ -231,15 +232,17 @@ class Graph:
             else:
                 todo.pop()
                 node, s = self._impl[here], self._settings[here]
-                if which and here not in self._unkeyed:
+                if which == 1 and here not in self._unkeyed:
                     self._unkeyed[here] = _keys.unkeyable(node)
-                bad = self._unkeyed[here] if which else not s.frozen and _hooks.state_modules(node)
-                found = next((above[p] for p in self._pred[here] if above[p] is not None), None)
-                above[here] = here if bad else found
+                holds = _hooks.trainable if which == 2 else _hooks.state_modules
+                bad = self._unkeyed[here] if which == 1 else not s.frozen and holds(node)
+                up = [above[p] for p in self._pred[here] if above[p]]  # (edges up, node)
+                d, found = min(up, key=lambda dn: dn[0], default=(0, None))  # ties: first in
+                above[here] = (0, here) if bad else found and (d + which // 2, found)
         if which or above[start] is None:
-            return above[start]
+            return above[start] and above[start][1]
         up = self._around(start, self._pred)
-        return next((n for n in up if above[n] == n and _hooks.trainable(self._impl[n])), None)
+        return next((n for n in up if above[n] == (0, n) and _hooks.trainable(self._impl[n])), None)
 
     def _forget_above(self, nodes: list[str]) -> None:
         for above in self._above:
