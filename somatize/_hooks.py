@@ -54,15 +54,15 @@ def state_of(node: Any) -> dict[str, Any]:
 
 def stage_state(
     node: Any, state: dict[str, Any], *, dtypes: bool = False
-) -> Callable[[], dict[str, Any]]:
+) -> Callable[[], Callable[[], Any]]:
     """Check `state` (as `state_of` gives it) against the node and make the copies it would
     load (cast to the node's dtypes; with `dtypes`, the node's tensors take those of `state`),
-    changing nothing; the function given back copies them in and answers the values it
-    replaced (so a caller can put them back; calling it at once loads `state`). A mismatch is
-    refused before anything."""
+    changing nothing; the function given back copies them in and answers the function that puts
+    back what was there (calling it at once loads `state`). A mismatch is refused before
+    anything."""
     if state:
         raise ValueError(f"{type(node).__name__} holds no weights to load (torch is not loaded)")
-    return dict
+    return lambda: dict
 
 
 def modes(node: Any) -> Callable[[], list[bool]] | None:

@@ -55,6 +55,26 @@ def test_a_worker_s_synthetic_builds_its_guesser_only_when_a_load_commits(one):
     assert all(torch.equal(got[k], good[k]) for k in good)
 
 
+def test_a_commit_undone_on_a_worker_leaves_its_synthetic_without_the_guesser_it_built(one):
+    broker = one  # host "a": committed, then put back because another worker failed
+    learning = Synthetic(SGD, lr=0.1)  # sent with no guesser: built there at the first output
+    key = broker.key(learning)
+    good = {"guesser.weight": torch.full((4, 4), 0.5), "guesser.bias": torch.full((4,), 0.25)}
+    message = {"op": "load", "phase": "stage", "load": "undone", "key": key, "state": good}
+    broker.send("a", [("mid/learning", learning, None)], message)
+    broker.request("a", {"op": "load", "phase": "commit", "load": "undone"})
+    assert sorted(broker.request("a", {"op": "state", "key": key})) == sorted(good)
+    broker.request("a", {"op": "load", "phase": "undo", "load": "undone"})
+    assert broker.request("a", {"op": "state", "key": key}) == {}  # none built, as before
+    again = {**good, "guesser.bias": torch.full((4,), -1.0)}  # a later load builds it afresh
+    broker.send(
+        "a", [("mid/learning", learning, None)], {**message, "load": "later", "state": again}
+    )
+    broker.request("a", {"op": "load", "phase": "commit", "load": "later"})
+    got = broker.request("a", {"op": "state", "key": key})
+    assert all(torch.equal(got[k], again[k]) for k in again)
+
+
 def _trainer(broker: Broker) -> Trainer:
     """on_b (frozen, on host "b") >> mid (on "a", trained by a Synthetic) >> head (here)."""
     torch.manual_seed(0)

@@ -269,8 +269,8 @@ class Server:
             found["staged"] = {}
             return True
         if phase == "undo":
-            for key, previous in found["undo"].items():
-                _hooks.stage_state(session.node(key), previous)()
+            for undo in found["undo"].values():
+                undo()
         if phase in ("undo", "drop"):
             session.loads.pop(lid, None)
             return True

@@ -38,16 +38,17 @@ def state_of(node: Any) -> dict[str, torch.Tensor]:
 
 def stage_state(
     node: Any, state: dict[str, Any], name: str | None = None, *, dtypes: bool = False
-) -> Callable[[], dict[str, torch.Tensor]]:
+) -> Callable[[], Callable[[], None]]:
     """Check `state` (some or all of the node's keys) and cast copies of it to the node's
     dtypes and devices, as `load_state_dict(strict=False)` would load it; nothing is changed
-    until the function given back is called, which copies them in and answers the values they
-    replaced. With `dtypes`, each tensor of the node takes the dtype `state` gives it instead
-    (a node a worker rebuilt from its constructor arguments becomes what was sent: a float64
-    one stays float64). An unknown key, a shape that differs, a tensor without plain numbers
-    (meta, sparse) or two keys of one tensor (tied weights) given different values is refused
-    whole, naming the node (`name`, else its class). What a Learning builds lazily (`receiving`)
-    is set on it only by that function: a refused or dropped load leaves it unbuilt."""
+    until the function given back is called, which copies them in and answers the function that
+    puts back what was there. With `dtypes`, each tensor of the node takes the dtype `state`
+    gives it instead (a node a worker rebuilt from its constructor arguments becomes what was
+    sent: a float64 one stays float64). An unknown key, a shape that differs, a tensor without
+    plain numbers (meta, sparse) or two keys of one tensor (tied weights) given different values
+    is refused whole, naming the node (`name`, else its class). What a Learning builds lazily
+    (`receiving`) is set on it only by that function, and taken off by the one it answers: a
+    refused, dropped or undone load leaves it unbuilt."""
     from somatize.torch.training.learning import Learning
 
     name = name or type(node).__name__
@@ -94,7 +95,8 @@ def stage_state(
                 "give them different values: give both the same, or only one; nothing was loaded"
             )
 
-    def commit() -> dict[str, torch.Tensor]:
+    def commit() -> Callable[[], None]:
+        held = {attribute: getattr(node, attribute) for attribute in parts}
         for attribute, part in parts.items():  # built for this load: held once it commits
             setattr(node, attribute, part)
         previous = {k: own[k].detach().clone() for k in staged}
@@ -105,7 +107,13 @@ def stage_state(
                 else:  # the tensor itself takes the dtype (a Parameter stays the same object)
                     own[k].data = v
         caching.state_changed()  # a frozen node's new digest reaches the cache keys
-        return previous
+
+        def undo() -> None:
+            stage_state(node, previous, name, dtypes=True)()
+            for attribute, was in held.items():  # what it held before the parts set on it
+                setattr(node, attribute, was)
+
+        return undo
 
     return commit
 
