@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -55,7 +54,7 @@ def stage_state(
     if not isinstance(state, dict):
         raise TypeError(f"{name}: weights are {{key: tensor}}, not {type(state).__name__}")
     parts = node.receiving(state) if isinstance(node, Learning) else {}
-    own = {**_own(node), **_own(SimpleNamespace(**parts))}
+    own = {**_own(node), **_own(torch.nn.ModuleDict(parts))}
     unknown = sorted(set(state) - set(own))
     if unknown:
         raise ValueError(

@@ -4,7 +4,6 @@ whether weights to load hold every key (`load(strict=True)`)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -95,7 +94,7 @@ def _brings(learning: Any, given: dict[str, Any]) -> set[str]:
     what it brought, and what it would build for them (`receiving`, here on the meta device)."""
     with torch.device("meta"):  # built only to be named: no memory, no numbers
         parts = learning.receiving(_theirs(given))
-    return {*state_of(learning), *state_of(SimpleNamespace(**parts))}
+    return {*state_of(learning), *state_of(torch.nn.ModuleDict(parts))}
 
 
 def _theirs(given: dict[str, Any]) -> dict[str, Any]:
