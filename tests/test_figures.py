@@ -1265,3 +1265,98 @@ def test_each_edge_out_of_an_open_node_leaves_from_the_layer_that_made_what_its_
     svg = g.figure(inside=inside).svg()
     assert _on_bottom(_start(svg, "n:p", "n:x"), boxes(svg)["l:p:b"])
     assert _on_bottom(_start(svg, "n:q", "n:x"), boxes(svg)["l:q:a"])
+
+
+class T5Encoder(Node):
+    """T5's encoder: its states, and the decoder's tokens and the mask handed on untouched."""
+
+    def __init__(self, t5: nn.Module) -> None:
+        self.encoder = t5.encoder
+
+    def forward(self, x, ctx):
+        h = self.encoder(input_ids=x["input_ids"], attention_mask=x["attention_mask"])
+        tokens, mask = x["decoder_input_ids"], x["attention_mask"]
+        return {"states": h.last_hidden_state, "tokens": tokens, "mask": mask}
+
+
+class T5Decoder(Node):
+    """T5's decoder and head on what the encoder node gave."""
+
+    def __init__(self, t5: nn.Module) -> None:
+        self.decoder, self.lm_head = t5.decoder, t5.lm_head
+
+    def forward(self, x, ctx):
+        out = self.decoder(
+            input_ids=x["tokens"],
+            encoder_hidden_states=x["states"],
+            encoder_attention_mask=x["mask"],
+        )
+        return self.lm_head(out.last_hidden_state)
+
+
+class Embedded(nn.Module):
+    """A classifier on what a tokens' embedding of the mask handed on reads (only that)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(2, 4)
+
+    def forward(self, out):
+        return self.embed(out["mask"])
+
+
+class Tower(Node):
+    """One of CLIP's towers, on its part of the input."""
+
+    def __init__(self, clip: nn.Module, which: str) -> None:
+        self.which, self.tower = which, getattr(clip, f"{which}_model")
+
+    def forward(self, x, ctx):
+        if self.which == "vision":
+            return self.tower(pixel_values=x["pixel_values"])
+        return self.tower(input_ids=x["input_ids"], attention_mask=x["attention_mask"])
+
+
+class Similarity(Node):
+    """Each image against each text, from the towers' pooled outputs (CLIP's logits)."""
+
+    def __init__(self, clip: nn.Module) -> None:
+        self.text, self.image = clip.text_projection, clip.visual_projection
+
+    def forward(self, x, ctx):
+        return self.image(x["vision"].pooler_output) @ self.text(x["text"].pooler_output).T
+
+
+def test_edges_out_of_real_models_leave_from_what_the_next_node_reads():
+    from models import zoo
+
+    from somatize.torch import architecture
+
+    # an encoder node feeding a decoder node its states beside tokens and a mask it hands on
+    # (made by none of its layers), and a node reading only the mask
+    case = zoo.t5()
+    g = Graph.somatize(
+        T5Encoder(case.model).named("enc")
+        >> (T5Decoder(case.model).named("dec") | Node.of(Embedded()).named("emb"))
+    )
+    inside = architecture(g, case.example)
+    made = inside["enc"].outputs  # (the states' maker: the mask and tokens were passed on)
+    assert len(made) == 1 and inside["enc"].read_by == {"dec": made, "emb": []}
+    svg = g.figure(inside=inside).svg()
+    assert _on_bottom(_start(svg, "n:enc", "n:dec"), boxes(svg)[f"l:enc:{made[0]}"])
+    x, y, w, h = boxes(svg)["n:enc"]
+    start = _start(svg, "n:enc", "n:emb")  # what no layer made: from the node's frame
+    assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+    # two towers into one node: each edge from the layer that made the pooled output it read
+    case = zoo.clip()
+    towers = Tower(case.model, "text").named("text") | Tower(case.model, "vision").named("vision")
+    g = Graph.somatize(towers >> Similarity(case.model).named("sim"))
+    inside = architecture(g, case.example)
+    norms = {"text": "tower.final_layer_norm", "vision": "tower.post_layernorm"}
+    for tower, norm in norms.items():
+        assert inside[tower].read_by == {"sim": [norm]}
+        assert norm in inside[tower].outputs
+    assert len(inside["vision"].outputs) == 2  # (its states, made before the pooled ones' norm)
+    svg = g.figure(inside=inside).svg()
+    for tower, norm in norms.items():
+        assert _on_bottom(_start(svg, f"n:{tower}", "n:sim"), boxes(svg)[f"l:{tower}:{norm}"])

@@ -52,7 +52,7 @@ class Inside:
     first copy's layer stands for its last's): `edges` are between layers only. A node that
     is one layer says its path, `""`, in both. `read_by` names, for each node after it seen
     reading what it gave (a module, in a graph run on an example), those of `outputs` that
-    made the tensors that node's layers read: `{"pool": ["pooler.activation"]}`.
+    made the tensors its layers read, `[]` if none: `{"pool": ["pooler.activation"]}`.
     """
 
     layers: list[Layer]
