@@ -1084,6 +1084,92 @@ def test_a_module_standing_as_two_nodes_is_heard_as_each_node():
     assert float(gave_a.abs().mean()) != pytest.approx(float(gave_b.abs().mean()))
 
 
+class Plain(Node):
+    """A plain node holding a module, its forward replaced on one instance."""
+
+    def __init__(self, i):
+        self.fc = nn.Linear(i, 3)
+
+    def forward(self, x, ctx):
+        return self.fc(x)
+
+
+def _doubled(node):
+    """`node` whose forward, replaced on the instance, gives twice what its class's gives."""
+    own = node.forward
+    node.forward = lambda x, ctx: 2 * own(x, ctx)
+    return node
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: Layer(8, 3), lambda: Plain(8), lambda: Node.of(nn.Linear(8, 3))],
+    ids=["module", "plain", "wrapped"],
+)
+def test_a_node_whose_forward_is_replaced_on_the_instance_runs_it_while_watched(make):
+    """The audit calls a node as the engine would: its instance's forward, not its class's."""
+    torch.manual_seed(0)
+    g = Graph.somatize(Layer(4, 8) >> _doubled(make()).named("doubled"))
+    x, y = _data()
+    with torch.no_grad():
+        want = g.forward(x)
+    audit = Audit().watch(g)
+    got = g.forward(x)
+    F.cross_entropy(got, y).backward()
+    heard = _by(audit.observed(g), "doubled")["act_abs_mean"]
+    audit.release()
+    torch.testing.assert_close(got.detach(), want)
+    assert heard == pytest.approx(float(want.abs().mean()), rel=rtol(want.numel()))
+
+
+class Lin(Node, nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, ctx):
+        return self.l(x)
+
+
+class PlainLin(Node):
+    def __init__(self):
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x, ctx):
+        return self.l(x)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: (n := Lin(), n.l),
+        lambda: (n := PlainLin(), n.l),
+        lambda: (Node.of(m := nn.Linear(8, 8)), m),
+    ],
+    ids=["module", "plain", "wrapped"],
+)
+def test_a_node_standing_twice_in_a_graph_is_heard_as_each(make):
+    """The same node object at two ids (its weights used twice): each id's numbers are of its
+    own output, not of every call of the node."""
+    torch.manual_seed(0)
+    first = nn.Linear(4, 8)
+    node, linear = make()
+    g = Graph.somatize(Node.of(first).named("first") >> node.named("a") >> node.named("b"))
+    x, _ = _data()
+    with torch.no_grad():  # what each gives, in float64
+        w, bias = linear.weight.double(), linear.bias.double()
+        gave_a = F.linear(F.linear(x.double(), first.weight.double(), first.bias.double()), w, bias)
+        gave_b = F.linear(gave_a, w, bias)
+    audit = Audit().watch(g)
+    g.forward(x).square().mean().backward()
+    facts = audit.observed(g)
+    audit.release()
+    for where, gave in (("a", gave_a), ("b", gave_b)):
+        heard = _by(facts, where)["act_abs_mean"]
+        assert heard == pytest.approx(float(gave.abs().mean()), rel=rtol(gave.numel()))
+    assert float(gave_a.abs().mean()) != pytest.approx(float(gave_b.abs().mean()))
+
+
 def test_a_1d_convs_channels_are_dim_1_after_its_norm_activation_and_pool_a_sequences_last():
     """(N, C, L) out of a Conv1d keeps its channels on dim 1 through the BatchNorm1d, the ReLU
     and the pool after it, each its own place; a sequence's (N, T, D) keeps them last."""

@@ -28,12 +28,14 @@ def join(*parts: str) -> str:
 
 
 class Holder(nn.Module):
-    """The modules a plain node holds, under their attribute names, as one module whose
-    forward is the node's: so a plain node is read, probed and drawn as a module is."""
+    """The modules a node holds, under their attribute names (a `Node.of`'s as `held`), as
+    one module whose forward is the node's as it is when the Holder is made (its instance's,
+    if replaced there): so a plain node is read, probed and drawn as a module is, and an
+    Audit hears each node through one of its own."""
 
     def __init__(self, node: Any) -> None:
         super().__init__()
-        object.__setattr__(self, "node", node)
+        self.call = node.forward
         for name, module in named_modules_of(node):
             head, _, index = name.partition(".")
             if index:
@@ -41,10 +43,10 @@ class Holder(nn.Module):
                     self.add_module(head, nn.ModuleDict())
                 self.get_submodule(head)[index] = module
             else:
-                self.add_module(name, module)
+                self.add_module(name or "held", module)
 
     def forward(self, input: Any, ctx: Any = None) -> Any:
-        return type(self.node).forward(self.node, input, ctx)
+        return self.call(input, ctx)
 
 
 def root_of(node: Any) -> nn.Module | None:
@@ -221,18 +223,15 @@ def untouched(held: Held) -> Iterator[None]:
                     b.data = saved
 
 
-def _wrap(node_id: str, original: Any, tap: Tap) -> Any:
-    call = tap.through.get(node_id, original)
-
+def _wrap(ids: list[str], original: Any, tap: Tap) -> Any:
     def forward(*args: Any, **kw: Any) -> Any:
-        out = call(*args, **kw)
-        if tap.live and tap.on_node is not None:
-            tap.on_node(
-                node_id,
-                args[0] if args else kw.get("input"),
-                args[1] if len(args) > 1 else kw.get("ctx"),
-                out,
-            )
+        if not tap.live:
+            return original(*args, **kw)
+        ctx = args[1] if len(args) > 1 else kw.get("ctx")
+        node_id = ctx.id if len(ids) > 1 and getattr(ctx, "id", None) in ids else ids[0]
+        out = tap.through.get(node_id, original)(*args, **kw)
+        if tap.on_node is not None:
+            tap.on_node(node_id, args[0] if args else kw.get("input"), ctx, out)
         return out
 
     return forward
@@ -241,12 +240,13 @@ def _wrap(node_id: str, original: Any, tap: Tap) -> Any:
 class Tap:
     """Every node's `forward` wrapped so `on_node(node, input, ctx, output)` hears each call.
 
-    The engine calls a node's `forward` directly (not through `nn.Module.__call__`), so module
-    hooks on a node that *is* a module never fire; an instance attribute shadowing `forward`
-    is seen both by a freshly compiled plan and by `__call__`. The graph's compiled plan is
-    set aside while tapped and given back after. `live` False: the wrappers stay, and tell
-    nothing (an Audit's unmeasured steps pay one attribute read per node). Of `roots` (each
-    node's `root_of`), a node read as a `Holder` is called through it, so its hooks fire.
+    The engine calls a node that is a module through `__call__`, and any other through its
+    `forward`: either way an instance attribute shadowing `forward` is what runs, seen by a
+    freshly compiled plan. The graph's compiled plan is set aside while tapped and given back
+    after. Of `roots` (each node's `root_of`), a node read as a `Holder` is called through
+    it, so its module hooks fire; the same node standing at several ids is told, and called
+    through, at the id it runs as. `live` False: the wrappers stay, and call the node's own
+    forward, telling nothing (an Audit's unmeasured steps pay one call per node).
     """
 
     def __init__(self, graph: Any, on_node: Any, roots: dict[str, Any] | None = None) -> None:
@@ -258,12 +258,16 @@ class Tap:
         self._plan: Any = None
 
     def on(self) -> Tap:
-        """Wrap every node; the next forward compiles a plan that sees the wrappers."""
+        """Wrap every node, once however many ids it stands at; the next forward compiles a
+        plan that sees the wrappers."""
+        ids: dict[int, tuple[Any, list[str]]] = {}
         for node_id in self.graph.nodes():
             node = self.graph.implementation(node_id)
+            ids.setdefault(id(node), (node, []))[1].append(node_id)
+        for node, named in ids.values():
             had = "forward" in vars(node)
             self._undo.append((node, had, vars(node).get("forward")))
-            object.__setattr__(node, "forward", _wrap(node_id, node.forward, self))
+            object.__setattr__(node, "forward", _wrap(named, node.forward, self))
         self._plan, self.graph._plan = self.graph._plan, None
         return self
 

@@ -69,9 +69,9 @@ def layouts(modules: list[nn.Module]) -> dict[int, bool]:
 
 class Place:
     """A node (`inside` None) or a module inside one (`inside` its dotted path under the
-    node). `module`: the one hooked, a node's what it is called through (itself, or a
-    `Holder`); `params`: the weights it trains, each once; `index`: where they sit in the
-    audit's flat list of weights; `first`: its 3-d outputs hold their channels first."""
+    node). `module`: the one hooked, a node's the `Holder` it is called through; `params`:
+    the weights it trains, each once; `index`: where they sit in the audit's flat list of
+    weights; `first`: its 3-d outputs hold their channels first."""
 
     def __init__(self, node: str, inside: str | None, module: nn.Module, window: int, first: bool):
         self.node = node

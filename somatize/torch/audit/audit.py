@@ -16,11 +16,11 @@ One flat `health` fact per watched place and measured step, in the published lay
 - **after the optimizer stepped** (`moved`): update_ratio from the copy, and on a snapshot
   step update_stable_rank of the update to the place's largest weight.
 
-Module hooks (a node's on the module it is or holds as it is, or on a `Holder` of those a
-plain node holds, which the `Tap` calls it through) and tensor hooks only, never full backward
-hooks (those break on in-place ReLU); module hooks are on only during measured steps. A forward
-under `torch.no_grad()` (an evaluation between steps) is not heard; of what a place was given
-only the tensors' ids are kept.
+Module hooks (a node's on a `Holder` of its own, which the `Tap` calls it through at its id)
+and tensor hooks only, never full backward hooks (those break on in-place ReLU); module hooks
+are on, and the Tap `live`, only during measured steps. A forward under `torch.no_grad()` (an
+evaluation between steps) is not heard; of what a place was given only the tensors' ids are
+kept.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 from somatize.graph import as_graph
-from somatize.node import Wrapped
 from somatize.run import warn
 from somatize.torch._modules import Held, Holder, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
@@ -146,9 +145,7 @@ class Audit:
             modules = [m for _, m in held]
             first = layouts(modules)  # a node gives what the last module it holds gives
             last = first[id(modules[-1])] if modules else False
-            called = g.implementation(node)  # hooked, heard before it runs (input as given)
-            if not isinstance(called, nn.Module):  # a Holder of its modules, which the Tap calls
-                called = Holder(_Of(called) if isinstance(called, Wrapped) else called)
+            called = Holder(g.implementation(node))  # what the Tap calls it through, hooked
             places.append(Place(node, None, called, self.window, last))
             chosen, missed = choose(node, held, self.inside, self.most)
             for path, module in chosen:
@@ -217,11 +214,13 @@ class Audit:
         self._places = []
 
     def _arm(self, measuring: bool) -> None:
-        """Module hooks are on only for a measured step: a module with no hooks takes torch's
-        fast path, so an unmeasured step pays no more than a plain node's call through its
-        `Holder`."""
+        """Module hooks are on, and the Tap calls nodes through their `Holder`s, only for a
+        measured step: an unmeasured one pays the Tap's call per node, and a module with no
+        hooks takes torch's fast path."""
         self._measuring = measuring
         self._snap = measuring and self.step // self.snapshot != self._bucket
+        if self._tap is not None:
+            self._tap.live = measuring
         if measuring and not self._handles:
             for place in self._places:
                 module, heard = place.module, functools.partial(self._heard, place)
@@ -408,17 +407,6 @@ def _moved(
     if snapshot and place.big >= 0:
         stable = stable_rank(deltas[place.big])
     return moved, stable
-
-
-class _Of:
-    """A `Node.of(module)` as a plain node holding that module (as `held`), for a `Holder` of
-    its own to be what it is called through: the same module may stand as two nodes."""
-
-    def __init__(self, node: Wrapped) -> None:
-        self.held, self.node = node.held, node
-
-    def forward(self, input: Any, ctx: Any) -> Any:
-        return type(self.node).forward(self.node, input, ctx)
 
 
 def _like(missing: list[str], held_by: dict[str, list]) -> str:
