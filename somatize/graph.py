@@ -49,8 +49,7 @@ class Graph:
         self._counts: dict[str, int] = {}
         self._plan: Any = None
         self._unkeyed: dict[str, _keys.Unkeyable | None] = {}  # per node, `_keys.unkeyable`
-        self._above: tuple[dict[str, Any], ...] = ({}, {}, {})  # what `_nearest` found
-        self._laying = False  # while `somatize` lays an expression
+        self._above: dict[str, dict[str, Any]] = {"modules": {}, "trainable": {}, "unkeyable": {}}
 
     # -- building ------------------------------------------------------------------------
     @classmethod
@@ -68,10 +67,7 @@ class Graph:
                     f"module or a function, not {type(expression).__name__} {expression!r:.60}"
                 )
             expression = Node.of(expression)
-        g = cls()
-        g._laying = True
-        g._lay(expression, Settings())
-        g._laying = False
+        (g := cls())._lay(expression, Settings())
         return g
 
     def _lay(self, expr: Expr, outer: Settings) -> tuple[list[str], list[str]]:
@@ -87,7 +83,7 @@ class Graph:
             if isinstance(expr, Chain):  # every exit so far feeds every entry of this part
                 for a in exits:
                     for b in first:
-                        self.edge(a, b)
+                        self._join(a, b, laying=True)
                 entries, exits = entries or first, last
             else:  # side by side
                 entries, exits = entries + first, exits + last
@@ -132,10 +128,8 @@ class Graph:
                 f"Node.of(module)"
             )
         self._settle(nid, node, settings)
-        self._impl[nid] = node
-        self._settings[nid] = settings
-        self._succ[nid] = []
-        self._pred[nid] = []
+        self._impl[nid], self._settings[nid] = node, settings
+        self._succ[nid], self._pred[nid] = [], []
         self._plan = None
         return nid
 
@@ -178,12 +172,15 @@ class Graph:
         for end in (a, b):
             if end not in self._impl:
                 raise ValueError(f"no node {end!r} in this graph; it has {list(self._impl)}")
+        self._join(a, b, laying=False)
+
+    def _join(self, a: str, b: str, laying: bool) -> None:
         if b in self._succ[a]:
             return
         down = self._around(b, self._succ)
         if a in down:
             raise ValueError(f"the edge {a!r} -> {b!r} would close a cycle")
-        self._refuse_stale(a, [n for n in down if self._settings[n].cached])
+        self._refuse_stale(a, [n for n in down if self._settings[n].cached], laying)
         self._forget_above(down)
         self._succ[a].append(b)
         self._pred[b].append(a)
@@ -200,52 +197,54 @@ class Graph:
                     found.append(nxt)
         return found
 
-    def _refuse_stale(self, a: str, cached: list[str]) -> None:
+    def _refuse_stale(self, a: str, cached: list[str], laying: bool = False) -> None:
         """Refuse a node of `cached` (none at or above `a`) that `a` feeds if a node at or above
         `a` could change unseen by its key: trainable state not frozen, or a constructor
         argument no key can take in (unless the cached node has a salt)."""
-        if cached and (up := self._nearest(a, 2 * self._laying)) is not None:
+        if not laying:  # a requires_grad may have changed since the last call (not while laid)
+            self._above["trainable"].clear()
+        if cached and self._nearest(a, "modules") and (up := self._nearest(a, "trainable")):
             raise ValueError(
-                f"node {cached[0]!r} is .cached() but is fed by node {up!r}, which holds "
-                f"trainable state and is not .frozen(): the value kept for {cached[0]!r} "
-                f"would still be served after the weights of {up!r} change. Declare the "
-                f"part before it frozen, (prefix).frozen() >> ..., or do not cache "
-                f"{cached[0]!r}"
+                f"node {cached[0]!r} is .cached() but is fed by node {up!r}, which holds trainable "
+                f"state and is not .frozen(): the value kept for {cached[0]!r} would still be "
+                f"served after the weights of {up!r} change. Declare the part before it frozen, "
+                f"(prefix).frozen() >> ..., or do not cache {cached[0]!r}"
             )
         unsalted = [c for c in cached if self._settings[c].salt is None]
-        if unsalted and (up := self._nearest(a, 1)) is not None:
+        if unsalted and (up := self._nearest(a, "unkeyable")):
             raise _keys.refusal(unsalted[0], up, self._unkeyed[up])
 
-    def _nearest(self, start: str, which: int) -> str | None:
-        """A node at or above `start`, itself first, with trainable state it is not frozen on
-        (`which` 0 or 2: the nearest, first in `_around`'s order) or an argument no key can take
-        in (1: first found depth first), or None, kept per node until an edge or a declaration
-        above it changes. 0 keeps the nearest holding modules and reads which are trainable each
-        call (`requires_grad` may change); 2, while `somatize` lays (none changes), reads once."""
-        above, todo = self._above[which], [start]
+    def _nearest(self, start: str, what: str) -> str | None:
+        """The node at or above `start`, itself first, holding `what`, or None: the nearest (fewest
+        edges up, then the first edge in, as `_around` walks), for "unkeyable" the first found depth
+        first. Kept per node as (edges up, node) until an edge or a declaration above it changes."""
+        above, todo = self._above[what], [start]
+        step = what != "unkeyable"  # 0: the first edge in wins at every node, depth first
         while todo:
-            here = todo[-1]
-            if here in above:
+            if (here := todo[-1]) in above:
                 todo.pop()
             elif waiting := [p for p in self._pred[here] if p not in above]:
                 todo += waiting
             else:
                 todo.pop()
-                node, s = self._impl[here], self._settings[here]
-                if which == 1 and here not in self._unkeyed:
-                    self._unkeyed[here] = _keys.unkeyable(node)
-                holds = _hooks.trainable if which == 2 else _hooks.state_modules
-                bad = self._unkeyed[here] if which == 1 else not s.frozen and holds(node)
-                up = [above[p] for p in self._pred[here] if above[p]]  # (edges up, node)
-                d, found = min(up, key=lambda dn: dn[0], default=(0, None))  # ties: first in
-                above[here] = (0, here) if bad else found and (d + which // 2, found)
-        if which or above[start] is None:
-            return above[start] and above[start][1]
-        up = self._around(start, self._pred)
-        return next((n for n in up if above[n] == (0, n) and _hooks.trainable(self._impl[n])), None)
+                ups = [above[p] for p in self._pred[here] if above[p]]
+                d, up = min(ups, key=lambda du: du[0], default=(0, None))  # ties: first edge in
+                above[here] = (0, here) if self._holds(here, what) else up and (d + step, up)
+        return above[start] and above[start][1]
+
+    def _holds(self, nid: str, what: str) -> Any:
+        """Whether node `nid` holds modules it is not frozen on, trainable ones (of those found
+        above for "modules"), or ("unkeyable") why no key can take in an argument of it."""
+        if what == "modules":
+            return not self._settings[nid].frozen and _hooks.state_modules(self._impl[nid])
+        if what == "trainable":
+            return self._above["modules"][nid] == (0, nid) and _hooks.trainable(self._impl[nid])
+        if nid not in self._unkeyed:
+            self._unkeyed[nid] = _keys.unkeyable(self._impl[nid])
+        return self._unkeyed[nid]
 
     def _forget_above(self, nodes: list[str]) -> None:
-        for above in self._above:
+        for above in self._above.values():
             for n in nodes:
                 above.pop(n, None)
 
@@ -280,9 +279,11 @@ class Graph:
         self._plan = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # the compiled plan is this process's (it points back at the graph weakly): the copy
-        # compiles its own at its first forward
         return {**self.__dict__, "_plan": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # the plan is this process's (it points back weakly); what the refusals keep, found again
+        self.__dict__.update(state, _unkeyed={}, _above=Graph()._above)
 
     # -- reading it back ------------------------------------------------------------------
     def nodes(self) -> list[str]:

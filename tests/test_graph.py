@@ -148,3 +148,65 @@ def test_declare_says_more_of_a_node_and_a_refusal_changes_nothing():
         g.declare("nope", frozen=True)
     g.invalidate()
     assert g.forward(1) == 2
+
+
+# A graph pickled by somatize as it was at a4daf89 (before Graph.somatize read each node once),
+# which kept what its refusals had found in another form: Graph.somatize(Node.of(nn.Linear(2, 2))
+# .named("m") >> Node.of(operator.neg).named("n")), then g.node("k", Node.of(operator.pos).cached())
+# and a refused g.edge("n", "k").
+OLDER = (
+    "gASVuwcAAAAAAACMDnNvbWF0aXplLmdyYXBolIwFR3JhcGiUk5QpgZR9lCiMBV9pbXBslH2UKIwBbZSMDXNvbWF0aXpl"
+    "Lm5vZGWUjAdXcmFwcGVklJOUKYGUfZQojA5fc29tYXRpemVfYXJnc5R9lIwEaGVsZJSMF3RvcmNoLm5uLm1vZHVsZXMu"
+    "bGluZWFylIwGTGluZWFylJOUKYGUfZQojAh0cmFpbmluZ5SIjAtfcGFyYW1ldGVyc5R9lCiMBndlaWdodJSMDHRvcmNo"
+    "Ll91dGlsc5SMEl9yZWJ1aWxkX3BhcmFtZXRlcpSTlGgZjBJfcmVidWlsZF90ZW5zb3JfdjKUk5QojA10b3JjaC5zdG9y"
+    "YWdllIwQX2xvYWRfZnJvbV9ieXRlc5STlEILAQAAgAKKCmz8nEb5IGqoUBkugAJN6QMugAJ9cQAoWBAAAABwcm90b2Nv"
+    "bF92ZXJzaW9ucQFN6QNYDQAAAGxpdHRsZV9lbmRpYW5xAohYCgAAAHR5cGVfc2l6ZXNxA31xBChYBQAAAHNob3J0cQVL"
+    "AlgDAAAAaW50cQZLBFgEAAAAbG9uZ3EHSwR1dS6AAihYBwAAAHN0b3JhZ2VxAGN0b3JjaApGbG9hdFN0b3JhZ2UKcQFY"
+    "DgAAADk0Njg4ODU0ODc1OTY4cQJYAwAAAGNwdXEDSwROdHEEUS6AAl1xAFgOAAAAOTQ2ODg4NTQ4NzU5NjhxAWEuBAAA"
+    "AAAAAAAiea27nDbCPrH8FL8dOAW/lIWUUpRLAEsCSwKGlEsCSwGGlImMC2NvbGxlY3Rpb25zlIwLT3JkZXJlZERpY3SU"
+    "k5QpUpR0lFKUiGgoKVKUh5RSlIwEYmlhc5RoG2gdKGggQgMBAACAAooKbPycRvkgaqhQGS6AAk3pAy6AAn1xAChYEAAA"
+    "AHByb3RvY29sX3ZlcnNpb25xAU3pA1gNAAAAbGl0dGxlX2VuZGlhbnECiFgKAAAAdHlwZV9zaXplc3EDfXEEKFgFAAAA"
+    "c2hvcnRxBUsCWAMAAABpbnRxBksEWAQAAABsb25ncQdLBHV1LoACKFgHAAAAc3RvcmFnZXEAY3RvcmNoCkZsb2F0U3Rv"
+    "cmFnZQpxAVgOAAAAOTQ2ODg4NTQ5MzgxNjBxAlgDAAAAY3B1cQNLAk50cQRRLoACXXEAWA4AAAA5NDY4ODg1NDkzODE2"
+    "MHEBYS4CAAAAAAAAANZwi76rKkI+lIWUUpRLAEsChZRLAYWUiWgoKVKUdJRSlIhoKClSlIeUUpR1jAhfYnVmZmVyc5R9"
+    "lIwbX25vbl9wZXJzaXN0ZW50X2J1ZmZlcnNfc2V0lI+UjBNfYmFja3dhcmRfcHJlX2hvb2tzlGgoKVKUjA9fYmFja3dh"
+    "cmRfaG9va3OUaCgpUpSMFl9pc19mdWxsX2JhY2t3YXJkX2hvb2uUTowOX2ZvcndhcmRfaG9va3OUaCgpUpSMGl9mb3J3"
+    "YXJkX2hvb2tzX3dpdGhfa3dhcmdzlGgoKVKUjBxfZm9yd2FyZF9ob29rc19hbHdheXNfY2FsbGVklGgoKVKUjBJfZm9y"
+    "d2FyZF9wcmVfaG9va3OUaCgpUpSMHl9mb3J3YXJkX3ByZV9ob29rc193aXRoX2t3YXJnc5RoKClSlIwRX3N0YXRlX2Rp"
+    "Y3RfaG9va3OUaCgpUpSMFV9zdGF0ZV9kaWN0X3ByZV9ob29rc5RoKClSlIwaX2xvYWRfc3RhdGVfZGljdF9wcmVfaG9v"
+    "a3OUaCgpUpSMG19sb2FkX3N0YXRlX2RpY3RfcG9zdF9ob29rc5RoKClSlIwIX21vZHVsZXOUfZSMC2luX2ZlYXR1cmVz"
+    "lEsCjAxvdXRfZmVhdHVyZXOUSwJ1YnNoD2gTjAV0YWtlc5RoCIwGX1Rha2VzlJOUKYGUTn2UKIwFbmFtZWSUKIwFaW5w"
+    "dXSUkZSMCHJlcXVpcmVklChoYJGUjAhhbnlfbmFtZZSJjAZwbGFjZXOUSwGMBW5lZWRzlEsBjAphbnlfbnVtYmVylIl1"
+    "hpRidWKMAW6UaAopgZR9lChoDX2UaA+MCV9vcGVyYXRvcpSMA25lZ5STlHNoD2hvaFpoXCmBlE59lChoXyiRlGhiKJGU"
+    "aGSJaGVLAWhmSwFoZ4l1hpRidWKMAWuUaAopgZR9lChoDX2UaA9obYwDcG9zlJOUc2gPaHpoWmhcKYGUTn2UKGhfKJGU"
+    "aGIokZRoZIloZUsBaGZLAWhniXWGlGJ1YnWMCV9zZXR0aW5nc5R9lChoB2gIjAhTZXR0aW5nc5STlCmBlH2UKIwEbmFt"
+    "ZZRoB4wGZGV2aWNllE6MBGhvc3SUTowGZnJvemVulE6MBmNhY2hlZJROjARzYWx0lE6MBm1hcHBlZJROdWJoaWiDKYGU"
+    "fZQoaIZoaWiHTmiITmiJTmiKTmiLTmiMTnViaHVogymBlH2UKGiGaHVoh05oiE5oiU5oiohoi05ojE51YnWMBV9zdWNj"
+    "lH2UKGgHXZRoaWFoaV2UaHVdlHWMBV9wcmVklH2UKGgHXZRoaV2UaAdhaHVdlHWMBl9lZGdlc5RdlGgHaGmGlGGMB19j"
+    "b3VudHOUfZSMBV9wbGFulE6MCF91bmtleWVklH2UjAZfYWJvdmWUfZQoaAdoB2hpaAd1fZSGlHViLg=="
+)
+
+
+def test_a_graph_pickled_by_an_older_version_loads_and_builds_on():
+    import base64
+    import operator
+    import pickle
+
+    import torch
+
+    from somatize.torch import parameters
+
+    g = pickle.loads(base64.b64decode(OLDER))
+    assert g.nodes() == ["m", "n", "k"] and g.edges() == [("m", "n")] and g.cached() == {"k": None}
+    with pytest.raises(ValueError, match="'k' is .cached.. but is fed by node 'm'"):
+        g.edge("n", "k")  # 'm' is trainable
+    assert g.edges() == [("m", "n")]
+    w, b = (p.detach().double() for p in parameters(g))
+    for p in parameters(g):
+        p.requires_grad_(False)
+    g.edge("n", "k")  # read again: it no longer is
+    assert g.edges() == [("m", "n"), ("n", "k")]
+    x = torch.tensor([[1.0, -2.0]])
+    want = operator.pos(-(x.double() @ w.T + b))
+    tol = 8 * torch.finfo(torch.float32).eps  # two products and a sum, in float32
+    assert torch.allclose(g.forward(x).double(), want, rtol=tol, atol=tol)
