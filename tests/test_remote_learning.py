@@ -11,8 +11,8 @@ from _remote_nodes import Lin
 from test_remote import Standing, _again
 
 from somatize import Broker, Graph, Worker
-from somatize.remote import WorkerLost
-from somatize.torch import Synthetic, Trainer, parameters
+from somatize.remote import StateLost, WorkerLost
+from somatize.torch import Greedy, Synthetic, Trainer, parameters
 
 NODES = "_remote_nodes"
 SGD = torch.optim.SGD
@@ -142,3 +142,36 @@ def test_strict_counts_the_guesser_a_synthetic_built_on_its_worker(one):
     now = t.export()
     assert all(torch.equal(now[n][k], before[n][k]) for n in before for k in before[n])
     t.load(before, strict=True)
+
+
+def test_a_head_its_restarted_worker_lost_is_state_lost_after_a_load_of_the_node_alone():
+    w = Standing("--accept-code")  # a Greedy's head goes as code
+    w.start()
+    try:
+        on = w.worker()
+        on.connect_within = 1.0  # its loss is seen in a second
+        torch.manual_seed(0)
+        g = Graph.somatize(Lin(4, 4).named("mid").at("a") >> Lin(4, 2).named("head"))
+        trains = {"mid": Greedy(SGD, head=torch.nn.Linear(4, 2), lr=0.1)}
+        opt = SGD(parameters(g, without=trains), lr=0.1)
+        mse = torch.nn.functional.mse_loss
+        broker = Broker({"a": on})
+        t = Trainer(g, objective=mse, optimizer=opt, trains=trains, broker=broker)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            t.step((torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)))
+        read = t.export()["mid"]
+        t.step((torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)))
+        own = {k: v for k, v in read.items() if not k.startswith("learning/")}
+        t.load({"mid": own})  # the node alone: its head learnt on there, past `read`
+        w.restart()
+        with pytest.raises(StateLost) as lost:  # not the head as it was before that step
+            _again(t.export)
+        assert lost.value.nodes == ["mid"]
+        t.load(lost.value.exported)  # resumes from what was last read back or sent
+        now = t.export()["mid"]
+        assert sorted(now) == sorted(read)
+        assert all(torch.equal(now[k], read[k]) for k in read)
+        broker.close()  # all read back: nothing lost
+    finally:
+        w.stop()

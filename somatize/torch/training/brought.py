@@ -15,13 +15,11 @@ __all__ = ["learnt", "parted", "there", "whole"]
 
 
 def there(trainer: Any, nid: str) -> tuple[Any, str | None]:
-    """The Learning of `nid` (None: nothing trains it), and the host whose worker holds it
-    (None: it is here, or has not gone there yet and travels from the copy here)."""
+    """The Learning of `nid` (None: nothing trains it), and the host whose worker holds it, as
+    it holds the node (None: here): read there, it is sent first if it has not gone yet, and is
+    `StateLost` if that worker lost what it learnt."""
     learning = trainer.trains.get(nid)
-    host = trainer.graph.setting(nid).host
-    broker = trainer.broker
-    held = learning is not None and host and broker.holds(host, broker.key(learning))
-    return learning, host if held else None
+    return learning, trainer.graph.setting(nid).host if learning is not None else None
 
 
 def learnt(trainer: Any, nid: str) -> dict[str, torch.Tensor]:
