@@ -267,11 +267,11 @@ class Learning(Node):
         return trainable_in([*modules_of(self.node), *modules_of(self)])
 
     def receiving(self, state: Mapping[str, Any]) -> dict[str, torch.nn.Module]:
-        """What it would be handed `state` (the keys of what it brought) in, by attribute name,
-        besides what it holds: a technique that builds what it brings lazily builds it here, at
-        the shapes given, without holding it (a load sets it on only when it commits, so a
-        refused one leaves nothing built; built on the meta device too, to name its keys).
-        Nothing by default."""
+        """The parts it lacks to take `state` (the keys of what it brought), by attribute name:
+        a technique that builds what it brings lazily builds them here, at the shapes given,
+        without setting them on (a load sets them when it commits, and takes them off if it is
+        undone: a refused load leaves nothing built; built on the meta device too, only to name
+        their keys). Nothing by default."""
         return {}
 
     @property
