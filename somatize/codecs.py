@@ -26,7 +26,7 @@ import io
 import math
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +68,7 @@ DEPTH = 32
 
 
 _nesting = threading.local()  # .depth: how many extension levels this thread is inside
+_RECURSION = "recursion limit exceeded"  # what msgpack's packer says, refusing to go deeper
 
 
 class Malformed(ValueError):
@@ -230,63 +231,68 @@ def _default(value: Any) -> msgpack.ExtType:
     )
 
 
-@contextlib.contextmanager
-def deeper(reading: bool) -> Iterator[None]:
-    """One more level of nesting on this thread while inside, refused past `DEPTH` (`Malformed`
-    when `reading`, else `ValueError`): a store's values and the wire's messages alike."""
-    depth = getattr(_nesting, "depth", 0)
+def _deeper(depth: int, reading: bool) -> int:
+    """`depth` + 1: one more level of nesting, refused past `DEPTH` (`Malformed` when
+    `reading`, else `ValueError`)."""
     if depth > DEPTH:
         doing = "read back" if reading else "written down"
         raise (Malformed if reading else _TooDeep)(
             f"tuples (or registered values) nested more than {DEPTH} deep cannot be {doing} "
             f"(somatize.codecs.DEPTH); flatten the value, or use lists, which nest without it"
         )
-    _nesting.depth = depth + 1
-    try:
-        yield
-    finally:
-        _nesting.depth = depth
+    return depth + 1
 
 
 class _TooDeep(ValueError):
-    """A value nested past a bound that `decode` reads: `encode` says whose it was."""
+    """A value nested past a bound that `decode` reads: `pack` says whose it was."""
 
 
-def pack(value: Any, default: Callable = _default, text: str = "surrogatepass") -> bytes:
+def pack(
+    value: Any, default: Callable = _default, text: str = "surrogatepass", where: str | None = None
+) -> bytes:
     """msgpack of `value`, `default` writing what msgpack does not know (`text`: how str is);
-    one level of nesting. Refuses (`ValueError`) what `unpack` would not read back: nesting
-    past `DEPTH` or msgpack's 1024. A store's values and the wire's messages alike."""
-    options = dict(strict_types=True, use_bin_type=True, unicode_errors=text)
+    one level of nesting on this thread. Refuses (`ValueError`, `where` first: whose value it
+    is) what `unpack` would not read back: nesting past `DEPTH` or msgpack's 1024. A store's
+    values and the wire's messages alike."""
     given: collections.deque = collections.deque()
 
-    def asked(item: Any) -> Any:  # what `default` gives, kept in the order msgpack asks
+    def ask(item: Any) -> Any:  # what `default` gives, kept in the order msgpack asks
         given.append(default(item))
         return given[-1]
 
-    with deeper(reading=False):
+    depth = getattr(_nesting, "depth", 0)
+    try:
+        _nesting.depth = _deeper(depth, reading=False)
         # msgpack writes 1025 nested lists or dicts if the innermost is empty, but reads at
         # most 1024. Inside one more list it writes nothing that sits 1024 levels down:
-        packer = msgpack.Packer(default=asked, autoreset=False, **options)
+        packer = msgpack.Packer(
+            default=ask, autoreset=False, strict_types=True, use_bin_type=True, unicode_errors=text
+        )
         try:
             packer.pack([value])
             return bytes(packer.getbuffer()[1:])  # the value's bytes, after the list's header
-        except ValueError as error:  # a _TooDeep from inside a tuple or a registered value too
-            if "recursion limit" not in str(error):
+        except ValueError as error:
+            if not str(error).startswith(_RECURSION):  # a codec's own speaks of it after its name
                 raise
         # Something sits 1024 levels down: a list or dict there is read by no one. Asked again
         # in the same order, `default` gives what it gave (a dump, a wire's frame) once only.
         try:
+            replay = lambda v: given.popleft() if given else default(v)  # noqa: E731
             data = msgpack.packb(
-                value, default=lambda v: given.popleft() if given else default(v), **options
+                value, default=replay, strict_types=True, use_bin_type=True, unicode_errors=text
             )
             msgpack.unpackb(data, raw=True, strict_map_key=False)
+            return data
         except ValueError as error:  # msgpack.StackError, reading, is one too
-            if not isinstance(error, msgpack.StackError) and "recursion limit" not in str(error):
+            if not isinstance(error, msgpack.StackError) and not str(error).startswith(_RECURSION):
                 raise
             raise _TooDeep(
                 "lists or dicts nested more than 1024 deep cannot be written down; flatten it"
             ) from None
-        return data
+    except _TooDeep as error:  # said once, by the innermost call that knows whose value
+        raise error if where is None else ValueError(f"{where}: {error}") from None
+    finally:
+        _nesting.depth = depth
 
 
 def _path_to(value: Any, bad: Any, path: str = "") -> str | None:
@@ -315,7 +321,7 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
     """
     whose = f" in {where}" if where else ""
     try:
-        return pack(value)
+        return pack(value, where=where or "a value")
     except _Failed as failed:
         inside = _path_to(value, failed.value)
         said = f" at {inside.strip()}" if inside else ""
@@ -335,8 +341,6 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
         except Exception:  # an exception class that takes other arguments: a note instead
             raise note(failed.error, text) from None
         raise told from failed.error
-    except _TooDeep as error:  # nested past a bound decode reads
-        raise ValueError(f"{where or 'a value'}: {error}") from None
     except ValueError as error:  # msgpack's bounds: one bytes, str, list or dict
         if "too large" not in str(error):
             raise
@@ -406,15 +410,18 @@ def _envelope(data: bytes) -> tuple[str, bytes]:
 def unpack(data: Any, hook: Callable = _ext_hook, text: str = "surrogatepass") -> Any:
     """The value `pack` wrote, `hook` reading its extension types back; one level of nesting,
     refused past `DEPTH`. Lists or dicts nested more than 1024 deep are `Malformed`."""
-    with deeper(reading=True):
-        try:
-            return msgpack.unpackb(
-                data, ext_hook=hook, raw=False, strict_map_key=False, unicode_errors=text
-            )
-        except msgpack.StackError:
-            raise Malformed(
-                "lists or dicts nested more than 1024 deep cannot be read back (msgpack's bound)"
-            ) from None
+    depth = getattr(_nesting, "depth", 0)
+    try:
+        _nesting.depth = _deeper(depth, reading=True)
+        return msgpack.unpackb(
+            data, ext_hook=hook, raw=False, strict_map_key=False, unicode_errors=text
+        )
+    except msgpack.StackError:
+        raise Malformed(
+            "lists or dicts nested more than 1024 deep cannot be read back (msgpack's bound)"
+        ) from None
+    finally:
+        _nesting.depth = depth
 
 
 def decode(data: bytes) -> Any:

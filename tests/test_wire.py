@@ -19,7 +19,7 @@ from _children import tuples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from somatize import Broker, NoCodec, Worker
+from somatize import Broker, Graph, NoCodec, Node, Worker
 from somatize.codecs import DEPTH, codec, decode, encode
 from somatize.remote import seal, wire
 
@@ -225,6 +225,66 @@ def test_what_the_wire_writes_it_reads_back_and_what_it_would_not_read_it_refuse
     assert len(sent) == frames
     back = wire.decode(received(sent))
     assert wire.encode(back)[0] == sent[0]  # == on values this deep passes Python's limit
+
+
+@pytest.mark.parametrize(
+    "value",
+    [tuples_of(DEPTH + 1), {"a": lists_of(2000)}, lists_of(1024, []), (lists_of(1023, {}),)],
+    ids="tuples lists empty-list tuple".split(),
+)
+def test_the_wire_says_whose_value_nested_too_deep_as_a_store_does(value):
+    with pytest.raises(ValueError) as kept:
+        encode(value, where="node 'deep'")
+    with pytest.raises(ValueError) as sent:
+        wire.encode(value, where="node 'deep'")
+    assert str(sent.value) == str(kept.value)
+    assert str(sent.value).startswith("node 'deep': ") and "flatten" in str(sent.value)
+
+
+class Recursing:
+    """A registered value whose codec's own refusal speaks of a recursion limit."""
+
+
+dumped = []
+
+
+def refuse_recursing(value):
+    dumped.append(value)
+    raise ValueError("recursion limit exceeded in its own format")
+
+
+codec("test-wire-recursing", Recursing, dump=refuse_recursing, load=lambda d: Recursing())
+
+
+def test_a_codecs_own_error_is_its_own_on_the_wire_not_a_nesting_bound():
+    dumped.clear()
+    message = {"x": [1, Recursing()]}
+    with pytest.raises(ValueError, match="codec 'test-wire-recursing' cannot write down the Rec"):
+        wire.encode(message, where="node 'r'")
+    assert len(dumped) == 1  # asked once, as a store asks it
+
+
+class Nests(Node):
+    """Hands back what it was given inside `depth` tuples, or lists when `lists`."""
+
+    def __init__(self, depth, lists=False):
+        self.depth, self.lists = depth, lists
+
+    def forward(self, x, ctx):
+        for _ in range(self.depth):
+            x = [x] if self.lists else (x,)
+        return x
+
+
+def test_a_worker_answer_nested_too_deep_is_a_value_error_naming_its_node():
+    with Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")}) as b:
+        for node, said in ((Nests(DEPTH + 1), f"tuples.*{DEPTH}"), (Nests(1025, True), "lists")):
+            g = Graph.somatize(node.named("deep").at("w"))
+            with pytest.raises(ValueError, match=f"^the output of node 'deep': {said}.*flatten"):
+                g.forward(0, broker=b)
+        assert Graph.somatize(Nests(DEPTH).named("fine").at("w")).forward(0, broker=b) == (
+            tuples_of(DEPTH, 0)
+        )
 
 
 def test_a_worker_answers_hostile_nesting_with_the_bound_and_serves_the_next_call():

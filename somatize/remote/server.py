@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from somatize import _hooks
-from somatize.codecs import NoCodec
 from somatize.remote import seal, wire
 from somatize.remote.allowed import Allowed, construct
 from somatize.remote.errors import Unknown, not_held
@@ -157,15 +156,12 @@ class Server:
             return self.seal.seal(
                 wire.encode(reply, where=f"the answer to {message['op']!r}")
             ), True
-        except NoCodec as error:
+        except Exception as error:  # no codec for it, nested too deep: said as a store says it
             return self._failed(rid, self._unwritable(message, value, error)), True
-        except Exception as error:
-            problem = TypeError(f"the answer could not be written down: {error}")
-            return self._failed(rid, problem), True
 
-    def _unwritable(self, m: dict[str, Any], value: Any, error: NoCodec) -> NoCodec:
-        """The `NoCodec` of an answer no codec writes down; a forward slice's, or a trainer's
-        stage part's forward, names the node whose output it was."""
+    def _unwritable(self, m: dict[str, Any], value: Any, error: Exception) -> Exception:
+        """The error of an answer that cannot be written down; a forward slice's, or a
+        trainer's stage part's forward, names the node whose output it was."""
         session = self.sessions.get(str(m.get("session", "")))
         served = session.kept.get(m.get("kept")) if session is not None else None
         if m["op"] in ("run", "stage.forward") and hasattr(served, "unwritable"):

@@ -65,7 +65,7 @@ class _Writer:
         self.where = where
 
     def pack(self, value: Any) -> bytes:  # refuses what `decode` would: as a store does
-        return codecs.pack(value, self.default, text="strict")
+        return codecs.pack(value, self.default, "strict", self.where or "a value")
 
     def default(self, value: Any) -> Any:
         plain = codecs.plain_ext(value, self.pack)
@@ -98,22 +98,22 @@ def encode(message: Any, *, where: str | None = None) -> list[Any]:
     """`message` as frames: its msgpack header, then one buffer per tensor in it.
 
     `where` says whose value it is, so that a value nobody can write down is a `NoCodec`
-    naming it. Nesting that `decode` refuses is refused here (`ValueError`), as a store does.
+    naming it, and nesting that `decode` refuses a `ValueError` naming it, as a store says both.
     """
     _hooks.ready()  # torch loaded: its tensors are framed by somatize.torch
     writer = _Writer(where)
     return [writer.pack(message), *writer.frames]
 
 
-def unwritable(parts: Iterable[tuple[str, Any]], error: codecs.NoCodec) -> codecs.NoCodec:
-    """After a message failed to encode with `error`: the `NoCodec` of the first of `parts`
+def unwritable(parts: Iterable[tuple[str, Any]], error: Exception) -> Exception:
+    """After a message failed to encode with `error`: the error of the first of `parts`
     (`(whose, value)` each, `whose` as `encode`'s `where`) that cannot be written down, which
     names whose value it is; `error` when each can (it was another part of the message).
     Each part is encoded again, so naming costs nothing until something fails."""
     for whose, value in parts:
         try:
             encode(value, where=whose)
-        except codecs.NoCodec as found:
+        except Exception as found:
             return found
     return error
 
