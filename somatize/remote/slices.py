@@ -181,9 +181,9 @@ class ServedSlice:
         self.wanted = tuple(wanted)
         self.graph = SimpleNamespace(implementation=held.__getitem__)
 
-    def unwritable(self, answer: dict[str, Any], error: NoCodec) -> NoCodec:
-        """The `NoCodec` of `answer` (`run_served`'s, which could not be written down, with
-        `error`), naming the node whose output no codec writes down."""
+    def unwritable(self, answer: dict[str, Any], error: Exception) -> Exception:
+        """The error of `answer` (`run_served`'s, which could not be written down, with
+        `error`), naming the node whose output cannot be (no codec, or nested too deep)."""
         outs = answer["out"].items()
         return wire.unwritable(((f"the output of node {self.ids[s]!r}", v) for s, v in outs), error)
 

@@ -209,8 +209,9 @@ class Part:
         return {s: envelope(g, closing) for s, g in owed.items() if s != INPUT}
 
     def unwritable(self, answer: dict[str, Any], error: Any) -> Any:
-        """The `NoCodec` of a `stage.forward` answer (`{"outs": {exit: value}, ...}`) that could
-        not be written down with `error`, naming the node whose output no codec writes down."""
+        """The error of a `stage.forward` answer (`{"outs": {exit: value}, ...}`) that could not
+        be written down with `error`, naming the node whose output cannot be (no codec, or
+        nested too deep)."""
         from somatize.remote import wire
 
         outs = answer["outs"].items()
