@@ -1,5 +1,6 @@
 """A Learning on a worker in a real process on 127.0.0.1 and its loads: what a Synthetic builds
-lazily (its guesser) is built by a load only when that load commits, there as here."""
+lazily (its guesser) is built by a load only when that load commits, there as here; what a
+Learning keeps there, and the keys a load left out, are `StateLost` when the worker restarts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from test_remote import Standing, _again
 
 from somatize import Broker, Graph, Worker
 from somatize.remote import StateLost, WorkerLost
-from somatize.torch import Greedy, Synthetic, Trainer, parameters
+from somatize.torch import ForwardForward, Greedy, Split, Synthetic, Trainer, parameters
 
 NODES = "_remote_nodes"
 SGD = torch.optim.SGD
@@ -144,34 +145,77 @@ def test_strict_counts_the_guesser_a_synthetic_built_on_its_worker(one):
     t.load(before, strict=True)
 
 
-def test_a_head_its_restarted_worker_lost_is_state_lost_after_a_load_of_the_node_alone():
+LEARNINGS = {  # what each keeps on the worker, lost there when it is restarted
+    "Greedy": lambda: Greedy(SGD, head=torch.nn.Linear(4, 2), lr=0.1),  # its head
+    "Synthetic": lambda: Synthetic(SGD, lr=0.1),  # its guesser, built there at the first output
+    "Split": lambda: Split(SGD, lr=0.1, momentum=0.9),  # its optimizer's momentum
+    "ForwardForward": lambda: ForwardForward(SGD, lr=0.1, momentum=0.9),
+}
+
+
+def _stepped(worker: Worker, learning: str) -> tuple[Trainer, Broker, dict]:
+    """mid (on host "a", trained by `learning`) >> head (here), three steps on `worker`; and
+    the weights of "mid" read back after the second."""
+    torch.manual_seed(0)
+    g = Graph.somatize(Lin(4, 4).named("mid").at("a") >> Lin(4, 2).named("head"))
+    trains = {"mid": LEARNINGS[learning]()}
+    opt = SGD(parameters(g, without=trains), lr=0.1)
+    mse = torch.nn.functional.mse_loss
+    broker = Broker({"a": worker})
+    t = Trainer(g, objective=mse, optimizer=opt, trains=trains, broker=broker)
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)) for _ in "abc"]
+    for batch in batches[:2]:
+        t.step(batch)
+    read = t.export()["mid"]
+    t.step(batches[2])  # "mid" and what trains it learn there past `read`
+    return t, broker, read
+
+
+@pytest.mark.parametrize("learning", sorted(LEARNINGS))
+def test_what_a_learning_keeps_on_a_restarted_worker_is_state_lost_after_a_load_of_its_node(
+    learning,
+):
     w = Standing("--accept-code")  # a Greedy's head goes as code
     w.start()
     try:
         on = w.worker()
         on.connect_within = 1.0  # its loss is seen in a second
-        torch.manual_seed(0)
-        g = Graph.somatize(Lin(4, 4).named("mid").at("a") >> Lin(4, 2).named("head"))
-        trains = {"mid": Greedy(SGD, head=torch.nn.Linear(4, 2), lr=0.1)}
-        opt = SGD(parameters(g, without=trains), lr=0.1)
-        mse = torch.nn.functional.mse_loss
-        broker = Broker({"a": on})
-        t = Trainer(g, objective=mse, optimizer=opt, trains=trains, broker=broker)
-        gen = torch.Generator().manual_seed(3)
-        for _ in range(2):
-            t.step((torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)))
-        read = t.export()["mid"]
-        t.step((torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)))
+        t, broker, read = _stepped(on, learning)
         own = {k: v for k, v in read.items() if not k.startswith("learning/")}
-        t.load({"mid": own})  # the node alone: its head learnt on there, past `read`
+        t.load({"mid": own})  # the node alone: what trains it learnt on there, past `read`
         w.restart()
-        with pytest.raises(StateLost) as lost:  # not the head as it was before that step
+        with pytest.raises(StateLost) as lost:  # not what it kept as it was before that step
             _again(t.export)
         assert lost.value.nodes == ["mid"]
         t.load(lost.value.exported)  # resumes from what was last read back or sent
         now = t.export()["mid"]
         assert sorted(now) == sorted(read)
         assert all(torch.equal(now[k], read[k]) for k in read)
+        broker.close()  # all read back: nothing lost
+    finally:
+        w.stop()
+
+
+def test_the_keys_a_subset_load_leaves_out_are_state_lost_on_a_restarted_worker():
+    w = Standing()
+    w.start()
+    try:
+        on = w.worker()
+        on.connect_within = 1.0  # its loss is seen in a second
+        t, broker, read = _stepped(on, "Synthetic")
+        given = {k: v for k, v in read.items() if k != "lin.bias"}  # the guesser whole
+        given["lin.weight"] = torch.full_like(read["lin.weight"], 0.5)
+        t.load({"mid": given})  # a subset: lin.bias keeps what it learnt there, past `read`
+        w.restart()
+        with pytest.raises(StateLost) as lost:  # not lin.bias as it was before that step
+            _again(t.export)
+        assert lost.value.nodes == ["mid"]
+        assert sorted(lost.value.exported["mid"]) == ["lin.bias", "lin.weight"]
+        t.load(lost.value.exported)  # resumes from the copy here: what was given, else read
+        now = t.export()["mid"]
+        assert sorted(now) == sorted(read)
+        assert all(torch.equal(now[k], given.get(k, read[k])) for k in read)
         broker.close()  # all read back: nothing lost
     finally:
         w.stop()

@@ -57,7 +57,6 @@ class Broker:
         self._defined: dict[str, set[str]] = {}  # host: the keys its worker holds
         self._incarnation: dict[str, str | None] = {}  # host: its worker's when they were sent
         self._held: dict[str, tuple[str, Any]] = {}  # key: (node id, node), kept so no id is reused
-        self._stateful: set[str] = set()
         self._learnt: set[tuple[str, str]] = set()  # (host, key) learnt since last read
         self._lost: dict[str, str] = {}  # key: host, for what a worker lost after learning
         self._read: dict[str, Callable[[], Any] | None] = {}  # key: reads its modes here
@@ -162,10 +161,7 @@ class Broker:
         self._told.pop((host, key), None)  # the copy built there is told its modes after
         params = ahead.params(node)
         self._built[(host, key)] = (params, [p.dtype for p in params])
-        d = describe(node, nid, key, device, conn, host)
-        if d["state"]:
-            self._stateful.add(key)
-        return d
+        return describe(node, nid, key, device, conn, host)
 
     def send(self, host: str, nodes: list[tuple], message: dict, kept: tuple = (None, None)) -> Any:
         """Send `message` to `host`'s worker with the definitions of those of `nodes` (each
@@ -246,11 +242,9 @@ class Broker:
         `StateLost`, not a silent restart from older weights."""
         for nid, node, _ in nodes:
             key = self.key(node)
-            if key not in self._stateful or (host, key) in self._learnt:
-                continue
-            if "/" in nid:  # a Learning (its optimizer's state) lives with its Trainer
+            if "/" in nid:  # a Learning: what it built there (a guesser), its optimizer's state
                 self._learnt.add((host, key))
-            elif _learns(node):  # a frozen node learns nothing there
+            elif (host, key) not in self._learnt and _learns(node):  # a frozen one learns nothing
                 self._learnt.add((host, key))
                 ahead.mark(nid, node, self.session, host)
 
@@ -292,7 +286,7 @@ class Broker:
         committed: list[str] = []
         lost = dict(self._lost)
         # the caller says where to resume from: no longer behind, unless this fails
-        marks = [m for _, _, node, _, _ in entries for m in ahead.unmark(node)]
+        marks = [ahead.unmark(node) for _, _, node, _, _ in entries]
         try:
             for host, nid, node, device, state in entries:
                 key = self.key(node)
@@ -309,13 +303,17 @@ class Broker:
             then()
         except BaseException:  # what was committed is put back, what was staged dropped
             self._lost = lost
-            ahead.remark(marks)
+            ahead.remark([m for each in marks for m in each])
             self._each(committed, lid, "undo")
             self._each([h for h in hosts if h not in committed], lid, "drop")
             raise
         self._each(hosts, lid, "drop")
-        for host, _, node, *_ in entries:
-            self._learnt.discard((host, self.key(node)))
+        for (host, _, node, _, state), each in zip(entries, marks, strict=True):
+            # the copy here is current only if every key of it (as loaded) was given
+            if set(state) >= set(_hooks.state_of(node)):
+                self._learnt.discard((host, self.key(node)))
+            else:
+                ahead.remark(each)
 
     def _each(self, hosts: list[str], lid: str, phase: str) -> None:
         for host in hosts:
