@@ -280,12 +280,12 @@ class Audit:
     # -- forward: what came out -----------------------------------------------------------
     def _before(self, place: Place, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._measuring and torch.is_grad_enabled():  # (on with `channels` only)
-            place.given((args, kwargs), self.step)
+            place.given(_given(place, args, kwargs), self.step)
 
     def _heard(self, place: Place, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if self._measuring and torch.is_grad_enabled():
             self._begin()
-            place.saw((args, kwargs), out, self.step, self.channels, self._snap)
+            place.saw(_given(place, args, kwargs), out, self.step, self.channels, self._snap)
 
     def _begin(self) -> None:
         """θ as this measured step finds it, copied once, kept until `moved` (under gradient
@@ -388,6 +388,14 @@ class Audit:
                     n["update_ratio"] = delta / was
                     if snapshot and stable is not None:
                         n["update_stable_rank"] = stable
+
+
+def _given(place: Place, args: tuple, kwargs: dict) -> Any:
+    """What a place's hooks see it given: a module's every argument; a node's input alone (its
+    `Holder` is called as the engine calls it, `(input, ctx)`, and a ctx holds no tensor)."""
+    if place.inside is not None:
+        return args, kwargs
+    return args[0] if args else kwargs.get("input")
 
 
 def _moved(
