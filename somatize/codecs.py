@@ -270,6 +270,7 @@ def pack(
         )
         try:
             packer.pack([value])
+            given.clear()  # kept to be given again below, not held while the bytes are copied
             return bytes(packer.getbuffer()[1:])  # the value's bytes, after the list's header
         except ValueError as error:
             if not str(error).startswith(_RECURSION):  # a codec's own speaks of it after its name
