@@ -243,10 +243,11 @@ class Tap:
     The engine calls a node that is a module through `__call__`, and any other through its
     `forward`: either way an instance attribute shadowing `forward` is what runs, seen by a
     freshly compiled plan. The graph's compiled plan is set aside while tapped and given back
-    after. Of `roots` (each node's `root_of`), a node read as a `Holder` is called through
-    it, so its module hooks fire; the same node standing at several ids is told, and called
-    through, at the id it runs as. `live` False: the wrappers stay, and call the node's own
-    forward, telling nothing (an Audit's unmeasured steps pay one call per node).
+    after. Of `roots` (the module each node id is read as: its `root_of`, or a `Holder` of
+    its own), a node whose root is a `Holder` is called through it, so that Holder's module
+    hooks fire; the same node standing at several ids is told, and called through, at the
+    id it runs as. `live` False: the wrappers stay, and call the node's own forward, telling
+    nothing (an Audit's unmeasured steps pay one call per node).
     """
 
     def __init__(self, graph: Any, on_node: Any, roots: dict[str, Any] | None = None) -> None:
