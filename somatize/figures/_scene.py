@@ -184,10 +184,10 @@ class _Inside:
         self.reader = inputs[0] if len(inputs) == 1 else INPUT  # where the node's input goes
         # where an edge out of the node to each node `after` it leaves: the one layer that made
         # what that node read (`read_by`), where not seen what the node gave back (`outputs`);
-        # None, the node's frame, where that is several layers, or none, or not said
+        # not named (the node's frame) where that is several layers, or none, or not said
         read, gave = inside.get("read_by") or {}, inside.get("outputs") or []
         made = {f"n:{n}": {str(p) for p in read.get(n, gave)} for n in after}
-        self.givers = {n: next(iter(m)) if len(m) == 1 else None for n, m in made.items()}
+        self.givers = {n: next(iter(m)) for n, m in made.items() if len(m) == 1}
 
     def boxes(self) -> list[Box]:
         out: list[Box] = [self._input()] if self.inputs else []
@@ -321,7 +321,7 @@ class _Inside:
         other (what entered the block enters the first, what left it leaves the last); and
         the box an edge out of the node to each node after it leaves from, by that node's box
         (its giver's, the last copy's where it is in an expanded block; "" where none is drawn)."""
-        out = [*self.edges, *((g, OUTPUT + n) for n, g in self.givers.items() if g is not None)]
+        out = [*self.edges, *((g, OUTPUT + n) for n, g in self.givers.items())]
         for b, copies in self.copies:
             inside = {
                 la["path"]
