@@ -73,7 +73,7 @@ def whole(trainer: Any, weights: dict[str, dict]) -> None:
     for nid in trainer.graph.nodes():
         keys = set(state_of(trainer.graph.implementation(nid)))
         if nid in trainer.trains:
-            keys |= set(learnt(trainer, nid))  # a guesser built there at its first output
+            learnt(trainer, nid)  # the copy here brought up to its worker's (a guesser built there)
             keys |= {BROUGHT + k for k in _brings(trainer.trains[nid], weights.get(nid, {}))}
         if keys and nid not in weights:
             left.append(f"node {nid!r}")
