@@ -247,9 +247,10 @@ def architecture(
     what reached it: a fan-in node gets the dict of its predecessors' values, as it would.
     torch.fx is asked first, module by module (the Inside says whether it could follow the
     forward, and why not), and the layers, edges and shapes are read off that one run by hooks
-    and a function mode, whatever fx said. Without an example only what fx can answer
-    symbolically is there, without shapes. Nodes holding no module
-    (a plain function, a tokenizer) are not in the answer. A composite torch ships is one box
+    and a function mode, whatever fx said, as is which of the layers that made what a node
+    gave each node after it read (`Inside.read_by`). Without an example only what fx can
+    answer symbolically is there, without shapes, and nothing is seen read. Nodes holding no
+    module (a plain function, a tokenizer) are not in the answer. A composite torch ships is one box
     unless `depth=` opens it; blocks that are the same block fold to one `×N`; past `most`
     layers a node's deepest blocks are closed. Edges follow the data through indexing, views
     and reshapes; a module called twice is a box per call. `graph` may be a bare module (a
