@@ -62,7 +62,7 @@ def stage_state(
     anything."""
     if state:
         raise ValueError(f"{type(node).__name__} holds no weights to load (torch is not loaded)")
-    return lambda: dict
+    return lambda: lambda: None  # nothing to copy in, nothing to put back
 
 
 def modes(node: Any) -> Callable[[], list[bool]] | None:
