@@ -1399,3 +1399,47 @@ def test_what_an_audit_leaves_out_is_warned_at_the_line_that_made_the_trainer():
             optimizer=torch.optim.SGD(parameters(g), lr=0.1),
         )
     assert [w.filename for w in told] == [__file__]  # not the Trainer's line that watched
+
+
+class DottedHeads(Node):
+    """A plain node holding its layers in a dict whose keys hold dots ("v1.0") or are nested
+    names a ModuleDict would refuse as they stand."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.heads = {"v1.0": nn.Linear(4, 3), "v2": nn.Linear(4, 3), 7: nn.Linear(4, 3)}
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:  # noqa: ANN001
+        return sum(head(x) for head in self.heads.values())
+
+
+def test_a_plain_node_holding_layers_under_dotted_keys_is_audited_and_drawn():
+    g = Graph.somatize(DottedHeads())
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    node = g.nodes()[0]
+    head = g.implementation(node).heads["v1.0"]
+    with torch.no_grad():  # the first step's activity, of the weights it ran with, in float64
+        want = nn.functional.linear(x.double(), head.weight.double(), head.bias.double())
+    audit = Audit(every=1, channels=True, inside=True)
+    facts: list[dict] = []
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=audit,
+        watching=facts.append,
+    )
+    t.fit([(x, y)] * 2)
+    heard = {(f["node"], f["inside"]) for f in facts if f.get("fact") == "health"}
+    assert heard == {(node, None), (node, "heads.v1.0"), (node, "heads.v2"), (node, "heads.7")}
+    first = next(f for f in facts if f.get("inside") == "heads.v1.0")
+    assert first["act_abs_mean"] == pytest.approx(want.abs().mean().item(), rel=1e-5)
+
+
+def test_a_plain_node_whose_dict_keys_collide_once_split_at_dots_is_refused_by_name():
+    node = DottedHeads()
+    node.heads["v1"] = nn.Linear(4, 3)  # "heads.v1" and "heads.v1.0": one path inside another
+    g = Graph.somatize(node)
+    with pytest.raises(ValueError, match=r"DottedHeads holds a module as 'heads\.v1"):
+        Audit().watch(g)
+    assert g(torch.randn(2, 4)).shape == (2, 3)  # the refused audit left the graph as it was

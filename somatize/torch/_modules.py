@@ -36,17 +36,30 @@ class Holder(nn.Module):
     def __init__(self, node: Any) -> None:
         super().__init__()
         self.call = node.forward
+        made: dict[str, nn.Module] = {}  # the levels made here, by path: only these are filled
         for name, module in named_modules_of(node):
-            head, _, index = name.partition(".")
-            if index:
-                if head not in dict(self.named_children()):
-                    self.add_module(head, nn.ModuleDict())
-                self.get_submodule(head)[index] = module
-            else:
-                self.add_module(name or "held", module)
+            *path, last = (name or "held").split(".")  # `heads.v1.0`: a dict's key "v1.0"
+            box: nn.Module = self
+            for k, part in enumerate(path):
+                at = ".".join(path[: k + 1])
+                if at not in made:
+                    if not part or part in dict(box.named_children()):
+                        _taken(node, name)
+                    box.add_module(part, made.setdefault(at, nn.ModuleDict()))
+                box = made[at]
+            if not last or last in dict(box.named_children()):
+                _taken(node, name)
+            box.add_module(last, module)
 
     def forward(self, input: Any, ctx: Any = None) -> Any:
         return self.call(input, ctx)
+
+
+def _taken(node: Any, name: str) -> None:
+    raise ValueError(
+        f"a {type(node).__name__} holds a module as {name!r}, a name empty in part or that "
+        "another module it holds already takes: give the keys of its dicts of modules no dots"
+    )
 
 
 def root_of(node: Any) -> nn.Module | None:
