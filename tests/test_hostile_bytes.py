@@ -270,20 +270,14 @@ def test_the_deepest_value_allowed_reads_back_on_a_thread_with_a_2_mib_stack() -
 
 
 def test_a_token_holders_text_that_is_not_utf8_is_answered_with_an_error_and_the_worker_serves():
-    import zmq
+    from _sealed import sealed
 
     from somatize import Broker, Worker
-    from somatize.remote import seal, wire
+    from somatize.remote import wire
 
     worker = Worker.spawn(send=["_remote_nodes"])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock, sealer = sealed(worker)
     try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 15000)
-        sock.connect(worker.address)
-        sock.send(seal.SALT_ASK)
-        salt = sock.recv_multipart()[1]
-        sealer = seal.Seal(seal.derive(worker.token, salt))
         lone = msgpack.ExtType(5, msgpack.packb("\udcff", unicode_errors="surrogatepass"))
         definition = {"key": "k", "module": lone, "qualname": "Plus"}
         for hostile in ({"op": "hello", "rid": lone}, {"op": "define", "define": [definition]}):

@@ -16,6 +16,7 @@ import pytest
 import torch
 import zmq
 from _children import tuples
+from _sealed import sealed
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -289,13 +290,8 @@ def test_a_worker_answer_nested_too_deep_is_a_value_error_naming_its_node():
 
 def test_a_worker_answers_hostile_nesting_with_the_bound_and_serves_the_next_call():
     worker = Worker.spawn(["--threads", "1"])
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock, sealer = sealed(worker)
     try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, 15000)
-        sock.connect(worker.address)
-        sock.send(seal.SALT_ASK)
-        sealer = seal.Seal(seal.derive(worker.token, sock.recv_multipart()[1]))
         hostile = {
             f"more than {DEPTH} deep": tuples(200),
             "more than 1024 deep": b"\x91" * 5000 + b"\xc0",
