@@ -1443,3 +1443,24 @@ def test_a_plain_node_whose_dict_keys_collide_once_split_at_dots_is_refused_by_n
     with pytest.raises(ValueError, match=r"DottedHeads holds a module as 'heads\.v1"):
         Audit().watch(g)
     assert g(torch.randn(2, 4)).shape == (2, 3)  # the refused audit left the graph as it was
+
+
+class Typed(Node):
+    """A plain node holding a layer under a name nn.Module keeps for itself (`type`)."""
+
+    def __init__(self) -> None:
+        self.type = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:  # noqa: ANN001
+        return self.type(x)
+
+
+def test_a_plain_node_holding_a_layer_as_type_is_refused_naming_it_and_what_to_do():
+    from somatize.torch import architecture
+
+    g = Graph.somatize(Typed())
+    x = torch.randn(2, 4)
+    for look in (lambda: Audit().watch(g), lambda: architecture(g, x)):
+        with pytest.raises(ValueError, match=r"Typed holds a module as 'type'.*Typed\(Node, nn"):
+            look()
+    assert g(x).shape == (2, 3)

@@ -35,7 +35,7 @@ class Holder(nn.Module):
 
     def __init__(self, node: Any) -> None:
         super().__init__()
-        self.call = node.forward
+        self.node_forward = node.forward
         made: dict[str, nn.Module] = {}  # the levels made here, by path: only these are filled
         for name, module in named_modules_of(node):
             *path, last = (name or "held").split(".")  # `heads.v1.0`: a dict's key "v1.0"
@@ -43,22 +43,27 @@ class Holder(nn.Module):
             for k, part in enumerate(path):
                 at = ".".join(path[: k + 1])
                 if at not in made:
-                    if not part or part in dict(box.named_children()):
-                        _taken(node, name)
+                    _free(box, part, node, name)
                     box.add_module(part, made.setdefault(at, nn.ModuleDict()))
                 box = made[at]
-            if not last or last in dict(box.named_children()):
-                _taken(node, name)
+            _free(box, last, node, name)
             box.add_module(last, module)
 
     def forward(self, input: Any, ctx: Any = None) -> Any:
-        return self.call(input, ctx)
+        return self.node_forward(input, ctx)
 
 
-def _taken(node: Any, name: str) -> None:
+def _free(box: nn.Module, part: str, node: Any, name: str) -> None:
+    """Refuses a part of a held module's name that `box` cannot take as a child's: empty, or
+    a name it has already (another module's, or nn.Module's own: `type`, `training`)."""
+    if part and not hasattr(box, part):
+        return
+    why = "empty" if not part else "a name another module or nn.Module itself takes"
+    kind = type(node).__name__
     raise ValueError(
-        f"a {type(node).__name__} holds a module as {name!r}, a name empty in part or that "
-        "another module it holds already takes: give the keys of its dicts of modules no dots"
+        f"a {kind} holds a module as {name!r}, which cannot be read as one module: {part!r} "
+        f"is {why}; rename it (dict keys without dots), or make the node a module: "
+        f"class {kind}(Node, nn.Module)"
     )
 
 
