@@ -69,14 +69,16 @@ class _Keying:
     """One node's arguments on their way to a key: the containers on the way down (a cycle is
     said as one, not followed; how many says how deep), whether a module's state is digested
     (not for `unkeyable`), and the modules whose state is in the key already (`covered`: those
-    the node's own state digest reads, and the submodules of a module digested on the way)."""
+    the node's own state digest reads, and the submodules of a module digested on the way),
+    and those whose train/eval mode caching keys at each forward (`moded`: not said again)."""
 
-    __slots__ = ("path", "digesting", "covered")
+    __slots__ = ("path", "digesting", "covered", "moded")
 
-    def __init__(self, digesting: bool, covered: frozenset[int] = frozenset()) -> None:
+    def __init__(self, digesting: bool, covered: frozenset[int], moded: frozenset[int]) -> None:
         self.path: list[int] = []
         self.digesting = digesting
         self.covered = covered
+        self.moded = moded
 
     def said(self, value: Any, where: str) -> Any:
         """A JSON-able stand-in for `value` that is the same for equal values in any process
@@ -223,6 +225,8 @@ def _module(module: Any, where: str, k: _Keying) -> list:
     if type(module).__name__ == "OptimizedModule" and compiled is not None:
         return ["compiled", k.said(compiled, f"{where} (the module it compiled)")]
     said = {n: v for n, v in vars(module).items() if not _HOOKS.match(n)}
+    if id(module) in k.moded:  # its mode is keyed at each forward, not as it was when first keyed
+        said.pop("training", None)
     for held in ("_parameters", "_buffers"):  # its state: in the digest, or in the node's
         said[held] = sorted(said.get(held) or ())
     digested = k.digesting and id(module) not in k.covered
@@ -278,7 +282,7 @@ def _arguments(node: Any, k: _Keying) -> list:
 def unkeyable(node: Any) -> Unkeyable | None:
     """What in the node's constructor arguments a key cannot take in honestly, or None."""
     try:
-        _arguments(node, _Keying(digesting=False))
+        _arguments(node, _Keying(False, frozenset(), frozenset()))
     except Unkeyable as e:
         return e
     return None
@@ -290,15 +294,15 @@ def declaration_key(node: Any, salt: Any, state: str | None) -> str:
     that be only under a salt."""
     # a module the node's own state digest reads is in the key already; one it holds
     # anywhere else (in a dict, in an object) is digested where its argument is keyed
-    covered = frozenset(id(m) for m in _hooks.state_modules(node)) if state else frozenset()
+    held = frozenset(id(m) for m in _hooks.state_modules(node))  # the modules caching's modes read
     try:
-        said_args = _arguments(node, _Keying(True, covered))
+        said_args = _arguments(node, _Keying(True, held if state else frozenset(), held))
     except Unkeyable as e:
         said_args = ["unkeyed", e.where]
     said = {
         "class": _type_name(type(node)),
         "args": said_args,
-        "salt": _Keying(digesting=True).said(salt, "salt"),
+        "salt": _Keying(True, frozenset(), frozenset()).said(salt, "salt"),
         "state": state,
     }
     return mix(json.dumps(said, sort_keys=True))
