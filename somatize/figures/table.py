@@ -20,7 +20,7 @@ from somatize.figures._svg import finite, number, svg_open, text_width
 from somatize.figures._table_face import NAMES, WIDEST, html
 from somatize.graph import as_graph
 from somatize.health import METRICS, verdict
-from somatize.run import warn
+from somatize.run import note, warn
 
 __all__ = ["CompareTable", "compare"]
 
@@ -131,6 +131,9 @@ def compare(
                 looked = _probe_summary(probe(graph, example))
         except ValueError as error:
             raise ValueError(f"candidate {name!r}: {error}") from None
+        except Exception as error:  # a candidate that does not run: which one, as a note
+            note(error, f"candidate {name!r}")
+            raise
         for w in said:  # what was left out of which candidate, and why
             out = w.message
             if isinstance(out, ProxyLeftOut):

@@ -267,7 +267,8 @@ def architecture(
     roots = {node: root for node, root in found.items() if root is not None}
     held = Held(list(roots.values()))
     held.refuse()  # before fx or a hook touches anything
-    plans = _plan(roots, depth, example)
+    with untouched(held):  # fx runs the forward's Python: what it changes in place is put back
+        plans = _plan(roots, depth, example)
     reached, sent = ({}, {}) if example is None else _capture(graph, held, roots, example, plans)
     out: dict[str, Inside] = {}
     for node, root in roots.items():

@@ -77,8 +77,10 @@ class _NotHere(ValueError):
 
 def _why(error: Exception) -> str:
     """Why a proxy was not taken, in one line: a `_NotHere` says it itself (one line already),
-    anything else by its class and its message's first line."""
-    return str(error) if isinstance(error, _NotHere) else in_one_line(error)
+    anything else by its class, its message's first line and its notes (the node it ran)."""
+    if isinstance(error, _NotHere):
+        return str(error)
+    return "; ".join([in_one_line(error), *getattr(error, "__notes__", ())])
 
 
 def _log(x: float) -> float:

@@ -1,0 +1,107 @@
+"""inside, as a researcher comparing candidates before training uses it: every look leaves a
+model that changes itself in its forward as it was, and a model that cannot be read is
+named (its node, its candidate)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from somatize import Graph, Node
+from somatize.figures import compare
+from somatize.torch import ProxyLeftOut, architecture, probe, proxies, traced
+
+
+class Counting(nn.Module):
+    """A forward that counts its calls and keeps a running mean of its output in buffers,
+    updated in place, and scales its output by the count: what it gives depends on them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("mean", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.calls += 1
+        y = self.lin(x) * self.calls
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * y.mean(0))
+        return y + torch.rand(()) * 0  # draws from the global generator, as a noise would
+
+
+def _behaviour(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What a copy of `model` gives on `x`, its parameters' gradients, and the buffers after:
+    a copy, so that asking changes nothing."""
+    twin = copy.deepcopy(model)
+    out = twin(x)
+    out.square().sum().backward()
+    return (out.detach(), *(p.grad for p in twin.parameters()), *twin.buffers())
+
+
+@pytest.mark.parametrize(
+    "look",
+    [
+        lambda m, x: architecture(m, x),
+        lambda m, x: architecture(m),
+        lambda m, x: traced(m),
+        lambda m, x: Graph.somatize(m).figure(inside=architecture(m, x)),
+        lambda m, x: probe(m, x),
+        lambda m, x: proxies(m, x, target=torch.tensor([0, 1, 2, 0, 1]), objective=F.cross_entropy),
+    ],
+    ids=["architecture", "architecture-without-example", "traced", "figure", "probe", "proxies"],
+)
+def test_a_forward_updating_its_buffers_is_left_as_it_was_by_every_look(look):
+    torch.manual_seed(0)
+    model, x = Counting(), torch.randn(5, 4)
+    before = _behaviour(model, x)
+    rng = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProxyLeftOut)
+        look(model, x)
+    assert torch.equal(torch.get_rng_state(), rng)
+    after = _behaviour(model, x)
+    for a, b in zip(after, before, strict=True):
+        assert torch.equal(a, b)
+
+
+class Wrong(nn.Module):
+    """A layer that expects 5 features where it is given 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_a_proxy_left_out_because_the_net_does_not_run_names_the_node():
+    g = Graph.somatize(Node.of(nn.Linear(4, 4)).named("first") >> Node.of(Wrong()).named("second"))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert proxies(g, torch.randn(5, 4)) == {}
+    left = [w.message for w in said if isinstance(w.message, ProxyLeftOut)]
+    assert {w.proxy for w in left} >= {"synflow", "zen", "jacob_cov"}
+    for w in left:
+        if w.proxy != "naswot":  # (no activation module: said so before anything runs)
+            assert "shapes cannot be multiplied" in w.why
+            assert "'second'" in w.why, w.why
+
+
+def test_compare_names_the_candidate_that_cannot_run():
+    # two bare modules are both node 'sequential': only the candidate's name tells them apart
+    good = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    broken = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(5, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="candidate 'broken'") as raised:
+            compare({"good": good, "broken": broken}, torch.randn(5, 4))
+    assert "shapes cannot be multiplied" in str(raised.value)
+    assert any("'sequential'" in n for n in raised.value.__notes__)
