@@ -17,7 +17,7 @@ from typing import Any
 from somatize import _hooks
 from somatize._keys import code_version, declaration_key, mix
 from somatize.codecs import decode, digest, encode
-from somatize.node import Opaque
+from somatize.node import unwrap
 from somatize.run import ONE, ROOT, Plan, _noted, in_one_line, not_a_list, run_plan, tell, warn
 from somatize.store import CorruptBinding, CorruptBlob
 
@@ -176,9 +176,7 @@ def _one(
     said[nid] = "hit" if hit else "miss"
     if hit:
         return value
-    out = fn(x, ctx)
-    if type(out) is Opaque:
-        out = out.value
+    out = unwrap(fn(x, ctx))  # kept, and handed on, as Store.keep keeps it: what it wraps
     _keep(nid, name, out, code, store)
     return out
 
@@ -195,7 +193,7 @@ def _mapped(
     out = [value for _, value in recalled]
     missing = [k for k, (hit, _) in enumerate(recalled) if not hit]
     if missing:
-        made = fn([x[k] for k in missing], ctx)  # the plan's step: lengths checked there
+        made = unwrap(fn([x[k] for k in missing], ctx))  # the plan's step checks lengths
         for k, value in zip(missing, made, strict=True):
             out[k] = value
             _keep(nid, names[k], value, code, store)

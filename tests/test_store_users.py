@@ -11,7 +11,7 @@ import torch
 from models import zoo
 
 import somatize.torch  # noqa: F401  (tensor codec)
-from somatize import Graph, Node, Store
+from somatize import Graph, Node, Opaque, Store
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -42,3 +42,42 @@ def test_a_models_mode_when_its_graph_first_ran_is_not_in_its_key(tmp_path: Path
     torch.testing.assert_close(out.last_hidden_state, want, rtol=1.3e-6, atol=1e-5)
     model.train()
     assert _caching(second, x, store)[1] == ["hit"]
+
+
+class _Published(Node):
+    """An encoder node written for the published package: what it hands on is wrapped."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def forward(self, x, ctx):
+        out = self.model(**x)
+        return {"states": Opaque(out.last_hidden_state), "mask": Opaque(x["attention_mask"])}
+
+
+class _PublishedMapped(_Published):
+    def forward(self, xs, ctx):
+        return [Opaque(self.model(**x).pooler_output) for x in xs]
+
+
+def test_a_cached_nodes_output_holding_opaque_is_kept_as_what_it_wraps(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    case = zoo.bert()
+    model, x = case.model, case.example
+    model.eval().requires_grad_(False)
+    with torch.no_grad():
+        want = model(**x)
+    g = Graph.somatize(_Published(model).frozen().cached())
+    for expected in ("miss", "hit"):
+        out, said = _caching(g, Opaque(x), store)
+        assert said == [expected]
+        torch.testing.assert_close(out["states"], want.last_hidden_state)
+        assert torch.equal(out["mask"], x["attention_mask"])
+    items = [{k: v[i : i + 1] for k, v in x.items()} for i in range(2)]
+    mapped = Graph.somatize(_PublishedMapped(model).frozen().cached().mapped())
+    for expected in ("miss", "hit"):
+        out, said = _caching(mapped, items, store)
+        assert said == [expected] and len(out) == 2
+        for got, item in zip(out, items, strict=True):
+            with torch.no_grad():
+                torch.testing.assert_close(got, model(**item).pooler_output)
