@@ -105,3 +105,13 @@ def test_compare_names_the_candidate_that_cannot_run():
             compare({"good": good, "broken": broken}, torch.randn(5, 4))
     assert "shapes cannot be multiplied" in str(raised.value)
     assert any("'sequential'" in n for n in raised.value.__notes__)
+
+
+def test_probe_takes_an_example_made_under_inference_mode():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    with torch.inference_mode():  # as a data pipeline run without autograd gives it
+        frozen = x.clone()
+    assert probe(model, frozen) == probe(model, x)
+    assert frozen.is_inference() and not frozen.requires_grad  # the example is as it was
