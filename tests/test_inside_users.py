@@ -115,3 +115,12 @@ def test_probe_takes_an_example_made_under_inference_mode():
         frozen = x.clone()
     assert probe(model, frozen) == probe(model, x)
     assert frozen.is_inference() and not frozen.requires_grad  # the example is as it was
+
+
+def test_probe_of_a_node_that_does_not_run_names_it_and_gives_no_unrelated_advice():
+    g = Graph.somatize(Node.of(nn.Linear(4, 4)).named("first") >> Node.of(Wrong()).named("second"))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as raised:
+        probe(g, torch.randn(5, 4))
+    notes = raised.value.__notes__
+    assert any("'second'" in n for n in notes)
+    assert not any("model.eval()" in n for n in notes), notes  # not what is wrong here

@@ -305,7 +305,8 @@ def probe(
             with Tap(g, heard, roots):
                 result = run_here(g, x, told)
         except Exception as e:
-            note(e, _LEAFED)
+            if "requires_grad" in str(e):  # torch refusing the input asking for its gradient
+                note(e, _LEAFED)
             raise
         finally:
             for h in hooks:
