@@ -33,11 +33,11 @@ _declared: weakref.WeakKeyDictionary[
 _changes = 0  # how many times a node's state was changed through the library
 
 
-def state_changed() -> None:
+def state_changed(*_: Any) -> None:
     """Say that a node's state changed (`Trainer.load`, `freeze`, a `load_state_dict` into a
-    module a node of a cached run holds): the keys of every plan, worked out once per plan,
-    are worked out again at its next cached walk, so that a frozen node's new state digest
-    reaches them.
+    module a node of a cached run holds, whose post hook this is: its arguments are not read):
+    the keys of every plan, worked out once per plan, are worked out again at its next cached
+    walk, so that a frozen node's new state digest reaches them.
     (`g.invalidate()` drops its graph's plan, and with it the keys: what to call after
     changing weights in place by hand.)"""
     global _changes
@@ -54,7 +54,7 @@ def _watch(node: Any) -> None:
     for module in _hooks.state_modules(node):
         if module not in _watched:
             try:
-                module.register_load_state_dict_post_hook(lambda m, loaded: state_changed())
+                module.register_load_state_dict_post_hook(state_changed)
             except RuntimeError:  # a TorchScript module takes no hooks: g.invalidate() for it
                 pass
             _watched.add(module)

@@ -4,6 +4,7 @@ model run without a store, and each hit read from the facts the engine tells (`w
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from models import zoo
 
 import somatize.torch  # noqa: F401  (tensor codec)
 from somatize import Graph, Node, Opaque, Store
+from somatize.torch import freeze
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -81,3 +83,28 @@ def test_a_cached_nodes_output_holding_opaque_is_kept_as_what_it_wraps(tmp_path:
         for got, item in zip(out, items, strict=True):
             with torch.no_grad():
                 torch.testing.assert_close(got, model(**item).pooler_output)
+
+
+def test_a_model_that_ran_cached_still_saves_whole_and_its_graph_pickles(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    case = zoo.bert()
+    model, x = case.model, case.example
+    g = Graph.somatize(Node.of(model).frozen().cached())
+    freeze(g)
+    assert _caching(g, x, store)[1] == ["miss"]
+    torch.save(model, tmp_path / "model.pt")  # the whole module, as some scripts keep it
+    again = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(again(**x).last_hidden_state, model(**x).last_hidden_state)
+    unpickled = pickle.loads(pickle.dumps(g))
+    out, said = _caching(unpickled, x, store)
+    assert said == ["hit"]
+    with torch.no_grad():
+        torch.testing.assert_close(out.last_hidden_state, model(**x).last_hidden_state)
+    held = unpickled.implementation("bertmodel").held  # the model the copy holds
+    state = {k: v + 0.01 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    held.load_state_dict(state)  # a load into the unpickled copy still reaches its keys
+    out, said = _caching(unpickled, x, store)
+    assert said == ["miss"]
+    with torch.no_grad():
+        torch.testing.assert_close(out.last_hidden_state, held(**x).last_hidden_state)
