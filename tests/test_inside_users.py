@@ -5,16 +5,18 @@ named (its node, its candidate)."""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from models import zoo
 from torch import nn
 
 from somatize import Graph, Node
 from somatize.figures import compare
-from somatize.torch import ProxyLeftOut, architecture, probe, proxies, traced
+from somatize.torch import ProxyLeftOut, architecture, probe, proxies, proxy, traced
 
 
 class Counting(nn.Module):
@@ -124,3 +126,19 @@ def test_probe_of_a_node_that_does_not_run_names_it_and_gives_no_unrelated_advic
     notes = raised.value.__notes__
     assert any("'second'" in n for n in notes)
     assert not any("model.eval()" in n for n in notes), notes  # not what is wrong here
+
+
+def test_naswot_is_not_taken_on_a_mixture_of_experts_whose_activation_sees_token_rows():
+    # transformers' Mixtral runs its experts grouped: one activation call on every (token,
+    # expert) pair, 2 samples x 8 tokens x top-2 rows, the same count in every layer. Scored
+    # so, naswot's kernel is over those rows, not the samples, and no candidate compares.
+    moe, gpt2 = zoo.mixtral(), zoo.gpt2()
+    with pytest.raises(ValueError, match=r"2 rows .*experts\.act_fn' saw 32"):
+        proxy(moe.model, moe.example, "naswot")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        df = compare({"moe": moe.model, "gpt2": gpt2.model}, gpt2.example)
+    assert math.isnan(df.loc["moe", "proxy:naswot"]) and math.isfinite(
+        df.loc["gpt2", "proxy:naswot"]
+    )
+    assert "experts" in df.attrs["left_out"]["moe"]["proxy:naswot"]

@@ -466,7 +466,7 @@ class _Functional(nn.Module):
 
 def test_naswot_says_why_it_cannot_be_taken_and_what_to_do():
     x = torch.tensor([[1.0, 0, 0, 0], [-1, 0, 0, 0], [2, 0, 0, 0]])
-    with pytest.raises(ValueError, match=r"'_routed.experts.1.1' saw 2 .* cannot be lined up"):
+    with pytest.raises(ValueError, match=r"3 rows and '_routed.experts.0.1' saw 1 .* lined up"):
         proxy(_Routed(), x, "naswot")
     with pytest.raises(ValueError, match=r"activation called as a function \(F.relu"):
         proxy(_Functional(), x, "naswot")

@@ -289,12 +289,13 @@ def _input_grads(s: _Subject, example: Any, xs: list[torch.Tensor]) -> list[Any]
 
 def _naswot(s: _Subject, example: Any, **_: Any) -> float:
     codes: list[torch.Tensor] = []
+    rows = next((len(t) for t in tensors_in(example) if t.dim()), None)  # the samples
 
     def code(m: nn.Module, i: tuple, o: Any) -> None:
         for t in tensors_in(o)[:1]:
-            codes.append((t.detach().reshape(t.shape[0], -1) > 0).double())
-            if t.shape[0] != codes[0].shape[0]:
-                raise _NotHere(_ROWS % (codes[0].shape[0], s.name(m), t.shape[0]))
+            if len(t) != rows:
+                raise _NotHere(_ROWS % (rows, s.name(m), len(t)))
+            codes.append((t.detach().reshape(len(t), -1) > 0).double())
 
     with s.hooked("naswot", ("activation",), code), torch.no_grad():
         s.run(example)
@@ -304,8 +305,8 @@ def _naswot(s: _Subject, example: Any, **_: Any) -> float:
 
 
 _ROWS = (
-    "naswot compares the samples' activation codes, row by row: the first activation layer saw "
-    "%d rows and %s saw %d (tokens routed to experts, or rows dropped), so the samples' codes "
+    "naswot compares the samples' activation codes, row by row: the example has %s rows and %s "
+    "saw %d (tokens routed to experts, rows dropped, or tokens as rows), so the samples' codes "
     "cannot be lined up and naswot cannot be taken on this graph"
 )
 
