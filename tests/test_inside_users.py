@@ -142,3 +142,24 @@ def test_naswot_is_not_taken_on_a_mixture_of_experts_whose_activation_sees_token
         df.loc["gpt2", "proxy:naswot"]
     )
     assert "experts" in df.attrs["left_out"]["moe"]["proxy:naswot"]
+
+
+def test_a_loss_proxy_says_when_the_objective_is_what_failed():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    x = torch.randn(5, 4)
+    with pytest.raises(ValueError, match="batch_size") as raised:  # a target of 2 rows, not 5
+        proxy(model, x, "snip", target=torch.tensor([0, 1]), objective=F.cross_entropy)
+    assert any("objective(output, target)" in n for n in raised.value.__notes__)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = proxies(model, x, target=torch.tensor([0, 1]), objective=F.cross_entropy)
+    assert "synflow" in got and "snip" not in got
+    why = {w.message.proxy: w.message.why for w in said if isinstance(w.message, ProxyLeftOut)}
+    assert set(why) == {"snip", "grasp", "grad_norm", "fisher"}
+    assert all("objective(output, target)" in w for w in why.values()), why
+    with pytest.raises(ValueError, match=r"gave a tuple, not a scalar tensor") as raised:
+        proxy(model, x, "snip", target=torch.zeros(5), objective=lambda out, t: (out, t))
+    assert "tensor(" not in str(raised.value)  # what it gave is named, not printed
+    per_sample = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731
+    with pytest.raises(ValueError, match=r"gave a \(5,\) tensor, not a scalar tensor"):
+        proxy(model, x, "snip", target=torch.tensor([0, 1, 2, 0, 1]), objective=per_sample)

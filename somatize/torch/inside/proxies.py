@@ -174,9 +174,15 @@ def _hooked(modules: list[nn.Module], fn: Callable) -> contextlib.ExitStack:
 
 
 def _loss(s: _Subject, example: Any, target: Any, objective: Callable) -> torch.Tensor:
-    loss = objective(run_here(s.graph, example), target)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"objective(output, target) gave {loss!r}, not a scalar tensor")
+    out = run_here(s.graph, example)
+    try:
+        loss = objective(out, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            gave = f"{tuple(loss.shape)} tensor" if torch.is_tensor(loss) else type(loss).__name__
+            raise ValueError(f"it gave a {gave}, not a scalar tensor (reduce it: .mean())")
+    except Exception as e:  # the objective's fault, not the graph's: said so
+        note(e, "while computing the loss, objective(output, target)")
+        raise
     return loss
 
 
