@@ -346,9 +346,9 @@ def finite(loss: torch.Tensor, graph: Graph, step: int, piece: int | None) -> No
         why = (
             f"The weights were not finite already ({_listed(params)}): an update before this "
             "step put that there, from a gradient that was not finite though its loss was. To "
-            "stop at such a gradient, before the optimizer moves, add torch's own check to the "
-            "optimizer: optimizer.register_step_pre_hook(lambda o, a, k: "
-            "clip_grad_norm_(parameters(g), float('inf'), error_if_nonfinite=True))"
+            "stop at such a gradient, before the optimizer moves, call torch's own check "
+            "clip_grad_norm_(parameters(g), float('inf'), error_if_nonfinite=True) in a step "
+            "pre-hook on the optimizer (docs/training.md)"
         )
     else:
         why = (

@@ -1,0 +1,124 @@
+"""A researcher fine-tuning transformers' GPT-2 and T5 (small configs, random init) with a
+Trainer, the way docs/training.md says: dict batches from a DataLoader with workers whose
+collate_fn gives a BatchEncoding, `every=4` and `micro=2`, bfloat16 autocast, gradient clipping
+and a warm-up schedule on the optimizer's hooks, no weight decay on biases and norms; each run
+against the same loop written by hand in plain torch, with the same seeds."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from models import zoo
+from torch.nn.utils import clip_grad_norm_
+from torch.utils.data import DataLoader
+from transformers import BatchEncoding
+
+from somatize import Graph
+from somatize.torch import Trainer, named_parameters, parameters
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "training.md"
+BF16_EPS = 2.0**-8
+F32_EPS = torch.finfo(torch.float32).eps
+ROWS, BATCH, EVERY, MICRO = 16, 4, 4, 2
+
+
+def _rows():
+    ids = torch.randint(1, zoo.VOCAB, (ROWS, zoo.SEQ), generator=torch.Generator().manual_seed(3))
+    return [
+        {"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i.clone()} for i in ids
+    ]
+
+
+def _collate(items):
+    return BatchEncoding({k: torch.stack([it[k] for it in items]) for k in items[0]}), None
+
+
+def _loader():
+    return DataLoader(_rows(), batch_size=BATCH, collate_fn=_collate, num_workers=2)
+
+
+def _own_loss(out, _):
+    return out.loss
+
+
+def _grouped(named):
+    """AdamW with weight decay on the matrices only, as docs/training.md builds it."""
+    return torch.optim.AdamW(
+        [
+            {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+
+
+def _by_hand(model, opt, bf16, micro=MICRO):
+    """The plain torch loop: each batch cut in MICRO, autocast around each forward, the loss
+    divided by EVERY * micro, clipping to 1 then a step every EVERY batches. Answers each batch's
+    loss and the norm each update clipped."""
+    losses, norms = [], []
+    for k, (x, _) in enumerate(_loader()):
+        if k % EVERY == 0:
+            opt.zero_grad()
+        total = 0.0
+        for piece in range(micro):
+            part = {key: v.chunk(micro)[piece] for key, v in x.items()}
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = model(**part).loss
+            (loss / (EVERY * micro)).backward()
+            total += loss.item()
+        losses.append(total / micro)
+        if k % EVERY == EVERY - 1:
+            norms.append(float(clip_grad_norm_(model.parameters(), 1.0)))
+            opt.step()
+    return losses, norms
+
+
+def test_the_docs_clipping_recipe_as_written_clips_each_update_as_torch_does():
+    # docs/training.md's block, run as a reader copies it (cross_entropy is theirs)
+    block = next(
+        b for b in re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S) if "clip" in b
+    )
+    case = zoo.gpt2()  # seeds torch: dropout draws the same in both runs
+    opt = torch.optim.AdamW(case.model.parameters(), lr=1e-3)
+    expected, norms = _by_hand(case.model, opt, False, micro=1)
+    assert min(norms) > 1.0  # the clip is at work on every update
+
+    case = zoo.gpt2()
+    said = {"torch": torch, "Graph": Graph, "Trainer": Trainer, "parameters": parameters}
+    said |= {"g": Graph.somatize(case.model), "cross_entropy": _own_loss}
+    exec(block, said)
+    assert said["t"].fit(_loader()).history == pytest.approx(expected, rel=16 * F32_EPS)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("make", [zoo.gpt2, zoo.t5], ids=["gpt2", "t5"])
+def test_a_fine_tune_with_every_micro_clipping_decay_groups_and_warmup_is_the_hand_loop(make, bf16):
+    model = make().model
+    opt = _grouped(list(model.named_parameters()))
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
+    opt.register_step_post_hook(lambda o, a, k: warmup.step())
+    torch.manual_seed(42)  # dropout's
+    expected, _ = _by_hand(model, opt, bf16)
+    lr = warmup.get_last_lr()
+
+    g = Graph.somatize(make().model)
+    opt = _grouped(named_parameters(g))
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
+
+    def clip(optimizer, args, kwargs):
+        clip_grad_norm_(parameters(g), 1.0)
+
+    opt.register_step_pre_hook(clip)
+    opt.register_step_post_hook(lambda o, a, k: warmup.step())
+    t = Trainer(g, objective=_own_loss, optimizer=opt, every=EVERY, micro=MICRO)
+    torch.manual_seed(42)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        result = t.fit(_loader())
+    assert warmup.get_last_lr() == pytest.approx(lr) and len(result.history) == ROWS // BATCH
+    # the same operations in the same order: float32's rounding, even under autocast
+    assert result.history == pytest.approx(expected, rel=16 * F32_EPS)
+    assert re.fullmatch(r"Result\(4 steps, loss \S+ → \S+, \S+ s\)", repr(result))
