@@ -163,3 +163,35 @@ def test_a_loss_proxy_says_when_the_objective_is_what_failed():
     per_sample = lambda out, t: F.cross_entropy(out, t, reduction="none")  # noqa: E731
     with pytest.raises(ValueError, match=r"gave a \(5,\) tensor, not a scalar tensor"):
         proxy(model, x, "snip", target=torch.tensor([0, 1, 2, 0, 1]), objective=per_sample)
+
+
+class Attending(nn.Module):
+    """Self-attention over padded sequences; a sequence that is all padding (every key
+    masked) comes out NaN, as torch's attention gives it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 8)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.act = nn.ReLU()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        return self.out(self.act(self.att(h, h, h, key_padding_mask=pad)[0]).mean(1))
+
+
+def test_a_proxy_the_nets_nan_makes_nan_is_left_out_saying_so_not_scored():
+    torch.manual_seed(0)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[0] = True  # the first sequence is all padding
+    example, target = (torch.randn(3, 5, 8), pad), torch.tensor([0, 1, 2])
+    assert probe(Attending(), example)["attending"]["nan"]  # what probe says of it
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = proxies(Attending(), example, target=target, objective=F.cross_entropy)
+    assert all(math.isfinite(v) for k, v in got.items() if k != "naswot"), got
+    assert "naswot" in got  # (its codes read "> 0": a NaN is a unit off, a score all the same)
+    why = {w.message.proxy: w.message.why for w in said if isinstance(w.message, ProxyLeftOut)}
+    assert {"zen", "snip", "grad_norm"} <= set(why)  # not -inf, the worst score, nor nan
+    assert all("nan" in w for w in why.values()), why

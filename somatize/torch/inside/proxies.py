@@ -266,9 +266,9 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
         float(((a - b).abs().flatten(1).sum(1) if a.dim() > 1 else (a - b).abs()).mean())
         for a, b in zip(f1, f2, strict=True)
     )
-    if not total > 0 and any(g is not None for g in _input_grads(s, example, floats)):
+    if total == 0 and any(g is not None for g in _input_grads(s, example, floats)):
         return -math.inf  # log 0: the output is computed from the input and does not move
-    if not total > 0:  # log 0: what it moved is not what the output is computed from
+    if total == 0:  # log 0: what it moved is not what the output is computed from
         raise _NotHere(
             f"zen moves the example's floating tensors ({_named_floats(example)}) and the "
             "output did not move with them (a float mask is read as a mask): there is no "
@@ -395,7 +395,10 @@ def _take(s: _Subject, example: Any, of: str, target: Any, objective: Any) -> fl
     with untouched(s.held), torch.enable_grad():
         s.quiet()
         gen = torch.Generator().manual_seed(0)
-        return _PROXIES[of](s, example, gen=gen, target=target, objective=objective)
+        score = _PROXIES[of](s, example, gen=gen, target=target, objective=objective)
+    if math.isnan(score):  # a score no candidate can be ranked by: said, not given
+        raise _NotHere(f"{of} came out nan: the net gives a nan on this example (probe: where)")
+    return score
 
 
 def proxy(graph: Any, example: Any, of: str, *, target: Any = None, objective: Any = None) -> float:
@@ -407,7 +410,8 @@ def proxy(graph: Any, example: Any, of: str, *, target: Any = None, objective: A
     spans decades comes back as a logarithm. Deterministic, and the net is left exactly as it
     was. Refuses (ValueError) an unknown name, a loss proxy without a loss, and a proxy this
     graph cannot give (naswot with no activation layer, jacob_cov on a single sample, zen
-    where the output does not move with the floating input, as with a float attention mask).
+    where the output does not move with the floating input, as with a float attention mask,
+    any that comes out nan, as where the net gives a nan).
     """
     if of not in _PROXIES:
         raise ValueError(f"unknown proxy {of!r}; the proxies are {list(EVERY)}")
