@@ -55,6 +55,15 @@ def _grouped(named):
     )
 
 
+def _clipped(opt, params):
+    """Clips the gradient to norm 1 before each update, as docs/training.md does."""
+
+    def clip(optimizer, args, kwargs):
+        clip_grad_norm_(params, 1.0)
+
+    opt.register_step_pre_hook(clip)
+
+
 def _by_hand(model, opt, bf16, micro=MICRO):
     """The plain torch loop: each batch cut in MICRO, autocast around each forward, the loss
     divided by EVERY * micro, clipping to 1 then a step every EVERY batches. Answers each batch's
@@ -108,11 +117,7 @@ def test_a_fine_tune_with_every_micro_clipping_decay_groups_and_warmup_is_the_ha
     g = Graph.somatize(make().model)
     opt = _grouped(named_parameters(g))
     warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
-
-    def clip(optimizer, args, kwargs):
-        clip_grad_norm_(parameters(g), 1.0)
-
-    opt.register_step_pre_hook(clip)
+    _clipped(opt, parameters(g))
     opt.register_step_post_hook(lambda o, a, k: warmup.step())
     t = Trainer(g, objective=_own_loss, optimizer=opt, every=EVERY, micro=MICRO)
     torch.manual_seed(42)
@@ -122,3 +127,19 @@ def test_a_fine_tune_with_every_micro_clipping_decay_groups_and_warmup_is_the_ha
     # the same operations in the same order: float32's rounding, even under autocast
     assert result.history == pytest.approx(expected, rel=16 * F32_EPS)
     assert re.fullmatch(r"Result\(4 steps, loss \S+ → \S+, \S+ s\)", repr(result))
+
+
+def test_a_model_held_in_bfloat16_reports_each_batchs_loss_as_the_mean_of_its_pieces():
+    # T5's loss comes out in bfloat16 when the model is held in it: the batch's loss under
+    # micro is the mean of the pieces' losses, not a mean rounded to bfloat16 on the way
+    model = zoo.t5().model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(42)
+    expected, _ = _by_hand(model, opt, False)
+
+    model = zoo.t5().model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _clipped(opt, list(model.parameters()))
+    t = Trainer(model, objective=_own_loss, optimizer=opt, every=EVERY, micro=MICRO)
+    torch.manual_seed(42)
+    assert t.fit(_loader()).history == pytest.approx(expected, rel=4 * F32_EPS)

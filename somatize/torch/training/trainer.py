@@ -222,7 +222,7 @@ class Trainer:
                 _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
             runs.backward(loss / scale if scale != 1.0 else loss, sync)
             if micro > 1:
-                total += loss.detach()
+                total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
         value = loss.item() if micro == 1 else float(total) / micro
         self._count += 1
         step = self._steps
