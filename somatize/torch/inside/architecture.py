@@ -170,7 +170,7 @@ def _here(call: Any, ctx: Any) -> Any:
 
 
 def _capture(
-    graph: Any, held: Held, roots: dict[str, nn.Module], example: Any, plans: dict
+    graph: Any, roots: dict[str, nn.Module], example: Any, plans: dict
 ) -> tuple[dict, dict]:
     """Run the graph once, each node's `Reading` armed: {node: the shape of what it gave
     back}, for each node the run reached, and {node: {node after it: the layers of the
@@ -188,7 +188,7 @@ def _capture(
 
     readings = [p for p in plans.values() if isinstance(p, Reading)]
     try:
-        with untouched(held), torch.no_grad(), Tap(graph, heard, roots):
+        with torch.no_grad(), Tap(graph, heard, roots):
             for reading in readings:
                 reading.arm()
             run_here(graph, example)
@@ -267,9 +267,9 @@ def architecture(
     roots = {node: root for node, root in found.items() if root is not None}
     held = Held(list(roots.values()))
     held.refuse()  # before fx or a hook touches anything
-    with untouched(held):  # fx runs the forward's Python: what it changes in place is put back
+    with untouched(held):  # fx runs the forward's Python too: what it changes is put back
         plans = _plan(roots, depth, example)
-    reached, sent = ({}, {}) if example is None else _capture(graph, held, roots, example, plans)
+        reached, sent = ({}, {}) if example is None else _capture(graph, roots, example, plans)
     out: dict[str, Inside] = {}
     for node, root in roots.items():
         if example is not None and node not in reached:
