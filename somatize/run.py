@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from somatize import _hooks
-from somatize.node import Opaque, Wrapped, kind_name, note
+from somatize.node import Wrapped, kind_name, note, unwrap
 
 __all__ = ["Ctx", "Plan", "run_plan", "walk", "watchers"]
 
@@ -251,7 +251,7 @@ def walk(
             if device is not None:
                 x = move(x, device)
             out = fn(x, ctx)
-            vals[i] = out.value if type(out) is Opaque else out
+            vals[i] = unwrap(out)  # an Opaque anywhere in it: what it wraps
             if told:
                 fact = {
                     "fact": "ran",

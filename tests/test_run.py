@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from _nodes import Add, Join, Same
 
 from somatize import Graph, Node, Opaque
@@ -164,3 +165,32 @@ def test_an_opaque_input_is_unwrapped_inside_containers_too():
     g = Graph.somatize(Look())
     assert g.forward({"x": Opaque(1), "y": (Opaque(2), 3)}) == {"x": 1, "y": (2, 3)}
     assert seen == [{"x": 1, "y": (2, 3)}]
+
+
+class Wraps(Node):
+    """Hands its value on the published way, an Opaque inside a dict and a list."""
+
+    def forward(self, input, ctx):
+        return {"h": Opaque(input * 2), "rest": [Opaque(input), 1]}
+
+
+class Reads(Node):
+    """Reads what it is handed as bare values."""
+
+    def forward(self, input, ctx):
+        return input["h"] + input["rest"][0] + input["rest"][1]
+
+
+def test_an_opaque_anywhere_in_a_nodes_value_is_unwrapped_on_arrival_with_or_without_a_store(
+    tmp_path,
+):
+    from somatize import Store
+
+    x = torch.arange(4.0)
+    plain = Graph.somatize(Wraps() >> Reads())
+    cached = Graph.somatize(Wraps().cached() >> Reads())
+    store = Store(tmp_path)
+    want = x * 3 + 1
+    torch.testing.assert_close(plain(x), want)
+    torch.testing.assert_close(cached.forward(x, store=store), want)  # a miss
+    torch.testing.assert_close(cached.forward(x, store=store), want)  # a hit
