@@ -25,8 +25,8 @@ F32_EPS = torch.finfo(torch.float32).eps
 ROWS, BATCH, EVERY, MICRO = 16, 4, 4, 2
 
 
-def _rows():
-    ids = torch.randint(1, zoo.VOCAB, (ROWS, zoo.SEQ), generator=torch.Generator().manual_seed(3))
+def _rows(n):
+    ids = torch.randint(1, zoo.VOCAB, (n, zoo.SEQ), generator=torch.Generator().manual_seed(3))
     return [
         {"input_ids": i, "attention_mask": torch.ones_like(i), "labels": i.clone()} for i in ids
     ]
@@ -36,8 +36,8 @@ def _collate(items):
     return BatchEncoding({k: torch.stack([it[k] for it in items]) for k in items[0]}), None
 
 
-def _loader():
-    return DataLoader(_rows(), batch_size=BATCH, collate_fn=_collate, num_workers=2)
+def _loader(rows=ROWS):
+    return DataLoader(_rows(rows), batch_size=BATCH, collate_fn=_collate, num_workers=2)
 
 
 def _own_loss(out, _):
@@ -143,3 +143,50 @@ def test_a_model_held_in_bfloat16_reports_each_batchs_loss_as_the_mean_of_its_pi
     t = Trainer(model, objective=_own_loss, optimizer=opt, every=EVERY, micro=MICRO)
     torch.manual_seed(42)
     assert t.fit(_loader()).history == pytest.approx(expected, rel=4 * F32_EPS)
+
+
+def _resumable():
+    """GPT-2 under decay groups and clipping, its warm-up stepped by a watcher of `updated`."""
+    g = Graph.somatize(zoo.gpt2().model)
+    opt = _grouped(named_parameters(g))
+    _clipped(opt, parameters(g))
+    warmup = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=3)
+
+    def stepping(fact):
+        if fact["fact"] == "updated":
+            warmup.step()
+
+    t = Trainer(
+        g, objective=_own_loss, optimizer=opt, every=EVERY, micro=MICRO, watching=[stepping]
+    )
+    return opt, warmup, t
+
+
+def test_a_run_stopped_mid_epoch_and_resumed_in_a_new_trainer_goes_on_loss_for_loss():
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, warmup, t = _resumable()
+        torch.manual_seed(42)  # dropout's
+        straight = t.fit(_loader(2 * ROWS)).history
+        ended, lr = t.export(), warmup.get_last_lr()
+
+        opt, warmup, t = _resumable()
+        torch.manual_seed(42)
+        batches = iter(_loader(2 * ROWS))
+        first = [t.step(next(batches)) for _ in range(EVERY)]  # one update, mid-epoch
+        saved = {"weights": t.export(), "optimizer": opt.state_dict(), "steps": t.steps}
+        saved |= {"schedule": warmup.state_dict(), "rng": torch.get_rng_state()}
+        rest = list(batches)
+        del t, opt, warmup
+
+        opt, warmup, t = _resumable()
+        t.load(saved["weights"], strict=True)
+        opt.load_state_dict(saved["optimizer"])
+        warmup.load_state_dict(saved["schedule"])
+        torch.set_rng_state(saved["rng"])
+        t.steps = saved["steps"]
+        resumed = first + t.fit(rest).history
+    assert len(first) == len(rest) == ROWS // BATCH and warmup.get_last_lr() == pytest.approx(lr)
+    assert resumed == pytest.approx(straight, rel=16 * F32_EPS)
+    for node, state in t.export().items():
+        for key, value in state.items():  # weights of order 1: float32's spacing there
+            assert torch.allclose(value, ended[node][key], rtol=16 * F32_EPS, atol=16 * F32_EPS)
