@@ -292,9 +292,7 @@ def probe(
                 nodes[node].saw(tensors_in(input), tensors_in(out), known)
 
     modules = [r for r in roots.values() if r is not None]
-    x = mapped(
-        example, lambda t: t.detach().clone().requires_grad_() if t.is_floating_point() else t
-    )
+    x = mapped(example, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()))
     held = Held(modules)
     held.refuse(reads="probe")
     with untouched(held), torch.enable_grad():
