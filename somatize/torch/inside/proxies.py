@@ -84,9 +84,7 @@ def _why(error: Exception) -> str:
 
 
 def _log(x: float) -> float:
-    if x > 0:
-        return math.log(x)
-    return -math.inf if x == 0 else math.nan
+    return math.log(x) if x > 0 else -math.inf if x == 0 else math.nan  # (nan: left out)
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
