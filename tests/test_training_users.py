@@ -64,12 +64,12 @@ def _clipped(opt, params):
     opt.register_step_pre_hook(clip)
 
 
-def _by_hand(model, opt, bf16, micro=MICRO):
+def _by_hand(model, opt, bf16, micro=MICRO, rows=ROWS):
     """The plain torch loop: each batch cut in MICRO, autocast around each forward, the loss
     divided by EVERY * micro, clipping to 1 then a step every EVERY batches. Answers each batch's
     loss and the norm each update clipped."""
     losses, norms = [], []
-    for k, (x, _) in enumerate(_loader()):
+    for k, (x, _) in enumerate(_loader(rows)):
         if k % EVERY == 0:
             opt.zero_grad()
         total = 0.0
@@ -190,3 +190,22 @@ def test_a_run_stopped_mid_epoch_and_resumed_in_a_new_trainer_goes_on_loss_for_l
     for node, state in t.export().items():
         for key, value in state.items():  # weights of order 1: float32's spacing there
             assert torch.allclose(value, ended[node][key], rtol=16 * F32_EPS, atol=16 * F32_EPS)
+
+
+def test_a_lora_fine_tune_under_one_autocast_is_autocast_around_each_forward_by_hand():
+    # torch's recipe: autocast around the forward and the loss, the backward outside it. Run
+    # under autocast, the backward of peft's LoRA layers computes other gradients
+    model = zoo.lora().model
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    torch.manual_seed(42)
+    expected, _ = _by_hand(model, opt, True, rows=2 * ROWS)
+
+    g = Graph.somatize(zoo.lora().model)
+    opt = torch.optim.AdamW(parameters(g), lr=1e-2)
+    _clipped(opt, parameters(g))
+    t = Trainer(g, objective=_own_loss, optimizer=opt, every=EVERY, micro=MICRO)
+    torch.manual_seed(42)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        history = t.fit(_loader(2 * ROWS)).history
+    assert expected[-1] != expected[EVERY - 1]  # it moved
+    assert history == pytest.approx(expected, rel=16 * F32_EPS)

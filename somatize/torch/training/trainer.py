@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -66,8 +67,8 @@ class Trainer:
     data-parallel: each rank steps on its own data, rank 0 tells the facts. `finite=True`
     stops at a loss that is NaN or infinite: a `FloatingPointError` before its backward, the
     weights as the last update left them. Under `torch.autocast` each forward starts from the
-    weights as they are (autocast's cache of cast weights is cleared), so a whole `fit` may be
-    wrapped in one.
+    weights as they are (autocast's cache is cleared) and the backward runs outside it, so a
+    whole `fit` may be wrapped in one.
 
     Refused, each saying what to do: a graph with no parameter to train; `trains` naming no
     node, a node with no parameters, or holding no Learning; a node both frozen and trained;
@@ -193,8 +194,7 @@ class Trainer:
                 "validation cell may leave it): step outside it, or torch.set_grad_enabled(True)"
             )
         x, y = _checks.pair_of(unwrap(batch))
-        micro = self.micro
-        xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
+        xs, ys = pieces(x, y, self.micro) if self.micro > 1 else ((x,), (y,))
         try:
             return self._step(xs, ys)
         except BaseException:  # an error, or Ctrl-C, half way through: its group is dropped
@@ -220,7 +220,9 @@ class Trainer:
             loss = self._loss(runs.forward(x, store=self.store, target=y), y)
             if self.finite:
                 _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
-            runs.backward(loss / scale if scale != 1.0 else loss, sync)
+            off = torch.is_autocast_enabled(loss.device.type)  # torch's recipe: backward outside
+            with torch.autocast(loss.device.type, enabled=False) if off else nullcontext():
+                runs.backward(loss / scale if scale != 1.0 else loss, sync)
             if micro > 1:
                 total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
         value = loss.item() if micro == 1 else float(total) / micro
