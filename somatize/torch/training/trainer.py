@@ -207,9 +207,8 @@ class Trainer:
         if self._count == 0 and self.optimizer is not None:
             self.optimizer.zero_grad()
         closing = self._count + 1 >= self.every
-        stages = self._stages
         parallel = self._parallel
-        runs = parallel or stages  # under parallel=, through DDP (FSDP)
+        runs = parallel or self._stages  # under parallel=, through DDP (FSDP)
         scale = self._scale
         total = 0.0
         for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
@@ -232,8 +231,8 @@ class Trainer:
         told = self.watching
         if told:
             run.tell(told, {"fact": "loss", "value": value, "step": step})
-            if not stages.whole:
-                forward, back = stages.crossed()
+            if not self._stages.whole:
+                forward, back = self._stages.crossed()
                 fact = {"fact": "crossed", "step": step, "forward": forward, "backward": back}
                 run.tell(told, fact)
         if self.audit is not None:
