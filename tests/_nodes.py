@@ -41,6 +41,17 @@ class Same(Node):
         return input
 
 
+class Lin(Node, nn.Module):
+    """A node that is a module: one float32 linear layer, 2 -> 2."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, input: Any, ctx: Any) -> Any:
+        return self.lin(input)
+
+
 class Layer(Node, nn.Module):
     """A float64 linear layer, then tanh unless `act=False`: a node that is a module."""
 

@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from _nodes import Lin
 from torch import nn
 
 import somatize.torch  # noqa: F401
@@ -15,15 +16,6 @@ from somatize import Graph, Node
 class Where(Node):
     def forward(self, input, ctx):
         return input
-
-
-class Lin(Node, nn.Module):
-    def __init__(self) -> None:
-        nn.Module.__init__(self)
-        self.lin = nn.Linear(2, 2)
-
-    def forward(self, input, ctx):
-        return self.lin(input)
 
 
 class Holder(Node):

@@ -18,20 +18,10 @@ from functools import reduce
 from operator import or_, rshift
 
 import pytest
+from _nodes import Lin
 from torch import nn
 
 from somatize import Graph, Node
-
-
-class Lin(Node, nn.Module):
-    """A node that is a module."""
-
-    def __init__(self) -> None:
-        nn.Module.__init__(self)
-        self.lin = nn.Linear(2, 2)
-
-    def forward(self, input, ctx):
-        return self.lin(input)
 
 
 class Holder(Node):
