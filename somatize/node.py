@@ -59,22 +59,28 @@ class Opaque:
         return f"Opaque({self.value!r})"
 
 
-def unwrap(value: Any) -> Any:
+_DEEPEST = 64  # how many levels (tuples, lists, dicts, Opaques) down `unwrap` looks
+
+
+def unwrap(value: Any, depth: int = 0) -> Any:
     """`value` with every `Opaque` in it replaced by what it wraps, inside tuples, lists and
-    dicts too: what every entry point that takes an input, an example, a batch or a value to
-    keep does first, so code written for the published package gives the same answer as with
-    the bare value. Anything else is returned as it is (the same object when nothing changed).
-    """
+    dicts too (down to 64 levels: what sits deeper is handed on as it is, so a value nested
+    past Python's recursion limit still crosses an edge): what the engine does to every value
+    crossing an edge and every entry point to what it takes, so code written for the published
+    package gives the same answer as with the bare value. Anything else is returned as it is
+    (the same object when nothing changed)."""
     kind = type(value)
     if kind is Opaque:
-        return unwrap(value.value)
+        return unwrap(value.value, depth + 1)
+    if depth >= _DEEPEST:
+        return value
     if kind is tuple or kind is list:
-        items = [unwrap(v) for v in value]
+        items = [unwrap(v, depth + 1) for v in value]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
         return kind(items)
     if kind is dict:
-        pairs = {k: unwrap(v) for k, v in value.items()}
+        pairs = {k: unwrap(v, depth + 1) for k, v in value.items()}
         if all(pairs[k] is v for k, v in value.items()):
             return value
         return pairs

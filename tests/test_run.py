@@ -194,3 +194,21 @@ def test_an_opaque_anywhere_in_a_nodes_value_is_unwrapped_on_arrival_with_or_wit
     torch.testing.assert_close(plain(x), want)
     torch.testing.assert_close(cached.forward(x, store=store), want)  # a miss
     torch.testing.assert_close(cached.forward(x, store=store), want)  # a hit
+
+
+class Deep(Node):
+    """Hands on lists nested further than Python's recursion limit lets a walk of them go."""
+
+    def forward(self, input, ctx):
+        value: list = [input]
+        for _ in range(5000):
+            value = [value]
+        return value
+
+
+def test_a_value_nested_past_the_recursion_limit_crosses_an_edge_as_it_is():
+    got = Graph.somatize(Deep() >> Same())(7)
+    for _ in range(5001):
+        assert type(got) is list and len(got) == 1
+        got = got[0]
+    assert got == 7
