@@ -28,6 +28,7 @@ from somatize.torch.training.remote import Remote
 from somatize.torch.training.stages import Stages, untied
 
 __all__ = ["Trainer", "Result", "NoGradient"]
+_CAST = ("cpu", "cuda")  # the device types torch.autocast takes in every torch since 2.2
 
 Batch = Any
 Weights = dict[str, dict[str, torch.Tensor]]
@@ -219,8 +220,8 @@ class Trainer:
             loss = self._loss(runs.forward(x, store=self.store, target=y), y)
             if self.finite:
                 _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
-            off = torch.is_autocast_enabled(loss.device.type)  # torch's recipe: backward outside
-            with torch.autocast(loss.device.type, enabled=False) if off else nullcontext():
+            kind = loss.device.type  # torch's recipe: the backward outside autocast
+            with torch.autocast(kind, enabled=False) if kind in _CAST else nullcontext():
                 runs.backward(loss / scale if scale != 1.0 else loss, sync)
             if micro > 1:
                 total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
