@@ -1006,6 +1006,12 @@ def _on_bottom(point, box) -> bool:
     return x < point[0] < x + w and abs(point[1] - y - h) < 2
 
 
+def _on_side(point, box) -> bool:
+    """Whether `point` is on the right side of `box` (where an edge leaves a closed node)."""
+    x, y, w, h = box
+    return abs(point[0] - x - w) < 2 and y < point[1] < y + h
+
+
 class FirstToken(nn.Module):
     """A classifier on the first token of the hidden states an encoder gave back."""
 
@@ -1051,9 +1057,7 @@ def test_an_edge_out_of_an_open_node_leaves_from_the_layer_that_gives_its_output
     svg = g.figure(inside=architecture(g, case.example, most=4)).svg()
     assert _on_bottom(_start(svg, "n:enc", "n:head"), boxes(svg)["l:enc:encoder"])
     svg = g.figure(inside=inside, opened=["head"]).svg()
-    x, y, w, h = boxes(svg)["n:enc"]
-    start = _start(svg, "n:enc", "n:head")
-    assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+    assert _on_side(_start(svg, "n:enc", "n:head"), boxes(svg)["n:enc"])
     # with its pooler, BERT gives back last_hidden_state, then pooler_output (its Tanh's, the
     # last layer that ran): the edge leaves from what made the first
     g = Graph.somatize(Node.of(case.model).named("enc") >> Node.of(FirstToken()).named("head"))
@@ -1142,9 +1146,7 @@ def test_an_edge_out_of_an_open_node_leaves_from_the_layer_that_made_its_output(
     inside = architecture(g, torch.randn(2, 4))
     assert inside["pair"].outputs == ["first", "second"]
     svg = g.figure(inside=inside).svg()
-    x, y, w, h = boxes(svg)["n:pair"]
-    start = _start(svg, "n:pair", "n:b")
-    assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+    assert _on_side(_start(svg, "n:pair", "n:b"), boxes(svg)["n:pair"])
 
 
 class Pooled(nn.Module):
@@ -1248,15 +1250,12 @@ def test_each_edge_out_of_an_open_node_leaves_from_the_layer_that_made_what_its_
         sides.append({py for px, py in _points(d) if abs(px - x - w) < 1 and y < py < y + h})
     assert sides[0] and sides[1] and not sides[0] & sides[1]
     for end in ("n:both", "n:fn"):  # two layers made what it reads (or may read): the frame
-        start = _start(svg, "n:two", end)
-        assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+        assert _on_side(_start(svg, "n:two", end), drawn["n:two"])
     assert architecture(g)["two"].read_by == {}  # without an example nothing is seen read
     # an inside that does not say what made its output (one written by hand): the frame too
     said = {k: v for k, v in inside["two"].to_json().items() if k not in ("outputs", "read_by")}
     svg = g.figure(inside={"two": said}).svg()
-    x, y, w, h = boxes(svg)["n:two"]
-    start = _start(svg, "n:two", "n:first")
-    assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+    assert _on_side(_start(svg, "n:two", "n:first"), boxes(svg)["n:two"])
     # a node fed by two: what it read of each
     p, q = Node.of(TwoHeads()).named("p"), Node.of(TwoHeads()).named("q")
     g = Graph.somatize((p | q) >> Crossed().named("x"))
@@ -1344,9 +1343,8 @@ def test_edges_out_of_real_models_leave_from_what_the_next_node_reads():
     assert len(made) == 1 and inside["enc"].read_by == {"dec": made, "emb": []}
     svg = g.figure(inside=inside).svg()
     assert _on_bottom(_start(svg, "n:enc", "n:dec"), boxes(svg)[f"l:enc:{made[0]}"])
-    x, y, w, h = boxes(svg)["n:enc"]
-    start = _start(svg, "n:enc", "n:emb")  # what no layer made: from the node's frame
-    assert abs(start[0] - x - w) < 2 and y < start[1] < y + h
+    # what no layer made: from the node's frame
+    assert _on_side(_start(svg, "n:enc", "n:emb"), boxes(svg)["n:enc"])
     # two towers into one node: each edge from the layer that made the pooled output it read
     case = zoo.clip()
     towers = Tower(case.model, "text").named("text") | Tower(case.model, "vision").named("vision")
