@@ -83,7 +83,7 @@ class Graph:
             if isinstance(expr, Chain):  # every exit so far feeds every entry of this part
                 for a in exits:
                     for b in first:
-                        self._join(a, b, laying=True)
+                        self._join(a, b)  # no requires_grad changes while laid
                 entries, exits = entries or first, last
             else:  # side by side
                 entries, exits = entries + first, exits + last
@@ -172,15 +172,16 @@ class Graph:
         for end in (a, b):
             if end not in self._impl:
                 raise ValueError(f"no node {end!r} in this graph; it has {list(self._impl)}")
-        self._join(a, b, laying=False)
+        self._above["trainable"].clear()  # a requires_grad may have changed since the last call
+        self._join(a, b)
 
-    def _join(self, a: str, b: str, laying: bool) -> None:
+    def _join(self, a: str, b: str) -> None:
         if b in self._succ[a]:
             return
         down = self._around(b, self._succ)
         if a in down:
             raise ValueError(f"the edge {a!r} -> {b!r} would close a cycle")
-        self._refuse_stale(a, [n for n in down if self._settings[n].cached], laying)
+        self._refuse_stale(a, [n for n in down if self._settings[n].cached])
         self._forget_above(down)
         self._succ[a].append(b)
         self._pred[b].append(a)
@@ -197,12 +198,10 @@ class Graph:
                     found.append(nxt)
         return found
 
-    def _refuse_stale(self, a: str, cached: list[str], laying: bool = False) -> None:
+    def _refuse_stale(self, a: str, cached: list[str]) -> None:
         """Refuse a node of `cached` (none at or above `a`) that `a` feeds if a node at or above
         `a` could change unseen by its key: trainable state not frozen, or a constructor
         argument no key can take in (unless the cached node has a salt)."""
-        if not laying:  # a requires_grad may have changed since the last call (not while laid)
-            self._above["trainable"].clear()
         if cached and self._nearest(a, "modules") and (up := self._nearest(a, "trainable")):
             raise ValueError(
                 f"node {cached[0]!r} is .cached() but is fed by node {up!r}, which holds trainable "
@@ -261,6 +260,7 @@ class Graph:
         down = self._around(id, self._succ)
         self._settings[id] = new  # as the check of what it feeds and is fed by sees it
         self._forget_above(down)
+        self._above["trainable"].clear()  # a requires_grad may have changed since the last call
         try:
             self._refuse_stale(id, [n for n in down[1:] if self._settings[n].cached])
             for p in self._pred[id] if new.cached else ():
