@@ -59,7 +59,7 @@ class Opaque:
         return f"Opaque({self.value!r})"
 
 
-_DEEPEST = 64  # how many levels (tuples, lists, dicts, Opaques) down `unwrap` looks
+_DEEPEST = 64  # how many levels of tuples, lists and dicts `unwrap` looks down
 
 
 def unwrap(value: Any, depth: int = 0) -> Any:
@@ -69,9 +69,9 @@ def unwrap(value: Any, depth: int = 0) -> Any:
     crossing an edge and every entry point to what it takes, so code written for the published
     package gives the same answer as with the bare value. Anything else is returned as it is
     (the same object when nothing changed)."""
+    while type(value) is Opaque:  # a chain of them, however long, without recursing
+        value = value.value
     kind = type(value)
-    if kind is Opaque:
-        return unwrap(value.value, depth + 1)
     if depth >= _DEEPEST:
         return value
     if kind is tuple or kind is list:

@@ -212,3 +212,17 @@ def test_a_value_nested_past_the_recursion_limit_crosses_an_edge_as_it_is():
         assert type(got) is list and len(got) == 1
         got = got[0]
     assert got == 7
+
+
+class Wrapped(Node):
+    """Hands on its input inside 100,000 Opaques, one inside the next."""
+
+    def forward(self, input, ctx):
+        for _ in range(100_000):
+            input = Opaque(input)
+        return input
+
+
+def test_a_chain_of_opaques_longer_than_the_recursion_limit_is_unwrapped_whole():
+    x = torch.arange(3.0)
+    assert Graph.somatize(Wrapped() >> Same())(x) is x
