@@ -18,6 +18,7 @@ nothing but the store, so a run can be looked at from another process, or a week
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -27,6 +28,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from somatize.codecs import encode
+from somatize.health.verdict import number
 from somatize.run import warn
 from somatize.store import Store, _meta_pairs, store_of
 
@@ -283,7 +285,7 @@ def runs(store: Store | str | os.PathLike[str]) -> pd.DataFrame:
     rows = []
     for run in _run_ids(store):
         bound = [store.resolve(name) for _, name in _records(store, run)]
-        took = [b.get("took_us") for b in bound if isinstance(b.get("took_us"), (int, float))]
+        took = [t for b in bound if (t := number(b.get("took_us"))) is not None]
         rows.append(
             {
                 "run": run,
@@ -425,10 +427,8 @@ def nodes(store: Store | str | os.PathLike[str], run: str) -> pd.DataFrame:
     many forwards), took_us (all of its time added up) and mean_us (per forward)."""
     seen: dict[Any, list[float]] = {}
     for _, fact in _of_kind(store, run, "ran"):
-        took = fact.get("took_us")
-        seen.setdefault(fact.get("node"), []).append(
-            float(took) if isinstance(took, (int, float)) else float("nan")
-        )
+        took = number(fact.get("took_us"))
+        seen.setdefault(fact.get("node"), []).append(math.nan if took is None else took)
     rows = [
         {"node": node, "ran": len(t), "took_us": sum(t), "mean_us": sum(t) / len(t)}
         for node, t in seen.items()

@@ -33,10 +33,28 @@ from somatize.health.metrics import FACT_KEYS
 __all__ = ["Thresholds", "verdict"]
 
 
+def as_float(v: Any) -> float:
+    """`v` as a float, an int a float cannot hold (10**400) as the infinity of its sign (not
+    finite, as a NaN or inf is); TypeError or ValueError for what is no number."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+def number(v: Any) -> float | None:
+    """`v` as a float (`as_float`) if it is a real number (not a bool), numpy's too; None for
+    anything else."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    return as_float(v)
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """Where a number becomes a flag. `Thresholds(grad_high=1e4)` changes one and keeps the
-    rest; an unknown name is refused (TypeError naming the known ones).
+    rest; an unknown name is refused (TypeError naming the known ones), and so is a value that
+    is no real number (numpy's are taken; a bool is not).
 
     grad_low / grad_high bound the gradient norm (VANISHING / EXPLODING); dead_eps is how
     close to zero counts as zero, dead_frac the share of zeros that is DEAD; saturated_frac
@@ -75,30 +93,13 @@ class Thresholds:
         if unknown:
             raise TypeError(f"unknown threshold(s) {unknown}; the thresholds are {sorted(known)}")
         for f in fields(self):
-            value = over.get(f.name, f.default)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TypeError(f"threshold {f.name} is a number, not {value!r}")
-            object.__setattr__(self, f.name, float(value))
+            value = number(given := over.get(f.name, f.default))
+            if value is None:
+                raise TypeError(f"threshold {f.name} is a number, not {given!r}")
+            object.__setattr__(self, f.name, value)
 
 
 _DEFAULT = Thresholds()
-
-
-def as_float(v: Any) -> float:
-    """`v` as a float, an int a float cannot hold (10**400) as the infinity of its sign (not
-    finite, as a NaN or inf is); TypeError or ValueError for what is no number."""
-    try:
-        return float(v)
-    except OverflowError:
-        return math.inf if v > 0 else -math.inf
-
-
-def number(v: Any) -> float | None:
-    """`v` as a float (`as_float`) if it is a real number (not a bool), numpy's too; None for
-    anything else."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        return None
-    return as_float(v)
 
 
 def _num(numbers: Mapping[str, Any], key: str) -> float | None:
