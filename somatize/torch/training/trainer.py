@@ -28,7 +28,16 @@ from somatize.torch.training.remote import Remote
 from somatize.torch.training.stages import Stages, untied
 
 __all__ = ["Trainer", "Result", "NoGradient"]
-_CAST = ("cpu", "cuda")  # the device types torch.autocast takes in every torch since 2.2
+
+
+def _autocast_on(kind: str) -> bool:
+    """Whether autocast is on for the device type `kind` ("cpu" or "cuda"): torch 2.4 asks
+    `is_autocast_enabled(kind)`, 2.2 and 2.3 have one function per device type."""
+    try:
+        return torch.is_autocast_enabled(kind)
+    except TypeError:  # torch 2.2, 2.3
+        return torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
+
 
 Batch = Any
 Weights = dict[str, dict[str, torch.Tensor]]
@@ -221,7 +230,8 @@ class Trainer:
             if self.finite:
                 _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
             kind = loss.device.type  # torch's recipe: the backward outside autocast
-            with torch.autocast(kind, enabled=False) if kind in _CAST else nullcontext():
+            cast = kind in ("cpu", "cuda") and _autocast_on(kind)
+            with torch.autocast(kind, enabled=False) if cast else nullcontext():
                 runs.backward(loss / scale if scale != 1.0 else loss, sync)
             if micro > 1:
                 total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
