@@ -199,9 +199,8 @@ class Graph:
         return found
 
     def _refuse_stale(self, a: str, cached: list[str]) -> None:
-        """Refuse a node of `cached` (none at or above `a`) that `a` feeds if a node at or above
-        `a` could change unseen by its key: trainable state not frozen, or a constructor
-        argument no key can take in (unless the cached node has a salt)."""
+        """Refuse the `cached` nodes `a` feeds if a node at or above `a` could change unseen by
+        their keys (unfrozen trainable state, or an unkeyable argument where unsalted)."""
         if cached and self._nearest(a, "modules") and (up := self._nearest(a, "trainable")):
             raise ValueError(
                 f"node {cached[0]!r} is .cached() but is fed by node {up!r}, which holds trainable "
@@ -214,9 +213,8 @@ class Graph:
             raise _keys.refusal(unsalted[0], up, self._unkeyed[up])
 
     def _nearest(self, start: str, what: str) -> str | None:
-        """The node at or above `start`, itself first, holding `what`, or None: the nearest (fewest
-        edges up, then the first edge in, as `_around` walks), for "unkeyable" the first found depth
-        first. Kept per node as (edges up, node) until an edge or a declaration above it changes."""
+        """The nearest node at or above `start` holding `what` (for "unkeyable" the first found
+        depth first), or None; kept per node as (edges up, node) until something above changes."""
         above, todo = self._above[what], [start]
         step = what != "unkeyable"  # 0: the first edge in wins at every node, depth first
         while todo:
@@ -232,8 +230,7 @@ class Graph:
         return above[start] and above[start][1]
 
     def _holds(self, nid: str, what: str) -> Any:
-        """Whether node `nid` holds modules it is not frozen on, trainable ones (of those found
-        above for "modules"), or ("unkeyable") why no key can take in an argument of it."""
+        """What `_nearest` looks for at `nid`: unfrozen modules, trainable ones, or why unkeyable."""
         if what == "modules":
             return not self._settings[nid].frozen and _hooks.state_modules(self._impl[nid])
         if what == "trainable":
@@ -442,9 +439,7 @@ class Graph:
         callable, a `Recorder`, or a list of them) is told what happens; `broker` says where
         the hosts of `.at(host)` nodes are.
         """
-        if self._plan is None:
-            self._plan = run.Plan(self)
-        plan = self._plan
+        plan = self._plan = self._plan or run.Plan(self)
         told = run.watchers(watching)
         input = unwrap(input)
         if plan.hosts:
