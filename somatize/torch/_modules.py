@@ -204,12 +204,18 @@ def untouched(held: Held) -> Iterator[None]:
     them: `Held.refuse`) come out exactly as they went in.
 
     Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
-    buffers, `inplace` flags, and the global random state. Inside, the global generator is
-    seeded with 0, so a dropout draws the same masks every call.
+    buffers, `inplace` flags, and the global random state; the weight of an embedding with a
+    `max_norm`, which its forward renormalises in place, is copied for it. Inside, the global
+    generator is seeded with 0, so a dropout draws the same masks every call.
     """
     modes = [(m, m.training) for m in held.modules]
     inplace = [(m, flag) for m in held.modules if (flag := _in_place(m)) is not None]
     params = [(p, p.data, p.grad, p.requires_grad) for p in held.params]
+    renormed = [
+        (m.weight, m.weight.detach().clone())
+        for m in held.modules
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+    ]
     buffers = [(m, name, b, b.detach().clone()) for m, name, b in held.buffers]
     rng = torch.get_rng_state()
     try:
@@ -232,6 +238,8 @@ def untouched(held: Held) -> Iterator[None]:
                 p.data = data
                 p.grad = grad
                 p.requires_grad_(requires)
+            for w, saved in renormed:
+                w.copy_(saved)
             for m, name, b, saved in buffers:
                 if getattr(m, name, None) is not b:  # the buffer itself, if it was replaced
                     setattr(m, name, b)

@@ -1,0 +1,40 @@
+"""A look leaves what it looks at as it was, and names the layer a single-layer node reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from somatize.torch import architecture, probe, proxies
+
+
+class Renormed(nn.Module):
+    """An embedding that renormalises the rows it looks up, in place, in any forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4, max_norm=0.5)
+        self.fc = nn.Linear(4, 3)
+        with torch.no_grad():
+            self.embed.weight.mul_(10)  # every row far past max_norm
+
+    def forward(self, x):
+        return self.fc(self.embed(x)).mean(1)
+
+
+@pytest.mark.parametrize("look", ["architecture", "probe", "proxies"])
+def test_a_look_leaves_an_embedding_that_renormalises_in_place_as_it_was(look):
+    net = Renormed()
+    x = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    if look == "architecture":
+        architecture(net, x)
+    elif look == "probe":
+        probe(net, x)
+    else:
+        proxies(net, x, target=torch.tensor([0, 1]), objective=nn.functional.cross_entropy)
+    for k, v in net.state_dict().items():
+        assert torch.equal(before[k], v), k
+    net(x)  # the same forward outside a look does renormalise: the test reads what it must
+    assert not torch.equal(before["embed.weight"], net.embed.weight)
