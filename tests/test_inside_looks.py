@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from somatize import Graph, Node
 from somatize.torch import architecture, probe, proxies
 
 
@@ -38,3 +39,11 @@ def test_a_look_leaves_an_embedding_that_renormalises_in_place_as_it_was(look):
         assert torch.equal(before[k], v), k
     net(x)  # the same forward outside a look does renormalise: the test reads what it must
     assert not torch.equal(before["embed.weight"], net.embed.weight)
+
+
+def test_a_node_that_is_one_layer_is_said_to_read_the_layer_that_made_what_it_reads():
+    body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 5))
+    g = Graph.somatize(Node.of(body).named("body") >> Node.of(nn.Linear(5, 2)).named("out"))
+    inside = architecture(g, torch.randn(2, 4))
+    assert inside["body"].read_by == {"out": ["2"]}
+    assert inside["out"].read_by == {}

@@ -18,7 +18,7 @@ from somatize import run
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import in_one_line, note
-from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, untouched
+from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch.inside._forward import Reading
 from somatize.torch.inside._fx import by_fx, fx_trace
 from somatize.torch.inside._trace import (
@@ -51,8 +51,9 @@ class Inside:
     last `LayerNorm`, for `last_hidden_state`, then its pooler's `Tanh`; a folded block's
     first copy's layer stands for its last's): `edges` are between layers only. A node that
     is one layer says its path, `""`, in both. `read_by` names, for each node after it seen
-    reading what it gave (a module, in a graph run on an example), those of `outputs` that
-    made the tensors its layers read, `[]` if none: `{"pool": ["pooler.activation"]}`.
+    reading what it gave (a module, in a graph run on an example; one layer reads all it is
+    given), those of `outputs` that made the tensors its layers read, `[]` if none:
+    `{"pool": ["pooler.activation"]}`.
     """
 
     layers: list[Layer]
@@ -181,7 +182,11 @@ def _capture(
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
         reached.setdefault(node, shape_of(out))
-        for t in plans[node].seen() if isinstance(plans.get(node), Reading) else []:
+        if isinstance(plan := plans.get(node), Reading):
+            read = plan.seen()
+        else:  # one layer reads all it is given; a node holding no module, nothing seen
+            read = tensors_in(input) if node in roots else []
+        for t in read:
             for before in graph.predecessors(node):
                 if isinstance(up := plans.get(before), Reading) and (made := up.made_by([t]))[0]:
                     sent.setdefault(before, {}).setdefault(node, set()).update(made[1])
