@@ -66,11 +66,9 @@ class Unkeyable(Exception):
 
 
 class _Keying:
-    """One node's arguments on their way to a key: the containers on the way down (a cycle is
-    said as one, not followed; how many says how deep), whether a module's state is digested
-    (not for `unkeyable`), and the modules whose state is in the key already (`covered`: those
-    the node's own state digest reads, and the submodules of a module digested on the way),
-    and those whose train/eval mode caching keys at each forward (`moded`: not said again)."""
+    """One node's arguments on their way to a key: the containers on the way down (`path`),
+    whether modules are digested, those whose state (`covered`) or mode (`moded`) is keyed
+    elsewhere already."""
 
     __slots__ = ("path", "digesting", "covered", "moded")
 
@@ -81,11 +79,8 @@ class _Keying:
         self.moded = moded
 
     def said(self, value: Any, where: str) -> Any:
-        """A JSON-able stand-in for `value` that is the same for equal values in any process
-        (no address, no hash, no ordering that is not the value's own: a dict's or a set's
-        items are sorted by the repr of theirs, lists of plain values; an OrderedDict's stay in
-        its order); `Unkeyable` where there is none that says everything that decides what the
-        value is."""
+        """A JSON-able stand-in for `value`, the same for equal values in any process (no
+        address, hash or order not the value's own); `Unkeyable` where none says it all."""
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
         if len(self.path) > DEPTH:
@@ -165,8 +160,7 @@ def _inner(value: Any, where: str, k: _Keying) -> Any:
 
 
 def _code(code: types.CodeType, where: str, k: _Keying) -> list:
-    """What a function's code computes: its bytecode, its constants (nested code too) and
-    the names it reads; not where it sits in its file."""
+    """What code computes: its bytecode, constants and names read; not where it sits."""
     return [
         "code",
         hashlib.sha256(code.co_code).hexdigest(),
@@ -177,16 +171,15 @@ def _code(code: types.CodeType, where: str, k: _Keying) -> list:
 
 
 def _function(fn: types.FunctionType, where: str, k: _Keying) -> list:
-    """A function by what decides what it computes: its code, its defaults and the values its
-    closure holds (the globals it reads are not in it)."""
+    """A function by its code, its defaults and the values its closure holds."""
     closure = []
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
         try:
             held = cell.cell_contents
         except ValueError:  # a cell not filled yet
             closure.append([name, ["empty"]])
-            continue
-        closure.append([name, k.said(held, f"{where}'s {name}")])
+        else:
+            closure.append([name, k.said(held, f"{where}'s {name}")])
     return [
         "function",
         fn.__module__,
@@ -198,9 +191,7 @@ def _function(fn: types.FunctionType, where: str, k: _Keying) -> list:
 
 
 def _by_name(value: Any) -> list | None:
-    """`["named", module, qualname]` for a value its module holds under that name (a numpy
-    ufunc, a torch op; a method of a builtin class by its class's module), None for anything
-    else."""
+    """`["named", module, qualname]` for a value its module holds by that name, else None."""
     name = getattr(value, "__module__", None) or getattr(
         getattr(value, "__objclass__", None), "__module__", None
     )
@@ -218,9 +209,8 @@ _HOOKS = re.compile(r"^_.*hook")
 
 
 def _module(module: Any, where: str, k: _Keying) -> list:
-    """A torch module by its class, its attributes (submodules too, but not the hooks hung on
-    it, whose keys are counters of this process) and the digest of its state; a compiled one
-    (`torch.compile(model)`) as "compiled" and the module it compiled."""
+    """A torch module by its class, its attributes but hooks, and its state's digest (a
+    compiled one by the module it compiled)."""
     compiled = getattr(module, "_orig_mod", None)
     if type(module).__name__ == "OptimizedModule" and compiled is not None:
         return ["compiled", k.said(compiled, f"{where} (the module it compiled)")]
@@ -263,8 +253,7 @@ def _object(value: Any, where: str, k: _Keying) -> list:
 
 
 def _slots(kind: type) -> list[str]:
-    """The attributes the slots of `kind` and its bases hold (`__slots__` a tuple, or one bare
-    string; a private `__x` as Python keeps it, `_Kind__x`), but `__dict__`."""
+    """The attribute names the `__slots__` of `kind` and its bases hold (mangled), but `__dict__`."""
     names = []
     for c in kind.__mro__:
         declared = vars(c).get("__slots__", ())
