@@ -421,26 +421,24 @@ def _node(
     params = inside_params(inside) if inside else None
     kind = str(node.get("kind") or "")
     sub = kind + (f" · {number(params)} params" if params else "")
-    box = Box(id=f"n:{nid}", kind="node", label=nid, where=nid, pills=pills)
-    box.sub = sub + ("  ▾" if opened else "  ▸" if inside else "")
+    sub += "  ▾" if opened else "  ▸" if inside else ""
     pills_w = sum(pill_width(t) + 4 for _, t in pills)
-    box.w = max(90.0, round(max(text_width(nid, 13, True), text_width(box.sub, 11), pills_w) + 28))
+    box = Box(id=f"n:{nid}", kind="node", label=nid, sub=sub, where=nid, pills=pills)
+    box.w = max(90.0, round(max(text_width(nid, 13, True), text_width(sub, 11), pills_w) + 28))
     box.h = 62.0 if pills else 46.0
-    box.tip = [("kind", kind or "?")]
-    if params is not None:
-        box.tip.append(("parameters", number(params)))
-    box.tip.append(("device", str(node.get("device") or "anywhere")))
-    if node.get("host"):
-        box.tip.append(("host", str(node["host"])))
-    if node.get("cached"):
-        salt = node.get("salt")
-        box.tip.append(("cached", f"yes, salt {salt}" if salt is not None else "yes"))
-    for mark, text in (("frozen", "yes"), ("mapped", "over the items of a list")):
-        if node.get(mark):
-            box.tip.append((mark, text))
-    if inside:
-        box.click = ("opened", nid)
-        box.tip.append(("", f"click to {'close' if opened else 'open'}"))
+    box.click = ("opened", nid) if inside else None
+    salt = node.get("salt")
+    tip = [
+        ("kind", kind or "?"),
+        ("parameters", number(params)) if params is not None else None,
+        ("device", str(node.get("device") or "anywhere")),
+        ("host", str(node["host"])) if node.get("host") else None,
+        ("cached", "yes" if salt is None else f"yes, salt {salt}") if node.get("cached") else None,
+        ("frozen", "yes") if node.get("frozen") else None,
+        ("mapped", "over the items of a list") if node.get("mapped") else None,
+        ("", f"click to {'close' if opened else 'open'}") if inside else None,
+    ]
+    box.tip = [line for line in tip if line]
     if opened and inside:
         world = _Inside(nid, inside, expanded, after)
         box.children = world.boxes()
