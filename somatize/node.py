@@ -153,8 +153,7 @@ class Expr:
 
 
 def _joined(kind: type[_Group], a: Any, b: Any) -> Expr:
-    """`a` and `b` as one `kind` (a chain, or branches), an undeclared one of them given by
-    its parts; anything that is not an expression is refused."""
+    """`a` and `b` as one `kind`, an undeclared one of that kind given by its parts."""
     parts: list[Expr] = []
     for expr in (a, b):
         if not isinstance(expr, Expr):
@@ -261,9 +260,7 @@ class Node(Expr, ABC):
 
         Refused (TypeError): a class instead of an instance, and anything that cannot be called.
         """
-        if isinstance(what, Node):
-            return what
-        return Wrapped(what)
+        return what if isinstance(what, Node) else Wrapped(what)
 
     def _said(self, **change: Any) -> Expr:
         return Piece(self, Settings(**change))
@@ -293,10 +290,7 @@ def _signature(fn: Any) -> inspect.Signature:
 
 
 class _Takes:
-    """What `fn` (a module's `forward`, or a function) takes: its named parameters, those of
-    them without a default, and whether it takes any other name (`**kwargs`); how many
-    arguments it takes by position, how many of those it needs, and whether it takes any
-    number (`*args`)."""
+    """What `fn` (a module's `forward`, or a function) takes, by name and by position."""
 
     __slots__ = ("named", "required", "any_name", "places", "needs", "any_number")
 
@@ -318,12 +312,7 @@ class _Takes:
         self.any_number = inspect.Parameter.VAR_POSITIONAL in kinds
 
     def arguments(self, input: Any) -> tuple[tuple, dict]:
-        """How the forward is called on `input`: by name, a mapping of names all of which it
-        takes (`input_ids=`, `attention_mask=`), or, for a forward that takes any name
-        (`**batch`), one naming every parameter it needs; a tuple as its arguments one by
-        one when the forward needs two or more (`forward(self, x, mask)` given `(x, mask)`,
-        as `model(*inputs)`) and the tuple's length is one it takes; anything else as the
-        one argument."""
+        """`(args, kwargs)` the forward is called with on `input`, by the rule `Node.of` says."""
         if isinstance(input, Mapping) and input:
             if self.named.issuperset(input) or (
                 self.any_name
@@ -372,9 +361,7 @@ class Wrapped(Node):
         self.takes = _Takes(held)
 
     def forward(self, input: Any, ctx: Any) -> Any:
-        """Call what is held on `input` (`_Takes.arguments`): a mapping of names its forward
-        takes as keywords, a tuple as the arguments of a forward that needs several,
-        anything else as the one argument."""
+        """Call what is held on `input`, as `Node.of` says: by name, by position, or whole."""
         args, kwargs = self.takes.arguments(input)
         try:
             return self.held(*args, **kwargs)
