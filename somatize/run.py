@@ -27,9 +27,7 @@ ROOT, ONE, MANY = 0, 1, 2
 
 
 def _weakly(graph: Any) -> Callable[[], Any]:
-    """A reference to `graph` that does not keep it alive (a graph's plan points back at it,
-    and a dropped graph's weights should go at once); `None` or anything else that cannot be
-    weakly referenced is held as it is."""
+    """A reference to `graph` that does not keep it alive (or holds what cannot be weakly)."""
     try:
         return weakref.ref(graph)
     except TypeError:
@@ -105,11 +103,8 @@ def not_a_list(nid: str, x: Any) -> TypeError:
 
 
 def step_of(slot: int, mode: int, src: Any, node: Any, ctx: Ctx, mapped: Any) -> tuple:
-    """The engine's step `(slot, mode, src, fn, ctx, device)` that runs `node` as `ctx` says:
-    `fn` is what `_hooks.entry` answers (a module's `__call__`, so that its hooks fire), made
-    to take a list and give one back as long when the node is `mapped`: a node of its own is
-    handed the list, a module or function standing as it is (`Node.of`) is called on each
-    item."""
+    """The engine's step `(slot, mode, src, fn, ctx, device)` that runs `node` (`_hooks.entry`);
+    when `mapped`, a node of its own is handed the list, a `Node.of` one called per item."""
     call = _hooks.entry(node)
     if not mapped:
         return (slot, mode, src, call, ctx, ctx.device)
