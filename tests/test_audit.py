@@ -358,6 +358,38 @@ def test_under_accumulation_each_measured_step_gets_its_groups_update_told_at_th
     assert want > 0 and ratios == pytest.approx([want] * 3, rel=rtol(_size(layer)))
 
 
+def test_under_accumulation_grad_norm_is_what_the_group_has_accumulated_so_far():
+    x, y = _data()
+    batches = [(x, y), (x.flip(0), y), (2 * x, y.flip(0))]
+    reference = _graph()  # the same weights, in float64: each step's gradient by hand
+    for p in parameters(reference):
+        p.data = p.data.double()
+    grads = []
+    for bx, by in batches:
+        for p in parameters(reference):
+            p.grad = None
+        F.cross_entropy(reference.forward(bx.double()), by).backward()
+        grads.append(
+            torch.cat([p.grad.flatten() for p in reference.implementation("layer").l.parameters()])
+        )
+    g = _graph()
+    heard = []
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=Audit(every=1),
+        watching=heard.append,
+        every=3,
+    )
+    for batch in batches:
+        t.step(batch)
+    t.close()
+    said = [f["grad_norm"] for f in heard if f["fact"] == "health" and f["node"] == "layer"]
+    want = [float((sum(grads[: k + 1]) / 3).norm()) for k in range(3)]  # the Trainer's 1/every
+    assert said == pytest.approx(want, rel=rtol(_size(g.implementation("layer"))))
+
+
 def test_a_node_trained_inside_backward_by_its_own_split_is_seen_to_move():
     g = _graph()
     heard = []
