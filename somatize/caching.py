@@ -21,25 +21,19 @@ from somatize.node import unwrap
 from somatize.run import ONE, ROOT, Plan, _noted, in_one_line, not_a_list, run_plan, tell, warn
 from somatize.store import CorruptBinding, CorruptBlob
 
-__all__ = [
-    "walk_cached",
-    "declarations",
-    "state_changed",
-]
+__all__ = ["walk_cached", "declarations", "state_changed"]
 
-_declared: weakref.WeakKeyDictionary[
-    Plan, tuple[int, dict[str, tuple[str, str, Callable[[], list[bool]] | None]]]
-] = weakref.WeakKeyDictionary()
+_Declared = tuple[str, str, Callable[[], list[bool]] | None]  # key, code version, modes
+_declared: weakref.WeakKeyDictionary[Plan, tuple[int, dict[str, _Declared]]] = (
+    weakref.WeakKeyDictionary()
+)
 _changes = 0  # how many times a node's state was changed through the library
 
 
 def state_changed(*_: Any) -> None:
-    """Say that a node's state changed (`Trainer.load`, `freeze`, a `load_state_dict` into a
-    module a node of a cached run holds, whose post hook this is: its arguments are not read):
-    the keys of every plan, worked out once per plan, are worked out again at its next cached
-    walk, so that a frozen node's new state digest reaches them.
-    (`g.invalidate()` drops its graph's plan, and with it the keys: what to call after
-    changing weights in place by hand.)"""
+    """Say that a node's state changed (`Trainer.load`, `freeze`, a module's `load_state_dict`,
+    whose post hook this is): every plan's keys are worked out again at its next cached walk.
+    (`g.invalidate()` is what to call after changing weights in place by hand.)"""
     global _changes
     _changes += 1
 
@@ -48,9 +42,7 @@ _watched: weakref.WeakSet[Any] = weakref.WeakSet()  # modules whose loads say st
 
 
 def _watch(node: Any) -> None:
-    """Hang a post hook that says `state_changed` on every module the node holds (once per
-    module), so that `module.load_state_dict(...)` reaches the keys (its frozen digest, or its
-    modules keyed as its arguments) as `Trainer.load` does."""
+    """Hang `state_changed` as a load_state_dict post hook on each module the node holds, once."""
     for module in _hooks.state_modules(node):
         if module not in _watched:
             try:
@@ -60,7 +52,7 @@ def _watch(node: Any) -> None:
             _watched.add(module)
 
 
-def declarations(plan: Plan) -> dict[str, tuple[str, str, Callable[[], list[bool]] | None]]:
+def declarations(plan: Plan) -> dict[str, _Declared]:
     """`{id: (declaration key, code version, modes)}`, worked out once per plan and again
     after `state_changed`; `modes` reads the train/eval mode of each module the node holds
     (None for a node holding none), which goes in the key at every forward."""
@@ -137,9 +129,8 @@ def _name(key: str) -> str:
 
 
 def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
-    """`(True, value)` kept under `name`, or `(False, None)`: nothing kept, or what was kept
-    cannot be read back (its blob lost or damaged, its binding torn), which is warned about
-    and then computed and kept again, repairing the store."""
+    """`(True, value)` kept under `name`, or `(False, None)` when nothing is, or (warned) what
+    is cannot be read back: it is then computed and kept again, repairing the store."""
     try:
         bound = store.resolve(name)
         if bound is None:
