@@ -123,13 +123,11 @@ def codec(
         raise TypeError(f"codec {kind!r}: type must be a class, not {cls!r}")
     if not callable(dump) or not callable(load):
         raise TypeError(f"codec {kind!r}: dump and load must both be callable")
-    entry = _Codec(kind, cls, dump, load)
     with _lock:
         old = _by_kind.get(kind)
         if old is not None and _by_type.get(old.cls) is old:
             del _by_type[old.cls]
-        _by_kind[kind] = entry
-        _by_type[cls] = entry
+        _by_kind[kind] = _by_type[cls] = _Codec(kind, cls, dump, load)
 
 
 def codecs_registered() -> list[str]:
@@ -155,9 +153,7 @@ def _codec_for(value: Any) -> _Codec | None:
 
 
 class _Failed(Exception):
-    """Internal: no codec knows `value` (`kind` None: `encode` raises a NoCodec), or codec
-    `kind`'s `dump` failed on it with `error` (or wrote more than one value may hold), which
-    `encode` raises again, of its type, saying where the value was."""
+    """No codec knows `value` (`kind` None), or codec `kind` failed on it with `error`."""
 
     def __init__(
         self, value: Any, kind: str | None = None, error: BaseException | None = None
@@ -232,8 +228,7 @@ def _default(value: Any) -> msgpack.ExtType:
 
 
 def _deeper(depth: int, reading: bool) -> int:
-    """`depth` + 1: one more level of nesting, refused past `DEPTH` (`Malformed` when
-    `reading`, else `ValueError`)."""
+    """`depth` + 1, refused past `DEPTH` (`Malformed` when `reading`)."""
     if depth > DEPTH:
         doing = "read back" if reading else "written down"
         raise (Malformed if reading else _TooDeep)(
