@@ -32,8 +32,7 @@ _TRIES, _FIRST_WAIT, _LONGEST_WAIT = 10, 0.05, 2.0
 
 
 def _this_machine() -> str:
-    """8 hex digits naming this machine's boot and pid namespace: a pid means something only
-    where both are the same, so only there may a writer be judged dead by its pid."""
+    """8 hex digits naming this machine's boot and pid namespace, where a pid means something."""
     parts = [socket.gethostname()]
     with contextlib.suppress(OSError):
         with open("/proc/sys/kernel/random/boot_id") as file:
@@ -94,8 +93,7 @@ class Local:
 
     @contextlib.contextmanager
     def _aside(self, path: str, data: bytes) -> Iterator[str]:
-        """`data` written to a temp file beside `path`, removed on the way out unless it
-        was moved into place."""
+        """`data` in a temp file beside `path`, removed on the way out unless moved into place."""
         aside = self.where(tmp_name(path))
         try:
             file = open(aside, "wb")
@@ -131,10 +129,8 @@ class Local:
 
     @staticmethod
     def _create_by_marker(final: str, aside: str) -> bool:
-        # No hard links here: an O_EXCL marker decides who wins, then the winner moves its
-        # complete file into place, so nobody ever reads a half-written binding. A marker
-        # whose claimer was killed before its move is passed over for the next one, so the
-        # name stays claimable; markers are never removed while no binding stands beside them.
+        # An O_EXCL marker decides who wins, then the winner moves its complete file into
+        # place (see ABANDONED_AFTER); markers stay while no binding stands beside them.
         generation = 0
         while True:
             marker = f"{final}{_CLAIMED}-{generation}"
