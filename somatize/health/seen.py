@@ -47,9 +47,7 @@ def numbers_of(fact: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _summary(values: Iterable[Any]) -> Any:
-    """One metric over several steps, by the type it has: a bool (nan, inf) whether it was ever
-    true, a count its latest value, a measure the median of its finite values (the latest
-    value when none is finite)."""
+    """One metric over several steps, by `seen`'s rule (a measure with no finite value: the last)."""
     values = list(values)
     last = values[-1]
     if type(last) is bool:
