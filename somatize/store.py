@@ -106,10 +106,9 @@ def _meta_pairs(meta: Any, name: str) -> list[tuple[str, Any]]:
 class Store:
     """Bytes kept by content, and names that point at them; see the module docstring.
 
-    `where` is a directory (created if missing; `~` is the home directory, as in a shell)
-    or an fsspec URL; `storage_options` go to
-    fsspec (say `endpoint_url=` or `key=` for s3). Safe to share between
-    threads; processes sharing a directory (or a bucket) see each other's writes.
+    `where` is a directory (created if missing; `~` is the home directory, as in a shell) or an
+    fsspec URL; `storage_options` go to fsspec (say `endpoint_url=` or `key=` for s3). Safe to
+    share between threads; processes sharing a directory (or a bucket) see each other's writes.
     """
 
     def __init__(self, where: str | os.PathLike[str], **storage_options: Any) -> None:
