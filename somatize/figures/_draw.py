@@ -13,6 +13,7 @@ from somatize.figures._layout import Point, layout
 from somatize.figures._scene import Box, pill_width, reach, scene, walk
 from somatize.figures._shapes import HUES, outline
 from somatize.figures._svg import (
+    INK,
     MUTED,
     Scale,
     colour_bar,
@@ -135,7 +136,7 @@ class _Painter:
         col = self.fill(box.where)
         frozen = ("frozen", "frozen") in box.pills
         opened = bool(box.children)
-        bg, ink = col if col and not opened else ("#f6f7fa", "#1f2430")
+        bg, ink = col if col and not opened else ("#f6f7fa", INK)
         cx, anchor = (x + 12, "start") if opened else (x + w / 2, "middle")
         parts = [
             f'<g class="smz-node{" smz-open" if opened else ""}"{self.attrs(box)}>{self.tip(box)}',
@@ -171,9 +172,8 @@ class _Painter:
         col = self.fill(box.where)
         hue = HUES[box.family]
         path = outline(box.family, box.w, box.h)
-        ink = col[1] if col else "#1f2430"
+        bg, ink = col or ("#fff", INK)
         dash = ' stroke-dasharray="3 2"' if box.family == "dropout" else ""
-        bg = col[0] if col else "#fff"
         fill = f'<path d="{path}" fill="{bg}" stroke="{hue}" stroke-width="1.4"{dash}/>'
         if not col:  # uncoloured: tinted with its family's hue
             fill += f'<path d="{path}" fill="{hue}" fill-opacity="0.13"/>'

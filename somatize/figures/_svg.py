@@ -138,12 +138,11 @@ def number(value: Any) -> str:
         return str(value)
     if math.isnan(v):
         return "NaN"
-    if math.isinf(v):
-        return "∞" if v > 0 else "−∞"
     if v == 0:
         return "0"
-    a = abs(v)
-    sign = "−" if v < 0 else ""
+    sign, a = "−" if v < 0 else "", abs(v)
+    if math.isinf(a):
+        return sign + "∞"
     if a < 1e-3:
         exponent = math.floor(math.log10(a))
         mantissa = _round(Decimal(a).scaleb(-exponent), 2)
@@ -178,14 +177,17 @@ _VIRIDIS = "440154 482878 3e4a89 31688e 26828e 1f9e89 35b779 6dcd59 b4de2c fde72
 VIRIDIS = [tuple(bytes.fromhex(rgb)) for rgb in _VIRIDIS.split()]  # sampled at ten points
 
 
+def blend(stops: list[tuple[int, ...]], t: float) -> list[int]:
+    """The colour `t` (0 to 1) of the way along `stops`, mixed from the two around it."""
+    x = t * (len(stops) - 1)
+    i = min(len(stops) - 2, int(x))
+    return [round(a + (b - a) * (x - i)) for a, b in zip(stops[i], stops[i + 1], strict=True)]
+
+
 def viridis(t: float) -> str:
     """A perceptual colour for t in [0, 1] (viridis, sampled)."""
-    t = 0.0 if not math.isfinite(t) else min(1.0, max(0.0, t))
-    x = t * (len(VIRIDIS) - 1)
-    i = min(len(VIRIDIS) - 2, int(x))
-    f = x - i
-    c = [round(a + (b - a) * f) for a, b in zip(VIRIDIS[i], VIRIDIS[i + 1], strict=True)]
-    return f"rgb({c[0]},{c[1]},{c[2]})"
+    r, g, b = blend(VIRIDIS, 0.0 if not math.isfinite(t) else min(1.0, max(0.0, t)))
+    return f"rgb({r},{g},{b})"
 
 
 class Scale:

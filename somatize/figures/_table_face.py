@@ -17,6 +17,7 @@ from somatize.figures._svg import (
     INK,
     LINE,
     MUTED,
+    blend,
     esc,
     finite,
     number,
@@ -36,10 +37,8 @@ _STICKY = "position:sticky;left:0;z-index:1;background:#fff;"
 
 def rank_colour(t: float, alpha: float = 0.55) -> str:
     """From worst (t = 0, red) through a pale middle to best (t = 1, green)."""
-    a, m, b = (224, 49, 49), (245, 241, 218), (47, 158, 68)
-    p, q, f = (a, m, t * 2) if t < 0.5 else (m, b, (t - 0.5) * 2)
-    c = [round(x + (y - x) * f) for x, y in zip(p, q, strict=True)]
-    return f"rgba({c[0]},{c[1]},{c[2]},{alpha})"
+    r, g, b = blend([(224, 49, 49), (245, 241, 218), (47, 158, 68)], t)
+    return f"rgba({r},{g},{b},{alpha})"
 
 
 def ranks(values: list[Any]) -> list[float | None]:
