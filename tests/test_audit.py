@@ -1496,3 +1496,31 @@ def test_a_plain_node_holding_a_layer_as_type_is_refused_naming_it_and_what_to_d
         with pytest.raises(ValueError, match=r"Typed holds a module as 'type'.*Typed\(Node, nn"):
             look()
     assert g(x).shape == (2, 3)
+
+
+def test_a_model_that_gives_its_loss_first_is_measured_on_what_it_makes_not_on_the_loss():
+    # transformers' models given labels answer (loss, logits, ...): the loss is one number
+    # about the batch, not an activation; the node's numbers are of its logits
+    from models import zoo
+
+    model = zoo.gpt2().model
+    for m in model.modules():  # no dropout: the audited step's logits are the hook's
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    logits = []
+    model.register_forward_hook(lambda m, args, out: logits.append(out.logits.detach()))
+    ids = torch.randint(1, zoo.VOCAB, (2, zoo.SEQ), generator=torch.Generator().manual_seed(0))
+    heard = []
+    t = Trainer(
+        Graph.somatize(Node.of(model).named("lm")),
+        objective=lambda out, _: out.loss,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        auditing=Audit(),
+        watching=heard.append,
+    )
+    t.step(({"input_ids": ids, "labels": ids}, None))
+    t.close()
+    fact = _by([f for f in heard if f["fact"] == "health"], "lm")
+    (seen,) = logits
+    want = float(seen.double().abs().mean())
+    assert fact["act_abs_mean"] == pytest.approx(want, rel=rtol(seen.numel()))

@@ -111,7 +111,10 @@ class Place:
     def saw(self, input: Any, out: Any, step: int, channels: bool, snapshot: bool) -> None:
         """What came out of the place on a measured step (and the ids of what went in), left as
         tensors, and tensor hooks for the gradients that will come back."""
-        t = next(iter(floats_in(out)), None)
+        # its first output that is more than one number (a loss given first, as transformers'
+        # models given labels do, is not what it makes), else its first
+        floats = floats_in(out)
+        t = next((f for f in floats if f.dim()), floats[0] if floats else None)
         if t is None:
             return
         self.step = step
