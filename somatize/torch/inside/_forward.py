@@ -107,7 +107,6 @@ class Boxes(TorchFunctionMode):
 
     def _hooks(self, module: nn.Module, paths: list[tuple[str, bool]]) -> tuple[Any, Any]:
         """The pre- and post-hook of a module drawn at `paths`."""
-        one = paths[0] if len(paths) == 1 else None
 
         def pre(m: nn.Module, args: tuple, kwargs: dict) -> None:
             if not self.live:
@@ -115,7 +114,7 @@ class Boxes(TorchFunctionMode):
             if self.inside:
                 self.inside += 1
                 return
-            path, shut = one or self._pick(paths)
+            path, shut = self._pick(paths)
             self.calls[path] = call = self.calls.get(path, 0) + 1
             if shut:
                 self.inside = 1
@@ -130,7 +129,7 @@ class Boxes(TorchFunctionMode):
             if self.inside:
                 self.inside -= 1
                 if not self.inside:
-                    path, _ = one or self._pick(paths)
+                    path, _ = self._pick(paths)
                     box = call_path(path, self.calls[path])
                     self._ended(box, module, tensors_in((args, kwargs)), tensors_in(output))
                     self._mode(True)
@@ -141,25 +140,21 @@ class Boxes(TorchFunctionMode):
         return pre, post
 
     def _pick(self, paths: list[tuple[str, bool]]) -> tuple[str, bool]:
+        """The path of a module drawn at `paths` inside the block running now (the first)."""
         here = self.stack[-1] if self.stack else ""
         return next((p for p in paths if p[0].rpartition(".")[0] == here), paths[0])
 
     def _began(self, path: str, call: int, module: nn.Module, given: list[torch.Tensor]) -> None:
-        """The `call`-th call of the closed module at `path` begins, handed the tensors `given`
-        (the mode is off)."""
+        """The `call`-th call of the closed module at `path` begins on `given` (mode off)."""
 
-    def _ended(
-        self, box: str, module: nn.Module, given: list[torch.Tensor], outs: list[torch.Tensor]
-    ) -> None:
-        """A closed module's call, the box `box`, handed `given`, gave back `outs` (the mode
-        is still off)."""
+    def _ended(self, box: str, module: nn.Module, given: list, outs: list) -> None:
+        """The closed module's call `box` on `given` gave back `outs` (mode still off)."""
         self._mark(outs, frozenset((box,)))
 
     def _function(
         self, box: str, block: str | None, fn: Any, made: frozenset[str], ins: list, outs: list
     ) -> None:
-        """A call of the function `fn` between the drawn modules, inside `block`, was the box
-        `box`, on `ins`, which the boxes in `made` made; it gave back `outs`."""
+        """The call `box` of `fn` inside `block`, on `ins` (made by `made`), gave `outs`."""
 
     def _gave(self, outs: list[torch.Tensor]) -> None:
         """The root's first call gave back `outs`."""
@@ -250,9 +245,7 @@ class Reading(Boxes):
     def _began(self, path: str, call: int, module: nn.Module, given: list[torch.Tensor]) -> None:
         self._ran(self.opening.add_leaf(self.out, path, call), self.made_by(given)[1])
 
-    def _ended(
-        self, box: str, module: nn.Module, given: list[torch.Tensor], outs: list[torch.Tensor]
-    ) -> None:
+    def _ended(self, box: str, module: nn.Module, given: list, outs: list) -> None:
         layer = self.out.layers[box]
         if layer.shape is None and outs:
             layer.shape = list(outs[0].shape)
