@@ -14,7 +14,6 @@ from somatize.torch.inside._trace import (
     Opening,
     Raw,
     Traced,
-    block_call,
     finish,
     function_layer,
     function_path,
@@ -103,6 +102,12 @@ def _given(n: fx.Node, producers: dict[fx.Node, set[str]]) -> set[str]:
 
 
 def _within(n: fx.Node, itself: str | None = None) -> dict[str, int]:
-    """The blocks a node ran inside, outermost first, each with the call of it (from 1)."""
-    blocks = (block_call(key) for key in n.meta.get("nn_module_stack") or {})
-    return {path: call for path, call in blocks if path != itself}
+    """The blocks a node ran inside, outermost first, each with the call of it (from 1): fx
+    keys a block by its path, then `path@1` for its second call, ..."""
+    found: dict[str, int] = {}
+    for key in n.meta.get("nn_module_stack") or {}:
+        path, at, k = key.rpartition("@")
+        path, call = (path, int(k) + 1) if at and k.isdigit() else (key, 1)
+        if path != itself:
+            found[path] = call
+    return found

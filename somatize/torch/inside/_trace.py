@@ -47,9 +47,10 @@ FRESH = frozenset(
 # data goes, not what it is, so its producers are not the result's when data is given besides.
 # A top-k's indices routing tokens to experts do not feed the experts: the tokens do.
 INDEXES = {
-    "gather": 2, "index_select": 2, "index_add": 2, "index_copy": 2, "index_fill": 2,
-    "index_put": 1, "scatter": 2, "scatter_add": 2, "scatter_reduce": 2, "take_along_dim": 1,
-    "masked_fill": 1, "masked_scatter": 1, "masked_select": 1, "getitem": 1, "setitem": 1,
+    **dict.fromkeys("gather index_select index_add index_copy index_fill scatter".split(), 2),
+    **dict.fromkeys("scatter_add scatter_reduce".split(), 2),
+    **dict.fromkeys("index_put take_along_dim masked_fill masked_scatter masked_select".split(), 1),
+    **dict.fromkeys("getitem setitem".split(), 1),
     "where": 0,
 }
 INDEX_KEYWORDS = frozenset(("index", "indices", "mask", "condition"))
@@ -66,15 +67,6 @@ def joins_nothing(name: str, given: Any) -> bool:
 def call_path(path: str, call: int) -> str:
     """The box of the `call`-th call (from 1) of the module at `path`: `relu`, `relu#2`, ..."""
     return path if call == 1 else f"{path}#{call}"
-
-
-def block_call(key: str) -> tuple[str, int]:
-    """A block as torch.fx keys it in a node's `nn_module_stack` (`path`, then `path@1` for
-    its second call, ...), as (path, call from 1)."""
-    path, at, n = key.rpartition("@")
-    if at and n.isdigit():
-        return path, int(n) + 1
-    return key, 1
 
 
 @dataclass
@@ -134,11 +126,6 @@ class Traced:
     edges: list[tuple[str, str]] = field(default_factory=list)
 
 
-def shape_of(value: Any) -> list[int] | None:
-    found = tensors_in(value)
-    return list(found[0].shape) if found else None
-
-
 def params_of(module: nn.Module) -> int:
     """How many parameters a module holds, each once however often it is tied."""
     return sum(p.numel() for p in module.parameters())
@@ -195,10 +182,10 @@ class Opening:
     def _raw(self, path: str, block: str | None, label: str | None = None) -> Raw:
         m = self.named[path]
         parts = parts_of(m)
-        return Raw(
-            path, kind_of(m), label or label_of(m), None, params_of(m), block, config=config_of(m),
-            composite=bool(parts), holds=[f"{name}: {type(c).__name__}" for name, c in parts],
-        )
+        raw = Raw(path, kind_of(m), label or label_of(m), None, params_of(m), block)
+        raw.config, raw.composite = config_of(m), bool(parts)
+        raw.holds = [f"{name}: {type(c).__name__}" for name, c in parts]
+        return raw
 
     def add_block(self, out: Traced, path: str) -> None:
         """Make sure the opened composite at `path` and those above it are blocks in `out`."""

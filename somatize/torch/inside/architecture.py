@@ -29,7 +29,6 @@ from somatize.torch.inside._trace import (
     Raw,
     Traced,
     params_of,
-    shape_of,
 )
 from somatize.torch.inside.fold import collapse, fold
 from somatize.torch.inside.kinds import kind_of
@@ -181,7 +180,9 @@ def _capture(
     sent: dict[str, dict[str, set[str]]] = {}
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
-        reached.setdefault(node, shape_of(out))
+        if node not in reached:  # the shape of what it first gave back
+            found = tensors_in(out)
+            reached[node] = list(found[0].shape) if found else None
         if isinstance(plan := plans.get(node), Reading):
             read = plan.seen()
         else:  # one layer reads all it is given; a node holding no module, nothing seen
@@ -288,8 +289,8 @@ def architecture(
         folded, edges = fold(raw)
         folded, edges, hidden = collapse(folded, edges, most)
         _same_and_closed(root, folded)
-        kept = [k.name for k in fields(Layer)]  # what a tracer's layer says that a figure draws
-        layers = [Layer(**{k: getattr(r, k) for k in kept}) for r in folded.values()]
+        drawn = [f.name for f in fields(Layer)]  # what a tracer's layer says that a figure draws
+        layers = [Layer(**{k: getattr(r, k) for k in drawn}) for r in folded.values()]
         outputs = [a for a, b in edges if b == OUTPUT]
         read_by = {n: [p for p in outputs if (p, OUTPUT + n) in edges] for n in sends}
         inputs = [b for a, b in edges if a == INPUT and b != OUTPUT]
