@@ -7,6 +7,7 @@ their `times`, `repeats` and `made_of`, and keep their order.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import replace
 from typing import Any
 
@@ -43,6 +44,13 @@ def _signature(path: str, layers: dict[str, Raw], kids: dict, edges: set, memo: 
     return sig
 
 
+def _twin(path: str, layers: dict[str, Raw], kids: dict, edges: set, memo: dict) -> Any:
+    """What a sibling is folded with its twins by: a block's signature, a layer's own path."""
+    if layers[path].composite or kids.get(path):
+        return _signature(path, layers, kids, edges, memo)
+    return path
+
+
 def fold(traced: Traced) -> tuple[dict[str, Raw], list[tuple[str, str]]]:
     """Adjacent sibling blocks that are the same block (kinds, labels, settings, shapes,
     parameters and inner edges alike) become the first of them, `times` N and the others in
@@ -63,17 +71,10 @@ def fold(traced: Traced) -> tuple[dict[str, Raw], list[tuple[str, str]]]:
     while queue:
         parent = queue.pop(0)
         kids = _children(layers)
-        sig = functools.partial(_signature, layers=layers, kids=kids, edges=set(edges), memo={})
-        siblings = kids.get(parent, [])
-        i = 0
-        while i < len(siblings):
-            first, j = siblings[i], i + 1
-            if layers[first].composite or kids.get(first):  # a block: fold its run of twins
-                while j < len(siblings) and sig(siblings[j]) == sig(first):
-                    j += 1
-                if j - i >= 2:
-                    edges = _fold_run(layers, kids, edges, siblings[i:j])
-            i = j
+        twin = functools.partial(_twin, layers=layers, kids=kids, edges=set(edges), memo={})
+        for _, run in itertools.groupby(kids.get(parent, []), twin):
+            if len(run := list(run)) >= 2:
+                edges = _fold_run(layers, kids, edges, run)
         kids = _children(layers)
         queue.extend(c for c in kids.get(parent, []) if kids.get(c))
     for path, f in layers.items():
