@@ -49,6 +49,7 @@ from somatize.node import unwrap
 from somatize.run import in_one_line, note, warn
 from somatize.torch._modules import Held, Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
+from somatize.torch.audit._measures import floats_in
 from somatize.torch.inside.architecture import run_here
 from somatize.torch.inside.kinds import kind_of
 
@@ -94,7 +95,7 @@ def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _floats(example: Any, of: str) -> list[torch.Tensor]:
-    found = [t for t in tensors_in(example) if t.is_floating_point()]
+    found = floats_in(example)
     if not found:
         raise _NotHere(f"{of} perturbs the input, and this example holds no floating tensor")
     return found
@@ -103,7 +104,7 @@ def _floats(example: Any, of: str) -> list[torch.Tensor]:
 def _named_floats(example: Any) -> str:
     """Which floating tensors an example holds, said for a message: a dict's keys."""
     if isinstance(example, Mapping):
-        keys = [k for k, v in example.items() if any(t.is_floating_point() for t in tensors_in(v))]
+        keys = [k for k, v in example.items() if floats_in(v)]
         return ", ".join(map(str, keys))
     return "the input"
 
@@ -189,10 +190,6 @@ def _grads(loss: torch.Tensor, params: list[nn.Parameter], **kw: Any) -> list[to
     return [torch.zeros_like(p) if g is None else g for p, g in zip(params, got, strict=True)]
 
 
-def _through(x: Any, *_: Any, **__: Any) -> Any:
-    return x
-
-
 def _synflow(s: _Subject, example: Any, **_: Any) -> float:
     why: list[Exception] = []
     for dtype in (torch.float64, torch.float32):
@@ -215,12 +212,11 @@ def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
             p.data = p.data.abs()
     bn = [m for m in s.every if isinstance(m, _BN)]
     for m in bn:
-        object.__setattr__(m, "forward", _through)
+        object.__setattr__(m, "forward", lambda x, *_, **__: x)  # batch norm off
     broke: list[str] = []  # the first node that gave a nan or an inf
 
     def seen(node: str, given: Any, ctx: Any, out: Any) -> None:
-        floats = [t for t in tensors_in(out) if t.is_floating_point()]
-        if not broke and not all(bool(t.isfinite().all()) for t in floats):
+        if not broke and not all(bool(t.isfinite().all()) for t in floats_in(out)):
             broke.append(node)
 
     try:
