@@ -275,9 +275,7 @@ class Node(Expr, ABC):
         return self is other
 
 
-@functools.lru_cache(maxsize=4096)
-def _read_signature(fn: Any) -> inspect.Signature:
-    return inspect.signature(fn)
+_read_signature = functools.lru_cache(maxsize=4096)(inspect.signature)
 
 
 def _signature(fn: Any) -> inspect.Signature:
