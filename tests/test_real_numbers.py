@@ -37,3 +37,17 @@ def test_a_numpy_time_is_added_up_as_a_python_one(tmp_path):
     assert runs(tmp_path)["took_us"].tolist() == [12.0]
     row = nodes(tmp_path, "r").iloc[0]
     assert (row["ran"], row["took_us"], row["mean_us"]) == (2, 6.0, 3.0)
+
+
+def test_a_window_is_any_whole_number_and_nothing_else():
+    from somatize.health import Verdicts, seen_in
+
+    facts = [
+        {"fact": "health", "node": "a", "step": k, "grad_norm": g}
+        for k, g in enumerate([1.0, 5.0, 2.0])
+    ]
+    assert seen_in(facts, last=np.int64(1)) == seen_in(facts, last=1) == {"a": {"grad_norm": 2.0}}
+    assert Verdicts(last=np.int32(2)).last == 2
+    for bad in (True, 1.5, np.float64(2.0), "2", np.int64(0)):
+        with pytest.raises(ValueError, match="last is a positive number of steps"):
+            Verdicts(last=bad)

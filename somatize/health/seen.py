@@ -7,6 +7,7 @@ a diagnosis made later elsewhere is the one made today, by one rule over time (`
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -77,9 +78,10 @@ class Verdicts:
     """
 
     def __init__(self, *, last: int | None = WINDOW, thresholds: Thresholds | None = None):
-        if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
+        whole = isinstance(last, numbers.Integral) and not isinstance(last, bool)
+        if last is not None and (not whole or last < 1):
             raise ValueError(f"last is a positive number of steps, not {last!r}")
-        self.last = last
+        self.last = None if last is None else int(last)
         self.thresholds = thresholds
         self._kept: dict[str, dict[str, deque]] = {}
         self._flags: dict[str, list[Flag]] = {}
