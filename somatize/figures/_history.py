@@ -139,9 +139,7 @@ class History:
                 for place in run.places.values():
                     place.judged = len(place.steps)
                 continue
-            judge = self.judges.get(name)
-            if judge is None:
-                judge = self.judges[name] = self.rule()
+            judge = self.judges.setdefault(name, self.rule())
             for where, place in run.places.items():
                 while place.judged < len(place.steps):
                     r = place.judged

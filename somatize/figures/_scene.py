@@ -259,9 +259,8 @@ class _Inside:
             out.append(("same module as", others + shared))
         ties = self.ties.get(str(layer.get("tied_to") or path), [])
         if len(ties) > 1:
-            out.append(
-                ("weights shared with", ", ".join(f"{self.node}.{t}" for t in ties if t != path))
-            )
+            others = ", ".join(f"{self.node}.{t}" for t in ties if t != path)
+            out.append(("weights shared with", others))
         return out
 
     def _own(self, b: str) -> dict:

@@ -199,16 +199,13 @@ def graph_figure(
     plan = _plan_of(graph)
     insides = _insides(plan, inside)
     colours = _colours(plan, colour)
-    if opened is None:
-        opened = list(insides)
-    else:
-        opened = [str(o) for o in opened]
-        unknown = [o for o in opened if o not in insides]
-        if unknown:
-            raise ValueError(
-                f"opened= names {', '.join(map(repr, unknown))}, which have no inside "
-                f"(insides were given for: {', '.join(insides) or 'none'})"
-            )
+    opened = list(insides) if opened is None else [str(o) for o in opened]
+    unknown = [o for o in opened if o not in insides]
+    if unknown:
+        raise ValueError(
+            f"opened= names {', '.join(map(repr, unknown))}, which have no inside "
+            f"(insides were given for: {', '.join(insides) or 'none'})"
+        )
     return GraphFigure(
         plan=plan,
         inside=insides,

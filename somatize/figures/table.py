@@ -84,11 +84,8 @@ def _probe_summary(numbers: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         for metric, v in values.items():
             if finite(v):
                 by_metric.setdefault(metric, []).append(float(v))
-    out: dict[str, Any] = {
-        f"{PROBE}{m}": statistics.median(vs) for m, vs in sorted(by_metric.items())
-    }
-    out[FLAGS] = ", ".join(flags)
-    return out
+    medians = {f"{PROBE}{m}": statistics.median(vs) for m, vs in sorted(by_metric.items())}
+    return {**medians, FLAGS: ", ".join(flags)}
 
 
 def compare(
