@@ -30,12 +30,6 @@ MODULE = "transformers.cache_utils"  # read where this process loaded it: never 
 NAMES = ((MODULE, "DynamicCache"), (MODULE, "EncoderDecoderCache"))
 
 
-def is_cache(value: Any) -> bool:
-    """Whether `value` is a transformers `Cache` (of any kind)."""
-    found = sys.modules.get(MODULE)
-    return found is not None and isinstance(value, found.Cache)
-
-
 def fields_of(cache: Any) -> list:
     """`[[field, value], ...]` for a cache `build` can rebuild; `NoCodec` for any other, saying
     what to do."""
@@ -105,9 +99,3 @@ def build(cls: type, fields: dict[str, Any]) -> Any:
             raise Malformed(f"layer {i} of a DynamicCache that adds its layers is empty")
         cache.update(keys, values, i)
     return cache
-
-
-def is_cache_class(cls: type) -> bool:
-    """Whether `cls` is one of the two cache classes written down here."""
-    found = sys.modules.get(MODULE)
-    return found is not None and cls in (found.DynamicCache, found.EncoderDecoderCache)

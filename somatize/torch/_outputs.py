@@ -71,7 +71,7 @@ def fields_of(value: Any) -> list | None:
         return None
     families = _families()
     cls = type(value)
-    if _caches.is_cache(value):
+    if isinstance(value, families.get("transformers.Cache", ())):  # (of any kind)
         fields = _caches.fields_of(value)
     elif isinstance(value, families[KIND]) or cls in families.values():  # an output, a batch
         fields = [[k, v] for k, v in value.items()]
@@ -114,7 +114,8 @@ def from_fields(got: Any, kind: str | None = None) -> Any:
     families = _families()
     cls = _loaded(module, name)
     output = cls is not None and issubclass(cls, families[KIND])
-    if not (output or cls in families.values() or _caches.is_cache_class(cls)):
+    cache = cls is not None and (module, name) in _caches.NAMES
+    if not (output or cache or cls in families.values()):
         raise Malformed(
             f"a {kind or KIND} names {module}.{name}, which is not a ModelOutput class (nor a "
             f"cache or a batch) this process has imported: import {module} first"
@@ -126,7 +127,7 @@ def from_fields(got: Any, kind: str | None = None) -> Any:
     try:
         if output:
             return cls(**dict(fields))
-        if _caches.is_cache_class(cls):
+        if cache:
             return _caches.build(cls, dict(fields))
         return cls(dict(fields))
     except (TypeError, ValueError) as error:
