@@ -30,13 +30,17 @@ from somatize.torch.training.stages import Stages, untied
 __all__ = ["Trainer", "Result", "NoGradient"]
 
 
-def _autocast_on(kind: str) -> bool:
-    """Whether autocast is on for the device type `kind` ("cpu" or "cuda"): torch 2.4 asks
-    `is_autocast_enabled(kind)`, 2.2 and 2.3 have one function per device type."""
+def _outside_autocast(kind: str) -> Any:
+    """torch's recipe runs the backward outside autocast: autocast turned off for the device
+    type `kind` where it is on, else nothing (torch 2.4 asks `is_autocast_enabled(kind)`;
+    2.2 and 2.3 have one function per device type)."""
+    if kind not in ("cpu", "cuda"):
+        return nullcontext()
     try:
-        return torch.is_autocast_enabled(kind)
+        on = torch.is_autocast_enabled(kind)
     except TypeError:  # torch 2.2, 2.3
-        return torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
+        on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
+    return torch.autocast(kind, enabled=False) if on else nullcontext()
 
 
 Batch = Any
@@ -229,9 +233,7 @@ class Trainer:
             loss = self._loss(runs.forward(x, store=self.store, target=y), y)
             if self.finite:
                 _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
-            kind = loss.device.type  # torch's recipe: the backward outside autocast
-            cast = kind in ("cpu", "cuda") and _autocast_on(kind)
-            with torch.autocast(kind, enabled=False) if cast else nullcontext():
+            with _outside_autocast(loss.device.type):
                 runs.backward(loss / scale if scale != 1.0 else loss, sync)
             if micro > 1:
                 total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
@@ -243,12 +245,9 @@ class Trainer:
         if told:
             run.tell(told, {"fact": "loss", "value": value, "step": step})
             if not self._stages.whole:
-                forward, back = self._stages.crossed()
-                fact = {"fact": "crossed", "step": step, "forward": forward, "backward": back}
-                run.tell(told, fact)
-        if self.audit is not None:
-            # a measured step's facts wait for the update its gradient goes into (the audit
-            # fills in update_ratio then, in `moved`): they are told at the closing step
+                fwd, back = self._stages.crossed()
+                run.tell(told, {"fact": "crossed", "step": step, "forward": fwd, "backward": back})
+        if self.audit is not None:  # its facts wait for their update (`moved` fills it in)
             facts = self.audit.observed(self.graph)
             if told and facts:
                 self._health += facts
@@ -258,8 +257,7 @@ class Trainer:
         return value
 
     def _drop(self) -> None:
-        """Forgets the Trainer's open group: its gradients are cleared and the next step opens
-        a new one."""
+        """Forgets the open group: its gradients are cleared, the next step opens a new one."""
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         self._count = 0
@@ -348,8 +346,7 @@ class Trainer:
         return True
 
     def _open(self) -> bool:
-        """Whether a group is open: the Trainer's, or that of a Learning with an `every` of its
-        own (counted from where `update()` last closed every group)."""
+        """Whether a group is open: the Trainer's, or a Learning's with an `every` of its own."""
         since = self._steps - self._updated
         return self._count > 0 or any(since % learning.every for learning in self.trains.values())
 
