@@ -114,11 +114,13 @@ def place(
     layers: list[list[Item]] = [[] for _ in range(max(i.layer for i in every) + 1)]
     for i in every:
         layers[i.layer].append(i)
-    links = [(c[j], c[j + 1]) for c in paths.values() for j in range(len(c) - 1)]
-    # where each link's ends join their boxes, from the centres (a port on a container); a port
+    # each item's neighbours in the layers above and below, and the offset between the points
+    # where their link meets them: from the centres (a port on a container is off it); a port
     # far from its centre (a wrapped block's, in another band) is not lined up with, or blocks
     # chained that way would walk off to one side
-    shifts = []
+    links: list[tuple[Item, Item]] = []
+    up: dict[int, list[tuple[Item, float]]] = {}
+    down: dict[int, list[tuple[Item, float]]] = {}
     for (a, b), c in paths.items():
         oa, ob = (sum(side) / len(offsets[a, b]) for side in zip(*offsets[a, b], strict=True))
         if abs(oa) > by_key[a].span / 4 or abs(ob) > by_key[b].span / 4:
@@ -126,14 +128,10 @@ def place(
         if by_key[a].layer > by_key[b].layer:
             oa, ob = ob, oa
         for j in range(len(c) - 1):
-            shifts.append((oa if j == 0 else 0.0, ob if j == len(c) - 2 else 0.0))
-    # each item's neighbours in the layers above and below, and the offset between the points
-    # where their link meets them
-    up: dict[int, list[tuple[Item, float]]] = {}
-    down: dict[int, list[tuple[Item, float]]] = {}
-    for (a, b), (oa, ob) in zip(links, shifts, strict=True):
-        down.setdefault(id(a), []).append((b, ob - oa))
-        up.setdefault(id(b), []).append((a, oa - ob))
+            sa, sb = (oa if j == 0 else 0.0), (ob if j == len(c) - 2 else 0.0)
+            links.append((c[j], c[j + 1]))
+            down.setdefault(id(c[j]), []).append((c[j + 1], sb - sa))
+            up.setdefault(id(c[j + 1]), []).append((c[j], sa - sb))
     _order(layers, links, up, down)
     depth = [max((i.depth for i in layer), default=0.0) for layer in layers]
     for i in every[len(items) :]:  # a waypoint runs the whole layer, so an edge curves only
