@@ -188,13 +188,12 @@ class Opening:
         return raw
 
     def add_block(self, out: Traced, path: str) -> None:
-        """Make sure the opened composite at `path` and those above it are blocks in `out`."""
-        parts = path.split(".")
-        for i in range(1, len(parts) + 1):
-            p = ".".join(parts[:i])
-            if p not in out.layers:
-                block = ".".join(parts[: i - 1]) or None  # (opened: it has parts, a composite)
-                out.layers[p] = self._raw(p, block, type(self.named[p]).__name__)
+        """Make sure the opened composite at `path` and those above it are blocks in `out`
+        (the root, at "", is none)."""
+        if path and path not in out.layers:
+            parent = path.rpartition(".")[0]
+            self.add_block(out, parent)
+            out.layers[path] = self._raw(path, parent or None, type(self.named[path]).__name__)
 
     def add_leaf(self, out: Traced, path: str, call: int = 1) -> Raw:
         """The box of the `call`-th call of the closed module at `path` (made once)."""
@@ -202,8 +201,7 @@ class Opening:
         layer = out.layers.get(box)
         if layer is None:
             parent = path.rpartition(".")[0]
-            if parent:
-                self.add_block(out, parent)
+            self.add_block(out, parent)
             layer = self._raw(path, parent or None)  # (`named` holds the root at "")
             layer.path = box
             out.layers[box] = layer
@@ -222,8 +220,7 @@ def function_path(block: str | None, fn: Any, counts: dict[str, int]) -> str:
 def function_layer(opening: Opening, out: Traced, block: str | None, fn: Any, path: str) -> Raw:
     """The layer of the box `path`, a call of `fn` inside `block` (a block of `out` from then
     on)."""
-    if block:
-        opening.add_block(out, block)
+    opening.add_block(out, block or "")
     name = function_name(fn)
     out.layers[path] = layer = Raw(path, kind_of(name), name, None, 0, block, function=True)
     return layer
