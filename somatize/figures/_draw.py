@@ -153,18 +153,17 @@ class _Painter:
             svg_text(cx, y + 19, box.label, 13, ink, bold=True, anchor=anchor, cls="smz-title"),
             svg_text(cx, y + 34, box.sub, fill=ink if col else MUTED, anchor=anchor),
         ]
-        if box.pills:
-            total = sum(pill_width(t) + 4 for _, t in box.pills) - 4
-            px = x + 12 if opened else x + (w - total) / 2
-            for kind, text in box.pills:
-                pw = pill_width(text)
-                parts.append(
-                    f'<g class="smz-pill smz-pill-{kind}"><rect x="{px:.1f}" y="{y + 42:.1f}" '
-                    f'width="{pw:.1f}" height="14" rx="7" fill="{PILLS[kind]}"/>'
-                    + svg_text(px + pw / 2, y + 52.5, text, 9.5, "#fff", bold=True, anchor="middle")
-                    + "</g>"
-                )
-                px += pw + 4
+        total = sum(pill_width(t) + 4 for _, t in box.pills) - 4  # its badges, in a row
+        px = x + 12 if opened else x + (w - total) / 2
+        for kind, text in box.pills:
+            pw = pill_width(text)
+            parts.append(
+                f'<g class="smz-pill smz-pill-{kind}"><rect x="{px:.1f}" y="{y + 42:.1f}" '
+                f'width="{pw:.1f}" height="14" rx="7" fill="{PILLS[kind]}"/>'
+                + svg_text(px + pw / 2, y + 52.5, text, 9.5, "#fff", bold=True, anchor="middle")
+                + "</g>"
+            )
+            px += pw + 4
         parts.append("</g>")
         return "".join(parts)
 
