@@ -103,10 +103,9 @@ def shape_text(
 
     A 3-d output is `batch · len · dim` (a sequence) unless its channels come first (`first`,
     as `channels_first` answers for the layer). A 4-d one is `batch · heads · seq · dim` from
-    an attention layer itself; its axes are only numbered
-    inside attention (`attention`: a view or transpose of heads) or from a layer that works on
-    sequences (softmax, matmul, linear, ...): attention scores are not an image's channels;
-    anywhere else it is `batch · ch · h · w`."""
+    an attention layer itself; its axes are only numbered inside attention (`attention`: a
+    view or transpose of heads) or from a layer that works on sequences (softmax, matmul,
+    linear, ...): attention scores are not an image's channels; elsewhere `batch · ch · h · w`."""
     if not isinstance(shape, (list, tuple)) or not shape:
         return ""
     n = len(shape)
