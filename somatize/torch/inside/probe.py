@@ -23,7 +23,7 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
-from somatize.torch._modules import Held, Tap, parts_of, root_of, tensors_in, untouched
+from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import floats_in, norm, read, sums_of, wide
 from somatize.torch.audit._place import saturation
@@ -120,7 +120,7 @@ class _Place:
     def __init__(self, node: str, inside: str | None, modules: list[nn.Module]) -> None:
         self.node = node
         self.inside = inside
-        self.where = f"{node}.{inside}" if inside else node
+        self.where = join(node, inside or "")
         self.saturates = saturation(modules)
         self.numbers: dict[str, Any] | None = None
         self.rows = 0

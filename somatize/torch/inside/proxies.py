@@ -47,7 +47,7 @@ except ImportError:  # torch 2.2: grasp is left out where the fused kernels run,
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import in_one_line, note, warn
-from somatize.torch._modules import Held, Tap, parts_of, root_of, tensors_in, untouched
+from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import floats_in
 from somatize.torch.inside.architecture import run_here
@@ -126,7 +126,7 @@ class _Subject:
         for node, root in self.roots.items():
             for path, m in root.named_modules() if root is not None else ():
                 if m is module:
-                    return repr(f"{node}.{path}" if path else node)
+                    return repr(join(node, path))
         return type(module).__name__
 
     def quiet(self) -> None:
