@@ -489,7 +489,6 @@ def broker_for(hosts: dict[str, str], broker: Any, passing: str) -> None:
 
 
 def as_graph(what: Any) -> Graph:
-    """What every tool that takes a graph looks at: a `Graph` as it is, an expression built
-    (`Graph.somatize`), and a bare module or plain function as a graph of one node
-    (`Node.of`), whose id is its class name lower-cased. Anything else is a TypeError."""
+    """What every tool that takes a graph looks at: a `Graph` as it is, anything else as
+    `Graph.somatize` builds it (an expression, a bare module or function), or its TypeError."""
     return what if isinstance(what, Graph) else Graph.somatize(what)
