@@ -1,10 +1,7 @@
 """The record of a run: what a graph did, forward by forward, kept in a store.
 
-A `Recorder` is a watcher: pass it as `watching=` to `Graph.forward` or to a Trainer and it
-writes one record per forward under the name `run/<run>/<i>`. The record is the list of facts
-of that forward (see docs/internals.md, "Facts"), values with their own types, and its meta
-says the run, the forward, its state, how many nodes ran, how long it took, and the last value
-of each fact it was told to summarise::
+A `Recorder` is a watcher (`watching=` of `Graph.forward` or of a Trainer) that writes one
+record per forward, the list of its facts (docs/internals.md, "Facts"), as `run/<run>/<i>`::
 
     rec = Recorder(store, run="tuesday", summarising=["loss"])
     trainer = Trainer(g, objective=loss, optimizer=opt, watching=rec)
