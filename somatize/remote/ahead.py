@@ -31,15 +31,16 @@ def mark(nid: str, node: Any, session: str, host: str) -> None:
         _AHEAD[i] = (weakref.ref(p, lambda _gone, i=i: _AHEAD.pop(i, None)), session, host, nid)
 
 
+def _noted(p: Any) -> tuple | None:
+    """What `_AHEAD` notes of parameter `p` itself (not of another that reused its id)."""
+    entry = _AHEAD.get(id(p))
+    return entry if entry is not None and entry[0]() is p else None
+
+
 def unmark(node: Any) -> list[tuple[int, tuple]]:
     """Forget that `node`'s weights are ahead of their copies here (they were read back, or
     loaded); what was noted, for `remark`."""
-    found = []
-    for p in params(node):
-        entry = _AHEAD.get(id(p))
-        if entry is not None and entry[0]() is p:
-            found.append((id(p), _AHEAD.pop(id(p))))
-    return found
+    return [(id(p), _AHEAD.pop(id(p))) for p in params(node) if _noted(p)]
 
 
 def remark(marks: list[tuple[int, tuple]]) -> None:
@@ -51,8 +52,8 @@ def refuse_behind(nid: str, node: Any, session: str) -> None:
     """`StateLost` for node `nid` when a weight of it learnt on a worker through another
     broker than the one of `session` and was not read back: the copy here is behind it."""
     for p in params(node):
-        entry = _AHEAD.get(id(p))
-        if entry is not None and entry[0]() is p and entry[1] != session:
+        entry = _noted(p)
+        if entry is not None and entry[1] != session:
             raise StateLost(
                 f"node {nid!r} holds weights that learnt on host {entry[2]!r} (as node "
                 f"{entry[3]!r}) through another broker, and what they learnt was not read back "
