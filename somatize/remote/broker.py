@@ -161,7 +161,7 @@ class Broker:
         self._told.pop((host, key), None)  # the copy built there is told its modes after
         params = ahead.params(node)
         self._built[(host, key)] = (params, [p.dtype for p in params])
-        return describe(node, nid, key, device, conn, host)
+        return describe(node, nid, key, device, conn)
 
     def send(self, host: str, nodes: list[tuple], message: dict, kept: tuple = (None, None)) -> Any:
         """Send `message` to `host`'s worker with the definitions of those of `nodes` (each
@@ -406,13 +406,11 @@ def _learns(node: Any) -> bool:
     return any(m.training and next(m.buffers(recurse=False), None) is not None for m in modules)
 
 
-def describe(
-    node: Any, nid: str, key: str, device: Any, conn: Connection, host: str
-) -> dict[str, Any]:
-    """How `node` travels to `conn`'s worker (its `mode`): its class by name (from a module the worker imports) or
-    as code, its constructor arguments and its weights. Refused before anything is sent: a
-    class the worker could not build, arguments that cannot be written down."""
-    cls = type(node)
+def describe(node: Any, nid: str, key: str, device: Any, conn: Connection) -> dict[str, Any]:
+    """How `node` travels to `conn`'s worker (its `mode`): its class by name (from a module the
+    worker imports) or as code, its constructor arguments and its weights. Refused before
+    anything is sent: a class the worker could not build, arguments no codec writes down."""
+    cls, host = type(node), conn.host
     args = getattr(node, "_somatize_args", {})
     d = {"key": key, "id": nid, "device": device, "state": _hooks.state_of(node)}
     if conn.mode == "network":
