@@ -59,10 +59,8 @@ class Connection:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RCVTIMEO, 250)  # a wait for the answer looks at the line this often
         if worker.server_key:
-            public, secret = zmq.curve_keypair()
             sock.curve_serverkey = worker.server_key.encode()
-            sock.curve_publickey = public
-            sock.curve_secretkey = secret
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | sum(_FAILED)  # bits
         # an address of its own: pyzmq's default is named after the socket's descriptor, which
         # a new socket reuses while a closed one's monitor may not be reaped yet
@@ -245,9 +243,6 @@ def rebuilt(said: dict[str, Any], where: str) -> BaseException:
     if error is None:
         error = RemoteError(f"{module}.{qualname}: {message}")
     notes = [str(n) for n in said.get("notes") or []]
-    error.__notes__ = [
-        *notes,
-        f"on {where}",
-        "the worker's traceback:\n" + str(said.get("traceback", "")),
-    ]
+    traceback = "the worker's traceback:\n" + str(said.get("traceback", ""))
+    error.__notes__ = [*notes, f"on {where}", traceback]
     return error
