@@ -24,7 +24,7 @@ from typing import Any
 from somatize import _hooks
 from somatize.remote import seal, wire
 from somatize.remote.allowed import Allowed, construct
-from somatize.remote.errors import Unknown, not_held
+from somatize.remote.errors import not_held
 from somatize.remote.slices import ServedSlice, run_served
 
 __all__ = ["Server", "Session", "Drops"]
@@ -152,10 +152,9 @@ class Server:
             return self._failed(rid, error), True
         self.served += 1
         reply = {"rid": rid, "ok": True, "worker": self.incarnation, "value": value}
+        where = f"the answer to {message['op']!r}"
         try:
-            return self.seal.seal(
-                wire.encode(reply, where=f"the answer to {message['op']!r}")
-            ), True
+            return self.seal.seal(wire.encode(reply, where=where)), True
         except Exception as error:  # no codec for it, nested too deep: said as a store says it
             return self._failed(rid, self._unwritable(message, value, error)), True
 
@@ -258,7 +257,7 @@ class Server:
             return True
         found = session.loads.get(lid)
         if found is None:
-            raise Unknown(f"this worker holds no load {lid!r}: it was restarted or expired")
+            raise not_held(f"load {lid!r}")
         if phase == "commit":
             for key, commit in found["staged"].items():
                 found["undo"][key] = commit()
