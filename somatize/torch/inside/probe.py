@@ -117,11 +117,11 @@ class _Place:
 
     __slots__ = ("where", "node", "inside", "saturates", "numbers", "rows", "g_in", "g_out")
 
-    def __init__(self, node: str, inside: str | None, modules: list[nn.Module]) -> None:
+    def __init__(self, node: str, inside: str | None, module: nn.Module | None) -> None:
         self.node = node
         self.inside = inside
         self.where = join(node, inside or "")
-        self.saturates = saturation(modules)
+        self.saturates = saturation([module] if module is not None else [])
         self.numbers: dict[str, Any] | None = None
         self.rows = 0
         self.g_in: dict[int, Any] = {}  # by rows, as `_Seen.grads` keeps them
@@ -203,8 +203,7 @@ class _Probing(Boxes):
         """The place `box`'s call is measured at, if it is."""
         place = self.places.get(box)
         if place is None and len(self.places) < self.most:
-            modules = [module] if module is not None else []
-            place = self.places[box] = _Place(self.node, box, modules)
+            place = self.places[box] = _Place(self.node, box, module)
         return place if place is not None and place.numbers is None else None
 
     def _heard(self, box: str, module: Any, given: list, outs: list) -> None:
@@ -276,7 +275,7 @@ def probe(
                 "is nothing to measure: give one or more samples"
             )
     roots = {node: root_of(g.implementation(node)) for node in g.nodes()}
-    nodes = {n: _Place(n, None, [r] if r is not None else []) for n, r in roots.items()}
+    nodes = {n: _Place(n, None, r) for n, r in roots.items()}
     known = _Tensors()
     hooks = [
         _Probing(node, root, depth, most, known)
