@@ -85,6 +85,12 @@ def pill_width(text: str) -> float:
     return text_width(text, 9.5, True) + 12
 
 
+def _layer_box(key: str, label: str, sub: str = "", **more: Any) -> Box:
+    """A layer's box (id `key`), as wide as its label and its output shape (`sub`) under it."""
+    w = max(text_width(label, 12, True), text_width(sub, 11) if sub else 0) + 36
+    return Box(key, "layer", label, sub, max(64.0, round(w)), 38.0 if sub else 26.0, **more)
+
+
 def _blocks(layers: list[dict]) -> dict[str, dict]:
     """The blocks of an inside: {path: {label, times, repeats, parent, kind}}."""
     by_path = {layer["path"]: layer for layer in layers}
@@ -202,8 +208,7 @@ class _Inside:
     def _input(self) -> Box:
         """What the node was given, a box with an edge to each layer that reads it: the
         branches of an inception block start from it, each concat of a dense block joins it."""
-        box = Box(id=f"i:{self.node}", kind="layer", label="input", family="input")
-        box.w, box.h = max(64.0, round(text_width("input", 12, True) + 36)), 26.0
+        box = _layer_box(f"i:{self.node}", "input", family="input")
         box.tip = [("", f"what {self.node} was given"), ("read by", ", ".join(self.inputs))]
         self.ids[INPUT] = box.id
         return box
@@ -221,17 +226,9 @@ class _Inside:
         attention = any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
         kind, label, shape = layer.get("kind"), layer.get("label"), layer.get("shape")
         sub = shape_text(shape, kind, label, attention, self.first.get(layer["path"], False))
-        w = max(text_width(text, 12, True), text_width(sub, 11) if sub else 0) + 36
         where = f"{self.node}.{path}" if path else self.node  # "": the node is the one layer
-        box = Box(
-            id=f"l:{self.node}:{path}",
-            kind="layer",
-            label=text,
-            sub=sub,
-            w=max(64.0, round(w)),
-            h=38.0 if sub else 26.0,
-            where=where,
-            family=family(kind, label),
+        box = _layer_box(
+            f"l:{self.node}:{path}", text, sub, where=where, family=family(kind, label)
         )
         box.tip = [
             ("kind", str(kind or "?")),
