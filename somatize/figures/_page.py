@@ -195,9 +195,7 @@ class Face:
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
-        live = f"smz-live-{self.model_id}"
-        if live not in self._dom_classes:  # type: ignore[attr-defined]
-            self.add_class(live)  # type: ignore[attr-defined]
+        self.add_class(f"smz-live-{self.model_id}")  # type: ignore[attr-defined]
         data, meta = self._repr_mimebundle_()
         live_view = {k: v for k, v in data.items() if k != "text/html"}
         display(live_view, metadata=meta, raw=True)
