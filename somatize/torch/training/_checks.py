@@ -48,8 +48,7 @@ def _described(value: Any) -> str:
 
 
 def pair_of(batch: Any) -> tuple[Any, Any]:
-    """The (input, target) a batch is, or a refusal naming what it is instead and the way a
-    model that computes its own loss is trained."""
+    """The (input, target) a batch is; anything else refused, naming it."""
     if type(batch) not in (tuple, list) or len(batch) != 2:
         raise TypeError(
             f"a batch is (input, target), not {_described(batch)}: yield pairs from your "
@@ -89,11 +88,9 @@ def resumable(steps: Any, open_group: bool) -> None:
 
 
 def batch_first(graph: Graph, micro: int) -> None:
-    """Refuses `micro` > 1 on a graph holding a layer whose output for one example depends on
-    the others in the batch: a time-first RNN or Transformer layer, or a BatchNorm in a node
-    not declared `.frozen()`. A bare nn.MultiheadAttention is not looked at: the models that
-    hold one time first (DETR, CLIP) turn a batch-first input around before it, and cutting
-    that input is right."""
+    """Refuses `micro` > 1 on a graph holding a time-first layer or a trained BatchNorm. A bare
+    nn.MultiheadAttention is not looked at: the models that hold one time first (DETR, CLIP)
+    turn a batch-first input around before it, and cutting that input is right."""
     if micro == 1:
         return
     for nid in graph.nodes():
@@ -120,9 +117,8 @@ def batch_first(graph: Graph, micro: int) -> None:
 
 
 def ragged(data: Any, micro: int) -> None:
-    """Refuses, before the first step, a DataLoader (anything with a `batch_size`, a `sampler`
-    with a length and `drop_last`) with a batch that `micro` does not divide: its batch size,
-    or the smaller last batch `drop_last=False` leaves."""
+    """Refuses, before the first step, a DataLoader (a `batch_size`, a `sampler` with a length)
+    with a batch, the last one included, that `micro` does not divide."""
     size = getattr(data, "batch_size", None)
     if micro == 1 or type(size) is not int:
         return
@@ -140,7 +136,7 @@ def ragged(data: Any, micro: int) -> None:
         )
 
 
-_TIME = (torch.nn.RNNBase, torch.nn.TransformerEncoderLayer, torch.nn.TransformerDecoderLayer)
+_TIME = (nn.RNNBase, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 _BATCH = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _BATCH += (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
 
@@ -192,9 +188,8 @@ def trains_of(graph: Graph, trains: Any) -> dict[str, Learning]:
 def held_by(
     graph: Graph, optimizer: Any, trains: dict[str, Learning]
 ) -> dict[str, list[torch.Tensor]]:
-    """The parameters the optimizer holds, checked against the graph and `trains`: `{node:
-    the parameters of it the optimizer holds}`, those asking for a gradient. Refused too: no
-    optimizer and no `trains`, where nothing would move."""
+    """`{node: the parameters of it the optimizer holds that ask for a gradient}`, the
+    optimizer checked against the graph and `trains`."""
     if optimizer is None:
         if not trains:
             raise ValueError(
@@ -253,8 +248,8 @@ def held_by(
 
 
 def _needs_closure(optimizer: Any) -> bool:
-    """Whether an optimizer's `step` cannot be called without arguments (LBFGS's closure):
-    read on its class, as a scheduler wraps the instance's."""
+    """Whether an optimizer's `step` needs an argument (LBFGS's closure), read on its class,
+    as a scheduler wraps the instance's."""
     try:
         said = list(inspect.signature(type(optimizer).step).parameters.values())[1:]  # self
     except (TypeError, ValueError):  # no signature to read: it is called, and says itself
@@ -264,8 +259,7 @@ def _needs_closure(optimizer: Any) -> bool:
 
 
 def _reached(fn: Any) -> dict[str, nn.Module]:
-    """The modules a function reaches by name: its closure's cells and the globals its code
-    names (a lambda in a notebook calling `layernorm(...)`)."""
+    """The modules a function reaches by name: in its closure, or globals its code names."""
     code = getattr(fn, "__code__", None)
     if code is None:
         return {}
@@ -279,10 +273,8 @@ def _reached(fn: Any) -> dict[str, nn.Module]:
 
 
 def closed_over(graph: Graph, optimizer: Any) -> None:
-    """Warn of a function node that calls a module it reaches by name (its closure, its
-    globals) whose parameters ask for a gradient and that the optimizer does not hold: they
-    are no node's, so they would never move, and nothing else would say so. Parameters of a
-    node of the graph (frozen, or trained by a Learning) are that node's, and its checks'."""
+    """Warn of a function node calling a module it reaches by name (`_reached`) whose trainable
+    parameters are no node's and not the optimizer's: they would never move, silently."""
     held = set(owners(graph)) | {id(p) for p in holds(optimizer)}
     for nid in graph.topological_sort():
         node = graph.implementation(nid)
@@ -318,8 +310,8 @@ def audit_of(auditing: Any) -> Any:
 
 
 def _not_finite(graph: Graph) -> tuple[list[str], list[str]]:
-    """The qualified names of the graph's parameters, and of its floating buffers, that hold a
-    NaN or an infinity: its nodes' state as `export` gives it, a tied tensor by its first key."""
+    """The qualified names of the graph's parameters, and of its buffers, holding a NaN or an
+    infinity (a tied tensor by its first key)."""
     found: dict[int, tuple[bool, str]] = {}
     for nid in graph.nodes():
         for key, t in state_of(graph.implementation(nid)).items():
@@ -334,9 +326,7 @@ def _listed(names: list[str]) -> str:
 
 def finite(loss: torch.Tensor, graph: Graph, step: int, piece: int | None) -> None:
     """Under `Trainer(finite=True)`: refuses a loss that is NaN or infinite, before its
-    backward, so that neither its gradient nor its update reaches the weights; says whether
-    the weights were already so (an update before put it there) or this batch made it, and
-    which buffers the forward has already spoilt (a BatchNorm's running statistics)."""
+    backward, saying whether the weights or this batch made it, and which buffers it spoilt."""
     value = loss.item()
     if math.isfinite(value):
         return

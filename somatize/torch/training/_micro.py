@@ -34,8 +34,7 @@ def pieces(x: Any, y: Any, k: int) -> tuple[list, list]:
 
 
 def rows(value: Any) -> bool:
-    """Whether `value` is a list of plain values, one per example (strings for a tokenizer,
-    lists of token ids)."""
+    """Whether `value` is a list of plain values, one per example (strings, token id lists)."""
     return type(value) is list and bool(value) and all(plain(v) for v in value)
 
 
@@ -47,8 +46,7 @@ def plain(value: Any) -> bool:
 
 
 def size(value: Any, path: str) -> tuple[int, str] | None:
-    """`(batch size, the path it was read at)`: the first first dimension other than 1 inside
-    `value`, in order; None if there is none."""
+    """`(batch size, where it was read)`: the first first dimension other than 1 in `value`."""
     if isinstance(value, torch.Tensor):
         n = value.shape[0] if value.dim() else 1
     elif rows(value):

@@ -42,9 +42,7 @@ def rank_and_size() -> tuple[int, int]:
 
 def join(cuda: bool) -> None:
     """Open the process group (NCCL if `cuda`, with this rank's `LOCAL_RANK` GPU current,
-    else gloo) from the launcher's environment, or use the one already open. Refused, saying
-    how to launch: a torch without torch.distributed, and a process no launcher started (when
-    no group is open either)."""
+    else gloo) from the launcher's environment, or use the one already open."""
     if not dist.is_available():
         raise RuntimeError(
             "parallel= trains through torch.distributed, and this torch was built without "

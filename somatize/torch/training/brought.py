@@ -15,9 +15,8 @@ __all__ = ["learnt", "parted", "there", "whole"]
 
 
 def there(trainer: Any, nid: str) -> tuple[Any, str | None]:
-    """The Learning of `nid` (None: nothing trains it), and the host whose worker holds it, as
-    it holds the node (None: here): read there, it is sent first if it has not gone yet, and is
-    `StateLost` if that worker lost what it learnt."""
+    """The Learning of `nid` (None: nothing trains it), and the host whose worker holds it with
+    the node (None: here)."""
     learning = trainer.trains.get(nid)
     return learning, trainer.graph.setting(nid).host if learning is not None else None
 
@@ -37,8 +36,7 @@ def learnt(trainer: Any, nid: str) -> dict[str, torch.Tensor]:
 
 def parted(trainer: Any, nid: str, given: dict[str, Any]) -> tuple[dict, dict]:
     """`given` (the weights for node `nid`) as `(the node's own, its Learning's)`, the second
-    without the `learning/` prefix; those of a Learning the node does not have, or that its
-    Learning did not bring, are refused, naming the keys. Nothing is copied here."""
+    without the `learning/` prefix; keys its Learning would not take are refused, named."""
     own = {k: v for k, v in given.items() if not str(k).startswith(BROUGHT)}
     theirs = _theirs(given)
     if not theirs:
@@ -66,9 +64,8 @@ def parted(trainer: Any, nid: str, given: dict[str, Any]) -> tuple[dict, dict]:
 
 
 def whole(trainer: Any, weights: dict[str, dict]) -> None:
-    """Refuses weights that leave out a node with weights, or a key of one (what its Learning
-    brought included, as its worker holds it: the copy here is brought up to it), naming them:
-    `load(strict=True)`. Nothing is loaded here."""
+    """`load(strict=True)`: refuses weights that leave out a node with weights, or a key of one
+    (what its Learning brought included), naming them."""
     left = []
     for nid in trainer.graph.nodes():
         keys = set(state_of(trainer.graph.implementation(nid)))
@@ -88,8 +85,8 @@ def whole(trainer: Any, weights: dict[str, dict]) -> None:
 
 
 def _brings(learning: Any, given: dict[str, Any]) -> set[str]:
-    """The keys (without `learning/`) `learning` holds once loaded from `given`, a node's weights:
-    what it brought, and what it would build for them (`receiving`, here on the meta device)."""
+    """The keys (without `learning/`) `learning` holds once loaded from `given`, a node's
+    weights: what it brought, and what it would build for them (`receiving`)."""
     with torch.device("meta"):  # built only to be named: no memory, no numbers
         parts = learning.receiving(_theirs(given))
     return {*state_of(learning), *state_of(torch.nn.ModuleDict(parts))}
