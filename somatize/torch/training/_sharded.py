@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from somatize.torch.placement import named_modules_of
+from somatize.torch.placement import named_modules_of, trainable
 from somatize.torch.training.params import state_of
 
 
@@ -24,7 +24,7 @@ def _shardable(node: Any) -> list[nn.Module]:
     found: list[nn.Module] = []
     for _, module in named_modules_of(node):
         inside = list(module.children()) if module is node else [module]
-        found += [m for m in inside if any(p.requires_grad for p in m.parameters())]
+        found += [m for m in inside if trainable(m)]
     return found
 
 

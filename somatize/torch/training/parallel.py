@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from somatize import run
-from somatize.torch.placement import modules_of, place
+from somatize.torch.placement import modules_of, place, trainable
 from somatize.torch.training import _ranks, _weights
 from somatize.torch.training._ranks import RankLost
 from somatize.torch.training.params import named, state_of
@@ -216,9 +216,8 @@ class Parallel:
 
     # -- made once ------------------------------------------------------------------------
     def watchers(self, told: list, audit: Any) -> tuple[list, Any]:
-        """What tells the facts here, of the `watching=` and `auditing=` a Trainer was given:
-        on rank 0 both, on any other rank neither, with a warning naming the rank where
-        something was given."""
+        """The `watching=` and `auditing=` a Trainer was given, on rank 0; none on another rank,
+        with a warning where some were given."""
         if self.rank == 0:
             return told, audit
         given = [n for n, it in (("watching=", told), ("auditing=", audit is not None)) if it]
@@ -255,7 +254,7 @@ class Parallel:
                 self._whole = _sharded.shard(root, graph, optimizer, cuda=self.cuda)
                 self._replicas.append(self._whole)
             elif stages.whole:
-                self._whole = self._ddp(modules, [], stages.forward, find_unused=True)
+                self._whole = self._ddp(_Replica(modules, [], stages.forward), find_unused=True)
             else:
                 self._by_part(stages)
         self._stages = stages
@@ -272,8 +271,8 @@ class Parallel:
                 modules += brought
                 have = {id(p) for m in modules for p in m.parameters()}
                 extra = [p for p in learning.training() if id(p) not in have]
-            params = [p for m in modules for p in m.parameters()] + extra
-            for p in params:
+            replica = _Replica(modules, extra, part.forward)
+            for p in replica.parameters():
                 if p.requires_grad and owner.setdefault(id(p), part.ids[0]) != part.ids[0]:
                     raise ValueError(
                         f"nodes {owner[id(p)]!r} and {part.ids[0]!r} share a parameter across "
@@ -286,17 +285,14 @@ class Parallel:
             # Split's backward starts there; one that learns from a loss of its own, or moves
             # modules it brought, is averaged without the walk, and checked (`_every_used`)
             walks = learning is None or (learning.wants_signal and not brought and not extra)
-            replica = self._ddp(modules, extra, part.forward, find_unused=walks)
+            replica = self._ddp(replica, find_unused=walks)
             if replica is not None:
                 self._of[id(part)] = replica
                 if not walks:
                     self._unwatched[id(part)] = _every_used(part, replica, named(stages.graph))
 
-    def _ddp(
-        self, modules: list[nn.Module], extra: list[nn.Parameter], run: Callable, find_unused: bool
-    ) -> Any:
-        replica = _Replica(modules, extra, run)
-        if not any(p.requires_grad for p in replica.parameters()):
+    def _ddp(self, replica: _Replica, find_unused: bool) -> Any:
+        if not trainable(replica):
             return None  # nothing to average: the nodes run as they are
         ddp = nn.parallel.DistributedDataParallel(replica, find_unused_parameters=find_unused)
         self._replicas.append(ddp)
@@ -304,10 +300,8 @@ class Parallel:
 
     # -- every step -----------------------------------------------------------------------
     def even(self, data: Any) -> Any:
-        """`data` as `fit` walks it, every rank taking as many batches (collective: every rank
-        fits). Where every rank's data has a length, the lengths are compared now, and ones
-        that differ are refused on every rank, naming each rank's count, before any step;
-        otherwise the walk answered has the ranks agree before each batch that each has one."""
+        """`data` as `fit` walks it, every rank taking as many batches (collective): lengths
+        that differ are refused now, on every rank; data without one is walked `_InStep`."""
         try:
             n = len(data)
         except TypeError:  # no length: a generator, a DataLoader over an IterableDataset
@@ -346,8 +340,7 @@ class Parallel:
         return self._run(replica, sync, inputs, store=store, watching=watching)
 
     def _part_backward(self, part: Any, envelopes: dict[str, Any]) -> dict[str, Any]:
-        """`part.backward`; the first time, the check that a Learning averaged without DDP's
-        walk used every parameter goes on its optimizer (built by now where the node is)."""
+        """`part.backward`; the first time, `_every_used` goes on its Learning's optimizer."""
         check = self._unwatched.pop(id(part), None)
         if check is not None:
             part.learning.optimizer.register_step_pre_hook(check)
@@ -368,8 +361,7 @@ class Parallel:
 
     def update(self) -> None:
         """Close the group a run ends in the middle of: what accumulated under `no_sync` is
-        averaged across the ranks, then the stages are told. Under FSDP an open group is refused
-        (its gradients are out of an all-reduce's reach): give every epoch a multiple of `every`."""
+        averaged across the ranks, then the stages are told (refused under FSDP)."""
         if self.mode == "fsdp" and self._open:
             raise RuntimeError(
                 "parallel='fsdp': a group of accumulated steps is open and update() has no "
