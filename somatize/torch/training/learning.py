@@ -20,20 +20,8 @@ from somatize.torch._values import mapped
 from somatize.torch.placement import modules_of, move, place
 from somatize.torch.training.params import trainable_in
 
-__all__ = [
-    "Learning",
-    "Split",
-    "Enters",
-    "Envelope",
-    "envelope",
-    "gradient",
-    "OutOfStep",
-    "leafed",
-    "grad_of",
-    "pairs",
-    "scaled",
-    "BROUGHT",
-]
+__all__ = ["Learning", "Split", "Enters", "Envelope", "envelope", "gradient", "OutOfStep"]
+__all__ += ["leafed", "grad_of", "pairs", "scaled", "BROUGHT"]
 
 BROUGHT = "learning/"
 """The prefix of what a Learning brought (a head, a guesser) among the weights of the node it
@@ -268,10 +256,8 @@ class Learning(Node):
 
     def receiving(self, state: Mapping[str, Any]) -> dict[str, torch.nn.Module]:
         """The parts it lacks to take `state` (the keys of what it brought), by attribute name:
-        a technique that builds what it brings lazily builds them here, at the shapes given,
-        without setting them on (a load sets them when it commits, and takes them off if it is
-        undone: a refused load leaves nothing built; built on the meta device too, only to name
-        their keys). Nothing by default."""
+        what a technique builds lazily, built here at the shapes given but not set on (a load
+        sets them when it commits). Nothing by default."""
         return {}
 
     @property
@@ -297,10 +283,8 @@ class Learning(Node):
 
     @property
     def share(self) -> float:
-        """What a gradient arriving is multiplied by to count in this technique's own group:
-        the Trainer divides each step's loss by its `every`, and a group of the technique's
-        own is a mean over its `every` instead (1.0 when the two agree). What it gives back
-        upstream is divided by it again, to count in the Trainer's group."""
+        """What an arriving gradient, divided by the Trainer's `every`, is multiplied by to count
+        in a group of this technique's own `every` (1.0 when the two agree)."""
         return self.outer / self.every
 
     def opens(self) -> bool:
@@ -387,9 +371,7 @@ class Learning(Node):
         given = self.given
         if self.held is not None or self._closing:
             self._count = 0 if self.closes() else self._count + 1
-        self.held = None
-        self.given = None
-        self.target = None
+        self.held = self.given = self.target = None
         self._closing = False
         return given
 

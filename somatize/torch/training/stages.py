@@ -25,16 +25,7 @@ from somatize.torch._modules import tensors_in
 from somatize.torch.training.learning import backward_from, envelope, grad_of, gradient, leafed
 from somatize.torch.training.params import state_of
 
-__all__ = [
-    "INPUT",
-    "LOSS",
-    "TARGET",
-    "Part",
-    "Stages",
-    "Inlet",
-    "Outlet",
-    "untied",
-]
+__all__ = ["INPUT", "LOSS", "TARGET", "Part", "Stages", "Inlet", "Outlet", "untied"]
 
 INPUT = "<input>"
 """The source of a value that is the graph's own input (what the roots receive)."""
@@ -77,16 +68,13 @@ class Part:
     """The nodes of one stage with one (host, Learning) pair: what a transport runs.
 
     It carries what rebuilds it on another machine: `ids` (its nodes, in the order they run),
-    `nodes` (`{id: node}`), `settings` (`{id: Settings}`, host removed), `learning` (the
-    Learning of `trained`, or None), `entering` (edges `(source, node)` from outside, `source`
-    a node id or `INPUT`) and `leaving` (edges `(node, destination)` to outside, `destination` a
-    node id or `LOSS`). `sources` are the distinct sources of its inputs, `exits` the distinct
-    nodes whose values leave; a Learning that `needs_target` is handed it under `TARGET`.
+    `nodes`, `settings` (host removed), `learning` (the Learning of `trained`, or None),
+    `entering` (edges `(source, node)` from outside, `source` a node id or `INPUT`) and
+    `leaving` (edges `(node, destination)` to outside, `destination` a node id or `LOSS`).
 
     The class is also the transport of a part run in this process: a transport answers
     `forward(part, {source: value}, store=, watching=)` with `{exit: value}` and
-    `backward(part, {exit: Envelope})` with `{source: Envelope}`, which `Part.forward` and
-    `Part.backward` are; a remote one (`Remote`) runs them on a copy of the part its worker keeps.
+    `backward(part, {exit: Envelope})` with `{source: Envelope}`; a remote one is `Remote`.
     """
 
     def __init__(
@@ -209,9 +197,8 @@ class Part:
         return {s: envelope(g, closing) for s, g in owed.items() if s != INPUT}
 
     def unwritable(self, answer: dict[str, Any], error: Any) -> Any:
-        """The error of a `stage.forward` answer (`{"outs": {exit: value}, ...}`) that could not
-        be written down with `error`, naming the node whose output cannot be (no codec, or
-        nested too deep)."""
+        """The error of a `stage.forward` answer that could not be written down, naming the node
+        whose output cannot be (no codec, or nested too deep)."""
         from somatize.remote import wire
 
         outs = answer["outs"].items()
@@ -227,11 +214,8 @@ _HERE = (None, None)
 
 
 def untied(graph: Graph, trains: dict[str, Any]) -> None:
-    """Refuse one trainable parameter held by two nodes that a cut parts (tied weights,
-    GPT-2's `wte` and `lm_head`, on another host or trained by another thing than each
-    other): each side would update it on its own (on a worker, a copy of its own), so the tie
-    would not hold and the training would not be the one process's. A `ValueError` naming
-    both nodes and keys; called by the Trainer before it changes anything."""
+    """Refuse one trainable parameter held by two nodes that a cut parts (tied weights, GPT-2's
+    `wte` and `lm_head`): each side would update it on its own, so the tie would not hold."""
     hosts = graph.hosts()
 
     def how(nid: str) -> str:
@@ -346,9 +330,8 @@ class Stages:
             part.graph.invalidate()
 
     def crossed(self) -> tuple[int, int]:
-        """`(forward, backward)`: the bytes of the tensors handed from one part to another
-        since the last time it was asked (values and targets forward, gradients back), counted
-        only while somebody watches; then starts again from nothing."""
+        """`(forward, backward)`: the bytes of the tensors handed from one part to another since
+        the last time it was asked, counted only while somebody watches."""
         counted, self._bytes = self._bytes, [0, 0]
         return counted[0], counted[1]
 
