@@ -7,7 +7,6 @@ and `g` alone in a cell call. This half checks the data, lays it out and draws i
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -91,14 +90,13 @@ def _colours(plan: dict[str, Any], colour: Any) -> dict[str, Any]:
                 f"colour= has {key!r}, which is neither a node of this graph nor "
                 f"node.path.to.layer inside one (nodes: {', '.join(sorted(ids))})"
             )
-        try:
-            number = as_float(value)  # an int a float cannot hold: past the scale's end, as inf
+        try:  # an int a float cannot hold: past the scale's end, as inf; NaN and inf as text
+            out[key] = jsonable(as_float(value))
         except (TypeError, ValueError):
             raise TypeError(
                 f"colour[{key!r}] is {value!r}; colours are numbers (take one metric "
                 "out of a probe or an audit first)"
             ) from None
-        out[key] = number if math.isfinite(number) else str(number)
     return out
 
 
