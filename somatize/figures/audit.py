@@ -266,10 +266,8 @@ class LiveAudit(Face, anywidget.AnyWidget):
             self._drain(judge=0)
             runs = self._history.runs.values()
             places = len(self._history.places())
-            if places:
-                steps = len({s for r in runs for p in r.places.values() for s in p.steps})
-            else:  # losses only: drawn as a loss figure
-                steps = len({s for r in runs for s in r.loss_steps})
+            steps = {s for r in runs for p in r.places.values() for s in p.steps}
+            steps = steps or {s for r in runs for s in r.loss_steps}  # losses only: a loss figure
             more = f", {len(runs)} runs" if len(runs) > 1 else ""
         held = f"{places} places" if places else "loss only"
-        return image(self.svg(), f"{self.title}: {held}, {steps} steps{more}")
+        return image(self.svg(), f"{self.title}: {held}, {len(steps)} steps{more}")
