@@ -165,9 +165,8 @@ class History:
         for run in self.runs.values():
             for place in run.places.values():
                 for name, column in place.columns.items():
-                    if name not in out:
-                        first = next((v for v in column if v is not None), 0.0)
-                        out[name] = type(first).__name__ if isinstance(first, _PLAIN) else "float"
+                    if name not in out:  # (a column holds only float, int, bool and None)
+                        out[name] = type(next((v for v in column if v is not None), 0.0)).__name__
         return out
 
 
