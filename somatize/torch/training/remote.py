@@ -83,13 +83,9 @@ class Remote:
         # asked whenever the part is sent, so once a worker: refuse a node nothing trains there
         from somatize.torch.training.trainer import NoGradient
 
-        idle = [
-            n
-            for n in part.ids
-            if n != part.trained and not part.settings[n].frozen and _hooks.trainable(part.nodes[n])
-        ]
-        if idle:
-            n = idle[0]
+        for n in part.ids:
+            if n == part.trained or part.settings[n].frozen or not _hooks.trainable(part.nodes[n]):
+                continue
             raise NoGradient(
                 f"node {n!r} runs on host {self.host!r} and nothing trains it there: a gradient "
                 "does not cross a wire by itself, so the optimizer here would never move it. "
