@@ -189,14 +189,9 @@ def _shared(store: Any, node: str) -> None:
 
 
 class Parallel:
-    """A Trainer's stages, data-parallel: what the Trainer runs in their place.
-
-    `forward`, `backward` and `update` are the stages' own, through DDP (or FSDP), a failed
-    collective raised as `RankLost`; `sync`, set by the Trainer before each piece, says whether
-    it closes a group (its gradients all-reduced; if not, DDP's `no_sync`, FSDP's gradient sync
-    off). `incoming` and `whole` are what `load` and `export` ask: rank 0's weights on every
-    rank, and whole tensors out of sharded ones.
-    """
+    """A Trainer's stages, data-parallel: what the Trainer runs in their place, a failed
+    collective raised as `RankLost`. `sync`, set by the Trainer before each piece, says whether
+    it closes a group (its gradients all-reduced; if not, DDP's `no_sync`, FSDP's sync off)."""
 
     def __init__(self, mode: str, cuda: bool) -> None:
         self.mode = mode
