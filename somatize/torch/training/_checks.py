@@ -58,6 +58,33 @@ def pair_of(batch: Any) -> tuple[Any, Any]:
     return batch[0], batch[1]
 
 
+def grad_mode() -> None:
+    """Refuses a step with grad mode off."""
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "a step needs gradients, and grad mode is off here (inside torch.no_grad() or "
+            "torch.inference_mode(), or after torch.set_grad_enabled(False), as a "
+            "validation cell may leave it): step outside it, or torch.set_grad_enabled(True)"
+        )
+
+
+def one_loss(loss: Any) -> torch.Tensor:
+    """The objective's answer, refused unless it is one number that asks for a gradient."""
+    if not isinstance(loss, torch.Tensor) or loss.ndim:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(
+            f"the objective gave {shape}, not a tensor with one number: reduce it "
+            "(e.g. reduction='mean') so there is one loss to go backward from"
+        )
+    if not loss.requires_grad:
+        raise ValueError(
+            "the loss does not depend on anything being trained (it asks for no gradient): "
+            "check that the objective uses the graph's output, and that not every node "
+            "before it is frozen"
+        )
+    return loss
+
+
 def something_to_train(graph: Graph) -> None:
     """Refuses a graph none of whose nodes holds a parameter that could be trained."""
     if parameters(graph):

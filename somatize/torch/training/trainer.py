@@ -201,12 +201,7 @@ class Trainer:
         eval mode, as `net.eval()` for a validation pass leaves it, is put back in train mode
         first (`module.train()`); a submodule set to eval in a node in train mode, a frozen
         node and one the optimizer does not hold are left as they are."""
-        if not torch.is_grad_enabled():
-            raise RuntimeError(
-                "a step needs gradients, and grad mode is off here (inside torch.no_grad() or "
-                "torch.inference_mode(), or after torch.set_grad_enabled(False), as a "
-                "validation cell may leave it): step outside it, or torch.set_grad_enabled(True)"
-            )
+        _checks.grad_mode()
         x, y = _checks.pair_of(unwrap(batch))
         xs, ys = pieces(x, y, self.micro) if self.micro > 1 else ((x,), (y,))
         try:
@@ -230,7 +225,7 @@ class Trainer:
             if parallel is not None:  # a piece that does not close runs under no_sync
                 parallel.sync = sync
             torch.clear_autocast_cache()  # under autocast, the weights as they are now
-            loss = self._loss(runs.forward(x, store=self.store, target=y), y)
+            loss = _checks.one_loss(self.objective(runs.forward(x, store=self.store, target=y), y))
             if self.finite:
                 _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
             with _outside_autocast(loss.device.type):
@@ -271,22 +266,6 @@ class Trainer:
         for module in self._trained:
             if not module.training:
                 module.train()
-
-    def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        loss = self.objective(output, target)
-        if not isinstance(loss, torch.Tensor) or loss.ndim:
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise TypeError(
-                f"the objective gave {shape}, not a tensor with one number: reduce it "
-                "(e.g. reduction='mean') so there is one loss to go backward from"
-            )
-        if not loss.requires_grad:
-            raise ValueError(
-                "the loss does not depend on anything being trained (it asks for no gradient): "
-                "check that the objective uses the graph's output, and that not every node "
-                "before it is frozen"
-            )
-        return loss
 
     def _apply(self, step: int) -> None:
         optimizer = self.optimizer
