@@ -157,8 +157,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
 
     def _choose(self) -> None:
         seen = list(self._history.metrics)
-        if seen != list(self.metrics):
-            self.metrics = seen
+        self.metrics = seen  # an equal list: traitlets notifies nobody, nothing is sent
         if self.metric == self._auto:  # nobody chose another: still ours to choose
             best = next((m for m in PREFERRED if m in seen), seen[0] if seen else "")
             self.metric = self._auto = best

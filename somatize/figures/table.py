@@ -296,10 +296,8 @@ class CompareTable(Face, anywidget.AnyWidget):
 
     def plain(self) -> str:
         """One line: how many candidates, and the best by what."""
-        t = self.table
-        return f"comparison of {len(t['index'])} candidates on {len(t['columns'])} columns" + (
-            f", sorted by {self.sort_by}" if self.sort_by else ""
-        )
+        t, by = self.table, f", sorted by {self.sort_by}" if self.sort_by else ""
+        return f"comparison of {len(t['index'])} candidates on {len(t['columns'])} columns{by}"
 
     def svg(self) -> str:
         """The table (its scatter and legend too) as SVG: the HTML held in a foreignObject,
