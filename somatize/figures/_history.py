@@ -5,9 +5,8 @@ behind the columns by the rule `diagnose` uses (`somatize.health.Verdicts`)."""
 from __future__ import annotations
 
 import math
-import sys
+import struct
 import time
-from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,17 +173,13 @@ def _numbers(values: list[Any], buffers: list | None) -> Any:
     """Values as float64 (a bool as 0 or 1, None as NaN, told apart by `absent`): a
     little-endian buffer appended to `buffers` (`{"buffer": its index}`), or with no buffers
     as JSON holds them (NaN and infinities as "nan", "inf", "-inf", None as null)."""
-    part = array("d")
-    for v in values:
-        part.append(math.nan if v is None else as_float(v))
+    part = [math.nan if v is None else as_float(v) for v in values]
     if buffers is None:
         return [
             None if given is None else v if math.isfinite(v) else str(v)
-            for given, v in zip(values, part.tolist(), strict=True)
+            for given, v in zip(values, part, strict=True)
         ]
-    if sys.byteorder == "big":
-        part.byteswap()
-    buffers.append(memoryview(part).cast("B"))
+    buffers.append(struct.pack(f"<{len(part)}d", *part))
     return {"buffer": len(buffers) - 1}
 
 
