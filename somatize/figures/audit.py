@@ -23,7 +23,7 @@ import traitlets
 
 from somatize import health
 from somatize.figures._audit_face import picture
-from somatize.figures._history import History, message, record, step_of
+from somatize.figures._history import History, Run, message, record, step_of
 from somatize.figures._page import STATIC, Face, image
 from somatize.health.verdict import as_float
 
@@ -212,9 +212,7 @@ class LiveAudit(Face, anywidget.AnyWidget):
         """The loss facts seen (of the first run), as (step, value), including any queued."""
         with self._lock:
             self._drain()
-            run = next(iter(self._history.runs.values()), None)
-            if run is None:
-                return []
+            run = next(iter(self._history.runs.values()), Run())  # none yet: an empty one
             return list(zip(run.loss_steps, run.loss_values, strict=True))
 
     def frame(self) -> Any:
