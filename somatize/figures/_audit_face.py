@@ -166,8 +166,7 @@ def picture(
         out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
     y = top + len(rows) * ROW
     _step_axis(out, steps, sx, x0, ends, y)
-    y += 26
-    y = _legend(out, y, scale, metric, families, runs if many else [], width)
+    y = _legend(out, y + 26, scale, metric, families, runs if many else [], width)
     return svg_open(width, y, "smz-audit-svg") + "".join(out) + "</svg>"
 
 
