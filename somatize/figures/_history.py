@@ -236,11 +236,9 @@ def record(history: History, most: int = 240) -> dict:
     thin = History(flags=False)
     thin.metrics = history.metrics
     for name, run in history.runs.items():
-        n = len(run.loss_steps)
-        keep = range(0, n, max(1, -(-n // 2000)))
+        every = max(1, -(-len(run.loss_steps) // 2000))
         into = thin.run(name)
-        into.loss_steps = [run.loss_steps[k] for k in keep]
-        into.loss_values = [run.loss_values[k] for k in keep]
+        into.loss_steps, into.loss_values = run.loss_steps[::every], run.loss_values[::every]
         for where, place in run.places.items():
             rows = len(place.steps)
             per = max(1, -(-rows // most))
