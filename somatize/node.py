@@ -68,9 +68,18 @@ def unwrap(value: Any, depth: int = 0) -> Any:
     past Python's recursion limit still crosses an edge): what the engine does to every value
     crossing an edge and every entry point to what it takes, so code written for the published
     package gives the same answer as with the bare value. Anything else is returned as it is
-    (the same object when nothing changed)."""
-    while type(value) is Opaque:  # a chain of them, however long, without recursing
-        value = value.value
+    (the same object when nothing changed); a chain of Opaques that comes back on itself is a
+    ValueError."""
+    if type(value) is Opaque:  # a chain of them, however long, without recursing
+        seen: set[int] = set()
+        while type(value) is Opaque:
+            if id(value) in seen:
+                raise ValueError(
+                    f"a chain of {len(seen)} Opaques comes back on itself and wraps no value "
+                    "to hand on: wrap the value itself"
+                )
+            seen.add(id(value))
+            value = value.value
     kind = type(value)
     if depth >= _DEEPEST:
         return value
