@@ -257,7 +257,9 @@ class Learning(Node):
     def receiving(self, state: Mapping[str, Any]) -> dict[str, torch.nn.Module]:
         """The parts it lacks to take `state` (the keys of what it brought), by attribute name:
         what a technique builds lazily, built here at the shapes given but not set on (a load
-        sets them when it commits). Nothing by default."""
+        sets them when it commits: a refused load leaves nothing built). Also called under
+        `torch.device("meta")`, only to name their keys: build them, and fill in nothing.
+        Nothing by default."""
         return {}
 
     @property
@@ -284,7 +286,8 @@ class Learning(Node):
     @property
     def share(self) -> float:
         """What an arriving gradient, divided by the Trainer's `every`, is multiplied by to count
-        in a group of this technique's own `every` (1.0 when the two agree)."""
+        in a group of this technique's own `every` (1.0 when the two agree); what it gives back
+        upstream is divided by it again, to count in the Trainer's group."""
         return self.outer / self.every
 
     def opens(self) -> bool:
