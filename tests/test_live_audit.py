@@ -91,8 +91,15 @@ def test_a_places_flags_at_its_last_step_are_what_diagnose_says_of_the_run(store
     for step in range(60):
         facts.append(health("ok", step, grad_norm=0.05, update_ratio=1e-3, zero_frac_max=0.1))
         # a place that goes dead half way, and one with a passing spike at the start
-        facts.append(health("dies", step, grad_norm=0.05 if step < 30 else 1e-12, update_ratio=1e-3,
-                            zero_frac_max=0.1 if step < 30 else 1.0))
+        facts.append(
+            health(
+                "dies",
+                step,
+                grad_norm=0.05 if step < 30 else 1e-12,
+                update_ratio=1e-3,
+                zero_frac_max=0.1 if step < 30 else 1.0,
+            )
+        )
         facts.append(health("spike", step, grad_norm=0.05, update_ratio=0.5 if step < 3 else 1e-3))
     for fact in facts:
         audit(fact)
@@ -110,7 +117,9 @@ def test_a_places_flags_at_its_last_step_are_what_diagnose_says_of_the_run(store
 def test_the_layout_before_contract_1_is_still_read():
     audit = LiveAudit(interval=0.05)
     audit({"fact": "health", "where": "enc.fc", "step": 3, "numbers": {"grad_norm": 0.5}})
-    assert audit.frame().to_dict("records") == [{"where": "enc.fc", "step": 3, "grad_norm": 0.5, "flags": []}]
+    assert audit.frame().to_dict("records") == [
+        {"where": "enc.fc", "step": 3, "grad_norm": 0.5, "flags": []}
+    ]
 
 
 def test_a_malformed_fact_is_refused_in_the_callers_thread_and_nothing_of_it_kept():
@@ -126,7 +135,9 @@ def test_a_malformed_fact_is_refused_in_the_callers_thread_and_nothing_of_it_kep
     assert audit.frame().empty and audit.metrics == [] and audit.loss == []
     audit({"fact": "ran", "node": "enc"})  # not a fact the audit draws: ignored
     audit(health("enc", np.int64(2), grad_norm=np.float32(0.25), note="a string is not drawn"))
-    assert audit.frame().to_dict("records") == [{"where": "enc", "step": 2, "grad_norm": 0.25, "flags": []}]
+    assert audit.frame().to_dict("records") == [
+        {"where": "enc", "step": 2, "grad_norm": 0.25, "flags": []}
+    ]
     with pytest.raises(ValueError, match="interval"):
         LiveAudit(interval=0)
 
@@ -159,8 +170,12 @@ def test_what_is_new_goes_out_batched_as_binary_every_metric_at_once():
     # drawn from what it has, the kernel need not answer
     for content, _ in audit.outbox:
         for place in content["runs"][0]["places"]:
-            assert set(place["columns"]) == ({"grad_norm", "update_ratio"} if place["where"] == "enc" else {"effective_rank"})
-    losses = [s for m, _ in audit.outbox for r in m["runs"] if "loss" in r for s in r["loss"]["steps"]]
+            assert set(place["columns"]) == (
+                {"grad_norm", "update_ratio"} if place["where"] == "enc" else {"effective_rank"}
+            )
+    losses = [
+        s for m, _ in audit.outbox for r in m["runs"] if "loss" in r for s in r["loss"]["steps"]
+    ]
     assert losses == list(range(300))
     sent = len(audit.outbox)
     audit.metric = "update_ratio"
@@ -258,7 +273,15 @@ def test_the_face_draws_the_chosen_metric_its_meaning_every_mark_and_real_axes()
     audit = LiveAudit(interval=0.05, title="mlp")
     for step in range(1000):
         audit({"fact": "loss", "value": 2.305 + 0.005 * math.sin(step), "step": step})
-        audit(health("enc", step, grad_norm=float("nan") if step == 501 else 0.1, update_ratio=1e-3, nan=step == 501))
+        audit(
+            health(
+                "enc",
+                step,
+                grad_norm=float("nan") if step == 501 else 0.1,
+                update_ratio=1e-3,
+                nan=step == 501,
+            )
+        )
     svg = audit.svg()
     root = ET.fromstring(svg)
     text = " ".join("".join(t.itertext()) for t in root.iter(f"{SVG}text"))
@@ -266,14 +289,25 @@ def test_the_face_draws_the_chosen_metric_its_meaning_every_mark_and_real_axes()
     for key in ("not measured", "no number (NaN, ∞)", "flag: numeric"):
         assert key in text
     # a flat loss is drawn on an axis that says how flat: ticks a hundredth apart
-    ticks = [t.text for t in root.iter(f"{SVG}text") if t.get("text-anchor") == "end" and t.text and t.text[0].isdigit()]
+    ticks = [
+        t.text
+        for t in root.iter(f"{SVG}text")
+        if t.get("text-anchor") == "end" and t.text and t.text[0].isdigit()
+    ]
     assert {"2.3", "2.31"} <= set(ticks) and "flat: it spans 0.01, 0.434% of its mean" in text
-    cells_drawn = sum(p.get("d", "").count("z") for p in root.iter(f"{SVG}path") if p.get("fill", "").startswith("rgb("))
+    cells_drawn = sum(
+        p.get("d", "").count("z")
+        for p in root.iter(f"{SVG}path")
+        if p.get("fill", "").startswith("rgb(")
+    )
     assert cells_drawn <= 240  # 1000 steps binned
     audit.metric = "grad_norm"
     assert "no number" in audit.svg() and 'fill="#e03131"' in audit.svg()  # the NaN, red
     data, _ = audit._repr_mimebundle_()
-    assert data["text/plain"].startswith("mlp: a live audit") and 'alt="mlp: 1 places, 1000 steps"' in data["text/html"]
+    assert (
+        data["text/plain"].startswith("mlp: a live audit")
+        and 'alt="mlp: 1 places, 1000 steps"' in data["text/html"]
+    )
     shown = re.search(r'base64,([^"]+)"', data["text/html"]).group(1)
     assert base64.b64decode(shown).decode() == audit.svg()
 
@@ -341,13 +375,35 @@ def test_in_a_kernel_a_shown_audit_fills_during_a_fit_and_its_face_catches_up(tm
     from nbclient import NotebookClient
 
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.strip()) for c in NOTEBOOK])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    ).execute()
     live, shown = nb.cells[0].outputs  # the live view and its line, then the face on its own
     assert "application/vnd.jupyter.widget-view+json" in live.data and "text/html" not in live.data
-    assert live.data["text/plain"] == "shown first: a live audit of the watched places' health, step by step"
-    assert shown.output_type == "display_data" and list(shown.data) == ["text/html"]  # updated later
+    assert (
+        live.data["text/plain"]
+        == "shown first: a live audit of the watched places' health, step by step"
+    )
+    assert shown.output_type == "display_data" and list(shown.data) == [
+        "text/html"
+    ]  # updated later
     assert re.search(r'alt="shown first: \d+ places, 12 steps"', shown.data["text/html"])
-    face = base64.b64decode(re.search(r'base64,([^"]+)"', shown.data["text/html"]).group(1)).decode()
+    face = base64.b64decode(
+        re.search(r'base64,([^"]+)"', shown.data["text/html"]).group(1)
+    ).decode()
     assert "waiting for health facts" not in face and "update_ratio" in face
     assert "fit True" in nb.cells[1].outputs[-1]["text"]
+
+
+def test_a_loss_too_large_for_a_float_is_kept_as_infinity_and_the_audit_goes_on():
+    audit = LiveAudit()
+    for step, value in enumerate([2.5, 10**400, -(10**400), np.float32(1.5), "no number"]):
+        audit({"fact": "loss", "step": step, "value": value})
+    audit({"fact": "loss", "step": 5, "value": 0.5})
+    assert audit.loss[:4] == [(0, 2.5), (1, math.inf), (2, -math.inf), (3, 1.5)]
+    assert math.isnan(audit.loss[4][1]) and audit.loss[5] == (5, 0.5)

@@ -14,7 +14,7 @@ from typing import Any
 from somatize.health import Verdicts, where_of
 from somatize.health import numbers_of as health_numbers
 from somatize.health.metrics import FACT_KEYS
-from somatize.health.verdict import as_float
+from somatize.health.verdict import as_float, number
 
 _PLAIN = (float, int, bool)
 STEPS = range(-(1 << 63), 1 << 63)  # a step is an int that fits in 64 bits
@@ -120,13 +120,10 @@ class History:
         self.version += 1
 
     def loss(self, run: str, fact: Mapping[str, Any]) -> None:
-        try:  # a value that is no number: NaN
-            value = float(fact.get("value"))
-        except (TypeError, ValueError):
-            value = math.nan
+        value = number(fact.get("value"))  # past a float's range: ±inf; no number: NaN
         step, r = fact.get("step"), self.run(run)
         r.loss_steps.append(len(r.loss_steps) if step is None else int(step))
-        r.loss_values.append(value)
+        r.loss_values.append(math.nan if value is None else value)
         self.version += 1
 
     def judge(self, until: float | None = None) -> bool:
