@@ -70,17 +70,10 @@ def unwrap(value: Any, depth: int = 0) -> Any:
     package gives the same answer as with the bare value. Anything else is returned as it is
     (the same object when nothing changed); a chain of Opaques that comes back on itself is a
     ValueError."""
-    if type(value) is Opaque:  # a chain of them, however long, without recursing
-        seen: set[int] = set()
-        while type(value) is Opaque:
-            if id(value) in seen:
-                raise ValueError(
-                    f"a chain of {len(seen)} Opaques comes back on itself and wraps no value "
-                    "to hand on: wrap the value itself"
-                )
-            seen.add(id(value))
-            value = value.value
     kind = type(value)
+    if kind is Opaque:
+        value = _wrapped(value)
+        kind = type(value)
     if depth >= _DEEPEST:
         return value
     if kind is tuple or kind is list:
@@ -93,6 +86,21 @@ def unwrap(value: Any, depth: int = 0) -> Any:
         if all(pairs[k] is v for k, v in value.items()):
             return value
         return pairs
+    return value
+
+
+def _wrapped(value: Opaque) -> Any:
+    """What a chain of Opaques wraps, however long, without recursing; a chain that comes back
+    on itself is refused."""
+    seen: set[int] = set()
+    while type(value) is Opaque:
+        if id(value) in seen:
+            raise ValueError(
+                f"a chain of {len(seen)} Opaques comes back on itself and wraps no value "
+                "to hand on: wrap the value itself"
+            )
+        seen.add(id(value))
+        value = value.value
     return value
 
 
