@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from somatize.graph import Graph
-from somatize.node import Wrapped
+from somatize.node import Wrapped, unwrap
 from somatize.run import warn, watchers
 from somatize.torch._modules import join
 from somatize.torch.placement import named_modules_of, trainable
@@ -48,14 +48,15 @@ def _described(value: Any) -> str:
 
 
 def pair_of(batch: Any) -> tuple[Any, Any]:
-    """The (input, target) a batch is; anything else refused, naming it."""
-    if type(batch) not in (tuple, list) or len(batch) != 2:
+    """The (input, target) a batch is (a tuple, a namedtuple or a list of two, an `Opaque` in
+    either taken off); anything else refused, naming it."""
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(
             f"a batch is (input, target), not {_described(batch)}: yield pairs from your "
             "data (for a model that computes its own loss from labels in its input: "
             "(batch, None), with objective=lambda out, _: out.loss)"
         )
-    return batch[0], batch[1]
+    return unwrap(batch[0]), unwrap(batch[1])
 
 
 def grad_mode() -> None:

@@ -1,0 +1,78 @@
+"""Code written against the published reference pages (`somatize.torch` and the core), run as
+written there, in the ways a researcher's own code reaches them: each test is a call the pages
+document, made with what users' data and models really look like."""
+
+from __future__ import annotations
+
+import copy
+from collections import namedtuple
+
+import torch
+from torch import nn
+from torch.nn.functional import cross_entropy
+from torch.optim import SGD
+from torch.utils.data import DataLoader, Dataset
+
+from somatize import Graph, Node, Opaque
+from somatize.torch import Trainer, parameters
+
+
+class Encoder(Node, nn.Module):
+    """Eight features to sixteen."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+
+    def forward(self, input, ctx):
+        return self.net(input)
+
+
+class Head(Node, nn.Module):
+    """Sixteen features to three classes."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(16, 3)
+
+    def forward(self, input, ctx):
+        return self.lin(input)
+
+
+Sample = namedtuple("Sample", "image label")
+
+
+class Samples(Dataset):
+    """A dataset whose items are namedtuples, as many are written: DataLoader's default collate
+    keeps the namedtuple, so each batch is a `Sample` of two tensors."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.x = torch.randn(24, 8, generator=gen)
+        self.y = torch.randint(0, 3, (24,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int) -> Sample:
+        return Sample(self.x[i], self.y[i])
+
+
+def test_fit_takes_a_batch_that_is_a_namedtuple_of_input_and_target_as_the_pair_it_is():
+    torch.manual_seed(0)
+    enc, head = Encoder(), Head()
+    twins = copy.deepcopy(enc), copy.deepcopy(head)
+    loader = DataLoader(Samples(), batch_size=8)
+    assert isinstance(next(iter(loader)), Sample)
+
+    g = Graph.somatize(enc >> head)
+    t = Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1))
+    named = t.fit(loader, epochs=2).history
+    # the same batches as plain (input, target) tuples, on a twin of the same weights
+    g2 = Graph.somatize(twins[0] >> twins[1])
+    t2 = Trainer(g2, objective=cross_entropy, optimizer=SGD(parameters(g2), lr=0.1))
+    plain = t2.fit([tuple(b) for b in loader], epochs=2).history
+    assert named == plain and len(named) == 6
+    # an Opaque in a namedtuple batch is taken off as in a tuple's
+    x, y = next(iter(loader))
+    assert t.step(Sample(Opaque(x), Opaque(y))) == t2.step((x, y))
