@@ -76,3 +76,27 @@ def test_fit_takes_a_batch_that_is_a_namedtuple_of_input_and_target_as_the_pair_
     # an Opaque in a namedtuple batch is taken off as in a tuple's
     x, y = next(iter(loader))
     assert t.step(Sample(Opaque(x), Opaque(y))) == t2.step((x, y))
+
+
+def test_probe_leaves_no_hook_behind_on_a_convnext_s_layer_scale_it_read():
+    # "Deterministic, and side-effect free; the net is left as it was": a ConvNeXt layer reads
+    # its layer_scale parameter directly (param * x), so the probe hears that parameter's
+    # gradient; afterwards nothing of the probe may stay on it. A hook left there would run
+    # in every later backward of training and, under grasp's second-order backward, turn a
+    # gradient that asks for its own gradient into a number (torch warns of that)
+    import warnings
+
+    from models import zoo
+
+    from somatize.torch import probe, proxies
+
+    torch.manual_seed(0)
+    case = zoo.convnext()
+    g = Graph.somatize(case.model)
+    first = probe(g, case.example)
+    with warnings.catch_warnings(record=True) as heard:
+        warnings.simplefilter("always")
+        scores = proxies(g, case.example, target=case.target, objective=case.objective)
+    assert [str(w.message) for w in heard if "requires_grad" in str(w.message)] == []
+    assert "grasp" in scores
+    assert probe(g, case.example) == first  # and a second probe reads what the first did

@@ -62,7 +62,7 @@ class _Seen:
     place later still hears the gradient of what it was). It holds the tensor by weak
     reference: nothing is kept alive that the forward would let go."""
 
-    __slots__ = ("ref", "size", "norm", "rms", "rows")
+    __slots__ = ("ref", "size", "norm", "rms", "rows", "hook")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.ref = weakref.ref(t)
@@ -70,6 +70,7 @@ class _Seen:
         self.norm = norm(t.detach())
         self.rms: float | None = None
         self.rows: dict[int, Any] = {}
+        self.hook = None  # taken off when the probe ends: a parameter outlives it
         if t.requires_grad:
             rows = self.rows
 
@@ -77,7 +78,7 @@ class _Seen:
                 for r in rows:
                     rows[r] = _per_sample(g, r)
 
-            t.register_hook(heard)
+            self.hook = t.register_hook(heard)
 
     def grads(self, rows: int) -> dict[int, Any]:
         """Where the per-sample norms of the tensor's gradient will be, keyed by `rows`."""
@@ -90,6 +91,7 @@ class _Tensors:
 
     def __init__(self) -> None:
         self.by: dict[int, _Seen] = {}
+        self.hooks: list[Any] = []  # every hook put on, forgotten tensors' too
         self.sources: list[torch.Tensor] = []  # where a gradient has to be asked for
 
     def known(self, t: torch.Tensor) -> _Seen | None:
@@ -102,6 +104,7 @@ class _Tensors:
         seen = None if afresh else self.known(t)
         if seen is None:
             seen = self.by[id(t)] = _Seen(t)
+            self.hooks.append(seen.hook)
         return seen
 
     def forget(self, tensors: list[torch.Tensor]) -> None:
@@ -294,29 +297,33 @@ def probe(
     x = mapped(example, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()))
     held = Held(modules)
     held.refuse(reads="probe")
-    with untouched(held), torch.enable_grad():
-        try:
-            held.differentiable()
-            for h in hooks:
-                h.arm()
-            with Tap(g, heard, roots):
-                result = run_here(g, x, told)
-        except Exception as e:
-            if "requires_grad" in str(e):  # torch refusing the input asking for its gradient
-                note(e, _LEAFED)
-            raise
-        finally:
-            for h in hooks:
-                h.disarm()
-        outs = [t for t in floats_in(result) if t.requires_grad]
-        ends = {id(t): t for t in [*tensors_in(x), *known.sources] if t.requires_grad}
-        ends = list(ends.values())
-        if outs and ends:
-            gen = torch.Generator().manual_seed(0)
-            cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
-            torch.autograd.grad(outs, ends, grad_outputs=cot, allow_unused=True)
-        del outs, ends, result, x
-        known.sources.clear()
+    try:
+        with untouched(held), torch.enable_grad():
+            try:
+                held.differentiable()
+                for h in hooks:
+                    h.arm()
+                with Tap(g, heard, roots):
+                    result = run_here(g, x, told)
+            except Exception as e:
+                if "requires_grad" in str(e):  # torch refusing the input asking for its gradient
+                    note(e, _LEAFED)
+                raise
+            finally:
+                for h in hooks:
+                    h.disarm()
+            outs = [t for t in floats_in(result) if t.requires_grad]
+            ends = {id(t): t for t in [*tensors_in(x), *known.sources] if t.requires_grad}
+            ends = list(ends.values())
+            if outs and ends:
+                gen = torch.Generator().manual_seed(0)
+                cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
+                torch.autograd.grad(outs, ends, grad_outputs=cot, allow_unused=True)
+            del outs, ends, result, x
+            known.sources.clear()
+    finally:  # what a hook was put on outlives the probe (a parameter read as it is)
+        for hook in filter(None, known.hooks):
+            hook.remove()
     answer: dict[str, dict[str, Any]] = {}
     facts = []  # the same, as health facts for `watching`
     one = False
