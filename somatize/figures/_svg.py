@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from decimal import ROUND_HALF_UP, Decimal
 from html import escape
 from typing import Any
+from unicodedata import east_asian_width
 
 from somatize.health.verdict import number as numeric
 
@@ -36,12 +37,17 @@ _WIDTHS = {False: [int(w) for w in _NORMAL.split()], True: [int(w) for w in _BOL
 
 
 def text_width(text: str, px: float = 12, bold: bool = False) -> float:
-    """How wide `text` is drawn at `px` pixels (DejaVu Sans; others are narrower)."""
+    """How wide `text` is drawn at `px` pixels (DejaVu Sans; others are narrower). A wide
+    letter (Chinese, Japanese, Korean: East Asian Width W or F) is a full em in every font."""
     table, other = _WIDTHS[bold], (70 if bold else 64)
-    total = sum(
-        table[ord(ch) - 32] if " " <= ch <= "~" else 84 if ch in "×→←" else other
-        for ch in str(text)
-    )
+    total = 0
+    for ch in str(text):
+        if " " <= ch <= "~":
+            total += table[ord(ch) - 32]
+        elif ch in "×→←":
+            total += 84
+        else:
+            total += 100 if east_asian_width(ch) in "WF" else other
     return total * px / 100
 
 

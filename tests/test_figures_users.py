@@ -1,0 +1,61 @@
+"""Figures as a researcher names things: labels in scripts whose letters are wide (Chinese,
+Japanese, Korean: a full em each, as Unicode's East Asian Width says) are given the room they
+are drawn in, so no title runs out of its box. The browser half is in
+tests/browser/test_users_see.py."""
+
+from __future__ import annotations
+
+import unicodedata
+import xml.etree.ElementTree as ET
+
+from torch import nn
+
+from somatize import Graph, Node
+from somatize.figures import LiveAudit
+
+SVG = "{http://www.w3.org/2000/svg}"
+NAME = "数据处理层" * 4  # twenty ideographs: 20 em wide in any CJK font
+
+
+def _least_width(text: str, px: float) -> float:
+    """The least a text is drawn across at `px`: a wide letter is a full em."""
+    return sum(px for ch in text if unicodedata.east_asian_width(ch) in "WF")
+
+
+def test_a_node_named_in_chinese_is_drawn_in_a_box_that_holds_its_name():
+    class 编码器(nn.Module):  # a layer inside, named and typed in Chinese too
+        def __init__(self):
+            super().__init__()
+            self.线性投影层 = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.线性投影层(x)
+
+    import torch
+
+    from somatize.torch import architecture
+
+    g = Graph.somatize(Node.of(nn.Linear(4, 4)).named(NAME) >> Node.of(编码器()).named("编码"))
+    svg = g.figure(inside=architecture(g, torch.randn(2, 4))).svg()
+    checked = 0
+    for box in ET.fromstring(svg).iter(f"{SVG}g"):
+        if not box.get("data-id", "").startswith(("n:", "l:")):
+            continue
+        w = float(box.get("data-box").split()[2])
+        for text in box.findall(f"{SVG}text"):
+            need = _least_width(text.text or "", float(text.get("font-size")))
+            assert need <= w, f"{box.get('data-id')}: {text.text!r} needs {need} px, box {w}"
+            checked += need > 0
+    assert checked >= 3  # the closed node's title, the open node's, its layer's
+
+
+def test_an_audit_row_named_in_chinese_is_shortened_to_fit_its_label_column():
+    audit = LiveAudit(title="训练")
+    for step in range(5):
+        audit({"fact": "health", "node": NAME * 2, "step": step, "grad_norm": 1.0 + step})
+    root = ET.fromstring(audit.svg())
+    label = next(t for t in root.iter(f"{SVG}text") if (t.text or "").startswith(("数", "…")))
+    assert label.get("text-anchor") == "end"  # the row's name ends at x, left of its cells
+    left = float(label.get("x")) - _least_width(label.text, float(label.get("font-size")))
+    assert left >= 0, f"{label.text!r} starts {-left:.0f} px left of the picture"
+    assert label.text.startswith("…") and len(label.text) < len(NAME) * 2
