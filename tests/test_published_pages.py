@@ -100,3 +100,15 @@ def test_probe_leaves_no_hook_behind_on_a_convnext_s_layer_scale_it_read():
     assert [str(w.message) for w in heard if "requires_grad" in str(w.message)] == []
     assert "grasp" in scores
     assert probe(g, case.example) == first  # and a second probe reads what the first did
+
+
+def test_auditing_given_the_audit_class_instead_of_one_is_refused_saying_to_build_one():
+    # the page writes auditing=Audit(every=10, channels=True); the class itself, a slip of
+    # two brackets, is refused as any other unusable auditing= is, saying what to pass
+    import pytest
+
+    from somatize.torch import Audit
+
+    g = Graph.somatize(Encoder() >> Head())
+    with pytest.raises(ValueError, match=r"class Audit.*Audit\(\)"):
+        Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1), auditing=Audit)

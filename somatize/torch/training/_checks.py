@@ -330,10 +330,11 @@ def audit_of(auditing: Any) -> Any:
 
         return Audit()
     methods = ("watch", "observed", "moved", "release")
-    if not all(callable(getattr(auditing, m, None)) for m in methods):
-        raise Unusable(
-            f"auditing= takes an Audit (or True for the default one), not {type(auditing).__name__}"
-        )
+    if isinstance(auditing, type) or not all(callable(getattr(auditing, m, None)) for m in methods):
+        what = type(auditing).__name__
+        if isinstance(auditing, type):  # the class, whose methods are there unbound
+            what = f"the class {auditing.__name__}: build one, {auditing.__name__}()"
+        raise Unusable(f"auditing= takes an Audit (or True for the default one), not {what}")
     return auditing
 
 
