@@ -5,9 +5,11 @@ tests/browser/test_users_see.py."""
 
 from __future__ import annotations
 
+import re
 import unicodedata
 import xml.etree.ElementTree as ET
 
+import pytest
 from torch import nn
 
 from somatize import Graph, Node
@@ -59,3 +61,26 @@ def test_an_audit_row_named_in_chinese_is_shortened_to_fit_its_label_column():
     left = float(label.get("x")) - _least_width(label.text, float(label.get("font-size")))
     assert left >= 0, f"{label.text!r} starts {-left:.0f} px left of the picture"
     assert label.text.startswith("…") and len(label.text) < len(NAME) * 2
+
+
+def test_a_folded_block_says_every_copy_s_number_where_a_colour_is_given():
+    from models import zoo
+
+    from somatize.torch import architecture, probe
+
+    case = zoo.bert()  # two encoder layers, drawn once folded ×2
+    g = Graph.somatize(Node.of(case.model).named("bert"))
+    gains = {w: n["signal_gain"] for w, n in probe(g, case.example).items() if "signal_gain" in n}
+    svg = g.figure(inside=architecture(g, case.example), colour=gains).svg()
+    first, second = (f"bert.encoder.layer.{k}.attention.self.query" for k in (0, 1))
+    tips = {
+        box.get("data-id"): box.find(f"{SVG}title").text
+        for box in ET.fromstring(svg).iter(f"{SVG}g")
+        if box.get("data-id", "").startswith("l:")
+    }
+    assert "l:bert:encoder.layer.1.attention.self.query" not in tips  # folded: drawn once
+    tip = tips["l:bert:encoder.layer.0.attention.self.query"]
+    each = re.search(r"each copy: ([^\n]+)", tip)
+    assert each, tip
+    shown = [float(v) for v in each.group(1).split(", ")]  # three significant digits
+    assert shown == pytest.approx([gains[first], gains[second]], rel=5e-3)

@@ -99,6 +99,9 @@ class _Painter:
         value = self.colour.get(box.where) if box.where else None
         if value is not None:
             lines.insert(1, f"{self.label or 'colour'}: {number(value)}")
+        if box.copies and any(self.colour.get(w) is not None for w in box.copies):
+            each = [number(self.colour.get(w)) for w in [box.where, *box.copies]]
+            lines.insert(2 if value is not None else 1, f"each copy: {', '.join(each)}")
         return f"<title>{esc(chr(10).join(lines))}</title>"
 
     def attrs(self, box: Box) -> str:

@@ -45,6 +45,7 @@ class Box:
     tip: list[tuple[str, str]] = field(default_factory=list)
     click: tuple[str, str] | None = None  # (trait, key) a click toggles
     where: str = ""  # the colour key: node or node.path
+    copies: list[str] = field(default_factory=list)  # in a folded block: its copies' keys
     family: str = ""
     pills: list[tuple[str, str]] = field(default_factory=list)
     stack: bool = False  # a folded block: its copies drawn behind it
@@ -305,6 +306,14 @@ class _Inside:
             box.children = [self._layer(la, frm, to) for la in own]
             for inner in kids:
                 box.children.extend(self._block(inner, frm, to))
+            if foldable and not opened:  # its layers stand for every copy's
+                at = f"{self.node}.{path}"
+                for inner in walk(box):
+                    wheres = [inner.where, *inner.copies] if inner.where else []
+                    for n in blk["repeats"]:
+                        inner.copies += [
+                            _swap(w, at, f"{self.node}.{_swap(n, old, new)}") for w in wheres
+                        ]
             self.ids.setdefault(path, box.id)
             made.append(box)
             copies.append((frm, to))

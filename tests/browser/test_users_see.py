@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -110,4 +111,23 @@ def test_names_in_chinese_stay_inside_their_boxes(page, served, artifacts):
         assert box["x"] <= t["x"] and t["x"] + t["w"] <= box["x"] + box["w"], t
     assert _overlapping(texts) == []
     page.screenshot(path=str(artifacts / "users-chinese.png"))
+    assert asked == [] and page.errors == []
+
+
+def test_a_folded_block_s_tooltip_shows_every_copy_s_number(page, served):
+    from somatize.torch import probe
+
+    case = zoo.bert()
+    g = Graph.somatize(Node.of(case.model).named("bert"))
+    gains = {w: n["signal_gain"] for w, n in probe(g, case.example).items() if "signal_gain" in n}
+    fig = g.figure(inside=architecture(g, case.example), colour=gains, colour_label="gain")
+    asked = _open_offline(page, served, "bert-gain", fig)
+    page.locator(".smz-fit").click()
+    page.locator("[data-id='l:bert:encoder.layer.0.attention.self.query']").hover()
+    tip = page.locator(".smz-tooltip")
+    tip.wait_for(state="visible")
+    line = next(t for t in tip.inner_text().splitlines() if t.startswith("each copy"))
+    shown = [float(v) for v in line.removeprefix("each copy").strip(" :").split(", ")]
+    layer = "bert.encoder.layer.{}.attention.self.query"
+    assert shown == pytest.approx([gains[layer.format(k)] for k in (0, 1)], rel=5e-3)
     assert asked == [] and page.errors == []
