@@ -135,6 +135,10 @@ def watchers(watching: Any) -> list[Callable[[dict], Any]]:
         return []
     listed = list(watching) if isinstance(watching, (list, tuple)) else [watching]
     for w in listed:
+        if isinstance(w, type):  # callable, but calling it builds one
+            raise TypeError(
+                f"watching= is given the class {w.__name__}: build one, {w.__name__}(...)"
+            )
         if not callable(w):
             raise TypeError(
                 f"watching= takes a callable, a Recorder, or a list of them; "

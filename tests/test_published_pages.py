@@ -112,3 +112,29 @@ def test_auditing_given_the_audit_class_instead_of_one_is_refused_saying_to_buil
     g = Graph.somatize(Encoder() >> Head())
     with pytest.raises(ValueError, match=r"class Audit.*Audit\(\)"):
         Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1), auditing=Audit)
+
+
+def test_an_objective_or_a_watcher_given_as_a_class_is_refused_saying_to_build_one(tmp_path):
+    # Trainer(g, objective=cross_entropy, ...) as the page writes it, with the module form of
+    # the loss, nn.CrossEntropyLoss, missing its brackets; and watching=Recorder, the class
+    # and not one over a store. Each is refused where it is given, naming the class and what
+    # to pass, not at the first step inside torch or the store
+    import pytest
+
+    from somatize import Recorder
+
+    g = Graph.somatize(Encoder() >> Head())
+    with pytest.raises(TypeError, match=r"class CrossEntropyLoss.*CrossEntropyLoss\(\)"):
+        Trainer(g, objective=nn.CrossEntropyLoss, optimizer=SGD(parameters(g), lr=0.1))
+    with pytest.raises(TypeError, match=r"class Recorder.*Recorder\(\.\.\.\)"):
+        Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g), lr=0.1), watching=Recorder)
+    with pytest.raises(TypeError, match=r"class Recorder"):
+        g.forward(torch.randn(2, 8), watching=[Recorder])
+    # built, each works
+    t = Trainer(
+        g,
+        objective=nn.CrossEntropyLoss(),
+        optimizer=SGD(parameters(g), lr=0.1),
+        watching=Recorder(tmp_path, run="r"),
+    )
+    assert t.step((torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))) > 0

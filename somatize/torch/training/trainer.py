@@ -112,6 +112,9 @@ class Trainer:
         finite: bool = False,
     ) -> None:
         graph = as_graph(graph)  # a bare module is a graph of one node; anything else refused
+        if isinstance(objective, type):  # nn.CrossEntropyLoss: calling it builds a loss
+            name = objective.__name__
+            raise TypeError(f"objective= is the class {name}: build one, {name}()")
         if not callable(objective):
             raise TypeError(
                 f"objective is called as objective(output, target) and gives the loss; "
