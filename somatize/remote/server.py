@@ -150,6 +150,9 @@ class Server:
             value = self.answer(message, connection)
         except Exception as error:
             return self._failed(rid, error), True
+        finally:  # idle from when it was answered: a long request does not expire its session
+            if (used := self.sessions.get(str(message.get("session", "")))) is not None:
+                used.last = time.monotonic()
         self.served += 1
         reply = {"rid": rid, "ok": True, "worker": self.incarnation, "value": value}
         where = f"the answer to {message['op']!r}"
