@@ -138,3 +138,14 @@ def test_an_objective_or_a_watcher_given_as_a_class_is_refused_saying_to_build_o
         watching=Recorder(tmp_path, run="r"),
     )
     assert t.step((torch.randn(4, 8), torch.tensor([0, 1, 2, 0]))) > 0
+
+
+def test_gradient_takes_an_opaque_envelope_or_a_map_of_them_as_it_takes_the_bare_ones():
+    # gradient(value) reads what an envelope carries; published code wraps what crosses an
+    # edge in Opaque, and an Opaque is taken off at every entry point
+    from somatize.torch import envelope, gradient
+
+    a, b = torch.ones(2, 3), torch.full((2, 3), 2.0)
+    assert torch.equal(gradient(Opaque(envelope(a))), a)
+    assert torch.equal(gradient({"left": Opaque(envelope(a)), "right": envelope(b)}), a + b)
+    assert gradient(Opaque(envelope(None))) is None and gradient(Opaque(a)) is None

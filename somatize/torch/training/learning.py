@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from somatize.node import Node
+from somatize.node import Node, unwrap
 from somatize.torch._values import mapped
 from somatize.torch.placement import modules_of, move, place
 from somatize.torch.training.params import trainable_in
@@ -70,7 +70,8 @@ def _add(a: Any, b: Any) -> Any:
 
 def gradient(value: Any, device: str | None = None) -> torch.Tensor | None:
     """What an envelope carries, or the sum of what a map of them carries, moved to `device`;
-    None for anything else, and for an envelope carrying nothing."""
+    None for anything else, and for an envelope carrying nothing. An `Opaque` is taken off."""
+    value = unwrap(value)
     if type(value) is Envelope:
         total = value.gradient
     elif isinstance(value, Mapping) and value:
