@@ -84,3 +84,16 @@ def test_a_folded_block_says_every_copy_s_number_where_a_colour_is_given():
     assert each, tip
     shown = [float(v) for v in each.group(1).split(", ")]  # three significant digits
     assert shown == pytest.approx([gains[first], gains[second]], rel=5e-3)
+
+
+def test_an_audit_of_two_runs_names_the_first_in_its_legend_as_on_its_curve():
+    audit = LiveAudit(title="adam")  # the first run is the audit's own, named by its title
+    sgd = audit.run("sgd")
+    for step in range(5):
+        audit({"fact": "loss", "value": 2.0 - 0.1 * step, "step": step})
+        sgd({"fact": "loss", "value": 3.0 - 0.1 * step, "step": step})
+        for run in (audit, sgd):
+            run({"fact": "health", "node": "enc", "step": step, "grad_norm": 1.0})
+    texts = [t.text for t in ET.fromstring(audit.svg()).iter(f"{SVG}text")]
+    assert "adam 1.6" in texts and "sgd 2.6" in texts  # each curve named at its end
+    assert "run adam" in texts and "run sgd" in texts, texts  # and so in the legend

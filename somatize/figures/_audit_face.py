@@ -166,7 +166,8 @@ def picture(
         out.append(f'<path fill="{fill}" d="{"".join(paths)}"/>')
     y = top + len(rows) * ROW
     _step_axis(out, steps, sx, x0, ends, y)
-    y = _legend(out, y + 26, scale, metric, families, runs if many else [], width)
+    named_runs = [r or title or "this run" for r in runs] if many else []  # as on the curves
+    y = _legend(out, y + 26, scale, metric, families, named_runs, width)
     return svg_open(width, y, "smz-audit-svg") + "".join(out) + "</svg>"
 
 
