@@ -457,3 +457,25 @@ def test_a_request_longer_than_the_session_timeout_does_not_expire_its_own_sessi
     _same_weights(
         {k.removeprefix("inner."): v for k, v in learnt["blocks"].items()}, _pieces(ref)[1]
     )
+
+
+def test_a_curve_key_is_taken_as_zmq_makes_it_and_a_malformed_one_refused_when_declared():
+    import zmq
+
+    sealed = Worker.spawn(SPAWN, mode="network", encrypt=True)
+    try:
+        model = _gpt2()
+        emb, blocks, head = _pieces(model)
+        g = Graph.somatize(Node.of(emb) >> Node.of(blocks).at("w") >> Node.of(head))
+        ids = _batches(1)[0][0]
+        as_bytes = sealed.server_key.encode()  # zmq.curve_keypair() gives bytes
+        good = Worker.at(sealed.address, token=sealed.token, server_key=as_bytes)
+        with Broker.embedded({"w": good}) as b, torch.no_grad():
+            assert torch.allclose(
+                g.forward(ids, broker=b), head(blocks(emb(ids))), rtol=0, atol=1e-12
+            )
+        for bad in ("abc", "~" * 40, zmq.curve_keypair()[1][:35], 12):
+            with pytest.raises(ValueError, match="server_key is the worker's CURVE public key"):
+                Worker.at(sealed.address, token=sealed.token, server_key=bad)
+    finally:
+        sealed.stop()

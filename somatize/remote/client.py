@@ -59,6 +59,23 @@ def endpoint(address: Any, *, listen: bool = False) -> str:
     return f"tcp://{host}:{'*' if free else int(port)}"
 
 
+def curve_key(key: Any) -> str:
+    """A worker's CURVE public key as a connection takes it: z85 text, 40 characters for 32
+    bytes, given as text or as the bytes `zmq.curve_keypair()` makes; else a `ValueError`."""
+    from zmq.utils import z85
+
+    text = key.decode("ascii", "replace") if isinstance(key, bytes) else key
+    try:
+        if isinstance(text, str) and len(z85.decode(text)) == 32:
+            return text
+    except (ValueError, KeyError):
+        pass
+    raise ValueError(
+        "server_key is the worker's CURVE public key: 40 characters of z85, the public half "
+        f"of the zmq.curve_keypair() whose secret the worker was started with, not {key!r:.60}"
+    )
+
+
 class Worker:
     """Where a worker is: its address, the token to seal with, its CURVE key when it encrypts,
     and how nodes travel to it (`mode`, `send`). Nothing opens until work is sent."""
@@ -87,7 +104,7 @@ class Worker:
                 raise TypeError(f"send= takes modules or module names, not {m!r:.60}")
             self.send.append(name)
         self.token = token
-        self.server_key = server_key
+        self.server_key = None if server_key is None else curve_key(server_key)
         self.deadline = float(deadline)
         self.child: Child | None = None
 
