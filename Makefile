@@ -30,18 +30,23 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev,docs]"
 	touch $(STAMP)
 
-# The browser tests drive Debian's chromium (never a browser that playwright downloads). As
-# root with apt it is installed here; otherwise one line says what to run.
+# The browser tests drive Debian's chromium (never a browser that playwright downloads), and
+# draw names in Chinese, which needs a CJK font. As root with apt what is missing is installed
+# here; otherwise one line says what to run.
 chromium:
-	@command -v chromium >/dev/null 2>&1 || { \
+	@missing=""; \
+	command -v chromium >/dev/null 2>&1 || missing=" chromium"; \
+	fc-list :lang=zh 2>/dev/null | grep -q . || missing="$$missing fonts-wqy-zenhei"; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing chromium for the browser tests (apt-get install chromium)"; \
-	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || { \
-	      echo "apt-get could not install chromium: install it yourself, then make $(MAKECMDGOALS) again" >&2; exit 1; }; \
+	    echo "installing for the browser tests: apt-get install$$missing"; \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; } || { \
+	      echo "apt-get could not install$$missing: install it yourself, then make $(MAKECMDGOALS) again" >&2; exit 1; }; \
 	  else \
-	    echo "the browser tests need chromium: run 'sudo apt-get install -y chromium', then make $(MAKECMDGOALS) again" >&2; \
+	    echo "the browser tests need$$missing: run 'sudo apt-get install -y$$missing', then make $(MAKECMDGOALS) again" >&2; \
 	    exit 1; \
-	  fi; }
+	  fi; \
+	fi
 
 demo: setup
 	$(BIN)/python -m somatize.demo --out demo.html
