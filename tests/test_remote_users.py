@@ -474,6 +474,16 @@ def test_a_curve_key_is_taken_as_zmq_makes_it_and_a_malformed_one_refused_when_d
             assert torch.allclose(
                 g.forward(ids, broker=b), head(blocks(emb(ids))), rtol=0, atol=1e-12
             )
+        plain = Worker.spawn(SPAWN, mode="network")  # given a key, a worker that encrypts not
+        try:
+            keyed = Worker.at(plain.address, token=plain.token, server_key=sealed.server_key)
+            with (
+                Broker.embedded({"w": keyed}) as b,
+                pytest.raises(PermissionError, match=r"or it does not encrypt \(leave server_key"),
+            ):
+                g.forward(ids, broker=b)
+        finally:
+            plain.stop()
         for bad in ("abc", "~" * 40, zmq.curve_keypair()[1][:35], 12):
             with pytest.raises(ValueError, match="server_key is the worker's CURVE public key"):
                 Worker.at(sealed.address, token=sealed.token, server_key=bad)

@@ -86,7 +86,8 @@ class Connection:
             elif event in _FAILED:
                 raise PermissionError(
                     f"{self.where()}: the worker's CURVE key is not the one given "
-                    "(Worker.at(..., server_key=...) must be its public key)"
+                    "(Worker.at(..., server_key=...) must be its public key), or it does not "
+                    "encrypt (leave server_key out)"
                     if self.worker.server_key
                     else f"{self.where()}: the worker encrypts (CURVE): give its public key, "
                     "Worker.at(..., server_key=...)"
