@@ -26,6 +26,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
 SPAWN = ["--threads", "1"]
 
 
+@pytest.fixture(scope="module")
+def standing():
+    """One worker process for the tests of this file that need no worker of their own: each
+    reaches it through brokers of its own (sessions of their own), as separate clients do."""
+    worker = Worker.spawn(SPAWN, mode="network")
+    yield worker
+    worker.stop()
+
+
+def _at(worker):
+    """Another client's declaration of a worker already standing."""
+    return Worker.at(worker.address, token=worker.token)
+
+
 class Embed(nn.Module):
     """GPT-2's token and position embeddings (they stay with the data)."""
 
@@ -127,11 +141,13 @@ def _same_weights(exported, module):
 
 
 @pytest.mark.parametrize(("every", "micro"), [(2, 2)])
-def test_gpt2_blocks_on_a_worker_with_every_and_micro_train_as_in_one_process(every, micro):
+def test_gpt2_blocks_on_a_worker_with_every_and_micro_train_as_in_one_process(
+    every, micro, standing
+):
     model = _gpt2()
     ref = copy.deepcopy(model)
     batches = _batches(4)
-    with Broker.embedded({"w": Worker.spawn(SPAWN, mode="network")}) as b:
+    with Broker.embedded({"w": _at(standing)}) as b:
         t = _trainer(model, b, every=every, micro=micro)
         losses = [t.step(batch) for batch in batches]
         learnt = t.export()
@@ -139,11 +155,13 @@ def test_gpt2_blocks_on_a_worker_with_every_and_micro_train_as_in_one_process(ev
     _same_weights(learnt["blocks"], _pieces(ref)[1])
 
 
-def test_exported_weights_loaded_into_a_new_trainer_on_a_new_worker_train_on_as_one_run():
+def test_exported_weights_loaded_into_a_new_trainer_through_a_new_broker_train_on_as_one_run(
+    standing,
+):
     model = _gpt2()
     ref = copy.deepcopy(model)
     batches = _batches(4)
-    with Broker.embedded({"w": Worker.spawn(SPAWN, mode="network")}) as b:
+    with Broker.embedded({"w": _at(standing)}) as b:
         t = _trainer(model, b)
         first = [t.step(batch) for batch in batches[:2]]
         kept = t.export()
@@ -151,7 +169,7 @@ def test_exported_weights_loaded_into_a_new_trainer_on_a_new_worker_train_on_as_
     torch.manual_seed(9)
     for p in fresh.parameters():
         p.data.normal_()
-    with Broker.embedded({"w": Worker.spawn(SPAWN, mode="network")}) as b:
+    with Broker.embedded({"w": _at(standing)}) as b:
         t = _trainer(fresh, b)
         t.load(kept)
         then = [t.step(batch) for batch in batches[2:]]
@@ -206,38 +224,33 @@ def test_a_worker_restarted_mid_run_goes_on_only_from_weights_read_back():
     _same_weights(learnt["blocks"], _pieces(ref)[1])
 
 
-def test_two_trainers_on_one_worker_each_train_as_alone():
-    worker = Worker.spawn(SPAWN, mode="network")
+def test_two_trainers_on_one_worker_each_train_as_alone(standing):
     one, other = _gpt2(), _gpt2()
     with torch.no_grad():
         for p in other.parameters():
             p.mul_(0.5)
     refs = [copy.deepcopy(one), copy.deepcopy(other)]
     batches = _batches(3)
-    at = Worker.at(worker.address.removeprefix("tcp://"), token=worker.token)
-    try:
-        with Broker.embedded({"w": worker}) as b1, Broker.embedded({"w": at}) as b2:
-            trainers = [_trainer(one, b1), _trainer(other, b2)]
-            losses = [[], []]
-            for batch in batches:  # interleaved, step by step
-                for k, t in enumerate(trainers):
-                    losses[k].append(t.step(batch))
-            learnt = [t.export() for t in trainers]
-    finally:
-        worker.stop()
+    with Broker.embedded({"w": _at(standing)}) as b1, Broker.embedded({"w": _at(standing)}) as b2:
+        trainers = [_trainer(one, b1), _trainer(other, b2)]
+        losses = [[], []]
+        for batch in batches:  # interleaved, step by step
+            for k, t in enumerate(trainers):
+                losses[k].append(t.step(batch))
+        learnt = [t.export() for t in trainers]
     for k in range(2):
         assert losses[k] == pytest.approx(_by_hand(refs[k], batches), rel=1e-12)
         _same_weights(learnt[k]["blocks"], _pieces(refs[k])[1])
 
 
-def test_a_client_with_the_wrong_token_or_curve_key_is_told_so_at_once():
+def test_a_client_with_the_wrong_token_or_curve_key_is_told_so_at_once(standing):
     import zmq
 
     ids = _batches(1)[0][0]
     model = _gpt2()
     emb, blocks, head = _pieces(model)
     g = Graph.somatize(Node.of(emb) >> Node.of(blocks).named("blocks").at("w") >> Node.of(head))
-    plain = Worker.spawn(SPAWN, mode="network")
+    plain = standing
     sealed = Worker.spawn(SPAWN, mode="network", encrypt=True)
     try:
         wrong = Worker.at(plain.address, token="x" * 64)
@@ -260,7 +273,6 @@ def test_a_client_with_the_wrong_token_or_curve_key_is_told_so_at_once():
                 g.forward(ids, broker=b), head(blocks(emb(ids))), rtol=0, atol=1e-12
             )
     finally:
-        plain.stop()
         sealed.stop()
 
 
@@ -301,7 +313,7 @@ def _resnet_pieces(model):
     return Stem(model.resnet), Stages(model.resnet), Classify(model)
 
 
-def test_resnet_stages_on_a_worker_train_batchnorm_and_all_as_in_one_process():
+def test_resnet_stages_on_a_worker_train_batchnorm_and_all_as_in_one_process(standing):
     model = zoo.resnet().model.double()
     ref = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(4)
@@ -317,7 +329,7 @@ def test_resnet_stages_on_a_worker_train_batchnorm_and_all_as_in_one_process():
     )
     trains = {"stages": Split(torch.optim.SGD, lr=0.05, momentum=0.9)}
     opt = torch.optim.SGD(parameters(g, without=trains), lr=0.05, momentum=0.9)
-    with Broker.embedded({"w": Worker.spawn(SPAWN, mode="network")}) as b:
+    with Broker.embedded({"w": _at(standing)}) as b:
         t = Trainer(
             g, objective=nn.functional.cross_entropy, optimizer=opt, trains=trains, broker=b
         )
@@ -341,14 +353,12 @@ def test_resnet_stages_on_a_worker_train_batchnorm_and_all_as_in_one_process():
         assert torch.allclose(evaluated, ref(batches[0][0]).logits, rtol=0, atol=1e-10)
 
 
-def test_federated_averaging_of_three_clients_with_one_slow_and_one_gone(tmp_path):
+def test_federated_averaging_of_three_clients_with_one_slow_and_one_gone(tmp_path, standing):
     store = Store(tmp_path / "store")
-    worker = Worker.spawn(SPAWN, mode="network")
-    at = Worker.at(worker.address, token=worker.token)
     batches = _batches(6)
     clients = [_gpt2() for _ in range(3)]
     sizes = [2, 1, 3]
-    brokers = [Broker.embedded({"w": worker if k == 0 else at}) for k in range(3)]
+    brokers = [Broker.embedded({"w": _at(standing)}) for _ in range(3)]
     try:
         trainers = [_trainer(m, b) for m, b in zip(clients, brokers, strict=True)]
         exports = []
@@ -421,7 +431,6 @@ def test_federated_averaging_of_three_clients_with_one_slow_and_one_gone(tmp_pat
     finally:
         for b in brokers:
             b.close()
-        worker.stop()
 
 
 class Slow(nn.Module):
@@ -459,7 +468,7 @@ def test_a_request_longer_than_the_session_timeout_does_not_expire_its_own_sessi
     )
 
 
-def test_a_curve_key_is_taken_as_zmq_makes_it_and_a_malformed_one_refused_when_declared():
+def test_a_curve_key_is_taken_as_zmq_makes_it_and_a_malformed_one_refused_when_declared(standing):
     import zmq
 
     sealed = Worker.spawn(SPAWN, mode="network", encrypt=True)
@@ -474,16 +483,13 @@ def test_a_curve_key_is_taken_as_zmq_makes_it_and_a_malformed_one_refused_when_d
             assert torch.allclose(
                 g.forward(ids, broker=b), head(blocks(emb(ids))), rtol=0, atol=1e-12
             )
-        plain = Worker.spawn(SPAWN, mode="network")  # given a key, a worker that encrypts not
-        try:
-            keyed = Worker.at(plain.address, token=plain.token, server_key=sealed.server_key)
-            with (
-                Broker.embedded({"w": keyed}) as b,
-                pytest.raises(PermissionError, match=r"or it does not encrypt \(leave server_key"),
-            ):
-                g.forward(ids, broker=b)
-        finally:
-            plain.stop()
+        # given a key, a worker that does not encrypt
+        keyed = Worker.at(standing.address, token=standing.token, server_key=sealed.server_key)
+        with (
+            Broker.embedded({"w": keyed}) as b,
+            pytest.raises(PermissionError, match=r"or it does not encrypt \(leave server_key"),
+        ):
+            g.forward(ids, broker=b)
         for bad in ("abc", "~" * 40, zmq.curve_keypair()[1][:35], 12):
             with pytest.raises(ValueError, match="server_key is the worker's CURVE public key"):
                 Worker.at(sealed.address, token=sealed.token, server_key=bad)
