@@ -1305,6 +1305,8 @@ def test_groups_that_carry_the_same_thing_leak_and_refusals():
         Audit(groups={"nowhere": {"a": [0], "b": [1]}}).watch(g)
     with pytest.raises(ValueError, match="two channel groups"):
         Audit(groups={"copy": {"a": [0]}})
+    with pytest.raises(ValueError, match=r"'a' and 'b' share channels \[4, 5\]"):
+        Audit(groups={"copy": {"a": range(0, 6), "b": range(4, 8)}})  # a partition: apart
     wide = Audit(groups={"copy": {"a": [0], "b": [40]}}).watch(g)
     with pytest.raises(ValueError, match="channel 40.*12 channels"):
         _loop(g, wide, 1)

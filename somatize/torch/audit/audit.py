@@ -26,6 +26,7 @@ kept.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -96,6 +97,12 @@ class Audit:
                     f"e.g. {{'audio': range(0, 64), 'text': range(64, 128)}}"
                 )
             self.groups[where] = {k: [int(i) for i in v] for k, v in parts.items()}
+            for (a, ca), (b, cb) in itertools.combinations(self.groups[where].items(), 2):
+                if shared := sorted(set(ca) & set(cb)):
+                    raise ValueError(
+                        f"groups[{where!r}]: {a!r} and {b!r} share channels {shared[:8]}; the "
+                        "groups are a partition, each channel in one group at most"
+                    )
         self.step = 0
         #: the watched places, in graph order (a node, then what is inside it)
         self.places: list[str] = []
