@@ -495,3 +495,27 @@ def test_a_curve_key_is_taken_as_zmq_makes_it_and_a_malformed_one_refused_when_d
                 Worker.at(sealed.address, token=sealed.token, server_key=bad)
     finally:
         sealed.stop()
+
+
+def test_a_graph_built_anew_around_the_trained_modules_is_not_run_from_older_weights(standing):
+    model = _gpt2()
+    ref = copy.deepcopy(model)
+    batches = _batches(2)
+    ids = batches[1][0]
+    _by_hand(ref, batches[:1])
+    with torch.no_grad():
+        want = _pieces(ref)[2](_pieces(ref)[1](_pieces(ref)[0](ids)))
+    with Broker.embedded({"w": _at(standing)}) as b:
+        t = _trainer(model, b)
+        t.step(batches[0])
+        emb, _, head = _pieces(model)  # a new wrapper around the same blocks, the same broker
+        again = Graph.somatize(
+            Node.of(emb)
+            >> Node.of(Blocks(model.transformer)).named("blocks").at("w")
+            >> Node.of(head)
+        )
+        with torch.no_grad():
+            with pytest.raises(StateLost, match="learnt on host 'w'"):
+                again.forward(ids, broker=b)  # it would run the blocks as they were before
+            t.export()  # read back: the copy here is current
+            assert torch.allclose(again.forward(ids, broker=b), want, rtol=0, atol=1e-12)

@@ -13,8 +13,9 @@ from somatize.remote.errors import StateLost
 
 __all__ = ["params", "mark", "unmark", "remark", "refuse_behind"]
 
-_AHEAD: dict[int, tuple[weakref.ref, str, str, str]] = {}
-"""`{id(parameter): (a weak reference to it, the broker's session, the host, the node id)}`."""
+_AHEAD: dict[int, tuple[weakref.ref, str, str, str, int]] = {}
+"""`{id(parameter): (a weak reference to it, the broker's session, the host, the node id, the
+node's id())}`."""
 
 
 def params(node: Any) -> list[Any]:
@@ -28,7 +29,8 @@ def mark(nid: str, node: Any, session: str, host: str) -> None:
         if not p.requires_grad:  # a frozen weight learns nothing there
             continue
         i = id(p)
-        _AHEAD[i] = (weakref.ref(p, lambda _gone, i=i: _AHEAD.pop(i, None)), session, host, nid)
+        gone = weakref.ref(p, lambda _gone, i=i: _AHEAD.pop(i, None))
+        _AHEAD[i] = (gone, session, host, nid, id(node))
 
 
 def _noted(p: Any) -> tuple | None:
@@ -50,13 +52,15 @@ def remark(marks: list[tuple[int, tuple]]) -> None:
 
 def refuse_behind(nid: str, node: Any, session: str) -> None:
     """`StateLost` for node `nid` when a weight of it learnt on a worker through another
-    broker than the one of `session` and was not read back: the copy here is behind it."""
+    broker than the one of `session`, or as another node (a graph built anew around the same
+    modules), and was not read back: the copy here is behind it."""
     for p in params(node):
         entry = _noted(p)
-        if entry is not None and entry[1] != session:
+        if entry is not None and (entry[1] != session or entry[4] != id(node)):
+            through = "another broker" if entry[1] != session else "this broker"
             raise StateLost(
                 f"node {nid!r} holds weights that learnt on host {entry[2]!r} (as node "
-                f"{entry[3]!r}) through another broker, and what they learnt was not read back "
+                f"{entry[3]!r}) through {through}, and what they learnt was not read back "
                 "(Trainer.export) before the worker lost it or this broker asked: the copy "
                 "here is behind, and nothing was sent. Read it back through that broker "
                 "while it is open; or resume from the copy here, "
