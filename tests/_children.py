@@ -1,6 +1,7 @@
 """The child processes that the store's fault tests and `bench/store.py --faults` start (and
 stop by pid): a writer that keeps a value over and over, a claimer stuck mid-claim, and a
-decoder fed over a pipe. Run as `python -c SCRIPT args...`."""
+decoder fed over a pipe. Run as `python -c SCRIPT args...`. And `in_a_kernel`, which runs
+cells in a real Jupyter kernel."""
 
 from __future__ import annotations
 
@@ -75,3 +76,21 @@ def tuples(depth: int) -> bytes:
     for _ in range(depth):
         data = msgpack.packb(msgpack.ExtType(1, b"\x91" + data))
     return data
+
+
+def in_a_kernel(cells: list[str], path) -> list:
+    """Run `cells` as a notebook in a real python3 kernel working in `path`; its cells, with
+    their outputs."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.strip()) for c in cells])
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(path)}}
+    ).execute()
+    return nb.cells

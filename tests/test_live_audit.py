@@ -371,19 +371,10 @@ print("fit", len(audit.frame()) > 0)
 
 
 def test_in_a_kernel_a_shown_audit_fills_during_a_fit_and_its_face_catches_up(tmp_path):
-    import nbformat
-    from nbclient import NotebookClient
+    from _children import in_a_kernel
 
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c.strip()) for c in NOTEBOOK])
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    NotebookClient(
-        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
-    live, shown = nb.cells[0].outputs  # the live view and its line, then the face on its own
+    cells = in_a_kernel(NOTEBOOK, tmp_path)
+    live, shown = cells[0].outputs  # the live view and its line, then the face on its own
     assert "application/vnd.jupyter.widget-view+json" in live.data and "text/html" not in live.data
     assert (
         live.data["text/plain"]
@@ -397,7 +388,7 @@ def test_in_a_kernel_a_shown_audit_fills_during_a_fit_and_its_face_catches_up(tm
         re.search(r'base64,([^"]+)"', shown.data["text/html"]).group(1)
     ).decode()
     assert "waiting for health facts" not in face and "update_ratio" in face
-    assert "fit True" in nb.cells[1].outputs[-1]["text"]
+    assert "fit True" in cells[1].outputs[-1]["text"]
 
 
 def test_a_loss_too_large_for_a_float_is_kept_as_infinity_and_the_audit_goes_on():

@@ -794,21 +794,10 @@ print(watched.live)
 
 
 def test_in_a_notebook_a_fit_shows_its_bar_and_leaves_a_line_and_an_audited_one_its_audit(tmp_path):
-    import nbformat
-    from nbclient import NotebookClient
+    from _children import in_a_kernel
 
-    nb = nbformat.v4.new_notebook(
-        cells=[nbformat.v4.new_code_cell(c.strip()) for c in KERNEL_CELLS]
-    )
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    NotebookClient(
-        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
-    ).execute()
-    outputs = nb.cells[0].outputs
+    cells = in_a_kernel(KERNEL_CELLS, tmp_path)
+    outputs = cells[0].outputs
     faces = [o for o in outputs if "smz-face" in o.get("data", {}).get("text/html", "")]
     assert len(faces) == 1  # the audit shown once, and filled by both fits
     lines = [o.data["text/plain"] for o in outputs if o.get("data", {}).keys() == {"text/plain"}]
@@ -818,13 +807,13 @@ def test_in_a_notebook_a_fit_shows_its_bar_and_leaves_a_line_and_an_audited_one_
     )
     assert lines[0].startswith("training: 6 steps") and lines[1].startswith("training: 3 steps")
     assert outputs[-1]["text"].strip() == "LiveAudit 9"
-    plain = nb.cells[1].outputs  # nothing audited, nothing drawn: the bar's line, and None
+    plain = cells[1].outputs  # nothing audited, nothing drawn: the bar's line, and None
     assert [o.get("data", {}).get("text/plain", "")[:17] for o in plain[:-1]] == [
         "training: 3 steps"
     ]
     assert plain[-1]["text"].strip() == "None"
     # a run of the user's own LiveAudit watching: that one is drawn, no second one beside it
-    watched = nb.cells[2].outputs
+    watched = cells[2].outputs
     faces = [o for o in watched if "smz-face" in o.get("data", {}).get("text/html", "")]
     assert len(faces) == 1 and "mine" in faces[0]["data"]["text/html"]
     assert watched[-1]["text"].strip() == "None"
