@@ -26,6 +26,13 @@ def floats_in(value: Any) -> list[torch.Tensor]:
     return [t for t in tensors_in(value) if t.is_floating_point()]
 
 
+def output_of(floats: list[torch.Tensor]) -> torch.Tensor | None:
+    """What a place gives, of the floating-point tensors it made (in order): the first that
+    holds more than one number (a loss given first, as transformers' models given labels do,
+    is not what it makes), else the first; None for none."""
+    return next((t for t in floats if t.dim()), floats[0] if floats else None)
+
+
 def wide(t: torch.Tensor) -> torch.dtype | None:
     """The dtype a reduction over `t` accumulates in: float32 for half precisions."""
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else None

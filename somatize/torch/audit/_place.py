@@ -22,6 +22,7 @@ from somatize.torch.audit._measures import (
     effective_rank,
     floats_in,
     norm,
+    output_of,
     rows_of,
     sums_of,
 )
@@ -111,10 +112,7 @@ class Place:
     def saw(self, input: Any, out: Any, step: int, channels: bool, snapshot: bool) -> None:
         """What came out of the place on a measured step (and the ids of what went in), left as
         tensors, and tensor hooks for the gradients that will come back."""
-        # its first output that is more than one number (a loss given first, as transformers'
-        # models given labels do, is not what it makes), else its first
-        floats = floats_in(out)
-        t = next((f for f in floats if f.dim()), floats[0] if floats else None)
+        t = output_of(floats_in(out))
         if t is None:
             return
         self.step = step

@@ -25,7 +25,7 @@ from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
 from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
-from somatize.torch.audit._measures import floats_in, norm, read, sums_of, wide
+from somatize.torch.audit._measures import floats_in, norm, output_of, read, sums_of, wide
 from somatize.torch.audit._place import saturation
 from somatize.torch.inside._forward import Boxes
 from somatize.torch.inside._trace import call_path
@@ -136,7 +136,7 @@ class _Place:
         each not read yet, all read at once. A call that gave back a tensor it was handed
         (written over in place, or handed on as it is) is measured against that tensor as it
         was seen before the call, and left out where it was not (what it read is gone)."""
-        inp, out = _first(given), _first(made)
+        inp, out = _first(given), output_of([t for t in made if t.is_floating_point()])
         if out is None:
             return
         i = None
