@@ -14,7 +14,6 @@ import torch
 
 from somatize import run
 from somatize.graph import Graph, as_graph, broker_for
-from somatize.node import unwrap
 from somatize.store import store_of
 from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
@@ -205,7 +204,7 @@ class Trainer:
         first (`module.train()`); a submodule set to eval in a node in train mode, a frozen
         node and one the optimizer does not hold are left as they are."""
         _checks.grad_mode()
-        x, y = _checks.pair_of(unwrap(batch))
+        x, y = _checks.pair_of(batch)
         xs, ys = pieces(x, y, self.micro) if self.micro > 1 else ((x,), (y,))
         try:
             return self._step(xs, ys)
