@@ -103,16 +103,22 @@ def _split(g, heard, learning):
     )
 
 
-def _fit(g, steps=3):
-    """What an audited Trainer (SGD, lr 0.1) told over `steps` steps on `_data()`."""
-    heard = []
-    t = Trainer(
+def _audited(g, heard, **kw):
+    """A Trainer of `g` by SGD (lr 0.1) on cross entropy, audited every step, telling `heard`."""
+    return Trainer(
         g,
         objective=F.cross_entropy,
         optimizer=torch.optim.SGD(parameters(g), lr=0.1),
         auditing=Audit(),
         watching=heard.append,
+        **kw,
     )
+
+
+def _fit(g, steps=3):
+    """What an audited Trainer (SGD, lr 0.1) told over `steps` steps on `_data()`."""
+    heard = []
+    t = _audited(g, heard)
     x, y = _data()
     t.fit([(x, y)] * steps)
     t.close()
@@ -334,14 +340,7 @@ def test_without_moved_no_update_ratio_and_the_copy_waits():
 def test_under_accumulation_each_measured_step_gets_its_groups_update_told_at_the_close():
     g = _graph()
     heard = []
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
-        auditing=Audit(every=1),
-        watching=heard.append,
-        every=3,
-    )
+    t = _audited(g, heard, every=3)
     layer = g.implementation("layer")
     x, y = _data()
     before = _weights(layer)
@@ -374,14 +373,7 @@ def test_under_accumulation_grad_norm_is_what_the_group_has_accumulated_so_far()
         )
     g = _graph()
     heard = []
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
-        auditing=Audit(every=1),
-        watching=heard.append,
-        every=3,
-    )
+    t = _audited(g, heard, every=3)
     for batch in batches:
         t.step(batch)
     t.close()
