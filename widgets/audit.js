@@ -4,7 +4,7 @@
 // and mark, a tooltip that explains the metric. It keeps every metric the kernel sends, so a
 // metric chosen from the menu is drawn at once, also while the kernel is busy with a fit.
 import { initialize, storeOf } from "./audit_store.js";
-import { esc, FONT_FAMILY, number, scaleOf, smoothed, tickLabels, ticks, viridis } from "./common.js";
+import { counted, esc, FONT_FAMILY, number, scaleOf, smoothed, tickLabels, ticks, viridis } from "./common.js";
 
 const FAMILY = { numeric: "#e03131", signal: "#f76707", activation: "#c2255c", step: "#1971c2", capacity: "#7048e8" };
 const NO_NUMBER = "#e03131";
@@ -332,7 +332,7 @@ function render({ model, el: host }) {
     legend.innerHTML = h;
     const flagged = cells.reduce((a, c) => a + c.flags.filter(Boolean).length, 0);
     const held = s.binnedFrom > steps.length ? ` (binned from ${s.binnedFrom})` : "";
-    status.textContent = !rows.length ? "" : `${new Set(rows.map((r) => r.where)).size} places · ${steps.length} steps${held}${flagged ? ` · ${flagged} flagged` : ""}`;
+    status.textContent = !rows.length ? "" : `${counted(new Set(rows.map((r) => r.where)).size, "place")} · ${counted(steps.length, "step")}${held}${flagged ? ` · ${flagged} flagged` : ""}`;
     root.dataset.cells = String(cells.reduce((a, c) => a + c.vals.filter((v) => v !== undefined).length, 0));
     root.dataset.coloured = String(values.length);
     root.dataset.metric = metric;

@@ -6,6 +6,9 @@ export const FONT_FAMILY = "system-ui, -apple-system, 'Segoe UI', 'DejaVu Sans',
 
 export const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
 
+// `n` and the word, plural unless n is 1 (Python's `_svg.counted`): "1 place", "3 places".
+export const counted = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+
 const trim = (text) => (text.includes(".") ? text.replace(/0+$/, "").replace(/\.$/, "") : text);
 
 function sig(a) {

@@ -3,9 +3,9 @@
 // ⌘ with the wheel, a pinch), and shows a minimap when the drawing is bigger than the view.
 // A click on a node or a folded block toggles `opened` or `expanded`; the kernel redraws.
 
-const views = new WeakMap(); // model -> {scale, x, y, fitted}: kept when a view is made again
+import { counted, esc } from "./common.js";
 
-const esc = (s) => String(s).replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+const views = new WeakMap(); // model -> {scale, x, y, fitted}: kept when a view is made again
 
 function tipHtml(text) {
   const [title, ...rows] = text.split("\n");
@@ -122,7 +122,7 @@ function render({ model, el: host }) {
     }
     place();
     const nodes = (model.get("plan")?.nodes || []).length;
-    status.textContent = `${nodes} node${nodes === 1 ? "" : "s"}`;
+    status.textContent = counted(nodes, "node");
     const insides = Object.keys(model.get("inside") || {});
     const all = root.querySelector(".smz-all");
     all.hidden = insides.length === 0;

@@ -51,6 +51,11 @@ def text_width(text: str, px: float = 12, bold: bool = False) -> float:
     return total * px / 100
 
 
+def counted(n: int, word: str) -> str:
+    """`n` and the word, plural unless `n` is 1: "1 place", "3 places"."""
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
 def finite(v: Any) -> bool:
     """Whether `v` is a number (not a bool) and finite, as health reads one (`verdict.number`): an int
     a float cannot hold is not."""

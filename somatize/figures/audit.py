@@ -25,6 +25,7 @@ from somatize import health
 from somatize.figures._audit_face import picture
 from somatize.figures._history import History, Run, message, record, step_of
 from somatize.figures._page import STATIC, Face, image
+from somatize.figures._svg import counted
 from somatize.health.verdict import as_float
 
 __all__ = ["LiveAudit"]
@@ -266,5 +267,5 @@ class LiveAudit(Face, anywidget.AnyWidget):
             steps = {s for r in runs for p in r.places.values() for s in p.steps}
             steps = steps or {s for r in runs for s in r.loss_steps}  # losses only: a loss figure
             more = f", {len(runs)} runs" if len(runs) > 1 else ""
-        held = f"{places} places" if places else "loss only"
-        return image(self.svg(), f"{self.title}: {held}, {len(steps)} steps{more}")
+        held = counted(places, "place") if places else "loss only"
+        return image(self.svg(), f"{self.title}: {held}, {counted(len(steps), 'step')}{more}")

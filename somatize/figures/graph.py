@@ -16,6 +16,7 @@ import traitlets
 
 from somatize.figures._draw import picture
 from somatize.figures._page import STATIC, Face, image, jsonable
+from somatize.figures._svg import counted
 from somatize.graph import as_graph
 from somatize.health.verdict import as_float
 
@@ -166,7 +167,7 @@ class GraphFigure(Face, anywidget.AnyWidget):
         ids = [str(n["id"]) for n in self.plan.get("nodes", [])]
         shown = ", ".join(ids[:6]) + (", …" if len(ids) > 6 else "")
         opened = f"; open: {', '.join(self.opened)}" if self.opened else ""
-        return f"{self.name}: {len(ids)} node{'s' * (len(ids) != 1)} ({shown}){opened}"
+        return f"{self.name}: {counted(len(ids), 'node')} ({shown}){opened}"
 
 
 def graph_figure(

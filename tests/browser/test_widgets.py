@@ -211,6 +211,26 @@ def test_an_audit_saved_with_no_kernel_draws_its_record(page, served, artifacts)
     page.screenshot(path=str(artifacts / "audit-saved.png"), full_page=True)
 
 
+def test_one_place_at_one_step_is_said_in_the_singular_live_and_in_the_static_face(
+    page, served
+):
+    audit = LiveAudit(interval=0.05, title="one")
+    audit({"fact": "health", "node": "enc", "inside": None, "step": 0, "grad_norm": 0.5})
+    assert "one: 1 place, 1 step" in audit.face()
+    _open(page, served, "one", audit)
+    status = page.locator(".smz-audit-status")
+    page.wait_for_function("() => document.querySelector('.smz-audit-status').textContent")
+    assert status.inner_text() == "1 place · 1 step"
+    two = LiveAudit(interval=0.05, title="two")
+    for step in range(2):
+        for fact in _facts(step):
+            two(fact)
+    assert "two: 3 places, 2 steps" in two.face()
+    _open(page, served, "two", two)
+    page.wait_for_function("() => document.querySelector('.smz-audit-status').textContent")
+    assert status.inner_text() == "3 places · 2 steps"
+
+
 def test_an_audit_of_losses_only_draws_the_loss_plot_alone_each_curve_named(
     page, served, artifacts
 ):
