@@ -8,7 +8,7 @@ import math
 
 from models.more import CASES
 
-from somatize.torch import probe
+from somatize.torch import probe, proxies
 
 
 def test_probe_of_a_model_given_labels_follows_what_it_gives_not_the_loss_it_puts_first():
@@ -28,3 +28,15 @@ def test_probe_of_a_model_given_labels_follows_what_it_gives_not_the_loss_it_put
                 assert math.isclose(got, value, rel_tol=1e-5, abs_tol=1e-9), (where, name)
             else:
                 assert got == value, (where, name)
+
+
+def test_proxies_of_a_model_given_labels_score_what_it_gives_not_the_loss_it_puts_first():
+    """Whisper given `labels` puts its loss before its logits and the encoder's states: synflow
+    sums what the net gives, zen and jacob_cov perturb it, and none of them reads that loss, so
+    each scores what it scores without the labels."""
+    case = CASES["whisper"]()
+    plain = proxies(case.model, case.example)
+    labelled = proxies(case.model, {**case.example, "labels": case.target})
+    assert set(plain) == {"synflow", "zen", "naswot", "jacob_cov"} == set(labelled)
+    for name, score in plain.items():
+        assert math.isclose(labelled[name], score, rel_tol=1e-9), name

@@ -19,6 +19,7 @@ from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import in_one_line, note
 from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, tensors_in, untouched
+from somatize.torch.audit._measures import output_of
 from somatize.torch.inside._forward import Reading
 from somatize.torch.inside._fx import by_fx, fx_trace
 from somatize.torch.inside._trace import (
@@ -147,6 +148,14 @@ def run_here(graph: Any, example: Any, told: list | None = None) -> Any:
         for step in plan.steps
     )
     return run.run_plan(plan, example, told or [], steps)
+
+
+def given(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors of what a graph gave (`tensors`, in order) that a look reads: from the one
+    `output_of` names on, a loss given before it (a transformers model given `labels`)
+    passed over."""
+    lead = output_of([t for t in tensors if t.is_floating_point()])
+    return tensors[next((i for i, t in enumerate(tensors) if t is lead), 0) :]
 
 
 _HERE = (

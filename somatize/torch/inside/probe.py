@@ -29,7 +29,7 @@ from somatize.torch.audit._measures import floats_in, norm, output_of, read, sum
 from somatize.torch.audit._place import saturation
 from somatize.torch.inside._forward import Boxes
 from somatize.torch.inside._trace import call_path
-from somatize.torch.inside.architecture import run_here
+from somatize.torch.inside.architecture import given, run_here
 
 __all__ = ["probe"]
 
@@ -312,17 +312,14 @@ def probe(
             finally:
                 for h in hooks:
                     h.disarm()
-            given = floats_in(result)  # from what it gives: a loss given first passed over
-            lead = output_of(given)
-            given = given[next((i for i, t in enumerate(given) if t is lead), 0) :]
-            outs = [t for t in given if t.requires_grad]
+            outs = [t for t in given(floats_in(result)) if t.requires_grad]
             ends = {id(t): t for t in [*tensors_in(x), *known.sources] if t.requires_grad}
             ends = list(ends.values())
             if outs and ends:
                 gen = torch.Generator().manual_seed(0)
                 cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
                 torch.autograd.grad(outs, ends, grad_outputs=cot, allow_unused=True)
-            del outs, ends, result, x, given, lead
+            del outs, ends, result, x
             known.sources.clear()
     finally:  # what a hook was put on outlives the probe (a parameter read as it is)
         for hook in filter(None, known.hooks):

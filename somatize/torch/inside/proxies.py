@@ -50,7 +50,7 @@ from somatize.run import in_one_line, note, warn
 from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import floats_in
-from somatize.torch.inside.architecture import run_here
+from somatize.torch.inside.architecture import given, run_here
 from somatize.torch.inside.kinds import kind_of
 
 __all__ = ["EVERY", "ProxyLeftOut", "proxy", "proxies"]
@@ -139,8 +139,9 @@ class _Subject:
             p.grad = None
 
     def run(self, x: Any) -> list[torch.Tensor]:
-        """The tensors of the graph's output, run here (a node `.at(host)` from its copy here)."""
-        out = tensors_in(run_here(self.graph, x))
+        """The tensors of the graph's output, a loss given first passed over, run here (a node
+        `.at(host)` from its copy here)."""
+        out = given(tensors_in(run_here(self.graph, x)))
         if not out:
             raise _NotHere("the graph gave back no tensor to score")
         return out
