@@ -1,6 +1,7 @@
 """What a Learning brought (a head, a guesser), exported and loaded with the node it trains
-under keys prefixed `learning/`, from and to the worker that holds it when it is there; and
-whether weights to load hold every key (`load(strict=True)`)."""
+under keys prefixed `learning/`, from and to the worker that holds it when it is there;
+whether weights to load hold every key (`load(strict=True)`), and give a tensor two nodes hold
+one value."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from somatize.torch.training.learning import BROUGHT
 from somatize.torch.training.params import state_of
 
-__all__ = ["learnt", "parted", "there", "whole"]
+__all__ = ["learnt", "parted", "there", "tied", "whole"]
 
 
 def there(trainer: Any, nid: str) -> tuple[Any, str | None]:
@@ -82,6 +83,28 @@ def whole(trainer: Any, weights: dict[str, dict]) -> None:
             f"{'; '.join(left)}; nothing was loaded (strict=False loads a subset: what is "
             "left out keeps the weights it has)"
         )
+
+
+def tied(trainer: Any, weights: dict[str, dict]) -> None:
+    """Refuses weights that give one tensor held by two nodes (tied weights across nodes: a
+    model's embeddings in one, its output layer in another) two values, naming both keys: which
+    one would win depends on the order the nodes are given in. (A node's own two keys of one
+    tensor are checked with the rest of the node.)"""
+    first: dict[int, tuple[str, str, torch.Tensor]] = {}
+    for nid, given in weights.items():
+        own = state_of(trainer.graph.implementation(nid))
+        for key, value in given.items():
+            mine = own.get(key)
+            if mine is None:  # what a Learning brought
+                continue
+            value = value.detach().to(device=mine.device, dtype=mine.dtype)
+            was, at, before = first.setdefault(id(mine), (nid, key, value))
+            if was != nid and not torch.equal(before, value):
+                raise ValueError(
+                    f"node {was!r}'s {at!r} and node {nid!r}'s {key!r} are one tensor (tied "
+                    "weights), and the weights give them different values: give both the same, "
+                    "or only one; nothing was loaded"
+                )
 
 
 def _brings(learning: Any, given: dict[str, Any]) -> set[str]:

@@ -453,6 +453,7 @@ class Trainer:
                 if host is not None:
                     entries.append((host, f"{nid}/learning", learning, None, theirs))
 
+        brought.tied(self, weights)
         if strict:
             brought.whole(self, weights)
 
