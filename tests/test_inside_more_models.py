@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
+import torch
 from models.more import CASES
 
-from somatize.torch import probe, proxies
+from somatize.torch import architecture, probe, proxies, proxy
 
 
 def test_probe_of_a_model_given_labels_follows_what_it_gives_not_the_loss_it_puts_first():
@@ -40,3 +42,41 @@ def test_proxies_of_a_model_given_labels_score_what_it_gives_not_the_loss_it_put
     assert set(plain) == {"synflow", "zen", "naswot", "jacob_cov"} == set(labelled)
     for name, score in plain.items():
         assert math.isclose(labelled[name], score, rel_tol=1e-9), name
+
+
+def _step(name: str) -> tuple[torch.nn.Module, dict]:
+    """A decoding step of case `name`: the next token, and the cache the prompt left."""
+    case = CASES[name]()
+    model, example = case.model.eval(), dict(case.example)
+    ids = example.pop("decoder_input_ids" if "decoder_input_ids" in example else "input_ids")
+    with torch.no_grad():
+        cache = model(
+            **example, **{"decoder_input_ids" if name == "whisper" else "input_ids": ids}
+        ).cache
+    example["decoder_input_ids" if name == "whisper" else "input_ids"] = ids[:, -1:]
+    example.pop("attention_mask", None)  # (the step's mask would cover the prompt too)
+    return model, {**example, "cache": cache}
+
+
+@pytest.mark.parametrize("name", ["llama", "whisper"])
+def test_a_look_at_a_decoding_step_leaves_the_cache_it_was_given_as_it_was(name):
+    """A researcher looks at one step of decoding, given the cache the prompt left: every look
+    runs the step on that cache as it was, and leaves it so (a forward grows it)."""
+    model, step = _step(name)
+    cache = step["cache"]
+    length = cache.get_seq_length()
+    twin, same = _step(name)  # built afresh: the same weights and the same cache
+    with torch.no_grad():
+        want = twin(**same).logits  # what the step gives
+    inside = architecture(model, step)
+    assert cache.get_seq_length() == length
+    found = probe(model, step)
+    assert cache.get_seq_length() == length
+    scores = proxies(model, step)
+    assert cache.get_seq_length() == length
+    assert scores == {of: proxy(model, step, of) for of in scores}  # each on the same step
+    assert cache.get_seq_length() == length
+    node = next(iter(inside))
+    assert found[node]["nan"] is False and inside[node].outputs
+    with torch.no_grad():
+        assert torch.equal(model(**step).logits, want)  # the step as it was, on its cache

@@ -18,7 +18,16 @@ from somatize import run
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import in_one_line, note
-from somatize.torch._modules import Held, Holder, Tap, parts_of, root_of, tensors_in, untouched
+from somatize.torch._modules import (
+    Held,
+    Holder,
+    Tap,
+    fresh,
+    parts_of,
+    root_of,
+    tensors_in,
+    untouched,
+)
 from somatize.torch.audit._measures import output_of
 from somatize.torch.inside._forward import Reading
 from somatize.torch.inside._fx import by_fx, fx_trace
@@ -141,13 +150,15 @@ def run_here(graph: Any, example: Any, told: list | None = None) -> Any:
     """Run `graph` on `example` in this process, as a look runs it: a node that runs
     `.at(host)` is run from its copy here (the module declared here, the one sent to the host)
     on the device that copy is on, handed what the graph's run hands it, so that the look
-    reads it as it reads any other node. `told` hears the run's facts, as `watching=` would."""
+    reads it as it reads any other node. `told` hears the run's facts, as `watching=` would.
+    A key/value cache in the example is run from a copy (`fresh`): the one given is left as
+    it was, and each run starts from it."""
     plan = run.Plan(graph)
     steps = tuple(
         step if step[4].host is None else (*step[:3], _here(step[3], step[4]), step[4], None)
         for step in plan.steps
     )
-    return run.run_plan(plan, example, told or [], steps)
+    return run.run_plan(plan, fresh(example), told or [], steps)
 
 
 def given(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
