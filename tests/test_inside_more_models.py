@@ -80,3 +80,20 @@ def test_a_look_at_a_decoding_step_leaves_the_cache_it_was_given_as_it_was(name)
     assert found[node]["nan"] is False and inside[node].outputs
     with torch.no_grad():
         assert torch.equal(model(**step).logits, want)  # the step as it was, on its cache
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's generator needs a GPU")
+def test_a_look_on_the_gpu_leaves_its_random_stream_as_it_was():
+    """A researcher training on a GPU probes between epochs: the looks seed CUDA's generator
+    while they run (dropout draws the same masks each time) and put it back after, so the
+    training's dropout goes on drawing what it would have drawn."""
+    case = CASES["distilbert"]()  # in train mode: its dropout draws from CUDA's generator
+    model = case.model.cuda()
+    example = {k: v.cuda() for k, v in case.example.items()}
+    torch.cuda.manual_seed_all(5)
+    want = torch.rand(8, device="cuda")
+    torch.cuda.manual_seed_all(5)
+    architecture(model, example)
+    probe(model, example)
+    proxies(model, example, target=case.target.cuda(), objective=case.objective)
+    assert torch.equal(torch.rand(8, device="cuda"), want)

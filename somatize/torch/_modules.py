@@ -234,9 +234,10 @@ def untouched(held: Held) -> Iterator[None]:
     them: `Held.refuse`) come out exactly as they went in.
 
     Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
-    buffers, `inplace` flags, and the global random state; the weight of an embedding with a
-    `max_norm`, which its forward renormalises in place, is copied for it. Inside, the global
-    generator is seeded with 0, so a dropout draws the same masks every call.
+    buffers, `inplace` flags, and the global random state (CUDA's too, where it is in use);
+    the weight of an embedding with a `max_norm`, which its forward renormalises in place, is
+    copied for it. Inside, the global generators are seeded with 0, so a dropout draws the
+    same masks every call.
     """
     modes = [(m, m.training) for m in held.modules]
     inplace = [(m, flag) for m in held.modules if (flag := _in_place(m)) is not None]
@@ -248,15 +249,18 @@ def untouched(held: Held) -> Iterator[None]:
     ]
     buffers = [(m, name, b, b.detach().clone()) for m, name, b in held.buffers]
     rng = torch.get_rng_state()
+    gpus = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
-        # the CPU generator (what is put back); an accelerator already in use is seeded too,
-        # as torch.manual_seed would, without paying for every backend
+        # the CPU generator, and CUDA's where it is in use (seeded and put back as
+        # torch.manual_seed would seed them, without paying for every backend)
         torch.default_generator.manual_seed(0)
-        if torch.cuda.is_initialized():
+        if gpus is not None:
             torch.cuda.manual_seed_all(0)
         yield
     finally:
         torch.set_rng_state(rng)
+        if gpus is not None:
+            torch.cuda.set_rng_state_all(gpus)
         with torch.no_grad():
             for m, mode in modes:
                 if m.training is not mode:  # nn.Module.__setattr__ is slow: only if moved
