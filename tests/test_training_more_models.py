@@ -11,7 +11,7 @@ import torch
 from models.more import CASES
 
 from somatize import Graph, Node
-from somatize.torch import Trainer, parameters
+from somatize.torch import Audit, Trainer, parameters
 
 F32_EPS = torch.finfo(torch.float32).eps
 
@@ -79,3 +79,57 @@ def test_qwen2_tied_across_two_nodes_trains_exports_both_names_and_refuses_two_v
     assert all(torch.equal(after[n][k], saved[n][k]) for n in saved for k in saved[n])
     t.load({"head": {"weight": saved["head"]["weight"] + 1.0}})  # one name is both
     assert torch.equal(case.model.get_input_embeddings().weight, saved["head"]["weight"] + 1.0)
+
+
+def _audited_swin(checkpointing):
+    """Swin (drop path and dropout on) trained three steps under an Audit watching every module
+    inside, each a snapshot; `checkpointing` None, or whether torch's checkpoint re-enters."""
+    case = CASES["swin"]()
+    if checkpointing is not None:
+        case.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": checkpointing}
+        )
+    g = Graph.somatize(case.model)
+    facts = []
+    audit = Audit(inside=True, most=100, snapshot=1, channels=True)
+    opt = torch.optim.AdamW(parameters(g), lr=1e-2)
+    t = Trainer(g, objective=case.objective, optimizer=opt, auditing=audit, watching=facts.append)
+    torch.manual_seed(3)  # drop path's and dropout's
+    history = t.fit([(case.example, case.target)] * 3).history
+    return (
+        case.model,
+        history,
+        {(f["inside"], f["step"]): f for f in facts if f["fact"] == "health"},
+    )
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_changes_nothing_the_audit_says(reentrant):
+    # the checkpointed blocks run their forward again inside backward: Swin's blocks call one
+    # Dropout twice, and a re-run that stops early (torch's non-reentrant checkpoint stops
+    # once it has what backward needs) would be heard as a third call of the first
+    plain, expected, told = _audited_swin(None)
+    model, history, heard = _audited_swin(reentrant)
+    assert history == pytest.approx(expected, rel=16 * F32_EPS)
+    assert heard.keys() == told.keys()
+    for where, fact in told.items():
+        assert heard[where].keys() == fact.keys(), where
+        for key, value in fact.items():
+            if isinstance(value, float):  # float32, and a re-entered re-run rounds otherwise
+                # (by hand in torch too): a slope, a difference of norms, to the norms' tolerance
+                near = 1e-4 * fact["param_norm"] if key == "param_norm_slope" else 1e-9
+                assert heard[where][key] == pytest.approx(value, rel=1e-4, abs=near), (where, key)
+            else:
+                assert heard[where][key] == value, (where, key)
+
+    # and what the audit says is what a forward hook hears, in float64, without checkpointing
+    case = CASES["swin"]()
+    dropout = case.model.swin.encoder.layers[0].blocks[0].dropout
+    outs = []
+    dropout.register_forward_hook(lambda m, a, out: outs.append(out.detach().double()))
+    torch.manual_seed(3)
+    case.objective(case.model(case.example), case.target)
+    assert len(outs) == 2  # called twice in each forward
+    mean = sum(o.abs().sum() for o in outs) / sum(o.numel() for o in outs)
+    where = ("swin.encoder.layers.0.blocks.0.dropout", 0)
+    assert heard[where]["act_abs_mean"] == pytest.approx(float(mean), rel=1e-5)

@@ -92,6 +92,7 @@ class Place:
         self.alive: deque[torch.Tensor] = deque(maxlen=window)
         self.norms: deque[tuple[int, float]] = deque(maxlen=window)
         self.has_moved = False  # some update has moved its weights
+        self.run = -1  # the forward of its node it was last heard in (`Audit._fresh`)
         self.inherited: bool | None = None  # its NaN/inf came from elsewhere (None: finite)
         self.step = -1  # the measured step its tensor hooks belong to
         self.clear()

@@ -116,6 +116,9 @@ class Audit:
         self._bucket = -1  # the last `snapshot` steps a snapshot was taken in
         self._measuring = False
         self._snap = False
+        self._nested: set[str] = set()  # the nodes with places inside them
+        self._runs: dict[str, int] = {}  # how many forwards of each such node began
+        self._running: set[str] = set()  # those running now
         # θ as the measured step found it, until `moved`, and the facts waiting for it
         self._copy: list[torch.Tensor] | None = None
         self._waiting: list[tuple[bool, list[tuple[Place, dict[str, Any]]]]] = []
@@ -202,6 +205,7 @@ class Audit:
         self._places = places
         self.places = [p.where for p in places]
         self.left_out = left
+        self._nested = {p.node for p in places if p.inside is not None}
         self._graph = g
         self._tap = Tap(g, None, {p.node: p.module for p in places if p.inside is None}).on()
         self._arm(self.step % self.every == 0)
@@ -232,6 +236,11 @@ class Audit:
             for place in self._places:
                 module, heard = place.module, functools.partial(self._heard, place)
                 self._handles.append(module.register_forward_hook(heard, with_kwargs=True))
+                if place.inside is None and place.node in self._nested:
+                    enters = functools.partial(self._enters, place.node)
+                    leaves = functools.partial(self._leaves, place.node)
+                    self._handles.append(module.register_forward_pre_hook(enters))
+                    self._handles.append(module.register_forward_hook(leaves, always_call=True))
                 if self.channels:
                     before = functools.partial(self._before, place)
                     self._handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
@@ -286,13 +295,36 @@ class Audit:
 
     # -- forward: what came out -----------------------------------------------------------
     def _before(self, place: Place, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._measuring and torch.is_grad_enabled():  # (on with `channels` only)
+        if self._measuring and torch.is_grad_enabled() and self._fresh(place):  # (`channels`)
             place.given(_given(place, args, kwargs), self.step)
 
     def _heard(self, place: Place, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        if self._measuring and torch.is_grad_enabled():
+        if self._measuring and torch.is_grad_enabled() and self._fresh(place):
             self._begin()
             place.saw(_given(place, args, kwargs), out, self.step, self.channels, self._snap)
+
+    def _fresh(self, place: Place) -> bool:
+        """Whether a call of `place` is heard. A node's, and a module's inside it during the
+        node's forward, yes; one outside it only where that forward was not heard: activation
+        checkpointing runs a block's forward again inside backward (torch's non-reentrant
+        checkpoint stops that re-run once it has what backward needs, a Dropout Swin calls
+        twice a block heard a third time), and the re-entrant one ran it under no_grad first."""
+        node = place.node
+        if place.inside is None:
+            return True
+        if node in self._running:
+            place.run = self._runs[node]
+            return True
+        return place.run != self._runs.get(node)
+
+    def _enters(self, node: str, module: nn.Module, args: tuple) -> None:
+        """A node with places inside it begins its forward."""
+        self._runs[node] = self._runs.get(node, 0) + 1
+        self._running.add(node)
+
+    def _leaves(self, node: str, module: nn.Module, args: tuple, out: Any) -> None:
+        """It ends it (or raised)."""
+        self._running.discard(node)
 
     def _begin(self) -> None:
         """θ as this measured step finds it, copied once, kept until `moved` (under gradient
