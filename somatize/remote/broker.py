@@ -451,19 +451,8 @@ def describe(node: Any, nid: str, key: str, device: Any, conn: Connection) -> di
 
 
 def as_code(value: Any, conn: Connection) -> bytes:
-    """`value` written as code (cloudpickle) for `conn`'s worker, the code of the modules it
-    was told to take along (`Worker(..., send=)`) by value."""
-    import cloudpickle
+    """`value` written as code for `conn`'s worker, the code of the modules it was told to
+    take along (`Worker(..., send=)`) by value (`somatize.remote.code`)."""
+    from somatize.remote import code  # cloudpickle, imported when code is first sent
 
-    added = []
-    try:
-        for name in conn.worker.send:
-            module = sys.modules.get(name)
-            if module is not None:
-                with contextlib.suppress(ValueError):  # already registered
-                    cloudpickle.register_pickle_by_value(module)
-                    added.append(module)
-        return cloudpickle.dumps(value)
-    finally:
-        for module in added:
-            cloudpickle.unregister_pickle_by_value(module)
+    return code.as_code(value, conn.worker.send)

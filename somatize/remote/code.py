@@ -1,0 +1,75 @@
+"""Values written as code (cloudpickle) for a worker started with `--accept-code`: a node's
+class and arguments, a Learning's objective. A torch module with parametrizations (a weight
+norm, as wav2vec2's positional convolution has) goes as the module without them and the
+parametrizations to put back, since torch refuses to pickle one as it is."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import sys
+from typing import Any
+
+import cloudpickle
+
+
+class _Pickler(cloudpickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")  # no module is parametrized before torch is imported
+        if torch is not None and isinstance(obj, torch.nn.Module):
+            if torch.nn.utils.parametrize.is_parametrized(obj):
+                return _unparametrized(obj, torch.nn.utils.parametrize)
+        return super().reducer_override(obj)
+
+
+def _unparametrized(module: Any, parametrize: Any) -> tuple:
+    """How to build `module` again: a copy of it with each parametrized tensor left as the
+    value it computes, and for each tensor its parametrizations and which of its originals
+    took a gradient. The weights are not what counts: the worker loads the node's state."""
+    plain, lists, cls = copy.deepcopy(module), [], type(module)
+    # the copy shares its class with `module`; removing a parametrization changes the class
+    plain.__class__ = type(cls.__name__, cls.__bases__, _own(vars(cls)))
+    for name, chain in module.parametrizations.items():
+        grads = [p.requires_grad for p in chain.parameters(recurse=False)]
+        lists.append((name, list(chain), grads))
+        parametrize.remove_parametrizations(plain, name, leave_parametrized=True)
+    return reparametrized, (plain, lists)
+
+
+def _own(attributes: Any) -> dict:
+    return {k: v for k, v in attributes.items() if k not in ("__dict__", "__weakref__")}
+
+
+def reparametrized(plain: Any, lists: list) -> Any:
+    """`plain` with the parametrizations `lists` names registered again, in their order (what
+    a parametrized module written by this module's pickler is read back as)."""
+    from torch.nn.utils import parametrize
+
+    for name, chain, grads in lists:
+        for p in chain:
+            parametrize.register_parametrization(plain, name, p)
+        for original, grad in zip(
+            plain.parametrizations[name].parameters(recurse=False), grads, strict=True
+        ):
+            original.requires_grad_(grad)
+    return plain
+
+
+def as_code(value: Any, send: tuple[str, ...] = ()) -> bytes:
+    """`value` written as code (cloudpickle), the modules named in `send` by value (their
+    code travels along), parametrized torch modules as this module's docstring says."""
+    added = []
+    try:
+        for name in send:
+            module = sys.modules.get(name)
+            if module is not None:
+                with contextlib.suppress(ValueError):  # already registered
+                    cloudpickle.register_pickle_by_value(module)
+                    added.append(module)
+        out = io.BytesIO()
+        _Pickler(out).dump(value)
+        return out.getvalue()
+    finally:
+        for module in added:
+            cloudpickle.unregister_pickle_by_value(module)

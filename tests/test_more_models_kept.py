@@ -1,0 +1,231 @@
+"""The families of tests/models/more.py kept, cached and trained on a worker, as a researcher
+would: a frozen Whisper encoder cached while its decoder trains (against the same training
+uncached), a Llama's output with its key-value cache kept and decoding going on from the
+recalled cache, a sliding-window cache refused whole, and whole models (wav2vec2, whose
+positional convolution is weight-normed, and Llama) trained on a real worker process by
+`Split` against the same training in one process (float64)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models.more import CASES
+from torch import nn
+
+import somatize.torch  # noqa: F401  (tensor codec)
+from somatize import Broker, Graph, Node, Store, Worker
+from somatize.codecs import NoCodec
+from somatize.torch import Split, Trainer, freeze, parameters
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+
+
+def _still(model: nn.Module) -> nn.Module:
+    """`model` in float64 with every dropout (modules, the rates transformers keeps as
+    attributes, a layer drop its config says) at 0, so a run is the same whatever the random
+    stream."""
+    model = model.double()
+    model.config.layerdrop = 0.0  # wav2vec2 reads it at each forward
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for name in ("dropout", "activation_dropout", "attention_dropout", "layerdrop"):
+            if isinstance(getattr(m, name, None), float):
+                setattr(m, name, 0.0)
+    return model
+
+
+def _token_loss(logits, y):
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+class Encoder(nn.Module):
+    """Whisper's encoder on the spectrogram (the decoder's tokens pass it by)."""
+
+    def __init__(self, encoder):
+        super().__init__()
+        self.encoder = encoder
+
+    def forward(self, input_features, decoder_input_ids=None):
+        return self.encoder(input_features)
+
+
+class Tokens(nn.Module):
+    """The decoder's tokens out of the batch."""
+
+    def forward(self, input_features=None, decoder_input_ids=None):
+        return decoder_input_ids
+
+
+class Decoder(nn.Module):
+    """Whisper's decoder and head, on the encoder's output (a `BaseModelOutput`) and tokens
+    (its predecessors' ids name them)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.decoder, self.head = model.model.decoder, model.proj_out
+
+    def forward(self, enc, ids):
+        h = self.decoder(input_ids=ids, encoder_hidden_states=enc.last_hidden_state)
+        return self.head(h.last_hidden_state)
+
+
+def test_a_cached_frozen_whisper_encoder_trains_its_decoder_as_the_uncached_run(tmp_path):
+    case = CASES["whisper"]()
+    model = _still(case.model)
+    gen = torch.Generator().manual_seed(5)
+    batches = [
+        (
+            {
+                "input_features": torch.randn(2, 8, 32, generator=gen, dtype=torch.float64),
+                "decoder_input_ids": case.example["decoder_input_ids"].roll(i, 1),
+            },
+            case.target.roll(i, 1),
+        )
+        for i in range(3)
+    ]
+
+    def run(store):
+        m = copy.deepcopy(model)
+        g = Graph.somatize(
+            (
+                Node.of(Encoder(m.model.encoder)).named("enc").frozen().cached()
+                | Node.of(Tokens()).named("ids")
+            )
+            >> Node.of(Decoder(m)).named("dec")
+        )
+        freeze(g)
+        said = []
+        opt = torch.optim.Adam(parameters(g, without=["enc"]), lr=1e-2)
+        t = Trainer(g, objective=_token_loss, optimizer=opt, store=store, watching=said.append)
+        losses = t.fit(batches, epochs=2).history
+        caching = [f.get("cache") for f in said if f["fact"] == "ran" and f["node"] == "enc"]
+        return losses, t.export(), caching
+
+    cached, cached_weights, caching = run(Store(tmp_path / "store"))
+    plain, plain_weights, _ = run(None)
+    assert caching == ["miss"] * 3 + ["hit"] * 3  # each batch's encoding computed once
+    assert cached == plain  # the recalled encodings are the computed ones, bit for bit
+    for key, want in plain_weights["dec"].items():
+        assert torch.equal(cached_weights["dec"][key], want), key
+    assert cached[-1] < cached[0]
+
+
+def test_a_llamas_output_and_its_cache_are_recalled_and_decoding_goes_on_from_them(tmp_path):
+    store = Store(tmp_path / "store")
+    case = CASES["llama"]()
+    model = case.model.eval()
+    with torch.no_grad():
+        out = model(**case.example, labels=case.target)  # a 0-d loss, logits, a DynamicCache
+        half = copy.deepcopy(model).bfloat16()(**case.example, output_hidden_states=True)
+    store.keep("llama", out)
+    store.keep("bf16", half)
+    back, half_back = store.recall("llama"), store.recall("bf16")
+    assert type(back) is type(out) and list(back.keys()) == list(out.keys())
+    assert back.loss.shape == () and torch.equal(back.loss, out.loss)
+    assert torch.equal(back.logits, out.logits)
+    assert half_back.logits.dtype == torch.bfloat16 and torch.equal(half_back.logits, half.logits)
+    assert type(half_back.hidden_states) is tuple
+    assert all(map(torch.equal, half_back.hidden_states, half.hidden_states))
+    cache = back.cache
+    assert type(cache) is type(out.cache)
+    assert cache.get_seq_length() == out.cache.get_seq_length() == 8
+    step = out.logits[:, -1:].argmax(-1)
+    with torch.no_grad():
+        want = model(input_ids=step, cache=copy.deepcopy(out.cache)).logits
+        got = model(input_ids=step, cache=cache).logits
+    assert torch.equal(got, want)
+
+
+def test_a_sliding_window_cache_is_refused_naming_it_and_nothing_is_kept(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    store = Store(tmp_path / "store")
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.randint(1, 96, (2, 8)))
+    with pytest.raises(NoCodec, match="DynamicSlidingWindowLayer.*use_cache=False"):
+        store.keep("qwen2", out)
+    assert store.resolve("qwen2") is None and store.bound() == []
+
+
+def _split_against_one_process(case, make_batches):
+    """`case`'s whole model on a worker (as code), trained by Split(SGD) with the loss it
+    computes from the labels, against the same steps in plain torch here: both loss lists and
+    the largest difference of the worker's weights, and of the copy here (brought up to them by
+    `export`) run again, from the plain run's."""
+    model = _still(case.model)
+    batches = make_batches(case)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for x, _ in batches:
+        opt.zero_grad()
+        loss = ref(**x).loss
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    broker = Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")})
+    try:
+        g = Graph.somatize(Node.of(model).named("model").at("w"))
+        trains = {"model": Split(torch.optim.SGD, lr=0.1)}
+        t = Trainer(g, objective=lambda out, y: out.loss, trains=trains, broker=broker)
+        got = [t.step(batch) for batch in batches]
+        learnt = t.export()["model"]
+    finally:
+        broker.close()
+    assert learnt.keys() == ref.state_dict().keys()
+    far = max((learnt[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    with torch.no_grad():  # the copy here, brought up to what the worker learnt, still runs
+        here, there = model(**batches[0][0]).logits, ref(**batches[0][0]).logits
+    far = max(far, (here - there).abs().max().item())
+    return got, want, far
+
+
+def test_a_wav2vec2_with_its_weight_normed_convolution_trains_on_a_worker_as_in_one_process():
+    def batches(case):
+        gen = torch.Generator().manual_seed(6)
+        return [
+            (
+                {
+                    "input_values": torch.randn(2, 400, generator=gen, dtype=torch.float64),
+                    "labels": case.target.roll(i),
+                },
+                case.target,
+            )
+            for i in range(3)
+        ]
+
+    case = CASES["wav2vec2"]()
+    assert torch.nn.utils.parametrize.is_parametrized(
+        case.model.wav2vec2.encoder.pos_conv_embed.conv
+    )  # what this test is about: a module torch refuses to pickle
+    got, want, far = _split_against_one_process(case, batches)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert far < 1e-12
+
+
+def test_a_whole_llama_returning_its_cache_trains_on_a_worker_as_in_one_process():
+    def batches(case):
+        ids = case.example["input_ids"]
+        return [
+            ({"input_ids": ids.roll(i, 1), "labels": ids.roll(i - 1, 1)}, ids) for i in range(3)
+        ]
+
+    got, want, far = _split_against_one_process(CASES["llama"](), batches)
+    assert got == pytest.approx(want, rel=1e-6)  # its loss is taken in float32
+    assert far < 1e-6
