@@ -97,3 +97,18 @@ def test_a_look_on_the_gpu_leaves_its_random_stream_as_it_was():
     probe(model, example)
     proxies(model, example, target=case.target.cuda(), objective=case.objective)
     assert torch.equal(torch.rand(8, device="cuda"), want)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_rotary_positions_have_no_gain_against_the_states_they_are_handed_for_their_dtype(name):
+    """Llama's rotary embedding is handed the hidden states and reads only their dtype: its
+    cosines come from the positions. A gain against those states means nothing, so it has
+    none, and every place after it, computed from the states, has its own."""
+    case = CASES[name]()
+    found = probe(case.model, case.example, most=100)
+    node = next(iter(found))
+    rotary = found[f"{node}.model.rotary_emb"]
+    assert "signal_gain" not in rotary and "jacobian_gain" not in rotary
+    assert rotary["zero_frac_max"] < 1 and rotary["nan"] is False  # what it gave is measured
+    for box in ("model.layers.0.input_layernorm", "model.layers.0.self_attn.q_proj", "lm_head"):
+        assert found[f"{node}.{box}"]["signal_gain"] > 0

@@ -155,7 +155,10 @@ class _Place:
         for s, v in zip(fresh, values[len(sums) :], strict=True):
             s.rms = v / s.size**0.5 if s.size else 0.0
         n = self.numbers = {}
-        if i is not None and i.rms > 0:  # a gain against zeros (a dead layer before) means nothing
+        # a gain against zeros (a dead layer before) means nothing, nor one against an input
+        # that asks for its gradient where the output does not: made without autograd, it is
+        # not seen computed from it (rotary positions, handed the states for their dtype)
+        if i is not None and i.rms > 0 and (out.requires_grad or not inp.requires_grad):
             n["signal_gain"] = o.rms / i.rms
         total, zeros, *saturated = values[: len(sums)]
         n["zero_frac_max"] = zeros / size if size else 0.0
