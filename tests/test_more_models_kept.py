@@ -8,6 +8,7 @@ positional convolution is weight-normed, and Llama) trained on a real worker pro
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -229,3 +230,36 @@ def test_a_whole_llama_returning_its_cache_trains_on_a_worker_as_in_one_process(
     got, want, far = _split_against_one_process(CASES["llama"](), batches)
     assert got == pytest.approx(want, rel=1e-6)  # its loss is taken in float32
     assert far < 1e-6
+
+
+UNREADABLE = [
+    getattr(torch, name)
+    for name in ("float4_e2m1fn_x2", "float8_e8m0fnu", "complex32")
+    if hasattr(torch, name)
+]
+"""Dtypes safetensors writes, or not, but does not read back (MX formats' scales and packed
+fp4, a half complex): a quantized model's weights and scales hold them."""
+
+
+@pytest.mark.parametrize("dtype", UNREADABLE, ids=str)
+def test_a_tensor_of_a_dtype_that_cannot_be_read_back_is_refused_when_kept(tmp_path, dtype):
+    store = Store(tmp_path / "store")
+    tensor = torch.zeros(4, dtype=torch.uint8).view(dtype) if dtype.itemsize == 1 else None
+    tensor = torch.zeros(4, dtype=dtype) if tensor is None else tensor
+    with pytest.raises(TypeError, match=rf"{dtype}.*cannot be written down.*\.to\("):
+        store.keep("scales", {"w": torch.ones(2), "scales": tensor})
+    assert store.resolve("scales") is None and store.bound() == []
+
+
+def test_a_nested_tensor_is_refused_saying_to_unbind_it(tmp_path):
+    store = Store(tmp_path / "store")
+    clips = [torch.ones(2, 3), torch.ones(5, 3)]  # audio clips of two lengths
+    for layout in (torch.strided, torch.jagged):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # nested tensors are a prototype
+            nested = torch.nested.nested_tensor(clips, layout=layout)
+        with pytest.raises(TypeError, match=r"nested tensor cannot be written down.*unbind"):
+            store.keep("clips", nested)
+    assert store.bound() == []
+    store.keep("clips", list(nested.unbind()))
+    assert all(map(torch.equal, store.recall("clips"), clips))

@@ -6,12 +6,16 @@ shape and the numbers; what is not kept is where the tensor lived (it comes back
 move it yourself, or let a graph do it), its autograd history (the tensor is detached) and
 whether it was an `nn.Parameter` (it comes back a plain tensor). A 0-dim tensor stays 0-dim,
 a non-contiguous view is packed first, bfloat16 and the float8 types are kept as they are.
-Sparse, quantized and meta tensors are refused: there are no numbers to write down, or no
-plain layout to write them in.
+Sparse, nested, quantized and meta tensors are refused: there are no numbers to write down,
+or no plain layout to write them in; so is a dtype safetensors does not read back (packed fp4,
+an MX scale, complex32).
 """
 
 from __future__ import annotations
 
+import functools
+
+import safetensors
 import safetensors.torch
 import torch
 
@@ -23,9 +27,30 @@ __all__ = ["dump_tensor", "load_tensor"]
 def dump_tensor(tensor: torch.Tensor) -> bytes:
     """The safetensors bytes of `tensor` (detached, packed, on the cpu).
 
-    Refuses sparse, quantized and meta tensors with a `TypeError` that says what to do.
+    Refuses sparse, nested, quantized and meta tensors, and a dtype safetensors does not read
+    back, with a `TypeError` that says what to do.
     """
-    return safetensors.torch.save({"tensor": _plain(tensor)})
+    plain = _plain(tensor)
+    if not _read_back(plain.dtype):
+        raise TypeError(
+            f"a {plain.dtype} tensor cannot be written down: safetensors "
+            f"{safetensors.__version__} does not read that dtype back; .to() one it does "
+            "(a float8, bfloat16, float32, an integer type)"
+        )
+    return safetensors.torch.save({"tensor": plain})
+
+
+@functools.cache
+def _read_back(dtype: torch.dtype) -> bool:
+    """Whether safetensors writes a tensor of `dtype` and reads it back as one (it writes a
+    packed fp4 and an MX scale, and then cannot read them)."""
+    try:
+        return (
+            load_tensor(safetensors.torch.save({"tensor": torch.empty(0, dtype=dtype)})).dtype
+            == dtype
+        )
+    except Exception:  # noqa: BLE001  (any failure is a no)
+        return False
 
 
 def _plain(
@@ -33,8 +58,13 @@ def _plain(
 ) -> torch.Tensor:
     """`tensor`'s numbers as they are written down (here, and down the wire): detached, on the
     cpu, contiguous, conj and neg resolved, the tensor's own memory when it is already so.
-    Refuses sparse, quantized and meta tensors, saying what it `cannot` do and has `none` to
-    do."""
+    Refuses sparse, nested, quantized and meta tensors, saying what it `cannot` do and has
+    `none` to do."""
+    if tensor.is_nested:
+        raise TypeError(
+            f"a nested tensor cannot {cannot} as it is; .unbind() it into a list of tensors "
+            "(or .to_padded_tensor(0.0))"
+        )
     if tensor.layout != torch.strided:
         raise TypeError(
             f"a {tensor.layout} tensor cannot {cannot} as it is; "
