@@ -10,6 +10,7 @@ import pytest
 import torch
 from models.more import CASES
 
+from somatize import Graph, Node
 from somatize.torch import architecture, probe, proxies, proxy
 
 
@@ -112,3 +113,47 @@ def test_rotary_positions_have_no_gain_against_the_states_they_are_handed_for_th
     assert rotary["zero_frac_max"] < 1 and rotary["nan"] is False  # what it gave is measured
     for box in ("model.layers.0.input_layernorm", "model.layers.0.self_attn.q_proj", "lm_head"):
         assert found[f"{node}.{box}"]["signal_gain"] > 0
+
+
+class Layers(Node):
+    """Llama's decoder layers and final norm as one node, handed the embedded tokens: rotary
+    positions made here, as `LlamaModel` makes them."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers, self.rotary_emb = model.model.layers, model.model.rotary_emb
+        self.norm = model.model.norm
+
+    def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
+        positions = torch.arange(h.shape[1])[None]
+        cos_sin = self.rotary_emb(h, positions)
+        for layer in self.layers:
+            h = layer(h, position_ids=positions, position_embeddings=cos_sin)
+        return self.norm(h)
+
+
+def test_llama_cut_into_embed_layers_and_head_is_drawn_read_and_probed_as_the_whole():
+    """Llama cut at its own modules, embed >> layers >> head: the graph gives the model's
+    logits; each node says which of its layers the next node read (the embedding, one layer,
+    its own path); and each place is probed as it is in the whole model."""
+    model = CASES["llama"]().model
+    ids = CASES["llama"]().example["input_ids"]
+    g = Graph.somatize(
+        Node.of(model.model.embed_tokens).named("embed")
+        >> Layers(model).named("layers")
+        >> Node.of(model.lm_head).named("head")
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(g.forward(ids), model(input_ids=ids).logits)
+    inside = architecture(g, ids)
+    assert inside["embed"].read_by == {"layers": [""]}
+    assert inside["layers"].read_by == {"head": ["norm"]}
+    assert inside["head"].read_by == {}
+    assert sum(i.params for i in inside.values()) == sum(p.numel() for p in model.parameters())
+    cut, whole = probe(g, ids, most=100), probe(model, {"input_ids": ids}, most=100)
+    same = {"head": "llamaforcausallm.lm_head"}
+    same |= {k: "llamaforcausallm.model." + k[len("layers.") :] for k in cut if "." in k}
+    assert len(same) > 40
+    for here, there in same.items():
+        for name in ("signal_gain", "jacobian_gain", "zero_frac_max"):
+            if name in whole[there]:
+                assert math.isclose(cut[here][name], whole[there][name], rel_tol=1e-4), here

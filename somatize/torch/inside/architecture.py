@@ -198,6 +198,7 @@ def _capture(
     through their `Holder`, so it is read as a module is."""
     reached: dict[str, Any] = {}
     sent: dict[str, dict[str, set[str]]] = {}
+    gave: dict[str, dict[int, Any]] = {}  # what a node that is one layer gave, by id
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
         if node not in reached:  # the shape of what it first gave back
@@ -207,10 +208,17 @@ def _capture(
             read = plan.seen()
         else:  # one layer reads all it is given; a node holding no module, nothing seen
             read = tensors_in(input) if node in roots else []
+            if node in roots:  # (held weakly: what the run lets go is gone)
+                gave[node] = {id(t): weakref.ref(t) for t in tensors_in(out)}
         for t in read:
             for before in graph.predecessors(node):
-                if isinstance(up := plans.get(before), Reading) and (made := up.made_by([t]))[0]:
-                    sent.setdefault(before, {}).setdefault(node, set()).update(made[1])
+                if isinstance(up := plans.get(before), Reading):
+                    tracked, made = up.made_by([t])
+                else:  # a node that is one layer made all it gave: its path, ""
+                    ref = gave.get(before, {}).get(id(t))
+                    tracked, made = ref is not None and ref() is t, frozenset({""})
+                if tracked:
+                    sent.setdefault(before, {}).setdefault(node, set()).update(made)
 
     readings = [p for p in plans.values() if isinstance(p, Reading)]
     try:
