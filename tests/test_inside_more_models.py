@@ -157,3 +157,23 @@ def test_llama_cut_into_embed_layers_and_head_is_drawn_read_and_probed_as_the_wh
         for name in ("signal_gain", "jacobian_gain", "zero_frac_max"):
             if name in whole[there]:
                 assert math.isclose(cut[here][name], whole[there][name], rel_tol=1e-4), here
+
+
+def test_wav2vec2s_weight_normed_positional_conv_is_drawn_as_the_conv_it_is():
+    """wav2vec2 over raw audio: its conv stack's shapes as the strides make them, and its
+    positional convolution, weight-normed (`parametrize`), one conv box labelled by its own
+    class (not the class torch makes to hold the parametrization), its parameters counted."""
+    case = CASES["wav2vec2"]()
+    inside = architecture(case.model, case.example, most=100)["wav2vec2forsequenceclassification"]
+    conv = inside.layer("wav2vec2.encoder.pos_conv_embed.conv")
+    assert conv.kind == "conv" and conv.label == "Conv1d 32→32 8"
+    held = case.model.wav2vec2.encoder.pos_conv_embed.conv
+    assert conv.params == sum(p.numel() for p in held.parameters()) == 32 * 16 * 8 + 8 + 32
+    first = inside.layer("wav2vec2.feature_extractor.conv_layers.0.conv")
+    second = inside.layer("wav2vec2.feature_extractor.conv_layers.1.conv")
+    assert first.shape == [2, 16, (400 - 10) // 5 + 1] and second.shape == [
+        2,
+        16,
+        (79 - 3) // 2 + 1,
+    ]
+    assert inside.inputs == ["wav2vec2.feature_extractor.conv_layers.0.conv"]

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from somatize.torch._modules import parts_of, tensors_in
-from somatize.torch.inside.kinds import function_name, kind_of, label_of, recognised
+from somatize.torch.inside.kinds import class_name, function_name, kind_of, label_of, recognised
 
 # Calls that are never a layer: those that carry a value along without computing anything
 # anybody would draw (their output is made by whoever made their input), and those on masks,
@@ -184,7 +184,7 @@ class Opening:
         parts = parts_of(m)
         raw = Raw(path, kind_of(m), label or label_of(m), None, params_of(m), block)
         raw.config, raw.composite = config_of(m), bool(parts)
-        raw.holds = [f"{name}: {type(c).__name__}" for name, c in parts]
+        raw.holds = [f"{name}: {class_name(c)}" for name, c in parts]
         return raw
 
     def add_block(self, out: Traced, path: str) -> None:
@@ -193,7 +193,7 @@ class Opening:
         if path and path not in out.layers:
             parent = path.rpartition(".")[0]
             self.add_block(out, parent)
-            out.layers[path] = self._raw(path, parent or None, type(self.named[path]).__name__)
+            out.layers[path] = self._raw(path, parent or None, class_name(self.named[path]))
 
     def add_leaf(self, out: Traced, path: str, call: int = 1) -> Raw:
         """The box of the `call`-th call of the closed module at `path` (made once)."""

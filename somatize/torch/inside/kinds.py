@@ -12,10 +12,11 @@ import re
 from typing import Any
 
 from torch import nn
+from torch.nn.utils.parametrize import is_parametrized
 
 from somatize.torch._modules import parts_of
 
-__all__ = ["KINDS", "kind_of", "label_of", "recognised"]
+__all__ = ["KINDS", "class_name", "kind_of", "label_of", "recognised"]
 
 KINDS = (
     "learned", "conv", "recurrent", "attention", "norm", "activation", "regular", "shaping",
@@ -159,9 +160,17 @@ def _pair(v: Any) -> str:
     return str(v)
 
 
+def class_name(module: nn.Module) -> str:
+    """The name of `module`'s class: for a parametrized one (`weight_norm`, `spectral_norm`),
+    the class the parametrization was put on, not the one torch makes to hold it
+    (`ParametrizedConv1d`)."""
+    kind = type(module)
+    return (kind.__bases__[0] if is_parametrized(module) else kind).__name__
+
+
 def label_of(module: nn.Module) -> str:
     """A short label for a layer: its class and what sizes it, `Conv2d 3→16 3 /2`."""
-    name = type(module).__name__
+    name = class_name(module)
     if isinstance(module, nn.modules.conv._ConvNd):
         text = f"{name} {module.in_channels}→{module.out_channels} {_pair(module.kernel_size)}"
         stride = module.stride if isinstance(module.stride, tuple) else (module.stride,)
