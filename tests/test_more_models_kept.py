@@ -263,3 +263,46 @@ def test_a_nested_tensor_is_refused_saying_to_unbind_it(tmp_path):
     assert store.bound() == []
     store.keep("clips", list(nested.unbind()))
     assert all(map(torch.equal, store.recall("clips"), clips))
+
+
+def _sliding_qwen2():
+    """A Qwen2 whose second layer attends within a window of 4: its cache holds a
+    `DynamicSlidingWindowLayer`, which no codec writes down."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def test_a_models_cache_that_cannot_come_back_from_a_worker_is_said_naming_the_node():
+    model = _sliding_qwen2()
+    ids = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(3))
+    broker = Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")})
+    try:
+        g = Graph.somatize(Node.of(model).named("lm").at("w"))
+        trains = {"lm": Split(torch.optim.SGD, lr=0.1)}
+        t = Trainer(g, objective=lambda out, y: out.loss, trains=trains, broker=broker)
+        said = r"output of node 'lm'.*DynamicSlidingWindowLayer.*use_cache=False"
+        with pytest.raises(NoCodec, match=said):
+            t.step(({"input_ids": ids, "labels": ids}, ids))
+        with pytest.raises(NoCodec, match=said), torch.no_grad():
+            g.forward({"input_ids": ids}, broker=broker)
+        # told what to do, the user does it, and the step goes on
+        loss = t.step(({"input_ids": ids, "labels": ids, "use_cache": False}, ids))
+        with torch.no_grad():
+            want = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
+        assert loss == pytest.approx(want, rel=1e-5)  # float32, one forward each side
+        t.export()
+    finally:
+        broker.close()

@@ -88,7 +88,11 @@ class _Writer:
                     "that accepts code (mode='network')"
                 )
             return msgpack.ExtType(_NAMED, self.pack([module, qualname]))
-        fields = _hooks.fields_of(value)
+        try:
+            fields = _hooks.fields_of(value)
+        except codecs.NoCodec as error:  # a cache of a kind not rebuilt: said as a store says it
+            whose = f" in {self.where}" if self.where else ""
+            raise codecs.NoCodec(f"the {type(value).__qualname__}{whose}: {error}") from None
         if fields is not None:
             return msgpack.ExtType(_FIELDS, self.pack(fields))
         return msgpack.ExtType(_VALUE, codecs.encode(value, where=self.where))
