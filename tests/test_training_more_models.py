@@ -133,3 +133,41 @@ def test_gradient_checkpointing_changes_nothing_the_audit_says(reentrant):
     mean = sum(o.abs().sum() for o in outs) / sum(o.numel() for o in outs)
     where = ("swin.encoder.layers.0.blocks.0.dropout", 0)
     assert heard[where]["act_abs_mean"] == pytest.approx(float(mean), rel=1e-5)
+
+
+def _distilbert_run(facts):
+    """DistilBERT (dropout on) under AdamW and an Audit measuring every step, snapshots every
+    four; `facts` hears everything."""
+    case = CASES["distilbert"]()
+    g = Graph.somatize(case.model)
+    opt = torch.optim.AdamW(parameters(g), lr=1e-2)
+    audit = Audit(snapshot=4)
+    t = Trainer(g, objective=case.objective, optimizer=opt, auditing=audit, watching=facts.append)
+    return case, opt, t
+
+
+def test_a_resumed_audited_run_takes_its_snapshots_where_the_run_that_never_stopped_does():
+    straight: list = []
+    case, _, t = _distilbert_run(straight)
+    data = [(case.example, case.target)] * 8
+    torch.manual_seed(5)
+    expected = t.fit(data).history
+
+    resumed: list = []
+    _, opt, t = _distilbert_run(resumed)
+    torch.manual_seed(5)
+    first = t.fit(data[:6]).history
+    saved = {"weights": t.export(), "optimizer": opt.state_dict(), "steps": t.steps}
+    saved["rng"] = torch.get_rng_state()
+    _, opt, t = _distilbert_run(resumed)  # as a fresh process builds it
+    t.load(saved["weights"], strict=True)
+    opt.load_state_dict(saved["optimizer"])
+    torch.set_rng_state(saved["rng"])
+    t.steps = saved["steps"]
+    assert first + t.fit(data[6:]).history == pytest.approx(expected, rel=16 * F32_EPS)
+
+    def snapshots(facts):  # the steps whose facts hold the snapshot's numbers
+        return [f["step"] for f in facts if f["fact"] == "health" and "effective_rank" in f]
+
+    assert snapshots(straight) == [0, 4]  # every measured step, a snapshot every four
+    assert snapshots(resumed) == snapshots(straight)

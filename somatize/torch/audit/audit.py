@@ -275,11 +275,16 @@ class Audit:
     def at(self, step: int | None) -> None:
         """The Trainer's step the next forward belongs to (measured or not by this audit's
         cadence): told on a worker each step, and here when a resumed run sets `t.steps`;
-        None once the Trainer's audit no longer watches."""
+        None once the Trainer's audit no longer watches. The snapshots go on as they would
+        have: one is taken at the first measured step of every `snapshot` steps, so a run
+        resumed past that step takes none until the next `snapshot` steps begin."""
         if step is None:
             self._arm(False)
         elif step != self.step:
             self.step = step
+            bucket = step // self.snapshot
+            first = -(-bucket * self.snapshot // self.every) * self.every  # its first measured
+            self._bucket = bucket if first < step else bucket - 1
             self._arm(step % self.every == 0)
 
     def heard(self, facts: list[dict[str, Any]]) -> None:
