@@ -177,3 +177,43 @@ def test_wav2vec2s_weight_normed_positional_conv_is_drawn_as_the_conv_it_is():
         (79 - 3) // 2 + 1,
     ]
     assert inside.inputs == ["wav2vec2.feature_extractor.conv_layers.0.conv"]
+
+
+def _state(model: torch.nn.Module) -> tuple:
+    """Everything a look must leave as it was: values and dtypes, modes, `requires_grad`."""
+    return (
+        {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
+        [m.training for m in model.modules()],
+        [p.requires_grad for p in model.parameters()],
+    )
+
+
+TIED = {
+    "qwen2": {"lm_head": "model.embed_tokens"},
+    "whisper": {"proj_out": "model.decoder.embed_tokens"},
+}
+TIED["bart"] = {"lm_head": "model.encoder.embed_tokens"}
+TIED["bart"]["model.decoder.embed_tokens"] = "model.encoder.embed_tokens"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_family_is_counted_tied_once_and_left_as_it_was_by_every_look(name):
+    """Each family as a node: the parameters the look counts are the model's, a tied weight
+    once, each box holding a tied weight says which box holds it first; and architecture,
+    probe and proxies leave weights, buffers, modes, requires_grad and the random stream as
+    they were."""
+    case = CASES[name]()
+    model = case.model.eval() if name == "wav2vec2" else case.model  # (as probe's error says)
+    before, rng = _state(model), torch.get_rng_state()
+    inside = architecture(model, case.example, most=100)
+    probe(model, case.example)
+    proxies(model, case.example, target=case.target, objective=case.objective)
+    after = _state(model)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert before[1:] == after[1:] and before[0].keys() == after[0].keys()
+    for key, value in before[0].items():
+        assert value.dtype == after[0][key].dtype and torch.equal(value, after[0][key]), key
+    (drawn,) = inside.values()
+    assert drawn.params == sum(p.numel() for p in model.parameters())  # each parameter once
+    tied = {la.path: la.tied_to for la in drawn.layers if la.tied_to}
+    assert tied == TIED.get(name, {})
