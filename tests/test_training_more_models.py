@@ -6,6 +6,8 @@ audit's numbers against float64."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from models.more import CASES
@@ -238,3 +240,84 @@ def test_every_family_audited_under_every_micro_and_autocast_trains_as_the_hand_
     watched = {w.removeprefix(nid + ".") for w in audit.places if w != nid}
     weighted = {path for path, m in mine.model.named_modules() if list(m.parameters())}
     assert {None} | (watched & weighted) <= places  # each place with weights, every step
+
+
+TIED = {  # the places of Qwen2's and BART's one embedding tensor
+    "qwen2": ["model.embed_tokens", "lm_head"],
+    "bart": ["model.shared", "model.encoder.embed_tokens", "model.decoder.embed_tokens", "lm_head"],
+}
+
+
+def _norm64(tensors):
+    return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
+
+
+@pytest.mark.parametrize(("name", "frozen"), [("qwen2", False), ("qwen2", True), ("bart", False)])
+def test_the_audits_norms_and_update_ratios_of_tied_weights_are_float64_by_hand(name, frozen):
+    # Qwen2's and BART's embeddings are their output layer: each place holding the tensor
+    # counts it once, with the gradient of both uses; frozen (requires_grad_(False) on the
+    # embeddings), it is neither trained nor measured, under either name
+    case = CASES[name]()
+    model = case.model
+    if frozen:
+        model.get_input_embeddings().requires_grad_(False)
+    modules = dict(model.named_modules())
+
+    def held(module):
+        return [p for p in module.parameters() if p.requires_grad]
+
+    opt = torch.optim.AdamW(held(model), lr=1e-2)
+    data = [(case.example, case.target)] * 4
+    want = {}
+    torch.manual_seed(3)
+    for s, (x, y) in enumerate(data):
+        if s % EVERY == 0:
+            opt.zero_grad()
+            before = {k: [p.detach().double() for p in held(m)] for k, m in modules.items()}
+        norms = {k: _norm64(held(m)) if held(m) else None for k, m in modules.items()}
+        for i in range(MICRO):
+            loss = case.objective(_call(model, _piece(x, MICRO, i)), _piece(y, MICRO, i))
+            (loss / (EVERY * MICRO)).backward()
+        for k, m in modules.items():
+            grads = [p.grad for p in held(m) if p.grad is not None]
+            want[k, s] = {"param_norm": norms[k], "grad_norm": _norm64(grads) if grads else None}
+        if s % EVERY == EVERY - 1:
+            opt.step()
+            for k, m in modules.items():
+                moved = _norm64([p.double() - b for p, b in zip(held(m), before[k], strict=True)])
+                for done in range(s - EVERY + 1, s + 1):
+                    if want[k, done]["param_norm"]:
+                        want[k, done]["update_ratio"] = moved / want[k, done]["param_norm"]
+
+    mine = CASES[name]()
+    if frozen:
+        mine.model.get_input_embeddings().requires_grad_(False)
+    g = Graph.somatize(mine.model)
+    facts = []
+    t = Trainer(
+        g,
+        objective=mine.objective,
+        optimizer=torch.optim.AdamW(parameters(g), lr=1e-2),
+        every=EVERY,
+        micro=MICRO,
+        auditing=Audit(inside=True, most=200),
+        watching=facts.append,
+    )
+    torch.manual_seed(3)
+    t.fit(data)
+    most = max(p.numel() for p in model.parameters())
+    tol = 8 * F32_EPS * math.sqrt(most)
+    health = [f for f in facts if f["fact"] == "health"]
+    names = TIED[name]
+    tied = [f for f in health if f["inside"] in names]
+    assert len(tied) == 4 * len(names)  # each name a place, heard every step
+    for step in range(4):  # one tensor: one norm under every name, or none frozen
+        norms = {f.get("param_norm") for f in tied if f["step"] == step}
+        assert len(norms) == 1 and (None in norms) == frozen
+    for f in health:
+        expected = want[f["inside"] or "", f["step"]]
+        for key in ("param_norm", "grad_norm", "update_ratio"):
+            if expected.get(key) is None:
+                assert key not in f, (f["inside"], key)
+            else:  # float32 sums of squares over at most `most` numbers, each way
+                assert f[key] == pytest.approx(expected[key], rel=tol), (f["inside"], key)
