@@ -217,3 +217,22 @@ def test_every_family_is_counted_tied_once_and_left_as_it_was_by_every_look(name
     assert drawn.params == sum(p.numel() for p in model.parameters())  # each parameter once
     tied = {la.path: la.tied_to for la in drawn.layers if la.tied_to}
     assert tied == TIED.get(name, {})
+
+
+class _Squared(Node):
+    """A loss node: the mean square of what it is given, one number."""
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        return x.pow(2).mean()
+
+
+def test_a_graph_ending_in_a_loss_node_beside_a_head_probes_the_loss_node_too():
+    """A loss given first by one model is passed over; a node whose output is a loss, one of
+    the graph's ends beside a head, gives that loss: the backward starts from it as from the
+    head, and its place has its Jacobian as the head's has."""
+    torch.manual_seed(0)
+    body = Node.of(torch.nn.Linear(4, 4)).named("body")
+    head = Node.of(torch.nn.Linear(4, 2)).named("head")
+    g = Graph.somatize(body >> (_Squared().named("loss") | head))
+    found = probe(g, torch.randn(3, 4))
+    assert "jacobian_gain" in found["loss"] and "jacobian_gain" in found["head"]

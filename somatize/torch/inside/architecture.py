@@ -161,12 +161,17 @@ def run_here(graph: Any, example: Any, told: list | None = None) -> Any:
     return run.run_plan(plan, fresh(example), told or [], steps)
 
 
-def given(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of what a graph gave (`tensors`, in order) that a look reads: from the one
-    `output_of` names on, a loss given before it (a transformers model given `labels`)
-    passed over."""
-    lead = output_of([t for t in tensors if t.is_floating_point()])
-    return tensors[next((i for i, t in enumerate(tensors) if t is lead), 0) :]
+def given(graph: Any, result: Any) -> list[torch.Tensor]:
+    """The tensors of what `graph` gave (`result`, as `run_here` answers it: a graph of
+    several ends, a dict of their values) that a look reads: of each end's value, from the
+    one `output_of` names on, a loss given before it (a transformers model given `labels`)
+    passed over; an end that gives a loss alone (a loss node) gives that loss."""
+    out = []
+    for value in result.values() if len(graph.leaves()) > 1 else [result]:
+        tensors = tensors_in(value)
+        lead = output_of([t for t in tensors if t.is_floating_point()])
+        out += tensors[next((i for i, t in enumerate(tensors) if t is lead), 0) :]
+    return out
 
 
 _HERE = (

@@ -25,7 +25,7 @@ from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
 from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
-from somatize.torch.audit._measures import floats_in, norm, output_of, read, sums_of, wide
+from somatize.torch.audit._measures import norm, output_of, read, sums_of, wide
 from somatize.torch.audit._place import saturation
 from somatize.torch.inside._forward import Boxes
 from somatize.torch.inside._trace import call_path
@@ -315,7 +315,7 @@ def probe(
             finally:
                 for h in hooks:
                     h.disarm()
-            outs = [t for t in given(floats_in(result)) if t.requires_grad]
+            outs = [t for t in given(g, result) if t.requires_grad and t.is_floating_point()]
             ends = {id(t): t for t in [*tensors_in(x), *known.sources] if t.requires_grad}
             ends = list(ends.values())
             if outs and ends:

@@ -141,7 +141,7 @@ class _Subject:
     def run(self, x: Any) -> list[torch.Tensor]:
         """The tensors of the graph's output, a loss given first passed over, run here (a node
         `.at(host)` from its copy here)."""
-        out = given(tensors_in(run_here(self.graph, x)))
+        out = given(self.graph, run_here(self.graph, x))
         if not out:
             raise _NotHere("the graph gave back no tensor to score")
         return out
