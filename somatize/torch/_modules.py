@@ -97,8 +97,8 @@ def fresh(value: Any) -> Any:
     `EncoderDecoderCache`, in its mappings, lists and tuples) in a cache of its own holding
     the same tensors, which a forward grows (by new tensors) leaving the one given as it was:
     so a look at a decoding step runs on the cache it was given, each time, and leaves it so.
-    A cache `_caches` cannot rebuild (a static one) is handed on as it is; `value` itself
-    where it holds no cache."""
+    A cache `_caches` cannot rebuild (a static one, one of sliding-window layers) is handed
+    on as it is; `value` itself where it holds no cache."""
     if isinstance(value, Mapping):
         items = {k: fresh(v) for k, v in value.items()}
         same = all(items[k] is v for k, v in value.items())
