@@ -306,3 +306,50 @@ def test_a_models_cache_that_cannot_come_back_from_a_worker_is_said_naming_the_n
         t.export()
     finally:
         broker.close()
+
+
+def test_a_whisper_decoder_on_a_worker_is_handed_the_encoders_output_and_trains_as_in_one_process():
+    case = CASES["whisper"]()
+    model = _still(case.model)
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(7)
+    batches = [
+        (
+            {
+                "input_features": torch.randn(2, 8, 32, generator=gen, dtype=torch.float64),
+                "decoder_input_ids": case.example["decoder_input_ids"].roll(i, 1),
+            },
+            case.target.roll(i, 1),
+        )
+        for i in range(3)
+    ]
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = _token_loss(ref(**x).logits, y)
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    # a fresh worker, which has not loaded transformers: the encoder's BaseModelOutput is the
+    # first of transformers' values it reads
+    broker = Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")})
+    try:
+        g = Graph.somatize(
+            (Node.of(Encoder(model.model.encoder)).named("enc") | Node.of(Tokens()).named("ids"))
+            >> Node.of(Decoder(model)).named("dec").at("w")
+        )
+        trains = {"dec": Split(torch.optim.SGD, lr=0.1)}
+        opt = torch.optim.SGD(parameters(g, without=trains), lr=0.1)
+        t = Trainer(g, objective=_token_loss, optimizer=opt, trains=trains, broker=broker)
+        got = [t.step(batch) for batch in batches]
+        learnt = t.export()["dec"]
+        with torch.no_grad():
+            there = g.forward(batches[0][0], broker=broker)
+    finally:
+        broker.close()
+    assert got == pytest.approx(want, rel=1e-12)
+    for key, v in ref.model.decoder.state_dict().items():
+        torch.testing.assert_close(learnt[f"decoder.{key}"], v, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        torch.testing.assert_close(there, ref(**batches[0][0]).logits, rtol=0, atol=1e-12)

@@ -171,7 +171,9 @@ class Broker:
         worker that answers `Unknown` (restarted, or its session expired) is sent again, once,
         what it needs. The modules' train/eval modes go along for the nodes whose modes
         changed since that worker was last told (`model.eval()` here reaches its copy there),
-        and a node whose dtypes changed here (`.double()`) is built there anew."""
+        and a node whose dtypes changed here (`.double()`) is built there anew. Definitions
+        sent as code go in a request of their own first, so that the worker has imported what
+        their code imports (transformers, a model's module) before it reads the message."""
         key, describe = kept
         for nid, node, _ in nodes:
             self._recast(host, nid, node)
@@ -183,6 +185,11 @@ class Broker:
                 sent.update(kept=key, described=None if self.holds(host, key) else describe())
                 held.append(key)
             try:
+                if any("code" in d for d in defs):  # built before the message is read: its
+                    # values may be of classes their code imports (a model's own output)
+                    self.request(host, {"op": "define", "define": defs})
+                    self.defined(host, [d["key"] for d in defs])
+                    sent["define"] = []
                 got = self.request(host, sent)
             except Unknown:
                 if attempt:
