@@ -321,3 +321,43 @@ def test_the_audits_norms_and_update_ratios_of_tied_weights_are_float64_by_hand(
                 assert key not in f, (f["inside"], key)
             else:  # float32 sums of squares over at most `most` numbers, each way
                 assert f[key] == pytest.approx(expected[key], rel=tol), (f["inside"], key)
+
+
+def test_embeddings_unfrozen_after_a_warm_up_are_measured_from_then_on():
+    # the docs' way to train a frozen part again: requires_grad_(True) and a param group for
+    # it; the audit measures the weights a step trains, as it finds them at that step
+    case = CASES["distilbert"]()
+    model = case.model
+    embeddings = model.get_input_embeddings()
+    embeddings.requires_grad_(False)
+    g = Graph.somatize(model)
+    facts = []
+    opt = torch.optim.AdamW(parameters(g), lr=1e-2)
+    audit = Audit(inside=["distilbertforsequenceclassification.distilbert.embeddings"])
+    t = Trainer(g, objective=case.objective, optimizer=opt, auditing=audit, watching=facts.append)
+    batch = (case.example, case.target)
+    part = model.distilbert.embeddings  # the word embeddings, positions and a LayerNorm
+    t.step(batch)
+    trained = [p.detach().double().clone() for p in part.parameters() if p.requires_grad]
+    t.step(batch)
+
+    def at(step, inside):
+        (fact,) = [
+            f for f in facts if f["fact"] == "health" and (f["step"], f["inside"]) == (step, inside)
+        ]
+        return fact
+
+    assert at(1, "distilbert.embeddings")["param_norm"] == pytest.approx(_norm64(trained))
+
+    embeddings.requires_grad_(True)
+    opt.add_param_group({"params": [embeddings.weight], "lr": 1e-3})
+    start = [p.detach().double().clone() for p in part.parameters()]
+    whole = [p.detach().double().clone() for p in model.parameters()]
+    t.step(batch)
+    fact = at(2, "distilbert.embeddings")
+    tol = 8 * F32_EPS * math.sqrt(embeddings.weight.numel())
+    assert fact["param_norm"] == pytest.approx(_norm64(start), rel=tol)
+    assert fact["grad_norm"] == pytest.approx(_norm64([p.grad for p in part.parameters()]), rel=tol)
+    moved = _norm64([p.double() - s for p, s in zip(part.parameters(), start, strict=True)])
+    assert fact["update_ratio"] == pytest.approx(moved / _norm64(start), rel=tol)
+    assert at(2, None)["param_norm"] == pytest.approx(_norm64(whole), rel=tol)

@@ -70,16 +70,18 @@ def layouts(modules: list[nn.Module]) -> dict[int, bool]:
 
 class Place:
     """A node (`inside` None) or a module inside one (`inside` its dotted path under the
-    node). `module`: the one hooked, a node's the `Holder` it is called through; `params`:
-    the weights it trains, each once; `index`: where they sit in the audit's flat list of
-    weights; `first`: its 3-d outputs hold their channels first."""
+    node). `module`: the one hooked, a node's the `Holder` it is called through; `weights`:
+    what it holds, each once, and `params` those it trains (that ask for a gradient); `index`:
+    where they sit in the audit's flat list of weights; `first`: its 3-d outputs hold their
+    channels first."""
 
     def __init__(self, node: str, inside: str | None, module: nn.Module, window: int, first: bool):
         self.node = node
         self.inside = inside
         self.where = node if inside is None else f"{node}.{inside}"
         self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]  # (each once)
+        self.weights = list(module.parameters())  # (each once)
+        self.params: list[nn.Parameter] = []  # those it trains (`Audit._weigh`)
         self.saturates = saturation([module])
         self.width = 2 if self.saturates is None else 3  # Σ|a|, zeros (and saturated), per call
         self.first = first

@@ -112,7 +112,9 @@ class Audit:
         self._tap: Tap | None = None
         self._places: list[Place] = []
         self._handles: list[Any] = []
-        self._flat: list[nn.Parameter] = []
+        self._flat: list[nn.Parameter] = []  # the weights the places train, each once
+        self._all: list[nn.Parameter] = []  # every weight they hold, trained or frozen
+        self._asking: list[bool] = []  # whether each of those asked for a gradient
         self._bucket = -1  # the last `snapshot` steps a snapshot was taken in
         self._measuring = False
         self._snap = False
@@ -196,13 +198,9 @@ class Audit:
                 f"{', …' if len(left) > 4 else ''}): raise most= to watch them one by one (the "
                 "list is in audit.left_out)"
             )
-        slot: dict[int, int] = {}  # every place's weights once (a layer's are its node's)
-        for place in places:
-            place.index = [slot.setdefault(id(q), len(slot)) for q in place.params]
-            big = max(place.params, key=lambda q: q.numel(), default=None)
-            place.big = slot[id(big)] if big is not None and big.dim() >= 2 else -1
-        self._flat = list({id(q): q for place in places for q in place.params}.values())
         self._places = places
+        self._all = list({id(q): q for place in places for q in place.weights}.values())
+        self._weigh()
         self.places = [p.where for p in places]
         self.left_out = left
         self._nested = {p.node for p in places if p.inside is not None}
@@ -223,6 +221,7 @@ class Audit:
         self._waiting = []
         self._far = []
         self._places = []
+        self._all = self._flat = []
 
     def _arm(self, measuring: bool) -> None:
         """Module hooks are on, and the Tap calls nodes through their `Holder`s, only for a
@@ -333,10 +332,30 @@ class Audit:
 
     def _begin(self) -> None:
         """θ as this measured step finds it, copied once, kept until `moved` (under gradient
-        accumulation the steps of one group share one copy and one update)."""
-        if self._copy is None and self._flat:
-            with torch.no_grad():
-                self._copy = [q.clone() for q in self._flat]
+        accumulation the steps of one group share one copy and one update); the weights
+        trained read again first if one was frozen or unfrozen since."""
+        if self._copy is None:
+            if [q.requires_grad for q in self._all] != self._asking:
+                self._weigh()
+            if self._flat:
+                with torch.no_grad():
+                    self._copy = [q.clone() for q in self._flat]
+
+    def _weigh(self) -> None:
+        """Which weights each place trains (those asking for a gradient: a frozen part is
+        watched for what it gives) and where each sits in the flat list the audit copies. A
+        place whose weights changed starts its `param_norm_slope` window again."""
+        slot: dict[int, int] = {}  # every place's weights once (a layer's are its node's)
+        for place in self._places:
+            params = [q for q in place.weights if q.requires_grad]
+            if [id(q) for q in params] != [id(q) for q in place.params]:
+                place.params = params
+                place.norms.clear()
+            place.index = [slot.setdefault(id(q), len(slot)) for q in params]
+            big = max(params, key=lambda q: q.numel(), default=None)
+            place.big = slot[id(big)] if big is not None and big.dim() >= 2 else -1
+        self._flat = list({id(q): q for place in self._places for q in place.params}.values())
+        self._asking = [q.requires_grad for q in self._all]
 
     # -- after backward: the step's numbers ------------------------------------------------
     def observed(self, graph: Any = None) -> list[dict[str, Any]]:
