@@ -353,3 +353,111 @@ def test_a_whisper_decoder_on_a_worker_is_handed_the_encoders_output_and_trains_
         torch.testing.assert_close(learnt[f"decoder.{key}"], v, rtol=0, atol=1e-12)
     with torch.no_grad():
         torch.testing.assert_close(there, ref(**batches[0][0]).logits, rtol=0, atol=1e-12)
+
+
+class Embeddings(nn.Module):
+    """DistilBERT's embeddings (they stay with each client's data)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.embeddings = model.distilbert.embeddings
+
+    def forward(self, input_ids, attention_mask=None):
+        return self.embeddings(input_ids)
+
+
+class Layers(nn.Module):
+    """DistilBERT's transformer layers (on each client's worker)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.transformer = model.distilbert.transformer
+
+    def forward(self, h):
+        return self.transformer(h, attn_mask=None)[0]
+
+
+class Classifier(nn.Module):
+    """DistilBERT's head on its first token."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.pre, self.out = model.pre_classifier, model.classifier
+
+    def forward(self, h):
+        return self.out(torch.relu(self.pre(h[:, 0])))
+
+
+def _both(work):
+    """`work(0)` and `work(1)` at once, in two threads, waited for."""
+    import threading
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
+def test_federated_averaging_of_distilberts_trained_on_two_workers_is_the_average_by_hand(
+    tmp_path,
+):
+    from somatize.torch import gather
+
+    case = CASES["distilbert"]()
+    base, ids = _still(case.model), case.example["input_ids"]
+    store, sizes = Store(tmp_path / "store"), [3, 1]
+    brokers, trainers, failed = [None, None], [None, None], []
+
+    def train(k):  # each client its own worker, its own copy and its own data, at once
+        try:
+            brokers[k] = Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")})
+            m = copy.deepcopy(base)
+            g = Graph.somatize(
+                Node.of(Embeddings(m)).named("emb")
+                >> Node.of(Layers(m)).named("layers").at("w")
+                >> Node.of(Classifier(m)).named("head")
+            )
+            trains = {"layers": Split(torch.optim.SGD, lr=0.1)}
+            opt = torch.optim.SGD(parameters(g, without=trains), lr=0.1)
+            t = Trainer(g, objective=nn.functional.cross_entropy, optimizer=opt, trains=trains,
+                        broker=brokers[k])  # fmt: skip
+            t.step(({"input_ids": ids.roll(k, 1)}, case.target.roll(k)))
+            trainers[k] = t
+        except Exception as error:  # noqa: BLE001  (asserted below)
+            failed.append(error)
+
+    try:
+        _both(train)
+        assert not failed, failed
+        exports = [t.export() for t in trainers]
+        got = {}
+
+        def client(k):
+            try:
+                got[k] = gather(store, exports[k], run="fed", round=0, clients=2, mine=k,
+                                size=sizes[k], within=30, asking=0.02)  # fmt: skip
+            except Exception as error:  # noqa: BLE001  (asserted below)
+                failed.append(error)
+
+        _both(client)
+        assert not failed, failed
+        assert exports[0]["layers"].keys() == {
+            f"transformer.{k}" for k in base.distilbert.transformer.state_dict()
+        }
+        for nid, state in exports[0].items():
+            for key in state:
+                by_hand = (exports[0][nid][key] * 3 + exports[1][nid][key]) / 4  # float64
+                for k in range(2):
+                    torch.testing.assert_close(got[k][nid][key], by_hand, rtol=0, atol=1e-15)
+        assert not torch.equal(exports[0]["layers"]["transformer.layer.0.ffn.lin1.weight"],
+                               exports[1]["layers"]["transformer.layer.0.ffn.lin1.weight"])  # fmt: skip
+        for t in trainers:  # each goes on from the average, its worker's copy too
+            t.load(got[0])
+            for nid, state in t.export().items():
+                for key, v in state.items():
+                    assert torch.equal(v, got[0][nid][key]), (nid, key)
+    finally:
+        for broker in brokers:
+            if broker is not None:
+                broker.close()
