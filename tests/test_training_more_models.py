@@ -361,3 +361,36 @@ def test_embeddings_unfrozen_after_a_warm_up_are_measured_from_then_on():
     moved = _norm64([p.double() - s for p, s in zip(part.parameters(), start, strict=True)])
     assert fact["update_ratio"] == pytest.approx(moved / _norm64(start), rel=tol)
     assert at(2, None)["param_norm"] == pytest.approx(_norm64(whole), rel=tol)
+
+
+def test_inside_a_node_standing_twice_each_id_hears_only_its_own_calls():
+    # one block applied twice (weights shared across depth, as ALBERT shares its layer): the
+    # modules inside it are places of each id, each with its own call's numbers
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    g = Graph.somatize(
+        Node.of(block).named("a")
+        >> Node.of(lambda x: 10 * x).named("louder")
+        >> Node.of(block).named("b")
+    )
+    facts = []
+    audit = Audit(inside=True)
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    t = Trainer(
+        g,
+        objective=lambda o, _: o.pow(2).mean(),
+        optimizer=opt,
+        auditing=audit,
+        watching=facts.append,
+    )
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # by hand, in float64, before the step moves the weights
+        lin, act = block[0].double(), block[1]
+        a0 = lin(x.double())
+        b0 = lin(10 * act(a0))
+        block.float()
+    t.step((x, None))
+    said = {(f["node"], f["inside"]): f["act_abs_mean"] for f in facts if f["fact"] == "health"}
+    for (node, inside), out in [(("a", "0"), a0), (("b", "0"), b0)]:
+        assert said[node, inside] == pytest.approx(float(out.abs().mean()), rel=64 * F32_EPS)
+    assert said["b", "1"] == pytest.approx(float(act(b0).abs().mean()), rel=64 * F32_EPS)

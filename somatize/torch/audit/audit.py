@@ -118,9 +118,9 @@ class Audit:
         self._bucket = -1  # the last `snapshot` steps a snapshot was taken in
         self._measuring = False
         self._snap = False
-        self._nested: set[str] = set()  # the nodes with places inside them
-        self._runs: dict[str, int] = {}  # how many forwards of each such node began
-        self._running: set[str] = set()  # those running now
+        self._nested = False  # whether it watches places inside nodes
+        self._runs: dict[str, int] = {}  # how many forwards of each node began (if so)
+        self._running: set[str] = set()  # the nodes running now
         # θ as the measured step found it, until `moved`, and the facts waiting for it
         self._copy: list[torch.Tensor] | None = None
         self._waiting: list[tuple[bool, list[tuple[Place, dict[str, Any]]]]] = []
@@ -203,7 +203,7 @@ class Audit:
         self._weigh()
         self.places = [p.where for p in places]
         self.left_out = left
-        self._nested = {p.node for p in places if p.inside is not None}
+        self._nested = any(p.inside is not None for p in places)
         self._graph = g
         self._tap = Tap(g, None, {p.node: p.module for p in places if p.inside is None}).on()
         self._arm(self.step % self.every == 0)
@@ -235,7 +235,7 @@ class Audit:
             for place in self._places:
                 module, heard = place.module, functools.partial(self._heard, place)
                 self._handles.append(module.register_forward_hook(heard, with_kwargs=True))
-                if place.inside is None and place.node in self._nested:
+                if place.inside is None and self._nested:
                     enters = functools.partial(self._enters, place.node)
                     leaves = functools.partial(self._leaves, place.node)
                     self._handles.append(module.register_forward_pre_hook(enters))
@@ -309,20 +309,22 @@ class Audit:
 
     def _fresh(self, place: Place) -> bool:
         """Whether a call of `place` is heard. A node's, and a module's inside it during the
-        node's forward, yes; one outside it only where that forward was not heard: activation
-        checkpointing runs a block's forward again inside backward (torch's non-reentrant
-        checkpoint stops that re-run once it has what backward needs, a Dropout Swin calls
-        twice a block heard a third time), and the re-entrant one ran it under no_grad first."""
+        node's forward, yes; during another node's, no (a node standing at two ids: each id
+        hears its own calls); outside any, only where its node's forward was not heard:
+        activation checkpointing runs a block's forward again inside backward (torch's
+        non-reentrant checkpoint stops that re-run once it has what backward needs, a Dropout
+        Swin calls twice a block heard a third time), and the re-entrant one ran it under
+        no_grad first."""
         node = place.node
         if place.inside is None:
             return True
         if node in self._running:
             place.run = self._runs[node]
             return True
-        return place.run != self._runs.get(node)
+        return not self._running and place.run != self._runs.get(node)
 
     def _enters(self, node: str, module: nn.Module, args: tuple) -> None:
-        """A node with places inside it begins its forward."""
+        """A node begins its forward (heard where places inside nodes are watched)."""
         self._runs[node] = self._runs.get(node, 0) + 1
         self._running.add(node)
 
