@@ -121,7 +121,9 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     arrived from elsewhere: a NaN or inf marked `inherited` (it came in through the input or
     the gradient) raises nothing here, the place where it arose is flagged; and weights whose
     gradient is exactly zero got none at all, so they are neither VANISHING nor STALLED: what
-    cut them off downstream (a DEAD or SATURATED place) is flagged.
+    cut them off downstream (a DEAD or SATURATED place) is flagged. A place whose weights are
+    all zero (param_norm 0: a zero-initialised layer such as LoRA's B) is not DEAD: its zeros
+    are the weights', which its gradient moves.
 
     One step's fact gives that step's flags; `diagnose`, `seen` and `Verdicts` give it a
     place's numbers summarised over its last `WINDOW` measured steps.
@@ -144,7 +146,9 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     sat = _num(numbers, "sat_frac_max")
     ratio = _num(numbers, "update_ratio")
     weights = _num(numbers, "param_norm")
-    dead = zero is not None and zero >= t.dead_frac
+    # zeros from weights that are all zero (a zero-initialised layer: LoRA's B, a residual
+    # branch's last norm set to 0) are what it has not learnt yet, not dead units
+    dead = zero is not None and zero >= t.dead_frac and weights != 0.0
     saturated = sat is not None and sat >= t.saturated_frac
     cut_off = grad == 0.0 or dead or saturated  # no gradient gets through to these weights
     stall = ratio is not None and ratio < t.update_low

@@ -5,7 +5,8 @@ between them, each call): `signal_gain` (RMS of what comes out over RMS of what 
 where that is all zeros), `jacobian_gain` and `jacobian_spread` (per sample, ‖Jᵀu‖/‖u‖ for the
 random cotangent u that reaches that place's output, averaged over the samples, and its
 coefficient of variation across them), `zero_frac_max` and `sat_frac_max` (the share of the
-output that is zero, and saturated where a sigmoid or a tanh saturates), and `nan` / `inf`.
+output that is zero, and saturated where a sigmoid or a tanh saturates), `nan` / `inf`, and
+`param_norm`, ‖θ‖ of the weights a place holds.
 Each number is taken as the one forward and the one backward pass the place, so nothing is
 held past the moment it is measured; no parameter gradient is made.
 """
@@ -25,7 +26,7 @@ from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
 from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
-from somatize.torch.audit._measures import norm, output_of, read, sums_of, wide
+from somatize.torch.audit._measures import norm, output_of, read, squared_norms, sums_of, wide
 from somatize.torch.audit._place import saturation
 from somatize.torch.inside._forward import Boxes
 from somatize.torch.inside._trace import call_path
@@ -118,13 +119,24 @@ class _Place:
     """One place: what its first call gave, measured as it went by; and the per-sample norms
     of the gradients at its input and output, heard as the backward passed."""
 
-    __slots__ = ("where", "node", "inside", "saturates", "numbers", "rows", "g_in", "g_out")
+    __slots__ = (
+        "where",
+        "node",
+        "inside",
+        "saturates",
+        "weights",
+        "numbers",
+        "rows",
+        "g_in",
+        "g_out",
+    )
 
     def __init__(self, node: str, inside: str | None, module: nn.Module | None) -> None:
         self.node = node
         self.inside = inside
         self.where = join(node, inside or "")
         self.saturates = saturation([module] if module is not None else [])
+        self.weights = list(module.parameters()) if module is not None else []
         self.numbers: dict[str, Any] | None = None
         self.rows = 0
         self.g_in: dict[int, Any] = {}  # by rows, as `_Seen.grads` keeps them
@@ -132,8 +144,8 @@ class _Place:
 
     def saw(self, given: list[torch.Tensor], made: list[torch.Tensor], known: _Tensors) -> None:
         """Measure the call that made the tensors `made` of the tensors `given`: Σ|a|, the
-        zeros (and the saturated) of its output and the norm of its input and of its output,
-        each not read yet, all read at once. A call that gave back a tensor it was handed
+        zeros (and the saturated) of its output, the norm of its input and of its output, each
+        not read yet, and of the weights it holds, all read at once. A call that gave back a tensor it was handed
         (written over in place, or handed on as it is) is measured against that tensor as it
         was seen before the call, and left out where it was not (what it read is gone)."""
         inp, out = _first(given), output_of([t for t in made if t.is_floating_point()])
@@ -151,17 +163,21 @@ class _Place:
         size = a.numel()
         sums = sums_of(a, self.saturates)
         fresh = [s for s in (i, o) if s is not None and s.rms is None]  # no RMS read yet
-        values = read(sums + [s.norm for s in fresh])  # one read per place
-        for s, v in zip(fresh, values[len(sums) :], strict=True):
+        weights = self.weights
+        values = read(sums + [s.norm for s in fresh] + [norm(w) for w in weights])  # one read
+        for s, v in zip(fresh, values[len(sums) : len(sums) + len(fresh)], strict=True):
             s.rms = v / s.size**0.5 if s.size else 0.0
         n = self.numbers = {}
+        if weights:
+            n["param_norm"] = math.sqrt(sum(squared_norms(values[-len(weights) :], weights)))
         # a gain against zeros (a dead layer before) means nothing, nor one against an input
         # that asks for its gradient where the output does not: made without autograd, it is
         # not seen computed from it (rotary positions, handed the states for their dtype)
         if i is not None and i.rms > 0 and (out.requires_grad or not inp.requires_grad):
             n["signal_gain"] = o.rms / i.rms
         total, zeros, *saturated = values[: len(sums)]
-        n["zero_frac_max"] = zeros / size if size else 0.0
+        if i is None or i.rms != 0:  # (the zeros of a place given only zeros are its input's)
+            n["zero_frac_max"] = zeros / size if size else 0.0
         n["sat_frac_max"] = saturated[0] / size if size and saturated else 0.0
         finite = math.isfinite(total)  # a NaN or an inf anywhere shows in Σ|a|
         n["nan"] = False if finite else bool(a.isnan().any())
@@ -254,7 +270,9 @@ def probe(
     read as its call begins), and the boxes after it against what it gave; only an in-place
     function on a tensor no box made (the model's input, a slice) is not, its input gone.
     Each place's numbers are `signal_gain`, `jacobian_gain`, `jacobian_spread`,
-    `zero_frac_max`, `sat_frac_max`, `nan` and `inf` (see the module's docstring), the shape
+    `zero_frac_max` (not where it was given only zeros: those are its input's),
+    `sat_frac_max`, `nan`, `inf` (see the module's docstring) and, where it holds weights,
+    their `param_norm` (all zero: a zero-initialised layer, not DEAD), the shape
     `somatize.health.seen` returns from a store, which `somatize.health.verdict` reads.
 
     The example is measured as it is given, in one forward and one backward: a sample is a
