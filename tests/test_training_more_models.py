@@ -394,3 +394,53 @@ def test_inside_a_node_standing_twice_each_id_hears_only_its_own_calls():
     for (node, inside), out in [(("a", "0"), a0), (("b", "0"), b0)]:
         assert said[node, inside] == pytest.approx(float(out.abs().mean()), rel=64 * F32_EPS)
     assert said["b", "1"] == pytest.approx(float(act(b0).abs().mean()), rel=64 * F32_EPS)
+
+
+def _first_output(out):
+    """What a module gives: its tensor, or the first tensor of more than one number in what it
+    gives back (an attention layer's output before its weights)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    items = out.values() if isinstance(out, dict) else out
+    return next(t for t in items if isinstance(t, torch.Tensor) and t.dim())
+
+
+@pytest.mark.parametrize("name", ["swin", "wav2vec2"])
+def test_the_audits_activation_numbers_inside_are_float64_by_hand(name):
+    # Swin's drop path and dropouts zero whole rows and single values, wav2vec2's convolutions
+    # feed GELUs: every module inside, its mean |a| and its share of zeros over the step
+    case = CASES[name]()
+    heard = {}
+
+    def hook(path):
+        def keep(module, args, out):
+            a = _first_output(out).detach().double()
+            sums = heard.setdefault(path, [0.0, 0.0, 0])
+            sums[0] += float(a.abs().sum())
+            sums[1] += float((a.abs() <= 1e-7).sum())  # health.Thresholds().dead_eps
+            sums[2] += a.numel()
+
+        return keep
+
+    for path, module in case.model.named_modules():
+        if path:
+            module.register_forward_hook(hook(path))
+    torch.manual_seed(3)
+    case.objective(_call(case.model, case.example), case.target).backward()
+
+    mine = CASES[name]()
+    g = Graph.somatize(mine.model)
+    facts = []
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    audit = Audit(inside=True, most=300)
+    t = Trainer(g, objective=mine.objective, optimizer=opt, auditing=audit, watching=facts.append)
+    torch.manual_seed(3)
+    t.step((mine.example, mine.target))
+    inside = [f for f in facts if f["fact"] == "health" and f["inside"] is not None]
+    assert {f["inside"] for f in inside} <= set(heard)  # named as torch names the module
+    assert any(f["zero_frac_max"] > 0.05 for f in inside)  # (dropout at work)
+    for f in inside:
+        total, zeros, size = heard[f["inside"]]
+        tol = 8 * F32_EPS * math.sqrt(size)  # float32 sums over `size` values
+        assert f["act_abs_mean"] == pytest.approx(total / size, rel=tol), f["inside"]
+        assert f["zero_frac_max"] == pytest.approx(zeros / size, abs=1.5 / size), f["inside"]
