@@ -90,16 +90,21 @@ def tied(trainer: Any, weights: dict[str, dict]) -> None:
     model's embeddings in one, its output layer in another) two values, naming both keys: which
     one would win depends on the order the nodes are given in. (A node's own two keys of one
     tensor are checked with the rest of the node.)"""
-    first: dict[int, tuple[str, str, torch.Tensor]] = {}
+    given_for: dict[int, list[tuple[str, str, Any]]] = {}  # by the tensor they load into
+    held: dict[int, torch.Tensor] = {}
     for nid, given in weights.items():
         own = state_of(trainer.graph.implementation(nid))
-        for key, value in given.items():
-            mine = own.get(key)
-            if mine is None:  # what a Learning brought
-                continue
-            value = value.detach().to(device=mine.device, dtype=mine.dtype)
-            was, at, before = first.setdefault(id(mine), (nid, key, value))
-            if was != nid and not torch.equal(before, value):
+        for key in given.keys() & own.keys():  # (not what a Learning brought)
+            given_for.setdefault(id(own[key]), []).append((nid, key, given[key]))
+            held[id(own[key])] = own[key]
+    for tensor, named in given_for.items():
+        if len({nid for nid, _, _ in named}) < 2:
+            continue
+        mine = held[tensor]
+        (was, at, first), *rest = named
+        first = first.detach().to(device=mine.device, dtype=mine.dtype)
+        for nid, key, value in rest:
+            if not torch.equal(first, value.detach().to(device=mine.device, dtype=mine.dtype)):
                 raise ValueError(
                     f"node {was!r}'s {at!r} and node {nid!r}'s {key!r} are one tensor (tied "
                     "weights), and the weights give them different values: give both the same, "
