@@ -444,3 +444,49 @@ def test_the_audits_activation_numbers_inside_are_float64_by_hand(name):
         tol = 8 * F32_EPS * math.sqrt(size)  # float32 sums over `size` values
         assert f["act_abs_mean"] == pytest.approx(total / size, rel=tol), f["inside"]
         assert f["zero_frac_max"] == pytest.approx(zeros / size, abs=1.5 / size), f["inside"]
+
+
+def _audited_wav2vec2(batches):
+    """wav2vec2 under finite=True and an Audit inside, stepped by hand the way
+    docs/training.md skips a batch whose loss is not finite; each step seeded alike."""
+    case = CASES["wav2vec2"]()
+    g = Graph.somatize(case.model)
+    facts = []
+    opt = torch.optim.AdamW(parameters(g), lr=1e-3)
+    audit = Audit(inside=True, snapshot=1)
+    t = Trainer(
+        g,
+        objective=case.objective,
+        optimizer=opt,
+        auditing=audit,
+        watching=facts.append,
+        finite=True,
+    )
+    losses = []
+    for audio in batches(case.example):
+        torch.manual_seed(7)  # dropout's, the same at every step of both runs
+        try:
+            losses.append(t.step((audio, case.target)))
+        except FloatingPointError:
+            continue  # skip it and go on
+    return losses, [f for f in facts if f["fact"] == "health"]
+
+
+def test_a_batch_skipped_for_a_nan_loss_leaves_nothing_in_the_audit_of_the_next_step():
+    def clean(audio):
+        return [audio, audio]
+
+    def spoilt(audio):
+        bad = audio.clone()
+        bad[0, 5] = float("nan")
+        return [audio, bad, audio]
+
+    expected, told = _audited_wav2vec2(clean)
+    losses, heard = _audited_wav2vec2(spoilt)
+    assert losses == pytest.approx(expected, rel=16 * F32_EPS)
+    assert [(f["inside"], f["step"]) for f in heard] == [(f["inside"], f["step"]) for f in told]
+    for mine, theirs in zip(heard, told, strict=True):
+        assert not mine["nan"], (mine["inside"], mine["step"])
+        for key, value in theirs.items():
+            if isinstance(value, float):
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (mine["inside"], key)

@@ -274,9 +274,8 @@ class Audit:
     def at(self, step: int | None) -> None:
         """The Trainer's step the next forward belongs to (measured or not by this audit's
         cadence): told on a worker each step, and here when a resumed run sets `t.steps`;
-        None once the Trainer's audit no longer watches. The snapshots go on as they would
-        have: one is taken at the first measured step of every `snapshot` steps, so a run
-        resumed past that step takes none until the next `snapshot` steps begin."""
+        None once the Trainer's audit no longer watches. Snapshots go on as they would have
+        (at the first measured step of every `snapshot` steps), from the step resumed at."""
         if step is None:
             self._arm(False)
         elif step != self.step:
@@ -309,12 +308,10 @@ class Audit:
 
     def _fresh(self, place: Place) -> bool:
         """Whether a call of `place` is heard. A node's, and a module's inside it during the
-        node's forward, yes; during another node's, no (a node standing at two ids: each id
-        hears its own calls); outside any, only where its node's forward was not heard:
-        activation checkpointing runs a block's forward again inside backward (torch's
-        non-reentrant checkpoint stops that re-run once it has what backward needs, a Dropout
-        Swin calls twice a block heard a third time), and the re-entrant one ran it under
-        no_grad first."""
+        node's forward, yes; during another node's, no (each id of a node standing at two hears
+        its own); outside any, only where its node's forward was not heard: checkpointing runs
+        a block's forward again inside backward (non-reentrant, stopping once backward has what
+        it needs; re-entrant, after a first run under no_grad)."""
         node = place.node
         if place.inside is None:
             return True
@@ -344,9 +341,8 @@ class Audit:
                     self._copy = [q.clone() for q in self._flat]
 
     def _weigh(self) -> None:
-        """Which weights each place trains (those asking for a gradient: a frozen part is
-        watched for what it gives) and where each sits in the flat list the audit copies. A
-        place whose weights changed starts its `param_norm_slope` window again."""
+        """Which weights each place trains (those asking for a gradient), where each sits in
+        the flat list copied; a place whose weights changed starts its slope's window again."""
         slot: dict[int, int] = {}  # every place's weights once (a layer's are its node's)
         for place in self._places:
             params = [q for q in place.weights if q.requires_grad]
@@ -358,6 +354,14 @@ class Audit:
             place.big = slot[id(big)] if big is not None and big.dim() >= 2 else -1
         self._flat = list({id(q): q for place in self._places for q in place.params}.values())
         self._asking = [q.requires_grad for q in self._all]
+
+    def dropped(self) -> None:
+        """A step raised and its group was dropped (a loss not finite, Ctrl-C): what the step
+        heard is forgotten, and the steps measured in the group wait for no update."""
+        for place in self._places:
+            place.clear()
+        self._copy = None
+        self._waiting = []
 
     # -- after backward: the step's numbers ------------------------------------------------
     def observed(self, graph: Any = None) -> list[dict[str, Any]]:

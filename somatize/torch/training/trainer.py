@@ -254,10 +254,20 @@ class Trainer:
         return value
 
     def _drop(self) -> None:
-        """Forgets the open group: its gradients are cleared, the next step opens a new one."""
+        """Forgets the open group: its gradients are cleared, the next step opens a new one; the
+        audit forgets what the step heard, and the facts of the group go without an update."""
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         self._count = 0
+        if self.audit is not None:
+            self.audit.dropped()
+        self._unwaited()
+
+    def _unwaited(self) -> None:
+        """Tells the audit's facts still waiting for an update that will not come."""
+        if self._health:
+            run.tell(self.watching, *self._health)
+            self._health = []
 
     def _train_mode(self) -> None:
         """Puts the nodes this run trains that are in eval mode in train mode."""
@@ -472,9 +482,7 @@ class Trainer:
     def close(self) -> None:
         """Takes the audit's hooks off and stops auditing (done too when the Trainer is garbage);
         training goes on without it."""
-        if self._health:  # facts still waiting for an update that did not come
-            run.tell(self.watching, *self._health)
-            self._health = []
+        self._unwaited()
         if self._release is not None:
             self._release()
             self._release = None
