@@ -461,3 +461,23 @@ def test_federated_averaging_of_distilberts_trained_on_two_workers_is_the_averag
         for broker in brokers:
             if broker is not None:
                 broker.close()
+
+
+class Devices(Node):
+    """Where the logits and the key/value cache it is handed are."""
+
+    def forward(self, out, ctx):
+        layer = out.cache.layers[0]
+        return str(out.logits.device), str(layer.keys.device), str(layer.values.device)
+
+
+def test_a_models_cache_arriving_at_a_node_on_a_device_is_moved_there_with_the_rest(tmp_path):
+    case = CASES["llama"]()
+    model = case.model.eval()
+    g = Graph.somatize(Node.of(model).named("lm").frozen().cached() >> Devices().on("meta"))
+    freeze(g)
+    store = Store(tmp_path / "store")
+    with torch.no_grad():
+        assert g.forward(case.example) == ("meta",) * 3
+        g.forward(case.example, store=store)
+        assert g.forward(case.example, store=store) == ("meta",) * 3  # recalled on the cpu

@@ -30,6 +30,13 @@ MODULE = "transformers.cache_utils"  # read where this process loaded it: never 
 NAMES = ((MODULE, "DynamicCache"), (MODULE, "EncoderDecoderCache"))
 
 
+def kinds() -> tuple[type, ...]:
+    """The cache classes `build` rebuilds, where this process has loaded transformers' caches
+    (none where it has not)."""
+    found = sys.modules.get(MODULE)
+    return () if found is None else (found.DynamicCache, found.EncoderDecoderCache)
+
+
 def fields_of(cache: Any) -> list:
     """`[[field, value], ...]` for a cache `build` can rebuild; `NoCodec` for any other, saying
     what to do."""

@@ -8,16 +8,26 @@ from typing import Any
 
 import torch
 
+from somatize.codecs import NoCodec
+from somatize.torch import _caches
+
 
 def mapped(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """`value` with `fn(t)` in place of every tensor `t` inside it, each container given back
-    as `refilled` makes it; anything else as it is."""
+    as `refilled` makes it, and a transformers key/value cache that `_caches` rebuilds as a new
+    one of its kind; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return fn(value)
     if isinstance(value, Mapping):
         return refilled(value, {k: mapped(v, fn) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
         return refilled(value, [mapped(v, fn) for v in value])
+    if type(value) in _caches.kinds():
+        try:
+            fields = _caches.fields_of(value)
+        except NoCodec:  # a cache no public constructor rebuilds: left as it is
+            return value
+        return _caches.build(type(value), {k: mapped(v, fn) for k, v in fields})
     return value
 
 
