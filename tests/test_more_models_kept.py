@@ -212,9 +212,9 @@ def test_a_wav2vec2_with_its_weight_normed_convolution_trains_on_a_worker_as_in_
         ]
 
     case = CASES["wav2vec2"]()
-    assert torch.nn.utils.parametrize.is_parametrized(
-        case.model.wav2vec2.encoder.pos_conv_embed.conv
-    )  # what this test is about: a module torch refuses to pickle
+    conv = case.model.wav2vec2.encoder.pos_conv_embed.conv
+    assert torch.nn.utils.parametrize.is_parametrized(conv)  # a module torch will not pickle
+    conv.requires_grad_(False)  # and set aside: it must stay so on the worker
     got, want, far = _split_against_one_process(case, batches)
     assert got == pytest.approx(want, rel=1e-12)
     assert far < 1e-12

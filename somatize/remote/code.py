@@ -31,8 +31,10 @@ def _unparametrized(module: Any, parametrize: Any) -> tuple:
     # the copy shares its class with `module`; removing a parametrization changes the class
     plain.__class__ = type(cls.__name__, cls.__bases__, _own(vars(cls)))
     for name, chain in module.parametrizations.items():
-        grads = [p.requires_grad for p in chain.parameters(recurse=False)]
-        lists.append((name, list(chain), grads))
+        originals = list(plain.parametrizations[name].parameters(recurse=False))
+        lists.append((name, list(chain), [p.requires_grad for p in originals]))
+        for p in originals:  # so that the tensor left is a parameter, as they are, not a buffer
+            p.requires_grad_(True)
         parametrize.remove_parametrizations(plain, name, leave_parametrized=True)
     return reparametrized, (plain, lists)
 
