@@ -490,3 +490,32 @@ def test_a_batch_skipped_for_a_nan_loss_leaves_nothing_in_the_audit_of_the_next_
         for key, value in theirs.items():
             if isinstance(value, float):
                 assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (mine["inside"], key)
+
+
+def test_a_frozen_head_tied_to_trained_embeddings_is_refused_naming_both():
+    # freezing Qwen2's output layer would freeze its input embeddings too, one tensor: the
+    # body would train without them, silently
+    case = CASES["qwen2"]()
+    model = case.model
+    g = Graph.somatize(
+        Node.of(model.model).named("body")
+        >> Node.of(_last_hidden).named("last")
+        >> Node.of(model.lm_head).named("head").frozen()
+    )
+    opt = torch.optim.AdamW(parameters(g), lr=1e-2)
+    with pytest.raises(
+        ValueError, match=r"'head' is declared frozen.*'body'.*embed_tokens\.weight.*tied"
+    ):
+        Trainer(g, objective=case.objective, optimizer=opt)
+    assert model.lm_head.weight.requires_grad and model.training  # nothing was settled
+
+    head = model.lm_head  # as the refusal says: untied, the head frozen alone
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())
+    t = Trainer(g, objective=case.objective, optimizer=torch.optim.AdamW(parameters(g), lr=1e-2))
+    kept, before = (
+        head.weight.detach().clone(),
+        model.get_input_embeddings().weight.detach().clone(),
+    )
+    t.fit([(case.example, case.target)] * 2)
+    assert torch.equal(head.weight, kept) and not head.weight.requires_grad
+    assert not torch.equal(model.get_input_embeddings().weight, before)

@@ -215,7 +215,8 @@ _HERE = (None, None)
 
 def untied(graph: Graph, trains: dict[str, Any]) -> None:
     """Refuse one trainable parameter held by two nodes that a cut parts (tied weights, GPT-2's
-    `wte` and `lm_head`): each side would update it on its own, so the tie would not hold."""
+    `wte` and `lm_head`): each side would update it on its own, so the tie would not hold. And
+    one held by a frozen node and a node that is not: freezing the one freezes the other's."""
     hosts = graph.hosts()
 
     def how(nid: str) -> str:
@@ -227,13 +228,28 @@ def untied(graph: Graph, trains: dict[str, Any]) -> None:
     def side(nid: str) -> tuple[str | None, str | None]:
         return hosts.get(nid), nid if nid in trains else None
 
+    def trainable(nid: str) -> list[tuple[str, torch.Tensor]]:
+        state = state_of(graph.implementation(nid)).items()
+        return [(k, t) for k, t in state if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+
+    order = graph.topological_sort()
+    frozen = {
+        id(t): (nid, k) for nid in order if graph.setting(nid).frozen for k, t in trainable(nid)
+    }
     seen: dict[int, tuple[str, str]] = {}
-    for nid in graph.topological_sort():
+    for nid in order:
         if graph.setting(nid).frozen:  # frozen, it learns nothing on either side
             continue
-        for key, t in state_of(graph.implementation(nid)).items():
-            if not (isinstance(t, torch.nn.Parameter) and t.requires_grad):
-                continue
+        for key, t in trainable(nid):
+            if id(t) in frozen:
+                fid, fkey = frozen[id(t)]
+                raise ValueError(
+                    f"node {fid!r} is declared frozen and holds {fkey}, which node {nid!r} "
+                    f"holds as {key} (tied weights): settling {fid!r} would freeze it in {nid!r} "
+                    f"too, which would train without it. Declare {nid!r} frozen as well, or "
+                    "untie them: give the frozen one a copy of its own, "
+                    "module.weight = nn.Parameter(module.weight.detach().clone())"
+                )
             oid, okey = seen.setdefault(id(t), (nid, key))
             if side(oid) == side(nid):  # one host, trained by one thing
                 continue
