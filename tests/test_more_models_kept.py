@@ -481,3 +481,50 @@ def test_a_models_cache_arriving_at_a_node_on_a_device_is_moved_there_with_the_r
         assert g.forward(case.example) == ("meta",) * 3
         g.forward(case.example, store=store)
         assert g.forward(case.example, store=store) == ("meta",) * 3  # recalled on the cpu
+
+
+class SwinBody(nn.Module):
+    """Swin's patch embeddings and encoder: its own `SwinEncoderOutput`."""
+
+    def __init__(self, swin):
+        super().__init__()
+        self.embeddings, self.encoder = swin.embeddings, swin.encoder
+
+    def forward(self, pixels):
+        h, dims = self.embeddings(pixels)
+        return self.encoder(h, dims)
+
+
+class SwinHead(nn.Module):
+    """A head of plain torch modules on what Swin's encoder gives (nothing of transformers)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.norm, self.out = model.swin.layernorm, model.classifier
+
+    def forward(self, encoded):
+        return self.out(self.norm(encoded.last_hidden_state).mean(1))
+
+
+def test_a_worker_handed_a_models_own_output_says_how_to_start_it_and_then_reads_it():
+    from somatize.codecs import Malformed
+
+    case = CASES["swin"]()
+    model = case.model.eval()
+    g = Graph.somatize(
+        Node.of(SwinBody(model.swin)).named("body")
+        >> Node.of(SwinHead(model)).named("head").at("w")
+    )
+    with torch.no_grad():
+        want = model(case.example).logits
+    module = "transformers.models.swin.modeling_swin"
+    for argv, fails in (
+        (["--threads", "1"], True),
+        (["--threads", "1", "--import", module], False),
+    ):
+        with Broker.embedded({"w": Worker.spawn(argv, mode="network")}) as broker, torch.no_grad():
+            if fails:
+                with pytest.raises(Malformed, match=rf"start the worker with --import {module}"):
+                    g.forward(case.example, broker=broker)
+            else:
+                torch.testing.assert_close(g.forward(case.example, broker=broker), want)

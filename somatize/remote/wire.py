@@ -147,8 +147,13 @@ class _Reader:
             _hooks.ready(torch_needed=True)
             try:
                 return _hooks.from_fields(said)
-            except ValueError as error:
-                raise Malformed(f"a value by its fields does not build: {error}") from None
+            except ValueError as error:  # a class of a module not imported here
+                named = said[0] if type(said) is list and said and type(said[0]) is str else "?"
+                raise Malformed(
+                    f"a value by its fields does not build: {error}. A worker builds only "
+                    f"classes of modules it has imported, and imports none a message names: "
+                    f"start the worker with --import {named:.100}"
+                ) from None
         if code == _VALUE:
             return _utf8(codecs.decode(data))  # Malformed or NoCodec when it does not decode
         raise Malformed(f"an extension type {code} this wire does not write")
