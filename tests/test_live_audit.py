@@ -306,7 +306,7 @@ def test_the_face_draws_the_chosen_metric_its_meaning_every_mark_and_real_axes()
     data, _ = audit._repr_mimebundle_()
     assert (
         data["text/plain"].startswith("mlp: a live audit")
-        and 'alt="mlp: 1 places, 1000 steps"' in data["text/html"]
+        and 'alt="mlp: 1 place, 1000 steps"' in data["text/html"]
     )
     shown = re.search(r'base64,([^"]+)"', data["text/html"]).group(1)
     assert base64.b64decode(shown).decode() == audit.svg()
