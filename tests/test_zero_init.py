@@ -9,8 +9,9 @@ import torch
 from models.zoo import CASES, BasicBlock
 from torch import nn
 
+from somatize import Graph
 from somatize.health import DEAD, verdict
-from somatize.torch import probe
+from somatize.torch import Audit, Trainer, parameters, probe
 
 LORA_B = "peftmodel.base_model.model.transformer.h.0.attn.c_attn.lora_B.default"
 
@@ -67,3 +68,23 @@ def test_dead_relus_are_still_dead_and_only_where_they_die():
     # what a place given only zeros gives back is its input's zeros: the flag names the cause
     assert "zero_frac_max" not in found["_dead.after"]
     assert DEAD not in verdict(found["_dead.after"])
+
+
+def test_an_audited_lora_fine_tune_never_calls_its_b_dead():
+    case = CASES["lora"]()
+    g = Graph.somatize(case.model)
+    facts: list[dict] = []
+    t = Trainer(
+        g,
+        objective=case.objective,
+        optimizer=torch.optim.AdamW(parameters(g), lr=1e-3),
+        auditing=Audit(inside=[LORA_B]),
+        watching=facts.append,
+    )
+    for _ in range(6):  # past the first step, when B is all zero, inside the window (20)
+        t.step((case.example, case.target))
+    b = [f for f in facts if f.get("fact") == "health" and f["inside"] and "lora_B" in f["inside"]]
+    assert [f["step"] for f in b] == list(range(6))
+    assert b[0]["param_norm"] == 0.0 and b[0]["zero_frac_max"] == 1.0  # measured, as it is
+    assert all(f["param_norm"] > 0 and f["zero_frac_max"] < 0.5 for f in b[1:])
+    assert not [f["step"] for f in b if DEAD in verdict(f)]

@@ -192,9 +192,10 @@ class Place:
             saturated = sum(heard[2::width], 0.0) if width > 2 else 0.0
             size = self.size or 1
             n["act_abs_mean"] = total / size
-            self.zero.append(zeros / size)
+            if not weights or any(weights):  # (weights all zero give zeros of their own)
+                self.zero.append(zeros / size)
             self.saturated.append(saturated / size)
-            n["zero_frac_max"] = max(self.zero)
+            n["zero_frac_max"] = max(self.zero, default=zeros / size)
             n["sat_frac_max"] = max(self.saturated)
         out_grads = list(itertools.islice(got, len(self.out_grads)))
         if self.sums or weights:
