@@ -18,10 +18,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
 
-from somatize.codecs import NoCodec
 from somatize.node import Opaque
-from somatize.torch import _caches
-from somatize.torch._values import refilled
 from somatize.torch.placement import named_modules_of
 
 
@@ -90,33 +87,6 @@ def parts_of(module: nn.Module) -> list[tuple[str, nn.Module]]:
     if any(name == "parametrizations" for name, _ in named) and is_parametrized(module):
         return [(name, child) for name, child in named if name != "parametrizations"]
     return named
-
-
-def fresh(value: Any) -> Any:
-    """`value` with each transformers key/value cache in it (a `DynamicCache`, an
-    `EncoderDecoderCache`, in its mappings, lists and tuples) in a cache of its own holding
-    the same tensors, which a forward grows (by new tensors) leaving the one given as it was:
-    so a look at a decoding step runs on the cache it was given, each time, and leaves it so.
-    A cache `_caches` cannot rebuild (a static one, one of sliding-window layers) is handed
-    on as it is; `value` itself where it holds no cache."""
-    if isinstance(value, Mapping):
-        items = {k: fresh(v) for k, v in value.items()}
-        same = all(items[k] is v for k, v in value.items())
-        return value if same else refilled(value, items)
-    if isinstance(value, (list, tuple)):
-        listed = [fresh(v) for v in value]
-        return (
-            value
-            if all(a is b for a, b in zip(listed, value, strict=True))
-            else refilled(value, listed)
-        )
-    if type(value).__module__ == _caches.MODULE:
-        try:
-            fields = _caches.fields_of(value)
-        except NoCodec:
-            return value
-        return _caches.build(type(value), {k: fresh(v) for k, v in fields})
-    return value
 
 
 def tensors_in(value: Any) -> list[torch.Tensor]:

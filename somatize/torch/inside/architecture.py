@@ -22,12 +22,12 @@ from somatize.torch._modules import (
     Held,
     Holder,
     Tap,
-    fresh,
     parts_of,
     root_of,
     tensors_in,
     untouched,
 )
+from somatize.torch._values import mapped
 from somatize.torch.audit._measures import output_of
 from somatize.torch.inside._forward import Reading
 from somatize.torch.inside._fx import by_fx, fx_trace
@@ -151,14 +151,14 @@ def run_here(graph: Any, example: Any, told: list | None = None) -> Any:
     `.at(host)` is run from its copy here (the module declared here, the one sent to the host)
     on the device that copy is on, handed what the graph's run hands it, so that the look
     reads it as it reads any other node. `told` hears the run's facts, as `watching=` would.
-    A key/value cache in the example is run from a copy (`fresh`): the one given is left as
-    it was, and each run starts from it."""
+    A key/value cache in the example is run from a copy holding the same tensors (`mapped`
+    rebuilds it): the one given is left as it was, and each run starts from it."""
     plan = run.Plan(graph)
     steps = tuple(
         step if step[4].host is None else (*step[:3], _here(step[3], step[4]), step[4], None)
         for step in plan.steps
     )
-    return run.run_plan(plan, fresh(example), told or [], steps)
+    return run.run_plan(plan, mapped(example, lambda t: t), told or [], steps)
 
 
 def given(graph: Any, result: Any) -> list[torch.Tensor]:
