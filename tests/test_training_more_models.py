@@ -13,7 +13,7 @@ import torch
 from models.more import CASES
 
 from somatize import Graph, Node
-from somatize.torch import Audit, Trainer, parameters
+from somatize.torch import Audit, Trainer, freeze, parameters
 
 F32_EPS = torch.finfo(torch.float32).eps
 
@@ -503,11 +503,19 @@ def test_a_frozen_head_tied_to_trained_embeddings_is_refused_naming_both():
         >> Node.of(model.lm_head).named("head").frozen()
     )
     opt = torch.optim.AdamW(parameters(g), lr=1e-2)
-    with pytest.raises(
-        ValueError, match=r"'head' is declared frozen.*'body'.*embed_tokens\.weight.*tied"
-    ):
+    with pytest.raises(ValueError, match=r"'head' is frozen.*'body'.*embed_tokens\.weight.*tied"):
         Trainer(g, objective=case.objective, optimizer=opt)
     assert model.lm_head.weight.requires_grad and model.training  # nothing was settled
+    # settled by hand first, as freeze(g) does before a Trainer: refused the same way
+    with pytest.raises(ValueError, match=r"'head' is frozen.*'body'.*embed_tokens\.weight"):
+        freeze(g)
+    assert model.lm_head.weight.requires_grad and model.training
+    unfrozen = Graph.somatize(
+        Node.of(model.model).named("body") >> Node.of(model.lm_head).named("lm")
+    )
+    with pytest.raises(ValueError, match=r"'lm' is frozen.*'body'"):
+        freeze(unfrozen, "lm")
+    assert not unfrozen.setting("lm").frozen  # refused before it was declared
 
     head = model.lm_head  # as the refusal says: untied, the head frozen alone
     head.weight = torch.nn.Parameter(head.weight.detach().clone())

@@ -97,10 +97,12 @@ def trained(graph: Any, optimizer: Any, trains: Container[str]) -> list[nn.Modul
 def freeze(graph: Any, *node_ids: str) -> None:
     """Settles these nodes, or with no ids whatever was already declared `.frozen()`: every
     parameter they hold stops asking for a gradient and their modules go to eval mode. With ids
-    it declares them frozen first; an unknown id is refused before anything changes."""
+    it declares them frozen first. Refused before anything changes: an unknown id, and a
+    parameter a node to be frozen holds that a node not frozen trains (`untied_from_frozen`)."""
     for nid in node_ids:
         if nid not in graph:
             raise ValueError(f"freeze: no node {nid!r} in this graph; it has {graph.nodes()}")
+    untied_from_frozen(graph, {n for n in graph.nodes() if graph.setting(n).frozen} | set(node_ids))
     for nid in node_ids:
         if not graph.setting(nid).frozen:
             graph.declare(nid, frozen=True)
@@ -110,6 +112,32 @@ def freeze(graph: Any, *node_ids: str) -> None:
                 module.requires_grad_(False)
                 module.eval()
     caching.state_changed()
+
+
+def trainable(graph: Any, nid: str) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of node `nid` that ask for a gradient, by their keys in `state_of`."""
+    state = state_of(graph.implementation(nid)).items()
+    return [(k, t) for k, t in state if isinstance(t, nn.Parameter) and t.requires_grad]
+
+
+def untied_from_frozen(graph: Any, frozen: set[str]) -> None:
+    """Refuse a parameter that a node in `frozen` holds and a node not in it trains (tied
+    weights, Qwen2's embeddings in a frozen body and its output layer in a trained head):
+    settling the frozen node would freeze it for the other too, which would train without it."""
+    held = {id(t): (nid, k) for nid in frozen for k, t in trainable(graph, nid)}
+    for nid in graph.topological_sort():
+        if nid in frozen:
+            continue
+        for key, t in trainable(graph, nid):
+            if id(t) in held:
+                fid, fkey = held[id(t)]
+                raise ValueError(
+                    f"node {fid!r} is frozen and holds {fkey}, which node {nid!r} holds as {key} "
+                    f"(tied weights): settling {fid!r} would freeze it in {nid!r} too, which "
+                    f"would train without it. Freeze {nid!r} as well, or untie them: give the "
+                    "frozen one a copy of its own, "
+                    "module.weight = nn.Parameter(module.weight.detach().clone())"
+                )
 
 
 def state_of(node: Any) -> dict[str, torch.Tensor]:

@@ -16,14 +16,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import torch
-
 from somatize import _hooks, run
 from somatize.graph import Graph
 from somatize.node import Node, Piece, Settings
 from somatize.torch._modules import tensors_in
 from somatize.torch.training.learning import backward_from, envelope, grad_of, gradient, leafed
-from somatize.torch.training.params import state_of
+from somatize.torch.training.params import trainable, untied_from_frozen
 
 __all__ = ["INPUT", "LOSS", "TARGET", "Part", "Stages", "Inlet", "Outlet", "untied"]
 
@@ -215,8 +213,8 @@ _HERE = (None, None)
 
 def untied(graph: Graph, trains: dict[str, Any]) -> None:
     """Refuse one trainable parameter held by two nodes that a cut parts (tied weights, GPT-2's
-    `wte` and `lm_head`): each side would update it on its own, so the tie would not hold. And
-    one held by a frozen node and a node that is not: freezing the one freezes the other's."""
+    `wte` and `lm_head`): each side would update it on its own, so the tie would not hold; and
+    one held by a frozen node and by one that is not (`untied_from_frozen`)."""
     hosts = graph.hosts()
 
     def how(nid: str) -> str:
@@ -228,28 +226,13 @@ def untied(graph: Graph, trains: dict[str, Any]) -> None:
     def side(nid: str) -> tuple[str | None, str | None]:
         return hosts.get(nid), nid if nid in trains else None
 
-    def trainable(nid: str) -> list[tuple[str, torch.Tensor]]:
-        state = state_of(graph.implementation(nid)).items()
-        return [(k, t) for k, t in state if isinstance(t, torch.nn.Parameter) and t.requires_grad]
-
-    order = graph.topological_sort()
-    frozen = {
-        id(t): (nid, k) for nid in order if graph.setting(nid).frozen for k, t in trainable(nid)
-    }
+    frozen = {nid for nid in graph.nodes() if graph.setting(nid).frozen}
+    untied_from_frozen(graph, frozen)
     seen: dict[int, tuple[str, str]] = {}
-    for nid in order:
-        if graph.setting(nid).frozen:  # frozen, it learns nothing on either side
+    for nid in graph.topological_sort():
+        if nid in frozen:  # frozen, it learns nothing on either side
             continue
-        for key, t in trainable(nid):
-            if id(t) in frozen:
-                fid, fkey = frozen[id(t)]
-                raise ValueError(
-                    f"node {fid!r} is declared frozen and holds {fkey}, which node {nid!r} "
-                    f"holds as {key} (tied weights): settling {fid!r} would freeze it in {nid!r} "
-                    f"too, which would train without it. Declare {nid!r} frozen as well, or "
-                    "untie them: give the frozen one a copy of its own, "
-                    "module.weight = nn.Parameter(module.weight.detach().clone())"
-                )
+        for key, t in trainable(graph, nid):
             oid, okey = seen.setdefault(id(t), (nid, key))
             if side(oid) == side(nid):  # one host, trained by one thing
                 continue
