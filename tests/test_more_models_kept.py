@@ -141,22 +141,8 @@ def test_a_llamas_output_and_its_cache_are_recalled_and_decoding_goes_on_from_th
 
 
 def test_a_sliding_window_cache_is_refused_naming_it_and_nothing_is_kept(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     store = Store(tmp_path / "store")
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=1,
-    )
-    model = Qwen2ForCausalLM(config).eval()
+    model = _sliding_qwen2().eval()
     with torch.no_grad():
         out = model(input_ids=torch.randint(1, 96, (2, 8)))
     with pytest.raises(NoCodec, match="DynamicSlidingWindowLayer.*use_cache=False"):
