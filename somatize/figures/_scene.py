@@ -336,6 +336,7 @@ class _Inside:
                 or b in _enclosing(self.blocks, la.get("block"))
             }
             exits = [x for x, y in out if x in inside and y not in inside]
+            stream = self._stream([x for x, y in out if y in inside and x not in inside], exits)
             n, nxt = len(copies), []
             for x, y in out:
                 xi, yi = x in inside, y in inside
@@ -344,8 +345,9 @@ class _Inside:
                 elif yi:
                     nxt.append((x, y))
                     for k in range(1, n):
-                        for e in exits or [x]:
-                            nxt.append((_swap(e, *copies[k - 1]), _swap(y, *copies[k])))
+                        froms = [_swap(e, *copies[k - 1]) for e in exits or [x]]
+                        for e in froms if x in stream else [x]:
+                            nxt.append((e, _swap(y, *copies[k])))
                 elif xi:
                     nxt.append((_swap(x, *copies[-1]), y))
                 else:
@@ -354,6 +356,17 @@ class _Inside:
         leaves = {y[len(OUTPUT) :]: self.ids.get(x, "") for x, y in out if y.startswith(OUTPUT)}
         drawn = ((self.ids.get(x), self.ids.get(y)) for x, y in out)
         return list(dict.fromkeys((a, b) for a, b in drawn if a and b and a != b)), leaves
+
+    def _stream(self, sources: list[str], exits: list[str]) -> set[str]:
+        """Which of what enters a folded block from outside each copy after the first takes
+        from the copy before (the others it takes where the first does: a rotary table, an
+        encoder's states, a mask): the last made of those shaped as what the block gives
+        (what a copy gives the next), or whose shape is not known; all where none is."""
+        order = {la["path"]: k for k, la in enumerate(self.layers)}
+        shapes = {la["path"]: la.get("shape") for la in self.layers}
+        gives = [shapes.get(e) for e in exits]
+        fits = [x for x in sources if shapes.get(x) is None or shapes.get(x) in gives]
+        return {max(fits, key=lambda x: order.get(x, -1))} if fits else set(sources)
 
 
 def branch_groups(order: list[str], edges: list[tuple[str, str]]) -> list[dict]:

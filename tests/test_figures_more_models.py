@@ -1,0 +1,75 @@
+"""The graph figure of the families `models/more.py` adds (Llama, Swin, BART, ...), as a
+researcher draws one: what each box says and where each edge runs, read off the SVG."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from models.more import CASES
+from models.zoo import _tokens
+
+from somatize import Graph, Node
+from somatize.torch import architecture
+
+
+def _edges(svg: str) -> set[tuple[str, str]]:
+    """Every edge drawn, (from box, to box)."""
+    return set(re.findall(r'class="smz-edge[^"]*"[^>]*data-from="([^"]+)" data-to="([^"]+)"', svg))
+
+
+def _subtitle(svg: str, box: str) -> str:
+    """The second line of a box: its output shape, named by axis."""
+    group = re.search(rf'data-id="{re.escape(box)}".*?</g>', svg, re.S).group(0)
+    return re.findall(r"<text[^>]*>([^<]*)</text>", group)[1]
+
+
+def test_an_unfolded_llama_layer_takes_its_rotary_positions_from_the_rotary_embedding():
+    """Every decoder layer reads the one rotary table the model made before them: unfolded,
+    the second layer's rotations take it from `rotary_emb`, as the first's do, and only its
+    residual stream from the layer before."""
+    case = CASES["llama"]()
+    g = Graph.somatize(Node.of(case.model).named("llama"))
+    svg = g.figure(inside=architecture(g, case.example), expanded=["llama:model.layers.0"]).svg()
+    edges = _edges(svg)
+    at = "l:llama:model.layers"
+    for k in (0, 1):
+        for mul in ("mul", "mul_1", "mul_2", "mul_3"):
+            into = {a for a, b in edges if b == f"{at}.{k}.self_attn.{mul}"}
+            assert "l:llama:model.rotary_emb" in into, (k, mul, into)
+            assert f"{at}.0.add_1" not in into, (k, mul, into)
+    assert (f"{at}.0.add_1", f"{at}.1.input_layernorm") in edges
+    assert (f"{at}.0.add_1", f"{at}.1.add") in edges  # the residual round its attention
+    assert ("l:llama:model.embed_tokens", f"{at}.1.input_layernorm") not in edges
+
+
+def test_an_unfolded_decoder_layer_attends_to_the_encoder_not_to_the_layer_before():
+    """BART's second decoder layer attends to what the encoder gave, as the first does; the
+    encoder's states and the decoder's have one shape here (source and target 8 tokens)."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(
+        vocab_size=96,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=32,
+    )
+    example = _tokens(27)
+    example["decoder_input_ids"] = example["input_ids"].flip(1)
+    g = Graph.somatize(Node.of(BartForConditionalGeneration(config)).named("bart"))
+    inside = architecture(g, example)
+    unfold = ["bart:model.encoder.layers.0", "bart:model.decoder.layers.0"]
+    edges = _edges(g.figure(inside=inside, expanded=unfold).svg())
+    encoder = "l:bart:model.encoder.layers.1.final_layer_norm"  # the last encoder layer's
+    dec = "l:bart:model.decoder"
+    for k in (0, 1):
+        assert (encoder, f"{dec}.layers.{k}.encoder_attn") in edges, k
+    assert (f"{dec}.layers.0.final_layer_norm", f"{dec}.layers.1.encoder_attn") not in edges
+    assert (f"{dec}.layers.0.final_layer_norm", f"{dec}.layers.1.self_attn") in edges
+    assert (f"{dec}.dropout", f"{dec}.layers.1.self_attn") not in edges
