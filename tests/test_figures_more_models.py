@@ -73,3 +73,32 @@ def test_an_unfolded_decoder_layer_attends_to_the_encoder_not_to_the_layer_befor
     assert (f"{dec}.layers.0.final_layer_norm", f"{dec}.layers.1.encoder_attn") not in edges
     assert (f"{dec}.layers.0.final_layer_norm", f"{dec}.layers.1.self_attn") in edges
     assert (f"{dec}.dropout", f"{dec}.layers.1.self_attn") not in edges
+
+
+def test_swins_merged_patches_are_not_named_as_an_image_s_channels_and_rows():
+    """Swin's patch merging concatenates four (batch, h, w, channels) grids on their last
+    dim: a tensor laid out channels last, which no layer of torch's defines as an image. Its
+    axes are numbered, not named `ch · h · w` from the front; the patch embedding's Conv2d,
+    channels first as torch defines it, keeps its names."""
+    case = CASES["swin"]()
+    g = Graph.somatize(Node.of(case.model).named("swin"))
+    svg = g.figure(inside=architecture(g, case.example)).svg()
+    merged = _subtitle(svg, "l:swin:swin.encoder.layers.0.downsample.cat")
+    assert merged == "2 batch · 4 d1 · 4 d2 · 64 d3", merged
+    conv = _subtitle(svg, "l:swin:swin.embeddings.patch_embeddings.projection")
+    assert conv == "2 batch · 16 ch · 8 h · 8 w", conv
+
+
+def test_a_convnexts_channels_moved_last_are_not_named_as_an_image_s():
+    """ConvNeXt permutes its depthwise conv's (batch, ch, h, w) to (batch, h, w, ch) for its
+    LayerNorm and MLP: what the norm gives is numbered, not `4 ch · 4 h · 16 w`; the residual
+    sum, permuted back, is an image again."""
+    from models import zoo
+
+    case = zoo.convnext()
+    g = Graph.somatize(Node.of(case.model).named("net"))
+    svg = g.figure(inside=architecture(g, case.example)).svg()
+    at = "l:net:convnext.encoder.stages.1.layers.0"
+    assert _subtitle(svg, f"{at}.dwconv") == "2 batch · 16 ch · 4 h · 4 w"
+    assert _subtitle(svg, f"{at}.layernorm") == "2 batch · 4 d1 · 4 d2 · 16 d3"
+    assert _subtitle(svg, f"{at}.add") == "2 batch · 16 ch · 4 h · 4 w"

@@ -20,6 +20,9 @@ from somatize.figures._svg import number, text_width
 
 NODE_TOP = 42  # an open node's title and subtitle, above its layers
 PILL_H = 18
+# layers torch defines on (N, C, ...), and blocks holding one: they give an image, channels on
+# dim 1 (a norm is named by its class: a ConvNeXt's LayerNorm may hold its channels last)
+_GRID = re.compile(r"batch|instance|group|local_?response|pool|: conv", re.I)
 INPUT = "<input>"  # what an open node was given, among its layers' edges
 OUTPUT = "<output>"  # what it gives back, there
 CALL = re.compile(r"#\d+(?=\.|$)")  # a module's later call: `enc.0#2`
@@ -175,12 +178,19 @@ class _Inside:
         for la in self.layers:
             path, by = la["path"], fed.get(la["path"], "")
             shape, kind = la.get("shape") or [], la.get("kind")
-            if len(shape) in (4, 5) and (kind == "conv" or (by in grid and kind != "learned")):
+            label, fed_shape = str(la.get("label") or ""), shapes.get(by) or []
+            own = kind == "conv" or (kind in ("norm", "shaping") and _GRID.search(label))
+            own = own or (
+                kind == "block" and _GRID.search(" ".join(map(str, la.get("holds") or [])))
+            )
+            # what follows a grid keeps its layout, unless only permuted (ConvNeXt's channels last)
+            kept = kind != "learned" and (shape == fed_shape or sorted(shape) != sorted(fed_shape))
+            if len(shape) in (4, 5) and (own or (by in grid and kept)):
                 grid.add(path)
             # a grid flattened to (N, C, h·w) keeps its channels first (a ViT's patches)
             flat = by in grid and len(shape) == 3 and list(shapes[by][:2]) == list(shape[:2])
             before = self.first.get(by, False) and shapes.get(by) == shape
-            self.first[path] = channels_first(kind, la.get("label"), before or flat)
+            self.first[path] = channels_first(kind, label, before or flat) or path in grid
         # the layers that read what the node was given, joined to a box that stands for it
         # where more than one reads it (with one, an edge into the node goes on into it)
         inputs = [str(p) for p in inside.get("inputs") or []]
@@ -223,10 +233,8 @@ class _Inside:
         calls = self.calls.get(_module(layer), [])
         if len(calls) > 1:  # one module called again (maybe by another name): the same weights
             text += f" · call {calls.index(layer['path']) + 1}/{len(calls)}"
-        around = _enclosing(self.blocks, layer.get("block"))
-        attention = any(str(self.blocks[b]["kind"] or "").lower() == "attention" for b in around)
         kind, label, shape = layer.get("kind"), layer.get("label"), layer.get("shape")
-        sub = shape_text(shape, kind, label, attention, self.first.get(layer["path"], False))
+        sub = shape_text(shape, kind, label, self.first.get(layer["path"], False))
         where = f"{self.node}.{path}" if path else self.node  # "": the node is the one layer
         box = _layer_box(
             f"l:{self.node}:{path}", text, sub, where=where, family=family(kind, label)

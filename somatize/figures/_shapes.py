@@ -93,23 +93,19 @@ def outline(fam: str, w: float, h: float) -> str:
     return f"M0,0H{w:.1f}V{h:.1f}H0Z"
 
 
-_SEQUENCE = re.compile(r"attn|attention|softmax|matmul|score|embed|linear|lstm|gru|rnn", re.I)
-
-
-def shape_text(
-    shape: Any, kind: Any = None, label: Any = None, attention: bool = False, first: bool = False
-) -> str:
+def shape_text(shape: Any, kind: Any = None, label: Any = None, first: bool = False) -> str:
     """An output shape named by axis: `4 batch · 8 ch · 8 h · 8 w`; '' when unknown.
 
     A 3-d output is `batch · len · dim` (a sequence) unless its channels come first (`first`,
-    as `channels_first` answers for the layer). A 4-d one is `batch · heads · seq · dim` from
-    an attention layer itself; its axes are only numbered inside attention (`attention`: a
-    view or transpose of heads) or from a layer that works on sequences (softmax, matmul,
-    linear, ...): attention scores are not an image's channels; elsewhere `batch · ch · h · w`."""
+    as `channels_first` answers for the layer). A 4-d or 5-d one is `batch · ch · h · w` (or
+    `ch · d · h · w`) where it is known to be an image, channels on dim 1 (`first`: a conv's
+    output, a channel norm's, a pool's, and what follows them in that layout), and `batch ·
+    heads · seq · dim` from an attention layer itself. Anything else has its axes numbered:
+    an attention's views of its heads, a Swin's (batch, h, w, ch) patches are not an image's
+    channels and rows."""
     if not isinstance(shape, (list, tuple)) or not shape:
         return ""
     n = len(shape)
-    text = f"{kind or ''} {label or ''}"
     own = str(kind or "").lower() == "attention"
     own = own or bool(re.search(r"attn|attention", str(label or ""), re.I))
     if n == 1:
@@ -118,10 +114,10 @@ def shape_text(
         names = ["batch", "dim"]
     elif n == 3:
         names = ["batch", "ch", "len"] if first else ["batch", "len", "dim"]
-    elif n == 4 and own and not first:
-        names = ["batch", "heads", "seq", "dim"]
-    elif n in (4, 5) and (first or not (attention or _SEQUENCE.search(text))):
+    elif n in (4, 5) and first:
         names = ["batch", "ch", "h", "w"] if n == 4 else ["batch", "ch", "d", "h", "w"]
+    elif n == 4 and own:
+        names = ["batch", "heads", "seq", "dim"]
     else:
         names = ["batch"] + [f"d{i}" for i in range(1, n)]
     return " · ".join(f"{v} {name}" for v, name in zip(shape, names, strict=True))
