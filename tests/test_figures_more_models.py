@@ -102,3 +102,17 @@ def test_a_convnexts_channels_moved_last_are_not_named_as_an_image_s():
     assert _subtitle(svg, f"{at}.dwconv") == "2 batch · 16 ch · 4 h · 4 w"
     assert _subtitle(svg, f"{at}.layernorm") == "2 batch · 4 d1 · 4 d2 · 16 d3"
     assert _subtitle(svg, f"{at}.add") == "2 batch · 16 ch · 4 h · 4 w"
+
+
+def test_wav2vec2s_positional_conv_keeps_its_channels_first_through_its_same_pad():
+    """wav2vec2's positional Conv1d gives (batch, 32 ch, 40 len); its same-pad layer drops the
+    last step and the GELU after it keeps that layout: both are `32 ch · 39 len`, not a
+    sequence of 32 steps of 39 features."""
+    case = CASES["wav2vec2"]()
+    g = Graph.somatize(Node.of(case.model).named("w"))
+    svg = g.figure(inside=architecture(g, case.example)).svg()
+    at = "l:w:wav2vec2.encoder.pos_conv_embed"
+    assert _subtitle(svg, f"{at}.conv") == "2 batch · 32 ch · 40 len"
+    for layer in ("padding", "activation"):
+        assert _subtitle(svg, f"{at}.{layer}") == "2 batch · 32 ch · 39 len", layer
+    assert _subtitle(svg, "l:w:wav2vec2.encoder.add") == "2 batch · 39 len · 32 dim"

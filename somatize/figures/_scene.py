@@ -183,13 +183,14 @@ class _Inside:
             own = own or (
                 kind == "block" and _GRID.search(" ".join(map(str, la.get("holds") or [])))
             )
-            # what follows a grid keeps its layout, unless only permuted (ConvNeXt's channels last)
-            kept = kind != "learned" and (shape == fed_shape or sorted(shape) != sorted(fed_shape))
-            if len(shape) in (4, 5) and (own or (by in grid and kept)):
+            # what follows keeps the layout it is fed (a pad, a crop, a stride change it), unless
+            # its sizes are only permuted (a ConvNeXt's or a sequence's channels moved last)
+            kept = shape == fed_shape or sorted(shape) != sorted(fed_shape)
+            if len(shape) in (4, 5) and (own or (by in grid and kept and kind != "learned")):
                 grid.add(path)
             # a grid flattened to (N, C, h·w) keeps its channels first (a ViT's patches)
             flat = by in grid and len(shape) == 3 and list(shapes[by][:2]) == list(shape[:2])
-            before = self.first.get(by, False) and shapes.get(by) == shape
+            before = self.first.get(by, False) and len(fed_shape) == len(shape) and kept
             self.first[path] = channels_first(kind, label, before or flat) or path in grid
         # the layers that read what the node was given, joined to a box that stands for it
         # where more than one reads it (with one, an edge into the node goes on into it)
