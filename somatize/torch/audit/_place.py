@@ -94,6 +94,11 @@ class Place:
         self.alive: deque[torch.Tensor] = deque(maxlen=window)
         self.norms: deque[tuple[int, float]] = deque(maxlen=window)
         self.has_moved = False  # some update has moved its weights
+        # weights all zero when first weighed (LoRA's B) are only their updates at first, ‖θ‖
+        # about k‖Δθ‖ after k of them: measured steps left before they have a size of their
+        # own (None: not weighed yet), and the last step whose update_ratio is left out for it
+        self.growing: int | None = None
+        self.grown_after = -1
         self.run = -1  # the forward of its node it was last heard in (`Audit._fresh`)
         self.inherited: bool | None = None  # its NaN/inf came from elsewhere (None: finite)
         self.step = -1  # the measured step its tensor hooks belong to
@@ -179,6 +184,11 @@ class Place:
         total = 0.0
         if weights:
             n["param_norm"] = was = math.sqrt(sum(weights))
+            if self.growing is None:
+                self.growing = 0 if was else self.zero.maxlen
+            elif self.growing and was:
+                self.growing -= 1
+                self.grown_after = step
             if grads:
                 n["grad_norm"] = math.sqrt(sum(grads))
             self.norms.append((step, was))

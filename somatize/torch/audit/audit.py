@@ -431,7 +431,8 @@ class Audit:
         of that update to the place's largest weight. The Trainer calls it after each update;
         by hand, call it after `optimizer.step()`. A place whose weights this update left
         exactly as they were, where some update has moved them before (a node trained by its
-        own `Split(every=k)`), gets no ratio that step rather than a 0 that reads as STALLED.
+        own `Split(every=k)`), gets no ratio that step rather than a 0 that reads as STALLED;
+        nor do weights all zero when first weighed, for `window` measured steps after.
         Nothing to do, and nothing done, when no measured step waits for an update."""
         copy, self._copy = self._copy, None
         waiting, self._waiting = self._waiting, []
@@ -452,8 +453,8 @@ class Audit:
                 for place, n in got:
                     delta, stable = moves[place]
                     was = n.get("param_norm")
-                    if delta is None or not was:
-                        continue
+                    if delta is None or not was or n["step"] <= place.grown_after:
+                        continue  # (weights grown from zero: ‖Δθ‖/‖θ‖ counts their steps)
                     n["update_ratio"] = delta / was
                     if snapshot and stable is not None:
                         n["update_stable_rank"] = stable
