@@ -116,3 +116,29 @@ def test_wav2vec2s_positional_conv_keeps_its_channels_first_through_its_same_pad
     for layer in ("padding", "activation"):
         assert _subtitle(svg, f"{at}.{layer}") == "2 batch · 32 ch · 39 len", layer
     assert _subtitle(svg, "l:w:wav2vec2.encoder.add") == "2 batch · 39 len · 32 dim"
+
+
+def _boxes(svg: str) -> dict[str, tuple[float, ...]]:
+    """Every box and frame drawn, by its id: (x, y, w, h)."""
+    found = re.findall(r'data-id="([^"]+)" data-box="([^"]+)"', svg)
+    return {k: tuple(float(v) for v in box.split()) for k, box in found}
+
+
+def test_swins_second_stage_of_one_layer_is_framed_as_a_stage():
+    """Swin's second stage holds one SwinLayer (in a ModuleList): it is framed and named
+    `SwinStage` as the first is, not drawn as a bare layer after the first stage; and the
+    encoder holding both stages is framed round them."""
+    case = CASES["swin"]()
+    g = Graph.somatize(Node.of(case.model).named("swin"))
+    drawn = _boxes(g.figure(inside=architecture(g, case.example)).svg())
+
+    def within(inner: str, outer: str) -> bool:
+        (x, y, w, h), (X, Y, W, H) = drawn[inner], drawn[outer]
+        return X <= x and Y <= y and x + w <= X + W and y + h <= Y + H
+
+    stages = "b:swin:swin.encoder.layers"
+    assert within("l:swin:swin.encoder.layers.1.blocks.0", f"{stages}.1#0")
+    assert within("l:swin:swin.encoder.layers.0.blocks.0", f"{stages}.0#0")
+    assert not within("l:swin:swin.encoder.layers.1.blocks.0", f"{stages}.0#0")
+    for k in (0, 1):
+        assert within(f"{stages}.{k}#0", "b:swin:swin.encoder#0")

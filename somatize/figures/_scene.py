@@ -23,6 +23,7 @@ PILL_H = 18
 # layers torch defines on (N, C, ...), and blocks holding one: they give an image, channels on
 # dim 1 (a norm is named by its class: a ConvNeXt's LayerNorm may hold its channels last)
 _GRID = re.compile(r"batch|instance|group|local_?response|pool|: conv", re.I)
+_PLAIN = ("Sequential", "ModuleList", "ModuleDict")  # containers drawn as what they hold
 INPUT = "<input>"  # what an open node was given, among its layers' edges
 OUTPUT = "<output>"  # what it gives back, there
 CALL = re.compile(r"#\d+(?=\.|$)")  # a module's later call: `enc.0#2`
@@ -278,7 +279,7 @@ class _Inside:
         blk = self.blocks[b]
         own = [la for la in self.layers if la.get("block") == b and la["path"] not in self.blocks]
         kids = [k for k, v in self.blocks.items() if v["parent"] == b]
-        plain = blk["label"] in ("Sequential", "ModuleList", "ModuleDict")
+        plain = blk["label"] in _PLAIN
         if not own and not kids:  # what it holds is not drawn (past the depth): one box
             label = blk["label"]
             if plain:  # named by where it is: "Sequential" alone says nothing
@@ -286,7 +287,8 @@ class _Inside:
                 tail = max((k for k, p in enumerate(parts) if not p.isdigit()), default=0)
                 label = f"{'.'.join(parts[tail:])}: {label}"
             return [self._layer({**self._own(b), "label": label}, old, new)]
-        if blk["times"] == 1 and (plain or (not own and len(kids) == 1)):
+        # a plain container, or one holding only a block framed on its own, draws as what it holds
+        if blk["times"] == 1 and (plain or (not own and len(kids) == 1 and self._framed(kids[0]))):
             out = [self._layer(la, old, new) for la in own]  # drawn as what it holds
             for k in kids:
                 out.extend(self._block(k, old, new))
@@ -329,6 +331,20 @@ class _Inside:
         if opened:
             self.copies.append((b, copies))
         return made
+
+    def _framed(self, b: str) -> bool:
+        """Whether block `b` is drawn as one frame (its own, or that of the one block it holds):
+        not when closed into a box, unfolded into its copies, or a plain container of several."""
+        blk = self.blocks[b]
+        own = any(la.get("block") == b and la["path"] not in self.blocks for la in self.layers)
+        kids = [k for k, v in self.blocks.items() if v["parent"] == b]
+        if not own and not kids:
+            return False
+        if blk["times"] > 1:
+            return f"{self.node}:{b}" not in self.expanded
+        if blk["label"] in _PLAIN:
+            return not own and len(kids) == 1 and self._framed(kids[0])
+        return True
 
     def routed(self) -> tuple[list[tuple[str, str]], dict[str, str]]:
         """The edges between drawn boxes, an expanded block's copies chained one after the
