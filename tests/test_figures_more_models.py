@@ -142,3 +142,40 @@ def test_swins_second_stage_of_one_layer_is_framed_as_a_stage():
     assert not within("l:swin:swin.encoder.layers.1.blocks.0", f"{stages}.0#0")
     for k in (0, 1):
         assert within(f"{stages}.{k}#0", "b:swin:swin.encoder#0")
+
+
+class WhisperEncoder(Node):
+    """Whisper's encoder as a node: its states, and the decoder's tokens handed on."""
+
+    def __init__(self, whisper: torch.nn.Module) -> None:
+        self.encoder = whisper.model.encoder
+
+    def forward(self, x, ctx):
+        states = self.encoder(x["input_features"]).last_hidden_state
+        return {"states": states, "tokens": x["decoder_input_ids"]}
+
+
+class WhisperDecoder(Node):
+    """Whisper's decoder and head, attending to what the encoder node gave."""
+
+    def __init__(self, whisper: torch.nn.Module) -> None:
+        self.decoder, self.head = whisper.model.decoder, whisper.proj_out
+
+    def forward(self, x, ctx):
+        out = self.decoder(input_ids=x["tokens"], encoder_hidden_states=x["states"])
+        return self.head(out.last_hidden_state)
+
+
+def test_a_decoder_node_taller_than_the_room_is_not_cut_from_its_input_box():
+    """A decoder node whose decoder alone is taller than the figure is drawn down one column,
+    its `input` box above the decoder that reads it: cutting the box off into a column of its
+    own shortens nothing worth it and sends every edge out of it round the bottom."""
+    case = CASES["whisper"]()
+    g = Graph.somatize(
+        WhisperEncoder(case.model).named("enc") >> WhisperDecoder(case.model).named("dec")
+    )
+    drawn = _boxes(g.figure(inside=architecture(g, case.example)).svg())
+    x, y, w, h = drawn["i:dec"]
+    X, Y, W, H = drawn["b:dec:decoder#0"]
+    assert X < x + w / 2 < X + W, (drawn["i:dec"], drawn["b:dec:decoder#0"])
+    assert y + h <= Y

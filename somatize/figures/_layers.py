@@ -320,17 +320,18 @@ def _fit(layer: list[Item], want: list[tuple[float, float]], gap: float) -> None
 def _bands_needed(lengths: list[float], room: float, cuts: set[int]) -> int:
     """How many bands keep each within `room` (less the lanes between bands, which run past
     both ends; a layer alone longer than it aside), cut only before the layers in `cuts`:
-    1 for few layers, or when no such cuts can."""
-    total = sum(lengths)
+    1 for few layers, when no such cuts can, or when the bands would save less than half the
+    room (a decoder taller than the room alone, its input box cut off into a band of its own)."""
+    total, screen = sum(lengths), room
     if total <= room or len(lengths) < 4:
         return 1
     room = max(room - 48.0, max(lengths))
     k = math.ceil(total / room)
-    while max(sum(lengths[a:b]) for a, b in _bands(lengths, k, cuts)) > room * 1.02:
+    while (longest := max(sum(lengths[a:b]) for a, b in _bands(lengths, k, cuts))) > room * 1.02:
         if k >= len(lengths):
             return 1
         k += 1
-    return k
+    return k if total - longest >= screen / 2 else 1
 
 
 def _bands(lengths: list[float], k: int, cuts: set[int]) -> list[tuple[int, int]]:
