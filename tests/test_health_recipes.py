@@ -119,3 +119,32 @@ def test_a_zero_initialised_residual_norm_gets_its_ratio_once_grown_and_it_is_th
         assert ratio == pytest.approx(by_hand[step], rel=1e-4)
     v = Verdicts().feed(bn2)
     assert not v.flags()
+
+
+def _flagged_at_step_0(model, example, target, objective, steps: int = 1) -> dict[str, list]:  # noqa: ANN001
+    g = Graph.somatize(model)
+    facts: list[dict] = []
+    t = Trainer(
+        g,
+        objective=objective,
+        optimizer=torch.optim.AdamW(parameters(g), lr=1e-3),
+        auditing=Audit(inside=True, most=400),
+        watching=facts.append,
+    )
+    for _ in range(steps):
+        t.step((example, target))
+    t.close()
+    v = Verdicts()
+    for f in facts:
+        v.add(f)
+    return v.flags()
+
+
+def test_a_nan_in_one_llama_weight_is_flagged_there_and_not_where_it_spread():
+    case = MORE["llama"]()
+    with torch.no_grad():  # one weight of the second layer's query projection
+        case.model.model.layers[1].self_attn.q_proj.weight[0, 0] = float("nan")
+    flagged = _flagged_at_step_0(case.model, case.example, case.target, case.objective)
+    # it reaches the residual stream through sums and products no place makes (x + attn(x),
+    # act(gate) * up, a slice before lm_head): each place it reaches that way inherited it
+    assert flagged == {"llamaforcausallm.model.layers.1.self_attn.q_proj": ["NAN"]}

@@ -109,6 +109,7 @@ class Place:
         self.sums: list[torch.Tensor] = []  # `width` one-number tensors per call
         self.size = 0
         self.outs: list[int] = []  # the id of each output heard this step, per call
+        self.heard: list[int] = []  # when each call was heard, counted over every place's
         self.ins: set[int] = set()  # the ids of the tensors it was given this step
         self.out_grads: list[torch.Tensor] = []  # ‖∂L/∂output‖ per call, from a tensor hook
         self.activity: list[torch.Tensor] = []  # per-channel mean |a|, per call
@@ -128,6 +129,7 @@ class Place:
         self.sums += sums_of(a, self.saturates)
         self.size += a.numel()
         self.outs.append(id(t))
+        self.heard.append(next(_HEARD))
         self.ins.update(map(id, floats_in(input)))
         # (a hook holds the place by a weak reference: held, it would keep the weights alive)
         if snapshot and t.requires_grad:
@@ -162,10 +164,10 @@ class Place:
             tensors.append(_under(torch.stack(self.in_grads).mean(0)))
 
     def spoilt(self, values: list[float]) -> list[int]:
-        """The ids of this step's outputs that held a NaN or an inf (their Σ|a| is not a finite
-        number), from what `queue` put in `values`."""
+        """When this step's calls that gave a NaN or an inf were heard (their Σ|a| is not a
+        finite number), from what `queue` put in `values`."""
         at, width = self._at, self.width
-        return [o for k, o in enumerate(self.outs) if not math.isfinite(values[at + k * width])]
+        return [h for k, h in enumerate(self.heard) if not math.isfinite(values[at + k * width])]
 
     def numbers(
         self,
@@ -178,7 +180,7 @@ class Place:
     ) -> dict[str, Any]:
         """This step's numbers, from what `queue` put in `values` (read), the ‖·‖² of its
         weights and of their gradients (those that have one). `spoilt`: the ids of the
-        outputs, of any place, that were not finite this step."""
+        calls, of any place, whose output was not finite this step (`spoilt`)."""
         n: dict[str, Any] = {}
         got = itertools.islice(values, self._at, None)  # what `queue` put there, in order
         total = 0.0
@@ -208,6 +210,8 @@ class Place:
             n["zero_frac_max"] = max(self.zero, default=zeros / size)
             n["sat_frac_max"] = max(self.saturated)
         out_grads = list(itertools.islice(got, len(self.out_grads)))
+        if out_grads:
+            n["out_grad_norm"] = math.sqrt(sum(v * v for v in out_grads))
         if self.sums or weights:
             seen = [total, *n.values()]
             n["nan"] = nan = any(map(math.isnan, seen))
@@ -216,8 +220,6 @@ class Place:
                 n["inherited"] = self._came_in(total, n.get("grad_norm", 0.0), out_grads, spoilt)
             else:
                 self.inherited = None
-        if out_grads:
-            n["out_grad_norm"] = math.sqrt(sum(v * v for v in out_grads))
         if self.activity:
             n["channels"] = self.alive[-1].numel()
             n["dead_channels"], n["dormant_channels"] = int(next(got)), int(next(got))
@@ -232,20 +234,23 @@ class Place:
         return n
 
     def _came_in(self, total: float, grad: float, out_grads: list[float], spoilt: set[int]) -> bool:
-        """Whether the NaN or inf seen here (in Σ|a| of its output, `total`, or in ‖∇θ‖, `grad`)
-        came in: its output's through an input another place gave spoilt (the data counts as
-        finite), its gradient's through its output's gradient (known on a snapshot step, else
-        guessed from any spoilt output). Kept while it lasts, so the place where it arose
-        stays the one flagged after it has spread."""
+        """Whether the NaN or inf seen here (in Σ|a| of its output, `total`, in ‖∇θ‖, `grad`, or
+        in ‖∂L/∂output‖) came in: its output's when a call heard before its own first spoilt
+        one gave one first (through sums, products and slices no place makes: a transformer's
+        residual stream; the data counts as finite), its gradient's through its output's
+        gradient (known on a snapshot step, else guessed from any spoilt output), and its
+        output's gradient always (what comes after made it). Kept while it lasts, so the place
+        where it arose stays the one flagged after it has spread."""
         if self.inherited is None:
             if not math.isfinite(total):
-                self.inherited = not self.ins.isdisjoint(spoilt)
+                mine = min((h for h in self.heard if h in spoilt), default=math.inf)
+                self.inherited = any(h < mine for h in spoilt)
             elif not math.isfinite(grad):
                 self.inherited = (
                     any(not math.isfinite(v) for v in out_grads) if out_grads else bool(spoilt)
                 )
-            else:
-                self.inherited = False
+            else:  # its weights, or the gradient its output was handed
+                self.inherited = any(not math.isfinite(v) for v in out_grads)
         return self.inherited
 
     def _leak(self, rows: torch.Tensor, groups: dict[str, list[int]]) -> float:
@@ -260,6 +265,9 @@ class Place:
                 )
             best = max(best, cka(rows[:, a], rows[:, b]))
         return best
+
+
+_HEARD = itertools.count()  # the order calls are heard in, over every place and audit
 
 
 def _under(per_channel: torch.Tensor) -> torch.Tensor:
