@@ -179,3 +179,18 @@ def test_a_decoder_node_taller_than_the_room_is_not_cut_from_its_input_box():
     X, Y, W, H = drawn["b:dec:decoder#0"]
     assert X < x + w / 2 < X + W, (drawn["i:dec"], drawn["b:dec:decoder#0"])
     assert y + h <= Y
+
+
+def test_a_node_s_input_box_is_not_cut_off_into_a_column_of_its_own():
+    """DeBERTa drawn as one node is taller than the figure: its head goes into a column beside
+    the model, but its `input` box stays above the model that reads it (a column of one small
+    box saves nothing and sends its edges round the bottom)."""
+    case = CASES["deberta"]()
+    g = Graph.somatize(Node.of(case.model).named("deberta"))
+    drawn = _boxes(g.figure(inside=architecture(g, case.example)).svg())
+    x, y, w, h = drawn["i:deberta"]
+    X, Y, W, H = drawn["b:deberta:deberta#0"]
+    assert X < x + w / 2 < X + W, (drawn["i:deberta"], drawn["b:deberta:deberta#0"])
+    assert y + h <= Y
+    cx, cy, _, _ = drawn["l:deberta:classifier"]
+    assert cx > X + W and cy < Y + H / 2  # the head: in a column beside it, from its top

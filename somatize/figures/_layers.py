@@ -149,7 +149,7 @@ def place(
     cuts = {n for n, many in enumerate(crossing) if many <= 1}
     k = _bands_needed(lengths, room, cuts)
     while True:
-        bands = _bands(lengths, k, cuts)
+        bands = _joined(_bands(lengths, k, cuts), lengths, room / 2)
         extent, *placed = _arrange_bands(layers, bands, lengths, depth, (up, down), across)
         if k == 1 or across_room is None or extent[0] <= across_room:
             return extent, _ways(pairs, by_key, ports, paths, placed)
@@ -320,18 +320,31 @@ def _fit(layer: list[Item], want: list[tuple[float, float]], gap: float) -> None
 def _bands_needed(lengths: list[float], room: float, cuts: set[int]) -> int:
     """How many bands keep each within `room` (less the lanes between bands, which run past
     both ends; a layer alone longer than it aside), cut only before the layers in `cuts`:
-    1 for few layers, when no such cuts can, or when the bands would save less than half the
-    room (a decoder taller than the room alone, its input box cut off into a band of its own)."""
-    total, screen = sum(lengths), room
+    1 for few layers, or when no such cuts can."""
+    total = sum(lengths)
     if total <= room or len(lengths) < 4:
         return 1
     room = max(room - 48.0, max(lengths))
     k = math.ceil(total / room)
-    while (longest := max(sum(lengths[a:b]) for a, b in _bands(lengths, k, cuts))) > room * 1.02:
+    while max(sum(lengths[a:b]) for a, b in _bands(lengths, k, cuts)) > room * 1.02:
         if k >= len(lengths):
             return 1
         k += 1
-    return k if total - longest >= screen / 2 else 1
+    return k
+
+
+def _joined(bands: list[tuple[int, int]], lengths: list[float], slack: float) -> list:
+    """Bands joined to the one before where that makes the longest at most `slack` longer: a
+    band that saves less than that (an input box cut off a decoder taller than the room) is
+    not worth the lanes round it."""
+    longest = max(sum(lengths[a:b]) for a, b in bands)
+    out = [bands[0]]
+    for a, b in bands[1:]:
+        if sum(lengths[out[-1][0] : b]) <= longest + slack:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def _bands(lengths: list[float], k: int, cuts: set[int]) -> list[tuple[int, int]]:
