@@ -1,0 +1,52 @@
+"""The figures of the families `models/more.py` adds, saved with `save_html` and opened in
+Chromium offline, as a researcher looks at them: every layer drawn, no label over another, each
+layer's names inside its shape (in the browser's own fonts), nothing fetched, no error."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.more import CASES  # noqa: E402
+from test_users_see import _TEXTS, _open_offline, _overlapping  # noqa: E402
+
+from somatize import Graph, Node  # noqa: E402
+from somatize.torch import architecture  # noqa: E402
+
+# each family drawn as one node, with its repeated block unfolded where it has one
+UNFOLDED = {"llama": "model.layers.0", "wav2vec2": "wav2vec2.encoder.layers.0", "swin": None}
+
+
+@pytest.mark.parametrize("name", sorted(UNFOLDED))
+def test_a_new_family_is_drawn_whole_with_its_names_inside_their_boxes(
+    name, page, served, artifacts
+):
+    case = CASES[name]()
+    g = Graph.somatize(Node.of(case.model).named(name))
+    block = UNFOLDED[name]
+    fig = g.figure(
+        inside=architecture(g, case.example), expanded=[f"{name}:{block}"] if block else []
+    )
+    svg = fig.svg()
+    asked = _open_offline(page, served, name, fig)
+    page.locator(".smz-fit").click()
+    shown = page.evaluate(
+        """() => [...document.querySelectorAll('.smz-drawing [data-id^="l:"]')]
+                 .map(e => e.dataset.id)"""
+    )
+    assert sorted(shown) == sorted(
+        k.split('"')[0] for k in svg.split('data-id="')[1:] if k.startswith("l:")
+    )
+    texts = page.evaluate(_TEXTS)
+    layers = [t for t in texts if t["box"] and t["id"].startswith("l:")]
+    assert len(layers) >= 2 * len(shown)  # each layer's name and shape
+    for t in layers:
+        box = t["box"]
+        assert box["x"] - 0.5 <= t["x"] and t["x"] + t["w"] <= box["x"] + box["w"] + 0.5, t
+    assert _overlapping(texts) == []
+    page.screenshot(path=str(artifacts / f"more-{name}.png"), full_page=True)
+    assert asked == [] and page.errors == []
