@@ -148,3 +148,13 @@ def test_a_nan_in_one_llama_weight_is_flagged_there_and_not_where_it_spread():
     # it reaches the residual stream through sums and products no place makes (x + attn(x),
     # act(gate) * up, a slice before lm_head): each place it reaches that way inherited it
     assert flagged == {"llamaforcausallm.model.layers.1.self_attn.q_proj": ["NAN"]}
+
+
+def test_dead_units_in_distilberts_ffn_are_flagged_where_they_die_not_where_their_zeros_go():
+    case = MORE["distilbert"]()
+    with torch.no_grad():  # GELU(x − 20) is 0 in float32: the first layer's ffn is dead
+        case.model.distilbert.transformer.layer[0].ffn.lin1.bias.fill_(-20.0)
+    flagged = _flagged_at_step_0(case.model, case.example, case.target, case.objective, 3)
+    ffn = "distilbertforsequenceclassification.distilbert.transformer.layer.0.ffn."
+    # its dropout and lin2 (its bias at 0) are handed only zeros and give them back
+    assert flagged == {ffn + "activation": ["DEAD"]}

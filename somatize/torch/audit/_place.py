@@ -163,12 +163,6 @@ class Place:
         if self.in_grads:
             tensors.append(_under(torch.stack(self.in_grads).mean(0)))
 
-    def spoilt(self, values: list[float]) -> list[int]:
-        """When this step's calls that gave a NaN or an inf were heard (their Σ|a| is not a
-        finite number), from what `queue` put in `values`."""
-        at, width = self._at, self.width
-        return [h for k, h in enumerate(self.heard) if not math.isfinite(values[at + k * width])]
-
     def numbers(
         self,
         values: list[float],
@@ -177,10 +171,12 @@ class Place:
         step: int,
         snapshot: bool,
         spoilt: set[int],
+        blank: set[int],
     ) -> dict[str, Any]:
         """This step's numbers, from what `queue` put in `values` (read), the ‖·‖² of its
         weights and of their gradients (those that have one). `spoilt`: the ids of the
-        calls, of any place, whose output was not finite this step (`spoilt`)."""
+        calls, of any place, whose output was not finite this step, and `blank` the ids of the
+        outputs that were all zeros (`marks`)."""
         n: dict[str, Any] = {}
         got = itertools.islice(values, self._at, None)  # what `queue` put there, in order
         total = 0.0
@@ -204,10 +200,13 @@ class Place:
             saturated = sum(heard[2::width], 0.0) if width > 2 else 0.0
             size = self.size or 1
             n["act_abs_mean"] = total / size
-            if not weights or any(weights):  # (weights all zero give zeros of their own)
+            # weights all zero give zeros of their own; handed only zeros, it gives them back
+            given_zeros = bool(self.ins) and self.ins <= blank
+            if (not weights or any(weights)) and not given_zeros:
                 self.zero.append(zeros / size)
             self.saturated.append(saturated / size)
-            n["zero_frac_max"] = max(self.zero, default=zeros / size)
+            if self.zero or not given_zeros:
+                n["zero_frac_max"] = max(self.zero, default=zeros / size)
             n["sat_frac_max"] = max(self.saturated)
         out_grads = list(itertools.islice(got, len(self.out_grads)))
         if out_grads:
@@ -265,6 +264,21 @@ class Place:
                 )
             best = max(best, cka(rows[:, a], rows[:, b]))
         return best
+
+
+def marks(places: list[Place], values: list[float]) -> tuple[set[int], set[int]]:
+    """When this step's calls that gave a NaN or an inf were heard (their Σ|a| is not a finite
+    number), and the ids of the outputs that were all zeros (Σ|a| = 0), from what each place's
+    `queue` put in `values`."""
+    spoilt, blank = set(), set()
+    for p in places:
+        for k, (h, o) in enumerate(zip(p.heard, p.outs, strict=True)):
+            total = values[p._at + k * p.width]
+            if not math.isfinite(total):
+                spoilt.add(h)
+            elif total == 0.0:
+                blank.add(o)
+    return spoilt, blank
 
 
 _HEARD = itertools.count()  # the order calls are heard in, over every place and audit

@@ -38,7 +38,7 @@ from somatize.graph import as_graph
 from somatize.run import warn
 from somatize.torch._modules import Held, Holder, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
-from somatize.torch.audit._place import Place, layouts
+from somatize.torch.audit._place import Place, layouts, marks
 from somatize.torch.audit._select import choose, names_of, preorder
 
 __all__ = ["Audit"]
@@ -409,13 +409,13 @@ class Audit:
             place.queue(tensors)
         values = read(tensors)
         squares = squared_norms(values[: len(normed)], normed)
-        spoilt = {o for place in self._places for o in place.spoilt(values)}  # not finite
+        spoilt, blank = marks(self._places, values)  # calls not finite, outputs all zero
         out = []
         for place in self._places:
             index = place.index
             weights = [squares[i] for i in index]
             grads = [squares[grad_at[i]] for i in index if grad_at[i] >= 0]
-            n = place.numbers(values, weights, grads, step, snapshot, spoilt)
+            n = place.numbers(values, weights, grads, step, snapshot, spoilt, blank)
             place.clear()
             if n:
                 fact = {"fact": "health", "node": place.node, "inside": place.inside, "step": step}
