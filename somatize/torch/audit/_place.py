@@ -108,9 +108,8 @@ class Place:
         """Forget this step's tensors (once `numbers` has made numbers of them)."""
         self.sums: list[torch.Tensor] = []  # `width` one-number tensors per call
         self.size = 0
-        self.outs: list[int] = []  # the id of each output heard this step, per call
         self.heard: list[int] = []  # when each call was heard, counted over every place's
-        self.ins: set[int] = set()  # the ids of the tensors it was given this step
+        self.ins: set[int] = set()  # the calls that made what it was given (-1: none did)
         self.out_grads: list[torch.Tensor] = []  # ‖∂L/∂output‖ per call, from a tensor hook
         self.activity: list[torch.Tensor] = []  # per-channel mean |a|, per call
         self.in_grads: list[torch.Tensor] = []  # per-channel mean |∂L/∂input|, per call
@@ -128,9 +127,9 @@ class Place:
         a = t.detach()
         self.sums += sums_of(a, self.saturates)
         self.size += a.numel()
-        self.outs.append(id(t))
-        self.heard.append(next(_HEARD))
-        self.ins.update(map(id, floats_in(input)))
+        self.ins.update(map(_maker, floats_in(input)))  # (before its own output is known)
+        self.heard.append(h := next(_HEARD))
+        _made(t, h)
         # (a hook holds the place by a weak reference: held, it would keep the weights alive)
         if snapshot and t.requires_grad:
             t.register_hook(_hear(weakref.ref(self), step, "out_grads", None))
@@ -175,8 +174,8 @@ class Place:
     ) -> dict[str, Any]:
         """This step's numbers, from what `queue` put in `values` (read), the ‖·‖² of its
         weights and of their gradients (those that have one). `spoilt`: the ids of the
-        calls, of any place, whose output was not finite this step, and `blank` the ids of the
-        outputs that were all zeros (`marks`)."""
+        calls, of any place, whose output was not finite this step, and `blank` those whose
+        output was all zeros (`marks`)."""
         n: dict[str, Any] = {}
         got = itertools.islice(values, self._at, None)  # what `queue` put there, in order
         total = 0.0
@@ -268,20 +267,38 @@ class Place:
 
 def marks(places: list[Place], values: list[float]) -> tuple[set[int], set[int]]:
     """When this step's calls that gave a NaN or an inf were heard (their Σ|a| is not a finite
-    number), and the ids of the outputs that were all zeros (Σ|a| = 0), from what each place's
-    `queue` put in `values`."""
+    number), and those whose output was all zeros (Σ|a| = 0), from what each place's `queue`
+    put in `values`."""
     spoilt, blank = set(), set()
     for p in places:
-        for k, (h, o) in enumerate(zip(p.heard, p.outs, strict=True)):
+        for k, h in enumerate(p.heard):
             total = values[p._at + k * p.width]
             if not math.isfinite(total):
                 spoilt.add(h)
             elif total == 0.0:
-                blank.add(o)
+                blank.add(h)
     return spoilt, blank
 
 
 _HEARD = itertools.count()  # the order calls are heard in, over every place and audit
+_MADE: dict[int, tuple[weakref.ref, int]] = {}  # a live output's id: it, and the call that made it
+
+
+def _made(t: torch.Tensor, h: int) -> None:
+    """Note that call `h` made `t`, for as long as `t` lives (an id is reused once it dies)."""
+    key = id(t)
+
+    def gone(ref: weakref.ref) -> None:
+        if _MADE.get(key, (None,))[0] is ref:
+            del _MADE[key]
+
+    _MADE[key] = (weakref.ref(t, gone), h)
+
+
+def _maker(x: torch.Tensor) -> int:
+    """The call that made `x`, if a place's call did and it still lives; else -1."""
+    ref, h = _MADE.get(id(x), (None, -1))
+    return h if ref is not None and ref() is x else -1
 
 
 def _under(per_channel: torch.Tensor) -> torch.Tensor:
