@@ -7,7 +7,6 @@ import re
 
 import torch
 from models.more import CASES
-from models.zoo import _tokens
 
 from somatize import Graph, Node
 from somatize.torch import architecture
@@ -46,23 +45,9 @@ def test_an_unfolded_llama_layer_takes_its_rotary_positions_from_the_rotary_embe
 def test_an_unfolded_decoder_layer_attends_to_the_encoder_not_to_the_layer_before():
     """BART's second decoder layer attends to what the encoder gave, as the first does; the
     encoder's states and the decoder's have one shape here (source and target 8 tokens)."""
-    from transformers import BartConfig, BartForConditionalGeneration
-
-    torch.manual_seed(0)
-    config = BartConfig(
-        vocab_size=96,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=32,
-    )
-    example = _tokens(27)
-    example["decoder_input_ids"] = example["input_ids"].flip(1)
-    g = Graph.somatize(Node.of(BartForConditionalGeneration(config)).named("bart"))
+    case = CASES["bart"](layers=2)
+    g = Graph.somatize(Node.of(case.model).named("bart"))
+    example = case.example
     inside = architecture(g, example)
     unfold = ["bart:model.encoder.layers.0", "bart:model.decoder.layers.0"]
     edges = _edges(g.figure(inside=inside, expanded=unfold).svg())

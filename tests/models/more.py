@@ -165,16 +165,17 @@ def deberta() -> Case:
     )
 
 
-def bart() -> Case:
-    """BART: an encoder-decoder whose input and output embeddings are one tensor."""
+def bart(layers: int = 1) -> Case:
+    """BART: an encoder-decoder whose input and output embeddings are one tensor; `layers`
+    in the encoder and in the decoder."""
     from transformers import BartConfig, BartForConditionalGeneration
 
     torch.manual_seed(0)
     config = BartConfig(
         vocab_size=VOCAB,
         d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
+        encoder_layers=layers,
+        decoder_layers=layers,
         encoder_attention_heads=2,
         decoder_attention_heads=2,
         encoder_ffn_dim=64,
