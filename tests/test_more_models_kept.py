@@ -73,11 +73,11 @@ class Decoder(nn.Module):
         return self.head(h.last_hidden_state)
 
 
-def test_a_cached_frozen_whisper_encoder_trains_its_decoder_as_the_uncached_run(tmp_path):
-    case = CASES["whisper"]()
-    model = _still(case.model)
-    gen = torch.Generator().manual_seed(5)
-    batches = [
+def _whisper_batches(case, seed: int) -> list:
+    """Three float64 batches for the suite's Whisper: spectrograms drawn from `seed`, the
+    example's decoder tokens and target rolled by 0, 1 and 2."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
         (
             {
                 "input_features": torch.randn(2, 8, 32, generator=gen, dtype=torch.float64),
@@ -87,6 +87,12 @@ def test_a_cached_frozen_whisper_encoder_trains_its_decoder_as_the_uncached_run(
         )
         for i in range(3)
     ]
+
+
+def test_a_cached_frozen_whisper_encoder_trains_its_decoder_as_the_uncached_run(tmp_path):
+    case = CASES["whisper"]()
+    model = _still(case.model)
+    batches = _whisper_batches(case, 5)
 
     def run(store):
         m = copy.deepcopy(model)
@@ -142,7 +148,7 @@ def test_a_llamas_output_and_its_cache_are_recalled_and_decoding_goes_on_from_th
 
 def test_a_sliding_window_cache_is_refused_naming_it_and_nothing_is_kept(tmp_path):
     store = Store(tmp_path / "store")
-    model = _sliding_qwen2().eval()
+    model = CASES["qwen2"](window=4).model.eval()
     with torch.no_grad():
         out = model(input_ids=torch.randint(1, 96, (2, 8)))
     with pytest.raises(NoCodec, match="DynamicSlidingWindowLayer.*use_cache=False"):
@@ -251,28 +257,8 @@ def test_a_nested_tensor_is_refused_saying_to_unbind_it(tmp_path):
     assert all(map(torch.equal, store.recall("clips"), clips))
 
 
-def _sliding_qwen2():
-    """A Qwen2 whose second layer attends within a window of 4: its cache holds a
-    `DynamicSlidingWindowLayer`, which no codec writes down."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        use_sliding_window=True,
-        sliding_window=4,
-        max_window_layers=1,
-    )
-    return Qwen2ForCausalLM(config)
-
-
 def test_a_models_cache_that_cannot_come_back_from_a_worker_is_said_naming_the_node():
-    model = _sliding_qwen2()
+    model = CASES["qwen2"](window=4).model
     ids = torch.randint(1, 96, (2, 8), generator=torch.Generator().manual_seed(3))
     broker = Broker.embedded({"w": Worker.spawn(["--threads", "1"], mode="network")})
     try:
@@ -298,17 +284,7 @@ def test_a_whisper_decoder_on_a_worker_is_handed_the_encoders_output_and_trains_
     case = CASES["whisper"]()
     model = _still(case.model)
     ref = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(7)
-    batches = [
-        (
-            {
-                "input_features": torch.randn(2, 8, 32, generator=gen, dtype=torch.float64),
-                "decoder_input_ids": case.example["decoder_input_ids"].roll(i, 1),
-            },
-            case.target.roll(i, 1),
-        )
-        for i in range(3)
-    ]
+    batches = _whisper_batches(case, 7)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     want = []
     for x, y in batches:

@@ -32,9 +32,10 @@ def llama() -> Case:
     )
 
 
-def qwen2() -> Case:
+def qwen2(window: int | None = None) -> Case:
     """Qwen2: Llama's shape with biases on the query, key and value projections, and tied
-    input and output embeddings."""
+    input and output embeddings; with `window`, its second layer attends within that many
+    tokens (its cache then holds a `DynamicSlidingWindowLayer`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -47,6 +48,9 @@ def qwen2() -> Case:
         num_key_value_heads=1,
         max_position_embeddings=32,
         tie_word_embeddings=True,
+        use_sliding_window=window is not None,
+        sliding_window=window or 4096,
+        max_window_layers=1,
     )
     example = _tokens(22)
     return Case(
