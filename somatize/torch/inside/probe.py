@@ -145,9 +145,10 @@ class _Place:
     def saw(self, given: list[torch.Tensor], made: list[torch.Tensor], known: _Tensors) -> None:
         """Measure the call that made the tensors `made` of the tensors `given`: Σ|a|, the
         zeros (and the saturated) of its output, the norm of its input and of its output, each
-        not read yet, and of the weights it holds, all read at once. A call that gave back a tensor it was handed
-        (written over in place, or handed on as it is) is measured against that tensor as it
-        was seen before the call, and left out where it was not (what it read is gone)."""
+        not read yet, and of the weights it holds, all read at once. A call that gave back a
+        tensor it was handed (written over in place, or handed on as it is) is measured against
+        that tensor as it was seen before the call, and left out where it was not (what it read
+        is gone)."""
         inp, out = _first(given), output_of([t for t in made if t.is_floating_point()])
         if out is None:
             return
