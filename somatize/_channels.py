@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
+#: the norms torch defines along dim 1 (a layer or RMS norm normalises the last)
+CHANNEL_NORMS = re.compile(r"batch|instance|group|local_?response", re.I)
+
 
 def channels_first(kind: Any, label: Any, before: bool = False) -> bool:
     """Whether a layer's 3-d output holds its channels on dim 1, (N, C, L), rather than its
@@ -26,5 +29,5 @@ def channels_first(kind: Any, label: Any, before: bool = False) -> bool:
     if kind == "conv" or (kind == "shaping" and "pool" in label.lower()):
         return not re.search(r"[23]d", label, re.I)
     if kind == "norm":
-        return bool(re.search(r"batch|instance|group|local_?response", label, re.I))
+        return bool(CHANNEL_NORMS.search(label))
     return before if kind in ("activation", "regular", "shaping", "other") else False

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from somatize._channels import channels_first
+from somatize._channels import CHANNEL_NORMS, channels_first
 from somatize.figures._shapes import family, shape_text
 from somatize.figures._svg import number, text_width
 
@@ -22,7 +22,7 @@ NODE_TOP = 42  # an open node's title and subtitle, above its layers
 PILL_H = 18
 # layers torch defines on (N, C, ...), and blocks holding one: they give an image, channels on
 # dim 1 (a norm is named by its class: a ConvNeXt's LayerNorm may hold its channels last)
-_GRID = re.compile(r"batch|instance|group|local_?response|pool|: conv", re.I)
+_GRID = re.compile(rf"{CHANNEL_NORMS.pattern}|pool|: conv", re.I)
 _PLAIN = ("Sequential", "ModuleList", "ModuleDict")  # containers drawn as what they hold
 INPUT = "<input>"  # what an open node was given, among its layers' edges
 OUTPUT = "<output>"  # what it gives back, there
