@@ -308,6 +308,18 @@ def _path_to(value: Any, bad: Any, path: str = "") -> str | None:
     return None
 
 
+_PLAIN = (
+    "plain values (None, bool, int, float, str, bytes, list, tuple, dict) need none, anything "
+    "else needs one: register it with somatize.codec(kind, type, dump=..., load=...)"
+)
+_MODULE = "torch.nn.modules.module.Module"  # known by name: the core never imports torch
+_MODULE_INSTEAD = (
+    "a torch module is not written down, its weights are: keep model.state_dict() and load "
+    "it into a model built the same way, model.load_state_dict(store.recall(name)); a "
+    "graph's trained weights are Trainer.export(), loaded back with Trainer.load(...)"
+)
+
+
 def encode(value: Any, *, where: str | None = None) -> bytes:
     """The bytes that stand for `value`; `decode` gives it back with the same types.
 
@@ -322,11 +334,10 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
         inside = _path_to(value, failed.value)
         said = f" at {inside.strip()}" if inside else ""
         if failed.kind is None:
-            kind = type(failed.value)
+            named = [f"{c.__module__}.{c.__qualname__}" for c in type(failed.value).__mro__]
             raise NoCodec(
-                f"no codec for {kind.__module__}.{kind.__qualname__}{whose}{said}; plain values "
-                f"(None, bool, int, float, str, bytes, list, tuple, dict) need none, anything "
-                f"else needs one: register it with somatize.codec(kind, type, dump=..., load=...)"
+                f"no codec for {named[0]}{whose}{said}; "
+                + (_MODULE_INSTEAD if _MODULE in named else _PLAIN)
             ) from None
         text = (
             f"codec {failed.kind!r} cannot write down the {type(failed.value).__qualname__}"

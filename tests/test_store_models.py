@@ -17,6 +17,7 @@ import pytest
 import torch
 from models import zoo
 
+import somatize
 import somatize.torch  # noqa: F401  (tensor codec)
 from somatize import Graph, Node, Store
 from somatize.torch import freeze
@@ -347,6 +348,21 @@ def test_a_state_dict_is_kept_and_loads_into_a_fresh_model(tmp_path: Path) -> No
     model.eval(), fresh.eval()
     with torch.no_grad():
         assert torch.equal(fresh(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_keeping_a_model_itself_is_refused_saying_to_keep_its_state_dict(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    model, _ = _gpt2()
+    for value, at in ((model, ""), ({"backbone": [model]}, " at ['backbone'][0]")):
+        with pytest.raises(somatize.NoCodec) as refused:
+            store.keep("model", value)
+        said = str(refused.value)
+        assert f"GPT2LMHeadModel in the value kept as 'model'{at};" in said
+        assert "model.state_dict()" in said and "load_state_dict" in said
+        assert "Trainer.export()" in said and "somatize.codec(" not in said
+    assert store.resolve("model") is None  # refused: nothing bound
+    store.keep("model", model.state_dict())  # what it said to keep is kept
+    assert list(store.recall("model")) == list(model.state_dict())
 
 
 def test_loading_weights_into_a_module_cached_without_frozen_misses(tmp_path: Path) -> None:
