@@ -344,3 +344,43 @@ def test_a_trainer_refused_for_tied_weights_across_a_cut_changed_nothing_before_
     assert not body.training and not any(p.requires_grad for p in body.parameters())
     x = torch.randn(3, 4)
     assert t.step((x, x)) > 0
+
+
+class _LastHidden(Node, nn.Module):
+    """An LM head read off a transformers output's `last_hidden_state`."""
+
+    def __init__(self, head: nn.Module) -> None:
+        nn.Module.__init__(self)
+        self.head = head
+
+    def forward(self, out, ctx):
+        return self.head(out.last_hidden_state)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+def test_crossed_counts_a_llama_cache_that_crosses_a_cut_with_the_states():
+    # the body's output carries its DynamicCache across the cut beside the hidden states: the
+    # bytes said are every tensor that crossed, the cache's keys and values included
+    from models import more
+
+    case = more.llama()
+    m = case.model
+    g = Graph.somatize(Node.of(m.model).named("body") >> _LastHidden(m.lm_head).named("head"))
+    heard = []
+    trains = {"body": Split(SGD, lr=0.1)}
+    t = Trainer(
+        g,
+        objective=lambda logits, y: nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()),
+        optimizer=SGD(parameters(g, without=trains), lr=0.1),
+        trains=trains,
+        watching=heard.append,
+    )
+    with torch.no_grad():
+        out = m.model(**case.example)
+    cache = out.past_key_values
+    assert len(cache.layers) == 2  # two layers, each with its keys and values
+    states = out.last_hidden_state.nbytes
+    forward = states + sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    t.step((case.example, case.target))
+    (fact,) = [f for f in heard if f["fact"] == "crossed"]
+    assert (fact["forward"], fact["backward"]) == (forward, states)  # no gradient of a cache

@@ -11,14 +11,16 @@ or on a worker (`somatize.torch.training.remote`) through the same two calls.
 from __future__ import annotations
 
 import itertools
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
 from somatize import _hooks, run
 from somatize.graph import Graph
 from somatize.node import Node, Piece, Settings
+from somatize.torch import _caches
 from somatize.torch._modules import tensors_in
 from somatize.torch.training.learning import backward_from, envelope, grad_of, gradient, leafed
 from somatize.torch.training.params import trainable, untied_from_frozen
@@ -38,9 +40,24 @@ TARGET = "<target>"
 _keys = itertools.count(1)
 
 
+def carried(value: Any) -> list[Any]:
+    """Every tensor `value` carries across a cut (what a wire sends), in order: those
+    `tensors_in` finds (the outputs one differentiates), and the tensors a transformers cache of
+    any kind holds wherever one sits (a `DynamicCache`'s keys and values), which `tensors_in`
+    leaves out: a model keeps them for its next call, and no gradient is asked of them."""
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in carried(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in carried(v)]
+    found = sys.modules.get(_caches.MODULE)
+    if found is not None and isinstance(value, (found.Cache, found.CacheLayerMixin)):
+        return carried(list(vars(value).values()))  # its layers, and each layer's tensors
+    return tensors_in(value)
+
+
 def nbytes(value: Any) -> int:
-    """How many bytes the tensors inside `value` hold (in any mapping, list or tuple)."""
-    return sum(t.nelement() * t.element_size() for t in tensors_in(value))
+    """How many bytes the tensors `value` carries hold (`carried`: a cache's among them)."""
+    return sum(t.nelement() * t.element_size() for t in carried(value))
 
 
 class Inlet(Node):
