@@ -23,6 +23,7 @@ from somatize.node import (
     Settings,
     kind_name,
     takes_ctx,
+    to_call,
     unwrap,
 )
 from somatize.store import store_of
@@ -61,11 +62,10 @@ class Graph:
         or probed here.
         """
         if not isinstance(expression, Expr):
-            if isinstance(expression, type) or not callable(expression):
-                raise TypeError(
-                    f"expected a somatize Graph, an expression of Nodes (a >> b, a | b), a "
-                    f"module or a function, not {type(expression).__name__} {expression!r:.60}"
-                )
+            what = (
+                "a somatize Graph, an expression of Nodes (a >> b, a | b), a module or a function"
+            )
+            to_call(expression, "Graph.somatize", what)
             expression = Node.of(expression)
         (g := cls())._lay(expression, Settings())
         return g

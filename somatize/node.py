@@ -366,12 +366,7 @@ class Wrapped(Node):
     """
 
     def __init__(self, held: Any) -> None:
-        if isinstance(held, type) or not callable(held):
-            what = f"the class {held.__name__}" if isinstance(held, type) else type(held).__name__
-            raise TypeError(
-                f"Node.of takes a module or a function to call, not {what}"
-                + (": pass an instance, Node.of(Model(...))" if isinstance(held, type) else "")
-            )
+        to_call(held, "Node.of", "a module or a function to call")
         self.held = held
         self.takes = _Takes(held)
 
@@ -387,6 +382,16 @@ class Wrapped(Node):
 
     def __repr__(self) -> str:
         return f"Node.of({kind_name(self)})"
+
+
+def to_call(value: Any, where: str, takes: str) -> None:
+    """Refuse (`TypeError`) a `value` that `where` (which `takes` something to call) was
+    given: a class, whose call would build one (it says to build it), or a non-callable."""
+    if isinstance(value, type):
+        name = value.__name__
+        raise TypeError(f"{where} is given the class {name}: build one, {name}(...), and pass it")
+    if not callable(value):
+        raise TypeError(f"{where} takes {takes}, not {type(value).__name__} {value!r:.60}")
 
 
 def kind_name(node: Any) -> str:

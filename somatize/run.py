@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from somatize import _hooks
-from somatize.node import Wrapped, kind_name, note, unwrap
+from somatize.node import Wrapped, kind_name, note, to_call, unwrap
 
 __all__ = ["Ctx", "Plan", "run_plan", "walk", "watchers"]
 
@@ -135,15 +135,7 @@ def watchers(watching: Any) -> list[Callable[[dict], Any]]:
         return []
     listed = list(watching) if isinstance(watching, (list, tuple)) else [watching]
     for w in listed:
-        if isinstance(w, type):  # callable, but calling it builds one
-            raise TypeError(
-                f"watching= is given the class {w.__name__}: build one, {w.__name__}(...)"
-            )
-        if not callable(w):
-            raise TypeError(
-                f"watching= takes a callable, a Recorder, or a list of them; "
-                f"{type(w).__name__} {w!r:.60} cannot be called with a fact"
-            )
+        to_call(w, "watching=", "a callable (called with each fact), a Recorder, or a list of them")
     return listed
 
 

@@ -210,3 +210,30 @@ def test_a_graph_pickled_by_an_older_version_loads_and_builds_on():
     want = operator.pos(-(x.double() @ w.T + b))
     tol = 8 * torch.finfo(torch.float32).eps  # two products and a sum, in float32
     assert torch.allclose(g.forward(x).double(), want, rtol=tol, atol=tol)
+
+
+def test_a_class_given_where_one_built_is_taken_says_to_build_it_and_changes_nothing(tmp_path):
+    import torch
+    from models import zoo
+    from transformers import BertModel
+
+    from somatize import Recorder, Store
+
+    model = zoo.bert(dropout=0.0).model.eval()
+    g = Graph.somatize(model)
+    for call in (lambda: Graph.somatize(BertModel), lambda: Node.of(BertModel)):
+        with pytest.raises(TypeError, match=r"given the class BertModel: build one, BertModel\("):
+            call()
+    with pytest.raises(TypeError, match=r"given the class Recorder: build one, Recorder\("):
+        g.forward(torch.ones(1, 4, dtype=torch.long), watching=Recorder)
+    for call, where in (
+        (lambda: Graph.somatize(3), "Graph.somatize takes a somatize Graph"),
+        (lambda: Node.of(3), "Node.of takes a module or a function"),
+        (lambda: g.forward(None, watching=[print, 3]), "watching= takes a callable"),
+    ):
+        with pytest.raises(TypeError, match=where + ".*, not int 3"):
+            call()
+    store = Store(tmp_path)  # refused before anything ran: nothing recorded
+    with pytest.raises(TypeError, match="Recorder"):
+        g.forward(torch.ones(1, 4, dtype=torch.long), watching=[Recorder(store), Recorder])
+    assert store.bound() == []
