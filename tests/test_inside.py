@@ -1036,3 +1036,26 @@ def test_the_layers_that_made_a_real_models_output_are_said():
     cnn = zoo.smallnet()
     for example in (None, cnn.example):
         assert traced(cnn.model, example).outputs == ["fc"]
+
+
+class Numbered(nn.Module):
+    """A residual block that knows its own number, and attends within `window` steps."""
+
+    def __init__(self, number: int, window: int | None):
+        super().__init__()
+        self.layer_idx, self.window = number, window
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.lin(x)
+
+
+def test_blocks_are_folded_by_their_settings_not_by_their_own_numbers():
+    """A number one more in each block than in the one before is which block it is: blocks
+    that differ only there fold. A whole-number setting that differs (a window) keeps them
+    apart, as a float one does; `None` beside a number too."""
+    x = torch.randn(2, 4)
+    counted = traced(nn.Sequential(*(Numbered(k, 4) for k in range(3))), x)
+    assert counted.layer("0").times == 3
+    windows = nn.Sequential(*(Numbered(k, w) for k, w in enumerate((4, 4, 8, None))))
+    assert [la.times for la in traced(windows, x).layers if la.block is None] == [2, 1, 1]

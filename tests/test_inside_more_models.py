@@ -236,3 +236,15 @@ def test_a_graph_ending_in_a_loss_node_beside_a_head_probes_the_loss_node_too():
     g = Graph.somatize(body >> (_Squared().named("loss") | head))
     found = probe(g, torch.randn(3, 4))
     assert "jacobian_gain" in found["loss"] and "jacobian_gain" in found["head"]
+
+
+def test_qwen2s_sliding_window_layer_is_not_folded_with_its_full_attention_layer():
+    """Qwen2 told a sliding window attends within 4 tokens in its second layer only: both
+    layers run the same ops on the same shapes, but they differ in a setting the user gave,
+    so they are drawn as two layers, not one ×2. Without the window they are one layer ×2
+    (each still knowing its own `layer_idx`, which is which copy it is)."""
+    for window, times in ((None, [2]), (4, [1, 1])):
+        case = CASES["qwen2"](window=window)
+        (inside,) = architecture(case.model, case.example, most=100).values()
+        layers = [la for la in inside.layers if la.block == "model.layers"]
+        assert [la.times for la in layers] == times, window

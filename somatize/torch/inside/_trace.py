@@ -107,12 +107,12 @@ class Layer:
 class Raw(Layer):
     """One layer as a tracer saw it: a `Layer` (its `times`, `repeats` and `made_of` are what
     `fold` adds) and what the tracer knows besides. `config` is what sets the module up beyond
-    its shapes (its `extra_repr` and float settings such as a drop rate), so blocks that
-    differ there are not folded together; `composite` marks a module with children, `function`
+    its shapes (`config_of`), so blocks that differ there are not folded together; `composite`
+    marks a module with children, `function`
     a torch function; `within` says which call (from 1) of each block around it this layer ran
     in, where the reader knows (a block left out was called once)."""
 
-    config: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
     composite: bool = False
     function: bool = False
     within: dict[str, int] = field(default_factory=dict)  # block path → its call it ran in
@@ -131,13 +131,20 @@ def params_of(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def config_of(module: nn.Module) -> str:
-    """What sets this module up besides its shapes: `extra_repr`, and every float it keeps."""
-    parts = [module.extra_repr()]
-    for name, value in vars(module).items():
-        if not name.startswith("_") and isinstance(value, float):
-            parts.append(f"{name}={value!r}")
-    return "; ".join(parts)
+_PLAIN = (int, float, str, bool, type(None))
+_EVERY = frozenset(vars(nn.Module()))  # what every module keeps (`training`: a mode)
+
+
+def config_of(module: nn.Module) -> dict[str, Any]:
+    """What sets this module up besides its shapes: its `extra_repr` (at `""`) and each plain
+    value it keeps (a number, a string, a flag, None, a tuple of them: a drop rate, a sliding
+    window, `layer_idx`)."""
+    found: dict[str, Any] = {"": module.extra_repr()}
+    for name, v in vars(module).items():
+        plain = all(isinstance(x, _PLAIN) for x in (v if isinstance(v, tuple) else (v,)))
+        if plain and not name.startswith("_") and name not in _EVERY:
+            found[name] = v
+    return found
 
 
 class Opening:

@@ -39,7 +39,7 @@ def _signature(path: str, layers: dict[str, Raw], kids: dict, edges: set, memo: 
     n = len(path)  # the paths inside, relative to this one
     parts = tuple((c[n:], _signature(c, layers, kids, edges, memo)) for c in kids.get(path, []))
     inner = tuple(sorted((a[n:], b[n:]) for a, b in edges if a in within and b in within))
-    sig = (r.kind, r.label, r.config, tuple(r.shape) if r.shape else None, r.params, parts, inner)
+    sig = (r.kind, r.label, tuple(r.shape) if r.shape else None, r.params, parts, inner)
     memo[path] = sig
     return sig
 
@@ -49,6 +49,30 @@ def _twin(path: str, layers: dict[str, Raw], kids: dict, edges: set, memo: dict)
     if layers[path].composite or kids.get(path):
         return _signature(path, layers, kids, edges, memo)
     return path
+
+
+def _alike(run: list[str], layers: dict[str, Raw], kids: dict) -> list[list[str]]:
+    """`run`, twins but for their settings (their layers' and theirs, `Raw.config`), cut where
+    one changes. A whole number one more in each copy than in the one before (`layer_idx`)
+    says which copy it is, and is no setting: two copies told windows of 4 and 5 tokens are
+    taken for copies 4 and 5."""
+    found = [
+        {
+            (q[len(p) :], k): v
+            for q in [p, *_descendants(p, kids)]
+            for k, v in layers[q].config.items()
+        }
+        for p in run
+    ]
+    keys = sorted({k for f in found for k in f})
+
+    def counts(key: tuple[str, str]) -> bool:
+        v = [f.get(key) for f in found]
+        return all(type(x) is int for x in v) and all(b - a == 1 for a, b in itertools.pairwise(v))
+
+    settings = [k for k in keys if not counts(k)]
+    by = [tuple((k in f, f.get(k)) for k in settings) for f in found]
+    return [[run[i] for i in g] for _, g in itertools.groupby(range(len(run)), by.__getitem__)]
 
 
 def fold(traced: Traced) -> tuple[dict[str, Raw], list[tuple[str, str]]]:
@@ -72,9 +96,10 @@ def fold(traced: Traced) -> tuple[dict[str, Raw], list[tuple[str, str]]]:
         parent = queue.pop(0)
         kids = _children(layers)
         twin = functools.partial(_twin, layers=layers, kids=kids, edges=set(edges), memo={})
-        for _, run in itertools.groupby(kids.get(parent, []), twin):
-            if len(run := list(run)) >= 2:
-                edges = _fold_run(layers, kids, edges, run)
+        for _, twins in itertools.groupby(kids.get(parent, []), twin):
+            for run in _alike(list(twins), layers, kids):
+                if len(run) >= 2:
+                    edges = _fold_run(layers, kids, edges, run)
         kids = _children(layers)
         queue.extend(c for c in kids.get(parent, []) if kids.get(c))
     for path, f in layers.items():
