@@ -148,10 +148,27 @@ def test_the_places_past_most_leave_the_others_as_they_were():
     # the net and its six boxes, as architecture draws them: the ReLU's second call is its own
     assert list(every)[2:5] == ["sequential.1", "sequential.2", "sequential.1#2"]
     assert len(every) == 7
-    for most in (1, 2, 3, 4):
+    node, *boxes = every
+    for most in (1, 2, 3, 4, 5):  # the first half and the last half, the first one more if odd
         some = probe(net, x, most=most)
-        assert list(some) == list(every)[: most + 1]
+        kept = boxes[: (most + 1) // 2] + boxes[len(boxes) - most // 2 :]
+        assert list(some) == [node, *kept]
         assert all(some[where] == every[where] for where in some)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+def test_a_llama_past_most_boxes_is_probed_at_its_first_and_its_last_its_head_among_them():
+    from models import more
+
+    case = more.llama()
+    every = probe(case.model, case.example, most=400)
+    node, *boxes = every
+    assert len(boxes) > 48  # two layers of about 25 boxes, the norm and the head
+    some = probe(case.model, case.example)  # most=48
+    assert list(some) == [node, *boxes[:24], *boxes[-24:]]
+    assert list(some)[-2:] == ["llamaforcausallm.model.norm", "llamaforcausallm.lm_head"]
+    assert "llamaforcausallm.model.embed_tokens" in some
+    assert all(some[where] == every[where] for where in some)  # as if none were left out
 
 
 class Masked(nn.Module):

@@ -14,6 +14,7 @@ held past the moment it is measured; no parameter gradient is made.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import weakref
 from typing import Any
@@ -211,9 +212,9 @@ class _Place:
 
 
 class _Probing(Boxes):
-    """The boxes `architecture` draws inside one node's root, the first `most` that ran, each
-    a place measured on its first call as it ends; a closed module's input is first seen as
-    its call begins (a module may write over it in place)."""
+    """The boxes `architecture` draws inside one node's root, the first and the last of them
+    that ran (`most` in all), each a place measured on its first call as it ends; a closed
+    module's input is first seen as its call begins (a module may write over it in place)."""
 
     def __init__(self, node: str, root: nn.Module, depth: int, most: int, known: _Tensors):
         super().__init__(root, depth)
@@ -223,10 +224,15 @@ class _Probing(Boxes):
         self.places: dict[str, _Place] = {}
 
     def _place(self, box: str, module: nn.Module | None) -> _Place | None:
-        """The place `box`'s call is measured at, if it is."""
+        """The place `box`'s call is measured at, if it is: every box is, as it runs, and past
+        `most` the oldest after the first half of them is dropped, so the first and the last
+        are kept (a model's input end and its head)."""
         place = self.places.get(box)
-        if place is None and len(self.places) < self.most:
-            place = self.places[box] = _Place(self.node, box, module)
+        if place is None:
+            self.places[box] = _Place(self.node, box, module)
+            if len(self.places) > self.most:
+                del self.places[next(itertools.islice(self.places, (self.most + 1) // 2, None))]
+            place = self.places.get(box)
         return place if place is not None and place.numbers is None else None
 
     def _heard(self, box: str, module: Any, given: list, outs: list) -> None:
@@ -264,7 +270,8 @@ def probe(
     `where` is a node, or `node.path.to.submodule` — the same keys the audit uses and the
     same boxes the figure draws (`depth` opens composites as in `architecture`; the functions
     between modules, `relu`, `cat`, and a module's later calls, `pool#2`, are places too;
-    the first `most` boxes per node that ran), so a finding from a probe lands on the box a
+    past `most` boxes in a node, the first half and the last half of them as they ran, so its
+    head is among them), so a finding from a probe lands on the box a
     finding from a run would. A call that writes over what it read (`out += identity`,
     `x.relu_()`, a module changing its input in place) or hands its input back (a `Dropout`
     in eval mode) is measured against its input as it was before the call (a module's is
