@@ -63,8 +63,8 @@ _DEEPEST = 64  # how many levels of tuples, lists and dicts `unwrap` looks down
 
 
 def unwrap(value: Any, depth: int = 0) -> Any:
-    """`value` with every `Opaque` in it replaced by what it wraps, inside tuples, lists and
-    dicts too (down to 64 levels: what sits deeper is handed on as it is, so a value nested
+    """`value` with every `Opaque` in it replaced by what it wraps, inside tuples (a namedtuple
+    stays one), lists and dicts too (down to 64 levels: what sits deeper is handed on as it is, so a value nested
     past Python's recursion limit still crosses an edge): what the engine does to every value
     crossing an edge and every entry point to what it takes, so code written for the published
     package gives the same answer as with the bare value. Anything else is returned as it is
@@ -76,11 +76,11 @@ def unwrap(value: Any, depth: int = 0) -> Any:
         kind = type(value)
     if depth >= _DEEPEST:
         return value
-    if kind is tuple or kind is list:
+    if kind is tuple or kind is list or (isinstance(value, tuple) and hasattr(kind, "_make")):
         items = [unwrap(v, depth + 1) for v in value]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
-        return kind(items)
+        return kind(items) if kind is tuple or kind is list else kind._make(items)
     if kind is dict:
         pairs = {k: unwrap(v, depth + 1) for k, v in value.items()}
         if all(pairs[k] is v for k, v in value.items()):

@@ -237,3 +237,33 @@ def test_a_class_given_where_one_built_is_taken_says_to_build_it_and_changes_not
     with pytest.raises(TypeError, match="Recorder"):
         g.forward(torch.ones(1, 4, dtype=torch.long), watching=[Recorder(store), Recorder])
     assert store.bound() == []
+
+
+def test_an_opaque_in_a_namedtuple_is_unwrapped_and_the_namedtuple_stays_one():
+    # code written for the published package wraps what it hands on in Opaque, inside the
+    # batch it builds: the node gets the bare tensor, in the same namedtuple
+    import collections
+
+    import torch
+    from models import zoo
+
+    from somatize import Opaque
+
+    batch = collections.namedtuple("Batch", "input_ids attention_mask")
+    case = zoo.bert(dropout=0.0)
+    model, ids, mask = case.model.eval(), *case.example.values()
+    seen = []
+
+    def embed(b):
+        seen.append(b)
+        return model(input_ids=b.input_ids, attention_mask=b.attention_mask).last_hidden_state
+
+    given = batch(Opaque(ids), mask)
+    with torch.no_grad():
+        out = Graph.somatize(Node.of(embed)).forward(given)
+        alone = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert type(seen[0]) is batch and seen[0].input_ids is ids and seen[0].attention_mask is mask
+    assert torch.equal(out, alone)
+    assert type(given.input_ids) is Opaque  # the caller's batch is left as it was
+    plain = batch(ids, mask)
+    assert Graph.somatize(Node.of(lambda b: b).named("same")).forward(plain) is plain
