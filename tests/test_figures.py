@@ -1266,6 +1266,35 @@ def test_each_edge_out_of_an_open_node_leaves_from_the_layer_that_made_what_its_
     assert _on_bottom(_start(svg, "n:q", "n:x"), boxes(svg)["l:q:a"])
 
 
+class Scaled(nn.Module):
+    """A layer of its own (a module holding no module) on part `k` of what it is given."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.k, self.w = k, nn.Parameter(torch.ones(n))
+
+    def forward(self, pair):
+        return pair[self.k] * self.w
+
+
+def test_a_node_that_is_one_layer_is_seen_reading_only_the_part_it_reads():
+    """A node after two heads that is one layer of the user's own, reading one head's output
+    of the pair it is given: what it read is the one head's, not both, and the edge into it
+    leaves from that head."""
+    from somatize.torch import architecture
+
+    g = Graph.somatize(
+        Node.of(TwoHeads()).named("two")
+        >> (Node.of(Scaled(0, 3)).named("first") | Node.of(Scaled(1, 5)).named("second"))
+    )
+    inside = architecture(g, torch.randn(2, 4))
+    assert inside["two"].read_by == {"first": ["a"], "second": ["b"]}
+    assert [la.path for la in inside["first"].layers] == [""]  # still one layer
+    svg = g.figure(inside=inside).svg()
+    assert _on_bottom(_start(svg, "n:two", "n:first"), boxes(svg)["l:two:a"])
+    assert _on_bottom(_start(svg, "n:two", "n:second"), boxes(svg)["l:two:b"])
+
+
 class T5Encoder(Node):
     """T5's encoder: its states, and the decoder's tokens and the mask handed on untouched."""
 

@@ -60,8 +60,9 @@ class Inside:
     last `LayerNorm`, for `last_hidden_state`, then its pooler's `Tanh`; a folded block's
     first copy's layer stands for its last's): `edges` are between layers only. A node that
     is one layer says its path, `""`, in both. `read_by` names, for each node after it seen
-    reading what it gave (a module, in a graph run on an example; one layer reads all it is
-    given), those of `outputs` that made the tensors its layers read, `[]` if none:
+    reading what it gave (a module, in a graph run on an example; one layer reads what the
+    torch functions its forward calls read, all it is given where they read none), those of
+    `outputs` that made the tensors its layers read, `[]` if none:
     `{"pool": ["pooler.activation"]}`.
     """
 
@@ -94,23 +95,26 @@ def _raw(module: nn.Module, plan: Any, shape: Any) -> tuple[Traced, str, str | N
     """The layers of `module`, how they were read and why not by fx (None where nothing was):
     `plan` is what `_plan` found before the graph ran (the `Reading` that rode along the run,
     or without an example an fx trace), `shape` that of what the module gave back."""
-    if isinstance(plan, Reading):  # read in the graph's run: nothing runs again
-        how = "symbolic" if plan.why is None else "traced"
-        return (plan.result(), how, plan.why) if plan.runs else None
     if not parts_of(module):  # one layer, whatever its forward does inside
         out = Traced(edges=[(INPUT, ""), ("", OUTPUT)])  # (it reads the input, and gives back)
         Opening(module, 0).add_leaf(out, "").shape = shape
         return out, "symbolic", None
+    if isinstance(plan, Reading):  # read in the graph's run: nothing runs again
+        how = "symbolic" if plan.why is None else "traced"
+        return (plan.result(), how, plan.why) if plan.runs else None
     return None if plan is None else (by_fx(plan), "symbolic", None)
 
 
 def _plan(roots: dict[str, nn.Module], depth: int, example: Any) -> dict[str, Any]:
     """Before the graph runs: each node's module traced by fx, or why fx refuses it; with an
     example, a `Reading` to be armed for the run instead (saying why fx refused, if it did),
-    so no module is run a second time."""
+    so no module is run a second time (a module that is one layer, only to see what of its
+    input it reads)."""
     plans: dict[str, Any] = {}
     for node, module in roots.items():
         if not parts_of(module):
+            if example is not None:
+                plans[node] = Reading(module, depth)
             continue
         why = _REFUSED.get(module, {}).get(depth)
         trace = None
@@ -209,19 +213,20 @@ def _capture(
         if node not in reached:  # the shape of what it first gave back
             found = tensors_in(out)
             reached[node] = list(found[0].shape) if found else None
-        if isinstance(plan := plans.get(node), Reading):
-            read = plan.seen()
-        else:  # one layer reads all it is given; a node holding no module, nothing seen
-            read = tensors_in(input) if node in roots else []
-            if node in roots:  # (held weakly: what the run lets go is gone)
-                gave[node] = {id(t): weakref.ref(t) for t in tensors_in(out)}
+        plan = plans.get(node)  # a node holding no module: nothing seen read
+        read = plan.seen() if isinstance(plan, Reading) else []
+        if node in roots and not parts_of(roots[node]):  # one layer made all it gave
+            gave[node] = {id(t): weakref.ref(t) for t in tensors_in(out)}  # (held weakly)
+            read = read or tensors_in(input)  # (seen reading none: a kernel torch does not see)
         for t in read:
             for before in graph.predecessors(node):
-                if isinstance(up := plans.get(before), Reading):
-                    tracked, made = up.made_by([t])
-                else:  # a node that is one layer made all it gave: its path, ""
-                    ref = gave.get(before, {}).get(id(t))
+                if before in gave:  # a node that is one layer made all it gave: its path, ""
+                    ref = gave[before].get(id(t))
                     tracked, made = ref is not None and ref() is t, frozenset({""})
+                elif isinstance(up := plans.get(before), Reading):
+                    tracked, made = up.made_by([t])
+                else:
+                    continue
                 if tracked:
                     sent.setdefault(before, {}).setdefault(node, set()).update(made)
 
