@@ -13,9 +13,9 @@ from somatize.remote.errors import StateLost
 
 __all__ = ["params", "mark", "unmark", "remark", "refuse_behind"]
 
-_AHEAD: dict[int, tuple[weakref.ref, str, str, str, int]] = {}
-"""`{id(parameter): (a weak reference to it, the broker's session, the host, the node id, the
-node's id())}`."""
+_AHEAD: dict[int, tuple[weakref.ref, str, str, str, weakref.ref]] = {}
+"""`{id(parameter): (a weak reference to it, the broker's session, the host, the node id, a
+weak reference to the node)}`: each checked to be the object itself, never an id reused."""
 
 
 def params(node: Any) -> list[Any]:
@@ -30,7 +30,7 @@ def mark(nid: str, node: Any, session: str, host: str) -> None:
             continue
         i = id(p)
         gone = weakref.ref(p, lambda _gone, i=i: _AHEAD.pop(i, None))
-        _AHEAD[i] = (gone, session, host, nid, id(node))
+        _AHEAD[i] = (gone, session, host, nid, weakref.ref(node))
 
 
 def _noted(p: Any) -> tuple | None:
@@ -56,7 +56,7 @@ def refuse_behind(nid: str, node: Any, session: str) -> None:
     modules), and was not read back: the copy here is behind it."""
     for p in params(node):
         entry = _noted(p)
-        if entry is not None and (entry[1] != session or entry[4] != id(node)):
+        if entry is not None and (entry[1] != session or entry[4]() is not node):
             through = "another broker" if entry[1] != session else "this broker"
             raise StateLost(
                 f"node {nid!r} holds weights that learnt on host {entry[2]!r} (as node "
