@@ -195,13 +195,7 @@ class Recorder:
         meta = self._meta(broke)  # the summariser asked once, and refused before any write
         if self._number is None:  # the first write of this forward: claim a free number,
             data = encode(self._facts, where=f"the record of run {self.run!r}")
-            # the meta refused here as claim would refuse it (pairs, str keys, a codec for
-            # each value), not after the record's blob is put
-            encode(
-                _meta_pairs(meta, f"run/{self.run}/{self._next}"),
-                where=f"the meta of run {self.run!r}",
-            )
-            key = self.store.put(data)
+            key = self.store.put(data)  # the facts written down, the meta is too: see _meta
             number = self._next  # so that no other recorder of this run writes over it
             while not self.store.claim(f"run/{self.run}/{number}", key, meta):
                 number += 1
@@ -232,6 +226,9 @@ class Recorder:
             clash = sorted(set(extra) & {"when", *meta})  # when: forwards() adds it
             if clash:
                 raise ValueError(f"summarising may not overwrite the record's own meta {clash}")
+            # refused here as claim would refuse it (pairs, str keys, a codec for each value),
+            # not after the record's blob is put; the record's own meta is the facts' numbers
+            encode(_meta_pairs(extra, f"run/{self.run}"), where=f"the meta of run {self.run!r}")
             meta.update(extra)
         return meta
 
