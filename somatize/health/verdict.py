@@ -123,7 +123,8 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     gradient is exactly zero got none at all, so they are neither VANISHING nor STALLED: what
     cut them off downstream (a DEAD or SATURATED place) is flagged. A place whose weights are
     all zero (param_norm 0: a zero-initialised layer such as LoRA's B) is not DEAD: its zeros
-    are the weights', which its gradient moves.
+    are the weights', which its gradient moves (an Audit gives one frozen at zero no
+    zero_frac_max).
 
     One step's fact gives that step's flags; `diagnose`, `seen` and `Verdicts` give it a
     place's numbers summarised over its last `WINDOW` measured steps.

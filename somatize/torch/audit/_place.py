@@ -199,12 +199,15 @@ class Place:
             saturated = sum(heard[2::width], 0.0) if width > 2 else 0.0
             size = self.size or 1
             n["act_abs_mean"] = total / size
-            # weights all zero give zeros of their own; handed only zeros, it gives them back
+            # weights all zero give zeros of their own (trained: param_norm 0 says so; frozen:
+            # no zero_frac_max, as nothing will move them); handed only zeros, it gives them back
             given_zeros = bool(self.ins) and self.ins <= blank
-            if (not weights or any(weights)) and not given_zeros:
+            frozen = self.weights if not weights and total == 0.0 else []  # (all of them)
+            still = bool(frozen) and not any(q.any() for q in frozen)
+            if (not weights or any(weights)) and not given_zeros and not still:
                 self.zero.append(zeros / size)
             self.saturated.append(saturated / size)
-            if self.zero or not given_zeros:
+            if self.zero or not (given_zeros or still):
                 n["zero_frac_max"] = max(self.zero, default=zeros / size)
             n["sat_frac_max"] = max(self.saturated)
         out_grads = list(itertools.islice(got, len(self.out_grads)))
