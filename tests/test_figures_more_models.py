@@ -3,6 +3,7 @@ researcher draws one: what each box says and where each edge runs, read off the 
 
 from __future__ import annotations
 
+import html
 import re
 
 import torch
@@ -179,3 +180,26 @@ def test_a_node_s_input_box_is_not_cut_off_into_a_column_of_its_own():
     assert y + h <= Y
     cx, cy, _, _ = drawn["l:deberta:classifier"]
     assert cx > X + W and cy < Y + H / 2  # the head: in a column beside it, from its top
+
+
+def _tips(svg: str) -> dict[str, str]:
+    """Every box's tooltip, by its id."""
+    found = re.findall(r'<g [^>]*data-id="([^"]+)"[^>]*><title>([^<]*)</title>', svg)
+    return {k: html.unescape(t) for k, t in found}
+
+
+def test_qwen2s_head_and_embedding_in_two_nodes_are_drawn_as_one_weight():
+    """Qwen2 ties its output layer to its token embedding; cut into embed >> head, the two
+    boxes are in two nodes: the head says it holds the embedding's weight (`tied_to`, the
+    earlier node's box, `node:path`), and each box's tooltip names the other."""
+    model = CASES["qwen2"]().model
+    ids = CASES["qwen2"]().example["input_ids"]
+    g = Graph.somatize(
+        Node.of(model.model.embed_tokens).named("embed") >> Node.of(model.lm_head).named("head")
+    )
+    inside = architecture(g, ids)
+    assert inside["head"].layer("").tied_to == "embed:"
+    assert inside["embed"].layer("").tied_to is None
+    tips = _tips(g.figure(inside=inside).svg())
+    assert tips["l:head:"].endswith("weights shared with: embed")
+    assert tips["l:embed:"].endswith("weights shared with: head")

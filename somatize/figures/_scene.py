@@ -141,6 +141,23 @@ def _module(layer: dict) -> str:
     return CALL.sub("", str(layer.get("same_as") or layer["path"]))
 
 
+def _where(node: str, path: str) -> str:
+    """A box's key, as colours and tooltips name it: `node.path`, or `node` for its one layer."""
+    return f"{node}.{path}" if path else node
+
+
+def weight_ties(insides: dict) -> dict[str, list[str]]:
+    """The boxes holding one weight (`tied_to`, in one node or across two: `node:path`), by
+    the key of the first of them: {key: every one's key}."""
+    ties: dict[str, list[str]] = {}
+    for node, inside in insides.items():
+        for layer in (inside or {}).get("layers", []):
+            at, cut, first = str(layer.get("tied_to") or "").rpartition(":")
+            tie = _where(at, first) if cut else _where(node, first or str(layer["path"]))
+            ties.setdefault(tie, []).append(_where(node, str(layer["path"])))
+    return ties
+
+
 def _swap(path: str, old: str, new: str) -> str:
     if old and (path == old or path.startswith(old + ".")):
         return new + path[len(old) :]
@@ -150,19 +167,17 @@ def _swap(path: str, old: str, new: str) -> str:
 class _Inside:
     """One open node's layers as boxes, and the edges between them."""
 
-    def __init__(self, node: str, inside: dict, expanded: list[str], after: list[str]) -> None:
+    def __init__(self, node: str, inside: dict, expanded: list, after: list, ties: dict) -> None:
         self.node = node
+        self.ties = {w: t for t in ties.values() for w in t}  # each box's: all holding its weight
         self.layers = [dict(layer, path=str(layer["path"])) for layer in inside.get("layers", [])]
         self.blocks = _blocks(self.layers)
         self.expanded = set(expanded)
         self.ids: dict[str, str] = {}  # drawn path -> box id
         self.copies: list[tuple[str, list[tuple[str, str]]]] = []  # block, [(from, to)] per copy
         self.calls: dict[str, list[str]] = {}  # each module's boxes, in the order they ran
-        self.ties: dict[str, list[str]] = {}  # the boxes of other modules holding one weight
         for layer in self.layers:
             self.calls.setdefault(_module(layer), []).append(layer["path"])
-            tie = str(layer.get("tied_to") or layer["path"])
-            self.ties.setdefault(tie, []).append(layer["path"])
         edges = [(str(a), str(b)) for a, b in inside.get("edges", [])]
         drawn = [la for la in self.layers if la["path"] not in self.blocks]
         if not edges and len(drawn) > 1:  # no edges said: a chain of the top-level layers
@@ -237,7 +252,7 @@ class _Inside:
             text += f" · call {calls.index(layer['path']) + 1}/{len(calls)}"
         kind, label, shape = layer.get("kind"), layer.get("label"), layer.get("shape")
         sub = shape_text(shape, kind, label, self.first.get(layer["path"], False))
-        where = f"{self.node}.{path}" if path else self.node  # "": the node is the one layer
+        where = _where(self.node, path)  # "": the node is the one layer
         box = _layer_box(
             f"l:{self.node}:{path}", text, sub, where=where, family=family(kind, label)
         )
@@ -265,10 +280,9 @@ class _Inside:
             others = ", ".join(f"{self.node}.{c}" for c in calls if c != path)
             shared = " (weights shared)" if layer.get("params") else ""
             out.append(("same module as", others + shared))
-        ties = self.ties.get(str(layer.get("tied_to") or path), [])
-        if len(ties) > 1:
-            others = ", ".join(f"{self.node}.{t}" for t in ties if t != path)
-            out.append(("weights shared with", others))
+        where = _where(self.node, path)
+        if len(ties := self.ties.get(where, [])) > 1:
+            out.append(("weights shared with", ", ".join(t for t in ties if t != where)))
         return out
 
     def _own(self, b: str) -> dict:
@@ -432,31 +446,26 @@ def scene(plan: dict, insides: dict, opened: list[str], expanded: list[str]) -> 
     edges = [(str(a), str(b)) for a, b in plan.get("edges", []) if a in nodes and b in nodes]
     root = Box(id="root", kind="root", down=False, pad=(12.0, 12.0, 12.0, 12.0))
     root.edges = [(f"n:{a}", f"n:{b}") for a, b in edges]
-    frames: dict[str, Box] = {}
+    ties, frames = weight_ties(insides), {}
     for k, grp in enumerate(branch_groups(order, edges)):
-        frame = Box(
-            id=f"g:{k}",
-            kind="group",
-            label=f"{len([e for e in edges if e[0] == grp['from']])} branches",
-            down=False,
-            pad=(22.0, 10.0, 10.0, 10.0),
-        )
+        n = sum(1 for a, _ in edges if a == grp["from"])
+        frame = Box(f"g:{k}", "group", f"{n} branches", down=False, pad=(22.0, 10.0, 10.0, 10.0))
         frame.tip = [("from", grp["from"]), ("to", grp["to"]), ("nodes", ", ".join(grp["members"]))]
         root.children.append(frame)
         for m in grp["members"]:
             frames[m] = frame
     for nid in order:
         after = [b for a, b in edges if a == nid]
-        box = _node(nid, nodes[nid], insides.get(nid), nid in opened, expanded, after)
+        box = _node(nid, nodes[nid], insides.get(nid), nid in opened, (expanded, after, ties))
         if box.entry and any(b == nid for _, b in edges):  # an edge comes in under its title
             box.pad = (box.pad[0] + 6.0, *box.pad[1:])
         frames.get(nid, root).children.append(box)
     return root
 
 
-def _node(
-    nid: str, node: dict, inside: dict | None, opened: bool, expanded: list[str], after: list[str]
-) -> Box:
+def _node(nid: str, node: dict, inside: dict | None, opened: bool, by: tuple) -> Box:
+    """A node's box; `by`, what an open one's layers are drawn by: (the blocks unfolded, the
+    nodes after it, `weight_ties`)."""
     pills = [("device", str(node["device"]))] if node.get("device") else []  # its badges
     if node.get("host"):
         pills.append(("host", f"@{node['host']}"))
@@ -483,7 +492,7 @@ def _node(
     ]
     box.tip = [line for line in tip if line]
     if opened and inside:
-        world = _Inside(nid, inside, expanded, after)
+        world = _Inside(nid, inside, *by)
         box.children = world.boxes()
         box.edges, box.exit = world.routed()
         box.entry = world.ids.get(world.reader, "")  # "" where the inside does not say

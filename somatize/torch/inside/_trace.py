@@ -84,7 +84,8 @@ class Layer:
     `same_as` says, on every box but the first, the first box of that module (None on a
     module held once). `tied_to` is the first box of another module holding a weight this
     one holds (GPT-2's head and its token embedding, T5's decoder embedding and its
-    encoder's), None where none does. `holds` is what a composite drawn as one box holds (a
+    encoder's), written `node:path` where that box is in an earlier node of the graph (a
+    head cut off its embedding, `embed:`), None where none does. `holds` is what a composite drawn as one box holds (a
     container closed by `most`, a `TransformerEncoderLayer` below `depth`): its children as
     `name: Class`, in declaration order; empty for anything drawn open or with no children.
     """

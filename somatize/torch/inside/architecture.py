@@ -256,14 +256,14 @@ _META = (
 )
 
 
-def _same_and_closed(root: nn.Module, layers: dict[str, Raw]) -> None:
+def _same_and_closed(root: nn.Module, layers: dict[str, Raw], node: str, owner: dict) -> None:
     """Each box of a module held under two names and drawn at both says which box it is the
     same module as (the first); each box drawn as one holding a weight that an earlier such
-    box of another module holds says which box (tied); only what is drawn closed says what
-    it holds."""
+    box of another module holds says which box (tied: `node:path` where it is in an earlier
+    node, whose boxes `owner` holds by parameter); only what is drawn closed says what it
+    holds."""
     named = dict(root.named_modules(remove_duplicate=False))
     first: dict[int, str] = {}  # module object -> its first box
-    owner: dict[int, str] = {}  # parameter -> the first box drawn as one holding it
     for path, layer in layers.items():
         if layer.made_of:  # drawn open: what it holds is drawn, and says what it shares
             layer.holds = []
@@ -275,9 +275,9 @@ def _same_and_closed(root: nn.Module, layers: dict[str, Raw]) -> None:
             layer.same_as = at
         if at == path and not layer.made_of:  # (the same module's boxes say so already)
             for p in module.parameters():
-                other = owner.setdefault(id(p), path)
-                if other != path and layer.tied_to is None:
-                    layer.tied_to = other
+                at, other = owner.setdefault(id(p), (node, path))
+                if (at, other) != (node, path) and layer.tied_to is None:
+                    layer.tied_to = other if at == node else f"{at}:{other}"
 
 
 def architecture(
@@ -315,6 +315,7 @@ def architecture(
         plans = _plan(roots, depth, example)
         reached, sent = ({}, {}) if example is None else _capture(graph, roots, example, plans)
     out: dict[str, Inside] = {}
+    owner: dict[int, tuple[str, str]] = {}  # parameter -> the first box drawn as one holding it
     for node, root in roots.items():
         if example is not None and node not in reached:
             continue  # never reached (a branch not taken)
@@ -326,7 +327,7 @@ def architecture(
         raw.edges += [(p, OUTPUT + n) for n, made in sends.items() for p in made if p in raw.layers]
         folded, edges = fold(raw)
         folded, edges, hidden = collapse(folded, edges, most)
-        _same_and_closed(root, folded)
+        _same_and_closed(root, folded, node, owner)
         drawn = [f.name for f in fields(Layer)]  # what a tracer's layer says that a figure draws
         layers = [Layer(**{k: getattr(r, k) for k in drawn}) for r in folded.values()]
         outputs = [a for a, b in edges if b == OUTPUT]
