@@ -47,3 +47,46 @@ def test_a_node_that_is_one_layer_is_said_to_read_the_layer_that_made_what_it_re
     inside = architecture(g, torch.randn(2, 4))
     assert inside["body"].read_by == {"out": ["2"]}
     assert inside["out"].read_by == {}
+
+
+class _Lookup(nn.Module):
+    """A module of the user's own that looks its rows up with `F.embedding(max_norm=)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 4) * 10)  # every row far past max_norm
+
+    def forward(self, x):
+        return nn.functional.embedding(x, self.weight, max_norm=0.5)
+
+
+class _OwnLookup(nn.Module):
+    """`F.embedding(max_norm=)` in the user's own forward, in a block (beside a layer) and in
+    a layer of the user's own, each writing over the rows it looks up, in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4) * 10)
+        self.lookup = _Lookup()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = nn.functional.embedding(x, self.table, None, 0.5) + self.lookup(x)
+        return self.fc(h).mean(1)
+
+
+@pytest.mark.parametrize("look", ["probe", "proxies"])
+def test_a_look_leaves_weights_a_users_own_forward_renormalises_in_place_as_they_were(look):
+    net = _OwnLookup()
+    x = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    if look == "probe":
+        probe(net, x)
+    else:
+        proxies(net, x, target=torch.tensor([0, 1]), objective=nn.functional.cross_entropy)
+    for k, v in net.state_dict().items():
+        assert torch.equal(before[k], v), k
+    net(x)  # the same forward outside a look does renormalise both: the test reads what it must
+    after = net.state_dict()
+    assert not torch.equal(before["table"], after["table"])
+    assert not torch.equal(before["lookup.weight"], after["lookup.weight"])
