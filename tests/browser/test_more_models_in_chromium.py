@@ -50,3 +50,24 @@ def test_a_new_family_is_drawn_whole_with_its_names_inside_their_boxes(
     assert _overlapping(texts) == []
     page.screenshot(path=str(artifacts / f"more-{name}.png"), full_page=True)
     assert asked == [] and page.errors == []
+
+
+def test_qwen2s_sliding_window_layer_is_drawn_beside_its_full_attention_layer(
+    page, served, artifacts
+):
+    """Qwen2 told a sliding window on its second layer: both layers are drawn (not one ×2),
+    each with its own boxes, no label over another, nothing fetched, no error."""
+    case = CASES["qwen2"](window=4)
+    g = Graph.somatize(Node.of(case.model).named("qwen2"))
+    fig = g.figure(inside=architecture(g, case.example))
+    asked = _open_offline(page, served, "qwen2-window", fig)
+    page.locator(".smz-fit").click()
+    shown = page.evaluate(
+        """() => [...document.querySelectorAll('.smz-drawing [data-id^="b:"]')]
+                 .map(e => e.dataset.id)"""
+    )
+    for k in (0, 1):
+        assert any(s.startswith(f"b:qwen2:model.layers.{k}#") for s in shown), (k, shown)
+    assert _overlapping(page.evaluate(_TEXTS)) == []
+    page.screenshot(path=str(artifacts / "more-qwen2-window.png"), full_page=True)
+    assert asked == [] and page.errors == []
