@@ -140,6 +140,14 @@ def test_a_flag_names_a_cause_and_leaves_out_what_it_explains_at_that_place():
     assert verdict({"nan": True, "inf": True, "inherited": True, "zero_frac_max": 1.0}) == []
     # an output that does not vary at all (rank 0) is not one that narrows
     assert verdict({"effective_rank": 0.0, "rank_room": 32}) == []
+    # narrowing is a fall from where the place started; narrow from its first look, it is not
+    fell = {"effective_rank": 1.2, "rank_room": 32, "rank_share_start": 0.4}
+    assert verdict(fell) == [NARROWING]
+    assert verdict({**fell, "rank_share_start": 1.3 / 32}) == []
+    lower = Thresholds(narrow_frac=0.03)  # (the start is judged by the same line)
+    assert verdict({**fell, "effective_rank": 0.9, "rank_share_start": 1.3 / 32}, lower) == [
+        NARROWING
+    ]
 
 
 def test_flags_are_strings_with_a_family_and_advice():

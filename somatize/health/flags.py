@@ -75,8 +75,9 @@ _ABOUT = {
     "it ignores them; look for a mask, a slice or a bug that drops them, or feed it fewer.",
     "LEAKAGE": "Channel groups declared apart carry nearly the same information (high CKA): "
     "whatever should keep them separate is not doing it.",
-    "NARROWING": "The representation here spans very few directions (low effective rank): the "
-    "layer is collapsing; check normalisation, learning rate and weight decay.",
+    "NARROWING": "The representation here has come to span very few directions (its effective "
+    "rank fell from where it started): the layer is collapsing; check normalisation, learning "
+    "rate and weight decay.",
 }
 
 

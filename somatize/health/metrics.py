@@ -34,6 +34,8 @@ METRICS: dict[str, str] = {
     "exponential of the entropy of its normalised singular values); taken on snapshot steps.",
     "rank_room": "The most the effective rank could be here: the smaller of the samples and "
     "the channels it was taken over.",
+    "rank_share_start": "effective_rank / rank_room at the first snapshot the audit took of "
+    "the place: NARROWING is a place that started above narrow_frac and fell under it.",
     "update_stable_rank": "‖Δ‖²_F / ‖Δ‖²_2 of the update to the place's largest weight: about "
     "how many directions one update moves it in (1 is a single direction); on snapshot steps.",
     "channels": "How many channels the place's output has (dim 1 of an image, the last dim of "

@@ -66,7 +66,8 @@ class Thresholds:
     (the gradient reaching it), dormant_frac the share of ignored input channels that is
     IGNORED_CHANNELS; dead_channel_frac the share of dead output channels that is
     DEAD_CHANNELS; leakage_cka the CKA between groups that is LEAKAGE; narrow_frac the
-    effective rank, as a share of the room it has, under which it is NARROWING.
+    effective rank, as a share of the room it has, under which it is NARROWING (a place that
+    was under it at its first snapshot, `rank_share_start`, is narrow by make, not NARROWING).
 
     The defaults flag no healthy training of `bench/health.py`, and each broken net there on
     its cause. An audit counts zeros, dormant and ignored channels at the default dead_eps
@@ -117,7 +118,9 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     gradient is small, and read VANISHING; under a small step they read STALLED), EXPLODING
     explains OVERSTEPPING, DEAD explains DEAD_CHANNELS and NARROWING; an effective rank of 0
     (an output that does not vary over the batch, as an embedding of a constant input) is not
-    NARROWING, which is an output that varies along too few directions. Two rules read what
+    NARROWING, which is an output that has come to vary along too few directions: one that
+    did from its first snapshot (`rank_share_start` under narrow_frac: a fresh transformer's
+    attention, uniform, gives every token of a sample the same mix) is narrow by make. Two rules read what
     arrived from elsewhere: a NaN or inf marked `inherited` (it came in through the input or
     the gradient) raises nothing here, the place where it arose is flagged; and weights whose
     gradient is exactly zero got none at all, so they are neither VANISHING nor STALLED: what
@@ -186,6 +189,8 @@ def _capacity(numbers: Mapping[str, Any], t: Thresholds, dead: bool) -> list[Fla
     if cka is not None and cka >= t.leakage_cka:
         flags.append(LEAKAGE)
     rank, room = _num(numbers, "effective_rank"), _num(numbers, "rank_room")
-    if rank and room and room > 1 and rank < t.narrow_frac * room and not dead:
+    start = _num(numbers, "rank_share_start")
+    wide = start is None or start >= t.narrow_frac  # (narrow from the first look: by make)
+    if rank and room and room > 1 and rank < t.narrow_frac * room and wide and not dead:
         flags.append(NARROWING)
     return flags

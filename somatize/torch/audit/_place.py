@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from somatize._channels import channels_first
+from somatize.run import warn
 from somatize.torch._modules import parts_of
 from somatize.torch.audit._measures import (
     _DEAD_EPS,
@@ -101,6 +102,7 @@ class Place:
         self.grown_after = -1
         self.run = -1  # the forward of its node it was last heard in (`Audit._fresh`)
         self.inherited: bool | None = None  # its NaN/inf came from elsewhere (None: finite)
+        self.share: float | None = None  # effective rank / its room, at its first snapshot
         self.step = -1  # the measured step its tensor hooks belong to
         self.clear()
 
@@ -230,8 +232,9 @@ class Place:
         if self.groups is not None and self.rows is not None:
             n["cka"] = self._leak(self.rows, self.groups)
         if snapshot and self.rows is not None:
-            n["effective_rank"] = effective_rank(self.rows)
-            n["rank_room"] = min(self.rows.shape)
+            n["effective_rank"] = rank = effective_rank(self.rows)
+            n["rank_room"] = room = min(self.rows.shape)
+            n["rank_share_start"] = self.share = rank / room if self.share is None else self.share
         return n
 
     def _came_in(self, total: float, grad: float, out_grads: list[float], spoilt: set[int]) -> bool:
@@ -266,6 +269,39 @@ class Place:
                 )
             best = max(best, cka(rows[:, a], rows[:, b]))
         return best
+
+
+def swaps(held_by: dict[str, list[tuple[str, nn.Module]]]) -> list[Any]:
+    """Hooks (torch's global registration hooks; their handles, for `release` to remove) that
+    warn, naming the node and the part, when a module or a weight the audit measures is given
+    another in its place (transformers' `resize_token_embeddings` gives an untied model a new
+    `lm_head`): the audit and the optimizer go on with the one they began with."""
+    named = {
+        id(m): (node, sub, weakref.ref(m))
+        for node, held in held_by.items()
+        for path, top in held
+        for sub, m in top.named_modules(prefix=path)
+    }
+
+    def hook(what: str) -> Any:
+        def replaced(module: nn.Module, name: str, new: Any) -> None:
+            node, path, ref = named.get(id(module), (None, None, None))
+            if ref is None or ref() is not module or getattr(module, name, None) is new:
+                return
+            warn(
+                f"node {node!r}: {'.'.join(p for p in (path, name) if p)!r} was given a new {what} "
+                f"({type(new).__name__}) while an Audit watches it: the audit goes on measuring "
+                "the one it began with, which no longer runs, and an optimizer built before goes "
+                "on training that one. After resizing or replacing a part, build the Trainer (and "
+                "its optimizer) again, or release() the Audit and watch() the graph again"
+            )
+
+        return replaced
+
+    return [
+        nn.modules.module.register_module_module_registration_hook(hook("module")),
+        nn.modules.module.register_module_parameter_registration_hook(hook("weight")),
+    ]
 
 
 def marks(places: list[Place], values: list[float]) -> tuple[set[int], set[int]]:

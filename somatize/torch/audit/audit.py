@@ -38,7 +38,7 @@ from somatize.graph import as_graph
 from somatize.run import warn
 from somatize.torch._modules import Held, Holder, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
-from somatize.torch.audit._place import Place, layouts, marks
+from somatize.torch.audit._place import Place, layouts, marks, swaps
 from somatize.torch.audit._select import choose, names_of, preorder
 
 __all__ = ["Audit"]
@@ -112,6 +112,7 @@ class Audit:
         self._tap: Tap | None = None
         self._places: list[Place] = []
         self._handles: list[Any] = []
+        self._swaps: list[Any] = []  # the hooks that warn of a part replaced (`swaps`)
         self._flat: list[nn.Parameter] = []  # the weights the places train, each once
         self._all: list[nn.Parameter] = []  # every weight they hold, trained or frozen
         self._asking: list[bool] = []  # whether each of those asked for a gradient
@@ -198,7 +199,7 @@ class Audit:
                 f"{', …' if len(left) > 4 else ''}): raise most= to watch them one by one (the "
                 "list is in audit.left_out)"
             )
-        self._places = places
+        self._places, self._swaps = places, swaps(held_by)
         self._all = list({id(q): q for place in places for q in place.weights}.values())
         self._weigh()
         self.places = [p.where for p in places]
@@ -216,11 +217,10 @@ class Audit:
         if self._tap is not None:
             self._tap.off()
             self._tap = None
-        self._graph = None
-        self._copy = None
-        self._waiting = []
-        self._far = []
-        self._places = []
+        for handle in self._swaps:
+            handle.remove()
+        self._graph = self._copy = None
+        self._waiting, self._far, self._places, self._swaps = [], [], [], []
         self._all = self._flat = []
 
     def _arm(self, measuring: bool) -> None:
