@@ -76,11 +76,11 @@ def unwrap(value: Any, depth: int = 0) -> Any:
         kind = type(value)
     if depth >= _DEEPEST:
         return value
-    if kind is tuple or kind is list or (isinstance(value, tuple) and hasattr(kind, "_make")):
+    if kind is tuple or kind is list or (isinstance(value, tuple) and hasattr(kind, "_fields")):
         items = [unwrap(v, depth + 1) for v in value]
         if all(a is b for a, b in zip(items, value, strict=True)):
             return value
-        return kind(items) if kind is tuple or kind is list else kind._make(items)
+        return kind(items) if kind is tuple or kind is list else kind(*items)  # a namedtuple
     if kind is dict:
         pairs = {k: unwrap(v, depth + 1) for k, v in value.items()}
         if all(pairs[k] is v for k, v in value.items()):
