@@ -1,4 +1,4 @@
-"""Where a layer's 3-d output holds its channels: one rule for the audit and the figures."""
+"""Where a layer's output holds its channels: one rule for the audit and the figures."""
 
 from __future__ import annotations
 
@@ -7,6 +7,17 @@ from typing import Any
 
 #: the norms torch defines along dim 1 (a layer or RMS norm normalises the last)
 CHANNEL_NORMS = re.compile(r"batch|instance|group|local_?response", re.I)
+
+
+def image_of(kind: Any, label: Any) -> bool:
+    """Whether a layer is one torch defines on (N, C, ...), its channels on dim 1: a
+    convolution, a pool, a batch, instance, group or local response norm. `kind` is what
+    `kind_of` says of it, `label` its class or function name (a norm is known by it: a
+    ConvNeXt's LayerNorm holds its channels last)."""
+    kind, label = str(kind or ""), str(label or "")
+    if kind == "conv" or (kind == "shaping" and "pool" in label.lower()):
+        return True
+    return kind == "norm" and bool(CHANNEL_NORMS.search(label))
 
 
 def channels_first(kind: Any, label: Any, before: bool = False) -> bool:
@@ -26,8 +37,6 @@ def channels_first(kind: Any, label: Any, before: bool = False) -> bool:
     is 3-d only made a sequence of patches (a ViT's patch embedding, `flatten(2).transpose`).
     """
     kind, label = str(kind or ""), str(label or "")
-    if kind == "conv" or (kind == "shaping" and "pool" in label.lower()):
-        return not re.search(r"[23]d", label, re.I)
-    if kind == "norm":
-        return bool(CHANNEL_NORMS.search(label))
+    if image_of(kind, label):
+        return kind == "norm" or not re.search(r"[23]d", label, re.I)
     return before if kind in ("activation", "regular", "shaping", "other") else False

@@ -1387,3 +1387,36 @@ def test_edges_out_of_real_models_leave_from_what_the_next_node_reads():
     svg = g.figure(inside=inside).svg()
     for tower, norm in norms.items():
         assert _on_bottom(_start(svg, f"n:{tower}", "n:sim"), boxes(svg)[f"l:{tower}:{norm}"])
+
+
+class StdConv2d(nn.Conv2d):
+    """A weight-standardised convolution (NFNet's, BiT's): a Conv2d by its ancestry."""
+
+    def forward(self, x):
+        w = self.weight - self.weight.mean((1, 2, 3), keepdim=True)
+        w = w / (w.std((1, 2, 3), keepdim=True) + 1e-5)
+        return nn.functional.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+def test_a_closed_block_holding_a_conv_of_its_own_class_gives_an_image():
+    """A normaliser-free net (NFNet's way: standardised convolutions, no norm layer) drawn
+    with its blocks closed: the stem holds a conv, known by its kind and not by its class's
+    name, so what it gives is an image, `ch · h · w`, and so is what the next block gives."""
+    from somatize.torch import architecture
+
+    net = nn.Sequential(
+        nn.Sequential(StdConv2d(3, 8, 3, padding=1), nn.GELU()),
+        nn.Sequential(StdConv2d(8, 16, 3, stride=2, padding=1), nn.GELU()),
+    )
+    g = Graph.somatize(Node.of(net).named("nf"))
+    inside = architecture(g, torch.randn(2, 3, 8, 8), most=2)
+    assert [la.path for la in inside["nf"].layers] == ["0", "1"]  # both closed
+    svg = g.figure(inside=inside).svg()
+    texts = {
+        k: re.findall(r"<text[^>]*>([^<]*)</text>", grp)[1]
+        for k, grp in re.findall(r'data-id="(l:nf:\d)"(.*?)</g>', svg, re.S)
+    }
+    assert texts == {
+        "l:nf:0": "2 batch · 8 ch · 8 h · 8 w",
+        "l:nf:1": "2 batch · 16 ch · 4 h · 4 w",
+    }

@@ -14,15 +14,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from somatize._channels import CHANNEL_NORMS, channels_first
+from somatize._channels import channels_first, image_of
 from somatize.figures._shapes import family, shape_text
 from somatize.figures._svg import number, text_width
 
 NODE_TOP = 42  # an open node's title and subtitle, above its layers
 PILL_H = 18
-# layers torch defines on (N, C, ...), and blocks holding one: they give an image, channels on
-# dim 1 (a norm is named by its class: a ConvNeXt's LayerNorm may hold its channels last)
-_GRID = re.compile(rf"{CHANNEL_NORMS.pattern}|pool|: conv", re.I)
 _PLAIN = ("Sequential", "ModuleList", "ModuleDict")  # containers drawn as what they hold
 INPUT = "<input>"  # what an open node was given, among its layers' edges
 OUTPUT = "<output>"  # what it gives back, there
@@ -195,10 +192,9 @@ class _Inside:
             path, by = la["path"], fed.get(la["path"], "")
             shape, kind = la.get("shape") or [], la.get("kind")
             label, fed_shape = str(la.get("label") or ""), shapes.get(by) or []
-            own = kind == "conv" or (kind in ("norm", "shaping") and _GRID.search(label))
-            own = own or (
-                kind == "block" and _GRID.search(" ".join(map(str, la.get("holds") or [])))
-            )
+            held = zip(la.get("held_kinds") or [], la.get("holds") or [], strict=False)
+            held = [(k, str(h).partition(": ")[2]) for k, h in held]  # (its name, its class)
+            own = any(image_of(k, c) for k, c in [(kind, label), *held])  # or one it holds
             # what follows keeps the layout it is fed (a pad, a crop, a stride change it), unless
             # its sizes are only permuted (a ConvNeXt's or a sequence's channels moved last)
             kept = shape == fed_shape or sorted(shape) != sorted(fed_shape)

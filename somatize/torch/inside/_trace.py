@@ -85,9 +85,10 @@ class Layer:
     module held once). `tied_to` is the first box of another module holding a weight this
     one holds (GPT-2's head and its token embedding, T5's decoder embedding and its
     encoder's), written `node:path` where that box is in an earlier node of the graph (a
-    head cut off its embedding, `embed:`), None where none does. `holds` is what a composite drawn as one box holds (a
-    container closed by `most`, a `TransformerEncoderLayer` below `depth`): its children as
-    `name: Class`, in declaration order; empty for anything drawn open or with no children.
+    head cut off its embedding, `embed:`), None where none does. `holds` is what a composite
+    drawn as one box holds (a container closed by `most`, a `TransformerEncoderLayer` below
+    `depth`): its children as `name: Class`, in declaration order, and `held_kinds` the kind
+    of each (`kind_of`); both empty for anything drawn open or with no children.
     """
 
     path: str
@@ -102,6 +103,7 @@ class Layer:
     same_as: str | None = None
     tied_to: str | None = None
     holds: list[str] = field(default_factory=list)
+    held_kinds: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -193,6 +195,7 @@ class Opening:
         raw = Raw(path, kind_of(m), label or label_of(m), None, params_of(m), block)
         raw.config, raw.composite = config_of(m), bool(parts)
         raw.holds = [f"{name}: {class_name(c)}" for name, c in parts]
+        raw.held_kinds = [kind_of(c) for _, c in parts]
         return raw
 
     def add_block(self, out: Traced, path: str) -> None:

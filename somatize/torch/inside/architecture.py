@@ -266,7 +266,7 @@ def _same_and_closed(root: nn.Module, layers: dict[str, Raw], node: str, owner: 
     first: dict[int, str] = {}  # module object -> its first box
     for path, layer in layers.items():
         if layer.made_of:  # drawn open: what it holds is drawn, and says what it shares
-            layer.holds = []
+            layer.holds, layer.held_kinds = [], []
         module = None if layer.function else named.get(path.partition("#")[0])
         if module is None:
             continue
