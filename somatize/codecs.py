@@ -312,11 +312,11 @@ _PLAIN = (
     "plain values (None, bool, int, float, str, bytes, list, tuple, dict) need none, anything "
     "else needs one: register it with somatize.codec(kind, type, dump=..., load=...)"
 )
-_MODULE = "torch.nn.modules.module.Module"  # known by name: the core never imports torch
+_MODULES = {"torch.nn.modules.module.Module", "somatize.node.Node"}  # torch is not imported
 _MODULE_INSTEAD = (
-    "a torch module is not written down, its weights are: keep model.state_dict() and load "
-    "it into a model built the same way, model.load_state_dict(store.recall(name)); a "
-    "graph's trained weights are Trainer.export(), loaded back with Trainer.load(...)"
+    "a torch module (or a node) is not written down, its weights are: keep model.state_dict() "
+    "and load it into a model built the same way, model.load_state_dict(store.recall(name)); "
+    "a graph's trained weights are Trainer.export(), loaded back with Trainer.load(...)"
 )
 
 
@@ -337,7 +337,7 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
             named = [f"{c.__module__}.{c.__qualname__}" for c in type(failed.value).__mro__]
             raise NoCodec(
                 f"no codec for {named[0]}{whose}{said}; "
-                + (_MODULE_INSTEAD if _MODULE in named else _PLAIN)
+                + (_MODULE_INSTEAD if _MODULES.intersection(named) else _PLAIN)
             ) from None
         text = (
             f"codec {failed.kind!r} cannot write down the {type(failed.value).__qualname__}"

@@ -353,11 +353,15 @@ def test_a_state_dict_is_kept_and_loads_into_a_fresh_model(tmp_path: Path) -> No
 def test_keeping_a_model_itself_is_refused_saying_to_keep_its_state_dict(tmp_path: Path) -> None:
     store = Store(tmp_path / "store")
     model, _ = _gpt2()
-    for value, at in ((model, ""), ({"backbone": [model]}, " at ['backbone'][0]")):
+    for value, at in (
+        (model, "GPT2LMHeadModel"),
+        ({"backbone": [model]}, "GPT2LMHeadModel in the value kept as 'model' at ['backbone'][0]"),
+        (Node.of(model), "somatize.node.Wrapped"),  # the node standing for it
+    ):
         with pytest.raises(somatize.NoCodec) as refused:
             store.keep("model", value)
         said = str(refused.value)
-        assert f"GPT2LMHeadModel in the value kept as 'model'{at};" in said
+        assert at in said
         assert "model.state_dict()" in said and "load_state_dict" in said
         assert "Trainer.export()" in said and "somatize.codec(" not in said
     assert store.resolve("model") is None  # refused: nothing bound
