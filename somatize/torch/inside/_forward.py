@@ -37,8 +37,6 @@ _AUGMENTED = "add sub mul div truediv floordiv mod pow and or xor lshift rshift"
 _WRITES = frozenset(["__setitem__", *(f"__i{op}__" for op in _AUGMENTED.split())])
 """The names of the torch functions that write over their first argument, besides those named
 in place (`mul_`): an augmented assignment, and `w[i] = v`."""
-_SETS = frozenset(["requires_grad_", "detach_", "share_memory_", "rename_"])
-"""Named in place, they change what a tensor is, not what it holds."""
 _RENORMS = frozenset([F.embedding, F.embedding_bag])
 _writes: dict[Any, bool] = {}  # whether a torch function writes over its first argument
 
@@ -68,9 +66,8 @@ class Kept(TorchFunctionMode):
             writes = _writes.get(func)
             if writes is None:
                 name = getattr(func, "__name__", "")
-                writes = _writes[func] = name in _WRITES or (
-                    name[-1:] == "_" != name[:1] and name not in _SETS
-                )
+                writes = name in _WRITES or name[-1:] == "_" != name[:1]  # (`mul_`, not `__`)
+                _writes[func] = writes = writes and name != "requires_grad_"  # (what it is)
             if writes or "out" in kwargs:
                 self._keep(tensors_in((args[:1] if writes else (), kwargs.get("out"))))
         return func(*args, **kwargs)
