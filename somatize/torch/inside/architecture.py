@@ -275,9 +275,9 @@ def _same_and_closed(root: nn.Module, layers: dict[str, Raw], node: str, owner: 
             layer.same_as = at
         if at == path and not layer.made_of:  # (the same module's boxes say so already)
             for p in module.parameters():
-                at, other = owner.setdefault(id(p), (node, path))
-                if (at, other) != (node, path) and layer.tied_to is None:
-                    layer.tied_to = other if at == node else f"{at}:{other}"
+                held_in, other = owner.setdefault(id(p), (node, path))
+                if (held_in, other) != (node, path) and layer.tied_to is None:
+                    layer.tied_to = other if held_in == node else f"{held_in}:{other}"
 
 
 def architecture(

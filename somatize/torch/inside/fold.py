@@ -64,13 +64,12 @@ def _alike(run: list[str], layers: dict[str, Raw], kids: dict) -> list[list[str]
         }
         for p in run
     ]
-    keys = sorted({k for f in found for k in f})
 
-    def counts(key: tuple[str, str]) -> bool:
+    def counts(key: tuple[str, str]) -> bool:  # which copy it is
         v = [f.get(key) for f in found]
         return all(type(x) is int for x in v) and all(b - a == 1 for a, b in itertools.pairwise(v))
 
-    settings = [k for k in keys if not counts(k)]
+    settings = [k for k in sorted({k for f in found for k in f}) if not counts(k)]
     by = [tuple((k in f, f.get(k)) for k in settings) for f in found]
     return [[run[i] for i in g] for _, g in itertools.groupby(range(len(run)), by.__getitem__)]
 
