@@ -120,7 +120,8 @@ def codec(
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"a codec's kind is a non-empty str, not {kind!r}")
     if not isinstance(cls, builtins.type):
-        raise TypeError(f"codec {kind!r}: type must be a class, not {cls!r}")
+        given = f"{builtins.type(cls).__name__} {cls!r:.60}"
+        raise TypeError(f"codec {kind!r}: type must be a class, not {given}: pass type(value)")
     if not callable(dump) or not callable(load):
         raise TypeError(f"codec {kind!r}: dump and load must both be callable")
     with _lock:

@@ -141,8 +141,11 @@ def test_codec_takes_the_spec_s_parameter_names_by_keyword() -> None:
         kind="test-kw", type=Named, dump=lambda n: str(n.x).encode(), load=lambda b: Named(int(b))
     )
     assert decode(encode(Named(7))).x == 7
-    with pytest.raises(TypeError, match="type must be a class"):
-        codec(kind="test-kw2", type="Named", dump=bytes, load=bytes)  # type: ignore[arg-type]
+    before = codecs_registered()
+    for wrong, said in (("Named", "str 'Named'"), (Named(7), "Named <")):  # a name, a value
+        with pytest.raises(TypeError, match=f"type must be a class, not {said}.*type\\(value\\)"):
+            codec(kind="test-kw2", type=wrong, dump=bytes, load=bytes)  # type: ignore[arg-type]
+    assert codecs_registered() == before  # refused: nothing registered
 
 
 def test_registering_a_kind_again_replaces_it() -> None:
