@@ -193,7 +193,7 @@ class _Inside:
             shape, kind = la.get("shape") or [], la.get("kind")
             label, fed_shape = str(la.get("label") or ""), shapes.get(by) or []
             held = zip(la.get("held_kinds") or [], la.get("holds") or [], strict=False)
-            held = [(k, str(h).partition(": ")[2]) for k, h in held]  # (its name, its class)
+            held = [(k, str(h).partition(": ")[2]) for k, h in held]  # (its kind, its class)
             own = any(image_of(k, c) for k, c in [(kind, label), *held])  # or one it holds
             # what follows keeps the layout it is fed (a pad, a crop, a stride change it), unless
             # its sizes are only permuted (a ConvNeXt's or a sequence's channels moved last)
