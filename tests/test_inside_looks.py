@@ -64,8 +64,11 @@ class _OwnLookup(nn.Module):
 
 @pytest.mark.parametrize(
     "net, look",
-    [(Renormed, look) for look in ("architecture", "probe", "proxies")]
-    + [(_OwnLookup, "probe"), (_OwnLookup, "proxies")],  # (architecture: not yet, docs say)
+    [
+        (net, look)
+        for net in (Renormed, _OwnLookup)
+        for look in ("architecture", "probe", "proxies")
+    ],
 )
 def test_a_look_leaves_weights_a_forward_renormalises_in_place_as_they_were(net, look):
     net = net()

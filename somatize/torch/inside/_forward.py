@@ -3,7 +3,7 @@ mode for the torch functions between them, following each tensor to the layer th
 
 `Boxes` hears where each box is as the forward runs (a probe measures each box there);
 `Reading` builds, from the same run, architecture's picture of what each box is and how they
-are joined. `Kept` puts back the weights a look's forward writes over in place."""
+are joined."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -32,64 +31,6 @@ from somatize.torch.inside._trace import (
     joins_nothing,
 )
 from somatize.torch.inside.kinds import function_name
-
-_AUGMENTED = "add sub mul div truediv floordiv mod pow and or xor lshift rshift"
-_WRITES = frozenset(["__setitem__", *(f"__i{op}__" for op in _AUGMENTED.split())])
-"""The names of the torch functions that write over their first argument, besides those named
-in place (`mul_`): an augmented assignment, and `w[i] = v`."""
-_RENORMS = frozenset([F.embedding, F.embedding_bag])
-_writes: dict[Any, bool] = {}  # whether a torch function writes over its first argument
-
-
-class Kept(TorchFunctionMode):
-    """The parameters `params` as they were when it was entered, whatever a look's forward
-    writes over in place (entered inside `untouched`, which puts back what they are bound to,
-    not what they hold). The first time a torch function is about to write into a
-    parameter's storage, that parameter is copied, and the copies are put back on exit: a
-    function named in place (`w.data.mul_(2)`, `torch.embedding_renorm_`), an augmented
-    assignment or `w[i] = v`, an `out=`, and `F.embedding` or `F.embedding_bag` given a
-    `max_norm`, which renormalises the rows it looks up in its weight. Nothing is copied where
-    nothing is written over; each call pays a look at its name."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.at = {_storage(p): p for p in params if _storage(p)}
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        """Copy each parameter `func` is about to write over (the first time), then call it."""
-        kwargs = kwargs or {}
-        if func in _RENORMS:  # (input, weight, _, max_norm, ...)
-            if (args[3] if len(args) > 3 else kwargs.get("max_norm")) is not None:
-                self._keep(tensors_in(args[1:2] or kwargs.get("weight")))
-        else:
-            writes = _writes.get(func)
-            if writes is None:
-                name = getattr(func, "__name__", "")
-                writes = name in _WRITES or name[-1:] == "_" != name[:1]  # (`mul_`, not `__`)
-                _writes[func] = writes = writes and name != "requires_grad_"  # (what it is)
-            if writes or "out" in kwargs:
-                self._keep(tensors_in((args[:1] if writes else (), kwargs.get("out"))))
-        return func(*args, **kwargs)
-
-    def _keep(self, written: list[torch.Tensor]) -> None:
-        for t in written:
-            p = self.at.get(_storage(t))
-            if p is not None and id(p) not in self.saved:  # (its values, wherever it is bound)
-                self.saved[id(p)] = p.detach(), p.detach().clone()
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        with torch.no_grad():
-            for values, saved in self.saved.values():
-                values.copy_(saved)
-
-
-def _storage(t: torch.Tensor) -> int:
-    """Where `t`'s values are (0 for a tensor that holds none there: sparse, meta)."""
-    if t.layout != torch.strided or t.is_meta:
-        return 0
-    return t.untyped_storage().data_ptr()
 
 
 class Boxes(TorchFunctionMode):

@@ -29,7 +29,7 @@ from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import norm, output_of, read, squared_norms, sums_of, wide
 from somatize.torch.audit._place import saturation
-from somatize.torch.inside._forward import Boxes, Kept
+from somatize.torch.inside._forward import Boxes
 from somatize.torch.inside._trace import call_path
 from somatize.torch.inside.architecture import given, run_here
 
@@ -327,7 +327,7 @@ def probe(
     held = Held(modules)
     held.refuse(reads="probe")
     try:
-        with untouched(held), torch.enable_grad(), Kept(held.params):
+        with untouched(held), torch.enable_grad():
             try:
                 held.differentiable()
                 for h in hooks:
