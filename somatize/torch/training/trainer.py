@@ -14,6 +14,7 @@ import torch
 
 from somatize import run
 from somatize.graph import Graph, as_graph, broker_for
+from somatize.node import to_call
 from somatize.store import store_of
 from somatize.torch._served import stage_state
 from somatize.torch.training import _checks, brought
@@ -111,14 +112,7 @@ class Trainer:
         finite: bool = False,
     ) -> None:
         graph = as_graph(graph)  # a bare module is a graph of one node; anything else refused
-        if isinstance(objective, type):  # nn.CrossEntropyLoss: calling it builds a loss
-            name = objective.__name__
-            raise TypeError(f"objective= is the class {name}: build one, {name}()")
-        if not callable(objective):
-            raise TypeError(
-                f"objective is called as objective(output, target) and gives the loss; "
-                f"{type(objective).__name__} {objective!r:.60} cannot be called"
-            )
+        to_call(objective, "objective=", "a loss function, called as objective(output, target)")
         if type(finite) is not bool:
             raise TypeError(
                 f"finite is True (stop at a loss that is NaN or infinite) or False, not {finite!r}"
