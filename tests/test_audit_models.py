@@ -1,7 +1,9 @@
 """The audit on real models, where what a fresh model is must not read as a fault: a fresh
 transformer's attention (ViT, Swin at their own N(0, 0.02) init) is uniform, so every token of
 an image gets the same mix and its output spans few directions from the first look; that is not
-NARROWING, while a layer that collapses during training still is."""
+NARROWING, while a layer that collapses during training still is. A frozen Swin's relative
+position table, all zero at its init, gives zeros that are its weights', not dead units. And a
+part replaced mid-run (`resize_token_embeddings`' new lm_head) is named in a warning."""
 
 from __future__ import annotations
 
@@ -13,20 +15,27 @@ from models import more, zoo
 from torch import nn
 
 from somatize import Graph
-from somatize.health import NARROWING, Verdicts
+from somatize.health import DEAD, NARROWING, Verdicts
 from somatize.torch import Audit, Trainer, parameters
 
 
-def _audit(model: nn.Module, example, target, objective, steps: int, **audit) -> Verdicts:  # noqa: ANN001
+def _trainer(model: nn.Module, objective, opt=torch.optim.AdamW, lr=1e-3, **audit) -> tuple:  # noqa: ANN001
+    """A Trainer auditing `model` (`opt` on the weights that train), and the facts it hands on."""
     g = Graph.somatize(model)
     facts: list[dict] = []
+    trained = [q for q in parameters(g) if q.requires_grad]
     t = Trainer(
         g,
         objective=objective,
-        optimizer=torch.optim.AdamW(parameters(g), lr=1e-3),
+        optimizer=opt(trained, lr=lr),
         auditing=Audit(**audit),
         watching=facts.append,
     )
+    return t, facts
+
+
+def _audit(model: nn.Module, example, target, objective, steps: int = 3, **audit) -> Verdicts:  # noqa: ANN001
+    t, facts = _trainer(model, objective, **audit)
     for _ in range(steps):
         t.step((example, target))
     return Verdicts().feed(facts)
@@ -70,14 +79,8 @@ def test_a_layer_that_collapses_during_training_reads_narrowing():
     net = _Collapsing()
     gen = torch.Generator().manual_seed(3)
     x, y = torch.randn(64, 16, generator=gen), torch.randint(0, 3, (64,), generator=gen)
-    g = Graph.somatize(net)
-    facts: list[dict] = []
-    t = Trainer(
-        g,
-        objective=nn.functional.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=1e-2),
-        auditing=Audit(inside=True, snapshot=1),
-        watching=facts.append,
+    t, facts = _trainer(
+        net, nn.functional.cross_entropy, torch.optim.SGD, 1e-2, inside=True, snapshot=1
     )
     for _ in range(3):
         t.step((x, y))
@@ -93,13 +96,7 @@ def test_a_layer_that_collapses_during_training_reads_narrowing():
 
 def test_a_part_replaced_mid_run_is_named_in_a_warning_and_release_stops_it():
     case = more.llama()  # untied: resizing gives it a new lm_head, module and weight
-    g = Graph.somatize(case.model)
-    t = Trainer(
-        g,
-        objective=case.objective,
-        optimizer=torch.optim.SGD(parameters(g), lr=1e-2),
-        auditing=Audit(inside=True, most=400),
-    )
+    t, _ = _trainer(case.model, case.objective, inside=True, most=400)
     t.step((case.example, case.target))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same weights given again: nothing to say
@@ -112,3 +109,39 @@ def test_a_part_replaced_mid_run_is_named_in_a_warning_and_release_stops_it():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         case.model.resize_token_embeddings(zoo.VOCAB + 16, mean_resizing=False)
+
+
+def test_a_frozen_swin_relative_position_table_at_zero_is_not_dead():
+    case = more.swin()
+    for name, q in case.model.named_parameters():
+        if name.endswith("relative_position_bias_table"):  # all zero at Swin's own init
+            assert not q.any()
+            q.requires_grad_(False)
+    v = _audit(case.model, case.example, case.target, case.objective, inside=True, most=400)
+    tables = {w: n for w, n in v.numbers().items() if w.endswith("relative_position_bias")}
+    assert len(tables) == 3  # measured, one a block, giving all zeros
+    assert all(n["act_abs_mean"] == 0.0 and "zero_frac_max" not in n for n in tables.values())
+    assert not [w for w, flags in v.flags().items() if DEAD in flags]
+
+
+class _Dead(nn.Module):
+    """A layer of ReLUs pushed negative by their bias, then a read-out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 16)
+        nn.init.constant_(self.lin.bias, -20.0)
+        self.relu = nn.ReLU()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.relu(self.lin(x)))
+
+
+def test_frozen_weights_that_are_not_zero_still_show_dead_units():
+    torch.manual_seed(0)
+    net = _Dead()
+    net.lin.requires_grad_(False)  # frozen, its bias −20: the ReLUs after it are dead
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    v = _audit(net, x, torch.tensor([0, 1, 2, 0, 1, 2]), nn.functional.cross_entropy, inside=True)
+    assert DEAD in v.flags().get("_dead.relu", []), v.flags()

@@ -6,12 +6,11 @@ must not call it DEAD, while a layer of dead ReLUs still is."""
 from __future__ import annotations
 
 import torch
-from models import more
 from models.zoo import CASES, BasicBlock
 from torch import nn
 
 from somatize import Graph
-from somatize.health import DEAD, Verdicts, verdict
+from somatize.health import DEAD, verdict
 from somatize.torch import Audit, Trainer, parameters, probe
 
 LORA_B = "peftmodel.base_model.model.transformer.h.0.attn.c_attn.lora_B.default"
@@ -89,41 +88,3 @@ def test_an_audited_lora_fine_tune_never_calls_its_b_dead():
     assert b[0]["param_norm"] == 0.0 and b[0]["zero_frac_max"] == 1.0  # measured, as it is
     assert all(f["param_norm"] > 0 and f["zero_frac_max"] < 0.5 for f in b[1:])
     assert not [f["step"] for f in b if DEAD in verdict(f)]
-
-
-def _audited(model: nn.Module, example, target, objective, steps: int = 3) -> Verdicts:  # noqa: ANN001
-    g = Graph.somatize(model)
-    facts: list[dict] = []
-    trained = [q for q in parameters(g) if q.requires_grad]
-    t = Trainer(
-        g,
-        objective=objective,
-        optimizer=torch.optim.AdamW(trained, lr=1e-3),
-        auditing=Audit(inside=True, most=400),
-        watching=facts.append,
-    )
-    for _ in range(steps):
-        t.step((example, target))
-    return Verdicts().feed(facts)
-
-
-def test_a_frozen_swin_relative_position_table_at_zero_is_not_dead():
-    case = more.CASES["swin"]()
-    for name, q in case.model.named_parameters():
-        if name.endswith("relative_position_bias_table"):  # all zero at Swin's own init
-            assert not q.any()
-            q.requires_grad_(False)
-    v = _audited(case.model, case.example, case.target, case.objective)
-    tables = {w: n for w, n in v.numbers().items() if w.endswith("relative_position_bias")}
-    assert len(tables) == 3  # measured, one a block, giving all zeros
-    assert all(n["act_abs_mean"] == 0.0 and "zero_frac_max" not in n for n in tables.values())
-    assert not [w for w, flags in v.flags().items() if DEAD in flags]
-
-
-def test_frozen_weights_that_are_not_zero_still_show_dead_units():
-    torch.manual_seed(0)
-    net = _Dead()
-    net.lin.requires_grad_(False)  # frozen, its bias −20: the ReLUs after it are dead
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
-    v = _audited(net, x, torch.tensor([0, 1, 2, 0, 1, 2]), torch.nn.functional.cross_entropy)
-    assert DEAD in v.flags().get("_dead.relu", []), v.flags()
