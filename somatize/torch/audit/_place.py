@@ -14,7 +14,7 @@ from torch import nn
 
 from somatize._channels import channels_first
 from somatize.run import warn
-from somatize.torch._modules import parts_of
+from somatize.torch._modules import join, parts_of
 from somatize.torch.audit._measures import (
     _DEAD_EPS,
     _DORMANT_TAU,
@@ -283,24 +283,22 @@ def swaps(held_by: dict[str, list[tuple[str, nn.Module]]]) -> list[Any]:
         for sub, m in top.named_modules(prefix=path)
     }
 
-    def hook(what: str) -> Any:
-        def replaced(module: nn.Module, name: str, new: Any) -> None:
-            node, path, ref = named.get(id(module), (None, None, None))
-            if ref is None or ref() is not module or getattr(module, name, None) is new:
-                return
-            warn(
-                f"node {node!r}: {'.'.join(p for p in (path, name) if p)!r} was given a new {what} "
-                f"({type(new).__name__}) while an Audit watches it: the audit goes on measuring "
-                "the one it began with, which no longer runs, and an optimizer built before goes "
-                "on training that one. After resizing or replacing a part, build the Trainer (and "
-                "its optimizer) again, or release() the Audit and watch() the graph again"
-            )
-
-        return replaced
+    def replaced(module: nn.Module, name: str, new: Any) -> None:
+        node, path, ref = named.get(id(module), (None, None, None))
+        if ref is None or ref() is not module or getattr(module, name, None) is new:
+            return
+        what = "weight" if isinstance(new, nn.Parameter) else "module"
+        warn(
+            f"node {node!r}: {join(path, name)!r} was given a new {what} ({type(new).__name__}) "
+            "while an Audit watches it: the audit goes on measuring the one it began with, which "
+            "no longer runs, and an optimizer built before goes on training that one. After "
+            "resizing or replacing a part, build the Trainer (and its optimizer) again, or "
+            "release() the Audit and watch() the graph again"
+        )
 
     return [
-        nn.modules.module.register_module_module_registration_hook(hook("module")),
-        nn.modules.module.register_module_parameter_registration_hook(hook("weight")),
+        nn.modules.module.register_module_module_registration_hook(replaced),
+        nn.modules.module.register_module_parameter_registration_hook(replaced),
     ]
 
 
