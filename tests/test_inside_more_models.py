@@ -248,3 +248,14 @@ def test_qwen2s_sliding_window_layer_is_not_folded_with_its_full_attention_layer
         (inside,) = architecture(case.model, case.example, most=100).values()
         layers = [la for la in inside.layers if la.block == "model.layers"]
         assert [la.times for la in layers] == times, window
+
+
+def test_debertas_closed_attention_says_the_shape_it_gives_back_not_its_last_ops():
+    """DeBERTa's DisentangledSelfAttention ends in a batched matmul over (batch·heads, seq,
+    head dim) and reshapes it back: drawn closed (most=48) or open, its box says what it gives
+    back, (batch, seq, hidden), not what its last op made."""
+    case = CASES["deberta"]()
+    for most in (48, 100):
+        (inside,) = architecture(case.model, case.example, most=most).values()
+        box = inside.layer("deberta.encoder.layer.0.attention.self")
+        assert box.shape == [2, 8, 32], (most, box.shape)

@@ -135,7 +135,8 @@ class Boxes(TorchFunctionMode):
                     self._mode(True)
                 return
             if self.stack and any(self.stack[-1] == p for p, _ in paths):
-                self.stack.pop()
+                path = self.stack.pop()
+                self._left(path, self.calls[path], tensors_in(output))
 
         return pre, post
 
@@ -155,6 +156,9 @@ class Boxes(TorchFunctionMode):
         self, box: str, block: str | None, fn: Any, made: frozenset[str], ins: list, outs: list
     ) -> None:
         """The call `box` of `fn` inside `block`, on `ins` (made by `made`), gave `outs`."""
+
+    def _left(self, path: str, call: int, outs: list) -> None:
+        """The `call`-th call of the open block at `path` gave back `outs`."""
 
     def _gave(self, outs: list[torch.Tensor]) -> None:
         """The root's first call gave back `outs`."""
@@ -257,6 +261,10 @@ class Reading(Boxes):
         layer = function_layer(self.opening, self.out, block, fn, box)
         layer.shape = list(outs[0].shape)
         self._ran(layer, made)
+
+    def _left(self, path: str, call: int, outs: list) -> None:
+        if path in self.out.layers and outs:  # (none where nothing drawn ran inside it)
+            self.out.layers[path].gave[call] = list(outs[0].shape)
 
     def _gave(self, outs: list[torch.Tensor]) -> None:
         self.ends = [p for t in outs for p in sorted(self.made_by([t])[1] - self.given.keys())]

@@ -119,6 +119,7 @@ class Raw(Layer):
     composite: bool = False
     function: bool = False
     within: dict[str, int] = field(default_factory=dict)  # block path → its call it ran in
+    gave: dict[int, list[int]] = field(default_factory=dict)  # an open block's calls' shapes
 
 
 @dataclass
@@ -254,6 +255,8 @@ def finish(out: Traced, edges: Any, order: list[str], ends: list[str]) -> None:
         ranked.update(dict.fromkeys([*reversed(chain), path]))
     ranked.update(dict.fromkeys(out.layers))  # (the rest after, in their order)
     out.layers = {p: out.layers[p] for p in ranked}
+    for layer in out.layers.values():  # a block: what its first call gave back
+        layer.shape = layer.gave.get(1, layer.shape)
     for path in reversed(order):
         shape = out.layers[path].shape
         block = out.layers[path].block

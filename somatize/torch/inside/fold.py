@@ -182,12 +182,13 @@ def _calls_of(block: str, layers: dict[str, Raw], into: dict[str, str]) -> dict[
     boxes: dict[str, Raw] = {}
     for c in f.made_of:
         inner = layers[c]
-        box = call_path(block, inner.within.get(block, 1))
+        call = inner.within.get(block, 1)
+        box = call_path(block, call)
         into[c] = box
         if box not in boxes:
             around = {b: k for b, k in inner.within.items() if b != block}
             boxes[box] = replace(f, path=box, within=around, repeats=list(f.repeats), made_of=[])
             if parent is not None and box != block:
                 parent.made_of.append(box)
-        boxes[box].shape = inner.shape or boxes[box].shape  # its last layer's
+        boxes[box].shape = f.gave.get(call) or inner.shape or boxes[box].shape  # (its last's)
     return boxes
