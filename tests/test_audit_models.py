@@ -122,26 +122,3 @@ def test_a_frozen_swin_relative_position_table_at_zero_is_not_dead():
     assert len(tables) == 3  # measured, one a block, giving all zeros
     assert all(n["act_abs_mean"] == 0.0 and "zero_frac_max" not in n for n in tables.values())
     assert not [w for w, flags in v.flags().items() if DEAD in flags]
-
-
-class _Dead(nn.Module):
-    """A layer of ReLUs pushed negative by their bias, then a read-out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 16)
-        nn.init.constant_(self.lin.bias, -20.0)
-        self.relu = nn.ReLU()
-        self.head = nn.Linear(16, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.relu(self.lin(x)))
-
-
-def test_frozen_weights_that_are_not_zero_still_show_dead_units():
-    torch.manual_seed(0)
-    net = _Dead()
-    net.lin.requires_grad_(False)  # frozen, its bias −20: the ReLUs after it are dead
-    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
-    v = _audit(net, x, torch.tensor([0, 1, 2, 0, 1, 2]), nn.functional.cross_entropy, inside=True)
-    assert DEAD in v.flags().get("_dead.relu", []), v.flags()

@@ -10,7 +10,7 @@ from models.zoo import CASES, BasicBlock
 from torch import nn
 
 from somatize import Graph
-from somatize.health import DEAD, verdict
+from somatize.health import DEAD, Verdicts, verdict
 from somatize.torch import Audit, Trainer, parameters, probe
 
 LORA_B = "peftmodel.base_model.model.transformer.h.0.attn.c_attn.lora_B.default"
@@ -70,21 +70,38 @@ def test_dead_relus_are_still_dead_and_only_where_they_die():
     assert DEAD not in verdict(found["_dead.after"])
 
 
-def test_an_audited_lora_fine_tune_never_calls_its_b_dead():
-    case = CASES["lora"]()
-    g = Graph.somatize(case.model)
+def _audited(model: nn.Module, example, target, objective, steps: int, **audit) -> list[dict]:  # noqa: ANN001
+    """The health facts of `steps` audited AdamW steps on the weights of `model` that train."""
+    g = Graph.somatize(model)
     facts: list[dict] = []
     t = Trainer(
         g,
-        objective=case.objective,
-        optimizer=torch.optim.AdamW(parameters(g), lr=1e-3),
-        auditing=Audit(inside=[LORA_B]),
+        objective=objective,
+        optimizer=torch.optim.AdamW([q for q in parameters(g) if q.requires_grad], lr=1e-3),
+        auditing=Audit(**audit),
         watching=facts.append,
     )
-    for _ in range(6):  # past the first step, when B is all zero, inside the window (20)
-        t.step((case.example, case.target))
-    b = [f for f in facts if f.get("fact") == "health" and f["inside"] and "lora_B" in f["inside"]]
+    for _ in range(steps):
+        t.step((example, target))
+    return [f for f in facts if f.get("fact") == "health"]
+
+
+def test_an_audited_lora_fine_tune_never_calls_its_b_dead():
+    case = CASES["lora"]()
+    # past the first step, when B is all zero, inside the window (20)
+    facts = _audited(case.model, case.example, case.target, case.objective, 6, inside=[LORA_B])
+    b = [f for f in facts if f["inside"] and "lora_B" in f["inside"]]
     assert [f["step"] for f in b] == list(range(6))
     assert b[0]["param_norm"] == 0.0 and b[0]["zero_frac_max"] == 1.0  # measured, as it is
     assert all(f["param_norm"] > 0 and f["zero_frac_max"] < 0.5 for f in b[1:])
     assert not [f["step"] for f in b if DEAD in verdict(f)]
+
+
+def test_frozen_weights_that_are_not_zero_still_show_dead_units():
+    torch.manual_seed(0)
+    net = _Dead()
+    net.lin.requires_grad_(False)  # frozen, its bias −20: the ReLUs after it are dead
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    y = torch.tensor([0, 1, 2, 0, 1, 2])
+    v = Verdicts().feed(_audited(net, x, y, nn.functional.cross_entropy, 3, inside=True))
+    assert DEAD in v.flags().get("_dead.relu", []), v.flags()
