@@ -167,8 +167,9 @@ class _Place:
         fresh = [s for s in (i, o) if s is not None and s.rms is None]  # no RMS read yet
         weights = self.weights
         values = read(sums + [s.norm for s in fresh] + [norm(w) for w in weights])  # one read
-        for s, v in zip(fresh, values[len(sums) : len(sums) + len(fresh)], strict=True):
-            s.rms = v / s.size**0.5 if s.size else 0.0
+        read_norms = values[len(sums) : len(sums) + len(fresh)]  # (too large to square: again)
+        for s, v in zip(fresh, squared_norms(read_norms, [s.ref() for s in fresh]), strict=True):
+            s.rms = math.sqrt(v / s.size) if s.size else 0.0
         n = self.numbers = {}
         if weights:
             n["param_norm"] = math.sqrt(sum(squared_norms(values[-len(weights) :], weights)))

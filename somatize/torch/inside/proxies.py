@@ -152,16 +152,16 @@ class _Subject:
         layers = [m for m in self.every if not parts_of(m) and kind_of(m) in kinds]
         if not layers:
             if "activation" in kinds:
-                raise _NotHere(_NO_ACTIVATION % of)
+                raise _NotHere(_NO_ACTIVATION % (of, "this graph holds none"))
             raise _NotHere(f"{of} reads {' and '.join(kinds)} layers, and this graph has none")
         return _hooked(layers, fn)
 
 
 _NO_ACTIVATION = (
-    "%s reads the activation layers held as modules (nn.ReLU, nn.GELU, ...), and this graph "
-    "holds none: an activation called as a function (F.relu, torch.gelu, x.relu()), a box in "
-    "the figure all the same, is not hooked; hold it as a module (self.act = nn.ReLU()) to "
-    "take it"
+    "%s reads the activation layers held as modules (nn.ReLU, nn.GELU, ...), and %s: an "
+    "activation called as a function (F.relu, torch.gelu, x.relu()), a box in the figure all "
+    "the same, is not hooked (as transformers' Mamba computes F.silu beside the `act` it "
+    "holds); hold it as a module and call it (self.act = nn.ReLU(); self.act(x)) to take it"
 )
 
 
@@ -300,6 +300,8 @@ def _naswot(s: _Subject, example: Any, **_: Any) -> float:
 
     with s.hooked("naswot", ("activation",), code), torch.no_grad():
         s.run(example)
+    if not codes:
+        raise _NotHere(_NO_ACTIVATION % ("naswot", "none of them ran on the example"))
     c = torch.cat(codes, dim=1)
     k = c @ c.T + (1 - c) @ (1 - c).T
     return float(torch.linalg.slogdet(k).logabsdet)
