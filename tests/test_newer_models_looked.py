@@ -10,7 +10,8 @@ import warnings
 
 from models.newer import CASES
 
-from somatize.torch import ProxyLeftOut, probe, proxies
+from somatize import Graph, Node
+from somatize.torch import ProxyLeftOut, architecture, probe, proxies
 
 
 def test_probe_gains_at_an_eager_attentions_additive_mask_are_finite():
@@ -40,3 +41,20 @@ def test_naswot_on_mamba_says_its_activation_modules_never_ran():
     assert "naswot" not in scores and "synflow" in scores
     assert "none of them ran" in left["naswot"], left["naswot"]
     assert "F.relu" in left["naswot"], left["naswot"]
+
+
+def test_an_eager_attentions_additive_mask_is_no_data_read_from_the_input():
+    """Gemma 2 and ModernBERT (eager attention) turn the attention mask they are given into
+    numbers, `where(mask, 0, lowest)`, added to the scores: a mask, not the data, so the node's
+    input is read by its embedding alone, as Llama's (whose mask stays boolean) is, and the
+    figure draws no edge from the input into each attention."""
+    for name, embedding in [
+        ("gemma2", "model.embed_tokens"),
+        ("modernbert", "model.embeddings.tok_embeddings"),
+    ]:
+        case = CASES[name]()
+        g = Graph.somatize(Node.of(case.model).named(name))
+        for most in (48, 400):  # attention closed, and open
+            assert architecture(g, case.example, most=most)[name].inputs == [embedding], most
+        svg = g.figure(inside=architecture(g, case.example)).svg()
+        assert f'data-from="i:{name}"' not in svg  # (no input box: one layer reads it)

@@ -170,8 +170,9 @@ class Boxes(TorchFunctionMode):
         ins = tensors_in((args, kwargs))
         tracked, made = self.made_by(ins, data_only=True)
         name = function_name(func)
-        if not tracked or name in FRESH:
-            return result  # on constants only, or none of the data's values: not the data
+        if not tracked or name in FRESH or (name == "where" and not self.made_by(ins[1:])[0]):
+            return result  # on constants only, or none of the data's values (a boolean mask
+            # made numbers, `where(mask, 0, lowest)`, an additive one): not the data
         outs = tensors_in(result)
         floating = bool(outs) and outs[0].is_floating_point()
         if floating and name not in UNDRAWN and not joins_nothing(name, ins):

@@ -87,18 +87,19 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
 
 def _given(n: fx.Node, producers: dict[fx.Node, set[str]]) -> set[str]:
     """The layers that made what `n` computes with: an index or a mask it is handed besides
-    the data (`INDEXES`) decides where the data goes, and is left out."""
+    the data (`INDEXES`) decides where the data goes, and is left out; `where`'s mask on
+    constants, `where(mask, 0, lowest)`, makes a mask of numbers, none of the data."""
     everything = {p for i in n.all_input_nodes for p in producers[i]}
     calls = n.op in ("call_function", "call_method")
-    at = INDEXES.get(function_name(n.target)) if calls else None
-    if at is None:
+    name = function_name(n.target) if calls else None
+    if (at := INDEXES.get(name)) is None:
         return everything
     index: list[fx.Node] = []
     where = [n.args[at]] if len(n.args) > at else []
     where += [v for k, v in n.kwargs.items() if k in INDEX_KEYWORDS]
     fx.node.map_arg(where, index.append)
     rest = {p for i in n.all_input_nodes if i not in index for p in producers[i]}
-    return rest or everything
+    return rest if name == "where" else rest or everything  # (a mask made numbers: no data)
 
 
 def _within(n: fx.Node, itself: str | None = None) -> dict[str, int]:

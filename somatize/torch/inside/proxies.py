@@ -160,7 +160,7 @@ class _Subject:
 _NO_ACTIVATION = (
     "%s reads the activation layers held as modules (nn.ReLU, nn.GELU, ...), and %s: an "
     "activation called as a function (F.relu, torch.gelu, x.relu()), a box in the figure all "
-    "the same, is not hooked (as transformers' Mamba computes F.silu beside the `act` it "
+    "the same, is not hooked (a Mamba of transformers computes F.silu beside the act it "
     "holds); hold it as a module and call it (self.act = nn.ReLU(); self.act(x)) to take it"
 )
 
