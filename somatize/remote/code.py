@@ -1,7 +1,14 @@
 """Values written as code (cloudpickle) for a worker started with `--accept-code`: a node's
 class and arguments, a Learning's objective. A torch module with parametrizations (a weight
 norm, as wav2vec2's positional convolution has) goes as the module without them and the
-parametrizations to put back, since torch refuses to pickle one as it is."""
+parametrizations to put back, since torch refuses to pickle one as it is.
+
+What transformers keeps of a model in this process does not travel: the hooks that record
+hidden states and attentions, installed on a model's first forward that asks for them
+(closures over a context variable of this process, which no pickler writes down), go as hooks
+that do nothing, and the mark saying they are installed is left out, so the worker installs its
+own; and what each model class records, which transformers fills in when a model is built, is
+filled in on the worker by `recording`."""
 
 from __future__ import annotations
 
@@ -9,9 +16,13 @@ import contextlib
 import copy
 import io
 import sys
+import types
 from typing import Any
 
 import cloudpickle
+
+_RECORDER = "transformers.utils.output_capturing"  # where transformers' recording hooks are made
+_INSTALLED = "_output_capturing_hooks_installed"  # its mark on a model whose hooks are installed
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -20,7 +31,41 @@ class _Pickler(cloudpickle.Pickler):
         if torch is not None and isinstance(obj, torch.nn.Module):
             if torch.nn.utils.parametrize.is_parametrized(obj):
                 return _unparametrized(obj, torch.nn.utils.parametrize)
+            if _INSTALLED in vars(obj):
+                plain = copy.copy(obj)  # its own attributes: the model here keeps its mark
+                delattr(plain, _INSTALLED)
+                return plain.__reduce_ex__(5)
+        if isinstance(obj, types.FunctionType) and obj.__module__ == _RECORDER:
+            if "<locals>" in obj.__qualname__:  # a recording hook: made in this process
+                return _unheard, ()
         return super().reducer_override(obj)
+
+
+def _hears_nothing(module: Any, args: Any, output: Any) -> None:
+    return None
+
+
+def _unheard() -> Any:
+    """A hook that does nothing, in place of a recording hook of the process that sent it."""
+    return _hears_nothing
+
+
+def recording(modules: Any) -> None:
+    """Fills in, in this process, what each transformers model class among `modules` records
+    (transformers does it when a model is built, and a model read back was not): one model of
+    each class built on the meta device from the model's config, which takes no memory and is
+    dropped. Without it a model read back records nothing: its `hidden_states` are None and
+    SegFormer's decoder, which reads them, fails."""
+    transformers, torch = sys.modules.get("transformers"), sys.modules.get("torch")
+    if transformers is None or torch is None:
+        return
+    done: set[type] = set()
+    for module in modules:
+        kind = type(module)
+        if isinstance(module, transformers.PreTrainedModel) and kind not in done:
+            done.add(kind)
+            with torch.device("meta"):
+                kind(module.config)
 
 
 def _unparametrized(module: Any, parametrize: Any) -> tuple:
