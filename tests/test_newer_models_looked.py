@@ -5,7 +5,9 @@ itself."""
 
 from __future__ import annotations
 
+import html
 import math
+import re
 import warnings
 
 from models.newer import CASES
@@ -58,3 +60,23 @@ def test_an_eager_attentions_additive_mask_is_no_data_read_from_the_input():
             assert architecture(g, case.example, most=most)[name].inputs == [embedding], most
         svg = g.figure(inside=architecture(g, case.example)).svg()
         assert f'data-from="i:{name}"' not in svg  # (no input box: one layer reads it)
+
+
+def _subtitle(svg: str, box: str) -> str:
+    """The second line of a box: its output shape, named by axis."""
+    group = re.search(rf'data-id="{re.escape(box)}".*?</g>', svg, re.S).group(0)
+    return html.unescape(re.findall(r"<text[^>]*>([^<]*)</text>", group)[1])
+
+
+def test_dinov2s_class_token_joins_a_sequence_of_patches_not_an_image():
+    """DINOv2 flattens its patch grid to (batch, 32 ch, 16), transposes it to 16 patches of 32
+    and puts its class token first: the join is 17 tokens of 32 (as the LayerNorm after it
+    says), not 17 channels of length 32."""
+    case = CASES["dinov2"]()
+    g = Graph.somatize(Node.of(case.model).named("dinov2"))
+    svg = g.figure(inside=architecture(g, case.example)).svg()
+    at = "l:dinov2:dinov2.embeddings."
+    assert _subtitle(svg, at + "patch_embeddings.projection") == "2 batch · 32 ch · 4 h · 4 w"
+    assert _subtitle(svg, at + "patch_embeddings.flatten") == "2 batch · 32 ch · 16 len"
+    for box in ("cat", "add", "dropout"):
+        assert _subtitle(svg, at + box) == "2 batch · 17 len · 32 dim", box

@@ -202,7 +202,9 @@ class _Inside:
                 grid.add(path)
             # a grid flattened to (N, C, h·w) keeps its channels first (a ViT's patches)
             flat = by in grid and len(shape) == 3 and list(shapes[by][:2]) == list(shape[:2])
-            before = self.first.get(by, False) and len(fed_shape) == len(shape) and kept
+            # (its channels' size kept, or the rest's: a ViT's patches transposed keep neither)
+            same = shape[1:2] == fed_shape[1:2] or shape[2:] == fed_shape[2:]
+            before = self.first.get(by, False) and len(fed_shape) == len(shape) and kept and same
             self.first[path] = channels_first(kind, label, before or flat) or path in grid
         # the layers that read what the node was given, joined to a box that stands for it
         # where more than one reads it (with one, an edge into the node goes on into it)
