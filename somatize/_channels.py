@@ -7,15 +7,18 @@ from typing import Any
 
 #: the norms torch defines along dim 1 (a layer or RMS norm normalises the last)
 CHANNEL_NORMS = re.compile(r"batch|instance|group|local_?response", re.I)
+#: what reshapes an image, torch defining it on (N, C, ...): a pool, a pad, an interpolation
+_IMAGE_SHAPING = re.compile(r"pool|pad\dd|upsampl|interpolate", re.I)
 
 
 def image_of(kind: Any, label: Any) -> bool:
     """Whether a layer is one torch defines on (N, C, ...), its channels on dim 1: a
-    convolution, a pool, a batch, instance, group or local response norm. `kind` is what
-    `kind_of` says of it, `label` its class or function name (a norm is known by it: a
-    ConvNeXt's LayerNorm holds its channels last)."""
+    convolution, a pool, an interpolation (`nn.Upsample`, `F.interpolate`), a pad of a set
+    number of dims (`ZeroPad2d`, not `F.pad`), a batch, instance, group or local response
+    norm. `kind` is what `kind_of` says of it, `label` its class or function name (a norm is
+    known by it: a ConvNeXt's LayerNorm holds its channels last)."""
     kind, label = str(kind or ""), str(label or "")
-    if kind == "conv" or (kind == "shaping" and "pool" in label.lower()):
+    if kind == "conv" or (kind == "shaping" and bool(_IMAGE_SHAPING.search(label))):
         return True
     return kind == "norm" and bool(CHANNEL_NORMS.search(label))
 

@@ -80,3 +80,24 @@ def test_dinov2s_class_token_joins_a_sequence_of_patches_not_an_image():
     assert _subtitle(svg, at + "patch_embeddings.flatten") == "2 batch · 32 ch · 16 len"
     for box in ("cat", "add", "dropout"):
         assert _subtitle(svg, at + box) == "2 batch · 17 len · 32 dim", box
+
+
+def test_segformers_upsampled_maps_and_efficientnets_padded_image_are_images():
+    """torch defines an interpolation and a 2-d pad on (batch, ch, h, w): SegFormer's decoder
+    interpolates each stage's map to 8×8 and joins them on their channels, EfficientNet pads
+    its image before its stem; each is named an image's axes, not numbered."""
+    for name, want in [
+        (
+            "segformer",
+            {
+                "decode_head.interpolate": "2 batch · 16 ch · 8 h · 8 w",
+                "decode_head.cat": "2 batch · 32 ch · 8 h · 8 w",
+            },
+        ),
+        ("efficientnet", {"efficientnet.embeddings.padding": "2 batch · 3 ch · 33 h · 33 w"}),
+    ]:
+        case = CASES[name]()
+        g = Graph.somatize(Node.of(case.model).named(name))
+        svg = g.figure(inside=architecture(g, case.example)).svg()
+        for box, text in want.items():
+            assert _subtitle(svg, f"l:{name}:{box}") == text, box
