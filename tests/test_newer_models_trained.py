@@ -14,6 +14,7 @@ from models.newer import CASES
 from torch import nn
 
 from somatize import Broker, Graph, Node, Worker
+from somatize.codecs import NoCodec
 from somatize.torch import Split, Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
@@ -93,3 +94,31 @@ def test_segformer_trained_by_split_on_a_worker_as_plain_torch_in_one_process(br
     learnt = t.export()["seg"]
     for key, want in ref.state_dict().items():
         assert torch.allclose(learnt[key], want.to(learnt[key].dtype), rtol=0, atol=1e-9), key
+
+
+def test_gemma2_on_a_worker_is_told_what_reaches_its_copy_there_and_then_trains_as_here(broker):
+    # Gemma 2's cache holds sliding-window layers, which no public constructor takes back: its
+    # output is refused at the worker, and the remedy it names must be one that reaches a
+    # model already sent (its copy there follows the weights and modes here, not the config)
+    case = CASES["gemma2"]()
+    model = _still(case.model)
+    ref = copy.deepcopy(model)
+    g = Graph.somatize(Node.of(model).named("lm").at("w"))
+    trains = {"lm": Split(torch.optim.AdamW, lr=1e-2)}
+    t = Trainer(g, objective=case.objective, trains=trains, broker=broker)
+    with pytest.raises(NoCodec, match=r"DynamicSlidingWindowLayer.*its input.*on a worker"):
+        t.step((case.example, case.target))
+    x = {**case.example, "use_cache": False}  # the remedy that reaches the worker
+    losses = [t.step((x, case.target)) for _ in range(3)]
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    expected = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = case.objective(ref(**x), case.target)
+        loss.backward()
+        opt.step()
+        expected.append(loss.item())
+    assert losses == pytest.approx(expected, rel=1e3 * F64_EPS)
+    learnt = t.export()["lm"]  # tied: the head and the embeddings one tensor there too
+    assert torch.equal(learnt["lm_head.weight"], learnt["model.embed_tokens.weight"])
+    assert _near(learnt["lm_head.weight"], ref.lm_head.weight.detach())

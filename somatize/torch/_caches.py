@@ -60,7 +60,8 @@ def fields_of(cache: Any) -> list:
             f"{', offloaded' if getattr(cache, 'offloading', False) else ''}) cannot be written "
             f"down: only a DynamicCache of DynamicLayers (or an EncoderDecoderCache of two) is "
             f"rebuilt through transformers' public API. Pass use_cache=False to the model (in "
-            f"its input, or config.use_cache = False) so that its output holds no cache"
+            f"its input, or config.use_cache = False; for a model on a worker, in its input: "
+            f"its copy there does not follow its config here) so that its output holds no cache"
         )
     layers = [[layer.keys, layer.values] for layer in cache.layers]
     return [["layers", layers], ["lazy", lazy]]
