@@ -101,3 +101,20 @@ def test_segformers_upsampled_maps_and_efficientnets_padded_image_are_images():
         svg = g.figure(inside=architecture(g, case.example)).svg()
         for box, text in want.items():
             assert _subtitle(svg, f"l:{name}:{box}") == text, box
+
+
+def test_a_function_box_takes_no_path_of_a_module_in_its_block():
+    """Mamba's mixer holds a Conv1d at `mixer.conv1d` and, off its fast kernels, convolves with
+    `F.conv1d` on that module's weight, never calling it: the function's box is `conv1d_1`, as
+    torch.fx would name it, and no box says it is the module at `mixer.conv1d` (a Conv1d of
+    320 weights drawn as a function with none, and keyed so in the probe)."""
+    case = CASES["mamba"]()
+    inside = architecture(case.model, case.example, most=400)["mambaforcausallm"]
+    mixer = "backbone.layers.0.mixer."
+    paths = {la.path: la for la in inside.layers}
+    assert mixer + "conv1d" not in paths  # (the module is never called)
+    conv = paths[mixer + "conv1d_1"]
+    assert (conv.label, conv.kind, conv.params) == ("conv1d", "conv", 0)
+    found = probe(case.model, case.example, most=400)
+    assert "mambaforcausallm." + mixer + "conv1d_1" in found
+    assert "mambaforcausallm." + mixer + "conv1d" not in found

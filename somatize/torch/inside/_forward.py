@@ -177,7 +177,7 @@ class Boxes(TorchFunctionMode):
         floating = bool(outs) and outs[0].is_floating_point()
         if floating and name not in UNDRAWN and not joins_nothing(name, ins):
             block = self.stack[-1] if self.stack else None
-            path = function_path(block, func, self.counts)
+            path = function_path(block, func, self.counts, self.opening.named)
             self._function(path, block, func, made, ins, outs)
             self._mark(outs, frozenset((path,)))
         else:

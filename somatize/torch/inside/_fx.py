@@ -61,7 +61,7 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
                 continue
             within = _within(n)
             block = next(reversed(within), None)
-            path = function_path(block, n.target, counts)
+            path = function_path(block, n.target, counts, opening.named)
             made[n] = function_layer(opening, out, block, n.target, path)
             made[n].within = within
     producers: dict[fx.Node, set[str]] = {}  # the layers that made each node's value

@@ -220,13 +220,16 @@ class Opening:
         return layer
 
 
-def function_path(block: str | None, fn: Any, counts: dict[str, int]) -> str:
+def function_path(block: str | None, fn: Any, counts: dict[str, int], modules: Any) -> str:
     """The box of the next call of `fn` inside `block`: `add`, then `add_1`, ... (`counts`
-    keeps how many there were)."""
+    keeps how many there were), passing over a path of `modules` (Mamba's `F.conv1d` beside
+    the `conv1d` it holds is `conv1d_1`, as torch.fx names it)."""
     key = f"{block}.{function_name(fn)}" if block else function_name(fn)
-    n = counts.get(key, 0)
-    counts[key] = n + 1
-    return key if n == 0 else f"{key}_{n}"
+    while True:
+        n = counts.get(key, 0)
+        counts[key] = n + 1
+        if (path := key if n == 0 else f"{key}_{n}") not in modules:
+            return path
 
 
 def function_layer(opening: Opening, out: Traced, block: str | None, fn: Any, path: str) -> Raw:
