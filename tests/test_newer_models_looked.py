@@ -10,6 +10,8 @@ import math
 import re
 import warnings
 
+import pytest
+import torch
 from models.newer import CASES
 
 from somatize import Graph, Node
@@ -118,3 +120,17 @@ def test_a_function_box_takes_no_path_of_a_module_in_its_block():
     found = probe(case.model, case.example, most=400)
     assert "mambaforcausallm." + mixer + "conv1d_1" in found
     assert "mambaforcausallm." + mixer + "conv1d" not in found
+
+
+def test_probing_a_mamba_decoding_step_on_its_cache_says_why_it_cannot():
+    """Mamba's cache holds each layer's convolution and scan state, which a step writes over in
+    place after reading it, so no backward runs through a step on it (a plain forward and
+    `.backward()` fail alike): the probe's error says so and what to do."""
+    case = CASES["mamba"]()
+    model, ids = case.model.eval(), case.example["input_ids"]
+    with torch.no_grad():
+        cache = model(input_ids=ids, use_cache=True).cache_params
+    with pytest.raises(RuntimeError, match="inplace") as raised:
+        probe(model, {"input_ids": ids[:, -1:], "cache": cache, "use_cache": True})
+    said = " ".join(getattr(raised.value, "__notes__", []))
+    assert "probe" in said and "cache" in said and "use_cache=False" in said, said

@@ -42,6 +42,13 @@ _LEAFED = (
     "(setting requires_grad on a view of it) is probed in eval mode: model.eval()"
 )
 
+_OVERWRITTEN = (
+    "probe takes one backward through the forward, and this forward wrote over a tensor its "
+    "gradient needs (a plain forward then .backward() fails alike): a state held in a cache "
+    "of the example and updated in place (Mamba's) is one: probe the whole sequence without a "
+    "cache (use_cache=False)"
+)
+
 
 def _first(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The first floating-point tensor of `tensors`, if any."""
@@ -348,7 +355,12 @@ def probe(
             if outs and ends:
                 gen = torch.Generator().manual_seed(0)
                 cot = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in outs]
-                torch.autograd.grad(outs, ends, grad_outputs=cot, allow_unused=True)
+                try:
+                    torch.autograd.grad(outs, ends, grad_outputs=cot, allow_unused=True)
+                except RuntimeError as e:
+                    if "inplace" in str(e):
+                        note(e, _OVERWRITTEN)
+                    raise
             del outs, ends, result, x
             known.sources.clear()
     finally:  # what a hook was put on outlives the probe (a parameter read as it is)
