@@ -55,7 +55,8 @@ def recording(modules: Any) -> None:
     (transformers does it when a model is built, and a model read back was not): one model of
     each class built on the meta device from the model's config, which takes no memory and is
     dropped. Without it a model read back records nothing: its `hidden_states` are None and
-    SegFormer's decoder, which reads them, fails."""
+    SegFormer's decoder, which reads them, fails. A class not built from its config alone is
+    left as it came."""
     transformers, torch = sys.modules.get("transformers"), sys.modules.get("torch")
     if transformers is None or torch is None:
         return
@@ -64,7 +65,7 @@ def recording(modules: Any) -> None:
         kind = type(module)
         if isinstance(module, transformers.PreTrainedModel) and kind not in done:
             done.add(kind)
-            with torch.device("meta"):
+            with contextlib.suppress(Exception), torch.device("meta"):
                 kind(module.config)
 
 
