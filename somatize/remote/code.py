@@ -41,13 +41,9 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def _hears_nothing(module: Any, args: Any, output: Any) -> None:
-    return None
-
-
 def _unheard() -> Any:
     """A hook that does nothing, in place of a recording hook of the process that sent it."""
-    return _hears_nothing
+    return lambda *_: None
 
 
 def recording(modules: Any) -> None:
