@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models.newer import CASES
+from test_training_more_models import _call, _piece
 from torch import nn
 
 from somatize import Broker, Graph, Node, Store, Worker
@@ -125,17 +126,6 @@ def test_gemma2_on_a_worker_is_told_what_reaches_its_copy_there_and_then_trains_
     learnt = t.export()["lm"]  # tied: the head and the embeddings one tensor there too
     assert torch.equal(learnt["lm_head.weight"], learnt["model.embed_tokens.weight"])
     assert _near(learnt["lm_head.weight"], ref.lm_head.weight.detach())
-
-
-def _call(model, x):
-    return model(**x) if isinstance(x, dict) else model(x)
-
-
-def _piece(value, k, i):
-    """The i-th of k pieces of a batch along its first dimension, as `micro=k` cuts it."""
-    if isinstance(value, dict):
-        return {key: v.chunk(k)[i] for key, v in value.items()}
-    return value.chunk(k)[i]
 
 
 def _scheduled(params):
