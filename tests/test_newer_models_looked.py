@@ -134,3 +134,14 @@ def test_probing_a_mamba_decoding_step_on_its_cache_says_why_it_cannot():
         probe(model, {"input_ids": ids[:, -1:], "cache": cache, "use_cache": True})
     said = " ".join(getattr(raised.value, "__notes__", []))
     assert "probe" in said and "cache" in said and "use_cache=False" in said, said
+
+
+def test_architecture_without_an_example_says_why_a_node_it_cannot_read_is_not_there():
+    """torch.fx cannot follow a transformers DINOv2, and without an example nothing else can
+    read it: the answer has no entry for it, and a warning names the node, fx's reason and the
+    fix, rather than an empty dict with nothing said."""
+    case = CASES["dinov2"]()
+    with pytest.warns(UserWarning, match="dinov2forimageclassification") as said:
+        assert architecture(case.model) == {}
+    text = str(said[0].message)
+    assert "torch.fx" in text and "example" in text, text

@@ -17,7 +17,7 @@ from torch import nn
 from somatize import run
 from somatize.graph import as_graph
 from somatize.node import unwrap
-from somatize.run import in_one_line, note
+from somatize.run import in_one_line, note, warn
 from somatize.torch._modules import (
     Held,
     Holder,
@@ -321,6 +321,13 @@ def architecture(
             continue  # never reached (a branch not taken)
         got = _raw(root, plans.get(node), reached.get(node))
         if got is None:
+            if example is None:  # fx refused it, and only a run reads it otherwise
+                why = _REFUSED.get(root, {}).get(depth)
+                warn(
+                    f"architecture: node {node!r} is left out: torch.fx cannot follow its "
+                    f"forward{f' ({why})' if why else ''}, and without an example nothing else "
+                    f"reads it: pass one, architecture(g, x)"
+                )
             continue
         raw, how, why = got
         sends = sent.get(node, {})  # each node after it, by an edge to OUTPUT + its name
