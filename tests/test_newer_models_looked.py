@@ -145,3 +145,38 @@ def test_architecture_without_an_example_says_why_a_node_it_cannot_read_is_not_t
         assert architecture(case.model) == {}
     text = str(said[0].message)
     assert "torch.fx" in text and "example" in text, text
+
+
+def test_probe_gains_of_efficientnets_vanishing_signal_are_its_own():
+    """EfficientNet at random init shrinks its signal block by block to about 1e-20 and less,
+    whose squares are under float32's normal numbers: each place's signal_gain is still the
+    RMS of its output over the RMS of its input, as float64 reads them by hand (a SiLU on
+    values that small halves them: 0.5), not a 0 or a number off by half."""
+    case = CASES["efficientnet"]()
+    model = case.model.eval()
+    found = probe(model, case.example, most=1000)
+    rms: dict[str, tuple[float, float]] = {}
+
+    def heard(path):
+        def hook(module, args, out):
+            if path not in rms:
+                rms[path] = tuple(t.double().pow(2).mean().sqrt().item() for t in (args[0], out))
+
+        return hook
+
+    hooks = [
+        m.register_forward_hook(heard(p))
+        for p, m in model.named_modules()
+        if p and not list(m.children()) and not isinstance(m, torch.nn.Dropout)
+    ]
+    with torch.no_grad():
+        model(case.example)
+    for h in hooks:
+        h.remove()
+    checked = 0
+    for path, (given, made) in rms.items():
+        numbers = found.get(f"efficientnetforimageclassification.{path}", {})
+        if given > 0 and "signal_gain" in numbers:
+            assert math.isclose(numbers["signal_gain"], made / given, rel_tol=1e-4), path
+            checked += 1
+    assert checked > 30 and min(g for g, _ in rms.values() if g > 0) < 1e-19

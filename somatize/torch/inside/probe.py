@@ -57,10 +57,19 @@ def _first(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
     """‖g‖ of each sample (a row of the first dimension), or of the whole when `rows` is 0,
-    accumulated in float32 or wider."""
-    if rows:
-        return torch.linalg.vector_norm(g.reshape(rows, -1), dim=1, dtype=wide(g)).tolist()
-    return [float(norm(g))]
+    accumulated in float32 or wider (`_exact`)."""
+    flat = g.reshape(rows or 1, -1)
+    found = torch.linalg.vector_norm(flat, dim=1, dtype=wide(g)).tolist()
+    return [_exact(v, row) for v, row in zip(found, flat, strict=True)]
+
+
+def _exact(v: float, t: torch.Tensor) -> float:
+    """‖t‖ read as `v`, or taken again in float64 where float32 could not square its values:
+    inf (too large), or an RMS under 1e-18, whose squares lose their digits under float32's
+    normal numbers (EfficientNet's vanishing signal, which read 0 or a half off)."""
+    if math.isinf(v) or v < 1e-18 * t.numel() ** 0.5:
+        return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64))
+    return v
 
 
 class _Seen:
@@ -174,9 +183,8 @@ class _Place:
         fresh = [s for s in (i, o) if s is not None and s.rms is None]  # no RMS read yet
         weights = self.weights
         values = read(sums + [s.norm for s in fresh] + [norm(w) for w in weights])  # one read
-        read_norms = values[len(sums) : len(sums) + len(fresh)]  # (too large to square: again)
-        for s, v in zip(fresh, squared_norms(read_norms, [s.ref() for s in fresh]), strict=True):
-            s.rms = math.sqrt(v / s.size) if s.size else 0.0
+        for s, v in zip(fresh, values[len(sums) : len(sums) + len(fresh)], strict=True):
+            s.rms = _exact(v, s.ref()) / s.size**0.5 if s.size else 0.0
         n = self.numbers = {}
         if weights:
             n["param_norm"] = math.sqrt(sum(squared_norms(values[-len(weights) :], weights)))
