@@ -180,3 +180,19 @@ def test_probe_gains_of_efficientnets_vanishing_signal_are_its_own():
             assert math.isclose(numbers["signal_gain"], made / given, rel_tol=1e-4), path
             checked += 1
     assert checked > 30 and min(g for g, _ in rms.values() if g > 0) < 1e-19
+
+
+def test_mambas_scan_starting_from_a_state_of_zeros_is_not_called_dead():
+    """Mamba's scan (torch's path on a CPU) starts from a state of zeros: its first step
+    multiplies that state, so the product is zeros because a factor it was given is, not a
+    dead unit; the probe does not count its zeros, and the comparison flags nothing dead."""
+    from somatize.figures import compare
+
+    case = CASES["mamba"]()
+    found = probe(case.model, case.example, most=1000)
+    first = found["mambaforcausallm.backbone.layers.0.mixer.mul_3"]
+    assert "zero_frac_max" not in first and first["nan"] is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ProxyLeftOut)
+        df = compare({"mamba": case.model}, case.example)
+    assert "DEAD" not in df.loc["mamba", "probe:flags"], df.loc["mamba", "probe:flags"]

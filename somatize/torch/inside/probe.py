@@ -194,7 +194,14 @@ class _Place:
         if i is not None and i.rms > 0 and (out.requires_grad or not inp.requires_grad):
             n["signal_gain"] = o.rms / i.rms
         total, zeros, *saturated = values[: len(sums)]
-        if i is None or i.rms != 0:  # (the zeros of a place given only zeros are its input's)
+        # the zeros of a place given only zeros are its input's, and all-zero products of a
+        # factor of zeros are that factor's (Mamba's scan starting from a state of zeros)
+        given_zeros = (
+            size
+            and zeros == size
+            and any(t is not inp and t.is_floating_point() and not t.any() for t in given)
+        )
+        if (i is None or i.rms != 0) and not given_zeros:
             n["zero_frac_max"] = zeros / size if size else 0.0
         n["sat_frac_max"] = saturated[0] / size if size and saturated else 0.0
         finite = math.isfinite(total)  # a NaN or an inf anywhere shows in Σ|a|
