@@ -1,14 +1,10 @@
 """Values written as code (cloudpickle) for a worker started with `--accept-code`: a node's
 class and arguments, a Learning's objective. A torch module with parametrizations (a weight
 norm, as wav2vec2's positional convolution has) goes as the module without them and the
-parametrizations to put back, since torch refuses to pickle one as it is.
-
-What transformers keeps of a model in this process does not travel: the hooks that record
-hidden states and attentions, installed on a model's first forward that asks for them
-(closures over a context variable of this process, which no pickler writes down), go as hooks
-that do nothing, and the mark saying they are installed is left out, so the worker installs its
-own; and what each model class records, which transformers fills in when a model is built, is
-filled in on the worker by `recording`."""
+parametrizations to put back, since torch refuses to pickle one as it is. A transformers
+model's recording hooks (closures over this process, installed by its first forward asking
+for hidden states) go as hooks that do nothing, without their mark: the worker installs its
+own, after `recording`."""
 
 from __future__ import annotations
 
