@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from models import more
 from models.newer import CASES
 
 from somatize import Graph, Node
@@ -196,3 +197,25 @@ def test_mambas_scan_starting_from_a_state_of_zeros_is_not_called_dead():
         warnings.simplefilter("ignore", ProxyLeftOut)
         df = compare({"mamba": case.model}, case.example)
     assert "DEAD" not in df.loc["mamba", "probe:flags"], df.loc["mamba", "probe:flags"]
+
+
+def test_architecture_names_the_weights_a_forward_never_read():
+    """DINOv2 holds a mask token its plain forward never reads (it would stand in for masked
+    patches): the look names it, and only it (its class token and position table are read by
+    the functions between its layers). Gemma 2, its head tied to its embedding, and Mamba,
+    whose convolution weight is read by `F.conv1d` though its `conv1d` is never called, read
+    every weight they hold."""
+    case = CASES["dinov2"]()
+    inside = architecture(case.model, case.example)["dinov2forimageclassification"]
+    assert inside.unread == ["dinov2.embeddings.mask_token"]
+    assert inside.to_json()["unread"] == ["dinov2.embeddings.mask_token"]
+    g = Graph.somatize(Node.of(case.model).named("dinov2"))
+    svg = g.figure(inside=architecture(g, case.example)).svg()
+    tip = re.search(r'data-id="n:dinov2"[^>]*><title>([^<]*)', svg).group(1)
+    assert "never read: dinov2.embeddings.mask_token" in html.unescape(tip), tip
+    for name, node in [("gemma2", "gemma2forcausallm"), ("mamba", "mambaforcausallm")]:
+        case = CASES[name]()
+        for most in (48, 400):  # the mixer closed, and open
+            assert architecture(case.model, case.example, most=most)[node].unread == [], name
+    case = more.CASES["deberta"]()  # its relative positions' table handed to a LayerNorm
+    assert architecture(case.model, case.example)["debertav2forsequenceclassification"].unread == []

@@ -481,6 +481,7 @@ def _node(nid: str, node: dict, inside: dict | None, opened: bool, by: tuple) ->
     tip = [
         ("kind", kind or "?"),
         ("parameters", number(params)) if params is not None else None,
+        ("never read", ", ".join(inside["unread"])) if (inside or {}).get("unread") else None,
         ("device", str(node.get("device") or "anywhere")),
         ("host", str(node["host"])) if node.get("host") else None,
         ("cached", "yes" if salt is None else f"yes, salt {salt}") if node.get("cached") else None,

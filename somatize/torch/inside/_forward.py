@@ -233,6 +233,7 @@ class Reading(Boxes):
         self.edges: dict[tuple[str, str], None] = {}
         self.ends: list[str] = []  # the layers that made what the root gave back, in order
         self.read: set[str] = set()  # the marks of the tensors given that a layer read
+        self.weights: set[int] = set()  # the parameters the run read, by id
 
     def _ran(self, layer: Raw, made: frozenset[str]) -> None:
         """`layer` ran now, on what the layers in `made` made."""
@@ -248,7 +249,16 @@ class Reading(Boxes):
         return [t for m in sorted(self.read) if (t := self.given[m]()) is not None]
 
     def _began(self, path: str, call: int, module: nn.Module, given: list[torch.Tensor]) -> None:
+        read = [*module.parameters(), *given]  # (a closed box reads all it holds, and is given)
+        self.weights.update(id(t) for t in read if isinstance(t, nn.Parameter))
         self._ran(self.opening.add_leaf(self.out, path, call), self.made_by(given)[1])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        """Each torch function called: the weights it reads noted, then as `Boxes` hears it."""
+        self.weights.update(
+            id(t) for t in tensors_in((args, kwargs)) if isinstance(t, nn.Parameter)
+        )
+        return super().__torch_function__(func, types, args, kwargs)
 
     def _ended(self, box: str, module: nn.Module, given: list, outs: list) -> None:
         layer = self.out.layers[box]

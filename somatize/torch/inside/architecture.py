@@ -63,7 +63,9 @@ class Inside:
     reading what it gave (a module, in a graph run on an example; one layer reads what the
     torch functions its forward calls read, all it is given where they read none), those of
     `outputs` that made the tensors its layers read, `[]` if none:
-    `{"pool": ["pooler.activation"]}`.
+    `{"pool": ["pooler.activation"]}`. `unread` names the node's parameters its forward did not
+    read on the example (DINOv2's mask token; a box drawn closed reads all it holds); empty
+    without an example.
     """
 
     layers: list[Layer]
@@ -75,6 +77,7 @@ class Inside:
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     read_by: dict[str, list[str]] = field(default_factory=dict)
+    unread: list[str] = field(default_factory=list)
 
     def layer(self, path: str) -> Layer:
         """The layer at `path`; KeyError naming the paths there are if there is none."""
@@ -341,6 +344,10 @@ def architecture(
         read_by = {n: [p for p in outputs if (p, OUTPUT + n) in edges] for n in sends}
         inputs = [b for a, b in edges if a == INPUT and b != OUTPUT]
         edges = [(a, b) for a, b in edges if a != INPUT and not b.startswith(OUTPUT)]
-        params = params_of(root)
-        out[node] = Inside(layers, edges, how, why, hidden, params, inputs, outputs, read_by)
+        params, plan = params_of(root), plans.get(node)
+        seen = plan.weights if isinstance(plan, Reading) else None
+        unread = [n for n, p in root.named_parameters() if seen is not None and id(p) not in seen]
+        out[node] = Inside(
+            layers, edges, how, why, hidden, params, inputs, outputs, read_by, unread
+        )
     return out
