@@ -27,7 +27,7 @@ from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
 from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
-from somatize.torch.audit._measures import norm, output_of, read, squared_norms, sums_of, wide
+from somatize.torch.audit._measures import norm, output_of, read, sums_of, wide
 from somatize.torch.audit._place import saturation
 from somatize.torch.inside._forward import Boxes
 from somatize.torch.inside._trace import call_path
@@ -187,7 +187,7 @@ class _Place:
             s.rms = _exact(v, s.ref()) / s.size**0.5 if s.size else 0.0
         n = self.numbers = {}
         if weights:
-            n["param_norm"] = math.sqrt(sum(squared_norms(values[-len(weights) :], weights)))
+            n["param_norm"] = math.hypot(*map(_exact, values[-len(weights) :], weights))
         # a gain against zeros (a dead layer before) means nothing, nor one against an input
         # that asks for its gradient where the output does not: made without autograd, it is
         # not seen computed from it (rotary positions, handed the states for their dtype)
