@@ -219,3 +219,21 @@ def test_architecture_names_the_weights_a_forward_never_read():
             assert architecture(case.model, case.example, most=most)[node].unread == [], name
     case = more.CASES["deberta"]()  # its relative positions' table handed to a LayerNorm
     assert architecture(case.model, case.example)["debertav2forsequenceclassification"].unread == []
+
+
+def _embedded(h: torch.Tensor) -> dict:
+    """Embedded tokens, as Gemma 2's model takes them in place of ids."""
+    return {"inputs_embeds": h}
+
+
+def test_a_weight_another_node_reads_is_not_called_never_read():
+    """Gemma 2 cut into embed >> body: the body holds the embedding it is handed the output of
+    and does not call it, the embed node does; no node says that weight is never read."""
+    case = CASES["gemma2"]()
+    model, ids = case.model, case.example["input_ids"]
+    g = Graph.somatize(
+        Node.of(model.model.embed_tokens).named("embed")
+        >> Node.of(_embedded)
+        >> Node.of(model.model).named("body")
+    )
+    assert {n: i.unread for n, i in architecture(g, ids).items()} == {"embed": [], "body": []}

@@ -63,7 +63,7 @@ class Inside:
     reading what it gave (a module, in a graph run on an example; one layer reads what the
     torch functions its forward calls read, all it is given where they read none), those of
     `outputs` that made the tensors its layers read, `[]` if none:
-    `{"pool": ["pooler.activation"]}`. `unread` names the node's parameters its forward did not
+    `{"pool": ["pooler.activation"]}`. `unread` names the node's parameters no node's forward
     read on the example (DINOv2's mask token; a box drawn closed reads all it holds); empty
     without an example.
     """
@@ -318,6 +318,7 @@ def architecture(
         plans = _plan(roots, depth, example)
         reached, sent = ({}, {}) if example is None else _capture(graph, roots, example, plans)
     out: dict[str, Inside] = {}
+    weights = {w for p in plans.values() if isinstance(p, Reading) for w in p.weights}  # read
     owner: dict[int, tuple[str, str]] = {}  # parameter -> the first box drawn as one holding it
     for node, root in roots.items():
         if example is not None and node not in reached:
@@ -344,9 +345,8 @@ def architecture(
         read_by = {n: [p for p in outputs if (p, OUTPUT + n) in edges] for n in sends}
         inputs = [b for a, b in edges if a == INPUT and b != OUTPUT]
         edges = [(a, b) for a, b in edges if a != INPUT and not b.startswith(OUTPUT)]
-        params, plan = params_of(root), plans.get(node)
-        seen = plan.weights if isinstance(plan, Reading) else None
-        unread = [n for n, p in root.named_parameters() if seen is not None and id(p) not in seen]
+        params, read = params_of(root), isinstance(plans.get(node), Reading)
+        unread = [n for n, p in root.named_parameters() if read and id(p) not in weights]
         out[node] = Inside(
             layers, edges, how, why, hidden, params, inputs, outputs, read_by, unread
         )
