@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.more import CASES  # noqa: E402
-from test_users_see import _TEXTS, _open_offline, _overlapping  # noqa: E402
+from test_users_see import _TEXTS, _looked_at, _open_offline, _overlapping  # noqa: E402
 
 from somatize import Graph, Node  # noqa: E402
 from somatize.torch import architecture  # noqa: E402
@@ -31,25 +31,8 @@ def test_a_new_family_is_drawn_whole_with_its_names_inside_their_boxes(
     fig = g.figure(
         inside=architecture(g, case.example), expanded=[f"{name}:{block}"] if block else []
     )
-    svg = fig.svg()
-    asked = _open_offline(page, served, name, fig)
-    page.locator(".smz-fit").click()
-    shown = page.evaluate(
-        """() => [...document.querySelectorAll('.smz-drawing [data-id^="l:"]')]
-                 .map(e => e.dataset.id)"""
-    )
-    assert sorted(shown) == sorted(
-        k.split('"')[0] for k in svg.split('data-id="')[1:] if k.startswith("l:")
-    )
-    texts = page.evaluate(_TEXTS)
-    layers = [t for t in texts if t["box"] and t["id"].startswith("l:")]
-    assert len(layers) >= 2 * len(shown)  # each layer's name and shape
-    for t in layers:
-        box = t["box"]
-        assert box["x"] - 0.5 <= t["x"] and t["x"] + t["w"] <= box["x"] + box["w"] + 0.5, t
-    assert _overlapping(texts) == []
+    _looked_at(page, served, name, fig)
     page.screenshot(path=str(artifacts / f"more-{name}.png"), full_page=True)
-    assert asked == [] and page.errors == []
 
 
 def test_qwen2s_sliding_window_layer_is_drawn_beside_its_full_attention_layer(

@@ -47,6 +47,30 @@ def _open_offline(page, served, name, fig):
     return asked
 
 
+def _looked_at(page, served, name, fig):
+    """Open `fig` offline; every layer drawn in the page, each name inside its box, no label
+    over another, nothing fetched, no error. The layers shown."""
+    svg = fig.svg()
+    asked = _open_offline(page, served, name, fig)
+    page.locator(".smz-fit").click()
+    shown = page.evaluate(
+        """() => [...document.querySelectorAll('.smz-drawing [data-id^="l:"]')]
+                 .map(e => e.dataset.id)"""
+    )
+    assert sorted(shown) == sorted(
+        k.split('"')[0] for k in svg.split('data-id="')[1:] if k.startswith("l:")
+    )
+    texts = page.evaluate(_TEXTS)
+    layers = [t for t in texts if t["box"] and t["id"].startswith("l:")]
+    assert len(layers) >= 2 * len(shown)  # each layer's name and shape
+    for t in layers:
+        box = t["box"]
+        assert box["x"] - 0.5 <= t["x"] and t["x"] + t["w"] <= box["x"] + box["w"] + 0.5, t
+    assert _overlapping(texts) == []
+    assert asked == [] and page.errors == []
+    return shown
+
+
 def _overlapping(texts):
     out = []
     for i, a in enumerate(texts):
