@@ -96,7 +96,8 @@ def fold(traced: Traced) -> tuple[dict[str, Raw], list[tuple[str, str]]]:
         kids = _children(layers)
         twin = functools.partial(_twin, layers=layers, kids=kids, edges=set(edges), memo={})
         for _, twins in itertools.groupby(kids.get(parent, []), twin):
-            for run in _alike(list(twins), layers, kids):
+            twins = list(twins)
+            for run in _alike(twins, layers, kids) if len(twins) >= 2 else []:
                 if len(run) >= 2:
                     edges = _fold_run(layers, kids, edges, run)
         kids = _children(layers)
