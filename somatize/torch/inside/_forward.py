@@ -160,6 +160,10 @@ class Boxes(TorchFunctionMode):
     def _left(self, path: str, call: int, outs: list) -> None:
         """The `call`-th call of the open block at `path` gave back `outs`."""
 
+    def _handed(self, ins: list[torch.Tensor]) -> None:
+        """A torch function between the boxes was handed `ins` (before anything is known of
+        it)."""
+
     def _gave(self, outs: list[torch.Tensor]) -> None:
         """The root's first call gave back `outs`."""
 
@@ -168,6 +172,7 @@ class Boxes(TorchFunctionMode):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         ins = tensors_in((args, kwargs))
+        self._handed(ins)
         tracked, made = self.made_by(ins, data_only=True)
         name = function_name(func)
         if not tracked or name in FRESH or (name == "where" and not self.made_by(ins[1:])[0]):
@@ -253,12 +258,8 @@ class Reading(Boxes):
         self.weights.update(id(t) for t in read if isinstance(t, nn.Parameter))
         self._ran(self.opening.add_leaf(self.out, path, call), self.made_by(given)[1])
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        """Each torch function called: the weights it reads noted, then as `Boxes` hears it."""
-        self.weights.update(
-            id(t) for t in tensors_in((args, kwargs)) if isinstance(t, nn.Parameter)
-        )
-        return super().__torch_function__(func, types, args, kwargs)
+    def _handed(self, ins: list[torch.Tensor]) -> None:
+        self.weights.update(id(t) for t in ins if isinstance(t, nn.Parameter))
 
     def _ended(self, box: str, module: nn.Module, given: list, outs: list) -> None:
         layer = self.out.layers[box]
