@@ -34,41 +34,9 @@ def test_a_node_that_is_one_layer_is_said_to_read_the_layer_that_made_what_it_re
     assert inside["out"].read_by == {}
 
 
-class _Lookup(nn.Module):
-    """A module of the user's own that looks its rows up with `F.embedding(max_norm=)`."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(10, 4) * 10)  # every row far past max_norm
-
-    def forward(self, x):
-        return nn.functional.embedding(x, self.weight, max_norm=0.5)
-
-
-class _OwnLookup(nn.Module):
-    """`F.embedding(max_norm=)` in the user's own forward, in a block (beside a layer) and in
-    a layer of the user's own, each writing over the rows it looks up, in place."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.table = nn.Parameter(torch.randn(10, 4) * 10)
-        self.lookup = _Lookup()
-        self.fc = nn.Linear(4, 3)
-
-    renormed = ("table", "lookup.weight")
-
-    def forward(self, x):
-        h = nn.functional.embedding(x, self.table, None, 0.5) + self.lookup(x)
-        return self.fc(h).mean(1)
-
-
 @pytest.mark.parametrize(
     "net, look",
-    [
-        (net, look)
-        for net in (Renormed, _OwnLookup)
-        for look in ("architecture", "probe", "proxies")
-    ],
+    [(Renormed, look) for look in ("architecture", "probe", "proxies")],
 )
 def test_a_look_leaves_weights_a_forward_renormalises_in_place_as_they_were(net, look):
     net = net()

@@ -14,11 +14,9 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
-from torch.overrides import TorchFunctionMode
 
 from somatize.node import Opaque
 from somatize.torch.placement import named_modules_of
@@ -201,65 +199,6 @@ class Held:
             p.requires_grad_(True)
 
 
-_AUGMENTED = "add sub mul div truediv floordiv mod pow and or xor lshift rshift"
-_WRITES = frozenset(["__setitem__", *(f"__i{op}__" for op in _AUGMENTED.split())])
-"""The names of the torch functions that write over their first argument, besides those named
-in place (`mul_`): an augmented assignment, and `w[i] = v`."""
-_RENORMS = frozenset([F.embedding, F.embedding_bag])
-_writes: dict[Any, bool] = {}  # whether a torch function writes over its first argument
-
-
-class Kept(TorchFunctionMode):
-    """The parameters `params` as they were when it was entered, whatever a look's forward
-    writes over in place (`untouched` enters it, and puts back what they are bound to, this
-    what they hold). The first time a torch function is about to write into a
-    parameter's storage, that parameter is copied, and the copies are put back on exit: a
-    function named in place (`w.data.mul_(2)`, `torch.embedding_renorm_`), an augmented
-    assignment or `w[i] = v`, an `out=`, and `F.embedding` or `F.embedding_bag` given a
-    `max_norm`, which renormalises the rows it looks up in its weight. Nothing is copied where
-    nothing is written over; each call pays a look at its name."""
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        super().__init__()
-        self.at = {_storage(p): p for p in params if _storage(p)}
-        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        """Copy each parameter `func` is about to write over (the first time), then call it."""
-        kwargs = kwargs or {}
-        if func in _RENORMS:  # (input, weight, _, max_norm, ...)
-            if (args[3] if len(args) > 3 else kwargs.get("max_norm")) is not None:
-                self._keep(tensors_in(args[1:2] or kwargs.get("weight")))
-        else:
-            writes = _writes.get(func)
-            if writes is None:
-                name = getattr(func, "__name__", "")
-                writes = name in _WRITES or name[-1:] == "_" != name[:1]  # (`mul_`, not `__`)
-                _writes[func] = writes = writes and name != "requires_grad_"  # (what it is)
-            if writes or "out" in kwargs:
-                self._keep(tensors_in((args[:1] if writes else (), kwargs.get("out"))))
-        return func(*args, **kwargs)
-
-    def _keep(self, written: list[torch.Tensor]) -> None:
-        for t in written:
-            p = self.at.get(_storage(t))
-            if p is not None and id(p) not in self.saved:  # (its values, wherever it is bound)
-                self.saved[id(p)] = p.detach(), p.detach().clone()
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        with torch.no_grad():
-            for values, saved in self.saved.values():
-                values.copy_(saved)
-
-
-def _storage(t: torch.Tensor) -> int:
-    """Where `t`'s values are (0 for a tensor that holds none there: sparse, meta)."""
-    if t.layout != torch.strided or t.is_meta:
-        return 0
-    return t.untyped_storage().data_ptr()
-
-
 @contextlib.contextmanager
 def untouched(held: Held) -> Iterator[None]:
     """Whatever happens inside, the modules `held` (refused first where no look can run
@@ -267,13 +206,18 @@ def untouched(held: Held) -> Iterator[None]:
 
     Modes, parameter values and dtypes, gradients (the same tensors), `requires_grad`,
     buffers, `inplace` flags, and the global random state (CUDA's too, where it is in use);
-    a weight the forward writes over in place (an embedding's `max_norm`) is copied as it is
-    first written (`Kept`). Inside, the global generators are seeded with 0, so a dropout draws the
+    the weight of an embedding with a `max_norm`, which its forward renormalises in place, is
+    copied for it. Inside, the global generators are seeded with 0, so a dropout draws the
     same masks every call.
     """
     modes = [(m, m.training) for m in held.modules]
     inplace = [(m, flag) for m in held.modules if (flag := _in_place(m)) is not None]
     params = [(p, p.data, p.grad, p.requires_grad) for p in held.params]
+    renormed = [
+        (m.weight, m.weight.detach().clone())
+        for m in held.modules
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+    ]
     buffers = [(m, name, b, b.detach().clone()) for m, name, b in held.buffers]
     rng = torch.get_rng_state()
     gpus = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
@@ -283,8 +227,7 @@ def untouched(held: Held) -> Iterator[None]:
         torch.default_generator.manual_seed(0)
         if gpus is not None:
             torch.cuda.manual_seed_all(0)
-        with Kept(held.params):
-            yield
+        yield
     finally:
         torch.set_rng_state(rng)
         if gpus is not None:
@@ -300,6 +243,8 @@ def untouched(held: Held) -> Iterator[None]:
                 p.data = data
                 p.grad = grad
                 p.requires_grad_(requires)
+            for w, saved in renormed:
+                w.copy_(saved)
             for m, name, b, saved in buffers:
                 if getattr(m, name, None) is not b:  # the buffer itself, if it was replaced
                     setattr(m, name, b)
