@@ -206,7 +206,8 @@ def main() -> None:
             "in turns; a ratio is the median of the rounds' ratios. A probe is a forward "
             "and a backward and a fixed cost: a hook pair on every box it draws, put on and "
             "taken off each call, a few reductions per box (every box it draws is measured as "
-            "it runs, the first and last `most` kept), and the net set aside and put back. The small configs' forwards take a millisecond or two, where that fixed "
+            "it runs, the first and last `most` kept), and the net set aside and put back. "
+            "The small configs' forwards take a millisecond or two, where that fixed "
             "cost shows most; ResNet-18 at 224 is the size the cost was first seen at."
         ),
     )
