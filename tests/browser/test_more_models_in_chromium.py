@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.more import CASES  # noqa: E402
-from test_users_see import _TEXTS, _looked_at, _open_offline, _overlapping  # noqa: E402
+from test_users_see import _TEXTS, _family_figure, _looked_at, _open_offline, _overlapping  # noqa: E402
 
 from somatize import Graph, Node  # noqa: E402
 from somatize.torch import architecture  # noqa: E402
@@ -25,12 +25,8 @@ UNFOLDED = {"llama": "model.layers.0", "wav2vec2": "wav2vec2.encoder.layers.0", 
 def test_a_new_family_is_drawn_whole_with_its_names_inside_their_boxes(
     name, page, served, artifacts
 ):
-    case = CASES[name]()
-    g = Graph.somatize(Node.of(case.model).named(name))
     block = UNFOLDED[name]
-    fig = g.figure(
-        inside=architecture(g, case.example), expanded=[f"{name}:{block}"] if block else []
-    )
+    fig = _family_figure(CASES[name](), name, block)
     _looked_at(page, served, name, fig)
     page.screenshot(path=str(artifacts / f"more-{name}.png"), full_page=True)
 

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.newer import CASES  # noqa: E402
-from test_users_see import _looked_at  # noqa: E402
+from test_users_see import _family_figure, _looked_at  # noqa: E402
 
 from somatize import Graph, Node  # noqa: E402
 from somatize.torch import architecture  # noqa: E402
@@ -35,12 +35,8 @@ UNFOLDED = {
 def test_a_newer_family_is_drawn_whole_with_its_names_inside_their_boxes(
     name, page, served, artifacts
 ):
-    case = CASES[name]()
-    g = Graph.somatize(Node.of(case.model).named(name))
     block = UNFOLDED[name]
-    fig = g.figure(
-        inside=architecture(g, case.example), expanded=[f"{name}:{block}"] if block else []
-    )
+    fig = _family_figure(CASES[name](), name, block)
     shown = _looked_at(page, served, name, fig)
     if block:  # both copies drawn, unfolded
         assert any(".1." in s for s in shown), shown

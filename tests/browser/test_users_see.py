@@ -47,6 +47,14 @@ def _open_offline(page, served, name, fig):
     return asked
 
 
+def _family_figure(case, name, block):
+    """`case`'s model drawn as one node named `name`, on its example, its repeated block
+    `block` unfolded (None: drawn as it folds)."""
+    g = Graph.somatize(Node.of(case.model).named(name))
+    expanded = [f"{name}:{block}"] if block else []
+    return g.figure(inside=architecture(g, case.example), expanded=expanded)
+
+
 def _looked_at(page, served, name, fig):
     """Open `fig` offline; every layer drawn in the page, each name inside its box, no label
     over another, nothing fetched, no error. The layers shown."""
