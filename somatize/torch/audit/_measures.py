@@ -66,21 +66,23 @@ def _values(t: torch.Tensor) -> torch.Tensor:
 
 def norm(t: torch.Tensor) -> torch.Tensor:
     """‖t‖ as a one-number tensor, accumulated in float32 or wider (called under no_grad).
-    Values so large that their norm overflows read inf: `squared_norms` tells them from an
-    infinity."""
+    Values too large or too small for float32 to square read wrong: `exact` tells."""
     return torch.linalg.vector_norm(_values(t), dtype=wide(t))
 
 
+def exact(v: float, t: torch.Tensor) -> float:
+    """‖t‖ from its `norm` as read (`v`), taken again in float64 where float32 could not square
+    its values: inf (too large; an inf then means an infinity, a NaN a NaN), or an RMS under
+    1e-18, whose squares lose their digits under float32's normal numbers (EfficientNet's
+    vanishing signal, which read 0 or a half off)."""
+    if math.isinf(v) or v < 1e-18 * t.numel() ** 0.5:
+        return float(torch.linalg.vector_norm(_values(t.detach()), dtype=torch.float64))
+    return v
+
+
 def squared_norms(norms: list[float], tensors: list[torch.Tensor]) -> list[float]:
-    """‖t‖² of each of `tensors` from its `norm` as read, one that read inf taken again in
-    float64: an inf then means an infinity (or a NaN, a NaN), not values too large to square
-    in float32."""
-    out = []
-    for v, t in zip(norms, tensors, strict=True):
-        if math.isinf(v):
-            v = float(torch.linalg.vector_norm(_values(t.detach()), dtype=torch.float64))
-        out.append(v * v)
-    return out
+    """‖t‖² of each of `tensors` from its `norm` as read, by `exact`."""
+    return [exact(v, t) ** 2 for v, t in zip(norms, tensors, strict=True)]
 
 
 def read(tensors: list[torch.Tensor]) -> list[float]:

@@ -27,7 +27,7 @@ from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
 from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
-from somatize.torch.audit._measures import norm, output_of, read, sums_of, wide
+from somatize.torch.audit._measures import exact, norm, output_of, read, sums_of, wide
 from somatize.torch.audit._place import saturation
 from somatize.torch.inside._forward import Boxes
 from somatize.torch.inside._trace import call_path
@@ -57,19 +57,10 @@ def _first(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
     """‖g‖ of each sample (a row of the first dimension), or of the whole when `rows` is 0,
-    accumulated in float32 or wider (`_exact`)."""
+    accumulated in float32 or wider (`exact`)."""
     flat = g.reshape(rows or 1, -1)
     found = torch.linalg.vector_norm(flat, dim=1, dtype=wide(g)).tolist()
-    return [_exact(v, row) for v, row in zip(found, flat, strict=True)]
-
-
-def _exact(v: float, t: torch.Tensor) -> float:
-    """‖t‖ read as `v`, or taken again in float64 where float32 could not square its values:
-    inf (too large), or an RMS under 1e-18, whose squares lose their digits under float32's
-    normal numbers (EfficientNet's vanishing signal, which read 0 or a half off)."""
-    if math.isinf(v) or v < 1e-18 * t.numel() ** 0.5:
-        return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64))
-    return v
+    return [exact(v, row) for v, row in zip(found, flat, strict=True)]
 
 
 class _Seen:
@@ -184,10 +175,10 @@ class _Place:
         weights = self.weights
         values = read(sums + [s.norm for s in fresh] + [norm(w) for w in weights])  # one read
         for s, v in zip(fresh, values[len(sums) : len(sums) + len(fresh)], strict=True):
-            s.rms = _exact(v, s.ref()) / s.size**0.5 if s.size else 0.0
+            s.rms = exact(v, s.ref()) / s.size**0.5 if s.size else 0.0
         n = self.numbers = {}
         if weights:
-            n["param_norm"] = math.hypot(*map(_exact, values[-len(weights) :], weights))
+            n["param_norm"] = math.hypot(*map(exact, values[-len(weights) :], weights))
         # a gain against zeros (a dead layer before) means nothing, nor one against an input
         # that asks for its gradient where the output does not: made without autograd, it is
         # not seen computed from it (rotary positions, handed the states for their dtype)
