@@ -37,6 +37,12 @@ def kinds() -> tuple[type, ...]:
     return () if found is None else (found.DynamicCache, found.EncoderDecoderCache)
 
 
+def any_cache(value: Any) -> bool:
+    """Whether `value` is a transformers key/value cache of any kind, or a layer of one."""
+    found = sys.modules.get(MODULE)
+    return found is not None and isinstance(value, (found.Cache, found.CacheLayerMixin))
+
+
 def fields_of(cache: Any) -> list:
     """`[[field, value], ...]` for a cache `build` can rebuild; `NoCodec` for any other, saying
     what to do."""

@@ -114,7 +114,7 @@ def freeze(graph: Any, *node_ids: str) -> None:
     caching.state_changed()
 
 
-def trainable(graph: Any, nid: str) -> list[tuple[str, nn.Parameter]]:
+def trainable_params(graph: Any, nid: str) -> list[tuple[str, nn.Parameter]]:
     """The parameters of node `nid` that ask for a gradient, by their keys in `state_of`."""
     state = state_of(graph.implementation(nid)).items()
     return [(k, t) for k, t in state if isinstance(t, nn.Parameter) and t.requires_grad]
@@ -124,11 +124,11 @@ def untied_from_frozen(graph: Any, frozen: set[str]) -> None:
     """Refuse a parameter that a node in `frozen` holds and a node not in it trains (tied
     weights, Qwen2's embeddings in a frozen body and its output layer in a trained head):
     settling the frozen node would freeze it for the other too, which would train without it."""
-    held = {id(t): (nid, k) for nid in frozen for k, t in trainable(graph, nid)}
+    held = {id(t): (nid, k) for nid in frozen for k, t in trainable_params(graph, nid)}
     for nid in graph.topological_sort():
         if nid in frozen:
             continue
-        for key, t in trainable(graph, nid):
+        for key, t in trainable_params(graph, nid):
             if id(t) in held:
                 fid, fkey = held[id(t)]
                 raise ValueError(

@@ -11,7 +11,6 @@ or on a worker (`somatize.torch.training.remote`) through the same two calls.
 from __future__ import annotations
 
 import itertools
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -23,7 +22,7 @@ from somatize.node import Node, Piece, Settings
 from somatize.torch import _caches
 from somatize.torch._modules import tensors_in
 from somatize.torch.training.learning import backward_from, envelope, grad_of, gradient, leafed
-from somatize.torch.training.params import trainable, untied_from_frozen
+from somatize.torch.training.params import trainable_params, untied_from_frozen
 
 __all__ = ["INPUT", "LOSS", "TARGET", "Part", "Stages", "Inlet", "Outlet", "untied"]
 
@@ -49,8 +48,7 @@ def carried(value: Any) -> list[Any]:
         return [t for v in value for t in carried(v)]
     if isinstance(value, Mapping):
         return [t for v in value.values() for t in carried(v)]
-    found = sys.modules.get(_caches.MODULE)
-    if found is not None and isinstance(value, (found.Cache, found.CacheLayerMixin)):
+    if _caches.any_cache(value):
         return carried(list(vars(value).values()))  # its layers, and each layer's tensors
     return tensors_in(value)
 
@@ -249,7 +247,7 @@ def untied(graph: Graph, trains: dict[str, Any]) -> None:
     for nid in graph.topological_sort():
         if nid in frozen:  # frozen, it learns nothing on either side
             continue
-        for key, t in trainable(graph, nid):
+        for key, t in trainable_params(graph, nid):
             oid, okey = seen.setdefault(id(t), (nid, key))
             if side(oid) == side(nid):  # one host, trained by one thing
                 continue
