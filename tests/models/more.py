@@ -8,7 +8,7 @@ the builders."""
 from __future__ import annotations
 
 import torch
-from models.zoo import BATCH, SEQ, VOCAB, Case, _image, _tokens, class_loss, token_loss
+from models.zoo import BATCH, SEQ, TEXT, VOCAB, Case, _image, _tokens, class_loss, token_loss
 
 
 def llama() -> Case:
@@ -18,13 +18,8 @@ def llama() -> Case:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        **TEXT,
         num_key_value_heads=1,
-        max_position_embeddings=32,
     )
     example = _tokens(21)
     return Case(
@@ -40,13 +35,8 @@ def qwen2(window: int | None = None) -> Case:
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        **TEXT,
         num_key_value_heads=1,
-        max_position_embeddings=32,
         tie_word_embeddings=True,
         use_sliding_window=window is not None,
         sliding_window=window or 4096,
@@ -149,12 +139,7 @@ def deberta() -> Case:
 
     torch.manual_seed(0)
     config = DebertaV2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
+        **TEXT,
         relative_attention=True,
         position_buckets=8,
         pos_att_type=["p2c", "c2p"],

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from models.zoo import BATCH, VOCAB, Case, _image, _tokens, class_loss, token_loss
+from models.zoo import BATCH, TEXT, VOCAB, Case, _image, _tokens, class_loss, token_loss
 
 
 def mamba() -> Case:
@@ -37,14 +37,9 @@ def gemma2() -> Case:
 
     torch.manual_seed(0)
     config = Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
+        **TEXT,
         num_key_value_heads=1,
         head_dim=16,
-        max_position_embeddings=32,
         sliding_window=4,
         attn_implementation="eager",
     )
@@ -61,12 +56,7 @@ def gpt_neox() -> Case:
 
     torch.manual_seed(0)
     config = GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=32,
+        **TEXT,
         rotary_pct=0.25,
         use_parallel_residual=True,
     )
@@ -87,12 +77,7 @@ def modernbert() -> Case:
 
     torch.manual_seed(0)
     config = ModernBertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=32,
+        **TEXT,
         global_attn_every_n_layers=2,
         local_attention=4,
         num_labels=3,

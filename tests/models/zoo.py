@@ -21,6 +21,15 @@ from torch import nn
 VOCAB = 96
 SEQ = 8
 BATCH = 2
+TEXT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "max_position_embeddings": 32,
+}
+"""The small sizes every transformer of the suite written in these keywords is built at."""
 
 
 @dataclass
@@ -100,15 +109,7 @@ def bert(*, dropout: float | None = None) -> Case:
     torch.manual_seed(0)
     drops = ("hidden_dropout_prob", "attention_probs_dropout_prob")
     drops = {} if dropout is None else dict.fromkeys(drops, dropout)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        **drops,
-    )
+    config = BertConfig(**TEXT, **drops)
     model = BertModel(config)
     target = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(1))
     return Case("bert", model, _tokens(0), target, hidden_loss)
