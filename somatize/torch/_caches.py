@@ -34,7 +34,7 @@ def kinds() -> tuple[type, ...]:
     """The cache classes `build` rebuilds, where this process has loaded transformers' caches
     (none where it has not)."""
     found = sys.modules.get(MODULE)
-    return () if found is None else (found.DynamicCache, found.EncoderDecoderCache)
+    return () if found is None else tuple(getattr(found, name) for _, name in NAMES)
 
 
 def any_cache(value: Any) -> bool:
