@@ -103,10 +103,6 @@ class Thresholds:
 _DEFAULT = Thresholds()
 
 
-def _num(numbers: Mapping[str, Any], key: str) -> float | None:
-    return number(numbers.get(key))
-
-
 def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) -> list[Flag]:
     """The flags these numbers raise, in a fixed order (numeric, signal, activation, step,
     capacity); empty for a healthy place. Refuses anything that is not a mapping.
@@ -137,19 +133,19 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
     t = thresholds or _DEFAULT
     if not isinstance(t, Thresholds):
         raise TypeError(f"thresholds is a Thresholds(...), not {thresholds!r}")
-    values = [n for k, v in numbers.items() if k not in FACT_KEYS and (n := number(v)) is not None]
-    nan = numbers.get("nan") is True or any(math.isnan(v) for v in values)
-    inf = numbers.get("inf") is True or any(math.isinf(v) for v in values)
+    got = {k: n for k, v in numbers.items() if k not in FACT_KEYS and (n := number(v)) is not None}
+    nan = numbers.get("nan") is True or any(math.isnan(v) for v in got.values())
+    inf = numbers.get("inf") is True or any(math.isinf(v) for v in got.values())
     if nan or inf:
         if numbers.get("inherited") is True:
             return []
         return [f for f, on in ((NAN, nan), (INF, inf)) if on]
     flags: list[Flag] = []
-    grad = _num(numbers, "grad_norm")
-    zero = _num(numbers, "zero_frac_max")
-    sat = _num(numbers, "sat_frac_max")
-    ratio = _num(numbers, "update_ratio")
-    weights = _num(numbers, "param_norm")
+    grad = got.get("grad_norm")
+    zero = got.get("zero_frac_max")
+    sat = got.get("sat_frac_max")
+    ratio = got.get("update_ratio")
+    weights = got.get("param_norm")
     # zeros from weights that are all zero (a zero-initialised layer: LoRA's B, a residual
     # branch's last norm set to 0) are what it has not learnt yet, not dead units
     dead = zero is not None and zero >= t.dead_frac and weights != 0.0
@@ -173,23 +169,23 @@ def verdict(numbers: Mapping[str, Any], thresholds: Thresholds | None = None) ->
         flags.append(OVERSTEPPING)
     elif stall and not cut_off and VANISHING not in flags:
         flags.append(STALLED)
-    flags += _capacity(numbers, t, dead)
+    flags += _capacity(got, t, dead)
     return flags
 
 
-def _capacity(numbers: Mapping[str, Any], t: Thresholds, dead: bool) -> list[Flag]:
+def _capacity(got: dict[str, float], t: Thresholds, dead: bool) -> list[Flag]:
     flags: list[Flag] = []
-    gone, channels = _num(numbers, "dead_channels"), _num(numbers, "channels")
+    gone, channels = got.get("dead_channels"), got.get("channels")
     if gone and channels and gone / channels >= t.dead_channel_frac and not dead:
         flags.append(DEAD_CHANNELS(int(gone)))
-    ignored, inputs = _num(numbers, "ignored_channels"), _num(numbers, "input_channels")
+    ignored, inputs = got.get("ignored_channels"), got.get("input_channels")
     if ignored and inputs and ignored / inputs >= t.dormant_frac:
         flags.append(IGNORED_CHANNELS(int(ignored)))
-    cka = _num(numbers, "cka")
+    cka = got.get("cka")
     if cka is not None and cka >= t.leakage_cka:
         flags.append(LEAKAGE)
-    rank, room = _num(numbers, "effective_rank"), _num(numbers, "rank_room")
-    start = _num(numbers, "rank_share_start")
+    rank, room = got.get("effective_rank"), got.get("rank_room")
+    start = got.get("rank_share_start")
     wide = start is None or start >= t.narrow_frac  # (narrow from the first look: by make)
     if rank and room and room > 1 and rank < t.narrow_frac * room and wide and not dead:
         flags.append(NARROWING)
