@@ -50,14 +50,14 @@ def _described(value: Any) -> str:
 def pair_of(batch: Any) -> tuple[Any, Any]:
     """The (input, target) a batch is (a tuple, a namedtuple or a list of two, an `Opaque`
     around it or in either taken off); anything else refused, naming it."""
-    batch = unwrap(batch)  # an Opaque around it (a plain pair's items: taken off here too)
+    batch = unwrap(batch)  # an Opaque around it, and in its items
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(
             f"a batch is (input, target), not {_described(batch)}: yield pairs from your "
             "data (for a model that computes its own loss from labels in its input: "
             "(batch, None), with objective=lambda out, _: out.loss)"
         )
-    return unwrap(batch[0]), unwrap(batch[1])  # a namedtuple's items
+    return batch[0], batch[1]
 
 
 def grad_mode() -> None:
