@@ -160,7 +160,6 @@ class Trainer:
         self.broker = broker
         self.watching = told
         self.finite = finite
-        self._scale = float(self.every * self.micro)
         self._groups = -1  # how many param groups the optimizer had when `_trained` was read
         self._trained: list = []  # the modules of the nodes this run trains
         self._count = 0
@@ -199,53 +198,61 @@ class Trainer:
         node and one the optimizer does not hold are left as they are."""
         _checks.grad_mode()
         x, y = _checks.pair_of(batch)
-        xs, ys = pieces(x, y, self.micro) if self.micro > 1 else ((x,), (y,))
+        micro = self.micro
+        xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
         try:
-            return self._step(xs, ys)
+            optimizer = self.optimizer
+            groups = 0 if optimizer is None else len(optimizer.param_groups)
+            if groups != self._groups:  # read again when a param group is added mid-run
+                self._groups = groups
+                self._trained = trained(self.graph, optimizer, self.trains)
+            for module in self._trained:  # a node it trains, left in eval mode
+                if not module.training:
+                    module.train()
+            if self._count == 0 and optimizer is not None:
+                optimizer.zero_grad()
+            closing = self._count + 1 >= self.every
+            parallel = self._parallel
+            runs = parallel or self._stages  # under parallel=, through DDP (FSDP)
+            scale = self.every * micro
+            total = 0.0
+            for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
+                sync = closing and k == micro - 1
+                if parallel is not None:  # a piece that does not close runs under no_sync
+                    parallel.sync = sync
+                torch.clear_autocast_cache()  # under autocast, the weights as they are now
+                loss = _checks.one_loss(
+                    self.objective(runs.forward(x, store=self.store, target=y), y)
+                )
+                if self.finite:
+                    _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
+                with _outside_autocast(loss.device.type):
+                    runs.backward(loss / scale if scale != 1 else loss, sync)
+                if micro > 1:
+                    total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
+            value = loss.item() if micro == 1 else float(total) / micro
+            self._count += 1
+            step = self._steps
+            self._steps += 1
+            told = self.watching
+            if told:
+                run.tell(told, {"fact": "loss", "value": value, "step": step})
+                if not self._stages.whole:
+                    fwd, back = self._stages.crossed()
+                    run.tell(
+                        told, {"fact": "crossed", "step": step, "forward": fwd, "backward": back}
+                    )
+            if self.audit is not None:  # its facts wait for their update (`moved` fills it in)
+                facts = self.audit.observed(self.graph)
+                if told and facts:
+                    self._health += facts
+            if closing:
+                self._apply(step)
+            run.flush(self.watching)
+            return value
         except BaseException:  # an error, or Ctrl-C, half way through: its group is dropped
             self._drop()
             raise
-
-    def _step(self, xs: Any, ys: Any) -> float:
-        micro = self.micro
-        self._train_mode()
-        if self._count == 0 and self.optimizer is not None:
-            self.optimizer.zero_grad()
-        closing = self._count + 1 >= self.every
-        parallel = self._parallel
-        runs = parallel or self._stages  # under parallel=, through DDP (FSDP)
-        scale = self._scale
-        total = 0.0
-        for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
-            sync = closing and k == micro - 1
-            if parallel is not None:  # a piece that does not close runs under no_sync
-                parallel.sync = sync
-            torch.clear_autocast_cache()  # under autocast, the weights as they are now
-            loss = _checks.one_loss(self.objective(runs.forward(x, store=self.store, target=y), y))
-            if self.finite:
-                _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
-            with _outside_autocast(loss.device.type):
-                runs.backward(loss / scale if scale != 1.0 else loss, sync)
-            if micro > 1:
-                total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
-        value = loss.item() if micro == 1 else float(total) / micro
-        self._count += 1
-        step = self._steps
-        self._steps += 1
-        told = self.watching
-        if told:
-            run.tell(told, {"fact": "loss", "value": value, "step": step})
-            if not self._stages.whole:
-                fwd, back = self._stages.crossed()
-                run.tell(told, {"fact": "crossed", "step": step, "forward": fwd, "backward": back})
-        if self.audit is not None:  # its facts wait for their update (`moved` fills it in)
-            facts = self.audit.observed(self.graph)
-            if told and facts:
-                self._health += facts
-        if closing:
-            self._apply(step)
-        run.flush(self.watching)
-        return value
 
     def _drop(self) -> None:
         """Forgets the open group: its gradients are cleared, the next step opens a new one; the
@@ -263,16 +270,6 @@ class Trainer:
             run.tell(self.watching, *self._health)
             self._health = []
 
-    def _train_mode(self) -> None:
-        """Puts the nodes this run trains that are in eval mode in train mode."""
-        groups = 0 if self.optimizer is None else len(self.optimizer.param_groups)
-        if groups != self._groups:  # read again when a param group is added mid-run
-            self._groups = groups
-            self._trained = trained(self.graph, self.optimizer, self.trains)
-        for module in self._trained:
-            if not module.training:
-                module.train()
-
     def _apply(self, step: int) -> None:
         optimizer = self.optimizer
         if optimizer is not None:
@@ -280,16 +277,15 @@ class Trainer:
                 self._prove()
             optimizer.step()
         self._count = 0
+        told = self.watching  # the audit's facts wait only while somebody watches
         if self.audit is not None:
             self.audit.moved()
             far = self.audit.arrived()  # the facts of the nodes measured on a worker
-            if self.watching:
+            if told:
                 self._health += far
-        if self._health:
-            run.tell(self.watching, *self._health)
+        if told:
+            run.tell(told, *self._health, {"fact": "updated", "step": step})
             self._health = []
-        if self.watching:
-            run.tell(self.watching, {"fact": "updated", "step": step})
 
     def _prove(self) -> None:
         """Forgets the nodes whose held parameters got a gradient; refuses any none of whose did."""
