@@ -115,11 +115,9 @@ class _Subject:
     def __init__(self, graph: Any) -> None:
         self.graph = as_graph(graph)
         self.roots = {n: root_of(self.graph.implementation(n)) for n in self.graph.nodes()}
-        self.modules = [m for m in self.roots.values() if m is not None]
-        self.held = Held(self.modules)
+        self.held = Held([m for m in self.roots.values() if m is not None])
         self.held.refuse(reads="proxies")  # the net, not one proxy: refused, not left out
         self.params = self.held.params
-        self.every = self.held.modules
 
     def name(self, module: nn.Module) -> str:
         """Where `module` is in the graph, said for a message: `node.path.to.it`."""
@@ -133,7 +131,7 @@ class _Subject:
         """Every module in evaluation mode but batch norm (batch statistics), nothing in
         place, every parameter differentiable and without a gradient yet."""
         self.held.differentiable()
-        for m in self.every:
+        for m in self.held.modules:
             m.training = isinstance(m, _BN)
         for p in self.params:
             p.grad = None
@@ -149,7 +147,7 @@ class _Subject:
     def hooked(self, of: str, kinds: tuple[str, ...], fn: Callable) -> Any:
         """`fn` a forward hook on every layer of these kinds while inside; the proxy `of`
         cannot be taken where there is none."""
-        layers = [m for m in self.every if not parts_of(m) and kind_of(m) in kinds]
+        layers = [m for m in self.held.modules if not parts_of(m) and kind_of(m) in kinds]
         if not layers:
             if "activation" in kinds:
                 raise _NotHere(_NO_ACTIVATION % (of, "this graph holds none"))
@@ -206,12 +204,12 @@ def _synflow(s: _Subject, example: Any, **_: Any) -> float:
 
 
 def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
-    for m in s.modules:
+    for m in s.held.roots:
         m.to(dtype)  # buffers too, so nothing meets a tensor of another precision
     with torch.no_grad():
         for p in s.params:
             p.data = p.data.abs()
-    bn = [m for m in s.every if isinstance(m, _BN)]
+    bn = [m for m in s.held.modules if isinstance(m, _BN)]
     for m in bn:
         object.__setattr__(m, "forward", lambda x, *_, **__: x)  # batch norm off
     broke: list[str] = []  # the first node that gave a nan or an inf
@@ -254,7 +252,7 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
         variances.append(float(t.var(dim=dims, unbiased=False).mean()))
 
     with torch.no_grad():
-        with _hooked([m for m in s.every if isinstance(m, _BN)], bn_in):
+        with _hooked([m for m in s.held.modules if isinstance(m, _BN)], bn_in):
             f1 = s.run(x)
         f2 = s.run(mixed)
     total = sum(
