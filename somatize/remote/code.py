@@ -67,7 +67,8 @@ def _unparametrized(module: Any, parametrize: Any) -> tuple:
     took a gradient. The weights are not what counts: the worker loads the node's state."""
     plain, lists, cls = copy.deepcopy(module), [], type(module)
     # the copy shares its class with `module`; removing a parametrization changes the class
-    plain.__class__ = type(cls.__name__, cls.__bases__, _own(vars(cls)))
+    own = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+    plain.__class__ = type(cls.__name__, cls.__bases__, own)
     for name, chain in module.parametrizations.items():
         originals = list(plain.parametrizations[name].parameters(recurse=False))
         lists.append((name, list(chain), [p.requires_grad for p in originals]))
@@ -75,10 +76,6 @@ def _unparametrized(module: Any, parametrize: Any) -> tuple:
             p.requires_grad_(True)
         parametrize.remove_parametrizations(plain, name, leave_parametrized=True)
     return reparametrized, (plain, lists)
-
-
-def _own(attributes: Any) -> dict:
-    return {k: v for k, v in attributes.items() if k not in ("__dict__", "__weakref__")}
 
 
 def reparametrized(plain: Any, lists: list) -> Any:
