@@ -104,8 +104,7 @@ def _floats(example: Any, of: str) -> list[torch.Tensor]:
 def _named_floats(example: Any) -> str:
     """Which floating tensors an example holds, said for a message: a dict's keys."""
     if isinstance(example, Mapping):
-        keys = [k for k, v in example.items() if floats_in(v)]
-        return ", ".join(map(str, keys))
+        return ", ".join(str(k) for k, v in example.items() if floats_in(v))
     return "the input"
 
 
