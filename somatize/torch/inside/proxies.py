@@ -205,9 +205,8 @@ def _synflow(s: _Subject, example: Any, **_: Any) -> float:
 def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
     for m in s.held.roots:
         m.to(dtype)  # buffers too, so nothing meets a tensor of another precision
-    with torch.no_grad():
-        for p in s.params:
-            p.data = p.data.abs()
+    for p in s.params:
+        p.data = p.data.abs()  # (.data: no autograd)
     bn = [m for m in s.held.modules if isinstance(m, _BN)]
     for m in bn:
         object.__setattr__(m, "forward", lambda x, *_, **__: x)  # batch norm off
