@@ -58,11 +58,6 @@ _ORDERED = 4  # a collections.OrderedDict (a state_dict), its items as [key, val
 _KNOWN = {"torch.Tensor": 16, "numpy": 17}
 _KNOWN_KIND = {code: kind for kind, code in _KNOWN.items()}
 
-_LIBRARIES = {"transformers.": "transformers"}
-"""Kinds whose codecs `somatize.torch` registers once a library is loaded (a model's output),
-by their prefix, and that library: imported, where it is installed, when bytes of such a kind
-are read in a process that has not loaded it yet (a fixed name, never one the bytes give)."""
-
 DEPTH = 32
 """How deep tuples and registered values may nest inside one another, in `encode` and `decode`."""
 
@@ -377,11 +372,13 @@ def _ext_hook(code: int, data: bytes) -> Any:
         raise Malformed(f"unknown msgpack extension type {code} in encoded bytes")
     found = _by_kind.get(kind, _NUMPY if kind == "numpy" else None)
     if found is None:  # registered by somatize.torch, or for a library loaded since
-        library = next((lib for pre, lib in _LIBRARIES.items() if kind.startswith(pre)), None)
-        _hooks.ready(torch_needed=kind == "torch.Tensor" or library is not None)
-        if library is not None and library not in sys.modules:
+        # a model's output, whose codec somatize.torch registers once transformers is loaded:
+        # transformers is imported where it is installed (a fixed name, never one the bytes give)
+        library = kind.startswith("transformers.")
+        _hooks.ready(torch_needed=kind == "torch.Tensor" or library)
+        if library:
             with contextlib.suppress(ImportError):  # not installed: NoCodec below says so
-                importlib.import_module(library)
+                importlib.import_module("transformers")
         _hooks.late_codecs()
         found = _by_kind.get(kind)
     if found is None:
