@@ -134,9 +134,7 @@ class Store:
         return f"Store({self._where!r})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        if self._options:
-            return (functools.partial(Store, **self._options), (self._where,))
-        return (Store, (self._where,))
+        return (functools.partial(Store, **self._options), (self._where,))
 
     # -- blobs ---------------------------------------------------------------------------
 
