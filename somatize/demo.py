@@ -138,26 +138,24 @@ def figures() -> list[tuple[str, Any]]:
     from somatize.torch import Audit, Trainer, architecture, parameters
 
     train, test = data(2), data(3, batches=4)
+    loss = nn.functional.cross_entropy
     g = build()
     drawn = g.figure(inside=architecture(g, train[0][0]))
     audit = LiveAudit(title="a short audited fit")
-    t = Trainer(g, objective=nn.functional.cross_entropy, auditing=Audit(every=1),
-                optimizer=torch.optim.Adam(parameters(g), lr=3e-3), watching=audit)
+    adam = torch.optim.Adam(parameters(g), lr=3e-3)
+    t = Trainer(g, objective=loss, optimizer=adam, auditing=Audit(every=1), watching=audit)
     t.fit(train, epochs=5)
     hidden = {f"hidden {h}": h for h in (2, 4, 16, 64)}
     measured = {}
     for name, h in hidden.items():
         c = build(hidden=h)
-        Trainer(c, objective=nn.functional.cross_entropy,
-                optimizer=torch.optim.Adam(parameters(c), lr=1e-2)).fit(train, epochs=3)
+        adam = torch.optim.Adam(parameters(c), lr=1e-2)
+        Trainer(c, objective=loss, optimizer=adam).fit(train, epochs=3)
         measured[name] = accuracy(c, test)
     candidates = {name: build(hidden=h) for name, h in hidden.items()}  # proxies: as initialised
     x, y = train[0]
-    table = CompareTable(
-        compare(candidates, x, target=y, objective=nn.functional.cross_entropy, measured=measured),
-        measured="measured",
-    )
-    return [("graph", drawn), ("audit", audit), ("table", table)]
+    cells = compare(candidates, x, target=y, objective=loss, measured=measured)
+    return [("graph", drawn), ("audit", audit), ("table", CompareTable(cells, measured="measured"))]
 
 
 HEADINGS = {
@@ -195,8 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     drawn = figures()
     write_page(drawn, args.out)
     print()
-    print(f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB): the graph, the audit and "
-          f"the table, which open offline; {time.perf_counter() - began:.1f} s in all")
+    print(
+        f"wrote {args.out} ({args.out.stat().st_size / 1e6:.1f} MB): the graph, the audit and "
+        f"the table, which open offline; {time.perf_counter() - began:.1f} s in all"
+    )
     if args.pictures:
         args.pictures.mkdir(parents=True, exist_ok=True)
         for kind, fig in drawn:
