@@ -53,12 +53,8 @@ def _families() -> dict[str, type]:
     """`{kind: class}` of what is written down here, for the modules loaded now."""
     from transformers.utils import ModelOutput
 
-    found: dict[str, Any] = {KIND: ModelOutput}
-    caches = sys.modules.get(_caches.MODULE)
-    if caches is not None:
-        found["transformers.Cache"] = caches.Cache
-    for kind, (module, name) in _BATCHES.items():
-        found[kind] = _loaded(module, name)
+    found = {KIND: ModelOutput, "transformers.Cache": _loaded(_caches.MODULE, "Cache")}
+    found |= {kind: _loaded(module, name) for kind, (module, name) in _BATCHES.items()}
     return {kind: cls for kind, cls in found.items() if cls is not None}
 
 
