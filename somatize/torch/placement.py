@@ -39,10 +39,10 @@ def named_modules_of(node: Any) -> list[tuple[str, nn.Module]]:
         else:
             items = [(None, value)]
         for key, item in items:
+            where = name if key is None else f"{name}.{key}"
             if isinstance(item, nn.Module):
-                found.setdefault(id(item), (name if key is None else f"{name}.{key}", item))
+                found.setdefault(id(item), (where, item))
             elif isinstance(item, torch.Tensor) and isinstance(item, nn.Parameter):  # (fast first)
-                where = name if key is None else f"{name}.{key}"
                 raise TypeError(
                     f"a {kind_name(node)} holds an nn.Parameter as {where!r}, outside any "
                     "module, where no tool sees it (parameters, export, freeze, .on): make the "
