@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -30,17 +29,20 @@ from somatize.torch.training.stages import Stages, untied
 __all__ = ["Trainer", "Result", "NoGradient"]
 
 
-def _outside_autocast(kind: str) -> Any:
-    """torch's recipe runs the backward outside autocast: autocast turned off for the device
-    type `kind` where it is on, else nothing (torch 2.4 asks `is_autocast_enabled(kind)`;
-    2.2 and 2.3 have one function per device type)."""
-    if kind not in ("cpu", "cuda"):
-        return nullcontext()
-    try:
-        on = torch.is_autocast_enabled(kind)
-    except TypeError:  # torch 2.2, 2.3
-        on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
-    return torch.autocast(kind, enabled=False) if on else nullcontext()
+def _outside_autocast(loss: torch.Tensor, backward: Callable[..., Any], *args: Any) -> Any:
+    """`backward(*args)` as torch's recipe runs the backward: outside autocast, turned off for
+    the loss's device type where it is on (torch 2.4 asks `is_autocast_enabled(kind)`; 2.2 and
+    2.3 have one function per device type)."""
+    kind = loss.device.type
+    if kind in ("cpu", "cuda"):
+        try:
+            on = torch.is_autocast_enabled(kind)
+        except TypeError:  # torch 2.2, 2.3
+            on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
+        if on:
+            with torch.autocast(kind, enabled=False):
+                return backward(*args)
+    return backward(*args)
 
 
 Batch = Any
@@ -226,8 +228,7 @@ class Trainer:
                 )
                 if self.finite:
                     _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
-                with _outside_autocast(loss.device.type):
-                    runs.backward(loss / scale if scale != 1 else loss, sync)
+                _outside_autocast(loss, runs.backward, loss / scale if scale != 1 else loss, sync)
                 if micro > 1:
                     total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
             value = loss.item() if micro == 1 else float(total) / micro
