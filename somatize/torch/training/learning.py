@@ -350,8 +350,8 @@ class Learning(Node):
             signal = gradient(value, ctx.device if ctx is not None else None)
             if signal is None and self.held is None and self._count == 0:
                 self.done()  # nothing accumulated, nothing owed
-                return envelope(None, value.closing)
-            return envelope(self.learn(signal, ctx), value.closing)
+                return Envelope(None, value.closing)
+            return Envelope(self.learn(signal, ctx), value.closing)
         self.held = value
         self.kept(ctx)
         return value if self.wants_signal else leafed(value, False)

@@ -21,7 +21,7 @@ from somatize.graph import Graph
 from somatize.node import Node, Piece, Settings
 from somatize.torch import _caches
 from somatize.torch._modules import tensors_in
-from somatize.torch.training.learning import backward_from, envelope, grad_of, gradient, leafed
+from somatize.torch.training.learning import Envelope, backward_from, grad_of, gradient, leafed
 from somatize.torch.training.params import trainable_params, untied_from_frozen
 
 __all__ = ["INPUT", "LOSS", "TARGET", "Part", "Stages", "Inlet", "Outlet", "untied"]
@@ -207,7 +207,7 @@ class Part:
                 )
             owed = {s: grad_of(v) for s, v in (self._inputs or {}).items()}
             self._inputs = self._outputs = None
-        return {s: envelope(g, closing) for s, g in owed.items() if s != INPUT}
+        return {s: Envelope(g, closing) for s, g in owed.items() if s != INPUT}
 
     def unwritable(self, answer: dict[str, Any], error: Any) -> Any:
         """The error of a `stage.forward` answer that could not be written down, naming the node
@@ -381,7 +381,7 @@ class Stages:
         part by part in reverse; `closing` rides along to say the group ends here."""
         loss.backward()
         if not self.whole:
-            owed = {n: [envelope(grad_of(self._sunk.pop(n)), closing)] for n in self.sunk}
+            owed = {n: [Envelope(grad_of(self._sunk.pop(n)), closing)] for n in self.sunk}
             self._back(owed, closing)
 
     def update(self) -> None:
@@ -399,7 +399,7 @@ class Stages:
                     envelopes[n] = came[0]
                 else:
                     total = gradient({str(i): e for i, e in enumerate(came)}) if came else None
-                    envelopes[n] = envelope(total, closing)
+                    envelopes[n] = Envelope(total, closing)
             if watched and not part.last:
                 self._bytes[1] += sum(nbytes(e.gradient) for e in envelopes.values())
             for s, e in transport.backward(part, envelopes).items():
