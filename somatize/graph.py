@@ -72,8 +72,7 @@ class Graph:
 
     def _lay(self, expr: Expr, outer: Settings) -> tuple[list[str], list[str]]:
         if isinstance(expr, (Node, Piece)):
-            ((node, settings),) = list(expr.pieces(outer))
-            nid = self._add(node, settings)
+            nid = self._add(*next(expr.pieces(outer)))  # a node or a piece holds one
             return [nid], [nid]
         mine = expr._settings.under(outer)
         entries: list[str] = []
