@@ -64,12 +64,9 @@ _DEEPEST = 64  # how many levels of tuples, lists and dicts `unwrap` looks down
 
 def unwrap(value: Any, depth: int = 0) -> Any:
     """`value` with every `Opaque` in it replaced by what it wraps, inside tuples (a namedtuple
-    stays one), lists and dicts too (down to 64 levels: what sits deeper is handed on as it is,
-    so a value nested past Python's recursion limit still crosses an edge): what the engine
-    does to every value crossing an edge and every entry point to what it takes, so code
-    written for the published package gives the same answer as with the bare value. Anything
-    else is returned as it is (the same object when nothing changed); a chain of Opaques that
-    comes back on itself is a ValueError."""
+    stays one), lists and dicts too, down to 64 levels (deeper, as it is): what crosses an edge
+    and what an entry point takes. The same object when nothing changed; a chain of Opaques
+    that comes back on itself is a ValueError."""
     kind = type(value)
     if kind is Opaque:
         value = _wrapped(value)
