@@ -63,11 +63,10 @@ def _summariser(summarising: Summariser | Iterable[str] | None) -> Summariser | 
     the function that answers `<name>.value`, the value of the last such fact (or None)."""
     if summarising is None or callable(summarising):
         return summarising
-    names = [summarising] if isinstance(summarising, str) else summarising
     try:
-        names = list(names)
+        names = [summarising] if isinstance(summarising, str) else list(summarising)
     except TypeError:
-        names = None
+        names = []
     if not names or not all(isinstance(n, str) and n for n in names):
         raise TypeError(
             f"summarising is the names of facts (say ['loss']) or a callable, not {summarising!r}"
