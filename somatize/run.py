@@ -232,7 +232,7 @@ def walk(
     i, device = 0, None
     try:
         for i, mode, src, fn, ctx, device in steps:
-            began = clock()
+            began = clock() if told else 0
             if mode == ONE:
                 x = vals[src]
             elif mode == ROOT:
