@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from somatize.figures._page import jsonable
 from somatize.health import Verdicts, where_of
 from somatize.health import numbers_of as health_numbers
 from somatize.health.metrics import FACT_KEYS
@@ -170,12 +171,9 @@ def _numbers(values: list[Any], buffers: list | None) -> Any:
     """Values as float64 (a bool as 0 or 1, None as NaN, told apart by `absent`): a
     little-endian buffer appended to `buffers` (`{"buffer": its index}`), or with no buffers
     as JSON holds them (NaN and infinities as "nan", "inf", "-inf", None as null)."""
-    part = [math.nan if v is None else as_float(v) for v in values]
     if buffers is None:
-        return [
-            None if given is None else v if math.isfinite(v) else str(v)
-            for given, v in zip(values, part, strict=True)
-        ]
+        return jsonable([None if v is None else as_float(v) for v in values])
+    part = [math.nan if v is None else as_float(v) for v in values]
     buffers.append(struct.pack(f"<{len(part)}d", *part))
     return {"buffer": len(buffers) - 1}
 
