@@ -24,11 +24,7 @@ def _children(layers: dict[str, Raw]) -> dict[str | None, list[str]]:
 
 
 def _descendants(path: str, kids: dict[str | None, list[str]]) -> list[str]:
-    out = []
-    for c in kids.get(path, []):
-        out.append(c)
-        out.extend(_descendants(c, kids))
-    return out
+    return [d for c in kids.get(path, []) for d in (c, *_descendants(c, kids))]
 
 
 def _signature(path: str, layers: dict[str, Raw], kids: dict, edges: set, memo: dict) -> Any:
