@@ -149,13 +149,8 @@ def _codec_for(value: Any) -> _Codec | None:
 
 
 class _Failed(Exception):
-    """No codec knows `value` (`kind` None), or codec `kind` failed on it with `error`."""
-
-    def __init__(
-        self, value: Any, kind: str | None = None, error: BaseException | None = None
-    ) -> None:
-        super().__init__(kind)
-        self.value, self.kind, self.error = value, kind, error
+    """Its args are `(value, kind, error)`: no codec knows `value` (`kind` and `error` None),
+    or codec `kind` failed on it with `error`."""
 
 
 MOST = 2**32 - 1
@@ -198,7 +193,7 @@ def _default(value: Any) -> msgpack.ExtType:
         return msgpack.ExtType(_ORDERED, pack([[k, v] for k, v in value.items()]))
     found = _codec_for(value)
     if found is None:
-        raise _Failed(value)
+        raise _Failed(value, None, None)
     try:
         data = found.dump(value)
     except Exception as error:  # a meta tensor, a sparse one, the codec's own refusal
@@ -327,23 +322,23 @@ def encode(value: Any, *, where: str | None = None) -> bytes:
     try:
         return pack(value, where=where or "a value")
     except _Failed as failed:
-        inside = _path_to(value, failed.value)
+        bad, kind, error = failed.args
+        inside = _path_to(value, bad)
         said = f" at {inside.strip()}" if inside else ""
-        if failed.kind is None:
-            named = [f"{c.__module__}.{c.__qualname__}" for c in type(failed.value).__mro__]
+        if kind is None:
+            named = [f"{c.__module__}.{c.__qualname__}" for c in type(bad).__mro__]
             raise NoCodec(
                 f"no codec for {named[0]}{whose}{said}; "
                 + (_MODULE_INSTEAD if _MODULES.intersection(named) else _PLAIN)
             ) from None
         text = (
-            f"codec {failed.kind!r} cannot write down the {type(failed.value).__qualname__}"
-            f"{whose}{said}: {failed.error}"
+            f"codec {kind!r} cannot write down the {type(bad).__qualname__}{whose}{said}: {error}"
         )
         try:
-            told = type(failed.error)(text)
+            told = type(error)(text)
         except Exception:  # an exception class that takes other arguments: a note instead
-            raise note(failed.error, text) from None
-        raise told from failed.error
+            raise note(error, text) from None
+        raise told from error
     except ValueError as error:  # msgpack's bounds: one bytes, str, list or dict
         if "too large" not in str(error):
             raise
