@@ -77,12 +77,7 @@ def _plain(
             f"a tensor on the meta device has no numbers to {none} (it keeps only a shape): "
             "compute it on a real device, or build its model outside torch.device('meta')"
         )
-    plain = tensor.detach().cpu()
-    if plain.is_conj():
-        plain = plain.resolve_conj()
-    if plain.is_neg():
-        plain = plain.resolve_neg()
-    return plain.contiguous()
+    return tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
 
 
 def load_tensor(data: bytes) -> torch.Tensor:
