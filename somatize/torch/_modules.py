@@ -71,11 +71,9 @@ def root_of(node: Any) -> nn.Module | None:
     """The one module a node is read as: the module it is (or holds as it is, `Node.of`), a
     `Holder` of the modules a plain node holds, or None when it holds none."""
     held = named_modules_of(node)
-    if not held:
-        return None
     if len(held) == 1 and held[0][0] == "":
         return held[0][1]
-    return Holder(node)
+    return Holder(node) if held else None
 
 
 def parts_of(module: nn.Module) -> list[tuple[str, nn.Module]]:
