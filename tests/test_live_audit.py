@@ -255,6 +255,20 @@ def test_an_audit_of_losses_only_draws_a_loss_figure_each_curve_named_at_its_end
     assert 'alt="one curve per way: loss only, 20 steps, 4 runs"' in data["text/html"]
 
 
+def test_a_runs_name_that_fits_at_the_end_of_its_curve_is_not_cut():
+    audit = LiveAudit(title="two ways", flags=False)
+    fits = "momentum sgd baseline"  # as wide as a label may be, less the width of a "…"
+    for way in (fits, "adam"):
+        watcher = audit.run(way)
+        for step in range(5):
+            watcher({"fact": "loss", "step": step, "value": 1.0 + step})
+    texts = face_of(audit).iter(f"{SVG}text")
+    labels = {
+        t.find(f"{SVG}title").text: t.text for t in texts if t.find(f"{SVG}title") is not None
+    }
+    assert labels[f"{fits}: step 4: 5"] == f"{fits} 5" and labels["adam: step 4: 5"] == "adam 5"
+
+
 def test_the_default_metric_is_the_update_ratio_where_it_is_measured():
     audit = LiveAudit(interval=0.05)
     audit(health("enc", 0, param_norm=3.0, grad_norm=0.1))

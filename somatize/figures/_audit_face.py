@@ -192,11 +192,8 @@ def _run_labels(history, runs, title) -> dict[str, str]:
     for run in runs:
         values = history.runs[run].loss_values
         if values:
-            name = full = run or title or "this run"
-            while len(name) > 1 and text_width(name + "…", 10) > 130:
-                name = name[:-1]
-            cut = name if name == full else name + "…"
-            out[run] = f"{cut} {number(values[-1])}"
+            name = fits(run or title or "this run", 130, 10, end=False)
+            out[run] = f"{name} {number(values[-1])}"
     return out
 
 

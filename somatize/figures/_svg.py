@@ -105,14 +105,15 @@ def svg_open(w: float, h: float, cls: str = "", defs: str = "") -> str:
     )
 
 
-def fits(text: str, width: float, px: float) -> str:
-    """`text` cut to `width` pixels, keeping its end (the layer of a long path) after `…`."""
+def fits(text: str, width: float, px: float, end: bool = True) -> str:
+    """`text` cut to `width` pixels, keeping its end (the layer of a long path) after `…`, or
+    with `end=False` its start (a name) before it."""
     text = str(text)
     if text_width(text, px) <= width:
         return text
-    while len(text) > 1 and text_width("…" + text, px) > width:
-        text = text[1:]
-    return "…" + text
+    while len(text) > 1 and text_width(text + "…", px) > width:
+        text = text[1:] if end else text[:-1]
+    return "…" + text if end else text + "…"
 
 
 def lines(text: str, width: float) -> list[str]:
