@@ -26,14 +26,6 @@ __all__ = ["Ctx", "Plan", "run_plan", "walk", "watchers"]
 ROOT, ONE, MANY = 0, 1, 2
 
 
-def _weakly(graph: Any) -> Callable[[], Any]:
-    """A reference to `graph` that does not keep it alive (or holds what cannot be weakly)."""
-    try:
-        return weakref.ref(graph)
-    except TypeError:
-        return lambda: graph
-
-
 class Ctx:
     """What a node is handed besides its input: its id, device, host and graph (`None` once
     nobody else holds the graph: a plan does not keep it alive)."""
@@ -44,7 +36,10 @@ class Ctx:
         self.id = id
         self.device = device
         self.host = host
-        self._graph = _weakly(graph)
+        try:
+            self._graph = weakref.ref(graph)
+        except TypeError:  # None (a worker's), or what cannot be held weakly: held as it is
+            self._graph = lambda: graph
 
     @property
     def graph(self) -> Any:
@@ -78,7 +73,7 @@ class Plan:
             else:
                 mode, src = MANY, tuple((p, index[p]) for p in preds)
             steps.append(step_of(i, mode, src, node, Ctx(n, s.device, s.host, graph), s.mapped))
-        self._graph = _weakly(graph)
+        self._graph = weakref.ref(graph)
         self.ids = tuple(order)
         self.steps = tuple(steps)
         self.leaves = tuple((n, index[n]) for n in graph.leaves())
