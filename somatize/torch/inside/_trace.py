@@ -214,9 +214,8 @@ class Opening:
         if layer is None:
             parent = path.rpartition(".")[0]
             self.add_block(out, parent)
-            layer = self._raw(path, parent or None)  # (`named` holds the root at "")
+            out.layers[box] = layer = self._raw(path, parent or None)  # (`named` has "": the root)
             layer.path = box
-            out.layers[box] = layer
         return layer
 
 
