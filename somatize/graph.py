@@ -407,14 +407,13 @@ class Graph:
     def plan(self) -> str:
         """The plan as text for a person: one line per step, in the order it runs."""
         data = self.plan_json()
-        by_id = {d["id"]: d for d in data["nodes"]}
         lines = [repr(self)]
-        for k, n in enumerate(data["order"]):
-            d = by_id[n]
+        for d in sorted(data["nodes"], key=lambda d: d["step"]):  # in the order they run
             src = ", ".join(d["predecessors"]) or "input"
             marks = [f"{k} {d[key]}" for k, key in (("on", "device"), ("at", "host")) if d[key]]
             mark = " ".join(marks + [m for m in ("frozen", "cached", "mapped") if d[m]])
-            lines.append(f"{k:>3}. {n} ({d['kind']}) <- {src}" + (f"  [{mark}]" if mark else ""))
+            step = f"{d['step']:>3}. {d['id']} ({d['kind']}) <- {src}"
+            lines.append(step + (f"  [{mark}]" if mark else ""))
         lines.append("returns " + ", ".join(data["leaves"]))
         return "\n".join(lines)
 
