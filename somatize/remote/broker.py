@@ -56,10 +56,10 @@ class Broker:
         self._connections: dict[str, Connection] = {}
         self._defined: dict[str, set[str]] = {}  # host: the keys its worker holds
         self._incarnation: dict[str, str | None] = {}  # host: its worker's when they were sent
-        self._held: dict[str, tuple[str, Any]] = {}  # key: (node id, node), kept so no id is reused
+        # key: (node id, node, what reads its modes here); kept so that no id is reused
+        self._held: dict[str, tuple[str, Any, Callable[[], Any] | None]] = {}
         self._learnt: set[tuple[str, str]] = set()  # (host, key) learnt since last read
         self._lost: dict[str, str] = {}  # key: host, for what a worker lost after learning
-        self._read: dict[str, Callable[[], Any] | None] = {}  # key: reads its modes here
         self._told: dict[tuple[str, str], Any] = {}  # (host, key): the modes its copy has
         self._built: dict[tuple[str, str], tuple[list, list]] = {}  # (host, key): (params, dtypes)
         self._slices: weakref.WeakKeyDictionary[Any, list] = weakref.WeakKeyDictionary()
@@ -138,7 +138,7 @@ class Broker:
             return None
         if key in self._lost:
             exported: dict[str, dict] = {}  # keyed as Trainer.export keys them: a Learning
-            for k, (n, held) in self._held.items():  # is held as '<node>/learning', and what
+            for k, (n, held, _) in self._held.items():  # is held as '<node>/learning', and what
                 if self._lost.get(k) == host:  # it brought is exported under 'learning/<key>'
                     node_id, _, part = n.partition("/")
                     state = _hooks.state_of(held)
@@ -156,8 +156,7 @@ class Broker:
             )
         ahead.refuse_behind(nid, node, self.session)
         conn = self.connection(host)
-        self._held[key] = (nid, node)
-        self._read[key] = _hooks.modes(node)
+        self._held[key] = (nid, node, _hooks.modes(node))
         self._told.pop((host, key), None)  # the copy built there is told its modes after
         params = ahead.params(node)
         self._built[(host, key)] = (params, [p.dtype for p in params])
@@ -208,7 +207,7 @@ class Broker:
         params, dtypes = self._built.get((host, key), ((), []))
         if [p.dtype for p in params] == dtypes or not self.holds(host, key):
             return
-        again = {key} | {k for k, (n, _) in self._held.items() if n.startswith(f"{nid}/")}
+        again = {key} | {k for k, (n, *_) in self._held.items() if n.startswith(f"{nid}/")}
         for k in sorted(again):
             if (host, k) in self._learnt:
                 got = self.request(host, {"op": "state", "key": k})
@@ -221,7 +220,7 @@ class Broker:
         """`{key: modes}` of those of `nodes` whose modes `host`'s worker was not told yet."""
         changed = {}
         for _, node, _ in nodes:
-            read = self._read.get(key := self.key(node))
+            read = self._held[key := self.key(node)][2]
             if read is not None and self._told.get((host, key)) != (modes := read()):
                 changed[key] = modes
         return changed
@@ -387,7 +386,6 @@ class Broker:
             conn.close()
         self._connections.clear()
         self._held.clear()
-        self._read.clear()
         self._told.clear()
         self._built.clear()
         for worker in self.workers.values():
