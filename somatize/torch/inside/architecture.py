@@ -310,8 +310,7 @@ def architecture(
     """
     graph = as_graph(graph)
     example = unwrap(example)
-    found = {node: root_of(graph.implementation(node)) for node in graph.nodes()}
-    roots = {node: root for node, root in found.items() if root is not None}
+    roots = {n: r for n in graph.nodes() if (r := root_of(graph.implementation(n))) is not None}
     held = Held(list(roots.values()))
     held.refuse()  # before fx or a hook touches anything
     with untouched(held):  # fx runs the forward's Python too: what it changes is put back
