@@ -175,16 +175,15 @@ class _Inside:
         self.calls: dict[str, list[str]] = {}  # each module's boxes, in the order they ran
         for layer in self.layers:
             self.calls.setdefault(_module(layer), []).append(layer["path"])
-        edges = [(str(a), str(b)) for a, b in inside.get("edges", [])]
+        self.edges = [(str(a), str(b)) for a, b in inside.get("edges", [])]
         drawn = [la for la in self.layers if la["path"] not in self.blocks]
-        if not edges and len(drawn) > 1:  # no edges said: a chain of the top-level layers
+        if not self.edges and len(drawn) > 1:  # no edges said: a chain of the top-level layers
             chain = [la["path"] for la in drawn if not la.get("block")]
-            edges = list(zip(chain, chain[1:], strict=False))
-        self.edges = edges
+            self.edges = list(zip(chain, chain[1:], strict=False))
         # whether what feeds each layer (the first edge into it) gives it channels first, in
         # the shape it has (a transpose or a flatten between changes the layout); in the order
         # the layers ran, so what fed one is known before it
-        fed = {b: a for a, b in reversed(edges)}
+        fed = {b: a for a, b in reversed(self.edges)}
         shapes = {la["path"]: la.get("shape") for la in self.layers}
         self.first: dict[str, bool] = {}
         grid: set[str] = set()  # outputs that are images, channels on dim 1 (a conv's, ...)
