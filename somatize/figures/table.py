@@ -24,7 +24,7 @@ from somatize.run import note, warn
 
 __all__ = ["CompareTable", "compare"]
 
-# what somatize.torch.proxies warns of a proxy it could not take: its name, and why
+# a column's prefix: what the probe measured, a proxy's score
 PROBE = "probe:"
 PROXY = "proxy:"
 FLAGS = f"{PROBE}flags"
@@ -332,16 +332,14 @@ def _explain(columns: Any, measured: str) -> dict[str, str]:
 
 def _flagged(df: Any) -> dict[str, list[str]]:
     """Probe cells whose value the health verdict flags, as {"row|column": flags}."""
-    out = {}
-    for c in df.columns:
-        if not c.startswith(PROBE) or c == FLAGS:
-            continue
-        for row, v in df[c].items():
-            if finite(v):
-                flags = [str(f) for f in verdict({c[len(PROBE) :]: float(v)})]
-                if flags:
-                    out[f"{row}|{c}"] = flags
-    return out
+    said = {
+        f"{row}|{c}": [str(f) for f in verdict({c[len(PROBE) :]: float(v)})]
+        for c in df.columns
+        if c.startswith(PROBE) and c != FLAGS
+        for row, v in df[c].items()
+        if finite(v)
+    }
+    return {cell: flags for cell, flags in said.items() if flags}
 
 
 def _left_out(df: Any) -> dict[str, dict[str, str]]:
