@@ -156,9 +156,8 @@ class Opening:
     parameters under each (a weight tied in two places counted once under their parent)."""
 
     def __init__(self, root: nn.Module, depth: int) -> None:
-        self.root = root
         self.depth = depth
-        self.named = dict(root.named_modules(remove_duplicate=False))
+        self.named = dict(root.named_modules(remove_duplicate=False))  # the root at ""
 
     def closed(self, path: str) -> bool:
         """Whether the module at `path` is one layer rather than opened (the root never is)."""
@@ -171,23 +170,19 @@ class Opening:
             recognised(module) and self.depth <= sum(map(recognised, above))
         )
 
-    def drawn(self) -> list[tuple[str, nn.Module, bool]]:
-        """Every (path, module, closed) that is a layer or a block, in declaration order,
-        every path a module is reachable under (a tied module is at each of its paths). An
-        `nn.Identity` is neither: what it gives back is what it was given."""
+    def drawn(self, path: str = "") -> list[tuple[str, nn.Module, bool]]:
+        """Every (path, module, closed) below `path` that is a layer or a block, in declaration
+        order, every path a module is reachable under (a tied module is at each of its paths).
+        An `nn.Identity` is neither: what it gives back is what it was given."""
         found: list[tuple[str, nn.Module, bool]] = []
-
-        def visit(path: str, module: nn.Module) -> None:
-            for name, child in parts_of(module):
-                if isinstance(child, nn.Identity):
-                    continue
-                p = f"{path}.{name}" if path else name
-                shut = self.closed(p)
-                found.append((p, child, shut))
-                if not shut:
-                    visit(p, child)
-
-        visit("", self.root)
+        for name, child in parts_of(self.named[path]):
+            if isinstance(child, nn.Identity):
+                continue
+            p = f"{path}.{name}" if path else name
+            shut = self.closed(p)
+            found.append((p, child, shut))
+            if not shut:
+                found += self.drawn(p)
         return found
 
     def _raw(self, path: str, block: str | None, label: str | None = None) -> Raw:
@@ -214,7 +209,7 @@ class Opening:
         if layer is None:
             parent = path.rpartition(".")[0]
             self.add_block(out, parent)
-            out.layers[box] = layer = self._raw(path, parent or None)  # (`named` has "": the root)
+            out.layers[box] = layer = self._raw(path, parent or None)
             layer.path = box
         return layer
 
