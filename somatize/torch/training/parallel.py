@@ -200,7 +200,6 @@ class Parallel:
         self._stages: Any = None
         self._whole: Any = None  # the replica of a graph without a cut
         self._of: dict[int, Any] = {}  # id(part) -> its replica
-        self._replicas: list[Any] = []  # in the order they were made: the same on every rank
         self._open: set[int] = set()  # replicas whose group is open and not averaged yet
         self._unwatched: dict[int, Callable] = {}  # id(part) -> its check, until hooked
         self.sync = True
@@ -247,7 +246,6 @@ class Parallel:
 
                 root = _Replica(modules, [], stages.forward)
                 self._whole = _sharded.shard(root, graph, optimizer, cuda=self.cuda)
-                self._replicas.append(self._whole)
             elif stages.whole:
                 self._whole = self._ddp(_Replica(modules, [], stages.forward), find_unused=True)
             else:
@@ -289,9 +287,7 @@ class Parallel:
     def _ddp(self, replica: _Replica, find_unused: bool) -> Any:
         if not trainable(replica):
             return None  # nothing to average: the nodes run as they are
-        ddp = nn.parallel.DistributedDataParallel(replica, find_unused_parameters=find_unused)
-        self._replicas.append(ddp)
-        return ddp
+        return nn.parallel.DistributedDataParallel(replica, find_unused_parameters=find_unused)
 
     # -- every step -----------------------------------------------------------------------
     def even(self, data: Any) -> Any:
@@ -364,7 +360,7 @@ class Parallel:
                 "epoch a multiple of every"
             )
         with _ranks.answering("closing a group in update()"):
-            for replica in self._replicas:
+            for replica in (self._whole, *self._of.values()):  # in the same order on every rank
                 if id(replica) in self._open:
                     _weights.average_grads(replica.parameters())
                     self._open.discard(id(replica))
