@@ -132,7 +132,6 @@ class Part:
 
     # -- the graph it runs ---------------------------------------------------------------
     def _small_graph(self) -> Graph:
-        inside = set(self.ids)
         # Handed one value that its nodes take as their only input: no Inlet needed.
         self.raw = len(self.sources) == 1 and all(len(self.preds[n]) <= 1 for _, n in self.entering)
         sub = Graph()
@@ -142,7 +141,7 @@ class Part:
         for n in self.ids:  # in the order they run: what a node reads is there before it
             sub.node(n, Piece(self.nodes[n], replace(self.settings[n], name=None)))
             for p in self.preds[n] or [INPUT]:
-                if p in inside or not self.raw:
+                if p in self.nodes or not self.raw:
                     sub.edge(p, n)
         leaf_of: dict[str, str] = {}
         for n in self.exits:
