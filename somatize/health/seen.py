@@ -47,9 +47,8 @@ def numbers_of(fact: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fact.items() if k not in FACT_KEYS}
 
 
-def _summary(values: Iterable[Any]) -> Any:
+def _summary(values: deque) -> Any:
     """One metric over several steps, by `seen`'s rule (a measure with no finite value: the last)."""
-    values = list(values)
     last = values[-1]
     if type(last) is bool:
         return any(values)
