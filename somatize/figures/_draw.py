@@ -28,7 +28,7 @@ from somatize.figures._svg import (
 
 EDGE = "#7b8496"
 SKIP = "#0f9d8a"
-BLOCK = "#8a6fd1"
+BLOCK = HUES["block"]
 PILLS = {
     "device": "#2f6fdf",
     "host": "#7a4fd0",
@@ -143,7 +143,7 @@ class _Painter:
         cx, anchor = (x + 12, "start") if opened else (x + w / 2, "middle")
         parts = [
             f'<g class="smz-node{" smz-open" if opened else ""}"{self.attrs(box)}>{self.tip(box)}',
-            f'<rect {_frame(box)} rx="8" fill="{bg}" stroke="{"#2a9fd6" if frozen else "#9aa3b5"}" '
+            f'<rect {_frame(box)} rx="8" fill="{bg}" stroke="{PILLS["frozen"] if frozen else "#9aa3b5"}" '
             f'stroke-width="{2 if frozen else 1.2}"/>',
         ]
         if col and opened:  # its colour on its title only: its layers and edges keep contrast
