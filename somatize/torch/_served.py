@@ -209,10 +209,8 @@ def constructible(modules: list[Any]) -> list[Any]:
         and isinstance(v, types.FunctionType)
         and v.__module__ == functional.__name__
     ]
-    for name in ours.__all__:
-        value = getattr(ours, name)
-        if _subclass(value, Learning) and value.__module__.startswith("somatize."):
-            found.append(value)
+    shipped = [getattr(ours, name) for name in ours.__all__]
+    found += [v for v in shipped if _subclass(v, Learning) and v.__module__.startswith("somatize.")]
     for module in modules:
         found += [
             v
