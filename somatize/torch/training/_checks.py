@@ -48,8 +48,15 @@ def _described(value: Any) -> str:
 
 
 def pair_of(batch: Any) -> tuple[Any, Any]:
-    """The (input, target) a batch is (a tuple, a namedtuple or a list of two, an `Opaque`
-    around it or in either taken off); anything else refused, naming it."""
+    """The (input, target) a step is handed (a tuple, a namedtuple or a list of two, an
+    `Opaque` around it or in either taken off); refused, naming it, when it is anything else
+    or grad mode is off."""
+    if not torch.is_grad_enabled():
+        raise RuntimeError(
+            "a step needs gradients, and grad mode is off here (inside torch.no_grad() or "
+            "torch.inference_mode(), or after torch.set_grad_enabled(False), as a "
+            "validation cell may leave it): step outside it, or torch.set_grad_enabled(True)"
+        )
     batch = unwrap(batch)  # an Opaque around it, and in its items
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
         raise TypeError(
@@ -58,16 +65,6 @@ def pair_of(batch: Any) -> tuple[Any, Any]:
             "(batch, None), with objective=lambda out, _: out.loss)"
         )
     return batch[0], batch[1]
-
-
-def grad_mode() -> None:
-    """Refuses a step with grad mode off."""
-    if not torch.is_grad_enabled():
-        raise RuntimeError(
-            "a step needs gradients, and grad mode is off here (inside torch.no_grad() or "
-            "torch.inference_mode(), or after torch.set_grad_enabled(False), as a "
-            "validation cell may leave it): step outside it, or torch.set_grad_enabled(True)"
-        )
 
 
 def one_loss(loss: Any) -> torch.Tensor:

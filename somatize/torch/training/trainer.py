@@ -198,8 +198,7 @@ class Trainer:
         eval mode, as `net.eval()` for a validation pass leaves it, is put back in train mode
         first (`module.train()`); a submodule set to eval in a node in train mode, a frozen
         node and one the optimizer does not hold are left as they are."""
-        _checks.grad_mode()
-        x, y = _checks.pair_of(batch)
+        x, y = _checks.pair_of(batch)  # grad mode on, checked too
         micro = self.micro
         xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
         try:
