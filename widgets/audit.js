@@ -90,8 +90,8 @@ function render({ model, el: host }) {
     select.value = chosen();
   }
 
-  // with several runs, what names each curve at its end: its name cut on the right to 130 px,
-  // and its last loss (as _audit_face._run_labels says)
+  // with several runs, what names each curve at its end: its name cut on the right to 130 px
+  // where it does not fit, and its last loss (as _audit_face._run_labels says)
   function runLabels(ctx) {
     const out = new Map();
     if (s.runs.size < 2) return out;
@@ -100,7 +100,8 @@ function render({ model, el: host }) {
       if (!r.lossValues.length) continue;
       const full = runLabel(name);
       let cut = full;
-      while (cut.length > 1 && ctx.measureText(`${cut}…`).width > 130) cut = cut.slice(0, -1);
+      const wide = (t) => ctx.measureText(t).width > 130;
+      while (wide(full) && cut.length > 1 && wide(`${cut}…`)) cut = cut.slice(0, -1);
       out.set(name, `${cut === full ? full : `${cut}…`} ${number(r.lossValues[r.lossValues.length - 1])}`);
     }
     return out;
