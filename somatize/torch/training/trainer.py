@@ -375,9 +375,7 @@ class Trainer:
             self.live = live_shown(self.watching)
             if self.live is not None:
                 self.watching = [*self.watching, self.live]
-        bar = None
-        if person_watching() and (p is None or p.rank == 0):
-            bar = Progress(data, epochs)
+        bar = Progress(data, epochs) if person_watching() and (p is None or p.rank == 0) else None
         try:
             for _ in range(epochs):
                 began = len(history)
@@ -474,8 +472,7 @@ class Trainer:
         training goes on without it."""
         self._unwaited()
         if self._release is not None:
-            self._release()
-            self._release = None
+            self._release()  # a finalizer runs once: called again, it does nothing
             self.audit = None
 
     def __repr__(self) -> str:
