@@ -67,16 +67,12 @@ def place(node: Any, device: str) -> None:
     """Move every module the node holds to `device`. A device this machine does not have
     (`cuda` without CUDA, `mps` without MPS) is refused with a `ValueError` naming it."""
     kind = torch.device(device).type
-    if kind == "cuda" and not torch.cuda.is_available():
+    backend = {"cuda": torch.cuda, "mps": torch.backends.mps}.get(kind)
+    if backend is not None and not backend.is_available():
         raise ValueError(
-            f"a {kind_name(node)} is placed .on({device!r}), and this machine has no CUDA "
-            "(torch.cuda.is_available() is False): place it .on('cpu'), or run it on a worker "
-            "that has a GPU (.at(host))"
-        )
-    if kind == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(
-            f"a {kind_name(node)} is placed .on({device!r}), and this machine has no MPS "
-            "(torch.backends.mps.is_available() is False): place it .on('cpu')"
+            f"a {kind_name(node)} is placed .on({device!r}), and this machine has no "
+            f"{kind.upper()} ({backend.__name__}.is_available() is False): place it .on('cpu'), "
+            f"or run it on a worker that has {kind.upper()} (.at(host))"
         )
     modules = modules_of(node)
     if kind == "meta" and any(
