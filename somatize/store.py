@@ -88,15 +88,17 @@ def _name_path(name: str) -> str:
 def _meta_pairs(meta: Any, name: str) -> list[tuple[str, Any]]:
     if meta is None:
         return []
-    items = meta.items() if isinstance(meta, Mapping) else meta
+    said = f"meta of {name!r} is a dict or (key, value) pairs"
+    try:
+        items = iter(meta.items() if isinstance(meta, Mapping) else meta)
+    except TypeError:
+        raise TypeError(f"{said}, not {type(meta).__name__} {meta!r:.60}") from None
     pairs: list[tuple[str, Any]] = []
     for item in items:
         try:
             key, value = None if isinstance(item, (str, bytes)) else item  # not "ab" as a, b
         except (TypeError, ValueError):
-            raise TypeError(
-                f"meta of {name!r} is a dict or (key, value) pairs; got the item {item!r}"
-            ) from None
+            raise TypeError(f"{said}; got the item {item!r}") from None
         if not isinstance(key, str):
             raise TypeError(f"meta keys of {name!r} are str; got {key!r}")
         pairs.append((key, value))

@@ -142,7 +142,7 @@ def test_refused_values_and_meta_leave_the_store_as_it_was(store: Store) -> None
         store.bind("x", store.put(b"2"), {"bad": object()})
     with pytest.raises(ValueError, match="digest"):
         store.bind("x", "sha256:nothex")
-    for meta in (["ab"], "ab", [b"ab"]):  # a two-letter string is not a (key, value) pair
+    for meta in (["ab"], "ab", [b"ab"], 5):  # a two-letter string is not a (key, value) pair
         with pytest.raises(TypeError, match="meta of 'x' is a dict or"):
             store.bind("x", store.put(b"2"), meta)
     assert store.recall("x") == 1
@@ -151,7 +151,7 @@ def test_refused_values_and_meta_leave_the_store_as_it_was(store: Store) -> None
 def test_keep_refusing_its_meta_leaves_no_blob_behind(store: Store) -> None:
     value = {"weights": list(range(50))}
     key = digest(encode(value))
-    for meta in ({"bad": object()}, ["ab"], {1: "not a str key"}):
+    for meta in ({"bad": object()}, ["ab"], {1: "not a str key"}, 5):
         with pytest.raises((NoCodec, TypeError), match="meta"):
             store.keep("x", value, meta)
         assert store.get(key) is None and store.resolve("x") is None
