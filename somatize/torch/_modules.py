@@ -295,8 +295,7 @@ class Tap:
             node = self.graph.implementation(node_id)
             ids.setdefault(id(node), (node, []))[1].append(node_id)
         for node, named in ids.values():
-            had = "forward" in vars(node)
-            self._undo.append((node, had, vars(node).get("forward")))
+            self._undo.append((node, "forward" in vars(node), vars(node).get("forward")))
             object.__setattr__(node, "forward", _wrap(named, node.forward, self))
         self._plan, self.graph._plan = self.graph._plan, None
         return self
