@@ -113,9 +113,7 @@ def _fold_run(
         for p in [other, *_descendants(other, kids)]:
             twin = keep + p[len(other) :]
             copy_of[p] = (k, twin)
-            f = layers.pop(p)
-            layers[twin].repeats.append(p)
-            layers[twin].repeats.extend(f.repeats)
+            layers[twin].repeats += [p, *layers.pop(p).repeats]
     layers[keep].times = len(run)
     out: dict[tuple[str, str], None] = {}
     for a, b in edges:
