@@ -114,7 +114,11 @@ class Store:
     """
 
     def __init__(self, where: str | os.PathLike[str], **storage_options: Any) -> None:
-        self._where = text = os.fspath(where)
+        text = os.fspath(where) if isinstance(where, (str, os.PathLike)) else None
+        if not isinstance(text, str):
+            said = f"{type(where).__name__} {where!r:.60}"
+            raise TypeError(f"a store is a directory or a URL, not {said}: pass a str or a path")
+        self._where = text
         self._options = storage_options
         if "://" not in text:
             if storage_options:

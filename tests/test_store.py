@@ -36,6 +36,13 @@ def test_a_directory_is_created_and_repr_says_where(tmp_path: Path) -> None:
     assert repr(Store("memory://here")) == "Store('memory://here')"
 
 
+def test_a_store_is_opened_on_a_directory_or_a_url_and_nothing_else(tmp_path: Path) -> None:
+    for bad in (5, None, b"/tmp/x"):  # bytes too: a store's where is text
+        kind = type(bad).__name__
+        with pytest.raises(TypeError, match=f"a store is a directory or a URL, not {kind}"):
+            Store(bad)
+
+
 def test_a_directory_under_the_home_directory_is_named_as_in_a_shell(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
