@@ -178,8 +178,7 @@ def _calls_of(block: str, layers: dict[str, Raw], into: dict[str, str]) -> dict[
     for c in f.made_of:
         inner = layers[c]
         call = inner.within.get(block, 1)
-        box = call_path(block, call)
-        into[c] = box
+        into[c] = box = call_path(block, call)
         if box not in boxes:
             around = {b: k for b, k in inner.within.items() if b != block}
             boxes[box] = replace(f, path=box, within=around, repeats=list(f.repeats), made_of=[])
