@@ -404,6 +404,14 @@ def test_every_number_in_the_table_is_written_one_way_and_every_column_explained
         assert re.search(rf'<th data-col="{re.escape(column)}"[^>]*title="[^"]+"', table.face())
 
 
+def test_a_number_of_a_thousand_trillions_or_more_is_written_as_it_is_not_as_1000t():
+    values = [1.234e15, 5e15, -2e16, 999.6e12]  # an exploding loss, a grad norm past any scale
+    table = CompareTable(pd.DataFrame({"proxy:v": values}, index=list("abcd")))
+    body = table.face().split("<tbody>")[1]
+    cells = re.findall(r'<td data-col="proxy:v"[^>]*>([^<]*)</td>', body)
+    assert sorted(cells) == sorted(["1234T", "5000T", "−20000T", "1000T"])
+
+
 def test_a_wide_table_keeps_to_1400_px_and_hides_the_rest_behind_a_toggle():
     wide = _table(6, probe=24)
     table = CompareTable(wide, measured=dict(zip(wide.index, range(6), strict=True)))

@@ -12,10 +12,7 @@ export const counted = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
 const trim = (text) => (text.includes(".") ? text.replace(/0+$/, "").replace(/\.$/, "") : text);
 
 function sig(a) {
-  const digits = Math.max(0, 2 - Math.floor(Math.log10(a)));
-  const text = a.toFixed(digits);
-  if (Number(text) >= 1000) return "1000";
-  return trim(text);
+  return trim(a.toFixed(Math.max(0, 2 - Math.floor(Math.log10(a)))));
 }
 
 // three significant digits; k, M, G, T past a thousand; 1.2e-5 under a thousandth

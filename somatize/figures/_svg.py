@@ -173,12 +173,9 @@ def _round(d: Decimal, digits: int) -> Decimal:
 
 
 def _sig(a: float) -> str:
-    """`a` (0.001 ≤ a < 1000) to three significant digits, without trailing zeros."""
-    digits = max(0, 2 - math.floor(math.log10(a)))
-    text = str(_round(Decimal(a), digits))
-    if float(text) >= 1000:  # 999.96 rounds up to a thousand
-        return "1000"
-    return _trim(text)
+    """`a` (0.001 or more) to three significant digits, without trailing zeros; whole past
+    a thousand (5000, in trillions)."""
+    return _trim(str(_round(Decimal(a), max(0, 2 - math.floor(math.log10(a))))))
 
 
 def _trim(text: str) -> str:

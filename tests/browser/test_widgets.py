@@ -335,6 +335,8 @@ def test_the_browser_writes_numbers_as_the_kernel_does(page, served):
         0.001,
         12.345,
         3e14,
+        1.234e15,
+        -2e16,
         1e-300,
         0.0015,
         2.675,
