@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 from _remote_nodes import Lin
-from test_remote import Standing, _again
+from test_remote import Standing, _again, _batches, _split_trainer
 
 from somatize import Broker, Graph, Worker
-from somatize.remote import StateLost, WorkerLost
+from somatize.remote import StateLost, Unknown, WorkerLost
 from somatize.torch import ForwardForward, Greedy, Split, Synthetic, Trainer, parameters
 
 NODES = "_remote_nodes"
@@ -217,5 +217,29 @@ def test_the_keys_a_subset_load_leaves_out_are_state_lost_on_a_restarted_worker(
         assert sorted(now) == sorted(read)
         assert all(torch.equal(now[k], given.get(k, read[k])) for k in read)
         broker.close()  # all read back: nothing lost
+    finally:
+        w.stop()
+
+
+@pytest.mark.filterwarnings("ignore:closing the broker:RuntimeWarning")  # on purpose
+def test_a_load_a_restarted_worker_refused_leaves_what_it_lost_state_lost():
+    w = Standing()
+    w.start()
+    try:
+        t = _split_trainer(Broker.embedded({"gpu": w.worker()}))
+        data = _batches(4)
+        for batch in data[:2]:
+            t.step(batch)
+        kept = t.export()
+        t.step(data[2])  # learnt there past `kept`
+        w.restart()
+        with pytest.raises(Unknown):  # the broker learns of the restart from the load
+            _again(lambda: t.load(kept))
+        with pytest.raises(StateLost, match="'body'") as lost:  # refused: nothing changed
+            t.step(data[3])
+        t.load(lost.value.exported)  # resumes from the copy here, as after any restart
+        resumed = lost.value.exported["body"]["lin.weight"]
+        assert torch.equal(t.export()["body"]["lin.weight"], resumed)
+        t.step(data[3])
     finally:
         w.stop()

@@ -308,7 +308,7 @@ class Broker:
                 committed.append(host)
             then()
         except BaseException:  # what was committed is put back, what was staged dropped
-            self._lost = lost
+            self._lost.update(lost)  # what it popped; what a restart it met lost stays lost
             ahead.remark([m for each in marks for m in each])
             self._each(committed, lid, "undo")
             self._each([h for h in hosts if h not in committed], lid, "drop")
