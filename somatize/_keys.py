@@ -268,10 +268,15 @@ def _arguments(node: Any, k: _Keying) -> list:
     return [[name, k.said(v, name)] for name, v in sorted(args.items())]
 
 
-def unkeyable(node: Any) -> Unkeyable | None:
-    """What in the node's constructor arguments a key cannot take in honestly, or None."""
+def unkeyable(node: Any, salt: Any = None) -> Unkeyable | None:
+    """What a key of `node` cannot take in honestly, or None: in its salt if it is given one,
+    else in its constructor arguments (which a salt stands for)."""
+    keying = _Keying(False, frozenset(), frozenset())
     try:
-        _arguments(node, _Keying(False, frozenset(), frozenset()))
+        if salt is None:
+            _arguments(node, keying)
+        else:
+            keying.said(salt, "salt")
     except Unkeyable as e:
         return e
     return None

@@ -149,8 +149,13 @@ class Graph:
                 "its output would change under the cache. Declare it .frozen().cached(), "
                 "or do not cache it"
             )
-        if s.cached and s.salt is None and (why := _keys.unkeyable(node)) is not None:
-            raise _keys.refusal(nid, nid, why)
+        if s.cached and (why := _keys.unkeyable(node, s.salt)) is not None:
+            if s.salt is None:
+                raise _keys.refusal(nid, nid, why)
+            raise ValueError(
+                f"node {nid!r} is .cached() with a salt its key cannot take in ({why}): pass a "
+                "salt of plain values (a str, a number, a tuple of them)"
+            )
         if s.device is None or s.device == was or s.host is not None:
             return
         try:

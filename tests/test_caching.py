@@ -412,6 +412,8 @@ def test_an_argument_no_key_can_read_is_refused_when_built_unless_salted(store):
     ok = Graph.somatize(Node.of(lambda v: v) >> Apply(lock) >> Count().cached(salt="lock v1"))
     assert ok.forward(2, store=store) == 4
     Graph.somatize(Apply(lock) >> Count())  # nothing cached: nothing to refuse
+    with pytest.raises(ValueError, match=r"node 'count' .*salt.*_thread.lock.*plain values"):
+        Graph.somatize(Count().cached(salt=lock))  # nor can a salt be what no key reads
 
 
 def test_a_module_level_functions_key_is_the_same_in_another_process(tmp_path):
