@@ -466,11 +466,9 @@ def _numpy_load(data: bytes) -> Any:
 
     stream = io.BytesIO(data[1:])
     try:  # the header says how many numbers follow: check it before anything is allocated
-        version = np.lib.format.read_magic(stream)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(stream)
-        else:
-            shape, _, dtype = np.lib.format.read_array_header_2_0(stream)
+        one = np.lib.format.read_magic(stream) == (1, 0)
+        read = np.lib.format.read_array_header_1_0 if one else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(stream)
     except ValueError as error:
         raise Malformed(f"a numpy value's header does not parse: {error}") from error
     promised, held = math.prod(shape) * dtype.itemsize, len(data) - 1 - stream.tell()
