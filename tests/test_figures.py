@@ -412,6 +412,13 @@ def test_a_number_of_a_thousand_trillions_or_more_is_written_as_it_is_not_as_100
     assert sorted(cells) == sorted(["1234T", "5000T", "−20000T", "1000T"])
 
 
+def test_a_count_past_what_a_float_holds_is_written_as_infinity_in_a_table():
+    table = CompareTable(pd.DataFrame({"tokens": [10**400, -(10**400), 7]}, index=list("abc")))
+    body = table.face().split("<tbody>")[1]
+    cells = re.findall(r'<td data-col="tokens"[^>]*>([^<]*)</td>', body)
+    assert sorted(cells) == sorted(["∞", "−∞", "7"])
+
+
 def test_a_wide_table_keeps_to_1400_px_and_hides_the_rest_behind_a_toggle():
     wide = _table(6, probe=24)
     table = CompareTable(wide, measured=dict(zip(wide.index, range(6), strict=True)))

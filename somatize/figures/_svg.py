@@ -12,6 +12,7 @@ from html import escape
 from typing import Any
 from unicodedata import east_asian_width
 
+from somatize.health.verdict import as_float
 from somatize.health.verdict import number as numeric
 
 FONT = "system-ui, -apple-system, 'Segoe UI', 'DejaVu Sans', sans-serif"
@@ -145,7 +146,7 @@ def number(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     try:
-        v = float(value)
+        v = as_float(value)  # an int past a float's range: ±∞
     except (TypeError, ValueError):
         return str(value)
     if math.isnan(v):
