@@ -258,7 +258,6 @@ class Remote:
         with self.lock:
             if not self.whole:
                 self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-            wait = _FIRST_WAIT
             for attempt in range(_TRIES):
                 self.fs.invalidate_cache(final)  # another process may have claimed it since
                 if self.fs.exists(final):
@@ -283,8 +282,8 @@ class Remote:
                             f"claiming {final}: the store still answered {status} (another "
                             f"write of this name in flight) after {_TRIES} tries; claim again",
                         ) from error
-                time.sleep(wait)  # another conditional write of this name is in flight
-                wait = min(2 * wait, _LONGEST_WAIT)
+                # another conditional write of this name is in flight: wait longer each time
+                time.sleep(min(_FIRST_WAIT * 2**attempt, _LONGEST_WAIT))
             self.write(path, data)
             return True
 
