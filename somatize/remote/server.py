@@ -296,14 +296,13 @@ class Server:
         nid = d.get("id")
         if d.get("code") is not None:
             cls, args = self.unpickled(d["code"], nid)
-        else:
-            cls = self.allowed.node_class(d.get("module"), d.get("qualname"), nid, d.get("version"))
-            args = self.allowed.resolved(d.get("args") or {}, nid)
-        node = construct(cls, args)
-        if d.get("code") is not None:
+            node = construct(cls, args)
             from somatize.remote import code  # cloudpickle: only where code came
 
             code.recording(_hooks.state_modules(node))
+        else:
+            cls = self.allowed.node_class(d.get("module"), d.get("qualname"), nid, d.get("version"))
+            node = construct(cls, self.allowed.resolved(d.get("args") or {}, nid))
         if d.get("state"):
             _hooks.stage_state(node, d["state"], dtypes=True)()  # each tensor's, as sent
         if d.get("device") is not None:
