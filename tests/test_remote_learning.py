@@ -243,3 +243,18 @@ def test_a_load_a_restarted_worker_refused_leaves_what_it_lost_state_lost():
         t.step(data[3])
     finally:
         w.stop()
+
+
+def test_a_node_cast_after_it_learnt_is_read_back_and_not_behind_for_another_broker(one):
+    worker = one.workers["a"]
+    t = _split_trainer(Broker.embedded({"gpu": worker}))  # never closed: it stops "a"
+    body = t.graph.implementation("body")
+    before = body.lin.weight.detach().clone()
+    data = _batches(2)
+    t.step(data[0])  # learnt there
+    body.double()  # read back, then built there anew; the rest stays float32: the step fails
+    with pytest.raises(RuntimeError, match="dtype"):
+        t.step(data[1])
+    got = Broker.embedded({"gpu": worker}).weights(t.graph, "body")  # the copy here is current
+    assert got["lin.weight"].dtype == torch.float64
+    assert not torch.equal(got["lin.weight"], before.double())  # what it learnt there

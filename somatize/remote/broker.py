@@ -213,6 +213,7 @@ class Broker:
                 got = self.request(host, {"op": "state", "key": k})
                 _hooks.stage_state(self._held[k][1], got)()
                 self._learnt.discard((host, k))
+                ahead.unmark(self._held[k][1])  # as `read` does: the copy here is current
         known = self._defined[host]  # a node replaced there drops what was built on it
         self._defined[host] = {k for k in known if k in self._held and k not in again}
 
