@@ -3,7 +3,7 @@ true one when it arrives (Jaderberg et al., "Decoupled neural interfaces", 2017)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -65,13 +65,8 @@ class Synthetic(Learning):
     """
 
     moves_at_forward = True  # the node steps on the guess while the forward runs
-
-    def __init__(
-        self, optimizer: Callable[..., Any], *, every: int | None = None, **how: Any
-    ) -> None:
-        super().__init__(optimizer, every=every, **how)
-        self.guesser: Guesser | None = None
-        self._guess: torch.Tensor | None = None
+    guesser: Guesser | None = None  # built at the first output, or by a load
+    _guess: torch.Tensor | None = None
 
     def receiving(self, state: Mapping[str, Any]) -> dict[str, nn.Module]:
         """A guesser at the shape of the `guesser.weight` given, to be set on when the load
