@@ -30,7 +30,10 @@ def output_of(floats: list[torch.Tensor]) -> torch.Tensor | None:
     """What a place gives, of the floating-point tensors it made (in order): the first that
     holds more than one number (a loss given first, as transformers' models given labels do,
     is not what it makes), else the first; None for none."""
-    return next((t for t in floats if t.dim()), floats[0] if floats else None)
+    for t in floats:
+        if t.dim():
+            return t
+    return floats[0] if floats else None
 
 
 def wide(t: torch.Tensor) -> torch.dtype | None:
@@ -56,18 +59,14 @@ def sums_of(a: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
     return sums if saturates is None else [*sums, saturated]
 
 
-def _values(t: torch.Tensor) -> torch.Tensor:
-    """What a norm of `t` is taken on: `t`, or a sparse tensor's values (the gradient of an
-    `nn.Embedding(sparse=True)`), duplicates summed."""
-    if t.layout is torch.strided:
-        return t
-    return t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
-
-
-def norm(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖ as a one-number tensor, accumulated in float32 or wider (called under no_grad).
-    Values too large or too small for float32 to square read wrong: `exact` tells."""
-    return torch.linalg.vector_norm(_values(t), dtype=wide(t))
+def norm(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """‖t‖ as a one-number tensor, accumulated in `dtype`, else float32 or wider (called under
+    no_grad); of a sparse tensor (the gradient of an `nn.Embedding(sparse=True)`), of its
+    values, duplicates summed. Values too large or too small for float32 to square read wrong:
+    `exact` tells."""
+    if t.layout is not torch.strided:
+        t = t.coalesce().values() if t.layout is torch.sparse_coo else t.values()
+    return torch.linalg.vector_norm(t, dtype=dtype or wide(t))
 
 
 def exact(v: float, t: torch.Tensor) -> float:
@@ -75,8 +74,8 @@ def exact(v: float, t: torch.Tensor) -> float:
     its values: inf (too large; an inf then means an infinity, a NaN a NaN), or an RMS under
     1e-18, whose squares lose their digits under float32's normal numbers (EfficientNet's
     vanishing signal, which read 0 or a half off)."""
-    if math.isinf(v) or v < 1e-18 * t.numel() ** 0.5:
-        return float(torch.linalg.vector_norm(_values(t.detach()), dtype=torch.float64))
+    if v == math.inf or v < 1e-18 * t.numel() ** 0.5:  # (a norm is never -inf)
+        return float(norm(t.detach(), torch.float64))
     return v
 
 
