@@ -303,7 +303,8 @@ class Audit:
 
     def _heard(self, place: Place, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if self._measuring and torch.is_grad_enabled() and self._fresh(place):
-            self._begin()
+            if self._copy is None:
+                self._begin()
             place.saw(_given(place, args, kwargs), out, self.step, self.channels, self._snap)
 
     def _fresh(self, place: Place) -> bool:
@@ -333,12 +334,11 @@ class Audit:
         """θ as this measured step finds it, copied once, kept until `moved` (under gradient
         accumulation the steps of one group share one copy and one update); the weights
         trained read again first if one was frozen or unfrozen since."""
-        if self._copy is None:
-            if [q.requires_grad for q in self._all] != self._asking:
-                self._weigh()
-            if self._flat:
-                with torch.no_grad():
-                    self._copy = [q.clone() for q in self._flat]
+        if [q.requires_grad for q in self._all] != self._asking:
+            self._weigh()
+        if self._flat:
+            with torch.no_grad():
+                self._copy = [q.clone() for q in self._flat]
 
     def _weigh(self) -> None:
         """Which weights each place trains (those asking for a gradient), where each sits in
@@ -381,7 +381,8 @@ class Audit:
             snapshot = self._snap
             if snapshot:
                 self._bucket = step // self.snapshot
-            self._begin()  # if nothing of this graph ran here (or nothing was heard)
+            if self._copy is None:  # nothing of this graph ran here (or nothing was heard)
+                self._begin()
             with torch.no_grad():
                 measured = self._measure(step, snapshot)
             facts = [fact for _, fact in measured]
@@ -446,8 +447,8 @@ class Audit:
                 if same[-1]:
                     c.sub_(q)  # −Δθ
             squares = squared_norms(read([norm(d) for d in copy]), copy)
-            ranked = any(snapshot for snapshot, _ in waiting)
-            places = dict.fromkeys(place for _, got in waiting for place, _ in got)
+            ranked = any([snapshot for snapshot, _ in waiting])
+            places = dict.fromkeys([place for _, got in waiting for place, _ in got])
             moves = {place: _moved(place, copy, squares, same, ranked) for place in places}
             for snapshot, got in waiting:
                 for place, n in got:
