@@ -18,28 +18,43 @@ from somatize.torch._modules import parts_of
 
 __all__ = ["KINDS", "class_name", "kind_of", "label_of", "recognised"]
 
-KINDS = (
-    "learned", "conv", "recurrent", "attention", "norm", "activation", "regular", "shaping",
-    "block", "other",
+KINDS = tuple(
+    "learned conv recurrent attention norm activation regular shaping block other".split()
 )
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
-_NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
-_pool, _pad = nn.modules.pooling, nn.modules.padding
+
+def _sized_classes(*names: str) -> tuple[type, ...]:
+    """torch.nn's classes `<name>1d`, `<name>2d` and `<name>3d`, those this torch has."""
+    found = (getattr(nn, f"{n}{d}d", None) for n in names for d in (1, 2, 3))
+    return tuple(c for c in found if c is not None)
+
+
+_CONVS = _sized_classes("Conv", "ConvTranspose")  # (the lazy ones are their subclasses)
+#: the batch norms, whose running statistics a forward in train mode moves
+BATCH_NORMS = (nn.SyncBatchNorm, *_sized_classes("BatchNorm", "LazyBatchNorm"))
+_FEATURE_NORMS = (*BATCH_NORMS, *_sized_classes("InstanceNorm", "LazyInstanceNorm"))
+_NORMS = (*_FEATURE_NORMS, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+_DROPOUTS = (nn.Dropout, nn.AlphaDropout, nn.FeatureAlphaDropout, *_sized_classes("Dropout"))
 _SHAPING = (
-    _pool._MaxPoolNd, _pool._AvgPoolNd, _pool._AdaptiveMaxPoolNd, _pool._AdaptiveAvgPoolNd,
-    _pool._LPPoolNd, _pad._ConstantPadNd, _pad._ReflectionPadNd, _pad._ReplicationPadNd,
-    nn.ZeroPad2d, nn.Flatten, nn.Unflatten, nn.Upsample, nn.PixelShuffle, nn.PixelUnshuffle,
-    nn.ChannelShuffle, nn.Fold, nn.Unfold, nn.Identity,
+    *_sized_classes(
+        *"MaxPool AvgPool AdaptiveMaxPool AdaptiveAvgPool LPPool ConstantPad ReflectionPad "
+        "ReplicationPad ZeroPad CircularPad".split()
+    ),
+    *(
+        getattr(nn, name)
+        for name in "Flatten Unflatten Upsample PixelShuffle PixelUnshuffle ChannelShuffle Fold "
+        "Unfold Identity".split()
+    ),
 )
 # (kind, base classes); checked in this order, so attention wins over "has children".
 _BY_CLASS: tuple[tuple[str, tuple[type, ...]], ...] = (
     ("attention", (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)),
-    ("conv", (nn.modules.conv._ConvNd,)),
+    ("conv", _CONVS),
     ("recurrent", (nn.RNNBase, nn.RNNCellBase)),
     ("norm", (*_NORMS, getattr(nn, "RMSNorm", nn.LayerNorm))),
-    ("regular", (nn.modules.dropout._DropoutNd, nn.AlphaDropout)),
+    ("regular", _DROPOUTS),
     ("shaping", _SHAPING),
     ("learned", (nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag)),
     ("block", _CONTAINERS),
@@ -171,7 +186,7 @@ def class_name(module: nn.Module) -> str:
 def label_of(module: nn.Module) -> str:
     """A short label for a layer: its class and what sizes it, `Conv2d 3→16 3 /2`."""
     name = class_name(module)
-    if isinstance(module, nn.modules.conv._ConvNd):
+    if isinstance(module, _CONVS):
         text = f"{name} {module.in_channels}→{module.out_channels} {_pair(module.kernel_size)}"
         stride = module.stride if isinstance(module.stride, tuple) else (module.stride,)
         if any(s != 1 for s in stride):
@@ -181,7 +196,7 @@ def label_of(module: nn.Module) -> str:
         return f"{name} {module.in_features}→{module.out_features}"
     if isinstance(module, nn.Embedding):
         return f"{name} {module.num_embeddings}×{module.embedding_dim}"
-    if isinstance(module, nn.modules.batchnorm._NormBase):
+    if isinstance(module, _FEATURE_NORMS):
         return f"{name} {module.num_features}"
     if isinstance(module, nn.LayerNorm):
         return f"{name} {_pair(tuple(module.normalized_shape))}"
@@ -193,7 +208,7 @@ def label_of(module: nn.Module) -> str:
         said = f"{name} {module.input_size}→{width}"
         said += f", {module.num_layers} layers" if module.num_layers > 1 else ""
         return said + (", bidirectional" if ways == 2 else "")
-    if isinstance(module, nn.modules.dropout._DropoutNd):
+    if isinstance(module, _DROPOUTS):
         return f"{name} {module.p:g}"
     return _sized(module, name)
 

@@ -51,7 +51,7 @@ from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import floats_in
 from somatize.torch.inside.architecture import given, run_here
-from somatize.torch.inside.kinds import kind_of
+from somatize.torch.inside.kinds import BATCH_NORMS, kind_of
 
 __all__ = ["EVERY", "ProxyLeftOut", "proxy", "proxies"]
 
@@ -69,7 +69,6 @@ class ProxyLeftOut(UserWarning):
 
 
 _LOSS = frozenset({"snip", "grasp", "grad_norm", "fisher"})
-_BN = nn.modules.batchnorm._BatchNorm
 
 
 class _NotHere(ValueError):
@@ -131,7 +130,7 @@ class _Subject:
         place, every parameter differentiable and without a gradient yet."""
         self.held.differentiable()
         for m in self.held.modules:
-            m.training = isinstance(m, _BN)
+            m.training = isinstance(m, BATCH_NORMS)
         for p in self.params:
             p.grad = None
 
@@ -207,7 +206,7 @@ def _synflow_in(s: _Subject, example: Any, dtype: torch.dtype) -> float:
         m.to(dtype)  # buffers too, so nothing meets a tensor of another precision
     for p in s.params:
         p.data = p.data.abs()  # (.data: no autograd)
-    bn = [m for m in s.held.modules if isinstance(m, _BN)]
+    bn = [m for m in s.held.modules if isinstance(m, BATCH_NORMS)]
     for m in bn:
         object.__setattr__(m, "forward", lambda x, *_, **__: x)  # batch norm off
     broke: list[str] = []  # the first node that gave a nan or an inf
@@ -250,7 +249,7 @@ def _zen(s: _Subject, example: Any, *, gen: torch.Generator, **_: Any) -> float:
         variances.append(float(t.var(dim=dims, unbiased=False).mean()))
 
     with torch.no_grad():
-        with _hooked([m for m in s.held.modules if isinstance(m, _BN)], bn_in):
+        with _hooked([m for m in s.held.modules if isinstance(m, BATCH_NORMS)], bn_in):
             f1 = s.run(x)
         f2 = s.run(mixed)
     total = sum(
