@@ -21,7 +21,7 @@ from somatize.node import unwrap
 from somatize.run import ONE, ROOT, Plan, _noted, in_one_line, not_a_list, run_plan, tell, warn
 from somatize.store import CorruptBinding, CorruptBlob
 
-__all__ = ["walk_cached", "declarations", "state_changed"]
+__all__ = ["walk_cached", "state_changed"]
 
 _Declared = tuple[str, str, Callable[[], list[bool]] | None]  # key, code version, modes
 _declared: weakref.WeakKeyDictionary[Plan, tuple[int, dict[str, _Declared]]] = (
@@ -52,40 +52,30 @@ def _watch(node: Any) -> None:
             _watched.add(module)
 
 
-def declarations(plan: Plan) -> dict[str, _Declared]:
-    """`{id: (declaration key, code version, modes)}`, worked out once per plan and again
-    after `state_changed`; `modes` reads the train/eval mode of each module the node holds
-    (None for a node holding none), which goes in the key at every forward."""
-    seen, known = _declared.get(plan, (-1, {}))
-    if seen != _changes:
-        g = plan.graph
-        known = {}
-        for nid in plan.ids:
-            s = g.setting(nid)
-            node = g.implementation(nid)
-            state = _hooks.state_digest(node) if s.frozen else None
-            _watch(node)  # its modules' state is in a key: its digest, or keyed as arguments
-            if state is not None and _hooks.trainable(node):
-                warn(
-                    f"node {nid!r} is declared .frozen() and is not settled: its "
-                    "parameters still ask for gradients, its modules may be in train mode "
-                    "(dropout, batch-norm statistics), and what is cached is what it "
-                    "computes so; call somatize.torch.freeze(g) first (eval mode, no "
-                    "gradients)"
-                )
-            known[nid] = (
-                declaration_key(node, s.salt, state),
-                code_version(node),
-                _hooks.modes(node),
-            )
-        _declared[plan] = (_changes, known)
-    return known
+def _declared_as(g: Any, nid: str) -> _Declared:
+    """Node `nid`'s `(declaration key, code version, modes)`; `modes` reads the train/eval mode
+    of each module the node holds (None for a node holding none), which goes in the key at
+    every forward."""
+    s = g.setting(nid)
+    node = g.implementation(nid)
+    state = _hooks.state_digest(node) if s.frozen else None
+    _watch(node)  # its modules' state is in a key: its digest, or keyed as arguments
+    if state is not None and _hooks.trainable(node):
+        warn(
+            f"node {nid!r} is declared .frozen() and is not settled: its "
+            "parameters still ask for gradients, its modules may be in train mode "
+            "(dropout, batch-norm statistics), and what is cached is what it "
+            "computes so; call somatize.torch.freeze(g) first (eval mode, no "
+            "gradients)"
+        )
+    return declaration_key(node, s.salt, state), code_version(node), _hooks.modes(node)
 
 
 def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], Any]]) -> Any:
     """Run `plan` on `input`, looking `.cached()` nodes up in `store` and keeping what they make.
-    Keys come from the declarations, the modules' train/eval modes now and the input's digest
-    alone, so one pass works them out."""
+    Keys come from the declarations (worked out once per plan, and again after
+    `state_changed`), the modules' train/eval modes now and the input's digest alone, so one
+    pass works them out; what fails in it is noted with its node, as a failing run is."""
     said: dict[str, str] = {}  # node id: "hit", "miss" or "partial", as its step found it
 
     def relay(fact: dict) -> None:
@@ -94,13 +84,19 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
         tell(told, fact)
 
     g = plan.graph
-    decl = declarations(plan)
+    changes = _changes
+    seen, decl = _declared.get(plan, (-1, {}))
+    fresh = seen != changes
+    if fresh:
+        decl = {}
     keys: list[str] = [""] * len(plan.steps)
     steps = []
     input_key: str | None = None
     i, device = 0, None
     try:
         for i, mode, src, fn, ctx, device in plan.steps:
+            if fresh:
+                decl[ctx.id] = _declared_as(g, ctx.id)
             if mode == ONE:
                 in_key = keys[src]
             elif mode == ROOT:
@@ -121,6 +117,8 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
     except BaseException as e:
         _noted(e, plan, i, device)
         raise
+    if fresh:
+        _declared[plan] = (changes, decl)
     return run_plan(plan, input, [relay] if told else [], tuple(steps))
 
 

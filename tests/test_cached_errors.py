@@ -1,0 +1,111 @@
+"""A cached forward that fails names the node it failed in, as an uncached one does, and
+leaves the store and the graph as they were."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from _nodes import Add
+from torch import nn
+
+import somatize.torch  # noqa: F401  (tensor codec)
+from somatize import Graph, NoCodec, Node, Store
+from somatize.torch import freeze
+
+
+def files_of(store: Store) -> dict[str, bytes]:
+    """Every file under the store's directory, by path, with its bytes."""
+    found = {}
+    for folder, _, names in os.walk(store.where):
+        for name in names:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as file:
+                found[os.path.relpath(path, store.where)] = file.read()
+    return found
+
+
+def refused(g: Graph, x, store: Store, kind: type[BaseException]) -> BaseException:
+    """The error `g.forward(x, store=store)` raises, having checked that it left every file
+    of the store as it was."""
+    before = files_of(store)
+    with pytest.raises(kind) as caught:
+        g.forward(x, store=store)
+    assert files_of(store) == before
+    return caught.value
+
+
+class Moody(Node, nn.Module):
+    """A linear layer whose `state_dict` fails while `broken` is set."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(2, 2)
+        self.broken = False
+
+    def state_dict(self, *args, **kwargs):
+        if self.broken:
+            raise RuntimeError("the weights are on a device that went away")
+        return super().state_dict(*args, **kwargs)
+
+    def forward(self, input, ctx):
+        return self.lin(input)
+
+
+def test_a_frozen_node_whose_state_cannot_be_read_is_named(store):
+    moody = Moody()
+    g = Graph.somatize(Add(0) >> moody.frozen().cached())
+    freeze(g)
+    moody.broken = True
+    error = refused(g, torch.zeros(2), store, RuntimeError)
+    assert "went away" in str(error)
+    assert error.__notes__ == ["while running node 'moody' (Moody)"]
+    moody.broken = False  # the graph is as it was: it runs, and keeps, once the state reads
+    out = g.forward(torch.zeros(2), store=store)
+    assert torch.equal(out, moody.lin(torch.zeros(2)))
+    assert len(store.names("cache")) == 1
+
+
+class Lookup(Node):
+    """Adds the sum of a module it is handed (its state is in its key)."""
+
+    def __init__(self, table: nn.Module) -> None:
+        self.table = table
+
+    def forward(self, input, ctx):
+        return input + sum(float(b.to_dense().sum()) for b in self.table.buffers())
+
+
+def test_an_argument_whose_state_cannot_be_read_is_named(store):
+    table = nn.Module()
+    table.register_buffer("rows", torch.eye(3).to_sparse())  # read when keyed, not when built
+    g = Graph.somatize(Add(1) >> Lookup(table).cached())
+    error = refused(g, 1.0, store, RuntimeError)  # torch's: a sparse tensor has no layout
+    assert error.__notes__ == ["while running node 'lookup' (Lookup)"]
+
+
+class Lock(Node):
+    """Hands back what no codec writes down."""
+
+    def forward(self, input, ctx):
+        return threading.Lock()
+
+
+def test_an_output_no_codec_writes_is_named_and_nothing_is_kept(store):
+    g = Graph.somatize(Add(1) >> Lock().cached())
+    error = refused(g, 1, store, NoCodec)
+    assert error.__notes__ == ["while running node 'lock' (Lock)"]
+
+
+def test_a_store_that_can_no_longer_be_written_is_named(store):
+    g = Graph.somatize(Add(1) >> Add(2).cached())
+    assert g.forward(1, store=store) == 4
+    for folder in ("blobs", "names"):  # a file where each folder was: nothing can be written
+        shutil.rmtree(os.path.join(store.where, folder))
+        with open(os.path.join(store.where, folder), "wb"):
+            pass
+    error = refused(g, 5, store, OSError)
+    assert error.__notes__ == ["while running node 'add_2' (Add)"]
