@@ -78,11 +78,10 @@ class Audit:
         inside: Any = None,
         most: int = 32,
     ) -> None:
-        for name, value in (("every", every), ("snapshot", snapshot), ("window", window)):
+        for name, value in dict(every=every, snapshot=snapshot, window=window, most=most).items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Audit({name}=...) is a whole number of steps ≥ 1, not {value!r}")
-        if not isinstance(most, int) or isinstance(most, bool) or most < 1:
-            raise ValueError(f"Audit(most=...) is a number of places ≥ 1, not {most!r}")
+                what = "a number of places" if name == "most" else "a whole number of steps"
+                raise ValueError(f"Audit({name}=...) is {what} ≥ 1, not {value!r}")
         self.every = every
         self.snapshot = snapshot
         self.channels = bool(channels)
@@ -155,15 +154,12 @@ class Audit:
         places: list[Place] = []
         left: list[str] = []
         for node, held in held_by.items():
-            modules = [m for _, m in held]
-            first = layouts(modules)  # a node gives what the last module it holds gives
-            last = first[id(modules[-1])] if modules else False
+            first = layouts([m for _, m in held])  # a node gives what its last module gives
+            last = first[id(held[-1][1])] if held else False
             called = Holder(g.implementation(node))  # what the Tap calls it through, hooked
             places.append(Place(node, None, called, self.window, last))
             chosen, missed = choose(node, held, self.inside, self.most)
-            for path, module in chosen:
-                is_first = first.get(id(module), False)
-                places.append(Place(node, path, module, self.window, is_first))
+            places += [Place(node, p, m, self.window, first.get(id(m), False)) for p, m in chosen]
             left += [f"{node}.{p}" for p in missed]
         by_where = {p.where: p for p in places}
         if not isinstance(self.inside, (type(None), bool, int)):
