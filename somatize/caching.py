@@ -16,7 +16,7 @@ from typing import Any
 
 from somatize import _hooks
 from somatize._keys import code_version, declaration_key, mix
-from somatize.codecs import decode, digest, encode
+from somatize.codecs import Malformed, decode, digest, encode
 from somatize.node import unwrap
 from somatize.run import ONE, ROOT, Plan, _noted, in_one_line, not_a_list, run_plan, tell, warn
 from somatize.store import CorruptBinding, CorruptBlob
@@ -136,7 +136,8 @@ def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
         data = store.get(bound.digest)
         if data is None:
             raise LookupError(f"it points at {bound.digest}, which the store no longer holds")
-    except (LookupError, CorruptBlob, CorruptBinding) as error:
+        value = decode(data)
+    except (LookupError, CorruptBlob, CorruptBinding, Malformed) as error:
         warn(
             f"node {nid!r}: its cached value {name} cannot be read back ({in_one_line(error)}); "
             "it is computed again and kept anew",
@@ -149,7 +150,7 @@ def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
             f"node {nid!r}: the cached value was kept by another version of its code "
             f"({kept} != {code}); pass .cached(salt=...) with a new salt to recompute"
         )
-    return True, decode(data)
+    return True, value
 
 
 def _keep(nid: str, name: str, value: Any, code: str, store: Any) -> None:

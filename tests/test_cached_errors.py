@@ -109,3 +109,15 @@ def test_a_store_that_can_no_longer_be_written_is_named(store):
             pass
     error = refused(g, 5, store, OSError)
     assert error.__notes__ == ["while running node 'add_2' (Add)"]
+
+
+def test_a_kept_value_whose_bytes_are_not_a_value_is_computed_again(store):
+    g = Graph.somatize(Add(1) >> Add(2).cached())
+    assert g.forward(1, store=store) == 4
+    [bound] = store.bound("cache")
+    store.bind(bound.name, store.put(b"\xc1 not an encoded value"), meta=bound.meta)
+    said = []
+    with pytest.warns(RuntimeWarning, match="node 'add_2'.*cannot be read back"):
+        assert g.forward(1, store=store, watching=said.append) == 4
+    assert [f["cache"] for f in said if f.get("node") == "add_2"] == ["miss"]
+    assert store.recall(bound.name) == 4  # kept anew: the store is repaired
