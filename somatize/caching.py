@@ -153,9 +153,11 @@ def _recall(nid: str, name: str, code: str, store: Any) -> tuple[bool, Any]:
     return True, value
 
 
-def _keep(nid: str, name: str, value: Any, code: str, store: Any) -> None:
-    data = encode(value, where=f"node {nid!r}")
-    store.bind(name, store.put(data), meta=[("node", nid), ("code", code)])
+def _keep(nid: str, kept: list[tuple[str, Any]], code: str, store: Any) -> None:
+    """Keep each `(name, value)`, all written down first: one that no codec writes keeps none."""
+    data = [encode(value, where=f"node {nid!r}") for _, value in kept]
+    for (name, _), one in zip(kept, data, strict=True):
+        store.bind(name, store.put(one), meta=[("node", nid), ("code", code)])
 
 
 def _one(
@@ -167,7 +169,7 @@ def _one(
     if hit:
         return value
     out = unwrap(fn(x, ctx))  # kept, and handed on, as Store.keep keeps it: what it wraps
-    _keep(nid, name, out, code, store)
+    _keep(nid, [(name, out)], code, store)
     return out
 
 
@@ -186,6 +188,6 @@ def _mapped(
         made = unwrap(fn([x[k] for k in missing], ctx))  # the plan's step checks lengths
         for k, value in zip(missing, made, strict=True):
             out[k] = value
-            _keep(nid, names[k], value, code, store)
+        _keep(nid, [(names[k], out[k]) for k in missing], code, store)
     said[nid] = "hit" if not missing else ("miss" if len(missing) == len(x) else "partial")
     return out

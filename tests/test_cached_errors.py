@@ -100,6 +100,21 @@ def test_an_output_no_codec_writes_is_named_and_nothing_is_kept(store):
     assert error.__notes__ == ["while running node 'lock' (Lock)"]
 
 
+class Some(Node):
+    """Hands each item back, but a lock for the item 3."""
+
+    def forward(self, input, ctx):
+        return [threading.Lock() if v == 3 else v for v in input]
+
+
+def test_a_mapped_node_keeps_none_of_its_items_when_one_cannot_be_kept(store):
+    g = Graph.somatize(Some().mapped().cached())
+    error = refused(g, [1, 2, 3, 4], store, NoCodec)
+    assert error.__notes__ == ["while running node 'some' (Some)"]
+    assert g.forward([1, 2], store=store) == [1, 2]
+    assert len(store.names("cache")) == 2
+
+
 def test_a_store_that_can_no_longer_be_written_is_named(store):
     g = Graph.somatize(Add(1) >> Add(2).cached())
     assert g.forward(1, store=store) == 4
