@@ -190,22 +190,21 @@ class Part:
         Learning of a trained part, else through the part's own autograd graph (the last part's
         already ran in `loss.backward()`). An empty envelope after no forward ends a group."""
         closing = any(e.closing for e in envelopes.values())
-        if self.learning is not None:
-            (came,) = envelopes.values()
-            back = self.learning.forward(came, self.ctx).gradient
-            self._outputs = None
-            if self.raw:  # the Learning was given the one source's value as it is
-                owed = {self.sources[0]: back}
-            else:
-                owed = {s: back.get(s) if isinstance(back, dict) else None for s in self.sources}
-        else:
-            outputs = self._outputs
+        if self.learning is None:
+            inputs, outputs = self._inputs or {}, self._outputs
             if not self.last and outputs is not None:
                 backward_from(
                     [outputs.get(n) for n in envelopes], [e.gradient for e in envelopes.values()]
                 )
-            owed = {s: grad_of(v) for s, v in (self._inputs or {}).items()}
             self._inputs = self._outputs = None
+            return {s: Envelope(grad_of(v), closing) for s, v in inputs.items() if s != INPUT}
+        (came,) = envelopes.values()
+        back = self.learning.forward(came, self.ctx).gradient
+        self._outputs = None
+        if self.raw:  # the Learning was given the one source's value as it is
+            owed = {self.sources[0]: back}
+        else:
+            owed = {s: back.get(s) if isinstance(back, dict) else None for s in self.sources}
         return {s: Envelope(g, closing) for s, g in owed.items() if s != INPUT}
 
     def unwritable(self, answer: dict[str, Any], error: Any) -> Any:
