@@ -136,3 +136,17 @@ def test_a_kept_value_whose_bytes_are_not_a_value_is_computed_again(store):
         assert g.forward(1, store=store, watching=said.append) == 4
     assert [f["cache"] for f in said if f.get("node") == "add_2"] == ["miss"]
     assert store.recall(bound.name) == 4  # kept anew: the store is repaired
+
+
+@pytest.mark.parametrize("folder", ["blobs", "names"])
+def test_a_kept_value_damaged_on_disk_is_named_and_computed_again(store, folder):
+    g = Graph.somatize(Add(1) >> Add(2).cached())
+    assert g.forward(1, store=store) == 4
+    for name, data in files_of(store).items():  # the value's bytes, or the name's binding
+        if name.startswith(folder):
+            with open(os.path.join(store.where, name), "wb") as file:
+                file.write(data[: len(data) // 2])
+    with pytest.warns(RuntimeWarning, match="node 'add_2'.*cannot be read back"):
+        assert g.forward(1, store=store) == 4
+    assert [b.name for b in store.bound()] == store.names()  # every binding reads again
+    assert store.recall(store.names("cache")[0]) == 4
