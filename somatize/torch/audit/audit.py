@@ -374,17 +374,16 @@ class Audit:
         step = self.step
         facts: list[dict[str, Any]] = []
         if self._measuring:
-            snapshot = self._snap
-            if snapshot:
+            if self._snap:
                 self._bucket = step // self.snapshot
             if self._copy is None:  # nothing of this graph ran here (or nothing was heard)
                 self._begin()
             with torch.no_grad():
-                measured = self._measure(step, snapshot)
+                measured = self._measure(step, self._snap)
             facts = [fact for _, fact in measured]
             waits = [(p, f) for p, f in measured if p.index]
             if waits:
-                self._waiting.append((snapshot, waits))
+                self._waiting.append((self._snap, waits))
         self.step = step + 1
         self._arm(self.step % self.every == 0)
         return facts
@@ -478,10 +477,7 @@ def _moved(
         return None, None  # waiting for an update of its own
     if moved:  # (a NaN too)
         place.has_moved = True
-    stable = None
-    if snapshot and place.big >= 0:
-        stable = stable_rank(deltas[place.big])
-    return moved, stable
+    return moved, stable_rank(deltas[place.big]) if snapshot and place.big >= 0 else None
 
 
 def _like(missing: list[str], held_by: dict[str, list]) -> str:
