@@ -392,14 +392,12 @@ class Audit:
         """Every place's numbers for this step, from one read of everything left as tensors:
         ‖θ‖ of each weight (on the copy: the weights the step ran with), ‖∇θ‖ of each that
         has a gradient, and what each place heard."""
-        flat = self._flat
         normed = list(self._copy or [])  # θ as `_begin` copied it, then each ∇θ there is
-        grad_at = [-1] * len(flat)
-        for i, q in enumerate(flat):
-            g = q.grad
-            if g is not None:
+        grad_at = [-1] * len(self._flat)
+        for i, q in enumerate(self._flat):
+            if q.grad is not None:
                 grad_at[i] = len(normed)
-                normed.append(g)
+                normed.append(q.grad)
         tensors = [norm(t) for t in normed]
         for place in self._places:
             place.queue(tensors)
@@ -415,8 +413,7 @@ class Audit:
             place.clear()
             if n:
                 fact = {"fact": "health", "node": place.node, "inside": place.inside, "step": step}
-                fact.update(n)
-                out.append((place, fact))
+                out.append((place, fact | n))
         return out
 
     # -- after the optimizer stepped --------------------------------------------------------
