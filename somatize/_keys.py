@@ -156,6 +156,8 @@ def _inner(value: Any, where: str, k: _Keying) -> Any:
         return ["value", _type_name(kind), digest(encode(value))]
     except NoCodec:
         pass
+    except (TypeError, ValueError) as error:  # its codec refuses it (a sparse tensor, say)
+        raise Unkeyable(where, str(error)) from None
     return _object(value, where, k)
 
 

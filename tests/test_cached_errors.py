@@ -150,3 +150,24 @@ def test_a_kept_value_damaged_on_disk_is_named_and_computed_again(store, folder)
         assert g.forward(1, store=store) == 4
     assert [b.name for b in store.bound()] == store.names()  # every binding reads again
     assert store.recall(store.names("cache")[0]) == 4
+
+
+class Held(Node):
+    """Hands its input on; holds `t`."""
+
+    def __init__(self, t) -> None:
+        self.t = t
+
+    def forward(self, input, ctx):
+        return input
+
+
+def test_an_argument_its_codec_refuses_is_refused_naming_the_node_unless_salted(store):
+    sparse = torch.eye(2).to_sparse()
+    with pytest.raises(ValueError, match="node 'held' is .cached.*argument 't'.*sparse.*salt"):
+        Graph.somatize(Held(sparse).cached())
+    with pytest.raises(ValueError, match="argument 't' of node 'held', which feeds it.*sparse"):
+        Graph.somatize(Held(sparse) >> Add(1).cached())
+    g = Graph.somatize(Held(sparse).cached(salt="eye"))
+    assert g.forward(1, store=store) == g.forward(1, store=store) == 1
+    assert len(store.names("cache")) == 1
