@@ -125,7 +125,7 @@ def rows_of(t: torch.Tensor, first: bool) -> torch.Tensor | None:
         return None
     stride = max(1, view.shape[0] // _ROWS)
     rows = view[::stride][:_ROWS]
-    return rows.float() if rows.dtype in (torch.float16, torch.bfloat16) else rows.clone()
+    return rows.float() if wide(rows) else rows.clone()
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
@@ -137,9 +137,8 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
 def _unit(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     """`x` in float32 or wider divided by its norm (so no square of it overflows), and the
     norm (taken in float64; not a finite number when `x` holds an inf or a NaN)."""
-    if x.dtype not in (torch.float32, torch.float64):
-        x = x.float()
-    scale = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    x = x.float() if wide(x) else x
+    scale = float(norm(x, torch.float64))
     return (x / scale if 0 < scale < math.inf else x), scale
 
 
