@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from _nodes import Add
+from _nodes import Add, Same
 from torch import nn
 
 import somatize.torch  # noqa: F401  (tensor codec)
@@ -57,16 +57,34 @@ class Moody(Node, nn.Module):
 
 def test_a_frozen_node_whose_state_cannot_be_read_is_named(store):
     moody = Moody()
-    g = Graph.somatize(Add(0) >> moody.frozen().cached())
+    g = Graph.somatize(Add(0) >> moody.frozen().cached().on("cpu"))
     freeze(g)
     moody.broken = True
     error = refused(g, torch.zeros(2), store, RuntimeError)
     assert "went away" in str(error)
-    assert error.__notes__ == ["while running node 'moody' (Moody)"]
+    assert error.__notes__ == ["while running node 'moody' (Moody), placed .on('cpu')"]
     moody.broken = False  # the graph is as it was: it runs, and keeps, once the state reads
     out = g.forward(torch.zeros(2), store=store)
     assert torch.equal(out, moody.lin(torch.zeros(2)))
     assert len(store.names("cache")) == 1
+
+
+class Boom(Node):
+    """Asks its input for a label."""
+
+    def forward(self, input, ctx):
+        return input["label"]
+
+
+def test_a_cached_node_that_raises_is_named_as_uncached(store):
+    g = Graph.somatize(Same() >> Boom().on("cpu").cached())
+    notes = []
+    for kept in (None, store):
+        with pytest.raises(KeyError) as caught:
+            g.forward({}, store=kept)
+        notes.append(caught.value.__notes__)
+    assert notes[0] == notes[1] == ["while running node 'boom' (Boom), placed .on('cpu')"]
+    assert store.names() == []
 
 
 class Lookup(Node):
