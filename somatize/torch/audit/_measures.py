@@ -50,13 +50,13 @@ def sums_of(a: torch.Tensor, saturates: str | None) -> list[torch.Tensor]:
     magnitude = a.abs()
     if magnitude.dtype not in (torch.float32, torch.float64):
         magnitude = magnitude.float()
-    sums = [magnitude.sum()]
+    total = magnitude.sum()
     if saturates == "sigmoid":
         saturated = torch.count_nonzero((a <= _LOW) | (a >= _HIGH))
     elif saturates == "tanh":
         saturated = torch.count_nonzero(magnitude >= _HIGH)
-    sums.append(magnitude.le_(_DEAD_EPS).sum())  # in place, after everything else read it
-    return sums if saturates is None else [*sums, saturated]
+    zeros = magnitude.le_(_DEAD_EPS).sum()  # in place, after everything else read it
+    return [total, zeros] if saturates is None else [total, zeros, saturated]
 
 
 def norm(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
