@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_HALF_UP, Context, Decimal
 from html import escape
 from typing import Any
 from unicodedata import east_asian_width
@@ -168,9 +168,13 @@ def number(value: Any) -> str:
     return sign + _sig(a)
 
 
+_EVERY_DIGIT = Context(prec=400)
+
+
 def _round(d: Decimal, digits: int) -> Decimal:
-    """`d` to `digits` decimals, a tie away from zero (as a browser's toFixed rounds)."""
-    return d.quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP)
+    """`d` to `digits` decimals, a tie away from zero (as a browser's toFixed rounds), with
+    room for every digit a float has (a gain of 1e45 in trillions has 34)."""
+    return d.quantize(Decimal(1).scaleb(-digits), ROUND_HALF_UP, _EVERY_DIGIT)
 
 
 def _sig(a: float) -> str:
