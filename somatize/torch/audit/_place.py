@@ -259,16 +259,14 @@ class Place:
 
     def _leak(self, rows: torch.Tensor, groups: dict[str, list[int]]) -> float:
         """The largest linear CKA between two of the declared channel groups."""
-        width = rows.shape[1]
-        best = 0.0
-        for a, b in itertools.combinations(groups.values(), 2):
-            if max(a + b) >= width:
-                raise ValueError(
-                    f"groups[{self.where!r}] names channel {max(a + b)}, and that place has "
-                    f"{width} channels"
-                )
-            best = max(best, cka(rows[:, a], rows[:, b]))
-        return best
+        top = max((i for channels in groups.values() for i in channels), default=-1)
+        if top >= rows.shape[1]:
+            raise ValueError(
+                f"groups[{self.where!r}] names channel {top}, and that place has "
+                f"{rows.shape[1]} channels"
+            )
+        pairs = itertools.combinations(groups.values(), 2)
+        return max(cka(rows[:, a], rows[:, b]) for a, b in pairs)
 
 
 def swaps(held_by: dict[str, list[tuple[str, nn.Module]]]) -> list[Any]:
