@@ -81,13 +81,7 @@ def _down_to(held: Named, depth: int, most: int) -> tuple[Named, list[str]]:
 
 def preorder(held: Named) -> Named:
     """Every module under what a node holds, by path, parents first."""
-    out: Named = []
-    for name, module in held:
-        for path, m in module.named_modules():
-            full = join(name, path)
-            if full:
-                out.append((full, m))
-    return out
+    return [(path, m) for name, top in held for path, m in top.named_modules(prefix=name) if path]
 
 
 def choose(node: str, held: Named, inside: object, most: int) -> tuple[Named, list[str]]:
