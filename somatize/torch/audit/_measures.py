@@ -137,7 +137,8 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
 def _unit(x: torch.Tensor) -> tuple[torch.Tensor, float]:
     """`x` in float32 or wider divided by its norm (so no square of it overflows), and the
     norm (taken in float64; not a finite number when `x` holds an inf or a NaN)."""
-    x = x.float() if wide(x) else x
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
     scale = float(norm(x, torch.float64))
     return (x / scale if 0 < scale < math.inf else x), scale
 
