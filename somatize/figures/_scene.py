@@ -180,9 +180,8 @@ class _Inside:
         if not self.edges and len(drawn) > 1:  # no edges said: a chain of the top-level layers
             chain = [la["path"] for la in drawn if not la.get("block")]
             self.edges = list(zip(chain, chain[1:], strict=False))
-        # whether what feeds each layer (the first edge into it) gives it channels first, in
-        # the shape it has (a transpose or a flatten between changes the layout); in the order
-        # the layers ran, so what fed one is known before it
+        # whether what feeds each layer (its first edge in) gives it channels first, in the
+        # shape it has, in the order the layers ran (so what fed one is known before it)
         fed = {b: a for a, b in reversed(self.edges)}
         shapes = {la["path"]: la.get("shape") for la in self.layers}
         self.first: dict[str, bool] = {}
@@ -204,6 +203,9 @@ class _Inside:
             # (its channels' size kept, or the rest's: a ViT's patches transposed keep neither)
             same = shape[1:2] == fed_shape[1:2] or shape[2:] == fed_shape[2:]
             before = self.first.get(by, False) and len(fed_shape) == len(shape) and kept and same
+            # (N, L, D) made (N, D, L) swaps the layout (SegFormer's decoder: (N, C, h·w))
+            swap = len(shape) == 3 and shape[1] != shape[2] and shape[1:] == fed_shape[:0:-1]
+            before = before or (swap and not self.first.get(by, False))
             self.first[path] = channels_first(kind, label, before or flat) or path in grid
         # the layers that read what the node was given, joined to a box that stands for it
         # where more than one reads it (with one, an edge into the node goes on into it)
