@@ -812,6 +812,15 @@ def test_inside_by_depth_and_by_name_and_refusals():
             Audit(**bad)
 
 
+def test_inside_given_as_a_generator_names_places_in_every_node():
+    names = ["layer.l", "layer_2.l", "head.fc"]
+    audit = Audit(inside=(w for w in names)).watch(_graph())  # an iterable read once
+    assert audit.places == ["layer", "layer.l", "layer_2", "layer_2.l", "head", "head.fc"]
+    audit.release()
+    with pytest.raises(ValueError, match="nope"):
+        Audit(inside=(w for w in ["layer.l", "layer_2.nope"])).watch(_graph())
+
+
 def test_a_node_that_returns_opaque_gets_the_numbers_a_bare_tensor_gets():
     class Wrapped(Node, nn.Module):
         def __init__(self, opaque):

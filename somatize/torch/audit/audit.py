@@ -82,6 +82,8 @@ class Audit:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 what = "a number of places" if name == "most" else "a whole number of steps"
                 raise ValueError(f"Audit({name}=...) is {what} ≥ 1, not {value!r}")
+        if not isinstance(inside, (type(None), bool, int, str)):
+            inside = list(inside)  # (read once: every node's places are chosen from it)
         self.every = every
         self.snapshot = snapshot
         self.channels = bool(channels)
