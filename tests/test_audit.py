@@ -819,6 +819,8 @@ def test_inside_given_as_a_generator_names_places_in_every_node():
     audit.release()
     with pytest.raises(ValueError, match="nope"):
         Audit(inside=(w for w in ["layer.l", "layer_2.nope"])).watch(_graph())
+    with pytest.raises(ValueError, match=r"inside=.*a list of places, not 1.5"):
+        Audit(inside=1.5)
 
 
 def test_a_node_that_returns_opaque_gets_the_numbers_a_bare_tensor_gets():

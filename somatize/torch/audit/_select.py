@@ -84,8 +84,10 @@ def preorder(held: Named) -> Named:
     return [(path, m) for name, top in held for path, m in top.named_modules(prefix=name) if path]
 
 
-def choose(node: str, held: Named, inside: object, most: int) -> tuple[Named, list[str]]:
-    """The (path, module) places inside `node` for `inside` (True, a depth, or an iterable of
+def choose(
+    node: str, held: Named, inside: bool | int | list[str] | None, most: int
+) -> tuple[Named, list[str]]:
+    """The (path, module) places inside `node` for `inside` (True, a depth, or a list of
     `"node.path"` names), and the paths left out past `most`. Named places are all taken."""
     if inside is None or inside is False:
         return [], []
@@ -93,12 +95,5 @@ def choose(node: str, held: Named, inside: object, most: int) -> tuple[Named, li
         return _finest_cut(held, most)
     if isinstance(inside, int):
         return _down_to(held, inside, most)
-    named = names_of(inside)
+    named = set(inside)
     return [(p, m) for p, m in preorder(held) if f"{node}.{p}" in named], []
-
-
-def names_of(inside: object) -> set[str]:
-    """The `"node.path"` names of `inside=` given as one name or an iterable of them."""
-    if isinstance(inside, str):
-        return {inside}
-    return {str(x) for x in inside}  # type: ignore[attr-defined]

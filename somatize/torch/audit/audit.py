@@ -39,7 +39,7 @@ from somatize.run import warn
 from somatize.torch._modules import Held, Holder, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
 from somatize.torch.audit._place import Place, layouts, marks, swaps
-from somatize.torch.audit._select import choose, names_of, preorder
+from somatize.torch.audit._select import choose, preorder
 
 __all__ = ["Audit"]
 
@@ -82,8 +82,12 @@ class Audit:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 what = "a number of places" if name == "most" else "a whole number of steps"
                 raise ValueError(f"Audit({name}=...) is {what} ≥ 1, not {value!r}")
-        if not isinstance(inside, (type(None), bool, int, str)):
-            inside = list(inside)  # (read once: every node's places are chosen from it)
+        if not isinstance(inside, (type(None), bool, int)):  # names, read once (a generator too)
+            if not isinstance(inside, Iterable):
+                raise ValueError(
+                    f"Audit(inside=...) is True, a depth or a list of places, not {inside!r}"
+                )
+            inside = [inside] if isinstance(inside, str) else [str(w) for w in inside]
         self.every = every
         self.snapshot = snapshot
         self.channels = bool(channels)
@@ -164,8 +168,8 @@ class Audit:
             places += [Place(node, p, m, self.window, first.get(id(m), False)) for p, m in chosen]
             left += [f"{node}.{p}" for p in missed]
         by_where = {p.where: p for p in places}
-        if not isinstance(self.inside, (type(None), bool, int)):
-            missing = sorted(names_of(self.inside) - set(by_where))
+        if isinstance(self.inside, list):
+            missing = sorted(set(self.inside) - set(by_where))
             if missing:
                 raise ValueError(
                     f"Audit(inside=...) names {missing}, which are not in this graph: a place "
@@ -252,8 +256,8 @@ class Audit:
         them builds its own from (`inside=` places and `groups=` of other nodes left out)."""
         nodes = set(nodes)
         inside = self.inside
-        if not isinstance(inside, (type(None), bool, int)):
-            inside = [w for w in names_of(inside) if w.split(".")[0] in nodes]
+        if isinstance(inside, list):
+            inside = [w for w in inside if w.split(".")[0] in nodes]
         return {
             "every": self.every,
             "snapshot": self.snapshot,
