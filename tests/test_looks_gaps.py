@@ -7,7 +7,7 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
-from models import newer
+from models import more, newer
 
 from somatize import Graph, Node
 from somatize.figures import graph_figure
@@ -44,3 +44,34 @@ def test_segformer_s_decoder_flatten_holds_channels_then_the_map_s_positions():
     assert texts["decode_head.linear_projections.0.flatten"][1] == "2 batch · 8 ch · 64 len"
     assert texts["decode_head.linear_projections.0.proj"][1] == "2 batch · 64 len · 16 dim"
     assert texts["segformer.stages.0.patch_embeddings.flatten"][1] == "2 batch · 8 ch · 64 len"
+
+
+def _tips(svg: str) -> dict[str, str]:
+    """Each box's tooltip, by its id."""
+    return {
+        box.get("data-id"): box.find(f"{SVG}title").text
+        for box in ET.fromstring(svg).iter(f"{SVG}g")
+        if box.get("data-id") and box.find(f"{SVG}title") is not None
+    }
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+def test_two_layers_a_sliding_window_keeps_apart_each_say_so_naming_it_and_both_values():
+    case = more.qwen2(window=4)  # its second layer attends within 4 tokens, its first to all
+    g = Graph.somatize(Node.of(case.model).named("qwen"))
+    inside = architecture(g, case.example)["qwen"]
+    first, second = inside.layer("model.layers.0"), inside.layer("model.layers.1")
+    assert first.times == second.times == 1  # drawn apart
+    assert len(first.apart) == len(second.apart) == 1
+    assert first.apart[0].startswith("not folded with model.layers.1: ")
+    assert "self_attn.sliding_window None ≠ 4" in first.apart[0]
+    assert second.apart[0].startswith("not folded with model.layers.0: ")
+    assert "self_attn.sliding_window 4 ≠ None" in second.apart[0]
+    tips = [t for t in _tips(g.figure(inside={"qwen": inside}).svg()).values() if "≠" in t]
+    assert len(tips) == 2 and any(second.apart[0] in t for t in tips), tips
+    # without the window the two fold, and nothing says apart
+    plain = more.qwen2()
+    g = Graph.somatize(Node.of(plain.model).named("qwen"))
+    folded = architecture(g, plain.example)["qwen"]
+    assert folded.layer("model.layers.0").times == 2
+    assert not any(layer.apart for layer in folded.layers)

@@ -271,8 +271,8 @@ class _Inside:
 
     def _same(self, layer: dict) -> list[tuple[str, str]]:
         """The tooltip's lines naming the other boxes of the same module (its other calls,
-        the boxes where it runs under another name) and those of other modules holding one of
-        its weights (tied)."""
+        the boxes where it runs under another name), those of other modules holding one of
+        its weights (tied), and the twins it is not folded with, and why (`apart`)."""
         out, path = [], layer["path"]
         calls = self.calls.get(_module(layer), [])
         if len(calls) > 1:
@@ -282,7 +282,7 @@ class _Inside:
         where = _where(self.node, path)
         if len(ties := self.ties.get(where, [])) > 1:
             out.append(("weights shared with", ", ".join(t for t in ties if t != where)))
-        return out
+        return out + [("", str(why)) for why in layer.get("apart") or []]
 
     def _own(self, b: str) -> dict:
         """The block `b`'s own entry among the layers (made up where it has none)."""

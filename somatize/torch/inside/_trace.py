@@ -88,7 +88,9 @@ class Layer:
     head cut off its embedding, `embed:`), None where none does. `holds` is what a composite
     drawn as one box holds (a container closed by `most`, a `TransformerEncoderLayer` below
     `depth`): its children as `name: Class`, in declaration order, and `held_kinds` the kind
-    of each (`kind_of`); both empty for anything drawn open or with no children.
+    of each (`kind_of`); both empty for anything drawn open or with no children. `apart` says,
+    on a block not folded with a twin beside it (alike but for a setting), which and by what:
+    `not folded with layers.1: self_attn.sliding_window None ≠ 4`.
     """
 
     path: str
@@ -104,6 +106,7 @@ class Layer:
     tied_to: str | None = None
     holds: list[str] = field(default_factory=list)
     held_kinds: list[str] = field(default_factory=list)
+    apart: list[str] = field(default_factory=list)
 
 
 @dataclass

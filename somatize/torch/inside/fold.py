@@ -67,7 +67,27 @@ def _alike(run: list[str], layers: dict[str, Raw], kids: dict) -> list[list[str]
 
     settings = [k for k in sorted({k for f in found for k in f}) if not counts(k)]
     by = [tuple((k in f, f.get(k)) for k in settings) for f in found]
+    for i in range(1, len(run)):
+        if by[i] != by[i - 1]:  # twins kept apart: each says by what
+            for k, j in ((i - 1, i), (i, i - 1)):
+                why = f"not folded with {run[j]}: {_apart(found[k], found[j], settings)}"
+                layers[run[k]].apart = [*layers[run[k]].apart, why]
     return [[run[i] for i in g] for _, g in itertools.groupby(range(len(run)), by.__getitem__)]
+
+
+def _apart(this: dict, that: dict, settings: list[tuple[str, str]]) -> str:
+    """The settings two copies differ in, this one's value first: `self_attn.sliding_window
+    None ≠ 4` (a setting one of them has not: `unset`)."""
+
+    def said(found: dict, key: tuple[str, str]) -> str:
+        return repr(found[key]) if key in found else "unset"
+
+    return ", ".join(
+        f"{inner[1:] + '.' if inner else ''}{name} {said(this, (inner, name))} ≠ "
+        f"{said(that, (inner, name))}"
+        for inner, name in settings
+        if said(this, (inner, name)) != said(that, (inner, name))
+    )
 
 
 def fold(traced: Traced) -> tuple[dict[str, Raw], list[tuple[str, str]]]:
