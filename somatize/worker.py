@@ -104,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
         default=1 << 30,
         metavar="BYTES",
         help="refuse a frame larger than this, before reading it, and a message four times as "
-        "large (default 1GiB)",
+        "large (default 1GiB; at least 48, 292 with CURVE)",
     )
     p.add_argument(
         "--max-pending",
@@ -148,10 +148,17 @@ def main(argv: list[str] | None = None) -> None:
 
     from somatize import _hooks
     from somatize.remote.allowed import Allowed
-    from somatize.remote.listener import Guard, bind, serve
+    from somatize.remote.listener import Guard, bind, serve, smallest_message
     from somatize.remote.server import Server
 
     _hooks.ready(torch_needed=True)  # tensors, devices, stages: a worker without torch is no use
+    smallest = smallest_message(bool(curve))
+    if a.max_message < smallest:
+        why = "CURVE's handshake sends" if curve else "the smallest request (a close) holds"
+        raise SystemExit(
+            f"--max-message {a.max_message} is too small: {why} a frame of {smallest} bytes, "
+            f"which this worker would drop unread while its clients wait: give {smallest} or more"
+        )
     if a.threads:
         import torch
 

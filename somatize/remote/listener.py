@@ -24,9 +24,9 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from somatize.remote import wire
+from somatize.remote import seal, wire
 
-__all__ = ["QUEUED", "PENDING_WITHIN", "Guard", "bind", "serve"]
+__all__ = ["QUEUED", "PENDING_WITHIN", "Guard", "bind", "serve", "smallest_message"]
 
 log = logging.getLogger("somatize.worker")
 
@@ -35,6 +35,10 @@ QUEUED = 2
 
 PENDING_WITHIN = 10.0
 """Seconds a connection may stay open without sending a message that verifies."""
+
+_INITIATE = 292
+"""The bytes of the INITIATE command a DEALER sends in CURVE's handshake, which libzmq weighs
+against `max_message` as it weighs a frame (113 + 128 + 16 + its 35 bytes of properties)."""
 
 _QUIET = 1 << 20  # bytes strangers may send together without being weighed (hellos, salts)
 
@@ -45,6 +49,15 @@ _EVENTS = (
     | zmq.EVENT_ACCEPT_FAILED
     | zmq.EVENT_MONITOR_STOPPED
 )
+
+
+def smallest_message(curve: bool) -> int:
+    """The smallest `max_message` with which a worker answers a client: every frame of the
+    smallest request a broker sends (a close: its seal, and its header with a 64-bit rid and
+    a 16-character session) fits, and with CURVE (`curve`) the handshake's INITIATE too."""
+    request = wire.encode({"op": "close", "rid": (1 << 64) - 1, "session": "0" * 16})
+    frames = seal.Seal(bytes(32)).seal(request)
+    return max(_INITIATE if curve else 0, *(memoryview(f).nbytes for f in frames))
 
 
 def bind(context: zmq.Context, endpoint: str, *, max_message: int, curve_secret: str | None):
