@@ -1,6 +1,9 @@
-"""A worker's smallest workable --max-message. Real worker processes, 127.0.0.1 only."""
+"""A worker's smallest workable --max-message, and its clients' sessions as their connections
+come and go. Real worker processes, 127.0.0.1 only."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -30,4 +33,31 @@ def test_a_max_message_too_small_for_any_request_is_refused_when_the_worker_star
             with pytest.raises(ValueError, match="larger --max-message"):
                 Graph.somatize(Lin().at("w")).forward(torch.ones(4), broker=b)
     finally:
+        worker.stop()
+
+
+def test_a_client_connecting_where_another_just_left_keeps_its_session():
+    """A connection that closes, and a new one on the descriptor it freed (a worker's next
+    descriptor is the lowest free one) before the worker's once-a-second look at closed
+    connections: the new client's session is its own, and outlives the grace a session of a
+    client that went away gets (10 s)."""
+    from _remote_nodes import Plus
+
+    worker = Worker.spawn(send=[NODES])
+    kept: list[Broker] = []
+    try:
+        for k in range(6):
+            gone = Broker.embedded({"w": Worker.at(worker.address, token=worker.token)})
+            gone.request("w", {"op": "hello"}, deadline=20)
+            gone.close()
+            time.sleep(0.1)  # the worker has closed that connection: its descriptor is free
+            b = Broker.embedded({"w": Worker.at(worker.address, token=worker.token)})
+            assert Graph.somatize(Plus(k).at("w")).forward(torch.ones(1), broker=b).item() == k + 1
+            kept.append(b)
+        time.sleep(12.5)
+        with Broker.embedded({"w": Worker.at(worker.address, token=worker.token)}) as asks:
+            assert asks.request("w", {"op": "hello"}, deadline=20)["sessions"] == len(kept)
+    finally:
+        for b in kept:
+            b.close()
         worker.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import os
 import resource
@@ -139,9 +140,19 @@ class Guard:
         self.lock = threading.Lock()
         self.pending: dict[int, float] = {}  # descriptor: when it was accepted
         self.proven: dict[int, int] = {}  # a client's descriptor: bytes sent when last answered
-        self.closed: list[int] = []  # descriptors gone since the loop last asked
+        self.open: dict[int, int] = {}  # descriptor: the number of the connection on it
+        self.closed: list[int] = []  # the numbers of the connections closed since last asked
+        self._numbers = itertools.count()
         self._told = -float("inf")
         self.monitor = sock.get_monitor_socket(_EVENTS)
+        # the loop asks (`connection`) and this thread answers once it has read every event
+        where = f"inproc://somatize-guard-{id(self)}"
+        self._answers = sock.context.socket(zmq.PAIR)
+        self._answers.bind(where)
+        self._asks = sock.context.socket(zmq.PAIR)
+        self._asks.setsockopt(zmq.LINGER, 0)
+        self._asks.setsockopt(zmq.RCVTIMEO, 1000)
+        self._asks.connect(where)
         self.thread = threading.Thread(target=self._watch, daemon=True, name="somatize-guard")
         self.thread.start()
 
@@ -156,35 +167,56 @@ class Guard:
             elif fd in self.pending:
                 self.pending[fd] = min(self.pending[fd], time.monotonic() - PENDING_WITHIN + 1)
 
+    def connection(self, fd: int | None) -> int | None:
+        """The number of the connection on descriptor `fd` now, None where unknown: a number
+        is never reused, a descriptor is. Asked for a message just received, once this thread
+        has read every event so far, its connection's opening among them (libzmq says a
+        connection closed before its descriptor can be reused)."""
+        if fd is None:
+            return None
+        with contextlib.suppress(zmq.ZMQError):
+            self._asks.send(b"")
+            self._asks.recv()
+        with self.lock:
+            return self.open.get(fd)
+
     def gone(self) -> list[int]:
-        """The descriptors of the connections closed since the last call."""
+        """The numbers of the connections closed since the last call."""
         with self.lock:
             found, self.closed = self.closed, []
         return found
 
     def close(self, within: float = 2.0) -> None:
-        """Stop watching: the thread ends (within `within` seconds) and closes its socket, or
+        """Stop watching: the thread ends (within `within` seconds) and closes its sockets, or
         does so when the context is terminated, so that terminating it never waits on it."""
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self.thread.join(within)
+        self._asks.close(0)
 
     def _watch(self) -> None:
-        monitor = self.monitor
+        monitor, answers = self.monitor, self._answers
+        poller = zmq.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(answers, zmq.POLLIN)
         try:
             while True:
                 watched = self.pending or self.proven  # looked at often: what they send
-                if monitor.poll(25 if watched else 250):
+                ready = dict(poller.poll(25 if watched else 250))
+                while monitor.poll(0):  # every event so far, before an answer
                     event = recv_monitor_message(monitor)
-                    kind, value = event["event"], event["value"]
-                    if kind == zmq.EVENT_MONITOR_STOPPED:
-                        break
-                    self._event(kind, value)
+                    if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                        return
+                    self._event(event["event"], event["value"])
+                if answers in ready:
+                    answers.recv()
+                    answers.send(b"")
                 self._sweep()
         except zmq.ZMQError:  # the context was terminated first
             pass
         finally:
             monitor.close(0)
+            answers.close(0)
 
     def _event(self, kind: int, fd: int) -> None:
         cut = None
@@ -193,10 +225,12 @@ class Guard:
                 if len(self.pending) >= self.most_pending:
                     cut = self._longest()  # so that a client that has just connected gets in
                 self.pending[fd] = time.monotonic()
+                self.open[fd] = next(self._numbers)
             elif kind in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED):
                 self.pending.pop(fd, None)
                 self.proven.pop(fd, None)
-                self.closed.append(fd)
+                if (number := self.open.pop(fd, None)) is not None:
+                    self.closed.append(number)
             elif kind == zmq.EVENT_ACCEPT_FAILED:  # `fd` is the errno here
                 now = time.monotonic()
                 if now - self._told > 10.0:
@@ -270,9 +304,12 @@ class Guard:
 
 def serve(sock: zmq.Socket, server: Any, guard: Guard) -> None:
     """Answer every message on `sock` with `server.handle`, for good; between messages,
-    forget expired sessions and those whose client's connection closed."""
+    forget expired sessions and those whose client's connection closed. A connection is
+    named by its peer's identity (the ROUTER's, never reused), mapped to the number the guard
+    gave it."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    peers: dict[bytes, int | None] = {}  # a peer's identity: its connection's number
     swept = time.monotonic()
     while True:
         if poller.poll(200):
@@ -282,8 +319,11 @@ def serve(sock: zmq.Socket, server: Any, guard: Guard) -> None:
                 continue
             peer = frames[0]  # a ROUTER's: the peer's identity, then at least one frame
             fd = _source(peer)
+            who = peer.bytes
+            if who not in peers and (number := guard.connection(fd)) is not None:
+                peers[who] = number
             try:
-                reply, verified = server.handle(frames[1:], fd)
+                reply, verified = server.handle(frames[1:], who)
             except Exception:  # a bug answering it: this message goes unanswered, not the rest
                 log.exception("could not answer a message")
                 continue
@@ -297,8 +337,10 @@ def serve(sock: zmq.Socket, server: Any, guard: Guard) -> None:
         now = time.monotonic()
         if now - swept > 1.0:
             swept = now
-            for fd in guard.gone():
-                server.gone(fd)
+            closed = set(guard.gone())
+            for who in [who for who, number in peers.items() if number in closed]:
+                del peers[who]
+                server.gone(who)
             server.expire()
 
 

@@ -45,7 +45,7 @@ class Session:
     kept: dict[str, Any] = field(default_factory=dict)
     loads: dict[str, dict[str, Any]] = field(default_factory=dict)
     last: float = field(default_factory=time.monotonic)
-    connection: int | None = None
+    connection: Any = None
     gone: float | None = None
 
     def node(self, key: Any) -> Any:
@@ -116,13 +116,12 @@ class Server:
         self.drops = Drops()
 
     # -- one message --------------------------------------------------------------------------
-    def handle(
-        self, frames: list[Any], connection: int | None = None
-    ) -> tuple[list | None, bool | None]:
+    def handle(self, frames: list[Any], connection: Any = None) -> tuple[list | None, bool | None]:
         """The frames that answer one message (the peer's identity taken off), and whether it
         verified: True, False (refused), None for the one unsealed question (the salt).
-        Whoever watches connections cuts those that never verify. `connection` says which
-        connection it came over (a session follows its client's)."""
+        Whoever watches connections cuts those that never verify. `connection` names the
+        connection it came over, exactly (the peer's identity): a session follows its
+        client's."""
         if len(frames) == 1 and seal.is_frame(frames[0], seal.SALT_ASK):
             return seal.salt_answer(self.salt), None
         try:
@@ -182,7 +181,7 @@ class Server:
             return self.seal.seal(wire.encode(reply))
 
     # -- sessions -----------------------------------------------------------------------------
-    def session(self, name: Any, connection: int | None) -> Session:
+    def session(self, name: Any, connection: Any) -> Session:
         """The session `name`, made when first used, noted as used now over `connection`."""
         found = self.sessions.setdefault(str(name), Session())
         found.last = time.monotonic()
@@ -190,7 +189,7 @@ class Server:
             found.connection, found.gone = connection, None
         return found
 
-    def gone(self, connection: int) -> None:
+    def gone(self, connection: Any) -> None:
         """A client's connection closed: its sessions go after `GONE_GRACE` seconds unless
         it comes back."""
         now = time.monotonic()
@@ -215,7 +214,7 @@ class Server:
         return old
 
     # -- what it is asked ---------------------------------------------------------------------
-    def answer(self, m: dict[str, Any], connection: int | None = None) -> Any:
+    def answer(self, m: dict[str, Any], connection: Any = None) -> Any:
         """What one request asks for."""
         op = m["op"]
         if op == "hello":
