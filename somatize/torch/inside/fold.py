@@ -82,11 +82,12 @@ def _apart(this: dict, that: dict, settings: list[tuple[str, str]]) -> str:
     def said(found: dict, key: tuple[str, str]) -> str:
         return repr(found[key]) if key in found else "unset"
 
+    differ = [k for k in settings if (k in this, this.get(k)) != (k in that, that.get(k))]
     return ", ".join(
-        f"{inner[1:] + '.' if inner else ''}{name} {said(this, (inner, name))} ≠ "
-        f"{said(that, (inner, name))}"
-        for inner, name in settings
-        if said(this, (inner, name)) != said(that, (inner, name))
+        [
+            f"{q[1:] + '.' if q else ''}{k} {said(this, (q, k))} ≠ {said(that, (q, k))}"
+            for q, k in differ
+        ]
     )
 
 
