@@ -168,14 +168,12 @@ class Audit:
             places += [Place(node, p, m, self.window, first.get(id(m), False)) for p, m in chosen]
             left += [f"{node}.{p}" for p in missed]
         by_where = {p.where: p for p in places}
-        if isinstance(self.inside, list):
-            missing = sorted(set(self.inside) - set(by_where))
-            if missing:
-                raise ValueError(
-                    f"Audit(inside=...) names {missing}, which are not in this graph: a place "
-                    f"is named node.path.to.module{_like(missing, held_by)}"
-                    f"{_elsewhere(missing, away)}"
-                )
+        missing = sorted(set(self.inside) - set(by_where)) if isinstance(self.inside, list) else []
+        if missing:
+            raise ValueError(
+                f"Audit(inside=...) names {missing}, which are not in this graph: a place "
+                f"is named node.path.to.module{_like(missing, held_by)}{_elsewhere(missing, away)}"
+            )
         missing = sorted(set(self.groups) - set(by_where))
         if missing:
             raise ValueError(
