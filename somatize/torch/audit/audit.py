@@ -396,24 +396,22 @@ class Audit:
         """Every place's numbers for this step, from one read of everything left as tensors:
         ‖θ‖ of each weight (on the copy: the weights the step ran with), ‖∇θ‖ of each that
         has a gradient, and what each place heard."""
-        normed = list(self._copy or [])  # θ as `_begin` copied it, then each ∇θ there is
-        grad_at = [-1] * len(self._flat)
-        for i, q in enumerate(self._flat):
-            if q.grad is not None:
-                grad_at[i] = len(normed)
-                normed.append(q.grad)
+        copy = self._copy or []  # θ as `_begin` copied it
+        grads = [q.grad for q in self._flat]
+        normed = copy + [g for g in grads if g is not None]
         tensors = [norm(t) for t in normed]
         for place in self._places:
             place.queue(tensors)
         values = read(tensors)
         squares = squared_norms(values[: len(normed)], normed)
+        after = iter(squares[len(copy) :])  # ‖∇θ‖² of each weight that has a gradient
+        grad_squares = [None if g is None else next(after) for g in grads]
         spoilt, blank = marks(self._places, values)  # calls not finite, outputs all zero
         out = []
         for place in self._places:
-            index = place.index
-            weights = [squares[i] for i in index]
-            grads = [squares[grad_at[i]] for i in index if grad_at[i] >= 0]
-            n = place.numbers(values, weights, grads, step, snapshot, spoilt, blank)
+            weights = [squares[i] for i in place.index]
+            got = [grad_squares[i] for i in place.index if grad_squares[i] is not None]
+            n = place.numbers(values, weights, got, step, snapshot, spoilt, blank)
             place.clear()
             if n:
                 fact = {"fact": "health", "node": place.node, "inside": place.inside, "step": step}
