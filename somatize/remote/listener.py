@@ -152,6 +152,7 @@ class Guard:
         self._asks = sock.context.socket(zmq.PAIR)
         self._asks.setsockopt(zmq.LINGER, 0)
         self._asks.setsockopt(zmq.RCVTIMEO, 1000)
+        self._asks.setsockopt(zmq.SNDTIMEO, 1000)
         self._asks.connect(where)
         self.thread = threading.Thread(target=self._watch, daemon=True, name="somatize-guard")
         self.thread.start()
@@ -175,6 +176,8 @@ class Guard:
         if fd is None:
             return None
         with contextlib.suppress(zmq.ZMQError):
+            while self._asks.poll(0):  # the answer to an ask given up on
+                self._asks.recv()
             self._asks.send(b"")
             self._asks.recv()
         with self.lock:
