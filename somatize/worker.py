@@ -104,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
         default=1 << 30,
         metavar="BYTES",
         help="refuse a frame larger than this, before reading it, and a message four times as "
-        "large (default 1GiB; at least 48, 292 with CURVE)",
+        "large (default 1GiB; at least 48, 259 with CURVE)",
     )
     p.add_argument(
         "--max-pending",

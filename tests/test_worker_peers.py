@@ -13,7 +13,7 @@ from somatize import Broker, Graph, Worker
 NODES = "_remote_nodes"
 
 
-@pytest.mark.parametrize(("encrypt", "smallest"), [(False, 48), (True, 292)])
+@pytest.mark.parametrize(("encrypt", "smallest"), [(False, 48), (True, 259)])
 def test_a_max_message_too_small_for_any_request_is_refused_when_the_worker_starts(
     encrypt, smallest
 ):
@@ -32,6 +32,23 @@ def test_a_max_message_too_small_for_any_request_is_refused_when_the_worker_star
 
             with pytest.raises(ValueError, match="larger --max-message"):
                 Graph.somatize(Lin().at("w")).forward(torch.ones(4), broker=b)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("encrypt", [False, True])
+def test_a_frame_of_max_message_bytes_is_taken_encrypted_or_not(encrypt):
+    from _remote_nodes import Plus
+
+    worker = Worker.spawn(["--max-message", "4096"], encrypt=encrypt, send=[NODES])
+    try:
+        with Broker.embedded({"w": worker}) as b:
+            g = Graph.somatize(Plus(1.0).at("w"))
+            for n in (1016, 1024):  # CURVE adds 33 bytes to a frame: 4064 and 4096 bytes
+                out = g.forward(torch.zeros(n), broker=b)
+                assert out.shape == (n,) and bool((out == 1).all())
+            with pytest.raises(ValueError, match="larger --max-message"):
+                g.forward(torch.zeros(1025), broker=b)
     finally:
         worker.stop()
 

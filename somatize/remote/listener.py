@@ -37,9 +37,13 @@ QUEUED = 2
 PENDING_WITHIN = 10.0
 """Seconds a connection may stay open without sending a message that verifies."""
 
+_BOXED = 33
+"""The bytes CURVE adds to each frame (a MESSAGE command: its name, a nonce, a MAC, flags),
+which libzmq weighs with the frame: a worker that encrypts allows for them."""
+
 _INITIATE = 292
 """The bytes of the INITIATE command a DEALER sends in CURVE's handshake, which libzmq weighs
-against `max_message` as it weighs a frame (113 + 128 + 16 + its 35 bytes of properties)."""
+as it weighs a frame (113 + 128 + 16 + its 35 bytes of properties)."""
 
 _QUIET = 1 << 20  # bytes strangers may send together without being weighed (hellos, salts)
 
@@ -58,7 +62,7 @@ def smallest_message(curve: bool) -> int:
     a 16-character session) fits, and with CURVE (`curve`) the handshake's INITIATE too."""
     request = wire.encode({"op": "close", "rid": (1 << 64) - 1, "session": "0" * 16})
     frames = seal.Seal(bytes(32)).seal(request)
-    return max(_INITIATE if curve else 0, *(memoryview(f).nbytes for f in frames))
+    return max(_INITIATE - _BOXED if curve else 0, *(memoryview(f).nbytes for f in frames))
 
 
 def bind(context: zmq.Context, endpoint: str, *, max_message: int, curve_secret: str | None):
@@ -69,7 +73,7 @@ def bind(context: zmq.Context, endpoint: str, *, max_message: int, curve_secret:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, int(max_message))
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_message) + (_BOXED if curve_secret else 0))
     sock.setsockopt(zmq.RCVHWM, QUEUED)
     sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
     sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
