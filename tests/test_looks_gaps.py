@@ -7,11 +7,11 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
-from models import more, newer
+from models import more, newer, zoo
 
 from somatize import Graph, Node
 from somatize.figures import graph_figure
-from somatize.torch import architecture
+from somatize.torch import architecture, probe
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -75,3 +75,58 @@ def test_two_layers_a_sliding_window_keeps_apart_each_say_so_naming_it_and_both_
     folded = architecture(g, plain.example)["qwen"]
     assert folded.layer("model.layers.0").times == 2
     assert not any(layer.apart for layer in folded.layers)
+
+
+def _uncoloured(svg: str) -> list[str]:
+    """The layer boxes drawn with no colour (tinted with their family's hue instead)."""
+    return [
+        box.get("data-id")
+        for box in ET.fromstring(svg).iter(f"{SVG}g")
+        if box.get("data-id", "").startswith("l:")
+        and any(p.get("fill-opacity") == "0.13" for p in box.iter(f"{SVG}path"))
+    ]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+@pytest.mark.parametrize(
+    "build",
+    [newer.gemma2, more.llama, zoo.albert, newer.modernbert, zoo.t5],
+    ids=["gemma2", "llama", "albert", "modernbert", "t5"],
+)
+def test_every_box_a_transformer_s_figure_draws_has_a_probe_colour(build):
+    # gemma2: attention closed by most=48, its layers not folded (a sliding window on one);
+    # llama: folded ×2, its first layer's MLP past probe's first half; albert: one layer
+    # called at every depth, a closed box per call; modernbert and t5: boxes mid-model
+    case = build()
+    g = Graph.somatize(Node.of(case.model).named("m"))
+    numbers = probe(g, case.example)
+    gains = {w: n.get("jacobian_gain", n.get("signal_gain", 0.0)) for w, n in numbers.items()}
+    svg = g.figure(inside=architecture(g, case.example), colour=gains).svg()
+    assert _uncoloured(svg) == []
+    assert len(_uncoloured(g.figure(inside=architecture(g, case.example)).svg())) > 10
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+def test_a_block_drawn_closed_is_probed_as_the_last_box_that_ran_in_it():
+    case = newer.gemma2()
+    g = Graph.somatize(Node.of(case.model).named("m"))
+    got = probe(g, case.example)
+    closed = architecture(g, case.example)["m"].layer("model.layers.0.self_attn")
+    assert not closed.made_of and "o_proj: Linear" in closed.holds  # drawn as one box
+    every = probe(g, case.example, most=400)  # (layer 0's o_proj is past the first half)
+    assert got["m.model.layers.0.self_attn"] == every["m.model.layers.0.self_attn.o_proj"]
+    assert got["m.model.layers.1.mlp"] == got["m.model.layers.1.mlp.down_proj"]
+    assert "jacobian_gain" in got["m.model.layers.1.mlp"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+def test_a_folded_box_its_first_copy_unprobed_shows_the_copy_probed_and_says_whose():
+    case = more.llama()  # two layers folded ×2; probe's first half ends in layer 0's attention
+    g = Graph.somatize(Node.of(case.model).named("m"))
+    got = probe(g, case.example)
+    first, second = (f"m.model.layers.{k}.mlp.down_proj" for k in (0, 1))
+    assert first not in got and second in got
+    gains = {w: n["jacobian_gain"] for w, n in got.items() if "jacobian_gain" in n}
+    tip = _tips(g.figure(inside=architecture(g, case.example), colour=gains).svg())
+    said = re.search(r"colour: (\S+) \(copy 2's\)", tip["l:m:model.layers.0.mlp.down_proj"])
+    assert said and float(said.group(1)) == pytest.approx(gains[second], rel=5e-3)

@@ -56,11 +56,13 @@ def test_keys_and_numbers_by_hand_on_the_example_as_given():
         "double.l",
         "double.r",
         "body",
+        "body.net",
         "body.net.0",
         "body.net.1",
         "body.net.2",
         "body.net.3",
     ]
+    assert got["body.net"] == got["body.net.3"]  # a block: the last box that ran in it
     eps = torch.finfo(torch.float32).eps
     lin = got["double.l"]
     assert lin["signal_gain"] == pytest.approx(2.0, rel=8 * eps)
@@ -131,12 +133,22 @@ def test_depth_and_most_choose_the_places():
     x = torch.randn(5, 2, 8)
     assert set(probe(enc, x)) == {
         "transformerencoder",
+        "transformerencoder.layers",  # the block: its last box's numbers
         "transformerencoder.layers.0",
         "transformerencoder.layers.1",
     }
     opened = probe(enc, x, depth=1)
     assert "transformerencoder.layers.0.linear1" in opened
-    assert len(probe(enc, x, depth=1, most=3)) == 4
+    boxes = [k for k in opened if k.count(".") == 3]  # every layer's boxes, as they ran
+    assert len(boxes) > 6
+    # past most=3: the blocks as architecture closes them, and the first and last boxes
+    blocks = ["transformerencoder.layers", *(f"transformerencoder.layers.{k}" for k in (0, 1))]
+    assert set(probe(enc, x, depth=1, most=3)) == {
+        "transformerencoder",
+        *blocks,
+        *boxes[:2],
+        boxes[-1],
+    }
 
 
 def test_the_places_past_most_leave_the_others_as_they_were():
@@ -160,15 +172,24 @@ def test_the_places_past_most_leave_the_others_as_they_were():
 def test_a_llama_past_most_boxes_is_probed_at_its_first_and_its_last_its_head_among_them():
     from models import more
 
+    from somatize.torch import architecture
+
     case = more.llama()
     every = probe(case.model, case.example, most=400)
-    node, *boxes = every
+    node = next(iter(every))
+    boxes = [k for k in every if not any(o.startswith(k + ".") for o in every)]  # no blocks
     assert len(boxes) > 48  # two layers of about 25 boxes, the norm and the head
     some = probe(case.model, case.example)  # most=48
-    assert list(some) == [node, *boxes[:24], *boxes[-24:]]
-    assert list(some)[-2:] == ["llamaforcausallm.model.norm", "llamaforcausallm.lm_head"]
+    kept = [k for k in some if k in boxes]
+    assert kept[:24] == boxes[:24] and kept[-24:] == boxes[-24:]
+    assert kept[-2:] == ["llamaforcausallm.model.norm", "llamaforcausallm.lm_head"]
     assert "llamaforcausallm.model.embed_tokens" in some
     assert all(some[where] == every[where] for where in some)  # as if none were left out
+    # and every box the figure draws at most=48 (a layer's attention closed, its MLP open),
+    # folded ×2: the box or its copy
+    drawn = architecture(case.model, case.example)[node].layers
+    for la in (la for la in drawn if not la.made_of):
+        assert any(f"{node}.{p}" in some for p in [la.path, *la.repeats]), la.path
 
 
 class Masked(nn.Module):
@@ -446,7 +467,8 @@ def test_a_module_held_in_two_blocks_is_probed_at_each_box_architecture_draws():
         "shared.mul",
     ]
     got = probe(net, x)
-    assert list(got) == ["shared", *boxes]
+    assert [k for k in got if k not in ("shared.enc", "shared.dec")] == ["shared", *boxes]
+    assert got["shared.enc"] == got["shared.enc.1"]  # a block: the last box that ran in it
     # dec.lin is the Linear's second call, on what enc gave (not its first, on x)
     lin = net.dec.lin
     w, b = lin.weight.detach().double(), lin.bias.detach().double()

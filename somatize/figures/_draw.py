@@ -59,8 +59,15 @@ class _Painter:
         self.root, self.routes, self.colour, self.label = root, routes, colour, label
         self.scale = Scale(colour.values())
 
-    def fill(self, where: str) -> tuple[str, str] | None:
-        v = self.colour.get(where)
+    def shown(self, box: Box) -> tuple[Any, int]:
+        """The value `box` is painted with, and which copy's it is (0: its own): a folded box
+        with no value of its own shows its first copy's that has one."""
+        wheres = [box.where, *box.copies] if box.where else []
+        k = next((k for k, w in enumerate(wheres) if finite(self.colour.get(w))), 0)
+        return (self.colour.get(wheres[k]) if wheres else None), k
+
+    def fill(self, box: Box) -> tuple[str, str] | None:
+        v = self.shown(box)[0]
         if not finite(v) or self.scale.empty:
             return None
         t = self.scale.t(v)
@@ -96,9 +103,10 @@ class _Painter:
 
     def tip(self, box: Box) -> str:
         lines = [box.label.lstrip("▸▾ ")] + [f"{k}: {v}" if k else v for k, v in box.tip]
-        value = self.colour.get(box.where) if box.where else None
+        value, k = self.shown(box)
         if value is not None:
-            lines.insert(1, f"{self.label or 'colour'}: {number(value)}")
+            copy = f" (copy {k + 1}'s)" if k else ""
+            lines.insert(1, f"{self.label or 'colour'}: {number(value)}{copy}")
         if box.copies and any(self.colour.get(w) is not None for w in box.copies):
             each = [number(self.colour.get(w)) for w in [box.where, *box.copies]]
             lines.insert(2 if value is not None else 1, f"each copy: {', '.join(each)}")
@@ -136,7 +144,7 @@ class _Painter:
 
     def node(self, box: Box) -> str:
         x, y, w = box.x, box.y, box.w
-        col = self.fill(box.where)
+        col = self.fill(box)
         frozen = ("frozen", "frozen") in box.pills
         opened = bool(box.children)
         bg, ink = col if col and not opened else ("#f6f7fa", INK)
@@ -171,7 +179,7 @@ class _Painter:
         return "".join(parts)
 
     def layer(self, box: Box) -> str:
-        col = self.fill(box.where)
+        col = self.fill(box)
         hue = HUES[box.family]
         path = outline(box.family, box.w, box.h)
         bg, ink = col or ("#fff", INK)

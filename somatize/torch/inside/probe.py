@@ -25,7 +25,7 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.node import unwrap
 from somatize.run import flush, note, tell, warn, watchers
-from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
+from somatize.torch._modules import Held, Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import exact, norm, output_of, read, sums_of, wide
 from somatize.torch.audit._place import saturation
@@ -128,7 +128,6 @@ class _Place:
     of the gradients at its input and output, heard as the backward passed."""
 
     __slots__ = (
-        "where",
         "node",
         "inside",
         "saturates",
@@ -142,7 +141,6 @@ class _Place:
     def __init__(self, node: str, inside: str | None, module: nn.Module | None) -> None:
         self.node = node
         self.inside = inside
-        self.where = join(node, inside or "")
         self.saturates = saturation([module] if module is not None else [])
         self.weights = list(module.parameters()) if module is not None else []
         self.numbers: dict[str, Any] | None = None
@@ -226,28 +224,54 @@ class _Place:
 
 
 class _Probing(Boxes):
-    """The boxes `architecture` draws inside one node's root, the first and the last of them
-    that ran (`most` in all), each a place measured on its first call as it ends; a closed
-    module's input is first seen as its call begins (a module may write over it in place)."""
+    """The boxes `architecture` draws inside one node's root, each a place measured on its
+    first call as it ends; a closed module's input is first seen as its call begins (a module
+    may write over it in place). `answered()` says which of them `probe` answers."""
 
     def __init__(self, node: str, root: nn.Module, depth: int, most: int, known: _Tensors):
         super().__init__(root, depth)
         self.node = node
         self.most = most
         self.known = known
-        self.places: dict[str, _Place] = {}
+        self.places: dict[str, _Place] = {}  # every box, in the order they ran
+        self.ends: dict[str, _Place] = {}  # each open block's call: the last box inside it
 
     def _place(self, box: str, module: nn.Module | None) -> _Place | None:
-        """The place `box`'s call is measured at, if it is: every box is, as it runs, and past
-        `most` the oldest after the first half of them is dropped, so the first and the last
-        are kept (a model's input end and its head)."""
+        """The place `box`'s call is measured at, unless it was already."""
         place = self.places.get(box)
         if place is None:
-            self.places[box] = _Place(self.node, box, module)
-            if len(self.places) > self.most:
-                del self.places[next(itertools.islice(self.places, (self.most + 1) // 2, None))]
-            place = self.places.get(box)
-        return place if place is not None and place.numbers is None else None
+            place = self.places[box] = _Place(self.node, box, module)
+        return place if place.numbers is None else None
+
+    def answered(self) -> list[tuple[str, _Place]]:
+        """The boxes and blocks answered, as they ran, each call of a block with the place of
+        the last box that ran in it (which made what it gives back): past `most` of them, as
+        `architecture` closes blocks, the deepest first, each block closed one box; and past
+        `most` boxes, the first half and the last half of them too (a model's input end and
+        its head, and the copies a figure that folds them draws open)."""
+        order: dict[str, _Place] = {}  # blocks and boxes, a block first
+        for box, place in self.places.items():
+            for block in itertools.accumulate(box.split(".")[:-1], "{}.{}".format):
+                order[block] = place  # (one never called, a ModuleList: its last box)
+            order[box] = place
+        order.update(self.ends)  # a call of a block, the last box in it (later calls last)
+        level = {k: k.count(".") for k in order}
+        keep = list(order)
+        for depth in range(max(level.values(), default=0) - 1, -1, -1):
+            if len(keep) <= self.most:
+                break
+            keep = [k for k in keep if level[k] <= depth]
+        boxes = list(self.places)
+        for kept in (keep, boxes):
+            if len(kept) > self.most:
+                kept[(self.most + 1) // 2 : len(kept) - self.most // 2] = []
+        chosen = {*keep, *boxes}
+        return [(k, p) for k, p in order.items() if k in chosen]
+
+    def _left(self, path: str, call: int, outs: list) -> None:
+        last = next(reversed(self.places), "")
+        if last.startswith(path + "."):  # the last box that ran in this call of the block
+            self.ends[path if call == 1 else f"{path}#{call}"] = self.places[last]
 
     def _heard(self, box: str, module: Any, given: list, outs: list) -> None:
         place = self._place(box, module)
@@ -283,10 +307,11 @@ def probe(
 
     `where` is a node, or `node.path.to.submodule` — the same keys the audit uses and the
     same boxes the figure draws (`depth` opens composites as in `architecture`; the functions
-    between modules, `relu`, `cat`, and a module's later calls, `pool#2`, are places too;
-    past `most` boxes in a node, the first half and the last half of them as they ran, so its
-    head is among them), so a finding from a probe lands on the box a
-    finding from a run would. A call that writes over what it read (`out += identity`,
+    between modules, `relu`, `cat`, and a module's later calls, `pool#2`, are places too; a
+    block is answered with the numbers of the last box that ran in it, so a block drawn closed
+    is coloured; past `most` boxes in a node, what `architecture` draws at that `most` without
+    folding, and the first half and the last half of the boxes as they ran, so its head is
+    among them), so a finding from a probe lands on the box a finding from a run would. A call that writes over what it read (`out += identity`,
     `x.relu_()`, a module changing its input in place) or hands its input back (a `Dropout`
     in eval mode) is measured against its input as it was before the call (a module's is
     read as its call begins), and the boxes after it against what it gave; only an in-place
@@ -374,12 +399,15 @@ def probe(
     answer: dict[str, dict[str, Any]] = {}
     facts = []  # the same, as health facts for `watching`
     one = False
-    inner = {h.node: h.places for h in hooks}
+    inner = {h.node: h for h in hooks}
+    measured: dict[int, dict[str, Any]] = {}  # each place's numbers once (a block's: a box's)
     for node, place in nodes.items():
-        for p in [place, *inner.get(node, {}).values()]:
-            if p.numbers is not None:
-                answer[p.where] = numbers = p.answer()
-                facts.append({"fact": "health", "node": p.node, "inside": p.inside, "step": 0})
+        for inside, p in [(None, place), *(inner[node].answered() if node in inner else [])]:
+            where = f"{node}.{inside}" if inside else node
+            if p.numbers is not None and where not in answer:
+                numbers = measured[id(p)] = measured.get(id(p)) or p.answer()
+                answer[where] = dict(numbers)
+                facts.append({"fact": "health", "node": node, "inside": inside, "step": 0})
                 facts[-1].update(numbers)
                 one = one or p.rows == 1
     if one:
