@@ -128,8 +128,6 @@ class _Place:
     of the gradients at its input and output, heard as the backward passed."""
 
     __slots__ = (
-        "node",
-        "inside",
         "saturates",
         "weights",
         "numbers",
@@ -138,9 +136,7 @@ class _Place:
         "g_out",
     )
 
-    def __init__(self, node: str, inside: str | None, module: nn.Module | None) -> None:
-        self.node = node
-        self.inside = inside
+    def __init__(self, module: nn.Module | None) -> None:
         self.saturates = saturation([module] if module is not None else [])
         self.weights = list(module.parameters()) if module is not None else []
         self.numbers: dict[str, Any] | None = None
@@ -240,7 +236,7 @@ class _Probing(Boxes):
         """The place `box`'s call is measured at, unless it was already."""
         place = self.places.get(box)
         if place is None:
-            place = self.places[box] = _Place(self.node, box, module)
+            place = self.places[box] = _Place(module)
         return place if place.numbers is None else None
 
     def answered(self) -> list[tuple[str, _Place]]:
@@ -311,11 +307,12 @@ def probe(
     block is answered with the numbers of the last box that ran in it, so a block drawn closed
     is coloured; past `most` boxes in a node, what `architecture` draws at that `most` without
     folding, and the first half and the last half of the boxes as they ran, so its head is
-    among them), so a finding from a probe lands on the box a finding from a run would. A call that writes over what it read (`out += identity`,
-    `x.relu_()`, a module changing its input in place) or hands its input back (a `Dropout`
-    in eval mode) is measured against its input as it was before the call (a module's is
-    read as its call begins), and the boxes after it against what it gave; only an in-place
-    function on a tensor no box made (the model's input, a slice) is not, its input gone.
+    among them), so a finding from a probe lands on the box a finding from a run would. A
+    call that writes over what it read (`out += identity`, `x.relu_()`, a module changing its
+    input in place) or hands its input back (a `Dropout` in eval mode) is measured against its
+    input as it was before the call (a module's is read as its call begins), and the boxes
+    after it against what it gave; only an in-place function on a tensor no box made (the
+    model's input, a slice) is not, its input gone.
     Each place's numbers are `signal_gain`, `jacobian_gain`, `jacobian_spread`,
     `zero_frac_max` (not where it was given only zeros: those are its input's),
     `sat_frac_max`, `nan`, `inf` (see the module's docstring) and, where it holds weights,
@@ -346,7 +343,7 @@ def probe(
                 "is nothing to measure: give one or more samples"
             )
     roots = {node: root_of(g.implementation(node)) for node in g.nodes()}
-    nodes = {n: _Place(n, None, r) for n, r in roots.items()}
+    nodes = {n: _Place(r) for n, r in roots.items()}
     known = _Tensors()
     hooks = [
         _Probing(node, root, depth, most, known)
