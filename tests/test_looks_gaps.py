@@ -130,3 +130,21 @@ def test_a_folded_box_its_first_copy_unprobed_shows_the_copy_probed_and_says_who
     tip = _tips(g.figure(inside=architecture(g, case.example), colour=gains).svg())
     said = re.search(r"colour: (\S+) \(copy 2's\)", tip["l:m:model.layers.0.mlp.down_proj"])
     assert said and float(said.group(1)) == pytest.approx(gains[second], rel=5e-3)
+
+
+def test_a_comparison_names_a_dead_box_once_not_again_at_the_block_that_holds_it():
+    import torch
+    from torch import nn
+
+    from somatize.figures import compare
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    with torch.no_grad():
+        block[0].bias.fill_(-100.0)  # every unit below zero: the ReLU gives zeros
+    net = nn.Sequential(block, nn.Linear(8, 3))
+    x = torch.randn(6, 4)
+    assert probe(net, x)["sequential.0"] == probe(net, x)["sequential.0.1"]  # the block's last
+    flags = compare({"net": net}, x).loc["net", "probe:flags"].split(", ")
+    assert "DEAD@sequential.0.1" in flags, flags
+    assert not any(f.endswith("@sequential.0") for f in flags), flags

@@ -76,10 +76,13 @@ def _named(candidates: Any) -> dict[str, Any]:
 
 def _probe_summary(numbers: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
     """The median over places of every metric a probe gave, and the flags the health
-    verdict raises at any place (as `where: FLAG` text)."""
+    verdict raises at any place (as `where: FLAG` text); a block answered with the numbers of
+    a box inside it (its last) is that place once, at the box."""
     by_metric: dict[str, list[float]] = {}
     flags = []
     for where, values in numbers.items():
+        if any(w.startswith(f"{where}.") and numbers[w] == values for w in numbers):
+            continue
         flags += [f"{f}@{where}" for f in verdict(values)]
         for metric, v in values.items():
             if finite(v):
