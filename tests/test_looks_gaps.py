@@ -148,3 +148,18 @@ def test_a_comparison_names_a_dead_box_once_not_again_at_the_block_that_holds_it
     flags = compare({"net": net}, x).loc["net", "probe:flags"].split(", ")
     assert "DEAD@sequential.0.1" in flags, flags
     assert not any(f.endswith("@sequential.0") for f in flags), flags
+
+
+def test_a_folded_box_with_a_nan_of_its_own_stays_unpainted_a_copy_does_not_hide_it():
+    import figure_data as fd
+
+    colour = {"enc.blocks.0.conv": float("nan"), "enc.blocks.1.conv": 2.0, "enc.act": 1.0}
+    colour["enc.blocks.2.bn"] = 3.0  # the bn's first two copies have none: its third's shown
+    tips = _tips(graph_figure(fd.plan(), inside={"enc": fd.inside_enc()}, colour=colour).svg())
+    conv, bn = tips["l:enc:blocks.0.conv"], tips["l:enc:blocks.0.bn"]
+    assert "colour: NaN\n" in conv and "copy" not in conv.split("\n")[1], conv
+    assert "colour: 3 (copy 3's)\n" in bn, bn
+    unpainted = _uncoloured(
+        graph_figure(fd.plan(), inside={"enc": fd.inside_enc()}, colour=colour).svg()
+    )
+    assert "l:enc:blocks.0.conv" in unpainted and "l:enc:blocks.0.bn" not in unpainted

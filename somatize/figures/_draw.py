@@ -63,7 +63,7 @@ class _Painter:
         """The value `box` is painted with, and which copy's it is (0: its own): a folded box
         with no value of its own shows its first copy's that has one."""
         wheres = [box.where, *box.copies] if box.where else []
-        k = next((k for k, w in enumerate(wheres) if finite(self.colour.get(w))), 0)
+        k = next((k for k, w in enumerate(wheres) if self.colour.get(w) is not None), 0)
         return (self.colour.get(wheres[k]) if wheres else None), k
 
     def fill(self, box: Box) -> tuple[str, str] | None:
