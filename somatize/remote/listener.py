@@ -316,7 +316,7 @@ def serve(sock: zmq.Socket, server: Any, guard: Guard) -> None:
     gave it."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    peers: dict[bytes, int | None] = {}  # a peer's identity: its connection's number
+    peers: dict[bytes, int] = {}  # a peer's identity: the number of its connection
     swept = time.monotonic()
     while True:
         if poller.poll(200):
