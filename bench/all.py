@@ -1,7 +1,7 @@
 """Run every bench and rewrite `bench/RESULTS.md` (what `make bench` does).
 
-    python bench/all.py            # every bench
-    python bench/all.py forward    # some of them
+python bench/all.py            # every bench
+python bench/all.py forward    # some of them
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ HERE = Path(__file__).parent
 
 
 def main(names: list[str]) -> int:
-    found = sorted(p.stem for p in HERE.glob("*.py") if not p.stem.startswith("_") and p.stem != "all")
+    found = sorted(
+        p.stem for p in HERE.glob("*.py") if not p.stem.startswith("_") and p.stem != "all"
+    )
     failed = []
     for name in names or found:
         if name not in found:

@@ -44,8 +44,15 @@ def measure(loops: int = 1500, repeats: int = 11) -> dict[str, Any]:
     opt = torch.optim.SGD([*a.parameters(), *b.parameters(), *c.parameters()], lr=0.01)
     x, y = torch.randn(64, 64), torch.randint(0, 10, (64,))
     loss = nn.functional.cross_entropy
-    numbers = {"grad_norm": 0.02, "update_ratio": 1e-3, "zero_frac_max": 0.4, "act_abs_mean": 0.1,
-               "param_norm": 0.9, "nan": False, "inf": False}
+    numbers = {
+        "grad_norm": 0.02,
+        "update_ratio": 1e-3,
+        "zero_frac_max": 0.4,
+        "act_abs_mean": 0.1,
+        "param_norm": 0.9,
+        "nan": False,
+        "inf": False,
+    }
     places = ("l0", "l1", "l2")
     step = [0]
 
@@ -174,15 +181,32 @@ def main() -> None:
     result = measure(repeats=rounds) if "--here" in args else in_kernel(rounds)
     noop = result["cpu"]["+ facts to a no-op watcher"]
     rows = [
-        [name, t, result["x_wall"][name], result["cpu"][name], result["x_cpu"][name],
-         (result["cpu"][name] - noop) / 4 if "LiveAudit" in name else "–"]
+        [
+            name,
+            t,
+            result["x_wall"][name],
+            result["cpu"][name],
+            result["x_cpu"][name],
+            (result["cpu"][name] - noop) / 4 if "LiveAudit" in name else "–",
+        ]
         for name, t in result["us"].items()
     ]
-    where = "in a kernel (messages serialised and sent)" if result["kernel"] else "in a process without a kernel"
+    where = (
+        "in a kernel (messages serialised and sent)"
+        if result["kernel"]
+        else "in a process without a kernel"
+    )
     report(
         "live_audit",
         "a fast training step handing its facts to a LiveAudit, against a watcher that does nothing",
-        ["step", "wall µs", "× no-op watcher", "CPU µs, all threads", "CPU × no-op watcher", "CPU µs a fact"],
+        [
+            "step",
+            "wall µs",
+            "× no-op watcher",
+            "CPU µs, all threads",
+            "CPU × no-op watcher",
+            "CPU µs a fact",
+        ],
         rows,
         notes=f"Measured {where}: {result['steps']} steps, {result['sends']} messages from one "
         "LiveAudit. Four facts a step (a loss, three places). Issue 16 sets the live audit no "

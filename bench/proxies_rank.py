@@ -102,5 +102,6 @@ def main() -> None:
         f"{statistics.median(took) * 1e3:.0f} ms.",
     )
 
+
 if __name__ == "__main__":
     main()

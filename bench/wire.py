@@ -112,7 +112,9 @@ def round_trips(broker: Broker) -> list[tuple]:
 
             assert torch.equal(g.forward(t, broker=broker), t)
             b, o = paired(bare, ours, 300 if size < 1 << 21 else 15)
-            rows.append((f"round trip, {label}", b * 1e3, o * 1e3, o / b, size / b / 1e9, size / o / 1e9))
+            rows.append(
+                (f"round trip, {label}", b * 1e3, o * 1e3, o / b, size / b / 1e9, size / o / 1e9)
+            )
     finally:
         sock.close(0)
         process.kill()
@@ -167,7 +169,14 @@ def floor_row() -> tuple:
         for sock, process in ((bare_sock, bp), (mac_sock, mp)):
             sock.close(0)
             process.kill()
-    return ("floor: bare + a MAC pass a side, 1 MB", b * 1e3, o * 1e3, o / b, (1 << 20) / b / 1e9, (1 << 20) / o / 1e9)
+    return (
+        "floor: bare + a MAC pass a side, 1 MB",
+        b * 1e3,
+        o * 1e3,
+        o / b,
+        (1 << 20) / b / 1e9,
+        (1 << 20) / o / 1e9,
+    )
 
 
 def main() -> None:

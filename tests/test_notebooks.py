@@ -81,14 +81,21 @@ def test_a_figure_run_by_nbconvert_has_its_picture_in_the_html(tmp_path):
 
     source = 'from somatize.figures import LiveAudit\nLiveAudit(title="by nbconvert")'
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     path = tmp_path / "figure.ipynb"
     nbformat.write(nb, path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for how in (["--to", "notebook", "--execute", "--inplace"], ["--to", "html"]):
         done = subprocess.run(
             [sys.executable, "-m", "jupyter", "nbconvert", *how, str(path)],
-            capture_output=True, text=True, timeout=180, env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
         )
         assert done.returncode == 0, done.stderr[-2000:]
     page = (tmp_path / "figure.html").read_text(encoding="utf-8")

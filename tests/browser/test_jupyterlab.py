@@ -110,7 +110,11 @@ def _free_port() -> int:
 def _notebook(cells: list[str]) -> nbformat.NotebookNode:
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(c.strip()) for c in cells]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     return nb
 
 
@@ -124,10 +128,24 @@ def _serve(work: Path, *extra: str):
         json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
     )
     port, token = _free_port(), "somatize-test"
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_RUNTIME_DIR": str(runtime), "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "JUPYTER_CONFIG_DIR": str(config),
+        "JUPYTER_RUNTIME_DIR": str(runtime),
+        "PYTHONPATH": str(ROOT),
+    }
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
-         f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", *extra],
+        [
+            str(Path(sys.executable).parent / "jupyter"),
+            "lab",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            *extra,
+        ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=open(work / "lab.log", "wb"),  # noqa: SIM115 - closed with the process
@@ -183,16 +201,23 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
     page = context.new_page()
     try:
         page.goto(lab)
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+        page.wait_for_selector(
+            ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000
+        )
         # the graph: the kernel's drawing; a fold clicked goes to the kernel and comes back drawn
         cell = _run(page, 0)
         cell.locator(".smz-graph svg .smz-node").first.wait_for(timeout=60_000)
-        assert cell.locator(".smz-node").count() == 4 and cell.locator(".smz-kind-conv").count() == 2
+        assert (
+            cell.locator(".smz-node").count() == 4 and cell.locator(".smz-kind-conv").count() == 2
+        )
         # its static face, an output of its own for a saved notebook, gives way to the live view
         assert cell.locator(".smz-face").count() == 1 and cell.locator(".smz-face").is_hidden()
         assert cell.locator(".jp-OutputArea-child").nth(1).is_hidden()
         cell.locator(".smz-foldable").click()
-        page.wait_for_function("() => document.querySelectorAll('.smz-graph .smz-kind-conv').length === 4", timeout=20_000)
+        page.wait_for_function(
+            "() => document.querySelectorAll('.smz-graph .smz-kind-conv').length === 4",
+            timeout=20_000,
+        )
         cell.screenshot(path=str(artifacts / "lab-graph.png"))
         out = _run(page, 1)
         out.locator(".jp-OutputArea-output").wait_for(timeout=30_000)
@@ -202,9 +227,13 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
         audit = _run(page, 2)
         audit.locator(".smz-audit").wait_for(timeout=30_000)
         fit = _run(page, 3)
-        page.wait_for_function("() => Number(document.querySelector('.smz-audit').dataset.cells) >= 6", timeout=30_000)
+        page.wait_for_function(
+            "() => Number(document.querySelector('.smz-audit').dataset.cells) >= 6", timeout=30_000
+        )
         assert "[*]" in fit.locator(".jp-InputPrompt").inner_text()  # the fit has not finished
-        assert page.evaluate("document.querySelector('.smz-audit').dataset.metric") == "update_ratio"
+        assert (
+            page.evaluate("document.querySelector('.smz-audit').dataset.metric") == "update_ratio"
+        )
         audit.locator(".smz-metric").select_option("grad_norm")
         assert page.evaluate("document.querySelector('.smz-audit').dataset.metric") == "grad_norm"
         coloured = int(page.evaluate("document.querySelector('.smz-audit').dataset.coloured"))
@@ -213,22 +242,33 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
         done = fit.locator(".jp-OutputArea-output:has-text('fit done')")
         done.wait_for(timeout=90_000)
         assert "['grad_norm', 'update_ratio'] 240" in done.inner_text()
-        page.wait_for_function("() => document.querySelector('.smz-audit').dataset.cells === '240'", timeout=15_000)
+        page.wait_for_function(
+            "() => document.querySelector('.smz-audit').dataset.cells === '240'", timeout=15_000
+        )
         assert page.evaluate("document.querySelector('.smz-audit').dataset.metric") == "grad_norm"
         audit.screenshot(path=str(artifacts / "lab-audit.png"))
         late = _run(page, 4)
         late.locator(".smz-audit").wait_for(timeout=30_000)
         page.wait_for_function(
-            "() => [...document.querySelectorAll('.smz-audit')].every(a => a.dataset.cells === '240')", timeout=15_000
+            "() => [...document.querySelectorAll('.smz-audit')].every(a => a.dataset.cells === '240')",
+            timeout=15_000,
         )
 
         # the table sorts on a header click
         table = _run(page, 5)
         table.locator(".smz-table tbody tr").first.wait_for(timeout=30_000)
-        rows = lambda: table.locator(".smz-table tbody tr").evaluate_all("rs => rs.map(r => r.dataset.row)")  # noqa: E731
+
+        def rows() -> list:
+            return table.locator(".smz-table tbody tr").evaluate_all(
+                "rs => rs.map(r => r.dataset.row)"
+            )
+
         assert rows() == ["wide", "deep", "tiny"]
         assert table.locator(".smz-face").is_hidden()
-        assert page.locator(".smz-face").evaluate_all("fs => fs.filter(f => f.offsetParent).length") == 0
+        assert (
+            page.locator(".smz-face").evaluate_all("fs => fs.filter(f => f.offsetParent).length")
+            == 0
+        )
         table.locator(".smz-table thead th[data-col='params']").click()
         table.locator(".smz-table thead th[data-col='params']").click()
         assert rows() == ["tiny", "deep", "wide"]
@@ -238,12 +278,23 @@ def test_figures_live_in_jupyterlab(chromium, lab, artifacts):
         context.close()
 
 
-def test_a_saved_notebook_reopened_with_no_kernel_shows_every_face(chromium, tmp_path_factory, artifacts):
+def test_a_saved_notebook_reopened_with_no_kernel_shows_every_face(
+    chromium, tmp_path_factory, artifacts
+):
     from nbclient import NotebookClient
 
     work = tmp_path_factory.mktemp("saved")
-    nb = _notebook([CELLS[0], CELLS[2], CELLS[3].replace("range(80)", "range(12)").replace("time.sleep(0.08)", ""), CELLS[5]])
-    NotebookClient(nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(work)}}).execute()
+    nb = _notebook(
+        [
+            CELLS[0],
+            CELLS[2],
+            CELLS[3].replace("range(80)", "range(12)").replace("time.sleep(0.08)", ""),
+            CELLS[5],
+        ]
+    )
+    NotebookClient(
+        nb, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(work)}}
+    ).execute()
     nb.metadata.pop("widgets", None)  # as notebooks/execute.py saves them
     proc, base, token, root = _serve(work, "--KernelSpecManager.allowed_kernelspecs=nobody")
     nbformat.write(nb, root / "saved.ipynb")
@@ -265,7 +316,9 @@ def test_a_saved_notebook_reopened_with_no_kernel_shows_every_face(chromium, tmp
         rows = page.locator(".jp-OutputArea-output .smz-table-face table tbody tr")
         rows.nth(2).wait_for(state="attached", timeout=30_000)
         assert rows.count() == 3
-        assert page.locator(".jp-OutputArea-output:has-text('Error displaying widget')").count() == 0
+        assert (
+            page.locator(".jp-OutputArea-output:has-text('Error displaying widget')").count() == 0
+        )
         page.screenshot(path=str(artifacts / "lab-reopened.png"), full_page=True)
     finally:
         context.close()
