@@ -163,3 +163,17 @@ def test_a_folded_box_with_a_nan_of_its_own_stays_unpainted_a_copy_does_not_hide
         graph_figure(fd.plan(), inside={"enc": fd.inside_enc()}, colour=colour).svg()
     )
     assert "l:enc:blocks.0.conv" in unpainted and "l:enc:blocks.0.bn" not in unpainted
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:transformers.*")
+@pytest.mark.parametrize("most", [8, 20])
+def test_a_figure_and_a_probe_at_a_smaller_most_leave_no_box_uncoloured(most):
+    # bert at most=20: the figure folds its two layers and draws each one's attention,
+    # intermediate and output closed; the probe, counting both layers, closes the layers
+    # themselves, and answers the last copy's attention, intermediate and output on the way
+    case = zoo.bert()
+    g = Graph.somatize(Node.of(case.model).named("m"))
+    numbers = probe(g, case.example, most=most)
+    gains = {w: n.get("jacobian_gain", 0.0) for w, n in numbers.items()}
+    inside = architecture(g, case.example, most=most)
+    assert _uncoloured(g.figure(inside=inside, colour=gains).svg()) == []

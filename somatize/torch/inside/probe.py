@@ -241,10 +241,12 @@ class _Probing(Boxes):
 
     def answered(self) -> list[tuple[str, _Place]]:
         """The boxes and blocks answered, as they ran, each call of a block with the place of
-        the last box that ran in it (which made what it gives back): past `most` of them, as
-        `architecture` closes blocks, the deepest first, each block closed one box; and past
-        `most` boxes, the first half and the last half of them too (a model's input end and
-        its head, and the copies a figure that folds them draws open)."""
+        the last box that ran in it (which made what it gives back). Past `most` of them, the
+        blocks are closed as `architecture` closes them, the deepest first, each then one box,
+        until `most` or fewer are left, all answered; and at each depth on the way, the first
+        half and the last half of the boxes drawn there (the deepest: every box), so a model's
+        input end and its head are answered, and the last copy of a box that a figure, folding
+        the copies, draws open at a `most` this count closes."""
         order: dict[str, _Place] = {}  # blocks and boxes, a block first
         for box, place in self.places.items():
             for block in itertools.accumulate(box.split(".")[:-1], "{}.{}".format):
@@ -252,16 +254,15 @@ class _Probing(Boxes):
             order[box] = place
         order.update(self.ends)  # a call of a block, the last box in it (later calls last)
         level = {k: k.count(".") for k in order}
-        keep = list(order)
-        for depth in range(max(level.values(), default=0) - 1, -1, -1):
-            if len(keep) <= self.most:
+        chosen: set[str] = set()
+        for depth in range(max(level.values(), default=0), -1, -1):  # the deepest open first
+            upto = [k for k in order if level[k] <= depth]
+            if len(upto) <= self.most:
+                chosen.update(upto)
                 break
-            keep = [k for k in keep if level[k] <= depth]
-        boxes = list(self.places)
-        for kept in (keep, boxes):
-            if len(kept) > self.most:
-                kept[(self.most + 1) // 2 : len(kept) - self.most // 2] = []
-        chosen = {*keep, *boxes}
+            drawn = [k for k in upto if level[k] == depth or k in self.places]  # blocks shut
+            drawn[(self.most + 1) // 2 : len(drawn) - self.most // 2] = []
+            chosen.update(drawn)
         return [(k, p) for k, p in order.items() if k in chosen]
 
     def _left(self, path: str, call: int, outs: list) -> None:
@@ -305,9 +306,9 @@ def probe(
     same boxes the figure draws (`depth` opens composites as in `architecture`; the functions
     between modules, `relu`, `cat`, and a module's later calls, `pool#2`, are places too; a
     block is answered with the numbers of the last box that ran in it, so a block drawn closed
-    is coloured; past `most` boxes in a node, what `architecture` draws at that `most` without
-    folding, and the first half and the last half of the boxes as they ran, so its head is
-    among them), so a finding from a probe lands on the box a finding from a run would. A
+    is coloured; past `most` boxes in a node, its blocks closed as `architecture` closes
+    them, and at each depth on the way the first half and the last half of the boxes drawn
+    there as they ran, so its head is among them), so a finding from a probe lands on the box a finding from a run would. A
     call that writes over what it read (`out += identity`, `x.relu_()`, a module changing its
     input in place) or hands its input back (a `Dropout` in eval mode) is measured against its
     input as it was before the call (a module's is read as its call begins), and the boxes
