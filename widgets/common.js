@@ -15,7 +15,8 @@ function sig(a) {
   return trim(a.toFixed(Math.max(0, 2 - Math.floor(Math.log10(a)))));
 }
 
-// three significant digits; k, M, G, T past a thousand; 1.2e-5 under a thousandth
+// three significant digits; k, M, G, T past a thousand; 1.2e-5 under a thousandth and 1.2e15
+// from a thousand T
 export function number(v) {
   if (v === null || v === undefined) return "–";
   if (typeof v === "boolean") return v ? "true" : "false";
@@ -25,7 +26,7 @@ export function number(v) {
   if (v === 0) return "0";
   const a = Math.abs(v);
   const sign = v < 0 ? "−" : "";
-  if (a < 1e-3) {
+  if (a < 1e-3 || a >= 0.9995e15) {
     const [m, e] = a.toExponential(2).split("e");
     return `${sign}${trim(m)}e${Number(e)}`;
   }

@@ -140,7 +140,8 @@ def lines(text: str, width: float) -> list[str]:
 
 def number(value: Any) -> str:
     """The one way a number is written in a figure: three significant digits; k, M, G, T past
-    a thousand; `1.2e-5` under a thousandth; `NaN`, `∞`, `−∞`; `–` for nothing."""
+    a thousand; `1.2e-5` under a thousandth and `1.2e15` from a thousand T; `NaN`, `∞`, `−∞`;
+    `–` for nothing."""
     if value is None:
         return "–"
     if isinstance(value, bool):
@@ -156,10 +157,10 @@ def number(value: Any) -> str:
     sign, a = "−" if v < 0 else "", abs(v)
     if math.isinf(a):
         return sign + "∞"
-    if a < 1e-3:
+    if a < 1e-3 or a >= 0.9995e15:
         exponent = math.floor(math.log10(a))
         mantissa = _round(Decimal(a).scaleb(-exponent), 2)
-        if mantissa >= 10:  # 9.996e-5 rounds up to 1e-4
+        if mantissa >= 10:  # 9.996e-5 rounds up to 1e-4, 9.996e15 to 1e16
             mantissa, exponent = _round(mantissa / 10, 2), exponent + 1
         return f"{sign}{_trim(str(mantissa))}e{exponent}"
     for size, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
