@@ -2,9 +2,9 @@
 
 A node's key is its declaration (class, constructor arguments, salt, the digest of its state
 when frozen), the train/eval mode of each module it holds and the keys of its inputs; the
-graph's input is keyed by the digest of its bytes. A node that is not cached still passes a
-key on, so a cached node after it keeps working. A `.mapped().cached()` node is keyed item by
-item and handed only the items that are missing.
+graph's input is keyed by the digest of its bytes. A node that is not cached but feeds a cached
+one still passes a key on; a node that feeds none is run as an uncached forward runs it, unkeyed.
+A `.mapped().cached()` node is keyed item by item and handed only the items that are missing.
 """
 
 from __future__ import annotations
@@ -18,13 +18,25 @@ from somatize import _hooks
 from somatize._keys import code_version, declaration_key, mix
 from somatize.codecs import Malformed, decode, digest, encode
 from somatize.node import unwrap
-from somatize.run import ONE, ROOT, Plan, _noted, in_one_line, not_a_list, run_plan, tell, warn
+from somatize.run import (
+    MANY,
+    ONE,
+    ROOT,
+    Plan,
+    _noted,
+    in_one_line,
+    not_a_list,
+    run_plan,
+    tell,
+    warn,
+)
 from somatize.store import CorruptBinding, CorruptBlob
 
 __all__ = ["walk_cached", "state_changed"]
 
 _Declared = tuple[str, str, Callable[[], list[bool]] | None]  # key, code version, modes
-_declared: weakref.WeakKeyDictionary[Plan, tuple[int, dict[str, _Declared]]] = (
+# a plan's declarations, as of the `_changes` count they were worked out at, and its keyed steps
+_declared: weakref.WeakKeyDictionary[Plan, tuple[int, dict[str, _Declared], frozenset[int]]] = (
     weakref.WeakKeyDictionary()
 )
 _changes = 0  # how many times a node's state was changed through the library
@@ -71,6 +83,19 @@ def _declared_as(g: Any, nid: str) -> _Declared:
     return declaration_key(node, s.salt, state), code_version(node), _hooks.modes(node)
 
 
+def _keyed(plan: Plan) -> frozenset[int]:
+    """The steps a cached node's key reads: the cached nodes and every node that feeds one."""
+    keyed: set[int] = set()
+    for i, mode, src, _, ctx, _ in reversed(plan.steps):  # each after what feeds it
+        if i in keyed or plan.graph.setting(ctx.id).cached:
+            keyed.add(i)
+            if mode == ONE:
+                keyed.add(src)
+            elif mode == MANY:
+                keyed.update(j for _, j in src)
+    return frozenset(keyed)
+
+
 def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], Any]]) -> Any:
     """Run `plan` on `input`, looking `.cached()` nodes up in `store` and keeping what they make.
     Keys come from the declarations (worked out once per plan, and again after
@@ -85,16 +110,20 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
 
     g = plan.graph
     changes = _changes
-    seen, decl = _declared.get(plan, (-1, {}))
+    seen, decl, keyed = _declared.get(plan, (-1, {}, frozenset()))
     fresh = seen != changes
     if fresh:
-        decl = {}
+        decl, keyed = {}, _keyed(plan)
     keys: list[str] = [""] * len(plan.steps)
     steps = []
     input_key: str | None = None
     i, device = 0, None
     try:
-        for i, mode, src, fn, ctx, device in plan.steps:
+        for step in plan.steps:
+            i, mode, src, fn, ctx, device = step
+            if i not in keyed:  # no cached node's key reads it: it runs as uncached
+                steps.append(step)
+                continue
             if fresh:
                 decl[ctx.id] = _declared_as(g, ctx.id)
             if mode == ONE:
@@ -118,7 +147,7 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
         _noted(e, plan, i, device)
         raise
     if fresh:
-        _declared[plan] = (changes, decl)
+        _declared[plan] = (changes, decl, keyed)
     return run_plan(plan, input, [relay] if told else [], tuple(steps))
 
 

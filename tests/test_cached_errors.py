@@ -189,3 +189,24 @@ def test_an_argument_its_codec_refuses_is_refused_naming_the_node_unless_salted(
     g = Graph.somatize(Held(sparse).cached(salt="eye"))
     assert g.forward(1, store=store) == g.forward(1, store=store) == 1
     assert len(store.names("cache")) == 1
+
+
+def test_a_node_no_cached_node_reads_runs_as_uncached_even_if_its_state_cannot_be_read(store):
+    after, beside = Moody(), Moody()
+    g = Graph()
+    g.node("add", Add(0).cached())
+    g.node("after", after.frozen())  # downstream of the cached node
+    g.node("beside", beside.frozen())  # on another branch
+    g.edge("add", "after")
+    freeze(g)
+    after.broken = beside.broken = True
+    x = torch.ones(2)
+    plain = g.forward(x)
+    said = []
+    for cache in ("miss", "hit"):
+        out = g.forward(x, store=store, watching=said.append)
+        assert out.keys() == plain.keys() and all(torch.equal(out[n], plain[n]) for n in out)
+        ran = [f for f in said if f["fact"] == "ran"]
+        assert [f.get("cache") for f in ran if f["node"] == "add"] == [cache]
+        said.clear()
+    assert len(store.names("cache")) == 1
