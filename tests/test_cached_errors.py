@@ -101,7 +101,8 @@ def test_an_argument_whose_state_cannot_be_read_is_named(store):
     table = nn.Module()
     table.register_buffer("rows", torch.eye(3).to_sparse())  # read when keyed, not when built
     g = Graph.somatize(Add(1) >> Lookup(table).cached())
-    error = refused(g, 1.0, store, RuntimeError)  # torch's: a sparse tensor has no layout
+    error = refused(g, 1.0, store, TypeError)
+    assert "'rows'" in str(error) and ".to_dense()" in str(error)
     assert error.__notes__ == ["while running node 'lookup' (Lookup)"]
 
 
@@ -210,3 +211,25 @@ def test_a_node_no_cached_node_reads_runs_as_uncached_even_if_its_state_cannot_b
         assert [f.get("cache") for f in ran if f["node"] == "add"] == [cache]
         said.clear()
     assert len(store.names("cache")) == 1
+
+
+class Masked(Node, nn.Module):
+    """A linear layer beside a sparse buffer."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(2, 2)
+        self.register_buffer("mask", torch.eye(2).to_sparse())
+
+    def forward(self, input, ctx):
+        return self.lin(input)
+
+
+def test_a_frozen_node_with_a_sparse_buffer_is_named_saying_what_to_do(store):
+    g = Graph.somatize(Masked().frozen().cached())
+    freeze(g)
+    x = torch.ones(2)
+    g.forward(x)  # uncached, it runs
+    error = refused(g, x, store, TypeError)
+    assert "'mask'" in str(error) and "sparse" in str(error) and ".to_dense()" in str(error)
+    assert error.__notes__ == ["while running node 'masked' (Masked)"]

@@ -16,6 +16,7 @@ from torch import nn
 from somatize import _hooks
 from somatize.node import Wrapped, kind_name
 from somatize.torch._values import mapped
+from somatize.torch.codec import _plain
 
 __all__ = ["entry", "modules_of", "named_modules_of", "move", "place", "state_digest", "trainable"]
 
@@ -89,13 +90,17 @@ def place(node: Any, device: str) -> None:
 
 
 def state_digest(node: Any) -> str | None:
-    """sha256 over the node's state_dict (names, dtypes, shapes, bytes), or None if empty."""
+    """sha256 over the node's state_dict (names, dtypes, shapes, bytes), or None if empty.
+    Refuses (`TypeError`, naming the entry) a sparse, nested, quantized or meta tensor in it."""
     h = hashlib.sha256()
     anything = False
     for i, module in enumerate(modules_of(node)):
         for key, tensor in module.state_dict().items():
             anything = True
-            t = tensor.detach().to("cpu").contiguous()
+            try:
+                t = _plain(tensor, "be digested (a frozen or cached node's state is)", "digest")
+            except TypeError as error:
+                raise TypeError(f"the state {key!r} of a {kind_name(node)}: {error}") from None
             h.update(f"{i}.{key}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-dim too
     return "sha256:" + h.hexdigest() if anything else None
