@@ -1316,6 +1316,68 @@ def test_groups_that_carry_the_same_thing_leak_and_refusals():
     wide.release()
 
 
+def test_groups_past_a_place_s_width_are_refused_before_the_step_counts():
+    """The width shows only in a forward: there the step is refused, before a Trainer counts
+    it or tells its loss, and again each step; a right Audit after it measures from step 0."""
+
+    class Wide(Node, nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 8)
+
+        def forward(self, x, ctx):
+            return torch.tanh(self.l(x))
+
+    torch.manual_seed(0)
+    g = Graph.somatize(Layer(4, 4) >> Wide().named("wide") >> Head(8))
+    x, y = _data()
+    before = _weights(g.implementation("wide"))
+    heard = []
+    wrong = {"wide": {"a": range(0, 4), "b": range(4, 9)}}  # channel 8 of 0..7
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=Audit(groups=wrong),
+        watching=heard.append,
+    )
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"groups\['wide'\] names channel 8.*8 channels"):
+            t.step((x, y))
+        assert t.steps == 0  # not counted, no loss nor health told
+        assert not [f for f in heard if f["fact"] in ("loss", "health")]
+    after = _weights(g.implementation("wide"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    t.close()
+    with torch.no_grad():  # step 0's output of `wide`, in float64, centred
+        first = g.implementation(g.nodes()[0]).double()
+        h = torch.tanh(g.implementation("wide").double().l(first(x.double(), None)))
+        h = h - h.mean(0)
+        g.implementation("wide").float(), first.float()
+    a, b = h[:, :4], h[:, 4:]
+    want = float((b.T @ a).pow(2).sum() / ((a.T @ a).norm() * (b.T @ b).norm()))
+    right = Audit(groups={"wide": {"a": range(0, 4), "b": range(4, 8)}})
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=right,
+        watching=heard.append,
+    )
+    t.fit([(x, y)] * 2)
+    t.close()
+    health = [f for f in heard if f["fact"] == "health"]
+    assert [f["step"] for f in heard if f["fact"] == "loss"] == [0, 1]
+    assert sorted({f["step"] for f in health}) == [0, 1]
+    assert _by([f for f in health if f["step"] == 0], "wide")["cka"] == pytest.approx(
+        want, rel=rtol(32 * 8, 64)
+    )
+    for step in (0, 1):
+        facts = [f for f in health if f["step"] == step]
+        assert {f["node"] for f in facts} == set(g.nodes())
+        assert _by(facts, "wide")["update_ratio"] > 0
+
+
 # -- what is not a number ----------------------------------------------------------------------
 
 

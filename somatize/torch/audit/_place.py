@@ -125,8 +125,13 @@ class Place:
         t = output_of(floats_in(out))
         if t is None:
             return
-        self.step = step
         a = t.detach()
+        if (snapshot or self.groups is not None) and self.rows is None:
+            rows = rows_of(a, self.first)
+            if self.groups is not None and rows is not None:
+                self._fits(rows.shape[1])  # before this place keeps anything of the step
+            self.rows = rows
+        self.step = step
         self.sums += sums_of(a, self.saturates)
         self.size += a.numel()
         self.ins.update(map(_maker, floats_in(input)))  # (before its own output is known)
@@ -137,8 +142,6 @@ class Place:
             t.register_hook(_hear(weakref.ref(self), step, "out_grads", None))
         if channels:
             self.activity.append(activity(a, self.first))
-        if (snapshot or self.groups is not None) and self.rows is None:
-            self.rows = rows_of(a, self.first)
 
     def given(self, input: Any, step: int) -> None:
         """A tensor hook on the first input a gradient will reach, for each channel's mean
@@ -257,14 +260,20 @@ class Place:
                 self.inherited = any(not math.isfinite(v) for v in out_grads)
         return self.inherited
 
+    def _fits(self, width: int) -> None:
+        """Refuses groups naming a channel past the place's `width`, the first time a forward
+        shows it (a measured one): the forward raises, and a Trainer's step with it, before the
+        step is counted or told."""
+        top = max((i for channels in self.groups.values() for i in channels), default=-1)
+        if top >= width:
+            raise ValueError(
+                f"Audit(groups=...): groups[{self.where!r}] names channel {top}, and that place "
+                f"has {width} channels (0 to {width - 1}): name channels under {width}, or "
+                "group another place"
+            )
+
     def _leak(self, rows: torch.Tensor, groups: dict[str, list[int]]) -> float:
         """The largest linear CKA between two of the declared channel groups."""
-        top = max((i for channels in groups.values() for i in channels), default=-1)
-        if top >= rows.shape[1]:
-            raise ValueError(
-                f"groups[{self.where!r}] names channel {top}, and that place has "
-                f"{rows.shape[1]} channels"
-            )
         pairs = itertools.combinations(groups.values(), 2)
         return max(cka(rows[:, a], rows[:, b]) for a, b in pairs)
 

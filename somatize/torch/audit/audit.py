@@ -63,8 +63,9 @@ class Audit:
 
     By hand, the moments are the Trainer's: forward, backward, `observed()`, the optimizer's
     step, `moved()` (without it the facts carry no update_ratio). Refuses a cadence under 1,
-    groups that are not at least two sets of channel indices, and places or groups that name
-    nothing in the graph.
+    groups that are not at least two sets of channel indices, places or groups that name
+    nothing in the graph, and — in a measured forward, where a place's width shows — groups
+    naming a channel past it (the forward raises: a Trainer's step is not counted).
     """
 
     def __init__(
