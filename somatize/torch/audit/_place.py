@@ -30,18 +30,17 @@ from somatize.torch.audit._measures import (
 from somatize.torch.inside.kinds import kind_of, label_of
 
 
-def saturation(modules: list[nn.Module]) -> str | None:
-    """How the place made of `modules` saturates, read off the last leaf module it holds (in
-    the order they were declared, which is the order most forwards apply them): "sigmoid"
-    (flat near 0 and 1) or "tanh" (flat near ±1) when that is such an activation, else None."""
-    if not modules:
+def saturation(module: nn.Module | None) -> str | None:
+    """How a place holding `module` saturates, read off its last leaf module (in the order
+    they were declared, which is the order most forwards apply them): "sigmoid" (flat near 0
+    and 1) or "tanh" (flat near ±1) when that is such an activation, else None."""
+    if module is None:
         return None
-    last = modules[-1]
-    while parts := parts_of(last):  # its last part's last leaf
-        last = parts[-1][1]
-    names = [c.__name__ for c in type(last).__mro__]
-    if kind_of(last) != "activation":
+    while parts := parts_of(module):  # its last part's last leaf
+        module = parts[-1][1]
+    if kind_of(module) != "activation":
         return None
+    names = [c.__name__ for c in type(module).__mro__]
     if any("Sigmoid" in n for n in names):
         return "sigmoid"
     return "tanh" if any(n in ("Tanh", "Hardtanh", "Softsign") for n in names) else None
@@ -83,7 +82,7 @@ class Place:
         self.module = module
         self.weights = list(module.parameters())  # (each once)
         self.params: list[nn.Parameter] = []  # those it trains (`Audit._weigh`)
-        self.saturates = saturation([module])
+        self.saturates = saturation(module)
         self.width = 2 if self.saturates is None else 3  # Σ|a|, zeros (and saturated), per call
         self.first = first
         self.index: list[int] = []

@@ -137,7 +137,7 @@ class _Place:
     )
 
     def __init__(self, module: nn.Module | None) -> None:
-        self.saturates = saturation([module] if module is not None else [])
+        self.saturates = saturation(module)
         self.weights = list(module.parameters()) if module is not None else []
         self.numbers: dict[str, Any] | None = None
         self.rows = 0
