@@ -26,10 +26,12 @@ def floats_in(value: Any) -> list[torch.Tensor]:
     return [t for t in tensors_in(value) if t.is_floating_point()]
 
 
-def output_of(floats: list[torch.Tensor]) -> torch.Tensor | None:
-    """What a place gives, of the floating-point tensors it made (in order): the first that
-    holds more than one number (a loss given first, as transformers' models given labels do,
-    is not what it makes), else the first; None for none."""
+def output_of(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """What a place gives, of the tensors it made (in order, as `tensors_in` lists them): the
+    first floating-point one that holds more than one number (a loss given first, as
+    transformers' models given labels do, is not what it makes), else the first floating-point
+    one; None for none."""
+    floats = [t for t in tensors if t.is_floating_point()]
     for t in floats:
         if t.dim():
             return t

@@ -14,7 +14,7 @@ from torch import nn
 
 from somatize._channels import channels_first
 from somatize.run import warn
-from somatize.torch._modules import join, parts_of
+from somatize.torch._modules import join, parts_of, tensors_in
 from somatize.torch.audit._measures import (
     _DEAD_EPS,
     _DORMANT_TAU,
@@ -121,7 +121,7 @@ class Place:
     def saw(self, input: Any, out: Any, step: int, channels: bool, snapshot: bool) -> None:
         """What came out of the place on a measured step (and the ids of what went in), left as
         tensors, and tensor hooks for the gradients that will come back."""
-        t = output_of(floats_in(out))
+        t = output_of(tensors_in(out))
         if t is None:
             return
         a = t.detach()

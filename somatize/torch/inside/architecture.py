@@ -176,7 +176,7 @@ def given(graph: Any, result: Any) -> list[torch.Tensor]:
     out = []
     for value in result.values() if len(graph.leaves()) > 1 else [result]:
         tensors = tensors_in(value)
-        lead = output_of([t for t in tensors if t.is_floating_point()])
+        lead = output_of(tensors)
         out += tensors[next((i for i, t in enumerate(tensors) if t is lead), 0) :]
     return out
 

@@ -151,7 +151,7 @@ class _Place:
         tensor it was handed (written over in place, or handed on as it is) is measured against
         that tensor as it was seen before the call, and left out where it was not (what it read
         is gone)."""
-        inp, out = _first(given), output_of([t for t in made if t.is_floating_point()])
+        inp, out = _first(given), output_of(made)
         if out is None:
             return
         i = None
