@@ -153,6 +153,33 @@ class Local:
                     os.unlink(marker)
                 raise
 
+    def touch(self, path: str) -> None:
+        """Make `path` as new as if written now (a blob put again, about to be named)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self.where(path))
+
+    def aged(self, folder: str, older_than: float) -> list[str]:
+        """The files under `folder`, but temp files, that nobody wrote for `older_than` s."""
+        now, found = time.time(), []
+        for path in self.files(folder):
+            with contextlib.suppress(FileNotFoundError):
+                old = now - os.stat(self.where(path)).st_mtime > older_than
+                if old and not path.rpartition("/")[2].startswith("."):
+                    found.append(path)
+        return found
+
+    def remove(self, paths: list[str], older_than: float) -> dict[str, int]:
+        """Remove each of `paths` still unwritten for `older_than` s, looked at again now."""
+        removed = {"files": 0, "bytes": 0}
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                info = os.stat(self.where(path))
+                if time.time() - info.st_mtime > older_than:
+                    os.unlink(self.where(path))
+                    removed["files"] += 1
+                    removed["bytes"] += info.st_size
+        return removed
+
     def files(self, folder: str) -> Iterator[str]:
         for dirpath, _dirs, names in os.walk(self.where(folder)):
             rel = os.path.relpath(dirpath, self.root).replace(os.sep, "/")
@@ -286,6 +313,14 @@ class Remote:
                 time.sleep(min(_FIRST_WAIT * 2**attempt, _LONGEST_WAIT))
             self.write(path, data)
             return True
+
+    def touch(self, path: str) -> None:
+        """Nothing: no fsspec filesystem is asked for ages (see `aged`)."""
+
+    def aged(self, folder: str, older_than: float) -> list[str]:
+        """None: a file's age cannot be made new again on every filesystem (S3 has no touch),
+        so no file here is ever taken for old and unwanted."""
+        return []
 
     def files(self, folder: str) -> Iterator[str]:
         with self.lock:

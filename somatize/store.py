@@ -6,7 +6,8 @@ a name pointing at a digest with some meta (`bind`, `claim`, `resolve`, `bound`)
 `recall` do both in one go, through the codecs of `somatize.codecs`.
 
 Every write is written aside and then renamed into place, so a crash mid-write leaves the old
-value or the new one and never half of one; `clean()` removes what killed writers left aside.
+value or the new one and never half of one; `clean()` removes what killed writers left aside,
+and blobs no name points at.
 What is read back is not trusted: blobs are checked against their digest, bindings must parse
 as bindings, and values decode through `somatize.codecs`' bounds. Layout on disk::
 
@@ -35,6 +36,9 @@ __all__ = ["Bound", "CorruptBinding", "CorruptBlob", "Store"]
 
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _BIND = ".bind"
+UNNAMED_AFTER = 60.0
+"""Seconds a blob no name points at is left by `Store.clean` at least, whatever its
+`older_than`: a writer names what it put (or put again) a moment after."""
 
 
 class CorruptBlob(ValueError):
@@ -166,6 +170,8 @@ class Store:
         path = self._blob_path(key)
         if self._place.read(path) != data:
             self._place.write(path, data)
+        else:  # new again, so that `clean` leaves it to the name it is about to get
+            self._place.touch(path)
 
     def get(self, digest: str) -> bytes | None:
         """The bytes whose digest is `digest`, or None if this store has none. Raises
@@ -291,15 +297,30 @@ class Store:
         mid-write leaves it there, unread but taking space. Such a file goes when its writer
         is seen dead on this machine, or when nobody has written to it for `older_than`
         seconds (a writer on another machine sharing the directory). A live writer's file is
-        never touched. Claim markers go once the claim they decided stands. On an object
-        store nothing is written aside, so there is nothing to clean (a big object's
-        unfinished multipart upload is the bucket lifecycle's to abort). Refuses a negative
-        `older_than`."""
+        never touched. Claim markers go once the claim they decided stands. In a directory, a
+        blob no name points at (its name could not be written) goes once nobody has put it for
+        `older_than` seconds, and at least `UNNAMED_AFTER`; none goes while a binding cannot
+        be read. On an object store nothing is written aside and no blob is removed (a big
+        object's unfinished multipart upload is the bucket lifecycle's to abort). Refuses a
+        negative `older_than`."""
         if not isinstance(older_than, numbers.Real):  # numpy's numbers too, as before
             raise TypeError(f"older_than is seconds >= 0, not {older_than!r}")
         if isinstance(older_than, bool) or not older_than >= 0:
             raise ValueError(f"older_than is seconds >= 0, not {older_than!r}")
-        return self._place.clean(float(older_than))
+        removed = self._place.clean(float(older_than))
+        unnamed = self._unnamed(max(float(older_than), UNNAMED_AFTER))
+        return {k: n + unnamed[k] for k, n in removed.items()}
+
+    def _unnamed(self, older_than: float) -> dict[str, int]:
+        """Remove the blobs, put `older_than` s ago or more, that no name points at; none
+        while a binding cannot be read (which blob it names is not known)."""
+        old = self._place.aged("blobs", older_than)
+        try:
+            named = {self._blob_path(b.digest) for b in self.bound()} if old else set()
+        except CorruptBinding:
+            return {"files": 0, "bytes": 0}
+        unnamed = [p for p in old if p not in named]
+        return self._place.remove(unnamed, older_than) if unnamed else {"files": 0, "bytes": 0}
 
 
 def store_of(store: Store | str | os.PathLike[str]) -> Store:

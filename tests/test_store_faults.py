@@ -245,3 +245,45 @@ def test_temp_files_of_writers_elsewhere_go_once_silent_past_older_than(
     assert not old.exists() and fresh.exists()
     assert store.clean(older_than=0) == {"files": 1, "bytes": 5}
     assert store.recall("x") == 1
+
+
+def blob_files(where: Path) -> list[Path]:
+    return sorted(p for p in (where / "blobs").rglob("*") if p.is_file())
+
+
+def age(paths: list[Path], seconds: float = 7200) -> None:
+    for p in paths:
+        os.utime(p, (time.time() - seconds, time.time() - seconds))
+
+
+def test_clean_removes_a_blob_whose_name_could_not_be_written_once_old(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.keep("kept", "named")
+    (named,) = blob_files(tmp_path)
+    (tmp_path / "names" / "lost").write_bytes(b"")  # a file where the name's folder would go
+    with pytest.raises(OSError):
+        store.keep("lost", "orphan")
+    (orphan,) = set(blob_files(tmp_path)) - {named}
+    assert store.clean(older_than=0) == {"files": 0, "bytes": 0}  # a writer may be naming it
+    age(blob_files(tmp_path))
+    size = orphan.stat().st_size
+    assert store.clean() == {"files": 1, "bytes": size}
+    assert blob_files(tmp_path) == [named] and store.recall("kept") == "named"
+    # an old unnamed blob put again is new again: clean leaves it to the name it then gets
+    key = store.put(b"late")
+    age(blob_files(tmp_path))
+    assert store.put(b"late") == key
+    assert store.clean() == {"files": 0, "bytes": 0}
+    store.bind("late", key)
+    age(blob_files(tmp_path))
+    assert store.clean() == {"files": 0, "bytes": 0} and store.get(key) == b"late"
+
+
+def test_clean_removes_no_blob_while_a_binding_cannot_be_read(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.keep("x", 1)
+    (binding,) = tmp_path.rglob(".bind")
+    binding.write_bytes(b"torn")
+    age(blob_files(tmp_path))
+    assert store.clean() == {"files": 0, "bytes": 0}
+    assert len(blob_files(tmp_path)) == 1
