@@ -18,27 +18,14 @@ from somatize import _hooks
 from somatize._keys import code_version, declaration_key, mix
 from somatize.codecs import Malformed, decode, digest, encode
 from somatize.node import unwrap
-from somatize.run import (
-    MANY,
-    ONE,
-    ROOT,
-    Plan,
-    _noted,
-    in_one_line,
-    not_a_list,
-    run_plan,
-    tell,
-    warn,
-)
+from somatize.run import ONE, ROOT, Plan, _noted, in_one_line, not_a_list, run_plan, tell, warn
 from somatize.store import CorruptBinding, CorruptBlob
 
 __all__ = ["walk_cached", "state_changed"]
 
 _Declared = tuple[str, str, Callable[[], list[bool]] | None]  # key, code version, modes
-# a plan's declarations, as of the `_changes` count they were worked out at, and its keyed steps
-_declared: weakref.WeakKeyDictionary[Plan, tuple[int, dict[str, _Declared], frozenset[int]]] = (
-    weakref.WeakKeyDictionary()
-)
+# per plan: the `_changes` its declarations (by node) and keyed steps were worked out at
+_declared: weakref.WeakKeyDictionary[Plan, tuple] = weakref.WeakKeyDictionary()
 _changes = 0  # how many times a node's state was changed through the library
 
 
@@ -91,7 +78,7 @@ def _keyed(plan: Plan) -> frozenset[int]:
             keyed.add(i)
             if mode == ONE:
                 keyed.add(src)
-            elif mode == MANY:
+            elif mode != ROOT:
                 keyed.update(j for _, j in src)
     return frozenset(keyed)
 
