@@ -232,7 +232,8 @@ class Place:
             n["input_channels"] = self.in_grads[0].numel()
             n["ignored_channels"] = int(next(got))
         if self.groups is not None and self.rows is not None:
-            n["cka"] = self._leak(self.rows, self.groups)
+            pairs = itertools.combinations(self.groups.values(), 2)  # the largest CKA of two
+            n["cka"] = max(cka(self.rows[:, a], self.rows[:, b]) for a, b in pairs)
         if snapshot and self.rows is not None:
             n["effective_rank"] = rank = effective_rank(self.rows)
             n["rank_room"] = room = min(self.rows.shape)
@@ -270,11 +271,6 @@ class Place:
                 f"has {width} channels (0 to {width - 1}): name channels under {width}, or "
                 "group another place"
             )
-
-    def _leak(self, rows: torch.Tensor, groups: dict[str, list[int]]) -> float:
-        """The largest linear CKA between two of the declared channel groups."""
-        pairs = itertools.combinations(groups.values(), 2)
-        return max(cka(rows[:, a], rows[:, b]) for a, b in pairs)
 
 
 def swaps(held_by: dict[str, list[tuple[str, nn.Module]]]) -> list[Any]:

@@ -114,8 +114,7 @@ class Audit:
         self.places: list[str] = []
         #: the places `inside=` would have watched past `most`, one by one
         self.left_out: list[str] = []
-        self._graph: Any = None
-        self._tap: Tap | None = None
+        self._tap: Tap | None = None  # on the graph watched (between `watch` and `release`)
         self._places: list[Place] = []
         self._handles: list[Any] = []
         self._swaps: list[Any] = []  # the hooks that warn of a part replaced (`swaps`)
@@ -136,7 +135,7 @@ class Audit:
         self._far: list[dict[str, Any]] = []  # their facts, come back from the worker
 
     def __repr__(self) -> str:
-        watching = f", watching {len(self._places)} places" if self._graph is not None else ""
+        watching = f", watching {len(self._places)} places" if self._tap is not None else ""
         return f"Audit(every={self.every}, step={self.step}{watching})"
 
     # -- which places ---------------------------------------------------------------------
@@ -148,7 +147,7 @@ class Audit:
         it: the copy here never runs nor learns. Refuses a second graph before `release()`,
         and groups or places that name nothing there.
         """
-        if self._graph is not None:
+        if self._tap is not None:
             raise RuntimeError("this Audit already watches a graph: release() it first")
         g = as_graph(graph)
         away = g.hosts()  # run on a worker: the copy here neither runs nor learns
@@ -206,7 +205,6 @@ class Audit:
         self.places = [p.where for p in places]
         self.left_out = left
         self._nested = any(p.inside is not None for p in places)
-        self._graph = g
         self._tap = Tap(g, None, {p.node: p.module for p in places if p.inside is None}).on()
         self._arm(self.step % self.every == 0)
         return self
@@ -217,10 +215,9 @@ class Audit:
         self._arm(False)
         if self._tap is not None:
             self._tap.off()
-            self._tap = None
         for handle in self._swaps:
             handle.remove()
-        self._graph = self._copy = None
+        self._tap = self._copy = None
         self._waiting, self._far, self._places, self._swaps = [], [], [], []
         self._all = self._flat = []
 
@@ -257,20 +254,16 @@ class Audit:
         inside = self.inside
         if isinstance(inside, list):
             inside = [w for w in inside if w.split(".")[0] in nodes]
-        return {
-            "every": self.every,
-            "snapshot": self.snapshot,
-            "channels": self.channels,
-            "window": self.window,
+        kept = ("every", "snapshot", "channels", "window", "most")
+        return {k: getattr(self, k) for k in kept} | {
             "inside": inside,
-            "most": self.most,
             "groups": {w: g for w, g in self.groups.items() if w.split(".")[0] in nodes},
         }
 
     @property
     def watching(self) -> bool:
         """Whether it watches a graph (between `watch` and `release`)."""
-        return self._graph is not None
+        return self._tap is not None
 
     def at(self, step: int | None) -> None:
         """The Trainer's step the next forward belongs to (measured or not by this audit's
@@ -289,7 +282,7 @@ class Audit:
     def heard(self, facts: list[dict[str, Any]]) -> None:
         """Facts measured on a worker, complete (update_ratio and all): `arrived` hands them
         on (dropped once released)."""
-        if self._graph is not None:
+        if self._tap is not None:
             self._far += facts
 
     def arrived(self) -> list[dict[str, Any]]:
@@ -374,7 +367,7 @@ class Audit:
         update_ratio when `moved` is told the optimizer stepped (the Trainer holds the facts
         until then).
         """
-        if self._graph is None:
+        if self._tap is None:
             raise RuntimeError("observed() before watch(graph): nothing is being watched")
         step = self.step
         facts: list[dict[str, Any]] = []
