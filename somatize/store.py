@@ -308,19 +308,14 @@ class Store:
         if isinstance(older_than, bool) or not older_than >= 0:
             raise ValueError(f"older_than is seconds >= 0, not {older_than!r}")
         removed = self._place.clean(float(older_than))
-        unnamed = self._unnamed(max(float(older_than), UNNAMED_AFTER))
-        return {k: n + unnamed[k] for k, n in removed.items()}
-
-    def _unnamed(self, older_than: float) -> dict[str, int]:
-        """Remove the blobs, put `older_than` s ago or more, that no name points at; none
-        while a binding cannot be read (which blob it names is not known)."""
-        old = self._place.aged("blobs", older_than)
+        grace = max(float(older_than), UNNAMED_AFTER)
+        old = self._place.aged("blobs", grace)
         try:
             named = {self._blob_path(b.digest) for b in self.bound()} if old else set()
-        except CorruptBinding:
-            return {"files": 0, "bytes": 0}
-        unnamed = [p for p in old if p not in named]
-        return self._place.remove(unnamed, older_than) if unnamed else {"files": 0, "bytes": 0}
+        except CorruptBinding:  # which blob it names is not known: every one stays
+            return removed
+        gone = self._place.remove([p for p in old if p not in named], grace)
+        return {k: n + gone[k] for k, n in removed.items()}
 
 
 def store_of(store: Store | str | os.PathLike[str]) -> Store:
