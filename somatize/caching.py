@@ -23,7 +23,7 @@ from somatize.store import CorruptBinding, CorruptBlob
 
 __all__ = ["walk_cached", "state_changed"]
 
-_Declared = tuple[str, str, Callable[[], list[bool]] | None]  # key, code version, modes
+_Declared = tuple[str, str, Callable[[], list[bool]] | None, Callable | None]
 # per plan: the `_changes` its declarations (by node) and keyed steps were worked out at
 _declared: weakref.WeakKeyDictionary[Plan, tuple] = weakref.WeakKeyDictionary()
 _changes = 0  # how many times a node's state was changed through the library
@@ -52,9 +52,9 @@ def _watch(node: Any) -> None:
 
 
 def _declared_as(g: Any, nid: str) -> _Declared:
-    """Node `nid`'s `(declaration key, code version, modes)`; `modes` reads the train/eval mode
-    of each module the node holds (None for a node holding none), which goes in the key at
-    every forward."""
+    """Node `nid`'s `(declaration key, code version, modes, look)`; `modes` reads the train/eval
+    mode of each module the node holds (None for a node holding none), which goes in the key at
+    every forward; `look` (`_one`, `_mapped`, None if not cached) looks its value up."""
     s = g.setting(nid)
     node = g.implementation(nid)
     state = _hooks.state_digest(node) if s.frozen else None
@@ -67,7 +67,8 @@ def _declared_as(g: Any, nid: str) -> _Declared:
             "computes so; call somatize.torch.freeze(g) first (eval mode, no "
             "gradients)"
         )
-    return declaration_key(node, s.salt, state), code_version(node), _hooks.modes(node)
+    look = (_mapped if s.mapped else _one) if s.cached else None
+    return declaration_key(node, s.salt, state), code_version(node), _hooks.modes(node), look
 
 
 def _keyed(plan: Plan) -> frozenset[int]:
@@ -121,14 +122,12 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
                 in_key = input_key
             else:
                 in_key = mix(*(f"{p}={keys[j]}" for p, j in src))
-            mine, code, modes = decl[ctx.id]
+            mine, code, modes, look = decl[ctx.id]
             if modes is not None:  # train and eval compute different things (dropout, norms)
                 mine = mix(mine, "".join("t" if m else "e" for m in modes()))
             keys[i] = key = mix(mine, in_key)
-            s = g.setting(ctx.id)
-            if s.cached:
-                look = _mapped if s.mapped else _one
-                fn = partial(look, ctx.id, fn, mine if s.mapped else key, code, store, said)
+            if look is not None:
+                fn = partial(look, ctx.id, fn, mine if look is _mapped else key, code, store, said)
             steps.append((i, mode, src, fn, ctx, device))
     except BaseException as e:
         _noted(e, plan, i, device)
