@@ -1350,10 +1350,13 @@ def test_groups_past_a_place_s_width_are_refused_before_the_step_counts():
     assert all(torch.equal(before[k], after[k]) for k in before)
     t.close()
     with torch.no_grad():  # step 0's output of `wide`, in float64, centred
-        first = g.implementation(g.nodes()[0]).double()
-        h = torch.tanh(g.implementation("wide").double().l(first(x.double(), None)))
+
+        def linear(lin, v):
+            return v @ lin.weight.double().T + lin.bias.double()
+
+        first = g.implementation(g.nodes()[0]).l
+        h = torch.tanh(linear(g.implementation("wide").l, torch.relu(linear(first, x.double()))))
         h = h - h.mean(0)
-        g.implementation("wide").float(), first.float()
     a, b = h[:, :4], h[:, 4:]
     want = float((b.T @ a).pow(2).sum() / ((a.T @ a).norm() * (b.T @ b).norm()))
     right = Audit(groups={"wide": {"a": range(0, 4), "b": range(4, 8)}})
