@@ -308,12 +308,12 @@ def probe(
     block is answered with the numbers of the last box that ran in it, so a block drawn closed
     is coloured; past `most` boxes in a node, its blocks closed as `architecture` closes
     them, and at each depth on the way the first half and the last half of the boxes drawn
-    there as they ran, so its head is among them), so a finding from a probe lands on the box a finding from a run would. A
-    call that writes over what it read (`out += identity`, `x.relu_()`, a module changing its
-    input in place) or hands its input back (a `Dropout` in eval mode) is measured against its
-    input as it was before the call (a module's is read as its call begins), and the boxes
-    after it against what it gave; only an in-place function on a tensor no box made (the
-    model's input, a slice) is not, its input gone.
+    there as they ran, so its head is among them), so a finding from a probe lands on the box
+    a finding from a run would. A call that writes over what it read (`out += identity`,
+    `x.relu_()`, a module changing its input in place) or hands its input back (a `Dropout` in
+    eval mode) is measured against its input as it was before the call (a module's is read as
+    its call begins), and the boxes after it against what it gave; only an in-place function
+    on a tensor no box made (the model's input, a slice) is not, its input gone.
     Each place's numbers are `signal_gain`, `jacobian_gain`, `jacobian_spread`,
     `zero_frac_max` (not where it was given only zeros: those are its input's),
     `sat_frac_max`, `nan`, `inf` (see the module's docstring) and, where it holds weights,
