@@ -22,8 +22,8 @@ def test_a_gain_past_1e41_is_drawn_in_a_tooltip_not_refused():
     plan = {"nodes": [{"id": "a"}, {"id": "b"}], "edges": [["a", "b"]]}
     svg = graph_figure(plan, colour={"a": 1e45, "b": 2.0}).svg()
     tips = [t.text for t in ET.fromstring(svg).iter(f"{SVG}title")]
-    shown = [re.match(r"a\ncolour: (\d+)T\n", t) for t in tips]
-    assert any(m and float(m.group(1)) * 1e12 == pytest.approx(1e45) for m in shown), tips
+    shown = [re.match(r"a\ncolour: (\S+)\n", t) for t in tips]
+    assert any(m and float(m.group(1)) == pytest.approx(1e45) for m in shown), tips
 
 
 def _texts(svg: str) -> dict[str, list[str]]:
