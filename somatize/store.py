@@ -290,17 +290,18 @@ class Store:
         """The bound names (optionally under `prefix`), without reading their bindings."""
         return sorted(name for name, _ in self._bindings(prefix))
 
-    def clean(self, *, older_than: float = 3600.0) -> dict[str, int]:
+    def clean(self, *, older_than: float = 3600.0, unnamed: bool = False) -> dict[str, int]:
         """Remove what killed writers left behind, and answer `{"files": n, "bytes": b}`.
 
         A write goes through a temp file beside its target (`.tmp-...`); a writer killed
         mid-write leaves it there, unread but taking space. Such a file goes when its writer
         is seen dead on this machine, or when nobody has written to it for `older_than`
         seconds (a writer on another machine sharing the directory). A live writer's file is
-        never touched. Claim markers go once the claim they decided stands. In a directory, a
-        blob no name points at (its name could not be written) goes once nobody has put it for
-        `older_than` seconds, and at least `UNNAMED_AFTER`; none goes while a binding cannot
-        be read. On an object store nothing is written aside and no blob is removed (a big
+        never touched. Claim markers go once the claim they decided stands. With `unnamed=True`,
+        in a directory, a blob no name points at (its name could not be written, or bytes
+        `put` and never bound: asked for in so many words, as they may be a user's, kept by
+        digest) goes once nobody has put it for `older_than` seconds, and at least
+        `UNNAMED_AFTER`; none goes while a binding cannot be read. On an object store nothing is written aside and no blob is removed (a big
         object's unfinished multipart upload is the bucket lifecycle's to abort). Refuses a
         negative `older_than`."""
         if not isinstance(older_than, numbers.Real):  # numpy's numbers too, as before
@@ -308,6 +309,8 @@ class Store:
         if isinstance(older_than, bool) or not older_than >= 0:
             raise ValueError(f"older_than is seconds >= 0, not {older_than!r}")
         removed = self._place.clean(float(older_than))
+        if not unnamed:
+            return removed
         grace = max(float(older_than), UNNAMED_AFTER)
         old = self._place.aged("blobs", grace)
         try:
