@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from models.more import CASES
+from models.zoo import cache_name, cache_of
 
 from somatize import Graph, Node
 from somatize.torch import architecture, probe, proxies, proxy
@@ -51,12 +52,10 @@ def _step(name: str) -> tuple[torch.nn.Module, dict]:
     model, example = case.model.eval(), dict(case.example)
     ids = example.pop("decoder_input_ids" if "decoder_input_ids" in example else "input_ids")
     with torch.no_grad():
-        cache = model(
-            **example, **{"decoder_input_ids" if name == "whisper" else "input_ids": ids}
-        ).cache
+        out = model(**example, **{"decoder_input_ids" if name == "whisper" else "input_ids": ids})
     example["decoder_input_ids" if name == "whisper" else "input_ids"] = ids[:, -1:]
     example.pop("attention_mask", None)  # (the step's mask would cover the prompt too)
-    return model, {**example, "cache": cache}
+    return model, {**example, cache_name(out): cache_of(out)}
 
 
 @pytest.mark.parametrize("name", ["llama", "whisper"])
@@ -64,7 +63,7 @@ def test_a_look_at_a_decoding_step_leaves_the_cache_it_was_given_as_it_was(name)
     """A researcher looks at one step of decoding, given the cache the prompt left: every look
     runs the step on that cache as it was, and leaves it so (a forward grows it)."""
     model, step = _step(name)
-    cache = step["cache"]
+    cache = step["cache" if "cache" in step else "past_key_values"]
     length = cache.get_seq_length()
     twin, same = _step(name)  # built afresh: the same weights and the same cache
     with torch.no_grad():

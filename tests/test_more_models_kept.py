@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 from models.more import CASES
+from models.zoo import cache_name, cache_of
 from torch import nn
 
 import somatize.torch  # noqa: F401  (tensor codec)
@@ -136,13 +137,13 @@ def test_a_llamas_output_and_its_cache_are_recalled_and_decoding_goes_on_from_th
     assert half_back.logits.dtype == torch.bfloat16 and torch.equal(half_back.logits, half.logits)
     assert type(half_back.hidden_states) is tuple
     assert all(map(torch.equal, half_back.hidden_states, half.hidden_states))
-    cache = back.cache
-    assert type(cache) is type(out.cache)
-    assert cache.get_seq_length() == out.cache.get_seq_length() == 8
+    cache = cache_of(back)
+    assert type(cache) is type(cache_of(out))
+    assert cache.get_seq_length() == cache_of(out).get_seq_length() == 8
     step = out.logits[:, -1:].argmax(-1)
     with torch.no_grad():
-        want = model(input_ids=step, cache=copy.deepcopy(out.cache)).logits
-        got = model(input_ids=step, cache=cache).logits
+        want = model(input_ids=step, **{cache_name(out): copy.deepcopy(cache_of(out))}).logits
+        got = model(input_ids=step, **{cache_name(out): cache}).logits
     assert torch.equal(got, want)
 
 
@@ -429,7 +430,7 @@ class Devices(Node):
     """Where the logits and the key/value cache it is handed are."""
 
     def forward(self, out, ctx):
-        layer = out.cache.layers[0]
+        layer = cache_of(out).layers[0]
         return str(out.logits.device), str(layer.keys.device), str(layer.values.device)
 
 

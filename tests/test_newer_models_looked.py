@@ -6,6 +6,7 @@ itself."""
 from __future__ import annotations
 
 import html
+import inspect
 import math
 import re
 import warnings
@@ -132,7 +133,12 @@ def test_probing_a_mamba_decoding_step_on_its_cache_says_why_it_cannot():
     with torch.no_grad():
         cache = model(input_ids=ids, use_cache=True).cache_params
     with pytest.raises(RuntimeError, match="inplace") as raised:
-        probe(model, {"input_ids": ids[:, -1:], "cache": cache, "use_cache": True})
+        # the name the cache goes in by: `cache` from transformers 5.24 on, `cache_params` before
+        # it (the newest release pip picks for Python 3.10 is older)
+        named = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "cache_params"
+        )
+        probe(model, {"input_ids": ids[:, -1:], named: cache, "use_cache": True})
     said = " ".join(getattr(raised.value, "__notes__", []))
     assert "probe" in said and "cache" in said and "use_cache=False" in said, said
 

@@ -25,17 +25,6 @@ def quiet(case: zoo.Case) -> nn.Module:
     return case.model
 
 
-def cache_name(out) -> str:
-    """The field a transformers output holds its cache in: `cache` from transformers 5.24 on,
-    `past_key_values` before it (the newest release pip picks for Python 3.10 is older)."""
-    return "cache" if "cache" in out else "past_key_values"
-
-
-def cache_of(out):
-    """The key/value cache a transformers output carries, under whichever name it has."""
-    return out[cache_name(out)]
-
-
 def held(cache) -> list[torch.Tensor]:
     """Every tensor a cache holds, layer by layer (both caches of an encoder-decoder one)."""
     if isinstance(cache, EncoderDecoderCache):
@@ -67,10 +56,10 @@ def test_gpt2_on_a_worker_answers_its_cache_as_the_one_computed_here(broker):
         case.example, broker=broker
     )
     assert type(there) is type(here)
-    assert type(cache_of(there)) is DynamicCache
+    assert type(zoo.cache_of(there)) is DynamicCache
     tol = tolerance(model)
     pairs = [(there.logits, here.logits)]
-    pairs += zip(held(cache_of(there)), held(cache_of(here)), strict=True)
+    pairs += zip(held(zoo.cache_of(there)), held(zoo.cache_of(here)), strict=True)
     assert len(pairs) == 1 + 2 * model.config.n_layer
     for got, want in pairs:
         assert got.dtype == torch.float32 and got.shape == want.shape
@@ -112,7 +101,7 @@ def test_a_cached_models_cache_comes_back_from_a_store_as_it_was_kept(make, tmp_
     first = g.forward(case.example, store=Store(tmp_path))
     second = g.forward(case.example, store=Store(tmp_path))  # read back from the directory
     assert len(calls) == 1
-    kept, back = cache_of(first), cache_of(second)
+    kept, back = zoo.cache_of(first), zoo.cache_of(second)
     assert type(back) is type(kept) and type(back) in (DynamicCache, EncoderDecoderCache)
     assert len(held(back)) == len(held(kept)) > 0
     assert all(torch.equal(a, b) for a, b in zip(held(back), held(kept), strict=True))
@@ -125,12 +114,12 @@ def test_a_gpt2_cache_read_back_from_a_store_goes_on_as_the_one_kept(tmp_path):
         out = model(**case.example)
     store = Store(tmp_path)
     store.keep("gpt2/out", out)
-    back = cache_of(store.recall("gpt2/out"))
+    back = zoo.cache_of(store.recall("gpt2/out"))
     ids, mask = case.example["input_ids"], case.example["attention_mask"]
     more = {"input_ids": ids[:, :1], "attention_mask": torch.cat([mask, mask[:, :1]], 1)}
     with torch.no_grad():
-        went_on = model(**more, **{cache_name(out): cache_of(out)})
-        goes_on = model(**more, **{cache_name(out): back})
-    assert back.get_seq_length() == cache_of(went_on).get_seq_length() == ids.shape[1] + 1
+        went_on = model(**more, **{zoo.cache_name(out): zoo.cache_of(out)})
+        goes_on = model(**more, **{zoo.cache_name(out): back})
+    assert back.get_seq_length() == zoo.cache_of(went_on).get_seq_length() == ids.shape[1] + 1
     tol = tolerance(model)
     assert torch.allclose(goes_on.logits, went_on.logits, rtol=tol, atol=tol)

@@ -455,3 +455,14 @@ def tensors(value: Any) -> list[torch.Tensor]:
 def unique_params(model: nn.Module) -> int:
     """The model's parameters, each counted once however often it is tied."""
     return sum(p.numel() for p in model.parameters())
+
+
+def cache_name(out) -> str:
+    """The field a transformers output holds its cache in: `cache` from transformers 5.24 on,
+    `past_key_values` before it (the newest release pip picks for Python 3.10 is older)."""
+    return "cache" if "cache" in out else "past_key_values"
+
+
+def cache_of(out):
+    """The key/value cache a transformers output carries, under whichever name it has."""
+    return out[cache_name(out)]
