@@ -322,10 +322,6 @@ class Remote:
         so no file here is ever taken for old and unwanted."""
         return []
 
-    def remove(self, paths: list[str], older_than: float) -> dict[str, int]:
-        """Nothing: `aged` names no file."""
-        return {"files": 0, "bytes": 0}
-
     def files(self, folder: str) -> Iterator[str]:
         with self.lock:
             self.fs.invalidate_cache(self.where(folder))  # others may have bound names since

@@ -6,8 +6,8 @@ a name pointing at a digest with some meta (`bind`, `claim`, `resolve`, `bound`)
 `recall` do both in one go, through the codecs of `somatize.codecs`.
 
 Every write is written aside and then renamed into place, so a crash mid-write leaves the old
-value or the new one and never half of one; `clean()` removes what killed writers left aside,
-and blobs no name points at.
+value or the new one and never half of one; `clean()` removes what killed writers left aside
+(and, asked with `unnamed=True`, blobs no name points at).
 What is read back is not trusted: blobs are checked against their digest, bindings must parse
 as bindings, and values decode through `somatize.codecs`' bounds. Layout on disk::
 
@@ -301,9 +301,9 @@ class Store:
         in a directory, a blob no name points at (its name could not be written, or bytes
         `put` and never bound: asked for in so many words, as they may be a user's, kept by
         digest) goes once nobody has put it for `older_than` seconds, and at least
-        `UNNAMED_AFTER`; none goes while a binding cannot be read. On an object store nothing is written aside and no blob is removed (a big
-        object's unfinished multipart upload is the bucket lifecycle's to abort). Refuses a
-        negative `older_than`."""
+        `UNNAMED_AFTER`; none goes while a binding cannot be read. On an object store nothing
+        is written aside and no blob is removed (a big object's unfinished multipart upload is
+        the bucket lifecycle's to abort). Refuses a negative `older_than`."""
         if not isinstance(older_than, numbers.Real):  # numpy's numbers too, as before
             raise TypeError(f"older_than is seconds >= 0, not {older_than!r}")
         if isinstance(older_than, bool) or not older_than >= 0:
@@ -313,8 +313,10 @@ class Store:
             return removed
         grace = max(float(older_than), UNNAMED_AFTER)
         old = self._place.aged("blobs", grace)
+        if not old:
+            return removed
         try:
-            named = {self._blob_path(b.digest) for b in self.bound()} if old else set()
+            named = {self._blob_path(b.digest) for b in self.bound()}
         except CorruptBinding:  # which blob it names is not known: every one stays
             return removed
         gone = self._place.remove([p for p in old if p not in named], grace)
