@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -29,20 +30,17 @@ from somatize.torch.training.stages import Stages, untied
 __all__ = ["Trainer", "Result", "NoGradient"]
 
 
-def _outside_autocast(loss: torch.Tensor, backward: Callable[..., Any], *args: Any) -> Any:
-    """`backward(*args)` as torch's recipe runs the backward: outside autocast, turned off for
-    the loss's device type where it is on (torch 2.4 asks `is_autocast_enabled(kind)`; 2.2 and
-    2.3 have one function per device type)."""
-    kind = loss.device.type
-    if kind in ("cpu", "cuda"):
-        try:
-            on = torch.is_autocast_enabled(kind)
-        except TypeError:  # torch 2.2, 2.3
-            on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
-        if on:
-            with torch.autocast(kind, enabled=False):
-                return backward(*args)
-    return backward(*args)
+def _outside_autocast(kind: str) -> Any:
+    """torch's recipe runs the backward outside autocast: autocast turned off for the device
+    type `kind` where it is on, else nothing (torch 2.4 asks `is_autocast_enabled(kind)`;
+    2.2 and 2.3 have one function per device type)."""
+    if kind not in ("cpu", "cuda"):
+        return nullcontext()
+    try:
+        on = torch.is_autocast_enabled(kind)
+    except TypeError:  # torch 2.2, 2.3
+        on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
+    return torch.autocast(kind, enabled=False) if on else nullcontext()
 
 
 Batch = Any
@@ -202,16 +200,9 @@ class Trainer:
         micro = self.micro
         xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
         try:
-            optimizer = self.optimizer
-            groups = 0 if optimizer is None else len(optimizer.param_groups)
-            if groups != self._groups:  # read again when a param group is added mid-run
-                self._groups = groups
-                self._trained = trained(self.graph, optimizer, self.trains)
-            for module in self._trained:  # a node it trains, left in eval mode
-                if not module.training:
-                    module.train()
-            if self._count == 0 and optimizer is not None:
-                optimizer.zero_grad()
+            self._train_mode()
+            if self._count == 0 and self.optimizer is not None:
+                self.optimizer.zero_grad()
             closing = self._count + 1 >= self.every
             parallel = self._parallel
             runs = parallel or self._stages  # under parallel=, through DDP (FSDP)
@@ -227,7 +218,8 @@ class Trainer:
                 )
                 if self.finite:
                     _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
-                _outside_autocast(loss, runs.backward, loss / scale if scale != 1 else loss, sync)
+                with _outside_autocast(loss.device.type):
+                    runs.backward(loss / scale if scale != 1 else loss, sync)
                 if micro > 1:
                     total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
             value = loss.item() if micro == 1 else float(total) / micro
@@ -269,6 +261,16 @@ class Trainer:
         if self._health:
             run.tell(self.watching, *self._health)
             self._health = []
+
+    def _train_mode(self) -> None:
+        """Puts the nodes this run trains that are in eval mode in train mode."""
+        groups = 0 if self.optimizer is None else len(self.optimizer.param_groups)
+        if groups != self._groups:  # read again when a param group is added mid-run
+            self._groups = groups
+            self._trained = trained(self.graph, self.optimizer, self.trains)
+        for module in self._trained:
+            if not module.training:
+                module.train()
 
     def _apply(self, step: int) -> None:
         optimizer = self.optimizer
