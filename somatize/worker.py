@@ -154,10 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     _hooks.ready(torch_needed=True)  # tensors, devices, stages: a worker without torch is no use
     smallest = smallest_message(bool(curve))
     if a.max_message < smallest:
-        why = "CURVE's handshake sends" if curve else "the smallest request (a close) holds"
+        what = "CURVE's handshake (its INITIATE command)" if curve else "the smallest request"
         raise SystemExit(
-            f"--max-message {a.max_message} is too small: {why} a frame of {smallest} bytes, "
-            f"which this worker would drop unread while its clients wait: give {smallest} or more"
+            f"--max-message {a.max_message} is too small: {what} needs {smallest} bytes, or this "
+            f"worker drops it unread while its clients wait: give {smallest} or more"
         )
     if a.threads:
         import torch
