@@ -284,16 +284,18 @@ def unkeyable(node: Any, salt: Any = None) -> Unkeyable | None:
     return None
 
 
-def declaration_key(node: Any, salt: Any, state: str | None) -> str:
+def declaration_key(node: Any, salt: Any, state: str | None, salted: bool = True) -> str:
     """What a node *is*, for a cache: its class, its constructor arguments, salt, frozen state.
-    An argument that cannot be keyed (`unkeyable`) is said by where it is alone: a graph lets
-    that be only under a salt."""
+    An argument that cannot be keyed (`unkeyable`) is said by where it is alone if `salted` (a
+    salt stands for it), else raised as `Unkeyable`."""
     # a module the node's own state digest reads is in the key already; one it holds
     # anywhere else (in a dict, in an object) is digested where its argument is keyed
     held = frozenset(id(m) for m in _hooks.state_modules(node))  # the modules caching's modes read
     try:
         said_args = _arguments(node, _Keying(True, held if state else frozenset(), held))
     except Unkeyable as e:
+        if not salted:
+            raise
         said_args = ["unkeyed", e.where]
     said = {
         "class": _type_name(type(node)),

@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from somatize import _hooks
-from somatize._keys import code_version, declaration_key, mix
+from somatize._keys import Unkeyable, code_version, declaration_key, mix, refusal
 from somatize.codecs import Malformed, decode, digest, encode
 from somatize.node import unwrap
 from somatize.run import ONE, ROOT, Plan, _noted, in_one_line, not_a_list, run_plan, tell, warn
@@ -51,10 +51,12 @@ def _watch(node: Any) -> None:
             _watched.add(module)
 
 
-def _declared_as(g: Any, nid: str) -> _Declared:
+def _declared_as(g: Any, nid: str, unsalted: str | None) -> _Declared:
     """Node `nid`'s `(declaration key, code version, modes, look)`; `modes` reads the train/eval
     mode of each module the node holds (None for a node holding none), which goes in the key at
-    every forward; `look` (`_one`, `_mapped`, None if not cached) looks its value up."""
+    every forward; `look` (`_one`, `_mapped`, None if not cached) looks its value up. An argument
+    no key reads is refused as the graph refuses it when built, for node `unsalted` (no salt
+    stands for it), if any."""
     s = g.setting(nid)
     node = g.implementation(nid)
     state = _hooks.state_digest(node) if s.frozen else None
@@ -68,20 +70,25 @@ def _declared_as(g: Any, nid: str) -> _Declared:
             "gradients)"
         )
     look = (_mapped if s.mapped else _one) if s.cached else None
-    return declaration_key(node, s.salt, state), code_version(node), _hooks.modes(node), look
+    try:
+        mine = declaration_key(node, s.salt, state, salted=unsalted is None)
+    except Unkeyable as why:  # changed since the graph was built
+        raise refusal(unsalted or nid, nid, why) from None
+    return mine, code_version(node), _hooks.modes(node), look
 
 
-def _keyed(plan: Plan) -> frozenset[int]:
-    """The steps a cached node's key reads: the cached nodes and every node that feeds one."""
-    keyed: set[int] = set()
+def _keyed(plan: Plan) -> dict[int, str | None]:
+    """The steps a cached node's key reads (the cached nodes and every node that feeds one),
+    each with the first cached node at or below it that has no salt (None if none)."""
+    keyed: dict[int, str | None] = {}
     for i, mode, src, _, ctx, _ in reversed(plan.steps):  # each after what feeds it
-        if i in keyed or plan.graph.setting(ctx.id).cached:
-            keyed.add(i)
-            if mode == ONE:
-                keyed.add(src)
-            elif mode != ROOT:
-                keyed.update(j for _, j in src)
-    return frozenset(keyed)
+        s = plan.graph.setting(ctx.id)
+        if s.cached:
+            keyed[i] = ctx.id if s.salt is None else keyed.get(i)
+        if i in keyed and mode != ROOT:
+            for j in [src] if mode == ONE else [j for _, j in src]:
+                keyed[j] = keyed.get(j) or keyed[i]
+    return keyed
 
 
 def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], Any]]) -> Any:
@@ -98,7 +105,7 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
 
     g = plan.graph
     changes = _changes
-    seen, decl, keyed = _declared.get(plan, (-1, {}, frozenset()))
+    seen, decl, keyed = _declared.get(plan, (-1, {}, {}))
     fresh = seen != changes
     if fresh:
         decl, keyed = {}, _keyed(plan)
@@ -113,7 +120,7 @@ def walk_cached(plan: Plan, input: Any, store: Any, told: list[Callable[[dict], 
                 steps.append(step)
                 continue
             if fresh:
-                decl[ctx.id] = _declared_as(g, ctx.id)
+                decl[ctx.id] = _declared_as(g, ctx.id, keyed[i])
             if mode == ONE:
                 in_key = keys[src]
             elif mode == ROOT:

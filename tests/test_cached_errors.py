@@ -233,3 +233,21 @@ def test_a_frozen_node_with_a_sparse_buffer_is_named_saying_what_to_do(store):
     error = refused(g, x, store, TypeError)
     assert "'mask'" in str(error) and "sparse" in str(error) and ".to_dense()" in str(error)
     assert error.__notes__ == ["while running node 'masked' (Masked)"]
+
+
+def test_an_argument_made_unreadable_after_building_is_refused_when_keyed_unless_salted(store):
+    box = {"t": torch.eye(2)}  # readable when built, then changed where no key can read it
+    cached = Graph.somatize(Held(box).cached())
+    feeding = Graph.somatize(Held(box) >> Add(1).cached())
+    salted = Graph.somatize(Held(box) >> Add(1).cached(salt="v1"))
+    for unreadable in (torch.eye(2).to_sparse(), threading.Lock()):
+        box["t"] = unreadable
+        error = refused(cached, 1, store, ValueError)
+        assert "node 'held' is .cached()" in str(error) and "argument \"t['t']\"" in str(error)
+        assert "salt=" in str(error) and error.__notes__ == ["while running node 'held' (Held)"]
+        error = refused(feeding, 1, store, ValueError)
+        assert "node 'add' is .cached()" in str(error) and "node 'held', which feeds" in str(error)
+        assert salted.forward(1, store=store) == 2  # the salt stands for what no key reads
+    box["t"] = torch.eye(2)  # readable again: the refusals left nothing in the way
+    assert cached.forward(1, store=store) == feeding.forward(1, store=store) - 1 == 1
+    assert len(store.names("cache")) == 3
