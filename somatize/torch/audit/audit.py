@@ -65,7 +65,8 @@ class Audit:
     step, `moved()` (without it the facts carry no update_ratio). Refuses a cadence under 1,
     groups that are not at least two sets of channel indices, places or groups that name
     nothing in the graph, and — in a measured forward, where a place's width shows — groups
-    naming a channel past it (the forward raises: a Trainer's step is not counted).
+    naming a channel past it (the forward raises, and what the step heard is forgotten: a
+    Trainer's step is not counted).
     """
 
     def __init__(
@@ -299,7 +300,11 @@ class Audit:
         if self._measuring and torch.is_grad_enabled() and self._fresh(place):
             if self._copy is None:
                 self._begin()
-            place.saw(_given(place, args, kwargs), out, self.step, self.channels, self._snap)
+            try:
+                place.saw(_given(place, args, kwargs), out, self.step, self.channels, self._snap)
+            except ValueError:  # its groups past its width (`Place._fits`): the step heard nothing
+                self._forget()
+                raise
 
     def _fresh(self, place: Place) -> bool:
         """Whether a call of `place` is heard. A node's, and a module's inside it during the
@@ -352,10 +357,15 @@ class Audit:
     def dropped(self) -> None:
         """A step raised and its group was dropped (a loss not finite, Ctrl-C): what the step
         heard is forgotten, and the steps measured in the group wait for no update."""
+        self._waiting = []
+        self._forget()
+
+    def _forget(self) -> None:
+        """Forgets what this step heard, and θ's copy unless a measured step waits for it."""
         for place in self._places:
             place.clear()
-        self._copy = None
-        self._waiting = []
+        if not self._waiting:
+            self._copy = None
 
     # -- after backward: the step's numbers ------------------------------------------------
     def observed(self, graph: Any = None) -> list[dict[str, Any]]:
@@ -371,19 +381,21 @@ class Audit:
             raise RuntimeError("observed() before watch(graph): nothing is being watched")
         step = self.step
         facts: list[dict[str, Any]] = []
-        if self._measuring:
-            if self._snap:
-                self._bucket = step // self.snapshot
-            if self._copy is None:  # nothing of this graph ran here (or nothing was heard)
-                self._begin()
-            with torch.no_grad():
-                measured = self._measure(step, self._snap)
-            facts = [fact for _, fact in measured]
-            waits = [(p, f) for p, f in measured if p.index]
-            if waits:
-                self._waiting.append((self._snap, waits))
-        self.step = step + 1
-        self._arm(self.step % self.every == 0)
+        try:  # the step counts even if this is interrupted (Ctrl-C), as a Trainer's does
+            if self._measuring:
+                if self._snap:
+                    self._bucket = step // self.snapshot
+                if self._copy is None:  # nothing of this graph ran here (or nothing was heard)
+                    self._begin()
+                with torch.no_grad():
+                    measured = self._measure(step, self._snap)
+                facts = [fact for _, fact in measured]
+                waits = [(p, f) for p, f in measured if p.index]
+                if waits:
+                    self._waiting.append((self._snap, waits))
+        finally:
+            self.step = step + 1
+            self._arm(self.step % self.every == 0)
         return facts
 
     def _measure(self, step: int, snapshot: bool) -> list[tuple[Place, dict[str, Any]]]:
