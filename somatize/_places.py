@@ -315,12 +315,7 @@ class Remote:
             return True
 
     def touch(self, path: str) -> None:
-        """Nothing: no fsspec filesystem is asked for ages (see `aged`)."""
-
-    def aged(self, folder: str, older_than: float) -> list[str]:
-        """None: a file's age cannot be made new again on every filesystem (S3 has no touch),
-        so no file here is ever taken for old and unwanted."""
-        return []
+        """Nothing: no file here is removed by its age but temp files (S3 has no touch)."""
 
     def files(self, folder: str) -> Iterator[str]:
         with self.lock:

@@ -7,7 +7,7 @@ a name pointing at a digest with some meta (`bind`, `claim`, `resolve`, `bound`)
 
 Every write is written aside and then renamed into place, so a crash mid-write leaves the old
 value or the new one and never half of one; `clean()` removes what killed writers left aside
-(and, asked with `unnamed=True`, blobs no name points at).
+(and, asked with `unnamed=True`, in a directory, blobs no name points at).
 What is read back is not trusted: blobs are checked against their digest, bindings must parse
 as bindings, and values decode through `somatize.codecs`' bounds. Layout on disk::
 
@@ -301,13 +301,20 @@ class Store:
         in a directory, a blob no name points at (its name could not be written, or bytes
         `put` and never bound: asked for in so many words, as they may be a user's, kept by
         digest) goes once nobody has put it for `older_than` seconds, and at least
-        `UNNAMED_AFTER`; none goes while a binding cannot be read. On an object store nothing
-        is written aside and no blob is removed (a big object's unfinished multipart upload is
-        the bucket lifecycle's to abort). Refuses a negative `older_than`."""
+        `UNNAMED_AFTER`; none goes while a binding cannot be read. On an fsspec store, where a
+        put cannot make a blob's age new, `unnamed=True` is refused. On an object store nothing
+        is written aside (a big object's unfinished multipart upload is the bucket lifecycle's
+        to abort). Refuses a negative `older_than`."""
         if not isinstance(older_than, numbers.Real):  # numpy's numbers too, as before
             raise TypeError(f"older_than is seconds >= 0, not {older_than!r}")
         if isinstance(older_than, bool) or not older_than >= 0:
             raise ValueError(f"older_than is seconds >= 0, not {older_than!r}")
+        if unnamed and isinstance(self._place, Remote):
+            raise ValueError(
+                f"clean(unnamed=True) removes unnamed blobs only in a directory: on {self!r} "
+                "putting bytes that are there already cannot make them new again, so a blob a "
+                "writer is about to name could go. Call clean() there without unnamed=True"
+            )
         removed = self._place.clean(float(older_than))
         if not unnamed:
             return removed

@@ -60,6 +60,14 @@ def test_an_s3_store_keeps_binds_and_claims(moto: str) -> None:
     assert store.clean() == {"files": 0, "bytes": 0}  # nothing is written aside on S3
 
 
+def test_removing_unnamed_blobs_is_refused_on_s3_not_skipped(moto: str) -> None:
+    store = s3_store(moto, "somatize-unnamed")
+    key = store.put(b"kept by digest, named by nothing")
+    with pytest.raises(ValueError, match=r"clean\(unnamed=True\).*directory.*'s3://.*clean\(\)"):
+        store.clean(older_than=0, unnamed=True)  # an S3 object's age is not made new by a put
+    assert store.get(key) == b"kept by digest, named by nothing"
+
+
 def test_a_409_is_asked_again_and_the_claim_then_won(racing: RacingS3) -> None:
     store = s3_store(racing.endpoint, "somatize-409-won")
     key = store.put(b"mine")
