@@ -7,7 +7,9 @@ import re
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 from models import more, newer, zoo
+from torch import nn
 
 from somatize import Graph, Node
 from somatize.figures import graph_figure
@@ -44,6 +46,34 @@ def test_segformer_s_decoder_flatten_holds_channels_then_the_map_s_positions():
     assert texts["decode_head.linear_projections.0.flatten"][1] == "2 batch · 8 ch · 64 len"
     assert texts["decode_head.linear_projections.0.proj"][1] == "2 batch · 64 len · 16 dim"
     assert texts["segformer.stages.0.patch_embeddings.flatten"][1] == "2 batch · 8 ch · 64 len"
+    # stage 1's 16 channels over its 4×4 = 16 positions: a square the shape cannot tell, the
+    # call can (it merged the last two axes of a (N, C, h, w) the permute before it made)
+    assert texts["decode_head.linear_projections.1.flatten"][1] == "2 batch · 16 ch · 16 len"
+
+
+class _Rows(nn.Module):
+    """A conv's map flattened, its channels first or (permuted) last: each (2, 16, 16)."""
+
+    def __init__(self, last: bool) -> None:
+        super().__init__()
+        self.conv, self.last = nn.Conv2d(3, 16, 3, padding=1), last
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y.permute(0, 2, 3, 1).flatten(1, 2) if self.last else y.flatten(2)
+
+
+@pytest.mark.parametrize(
+    "last, axes", [(False, ["batch", "ch", "len"]), (True, ["batch", "len", "dim"])]
+)
+def test_a_flatten_s_axes_are_those_its_call_merged_not_guessed_from_its_shape(last, axes):
+    g = Graph.somatize(Node.of(_Rows(last)).named("rows"))
+    inside = architecture(g, torch.randn(2, 3, 4, 4))
+    assert inside["rows"].layer("flatten").axes == axes
+    texts = _texts(g.figure(inside=inside).svg())
+    assert texts["flatten"][1] == " · ".join(
+        f"{n} {a}" for n, a in zip([2, 16, 16], axes, strict=True)
+    )
 
 
 def _tips(svg: str) -> dict[str, str]:

@@ -198,15 +198,12 @@ class _Inside:
             kept = shape == fed_shape or sorted(shape) != sorted(fed_shape)
             if len(shape) in (4, 5) and (own or (by in grid and kept and kind != "learned")):
                 grid.add(path)
-            # a grid flattened to (N, C, h·w) keeps its channels first (a ViT's patches)
-            flat = by in grid and len(shape) == 3 and list(shapes[by][:2]) == list(shape[:2])
             # (its channels' size kept, or the rest's: a ViT's patches transposed keep neither)
             same = shape[1:2] == fed_shape[1:2] or shape[2:] == fed_shape[2:]
             before = self.first.get(by, False) and len(fed_shape) == len(shape) and kept and same
-            # (N, L, D) made (N, D, L) swaps the layout (SegFormer's decoder: (N, C, h·w))
-            swap = len(shape) == 3 and shape[1] != shape[2] and shape[1:] == fed_shape[:0:-1]
-            before = before or (swap and not self.first.get(by, False))
-            self.first[path] = channels_first(kind, label, before or flat) or path in grid
+            if axes := la.get("axes"):  # what its call says (a flatten's: the axes it merged)
+                before = axes[1] == "ch"
+            self.first[path] = channels_first(kind, label, before) or path in grid
         # the layers that read what the node was given, joined to a box that stands for it
         # where more than one reads it (with one, an edge into the node goes on into it)
         inputs = [str(p) for p in inside.get("inputs") or []]

@@ -33,6 +33,17 @@ from somatize.torch.inside._trace import (
 from somatize.torch.inside.kinds import function_name
 
 
+def _axes(name: str, args: tuple, kwargs: dict, rank: int, shape: list[int]) -> list[str]:
+    """What each axis of a flatten's 3-d output holds, as its call says: the axes it merged
+    are positions, what is before them (past the batch) channels, what is after features;
+    (N, C, h, w).flatten(2) gives `batch, ch, len`, (N, h, w, C).flatten(1, 2) `batch, len,
+    dim`. Empty for any other call (`rank`: its input's)."""
+    start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
+    if name != "flatten" or len(shape) != 3 or not isinstance(start, int):
+        return []
+    return {1: ["batch", "len", "dim"], 2: ["batch", "ch", "len"]}.get(start % rank, [])
+
+
 class Boxes(TorchFunctionMode):
     """Where each box of a root is, heard by a real forward riding along a forward somebody
     else runs (the graph's own). `arm()` puts a pre- and a post-hook on every drawn module
@@ -153,9 +164,10 @@ class Boxes(TorchFunctionMode):
         self._mark(outs, frozenset((box,)))
 
     def _function(
-        self, box: str, block: str | None, fn: Any, made: frozenset[str], ins: list, outs: list
+        self, box: str, block: str | None, call: tuple, made: frozenset[str], ins: list, outs: list
     ) -> None:
-        """The call `box` of `fn` inside `block`, on `ins` (made by `made`), gave `outs`."""
+        """The call `box` inside `block`, `call` (the function, its args and kwargs), on `ins`
+        (made by `made`), gave `outs`."""
 
     def _left(self, path: str, call: int, outs: list) -> None:
         """The `call`-th call of the open block at `path` gave back `outs`."""
@@ -183,7 +195,7 @@ class Boxes(TorchFunctionMode):
         if floating and name not in UNDRAWN and not joins_nothing(name, ins):
             block = self.stack[-1] if self.stack else None
             path = function_path(block, func, self.counts, self.opening.named)
-            self._function(path, block, func, made, ins, outs)
+            self._function(path, block, (func, args, kwargs), made, ins, outs)
             self._mark(outs, frozenset((path,)))
         else:
             self._mark(outs, made)
@@ -268,10 +280,12 @@ class Reading(Boxes):
         super()._ended(box, module, given, outs)
 
     def _function(
-        self, box: str, block: str | None, fn: Any, made: frozenset[str], ins: list, outs: list
+        self, box: str, block: str | None, call: tuple, made: frozenset[str], ins: list, outs: list
     ) -> None:
+        fn, args, kwargs = call
         layer = function_layer(self.opening, self.out, block, fn, box)
         layer.shape = list(outs[0].shape)
+        layer.axes = _axes(function_name(fn), args, kwargs, ins[0].dim(), layer.shape)
         self._ran(layer, made)
 
     def _left(self, path: str, call: int, outs: list) -> None:

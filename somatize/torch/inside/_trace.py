@@ -90,7 +90,9 @@ class Layer:
     `depth`): its children as `name: Class`, in declaration order, and `held_kinds` the kind
     of each (`kind_of`); both empty for anything drawn open or with no children. `apart` says,
     on a block not folded with a twin beside it (alike but for a setting), which and by what:
-    `not folded with layers.1: self_attn.sliding_window None ≠ 4`.
+    `not folded with layers.1: self_attn.sliding_window None ≠ 4`. `axes` names what each
+    axis of its output holds where its call says (a flatten: `batch, ch, len` for
+    `(N, C, h, w).flatten(2)`), empty where nothing does (a figure names them from the shape).
     """
 
     path: str
@@ -107,6 +109,7 @@ class Layer:
     holds: list[str] = field(default_factory=list)
     held_kinds: list[str] = field(default_factory=list)
     apart: list[str] = field(default_factory=list)
+    axes: list[str] = field(default_factory=list)
 
 
 @dataclass

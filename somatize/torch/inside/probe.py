@@ -286,7 +286,7 @@ class _Probing(Boxes):
         super()._ended(box, module, given, outs)
         self._heard(box, module, given, outs)
 
-    def _function(self, box: str, block: Any, fn: Any, made: frozenset, ins: list, outs: list):
+    def _function(self, box: str, block: Any, call: tuple, made: frozenset, ins: list, outs: list):
         self._heard(box, None, ins, outs)
 
 
