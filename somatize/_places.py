@@ -158,6 +158,11 @@ class Local:
         with contextlib.suppress(FileNotFoundError):
             os.utime(self.where(path))
 
+    def drop(self, path: str) -> None:
+        """Remove `path`, if there."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.where(path))
+
     def aged(self, folder: str, older_than: float) -> list[str]:
         """The files under `folder`, but temp files, that nobody wrote for `older_than` s."""
         now, found = time.time(), []
@@ -316,6 +321,11 @@ class Remote:
 
     def touch(self, path: str) -> None:
         """Nothing: no file here is removed by its age but temp files (S3 has no touch)."""
+
+    def drop(self, path: str) -> None:
+        """Remove `path`, if there."""
+        with self.lock, contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.where(path))
 
     def files(self, folder: str) -> Iterator[str]:
         with self.lock:

@@ -185,6 +185,11 @@ class Store:
             f"{held}: it is corrupt and was not returned; delete the file and put the value again"
         )
 
+    def _drop(self, digest: str) -> None:
+        """Remove the blob `digest`, if there: one nothing names and only its putter knows of
+        (`Trainer(parallel=)`'s check that every rank sees this store)."""
+        self._place.drop(self._blob_path(digest))
+
     # -- names ---------------------------------------------------------------------------
 
     def _binding(self, name: str, key: str, meta: Any) -> bytes:

@@ -162,7 +162,8 @@ def _same_everywhere(graph: Any, mode: str, trains: dict, every: int, micro: int
 
 
 def _shared(store: Any, node: str) -> None:
-    """Refuses a store some rank cannot see what rank 0 keeps in."""
+    """Refuses a store some rank cannot see what rank 0 keeps in (by a blob of rank 0's that
+    every rank reads, then removed)."""
     said = None
     if dist.get_rank() == 0:
         token = f"somatize: rank 0's store, seen by every rank ({uuid.uuid4()})"
@@ -179,7 +180,12 @@ def _shared(store: Any, node: str) -> None:
         seen = store.get(said["key"]) == said["token"].encode()
     except (OSError, ValueError):
         seen = False
-    odd = _ranks.refusing(seen)
+    odd = _ranks.refusing(seen)  # every rank has looked: rank 0 removes what it put
+    if dist.get_rank() == 0:
+        try:
+            store._drop(said["key"])
+        except OSError:  # a bucket that takes puts and no deletes keeps it
+            pass
     if odd:
         raise ValueError(
             f"node {node!r} is .cached(), and rank(s) {odd} do not see what rank 0 keeps in "
