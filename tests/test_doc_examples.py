@@ -10,6 +10,7 @@ import ast
 import copy
 import os
 import re
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -125,28 +126,27 @@ def test_training_every_block_in_order():
 
 def test_parallel_is_refused_in_a_notebook_and_trains_under_torchrun(tmp_path):
     code, scope = page("parallel.md")
-    scope["dataset"] = [(x, y) for xs, ys in scope["data"] for x, y in zip(xs, ys, strict=True)]
     with pytest.raises(RuntimeError, match=r"torchrun --nproc_per_node=2"):
         run(code[0], scope)
-    script = "\n".join(
-        [
-            blocks(README)[0],
-            code[1],  # the group opened by the script, with a timeout of its own
-            "dataset = [(x, y) for xs, ys in data for x, y in zip(xs, ys, strict=True)]",
-            code[0],
-        ]
-    )
-    (tmp_path / "train.py").write_text(script)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    done = subprocess.run(
-        [*command, "--nproc_per_node=2", "train.py"],
-        capture_output=True,
+    dataset = "dataset = [(x, y) for xs, ys in data for x, y in zip(xs, ys, strict=True)]"
+    # the script: the README's nodes and data, the group opened with a timeout of its own
+    (tmp_path / "train.py").write_text("\n".join([blocks(README)[0], code[1], dataset, code[0]]))
+    ranks = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + ["train.py"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=240,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,  # torchrun and its ranks, stopped together if they hang
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    weights = torch.load(tmp_path / "weights.pt")
+    try:
+        said, _ = ranks.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(ranks.pid, signal.SIGKILL)
+        said, _ = ranks.communicate()
+    assert ranks.returncode == 0, said[-4000:]
+    weights = torch.load(tmp_path / "weights.pt")  # rank 0's
     assert set(weights) == {"encoder", "head"}, weights.keys()
 
 
@@ -210,23 +210,29 @@ def test_the_worker_help_says_the_smallest_message_the_worker_works_out():
     assert f"at least {smallest_message(False)}, or {smallest_message(True)} with CURVE" in text
 
 
-def test_audit_figures_inside_store():
+def test_audit():
     code, scope = page("audit.md")
     run(code[0], scope)
     assert isinstance(scope["diagnose"](scope["store"], run="r1"), dict)
     assert run(code[1], scope)  # a health fact, as a dict
 
+
+def test_figures():
     code, scope = page("figures.md")
     for block in code:
         run(block, scope)
     assert set(scope["df"].index) == {"wide", "deep"}
 
+
+def test_inside():
     (code,), scope = page("inside.md", after_readme=False)
     shown = run(code, scope)
     assert scope["g"].nodes() == ["bertmodel"]
     assert shown["g.forward(batch)"].last_hidden_state.shape == (2, 16, 64)
 
-    code, scope = page("store.md", after_readme=False)
+
+def test_store():
+    code, scope = page("store.md")  # its last block trains the README's g on its data
     shown = run(code[0], scope)
     assert scope["key"].startswith("sha256:2770")
     assert shown["store.get(key)"] == b"bytes"
@@ -234,6 +240,5 @@ def test_audit_figures_inside_store():
     assert shown['store.recall("config")'] == {"lr": 1e-3, "sizes": (64, 32)}
     assert set(shown["store.clean()"]) == {"files", "bytes"}
     run(code[1], scope)
-    scope.update(page("store.md")[1], store=scope["store"])
     runs = run(code[2], scope)["somatize.record.runs(store)"]
-    assert "tuesday" in set(runs["run"])
+    assert list(runs["run"]) == ["tuesday"]
