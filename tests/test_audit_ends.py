@@ -78,6 +78,35 @@ def test_a_ctrl_c_while_the_audit_measures_leaves_its_step_the_trainers():
     assert sorted(health) == sorted((s, n) for s in (1, 2) for n in g.nodes())
 
 
+def test_a_ctrl_c_in_a_watcher_told_the_loss_leaves_the_audits_step_the_trainers():
+    """Interrupted after the step counted (its loss told) and before the audit measured it."""
+    torch.manual_seed(0)
+    g = Graph.somatize(Layer(4, 8) >> Layer(8, 3))
+    heard = []
+
+    def watcher(fact):
+        heard.append(fact)
+        if fact["fact"] == "loss" and [f["fact"] for f in heard].count("loss") == 1:
+            raise KeyboardInterrupt
+
+    t = Trainer(
+        g,
+        objective=F.cross_entropy,
+        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+        auditing=Audit(),
+        watching=watcher,
+    )
+    x, y = _data()
+    with pytest.raises(KeyboardInterrupt):
+        t.step((x, y))
+    assert t.steps == 1 == t.audit.step
+    t.fit([(x, y)] * 2)
+    t.close()
+    assert [f["step"] for f in heard if f["fact"] == "loss"] == [0, 1, 2]
+    health = [(f["step"], f["node"]) for f in heard if f["fact"] == "health"]
+    assert sorted(health) == sorted((s, n) for s in (1, 2) for n in g.nodes())
+
+
 def test_a_forward_refused_for_its_groups_by_hand_leaves_nothing_for_the_next_step():
     torch.manual_seed(0)
     g = Graph.somatize(Layer(4, 8).named("first") >> Narrow(6).named("narrow"))

@@ -254,6 +254,7 @@ class Trainer:
         self._count = 0
         if self.audit is not None:
             self.audit.dropped()
+            self.audit.at(self._steps)  # a step counted before it raised is the audit's too
         self._unwaited()
 
     def _unwaited(self) -> None:
