@@ -270,9 +270,10 @@ def test_watching_hears_ran_finished_and_flat_health_facts(tmp_path):
     for f in health:
         where = f["node"] + ("." + f["inside"] if f["inside"] else "")
         assert f["step"] == 0
-        assert {k: v for k, v in f.items() if k not in ("fact", "node", "inside", "step")} == (
-            got[where]
-        )
+        numbers = {k: v for k, v in f.items() if k not in ("fact", "node", "inside", "step")}
+        # a block answered with its last box's numbers says which box instead (body.net: Tanh)
+        assert numbers == got[where] or got[numbers["repeats"]] == got[where]
+    assert [f.get("repeats") for f in health].count("body.net.3") == 1
     store = Store(tmp_path / "s")
     probe(g, torch.randn(6, 4), watching=Recorder(store, run="init"))
     ((_, record),) = list(records(store, "init"))
@@ -582,3 +583,34 @@ def test_a_module_writing_over_its_input_or_handing_it_back_is_measured_on_what_
         assert numbers["signal_gain"] == pytest.approx(gain, rel=8 * eps)
         assert numbers["jacobian_gain"] == pytest.approx(gain, rel=8 * eps)
         assert numbers["jacobian_spread"] == pytest.approx(0.0, abs=8 * eps)
+
+
+def test_watching_hears_a_block_answered_with_its_last_box_say_it_repeats_the_box():
+    from somatize.health import Verdicts
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    with torch.no_grad():
+        block[0].bias.fill_(-100.0)  # every unit below zero: the ReLU gives zeros
+    g = Graph.somatize(Node.of(nn.Sequential(block, nn.Linear(8, 3))).named("net"))
+    facts: list[dict] = []
+    got = probe(g, torch.randn(6, 4), watching=facts.append)
+    assert got["net.0"] == got["net.0.1"]  # the block answered with its last box's numbers
+    health = {(f["node"], f["inside"]): f for f in facts if f["fact"] == "health"}
+    assert len(health) == len(got)
+    assert health[("net", "0")] == {
+        "fact": "health",
+        "node": "net",
+        "inside": "0",
+        "step": 0,
+        "repeats": "net.0.1",
+    }
+    assert health[("net", "0.1")]["zero_frac_max"] == got["net.0.1"]["zero_frac_max"] == 1.0
+    flagged = Verdicts(last=None).feed(facts).flags()
+    assert [w for w, flags in flagged.items() if "DEAD" in flags] == ["net.0.1"], flagged
+    # a block drawn closed (its box not answered) has the numbers
+    closed: list[dict] = []
+    got = probe(g, torch.randn(6, 4), most=2, watching=closed.append)
+    assert "net.0" in got and "net.0.1" not in got
+    (fact,) = [f for f in closed if f["fact"] == "health" and f["inside"] == "0"]
+    assert "repeats" not in fact and fact["zero_frac_max"] == got["net.0"]["zero_frac_max"]

@@ -326,11 +326,13 @@ def probe(
     `probes` is kept for the published signature: a positive number, it changes nothing.
     `graph` may be a bare module, and an `Opaque` example is unwrapped. `watching=` takes a
     Recorder or anything callable: it hears the forward's `ran` and `finished`, then one flat
-    `health` fact per place (step 0). Deterministic, and side-effect free; the net is left as
-    it was. A model that refuses, in train mode, an input asking for its gradient (transformers'
-    Wav2Vec2) is probed after `model.eval()`, and its error says so. The graph runs here, as
-    `architecture` runs it: a node `.at(host)` is probed in its copy here (`broker` is not
-    needed).
+    `health` fact per place (step 0); a block answered with its last box's numbers, where that
+    box is answered too, says in its fact which box it repeats instead (`"repeats":
+    "net.0.1"`), so a health view over them flags each place once, at the box.
+    Deterministic, and side-effect free; the net is left as it was. A model that refuses, in
+    train mode, an input asking for its gradient (transformers' Wav2Vec2) is probed after
+    `model.eval()`, and its error says so. The graph runs here, as `architecture` runs it: a
+    node `.at(host)` is probed in its copy here (`broker` is not needed).
     """
     if not isinstance(probes, int) or isinstance(probes, bool) or probes < 1:
         raise ValueError(f"probes is a number of directions ≥ 1, not {probes!r}")
@@ -395,7 +397,8 @@ def probe(
         for hook in filter(None, known.hooks):
             hook.remove()
     answer: dict[str, dict[str, Any]] = {}
-    facts = []  # the same, as health facts for `watching`
+    facts = []  # the same, as health facts for `watching` (a block's names its box)
+    box: dict[int, str] = {}  # where each place is deepest: its box (a block's is above it)
     one = False
     inner = {h.node: h for h in hooks}
     measured: dict[int, dict[str, Any]] = {}  # each place's numbers once (a block's: a box's)
@@ -405,14 +408,17 @@ def probe(
             if p.numbers is not None and where not in answer:
                 numbers = measured[id(p)] = measured.get(id(p)) or p.answer()
                 answer[where] = dict(numbers)
-                facts.append({"fact": "health", "node": node, "inside": inside, "step": 0})
-                facts[-1].update(numbers)
+                box[id(p)] = max(box.get(id(p), where), where, key=lambda w: w.count("."))
+                fact = {"fact": "health", "node": node, "inside": inside, "step": 0}
+                facts.append((where, p, fact))
                 one = one or p.rows == 1
     if one:
         warn(
             "probe: the example holds one sample (its first dimension is 1), so "
             "jacobian_spread, which compares samples, is left out: give two or more"
         )
-    tell(told, *facts)
+    for where, p, fact in facts:
+        fact.update(measured[id(p)] if box[id(p)] == where else {"repeats": box[id(p)]})
+    tell(told, *(fact for _, _, fact in facts))
     flush(told)
     return answer
