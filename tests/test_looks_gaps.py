@@ -180,6 +180,26 @@ def test_a_comparison_names_a_dead_box_once_not_again_at_the_block_that_holds_it
     assert not any(f.endswith("@sequential.0") for f in flags), flags
 
 
+def test_a_comparison_flags_what_probe_s_facts_flag_a_node_and_its_one_box_each():
+    from somatize.figures import compare
+    from somatize.health import Verdicts
+
+    # a node that is one ReLU given what it kills: the node is a place of the graph (as an
+    # audit names it) and its box another, with the same numbers; neither repeats the other
+    dead = nn.Linear(4, 8)
+    with torch.no_grad():
+        dead.bias.fill_(-100.0)
+    g = Graph.somatize(Node.of(dead).named("pre") >> Node.of(nn.Sequential(nn.ReLU())).named("act"))
+    x = torch.randn(6, 4)
+    facts: list[dict] = []
+    got = probe(g, x, watching=facts.append)
+    assert got["act"] == got["act.0"]
+    said = Verdicts(last=None).feed(facts).flags()
+    flags = compare({"g": g}, x).loc["g", "probe:flags"].split(", ")
+    assert sorted(flags) == sorted(f"{f}@{w}" for w, fs in said.items() for f in fs)
+    assert {"DEAD@act", "DEAD@act.0"} <= set(flags), flags
+
+
 def test_a_folded_box_with_a_nan_of_its_own_stays_unpainted_a_copy_does_not_hide_it():
     import figure_data as fd
 

@@ -19,7 +19,7 @@ from somatize.figures._page import STATIC, Face, jsonable
 from somatize.figures._svg import finite, number, svg_open, text_width
 from somatize.figures._table_face import NAMES, WIDEST, html
 from somatize.graph import as_graph
-from somatize.health import METRICS, verdict
+from somatize.health import METRICS, Verdicts, verdict
 from somatize.run import note, warn
 
 __all__ = ["CompareTable", "compare"]
@@ -74,20 +74,18 @@ def _named(candidates: Any) -> dict[str, Any]:
     return out
 
 
-def _probe_summary(numbers: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+def _probe_summary(facts: list[dict]) -> dict[str, Any]:
     """The median over places of every metric a probe gave, and the flags the health
-    verdict raises at any place (as `where: FLAG` text); a block answered with the numbers of
-    a box inside it (its last) is that place once, at the box."""
+    verdict raises at any place (as `FLAG@where` text), read from the probe's health facts,
+    where a block answered with its last box's numbers says it repeats that box instead."""
+    seen = Verdicts(last=None).feed(facts)
     by_metric: dict[str, list[float]] = {}
-    flags = []
-    for where, values in numbers.items():
-        if any(w.startswith(f"{where}.") and numbers[w] == values for w in numbers):
-            continue
-        flags += [f"{f}@{where}" for f in verdict(values)]
+    for values in seen.numbers().values():
         for metric, v in values.items():
             if finite(v):
                 by_metric.setdefault(metric, []).append(float(v))
     medians = {f"{PROBE}{m}": statistics.median(vs) for m, vs in sorted(by_metric.items())}
+    flags = [f"{f}@{where}" for where, found in seen.flags().items() for f in found]
     return {**medians, FLAGS: ", ".join(flags)}
 
 
@@ -128,7 +126,9 @@ def compare(
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
                 scores = proxies(graph, example, target=target, objective=objective)
-                looked = _probe_summary(probe(graph, example))
+                facts: list[dict] = []
+                probe(graph, example, watching=facts.append)
+                looked = _probe_summary(facts)
         except ValueError as error:
             raise ValueError(f"candidate {name!r}: {error}") from None
         except Exception as error:  # a candidate that does not run: which one, as a note
