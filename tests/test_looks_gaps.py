@@ -227,3 +227,16 @@ def test_a_figure_and_a_probe_at_a_smaller_most_leave_no_box_uncoloured(most):
     gains = {w: n.get("jacobian_gain", 0.0) for w, n in numbers.items()}
     inside = architecture(g, case.example, most=most)
     assert _uncoloured(g.figure(inside=inside, colour=gains).svg()) == []
+
+
+def test_whisper_s_position_table_looked_up_by_arange_has_no_batch_axis():
+    # WhisperEncoder: embed_positions(arange(16)), a (16, 32) table added to each sample's
+    # (2, 16, 32): its rows are positions, not samples, as nothing of the data reached it
+    case = more.whisper()
+    g = Graph.somatize(Node.of(case.model).named("w"))
+    inside = architecture(g, case.example)
+    assert inside["w"].layer("model.encoder.embed_positions").axes == ["len", "dim"]
+    assert inside["w"].layer("model.encoder.conv1").axes == []  # given the data: its shape says
+    texts = _texts(g.figure(inside=inside).svg())
+    assert texts["model.encoder.embed_positions"][1] == "16 len · 32 dim"
+    assert texts["model.encoder.add"][1] == "2 batch · 16 len · 32 dim"

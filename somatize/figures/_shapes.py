@@ -93,8 +93,11 @@ def outline(fam: str, w: float, h: float) -> str:
     return f"M0,0H{w:.1f}V{h:.1f}H0Z"
 
 
-def shape_text(shape: Any, kind: Any = None, label: Any = None, first: bool = False) -> str:
-    """An output shape named by axis: `4 batch · 8 ch · 8 h · 8 w`; '' when unknown.
+def shape_text(
+    shape: Any, kind: Any = None, label: Any = None, first: bool = False, axes: Any = ()
+) -> str:
+    """An output shape named by axis: `4 batch · 8 ch · 8 h · 8 w`; '' when unknown. `axes`,
+    one name an axis, are those the layer's call said (`Layer.axes`), taken as they are.
 
     A 3-d output is `batch · len · dim` (a sequence) unless its channels come first (`first`,
     as `channels_first` answers for the layer). A 4-d or 5-d one is `batch · ch · h · w` (or
@@ -108,7 +111,9 @@ def shape_text(shape: Any, kind: Any = None, label: Any = None, first: bool = Fa
     n = len(shape)
     own = str(kind or "").lower() == "attention"
     own = own or bool(re.search(r"attn|attention", str(label or ""), re.I))
-    if n == 1:
+    if axes and len(axes) == n:
+        names = list(axes)
+    elif n == 1:
         names = ["dim"]
     elif n == 2:
         names = ["batch", "dim"]

@@ -277,6 +277,8 @@ class Reading(Boxes):
         layer = self.out.layers[box]
         if layer.shape is None and outs:
             layer.shape = list(outs[0].shape)
+            if len(layer.shape) == 2 and not self.made_by(given)[0]:  # none of the data: a
+                layer.axes = ["len", "dim"]  # table's rows (positions looked up by arange)
         super()._ended(box, module, given, outs)
 
     def _function(

@@ -92,7 +92,8 @@ class Layer:
     on a block not folded with a twin beside it (alike but for a setting), which and by what:
     `not folded with layers.1: self_attn.sliding_window None ≠ 4`. `axes` names what each
     axis of its output holds where its call says (a flatten: `batch, ch, len` for
-    `(N, C, h, w).flatten(2)`), empty where nothing does (a figure names them from the shape).
+    `(N, C, h, w).flatten(2)`; a box given none of the data, 2-d: `len, dim`, a table's rows),
+    empty where nothing does (a figure names them from the shape).
     """
 
     path: str
