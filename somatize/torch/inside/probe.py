@@ -361,11 +361,11 @@ def probe(
             if nodes[node].numbers is None:  # the first call is the place's
                 nodes[node].saw(tensors_in(input), tensors_in(out), known)
 
-    x = mapped(example, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()))
     held = Held([r for r in roots.values() if r is not None])
     held.refuse(reads="probe")
     try:
-        with untouched(held), torch.enable_grad():
+        with untouched(held), torch.inference_mode(False), torch.enable_grad():  # any cell's
+            x = mapped(example, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()))
             try:
                 held.differentiable()
                 for h in hooks:

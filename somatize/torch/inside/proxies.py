@@ -384,7 +384,7 @@ EVERY: tuple[str, ...] = tuple(_PROXIES)
 
 
 def _take(s: _Subject, example: Any, of: str, target: Any, objective: Any) -> float:
-    with untouched(s.held), torch.enable_grad():
+    with untouched(s.held), torch.inference_mode(False), torch.enable_grad():  # any cell's
         s.quiet()
         gen = torch.Generator().manual_seed(0)
         score = _PROXIES[of](s, example, gen=gen, target=target, objective=objective)
