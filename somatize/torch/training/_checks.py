@@ -50,12 +50,17 @@ def _described(value: Any) -> str:
 def pair_of(batch: Any) -> tuple[Any, Any]:
     """The (input, target) a step is handed (a tuple, a namedtuple or a list of two, an
     `Opaque` around it or in either taken off); refused, naming it, when it is anything else
-    or grad mode is off."""
+    or grad mode is off (inference mode too, which `torch.enable_grad()` does not undo)."""
     if not torch.is_grad_enabled():
         raise RuntimeError(
             "a step needs gradients, and grad mode is off here (inside torch.no_grad() or "
             "torch.inference_mode(), or after torch.set_grad_enabled(False), as a "
             "validation cell may leave it): step outside it, or torch.set_grad_enabled(True)"
+        )
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "a step needs gradients, and this runs inside torch.inference_mode(), where no "
+            "tensor records any even with grad mode turned back on: step outside it"
         )
     batch = unwrap(batch)  # an Opaque around it, and in its items
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
