@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 import torch
@@ -425,16 +425,17 @@ class Audit:
         return out
 
     # -- after the optimizer stepped --------------------------------------------------------
-    def moved(self) -> None:
-        """Tells the audit the optimizer has stepped: the facts of the measured steps that went
-        into this update get `update_ratio` (‖θ' − θ‖/‖θ‖, θ the weights the step ran with,
-        taken on the copy made when it began) and, on a snapshot step, `update_stable_rank`
-        of that update to the place's largest weight. The Trainer calls it after each update;
-        by hand, call it after `optimizer.step()`. A place whose weights this update left
-        exactly as they were, where some update has moved them before (a node trained by its
-        own `Split(every=k)`), gets no ratio that step rather than a 0 that reads as STALLED;
-        nor do weights all zero when first weighed, for `window` measured steps after.
-        Nothing to do, and nothing done, when no measured step waits for an update."""
+    def moved(self, trained: Set[torch.Tensor] | None = None) -> None:
+        """Tells the audit the optimizer has stepped: the facts of the measured steps that went into
+        this update get `update_ratio` (‖θ' − θ‖/‖θ‖, θ the weights the step ran with, taken on
+        the copy made when it began) and, on a snapshot step, `update_stable_rank` of that update
+        to the place's largest weight. The Trainer calls it after each update; by hand, call it
+        after `optimizer.step()`. A place whose weights this update left exactly as they were,
+        where some update has moved them before (a node trained by its own `Split(every=k)`),
+        gets no ratio that step rather than a 0 that reads as STALLED; nor do weights all zero
+        when first weighed, for `window` measured steps after, nor a place holding none of the set
+        `trained` (the Trainer's: a GAN's discriminator under the generator's). Nothing is done
+        when no measured step waits for one."""
         copy, self._copy = self._copy, None
         waiting, self._waiting = self._waiting, []
         if copy is None or not waiting:
@@ -449,10 +450,11 @@ class Audit:
             squares = squared_norms(read([norm(d) for d in copy]), copy)
             ranked = any([snapshot for snapshot, _ in waiting])
             places = dict.fromkeys([place for _, got in waiting for place, _ in got])
+            places = [p for p in places if trained is None or not trained.isdisjoint(p.params)]
             moves = {place: _moved(place, copy, squares, same, ranked) for place in places}
             for snapshot, got in waiting:
                 for place, n in got:
-                    delta, stable = moves[place]
+                    delta, stable = moves.get(place, (None, None))  # None: not this update's
                     was = n.get("param_norm")
                     if delta is None or not was or n["step"] <= place.grown_after:
                         continue  # (weights grown from zero: ‖Δθ‖/‖θ‖ counts their steps)

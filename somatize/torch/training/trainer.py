@@ -282,7 +282,7 @@ class Trainer:
         self._count = 0
         told = self.watching  # the audit's facts wait only while somebody watches
         if self.audit is not None:
-            self.audit.moved()
+            self.audit.moved({q for m in self._trained for q in m.parameters()})
             far = self.audit.arrived()  # the facts of the nodes measured on a worker
             if told:
                 self._health += far
