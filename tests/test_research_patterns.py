@@ -307,6 +307,16 @@ def tied() -> Case:
 CASES = {f.__name__: f for f in (unet, siamese, twin, vae, gnn, checkpointed, tied)}
 
 
+def _fit(c: Case, **kw: Any) -> tuple[Trainer, list]:
+    """A Trainer's fit over the case's data, Adam at 1e-2, seeded; and what it told."""
+    facts: list = []
+    opt = torch.optim.Adam(parameters(c.g), lr=1e-2)
+    t = Trainer(c.g, objective=c.objective, optimizer=opt, watching=facts.append, **kw)
+    torch.manual_seed(9)
+    t.fit(c.data)
+    return t, facts
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_a_fit_is_the_loop_written_by_hand(name):
     c = CASES[name]()
@@ -315,23 +325,12 @@ def test_a_fit_is_the_loop_written_by_hand(name):
     y = c.g.forward(c.data[0][0])
     torch.manual_seed(9)
     torch.testing.assert_close(y, c.by_hand(c.mods, c.data[0][0]), **TOL)
-    t = Trainer(c.g, objective=c.objective, optimizer=torch.optim.Adam(parameters(c.g), lr=1e-2))
-    torch.manual_seed(9)
-    result = t.fit(c.data)
+    result = _fit(c)[0].result
     opt = torch.optim.Adam(hand.parameters(), lr=1e-2)  # a shared weight is held once
     torch.manual_seed(9)
     losses = [_stepped(opt, c.objective(c.by_hand(hand, x), y)) for x, y in c.data]
     torch.testing.assert_close(result.history, losses, **TOL)
     torch.testing.assert_close(c.mods.state_dict(), hand.state_dict(), **TOL)
-
-
-def _fit(c: Case, **kw: Any) -> tuple[Trainer, list]:
-    facts: list = []
-    opt = torch.optim.Adam(parameters(c.g), lr=1e-2)
-    t = Trainer(c.g, objective=c.objective, optimizer=opt, watching=facts.append, **kw)
-    torch.manual_seed(9)
-    t.fit(c.data)
-    return t, facts
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -355,16 +354,16 @@ def test_an_audit_hears_every_node_with_weights_at_every_step_and_changes_nothin
 @pytest.mark.parametrize("name", CASES)
 def test_the_figure_draws_the_nodes_the_skips_and_the_layers(name):
     c = CASES[name]()
-    x = c.data[0][0]
     svg = c.g.figure().svg()
     drawn = set(re.findall(r'data-from="n:([^"]+)" data-to="n:([^"]+)"', svg))
     assert drawn == set(c.g.edges()) and drawn >= c.edges
     assert set(re.findall(r'data-id="n:([^"]+)"', svg)) == set(c.g.nodes())
-    opened = c.g.figure(inside=architecture(c.g, x)).svg()
+    opened = c.g.figure(inside=architecture(c.g, c.data[0][0])).svg()
     assert set(re.findall(r'data-id="(l:[^"]+)"', opened)) >= c.layers
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n != "checkpointed"])  # see H5 report
+# checkpointed: probe's backward raises torch's CheckpointError, left to somatize/torch/inside
+@pytest.mark.parametrize("name", [n for n in CASES if n != "checkpointed"])
 def test_probe_measures_each_node_and_leaves_the_net_as_it_was(name):
     c = CASES[name]()
     before, rng = copy.deepcopy(c.mods.state_dict()), torch.get_rng_state()
@@ -427,17 +426,17 @@ def test_a_gan_trains_by_two_trainers_alternating_as_by_hand():
     d = Graph.somatize(Node.of(disc).named("disc"))  # the same module: the discriminator's step
     heard: dict = {"gen": [], "disc": []}  # each Trainer's facts
     t_gen = Trainer(g, objective=_fooled, optimizer=torch.optim.Adam(parameters(g, without=["disc"]), lr=1e-2),
-                    auditing=Audit(), watching=heard["gen"].append)  # fmt: skip
+                    auditing=Audit(inside=True), watching=heard["gen"].append)  # fmt: skip
     t_disc = Trainer(d, objective=_bce, optimizer=torch.optim.Adam(parameters(d), lr=1e-2),
                      auditing=Audit(), watching=heard["disc"].append)  # fmt: skip
     opt_gen = torch.optim.Adam(hand_gen.parameters(), lr=1e-2)
     opt_disc = torch.optim.Adam(hand_disc.parameters(), lr=1e-2)
-    labels = torch.tensor([1.0] * 4 + [0.0] * 4, dtype=F64)
+    labels, first = torch.tensor([1.0] * 4 + [0.0] * 4, dtype=F64), []
     for k in range(STEPS):
         z, real = _rand(4, 2, seed=k), _rand(4, 3, seed=60 + k)
-        with torch.no_grad():
-            fake = gen(z)
-        lost = [t_disc.step((torch.cat([real, fake]), labels)), t_gen.step((z, None))]
+        lost = [t_disc.step((torch.cat([real, gen(z).detach()]), labels))]
+        first.append(disc[0](gen(z)).abs().mean().item())  # the first layer's, on the samples
+        lost.append(t_gen.step((z, None)))
         fake = hand_gen(z).detach()
         by_hand = _stepped(opt_disc, _bce(hand_disc(torch.cat([real, fake])), labels))
         fooled = _stepped(opt_gen, _fooled(hand_disc(hand_gen(z)), None))
@@ -447,14 +446,19 @@ def test_a_gan_trains_by_two_trainers_alternating_as_by_hand():
     # each Trainer's audit hears its own nodes at its own steps; the generator's Trainer does
     # not train the discriminator, so it gives it no update ratio (a 0 would read STALLED)
     said = {(run, f["node"], f["step"], f.get("update_ratio", 0) > 0)
-            for run, facts in heard.items() for f in facts if f["fact"] == "health"}  # fmt: skip
+            for run, facts in heard.items() for f in facts if f["fact"] == "health"
+            and f["inside"] is None}  # fmt: skip
     assert said == {(run, n, s, moved) for s in range(STEPS) for run, n, moved in
                     [("gen", "gen", True), ("gen", "disc", False), ("disc", "disc", True)]}  # fmt: skip
+    # the generator's audit hears the discriminator's layers in its own steps only, not in
+    # the discriminator's Trainer's, which runs the same module before its first
+    at = [f for f in heard["gen"] if f.get("inside") == "0" and f["node"] == "disc"]
+    torch.testing.assert_close([f["act_abs_mean"] for f in at], first, **TOL)
     for run, facts in heard.items():
         assert Verdicts().feed(facts).flags() == {}, run  # what diagnose would say
-        for f in facts:
-            assert f["fact"] != "health" or math.isfinite(f["grad_norm"]) and f["grad_norm"] > 0
-            assert f["fact"] != "health" or ("update_ratio" in f) == (f["node"] == run), f
+        for f in (f for f in facts if f["fact"] == "health" and "grad_norm" in f):  # weighed
+            assert math.isfinite(f["grad_norm"]) and f["grad_norm"] > 0
+            assert ("update_ratio" in f) == (f["node"] == run), f
 
 
 def test_tied_weights_stay_tied_through_export_and_load_and_step_once():
@@ -470,10 +474,7 @@ def test_tied_weights_stay_tied_through_export_and_load_and_step_once():
     torch.testing.assert_close(fresh.state_dict(), c.mods.state_dict(), rtol=0, atol=0)
     before = copy.deepcopy(fresh.state_dict())
     w["logits"]["weight"] = w["logits"]["weight"] + 1
-    with pytest.raises(
-        ValueError,
-        match=r"(?s)embed.*table\.weight.*logits.*weight|logits.*weight.*embed.*table\.weight",
-    ):
+    with pytest.raises(ValueError, match=r"(?s)'(embed|logits)'.*weight.*'(logits|embed)'"):
         again.load(w)
     torch.testing.assert_close(fresh.state_dict(), before, rtol=0, atol=0)  # nothing loaded
 

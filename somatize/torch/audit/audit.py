@@ -311,14 +311,14 @@ class Audit:
         node's forward, yes; during another node's, no (each id of a node standing at two hears
         its own); outside any, only where its node's forward was not heard: checkpointing runs
         a block's forward again inside backward (non-reentrant, stopping once backward has what
-        it needs; re-entrant, after a first run under no_grad)."""
+        it needs; re-entrant, after a first run under no_grad), never before its node ran."""
         node = place.node
         if place.inside is None:
             return True
         if node in self._running:
             place.run = self._runs[node]
             return True
-        return not self._running and place.run != self._runs.get(node)
+        return not self._running and place.run != self._runs.get(node, place.run)
 
     def _enters(self, node: str, module: nn.Module, args: tuple) -> None:
         """A node begins its forward (heard where places inside nodes are watched)."""
