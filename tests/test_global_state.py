@@ -142,6 +142,32 @@ def test_a_look_between_two_steps_changes_nothing_the_second_step_gives(look, se
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("look", ["probe", "proxies"])
+def test_a_look_between_two_audited_fits_is_not_heard_by_the_audit(look, settings):
+    """The audit watching the net stays armed between fits for the next measured step: a look
+    run then (its forward through |θ| for synflow, its backward) is not that step's, and the
+    facts after it are those of a run without it."""
+    case = bert()
+    twin = copy.deepcopy(case.model)
+    said = []
+    for model, looking in ((case.model, False), (twin, True)):
+        g = Graph.somatize(model)  # one graph, trained and looked at, as in a notebook
+        t = Trainer(
+            g,
+            objective=case.objective,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            auditing=Audit(every=1, channels=True, inside=True),
+            watching=(facts := []).append,
+        )
+        torch.manual_seed(7)
+        t.fit([(case.example, case.target)] * 2)
+        if looking:
+            LOOKS[look](zoo.Case("bert", g, case.example, case.target, case.objective))
+        t.fit([(case.example, case.target)] * 2)
+        said.append([f for f in facts if f["fact"] == "health"])
+    assert said[0] and said[1] == said[0]
+
+
 def test_an_audit_changes_nothing_in_the_fit_it_watches(settings):
     """The docs' claim: the same losses and weights, bit for bit, with or without an Audit;
     and after the fit the global stream and settings are where the unaudited fit left them."""

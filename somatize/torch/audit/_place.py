@@ -3,10 +3,13 @@ backward (left as tensors), and the numbers it makes of them once they are read.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import math
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +31,26 @@ from somatize.torch.audit._measures import (
     sums_of,
 )
 from somatize.torch.inside.kinds import kind_of, label_of
+
+_LOOKING = contextvars.ContextVar("looking", default=False)
+
+
+def hearing() -> bool:
+    """Whether an Audit hears a forward run now: in grad mode (an evaluation between steps
+    under no_grad is not a step), and not a look's (`unheard`)."""
+    return torch.is_grad_enabled() and not _LOOKING.get()
+
+
+@contextlib.contextmanager
+def unheard() -> Iterator[None]:
+    """What runs inside (a look: probe, proxies) is heard by no Audit. An audit stays armed
+    between a Trainer's steps for the next measured one, and a look run then through the same
+    modules is not that step's: heard, it took θ's copy while synflow held |θ| in its place."""
+    token = _LOOKING.set(True)
+    try:
+        yield
+    finally:
+        _LOOKING.reset(token)
 
 
 def saturation(module: nn.Module | None) -> str | None:

@@ -38,7 +38,7 @@ from somatize.graph import as_graph
 from somatize.run import warn
 from somatize.torch._modules import Held, Holder, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
-from somatize.torch.audit._place import Place, layouts, marks, swaps
+from somatize.torch.audit._place import Place, hearing, layouts, marks, swaps
 from somatize.torch.audit._select import choose, preorder
 
 __all__ = ["Audit"]
@@ -293,11 +293,11 @@ class Audit:
 
     # -- forward: what came out -----------------------------------------------------------
     def _before(self, place: Place, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._measuring and torch.is_grad_enabled() and self._fresh(place):  # (`channels`)
+        if self._measuring and hearing() and self._fresh(place):  # (`channels`)
             place.given(_given(place, args, kwargs), self.step)
 
     def _heard(self, place: Place, module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-        if self._measuring and torch.is_grad_enabled() and self._fresh(place):
+        if self._measuring and hearing() and self._fresh(place):
             if self._copy is None:
                 self._begin()
             try:
