@@ -357,6 +357,8 @@ def test_the_figure_draws_the_nodes_the_skips_and_the_layers(name):
     svg = c.g.figure().svg()
     drawn = set(re.findall(r'data-from="n:([^"]+)" data-to="n:([^"]+)"', svg))
     assert drawn == set(c.g.edges()) and drawn >= c.edges
+    skips = set(re.findall(r'smz-skip"[^>]*data-from="n:([^"]+)" data-to="n:([^"]+)"', svg))
+    assert skips == ({("d2", "u2"), ("d1", "u1")} if name == "unet" else set())  # drawn as skips
     assert set(re.findall(r'data-id="n:([^"]+)"', svg)) == set(c.g.nodes())
     opened = c.g.figure(inside=architecture(c.g, c.data[0][0])).svg()
     assert set(re.findall(r'data-id="(l:[^"]+)"', opened)) >= c.layers
