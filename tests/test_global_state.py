@@ -292,3 +292,16 @@ def test_a_look_under_no_grad_or_inference_mode_answers_as_outside_it(mode, sett
     assert sorted(w.message.proxy for w in said) == ["jacob_cov", "zen"]
     assert inside == outside and synflow == outside[1]["synflow"]
     assert {k: v.to_json() for k, v in again.items()} == {k: v.to_json() for k, v in drawn.items()}
+
+
+def test_proxies_take_an_example_made_under_inference_mode(settings):
+    """A data pipeline run under torch.inference_mode() gives inference tensors, which autograd
+    cannot save: proxies answers on them as on the same values made outside it (probe does)."""
+    case = bert()
+    with torch.inference_mode():
+        example = {k: v.clone() for k, v in case.example.items()}
+        target = case.target.clone()
+    with pytest.warns(ProxyLeftOut):  # (zen and jacob_cov perturb a float input: BERT has none)
+        made = proxies(case.model, example, target=target, objective=case.objective)
+        given = proxies(case.model, case.example, target=case.target, objective=case.objective)
+    assert made == given

@@ -387,6 +387,8 @@ EVERY: tuple[str, ...] = tuple(_PROXIES)
 def _take(s: _Subject, example: Any, of: str, target: Any, objective: Any) -> float:
     with untouched(s.held), unheard(), torch.inference_mode(False), torch.enable_grad():
         s.quiet()
+        # autograd cannot save a tensor made under inference_mode (a data pipeline's): copied
+        example, target = mapped((example, target), lambda t: t.clone() if t.is_inference() else t)
         gen = torch.Generator().manual_seed(0)
         score = _PROXIES[of](s, example, gen=gen, target=target, objective=objective)
     if math.isnan(score):  # a score no candidate can be ranked by: said, not given
