@@ -1,10 +1,8 @@
-"""Networks a researcher writes by hand, not the zoo's: a U-Net whose skips join by `cat`, a
-Siamese net (one encoder at two nodes), a VAE (noise in the forward, a KL term over two of the
-graph's outputs), a GAN (two Trainers, alternating), a GNN layer (`index_add_` over an edge
-list in the batch), gradient checkpointing inside a node, and tied weights across two nodes.
-Each goes through what a user does: forward, `Trainer.fit` against the same loop written in
-plain torch (float64, same seeds), an `Audit`, the figure, `probe`, a `Store` keeping outputs
-and trained weights, and `.cached()` where it makes sense."""
+"""Networks a researcher writes by hand: a U-Net (skips joined by `cat`), a Siamese net, a VAE
+(noise in the forward, a KL term over two outputs), a GAN (two Trainers in turn), a GNN layer
+(`index_add_` over the batch's edge list), checkpointing inside a node, tied weights across two
+nodes; each through forward, `fit` against the loop by hand in plain torch (float64, same
+seeds), `Audit`, the figure, `probe`, a `Store` (outputs, weights) and `.cached()`."""
 
 from __future__ import annotations
 
@@ -426,6 +424,9 @@ def test_a_gan_trains_by_two_trainers_alternating_as_by_hand():
     hand_gen, hand_disc = copy.deepcopy((gen, disc))
     g = Graph.somatize(Node.of(gen).named("gen") >> Node.of(disc).named("disc"))
     d = Graph.somatize(Node.of(disc).named("disc"))  # the same module: the discriminator's step
+    both = [torch.optim.Adam(gen.parameters()), torch.optim.Adam(disc.parameters())]
+    with pytest.raises(TypeError, match=r"not a list of 2.*one Trainer each.*stepped in turn"):
+        Trainer(g, objective=_fooled, optimizer=both)  # (Lightning's two optimizers)
     heard: dict = {"gen": [], "disc": []}  # each Trainer's facts
     t_gen = Trainer(g, objective=_fooled, optimizer=torch.optim.Adam(parameters(g, without=["disc"]), lr=1e-2),
                     auditing=Audit(inside=True), watching=heard["gen"].append)  # fmt: skip

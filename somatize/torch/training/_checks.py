@@ -234,7 +234,9 @@ def held_by(
             f"{len(optimizer)}: give parts of the graph their own learning rate or weight decay "
             "with param groups in one, and train a node that needs another kind of optimizer "
             "beside the rest, trains={node: Split(torch.optim.SGD, lr=...)}, which in one "
-            "process trains as plain backpropagation does"
+            "process trains as plain backpropagation does. Updates that take turns on "
+            "objectives of their own (a GAN's discriminator, then its generator) are one "
+            "Trainer each, over the graph of what each runs, stepped in turn"
         )
     if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
         raise TypeError(
