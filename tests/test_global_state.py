@@ -251,6 +251,23 @@ def test_anomaly_mode_and_deterministic_algorithms_on_fit_audit_and_probe_as_wit
     assert probe(twin, case.example) == looked
 
 
+def test_probe_finds_a_nan_under_anomaly_mode_as_without_it(settings):
+    """Anomaly mode is what a user turns on to find a NaN, and probe is where it says where:
+    its own backward does not raise at the NaN it is there to report."""
+    case = bert()
+    with torch.no_grad():
+        case.model.encoder.layer[1].output.dense.weight[0, 0] = float("nan")
+    without = probe(case.model, case.example)
+    torch.autograd.set_detect_anomaly(True)
+    found = probe(case.model, case.example)
+    assert torch.is_anomaly_enabled()
+    assert found["bertmodel.encoder.layer.1.output.dense"]["nan"]
+    assert not found["bertmodel.encoder.layer.0"]["nan"]
+    assert found.keys() == without.keys()
+    for where, numbers in without.items():  # (a NaN is not equal to itself: compared as text)
+        assert repr(found[where]) == repr(numbers), where
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "inference_mode+enable_grad"])
 def test_a_fit_under_no_grad_or_inference_mode_is_refused_saying_so(mode, settings):
     """Refused before anything runs, naming the mode and what to do; inference mode too where
@@ -289,6 +306,7 @@ def test_a_look_under_no_grad_or_inference_mode_answers_as_outside_it(mode, sett
         again = architecture(case.model, case.example)
         synflow = proxy(case.model, case.example, "synflow")
         assert not torch.is_grad_enabled()
+        assert torch.is_inference_mode_enabled() == (mode == "inference_mode")
     assert sorted(w.message.proxy for w in said) == ["jacob_cov", "zen"]
     assert inside == outside and synflow == outside[1]["synflow"]
     assert {k: v.to_json() for k, v in again.items()} == {k: v.to_json() for k, v in drawn.items()}

@@ -37,18 +37,22 @@ _LOOKING = contextvars.ContextVar("looking", default=False)
 
 def hearing() -> bool:
     """Whether an Audit hears a forward run now: in grad mode (an evaluation between steps
-    under no_grad is not a step), and not a look's (`unheard`)."""
+    under no_grad is not a step), and not a look's (`looking`)."""
     return torch.is_grad_enabled() and not _LOOKING.get()
 
 
 @contextlib.contextmanager
-def unheard() -> Iterator[None]:
-    """What runs inside (a look: probe, proxies) is heard by no Audit. An audit stays armed
-    between a Trainer's steps for the next measured one, and a look run then through the same
-    modules is not that step's: heard, it took θ's copy while synflow held |θ| in its place."""
+def looking() -> Iterator[None]:
+    """What a look (probe, proxies) runs in, whatever the cell's settings: heard by no Audit,
+    with grad mode on and inference mode and anomaly detection off (which would raise at the
+    NaN a look is there to find). An audit stays armed between a Trainer's steps for the next
+    measured one, and a look run then through the same modules is not that step's: heard, it
+    took θ's copy while synflow held |θ| in its place."""
     token = _LOOKING.set(True)
     try:
-        yield
+        with torch.inference_mode(False), torch.enable_grad():
+            with torch.autograd.set_detect_anomaly(False):
+                yield
     finally:
         _LOOKING.reset(token)
 

@@ -28,7 +28,7 @@ from somatize.run import flush, note, tell, warn, watchers
 from somatize.torch._modules import Held, Tap, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import exact, norm, output_of, read, sums_of, wide
-from somatize.torch.audit._place import saturation, unheard
+from somatize.torch.audit._place import looking, saturation
 from somatize.torch.inside._forward import Boxes
 from somatize.torch.inside._trace import call_path
 from somatize.torch.inside.architecture import given, run_here
@@ -364,7 +364,7 @@ def probe(
     held = Held([r for r in roots.values() if r is not None])
     held.refuse(reads="probe")
     try:
-        with untouched(held), unheard(), torch.inference_mode(False), torch.enable_grad():
+        with untouched(held), looking():
             x = mapped(example, lambda t: t.detach().clone().requires_grad_(t.is_floating_point()))
             try:
                 held.differentiable()

@@ -50,7 +50,7 @@ from somatize.run import in_one_line, note, warn
 from somatize.torch._modules import Held, Tap, join, parts_of, root_of, tensors_in, untouched
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import floats_in
-from somatize.torch.audit._place import unheard
+from somatize.torch.audit._place import looking
 from somatize.torch.inside.architecture import given, run_here
 from somatize.torch.inside.kinds import BATCH_NORMS, kind_of
 
@@ -385,7 +385,7 @@ EVERY: tuple[str, ...] = tuple(_PROXIES)
 
 
 def _take(s: _Subject, example: Any, of: str, target: Any, objective: Any) -> float:
-    with untouched(s.held), unheard(), torch.inference_mode(False), torch.enable_grad():
+    with untouched(s.held), looking():
         s.quiet()
         # autograd cannot save a tensor made under inference_mode (a data pipeline's): copied
         example, target = mapped((example, target), lambda t: t.clone() if t.is_inference() else t)
