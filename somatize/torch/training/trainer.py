@@ -162,6 +162,7 @@ class Trainer:
         self.finite = finite
         self._groups = -1  # how many param groups the optimizer had when `_trained` was read
         self._trained: list = []  # the modules of the nodes this run trains
+        self._weights: set = set()  # their weights: what an update is for (the audit's `moved`)
         self._count = 0
         self._steps = 0
         self._updated = 0  # the steps taken when update() last closed every group
@@ -269,6 +270,7 @@ class Trainer:
         if groups != self._groups:  # read again when a param group is added mid-run
             self._groups = groups
             self._trained = trained(self.graph, self.optimizer, self.trains)
+            self._weights = {q for m in self._trained for q in m.parameters()}
         for module in self._trained:
             if not module.training:
                 module.train()
@@ -282,7 +284,7 @@ class Trainer:
         self._count = 0
         told = self.watching  # the audit's facts wait only while somebody watches
         if self.audit is not None:
-            self.audit.moved({q for m in self._trained for q in m.parameters()})
+            self.audit.moved(self._weights)
             far = self.audit.arrived()  # the facts of the nodes measured on a worker
             if told:
                 self._health += far
