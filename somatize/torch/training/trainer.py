@@ -189,9 +189,9 @@ class Trainer:
         """One step: forward, loss, backward, and update when the group closes; answers the loss
         of the whole batch (the mean over `micro` pieces; divided by `every * micro` for the
         backward only). An `Opaque` in the batch is taken off first. Refused before anything
-        runs: grad mode off (under `torch.no_grad()`); under `micro` > 1, a batch that cannot
-        be cut (docs/training.md says what is cut). `NoGradient` before the optimizer moves if
-        a node it holds parameters of got no gradient at all.
+        runs: grad mode off (`torch.no_grad()`), or inference mode on; under `micro` > 1, a
+        batch that cannot be cut (docs/training.md says what is cut). `NoGradient` before the
+        optimizer moves if a node it holds parameters of got no gradient at all.
 
         A node it trains (the optimizer holds its parameters, or `trains` names it) that is in
         eval mode, as `net.eval()` for a validation pass leaves it, is put back in train mode
