@@ -9,8 +9,9 @@ import warnings
 
 import pytest
 import torch
-from models.zoo import BasicBlock
+from models.zoo import BasicBlock, gpt2
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from somatize import Graph, Node, Opaque
 from somatize.record import Recorder, records
@@ -614,3 +615,60 @@ def test_watching_hears_a_block_answered_with_its_last_box_say_it_repeats_the_bo
     assert "net.0" in got and "net.0.1" not in got
     (fact,) = [f for f in closed if f["fact"] == "health" and f["inside"] == "0"]
     assert "repeats" not in fact and fact["zero_frac_max"] == got["net.0"]["zero_frac_max"]
+
+
+class Checkpointed(Node, nn.Module):
+    """x + body(x), the body run under torch.utils.checkpoint (`reentrant` its variant), or
+    plainly where `reentrant` is None."""
+
+    def __init__(self, reentrant):
+        nn.Module.__init__(self)
+        self.reentrant = reentrant
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 6)).double()
+
+    def forward(self, x, ctx):
+        if self.reentrant is None:
+            return x + self.body(x)
+        return x + checkpoint(self.body, x, use_reentrant=self.reentrant)
+
+
+def _same_numbers(got, plain, dtype, size):
+    """Each place's numbers equal, floats to `dtype`'s rounding over `size` values."""
+    assert got.keys() == plain.keys()
+    rel = 16 * torch.finfo(dtype).eps * size**0.5
+    for where, numbers in plain.items():
+        assert got[where] == pytest.approx(numbers, rel=rel, abs=rel), where
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_node_that_checkpoints_its_block_is_probed_as_without_checkpointing(reentrant):
+    def graph(reentrant):
+        torch.manual_seed(0)
+        head = Node.of(nn.Linear(6, 2, dtype=torch.float64)).named("head")
+        return Graph.somatize(Checkpointed(reentrant).named("block") >> head)
+
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    plain = probe(graph(None), x)
+    assert plain["block.body.0"]["jacobian_gain"] > 0
+    g = graph(reentrant)
+    if not reentrant:  # the recomputation in the backward saves what the forward saved
+        _same_numbers(probe(g, x), plain, torch.float64, x.numel())
+        return
+    # torch.autograd.grad cannot pass a reentrant checkpoint: probe says where, and what to do
+    before = [p.detach().clone() for p in g.implementation("block").parameters()]
+    with pytest.raises(RuntimeError, match=r"node 'block' .*use_reentrant=False.* off"):
+        probe(g, x)
+    after = list(g.implementation("block").parameters())
+    assert all(torch.equal(a, b) and a.grad is None for a, b in zip(after, before, strict=True))
+
+
+def test_a_transformers_model_checkpointing_every_layer_in_train_mode_is_probed_as_without():
+    case = gpt2()
+    model = case.model.train()  # transformers checkpoints only in train mode (dropout on)
+    plain = probe(model, case.example)
+    model.activation_checkpointing_enable()  # its default: use_reentrant=False
+    size = case.example["input_ids"].numel() * model.config.vocab_size  # the logits
+    _same_numbers(probe(model, case.example), plain, torch.float32, size)
+    model.activation_checkpointing_enable({"use_reentrant": True})
+    with pytest.raises(RuntimeError, match=r"node 'gpt2lmheadmodel' .*use_reentrant=False"):
+        probe(model, case.example)

@@ -49,10 +49,32 @@ _OVERWRITTEN = (
     "cache (use_cache=False)"
 )
 
+_REENTRANT = (
+    "runs torch.utils.checkpoint with use_reentrant=True, which torch.autograd.grad cannot "
+    "differentiate through, and probe takes each place's Jacobian so (no parameter gradient "
+    "made): checkpoint with use_reentrant=False (transformers' default), which probe measures "
+    "as it measures the net without checkpointing, or probe with checkpointing off"
+)
+
 
 def _first(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """The first floating-point tensor of `tensors`, if any."""
     return next((t for t in tensors if t.is_floating_point()), None)
+
+
+def _checkpointing(grown: dict[str, list[Any]]) -> str:
+    """The first node, as they ran, whose part of the autograd graph (from the `grad_fn`s of
+    what it gave, down to what earlier nodes made) holds a reentrant checkpoint's backward."""
+    seen: set[Any] = set()
+    for node, todo in grown.items():
+        while todo:
+            fn = todo.pop()
+            if fn is not None and fn not in seen:
+                seen.add(fn)
+                if fn.name() == "CheckpointFunctionBackward":
+                    return node
+                todo.extend(f for f, _ in fn.next_functions)
+    return "?"
 
 
 def _per_sample(g: torch.Tensor, rows: int) -> list[float]:
@@ -166,7 +188,7 @@ class _Place:
         size = a.numel()
         sums = sums_of(a, self.saturates)
         fresh = [s for s in (i, o) if s is not None and s.rms is None]  # no RMS read yet
-        weights = self.weights
+        weights = [w.detach() for w in self.weights]  # ‖θ‖ builds no graph (a checkpoint counts it)
         values = read(sums + [s.norm for s in fresh] + [norm(w) for w in weights])  # one read
         for s, v in zip(fresh, values[len(sums) : len(sums) + len(fresh)], strict=True):
             s.rms = exact(v, s.ref()) / s.size**0.5 if s.size else 0.0
@@ -348,6 +370,7 @@ def probe(
     roots = {node: root_of(g.implementation(node)) for node in g.nodes()}
     nodes = {n: _Place(r) for n, r in roots.items()}
     known = _Tensors()
+    grown: dict[str, list[Any]] = {}  # what each node gave, as autograd nodes (`_checkpointing`)
     hooks = [
         _Probing(node, root, depth, most, known)
         for node, root in roots.items()
@@ -359,6 +382,7 @@ def probe(
             for reading in hooks:
                 quiet.enter_context(reading.paused())
             if nodes[node].numbers is None:  # the first call is the place's
+                grown[node] = [t.grad_fn for t in tensors_in(out)]
                 nodes[node].saw(tensors_in(input), tensors_in(out), known)
 
     held = Held([r for r in roots.values() if r is not None])
@@ -390,9 +414,13 @@ def probe(
                 except RuntimeError as e:
                     if "inplace" in str(e):
                         note(e, _OVERWRITTEN)
+                    if "use_reentrant=True" in str(e):
+                        node = _checkpointing(grown)
+                        raise RuntimeError(f"probe: node {node!r} {_REENTRANT}") from e
                     raise
             del outs, ends, result, x
             known.sources.clear()
+            grown.clear()
     finally:  # what a hook was put on outlives the probe (a parameter read as it is)
         for hook in filter(None, known.hooks):
             hook.remove()
