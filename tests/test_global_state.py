@@ -167,6 +167,36 @@ def test_a_look_between_two_audited_fits_is_not_heard_by_the_audit(look, setting
     assert said[0] and said[1] == said[0]
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_an_evaluation_cell_between_audited_fits_changes_nothing_after_it(mode, settings):
+    """net.eval() and a forward under no_grad or inference_mode between two fits (a validation
+    cell): the weights, the losses and the audit's facts after it are those of a run without."""
+    case = bert()
+    twin = copy.deepcopy(case.model)
+    runs = []
+    for model, evaluating in ((case.model, False), (twin, True)):
+        g = Graph.somatize(model)
+        t = Trainer(
+            g,
+            objective=case.objective,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            auditing=Audit(every=1, channels=True, inside=True),
+            watching=(facts := []).append,
+        )
+        torch.manual_seed(7)
+        t.fit([(case.example, case.target)] * 2)
+        if evaluating:
+            model.eval()
+            with getattr(torch, mode)():
+                g.forward(case.example)
+            model.train()
+            model.encoder.layer[0].attention.eval()
+        t.fit([(case.example, case.target)] * 2)
+        runs.append(([f for f in facts if f["fact"] in ("health", "loss")], weights(model)))
+    assert runs[0][0] and runs[1][0] == runs[0][0]
+    assert all(torch.equal(runs[0][1][k], v) for k, v in runs[1][1].items())
+
+
 def test_an_audit_changes_nothing_in_the_fit_it_watches(settings):
     """The docs' claim: the same losses and weights, bit for bit, with or without an Audit;
     and after the fit the global stream and settings are where the unaudited fit left them."""
