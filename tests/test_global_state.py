@@ -167,10 +167,11 @@ def test_a_look_between_two_audited_fits_is_not_heard_by_the_audit(look, setting
     assert said[0] and said[1] == said[0]
 
 
-@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "enable_grad"])
 def test_an_evaluation_cell_between_audited_fits_changes_nothing_after_it(mode, settings):
-    """net.eval() and a forward under no_grad or inference_mode between two fits (a validation
-    cell): the weights, the losses and the audit's facts after it are those of a run without."""
+    """net.eval() and a forward under no_grad or inference_mode, or with gradients on (no_grad
+    forgotten), between two fits (a validation cell): the weights, the losses and the audit's
+    facts after it are those of a run without."""
     case = bert()
     twin = copy.deepcopy(case.model)
     runs = []

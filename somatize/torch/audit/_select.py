@@ -1,7 +1,11 @@
 """Which modules inside a node an `Audit(inside=...)` watches (never an `nn.Identity`, which
-only passes its input on), and which it leaves out past `most`."""
+only passes its input on), and which it leaves out past `most`; and the channel groups
+`Audit(groups=...)` keeps apart."""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
 
 from torch import nn
 
@@ -97,3 +101,25 @@ def choose(
         return _down_to(held, inside, most)
     named = set(inside)
     return [(p, m) for p, m in preorder(held) if f"{node}.{p}" in named], []
+
+
+def partitions(
+    groups: Mapping[str, Mapping[str, Iterable[int]]],
+) -> dict[str, dict[str, list[int]]]:
+    """`Audit(groups=...)` as lists of channel indices; refused unless each place names at
+    least two groups and no channel is in two."""
+    out: dict[str, dict[str, list[int]]] = {}
+    for where, parts in groups.items():
+        if not isinstance(parts, Mapping) or len(parts) < 2:
+            raise ValueError(
+                f"groups[{where!r}] names at least two channel groups, "
+                f"e.g. {{'audio': range(0, 64), 'text': range(64, 128)}}"
+            )
+        out[where] = {k: [int(i) for i in v] for k, v in parts.items()}
+        for (a, ca), (b, cb) in itertools.combinations(out[where].items(), 2):
+            if shared := sorted(set(ca) & set(cb)):
+                raise ValueError(
+                    f"groups[{where!r}]: {a!r} and {b!r} share channels {shared[:8]}; the "
+                    "groups are a partition, each channel in one group at most"
+                )
+    return out

@@ -19,14 +19,13 @@ One flat `health` fact per watched place and measured step, in the published lay
 Module hooks (a node's on a `Holder` of its own, which the `Tap` calls it through at its id)
 and tensor hooks only, never full backward hooks (those break on in-place ReLU); module hooks
 are on, and the Tap `live`, only during measured steps. A forward under `torch.no_grad()` (an
-evaluation between steps) is not heard; of what a place was given only the tensors' ids are
-kept.
+evaluation between steps) is not heard, and a Trainer's step forgets what was heard before it
+began; of what a place was given only the tensors' ids are kept.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Iterable, Mapping, Set
 from typing import Any
@@ -39,7 +38,7 @@ from somatize.run import warn
 from somatize.torch._modules import Held, Holder, Tap, named_modules_of
 from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
 from somatize.torch.audit._place import Place, hearing, layouts, marks, swaps
-from somatize.torch.audit._select import choose, preorder
+from somatize.torch.audit._select import choose, partitions, preorder
 
 __all__ = ["Audit"]
 
@@ -96,20 +95,7 @@ class Audit:
         self.window = window
         self.inside = inside
         self.most = most
-        self.groups: dict[str, dict[str, list[int]]] = {}
-        for where, parts in (groups or {}).items():
-            if not isinstance(parts, Mapping) or len(parts) < 2:
-                raise ValueError(
-                    f"groups[{where!r}] names at least two channel groups, "
-                    f"e.g. {{'audio': range(0, 64), 'text': range(64, 128)}}"
-                )
-            self.groups[where] = {k: [int(i) for i in v] for k, v in parts.items()}
-            for (a, ca), (b, cb) in itertools.combinations(self.groups[where].items(), 2):
-                if shared := sorted(set(ca) & set(cb)):
-                    raise ValueError(
-                        f"groups[{where!r}]: {a!r} and {b!r} share channels {shared[:8]}; the "
-                        "groups are a partition, each channel in one group at most"
-                    )
+        self.groups = partitions(groups or {})
         self.step = 0
         #: the watched places, in graph order (a node, then what is inside it)
         self.places: list[str] = []
@@ -303,7 +289,7 @@ class Audit:
             try:
                 place.saw(_given(place, args, kwargs), out, self.step, self.channels, self._snap)
             except ValueError:  # its groups past its width (`Place._fits`): the step heard nothing
-                self._forget()
+                self.forget()
                 raise
 
     def _fresh(self, place: Place) -> bool:
@@ -358,10 +344,12 @@ class Audit:
         """A step raised and its group was dropped (a loss not finite, Ctrl-C): what the step
         heard is forgotten, and the steps measured in the group wait for no update."""
         self._waiting = []
-        self._forget()
+        self.forget()
 
-    def _forget(self) -> None:
-        """Forgets what this step heard, and θ's copy unless a measured step waits for it."""
+    def forget(self) -> None:
+        """Forgets what was heard since the last step, and θ's copy unless a measured step waits
+        for it. A Trainer calls it as a step begins: a forward with gradients on between steps
+        (an evaluation without `torch.no_grad()`) is not the step's."""
         for place in self._places:
             place.clear()
         if not self._waiting:

@@ -202,6 +202,8 @@ class Trainer:
         xs, ys = pieces(x, y, micro) if micro > 1 else ((x,), (y,))
         try:
             self._train_mode()
+            if self.audit is not None:  # what it heard since the last step is not this one's
+                self.audit.forget()
             if self._count == 0 and self.optimizer is not None:
                 self.optimizer.zero_grad()
             closing = self._count + 1 >= self.every
