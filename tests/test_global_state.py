@@ -141,15 +141,12 @@ def test_a_look_between_two_steps_changes_nothing_the_second_step_gives(look, se
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("look", ["probe", "proxies"])
-def test_a_look_between_two_audited_fits_is_not_heard_by_the_audit(look, settings):
-    """The audit watching the net stays armed between fits for the next measured step: a look
-    run then (its forward through |θ| for synflow, its backward) is not that step's, and the
-    facts after it are those of a run without it."""
+def _fits_around(between):
+    """BERT's facts and weights after two audited fits, and after the same two fits of a twin
+    with `between(case, graph, model)` run between them."""
     case = bert()
-    twin = copy.deepcopy(case.model)
-    said = []
-    for model, looking in ((case.model, False), (twin, True)):
+    runs = []
+    for model, act in ((case.model, None), (copy.deepcopy(case.model), between)):
         g = Graph.somatize(model)  # one graph, trained and looked at, as in a notebook
         t = Trainer(
             g,
@@ -160,11 +157,24 @@ def test_a_look_between_two_audited_fits_is_not_heard_by_the_audit(look, setting
         )
         torch.manual_seed(7)
         t.fit([(case.example, case.target)] * 2)
-        if looking:
-            LOOKS[look](zoo.Case("bert", g, case.example, case.target, case.objective))
+        if act is not None:
+            act(case, g, model)
         t.fit([(case.example, case.target)] * 2)
-        said.append([f for f in facts if f["fact"] == "health"])
-    assert said[0] and said[1] == said[0]
+        runs.append(([f for f in facts if f["fact"] in ("health", "loss")], weights(model)))
+    return runs
+
+
+@pytest.mark.parametrize("look", ["probe", "proxies"])
+def test_a_look_between_two_audited_fits_is_not_heard_by_the_audit(look, settings):
+    """The audit watching the net stays armed between fits for the next measured step: a look
+    run then (its forward through |θ| for synflow, its backward) is not that step's, and the
+    facts after it are those of a run without it."""
+
+    def looks(case, g, model):
+        LOOKS[look](zoo.Case("bert", g, case.example, case.target, case.objective))
+
+    (plain, _), (looked, _) = _fits_around(looks)
+    assert plain and looked == plain
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "enable_grad"])
@@ -172,30 +182,17 @@ def test_an_evaluation_cell_between_audited_fits_changes_nothing_after_it(mode, 
     """net.eval() and a forward under no_grad or inference_mode, or with gradients on (no_grad
     forgotten), between two fits (a validation cell): the weights, the losses and the audit's
     facts after it are those of a run without."""
-    case = bert()
-    twin = copy.deepcopy(case.model)
-    runs = []
-    for model, evaluating in ((case.model, False), (twin, True)):
-        g = Graph.somatize(model)
-        t = Trainer(
-            g,
-            objective=case.objective,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-            auditing=Audit(every=1, channels=True, inside=True),
-            watching=(facts := []).append,
-        )
-        torch.manual_seed(7)
-        t.fit([(case.example, case.target)] * 2)
-        if evaluating:
-            model.eval()
-            with getattr(torch, mode)():
-                g.forward(case.example)
-            model.train()
-            model.encoder.layer[0].attention.eval()
-        t.fit([(case.example, case.target)] * 2)
-        runs.append(([f for f in facts if f["fact"] in ("health", "loss")], weights(model)))
-    assert runs[0][0] and runs[1][0] == runs[0][0]
-    assert all(torch.equal(runs[0][1][k], v) for k, v in runs[1][1].items())
+
+    def evaluates(case, g, model):
+        model.eval()
+        with getattr(torch, mode)():
+            g.forward(case.example)
+        model.train()
+        model.encoder.layer[0].attention.eval()
+
+    (plain, before), (evaluated, after) = _fits_around(evaluates)
+    assert plain and evaluated == plain
+    assert all(torch.equal(before[k], v) for k, v in after.items())
 
 
 def test_an_audit_changes_nothing_in_the_fit_it_watches(settings):
