@@ -667,7 +667,7 @@ def test_a_transformers_model_checkpointing_every_layer_in_train_mode_is_probed_
     model = case.model.train()  # transformers checkpoints only in train mode (dropout on)
     plain = probe(model, case.example)
     size = case.example["input_ids"].numel() * model.config.vocab_size  # the logits
-    for reentrant in (False, True):  # (said in so many words: the default is not every release's)
+    for reentrant in (False, True):  # (both said in so many words)
         with warnings.catch_warnings():  # (newer releases call it activation_checkpointing_…)
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable({"use_reentrant": reentrant})
