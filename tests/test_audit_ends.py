@@ -3,6 +3,7 @@ forward refused by hand; and where weights a block holds itself (DINOv2's tokens
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -56,37 +57,18 @@ def _data(n=32):
     return torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
 
 
-def test_a_ctrl_c_while_the_audit_measures_leaves_its_step_the_trainers():
-    torch.manual_seed(0)
-    g = Graph.somatize(Layer(4, 8) >> Layer(8, 3))
-    heard = []
-    t = Trainer(
-        g,
-        objective=F.cross_entropy,
-        optimizer=torch.optim.SGD(parameters(g), lr=0.1),
-        auditing=Audit(),
-        watching=heard.append,
-    )
-    x, y = _data()
-    with Interrupt(), pytest.raises(KeyboardInterrupt):
-        t.step((x, y))
-    assert t.steps == 1 == t.audit.step  # the step counted (its loss told), the audit with it
-    t.fit([(x, y)] * 2)
-    t.close()
-    assert [f["step"] for f in heard if f["fact"] == "loss"] == [0, 1, 2]
-    health = [(f["step"], f["node"]) for f in heard if f["fact"] == "health"]
-    assert sorted(health) == sorted((s, n) for s in (1, 2) for n in g.nodes())
-
-
-def test_a_ctrl_c_in_a_watcher_told_the_loss_leaves_the_audits_step_the_trainers():
-    """Interrupted after the step counted (its loss told) and before the audit measured it."""
+@pytest.mark.parametrize("where", ["while the audit measures", "in a watcher told the loss"])
+def test_a_ctrl_c_leaves_the_audits_step_the_trainers(where):
+    """Interrupted after the step counted (its loss told): while the audit measured it, or
+    in a watcher, before the audit measured it."""
     torch.manual_seed(0)
     g = Graph.somatize(Layer(4, 8) >> Layer(8, 3))
     heard = []
 
     def watcher(fact):
         heard.append(fact)
-        if fact["fact"] == "loss" and [f["fact"] for f in heard].count("loss") == 1:
+        losses = [f for f in heard if f["fact"] == "loss"]
+        if where.startswith("in a watcher") and fact["fact"] == "loss" and len(losses) == 1:
             raise KeyboardInterrupt
 
     t = Trainer(
@@ -97,14 +79,29 @@ def test_a_ctrl_c_in_a_watcher_told_the_loss_leaves_the_audits_step_the_trainers
         watching=watcher,
     )
     x, y = _data()
-    with pytest.raises(KeyboardInterrupt):
-        t.step((x, y))
-    assert t.steps == 1 == t.audit.step
+    with Interrupt() if where.startswith("while") else contextlib.nullcontext():
+        with pytest.raises(KeyboardInterrupt):
+            t.step((x, y))
+    assert t.steps == 1 == t.audit.step  # the step counted (its loss told), the audit with it
     t.fit([(x, y)] * 2)
     t.close()
     assert [f["step"] for f in heard if f["fact"] == "loss"] == [0, 1, 2]
     health = [(f["step"], f["node"]) for f in heard if f["fact"] == "health"]
     assert sorted(health) == sorted((s, n) for s in (1, 2) for n in g.nodes())
+
+
+def test_a_ctrl_c_in_observed_by_hand_still_moves_the_audits_step_on():
+    torch.manual_seed(0)
+    g = Graph.somatize(Layer(4, 8) >> Layer(8, 3))
+    audit = Audit().watch(g)
+    x, y = _data()
+    F.cross_entropy(g.forward(x), y).backward()
+    with Interrupt(), pytest.raises(KeyboardInterrupt):
+        audit.observed()
+    assert audit.step == 1
+    F.cross_entropy(g.forward(x), y).backward()
+    assert {f["step"] for f in audit.observed()} == {1}
+    audit.release()
 
 
 def test_a_forward_refused_for_its_groups_by_hand_leaves_nothing_for_the_next_step():
