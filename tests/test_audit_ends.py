@@ -15,7 +15,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from somatize import Graph, Node
-from somatize.torch import Audit, Trainer, parameters
+from somatize.torch import Audit, Trainer, parameters, probe
 
 
 def rtol(n: int, k: float = 8.0) -> float:
@@ -102,6 +102,34 @@ def test_a_ctrl_c_in_observed_by_hand_still_moves_the_audits_step_on():
     F.cross_entropy(g.forward(x), y).backward()
     assert {f["step"] for f in audit.observed()} == {1}
     audit.release()
+
+
+def test_a_probe_run_by_a_watcher_in_the_middle_of_a_step_is_not_heard_by_its_audit():
+    """A watcher told the loss (after the backward, before the audit measures) that probes the
+    graph: the step's facts are those of the same run without it."""
+    runs = []
+    for probing in (False, True):
+        torch.manual_seed(0)
+        g = Graph.somatize(Layer(4, 8) >> Layer(8, 3))
+        x, y = _data()
+        facts = []
+
+        def watcher(fact, g=g, x=x, probing=probing, facts=facts):
+            facts.append(fact)
+            if probing and fact["fact"] == "loss":
+                probe(g, x)
+
+        t = Trainer(
+            g,
+            objective=F.cross_entropy,
+            optimizer=torch.optim.SGD(parameters(g), lr=0.1),
+            auditing=Audit(),
+            watching=watcher,
+        )
+        t.fit([(x, y)] * 2)
+        t.close()
+        runs.append([f for f in facts if f["fact"] == "health"])
+    assert runs[0] and runs[1] == runs[0]
 
 
 def test_a_forward_refused_for_its_groups_by_hand_leaves_nothing_for_the_next_step():
