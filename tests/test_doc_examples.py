@@ -55,16 +55,30 @@ def _in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the examples write runs/, ckpt.pt, weights.pt where they run
 
 
-def test_the_readme_runs_in_order():
+def test_the_readme_runs_in_order(capsys):
     scope: dict = {}
     torch.manual_seed(0)
     code = blocks(README)
-    assert len(code) == 3
+    assert len(code) == 3 and len(code[0].strip().splitlines()) <= 20
     run(code[0], scope)
+    printed = float(capsys.readouterr().out.strip().splitlines()[-1])
+    again = scope["t"].fit(scope["data"], epochs=1).history
+    # three classes start near ln 3 = 1.0986; after six epochs on the same ten batches the
+    # network has learnt something of them
+    assert printed < 1.0986 and sum(again) / len(again) < 1.0986
     shown = run(code[1], scope)
     (table,) = (v for k, v in shown.items() if k.startswith("CompareTable("))
     assert table.table["index"] == ["fresh", "trained"]
+    # your own model, as it is: drawn and probed whole
+    assert "Graph.somatize(bert)" in code[2]
     run(code[2], scope)
+    g, bert, tokens = scope["g"], scope["bert"], scope["tokens"]
+    unique = sum(p.numel() for p in {id(p): p for p in bert.parameters()}.values())
+    figure = g.figure(inside=scope["architecture"](g, tokens))
+    assert figure.inside["bertmodel"]["params"] == unique
+    found = scope["probe"](g, tokens)
+    assert "bertmodel" in found and any(w.startswith("bertmodel.encoder.layer.1.") for w in found)
+    assert all(isinstance(n["signal_gain"], float) for n in found.values() if "signal_gain" in n)
 
 
 def test_engine():
