@@ -133,19 +133,22 @@ def codecs_registered() -> list[str]:
 
 
 def _codec_for(value: Any) -> _Codec | None:
-    for cls in type(value).__mro__:
-        found = _by_type.get(cls)
-        if found is not None:
-            return found
-    _hooks.ready()
-    if _hooks.late_codecs():  # a library loaded since: ask again
-        return _codec_for(value)
-    if "numpy" in sys.modules:  # numpy's arrays and scalars, once numpy is loaded
+    found = _registered(value)
+    if found is None:  # asked again once somatize.torch and the libraries loaded since register
+        _hooks.ready()
+        _hooks.late_codecs()
+        found = _registered(value)
+    if found is None and "numpy" in sys.modules:  # numpy's arrays and scalars, once it is loaded
         import numpy as np
 
         if isinstance(value, (np.ndarray, np.generic)) and value.dtype != object:
             return _NUMPY
-    return None
+    return found
+
+
+def _registered(value: Any) -> _Codec | None:
+    """The codec registered for the value's type or the nearest class it derives from."""
+    return next(filter(None, map(_by_type.get, type(value).__mro__)), None)
 
 
 class _Failed(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import subprocess
@@ -399,6 +400,35 @@ def test_tensor_bytes_decode_without_importing_somatize_torch_first() -> None:
     )
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().split() == ["torch.int16", "[0,", "1,", "2]"]
+
+
+def test_the_first_tensor_kept_in_a_process_that_never_imported_somatize_torch(tmp_path) -> None:
+    """A notebook that imports torch and the Store, and keeps an optimizer's state first thing:
+    the tensor codec is somatize.torch's, registered when the first tensor is met, and that
+    first value is kept (it was refused, and only the second one kept)."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch
+        from somatize import Store
+        assert "somatize.torch" not in sys.modules
+        w = torch.nn.Parameter(torch.ones(3))
+        opt = torch.optim.AdamW([w], lr=0.1)
+        w.grad = torch.full((3,), 0.5)
+        opt.step()
+        store = Store(sys.argv[1])
+        store.keep("opt", opt.state_dict())
+        back = store.recall("opt")
+        print(back["state"][0]["step"].item(), back["state"][0]["exp_avg"].tolist())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    step, avg = done.stdout.decode().split(" ", 1)
+    assert float(step) == 1.0
+    assert [round(v, 6) for v in json.loads(avg)] == [0.05, 0.05, 0.05]  # (1 − 0.9) · 0.5
 
 
 def test_an_ordered_dict_comes_back_as_one_in_its_order() -> None:
