@@ -59,7 +59,7 @@ def stage_state(
     if unknown:
         raise ValueError(
             f"{name}: the weights hold keys {unknown}, which the node does not have; it has "
-            f"{sorted(own)}; nothing was loaded"
+            f"{sorted(own)}; nothing was loaded{_reshaped(unknown, own)}"
         )
     staged = {}
     for key, value in state.items():
@@ -115,6 +115,43 @@ def stage_state(
         return undo
 
     return commit
+
+
+def _reshaped(unknown: list[str], own: dict[str, Any]) -> str:
+    """What to do when the keys differ because one side's weight is pruned
+    (`torch.nn.utils.prune`: `weight_orig` and `weight_mask`) or parametrized
+    (`spectral_norm`, `weight_norm`: `parametrizations.weight.original`) and the other's is not;
+    empty otherwise."""
+    for key in unknown:
+        head, _, leaf = key.rpartition(".")
+        plain = key.removesuffix("_orig").removesuffix("_mask")
+        if f"{key}_orig" in own:
+            return (
+                f". The node's {key} is pruned (torch.nn.utils.prune holds it as {key}_orig and "
+                f"{key}_mask) and the weights' is not: load weights of a twin pruned the same "
+                "way, or prune.remove(layer, name) in the node first"
+            )
+        if plain != key and plain in own:
+            return (
+                f". The weights' {plain} is pruned ({key}) and the node's is not: prune the "
+                "node's layer too before loading (prune.identity(layer, name) takes any mask), "
+                "or prune.remove(layer, name) in the twin before exporting"
+            )
+        if any(k.startswith(f"{head}.parametrizations.{leaf}.".lstrip(".")) for k in own):
+            return (
+                f". The node's {key} is parametrized (torch.nn.utils.parametrize: spectral_norm, "
+                "weight_norm) and the weights' is not: load weights of a twin parametrized the "
+                "same way"
+            )
+        where, _, rest = f".{key}".partition(".parametrizations.")
+        if rest and f"{where}.{rest.partition('.')[0]}".lstrip(".") in own:
+            return (
+                f". The weights' {key} is of a parametrized layer (spectral_norm, weight_norm) "
+                "and the node's is not: parametrize the node's layer the same way before "
+                "loading, or parametrize.remove_parametrizations(layer, name) in the twin "
+                "before exporting"
+            )
+    return ""
 
 
 def modes(node: Any) -> Callable[[], list[bool]] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -98,6 +99,37 @@ def something_to_train(graph: Graph) -> None:
         "gradient (frozen nodes hold none): there is nothing to train. Give a node an "
         "nn.Module with parameters, or leave the graph to Graph.forward"
     )
+
+
+def materialised(graph: Graph, optimizer: Any) -> None:
+    """Refuses weights on the meta device (shapes without values, as a model built under
+    `torch.device("meta")` holds them): a node's, or an optimizer's built before they were
+    given values (`to_empty` gives a module new parameters; that optimizer holds the old).
+    A node `.at(host)` computes with its worker's copy, not with this one."""
+    for nid in graph.nodes():
+        if graph.setting(nid).host:
+            continue
+        meta = [
+            join(name, key)
+            for name, module in named_modules_of(graph.implementation(nid))
+            for key, t in itertools.chain(module.named_parameters(), module.named_buffers())
+            if t.is_meta
+        ]
+        if meta:
+            raise ValueError(
+                f"node {nid!r} holds {_listed(meta)} on the meta device (shapes without values), "
+                "and a Trainer computes with them: give them values first, "
+                "module.to_empty(device='cpu') then initialise them (reset_parameters()) or "
+                "load_state_dict(...), or load_state_dict(..., assign=True), and set by hand "
+                "the buffers a state_dict leaves out (persistent=False: BERT's position_ids); "
+                "then build the optimizer over parameters(g)"
+            )
+    if hasattr(optimizer, "param_groups") and any(p.is_meta for p in holds(optimizer)):
+        raise ValueError(
+            "the optimizer holds parameters on the meta device, which no node of this graph "
+            "holds now: it was built before the weights were given values (to_empty makes new "
+            "parameters). Build it again over parameters(g)"
+        )
 
 
 def count(value: Any, name: str, meaning: str) -> int:

@@ -87,7 +87,8 @@ class Trainer:
     Refused, each saying what to do: a graph with no parameter to train; `trains` naming no
     node, a node with no parameters, or holding no Learning; a node both frozen and trained;
     an optimizer holding parameters of a node in `trains`, sharing none with the graph, or
-    whose `step` needs a closure (LBFGS);
+    whose `step` needs a closure (LBFGS); weights on the meta device (a node's, or the
+    optimizer's, built before `to_empty` gave the node new ones);
     nothing to train with (no optimizer and no `trains`); bad `every`, `micro`; `micro` > 1 on a
     graph holding an RNN or Transformer layer built with `batch_first=False`, or a BatchNorm
     in a node not declared `.frozen()` (pieces would be normalised apart); a `watching=`
@@ -126,6 +127,7 @@ class Trainer:
         _checks.something_to_train(graph)
         trains = _checks.trains_of(graph, trains)
         untied(graph, trains)  # before what the optimizer holds: a tie makes that misleading
+        _checks.materialised(graph, optimizer)
         held = _checks.held_by(graph, optimizer, trains)
         _checks.closed_over(graph, optimizer)
         audit = _checks.audit_of(auditing)
