@@ -359,6 +359,59 @@ def test_autocast_inside_a_node_trains_audits_and_probes_as_by_hand():
     assert {"body", "head"} <= looked.keys()
 
 
+class Casting(Node, nn.Module):
+    """A layer and a ReLU, under bfloat16 autocast of its own when `inner`."""
+
+    def __init__(self, i: int, o: int, inner: bool) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(i, o), nn.ReLU())
+        self.inner = inner
+
+    def forward(self, x, ctx=None):
+        if not self.inner:
+            return self.net(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.net(x)
+
+
+def audited_under_autocast(inner):
+    """Two nodes trained on one batch, under autocast in each node, or around the fit."""
+    torch.manual_seed(0)
+    g = Graph.somatize(Casting(6, 32, inner).named("a") >> Casting(32, 32, inner).named("b"))
+
+    def objective(out, y):
+        with torch.autocast("cpu", enabled=False):
+            return nn.functional.mse_loss(out.float(), y)
+
+    facts = []
+    audit = Audit(channels=True, snapshot=1)  # the ranks every step
+    opt = torch.optim.SGD(parameters(g), lr=0.1)
+    t = Trainer(g, objective=objective, optimizer=opt, auditing=audit, watching=facts.append)
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 6, generator=gen), torch.randn(64, 32, generator=gen))] * 2
+    if inner:
+        return t.fit(data).history, [f for f in facts if f["fact"] == "health"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return t.fit(data).history, [f for f in facts if f["fact"] == "health"]
+
+
+def test_an_audit_under_autocast_around_fit_measures_as_under_autocast_in_each_node():
+    # the same forward and backward either way; the audit measures in the dtype of what it
+    # measures, not in autocast's (its ranks' matrix products were taken in bfloat16)
+    want_losses, want = audited_under_autocast(inner=True)
+    losses, got = audited_under_autocast(inner=False)
+    assert losses == want_losses
+    tol = 64 * torch.finfo(torch.float32).eps * math.sqrt(64 * 32)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want, strict=True):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            if isinstance(value, float):
+                assert value == pytest.approx(b[key], rel=tol, abs=tol), (a["node"], key)
+            else:
+                assert value == b[key], key
+
+
 class Scaled:
     """What a user hands a Trainer to train with a GradScaler: the optimizer, stepped and
     skipped as the scaler says (the objective gives the scaled loss)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import nullcontext
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -30,17 +30,20 @@ from somatize.torch.training.stages import Stages, untied
 __all__ = ["Trainer", "Result", "NoGradient"]
 
 
-def _outside_autocast(kind: str) -> Any:
-    """torch's recipe runs the backward outside autocast: autocast turned off for the device
-    type `kind` where it is on, else nothing (torch 2.4 asks `is_autocast_enabled(kind)`;
-    2.2 and 2.3 have one function per device type)."""
-    if kind not in ("cpu", "cuda"):
-        return nullcontext()
-    try:
-        on = torch.is_autocast_enabled(kind)
-    except TypeError:  # torch 2.2, 2.3
-        on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
-    return torch.autocast(kind, enabled=False) if on else nullcontext()
+def _outside_autocast(*kinds: str) -> Any:
+    """torch's recipe runs the backward outside autocast, and an audit measures in the dtype of
+    what it measures: autocast turned off for the device types `kinds` (with none, "cpu" and
+    "cuda") where it is on (torch 2.4 asks `is_autocast_enabled(kind)`; 2.2 and 2.3 have one
+    function per device type)."""
+    off = ExitStack()
+    for kind in [k for k in kinds or ("cpu", "cuda") if k in ("cpu", "cuda")]:
+        try:
+            on = torch.is_autocast_enabled(kind)
+        except TypeError:  # torch 2.2, 2.3
+            on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
+        if on:
+            off.enter_context(torch.autocast(kind, enabled=False))
+    return off
 
 
 Batch = Any
@@ -81,8 +84,8 @@ class Trainer:
     data-parallel: each rank steps on its own data, rank 0 tells the facts. `finite=True`
     stops at a loss that is NaN or infinite: a `FloatingPointError` before its backward, the
     weights as the last update left them. Under `torch.autocast` each forward starts from the
-    weights as they are (autocast's cache is cleared) and the backward runs outside it, so a
-    whole `fit` may be wrapped in one.
+    weights as they are (autocast's cache is cleared) and the backward and the audit run
+    outside it, so a whole `fit` may be wrapped in one.
 
     Refused, each saying what to do: a graph with no parameter to train; `trains` naming no
     node, a node with no parameters, or holding no Learning; a node both frozen and trained;
@@ -240,7 +243,8 @@ class Trainer:
                         told, {"fact": "crossed", "step": step, "forward": fwd, "backward": back}
                     )
             if self.audit is not None:  # its facts wait for their update (`moved` fills it in)
-                facts = self.audit.observed(self.graph)
+                with _outside_autocast():
+                    facts = self.audit.observed(self.graph)
                 if told and facts:
                     self._health += facts
             if closing:
@@ -288,7 +292,8 @@ class Trainer:
         self._count = 0
         told = self.watching  # the audit's facts wait only while somebody watches
         if self.audit is not None:
-            self.audit.moved(self._weights)
+            with _outside_autocast():
+                self.audit.moved(self._weights)
             far = self.audit.arrived()  # the facts of the nodes measured on a worker
             if told:
                 self._health += far
