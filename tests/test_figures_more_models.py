@@ -203,3 +203,68 @@ def test_qwen2s_head_and_embedding_in_two_nodes_are_drawn_as_one_weight():
     tips = _tips(g.figure(inside=inside).svg())
     assert tips["l:head:"].endswith("weights shared with: embed")
     assert tips["l:embed:"].endswith("weights shared with: head")
+
+
+def _subtitles(svg: str) -> dict[str, str]:
+    """Every box's second line, by box."""
+    found = re.finditer(r'data-id="(l:[^"]+)"(.*?)</g>', svg, re.S)
+    texts = {m.group(1): re.findall(r"<text[^>]*>([^<]*)</text>", m.group(2)) for m in found}
+    return {box: t[1] for box, t in texts.items() if len(t) > 1}
+
+
+def _batch_named_honestly(subtitles: dict[str, str], batch: int) -> None:
+    """The first axis called `batch` is as long as the batch; `batch×k`, k times as long."""
+    for box, text in subtitles.items():
+        size, name = text.split(" · ")[0].split(" ")
+        if name == "batch":
+            assert int(size) == batch, (box, text)
+        elif name.startswith("batch×"):
+            assert int(size) == batch * int(name.partition("×")[2]), (box, text)
+
+
+def _mobilevit() -> tuple[torch.nn.Module, torch.Tensor]:
+    from transformers import MobileViTConfig, MobileViTForImageClassification
+
+    torch.manual_seed(0)
+    config = MobileViTConfig(
+        image_size=32,
+        patch_size=2,
+        hidden_sizes=[16, 24, 32],
+        neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
+        num_attention_heads=2,
+        num_labels=3,
+    )
+    image = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    return MobileViTForImageClassification(config), image
+
+
+def test_mobilevits_unfolded_patches_are_the_batch_times_the_patch_area_not_the_batch():
+    """MobileViT unfolds a (2, 16, 4, 4) map into 2×2 patches, (batch × patch area, patches,
+    dim) = (8, 4, 16), for its transformer, and folds them back after: the transformer's boxes
+    say `8 batch×4`, not `8 batch`; the map folded back is the batch again."""
+    model, image = _mobilevit()
+    g = Graph.somatize(Node.of(model).named("m"))
+    subtitles = _subtitles(g.figure(inside=architecture(g, image)).svg())
+    at = "l:m:mobilevit.encoder.layer.2"
+    assert subtitles[f"{at}.layernorm"] == "8 batch×4 · 4 len · 16 dim"
+    assert subtitles[f"{at}.transformer"] == "8 batch×4 · 4 len · 16 dim"
+    assert subtitles[f"{at}.conv_projection"] == "2 batch · 16 ch · 4 h · 4 w"
+    _batch_named_honestly(subtitles, 2)
+
+
+def test_swins_windows_are_the_batch_times_the_windows_and_its_position_bias_has_no_batch():
+    """Swin attends within windows: (batch × windows, window area, dim) = (8, 16, 16) in its
+    first stage (4 windows of 4×4 patches), (2, 16, 32) in its second (one window). The
+    relative position bias, made from a parameter table by indexing, a permute and an
+    unsqueeze, (1, heads, 16, 16), comes from no input: its first axis is numbered, not the
+    batch."""
+    case = CASES["swin"]()
+    g = Graph.somatize(Node.of(case.model).named("swin"))
+    subtitles = _subtitles(g.figure(inside=architecture(g, case.example, most=500)).svg())
+    first = "l:swin:swin.encoder.layers.0.blocks.0"
+    biases = [n for n, _ in case.model.named_modules() if n.endswith("relative_position_bias")]
+    for name in biases:  # a module of its own in transformers' newer Swin, inline before it
+        assert subtitles[f"l:swin:{name}"] == "1 d0 · 2 d1 · 16 d2 · 16 d3", name
+    assert "8 batch×4 · 16 len · 16 dim" in subtitles.values()
+    assert subtitles[f"{first}.layernorm_before"] == "2 batch · 64 len · 16 dim"
+    _batch_named_honestly(subtitles, 2)

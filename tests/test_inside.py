@@ -260,7 +260,8 @@ def _graph():
 def test_architecture_traces_each_node_on_what_reaches_it():
     g = _graph()
     got = architecture(g, torch.randn(7, 4))
-    assert list(got) == ["enc", "branch", "branch_2", "join"]  # tokens holds no module
+    assert list(got) == ["tokens", "enc", "branch", "branch_2", "join"]
+    assert [x.path for x in got["tokens"].layers] == ["mul"]  # no module: what it computes
     assert got["enc"].layer("l").shape == [7, 8]
     assert got["branch_2"].layer("l").shape == [7, 3]
     join = got["join"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -194,3 +195,58 @@ def test_a_proxy_the_nets_nan_makes_nan_is_left_out_saying_so_not_scored():
     why = {w.message.proxy: w.message.why for w in said if isinstance(w.message, ProxyLeftOut)}
     assert {"zen", "snip", "grad_norm"} <= set(why)  # not -inf, the worst score, nor nan
     assert all("nan" in w for w in why.values()), why
+
+
+class _Sampled(Node):
+    """A VAE's sampling step as research code writes it: a plain `Node`, no module, drawing
+    its noise from the global generator, and counting its calls (state a second run of its
+    Python would move)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forward(self, x, ctx):
+        self.calls += 1
+        mu, logvar = x
+        return mu + torch.exp(0.5 * logvar) * torch.randn_like(mu)
+
+
+class _Posterior(Node, nn.Module):
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x, ctx):
+        return self.lin(x).chunk(2, dim=1)
+
+
+def test_a_vaes_sampling_node_that_is_no_module_is_drawn_as_what_it_computes():
+    """The sampling node holds no module; read in the graph's one run, it shows what it
+    computes: the noise it draws (fed by nothing: the data gives it a shape, no values), the
+    exp of half the log-variance, their product and the sum with the mean, each 4 batch · 2
+    dim. Its forward runs once, and the global generator is left where it was: the next draw
+    is the one it would have been without the look."""
+    torch.manual_seed(0)
+    sample = _Sampled()
+    g = Graph.somatize(_Posterior().named("posterior") >> sample.named("sample"))
+    x = torch.randn(4, 6)
+    state = torch.get_rng_state()
+    inside = architecture(g, x)
+    assert sample.calls == 1
+    assert torch.equal(torch.get_rng_state(), state)
+    drawn = inside["sample"]
+    assert [la.path for la in drawn.layers] == ["mul", "exp", "randn_like", "mul_1", "add"]
+    assert set(drawn.edges) == {
+        ("mul", "exp"),
+        ("exp", "mul_1"),
+        ("randn_like", "mul_1"),
+        ("mul_1", "add"),
+    }
+    assert drawn.inputs == ["mul", "add"] and drawn.outputs == ["add"]
+    assert inside["posterior"].read_by == {"sample": ["lin"]}
+    svg = g.figure(inside=inside).svg()
+    for box in ("randn_like", "exp", "mul_1", "add"):
+        group = re.search(rf'data-id="l:sample:{box}".*?</g>', svg, re.S)
+        assert group and ">4 batch · 2 dim<" in group.group(0), box
+    assert "sample" not in architecture(g)  # no example: nothing reads it (fx would run it)
+    assert sample.calls == 1

@@ -247,9 +247,8 @@ class _Inside:
         if len(calls) > 1:  # one module called again (maybe by another name): the same weights
             text += f" · call {calls.index(layer['path']) + 1}/{len(calls)}"
         kind, label, shape = layer.get("kind"), layer.get("label"), layer.get("shape")
-        sub = shape_text(
-            shape, kind, label, self.first.get(layer["path"], False), layer.get("axes")
-        )
+        first = self.first.get(layer["path"], False)
+        sub = shape_text(shape, kind, label, first, layer.get("axes"), layer.get("batch"))
         where = _where(self.node, path)  # "": the node is the one layer
         box = _layer_box(
             f"l:{self.node}:{path}", text, sub, where=where, family=family(kind, label)

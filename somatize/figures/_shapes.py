@@ -94,7 +94,12 @@ def outline(fam: str, w: float, h: float) -> str:
 
 
 def shape_text(
-    shape: Any, kind: Any = None, label: Any = None, first: bool = False, axes: Any = ()
+    shape: Any,
+    kind: Any = None,
+    label: Any = None,
+    first: bool = False,
+    axes: Any = (),
+    batch: Any = None,
 ) -> str:
     """An output shape named by axis: `4 batch · 8 ch · 8 h · 8 w`; '' when unknown. `axes`,
     one name an axis, are those the layer's call said (`Layer.axes`), taken as they are.
@@ -105,7 +110,12 @@ def shape_text(
     output, a channel norm's, a pool's, and what follows them in that layout), and `batch ·
     heads · seq · dim` from an attention layer itself. Anything else has its axes numbered:
     an attention's views of its heads, a Swin's (batch, h, w, ch) patches are not an image's
-    channels and rows."""
+    channels and rows.
+
+    The first axis is called the batch only where it is: `batch` is what a run followed it
+    to hold (`Layer.batch`): 1 the batch, `k` the batch merged with `k` of something else,
+    `batch×4` (MobileViT's unfolded patches, Swin's windows), 0 none of it, numbered `d0`
+    (a table made from parameters); None, nothing followed, takes it as the batch."""
     if not isinstance(shape, (list, tuple)) or not shape:
         return ""
     n = len(shape)
@@ -113,8 +123,8 @@ def shape_text(
     own = own or bool(re.search(r"attn|attention", str(label or ""), re.I))
     if axes and len(axes) == n:
         names = list(axes)
-    elif n == 1:
-        names = ["dim"]
+    elif n == 1:  # (the batch only where a run followed it there: a distance per pair)
+        names = ["batch" if batch == 1 else "dim"]
     elif n == 2:
         names = ["batch", "dim"]
     elif n == 3:
@@ -125,4 +135,6 @@ def shape_text(
         names = ["batch", "heads", "seq", "dim"]
     else:
         names = ["batch"] + [f"d{i}" for i in range(1, n)]
+    if names[0] == "batch" and batch is not None and batch != 1:
+        names[0] = f"batch×{batch}" if batch else "d0"
     return " · ".join(f"{v} {name}" for v, name in zip(shape, names, strict=True))

@@ -17,7 +17,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from somatize.torch._modules import tensors_in
+from somatize.torch.inside._batch import Batches
 from somatize.torch.inside._trace import (
+    DRAWS,
     FRESH,
     INPUT,
     UNDRAWN,
@@ -176,6 +178,9 @@ class Boxes(TorchFunctionMode):
         """A torch function between the boxes was handed `ins` (before anything is known of
         it)."""
 
+    def _passed(self, name: str, args: tuple, kwargs: dict, ins: list, outs: list) -> None:
+        """A torch function `name` on the data, `ins`, gave `outs` (before it is marked)."""
+
     def _gave(self, outs: list[torch.Tensor]) -> None:
         """The root's first call gave back `outs`."""
 
@@ -187,10 +192,13 @@ class Boxes(TorchFunctionMode):
         self._handed(ins)
         tracked, made = self.made_by(ins, data_only=True)
         name = function_name(func)
-        if not tracked or name in FRESH or (name == "where" and not self.made_by(ins[1:])[0]):
+        if tracked and name in DRAWS:  # noise shaped like the data: a layer nothing feeds
+            made = frozenset()
+        elif not tracked or name in FRESH or (name == "where" and not self.made_by(ins[1:])[0]):
             return result  # on constants only, or none of the data's values (a boolean mask
             # made numbers, `where(mask, 0, lowest)`, an additive one): not the data
         outs = tensors_in(result)
+        self._passed(name, args, kwargs, ins, outs)
         floating = bool(outs) and outs[0].is_floating_point()
         if floating and name not in UNDRAWN and not joins_nothing(name, ins):
             block = self.stack[-1] if self.stack else None
@@ -251,6 +259,7 @@ class Reading(Boxes):
         self.ends: list[str] = []  # the layers that made what the root gave back, in order
         self.read: set[str] = set()  # the marks of the tensors given that a layer read
         self.weights: set[int] = set()  # the parameters the run read, by id
+        self.batches = Batches()  # the batch on each tensor's first axis
 
     def _ran(self, layer: Raw, made: frozenset[str]) -> None:
         """`layer` ran now, on what the layers in `made` made."""
@@ -273,10 +282,20 @@ class Reading(Boxes):
     def _handed(self, ins: list[torch.Tensor]) -> None:
         self.weights.update(id(t) for t in ins if isinstance(t, nn.Parameter))
 
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not self.runs:
+            self.batches.given(tensors_in((args, kwargs)))
+        super()._enter(module, args, kwargs)
+
+    def _passed(self, name: str, args: tuple, kwargs: dict, ins: list, outs: list) -> None:
+        self.batches.followed(name, args, kwargs, ins, outs)
+
     def _ended(self, box: str, module: nn.Module, given: list, outs: list) -> None:
         layer = self.out.layers[box]
+        self.batches.followed("", (), {}, given, outs)
         if layer.shape is None and outs:
             layer.shape = list(outs[0].shape)
+            layer.batch = self.batches.of(outs[0]) or 0
             if len(layer.shape) == 2 and not self.made_by(given)[0]:  # none of the data: a
                 layer.axes = ["len", "dim"]  # table's rows (positions looked up by arange)
         super()._ended(box, module, given, outs)
@@ -287,12 +306,15 @@ class Reading(Boxes):
         fn, args, kwargs = call
         layer = function_layer(self.opening, self.out, block, fn, box)
         layer.shape = list(outs[0].shape)
+        layer.batch = self.batches.of(outs[0]) or 0
         layer.axes = _axes(function_name(fn), args, kwargs, ins[0].dim(), layer.shape)
         self._ran(layer, made)
 
     def _left(self, path: str, call: int, outs: list) -> None:
         if path in self.out.layers and outs:  # (none where nothing drawn ran inside it)
             self.out.layers[path].gave[call] = list(outs[0].shape)
+            if call == 1:
+                self.out.layers[path].batch = self.batches.of(outs[0]) or 0
 
     def _gave(self, outs: list[torch.Tensor]) -> None:
         self.ends = [p for t in outs for p in sorted(self.made_by([t])[1] - self.given.keys())]
@@ -300,5 +322,5 @@ class Reading(Boxes):
     def result(self) -> Traced:
         """What the root's first call was seen to be made of."""
         finish(self.out, self.edges, self.order, self.ends)
-        self.by = {}
+        self.by, self.batches = {}, Batches()
         return self.out

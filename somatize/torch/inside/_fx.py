@@ -6,6 +6,7 @@ import torch.fx as fx
 from torch import nn
 
 from somatize.torch.inside._trace import (
+    DRAWS,
     FRESH,
     INDEX_KEYWORDS,
     INDEXES,
@@ -54,10 +55,11 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
             made[n] = opening.add_leaf(out, n.target, k)
             made[n].within = _within(n, n.target)
         elif n.op in ("call_function", "call_method"):
-            if not any(i in data for i in n.all_input_nodes) or function_name(n.target) in FRESH:
+            name = function_name(n.target)
+            if not any(i in data for i in n.all_input_nodes) or name in FRESH - DRAWS:
                 continue  # works on constants only, or on none of the data's values
             data.add(n)
-            if function_name(n.target) in UNDRAWN:
+            if name in UNDRAWN:
                 continue
             within = _within(n)
             block = next(reversed(within), None)
@@ -67,7 +69,8 @@ def by_fx(trace: tuple[fx.Graph, Opening]) -> Traced:
     producers: dict[fx.Node, set[str]] = {}  # the layers that made each node's value
     given: dict[fx.Node, set[str]] = {}  # the layers that made what each node computes with
     for n in graph.nodes:  # (in order: a node's inputs come before it)
-        given[n] = _given(n, producers)
+        drawn = n.op in ("call_function", "call_method") and function_name(n.target) in DRAWS
+        given[n] = set() if drawn else _given(n, producers)  # (noise: a shape, no values)
         producers[n] = {made[n].path} if n in made else given[n]
         if n.op == "placeholder":
             producers[n] = {INPUT}

@@ -53,6 +53,9 @@ INDEXES = {
     **dict.fromkeys("getitem setitem".split(), 1),
     "where": 0,
 }
+# Of those, the random draws: noise shaped like the data (a VAE's reparameterisation, noise
+# added to an input), drawn as a layer that nothing feeds, since the data gives it only a shape.
+DRAWS = frozenset("rand_like randn_like".split())
 INDEX_KEYWORDS = frozenset(("index", "indices", "mask", "condition"))
 INPUT = ""  # what made the node's own input, in edges: the root, at path ""
 OUTPUT = "<output>"  # what the node gave back, in edges: no module's path
@@ -93,7 +96,11 @@ class Layer:
     `not folded with layers.1: self_attn.sliding_window None ≠ 4`. `axes` names what each
     axis of its output holds where its call says (a flatten: `batch, ch, len` for
     `(N, C, h, w).flatten(2)`; a box given none of the data, 2-d: `len, dim`, a table's rows),
-    empty where nothing does (a figure names them from the shape).
+    empty where nothing does (a figure names them from the shape). `batch` says what the
+    first axis of its output holds, as a run on an example followed it from what the node was
+    given: `1` the batch, `k` the batch merged with `k` of something else (MobileViT's
+    patches unfolded, `batch×4`; Swin's windows), `0` not the batch (a relative position
+    bias made from a parameter table has none); None where nothing was run.
     """
 
     path: str
@@ -111,6 +118,7 @@ class Layer:
     held_kinds: list[str] = field(default_factory=list)
     apart: list[str] = field(default_factory=list)
     axes: list[str] = field(default_factory=list)
+    batch: int | None = None
 
 
 @dataclass
@@ -266,6 +274,7 @@ def finish(out: Traced, edges: Any, order: list[str], ends: list[str]) -> None:
         block = out.layers[path].block
         while block is not None and out.layers[block].shape is None:
             out.layers[block].shape = shape
+            out.layers[block].batch = out.layers[path].batch
             block = out.layers[block].block
     while True:
         kept = {a for a, _ in out.edges}  # what feeds a layer, or what was given back

@@ -29,6 +29,7 @@ from somatize.torch._modules import (
 )
 from somatize.torch._values import mapped
 from somatize.torch.audit._measures import output_of
+from somatize.torch.inside._batch import batch_of
 from somatize.torch.inside._forward import Reading
 from somatize.torch.inside._fx import by_fx, fx_trace
 from somatize.torch.inside._trace import (
@@ -94,13 +95,15 @@ class Inside:
         return f"Inside({len(self.layers)} layers, {len(self.edges)} edges, {self.how})"
 
 
-def _raw(module: nn.Module, plan: Any, shape: Any) -> tuple[Traced, str, str | None] | None:
+def _raw(module: nn.Module, plan: Any, gave: Any) -> tuple[Traced, str, str | None] | None:
     """The layers of `module`, how they were read and why not by fx (None where nothing was):
     `plan` is what `_plan` found before the graph ran (the `Reading` that rode along the run,
-    or without an example an fx trace), `shape` that of what the module gave back."""
-    if not parts_of(module):  # one layer, whatever its forward does inside
+    or without an example an fx trace), `gave` the shape of what the module gave back and the
+    batch on its first axis (`Layer.batch`), (None, None) where the graph was not run."""
+    if _one_layer(module):  # one layer, whatever its forward does inside
         out = Traced(edges=[(INPUT, ""), ("", OUTPUT)])  # (it reads the input, and gives back)
-        Opening(module, 0).add_leaf(out, "").shape = shape
+        layer = Opening(module, 0).add_leaf(out, "")
+        layer.shape, layer.batch = gave
         return out, "symbolic", None
     if isinstance(plan, Reading):  # read in the graph's run: nothing runs again
         how = "symbolic" if plan.why is None else "traced"
@@ -115,9 +118,12 @@ def _plan(roots: dict[str, nn.Module], depth: int, example: Any) -> dict[str, An
     input it reads)."""
     plans: dict[str, Any] = {}
     for node, module in roots.items():
-        if not parts_of(module):
+        if _one_layer(module):
             if example is not None:
                 plans[node] = Reading(module, depth)
+            continue
+        if not parts_of(module):  # a node holding no module: its forward, only as it runs
+            plans[node] = Reading(module, depth, _NO_MODULE)
             continue
         why = _REFUSED.get(module, {}).get(depth)
         trace = None
@@ -131,6 +137,30 @@ def _plan(roots: dict[str, nn.Module], depth: int, example: Any) -> dict[str, An
         plans[node] = trace if example is None else Reading(module, depth, why)
     return plans
 
+
+def _one_layer(module: nn.Module) -> bool:
+    """Whether a node's module is one layer: one without parts, not the `Holder` of a node
+    holding none (whose forward is read as a module's is)."""
+    return not parts_of(module) and not isinstance(module, Holder)
+
+
+def _roots(graph: Any, example: Any) -> dict[str, nn.Module]:
+    """The module each node is read as (`root_of`); with an example, a node holding no
+    module is read through a `Holder` of none, so what its forward computes is drawn (a
+    VAE's sampling: `mu + std * randn_like(std)`). Without one it is left out: only the
+    graph's own run reads it, never torch.fx, which would run its Python a second time."""
+    roots = {}
+    for n in graph.nodes():
+        node = graph.implementation(n)
+        root = root_of(node)
+        if root is None and example is not None:
+            root = Holder(node)
+        if root is not None:
+            roots[n] = root
+    return roots
+
+
+_NO_MODULE = "it holds no module: its forward is read as the graph runs it, not by torch.fx"
 
 # Modules fx refused, by depth, and why. Only refusals are remembered: one that has since
 # become traceable is at worst read as if fx still refused it.
@@ -204,8 +234,8 @@ def _here(call: Any, ctx: Any) -> Any:
 def _capture(
     graph: Any, roots: dict[str, nn.Module], example: Any, plans: dict
 ) -> tuple[dict, dict]:
-    """Run the graph once, each node's `Reading` armed: {node: the shape of what it gave
-    back}, for each node the run reached, and {node: {node after it: the layers of the
+    """Run the graph once, each node's `Reading` armed: {node: (the shape of what it gave
+    back, the batch on its first axis)}, for each node the run reached, and {node: {node after it: the layers of the
     first that made the tensors the second's layers read}}. A plain node's modules are run
     through their `Holder`, so it is read as a module is."""
     reached: dict[str, Any] = {}
@@ -213,12 +243,13 @@ def _capture(
     gave: dict[str, dict[int, Any]] = {}  # what a node that is one layer gave, by id
 
     def heard(node: str, input: Any, ctx: Any, out: Any) -> None:
-        if node not in reached:  # the shape of what it first gave back
+        if node not in reached:  # the shape of what it first gave back, and its batch
             found = tensors_in(out)
-            reached[node] = list(found[0].shape) if found else None
+            shape = list(found[0].shape) if found else None
+            reached[node] = shape, batch_of(shape, tensors_in(input))
         plan = plans.get(node)  # a node holding no module: nothing seen read
         read = plan.seen() if isinstance(plan, Reading) else []
-        if node in roots and not parts_of(roots[node]):  # one layer made all it gave
+        if node in roots and _one_layer(roots[node]):  # one layer made all it gave
             gave[node] = {id(t): weakref.ref(t) for t in tensors_in(out)}  # (held weakly)
             read = read or tensors_in(input)  # (seen reading none: a kernel torch does not see)
         for t in read:
@@ -296,9 +327,11 @@ def architecture(
     forward, and why not), and the layers, edges and shapes are read off that one run by hooks
     and a function mode, whatever fx said, as is which of the layers that made what a node
     gave each node after it read (`Inside.read_by`). Without an example only what fx can
-    answer symbolically is there, without shapes, and nothing is seen read. Nodes holding no
-    module (a plain function, a tokenizer) are not in the answer. A composite torch ships is one box
-    unless `depth=` opens it; blocks that are the same block fold to one `×N`; past `most`
+    answer symbolically is there, without shapes, and nothing is seen read. A node holding no
+    module (a plain function, a `Node` that is no module) is read in that one run, as a module
+    is (what its forward computes on the data, a random draw shaped like it included: a VAE's
+    `mu + std * randn_like(std)`), and is not in the answer where it computes nothing drawn
+    (`x[0]`, a tokenizer) or without an example. A composite torch ships is one box unless `depth=` opens it; blocks that are the same block fold to one `×N`; past `most`
     layers a node's deepest blocks are closed. Edges follow the data through indexing, views
     and reshapes; a module called twice is a box per call. `graph` may be a bare module (a
     graph of one node, named by its class), and an `Opaque` example is unwrapped first. The
@@ -310,7 +343,7 @@ def architecture(
     """
     graph = as_graph(graph)
     example = unwrap(example)
-    roots = {n: r for n in graph.nodes() if (r := root_of(graph.implementation(n))) is not None}
+    roots = _roots(graph, example)
     held = Held(list(roots.values()))
     held.refuse()  # before fx or a hook touches anything
     with untouched(held):  # fx runs the forward's Python too: what it changes is put back
@@ -322,7 +355,7 @@ def architecture(
     for node, root in roots.items():
         if example is not None and node not in reached:
             continue  # never reached (a branch not taken)
-        got = _raw(root, plans.get(node), reached.get(node))
+        got = _raw(root, plans.get(node), reached.get(node, (None, None)))
         if got is None:
             if example is None:  # fx refused it, and only a run reads it otherwise
                 why = _REFUSED.get(root, {}).get(depth)
@@ -333,6 +366,8 @@ def architecture(
                 )
             continue
         raw, how, why = got
+        if not raw.layers and not parts_of(root):  # a node holding no module that computed
+            continue  # nothing drawn (`x[0]`, a tokenizer)
         sends = sent.get(node, {})  # each node after it, by an edge to OUTPUT + its name
         raw.edges += [(p, OUTPUT + n) for n, made in sends.items() for p in made if p in raw.layers]
         folded, edges = fold(raw)
