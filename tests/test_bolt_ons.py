@@ -259,6 +259,11 @@ def test_an_ema_of_a_graphs_weights_is_kept_evaluated_swapped_in_and_out_as_by_h
         same(g.forward(x), ema_ref(x))
     exported = t.export()
     same_state(exported["body"], ema_ref.module[0].state_dict())
+    # the AveragedModel itself as the node: its keys are its wrapper's, said so when loaded
+    wrapper = Graph.somatize(Node.of(AveragedModel(body)).named("body") >> Node.of(head))
+    wrapped = Trainer(wrapper, objective=ce, optimizer=torch.optim.SGD(parameters(wrapper), lr=0))
+    with pytest.raises(ValueError, match=r"node 'body'.*start with 'module\.'.*ema\.module"):
+        t.load({"body": wrapped.export()["body"]})
 
 
 # -- channels_last ---------------------------------------------------------------------------

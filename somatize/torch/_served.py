@@ -121,7 +121,14 @@ def _reshaped(unknown: list[str], own: dict[str, Any]) -> str:
     """What to do when the keys differ because one side's weight is pruned
     (`torch.nn.utils.prune`: `weight_orig` and `weight_mask`) or parametrized
     (`spectral_norm`, `weight_norm`: `parametrizations.weight.original`) and the other's is not;
-    empty otherwise."""
+    empty otherwise; or because the weights are a wrapper's (`module.` before every key)."""
+    wrapped = [k for k in unknown if k.startswith("module.")]
+    if wrapped and all(k.removeprefix("module.") in own for k in wrapped):
+        return (
+            f". The weights' keys start with 'module.' ({wrapped[0]}), as a wrapper's do "
+            "(AveragedModel, DistributedDataParallel): give the state_dict of the module it "
+            "wraps (ema.module.state_dict()), or the keys without 'module.'"
+        )
     for key in unknown:
         head, _, leaf = key.rpartition(".")
         plain = key.removesuffix("_orig").removesuffix("_mask")
