@@ -121,10 +121,11 @@ def test_a_pruned_resnet_trains_as_by_hand_keeps_its_mask_and_the_audit_weighs_w
     health = [f for f in facts if f["fact"] == "health" and f["node"] == "net"]
     assert [f["step"] for f in health] == [0, 1, 2]
     assert all(math.isfinite(v) for f in health for v in f.values() if isinstance(v, float))
+    n = sum(p.numel() for p in start.values())
     norm = math.sqrt(sum(float((p * p).sum()) for p in start.values()))
-    assert health[0]["param_norm"] == pytest.approx(norm, rel=rel(len(start)))
-    moved = math.sqrt(sum(float(((p - start[n]) ** 2).sum()) for n, p in first[0].items()))
-    assert health[0]["update_ratio"] == pytest.approx(moved / norm, rel=rel(len(start)))
+    assert health[0]["param_norm"] == pytest.approx(norm, rel=rel(n))
+    moved = math.sqrt(sum(float(((p - start[k]) ** 2).sum()) for k, p in first[0].items()))
+    assert health[0]["update_ratio"] == pytest.approx(moved / norm, rel=rel(n) * norm / moved)
 
 
 def test_a_pruned_net_is_drawn_and_counted_as_the_net_it_prunes():
@@ -302,11 +303,12 @@ def test_a_channels_last_resnet_trains_is_audited_on_its_channels_and_looks_as_c
     stem = [f for f in facts if f["inside"] == "resnet.embedder"]
     assert [(f["channels"], f["dead_channels"]) for f in stem] == [(8, 2)] * 3
     _, plain, _, plain_facts = audited_fit(torch.contiguous_format)
+    tol = rel(data[0][0].numel())  # float64 through other kernels, over one batch's numbers
     for a, b in zip(facts, plain_facts, strict=True):  # the same numbers, whatever the layout
         assert a.keys() == b.keys()
         for key, value in a.items():
             if isinstance(value, float):
-                assert value == pytest.approx(b[key], rel=1e-9, abs=1e-12), key
+                assert value == pytest.approx(b[key], rel=tol, abs=tol), key
             else:
                 assert value == b[key], key
 
@@ -318,7 +320,7 @@ def test_a_channels_last_resnet_trains_is_audited_on_its_channels_and_looks_as_c
     for where, numbers in looked.items():
         for key, value in numbers.items():
             if type(value) is float:
-                assert value == pytest.approx(plain_looked[where][key], rel=1e-9, abs=1e-12)
+                assert value == pytest.approx(plain_looked[where][key], rel=tol, abs=tol)
 
 
 # -- autocast inside a node, and a GradScaler ------------------------------------------------
