@@ -3,7 +3,8 @@ transformer's attention (ViT, Swin at their own N(0, 0.02) init) is uniform, so 
 an image gets the same mix and its output spans few directions from the first look; that is not
 NARROWING, while a layer that collapses during training still is. A frozen Swin's relative
 position table, all zero at its init, gives zeros that are its weights', not dead units. And a
-part replaced mid-run (`resize_token_embeddings`' new lm_head) is named in a warning."""
+part replaced mid-run (`resize_token_embeddings`' new lm_head) is named in a warning,
+and a weight pruned and made permanent, which is the same weight, is not."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from models import more, zoo
 from torch import nn
+from torch.nn.utils import prune
 
 from somatize import Graph
 from somatize.health import DEAD, NARROWING, Verdicts
@@ -101,6 +103,14 @@ def test_a_part_replaced_mid_run_is_named_in_a_warning_and_release_stops_it():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same weights given again: nothing to say
         case.model.model.embed_tokens.weight = case.model.model.embed_tokens.weight
+        # a layer pruned, then made permanent: its own weight held as weight_orig, then as
+        # weight again (the optimizer's, which goes on training it)
+        query = case.model.model.layers[0].self_attn.q_proj
+        w = query.weight
+        prune.l1_unstructured(query, "weight", 0.5)
+        t.step((case.example, case.target))
+        prune.remove(query, "weight")
+        assert query.weight is w
     with pytest.warns(UserWarning, match=r"node 'llamaforcausallm': 'lm_head' was given a new"):
         case.model.resize_token_embeddings(zoo.VOCAB + 8, mean_resizing=False)
     with pytest.warns(UserWarning, match=r"'model.norm.weight' was given a new weight"):

@@ -304,17 +304,21 @@ def swaps(held_by: dict[str, list[tuple[str, nn.Module]]]) -> list[Any]:
     """Hooks (torch's global registration hooks; their handles, for `release` to remove) that
     warn, naming the node and the part, when a module or a weight the audit measures is given
     another in its place (transformers' `resize_token_embeddings` gives an untied model a new
-    `lm_head`): the audit and the optimizer go on with the one they began with."""
+    `lm_head`): the audit and the optimizer go on with the one they began with. A module given
+    back a weight of its own under another name is not warned about (`torch.nn.utils.prune`
+    holds `weight` as `weight_orig`, and `prune.remove` gives it back as `weight`)."""
     named = {
-        id(m): (node, sub, weakref.ref(m))
+        id(m): (node, sub, weakref.ref(m), {id(q) for q in m.parameters(recurse=False)})
         for node, held in held_by.items()
         for path, top in held
         for sub, m in top.named_modules(prefix=path)
     }
 
     def replaced(module: nn.Module, name: str, new: Any) -> None:
-        node, path, ref = named.get(id(module), (None, None, None))
+        node, path, ref, own = named.get(id(module), (None, None, None, ()))
         if ref is None or ref() is not module or getattr(module, name, None) is new:
+            return
+        if isinstance(new, nn.Parameter) and id(new) in own:  # its own weight, renamed
             return
         what = "weight" if isinstance(new, nn.Parameter) else "module"
         warn(
