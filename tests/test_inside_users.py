@@ -250,3 +250,35 @@ def test_a_vaes_sampling_node_that_is_no_module_is_drawn_as_what_it_computes():
         assert group and ">4 batch · 2 dim<" in group.group(0), box
     assert "sample" not in architecture(g)  # no example: nothing reads it (fx would run it)
     assert sample.calls == 1
+
+
+
+@pytest.mark.parametrize("name", ["vit", "bert"])
+def test_a_model_built_on_meta_is_drawn_from_a_real_example_as_the_real_one_is(name):
+    """A model too big to hold is built under torch.device("meta") and looked at before any
+    weight is loaded: drawn from the example a user has (on the CPU: ViT's image, BERT's
+    input_ids), it is what the same model with values gives. A forward that reads a value of
+    the example (BERT making its mask from attention_mask) cannot run on meta, and the error
+    says what to give instead."""
+    case = getattr(zoo, name)()
+    with torch.device("meta"):
+        ghost = type(case.model)(case.model.config)
+    x = {"input_ids": case.example["input_ids"]} if name == "bert" else case.example
+    want = architecture(Graph.somatize(case.model), x)
+    got = architecture(Graph.somatize(ghost), x)
+    assert [i.to_json() for i in got.values()] == [i.to_json() for i in want.values()]
+    assert all(q.is_meta for q in ghost.parameters())  # drawn without ever holding values
+    if name == "bert":
+        with pytest.raises(RuntimeError) as info:
+            architecture(Graph.somatize(ghost), case.example)
+        assert any("input_ids without an attention_mask" in n for n in info.value.__notes__)
+
+
+def test_a_net_partly_on_meta_is_refused_naming_what_has_no_values():
+    with torch.device("meta"):
+        late = nn.Linear(8, 2)
+    g = Graph.somatize(Node.of(nn.Sequential(nn.Linear(3, 8), late)).named("half"))
+    with pytest.raises(RuntimeError) as info:
+        architecture(g, torch.randn(2, 3))
+    said = " ".join(info.value.__notes__)
+    assert "'half' 1.weight, 1.bias" in said and "to_empty" in said and "Tensor.item" not in said

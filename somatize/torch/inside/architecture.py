@@ -271,9 +271,17 @@ def _capture(
                 reading.arm()
             run_here(graph, example)
     except RuntimeError as e:  # a value read on the meta device: say what to give instead
-        on_meta = [n for n, m in roots.items() if any(t.is_meta for t in m.parameters())]
+        on_meta = {
+            n: [k for k, t in (*m.named_parameters(), *m.named_buffers()) if t.is_meta]
+            for n, m in roots.items()
+        }
+        on_meta = {n: keys for n, keys in on_meta.items() if keys}
         if on_meta and "meta" in str(e):
-            note(e, _META % ", ".join(map(repr, on_meta)))
+            if all(t.is_meta for t in tensors_in(example)):  # all on meta: a value was read
+                note(e, _META % ", ".join(map(repr, on_meta)))
+            else:
+                held = "; ".join(f"{n!r} {', '.join(k[:4])}" for n, k in on_meta.items())
+                note(e, _PART_META % held)
         raise
     finally:
         for reading in readings:
@@ -287,6 +295,14 @@ _META = (
     "making its attention mask) cannot run there: draw it on an example it reads no value of "
     "(input_ids without an attention_mask: the layers are the same), or give it weights "
     "first (model.to_empty(device='cpu'))"
+)
+
+_PART_META = (
+    "node(s) hold tensors on the meta device (shapes without values: %s) beside others, or an "
+    "example, elsewhere: architecture draws a net wholly on meta (the example is moved "
+    "there) or wholly with values. Give them values first: module.to_empty(device='cpu') then "
+    "initialise or load them, and set by hand the buffers a state_dict leaves out "
+    "(persistent=False: BERT's position_ids)"
 )
 
 
@@ -334,8 +350,10 @@ def architecture(
     (`x[0]`, a tokenizer) or without an example. A composite torch ships is one box unless `depth=` opens it; blocks that are the same block fold to one `×N`; past `most`
     layers a node's deepest blocks are closed. Edges follow the data through indexing, views
     and reshapes; a module called twice is a box per call. `graph` may be a bare module (a
-    graph of one node, named by its class), and an `Opaque` example is unwrapped first. The
-    net is left exactly as it was.
+    graph of one node, named by its class), and an `Opaque` example is unwrapped first. A net
+    built under `torch.device("meta")` (every weight and buffer there) is run on a meta copy of
+    the example: drawn, shapes and all, without ever holding values. The net is left exactly
+    as it was.
 
     The graph runs in this process: a node that runs `.at(host)` is read from its copy here
     (the declaration that was sent), on what the run hands it, so `broker` is not needed; it
@@ -344,6 +362,9 @@ def architecture(
     graph = as_graph(graph)
     example = unwrap(example)
     roots = _roots(graph, example)
+    held_tensors = [t for m in roots.values() for t in (*m.parameters(), *m.buffers())]
+    if held_tensors and all(t.is_meta for t in held_tensors):  # built under torch.device("meta")
+        example = mapped(example, lambda t: t.to("meta"))  # drawn with shapes alone
     held = Held(list(roots.values()))
     held.refuse()  # before fx or a hook touches anything
     with untouched(held):  # fx runs the forward's Python too: what it changes is put back
