@@ -125,12 +125,13 @@ class Held:
     """What a net holds, found once: `modules`, every module inside `roots` (themselves
     included), each once, in declaration order; `params`, every parameter, each once however
     many modules share it; `buffers`, each buffer as (module holding it, its name there,
-    the buffer)."""
+    the buffer). `names`, one a root, are the nodes its refusals name (else its class)."""
 
-    __slots__ = ("roots", "modules", "params", "buffers")
+    __slots__ = ("roots", "names", "modules", "params", "buffers")
 
-    def __init__(self, roots: list[nn.Module]) -> None:
+    def __init__(self, roots: list[nn.Module], names: list[str] | None = None) -> None:
         self.roots = roots
+        self.names = names
         modules: dict[int, nn.Module] = {}
         buffers: dict[tuple[int, str], tuple[nn.Module, str, torch.Tensor]] = {}
         for root in roots:  # one walk for the modules, one for the buffers
@@ -175,15 +176,21 @@ class Held:
             )
 
     def _holding(self, which: Callable[[torch.Tensor], bool]) -> str | None:
-        """'Model holds a.weight, b.bias' for the first root holding such tensors, if any."""
+        """ "node 'enc' (Model) holds a.weight, b.bias" ('Model holds ...' without `names`) for
+        the first root holding such tensors, if any."""
         if not any(which(p) for p in self.params) and not any(which(b) for *_, b in self.buffers):
             return None  # (the names are looked for only when there is something to name)
-        for m in self.roots:
+        for k, m in enumerate(self.roots):
             named = itertools.chain(m.named_parameters(), m.named_buffers())
-            names = [name for name, t in named if which(t)]
-            if names:
-                more = f" and {len(names) - 4} more" if len(names) > 4 else ""
-                return f"{type(m).__name__} holds {', '.join(names[:4])}{more}"
+            found = [name for name, t in named if which(t)]
+            if found:
+                more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+                who = (
+                    type(m).__name__
+                    if self.names is None
+                    else f"node {self.names[k]!r} ({type(m).__name__})"
+                )
+                return f"{who} holds {', '.join(found[:4])}{more}"
         return None
 
     def differentiable(self) -> None:

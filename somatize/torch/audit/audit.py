@@ -141,7 +141,10 @@ class Audit:
         held_by = {
             node: named_modules_of(g.implementation(node)) for node in g.nodes() if node not in away
         }
-        Held([m for held in held_by.values() for _, m in held]).refuse(
+        Held(
+            [m for held in held_by.values() for _, m in held],
+            [node for node, held in held_by.items() for _ in held],
+        ).refuse(
             "an Audit measures weights that are there when it starts watching", reads="an Audit"
         )
         places: list[Place] = []

@@ -365,7 +365,7 @@ def architecture(
     held_tensors = [t for m in roots.values() for t in (*m.parameters(), *m.buffers())]
     if held_tensors and all(t.is_meta for t in held_tensors):  # built under torch.device("meta")
         example = mapped(example, lambda t: t.to("meta"))  # drawn with shapes alone
-    held = Held(list(roots.values()))
+    held = Held(list(roots.values()), list(roots))
     held.refuse()  # before fx or a hook touches anything
     with untouched(held):  # fx runs the forward's Python too: what it changes is put back
         plans = _plan(roots, depth, example)

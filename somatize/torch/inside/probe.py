@@ -385,7 +385,8 @@ def probe(
                 grown[node] = [t.grad_fn for t in tensors_in(out)]
                 nodes[node].saw(tensors_in(input), tensors_in(out), known)
 
-    held = Held([r for r in roots.values() if r is not None])
+    kept = {n: r for n, r in roots.items() if r is not None}
+    held = Held(list(kept.values()), list(kept))
     held.refuse(reads="probe")
     try:
         with untouched(held), looking():

@@ -114,7 +114,8 @@ class _Subject:
     def __init__(self, graph: Any) -> None:
         self.graph = as_graph(graph)
         self.roots = {n: root_of(self.graph.implementation(n)) for n in self.graph.nodes()}
-        self.held = Held([m for m in self.roots.values() if m is not None])
+        kept = {n: m for n, m in self.roots.items() if m is not None}
+        self.held = Held(list(kept.values()), list(kept))
         self.held.refuse(reads="proxies")  # the net, not one proxy: refused, not left out
         self.params = self.held.params
 
