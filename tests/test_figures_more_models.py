@@ -268,3 +268,18 @@ def test_swins_windows_are_the_batch_times_the_windows_and_its_position_bias_has
     assert "8 batch×4 · 16 len · 16 dim" in subtitles.values()
     assert subtitles[f"{first}.layernorm_before"] == "2 batch · 64 len · 16 dim"
     _batch_named_honestly(subtitles, 2)
+
+
+def test_berts_embeddings_name_the_batch_where_each_is_as_long_as_it():
+    """BERT's three embeddings: the words' come from the input ids (the batch), the token
+    types' from a buffer expanded to the batch (as long as it: the batch too), the positions'
+    from a table with a leading 1 (no batch: numbered)."""
+    from models import zoo
+
+    case = zoo.bert()
+    g = Graph.somatize(Node.of(case.model).named("b"))
+    svg = g.figure(inside=architecture(g, case.example)).svg()
+    at = "l:b:embeddings"
+    assert _subtitle(svg, f"{at}.word_embeddings") == "2 batch · 8 len · 32 dim"
+    assert _subtitle(svg, f"{at}.token_type_embeddings") == "2 batch · 8 len · 32 dim"
+    assert _subtitle(svg, f"{at}.position_embeddings") == "1 d0 · 8 len · 32 dim"

@@ -8,7 +8,8 @@ follows the first axis from what the node was given, through the torch functions
 calls and the layers drawn closed, by the sizes and what the call does to the axes:
 `k` per tensor, where its first axis holds the batch merged with `k` of something else (1:
 the batch itself), 0 where it came from the input and its first axis is not known to be the
-batch; a tensor that does not come from the input (a parameter, a constant) has none.
+batch; a tensor that does not come from the input (a parameter, a constant) has none,
+unless it is as long as the batch (a buffer expanded to it: `first`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ class Batches:
         the input, its first axis not known to be the batch; None: not from the input."""
         known = self.by.get(id(t))
         return known[1] if known is not None and known[0]() is t else None
+
+    def first(self, t: torch.Tensor) -> int:
+        """What a figure says of the first axis of `t`: `of(t)` where it comes from the input;
+        where it does not, 1 if it is as long as the batch (more than one: a buffer expanded to
+        the batch, BERT's token type ids), else 0 (a table made from parameters, a position
+        table's leading 1)."""
+        k = self.of(t)
+        if k is None:
+            b = self.size
+            return 1 if t.dim() and b is not None and b > 1 and t.shape[0] == b else 0
+        return k
 
     def followed(self, name: str, args: tuple, kwargs: dict, ins: list, outs: list) -> None:
         """A call `name` on `ins` gave `outs`: each output's first axis, from its inputs'."""

@@ -295,7 +295,7 @@ class Reading(Boxes):
         self.batches.followed("", (), {}, given, outs)
         if layer.shape is None and outs:
             layer.shape = list(outs[0].shape)
-            layer.batch = self.batches.of(outs[0]) or 0
+            layer.batch = self.batches.first(outs[0])
             if len(layer.shape) == 2 and not self.made_by(given)[0]:  # none of the data: a
                 layer.axes = ["len", "dim"]  # table's rows (positions looked up by arange)
         super()._ended(box, module, given, outs)
@@ -306,7 +306,7 @@ class Reading(Boxes):
         fn, args, kwargs = call
         layer = function_layer(self.opening, self.out, block, fn, box)
         layer.shape = list(outs[0].shape)
-        layer.batch = self.batches.of(outs[0]) or 0
+        layer.batch = self.batches.first(outs[0])
         layer.axes = _axes(function_name(fn), args, kwargs, ins[0].dim(), layer.shape)
         self._ran(layer, made)
 
@@ -314,7 +314,7 @@ class Reading(Boxes):
         if path in self.out.layers and outs:  # (none where nothing drawn ran inside it)
             self.out.layers[path].gave[call] = list(outs[0].shape)
             if call == 1:
-                self.out.layers[path].batch = self.batches.of(outs[0]) or 0
+                self.out.layers[path].batch = self.batches.first(outs[0])
 
     def _gave(self, outs: list[torch.Tensor]) -> None:
         self.ends = [p for t in outs for p in sorted(self.made_by([t])[1] - self.given.keys())]
