@@ -629,6 +629,31 @@ def test_refused_before_any_group_is_joined(monkeypatch, tmp_path):
     close(flat(trainer(g).export()), before, tol=0)  # a refused Trainer changed nothing
 
 
+def test_without_fsdp2_its_module_still_imports_and_fsdp_is_refused_naming_the_release(
+    monkeypatch,
+):
+    """torch 2.2 to 2.5 have no `fsdp.fully_shard` and no public `DTensor` (pyproject says
+    torch>=2.2): the module behind parallel='fsdp' still imports there (the docs build walks
+    every module), and parallel='fsdp' is refused saying which torch has it."""
+    import importlib
+
+    import torch.distributed.fsdp
+    import torch.distributed.tensor
+
+    import somatize.torch.training as training
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delattr(torch.distributed.fsdp, "fully_shard", raising=False)  # (as on 2.2)
+    for name in ("DTensor", "distribute_tensor"):
+        monkeypatch.delattr(torch.distributed.tensor, name, raising=False)
+    monkeypatch.delitem(sys.modules, "somatize.torch.training._sharded", raising=False)
+    monkeypatch.delattr(training, "_sharded", raising=False)
+    importlib.import_module("somatize.torch.training._sharded")
+    with pytest.raises(RuntimeError, match=r"fully_shard, which torch .* \(torch 2.6 and later"):
+        trainer(mlp(), parallel="fsdp")
+
+
 def test_shard_splits_like_a_distributed_sampler_and_alone_is_everything():
     items = list(range(10))
     parts = [shard(items, rank=r, world_size=3) for r in range(3)]

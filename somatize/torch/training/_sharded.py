@@ -3,6 +3,8 @@
 FSDP gathers weights in a forward hook, so it shards what is called through `nn.Module.__call__`:
 the modules a node holds, or the children of a node that is a module (the engine calls its
 `forward`); the rest is left to the root around them all. Frozen weights are not sharded.
+FSDP2's names are looked up where they are used: torch 2.2 to 2.5 have none of them, and this
+module still imports there (parallel.py refuses parallel="fsdp" first, naming the release).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import fsdp
+from torch.distributed import tensor as dtensor
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from somatize.torch.placement import named_modules_of, trainable
 from somatize.torch.training.params import state_of
@@ -37,9 +39,9 @@ def shard(root: nn.Module, graph: Any, optimizer: Any, *, cuda: bool) -> nn.Modu
     for nid in graph.nodes():
         if not graph.setting(nid).frozen:
             for module in _shardable(graph.implementation(nid)):
-                fully_shard(module, mesh=mesh)
+                fsdp.fully_shard(module, mesh=mesh)
     frozen = {p for p in root.parameters() if not p.requires_grad}
-    fully_shard(root, mesh=mesh, ignored_params=frozen or None)
+    fsdp.fully_shard(root, mesh=mesh, ignored_params=frozen or None)
     after = dict(root.named_parameters())
     moved = {id(before[name]): after[name] for name in before if name in after}
     if optimizer is not None:
@@ -57,8 +59,8 @@ def laid_out(graph: Any, given: dict[str, dict[str, torch.Tensor]]) -> dict:
         mine = state_of(graph.implementation(nid))
         for key, tensor in state.items():
             there = mine.get(key)
-            if isinstance(there, DTensor) and tuple(tensor.shape) == tuple(there.shape):
-                state[key] = distribute_tensor(
+            if isinstance(there, dtensor.DTensor) and tuple(tensor.shape) == tuple(there.shape):
+                state[key] = dtensor.distribute_tensor(
                     tensor.to(there.device), there.device_mesh, there.placements, src_data_rank=None
                 )
     return given
@@ -66,4 +68,4 @@ def laid_out(graph: Any, given: dict[str, dict[str, torch.Tensor]]) -> dict:
 
 def gathered(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A node's state with every shard gathered into the whole tensor (on every rank)."""
-    return {k: t.full_tensor() if isinstance(t, DTensor) else t for k, t in state.items()}
+    return {k: t.full_tensor() if isinstance(t, dtensor.DTensor) else t for k, t in state.items()}
