@@ -1,5 +1,5 @@
 # The README's commands. Each target sets up .venv itself (torch first, pinned, so that pip
-# keeps the build it finds first instead of resolving `torch>=2.2` to another one).
+# keeps the build it finds first instead of resolving `torch>=2.4` to another one).
 PYTHON ?= $(shell command -v python3.11 || command -v python3.12 || command -v python3.10 || command -v python3)
 TORCH  ?= torch==2.13.0
 VENV   := .venv

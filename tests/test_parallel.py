@@ -632,8 +632,8 @@ def test_refused_before_any_group_is_joined(monkeypatch, tmp_path):
 def test_without_fsdp2_its_module_still_imports_and_fsdp_is_refused_naming_the_release(
     monkeypatch,
 ):
-    """torch 2.2 to 2.5 have no `fsdp.fully_shard` and no public `DTensor` (pyproject says
-    torch>=2.2): the module behind parallel='fsdp' still imports there (the docs build walks
+    """torch 2.4 and 2.5 have no `fsdp.fully_shard` and no public `DTensor` (pyproject says
+    torch>=2.4): the module behind parallel='fsdp' still imports there (the docs build walks
     every module), and parallel='fsdp' is refused saying which torch has it."""
     import importlib
 

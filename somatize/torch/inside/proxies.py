@@ -38,11 +38,7 @@ from typing import Any
 
 import torch
 from torch import nn
-
-try:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-except ImportError:  # torch 2.2: grasp is left out where the fused kernels run, as told
-    sdpa_kernel = None
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from somatize.graph import as_graph
 from somatize.node import unwrap
@@ -336,8 +332,7 @@ def _snip(s: _Subject, example: Any, *, target: Any, objective: Callable, **_: A
 
 
 def _grasp(s: _Subject, example: Any, *, target: Any, objective: Callable, **_: Any) -> float:
-    twice = sdpa_kernel([SDPBackend.MATH]) if sdpa_kernel else contextlib.nullcontext()
-    with twice:  # the one attention kernel with a derivative of its backward
+    with sdpa_kernel([SDPBackend.MATH]):  # the one attention kernel whose backward has one
         grads = _grads(_loss(s, example, target, objective), s.params, create_graph=True)
         z = sum((g * g.detach()).sum() for g in grads)
         hg = _grads(z, s.params)

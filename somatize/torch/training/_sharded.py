@@ -3,7 +3,7 @@
 FSDP gathers weights in a forward hook, so it shards what is called through `nn.Module.__call__`:
 the modules a node holds, or the children of a node that is a module (the engine calls its
 `forward`); the rest is left to the root around them all. Frozen weights are not sharded.
-FSDP2's names are looked up where they are used: torch 2.2 to 2.5 have none of them, and this
+FSDP2's names are looked up where they are used: torch 2.4 and 2.5 have none of them, and this
 module still imports there (parallel.py refuses parallel="fsdp" first, naming the release).
 """
 

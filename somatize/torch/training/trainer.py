@@ -33,15 +33,10 @@ __all__ = ["Trainer", "Result", "NoGradient"]
 def _outside_autocast(*kinds: str) -> Any:
     """torch's recipe runs the backward outside autocast, and an audit measures in the dtype of
     what it measures: autocast turned off for the device types `kinds` (with none, "cpu" and
-    "cuda") where it is on (torch 2.4 asks `is_autocast_enabled(kind)`; 2.2 and 2.3 have one
-    function per device type)."""
+    "cuda") where it is on."""
     off = ExitStack()
     for kind in [k for k in kinds or ("cpu", "cuda") if k in ("cpu", "cuda")]:
-        try:
-            on = torch.is_autocast_enabled(kind)
-        except TypeError:  # torch 2.2, 2.3
-            on = torch.is_autocast_cpu_enabled() if kind == "cpu" else torch.is_autocast_enabled()
-        if on:
+        if torch.is_autocast_enabled(kind):
             off.enter_context(torch.autocast(kind, enabled=False))
     return off
 
