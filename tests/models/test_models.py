@@ -272,13 +272,15 @@ def test_a_model_on_the_meta_device_is_drawn_and_refused_by_what_reads_numbers()
     assert inside.params == zoo.unique_params(model) > 0
     drawn = architecture(model, example)["gpt2lmheadmodel"]
     assert traced(model, example).to_json() == drawn.to_json()
-    told = r"GPT2LMHeadModel holds transformer\.wte\.weight, .* on the meta device.*{}"
+    told = r"node .gpt2lmheadmodel. \(GPT2LMHeadModel\) holds transformer\.wte\.weight, .* on the meta device.*{}"
     with pytest.raises(ValueError, match=told.format("probe reads")):
         probe(model, example)
     with pytest.raises(ValueError, match=told.format("proxies reads")):
         proxies(model, example)
     with pytest.raises(ValueError, match=told.format("an Audit reads")):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        Audit().watch(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"node 'gpt2lmheadmodel' holds .* a Trainer computes"):
         Trainer(model, objective=zoo.token_loss, optimizer=opt, auditing=Audit())
     assert all(p.is_meta for p in model.parameters())
 
