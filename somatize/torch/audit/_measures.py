@@ -3,6 +3,7 @@ keeps what a place carries from step to step)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -18,6 +19,17 @@ _DORMANT_TAU = _DEFAULT.dormant_tau  # a channel under this share of the mean is
 _LOW, _HIGH = 0.01, 0.99
 _ROWS = 128  # the most samples an effective rank or a CKA is taken over
 _EXACT = 64  # σ_max exactly up to this smaller side; past it, svd_lowrank
+
+
+def outside_autocast(*kinds: str) -> contextlib.ExitStack:
+    """Autocast turned off for the device types `kinds` (with none, "cpu" and "cuda") where it
+    is on: an audit measures in the dtype of what it measures, and torch's recipe runs the
+    backward so, whatever autocast a user wrapped round a whole fit."""
+    off = contextlib.ExitStack()
+    for kind in [k for k in kinds or ("cpu", "cuda") if k in ("cpu", "cuda")]:
+        if torch.is_autocast_enabled(kind):
+            off.enter_context(torch.autocast(kind, enabled=False))
+    return off
 
 
 def floats_in(value: Any) -> list[torch.Tensor]:

@@ -36,7 +36,13 @@ from torch import nn
 from somatize.graph import as_graph
 from somatize.run import warn
 from somatize.torch._modules import Held, Holder, Tap, named_modules_of
-from somatize.torch.audit._measures import norm, read, squared_norms, stable_rank
+from somatize.torch.audit._measures import (
+    norm,
+    outside_autocast,
+    read,
+    squared_norms,
+    stable_rank,
+)
 from somatize.torch.audit._place import Place, hearing, layouts, marks, swaps
 from somatize.torch.audit._select import choose, partitions, preorder
 
@@ -378,7 +384,7 @@ class Audit:
                     self._bucket = step // self.snapshot
                 if self._copy is None:  # nothing of this graph ran here (or nothing was heard)
                     self._begin()
-                with torch.no_grad():
+                with torch.no_grad(), outside_autocast():  # measured in their own dtypes
                     measured = self._measure(step, self._snap)
                 facts = [fact for _, fact in measured]
                 waits = [(p, f) for p, f in measured if p.index]
@@ -431,7 +437,7 @@ class Audit:
         waiting, self._waiting = self._waiting, []
         if copy is None or not waiting:
             return
-        with torch.no_grad():
+        with torch.no_grad(), outside_autocast():
             # a weight given another shape or device between has nothing to compare with
             same: list[bool] = []
             for c, q in zip(copy, self._flat, strict=True):

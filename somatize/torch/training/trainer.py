@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from somatize.graph import Graph, as_graph, broker_for
 from somatize.node import to_call
 from somatize.store import store_of
 from somatize.torch._served import stage_state
+from somatize.torch.audit._measures import outside_autocast
 from somatize.torch.training import _checks, brought
 from somatize.torch.training._micro import pieces
 from somatize.torch.training._progress import Progress, live_shown, person_watching
@@ -28,17 +28,6 @@ from somatize.torch.training.remote import Remote
 from somatize.torch.training.stages import Stages, untied
 
 __all__ = ["Trainer", "Result", "NoGradient"]
-
-
-def _outside_autocast(*kinds: str) -> Any:
-    """torch's recipe runs the backward outside autocast, and an audit measures in the dtype of
-    what it measures: autocast turned off for the device types `kinds` (with none, "cpu" and
-    "cuda") where it is on."""
-    off = ExitStack()
-    for kind in [k for k in kinds or ("cpu", "cuda") if k in ("cpu", "cuda")]:
-        if torch.is_autocast_enabled(kind):
-            off.enter_context(torch.autocast(kind, enabled=False))
-    return off
 
 
 Batch = Any
@@ -221,7 +210,7 @@ class Trainer:
                 )
                 if self.finite:
                     _checks.finite(loss, self.graph, self._steps, k if micro > 1 else None)
-                with _outside_autocast(loss.device.type):
+                with outside_autocast(loss.device.type):  # torch's recipe
                     runs.backward(loss / scale if scale != 1 else loss, sync)
                 if micro > 1:
                     total += loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
@@ -238,8 +227,7 @@ class Trainer:
                         told, {"fact": "crossed", "step": step, "forward": fwd, "backward": back}
                     )
             if self.audit is not None:  # its facts wait for their update (`moved` fills it in)
-                with _outside_autocast():
-                    facts = self.audit.observed(self.graph)
+                facts = self.audit.observed(self.graph)
                 if told and facts:
                     self._health += facts
             if closing:
@@ -287,8 +275,7 @@ class Trainer:
         self._count = 0
         told = self.watching  # the audit's facts wait only while somebody watches
         if self.audit is not None:
-            with _outside_autocast():
-                self.audit.moved(self._weights)
+            self.audit.moved(self._weights)
             far = self.audit.arrived()  # the facts of the nodes measured on a worker
             if told:
                 self._health += far
