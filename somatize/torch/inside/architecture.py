@@ -362,10 +362,10 @@ def architecture(
     graph = as_graph(graph)
     example = unwrap(example)
     roots = _roots(graph, example)
-    held_tensors = [t for m in roots.values() for t in (*m.parameters(), *m.buffers())]
-    if held_tensors and all(t.is_meta for t in held_tensors):  # built under torch.device("meta")
-        example = mapped(example, lambda t: t.to("meta"))  # drawn with shapes alone
     held = Held(list(roots.values()), list(roots))
+    tensors = [*held.params, *(b for *_, b in held.buffers)]
+    if tensors and all(t.is_meta for t in tensors):  # built under torch.device("meta")
+        example = mapped(example, lambda t: t.to("meta"))  # drawn with shapes alone
     held.refuse()  # before fx or a hook touches anything
     with untouched(held):  # fx runs the forward's Python too: what it changes is put back
         plans = _plan(roots, depth, example)
